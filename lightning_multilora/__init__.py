@@ -1,0 +1,45 @@
+"""lightning-multilora: train many LoRA adapters at once on one frozen base model, in Lightning.
+
+Top-level names are imported lazily, so ``import lightning_multilora`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "AdapterSpec": "lightning_multilora.spec",
+    "SweepGrid": "lightning_multilora.spec",
+    "BatchLayout": "lightning_multilora.layout",
+    "MultiLoRALinear": "lightning_multilora.layer",
+    "inject_multilora": "lightning_multilora.layer",
+    "LoRALayers": "lightning_multilora.layer",
+    "AdapterRegistry": "lightning_multilora.registry",
+    "AdapterState": "lightning_multilora.registry",
+    "MultiLoRAMixin": "lightning_multilora.module",
+    "MultiLoRAModule": "lightning_multilora.module",
+    "MultiLoRADataModule": "lightning_multilora.data.datamodule",
+    "SweepReport": "lightning_multilora.callbacks.report",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from lightning_multilora.callbacks.report import SweepReport
+    from lightning_multilora.data.datamodule import MultiLoRADataModule
+    from lightning_multilora.layer import LoRALayers, MultiLoRALinear, inject_multilora
+    from lightning_multilora.layout import BatchLayout
+    from lightning_multilora.module import MultiLoRAMixin, MultiLoRAModule
+    from lightning_multilora.registry import AdapterRegistry, AdapterState
+    from lightning_multilora.spec import AdapterSpec, SweepGrid
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'lightning_multilora' has no attribute {name!r}")

@@ -1,0 +1,54 @@
+"""Loading the frozen base: a Hugging Face checkpoint by path, or a model built from a config."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # Built from a config, no download: the demo's and the tests' base. vocab 258 = the byte tokenizer.
+    "tiny-llama": dict(model_type="llama", vocab_size=258, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=256, tie_word_embeddings=False),
+    "tiny-qwen2": dict(model_type="qwen2", vocab_size=258, hidden_size=64, intermediate_size=128,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=256, tie_word_embeddings=False),
+    "tiny-mistral": dict(model_type="mistral", vocab_size=258, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=False, sliding_window=None),
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"`dtype` can be {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def build_base_model(
+    base_model: str,
+    config_overrides: Optional[dict[str, Any]] = None,
+    dtype: str = "float32",
+    seed: int = 0,
+) -> nn.Module:
+    """A causal LM: ``"tiny-llama"`` / ``"tiny-qwen2"`` / ``"tiny-mistral"`` (random weights from ``seed``,
+    built from a config), or a local Hugging Face checkpoint directory / hub name via ``from_pretrained``.
+    ``config_overrides`` changes fields of the built-in configs (or of the checkpoint's config)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch_dtype = resolve_dtype(dtype)
+    if base_model in TINY_CONFIGS:
+        kwargs = dict(TINY_CONFIGS[base_model])
+        kwargs.update(config_overrides or {})
+        config = AutoConfig.for_model(**kwargs)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config)
+        model.config.name_or_path = base_model
+        return model.to(torch_dtype)
+    kwargs = dict(config_overrides or {})
+    return AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype, **kwargs)

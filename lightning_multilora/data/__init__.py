@@ -1,0 +1,17 @@
+"""Data: sources of prompt/completion examples, tokenizers, and the packing data module."""
+
+from lightning_multilora.data.datamodule import AdapterStream, MultiLoRADataModule, TokenizedSplit
+from lightning_multilora.data.sources import (
+    DataSource,
+    Example,
+    GeneratedArithmetic,
+    HFDatasetSource,
+    JSONLSource,
+    ListSource,
+)
+from lightning_multilora.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+
+__all__ = [
+    "AdapterStream", "ByteTokenizer", "DataSource", "Example", "GeneratedArithmetic", "HFDatasetSource",
+    "HFTokenizer", "JSONLSource", "ListSource", "MultiLoRADataModule", "TokenizedSplit", "load_tokenizer",
+]

@@ -1,0 +1,321 @@
+"""`MultiLoRADataModule`: every running adapter's own micro-batch, packed into one batch per step."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.types import EVAL_DATALOADERS, TRAIN_DATALOADERS
+from torch.utils.data import DataLoader, IterableDataset
+from typing_extensions import override
+
+from lightning_multilora.data.sources import DataSource, GeneratedArithmetic
+from lightning_multilora.data.tokenizer import Tokenizer, load_tokenizer
+from lightning_multilora.layout import BatchLayout
+
+if TYPE_CHECKING:
+    from lightning_multilora.spec import AdapterSpec
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TokenizedSplit:
+    """Token ids and labels (``-100`` on prompt tokens) of one split of one source."""
+
+    input_ids: list[list[int]]
+    labels: list[list[int]]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+class AdapterStream:
+    """One adapter's position in its own training set: a fresh seeded permutation every epoch.
+
+    Each call gives the next ``batch_size`` example indices; the last batch of an epoch may be smaller,
+    so an epoch is ``ceil(n / batch_size)`` steps.
+    """
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int) -> None:
+        self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
+        self.epoch, self.position = 0, 0
+        self._perm: Optional[list[int]] = None
+
+    def _permutation(self) -> list[int]:
+        if self._perm is None:
+            self._perm = list(range(self.num_examples))
+            random.Random(f"{self.seed}-{self.epoch}").shuffle(self._perm)
+        return self._perm
+
+    def next_indices(self) -> list[int]:
+        perm = self._permutation()
+        out = perm[self.position:self.position + self.batch_size]
+        self.position += len(out)
+        if self.position >= self.num_examples:
+            self.epoch, self.position, self._perm = self.epoch + 1, 0, None
+        return out
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-self.num_examples // self.batch_size)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position, self._perm = int(state["epoch"]), int(state["position"]), None
+
+
+class _StepTickets(IterableDataset):
+    """An endless stream of step numbers. The packed batch is built from a ticket only when its step
+    runs (in ``on_before_batch_transfer``), so the loader's prefetching never draws data for adapters
+    that have left, and adapters that join are in the very next step."""
+
+    def __iter__(self) -> Iterator[int]:
+        step = 0
+        while True:
+            yield step
+            step += 1
+
+
+class _ValBatches(IterableDataset):
+    def __init__(self, datamodule: "MultiLoRADataModule") -> None:
+        self.datamodule = datamodule
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self.datamodule.val_batches(self.datamodule.running_specs())
+
+
+class MultiLoRADataModule(L.LightningDataModule):
+    """Packs each running adapter's micro-batch (its own source, its own batch size) into one batch.
+
+    Args:
+        sources: data sources by name; an adapter's ``dataset`` names one (None: the first).
+            Default: ``{"arithmetic": GeneratedArithmetic()}``.
+        tokenizer: ``"byte"`` (offline byte-level) or a Hugging Face tokenizer path.
+        max_length: longest tokenized example (default: the model's maximum positions).
+        truncate: cut examples longer than ``max_length`` instead of raising.
+        val_fraction: share of each source held out for validation, in (0, 1).
+        val_batch_size: rows per adapter in each packed validation batch.
+        max_val_examples: cap on each source's validation split (None: no cap).
+        split_seed: seed of the train/validation split.
+
+    The batch is a dict with ``input_ids``, ``attention_mask``, ``labels`` (``(B, T)``, right-padded to
+    the longest row) and ``layout`` (a `BatchLayout` in rows, adapters in roster order).
+    """
+
+    def __init__(
+        self,
+        sources: Optional[dict[str, DataSource]] = None,
+        tokenizer: str = "byte",
+        max_length: Optional[int] = None,
+        truncate: bool = False,
+        val_fraction: float = 0.1,
+        val_batch_size: int = 8,
+        max_val_examples: Optional[int] = 256,
+        split_seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        self.sources: dict[str, DataSource] = dict(sources) if sources else {"arithmetic": GeneratedArithmetic()}
+        if not (0.0 < val_fraction < 1.0):
+            raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction}")
+        if val_batch_size < 1:
+            raise ValueError(f"`val_batch_size` must be >= 1, got {val_batch_size}")
+        if max_length is not None and max_length < 2:
+            raise ValueError(f"`max_length` must be >= 2, got {max_length}")
+        self.tokenizer_name = tokenizer
+        self.max_length = max_length
+        self.truncate = truncate
+        self.val_fraction = val_fraction
+        self.val_batch_size = val_batch_size
+        self.max_val_examples = max_val_examples
+        self.split_seed = split_seed
+        self._tokenizer: Optional[Tokenizer] = None
+        self._splits: dict[str, tuple[TokenizedSplit, TokenizedSplit]] = {}
+        self._streams: dict[str, AdapterStream] = {}
+        self._pending_stream_state: dict[str, dict[str, int]] = {}
+        self.model_max_length: Optional[int] = None
+
+    # -- tokenizer and splits -------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.tokenizer_name)
+        return self._tokenizer
+
+    def source_name(self, dataset: Optional[str]) -> str:
+        if dataset is None:
+            return next(iter(self.sources))
+        if dataset not in self.sources:
+            raise ValueError(f"adapter `dataset` {dataset!r} is not a data source; sources are: {list(self.sources)}")
+        return dataset
+
+    @property
+    def effective_max_length(self) -> Optional[int]:
+        if self.max_length is not None and self.model_max_length is not None and self.max_length > self.model_max_length:
+            raise ValueError(
+                f"`max_length` {self.max_length} is longer than the model's maximum sequence length "
+                f"{self.model_max_length}"
+            )
+        return self.max_length if self.max_length is not None else self.model_max_length
+
+    def split(self, dataset: Optional[str]) -> tuple[TokenizedSplit, TokenizedSplit]:
+        """(train, validation) of a source, tokenized once."""
+        name = self.source_name(dataset)
+        if name not in self._splits:
+            self._splits[name] = self._tokenize_source(name)
+        return self._splits[name]
+
+    def _tokenize_source(self, name: str) -> tuple[TokenizedSplit, TokenizedSplit]:
+        examples = self.sources[name].examples()
+        if len(examples) < 2:
+            raise ValueError(
+                f"data source {name!r} ({self.sources[name].describe()}) has {len(examples)} examples; "
+                "it needs at least 2 (one for training, one for validation)"
+            )
+        order = list(range(len(examples)))
+        random.Random(self.split_seed).shuffle(order)
+        n_val = min(max(1, round(len(examples) * self.val_fraction)), len(examples) - 1)
+        if self.max_val_examples is not None:
+            n_val = min(n_val, self.max_val_examples)
+        tok, limit = self.tokenizer, self.effective_max_length
+        ids_all, labels_all = [], []
+        for i in order:
+            prompt, completion = tok.encode(examples[i].prompt), tok.encode(examples[i].completion)
+            ids = prompt + completion + [tok.eos_token_id]
+            labels = [IGNORE_INDEX] * len(prompt) + completion + [tok.eos_token_id]
+            if limit is not None and len(ids) > limit:
+                if not self.truncate:
+                    raise ValueError(
+                        f"example {i} of data source {name!r} is {len(ids)} tokens, longer than the maximum "
+                        f"sequence length {limit}; raise `max_length` (up to the model's maximum), or set "
+                        "`truncate=True`"
+                    )
+                ids, labels = ids[:limit], labels[:limit]
+            if all(x == IGNORE_INDEX for x in labels[1:]):
+                if self.truncate:
+                    continue
+                raise ValueError(f"example {i} of data source {name!r} has no completion tokens to learn")
+            ids_all.append(ids)
+            labels_all.append(labels)
+        if len(ids_all) < 2:
+            raise ValueError(f"data source {name!r} has fewer than 2 usable examples after truncation")
+        n_val = min(n_val, len(ids_all) - 1)
+        val = TokenizedSplit(ids_all[:n_val], labels_all[:n_val])
+        train = TokenizedSplit(ids_all[n_val:], labels_all[n_val:])
+        return train, val
+
+    def num_train_examples(self, dataset: Optional[str]) -> int:
+        return len(self.split(dataset)[0])
+
+    # -- per-adapter streams --------------------------------------------------------------------
+
+    def stream(self, spec: "AdapterSpec") -> AdapterStream:
+        if spec.name not in self._streams:
+            stream = AdapterStream(self.num_train_examples(spec.dataset), spec.batch_size, spec.seed)
+            if spec.name in self._pending_stream_state:
+                stream.load_state_dict(self._pending_stream_state.pop(spec.name))
+            self._streams[spec.name] = stream
+        return self._streams[spec.name]
+
+    def release(self, name: str) -> None:
+        """Forget an adapter's data position (it has left the run)."""
+        self._streams.pop(name, None)
+
+    # -- packing --------------------------------------------------------------------------------
+
+    def pack(self, names: Sequence[str], rows: Sequence[tuple[list[list[int]], list[list[int]]]]) -> dict[str, Any]:
+        """Concatenate each adapter's rows in order, right-pad to the longest, and attach the layout."""
+        sizes = [len(ids) for ids, _ in rows]
+        flat_ids = [r for ids, _ in rows for r in ids]
+        flat_labels = [r for _, labels in rows for r in labels]
+        if not flat_ids:
+            raise RuntimeError("no adapter has rows to pack this step")
+        length = max(len(r) for r in flat_ids)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.full((len(flat_ids), length), pad, dtype=torch.long)
+        labels = torch.full((len(flat_ids), length), IGNORE_INDEX, dtype=torch.long)
+        mask = torch.zeros((len(flat_ids), length), dtype=torch.long)
+        for i, (ids, lab) in enumerate(zip(flat_ids, flat_labels)):
+            input_ids[i, :len(ids)] = torch.tensor(ids)
+            labels[i, :len(lab)] = torch.tensor(lab)
+            mask[i, :len(ids)] = 1
+        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels,
+                "layout": BatchLayout.from_sizes(list(names), sizes)}
+
+    def train_batch(self, specs: Sequence["AdapterSpec"]) -> dict[str, Any]:
+        """The next packed training batch: each adapter's next micro-batch from its own stream."""
+        rows = []
+        for spec in specs:
+            train, _ = self.split(spec.dataset)
+            idx = self.stream(spec).next_indices()
+            rows.append(([train.input_ids[i] for i in idx], [train.labels[i] for i in idx]))
+        return self.pack([s.name for s in specs], rows)
+
+    def val_batches(self, specs: Sequence["AdapterSpec"]) -> Iterator[dict[str, Any]]:
+        """Packed validation batches over every adapter's whole validation split."""
+        splits = [self.split(s.dataset)[1] for s in specs]
+        steps = max((-(-len(v) // self.val_batch_size) for v in splits), default=0)
+        for k in range(steps):
+            lo, hi = k * self.val_batch_size, (k + 1) * self.val_batch_size
+            names, rows = [], []
+            for spec, val in zip(specs, splits):
+                if lo < len(val):
+                    names.append(spec.name)
+                    rows.append((val.input_ids[lo:hi], val.labels[lo:hi]))
+            yield self.pack(names, rows)
+
+    # -- Lightning hooks ------------------------------------------------------------------------
+
+    def running_specs(self) -> list["AdapterSpec"]:
+        if self.trainer is None:
+            raise RuntimeError("MultiLoRADataModule needs a Trainer with a MultiLoRA module attached")
+        module = self.trainer.lightning_module
+        if not hasattr(module, "packing_roster"):
+            raise TypeError(f"{type(module).__name__} is not a MultiLoRAMixin module (no `packing_roster`)")
+        return module.packing_roster()
+
+    @override
+    def setup(self, stage: str) -> None:
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        limit = getattr(module, "max_sequence_length", None)
+        if limit is not None:
+            self.model_max_length = int(limit)
+            self.effective_max_length  # validates max_length against the model
+        vocab = getattr(module, "vocab_size", None)
+        if vocab is not None and self.tokenizer.vocab_size > vocab:
+            raise ValueError(
+                f"tokenizer {self.tokenizer_name!r} has {self.tokenizer.vocab_size} tokens but the model's "
+                f"vocabulary has {vocab}; use a model with vocab_size >= {self.tokenizer.vocab_size}"
+            )
+
+    @override
+    def train_dataloader(self) -> TRAIN_DATALOADERS:
+        return DataLoader(_StepTickets(), batch_size=None)
+
+    @override
+    def val_dataloader(self) -> EVAL_DATALOADERS:
+        return DataLoader(_ValBatches(self), batch_size=None)
+
+    @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if isinstance(batch, int):  # a training step ticket: draw the data now
+            return self.train_batch(self.running_specs())
+        return batch
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        positions = dict(self._pending_stream_state)
+        positions.update({name: s.state_dict() for name, s in self._streams.items()})
+        return {"streams": positions}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._streams.clear()
+        self._pending_stream_state = dict(state_dict.get("streams", {}))

@@ -1,0 +1,159 @@
+"""Data sources: each yields prompt/completion examples; the loss is on the completion only."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+FORMATS = ("prompt_completion", "question_answer", "gsm8k")
+
+
+@dataclass(frozen=True)
+class Example:
+    prompt: str
+    completion: str
+
+
+class DataSource:
+    """Base class: ``examples()`` returns the full list of examples (the data module splits train/val)."""
+
+    def examples(self) -> list[Example]:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+_NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "June"]
+_ITEMS = ["apples", "books", "coins", "pens", "shells", "stamps", "cards", "marbles"]
+
+
+class GeneratedArithmetic(DataSource):
+    """Arithmetic word problems a tiny model can learn, generated from a seed (the offline default).
+
+    ``"Ada has 12 coins and gets 7 more. How many coins does Ada have?"`` -> ``" 19"``.
+    ``operations`` picks among ``add``, ``sub`` and ``mul``; ``max_operand`` bounds the numbers.
+    """
+
+    OPERATIONS = ("add", "sub", "mul")
+
+    def __init__(self, num_examples: int = 2000, seed: int = 0, max_operand: int = 20,
+                 operations: tuple[str, ...] = ("add", "sub")) -> None:
+        if num_examples < 1:
+            raise ValueError(f"`num_examples` must be >= 1, got {num_examples}")
+        if max_operand < 1:
+            raise ValueError(f"`max_operand` must be >= 1, got {max_operand}")
+        bad = [o for o in operations if o not in self.OPERATIONS]
+        if bad or not operations:
+            raise ValueError(f"`operations` can be {', '.join(self.OPERATIONS)}, got {list(operations)}")
+        self.num_examples, self.seed, self.max_operand = num_examples, seed, max_operand
+        self.operations = tuple(operations)
+
+    def examples(self) -> list[Example]:
+        rng = random.Random(self.seed)
+        out = []
+        for _ in range(self.num_examples):
+            who, item, op = rng.choice(_NAMES), rng.choice(_ITEMS), rng.choice(self.operations)
+            a, b = rng.randint(1, self.max_operand), rng.randint(1, self.max_operand)
+            if op == "add":
+                q, ans = f"{who} has {a} {item} and gets {b} more. How many {item} does {who} have?", a + b
+            elif op == "sub":
+                a, b = max(a, b), min(a, b)
+                q, ans = f"{who} has {a} {item} and gives away {b}. How many {item} are left?", a - b
+            else:
+                q, ans = f"{who} has {a} bags with {b} {item} each. How many {item} in all?", a * b
+            out.append(Example(f"Q: {q}\nA:", f" {ans}"))
+        return out
+
+    def describe(self) -> str:
+        return f"GeneratedArithmetic(n={self.num_examples}, seed={self.seed}, ops={','.join(self.operations)})"
+
+
+def format_record(record: dict, fmt: str, prompt_field: str, completion_field: str, where: str) -> Example:
+    """One raw record as an `Example`, by format (``gsm8k``: question/answer with a Q/A template)."""
+    if fmt == "gsm8k":
+        prompt_field, completion_field = "question", "answer"
+    elif fmt == "question_answer":
+        prompt_field, completion_field = "question", "answer"
+    elif fmt != "prompt_completion":
+        raise ValueError(f"`format` can be {', '.join(FORMATS)}, got {fmt!r}")
+    missing = [f for f in (prompt_field, completion_field) if f not in record]
+    if missing:
+        raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}")
+    prompt, completion = str(record[prompt_field]), str(record[completion_field])
+    if fmt in ("gsm8k", "question_answer"):
+        return Example(f"Question: {prompt.strip()}\nAnswer:", f" {completion.strip()}")
+    return Example(prompt, completion)
+
+
+class JSONLSource(DataSource):
+    """A JSON-lines file (optionally ``.gz``) of records; ``format`` says which fields hold what."""
+
+    def __init__(self, path: str, format: str = "prompt_completion", prompt_field: str = "prompt",
+                 completion_field: str = "completion", limit: Optional[int] = None) -> None:
+        if format not in FORMATS:
+            raise ValueError(f"`format` can be {', '.join(FORMATS)}, got {format!r}")
+        self.path, self.format, self.limit = path, format, limit
+        self.prompt_field, self.completion_field = prompt_field, completion_field
+
+    def examples(self) -> list[Example]:
+        path = Path(self.path)
+        if not path.is_file():
+            raise FileNotFoundError(f"JSONLSource: no file at `path` {self.path!r}")
+        opener = gzip.open if path.suffix == ".gz" else open
+        out = []
+        with opener(path, "rt", encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                out.append(format_record(json.loads(line), self.format, self.prompt_field,
+                                         self.completion_field, f"{self.path}:{lineno}"))
+                if self.limit is not None and len(out) >= self.limit:
+                    break
+        return out
+
+    def describe(self) -> str:
+        return f"JSONLSource({self.path}, {self.format})"
+
+
+class HFDatasetSource(DataSource):
+    """A Hugging Face ``datasets`` dataset: ``load_dataset(path, name, split=split)`` (local files work)."""
+
+    def __init__(self, path: str, name: Optional[str] = None, split: str = "train",
+                 format: str = "prompt_completion", prompt_field: str = "prompt",
+                 completion_field: str = "completion", limit: Optional[int] = None,
+                 data_files: Optional[str] = None) -> None:
+        if format not in FORMATS:
+            raise ValueError(f"`format` can be {', '.join(FORMATS)}, got {format!r}")
+        self.path, self.name, self.split, self.format, self.limit = path, name, split, format, limit
+        self.prompt_field, self.completion_field, self.data_files = prompt_field, completion_field, data_files
+
+    def examples(self) -> list[Example]:
+        from datasets import load_dataset
+
+        ds = load_dataset(self.path, self.name, split=self.split, data_files=self.data_files)
+        out = []
+        for i, record in enumerate(ds):
+            out.append(format_record(record, self.format, self.prompt_field, self.completion_field,
+                                     f"{self.path}[{i}]"))
+            if self.limit is not None and len(out) >= self.limit:
+                break
+        return out
+
+    def describe(self) -> str:
+        return f"HFDatasetSource({self.path}, {self.split}, {self.format})"
+
+
+class ListSource(DataSource):
+    """Examples given in memory (``[{"prompt": ..., "completion": ...}, ...]``)."""
+
+    def __init__(self, records: list[dict]) -> None:
+        self.records = records
+
+    def examples(self) -> list[Example]:
+        return [format_record(r, "prompt_completion", "prompt", "completion", f"records[{i}]")
+                for i, r in enumerate(self.records)]

@@ -1,0 +1,59 @@
+"""Tokenizers: an offline byte-level default, or any Hugging Face tokenizer by path."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    pad_token_id: int
+    eos_token_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as tokens 0..255, then ``<pad>`` 256 and ``<eos>`` 257. Needs no download."""
+
+    vocab_size = 258
+    pad_token_id = 256
+    eos_token_id = 257
+    name = "byte"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A Hugging Face tokenizer (``AutoTokenizer.from_pretrained(path)``) behind the same small interface."""
+
+    def __init__(self, name_or_path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.name = name_or_path
+        self.inner = AutoTokenizer.from_pretrained(name_or_path)
+        if self.inner.eos_token_id is None:
+            raise ValueError(f"tokenizer {name_or_path!r} has no eos token; completions need one to end")
+        self.eos_token_id = int(self.inner.eos_token_id)
+        pad = self.inner.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
+        self.vocab_size = len(self.inner)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.inner.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.inner.decode(ids)
+
+
+def load_tokenizer(name_or_path: str) -> Tokenizer:
+    """``"byte"`` for the built-in byte tokenizer, else a Hugging Face tokenizer directory or name."""
+    if name_or_path == "byte":
+        return ByteTokenizer()
+    return HFTokenizer(name_or_path)

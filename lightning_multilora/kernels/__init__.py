@@ -1,0 +1,49 @@
+"""Multi-LoRA compute over a packed token buffer.
+
+`multi_lora` is the one function the layer calls; the backend is chosen here so that faster kernels
+plug in without touching the layer.
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import Tensor
+
+from lightning_multilora.kernels.reference import multi_lora_reference
+from lightning_multilora.kernels.weights import LoRAWeights
+
+BACKENDS = ("auto", "reference")
+_backend = os.environ.get("MULTILORA_BACKEND", "auto")
+
+
+def set_backend(name: str) -> None:
+    """Force a backend for every layer: one of ``BACKENDS`` (``auto`` picks the fastest available)."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"`backend` can be {', '.join(BACKENDS)}, got {name!r}")
+    _backend = name
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def multi_lora(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool) -> Tensor:
+    """Return ``base_out`` plus every adapter's LoRA term on its own rows.
+
+    Args:
+        x: ``(T, d_in)`` packed input tokens of the layer.
+        base_out: ``(T, d_out)`` the frozen layer's output for ``x``.
+        weights: per-adapter ``A``, ``B``, scaling, dropout and token segments.
+        training: apply dropout.
+
+    Returns:
+        ``(T, d_out)`` in ``base_out``'s dtype; differentiable in ``x``, every ``A`` and ``B``.
+    """
+    if _backend not in BACKENDS:
+        raise ValueError(f"`backend` can be {', '.join(BACKENDS)}, got {_backend!r}")
+    return multi_lora_reference(x, base_out, weights, training)
+
+
+__all__ = ["BACKENDS", "LoRAWeights", "get_backend", "multi_lora", "multi_lora_reference", "set_backend"]

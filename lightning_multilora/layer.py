@@ -1,0 +1,310 @@
+"""`MultiLoRALinear`: a frozen linear layer with many LoRA adapters, each on its own rows."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Optional, Sequence, Union
+
+import torch
+from torch import Tensor, nn
+
+from lightning_multilora.kernels import LoRAWeights, multi_lora
+from lightning_multilora.layout import BatchLayout
+
+
+class LayoutContext:
+    """The batch layout of the current step, shared by every `MultiLoRALinear` of one model.
+
+    It stays set until the backward pass is over, so recomputation under gradient checkpointing
+    sees the same layout as the forward.
+    """
+
+    def __init__(self) -> None:
+        self.layout: Optional[BatchLayout] = None
+
+    @contextmanager
+    def use(self, layout: Optional[BatchLayout]) -> Iterator[None]:
+        previous, self.layout = self.layout, layout
+        try:
+            yield
+        finally:
+            self.layout = previous
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen ``base`` linear plus adapter slots keyed by name.
+
+    Adapter ``name`` has ``lora_A[name]`` ``(r, in_features)`` and ``lora_B[name]`` ``(out_features, r)``
+    (PEFT's shapes), scaling ``alpha / r`` (``alpha / sqrt(r)`` for rsLoRA) and its own dropout.
+    In ``forward`` the context's `BatchLayout` says which rows each adapter owns; rows of adapters
+    this layer does not hold, and rows outside every segment, get the base output only.
+    """
+
+    def __init__(self, base: nn.Module, context: Optional[LayoutContext] = None) -> None:
+        super().__init__()
+        if not hasattr(base, "in_features") or not hasattr(base, "out_features"):
+            raise TypeError(f"MultiLoRALinear wraps a linear layer with in_features/out_features, got {type(base)}")
+        self.base = base
+        self.base.requires_grad_(False)
+        self.in_features: int = base.in_features
+        self.out_features: int = base.out_features
+        self.context = context if context is not None else LayoutContext()
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+        self.scaling: dict[str, float] = {}
+        self.dropout: dict[str, float] = {}
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self.lora_A.keys())
+
+    def add_adapter(
+        self,
+        name: str,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_rslora: bool = False,
+        generator: Optional[torch.Generator] = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """Add an adapter with PEFT's initialisation: A kaiming-uniform (a=sqrt(5)), B zero."""
+        if name in self.lora_A:
+            raise ValueError(f"adapter {name!r} already exists in this layer; names must be unique")
+        if rank < 1:
+            raise ValueError(f"`rank` must be an integer >= 1, got {rank}")
+        if alpha <= 0:
+            raise ValueError(f"`alpha` must be > 0, got {alpha}")
+        device = _weight_device(self.base)
+        a = torch.empty(rank, self.in_features, dtype=dtype)
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        b = torch.zeros(self.out_features, rank, dtype=dtype)
+        self.lora_A[name] = nn.Parameter(a.to(device))
+        self.lora_B[name] = nn.Parameter(b.to(device))
+        self.scaling[name] = alpha / math.sqrt(rank) if use_rslora else alpha / rank
+        self.dropout[name] = float(dropout)
+
+    def remove_adapter(self, name: str) -> None:
+        if name not in self.lora_A:
+            raise KeyError(f"no adapter {name!r} in this layer; present: {self.adapter_names}")
+        del self.lora_A[name]
+        del self.lora_B[name]
+        del self.scaling[name]
+        del self.dropout[name]
+
+    def forward(self, x: Tensor) -> Tensor:
+        base_out = self.base(x)
+        layout = self.context.layout
+        if layout is None or len(self.lora_A) == 0:
+            return base_out
+        if x.shape[0] != layout.num_rows:
+            raise RuntimeError(
+                f"the batch has {x.shape[0]} rows but the layout describes {layout.num_rows}; "
+                "set the layout of the batch being run"
+            )
+        tokens_per_row = x[0].numel() // x.shape[-1] if x.dim() > 2 else 1
+        held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
+        if not held:
+            return base_out
+        weights = LoRAWeights(
+            a=tuple(self.lora_A[n] for _, n in held),
+            b=tuple(self.lora_B[n] for _, n in held),
+            scaling=tuple(self.scaling[n] for _, n in held),
+            dropout=tuple(self.dropout[n] for _, n in held),
+            starts=tuple(layout.starts[i] * tokens_per_row for i, _ in held),
+            ends=tuple(layout.ends[i] * tokens_per_row for i, _ in held),
+        )
+        out = multi_lora(x.reshape(-1, self.in_features), base_out.reshape(-1, self.out_features), weights,
+                         self.training)
+        return out.reshape(base_out.shape)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, adapters={self.adapter_names}"
+
+
+def _weight_device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+LINEAR_TYPES: tuple[type, ...] = (nn.Linear,)
+
+
+def _is_linear(module: nn.Module) -> bool:
+    if isinstance(module, LINEAR_TYPES):
+        return True
+    # bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear; anything else with the shape attributes
+    # and a weight is accepted too.
+    return hasattr(module, "in_features") and hasattr(module, "out_features") and hasattr(module, "weight")
+
+
+def _matches(name: str, targets: Union[str, Sequence[str]]) -> Optional[str]:
+    """PEFT's rule: a string is a regex on the full name; a list matches the name or its last parts."""
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return targets if not name.endswith("lm_head") else None
+        return targets if re.fullmatch(targets, name) else None
+    for key in targets:
+        if name == key or name.endswith("." + key):
+            return key
+    return None
+
+
+class LoRALayers(Mapping):
+    """The `MultiLoRALinear` layers injected into one model, by module name, with one shared layout.
+
+    Adds and removes adapters across layers, and yields an adapter's parameters and its PEFT-named
+    state dict.
+    """
+
+    def __init__(self, model: nn.Module, layers: dict[str, MultiLoRALinear], context: LayoutContext) -> None:
+        self.model = model
+        self._layers = layers
+        self.context = context
+        self._targets: dict[str, list[str]] = {}
+
+    def __getitem__(self, key: str) -> MultiLoRALinear:
+        return self._layers[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return list(self._targets)
+
+    def layers_for(self, target_modules: Optional[Union[str, Sequence[str]]]) -> list[str]:
+        """Names of the injected layers an adapter with these targets lives in."""
+        if target_modules is None:
+            return list(self._layers)
+        if not isinstance(target_modules, str):
+            missing = [t for t in target_modules if not any(_matches(n, [t]) for n in self._layers)]
+            if missing:
+                raise ValueError(
+                    f"`target_modules` {missing} are not among the injected layers; injected module names "
+                    f"end in: {sorted({n.rsplit('.', 1)[-1] for n in self._layers})}"
+                )
+        names = [n for n in self._layers if _matches(n, target_modules)]
+        if not names:
+            raise ValueError(f"`target_modules` {target_modules!r} match none of the injected layers")
+        return names
+
+    def add_adapter(
+        self,
+        name: str,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        use_rslora: bool = False,
+        target_modules: Optional[Union[str, Sequence[str]]] = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        """Add adapter ``name`` to every layer its ``target_modules`` select (all injected layers if None).
+
+        Initialisation is drawn from a generator seeded by ``seed`` and the layer's position, so an
+        adapter's initial weights do not depend on which other adapters exist.
+        """
+        if name in self._targets:
+            raise ValueError(f"adapter {name!r} already exists; adapter names must be unique")
+        layer_names = self.layers_for(target_modules)
+        for index, layer_name in enumerate(self._layers):
+            if layer_name not in layer_names:
+                continue
+            generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + index)
+            self._layers[layer_name].add_adapter(name, rank, alpha, dropout, use_rslora, generator, dtype)
+        self._targets[name] = layer_names
+
+    def remove_adapter(self, name: str) -> None:
+        if name not in self._targets:
+            raise KeyError(f"no adapter {name!r}; present: {self.adapter_names}")
+        for layer_name in self._targets.pop(name):
+            self._layers[layer_name].remove_adapter(name)
+
+    def parameters_of(self, name: str) -> list[nn.Parameter]:
+        if name not in self._targets:
+            raise KeyError(f"no adapter {name!r}; present: {self.adapter_names}")
+        params = []
+        for layer_name in self._targets[name]:
+            layer = self._layers[layer_name]
+            params += [layer.lora_A[name], layer.lora_B[name]]
+        return params
+
+    def target_layers(self, name: str) -> list[str]:
+        return list(self._targets[name])
+
+    def peft_state_dict(self, name: str, prefix: str = "base_model.model.") -> dict[str, Tensor]:
+        """Adapter ``name``'s weights under PEFT's saved key names (``...q_proj.lora_A.weight``)."""
+        out = {}
+        for layer_name in self._targets[name]:
+            layer = self._layers[layer_name]
+            out[f"{prefix}{layer_name}.lora_A.weight"] = layer.lora_A[name].detach()
+            out[f"{prefix}{layer_name}.lora_B.weight"] = layer.lora_B[name].detach()
+        return out
+
+    def load_peft_state_dict(self, name: str, state: Mapping[str, Tensor], prefix: str = "base_model.model.") -> None:
+        with torch.no_grad():
+            for layer_name in self._targets[name]:
+                layer = self._layers[layer_name]
+                layer.lora_A[name].copy_(state[f"{prefix}{layer_name}.lora_A.weight"])
+                layer.lora_B[name].copy_(state[f"{prefix}{layer_name}.lora_B.weight"])
+
+    def use(self, layout: Optional[BatchLayout]):
+        """Context manager: run the model with this batch layout."""
+        return self.context.use(layout)
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """The distinct last name parts of the model's linear modules (what ``target_modules`` can name)."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if n and _is_linear(m)})
+
+
+def inject_multilora(
+    model: nn.Module, target_modules: Union[str, Sequence[str]] = ("q_proj", "v_proj")
+) -> LoRALayers:
+    """Wrap the frozen linear layers named by ``target_modules`` in `MultiLoRALinear`, in place.
+
+    ``target_modules`` follows PEFT: a list of names matched against each module's name or its last
+    parts (``"q_proj"``, ``"self_attn.q_proj"``), a regex string on the full name, or ``"all-linear"``.
+    Every base parameter of ``model`` is frozen. A name that matches no linear module is an error
+    listing the model's linear modules.
+    """
+    if not isinstance(target_modules, str):
+        target_modules = list(target_modules)
+        if not target_modules:
+            raise ValueError("`target_modules` must name at least one module")
+    candidates = [n for n, m in model.named_modules() if n and _matches(n, target_modules)]
+    if target_modules == "all-linear":
+        candidates = [n for n in candidates if _is_linear(dict(model.named_modules())[n])]
+    available = linear_module_names(model)
+    if not isinstance(target_modules, str):
+        unknown = [t for t in target_modules if not any(_matches(n, [t]) for n in candidates)]
+        if unknown:
+            raise ValueError(f"`target_modules` {unknown} match no module of the model; its linear modules are: "
+                             f"{available}")
+    if not candidates:
+        raise ValueError(f"`target_modules` {target_modules!r} match no module; linear modules are: {available}")
+    model.requires_grad_(False)
+    context = LayoutContext()
+    layers: dict[str, MultiLoRALinear] = {}
+    modules = dict(model.named_modules())
+    for name in candidates:
+        module = modules[name]
+        if isinstance(module, MultiLoRALinear):
+            raise ValueError(f"module {name!r} is already a MultiLoRALinear; inject once per model")
+        if not _is_linear(module):
+            raise ValueError(f"`target_modules` selects {name!r}, a {type(module).__name__}, which is not a linear "
+                             f"layer; linear modules are: {available}")
+        parent_name, _, child = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        wrapped = MultiLoRALinear(module, context)
+        setattr(parent, child, wrapped)
+        layers[name] = wrapped
+    return LoRALayers(model, layers, context)

@@ -1,0 +1,480 @@
+"""`MultiLoRAMixin` (many adapters in any LightningModule) and `MultiLoRAModule` (for HF causal LMs)."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_multilora.data.datamodule import IGNORE_INDEX
+from lightning_multilora.export import peft_target_modules, save_peft_adapter
+from lightning_multilora.layer import LoRALayers, inject_multilora
+from lightning_multilora.layout import BatchLayout
+from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
+from lightning_multilora.schedules import lr_factor
+from lightning_multilora.spec import AdapterSpec, SweepGrid
+
+DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_LORA_KEYS = (".lora_A.", ".lora_B.")
+
+
+def resolve_optimizer(optimizer: Union[str, type]) -> type:
+    """An optimizer class from a class or an import path (``"torch.optim.AdamW"``, ``"bitsandbytes.optim.AdamW8bit"``)."""
+    if isinstance(optimizer, type):
+        return optimizer
+    module_name, _, class_name = str(optimizer).rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ValueError(f"`optimizer` must be an optimizer class or its import path such as "
+                         f"'torch.optim.AdamW', got {optimizer!r} ({err})") from err
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"`optimizer` {optimizer!r} is not a torch.optim.Optimizer subclass")
+    return cls
+
+
+class MultiLoRAMixin:
+    """Trains many LoRA adapters of one frozen base model in one LightningModule.
+
+    Use it before ``L.LightningModule`` and call `init_multilora` in ``__init__``::
+
+        class Sweep(MultiLoRAMixin, L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.model = build_my_causal_lm()
+                self.init_multilora(self.model, adapters=[AdapterSpec("a", rank=8), ...])
+
+    Each step the data module packs every running adapter's own micro-batch; the module computes a
+    loss vector (one mean per adapter, `adapter_loss_terms`), runs one backward of its sum, clips
+    each adapter's gradient, sets each adapter's learning rate from its schedule and steps one
+    optimizer with one param group per adapter. A non-finite loss or gradient fails that adapter
+    alone. Adapters join (from the queue, when a slot is free) and leave (finished, failed,
+    removed) between steps; each is exported in PEFT format when it leaves.
+    """
+
+    registry: AdapterRegistry
+    lora_layers: LoRALayers
+
+    # -- construction ---------------------------------------------------------------------------
+
+    def init_multilora(
+        self,
+        model: nn.Module,
+        adapters: Sequence[AdapterSpec] = (),
+        target_modules: Union[str, Sequence[str]] = tuple(DEFAULT_TARGETS),
+        optimizer: Union[str, type] = "torch.optim.AdamW",
+        optimizer_kwargs: Optional[dict[str, Any]] = None,
+        max_running: Optional[int] = None,
+        export_dir: Optional[str] = None,
+        validate_on_finish: bool = True,
+    ) -> None:
+        if max_running is not None and max_running < 1:
+            raise ValueError(f"`max_running` must be >= 1 or None, got {max_running}")
+        self.automatic_optimization = False
+        self.strict_loading = False  # checkpoints hold adapter weights only, never the frozen base
+        self.lora_layers = inject_multilora(model, target_modules)
+        self._all_module_names = [n for n, _ in model.named_modules()]
+        self.default_target_modules = target_modules
+        self.registry = AdapterRegistry()
+        self.optimizer_class = resolve_optimizer(optimizer)
+        self.optimizer_kwargs = dict(optimizer_kwargs or {})
+        self.max_running = max_running
+        self.export_dir = export_dir
+        self.validate_on_finish = validate_on_finish
+        self._val_sums: dict[str, list[float]] = {}
+        for spec in adapters:
+            self.add_adapter(spec)
+
+    # -- what a subclass may override -----------------------------------------------------------
+
+    def adapter_loss_terms(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """Per adapter of ``batch["layout"]``: (sum of token losses, number of target tokens).
+
+        Default: causal-LM cross-entropy on the completion tokens (labels ``!= -100``) of
+        ``self.model(input_ids, attention_mask).logits``.
+        """
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        logits = out.logits[:, :-1]  # (B, T-1, V)
+        labels = batch["labels"][:, 1:]  # (B, T-1)
+        token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                     ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
+        mask = labels != IGNORE_INDEX
+        row_sum = torch.where(mask, token_loss, torch.zeros_like(token_loss)).sum(dim=1)  # (B,)
+        row_count = mask.sum(dim=1)
+        return segment_sum(row_sum, batch["layout"]), segment_sum(row_count.to(row_sum.dtype), batch["layout"])
+
+    # -- adapter lifecycle ----------------------------------------------------------------------
+
+    def add_adapter(self, spec: AdapterSpec) -> AdapterRecord:
+        """Queue an adapter; it starts at the next step that has a free slot (at once before fit)."""
+        if not isinstance(spec, AdapterSpec):
+            raise TypeError(f"add_adapter takes an AdapterSpec, got {type(spec).__name__}")
+        self.lora_layers.layers_for(spec.target_modules or self.default_target_modules)  # validates targets
+        return self.registry.add(spec)
+
+    def remove_adapter(self, name: str, reason: str = "removed", state: AdapterState = AdapterState.PRUNED) -> None:
+        """Stop an adapter now: a running one is exported first, then its weights and optimizer state
+        are freed; a queued one never starts."""
+        rec = self.registry[name]
+        if rec.state == AdapterState.RUNNING:
+            self._exit(rec, state, reason)
+        elif rec.state == AdapterState.QUEUED:
+            rec.state, rec.reason = state, reason
+        else:
+            raise ValueError(f"adapter {name!r} has already exited ({rec.state.value}: {rec.reason})")
+
+    def save_adapter(self, name: str, directory: Optional[Union[str, Path]] = None) -> Path:
+        """Write adapter ``name`` (running) in PEFT format; returns the directory."""
+        rec = self.registry[name]
+        if name not in self.lora_layers.adapter_names:
+            raise ValueError(f"adapter {name!r} holds no weights ({rec.state.value}); it was exported to "
+                             f"{rec.export_path}")
+        directory = Path(directory) if directory is not None else self._export_root() / name
+        base = getattr(getattr(self.lora_layers.model, "config", None), "name_or_path", None)
+        layers = self.lora_layers.target_layers(name)
+        path = save_peft_adapter(directory, rec.spec, self.lora_layers.peft_state_dict(name),
+                                 peft_target_modules(layers, self._all_module_names), base or None)
+        rec.export_path = str(path)
+        return path
+
+    def packing_roster(self) -> list[AdapterSpec]:
+        """Specs of the adapters in the next packed batch (running, in registry order)."""
+        return [r.spec for r in self.registry.running]
+
+    def _export_root(self) -> Path:
+        if self.export_dir is not None:
+            return Path(self.export_dir)
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            root = trainer.log_dir or trainer.default_root_dir
+            return Path(root) / "adapters"
+        return Path("adapters")
+
+    def _trainer_or_none(self) -> Optional[L.Trainer]:
+        return getattr(self, "_trainer", None)
+
+    def _datamodule(self):
+        trainer = self._trainer_or_none()
+        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if dm is None or not hasattr(dm, "num_train_examples"):
+            raise RuntimeError("MultiLoRAMixin needs a MultiLoRADataModule passed to `trainer.fit(..., datamodule=)`")
+        return dm
+
+    def _admit(self) -> None:
+        """Start queued adapters while slots are free."""
+        while self.registry.queued and (self.max_running is None or len(self.registry.running) < self.max_running):
+            rec = self.registry.queued[0]
+            spec = rec.spec
+            try:
+                if rec.max_steps is None:
+                    if spec.max_steps is not None:
+                        rec.max_steps = spec.max_steps
+                    else:
+                        steps_per_epoch = math.ceil(self._datamodule().num_train_examples(spec.dataset) / spec.batch_size)
+                        rec.max_steps = max(1, math.ceil(spec.max_epochs * steps_per_epoch))
+                else:
+                    self._datamodule().source_name(spec.dataset)
+            except ValueError as err:
+                rec.state, rec.reason = AdapterState.FAILED, str(err)
+                raise
+            self._create_weights(rec)
+            rec.state, rec.reason = AdapterState.RUNNING, ""
+            rec.started_at_step = self._global_step()
+            optimizer = self._raw_optimizer()
+            if optimizer is not None:
+                optimizer.add_param_group(self._param_group(spec))
+
+    def _create_weights(self, rec: AdapterRecord) -> None:
+        spec = rec.spec
+        self.lora_layers.add_adapter(spec.name, spec.rank, spec.alpha, spec.dropout, spec.use_rslora,
+                                     spec.target_modules or self.default_target_modules, spec.seed)
+
+    def _param_group(self, spec: AdapterSpec) -> dict[str, Any]:
+        return {"params": self.lora_layers.parameters_of(spec.name), "lr": spec.lr,
+                "weight_decay": spec.weight_decay, "adapter": spec.name}
+
+    def _raw_optimizer(self) -> Optional[torch.optim.Optimizer]:
+        trainer = self._trainer_or_none()
+        if trainer is None or not trainer.optimizers:
+            return None
+        return trainer.optimizers[0]
+
+    def _exit(self, rec: AdapterRecord, state: AdapterState, reason: str) -> None:
+        """Export a running adapter, then free its weights, optimizer state and data position."""
+        self.save_adapter(rec.name)
+        optimizer = self._raw_optimizer()
+        if optimizer is not None:
+            for i, group in enumerate(optimizer.param_groups):
+                if group.get("adapter") == rec.name:
+                    for p in group["params"]:
+                        optimizer.state.pop(p, None)
+                    del optimizer.param_groups[i]
+                    break
+        self.lora_layers.remove_adapter(rec.name)
+        rec.state, rec.reason, rec.ended_at_step = state, reason, self._global_step()
+        trainer = self._trainer_or_none()
+        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if dm is not None and hasattr(dm, "release"):
+            dm.release(rec.name)
+
+    def _global_step(self) -> int:
+        trainer = self._trainer_or_none()
+        return int(trainer.global_step) if trainer is not None else 0
+
+    # -- Lightning hooks ------------------------------------------------------------------------
+
+    @override
+    def configure_optimizers(self):
+        self._admit()
+        groups = [self._param_group(r.spec) for r in self.registry.running]
+        if not groups:
+            raise ValueError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
+        return self.optimizer_class(groups, **self.optimizer_kwargs)
+
+    @override
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        layout: BatchLayout = batch["layout"]
+        records = [self.registry[n] for n in layout.names]
+        optimizer = self.optimizers()
+        params = [self.lora_layers.parameters_of(r.name) for r in records]
+        for group in params:
+            for p in group:
+                p.grad = None
+        with self.lora_layers.use(layout):
+            loss_sum, count = self.adapter_loss_terms(batch)
+            losses = loss_sum / count.clamp(min=1)  # (N,) mean over each adapter's target tokens
+            finite = torch.isfinite(losses)
+            total = torch.where(finite, losses, torch.zeros_like(losses)).sum()
+            if total.requires_grad:
+                self.manual_backward(total)
+        norms = torch.stack([_grad_norm(group, losses) for group in params])  # (N,)
+        tokens = segment_sum(batch["attention_mask"].sum(dim=1), layout)
+        stats = torch.stack([losses.detach().float(), norms.float(), tokens.float()]).tolist()  # one sync
+        logs: dict[str, float] = {}
+        optim = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+        groups = {g.get("adapter"): g for g in optim.param_groups}
+        for i, rec in enumerate(records):
+            loss, norm, n_tok = stats[0][i], stats[1][i], stats[2][i]
+            if not (math.isfinite(loss) and math.isfinite(norm)):
+                for p in params[i]:
+                    p.grad = None
+                what = "loss" if not math.isfinite(loss) else "gradient norm"
+                rec.state = AdapterState.FAILED
+                rec.reason = f"non-finite {what} ({loss if what == 'loss' else norm}) at step {rec.step}"
+                continue
+            spec = rec.spec
+            if spec.grad_clip is not None and norm > spec.grad_clip:
+                torch.nn.utils.clip_grads_with_norm_(params[i], spec.grad_clip, norms[i])
+            lr = spec.lr * lr_factor(spec.lr_schedule, rec.step, rec.max_steps, spec.warmup_steps)
+            groups[rec.name]["lr"] = lr
+            rec.step += 1
+            rec.tokens_seen += int(n_tok)
+            rec.samples_seen += layout.ends[i] - layout.starts[i]
+            rec.train_losses.append((rec.step, loss))
+            prefix = f"adapters/{rec.name}/"
+            logs.update({prefix + "train_loss": loss, prefix + "grad_norm": norm, prefix + "lr": lr,
+                         prefix + "tokens_seen": float(rec.tokens_seen)})
+        optimizer.step()
+        self._after_step(records)
+        if logs:
+            self.log_dict(logs, on_step=True, on_epoch=False, batch_size=1)
+        return total.detach()
+
+    def _after_step(self, records: Sequence[AdapterRecord]) -> None:
+        for rec in records:
+            if rec.state == AdapterState.FAILED and rec.name in self.lora_layers.adapter_names:
+                reason = rec.reason
+                rec.state = AdapterState.RUNNING
+                self._exit(rec, AdapterState.FAILED, reason)
+            elif rec.state == AdapterState.RUNNING and rec.max_steps is not None and rec.step >= rec.max_steps:
+                if self.validate_on_finish:
+                    self._record_val_losses(self.evaluate([rec.spec]))
+                self._exit(rec, AdapterState.FINISHED, f"reached max_steps={rec.max_steps}")
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # Callbacks' on_train_batch_end ran first: adapters they removed or queued are settled here.
+        self._admit()
+        if not self.registry.running and not self.registry.queued:
+            self.trainer.should_stop = True
+
+    @override
+    def on_fit_end(self) -> None:
+        # Nothing trained is lost: adapters still running when fit stops are exported as they are.
+        for rec in self.registry.running:
+            self.save_adapter(rec.name)
+
+    def evaluate(self, specs: Sequence[AdapterSpec]) -> dict[str, float]:
+        """Validation loss of each adapter over its whole validation split, packed, outside the loop."""
+        dm = self._datamodule()
+        sums = {s.name: [0.0, 0.0] for s in specs}
+        was_training = self.training
+        self.eval()
+        with torch.no_grad():
+            for batch in dm.val_batches(list(specs)):
+                batch = move_data_to_device(batch, self.device)
+                with self.lora_layers.use(batch["layout"]):
+                    loss_sum, count = self.adapter_loss_terms(batch)
+                for name, s, c in zip(batch["layout"].names, loss_sum.tolist(), count.tolist()):
+                    sums[name][0] += s
+                    sums[name][1] += c
+        self.train(was_training)
+        return {n: (s / c if c > 0 else math.nan) for n, (s, c) in sums.items()}
+
+    @override
+    def on_validation_epoch_start(self) -> None:
+        self._val_sums = {}
+
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        with self.lora_layers.use(batch["layout"]):
+            loss_sum, count = self.adapter_loss_terms(batch)
+        for name, s, c in zip(batch["layout"].names, loss_sum.tolist(), count.tolist()):
+            acc = self._val_sums.setdefault(name, [0.0, 0.0])
+            acc[0] += s
+            acc[1] += c
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        if self.trainer.sanity_checking:
+            return
+        self._record_val_losses({n: (s / c if c > 0 else math.nan) for n, (s, c) in self._val_sums.items()})
+
+    def _record_val_losses(self, losses: dict[str, float]) -> None:
+        logs = {}
+        for name, loss in losses.items():
+            rec = self.registry[name]
+            if rec.val_losses and rec.val_losses[-1][0] == rec.step:
+                continue  # already measured at this step
+            rec.val_losses.append((rec.step, loss))
+            rec.last_val_loss = loss
+            if math.isfinite(loss) and loss < rec.best_val_loss:
+                rec.best_val_loss, rec.best_val_step = loss, rec.step
+            logs[f"adapters/{name}/val_loss"] = loss
+        trainer = self._trainer_or_none()
+        if logs and trainer is not None:
+            for logger in trainer.loggers:
+                logger.log_metrics(logs, step=trainer.global_step)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if any(s in k for s in _LORA_KEYS)}
+        checkpoint["multilora"] = {
+            "registry": self.registry.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("multilora")
+        if state is None:
+            raise ValueError("this checkpoint was not written by a MultiLoRAMixin module (no 'multilora' entry)")
+        for name in list(self.lora_layers.adapter_names):
+            self.lora_layers.remove_adapter(name)
+        self.registry.load_state_dict(state["registry"])
+        for rec in self.registry.running:
+            self._create_weights(rec)
+        saved = set(checkpoint["state_dict"])
+        expected = {k for k, _ in self.named_parameters() if any(s in k for s in _LORA_KEYS)}
+        missing = expected - saved
+        if missing:
+            raise ValueError(f"checkpoint lacks adapter weights {sorted(missing)[:4]}...")
+        torch.set_rng_state(state["torch_rng"])
+        if state.get("cuda_rng") is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def segment_sum(values: Tensor, layout: BatchLayout) -> Tensor:
+    """Sum ``values`` (one per row) over each adapter's rows: ``(num_rows,) -> (num_adapters,)``."""
+    if len(layout.names) == 0:
+        return values.new_zeros(0)
+    index = torch.empty(layout.num_rows, dtype=torch.long)
+    index.fill_(len(layout.names))  # rows outside every segment go to a dropped extra bucket
+    for i, (s, e) in enumerate(zip(layout.starts, layout.ends)):
+        index[s:e] = i
+    out = values.new_zeros(len(layout.names) + 1)
+    return out.index_add(0, index.to(values.device), values)[:-1]
+
+
+def _grad_norm(params: Sequence[Tensor], like: Tensor) -> Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return like.new_zeros(()).float()
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+
+
+class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
+    """The ready-made module: a Hugging Face causal LM and a set of adapters (a list and/or a grid).
+
+    Args:
+        base_model: ``"tiny-llama"`` / ``"tiny-qwen2"`` / ``"tiny-mistral"`` (built from a config, random
+            weights), or a checkpoint directory or hub name for ``AutoModelForCausalLM.from_pretrained``.
+            A ``torch.nn.Module`` is accepted from Python.
+        adapters: adapter specs, trained in this order of admission.
+        grid: a `SweepGrid` whose adapters are added after ``adapters``.
+        target_modules: the projections every adapter may use (PEFT names); an adapter's own
+            ``target_modules`` picks a subset.
+        optimizer: optimizer class or import path; one param group per adapter.
+        optimizer_kwargs: extra arguments of the optimizer (``betas``, ``eps``...).
+        max_running: adapters trained at once (None: all); the rest wait in the queue.
+        gradient_checkpointing: recompute activations in backward (non-reentrant).
+        dtype: dtype of the base weights (adapters are float32).
+        config_overrides: fields changed in the base model's config.
+        export_dir: where adapters are written (default ``<log_dir>/adapters``).
+        validate_on_finish: measure an adapter's validation loss when it finishes.
+    """
+
+    def __init__(
+        self,
+        base_model: str = "tiny-llama",
+        adapters: Optional[list[AdapterSpec]] = None,
+        grid: Optional[SweepGrid] = None,
+        target_modules: list[str] = list(DEFAULT_TARGETS),
+        optimizer: str = "torch.optim.AdamW",
+        optimizer_kwargs: Optional[dict[str, Any]] = None,
+        max_running: Optional[int] = None,
+        gradient_checkpointing: bool = False,
+        dtype: str = "float32",
+        config_overrides: Optional[dict[str, Any]] = None,
+        export_dir: Optional[str] = None,
+        validate_on_finish: bool = True,
+        base_seed: int = 0,
+    ) -> None:
+        super().__init__()
+        from lightning_multilora.base_model import build_base_model
+
+        if isinstance(base_model, nn.Module):
+            model = base_model
+        else:
+            model = build_base_model(base_model, config_overrides, dtype, base_seed)
+        if gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = model
+        specs = list(adapters or []) + (grid.specs() if grid is not None else [])
+        self.init_multilora(model, specs, target_modules, optimizer, optimizer_kwargs, max_running, export_dir,
+                            validate_on_finish)
+
+    @property
+    def max_sequence_length(self) -> Optional[int]:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    @property
+    def vocab_size(self) -> Optional[int]:
+        return getattr(self.model.config, "vocab_size", None)
+
+    @override
+    def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, layout: Optional[BatchLayout] = None):
+        """Logits of the packed batch; ``layout`` says which adapter each row uses (None: base only)."""
+        with self.lora_layers.use(layout):
+            return self.model(input_ids=input_ids, attention_mask=attention_mask).logits

@@ -1,0 +1,149 @@
+"""The adapter registry: every adapter of a run, its lifecycle state and its history."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+from lightning_multilora.spec import AdapterSpec
+
+
+class AdapterState(str, enum.Enum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    FINISHED = "finished"
+    DIVERGED = "diverged"
+    OVERFIT = "overfit"
+    PRUNED = "pruned"
+    FAILED = "failed"
+
+    @property
+    def exited(self) -> bool:
+        return self not in (AdapterState.QUEUED, AdapterState.RUNNING)
+
+
+@dataclass
+class AdapterRecord:
+    """One adapter's run: spec, state (and why), progress and loss history."""
+
+    spec: AdapterSpec
+    state: AdapterState = AdapterState.QUEUED
+    reason: str = ""
+    step: int = 0
+    max_steps: Optional[int] = None
+    tokens_seen: int = 0
+    samples_seen: int = 0
+    best_val_loss: float = math.inf
+    best_val_step: int = -1
+    last_val_loss: float = math.nan
+    train_losses: list[tuple[int, float]] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    export_path: Optional[str] = None
+    started_at_step: Optional[int] = None
+    ended_at_step: Optional[int] = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "spec": self.spec.to_dict(), "state": self.state.value, "reason": self.reason, "step": self.step,
+            "max_steps": self.max_steps, "tokens_seen": self.tokens_seen, "samples_seen": self.samples_seen,
+            "best_val_loss": self.best_val_loss, "best_val_step": self.best_val_step,
+            "last_val_loss": self.last_val_loss, "train_losses": list(self.train_losses),
+            "val_losses": list(self.val_losses), "export_path": self.export_path,
+            "started_at_step": self.started_at_step, "ended_at_step": self.ended_at_step,
+        }
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "AdapterRecord":
+        rec = cls(spec=AdapterSpec.from_dict(state["spec"]))
+        rec.state = AdapterState(state["state"])
+        for key in ("reason", "step", "max_steps", "tokens_seen", "samples_seen", "best_val_loss",
+                    "best_val_step", "last_val_loss", "export_path", "started_at_step", "ended_at_step"):
+            if key in state:
+                setattr(rec, key, state[key])
+        rec.train_losses = [tuple(x) for x in state.get("train_losses", [])]
+        rec.val_losses = [tuple(x) for x in state.get("val_losses", [])]
+        return rec
+
+
+class AdapterRegistry:
+    """Adapters by name, in the order they were added (the packing order of running adapters)."""
+
+    def __init__(self) -> None:
+        self._records: dict[str, AdapterRecord] = {}
+
+    def add(self, spec: AdapterSpec) -> AdapterRecord:
+        if spec.name in self._records:
+            raise ValueError(f"duplicate adapter name {spec.name!r}; adapter names must be unique")
+        rec = AdapterRecord(spec)
+        self._records[spec.name] = rec
+        return rec
+
+    def __getitem__(self, name: str) -> AdapterRecord:
+        if name not in self._records:
+            raise KeyError(f"no adapter {name!r}; adapters are: {list(self._records)}")
+        return self._records[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._records
+
+    def __iter__(self) -> Iterator[AdapterRecord]:
+        return iter(list(self._records.values()))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def pop(self, name: str) -> AdapterRecord:
+        return self._records.pop(name)
+
+    def in_state(self, *states: AdapterState) -> list[AdapterRecord]:
+        return [r for r in self._records.values() if r.state in states]
+
+    @property
+    def running(self) -> list[AdapterRecord]:
+        return self.in_state(AdapterState.RUNNING)
+
+    @property
+    def queued(self) -> list[AdapterRecord]:
+        return self.in_state(AdapterState.QUEUED)
+
+    def counts(self) -> dict[str, int]:
+        out = {s.value: 0 for s in AdapterState}
+        for r in self._records.values():
+            out[r.state.value] += 1
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"records": [r.state_dict() for r in self._records.values()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._records = {}
+        for rs in state["records"]:
+            rec = AdapterRecord.from_state_dict(rs)
+            self._records[rec.name] = rec
+
+    def summary_rows(self) -> list[dict[str, Any]]:
+        """One row per adapter, best validation loss first (adapters never validated last)."""
+        rows = []
+        for r in self._records.values():
+            row = {"adapter": r.name, **r.spec.hparams(), "status": r.state.value, "reason": r.reason,
+                   "best_val_loss": r.best_val_loss, "steps": r.step, "export_path": r.export_path}
+            rows.append(row)
+        rows.sort(key=lambda row: (not math.isfinite(row["best_val_loss"]), row["best_val_loss"]))
+        return rows
+
+    def summary_table(self) -> str:
+        rows = self.summary_rows()
+        header = ["#", "adapter", "lr", "rank", "alpha", "bs", "status", "best_val_loss", "steps"]
+        lines = [[str(i + 1), r["adapter"], f"{r['lr']:.2g}", str(r["rank"]), f"{r['alpha']:g}",
+                  str(r["batch_size"]), r["status"],
+                  f"{r['best_val_loss']:.4f}" if math.isfinite(r["best_val_loss"]) else "-", str(r["steps"])]
+                 for i, r in enumerate(rows)]
+        widths = [max(len(h), *(len(line[j]) for line in lines)) if lines else len(h) for j, h in enumerate(header)]
+        fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+        return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])

@@ -1,0 +1,180 @@
+"""`AdapterSpec`: everything that defines one LoRA adapter's training run."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+SCHEDULES = ("constant", "linear", "cosine")
+OBJECTIVES = ("sft",)
+_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+@dataclass
+class AdapterSpec:
+    """One adapter of a sweep: LoRA shape, optimisation hyperparameters, data and length.
+
+    Every field is validated in ``__post_init__``; a bad value raises ``ValueError`` naming the
+    field and the allowed values.
+    """
+
+    name: str
+    """Unique name; letters, digits, ``_`` and ``-`` (it becomes a parameter and directory name)."""
+    rank: int = 8
+    """LoRA rank r >= 1."""
+    alpha: float = 16.0
+    """LoRA alpha > 0; scaling is alpha / r (alpha / sqrt(r) with ``use_rslora``)."""
+    dropout: float = 0.0
+    """Dropout on the LoRA input, in [0, 1)."""
+    use_rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r)."""
+    lr: float = 2e-4
+    """Peak learning rate > 0."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay >= 0."""
+    batch_size: int = 4
+    """This adapter's micro-batch size per step, >= 1."""
+    max_steps: Optional[int] = None
+    """Optimizer steps to train; exactly one of ``max_steps`` / ``max_epochs`` is set (default 100 steps)."""
+    max_epochs: Optional[float] = None
+    """Passes over this adapter's own training set (may be fractional)."""
+    lr_schedule: str = "constant"
+    """One of constant, linear, cosine (decay to 0 after warmup)."""
+    warmup_steps: int = 0
+    """Linear warmup steps from 0 to ``lr``, >= 0."""
+    grad_clip: Optional[float] = 1.0
+    """Max global L2 norm of this adapter's gradient, > 0, or None for no clipping."""
+    target_modules: Optional[list[str]] = None
+    """Module names to adapt (PEFT style). None: the module's default targets."""
+    objective: str = "sft"
+    """Training objective; ``sft`` (completion-only cross-entropy)."""
+    dataset: Optional[str] = None
+    """Name of a data source in the data module; None: its default source."""
+    seed: int = 0
+    """Seed for this adapter's initialisation, data order and dropout."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ValueError(
+                f"`name` must be a non-empty string of letters, digits, '_' or '-', got {self.name!r}"
+            )
+        _check(self, "rank", isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1,
+               "an integer >= 1")
+        _check(self, "alpha", _num(self.alpha) and self.alpha > 0, "a number > 0")
+        _check(self, "dropout", _num(self.dropout) and 0.0 <= self.dropout < 1.0, "a number in [0, 1)")
+        _check(self, "lr", _num(self.lr) and self.lr > 0 and math.isfinite(self.lr), "a finite number > 0")
+        _check(self, "weight_decay", _num(self.weight_decay) and self.weight_decay >= 0, "a number >= 0")
+        _check(self, "batch_size", isinstance(self.batch_size, int) and self.batch_size >= 1, "an integer >= 1")
+        if self.max_steps is not None and self.max_epochs is not None:
+            raise ValueError(
+                f"`max_steps` and `max_epochs` are exclusive; got max_steps={self.max_steps}, "
+                f"max_epochs={self.max_epochs} for adapter {self.name!r}"
+            )
+        if self.max_steps is None and self.max_epochs is None:
+            self.max_steps = 100
+        if self.max_steps is not None:
+            _check(self, "max_steps", isinstance(self.max_steps, int) and self.max_steps >= 1, "an integer >= 1")
+        if self.max_epochs is not None:
+            _check(self, "max_epochs", _num(self.max_epochs) and self.max_epochs > 0, "a number > 0")
+        if self.lr_schedule not in SCHEDULES:
+            raise ValueError(f"`lr_schedule` can be {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
+        _check(self, "warmup_steps", isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
+               "an integer >= 0")
+        _check(self, "grad_clip", self.grad_clip is None or (_num(self.grad_clip) and self.grad_clip > 0),
+               "a number > 0 or None")
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"`objective` can be {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        if self.target_modules is not None:
+            if isinstance(self.target_modules, str):
+                self.target_modules = [self.target_modules]
+            _check(self, "target_modules", len(self.target_modules) > 0 and all(
+                isinstance(t, str) and t for t in self.target_modules), "a non-empty list of module names")
+            self.target_modules = list(self.target_modules)
+        _check(self, "seed", isinstance(self.seed, int), "an integer")
+
+    @property
+    def scaling(self) -> float:
+        """LoRA scaling: alpha / r, or alpha / sqrt(r) for rsLoRA (as PEFT computes it)."""
+        return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AdapterSpec":
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown AdapterSpec fields {sorted(unknown)}; allowed: {sorted(known)}")
+        return cls(**data)
+
+    def hparams(self) -> dict[str, Any]:
+        """The hyperparameters a sweep varies, for tables and loggers."""
+        return {
+            "rank": self.rank, "alpha": self.alpha, "lr": self.lr, "batch_size": self.batch_size,
+            "dropout": self.dropout, "weight_decay": self.weight_decay, "schedule": self.lr_schedule,
+            "dataset": self.dataset,
+        }
+
+
+def _num(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check(spec: AdapterSpec, name: str, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"`{name}` must be {allowed}, got {getattr(spec, name)!r} for adapter {spec.name!r}")
+
+
+@dataclass
+class SweepGrid:
+    """A grid of adapters: the cartesian product of ``axes`` over a ``base`` spec.
+
+    >>> grid = SweepGrid(axes={"lr": [1e-4, 3e-4], "rank": [4, 8]}, base={"max_steps": 50})
+    >>> [s.name for s in grid.specs()]
+    ['lr1e-4-rank4', 'lr1e-4-rank8', 'lr3e-4-rank4', 'lr3e-4-rank8']
+    """
+
+    axes: dict[str, list[Any]]
+    """Field name -> values; every combination becomes one adapter."""
+    base: dict[str, Any] = field(default_factory=dict)
+    """Fields shared by every adapter of the grid."""
+    alpha_over_rank: Optional[float] = None
+    """If set, alpha = alpha_over_rank * rank for each adapter (ALTO uses 2)."""
+    prefix: str = ""
+    """Prefix of every generated adapter name."""
+
+    def specs(self) -> list[AdapterSpec]:
+        known = {f.name for f in fields(AdapterSpec)} - {"name"}
+        for key in list(self.axes) + list(self.base):
+            if key not in known:
+                raise ValueError(f"SweepGrid field {key!r} is not an AdapterSpec field; allowed: {sorted(known)}")
+        keys = list(self.axes)
+        out = []
+        for values in itertools.product(*(self.axes[k] for k in keys)):
+            kwargs = dict(self.base)
+            kwargs.update(zip(keys, values))
+            name = self.prefix + "-".join(f"{_short(k)}{_fmt(v)}" for k, v in zip(keys, values))
+            if self.alpha_over_rank is not None:
+                kwargs["alpha"] = float(self.alpha_over_rank * kwargs.get("rank", AdapterSpec.rank))
+            out.append(AdapterSpec(name=name, **kwargs))
+        return out
+
+
+_SHORT = {"batch_size": "bs", "weight_decay": "wd", "dropout": "do", "lr_schedule": "sched"}
+
+
+def _short(key: str) -> str:
+    return _SHORT.get(key, key)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float) and value != 0 and abs(value) < 1e-2:
+        mantissa, exponent = f"{value:.3e}".split("e")
+        text = f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+    else:
+        text = f"{value:g}" if isinstance(value, float) else str(value)
+    return re.sub(r"[^A-Za-z0-9_\-]", "_", text.replace(".", "p"))

@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny models built from configs, the packing data module, the shared data folder."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+warnings.filterwarnings("ignore", ".*isinstance.treespec, LeafSpec.*")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"the shared data folder {SHARED_DATA} is absent (only a project checkout beside shared/ has it)")
+    return SHARED_DATA
+
+
+@pytest.fixture
+def trainer_kwargs(tmp_path):
+    """A quiet CPU Trainer: no sanity check, no progress bar, no checkpoints, logs under tmp_path."""
+    return dict(accelerator="cpu", devices=1, max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,
+                enable_model_summary=False, enable_checkpointing=False, logger=False, default_root_dir=str(tmp_path),
+                val_check_interval=10_000)
