@@ -37,4 +37,4 @@ def trainer_kwargs(tmp_path):
     """A quiet CPU Trainer: no sanity check, no progress bar, no checkpoints, logs under tmp_path."""
     return dict(accelerator="cpu", devices=1, max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,
                 enable_model_summary=False, enable_checkpointing=False, logger=False, default_root_dir=str(tmp_path),
-                val_check_interval=10_000)
+                val_check_interval=10_000, check_val_every_n_epoch=None)

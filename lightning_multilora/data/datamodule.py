@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from lightning_multilora.spec import AdapterSpec
 
 IGNORE_INDEX = -100
+PADDINGS = ("longest", "max_length")
 
 
 @dataclass
@@ -104,6 +105,9 @@ class MultiLoRADataModule(L.LightningDataModule):
         val_batch_size: rows per adapter in each packed validation batch.
         max_val_examples: cap on each source's validation split (None: no cap).
         split_seed: seed of the train/validation split.
+        padding: ``"longest"`` pads each packed batch to its longest row; ``"max_length"`` pads every batch
+            to ``max_length``, so a row's arithmetic never depends on which other rows share its batch.
+        pad_to_multiple_of: round the padded length up to a multiple of this (8 suits tensor cores).
 
     The batch is a dict with ``input_ids``, ``attention_mask``, ``labels`` (``(B, T)``, right-padded to
     the longest row) and ``layout`` (a `BatchLayout` in rows, adapters in roster order).
@@ -119,6 +123,8 @@ class MultiLoRADataModule(L.LightningDataModule):
         val_batch_size: int = 8,
         max_val_examples: Optional[int] = 256,
         split_seed: int = 1234,
+        padding: str = "longest",
+        pad_to_multiple_of: int = 1,
     ) -> None:
         super().__init__()
         self.sources: dict[str, DataSource] = dict(sources) if sources else {"arithmetic": GeneratedArithmetic()}
@@ -128,6 +134,13 @@ class MultiLoRADataModule(L.LightningDataModule):
             raise ValueError(f"`val_batch_size` must be >= 1, got {val_batch_size}")
         if max_length is not None and max_length < 2:
             raise ValueError(f"`max_length` must be >= 2, got {max_length}")
+        if padding not in PADDINGS:
+            raise ValueError(f"`padding` can be {', '.join(PADDINGS)}, got {padding!r}")
+        if padding == "max_length" and max_length is None:
+            raise ValueError("`padding='max_length'` needs `max_length`")
+        if pad_to_multiple_of < 1:
+            raise ValueError(f"`pad_to_multiple_of` must be >= 1, got {pad_to_multiple_of}")
+        self.padding, self.pad_to_multiple_of = padding, pad_to_multiple_of
         self.tokenizer_name = tokenizer
         self.max_length = max_length
         self.truncate = truncate
@@ -237,7 +250,8 @@ class MultiLoRADataModule(L.LightningDataModule):
         flat_labels = [r for _, labels in rows for r in labels]
         if not flat_ids:
             raise RuntimeError("no adapter has rows to pack this step")
-        length = max(len(r) for r in flat_ids)
+        length = self.max_length if self.padding == "max_length" else max(len(r) for r in flat_ids)
+        length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
         pad = self.tokenizer.pad_token_id
         input_ids = torch.full((len(flat_ids), length), pad, dtype=torch.long)
         labels = torch.full((len(flat_ids), length), IGNORE_INDEX, dtype=torch.long)
@@ -297,11 +311,13 @@ class MultiLoRADataModule(L.LightningDataModule):
 
     @override
     def train_dataloader(self) -> TRAIN_DATALOADERS:
-        return DataLoader(_StepTickets(), batch_size=None)
+        # A private generator: a loader's iterator otherwise draws its seed from the global generator,
+        # which would shift every adapter's dropout masks whenever a loader is (re)created.
+        return DataLoader(_StepTickets(), batch_size=None, generator=torch.Generator())
 
     @override
     def val_dataloader(self) -> EVAL_DATALOADERS:
-        return DataLoader(_ValBatches(self), batch_size=None)
+        return DataLoader(_ValBatches(self), batch_size=None, generator=torch.Generator())
 
     @override
     def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

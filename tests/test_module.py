@@ -1,0 +1,149 @@
+"""MultiLoRAModule: lifecycle (queue, add/remove mid-fit), checkpoint resume, logging."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from safetensors.torch import load_file
+
+from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
+from lightning_multilora.registry import AdapterState
+
+
+def exported(module: MultiLoRAModule, name: str) -> dict[str, torch.Tensor]:
+    return load_file(f"{module.registry[name].export_path}/adapter_model.safetensors")
+
+
+def small_dm(**kwargs) -> MultiLoRADataModule:
+    from lightning_multilora.data import GeneratedArithmetic
+
+    return MultiLoRADataModule(sources={"arith": GeneratedArithmetic(400)}, max_val_examples=24, **kwargs)
+
+
+def fixed_dm() -> MultiLoRADataModule:
+    return small_dm(padding="max_length", max_length=96)
+
+
+class AddAndRemove(Callback):
+    def __init__(self, new: AdapterSpec, add_at: int, remove: str, remove_at: int):
+        self.new, self.add_at, self.remove, self.remove_at = new, add_at, remove, remove_at
+        self.running_after_add: list[str] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.add_at:
+            pl_module.add_adapter(self.new)
+        if trainer.global_step == self.add_at + 1:
+            self.running_after_add = list(batch["layout"].names)
+        if trainer.global_step == self.remove_at:
+            pl_module.remove_adapter(self.remove, reason="removed by test")
+
+
+def test_add_and_remove_adapters_mid_fit(tmp_path, trainer_kwargs):
+    a = AdapterSpec("a", rank=4, lr=1e-3, batch_size=2, max_steps=30, seed=1)
+    b = AdapterSpec("b", rank=3, lr=2e-3, batch_size=1, max_steps=15, seed=2)
+    new = AdapterSpec("new", rank=5, lr=3e-3, batch_size=3, max_steps=10, seed=3)
+    module = MultiLoRAModule("tiny-llama", adapters=[a, b], export_dir=str(tmp_path / "x"), validate_on_finish=False)
+    callback = AddAndRemove(new, add_at=4, remove="a", remove_at=8)
+    L.Trainer(**trainer_kwargs, callbacks=[callback]).fit(module, fixed_dm())
+
+    assert callback.running_after_add == ["a", "b", "new"]  # joined at the very next step
+    rec_a, rec_b, rec_new = (module.registry[n] for n in ("a", "b", "new"))
+    assert (rec_a.state, rec_a.step, rec_a.reason) == (AdapterState.PRUNED, 8, "removed by test")
+    assert rec_b.state == AdapterState.FINISHED and rec_b.step == 15
+    assert rec_new.state == AdapterState.FINISHED and rec_new.step == 10 and rec_new.started_at_step == 4
+    # everything freed: no adapter weights, no optimizer groups or state left
+    assert module.lora_layers.adapter_names == []
+    optimizer = module.trainer.optimizers[0]
+    assert optimizer.param_groups == [] and len(optimizer.state) == 0
+    assert all(not layer.lora_A and not layer.lora_B for layer in module.lora_layers.values())
+    # nothing trained is lost: the removed adapter was exported with its 8 steps of training
+    assert any(t.abs().max() > 0 for k, t in exported(module, "a").items() if "lora_B" in k)
+
+    # the adapter that joined mid-run ends as if trained alone from the start
+    alone = MultiLoRAModule("tiny-llama", adapters=[new], export_dir=str(tmp_path / "y"), validate_on_finish=False)
+    L.Trainer(**trainer_kwargs).fit(alone, fixed_dm())
+    for key, value in exported(alone, "new").items():
+        torch.testing.assert_close(exported(module, "new")[key], value, rtol=1e-5, atol=1e-7)
+
+
+def test_queue_respects_max_running_and_backfills(tmp_path, trainer_kwargs):
+    specs = [AdapterSpec(f"q{i}", rank=2, batch_size=1, max_steps=3 + i, seed=i) for i in range(5)]
+    seen: list[tuple[str, ...]] = []
+
+    class Watch(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(tuple(batch["layout"].names))
+
+    module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=2, export_dir=str(tmp_path), validate_on_finish=False)
+    L.Trainer(**trainer_kwargs, callbacks=[Watch()]).fit(module, small_dm())
+    assert max(len(s) for s in seen) == 2
+    assert seen[0] == ("q0", "q1") and seen[3] == ("q1", "q2")  # q0 left after 3 steps, q2 took its slot
+    assert all(r.state == AdapterState.FINISHED and r.step == r.spec.max_steps for r in module.registry)
+
+
+def test_epochs_are_counted_on_each_adapters_own_dataset(tmp_path, trainer_kwargs):
+    from lightning_multilora.data import GeneratedArithmetic
+
+    dm = MultiLoRADataModule(sources={"small": GeneratedArithmetic(23, seed=1), "big": GeneratedArithmetic(100)},
+                             val_fraction=0.2)
+    specs = [AdapterSpec("s", batch_size=4, max_epochs=2, dataset="small"),
+             AdapterSpec("b", batch_size=8, max_epochs=0.5, dataset="big")]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path), validate_on_finish=False)
+    L.Trainer(**trainer_kwargs).fit(module, dm)
+    # 'small' has 23 - 5 = 18 training examples: ceil(18 / 4) = 5 steps per epoch; 'big' has 80: 10 per epoch
+    assert module.registry["s"].step == 10 and module.registry["s"].samples_seen == 36
+    assert module.registry["b"].step == 5
+
+
+def run_resumable(tmp_path, trainer_kwargs, stop_at=None, ckpt=None):
+    specs = [
+        AdapterSpec("r1", rank=4, lr=2e-3, batch_size=2, max_steps=16, seed=1, dropout=0.1),
+        AdapterSpec("r2", rank=3, lr=1e-3, batch_size=3, max_steps=6, seed=2, lr_schedule="cosine", warmup_steps=2),
+        AdapterSpec("r3", rank=5, lr=3e-3, batch_size=1, max_steps=12, seed=3),
+    ]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=2, export_dir=str(tmp_path / "export"))
+    kwargs = dict(trainer_kwargs, val_check_interval=5)
+    if stop_at is not None:
+        kwargs["max_steps"] = stop_at
+    trainer = L.Trainer(**kwargs)
+    L.seed_everything(0)  # dropout draws from the global generator; the checkpoint carries its state
+    trainer.fit(module, fixed_dm(), ckpt_path=ckpt)
+    return trainer, module
+
+
+def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path, trainer_kwargs):
+    _, full = run_resumable(tmp_path / "full", trainer_kwargs)
+    trainer, first = run_resumable(tmp_path / "part", trainer_kwargs, stop_at=9)
+    assert first.registry["r2"].state == AdapterState.FINISHED and first.registry["r3"].state == AdapterState.RUNNING
+    ckpt = tmp_path / "mid.ckpt"
+    trainer.save_checkpoint(ckpt)
+    saved = torch.load(ckpt, weights_only=False)
+    assert all(".lora_" in k for k in saved["state_dict"])  # the frozen base is not in the checkpoint
+    _, resumed = run_resumable(tmp_path / "part", trainer_kwargs, ckpt=str(ckpt))
+    for name in ("r1", "r2", "r3"):
+        a, b = full.registry[name], resumed.registry[name]
+        assert (a.state, a.step, a.tokens_seen) == (b.state, b.step, b.tokens_seen)
+        assert a.val_losses == b.val_losses
+        for key, value in exported(full, name).items():
+            assert torch.equal(exported(resumed, name)[key], value), f"{name}: {key}"
+
+
+def test_per_adapter_metrics_are_logged_to_tensorboard(tmp_path, trainer_kwargs):
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    specs = [AdapterSpec("x", batch_size=2, max_steps=12), AdapterSpec("y", batch_size=1, max_steps=8, seed=1)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs)
+    kwargs = dict(trainer_kwargs, logger=TensorBoardLogger(str(tmp_path), name="tb"), log_every_n_steps=2,
+                  val_check_interval=4)
+    trainer = L.Trainer(**kwargs)
+    trainer.fit(module, small_dm())
+    events = EventAccumulator(trainer.log_dir)
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for name in ("x", "y"):
+        for metric in ("train_loss", "val_loss", "lr", "grad_norm", "tokens_seen"):
+            assert f"adapters/{name}/{metric}" in tags
+    assert module.registry["x"].export_path.startswith(trainer.log_dir)
