@@ -1,0 +1,146 @@
+"""Sources, tokenizers, per-adapter streams and packing."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
+from lightning_multilora.data import (
+    AdapterStream,
+    ByteTokenizer,
+    GeneratedArithmetic,
+    HFDatasetSource,
+    JSONLSource,
+    ListSource,
+)
+from lightning_multilora.data.datamodule import IGNORE_INDEX
+
+
+def test_generated_arithmetic_is_seeded_and_correct():
+    a, b = GeneratedArithmetic(50, seed=3).examples(), GeneratedArithmetic(50, seed=3).examples()
+    assert a == b and a != GeneratedArithmetic(50, seed=4).examples()
+    for ex in GeneratedArithmetic(200, seed=0, operations=("add", "sub", "mul")).examples():
+        numbers = [int(t.strip("?.")) for t in ex.prompt.split() if t.strip("?.").isdigit()]
+        answer = int(ex.completion)
+        assert answer in (numbers[0] + numbers[1], numbers[0] - numbers[1], numbers[0] * numbers[1])
+    with pytest.raises(ValueError, match="`operations` can be add, sub, mul"):
+        GeneratedArithmetic(operations=("div",))
+
+
+def test_gsm8k_formatter_on_the_real_training_split(shared_data):
+    source = JSONLSource(str(shared_data / "gsm8k" / "train.jsonl"), format="gsm8k")
+    examples = source.examples()
+    assert len(examples) == 7473
+    first = examples[0]
+    assert first.prompt.startswith("Question: ") and first.prompt.endswith("\nAnswer:")
+    assert "####" in first.completion and first.completion.startswith(" ")
+
+
+def test_jsonl_gz_and_hf_datasets_sources(tmp_path):
+    records = [{"q": f"what is {i}?", "a": str(i)} for i in range(6)]
+    path = tmp_path / "d.jsonl.gz"
+    with gzip.open(path, "wt") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in records)
+    got = JSONLSource(str(path), prompt_field="q", completion_field="a").examples()
+    assert [e.completion for e in got] == [str(i) for i in range(6)]
+    plain = tmp_path / "qa.json"
+    plain.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": f"a{i}"}) for i in range(4)))
+    hf = HFDatasetSource("json", data_files=str(plain), format="question_answer").examples()
+    assert hf[2].prompt == "Question: q2\nAnswer:" and hf[2].completion == " a2"
+    with pytest.raises(ValueError, match=r"record has no field\(s\) \['prompt', 'completion'\]; it has \['a', 'q'\]"):
+        JSONLSource(str(path)).examples()
+    with pytest.raises(ValueError, match="`format` can be"):
+        JSONLSource(str(path), format="alpaca")
+
+
+def test_byte_tokenizer_round_trip():
+    tok = ByteTokenizer()
+    assert tok.decode(tok.encode("héllo 12")) == "héllo 12"
+    assert max(tok.encode("ÿ")) < tok.pad_token_id < tok.eos_token_id < tok.vocab_size
+
+
+def test_hf_tokenizer_by_path(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    inner = Tokenizer(models.BPE(unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel()
+    inner.train_from_iterator([e.prompt + e.completion for e in GeneratedArithmetic(200).examples()],
+                              trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "<pad>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="</s>", pad_token="<pad>").save_pretrained(tmp_path)
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(40)}, tokenizer=str(tmp_path))
+    train, val = dm.split("a")
+    assert dm.tokenizer.vocab_size <= 200 and len(train) + len(val) == 40
+    assert train.labels[0][-1] == dm.tokenizer.eos_token_id
+
+
+def test_stream_reshuffles_every_epoch_and_resumes():
+    stream = AdapterStream(10, 4, seed=1)
+    epoch0 = [stream.next_indices() for _ in range(3)]
+    assert [len(b) for b in epoch0] == [4, 4, 2] and sorted(sum(epoch0, [])) == list(range(10))
+    state = stream.state_dict()
+    epoch1 = [stream.next_indices() for _ in range(3)]
+    assert epoch1 != epoch0 and sorted(sum(epoch1, [])) == list(range(10))
+    again = AdapterStream(10, 4, seed=1)
+    again.load_state_dict(state)
+    assert [again.next_indices() for _ in range(3)] == epoch1
+
+
+def test_packing_masks_prompts_and_padding_and_carries_the_layout():
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(60), "b": GeneratedArithmetic(60, seed=9)})
+    specs = [AdapterSpec("x", batch_size=2, dataset="a"), AdapterSpec("y", batch_size=3, dataset="b")]
+    batch = dm.train_batch(specs)
+    assert batch["layout"].names == ("x", "y") and batch["layout"].sizes == (2, 3)
+    ids, labels, mask = batch["input_ids"], batch["labels"], batch["attention_mask"]
+    assert ids.shape == labels.shape == mask.shape and ids.shape[0] == 5
+    tok = dm.tokenizer
+    for row in range(5):
+        n = int(mask[row].sum())
+        assert (ids[row, n:] == tok.pad_token_id).all() and (labels[row, n:] == IGNORE_INDEX).all()
+        prompt_len = int((labels[row, :n] == IGNORE_INDEX).sum())
+        text = tok.decode(ids[row, :prompt_len].tolist())
+        assert text.startswith("Q: ") and text.endswith("A:")
+        assert labels[row, n - 1] == tok.eos_token_id
+    fixed = MultiLoRADataModule(padding="max_length", max_length=128, pad_to_multiple_of=8)
+    assert fixed.train_batch([AdapterSpec("z", batch_size=2)])["input_ids"].shape[1] == 128
+
+
+def test_empty_dataset_is_a_clear_error():
+    dm = MultiLoRADataModule(sources={"empty": ListSource([])})
+    with pytest.raises(ValueError, match="data source 'empty' .* has 0 examples"):
+        dm.split("empty")
+    with pytest.raises(ValueError, match="adapter `dataset` 'nope' is not a data source; sources are: \\['empty'\\]"):
+        dm.split("nope")
+
+
+def test_sequences_longer_than_the_model_maximum_are_errors(tmp_path, trainer_kwargs):
+    long = ListSource([{"prompt": "x" * 300, "completion": "y"}, {"prompt": "a", "completion": "b"}])
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", max_steps=1)])  # 256 positions
+    with pytest.raises(ValueError, match="example .* is 302 tokens, longer than the maximum sequence length 256"):
+        L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"long": long}))
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", max_steps=1)])
+    with pytest.raises(ValueError, match="`max_length` 1024 is longer than the model's maximum sequence length 256"):
+        L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(max_length=1024))
+    three = ListSource(long.records + [{"prompt": "c", "completion": "d" * 80}])
+    train, val = MultiLoRADataModule(sources={"long": three}, truncate=True, max_length=64).split("long")
+    # the long-prompt example has no completion left after truncation and is dropped; the other is cut
+    assert len(train) + len(val) == 2 and max(len(r) for r in train.input_ids + val.input_ids) == 64
+
+
+def test_duplicate_adapter_names_are_rejected():
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a")])
+    with pytest.raises(ValueError, match="duplicate adapter name 'a'"):
+        module.add_adapter(AdapterSpec("a", rank=2))
+    with pytest.raises(ValueError, match="duplicate adapter name 'b'"):
+        MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("b"), AdapterSpec("b")])
+
+
+def test_unknown_adapter_target_is_rejected_when_added():
+    module = MultiLoRAModule("tiny-llama", target_modules=["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match="not among the injected layers"):
+        module.add_adapter(AdapterSpec("a", target_modules=["gate_proj"]))

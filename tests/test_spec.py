@@ -1,0 +1,70 @@
+"""AdapterSpec validation and SweepGrid expansion."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from lightning_multilora import AdapterSpec, SweepGrid
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("rank", 0, "`rank` must be an integer >= 1"),
+    ("rank", -3, "`rank` must be an integer >= 1"),
+    ("alpha", 0, "`alpha` must be a number > 0"),
+    ("alpha", -1.0, "`alpha` must be a number > 0"),
+    ("lr", 0.0, "`lr` must be a finite number > 0"),
+    ("lr", -1e-4, "`lr` must be a finite number > 0"),
+    ("lr", math.inf, "`lr` must be a finite number > 0"),
+    ("batch_size", 0, "`batch_size` must be an integer >= 1"),
+    ("dropout", 1.0, "`dropout` must be a number in \\[0, 1\\)"),
+    ("weight_decay", -0.1, "`weight_decay` must be a number >= 0"),
+    ("max_steps", 0, "`max_steps` must be an integer >= 1"),
+    ("max_epochs", -1.0, "`max_epochs` must be a number > 0"),
+    ("lr_schedule", "step", "`lr_schedule` can be constant, linear, cosine"),
+    ("objective", "ppo", "`objective` can be sft"),
+    ("grad_clip", 0.0, "`grad_clip` must be a number > 0 or None"),
+    ("warmup_steps", -1, "`warmup_steps` must be an integer >= 0"),
+    ("target_modules", [], "`target_modules` must be a non-empty list"),
+])
+def test_bad_values_name_the_field_and_the_allowed_values(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        AdapterSpec("x", **{field: value})
+
+
+@pytest.mark.parametrize("name", ["", "a.b", "a b", "a/b", None])
+def test_bad_names(name):
+    with pytest.raises(ValueError, match="`name` must be"):
+        AdapterSpec(name)
+
+
+def test_steps_and_epochs_are_exclusive_and_default_to_100_steps():
+    with pytest.raises(ValueError, match="exclusive"):
+        AdapterSpec("x", max_steps=3, max_epochs=1.0)
+    assert AdapterSpec("x").max_steps == 100
+    assert AdapterSpec("x", max_epochs=2).max_steps is None
+
+
+def test_scaling_is_alpha_over_r_or_rslora():
+    assert AdapterSpec("x", rank=8, alpha=16).scaling == 2.0
+    assert AdapterSpec("x", rank=16, alpha=8, use_rslora=True).scaling == 2.0
+
+
+def test_round_trip_through_a_dict():
+    spec = AdapterSpec("x", rank=3, lr=1e-3, target_modules=["q_proj"], dataset="d", seed=5)
+    assert AdapterSpec.from_dict(spec.to_dict()) == spec
+    with pytest.raises(ValueError, match="unknown AdapterSpec fields"):
+        AdapterSpec.from_dict({"name": "x", "rnak": 3})
+
+
+def test_grid_is_the_cartesian_product_with_readable_unique_names():
+    grid = SweepGrid(axes={"lr": [1e-5, 2.5e-4], "rank": [16, 32], "batch_size": [1, 8]}, base={"max_steps": 7},
+                     alpha_over_rank=2)
+    specs = grid.specs()
+    assert len(specs) == 8 and len({s.name for s in specs}) == 8
+    assert specs[0].name == "lr1e-5-rank16-bs1"
+    assert specs[-1].name == "lr2p5e-4-rank32-bs8"
+    assert all(s.alpha == 2 * s.rank and s.max_steps == 7 for s in specs)
+    with pytest.raises(ValueError, match="not an AdapterSpec field"):
+        SweepGrid(axes={"learning_rate": [1e-4]}).specs()
