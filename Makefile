@@ -1,0 +1,33 @@
+# make demo: create .venv if needed, install, run the default sweep (tiny Llama, generated data).
+# make test: create .venv if needed, install with the test extras, run the test suite.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: demo test install clean
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Without a CUDA GPU, install the CPU build of torch first (an unpinned torch would pull a CUDA build).
+$(STAMP): pyproject.toml | $(BIN)/python
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		echo "CUDA GPU found: torch comes from the package's dependencies"; \
+	else \
+		echo "No CUDA GPU: installing the CPU torch wheel"; \
+		$(BIN)/python -m pip install --quiet torch==2.13.0; \
+	fi
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+demo: install
+	$(BIN)/multilora demo
+
+test: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf runs lightning_logs .pytest_cache

@@ -1,0 +1,49 @@
+"""The ``multilora`` command: LightningCLI over `MultiLoRAModule` and `MultiLoRADataModule`.
+
+    multilora fit --config sweep.yaml        # any LightningCLI subcommand and flag
+    multilora demo [--trainer.max_steps 50]  # the packaged default sweep (configs/demo.yaml)
+"""
+
+from __future__ import annotations
+
+import sys
+from importlib import resources
+from typing import Optional
+
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_multilora.callbacks.report import SweepReport
+from lightning_multilora.data.datamodule import MultiLoRADataModule
+from lightning_multilora.module import MultiLoRAModule
+
+
+class MultiLoRACLI(LightningCLI):
+    """Adds the sweep report and step-based validation defaults (the training stream is endless:
+    a run ends when every adapter has finished)."""
+
+    def add_arguments_to_parser(self, parser) -> None:
+        parser.add_lightning_class_args(SweepReport, "report")
+        parser.set_defaults({
+            "trainer.max_steps": -1,
+            "trainer.max_epochs": -1,
+            "trainer.val_check_interval": 50,
+            "trainer.check_val_every_n_epoch": None,
+            "trainer.default_root_dir": "runs",
+            "trainer.log_every_n_steps": 10,
+        })
+
+
+def demo_config() -> str:
+    return str(resources.files("lightning_multilora") / "configs" / "demo.yaml")
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    args = list(sys.argv[1:] if args is None else args)
+    if args[:1] == ["demo"]:
+        args = ["fit", "--config", demo_config(), *args[1:]]
+    MultiLoRACLI(MultiLoRAModule, MultiLoRADataModule, subclass_mode_model=False, subclass_mode_data=False,
+                 save_config_kwargs={"overwrite": True}, args=args)
+
+
+if __name__ == "__main__":
+    main()

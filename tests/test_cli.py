@@ -1,0 +1,61 @@
+"""The `multilora` command and the examples' configs."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_multilora.cli import demo_config, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_config_runs_a_small_sweep_and_reports(tmp_path, capsys):
+    main(["demo", "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+          "--model.grid.axes", "{lr: [1.0e-3, 4.0e-3], rank: [2, 4]}", "--model.grid.base", "{max_steps: 6}",
+          "--data.sources", "{arithmetic: {class_path: lightning_multilora.data.GeneratedArithmetic, init_args: {num_examples: 200}}}"])
+    out = capsys.readouterr().out
+    assert "Adapters ranked by best validation loss" in out and "lr4e-3-rank4" in out
+    summary = json.loads(next(tmp_path.rglob("sweep_summary.json")).read_text())
+    assert len(summary) == 4 and all(row["status"] == "finished" and row["steps"] == 6 for row in summary)
+    assert all((Path(row["export_path"]) / "adapter_model.safetensors").is_file() for row in summary)
+    assert list(tmp_path.rglob("events.out.tfevents.*"))
+
+
+def test_example_yaml_parses_with_the_cli_parser(tmp_path):
+    from lightning_multilora.cli import MultiLoRACLI
+    from lightning_multilora.data.datamodule import MultiLoRADataModule
+    from lightning_multilora.module import MultiLoRAModule
+
+    cli = MultiLoRACLI(MultiLoRAModule, MultiLoRADataModule, run=False,
+                       args=["--config", str(ROOT / "examples" / "sweep.yaml"),
+                             "--trainer.default_root_dir", str(tmp_path)])
+    names = [r.name for r in cli.model.registry]
+    assert names[:2] == ["baseline", "attention-only"] and len(names) == 6
+    assert cli.model.max_running == 8 and set(cli.datamodule.sources) == {"arith", "mul"}
+
+
+def test_bad_config_values_are_clear_errors(tmp_path, capsys):
+    with pytest.raises(ValueError, match="`max_steps` must be an integer >= 1, got 0"):
+        main(["fit", "--config", demo_config(), "--model.grid.base", "{max_steps: 0}",
+              "--trainer.default_root_dir", str(tmp_path)])
+    with pytest.raises((SystemExit, ValueError)) as err:  # a listed adapter is checked as the config is parsed
+        main(["fit", "--config", demo_config(), "--model.adapters", "[{name: a, rank: -1}]",
+              "--trainer.default_root_dir", str(tmp_path)])
+    assert "`rank` must be an integer >= 1, got -1" in str(err.value) + capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_python_api_example_and_peft_loading_example(tmp_path):
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "python_api_sweep.py")], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    best_path = run.stdout.strip().splitlines()[-1].rsplit(" at ", 1)[1]
+    load = subprocess.run([sys.executable, str(ROOT / "examples" / "load_with_peft.py"), best_path],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert load.returncode == 0, load.stderr[-3000:]
+    assert load.stdout.startswith("Q: Ada has 7 apples")
