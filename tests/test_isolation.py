@@ -33,7 +33,7 @@ def make_datamodule() -> MultiLoRADataModule:
     })
 
 
-def train_alone_with_peft(spec: AdapterSpec, dm: MultiLoRADataModule) -> dict[str, torch.Tensor]:
+def train_alone_with_peft(spec: AdapterSpec, dm: MultiLoRADataModule, device: str = "cpu") -> dict[str, torch.Tensor]:
     """The baseline: PEFT LoRA, torch AdamW, transformers' schedule, the adapter's own batches."""
     targets = spec.target_modules or DEFAULT_TARGETS
     init_base = build_base_model("tiny-llama")
@@ -43,7 +43,7 @@ def train_alone_with_peft(spec: AdapterSpec, dm: MultiLoRADataModule) -> dict[st
 
     model = get_peft_model(build_base_model("tiny-llama"), LoraConfig(
         r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, use_rslora=spec.use_rslora,
-        target_modules=targets, task_type="CAUSAL_LM"))
+        target_modules=targets, task_type="CAUSAL_LM")).to(device)
     result = set_peft_model_state_dict(model, {k.replace("base_model.model.", "base_model.model.", 1): v
                                                for k, v in init.items()})
     assert not result.unexpected_keys
@@ -57,6 +57,7 @@ def train_alone_with_peft(spec: AdapterSpec, dm: MultiLoRADataModule) -> dict[st
     for _ in range(spec.max_steps):
         idx = stream.next_indices()
         batch = dm.pack([spec.name], [([train.input_ids[i] for i in idx], [train.labels[i] for i in idx])])
+        batch = {k: v.to(device) for k, v in batch.items() if k != "layout"}
         loss = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                      labels=batch["labels"]).loss
         opt.zero_grad(set_to_none=True)
@@ -65,17 +66,20 @@ def train_alone_with_peft(spec: AdapterSpec, dm: MultiLoRADataModule) -> dict[st
             torch.nn.utils.clip_grad_norm_(params, spec.grad_clip)
         opt.step()
         sched.step()
-    return {k: v.detach() for k, v in get_peft_model_state_dict(model).items()}
+    return {k: v.detach().cpu() for k, v in get_peft_model_state_dict(model).items()}
 
 
-def test_packed_adapters_equal_each_trained_alone_with_peft(tmp_path, trainer_kwargs):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_packed_adapters_equal_each_trained_alone_with_peft(tmp_path, trainer_kwargs, device):
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on the GPU too
+    torch.backends.cudnn.allow_tf32 = False
     module = MultiLoRAModule("tiny-llama", adapters=SPECS, export_dir=str(tmp_path / "out"), validate_on_finish=False)
     dm = make_datamodule()
-    L.Trainer(**trainer_kwargs).fit(module, dm)
+    L.Trainer(**dict(trainer_kwargs, accelerator=device)).fit(module, dm)
     assert all(r.state.value == "finished" and r.step == 20 for r in module.registry)
     for spec in SPECS:
         packed = load_file(str(tmp_path / "out" / spec.name / "adapter_model.safetensors"))
-        alone = train_alone_with_peft(spec, make_datamodule())
+        alone = train_alone_with_peft(spec, make_datamodule(), device)
         assert set(packed) == set(alone), spec.name
         for key in alone:
             # the adapter must have moved, so that the comparison is not of two initialisations
