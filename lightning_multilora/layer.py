@@ -96,10 +96,9 @@ class MultiLoRALinear(nn.Module):
         del self.dropout[name]
 
     def forward(self, x: Tensor) -> Tensor:
-        base_out = self.base(x)
         layout = self.context.layout
         if layout is None or len(self.lora_A) == 0:
-            return base_out
+            return self.base(x)
         if x.shape[0] != layout.num_rows:
             raise RuntimeError(
                 f"the batch has {x.shape[0]} rows but the layout describes {layout.num_rows}; "
@@ -108,7 +107,7 @@ class MultiLoRALinear(nn.Module):
         tokens_per_row = x[0].numel() // x.shape[-1] if x.dim() > 2 else 1
         held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
         if not held:
-            return base_out
+            return self.base(x)
         weights = LoRAWeights(
             a=tuple(self.lora_A[n] for _, n in held),
             b=tuple(self.lora_B[n] for _, n in held),
@@ -117,9 +116,9 @@ class MultiLoRALinear(nn.Module):
             starts=tuple(layout.starts[i] * tokens_per_row for i, _ in held),
             ends=tuple(layout.ends[i] * tokens_per_row for i, _ in held),
         )
-        out = multi_lora(x.reshape(-1, self.in_features), base_out.reshape(-1, self.out_features), weights,
-                         self.training)
-        return out.reshape(base_out.shape)
+        x2d = x.reshape(-1, self.in_features)  # (T, d_in): the kernels see tokens, the layout rows
+        out = multi_lora(x2d, self.base(x2d), weights, self.training)  # a fresh base output, free to update in place
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, adapters={self.adapter_names}"

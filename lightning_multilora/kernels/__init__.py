@@ -13,12 +13,16 @@ from torch import Tensor
 from lightning_multilora.kernels.reference import multi_lora_reference
 from lightning_multilora.kernels.weights import LoRAWeights
 
-BACKENDS = ("auto", "reference")
+BACKENDS = ("auto", "reference", "triton")
 _backend = os.environ.get("MULTILORA_BACKEND", "auto")
 
 
 def set_backend(name: str) -> None:
-    """Force a backend for every layer: one of ``BACKENDS`` (``auto`` picks the fastest available)."""
+    """Force a backend for every layer: one of ``BACKENDS``.
+
+    ``auto``: Triton kernels for CUDA tensors, the reference elsewhere. ``triton`` on CPU tensors needs
+    ``TRITON_INTERPRET=1`` (the Triton interpreter; slow, for tests).
+    """
     global _backend
     if name not in BACKENDS:
         raise ValueError(f"`backend` can be {', '.join(BACKENDS)}, got {name!r}")
@@ -41,9 +45,30 @@ def multi_lora(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool
     Returns:
         ``(T, d_out)`` in ``base_out``'s dtype; differentiable in ``x``, every ``A`` and ``B``.
     """
-    if _backend not in BACKENDS:
-        raise ValueError(f"`backend` can be {', '.join(BACKENDS)}, got {_backend!r}")
+    backend = resolve_backend(x)
+    if backend == "triton":
+        from lightning_multilora.kernels.triton_lora import multi_lora_triton
+
+        return multi_lora_triton(x, base_out, weights, training)
     return multi_lora_reference(x, base_out, weights, training)
 
 
-__all__ = ["BACKENDS", "LoRAWeights", "get_backend", "multi_lora", "multi_lora_reference", "set_backend"]
+def resolve_backend(x: Tensor) -> str:
+    """The backend that runs for ``x``: what ``auto`` resolves to, or the forced one."""
+    if _backend not in BACKENDS:
+        raise ValueError(f"`backend` can be {', '.join(BACKENDS)}, got {_backend!r}")
+    if _backend == "auto":
+        return "triton" if x.is_cuda and _triton_available() else "reference"
+    return _backend
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+__all__ = ["BACKENDS", "LoRAWeights", "get_backend", "multi_lora", "multi_lora_reference", "resolve_backend",
+           "set_backend"]

@@ -59,7 +59,7 @@ def test_dropout_only_in_training_and_only_on_its_adapter():
 def test_dispatch_and_backend_switch():
     x, base, w = random_problem(ranks=[3], tokens=[4], dtype=torch.float32, seed=0)
     torch.testing.assert_close(multi_lora(x, base, w, False), multi_lora_reference(x, base, w, False))
-    with pytest.raises(ValueError, match="`backend` can be auto, reference"):
+    with pytest.raises(ValueError, match="`backend` can be auto, reference, triton"):
         kernels.set_backend("cuda-magic")
     kernels.set_backend("reference")
     try:

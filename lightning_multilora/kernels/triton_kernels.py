@@ -1,0 +1,168 @@
+"""Grouped multi-LoRA Triton kernels over a packed token buffer.
+
+Adapter ``i`` owns rows ``[start_i, end_i)``. A schedule table of (adapter, first row) pairs, one per
+``BLOCK_M`` rows of each segment, drives the row-blocked kernels, so adapters with more tokens get more
+programs and boundary blocks are masked: no token padding. Ranks differ per adapter: the rank axis is a
+``BLOCK_R``-wide tile masked by ``offs_r < r_i``; weights are never padded in memory. Each adapter keeps
+its own ``A_i (r_i, d_in)`` and ``B_i (d_out, r_i)`` tensors, reached through device arrays of pointers.
+All accumulation is fp32; matrix products take the activation dtype (bf16 / fp16 / fp32).
+
+The four kernels:
+- `_rows_times_weight`: ``OUT[t, :r_i] = c_i * (drop_i(IN[t]) @ W_i)`` where W_i is ``A_i^T`` (shrink,
+  ``S = drop(X) A^T``) or ``B_i`` (``dS = s dY B``).
+- `_rank_times_weight`: ``Y[t, :] (+)= c_i * (R[t, :r_i] @ W_i) [* drop mask]`` where W_i is ``B_i^T``
+  (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = drop'(dS A)``).
+- `_weight_grad`: per adapter, ``G_i = c_i * L_i^T @ drop_i(M_i)`` over its rows, stored in A's layout
+  (``dA = dS^T drop(X)``) or B's (``dB^T = s S^T dY``).
+Dropout masks come from a per-adapter seed and the element's (row, column): the backward regenerates
+the forward's mask instead of storing it.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dropout_scale(values, seed, p, rows, cols, n_cols):
+    """``values * keep / (1 - p)`` with ``keep = rand(seed, row * n_cols + col) >= p`` (fp32)."""
+    keep = tl.rand(seed, rows[:, None] * n_cols + cols[None, :]) >= p
+    return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
+
+
+@triton.jit
+def _rows_times_weight(
+    # pointers
+    IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
+    # sizes
+    K,
+    # strides
+    stride_in_m, stride_out_m,
+    # meta-parameters
+    W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    a = tl.load(BLK_ADAPTER + pid)
+    m0 = tl.load(BLK_START + pid)
+    end = tl.load(SEG_END + a)
+    r = tl.load(RANKS + a)
+    w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_m = offs_m < end
+    mask_r = offs_r < r
+    if W_IS_A:  # W = A^T: element (k, j) is A[j, k], A row-major (r, K)
+        stride_wk = 1
+        stride_wr = K
+    else:  # W = B: element (k, j) is B[k, j], B row-major (K, r)
+        stride_wk = r
+        stride_wr = 1
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        x = tl.load(IN + offs_m[:, None] * stride_in_m + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if HAS_DROPOUT:
+            x = _dropout_scale(x, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m, offs_k, K).to(x.dtype)
+        wt = tl.load(w + offs_k[:, None] * stride_wk + offs_r[None, :] * stride_wr,
+                     mask=mask_k[:, None] & mask_r[None, :], other=0.0)
+        acc += tl.dot(x, wt.to(x.dtype))
+    acc = acc * tl.load(COEF + a)
+    tl.store(OUT + offs_m[:, None] * stride_out_m + offs_r[None, :], acc.to(OUT.dtype.element_ty),
+             mask=mask_m[:, None] & mask_r[None, :])
+
+
+@triton.jit
+def _rank_times_weight(
+    # pointers
+    R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
+    # sizes
+    N,
+    # strides
+    stride_r_m, stride_y_m,
+    # meta-parameters
+    W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    a = tl.load(BLK_ADAPTER + pid)
+    m0 = tl.load(BLK_START + pid)
+    end = tl.load(SEG_END + a)
+    r = tl.load(RANKS + a)
+    w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_m = offs_m < end
+    mask_n = offs_n < N
+    mask_r = offs_r < r
+    if W_IS_A:  # W = A: element (j, n) is A[j, n], A row-major (r, N)
+        stride_wr = N
+        stride_wn = 1
+    else:  # W = B^T: element (j, n) is B[n, j], B row-major (N, r)
+        stride_wr = 1
+        stride_wn = r
+    low = tl.load(R + offs_m[:, None] * stride_r_m + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
+                  other=0.0)
+    wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
+                 mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+    dot_dtype = Y.dtype.element_ty
+    acc = tl.dot(low.to(dot_dtype), wt.to(dot_dtype)) * tl.load(COEF + a)
+    if HAS_DROPOUT:
+        acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m, offs_n, N)
+    y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
+    mask = mask_m[:, None] & mask_n[None, :]
+    if ACCUMULATE:
+        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
+
+
+@triton.jit
+def _weight_grad(
+    # pointers
+    L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
+    # sizes
+    K,
+    # strides
+    stride_l_m, stride_m_m,
+    # meta-parameters
+    G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPLIT_T: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    a = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    split = tl.program_id(2)
+    start = tl.load(SEG_START + a)
+    end = tl.load(SEG_END + a)
+    r = tl.load(RANKS + a)
+    g = tl.load(G_PTRS + a).to(G_WITNESS.dtype)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_k = offs_k < K
+    mask_r = offs_r < r
+    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    # SPLIT_T programs share one adapter's rows, interleaved by BLOCK_T, and add into G atomically.
+    for t0 in range(start + split * BLOCK_T, end, BLOCK_T * SPLIT_T):
+        offs_t = t0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < end
+        low = tl.load(L + offs_t[:, None] * stride_l_m + offs_r[None, :], mask=mask_t[:, None] & mask_r[None, :],
+                      other=0.0)
+        full = tl.load(M + offs_t[:, None] * stride_m_m + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
+                       other=0.0)
+        if HAS_DROPOUT:
+            full = _dropout_scale(full, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_t, offs_k, K).to(full.dtype)
+        acc += tl.dot(tl.trans(low.to(full.dtype)), full)
+    acc = acc * tl.load(COEF + a)
+    if G_IS_A:  # G = dA (r, K) row-major
+        g_ptrs = g + offs_r[:, None] * K + offs_k[None, :]
+    else:  # G = dB (K, r) row-major, written from its transpose
+        g_ptrs = g + offs_k[None, :] * r + offs_r[:, None]
+    mask = mask_r[:, None] & mask_k[None, :]
+    if SPLIT_T == 1:
+        tl.store(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)

@@ -1,0 +1,225 @@
+"""The Triton multi-LoRA path: launch plans, pointer tables and the autograd Function."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton
+from torch import Tensor
+
+from lightning_multilora.kernels import triton_kernels as K
+from lightning_multilora.kernels.weights import LoRAWeights
+
+BLOCK_M = 64  # rows per program in the row-blocked kernels
+BLOCK_K = 64  # reduction tile over d_in / d_out
+BLOCK_N = 128  # output columns per program in expand / dX
+BLOCK_T = 64  # rows per step in the weight-gradient reduction
+_CACHE_SIZE = 256
+
+
+class _LRU(OrderedDict):
+    def get_or_make(self, key: Any, make):
+        if key in self:
+            self.move_to_end(key)
+            return self[key]
+        value = make()
+        self[key] = value
+        if len(self) > _CACHE_SIZE:
+            self.popitem(last=False)
+        return value
+
+
+_schedules = _LRU()
+_pointer_tables = _LRU()
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Device tables of one layout: per block its adapter and first row; per adapter its rows."""
+
+    blk_adapter: Tensor  # (num_blocks,) int32
+    blk_start: Tensor  # (num_blocks,) int32
+    seg_start: Tensor  # (num_adapters,) int32
+    seg_end: Tensor  # (num_adapters,) int32
+    num_blocks: int
+    covers_all_rows: bool
+    max_tokens: int
+
+
+def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, device: torch.device) -> Schedule:
+    """The (adapter, block) schedule of a layout, built once per layout and device and cached."""
+
+    def make() -> Schedule:
+        adapters, firsts = [], []
+        for i, (s, e) in enumerate(zip(starts, ends)):
+            for m in range(s, e, BLOCK_M):
+                adapters.append(i)
+                firsts.append(m)
+        host = torch.tensor([adapters, firsts], dtype=torch.int32).reshape(2, -1)
+        segs = torch.tensor([starts, ends], dtype=torch.int32).reshape(2, -1)
+        covered = sum(e - s for s, e in zip(starts, ends)) == num_rows
+        return Schedule(host[0].to(device, non_blocking=True), host[1].to(device, non_blocking=True),
+                        segs[0].to(device, non_blocking=True), segs[1].to(device, non_blocking=True),
+                        len(adapters), covered, max((e - s for s, e in zip(starts, ends)), default=0))
+
+    return _schedules.get_or_make((starts, ends, num_rows, str(device)), make)
+
+
+@dataclass(frozen=True)
+class PointerTable:
+    a_ptrs: Tensor  # (n,) int64 addresses of A_i
+    b_ptrs: Tensor  # (n,) int64 addresses of B_i
+    ranks: Tensor  # (n,) int32
+    scaling: Tensor  # (n,) fp32
+    ones: Tensor  # (n,) fp32
+    drop_p: Tensor  # (n,) fp32
+    block_r: int
+
+
+def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
+    """Pointers to every adapter's own A and B, with ranks and scalings; cached by address, so it is
+    rebuilt only when the adapter set (or a parameter's storage) changes."""
+    key = (tuple(a.data_ptr() for a in weights.a), tuple(b.data_ptr() for b in weights.b),
+           tuple(a.shape[0] for a in weights.a), weights.scaling, weights.dropout, str(device))
+
+    def make() -> PointerTable:
+        n = len(weights.a)
+        ptrs = torch.tensor([[a.data_ptr() for a in weights.a], [b.data_ptr() for b in weights.b]],
+                            dtype=torch.int64).reshape(2, n)
+        ranks = [a.shape[0] for a in weights.a]
+        floats = torch.tensor([list(weights.scaling), [1.0] * n, list(weights.dropout)], dtype=torch.float32)
+        floats = floats.reshape(3, n).to(device, non_blocking=True)
+        return PointerTable(ptrs[0].to(device, non_blocking=True), ptrs[1].to(device, non_blocking=True),
+                            torch.tensor(ranks, dtype=torch.int32).to(device, non_blocking=True),
+                            floats[0], floats[1], floats[2], max(16, triton.next_power_of_2(max(ranks))))
+
+    return _pointer_tables.get_or_make(key, make)
+
+
+def _check(x: Tensor, base_out: Tensor, weights: LoRAWeights) -> None:
+    if x.dim() != 2 or base_out.dim() != 2 or x.shape[0] != base_out.shape[0]:
+        raise ValueError(f"expected x (T, d_in) and base_out (T, d_out), got {tuple(x.shape)}, {tuple(base_out.shape)}")
+    if max(a.shape[0] for a in weights.a) > 256:
+        raise ValueError("the Triton path supports ranks up to 256")
+    d_in, d_out = x.shape[1], base_out.shape[1]
+    for a, b in zip(weights.a, weights.b):
+        if a.shape[1] != d_in or b.shape[0] != d_out or a.shape[0] != b.shape[1]:
+            raise ValueError(f"adapter shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit d_in={d_in}, d_out={d_out}")
+        if not (a.is_contiguous() and b.is_contiguous()):
+            raise ValueError("adapter weights must be contiguous")
+        if a.dtype != weights.a[0].dtype or b.dtype != weights.a[0].dtype:
+            raise ValueError("all adapter weights of one call must share a dtype")
+
+
+class GroupedLoRAFunction(torch.autograd.Function):
+    """``Y = Y_base + s_i * drop_i(X_i) A_i^T B_i^T`` on every adapter's rows, in place on ``Y_base``.
+
+    Forward (2 launches):   ``S_i = drop_i(X_i) A_i^T``;   ``Y_i = Y_base_i + s_i S_i B_i^T``.
+    Backward (4 launches):  ``dS_i = s_i dY_i B_i``;        ``dX_i = drop_i'(dS_i A_i)``;
+                            ``dA_i = dS_i^T drop_i(X_i)``;  ``dB_i = s_i dY_i^T S_i``.
+    ``dY_base = dY``. ``S`` is kept from the forward; dropout masks are regenerated from per-adapter
+    seeds. Rows outside every segment keep ``Y_base`` (and get ``dX = 0``).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool, *params: Tensor) -> Tensor:
+        n = len(weights.a)
+        device = x.device
+        table = pointer_table(weights, device)
+        sched = schedule(weights.starts, weights.ends, x.shape[0], device)
+        has_dropout = training and any(p > 0 for p in weights.dropout)
+        seeds = (torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32).to(device, non_blocking=True)
+                 if has_dropout else table.ranks)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        s = torch.empty((x.shape[0], table.block_r), device=device, dtype=x.dtype)
+        if sched.num_blocks:
+            K._rows_times_weight[(sched.num_blocks,)](
+                x, table.a_ptrs, weights.a[0], s, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
+                table.ones, table.drop_p, seeds, x.shape[1], x.stride(0), s.stride(0),
+                W_IS_A=True, HAS_DROPOUT=has_dropout, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
+            d_out = base_out.shape[1]
+            K._rank_times_weight[(sched.num_blocks, triton.cdiv(d_out, BLOCK_N))](
+                s, table.b_ptrs, weights.a[0], base_out, sched.blk_adapter, sched.blk_start, sched.seg_end,
+                table.ranks, table.scaling, table.drop_p, seeds, d_out, s.stride(0), base_out.stride(0),
+                W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                BLOCK_R=table.block_r)
+        ctx.mark_dirty(base_out)
+        ctx.save_for_backward(x, s, seeds)
+        ctx.weights, ctx.has_dropout = weights, has_dropout
+        return base_out
+
+    @staticmethod
+    def backward(ctx, dy: Tensor):
+        x, s, seeds = ctx.saved_tensors
+        weights: LoRAWeights = ctx.weights
+        n = len(weights.a)
+        device = dy.device
+        table = pointer_table(weights, device)
+        sched = schedule(weights.starts, weights.ends, x.shape[0], device)
+        dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+        d_in, d_out = x.shape[1], dy.shape[1]
+        ds = torch.empty_like(s)
+        dx = None
+        if sched.num_blocks:
+            K._rows_times_weight[(sched.num_blocks,)](
+                dy, table.b_ptrs, weights.a[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
+                table.scaling, table.drop_p, seeds, d_out, dy.stride(0), ds.stride(0),
+                W_IS_A=False, HAS_DROPOUT=False, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
+        if ctx.needs_input_grad[0]:
+            dx = (torch.empty_like(x) if sched.covers_all_rows else torch.zeros_like(x))
+            if sched.num_blocks:
+                K._rank_times_weight[(sched.num_blocks, triton.cdiv(d_in, BLOCK_N))](
+                    ds, table.a_ptrs, weights.a[0], dx, sched.blk_adapter, sched.blk_start, sched.seg_end,
+                    table.ranks, table.ones, table.drop_p, seeds, d_in, ds.stride(0), dx.stride(0),
+                    W_IS_A=True, ACCUMULATE=False, HAS_DROPOUT=ctx.has_dropout, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                    BLOCK_R=table.block_r)
+        grads_a, grads_b = _weight_grads(x, dy, s, ds, seeds, weights, table, sched, ctx.has_dropout)
+        return (dx, dy, None, None, *grads_a, *grads_b)
+
+
+def _split_for(num_programs: int, max_tokens: int, device: torch.device) -> int:
+    """Row splits so that small problems still fill the GPU (each split adds into G atomically)."""
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    split = 1
+    while num_programs * split < 2 * sms and max_tokens > split * 2 * BLOCK_T:
+        split *= 2
+    return split
+
+
+def _weight_grads(x, dy, s, ds, seeds, weights: LoRAWeights, table: PointerTable, sched: Schedule, has_dropout):
+    n = len(weights.a)
+    device, wdtype = x.device, weights.a[0].dtype
+    d_in, d_out = x.shape[1], dy.shape[1]
+    sizes_a = [a.numel() for a in weights.a]
+    sizes_b = [b.numel() for b in weights.b]
+    split_a = _split_for(n * triton.cdiv(d_in, BLOCK_K), sched.max_tokens, device)
+    split_b = _split_for(n * triton.cdiv(d_out, BLOCK_K), sched.max_tokens, device)
+    alloc = torch.zeros if (split_a > 1 or split_b > 1) else torch.empty
+    flat = alloc(sum(sizes_a) + sum(sizes_b), device=device, dtype=wdtype)
+    grads = list(torch.split(flat, sizes_a + sizes_b))
+    grads_a = [g.view_as(a) for g, a in zip(grads[:n], weights.a)]
+    grads_b = [g.view_as(b) for g, b in zip(grads[n:], weights.b)]
+    ptrs = torch.tensor([[g.data_ptr() for g in grads_a], [g.data_ptr() for g in grads_b]], dtype=torch.int64)
+    ptrs = ptrs.reshape(2, n).to(device, non_blocking=True)
+    K._weight_grad[(n, triton.cdiv(d_in, BLOCK_K), split_a)](
+        ds, x, ptrs[0], flat, sched.seg_start, sched.seg_end, table.ranks, table.ones, table.drop_p, seeds,
+        d_in, ds.stride(0), x.stride(0),
+        G_IS_A=True, HAS_DROPOUT=has_dropout, SPLIT_T=split_a, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
+    K._weight_grad[(n, triton.cdiv(d_out, BLOCK_K), split_b)](
+        s, dy, ptrs[1], flat, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p, seeds,
+        d_out, s.stride(0), dy.stride(0),
+        G_IS_A=False, HAS_DROPOUT=False, SPLIT_T=split_b, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
+    return grads_a, grads_b
+
+
+def multi_lora_triton(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool) -> Tensor:
+    """The Triton path of `multi_lora`: same contract, ``base_out`` is updated in place and returned."""
+    _check(x, base_out, weights)
+    if len(weights.a) == 0:
+        return base_out
+    return GroupedLoRAFunction.apply(x, base_out, weights, training, *weights.a, *weights.b)

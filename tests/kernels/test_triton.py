@@ -1,0 +1,152 @@
+"""The grouped Triton kernels against the reference: the interpreter on CPU (fp32/fp16), bf16 on the GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from lightning_multilora.kernels import LoRAWeights, multi_lora_reference  # noqa: E402
+from lightning_multilora.kernels.triton_lora import multi_lora_triton  # noqa: E402
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and not INTERPRETED:
+    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
+
+
+def problem(ranks, tokens, d_in, d_out, dtype, dropout=None, gaps=True, seed=None):
+    """Random packed problem: segments of `tokens` rows, optional unowned rows between them."""
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31 - 1, ())))
+    starts, ends, row = [], [], 0
+    for t in tokens:
+        row += int(torch.randint(0, 3, (), generator=g)) if gaps else 0
+        starts.append(row)
+        row += t
+        ends.append(row)
+    rows = row + (2 if gaps else 0)
+    x = torch.randn(rows, d_in, generator=g).to(DEVICE, dtype)
+    base = torch.randn(rows, d_out, generator=g).to(DEVICE, dtype)
+    a = tuple(torch.randn(r, d_in, generator=g).div(d_in ** 0.5).to(DEVICE).requires_grad_() for r in ranks)
+    b = tuple(torch.randn(d_out, r, generator=g).to(DEVICE).requires_grad_() for r in ranks)
+    scaling = tuple(float(v) for v in torch.rand(len(ranks), generator=g) * 2 + 0.25)
+    drop = tuple(dropout or [0.0] * len(ranks))
+    return x, base, LoRAWeights(a, b, scaling, drop, tuple(starts), tuple(ends))
+
+
+def run(fn, x, base, w, training, grad_out):
+    x = x.detach().clone().requires_grad_()
+    y = fn(x, base.detach().clone(), w, training)
+    params = [x, *w.a, *w.b]
+    grads = torch.autograd.grad(y, params, grad_out, allow_unused=True)
+    return y.detach(), [torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)]
+
+
+def as64(w: LoRAWeights) -> LoRAWeights:
+    conv = lambda ts: tuple(t.detach().double().requires_grad_() for t in ts)  # noqa: E731
+    return LoRAWeights(conv(w.a), conv(w.b), w.scaling, w.dropout, w.starts, w.ends)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+CASES = [
+    ([1, 7, 100], [70, 0, 5]),  # ranks 1, 7, 100; an adapter with no tokens
+    ([16], [1]),  # one adapter, one token
+    ([3, 16, 9, 33, 2], [130, 1, 64, 17, 0]),  # mixed token counts across block boundaries
+]
+
+
+@pytest.mark.parametrize("ranks, tokens", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_forward_and_gradients_match_the_reference(ranks, tokens, dtype):
+    if DEVICE == "cuda" and dtype == torch.float32:
+        pytest.skip("fp32 products on the GPU are tf32; the GPU is checked in bf16 below")
+    x, base, w = problem(ranks, tokens, d_in=48, d_out=72, dtype=dtype)
+    grad_out = torch.randn_like(base)
+    y, grads = run(multi_lora_triton, x, base, w, False, grad_out)
+    y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert rel(y, y_ref) < tol
+    for name, g, g_ref in zip(["x"] + [f"A{i}" for i in range(len(ranks))] + [f"B{i}" for i in range(len(ranks))],
+                              grads, grads_ref):
+        assert g.dtype == (x.dtype if name == "x" else torch.float32)
+        if g_ref.abs().max() == 0:
+            assert g.abs().max() == 0, name
+        else:
+            assert rel(g, g_ref) < tol, name
+
+
+def test_rows_outside_every_segment_keep_the_base_output():
+    x, base, w = problem([4, 5], [10, 20], d_in=32, d_out=16, dtype=torch.float32, seed=3)
+    y = multi_lora_triton(x, base.clone(), w, False)
+    owned = torch.zeros(base.shape[0], dtype=torch.bool)
+    for s, e in zip(w.starts, w.ends):
+        owned[s:e] = True
+    assert (~owned).any()
+    assert torch.equal(y[~owned.to(y.device)], base[~owned.to(y.device)])
+
+
+def test_dropout_mask_is_per_adapter_and_the_backward_reuses_it():
+    # y - base is linear in A, B and X for a fixed mask, so <grad, param> = <grad_out, y - base> holds
+    # exactly only if the backward applies the forward's mask.
+    x, base, w = problem([8, 8], [128, 128], d_in=64, d_out=32, dtype=torch.float32, dropout=[0.5, 0.0], gaps=False)
+    grad_out = torch.randn_like(base)
+    y, grads = run(multi_lora_triton, x, base, w, True, grad_out)
+    dx, (da0, da1), (db0, db1) = grads[0], grads[1:3], grads[3:5]
+    for i, (da, db) in enumerate(((da0, db0), (da1, db1))):
+        rows = slice(w.starts[i], w.ends[i])
+        inner = (grad_out[rows] * (y - base)[rows]).sum()
+        torch.testing.assert_close((da * w.a[i]).sum(), inner, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close((db * w.b[i]).sum(), inner, rtol=1e-4, atol=1e-3)
+        torch.testing.assert_close((dx[rows] * x[rows]).sum(), inner, rtol=1e-4, atol=1e-3)
+    y_eval = multi_lora_triton(x, base.clone(), w, False)
+    first, second = slice(w.starts[0], w.ends[0]), slice(w.starts[1], w.ends[1])
+    assert not torch.allclose(y[first], y_eval[first])  # adapter 0 drops ...
+    torch.testing.assert_close(y[second], y_eval[second])  # ... adapter 1 (p=0) does not
+
+
+def test_the_layer_runs_the_triton_backend_like_the_reference():
+    from lightning_multilora import BatchLayout, inject_multilora, kernels
+    from lightning_multilora.base_model import build_base_model
+
+    model = build_base_model("tiny-llama").to(DEVICE)
+    layers = inject_multilora(model, ["q_proj", "v_proj", "down_proj"])
+    for i, r in enumerate((2, 5, 3)):
+        layers.add_adapter(f"a{i}", rank=r, alpha=2 * r, seed=i)
+        with torch.no_grad():
+            for p in layers.parameters_of(f"a{i}"):
+                p.normal_(0, 0.1)
+    ids = torch.randint(0, 258, (5, 11), device=DEVICE)
+    layout = BatchLayout(("a0", "a1", "a2"), (0, 1, 3), (1, 3, 5), 5)
+    results = {}
+    for backend in ("reference", "triton"):
+        kernels.set_backend(backend)
+        try:
+            with layers.use(layout):
+                loss = model(input_ids=ids).logits.float().pow(2).mean()
+                grads = torch.autograd.grad(loss, layers.parameters_of("a1"))
+            results[backend] = (loss.detach(), grads)
+        finally:
+            kernels.set_backend("auto")
+    tol = 1e-4 if DEVICE == "cpu" else 2e-2
+    assert rel(results["triton"][0], results["reference"][0]) < tol
+    for g, g_ref in zip(results["triton"][1], results["reference"][1]):
+        assert rel(g, g_ref) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks, tokens", CASES + [([16] * 32, [256] * 32), ([8, 128, 64, 100], [1024, 300, 17, 999])])
+def test_bf16_on_the_gpu_against_float64(ranks, tokens):
+    x, base, w = problem(ranks, tokens, d_in=4096, d_out=1024, dtype=torch.bfloat16)
+    grad_out = torch.randn_like(base)
+    y, grads = run(multi_lora_triton, x, base, w, False, grad_out)
+    y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+    assert rel(y, y_ref) <= 1e-2
+    for g, g_ref in zip(grads, grads_ref):
+        if g_ref.abs().max() > 0:
+            assert rel(g, g_ref) <= 1e-2
