@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_multilora.base_model import TINY_CONFIGS
-from lightning_multilora.kernels import get_backend
+from lightning_multilora.kernels import resolve_backend
 from lightning_multilora.layer import LoRALayers, MultiLoRALinear, inject_multilora
 from lightning_multilora.layout import BatchLayout
 
@@ -325,7 +325,7 @@ def main() -> None:
         torch=torch.__version__,
         transformers=transformers.__version__,
         peft=peft.__version__,
-        backend=get_backend(),
+        backend=resolve_backend(torch.empty(0, device=device)),
         date=datetime.now(timezone.utc).date().isoformat(),
     )
     rows = {(seq, n): dict(common, seq=seq, n_adapters=n, packed_ms=None, base_floor_ms=None,

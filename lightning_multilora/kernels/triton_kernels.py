@@ -5,7 +5,8 @@ Adapter ``i`` owns rows ``[start_i, end_i)``. A schedule table of (adapter, firs
 programs and boundary blocks are masked: no token padding. Ranks differ per adapter: the rank axis is a
 ``BLOCK_R``-wide tile masked by ``offs_r < r_i``; weights are never padded in memory. Each adapter keeps
 its own ``A_i (r_i, d_in)`` and ``B_i (d_out, r_i)`` tensors, reached through device arrays of pointers.
-All accumulation is fp32; matrix products take the activation dtype (bf16 / fp16 / fp32).
+All accumulation is fp32; matrix products take the activation dtype (bf16 / fp16 / fp32; fp32 products
+are tf32 unless ``torch.backends.cuda.matmul.allow_tf32`` is off, then exact "ieee").
 
 The four kernels:
 - `_rows_times_weight`: ``OUT[t, :r_i] = c_i * (drop_i(IN[t]) @ W_i)`` where W_i is ``A_i^T`` (shrink,
@@ -40,7 +41,7 @@ def _rows_times_weight(
     # strides
     stride_in_m, stride_out_m,
     # meta-parameters
-    W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -69,7 +70,7 @@ def _rows_times_weight(
             x = _dropout_scale(x, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m, offs_k, K).to(x.dtype)
         wt = tl.load(w + offs_k[:, None] * stride_wk + offs_r[None, :] * stride_wr,
                      mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-        acc += tl.dot(x, wt.to(x.dtype))
+        acc += tl.dot(x, wt.to(x.dtype), input_precision=DOT_PRECISION)
     acc = acc * tl.load(COEF + a)
     tl.store(OUT + offs_m[:, None] * stride_out_m + offs_r[None, :], acc.to(OUT.dtype.element_ty),
              mask=mask_m[:, None] & mask_r[None, :])
@@ -84,7 +85,7 @@ def _rank_times_weight(
     # strides
     stride_r_m, stride_y_m,
     # meta-parameters
-    W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+    W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -111,7 +112,7 @@ def _rank_times_weight(
     wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
                  mask=mask_r[:, None] & mask_n[None, :], other=0.0)
     dot_dtype = Y.dtype.element_ty
-    acc = tl.dot(low.to(dot_dtype), wt.to(dot_dtype)) * tl.load(COEF + a)
+    acc = tl.dot(low.to(dot_dtype), wt.to(dot_dtype), input_precision=DOT_PRECISION) * tl.load(COEF + a)
     if HAS_DROPOUT:
         acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m, offs_n, N)
     y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
@@ -130,7 +131,7 @@ def _weight_grad(
     # strides
     stride_l_m, stride_m_m,
     # meta-parameters
-    G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPLIT_T: tl.constexpr,
+    G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPLIT_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     a = tl.program_id(0)
@@ -155,7 +156,7 @@ def _weight_grad(
                        other=0.0)
         if HAS_DROPOUT:
             full = _dropout_scale(full, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_t, offs_k, K).to(full.dtype)
-        acc += tl.dot(tl.trans(low.to(full.dtype)), full)
+        acc += tl.dot(tl.trans(low.to(full.dtype)), full, input_precision=DOT_PRECISION)
     acc = acc * tl.load(COEF + a)
     if G_IS_A:  # G = dA (r, K) row-major
         g_ptrs = g + offs_r[:, None] * K + offs_k[None, :]

@@ -99,6 +99,13 @@ def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
     return _pointer_tables.get_or_make(key, make)
 
 
+def _precision(x: Tensor) -> str:
+    """fp32 products follow torch's tf32 switch; other dtypes take the tensor cores' native path."""
+    if x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
 def _check(x: Tensor, base_out: Tensor, weights: LoRAWeights) -> None:
     if x.dim() != 2 or base_out.dim() != 2 or x.shape[0] != base_out.shape[0]:
         raise ValueError(f"expected x (T, d_in) and base_out (T, d_out), got {tuple(x.shape)}, {tuple(base_out.shape)}")
@@ -139,12 +146,12 @@ class GroupedLoRAFunction(torch.autograd.Function):
             K._rows_times_weight[(sched.num_blocks,)](
                 x, table.a_ptrs, weights.a[0], s, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
                 table.ones, table.drop_p, seeds, x.shape[1], x.stride(0), s.stride(0),
-                W_IS_A=True, HAS_DROPOUT=has_dropout, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
+                W_IS_A=True, HAS_DROPOUT=has_dropout, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
             d_out = base_out.shape[1]
             K._rank_times_weight[(sched.num_blocks, triton.cdiv(d_out, BLOCK_N))](
                 s, table.b_ptrs, weights.a[0], base_out, sched.blk_adapter, sched.blk_start, sched.seg_end,
                 table.ranks, table.scaling, table.drop_p, seeds, d_out, s.stride(0), base_out.stride(0),
-                W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                 BLOCK_R=table.block_r)
         ctx.mark_dirty(base_out)
         ctx.save_for_backward(x, s, seeds)
@@ -167,14 +174,14 @@ class GroupedLoRAFunction(torch.autograd.Function):
             K._rows_times_weight[(sched.num_blocks,)](
                 dy, table.b_ptrs, weights.a[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
                 table.scaling, table.drop_p, seeds, d_out, dy.stride(0), ds.stride(0),
-                W_IS_A=False, HAS_DROPOUT=False, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
+                W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
         if ctx.needs_input_grad[0]:
             dx = (torch.empty_like(x) if sched.covers_all_rows else torch.zeros_like(x))
             if sched.num_blocks:
                 K._rank_times_weight[(sched.num_blocks, triton.cdiv(d_in, BLOCK_N))](
                     ds, table.a_ptrs, weights.a[0], dx, sched.blk_adapter, sched.blk_start, sched.seg_end,
                     table.ranks, table.ones, table.drop_p, seeds, d_in, ds.stride(0), dx.stride(0),
-                    W_IS_A=True, ACCUMULATE=False, HAS_DROPOUT=ctx.has_dropout, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+                    W_IS_A=True, ACCUMULATE=False, HAS_DROPOUT=ctx.has_dropout, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
                     BLOCK_R=table.block_r)
         grads_a, grads_b = _weight_grads(x, dy, s, ds, seeds, weights, table, sched, ctx.has_dropout)
         return (dx, dy, None, None, *grads_a, *grads_b)
@@ -209,11 +216,11 @@ def _weight_grads(x, dy, s, ds, seeds, weights: LoRAWeights, table: PointerTable
     K._weight_grad[(n, triton.cdiv(d_in, BLOCK_K), split_a)](
         ds, x, ptrs[0], flat, sched.seg_start, sched.seg_end, table.ranks, table.ones, table.drop_p, seeds,
         d_in, ds.stride(0), x.stride(0),
-        G_IS_A=True, HAS_DROPOUT=has_dropout, SPLIT_T=split_a, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
+        G_IS_A=True, HAS_DROPOUT=has_dropout, SPLIT_T=split_a, DOT_PRECISION=_precision(x), BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
     K._weight_grad[(n, triton.cdiv(d_out, BLOCK_K), split_b)](
         s, dy, ptrs[1], flat, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p, seeds,
         d_out, s.stride(0), dy.stride(0),
-        G_IS_A=False, HAS_DROPOUT=False, SPLIT_T=split_b, BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
+        G_IS_A=False, HAS_DROPOUT=False, SPLIT_T=split_b, DOT_PRECISION=_precision(x), BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
     return grads_a, grads_b
 
 

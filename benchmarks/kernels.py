@@ -1,0 +1,181 @@
+"""Grouped LoRA kernels, forward + backward of one layer's LoRA path, against the alternatives.
+
+Run on the H200 (about 3 minutes):
+
+    PYTHONPATH=. python benchmarks/kernels.py --out benchmarks/results/kernels_h200.json
+
+For each Llama-8B projection shape, N adapters, ranks and tokens per adapter, times one call's forward
+and backward (gradients of x, every A and every B; bf16 activations, fp32 adapters) of:
+
+- ``ours``: `multi_lora_triton` (6 launches whatever N);
+- ``loop``: the per-adapter PyTorch reference (what PEFT's mixed-batch path does);
+- ``grouped_mm``: ``torch._grouped_mm`` over rank-padded stacked weights (one launch per product);
+- ``floor``: the bytes that must move (x, Y read + written, dY, x again for dA, dX written, the
+  weights and their gradients) over the device-to-device copy bandwidth measured in the same run.
+
+Back-to-back calls (the CPU may run ahead, as inside a model); ``triton.testing.do_bench`` medians.
+LoRAFusion is not run here (see the results' notes). Rows go to ``--out``: op, shape, n_adapters, ranks,
+tokens, impl, ms, gbps, pct_of_floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from lightning_multilora.kernels import LoRAWeights, multi_lora_reference
+from lightning_multilora.kernels.triton_lora import multi_lora_triton
+
+SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
+
+
+def ranks_for(kind: str, n: int, rng: random.Random) -> list[int]:
+    if kind == "mixed":
+        return [rng.choice([8, 16, 24, 32, 48, 64, 96, 128]) for _ in range(n)]
+    return [int(kind)] * n
+
+
+def tokens_for(kind: str, n: int, rng: random.Random) -> list[int]:
+    if kind == "mixed":
+        return [rng.choice([64, 128, 256, 512, 1024, 2048]) for _ in range(n)]
+    return [int(kind)] * n
+
+
+def make(d_in, d_out, ranks, tokens, device):
+    starts, ends, row = [], [], 0
+    for t in tokens:
+        starts.append(row)
+        row += t
+        ends.append(row)
+    x = torch.randn(row, d_in, device=device, dtype=torch.bfloat16)
+    base = torch.randn(row, d_out, device=device, dtype=torch.bfloat16)
+    a = tuple((torch.randn(r, d_in, device=device) / d_in ** 0.5).requires_grad_() for r in ranks)
+    b = tuple((torch.randn(d_out, r, device=device) * 0.01).requires_grad_() for r in ranks)
+    w = LoRAWeights(a, b, tuple(2.0 for _ in ranks), tuple(0.0 for _ in ranks), tuple(starts), tuple(ends))
+    return x, base, w
+
+
+class GroupedMM:
+    """torch._grouped_mm over stacked, rank-padded bf16 copies of the weights (kept stacked, as a
+    grouped-mm implementation would hold them)."""
+
+    def __init__(self, w: LoRAWeights, device):
+        r_max = -(-max(a.shape[0] for a in w.a) // 8) * 8
+        n, d_in, d_out = len(w.a), w.a[0].shape[1], w.b[0].shape[0]
+        at = torch.zeros(n, d_in, r_max, device=device, dtype=torch.bfloat16)
+        bt = torch.zeros(n, r_max, d_out, device=device, dtype=torch.bfloat16)
+        for i, (a, b) in enumerate(zip(w.a, w.b)):
+            at[i, :, : a.shape[0]] = a.detach().t()
+            bt[i, : a.shape[0]] = b.detach().t()
+        self.at, self.bt = at.requires_grad_(), bt.requires_grad_()
+        self.offs = torch.tensor(w.ends, device=device, dtype=torch.int32)
+        scale = torch.cat([torch.full((e - s, 1), sc) for s, e, sc in zip(w.starts, w.ends, w.scaling)])
+        self.scale = scale.to(device, torch.bfloat16)
+
+    def __call__(self, x, base):
+        s = torch._grouped_mm(x, self.at, offs=self.offs)
+        return base + torch._grouped_mm(s, self.bt, offs=self.offs) * self.scale
+
+
+def copy_bandwidth(device) -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
+    return 2 * src.numel() / (ms * 1e-3) / 1e9  # GB/s, read + write
+
+
+def floor_bytes(x, base, w) -> int:
+    t, d_in, d_out = x.shape[0], x.shape[1], base.shape[1]
+    act = 2 * t * (3 * d_in + 3 * d_out)  # x, Y r+w, dY, x (dA), dX (bf16)
+    weights = sum(4 * (a.numel() + b.numel()) * 2 for a, b in zip(w.a, w.b))  # read + grad write (fp32)
+    return act + weights
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ns", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64])
+    parser.add_argument("--ranks", nargs="+", default=["16", "64", "mixed"])
+    parser.add_argument("--tokens", nargs="+", default=["256", "1024", "mixed"])
+    parser.add_argument("--shapes", type=int, nargs="+", default=None, help="indices into SHAPES")
+    parser.add_argument("--out", default="benchmarks/results/kernels_h200.json")
+    parser.add_argument("--max-loop-n", type=int, default=64)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    bandwidth = copy_bandwidth(device)
+    print(f"{torch.cuda.get_device_name()}: measured copy bandwidth {bandwidth:.0f} GB/s", flush=True)
+    common = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  date=datetime.now(timezone.utc).date().isoformat(), copy_gbps=round(bandwidth, 1))
+    rows = []
+    shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
+    for d_in, d_out in shapes:
+        for n in args.ns:
+            for rk in args.ranks:
+                for tk in args.tokens:
+                    rng = random.Random(f"{d_in}-{d_out}-{n}-{rk}-{tk}")
+                    ranks, tokens = ranks_for(rk, n, rng), tokens_for(tk, n, rng)
+                    x, base, w = make(d_in, d_out, ranks, tokens, device)
+                    grad = torch.randn_like(base)
+                    xg = x.clone().requires_grad_()
+                    params = [xg, *w.a, *w.b]
+                    nbytes = floor_bytes(x, base, w)
+                    floor_ms = nbytes / (bandwidth * 1e9) * 1e3
+
+                    def fwd_bwd(fn):
+                        def step():  # ours adds into `base` in place (its contract); repeats only grow it
+                            y = fn(xg, base.detach())
+                            torch.autograd.backward(y, grad)
+                        return step
+
+                    impls = {"ours": fwd_bwd(lambda xx, bb: multi_lora_triton(xx, bb, w, True))}
+                    if n <= args.max_loop_n:
+                        impls["loop"] = fwd_bwd(lambda xx, bb: multi_lora_reference(xx, bb, w, True))
+                    gmm = GroupedMM(w, device)
+                    impls["grouped_mm"] = fwd_bwd(gmm)
+                    shape = f"{d_in}x{d_out}"
+                    line = [f"{shape:>11} N={n:<2} r={rk:<5} t={tk:<5}"]
+                    for impl, step in impls.items():
+                        try:
+                            ms = do_bench(step, warmup=5, rep=30, grad_to_none=params + [gmm.at, gmm.bt])
+                        except Exception as err:  # noqa: BLE001 - a baseline that cannot run this shape
+                            print(f"  {impl} failed: {type(err).__name__}: {str(err)[:120]}")
+                            continue
+                        rows.append(dict(op="lora_fwd_bwd", shape=shape, n_adapters=n, ranks=rk, tokens=tk,
+                                         total_tokens=x.shape[0], impl=impl, ms=round(ms, 4),
+                                         gbps=round(nbytes / (ms * 1e-3) / 1e9, 1),
+                                         pct_of_floor=round(100 * floor_ms / ms, 1), **common))
+                        line.append(f"{impl} {ms:7.3f} ms ({100 * floor_ms / ms:4.0f}%)")
+                    rows.append(dict(op="lora_fwd_bwd", shape=shape, n_adapters=n, ranks=rk, tokens=tk,
+                                     total_tokens=x.shape[0], impl="floor", ms=round(floor_ms, 4),
+                                     gbps=round(bandwidth, 1), pct_of_floor=100.0, **common))
+                    print("  ".join(line) + f"  floor {floor_ms:.3f} ms", flush=True)
+                    del x, base, w, grad, xg, params, gmm
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    summarize(rows)
+
+
+def summarize(rows) -> None:
+    by_key = {}
+    for r in rows:
+        by_key.setdefault((r["shape"], r["n_adapters"], r["ranks"], r["tokens"]), {})[r["impl"]] = r
+    wins_gmm = sum(1 for v in by_key.values() if "grouped_mm" in v and v["ours"]["ms"] < v["grouped_mm"]["ms"])
+    print(f"\nours faster than grouped_mm at {wins_gmm}/{sum('grouped_mm' in v for v in by_key.values())} points")
+    n32 = [v for k, v in by_key.items() if k[1] == 32]
+    if n32:
+        pct = sorted(v["ours"]["pct_of_floor"] for v in n32)
+        print(f"N=32: ours at {pct[0]}..{pct[-1]}% of the bandwidth floor (median {pct[len(pct) // 2]}%)")
+        speed = sorted(v["loop"]["ms"] / v["ours"]["ms"] for v in n32 if "loop" in v)
+        if speed:
+            print(f"N=32: ours vs loop speed-up {speed[0]:.1f}x..{speed[-1]:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
