@@ -21,8 +21,32 @@ the forward's mask instead of storing it.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# Fixed tiles for the interpreter; on the GPU the tiles below are autotuned per shape.
+DEFAULT_META = {
+    "rows": dict(BLOCK_K=64),
+    "rank": dict(BLOCK_N=128),
+    "grad": dict(BLOCK_K=64, BLOCK_T=64),
+}
+
+
+def _tuned(configs, key, **kwargs):
+    if INTERPRETED:
+        return lambda fn: fn
+    return triton.autotune(configs=configs, key=key, **kwargs)
+
+
+_ROWS_CONFIGS = [triton.Config({"BLOCK_K": k}, num_warps=w, num_stages=st)
+                 for k in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
+_RANK_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
+                 for n in (64, 128, 256) for w in (4, 8) for st in (2, 3)]
+_GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_stages=3)
+                 for k in (64, 128, 256) for t in (32, 64) for w in (4, 8)]
 
 
 @triton.jit
@@ -32,6 +56,7 @@ def _dropout_scale(values, seed, p, rows, cols, n_cols):
     return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
 
 
+@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_R", "W_IS_A", "HAS_DROPOUT"])
 @triton.jit
 def _rows_times_weight(
     # pointers
@@ -76,6 +101,7 @@ def _rows_times_weight(
              mask=mask_m[:, None] & mask_r[None, :])
 
 
+@_tuned(_RANK_CONFIGS, key=["N", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT"], restore_value=["Y"])
 @triton.jit
 def _rank_times_weight(
     # pointers
@@ -122,10 +148,11 @@ def _rank_times_weight(
     tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
 
 
+@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "SPLIT_T", "HAS_DROPOUT"], reset_to_zero=["G_FLAT"])
 @triton.jit
 def _weight_grad(
     # pointers
-    L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
+    L, M, G_FLAT, G_OFFS, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes
     K,
     # strides
@@ -140,7 +167,7 @@ def _weight_grad(
     start = tl.load(SEG_START + a)
     end = tl.load(SEG_END + a)
     r = tl.load(RANKS + a)
-    g = tl.load(G_PTRS + a).to(G_WITNESS.dtype)
+    g = G_FLAT + tl.load(G_OFFS + a)  # this adapter's gradient inside one flat buffer
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     mask_k = offs_k < K
@@ -164,6 +191,6 @@ def _weight_grad(
         g_ptrs = g + offs_k[None, :] * r + offs_r[:, None]
     mask = mask_r[:, None] & mask_k[None, :]
     if SPLIT_T == 1:
-        tl.store(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)
+        tl.store(g_ptrs, acc.to(G_FLAT.dtype.element_ty), mask=mask)
     else:
-        tl.atomic_add(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)
+        tl.atomic_add(g_ptrs, acc.to(G_FLAT.dtype.element_ty), mask=mask)

@@ -13,10 +13,7 @@ from torch import Tensor
 from lightning_multilora.kernels import triton_kernels as K
 from lightning_multilora.kernels.weights import LoRAWeights
 
-BLOCK_M = 64  # rows per program in the row-blocked kernels
-BLOCK_K = 64  # reduction tile over d_in / d_out
-BLOCK_N = 128  # output columns per program in expand / dX
-BLOCK_T = 64  # rows per step in the weight-gradient reduction
+BLOCK_M = 64  # rows per program in the row-blocked kernels (the schedule's block); other tiles are tuned
 _CACHE_SIZE = 256
 
 
@@ -76,6 +73,8 @@ class PointerTable:
     scaling: Tensor  # (n,) fp32
     ones: Tensor  # (n,) fp32
     drop_p: Tensor  # (n,) fp32
+    grad_offsets: Tensor  # (2, n) int64: where dA_i and dB_i start in one flat gradient buffer
+    grad_sizes: list[int]  # numel of dA_0..dA_n-1, dB_0..dB_n-1
     block_r: int
 
 
@@ -92,9 +91,12 @@ def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
         ranks = [a.shape[0] for a in weights.a]
         floats = torch.tensor([list(weights.scaling), [1.0] * n, list(weights.dropout)], dtype=torch.float32)
         floats = floats.reshape(3, n).to(device, non_blocking=True)
+        sizes = [a.numel() for a in weights.a] + [b.numel() for b in weights.b]
+        offsets = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0).reshape(2, n)
         return PointerTable(ptrs[0].to(device, non_blocking=True), ptrs[1].to(device, non_blocking=True),
                             torch.tensor(ranks, dtype=torch.int32).to(device, non_blocking=True),
-                            floats[0], floats[1], floats[2], max(16, triton.next_power_of_2(max(ranks))))
+                            floats[0], floats[1], floats[2], offsets.to(device, non_blocking=True), sizes,
+                            max(16, triton.next_power_of_2(max(ranks))))
 
     return _pointer_tables.get_or_make(key, make)
 
@@ -138,21 +140,23 @@ class GroupedLoRAFunction(torch.autograd.Function):
         table = pointer_table(weights, device)
         sched = schedule(weights.starts, weights.ends, x.shape[0], device)
         has_dropout = training and any(p > 0 for p in weights.dropout)
-        seeds = (torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32).to(device, non_blocking=True)
-                 if has_dropout else table.ranks)
+        # Seeds drawn on the device: no host sync, and checkpoint recomputation (which restores the RNG
+        # state) regenerates the same masks.
+        seeds = (torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32, device=device) if has_dropout else table.ranks)
         x = x if x.stride(-1) == 1 else x.contiguous()
         s = torch.empty((x.shape[0], table.block_r), device=device, dtype=x.dtype)
         if sched.num_blocks:
             K._rows_times_weight[(sched.num_blocks,)](
                 x, table.a_ptrs, weights.a[0], s, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
                 table.ones, table.drop_p, seeds, x.shape[1], x.stride(0), s.stride(0),
-                W_IS_A=True, HAS_DROPOUT=has_dropout, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
+                W_IS_A=True, HAS_DROPOUT=has_dropout, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
+                **_meta("rows"))
             d_out = base_out.shape[1]
-            K._rank_times_weight[(sched.num_blocks, triton.cdiv(d_out, BLOCK_N))](
+            K._rank_times_weight[lambda meta: (sched.num_blocks, triton.cdiv(d_out, meta["BLOCK_N"]))](
                 s, table.b_ptrs, weights.a[0], base_out, sched.blk_adapter, sched.blk_start, sched.seg_end,
                 table.ranks, table.scaling, table.drop_p, seeds, d_out, s.stride(0), base_out.stride(0),
-                W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                BLOCK_R=table.block_r)
+                W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
+                BLOCK_R=table.block_r, **_meta("rank"))
         ctx.mark_dirty(base_out)
         ctx.save_for_backward(x, s, seeds)
         ctx.weights, ctx.has_dropout = weights, has_dropout
@@ -174,26 +178,37 @@ class GroupedLoRAFunction(torch.autograd.Function):
             K._rows_times_weight[(sched.num_blocks,)](
                 dy, table.b_ptrs, weights.a[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
                 table.scaling, table.drop_p, seeds, d_out, dy.stride(0), ds.stride(0),
-                W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
+                W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
+                **_meta("rows"))
         if ctx.needs_input_grad[0]:
             dx = (torch.empty_like(x) if sched.covers_all_rows else torch.zeros_like(x))
             if sched.num_blocks:
-                K._rank_times_weight[(sched.num_blocks, triton.cdiv(d_in, BLOCK_N))](
+                K._rank_times_weight[lambda meta: (sched.num_blocks, triton.cdiv(d_in, meta["BLOCK_N"]))](
                     ds, table.a_ptrs, weights.a[0], dx, sched.blk_adapter, sched.blk_start, sched.seg_end,
                     table.ranks, table.ones, table.drop_p, seeds, d_in, ds.stride(0), dx.stride(0),
-                    W_IS_A=True, ACCUMULATE=False, HAS_DROPOUT=ctx.has_dropout, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                    BLOCK_R=table.block_r)
+                    W_IS_A=True, ACCUMULATE=False, HAS_DROPOUT=ctx.has_dropout, DOT_PRECISION=_precision(x),
+                    BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_meta("rank"))
         grads_a, grads_b = _weight_grads(x, dy, s, ds, seeds, weights, table, sched, ctx.has_dropout)
         return (dx, dy, None, None, *grads_a, *grads_b)
+
+
+def _meta(kind: str) -> dict[str, int]:
+    """Tiles for a launch: none on the GPU (autotuned), the fixed ones in the interpreter."""
+    return dict(K.DEFAULT_META[kind]) if K.INTERPRETED else {}
+
+
+_SMS: dict[int, int] = {}
 
 
 def _split_for(num_programs: int, max_tokens: int, device: torch.device) -> int:
     """Row splits so that small problems still fill the GPU (each split adds into G atomically)."""
     if device.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     split = 1
-    while num_programs * split < 2 * sms and max_tokens > split * 2 * BLOCK_T:
+    while num_programs * split < 2 * _SMS[index] and max_tokens > split * 128:
         split *= 2
     return split
 
@@ -202,25 +217,23 @@ def _weight_grads(x, dy, s, ds, seeds, weights: LoRAWeights, table: PointerTable
     n = len(weights.a)
     device, wdtype = x.device, weights.a[0].dtype
     d_in, d_out = x.shape[1], dy.shape[1]
-    sizes_a = [a.numel() for a in weights.a]
-    sizes_b = [b.numel() for b in weights.b]
-    split_a = _split_for(n * triton.cdiv(d_in, BLOCK_K), sched.max_tokens, device)
-    split_b = _split_for(n * triton.cdiv(d_out, BLOCK_K), sched.max_tokens, device)
+    split_a = _split_for(n * triton.cdiv(d_in, 128), sched.max_tokens, device)
+    split_b = _split_for(n * triton.cdiv(d_out, 128), sched.max_tokens, device)
     alloc = torch.zeros if (split_a > 1 or split_b > 1) else torch.empty
-    flat = alloc(sum(sizes_a) + sum(sizes_b), device=device, dtype=wdtype)
-    grads = list(torch.split(flat, sizes_a + sizes_b))
+    flat = alloc(sum(table.grad_sizes), device=device, dtype=wdtype)
+    grads = torch.split(flat, table.grad_sizes)
     grads_a = [g.view_as(a) for g, a in zip(grads[:n], weights.a)]
     grads_b = [g.view_as(b) for g, b in zip(grads[n:], weights.b)]
-    ptrs = torch.tensor([[g.data_ptr() for g in grads_a], [g.data_ptr() for g in grads_b]], dtype=torch.int64)
-    ptrs = ptrs.reshape(2, n).to(device, non_blocking=True)
-    K._weight_grad[(n, triton.cdiv(d_in, BLOCK_K), split_a)](
-        ds, x, ptrs[0], flat, sched.seg_start, sched.seg_end, table.ranks, table.ones, table.drop_p, seeds,
-        d_in, ds.stride(0), x.stride(0),
-        G_IS_A=True, HAS_DROPOUT=has_dropout, SPLIT_T=split_a, DOT_PRECISION=_precision(x), BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
-    K._weight_grad[(n, triton.cdiv(d_out, BLOCK_K), split_b)](
-        s, dy, ptrs[1], flat, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p, seeds,
-        d_out, s.stride(0), dy.stride(0),
-        G_IS_A=False, HAS_DROPOUT=False, SPLIT_T=split_b, DOT_PRECISION=_precision(x), BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, BLOCK_R=table.block_r)
+    K._weight_grad[lambda meta: (n, triton.cdiv(d_in, meta["BLOCK_K"]), split_a)](
+        ds, x, flat, table.grad_offsets[0], sched.seg_start, sched.seg_end, table.ranks, table.ones, table.drop_p,
+        seeds, d_in, ds.stride(0), x.stride(0),
+        G_IS_A=True, HAS_DROPOUT=has_dropout, SPLIT_T=split_a, DOT_PRECISION=_precision(x),
+        BLOCK_R=table.block_r, **_meta("grad"))
+    K._weight_grad[lambda meta: (n, triton.cdiv(d_out, meta["BLOCK_K"]), split_b)](
+        s, dy, flat, table.grad_offsets[1], sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p,
+        seeds, d_out, s.stride(0), dy.stride(0),
+        G_IS_A=False, HAS_DROPOUT=False, SPLIT_T=split_b, DOT_PRECISION=_precision(x),
+        BLOCK_R=table.block_r, **_meta("grad"))
     return grads_a, grads_b
 
 
