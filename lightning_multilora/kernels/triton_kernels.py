@@ -50,6 +50,13 @@ _GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_st
                  for k, t, w in ((64, 64, 4), (128, 64, 4), (128, 32, 8), (256, 32, 8))]
 
 
+@triton.jit
+def _dropout_scale(values, seed, p, rows, cols, n_cols):
+    """``values * keep / (1 - p)`` with ``keep = rand(seed, row * n_cols + col) >= p`` (fp32)."""
+    keep = tl.rand(seed, rows[:, None] * n_cols + cols[None, :]) >= p
+    return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
+
+
 @_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_R", "W_IS_A", "HAS_DROPOUT"])
 @triton.jit
 def _rows_times_weight(
