@@ -56,6 +56,9 @@ class MultiLoRALinear(nn.Module):
         self.lora_B = nn.ParameterDict()
         self.scaling: dict[str, float] = {}
         self.dropout: dict[str, float] = {}
+        self._version = 0  # bumped when adapters change, invalidating the cached LoRAWeights
+        self._weights_key: Optional[tuple] = None
+        self._weights: Optional[LoRAWeights] = None
 
     @property
     def adapter_names(self) -> list[str]:
@@ -86,6 +89,7 @@ class MultiLoRALinear(nn.Module):
         self.lora_B[name] = nn.Parameter(b.to(device))
         self.scaling[name] = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         self.dropout[name] = float(dropout)
+        self._version += 1
 
     def remove_adapter(self, name: str) -> None:
         if name not in self.lora_A:
@@ -94,6 +98,7 @@ class MultiLoRALinear(nn.Module):
         del self.lora_B[name]
         del self.scaling[name]
         del self.dropout[name]
+        self._version += 1
 
     def forward(self, x: Tensor) -> Tensor:
         layout = self.context.layout
@@ -105,20 +110,32 @@ class MultiLoRALinear(nn.Module):
                 "set the layout of the batch being run"
             )
         tokens_per_row = x[0].numel() // x.shape[-1] if x.dim() > 2 else 1
-        held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
-        if not held:
+        weights = self._weights_for(layout, tokens_per_row)
+        if weights is None:
             return self.base(x)
-        weights = LoRAWeights(
-            a=tuple(self.lora_A[n] for _, n in held),
-            b=tuple(self.lora_B[n] for _, n in held),
-            scaling=tuple(self.scaling[n] for _, n in held),
-            dropout=tuple(self.dropout[n] for _, n in held),
-            starts=tuple(layout.starts[i] * tokens_per_row for i, _ in held),
-            ends=tuple(layout.ends[i] * tokens_per_row for i, _ in held),
-        )
         x2d = x.reshape(-1, self.in_features)  # (T, d_in): the kernels see tokens, the layout rows
         out = multi_lora(x2d, self.base(x2d), weights, self.training)  # a fresh base output, free to update in place
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _weights_for(self, layout: BatchLayout, tokens_per_row: int) -> Optional[LoRAWeights]:
+        """This layer's adapters of ``layout`` in token units; reused while layout and adapters are the same
+        (forward, recomputation and backward of a step, and steps with the same shapes)."""
+        key = (layout.names, layout.starts, layout.ends, tokens_per_row, self._version)
+        if self._weights_key == key:
+            return self._weights
+        held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
+        weights = None
+        if held:
+            weights = LoRAWeights(
+                a=tuple(self.lora_A[n] for _, n in held),
+                b=tuple(self.lora_B[n] for _, n in held),
+                scaling=tuple(self.scaling[n] for _, n in held),
+                dropout=tuple(self.dropout[n] for _, n in held),
+                starts=tuple(layout.starts[i] * tokens_per_row for i, _ in held),
+                ends=tuple(layout.ends[i] * tokens_per_row for i, _ in held),
+            )
+        self._weights_key, self._weights = key, weights
+        return weights
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, adapters={self.adapter_names}"

@@ -10,7 +10,8 @@ are tf32 unless ``torch.backends.cuda.matmul.allow_tf32`` is off, then exact "ie
 
 The four kernels:
 - `_rows_times_weight`: ``OUT[t, :r_i] = c_i * (drop_i(IN[t]) @ W_i)`` where W_i is ``A_i^T`` (shrink,
-  ``S = drop(X) A^T``) or ``B_i`` (``dS = s dY B``).
+  ``S = drop(X) A^T``) or ``B_i`` (``dS = s dY B``); split over K when there are few rows. OUT (``S``,
+  ``dS``) is fp32.
 - `_rank_times_weight`: ``Y[t, :] (+)= c_i * (R[t, :r_i] @ W_i) [* drop mask]`` where W_i is ``B_i^T``
   (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = drop'(dS A)``).
 - `_weight_grad`: per adapter, ``G_i = c_i * L_i^T @ drop_i(M_i)`` over its rows, stored in A's layout
@@ -57,7 +58,7 @@ def _dropout_scale(values, seed, p, rows, cols, n_cols):
     return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
 
 
-@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_R", "W_IS_A", "HAS_DROPOUT"])
+@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "SPLIT_K"], reset_to_zero=["OUT"])
 @triton.jit
 def _rows_times_weight(
     # pointers
@@ -67,10 +68,11 @@ def _rows_times_weight(
     # strides
     stride_in_m, stride_out_m,
     # meta-parameters
-    W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    split = tl.program_id(1)
     a = tl.load(BLK_ADAPTER + pid)
     m0 = tl.load(BLK_START + pid)
     end = tl.load(SEG_END + a)
@@ -86,10 +88,15 @@ def _rows_times_weight(
     else:  # W = B: element (k, j) is B[k, j], B row-major (K, r)
         stride_wk = r
         stride_wr = 1
+    # SPLIT_K programs share one row block, each over its own range of K, adding into OUT atomically:
+    # few rows (small batches) still give the GPU enough programs to pull the input at full bandwidth.
+    k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
+        mask_k = offs_k < k_hi
         x = tl.load(IN + offs_m[:, None] * stride_in_m + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if HAS_DROPOUT:
@@ -98,8 +105,12 @@ def _rows_times_weight(
                      mask=mask_k[:, None] & mask_r[None, :], other=0.0)
         acc += tl.dot(x, wt.to(x.dtype), input_precision=DOT_PRECISION)
     acc = acc * tl.load(COEF + a)
-    tl.store(OUT + offs_m[:, None] * stride_out_m + offs_r[None, :], acc.to(OUT.dtype.element_ty),
-             mask=mask_m[:, None] & mask_r[None, :])
+    out_ptrs = OUT + offs_m[:, None] * stride_out_m + offs_r[None, :]
+    mask = mask_m[:, None] & mask_r[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=mask)
 
 
 @_tuned(_RANK_CONFIGS, key=["N", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT"], restore_value=["Y"])

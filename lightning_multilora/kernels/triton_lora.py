@@ -85,6 +85,7 @@ def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
            tuple(a.shape[0] for a in weights.a), weights.scaling, weights.dropout, str(device))
 
     def make() -> PointerTable:
+        _check(weights)
         n = len(weights.a)
         ptrs = torch.tensor([[a.data_ptr() for a in weights.a], [b.data_ptr() for b in weights.b]],
                             dtype=torch.int64).reshape(2, n)
@@ -108,12 +109,11 @@ def _precision(x: Tensor) -> str:
     return "tf32"
 
 
-def _check(x: Tensor, base_out: Tensor, weights: LoRAWeights) -> None:
-    if x.dim() != 2 or base_out.dim() != 2 or x.shape[0] != base_out.shape[0]:
-        raise ValueError(f"expected x (T, d_in) and base_out (T, d_out), got {tuple(x.shape)}, {tuple(base_out.shape)}")
+def _check(weights: LoRAWeights) -> None:
+    """Checked once per adapter set (when its pointer table is built), not on every call."""
     if max(a.shape[0] for a in weights.a) > 256:
         raise ValueError("the Triton path supports ranks up to 256")
-    d_in, d_out = x.shape[1], base_out.shape[1]
+    d_in, d_out = weights.a[0].shape[1], weights.b[0].shape[0]
     for a, b in zip(weights.a, weights.b):
         if a.shape[1] != d_in or b.shape[0] != d_out or a.shape[0] != b.shape[1]:
             raise ValueError(f"adapter shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit d_in={d_in}, d_out={d_out}")
@@ -144,13 +144,14 @@ class GroupedLoRAFunction(torch.autograd.Function):
         # state) regenerates the same masks.
         seeds = (torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32, device=device) if has_dropout else table.ranks)
         x = x if x.stride(-1) == 1 else x.contiguous()
-        s = torch.empty((x.shape[0], table.block_r), device=device, dtype=x.dtype)
+        split = _split_k(sched.num_blocks, x.shape[1], device)
+        s = _low_rank_buffer(x.shape[0], table.block_r, split, device)
         if sched.num_blocks:
-            K._rows_times_weight[(sched.num_blocks,)](
+            K._rows_times_weight[(sched.num_blocks, split)](
                 x, table.a_ptrs, weights.a[0], s, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
                 table.ones, table.drop_p, seeds, x.shape[1], x.stride(0), s.stride(0),
-                W_IS_A=True, HAS_DROPOUT=has_dropout, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
-                **_meta("rows"))
+                W_IS_A=True, HAS_DROPOUT=has_dropout, DOT_PRECISION=_precision(x), SPLIT_K=split, BLOCK_M=BLOCK_M,
+                BLOCK_R=table.block_r, **_meta("rows"))
             d_out = base_out.shape[1]
             K._rank_times_weight[lambda meta: (sched.num_blocks, triton.cdiv(d_out, meta["BLOCK_N"]))](
                 s, table.b_ptrs, weights.a[0], base_out, sched.blk_adapter, sched.blk_start, sched.seg_end,
@@ -172,14 +173,15 @@ class GroupedLoRAFunction(torch.autograd.Function):
         sched = schedule(weights.starts, weights.ends, x.shape[0], device)
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         d_in, d_out = x.shape[1], dy.shape[1]
-        ds = torch.empty_like(s)
+        split = _split_k(sched.num_blocks, d_out, device)
+        ds = _low_rank_buffer(x.shape[0], table.block_r, split, device)
         dx = None
         if sched.num_blocks:
-            K._rows_times_weight[(sched.num_blocks,)](
+            K._rows_times_weight[(sched.num_blocks, split)](
                 dy, table.b_ptrs, weights.a[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
                 table.scaling, table.drop_p, seeds, d_out, dy.stride(0), ds.stride(0),
-                W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
-                **_meta("rows"))
+                W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), SPLIT_K=split, BLOCK_M=BLOCK_M,
+                BLOCK_R=table.block_r, **_meta("rows"))
         if ctx.needs_input_grad[0]:
             dx = (torch.empty_like(x) if sched.covers_all_rows else torch.zeros_like(x))
             if sched.num_blocks:
@@ -200,15 +202,35 @@ def _meta(kind: str) -> dict[str, int]:
 _SMS: dict[int, int] = {}
 
 
+def _low_rank_buffer(rows: int, block_r: int, split: int, device: torch.device) -> Tensor:
+    """``S`` / ``dS``: fp32 (precision, and atomics when split over K); zeroed only when split."""
+    alloc = torch.zeros if split > 1 else torch.empty
+    return alloc((rows, block_r), device=device, dtype=torch.float32)
+
+
+def _split_k(num_blocks: int, k: int, device: torch.device) -> int:
+    """Programs per row block for the row kernels: enough for two waves of the GPU, at least 256 of K each."""
+    if device.type != "cuda" or num_blocks == 0:
+        return 1
+    split = 1
+    while num_blocks * split < 2 * _sm_count(device) and k // (split * 2) >= 256:
+        split *= 2
+    return split
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
+
+
 def _split_for(num_programs: int, max_tokens: int, device: torch.device) -> int:
     """Row splits so that small problems still fill the GPU (each split adds into G atomically)."""
     if device.type != "cuda":
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     split = 1
-    while num_programs * split < 2 * _SMS[index] and max_tokens > split * 128:
+    while num_programs * split < 2 * _sm_count(device) and max_tokens > split * 128:
         split *= 2
     return split
 
@@ -239,7 +261,10 @@ def _weight_grads(x, dy, s, ds, seeds, weights: LoRAWeights, table: PointerTable
 
 def multi_lora_triton(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool) -> Tensor:
     """The Triton path of `multi_lora`: same contract, ``base_out`` is updated in place and returned."""
-    _check(x, base_out, weights)
+    if x.dim() != 2 or base_out.dim() != 2 or x.shape[0] != base_out.shape[0]:
+        raise ValueError(f"expected x (T, d_in) and base_out (T, d_out), got {tuple(x.shape)}, {tuple(base_out.shape)}")
     if len(weights.a) == 0:
         return base_out
+    if weights.a[0].shape[1] != x.shape[1] or weights.b[0].shape[0] != base_out.shape[1]:
+        raise ValueError(f"adapter shapes do not fit x {tuple(x.shape)} and base_out {tuple(base_out.shape)}")
     return GroupedLoRAFunction.apply(x, base_out, weights, training, *weights.a, *weights.b)
