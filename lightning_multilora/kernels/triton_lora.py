@@ -73,7 +73,7 @@ class PointerTable:
     scaling: Tensor  # (n,) fp32
     ones: Tensor  # (n,) fp32
     drop_p: Tensor  # (n,) fp32
-    grad_offsets: Tensor  # (2, n) int64: where dA_i and dB_i start in one flat gradient buffer
+    grad_offsets: Tensor  # (2, n) int64: where dA_i starts in the dA buffer, dB_i in the dB buffer
     grad_sizes: list[int]  # numel of dA_0..dA_n-1, dB_0..dB_n-1
     block_r: int
 
@@ -93,7 +93,7 @@ def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
         floats = torch.tensor([list(weights.scaling), [1.0] * n, list(weights.dropout)], dtype=torch.float32)
         floats = floats.reshape(3, n).to(device, non_blocking=True)
         sizes = [a.numel() for a in weights.a] + [b.numel() for b in weights.b]
-        offsets = torch.tensor([0] + sizes[:-1], dtype=torch.int64).cumsum(0).reshape(2, n)
+        offsets = torch.tensor([[0] + sizes[:n - 1], [0] + sizes[n:-1]], dtype=torch.int64).reshape(2, n).cumsum(1)
         return PointerTable(ptrs[0].to(device, non_blocking=True), ptrs[1].to(device, non_blocking=True),
                             torch.tensor(ranks, dtype=torch.int32).to(device, non_blocking=True),
                             floats[0], floats[1], floats[2], offsets.to(device, non_blocking=True), sizes,
@@ -241,18 +241,20 @@ def _weight_grads(x, dy, s, ds, seeds, weights: LoRAWeights, table: PointerTable
     d_in, d_out = x.shape[1], dy.shape[1]
     split_a = _split_for(n * triton.cdiv(d_in, 128), sched.max_tokens, device)
     split_b = _split_for(n * triton.cdiv(d_out, 128), sched.max_tokens, device)
-    alloc = torch.zeros if (split_a > 1 or split_b > 1) else torch.empty
-    flat = alloc(sum(table.grad_sizes), device=device, dtype=wdtype)
-    grads = torch.split(flat, table.grad_sizes)
-    grads_a = [g.view_as(a) for g, a in zip(grads[:n], weights.a)]
-    grads_b = [g.view_as(b) for g, b in zip(grads[n:], weights.b)]
+    # One buffer for all dA and one for all dB: the autotuner zeroes a kernel's output buffer between its
+    # trials, so the two launches must not share one.
+    sizes_a, sizes_b = table.grad_sizes[:n], table.grad_sizes[n:]
+    flat_a = (torch.zeros if split_a > 1 else torch.empty)(sum(sizes_a), device=device, dtype=wdtype)
+    flat_b = (torch.zeros if split_b > 1 else torch.empty)(sum(sizes_b), device=device, dtype=wdtype)
+    grads_a = [g.view_as(a) for g, a in zip(torch.split(flat_a, sizes_a), weights.a)]
+    grads_b = [g.view_as(b) for g, b in zip(torch.split(flat_b, sizes_b), weights.b)]
     K._weight_grad[lambda meta: (n, triton.cdiv(d_in, meta["BLOCK_K"]), split_a)](
-        ds, x, flat, table.grad_offsets[0], sched.seg_start, sched.seg_end, table.ranks, table.ones, table.drop_p,
+        ds, x, flat_a, table.grad_offsets[0], sched.seg_start, sched.seg_end, table.ranks, table.ones, table.drop_p,
         seeds, d_in, ds.stride(0), x.stride(0),
         G_IS_A=True, HAS_DROPOUT=has_dropout, SPLIT_T=split_a, DOT_PRECISION=_precision(x),
         BLOCK_R=table.block_r, **_meta("grad"))
     K._weight_grad[lambda meta: (n, triton.cdiv(d_out, meta["BLOCK_K"]), split_b)](
-        s, dy, flat, table.grad_offsets[1], sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p,
+        s, dy, flat_b, table.grad_offsets[1], sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p,
         seeds, d_out, s.stride(0), dy.stride(0),
         G_IS_A=False, HAS_DROPOUT=False, SPLIT_T=split_b, DOT_PRECISION=_precision(x),
         BLOCK_R=table.block_r, **_meta("grad"))
