@@ -81,8 +81,11 @@ def test_packed_adapters_equal_each_trained_alone_with_peft(tmp_path, trainer_kw
         packed = load_file(str(tmp_path / "out" / spec.name / "adapter_model.safetensors"))
         alone = train_alone_with_peft(spec, make_datamodule(), device)
         assert set(packed) == set(alone), spec.name
+        # On the GPU the grouped kernels sum in another order than cuBLAS: measured on the H200, the
+        # largest difference is 7e-6 absolute (1.2e-5 relative per tensor) after 20 steps.
+        atol = 1e-6 if device == "cpu" else 2e-5
         for key in alone:
-            # the adapter must have moved, so that the comparison is not of two initialisations
-            torch.testing.assert_close(packed[key], alone[key], rtol=1e-4, atol=1e-6, msg=f"{spec.name}: {key}")
+            torch.testing.assert_close(packed[key], alone[key], rtol=1e-4, atol=atol, msg=f"{spec.name}: {key}")
+        # the adapter must have moved, so that the comparison is not of two initialisations
         moved = [k for k in alone if "lora_B" in k and alone[k].abs().max() > 0]
         assert moved, f"adapter {spec.name} did not train"
