@@ -23,12 +23,18 @@ _EXPORTS = {
     "MultiLoRAModule": "lightning_multilora.module",
     "MultiLoRADataModule": "lightning_multilora.data.datamodule",
     "SweepReport": "lightning_multilora.callbacks.report",
+    "EarlyExit": "lightning_multilora.callbacks.early_exit",
+    "WarmupSelection": "lightning_multilora.callbacks.warmup",
+    "OptunaSweep": "lightning_multilora.callbacks.optuna_sweep",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from lightning_multilora.callbacks.early_exit import EarlyExit
+    from lightning_multilora.callbacks.optuna_sweep import OptunaSweep
     from lightning_multilora.callbacks.report import SweepReport
+    from lightning_multilora.callbacks.warmup import WarmupSelection
     from lightning_multilora.data.datamodule import MultiLoRADataModule
     from lightning_multilora.layer import LoRALayers, MultiLoRALinear, inject_multilora
     from lightning_multilora.layout import BatchLayout

@@ -89,6 +89,8 @@ class MultiLoRAMixin:
         self.max_running = max_running
         self.export_dir = export_dir
         self.validate_on_finish = validate_on_finish
+        self.keep_best_weights = False  # EarlyExit turns this on: exports then carry the best-validation weights
+        self._best_weights: dict[str, dict[str, Tensor]] = {}
         self._val_sums: dict[str, list[float]] = {}
         for spec in adapters:
             self.add_adapter(spec)
@@ -124,12 +126,50 @@ class MultiLoRAMixin:
         """Stop an adapter now: a running one is exported first, then its weights and optimizer state
         are freed; a queued one never starts."""
         rec = self.registry[name]
-        if rec.state == AdapterState.RUNNING:
+        if rec.state in (AdapterState.RUNNING, AdapterState.PAUSED):
             self._exit(rec, state, reason)
         elif rec.state == AdapterState.QUEUED:
             rec.state, rec.reason = state, reason
+            self._notify_exit(rec)
         else:
             raise ValueError(f"adapter {name!r} has already exited ({rec.state.value}: {rec.reason})")
+
+    def pause_adapter(self, name: str, reason: str = "") -> None:
+        """Stop training a running adapter but keep its weights and optimizer state; it frees its slot."""
+        rec = self.registry[name]
+        if rec.state != AdapterState.RUNNING:
+            raise ValueError(f"only a running adapter can be paused; {name!r} is {rec.state.value}")
+        rec.state, rec.reason = AdapterState.PAUSED, reason
+
+    def resume_adapter(self, name: str) -> None:
+        """Train a paused adapter again, from where it stopped (it takes a slot, beyond `max_running` if need be)."""
+        rec = self.registry[name]
+        if rec.state != AdapterState.PAUSED:
+            raise ValueError(f"only a paused adapter can be resumed; {name!r} is {rec.state.value}")
+        rec.state, rec.reason = AdapterState.RUNNING, ""
+
+    def restore_best_weights(self, name: str) -> bool:
+        """Load adapter ``name``'s best-validation weights back (kept when `keep_best_weights` is on)."""
+        snapshot = self._best_weights.get(name)
+        if snapshot is None:
+            return False
+        self.lora_layers.load_peft_state_dict(name, snapshot)
+        return True
+
+    def _notify_exit(self, rec: AdapterRecord) -> None:
+        """Tell callbacks with an ``on_adapter_exit(trainer, module, record)`` method, and log the exit."""
+        trainer = self._trainer_or_none()
+        if trainer is None:
+            return
+        for callback in trainer.callbacks:
+            hook = getattr(callback, "on_adapter_exit", None)
+            if hook is not None:
+                hook(trainer, self, rec)
+        for logger in trainer.loggers:
+            writer = getattr(logger, "experiment", None)
+            if hasattr(writer, "add_text"):
+                writer.add_text(f"adapters/{rec.name}/exit", f"**{rec.state.value}** at step {rec.step}: {rec.reason}",
+                                trainer.global_step)
 
     def save_adapter(self, name: str, directory: Optional[Union[str, Path]] = None) -> Path:
         """Write adapter ``name`` (running) in PEFT format; returns the directory."""
@@ -208,7 +248,10 @@ class MultiLoRAMixin:
         return trainer.optimizers[0]
 
     def _exit(self, rec: AdapterRecord, state: AdapterState, reason: str) -> None:
-        """Export a running adapter, then free its weights, optimizer state and data position."""
+        """Export a running or paused adapter (its best-validation weights when they are kept), then free
+        its weights, optimizer state and data position."""
+        if self.keep_best_weights:
+            self.restore_best_weights(rec.name)
         self.save_adapter(rec.name)
         optimizer = self._raw_optimizer()
         if optimizer is not None:
@@ -220,10 +263,12 @@ class MultiLoRAMixin:
                     break
         self.lora_layers.remove_adapter(rec.name)
         rec.state, rec.reason, rec.ended_at_step = state, reason, self._global_step()
+        self._best_weights.pop(rec.name, None)
         trainer = self._trainer_or_none()
         dm = getattr(trainer, "datamodule", None) if trainer is not None else None
         if dm is not None and hasattr(dm, "release"):
             dm.release(rec.name)
+        self._notify_exit(rec)
 
     def _global_step(self) -> int:
         trainer = self._trainer_or_none()
@@ -232,9 +277,19 @@ class MultiLoRAMixin:
     # -- Lightning hooks ------------------------------------------------------------------------
 
     @override
-    def configure_optimizers(self):
+    def _fill_slots(self) -> None:
+        """Let candidate providers (callbacks with ``fill_slots(trainer, module)``, e.g. OptunaSweep) queue
+        adapters for the free slots, then admit from the queue."""
+        trainer = self._trainer_or_none()
+        for callback in (trainer.callbacks if trainer is not None else []):
+            fill = getattr(callback, "fill_slots", None)
+            if fill is not None:
+                fill(trainer, self)
         self._admit()
-        groups = [self._param_group(r.spec) for r in self.registry.running]
+
+    def configure_optimizers(self):
+        self._fill_slots()  # after a checkpoint is restored, before the optimizer is built
+        groups = [self._param_group(r.spec) for r in self.registry.holding_weights]
         if not groups:
             raise ValueError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
         return self.optimizer_class(groups, **self.optimizer_kwargs)
@@ -296,24 +351,35 @@ class MultiLoRAMixin:
                 self._exit(rec, AdapterState.FAILED, reason)
             elif rec.state == AdapterState.RUNNING and rec.max_steps is not None and rec.step >= rec.max_steps:
                 if self.validate_on_finish:
-                    self._record_val_losses(self.evaluate([rec.spec]))
+                    self.evaluate([rec.spec], record=True)
                 self._exit(rec, AdapterState.FINISHED, f"reached max_steps={rec.max_steps}")
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # Callbacks' on_train_batch_end ran first: adapters they removed or queued are settled here.
-        self._admit()
+        # Callbacks' on_train_batch_end ran first: adapters they removed, paused or queued are settled here.
+        self._fill_slots()
+        counts = self.registry.counts()
         if not self.registry.running and not self.registry.queued:
+            if self.registry.paused:
+                raise RuntimeError(f"adapters {[r.name for r in self.registry.paused]} are paused and nothing is left "
+                                   "to run; resume or remove them")
             self.trainer.should_stop = True
+        exited = sum(v for k, v in counts.items() if AdapterState(k).exited)
+        self.log_dict({"running": float(counts["running"]), "queued": float(counts["queued"] + counts["paused"]),
+                       "exited": float(exited)}, prog_bar=True, logger=False, on_step=True, on_epoch=False,
+                      batch_size=1)
 
     @override
     def on_fit_end(self) -> None:
         # Nothing trained is lost: adapters still running when fit stops are exported as they are.
-        for rec in self.registry.running:
+        for rec in self.registry.holding_weights:
+            if self.keep_best_weights:
+                self.restore_best_weights(rec.name)
             self.save_adapter(rec.name)
 
-    def evaluate(self, specs: Sequence[AdapterSpec]) -> dict[str, float]:
-        """Validation loss of each adapter over its whole validation split, packed, outside the loop."""
+    def evaluate(self, specs: Sequence[AdapterSpec], record: bool = False) -> dict[str, float]:
+        """Validation loss of each adapter over its whole validation split, packed, outside the loop.
+        ``record`` adds them to the adapters' histories (and best weights) as a regular validation does."""
         dm = self._datamodule()
         sums = {s.name: [0.0, 0.0] for s in specs}
         was_training = self.training
@@ -327,7 +393,10 @@ class MultiLoRAMixin:
                     sums[name][0] += s
                     sums[name][1] += c
         self.train(was_training)
-        return {n: (s / c if c > 0 else math.nan) for n, (s, c) in sums.items()}
+        losses = {n: (s / c if c > 0 else math.nan) for n, (s, c) in sums.items()}
+        if record:
+            self._record_val_losses(losses)
+        return losses
 
     @override
     def on_validation_epoch_start(self) -> None:
@@ -358,6 +427,9 @@ class MultiLoRAMixin:
             rec.last_val_loss = loss
             if math.isfinite(loss) and loss < rec.best_val_loss:
                 rec.best_val_loss, rec.best_val_step = loss, rec.step
+                if self.keep_best_weights and name in self.lora_layers.adapter_names:
+                    self._best_weights[name] = {k: v.detach().to("cpu", copy=True)
+                                                for k, v in self.lora_layers.peft_state_dict(name).items()}
             logs[f"adapters/{name}/val_loss"] = loss
         trainer = self._trainer_or_none()
         if logs and trainer is not None:
@@ -371,6 +443,7 @@ class MultiLoRAMixin:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if any(s in k for s in _LORA_KEYS)}
         checkpoint["multilora"] = {
             "registry": self.registry.state_dict(),
+            "best_weights": self._best_weights,
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -383,7 +456,8 @@ class MultiLoRAMixin:
         for name in list(self.lora_layers.adapter_names):
             self.lora_layers.remove_adapter(name)
         self.registry.load_state_dict(state["registry"])
-        for rec in self.registry.running:
+        self._best_weights = dict(state.get("best_weights", {}))
+        for rec in self.registry.holding_weights:
             self._create_weights(rec)
         saved = set(checkpoint["state_dict"])
         expected = {k for k, _ in self.named_parameters() if any(s in k for s in _LORA_KEYS)}

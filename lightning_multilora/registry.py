@@ -13,6 +13,7 @@ from lightning_multilora.spec import AdapterSpec
 class AdapterState(str, enum.Enum):
     QUEUED = "queued"
     RUNNING = "running"
+    PAUSED = "paused"  # holds its weights and optimizer state, not trained (e.g. waiting for warmup selection)
     FINISHED = "finished"
     DIVERGED = "diverged"
     OVERFIT = "overfit"
@@ -21,7 +22,7 @@ class AdapterState(str, enum.Enum):
 
     @property
     def exited(self) -> bool:
-        return self not in (AdapterState.QUEUED, AdapterState.RUNNING)
+        return self not in (AdapterState.QUEUED, AdapterState.RUNNING, AdapterState.PAUSED)
 
 
 @dataclass
@@ -111,6 +112,15 @@ class AdapterRegistry:
     @property
     def queued(self) -> list[AdapterRecord]:
         return self.in_state(AdapterState.QUEUED)
+
+    @property
+    def paused(self) -> list[AdapterRecord]:
+        return self.in_state(AdapterState.PAUSED)
+
+    @property
+    def holding_weights(self) -> list[AdapterRecord]:
+        """Running and paused adapters: those with weights and optimizer state, in registry order."""
+        return self.in_state(AdapterState.RUNNING, AdapterState.PAUSED)
 
     def counts(self) -> dict[str, int]:
         out = {s.value: 0 for s in AdapterState}

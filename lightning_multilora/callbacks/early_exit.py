@@ -1,0 +1,158 @@
+"""`EarlyExit`: ALTO's per-adapter divergence and overfitting detectors (Algorithm 1)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_multilora.registry import AdapterState
+
+
+def slope(values: list[float]) -> float:
+    """Least-squares slope of ``values`` against their index (per evaluation)."""
+    n = len(values)
+    if n < 2:
+        return 0.0
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    num = sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
+    den = sum((i - mean_x) ** 2 for i in range(n))
+    return num / den
+
+
+@dataclass
+class AdapterWatch:
+    """What EarlyExit remembers about one adapter."""
+
+    ema: float = math.nan
+    ema_at_eval: list[float] = field(default_factory=list)
+    val_at_eval: list[float] = field(default_factory=list)
+    evaluated_steps: list[int] = field(default_factory=list)
+    divergence_count: int = 0
+    overfit_count: int = 0
+
+
+class EarlyExit(Callback):
+    """Stops adapters that diverge or overfit, each on its own curves, never its neighbours.
+
+    The training loss is smoothed per adapter, ``ema_t = alpha * l_t + (1 - alpha) * ema_{t-1}``; at every
+    validation of an adapter:
+
+    - *divergence*: the least-squares slopes (per evaluation) of the last ``window`` smoothed training
+      losses and of the last ``window`` validation losses both exceed ``tau_slope`` for ``patience_div``
+      consecutive evaluations: the adapter exits as ``diverged``. The count resets when either slope
+      drops to ``tau_slope`` or below.
+    - *overfitting*: ``g = (val - ema_train) / ema_train > tau_gap`` for ``patience_ovf`` consecutive
+      evaluations: the adapter's best-validation weights are restored and exported, and it exits as
+      ``overfit``.
+
+    Every adapter keeps its best-validation weights; they are what is exported when it leaves
+    (finished included). Defaults are ALTO's: window 2, patience 2, tau_gap 0.1, tau_slope 0.001.
+    """
+
+    def __init__(self, ema_alpha: float = 0.1, window: int = 2, patience_div: int = 2, patience_ovf: int = 2,
+                 tau_gap: float = 0.1, tau_slope: float = 0.001, keep_best_weights: bool = True) -> None:
+        if not (0.0 < ema_alpha <= 1.0):
+            raise ValueError(f"`ema_alpha` must be in (0, 1], got {ema_alpha}")
+        if window < 2:
+            raise ValueError(f"`window` must be >= 2 (a slope needs two points), got {window}")
+        for name, value in (("patience_div", patience_div), ("patience_ovf", patience_ovf)):
+            if value < 1:
+                raise ValueError(f"`{name}` must be >= 1, got {value}")
+        if tau_gap < 0:
+            raise ValueError(f"`tau_gap` must be >= 0, got {tau_gap}")
+        self.ema_alpha, self.window = ema_alpha, window
+        self.patience_div, self.patience_ovf = patience_div, patience_ovf
+        self.tau_gap, self.tau_slope = tau_gap, tau_slope
+        self.keep_best_weights = keep_best_weights
+        self.watches: dict[str, AdapterWatch] = {}
+        self.exits: list[dict[str, Any]] = []
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(window=self.window, tau_gap=self.tau_gap, tau_slope=self.tau_slope)
+
+    # -- the rule, on plain numbers (unit-testable without a Trainer) --------------------------------
+
+    def observe_train_loss(self, name: str, loss: float) -> float:
+        watch = self.watches.setdefault(name, AdapterWatch())
+        if math.isfinite(loss):
+            watch.ema = loss if math.isnan(watch.ema) else self.ema_alpha * loss + (1 - self.ema_alpha) * watch.ema
+        return watch.ema
+
+    def observe_validation(self, name: str, val_loss: float, step: int = -1) -> str | None:
+        """Record one validation; returns ``"diverged"``, ``"overfit"`` or None (keep training)."""
+        watch = self.watches.setdefault(name, AdapterWatch())
+        if math.isnan(watch.ema) or not math.isfinite(val_loss):
+            return None
+        watch.ema_at_eval.append(watch.ema)
+        watch.val_at_eval.append(val_loss)
+        watch.evaluated_steps.append(step)
+        if len(watch.val_at_eval) >= self.window:
+            s_train = slope(watch.ema_at_eval[-self.window:])
+            s_val = slope(watch.val_at_eval[-self.window:])
+            watch.divergence_count = watch.divergence_count + 1 if (s_train > self.tau_slope and s_val > self.tau_slope) else 0
+        gap = (val_loss - watch.ema) / watch.ema if watch.ema > 0 else 0.0
+        watch.overfit_count = watch.overfit_count + 1 if gap > self.tau_gap else 0
+        if watch.divergence_count >= self.patience_div:
+            return "diverged"
+        if watch.overfit_count >= self.patience_ovf:
+            return "overfit"
+        return None
+
+    # -- Lightning hooks ------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not hasattr(pl_module, "registry"):
+            raise TypeError("EarlyExit needs a MultiLoRAMixin module")
+        pl_module.keep_best_weights = self.keep_best_weights
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        logs = {}
+        for name in batch["layout"].names:
+            rec = pl_module.registry[name]
+            if rec.train_losses and rec.train_losses[-1][0] == rec.step:
+                logs[f"adapters/{name}/train_loss_ema"] = self.observe_train_loss(name, rec.train_losses[-1][1])
+        if logs and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
+            for logger in trainer.loggers:
+                logger.log_metrics({k: v for k, v in logs.items() if math.isfinite(v)}, step=trainer.global_step)
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
+            return
+        for rec in list(pl_module.registry.running):
+            watch = self.watches.get(rec.name)
+            if not rec.val_losses or watch is None:
+                continue
+            step, val = rec.val_losses[-1]
+            if watch.evaluated_steps and watch.evaluated_steps[-1] == step:
+                continue  # no new validation of this adapter
+            decision = self.observe_validation(rec.name, val, step)
+            if decision == "diverged":
+                reason = (f"training and validation losses rising for {watch.divergence_count} evaluations "
+                          f"(slopes over {self.window} points > {self.tau_slope})")
+                pl_module.remove_adapter(rec.name, reason=reason, state=AdapterState.DIVERGED)
+            elif decision == "overfit":
+                gap = (val - watch.ema) / watch.ema
+                reason = (f"validation {val:.4f} above smoothed training {watch.ema:.4f} by {gap:.1%} for "
+                          f"{watch.overfit_count} evaluations; best weights (step {rec.best_val_step}) kept")
+                pl_module.remove_adapter(rec.name, reason=reason, state=AdapterState.OVERFIT)
+            if decision is not None:
+                self.exits.append({"adapter": rec.name, "state": decision, "step": rec.step, "reason": reason})
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"watches": {n: asdict(w) for n, w in self.watches.items()}, "exits": list(self.exits)}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.watches = {n: AdapterWatch(**w) for n, w in state_dict.get("watches", {}).items()}
+        self.exits = list(state_dict.get("exits", []))

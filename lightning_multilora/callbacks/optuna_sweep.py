@@ -1,0 +1,252 @@
+"""`OptunaSweep`: an Optuna study feeds the run's free slots; each adapter is one trial."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Union
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_multilora.registry import AdapterRecord, AdapterState
+from lightning_multilora.spec import AdapterSpec
+
+if TYPE_CHECKING:
+    import optuna
+
+PARAM_TYPES = ("float", "int", "categorical")
+PRUNED_STATES = (AdapterState.DIVERGED, AdapterState.OVERFIT, AdapterState.PRUNED)
+
+
+def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.distributions.BaseDistribution"]:
+    """Optuna distributions from ``{"lr": {"type": "float", "low": 1e-5, "high": 5e-4, "log": True}, ...}``."""
+    import optuna
+
+    out = {}
+    for name, spec in search_space.items():
+        kind = spec.get("type")
+        if kind not in PARAM_TYPES:
+            raise ValueError(f"search space `{name}`: `type` can be {', '.join(PARAM_TYPES)}, got {kind!r}")
+        if kind == "categorical":
+            if not spec.get("choices"):
+                raise ValueError(f"search space `{name}`: a categorical parameter needs non-empty `choices`")
+            out[name] = optuna.distributions.CategoricalDistribution(list(spec["choices"]))
+        else:
+            if "low" not in spec or "high" not in spec:
+                raise ValueError(f"search space `{name}`: a {kind} parameter needs `low` and `high`")
+            cls = optuna.distributions.FloatDistribution if kind == "float" else optuna.distributions.IntDistribution
+            out[name] = cls(spec["low"], spec["high"], log=bool(spec.get("log", False)))
+    return out
+
+
+class OptunaSweep(Callback):
+    """Fills free adapter slots with trials asked from an Optuna study (ask/tell), many trials per run.
+
+    Args:
+        search_space: AdapterSpec field -> ``{"type": "float"|"int"|"categorical", ...}``.
+        n_trials: trials this sweep asks in all (across resumes).
+        study: an Optuna study; else one is created or loaded from ``storage`` / ``study_name``.
+        storage: any Optuna storage URL (an RDB for several processes); default an SQLite file
+            ``optuna.db`` in the run's log directory.
+        study_name: the study's name in the storage.
+        sampler: ``"tpe"``, ``"random"`` or ``"grid"`` (a grid over the categorical choices) for a new study.
+        base: AdapterSpec fields shared by every trial (``max_steps``, ``dataset``...).
+        alpha_over_rank: alpha = this * rank unless ``alpha`` is searched (ALTO: 2).
+        slots: trials kept running or queued at once (default: the module's ``max_running``, else 4).
+        seed: the sampler's seed.
+
+    Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values;
+    an early exit or warmup pruning is told PRUNED, a finished adapter COMPLETE with its best validation
+    loss, a failure FAIL. An exhausted grid ends the sweep cleanly. A resumed run keeps its trials'
+    numbers (no trial lost or duplicated).
+    """
+
+    def __init__(self, search_space: dict[str, dict[str, Any]], n_trials: int = 16,
+                 study: Optional["optuna.Study"] = None, storage: Optional[str] = None,
+                 study_name: str = "multilora", sampler: str = "tpe", base: Optional[dict[str, Any]] = None,
+                 alpha_over_rank: Optional[float] = 2.0, slots: Optional[int] = None, seed: int = 0) -> None:
+        if n_trials < 1:
+            raise ValueError(f"`n_trials` must be >= 1, got {n_trials}")
+        if sampler not in ("tpe", "random", "grid"):
+            raise ValueError(f"`sampler` can be tpe, random, grid, got {sampler!r}")
+        if slots is not None and slots < 1:
+            raise ValueError(f"`slots` must be >= 1, got {slots}")
+        self.search_space = dict(search_space)
+        self.distributions = distributions(self.search_space)
+        self.base = dict(base or {})
+        self.n_trials, self.storage, self.study_name, self.sampler_name = n_trials, storage, study_name, sampler
+        self.alpha_over_rank, self.slots, self.seed = alpha_over_rank, slots, seed
+        for name, dist in self.distributions.items():  # every value of the space must make a valid AdapterSpec
+            for value in (dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)):
+                AdapterSpec(name="check", **self._spec_kwargs({**{n: _example(d) for n, d in
+                                                                   self.distributions.items()}, name: value}))
+        self.study = study
+        self.trials: dict[str, dict[str, Any]] = {}  # adapter name -> trial id, number, reported steps, told
+        self.asked = 0
+        self.exhausted = False
+
+    # -- study ----------------------------------------------------------------------------------
+
+    def _sampler(self):
+        import optuna
+
+        if self.sampler_name == "random":
+            return optuna.samplers.RandomSampler(seed=self.seed)
+        if self.sampler_name == "grid":
+            grid = {}
+            for name, dist in self.distributions.items():
+                if not isinstance(dist, optuna.distributions.CategoricalDistribution):
+                    raise ValueError(f"sampler 'grid' needs categorical parameters; `{name}` is not")
+                grid[name] = list(dist.choices)
+            return optuna.samplers.GridSampler(grid, seed=self.seed)
+        return optuna.samplers.TPESampler(seed=self.seed)
+
+    def _ensure_study(self, trainer: L.Trainer) -> "optuna.Study":
+        import optuna
+
+        if self.study is None:
+            storage = self.storage
+            if storage is None:
+                root = Path(trainer.log_dir or trainer.default_root_dir)
+                root.mkdir(parents=True, exist_ok=True)
+                storage = f"sqlite:///{(root / 'optuna.db').resolve()}"
+                self.storage = storage
+            self.study = optuna.create_study(storage=storage, study_name=self.study_name, direction="minimize",
+                                             sampler=self._sampler(), load_if_exists=True)
+        return self.study
+
+    def _spec_kwargs(self, params: dict[str, Any]) -> dict[str, Any]:
+        kwargs = dict(self.base)
+        kwargs.update(params)
+        if "alpha" not in params and self.alpha_over_rank is not None:
+            kwargs["alpha"] = float(self.alpha_over_rank * kwargs.get("rank", AdapterSpec.rank))
+        return kwargs
+
+    def _grid_exhausted(self, study) -> bool:
+        """Every grid point has a trial (running ones included: Optuna's own check counts finished trials
+        only, and would hand out running points again)."""
+        import optuna
+
+        if not isinstance(study.sampler, optuna.samplers.GridSampler):
+            return False
+        size = math.prod(len(d.choices) for d in self.distributions.values())
+        return len(study.get_trials(deepcopy=False)) >= size
+
+    def _fill(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        import optuna
+
+        study = self._ensure_study(trainer)
+        slots = self.slots or getattr(pl_module, "max_running", None) or 4
+        registry = pl_module.registry
+        # paused adapters (waiting for warmup selection) have freed their slots
+        active = [n for n, t in self.trials.items() if not t["told"] and registry[n].state in
+                  (AdapterState.RUNNING, AdapterState.QUEUED)]
+        while len(active) < slots and self.asked < self.n_trials and not self.exhausted:
+            if self._grid_exhausted(study):
+                self.exhausted = True
+                break
+            trial = study.ask(self.distributions)
+            name = f"trial-{trial.number}"
+            try:
+                spec = AdapterSpec(name=name, **self._spec_kwargs(trial.params))
+                pl_module.add_adapter(spec)
+            except ValueError as err:
+                study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
+            trial.set_user_attr("adapter", name)
+            self.trials[name] = {"trial_id": trial._trial_id, "number": trial.number, "reported": [], "told": False}
+            self.asked += 1
+            active.append(name)
+
+    def _report(self, pl_module: L.LightningModule) -> None:
+        import optuna
+
+        for name, info in self.trials.items():
+            if info["told"]:
+                continue
+            rec = pl_module.registry[name]
+            trial = optuna.trial.Trial(self.study, info["trial_id"])
+            for step, loss in rec.val_losses:
+                if step not in info["reported"] and math.isfinite(loss):
+                    trial.report(loss, step)
+                    info["reported"].append(step)
+
+    def on_adapter_exit(self, trainer: L.Trainer, pl_module: L.LightningModule, rec: AdapterRecord) -> None:
+        """Tell the study how an adapter's trial ended (called by the module when an adapter leaves)."""
+        import optuna
+
+        info = self.trials.get(rec.name)
+        if info is None or info["told"] or self.study is None:
+            return
+        self._report(pl_module)
+        if rec.state == AdapterState.FINISHED and math.isfinite(rec.best_val_loss):
+            self._tell(info["number"], values=rec.best_val_loss)
+        elif rec.state in PRUNED_STATES or rec.state == AdapterState.FINISHED:
+            self._tell(info["number"], state=optuna.trial.TrialState.PRUNED)
+        else:
+            self._tell(info["number"], state=optuna.trial.TrialState.FAIL)
+        info["told"] = True
+
+    def _tell(self, number: int, **kwargs: Any) -> None:
+        try:
+            self.study.tell(number, **kwargs)
+        except RuntimeError as err:
+            # GridSampler calls study.stop() once its grid is used up, which only an optimize() loop may do;
+            # the trial's state is stored before that, so the grid is simply exhausted.
+            if "Study.stop" not in str(err):
+                raise
+            self.exhausted = True
+
+    def has_pending_candidates(self) -> bool:
+        """More trials will be asked: warmup selection waits for them before ranking."""
+        return self.asked < self.n_trials and not self.exhausted
+
+    def fill_slots(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Called by the module before it builds the optimizer (after a checkpoint is restored)."""
+        self._fill(trainer, pl_module)
+
+    # -- Lightning hooks ------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not hasattr(pl_module, "registry"):
+            raise TypeError("OptunaSweep needs a MultiLoRAMixin module")
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._ensure_study(trainer)
+        self._fill(trainer, pl_module)
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._report(pl_module)
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._report(pl_module)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"trials": {n: dict(t) for n, t in self.trials.items()}, "asked": self.asked,
+                "exhausted": self.exhausted, "storage": self.storage, "study_name": self.study_name}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.trials = {n: dict(t) for n, t in state_dict.get("trials", {}).items()}
+        self.asked = int(state_dict.get("asked", len(self.trials)))
+        self.exhausted = bool(state_dict.get("exhausted", False))
+        if self.storage is None:
+            self.storage = state_dict.get("storage")
+
+
+def _example(dist) -> Union[float, int, Any]:
+    """A value inside a distribution, to check the search space against AdapterSpec up front."""
+    import optuna
+
+    if isinstance(dist, optuna.distributions.CategoricalDistribution):
+        return dist.choices[0]
+    return dist.low

@@ -1,0 +1,93 @@
+"""`WarmupSelection`: every candidate gets a short warmup; only the best fraction trains on."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_multilora.registry import AdapterState
+
+
+class WarmupSelection(Callback):
+    """ALTO's warmup selection over all K candidates, even when only M fit at once.
+
+    Each adapter's warmup is ``warmup_fraction`` of its own total steps (at least one). An adapter that
+    completes its warmup is validated and paused: it keeps its weights and optimizer state but frees its
+    slot, so queued candidates rotate in and every candidate gets the same warmup. When no candidate is
+    left warming up (or queued), the warmed-up ones are ranked by their warmup validation loss; the top
+    ``keep_fraction`` of all candidates (at least ``min_keep``) resume from where they stopped, the rest
+    are pruned (exported, then their weights and optimizer states freed). Candidates that exit during
+    warmup (diverged, failed) count among the K but cannot be kept. While a callback such as
+    `OptunaSweep` still has candidates to ask (``has_pending_candidates()``), the ranking waits for them.
+    """
+
+    def __init__(self, warmup_fraction: float = 0.05, keep_fraction: float = 0.25, min_keep: int = 1) -> None:
+        if not (0.0 < warmup_fraction < 1.0):
+            raise ValueError(f"`warmup_fraction` must be in (0, 1), got {warmup_fraction}")
+        if not (0.0 < keep_fraction <= 1.0):
+            raise ValueError(f"`keep_fraction` must be in (0, 1], got {keep_fraction}")
+        if min_keep < 1:
+            raise ValueError(f"`min_keep` must be >= 1, got {min_keep}")
+        self.warmup_fraction, self.keep_fraction, self.min_keep = warmup_fraction, keep_fraction, min_keep
+        self.warmup_losses: dict[str, float] = {}
+        self.candidates: list[str] = []
+        self.kept: list[str] = []
+        self.decided = False
+
+    def warmup_steps(self, max_steps: int) -> int:
+        return max(1, round(self.warmup_fraction * max_steps))
+
+    def select(self, warmup_losses: dict[str, float], num_candidates: int) -> list[str]:
+        """Names to keep: the lowest warmup losses, ``max(min_keep, ceil(keep_fraction * K))`` of them."""
+        keep = max(self.min_keep, math.ceil(self.keep_fraction * num_candidates))
+        finite = sorted((loss, name) for name, loss in warmup_losses.items() if math.isfinite(loss))
+        return [name for _, name in finite[:keep]]
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self.decided:
+            return
+        registry = pl_module.registry
+        for rec in registry:
+            if rec.name not in self.candidates and rec.state != AdapterState.QUEUED:
+                self.candidates.append(rec.name)
+        warmed = [rec for rec in registry.running
+                  if rec.name not in self.warmup_losses and rec.step >= self.warmup_steps(rec.max_steps)]
+        if warmed:
+            losses = pl_module.evaluate([rec.spec for rec in warmed], record=True)
+            for rec in warmed:
+                self.warmup_losses[rec.name] = losses[rec.name]
+                pl_module.pause_adapter(rec.name, reason=f"warmed up ({rec.step} steps), waiting for selection")
+        still_warming = [r for r in registry.running if r.name not in self.warmup_losses]
+        more_coming = any(getattr(cb, "has_pending_candidates", lambda: False)() for cb in trainer.callbacks)
+        if still_warming or registry.queued or more_coming:
+            return
+        waiting = {r.name: self.warmup_losses[r.name] for r in registry.paused if r.name in self.warmup_losses}
+        self.kept = self.select(waiting, len(self.candidates))
+        ranking = sorted(waiting, key=lambda n: waiting[n])
+        for name in ranking:
+            if name in self.kept:
+                pl_module.resume_adapter(name)
+            else:
+                place = ranking.index(name) + 1
+                pl_module.remove_adapter(name, state=AdapterState.PRUNED, reason=(
+                    f"warmup selection: validation loss {waiting[name]:.4f} ranked {place} of {len(ranking)}; "
+                    f"kept the top {len(self.kept)} of {len(self.candidates)} candidates"))
+        self.decided = True
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"warmup_losses": dict(self.warmup_losses), "candidates": list(self.candidates),
+                "kept": list(self.kept), "decided": self.decided}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.warmup_losses = dict(state_dict.get("warmup_losses", {}))
+        self.candidates = list(state_dict.get("candidates", []))
+        self.kept = list(state_dict.get("kept", []))
+        self.decided = bool(state_dict.get("decided", False))

@@ -1,0 +1,88 @@
+"""EarlyExit's rules on scripted loss curves: each exit fires exactly when the rule says."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from lightning_multilora import EarlyExit
+from lightning_multilora.callbacks.early_exit import slope
+
+
+def feed(rule: EarlyExit, train: list[float], val: list[float], per_eval: int = 1) -> list:
+    """Feed `per_eval` training losses then one validation loss; return the decision after each eval."""
+    out = []
+    for i, v in enumerate(val):
+        for loss in train[i * per_eval:(i + 1) * per_eval]:
+            rule.observe_train_loss("a", loss)
+        out.append(rule.observe_validation("a", v, step=i))
+    return out
+
+
+def test_slope_is_least_squares():
+    assert slope([1.0, 2.0]) == pytest.approx(1.0)
+    assert slope([3.0, 1.0, 2.0, 0.0]) == pytest.approx(-0.8)
+    assert slope([5.0]) == 0.0
+
+
+def test_divergence_fires_on_the_second_consecutive_rising_evaluation():
+    rule = EarlyExit(ema_alpha=1.0, tau_gap=10.0)  # ema = the raw loss, to script it exactly; no overfit rule
+    decisions = feed(rule, train=[1.0, 1.1, 1.3, 1.6], val=[1.2, 1.3, 1.5, 1.8])
+    # eval 0: no slope yet; eval 1: both slopes > tau (count 1); eval 2: count 2 -> diverged
+    assert decisions[:3] == [None, None, "diverged"]
+
+
+def test_a_transient_spike_resets_the_divergence_count():
+    rule = EarlyExit(ema_alpha=1.0, tau_gap=10.0)
+    decisions = feed(rule, train=[1.0, 1.2, 0.9, 1.1, 0.8, 1.0], val=[1.0, 1.2, 0.9, 1.1, 0.8, 1.0])
+    assert decisions == [None] * 6  # up, down, up, down: never two rising evaluations in a row
+    assert rule.watches["a"].divergence_count == 1
+
+
+def test_only_training_rising_is_not_divergence():
+    rule = EarlyExit(ema_alpha=1.0, tau_gap=10.0)
+    assert feed(rule, train=[1.0, 1.1, 1.2, 1.3], val=[1.0, 0.9, 0.8, 0.7]) == [None] * 4
+
+
+def test_overfitting_fires_after_patience_evaluations_above_the_gap():
+    rule = EarlyExit(ema_alpha=1.0)
+    train = [1.0, 0.8, 0.6, 0.5, 0.4]
+    val = [1.05, 0.85, 0.7, 0.58, 0.5]  # gaps: 5%, 6%, 16.7%, 16%, 25%
+    assert feed(rule, train, val) == [None, None, None, "overfit", "overfit"][:4] + ["overfit"]
+    rule = EarlyExit(ema_alpha=1.0, patience_ovf=3)
+    assert feed(rule, train, val)[:5] == [None, None, None, None, "overfit"]
+
+
+def test_overfitting_count_resets_when_the_gap_closes():
+    rule = EarlyExit(ema_alpha=1.0)
+    assert feed(rule, train=[1.0, 1.0, 1.0, 1.0], val=[1.2, 1.05, 1.2, 1.05]) == [None] * 4
+
+
+def test_noisy_but_healthy_curves_never_exit():
+    rng = random.Random(0)
+    rule = EarlyExit(ema_alpha=0.1)
+    train = [2.0 * math.exp(-i / 300) + rng.gauss(0, 0.15) for i in range(2000)]
+    val = [2.0 * math.exp(-((i + 1) * 50) / 300) * 1.03 + rng.gauss(0, 0.005) for i in range(40)]
+    assert feed(rule, train, val, per_eval=50) == [None] * 40
+
+
+def test_ema_smooths_and_state_round_trips():
+    rule = EarlyExit(ema_alpha=0.5)
+    rule.observe_train_loss("a", 2.0)
+    assert rule.observe_train_loss("a", 1.0) == pytest.approx(1.5)
+    rule.observe_validation("a", 1.6, step=3)
+    again = EarlyExit(ema_alpha=0.5)
+    again.load_state_dict(rule.state_dict())
+    assert again.watches["a"] == rule.watches["a"]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"window": 1}, "`window` must be >= 2"),
+    ({"ema_alpha": 0.0}, "`ema_alpha` must be in \\(0, 1\\]"),
+    ({"patience_div": 0}, "`patience_div` must be >= 1"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EarlyExit(**kwargs)

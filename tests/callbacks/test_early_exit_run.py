@@ -1,0 +1,53 @@
+"""EarlyExit in a real tiny run: a far too high lr diverges, a tiny dataset overfits and keeps its best."""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lightning_multilora import AdapterSpec, EarlyExit, MultiLoRADataModule, MultiLoRAModule
+from lightning_multilora.data import GeneratedArithmetic
+from lightning_multilora.registry import AdapterState
+
+
+def val_loss_of_export(path: str, spec: AdapterSpec, dm: MultiLoRADataModule) -> float:
+    """Validation loss of an exported adapter, loaded into a fresh module (no Trainer)."""
+    module = MultiLoRAModule("tiny-llama", adapters=[])
+    module.lora_layers.add_adapter(spec.name, spec.rank, spec.alpha, spec.dropout, spec.use_rslora,
+                                   module.default_target_modules, spec.seed)
+    module.lora_layers.load_peft_state_dict(spec.name, load_file(f"{path}/adapter_model.safetensors"))
+    module.eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for batch in dm.val_batches([spec]):
+            with module.lora_layers.use(batch["layout"]):
+                s, c = module.adapter_loss_terms(batch)
+            total, count = total + s.sum().item(), count + c.sum().item()
+    return total / count
+
+
+@pytest.mark.slow
+def test_divergence_and_overfitting_exit_in_a_real_run(tmp_path, trainer_kwargs):
+    specs = [AdapterSpec("sane", lr=2e-3, batch_size=4, max_steps=120),
+             AdapterSpec("hot", lr=0.5, batch_size=4, max_steps=120, grad_clip=None, seed=1),
+             AdapterSpec("small", lr=1e-2, rank=16, alpha=32, batch_size=4, max_steps=120, dataset="tiny", seed=2)]
+    dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(1000),
+                                      "tiny": GeneratedArithmetic(60, seed=5, operations=("add", "sub", "mul"),
+                                                                  max_operand=99)},
+                             val_fraction=0.5, max_val_examples=32)
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path / "out"))
+    early_exit = EarlyExit()
+    L.Trainer(**dict(trainer_kwargs, val_check_interval=10), callbacks=[early_exit]).fit(module, dm)
+    sane, hot, small = (module.registry[n] for n in ("sane", "hot", "small"))
+    assert sane.state == AdapterState.FINISHED and sane.step == 120
+    assert hot.state == AdapterState.DIVERGED and hot.step < 120 and "rising" in hot.reason
+    assert small.state == AdapterState.OVERFIT and small.step < 120
+    assert {e["adapter"] for e in early_exit.exits} == {"hot", "small"}
+    # every adapter's export holds its best-validation weights: re-measured, the same loss
+    for rec in (sane, hot, small):
+        measured = val_loss_of_export(rec.export_path, rec.spec, dm)
+        assert math.isclose(measured, rec.best_val_loss, rel_tol=1e-5), rec.name

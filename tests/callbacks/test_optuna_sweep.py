@@ -1,0 +1,101 @@
+"""OptunaSweep: trials fill slots, states and values land in a real SQLite study, resume loses nothing."""
+
+from __future__ import annotations
+
+import lightning as L
+import optuna
+import pytest
+
+from lightning_multilora import MultiLoRADataModule, MultiLoRAModule, OptunaSweep, WarmupSelection
+from lightning_multilora.data import GeneratedArithmetic
+from lightning_multilora.registry import AdapterState
+
+SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
+         "rank": {"type": "categorical", "choices": [2, 4]}}
+
+
+def dm() -> MultiLoRADataModule:
+    return MultiLoRADataModule(sources={"a": GeneratedArithmetic(300)}, max_val_examples=16)
+
+
+def fit(tmp_path, trainer_kwargs, sweep, callbacks=(), ckpt=None, **kwargs):
+    module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"))
+    trainer = L.Trainer(**dict(trainer_kwargs, val_check_interval=3, **kwargs), callbacks=[sweep, *callbacks])
+    trainer.fit(module, dm(), ckpt_path=ckpt)
+    return trainer, module
+
+
+def test_trials_fill_slots_and_are_told_complete_in_sqlite(tmp_path, trainer_kwargs):
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    sweep = OptunaSweep(SPACE, n_trials=5, storage=storage, base={"max_steps": 6, "batch_size": 2}, slots=2)
+    _, module = fit(tmp_path, trainer_kwargs, sweep)
+    study = optuna.load_study(study_name="multilora", storage=storage)  # read back from the file
+    trials = study.get_trials()
+    assert len(trials) == 5 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    for t in trials:
+        rec = module.registry[f"trial-{t.number}"]
+        assert rec.state == AdapterState.FINISHED and t.user_attrs["adapter"] == rec.name
+        assert t.value == pytest.approx(rec.best_val_loss)
+        assert rec.spec.lr == t.params["lr"] and rec.spec.rank == t.params["rank"]
+        assert rec.spec.alpha == 2 * rec.spec.rank
+        assert set(t.intermediate_values) == {step for step, _ in rec.val_losses}
+    assert {r.name for r in module.registry} == {f"trial-{i}" for i in range(5)}
+
+
+def test_enqueued_trials_go_first_and_warmup_pruning_is_told_pruned(tmp_path, trainer_kwargs):
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="q")
+    study.enqueue_trial({"lr": 5e-3, "rank": 4})
+    sweep = OptunaSweep(SPACE, n_trials=4, study=study, base={"max_steps": 20, "batch_size": 2}, slots=2,
+                        sampler="random")
+    _, module = fit(tmp_path, trainer_kwargs, sweep, callbacks=[WarmupSelection(warmup_fraction=0.1)])
+    trials = study.get_trials()
+    assert trials[0].params == {"lr": 5e-3, "rank": 4}
+    states = [t.state for t in trials]
+    assert states.count(optuna.trial.TrialState.COMPLETE) == 1  # 25% of 4
+    assert states.count(optuna.trial.TrialState.PRUNED) == 3
+    for t in trials:
+        assert (module.registry[f"trial-{t.number}"].state == AdapterState.PRUNED) == (
+            t.state == optuna.trial.TrialState.PRUNED)
+
+
+def test_an_exhausted_grid_ends_the_run_cleanly(tmp_path, trainer_kwargs):
+    grid_space = {"lr": {"type": "categorical", "choices": [1e-3, 3e-3]},
+                  "rank": {"type": "categorical", "choices": [2, 4]}}
+    sweep = OptunaSweep(grid_space, n_trials=50, sampler="grid", base={"max_steps": 3, "batch_size": 1}, slots=3)
+    trainer, module = fit(tmp_path, trainer_kwargs, sweep, default_root_dir=str(tmp_path))
+    trials = sweep.study.get_trials()
+    assert len(trials) == 4 and sweep.exhausted
+    assert sorted((t.params["lr"], t.params["rank"]) for t in trials) == [(1e-3, 2), (1e-3, 4), (3e-3, 2), (3e-3, 4)]
+    assert sweep.storage.startswith("sqlite:///") and sweep.storage.endswith("optuna.db")  # the default storage
+
+
+def test_kill_and_resume_loses_and_duplicates_no_trial(tmp_path, trainer_kwargs):
+    storage = f"sqlite:///{tmp_path / 'resume.db'}"
+
+    def sweep():
+        return OptunaSweep(SPACE, n_trials=5, storage=storage, base={"max_steps": 6, "batch_size": 2}, slots=2)
+
+    trainer, first = fit(tmp_path, trainer_kwargs, sweep(), max_steps=8)  # "killed" after 8 steps
+    ckpt = tmp_path / "kill.ckpt"
+    trainer.save_checkpoint(ckpt)
+    running_at_kill = [t.number for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()
+                       if t.state == optuna.trial.TrialState.RUNNING]
+    assert running_at_kill  # the kill interrupted live trials
+    _, resumed = fit(tmp_path, trainer_kwargs, sweep(), ckpt=str(ckpt))
+    trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert [t.number for t in trials] == [0, 1, 2, 3, 4]  # none lost, none duplicated
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    assert {r.name for r in resumed.registry} == {f"trial-{t.number}" for t in trials}
+    for t in trials:  # study and registry agree
+        assert t.value == pytest.approx(resumed.registry[f"trial-{t.number}"].best_val_loss)
+
+
+def test_bad_search_space():
+    with pytest.raises(ValueError, match="`type` can be float, int, categorical"):
+        OptunaSweep({"lr": {"type": "loguniform", "low": 1e-5, "high": 1e-3}})
+    with pytest.raises(ValueError, match="needs `low` and `high`"):
+        OptunaSweep({"lr": {"type": "float"}})
+    with pytest.raises(ValueError, match="`rank` must be an integer >= 1"):
+        OptunaSweep({"rank": {"type": "categorical", "choices": [0, 4]}})
+    with pytest.raises(ValueError, match="`sampler` can be tpe, random, grid"):
+        OptunaSweep(SPACE, sampler="cmaes")

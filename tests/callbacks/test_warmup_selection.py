@@ -1,0 +1,56 @@
+"""WarmupSelection: all K candidates warm up through M < K slots; the top 25% train on."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import Callback
+
+from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule, SweepGrid, WarmupSelection
+from lightning_multilora.data import GeneratedArithmetic
+from lightning_multilora.registry import AdapterState
+
+
+def test_warmup_selection_keeps_the_top_quarter_of_more_candidates_than_slots(tmp_path, trainer_kwargs):
+    grid = SweepGrid(axes={"lr": [1e-4, 1e-3, 5e-3, 2e-2], "rank": [2, 8]}, base={"max_steps": 40, "batch_size": 2})
+    module = MultiLoRAModule("tiny-llama", grid=grid, max_running=3, export_dir=str(tmp_path / "out"))
+    selection = WarmupSelection(warmup_fraction=0.1, keep_fraction=0.25)
+    concurrent = []
+
+    class Watch(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            concurrent.append(len(batch["layout"].names))
+
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(400)}, max_val_examples=16)
+    L.Trainer(**trainer_kwargs, callbacks=[selection, Watch()]).fit(module, dm)
+
+    names = [s.name for s in grid.specs()]
+    assert set(selection.warmup_losses) == set(names)  # every candidate warmed up, through 3 slots
+    assert max(concurrent) == 3
+    ranked = sorted(names, key=selection.warmup_losses.get)
+    assert selection.kept == ranked[:2]  # 25% of 8
+    for name in names:
+        rec = module.registry[name]
+        assert rec.val_losses[0] == (4, selection.warmup_losses[name])  # compared after the same 4 steps
+        if name in selection.kept:
+            assert rec.state == AdapterState.FINISHED and rec.step == 40
+        else:
+            assert rec.state == AdapterState.PRUNED and rec.step == 4 and "warmup selection" in rec.reason
+            assert rec.export_path is not None  # what it trained is kept on disk
+    assert not module.lora_layers.adapter_names and not module.trainer.optimizers[0].state
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"warmup_fraction": 0.0}, "`warmup_fraction` must be in \\(0, 1\\)"),
+    ({"keep_fraction": 1.5}, "`keep_fraction` must be in \\(0, 1\\]"),
+    ({"min_keep": 0}, "`min_keep` must be >= 1"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        WarmupSelection(**kwargs)
+
+
+def test_selection_rule():
+    rule = WarmupSelection(keep_fraction=0.25)
+    assert rule.select({"a": 3.0, "b": 1.0, "c": 2.0, "d": float("nan")}, num_candidates=9) == ["b", "c", "a"]
+    assert rule.select({"a": 3.0}, num_candidates=2) == ["a"]
