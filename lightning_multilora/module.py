@@ -140,6 +140,7 @@ class MultiLoRAMixin:
         if rec.state != AdapterState.RUNNING:
             raise ValueError(f"only a running adapter can be paused; {name!r} is {rec.state.value}")
         rec.state, rec.reason = AdapterState.PAUSED, reason
+        rec.close_span(self._global_step())
 
     def resume_adapter(self, name: str) -> None:
         """Train a paused adapter again, from where it stopped (it takes a slot, beyond `max_running` if need be)."""
@@ -147,6 +148,7 @@ class MultiLoRAMixin:
         if rec.state != AdapterState.PAUSED:
             raise ValueError(f"only a paused adapter can be resumed; {name!r} is {rec.state.value}")
         rec.state, rec.reason = AdapterState.RUNNING, ""
+        rec.open_span(self._global_step())
 
     def restore_best_weights(self, name: str) -> bool:
         """Load adapter ``name``'s best-validation weights back (kept when `keep_best_weights` is on)."""
@@ -228,6 +230,7 @@ class MultiLoRAMixin:
             self._create_weights(rec)
             rec.state, rec.reason = AdapterState.RUNNING, ""
             rec.started_at_step = self._global_step()
+            rec.open_span(rec.started_at_step)
             optimizer = self._raw_optimizer()
             if optimizer is not None:
                 optimizer.add_param_group(self._param_group(spec))
@@ -263,6 +266,7 @@ class MultiLoRAMixin:
                     break
         self.lora_layers.remove_adapter(rec.name)
         rec.state, rec.reason, rec.ended_at_step = state, reason, self._global_step()
+        rec.close_span(rec.ended_at_step)
         self._best_weights.pop(rec.name, None)
         trainer = self._trainer_or_none()
         dm = getattr(trainer, "datamodule", None) if trainer is not None else None

@@ -44,6 +44,15 @@ class AdapterRecord:
     export_path: Optional[str] = None
     started_at_step: Optional[int] = None
     ended_at_step: Optional[int] = None
+    spans: list[list[Optional[int]]] = field(default_factory=list)
+    """Global-step intervals ``[start, end)`` in which the adapter held a slot (end None while it does)."""
+
+    def open_span(self, step: int) -> None:
+        self.spans.append([step, None])
+
+    def close_span(self, step: int) -> None:
+        if self.spans and self.spans[-1][1] is None:
+            self.spans[-1][1] = step
 
     @property
     def name(self) -> str:
@@ -57,6 +66,7 @@ class AdapterRecord:
             "last_val_loss": self.last_val_loss, "train_losses": list(self.train_losses),
             "val_losses": list(self.val_losses), "export_path": self.export_path,
             "started_at_step": self.started_at_step, "ended_at_step": self.ended_at_step,
+            "spans": [list(x) for x in self.spans],
         }
 
     @classmethod
@@ -69,6 +79,7 @@ class AdapterRecord:
                 setattr(rec, key, state[key])
         rec.train_losses = [tuple(x) for x in state.get("train_losses", [])]
         rec.val_losses = [tuple(x) for x in state.get("val_losses", [])]
+        rec.spans = [list(x) for x in state.get("spans", [])]
         return rec
 
 

@@ -14,16 +14,37 @@ from lightning_multilora.cli import demo_config, main
 ROOT = Path(__file__).resolve().parents[1]
 
 
+SMALL_DEMO = """
+trainer:
+  callbacks:
+    - class_path: lightning_multilora.callbacks.OptunaSweep
+      init_args:
+        sampler: grid
+        n_trials: 4
+        search_space:
+          lr: {type: categorical, choices: [1.0e-3, 4.0e-3]}
+          rank: {type: categorical, choices: [2, 4]}
+        base: {max_steps: 10, batch_size: 2}
+    - class_path: lightning_multilora.callbacks.WarmupSelection
+      init_args: {warmup_fraction: 0.2}
+    - class_path: lightning_multilora.callbacks.EarlyExit
+data:
+  sources:
+    arithmetic: {class_path: lightning_multilora.data.GeneratedArithmetic, init_args: {num_examples: 200}}
+"""
+
+
 def test_demo_config_runs_a_small_sweep_and_reports(tmp_path, capsys):
-    main(["demo", "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
-          "--model.grid.axes", "{lr: [1.0e-3, 4.0e-3], rank: [2, 4]}", "--model.grid.base", "{max_steps: 6}",
-          "--data.sources", "{arithmetic: {class_path: lightning_multilora.data.GeneratedArithmetic, init_args: {num_examples: 200}}}"])
+    override = tmp_path / "small.yaml"
+    override.write_text(SMALL_DEMO)
+    main(["demo", "--config", str(override), "--trainer.default_root_dir", str(tmp_path),
+          "--trainer.enable_progress_bar", "false"])
     out = capsys.readouterr().out
-    assert "Adapters ranked by best validation loss" in out and "lr4e-3-rank4" in out
+    assert "Adapters ranked by best validation loss" in out and "trial-3" in out
     summary = json.loads(next(tmp_path.rglob("sweep_summary.json")).read_text())
-    assert len(summary) == 4 and all(row["status"] == "finished" and row["steps"] == 6 for row in summary)
+    assert len(summary) == 4 and sorted(row["status"] for row in summary) == ["finished", "pruned", "pruned", "pruned"]
     assert all((Path(row["export_path"]) / "adapter_model.safetensors").is_file() for row in summary)
-    assert list(tmp_path.rglob("events.out.tfevents.*"))
+    assert list(tmp_path.rglob("events.out.tfevents.*")) and list(tmp_path.rglob("optuna.db"))
 
 
 def test_example_yaml_parses_with_the_cli_parser(tmp_path):
@@ -41,7 +62,7 @@ def test_example_yaml_parses_with_the_cli_parser(tmp_path):
 
 def test_bad_config_values_are_clear_errors(tmp_path, capsys):
     with pytest.raises(ValueError, match="`max_steps` must be an integer >= 1, got 0"):
-        main(["fit", "--config", demo_config(), "--model.grid.base", "{max_steps: 0}",
+        main(["fit", "--config", demo_config(), "--model.grid", "{axes: {lr: [1.0e-3]}, base: {max_steps: 0}}",
               "--trainer.default_root_dir", str(tmp_path)])
     with pytest.raises((SystemExit, ValueError)) as err:  # a listed adapter is checked as the config is parsed
         main(["fit", "--config", demo_config(), "--model.adapters", "[{name: a, rank: -1}]",

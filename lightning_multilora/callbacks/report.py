@@ -1,4 +1,4 @@
-"""`SweepReport`: the ranked table of adapters, and where their exports and logs are, at the end of fit."""
+"""`SweepReport`: the ranked table, TensorBoard HParams and pictures of the sweep at the end of fit."""
 
 from __future__ import annotations
 
@@ -10,21 +10,37 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_multilora.registry import AdapterRegistry, AdapterState
+
+_STATE_COLORS = {
+    AdapterState.FINISHED: "tab:green", AdapterState.DIVERGED: "tab:red", AdapterState.OVERFIT: "tab:orange",
+    AdapterState.PRUNED: "tab:gray", AdapterState.FAILED: "black", AdapterState.RUNNING: "tab:blue",
+    AdapterState.PAUSED: "tab:purple", AdapterState.QUEUED: "white",
+}
+
 
 class SweepReport(Callback):
-    """At the end of ``fit``: print every adapter ranked by best validation loss (hyperparameters,
-    status, steps), the PEFT export directories and the TensorBoard log directory, and write the
-    same rows to ``<log_dir>/sweep_summary.json``.
+    """At the end of ``fit``:
+
+    - prints every adapter ranked by best validation loss (hyperparameters, status, steps), the PEFT
+      export directories and the TensorBoard log directory, and writes the rows to
+      ``<log_dir>/sweep_summary.json``;
+    - with a TensorBoard logger: an HParams run per adapter (``<log_dir>/hparams/<name>``: its
+      hyperparameters and status against its best validation loss), and two pictures,
+      ``sweep/loss_curves`` (every adapter's training and validation losses, exits marked) and
+      ``sweep/timeline`` (each adapter's lifetime on the slot it held).
     """
 
-    def __init__(self, print_table: bool = True, filename: Optional[str] = "sweep_summary.json") -> None:
+    def __init__(self, print_table: bool = True, filename: Optional[str] = "sweep_summary.json",
+                 tensorboard: bool = True) -> None:
         self.print_table = print_table
         self.filename = filename
+        self.tensorboard = tensorboard
         self.rows: list[dict] = []
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        registry = getattr(pl_module, "registry", None)
+        registry: Optional[AdapterRegistry] = getattr(pl_module, "registry", None)
         if registry is None or not trainer.is_global_zero:
             return
         self.rows = registry.summary_rows()
@@ -32,9 +48,97 @@ class SweepReport(Callback):
         if self.filename and log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             (Path(log_dir) / self.filename).write_text(json.dumps(self.rows, indent=1, default=str))
+        if self.tensorboard:
+            self._write_tensorboard(trainer, registry)
         if self.print_table:
             lines = ["", "Adapters ranked by best validation loss:", registry.summary_table(), ""]
             exports = sorted({str(Path(r["export_path"]).parent) for r in self.rows if r["export_path"]})
             lines.append(f"PEFT adapters:   {', '.join(exports) if exports else '(none exported)'}")
             lines.append(f"TensorBoard logs: {log_dir}  (tensorboard --logdir {log_dir})")
             print("\n".join(lines), flush=True)
+
+    def _write_tensorboard(self, trainer: L.Trainer, registry: AdapterRegistry) -> None:
+        from lightning.pytorch.loggers import TensorBoardLogger
+
+        loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        if not loggers:
+            return
+        logger = loggers[0]
+        from torch.utils.tensorboard import SummaryWriter
+
+        for rec in registry:
+            hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in rec.spec.hparams().items()}
+            hparams["status"] = rec.state.value
+            metrics = {"hparams/best_val_loss": rec.best_val_loss, "hparams/steps": float(rec.step)}
+            with SummaryWriter(str(Path(logger.log_dir) / "hparams" / rec.name)) as writer:
+                writer.add_hparams(hparams, metrics, run_name=".")
+        writer = logger.experiment
+        writer.add_figure("sweep/loss_curves", loss_curves_figure(registry), trainer.global_step)
+        writer.add_figure("sweep/timeline", timeline_figure(registry, trainer.global_step), trainer.global_step)
+        writer.flush()
+
+
+def loss_curves_figure(registry: AdapterRegistry):
+    """Training (thin) and validation (dots) losses of every adapter; an X where it exited early."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for rec in registry:
+        color = _STATE_COLORS.get(rec.state, "tab:blue")
+        if rec.train_losses:
+            steps, losses = zip(*rec.train_losses)
+            ax_train.plot(steps, losses, lw=0.6, color=color, alpha=0.6)
+        if rec.val_losses:
+            steps, losses = zip(*rec.val_losses)
+            ax_val.plot(steps, losses, marker=".", lw=0.8, color=color, alpha=0.8)
+            if rec.state in (AdapterState.DIVERGED, AdapterState.OVERFIT, AdapterState.PRUNED, AdapterState.FAILED):
+                ax_val.plot(steps[-1], losses[-1], marker="x", ms=9, color=color)
+    ax_train.set(title="training loss", xlabel="adapter step", ylabel="loss")
+    ax_val.set(title="validation loss (x: early exit)", xlabel="adapter step")
+    handles = [plt.Line2D([], [], color=c, label=s.value) for s, c in _STATE_COLORS.items()
+               if any(r.state == s for r in registry)]
+    ax_val.legend(handles=handles, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def slot_assignment(intervals: list[tuple[str, int, int]]) -> dict[str, int]:
+    """Greedy interval colouring: each adapter's [start, end) on the lowest slot free at its start."""
+    slot_free_at: list[int] = []
+    slots = {}
+    for name, start, end in sorted(intervals, key=lambda x: (x[1], x[2])):
+        for i, free in enumerate(slot_free_at):
+            if free <= start:
+                slot_free_at[i], slots[name] = end, i
+                break
+        else:
+            slots[name] = len(slot_free_at)
+            slot_free_at.append(end)
+    return slots
+
+
+def timeline_figure(registry: AdapterRegistry, last_step: int):
+    """A Gantt chart of the spans (global steps) in which adapters held a slot, coloured by how each ended."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    intervals = [(f"{r.name}#{i}", start, end if end is not None else last_step)
+                 for r in registry for i, (start, end) in enumerate(r.spans)]
+    slots = slot_assignment(intervals)
+    n_slots = len(set(slots.values()))
+    fig, ax = plt.subplots(figsize=(12, 0.45 * max(4, n_slots) + 1.2))
+    for key, start, end in intervals:
+        name = key.rsplit("#", 1)[0]
+        ax.barh(slots[key], max(end - start, 1), left=start, color=_STATE_COLORS.get(registry[name].state, "tab:blue"),
+                edgecolor="black", lw=0.4)
+        ax.text(start, slots[key], f" {name}", va="center", fontsize=6)
+    ax.set(xlabel="global step", ylabel="slot", title="adapters holding each slot (colour: how they ended)")
+    ax.set_yticks(range(n_slots))
+    ax.invert_yaxis()
+    fig.tight_layout()
+    return fig

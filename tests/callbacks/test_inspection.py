@@ -1,0 +1,57 @@
+"""What a person sees: TensorBoard scalars, exit texts, HParams and pictures, read back from event files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.loggers import TensorBoardLogger
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from lightning_multilora import (
+    EarlyExit,
+    MultiLoRADataModule,
+    MultiLoRAModule,
+    OptunaSweep,
+    SweepReport,
+    WarmupSelection,
+)
+from lightning_multilora.callbacks.report import slot_assignment
+from lightning_multilora.data import GeneratedArithmetic
+
+
+def test_tensorboard_holds_scalars_exits_hparams_and_pictures(tmp_path, trainer_kwargs, capsys):
+    sweep = OptunaSweep({"lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True},
+                         "rank": {"type": "categorical", "choices": [2, 4]}},
+                        n_trials=4, base={"max_steps": 20, "batch_size": 2}, slots=2)
+    module = MultiLoRAModule("tiny-llama", adapters=[])
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = L.Trainer(**dict(trainer_kwargs, logger=logger, log_every_n_steps=1, val_check_interval=4),
+                        callbacks=[sweep, EarlyExit(), WarmupSelection(warmup_fraction=0.1), SweepReport()])
+    trainer.fit(module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(300)}, max_val_examples=16))
+
+    events = EventAccumulator(trainer.log_dir, size_guidance={"images": 0, "tensors": 0, "scalars": 0})
+    events.Reload()
+    tags = events.Tags()
+    for rec in module.registry:
+        for metric in ("train_loss", "train_loss_ema", "val_loss", "lr", "grad_norm", "tokens_seen"):
+            assert f"adapters/{rec.name}/{metric}" in tags["scalars"], (rec.name, metric)
+        assert f"adapters/{rec.name}/exit/text_summary" in tags["tensors"]
+    assert {"sweep/loss_curves", "sweep/timeline"} <= set(tags["images"])
+    pruned = [r for r in module.registry if r.state.value == "pruned"]
+    assert len(pruned) == 3
+    text = events.Tensors(f"adapters/{pruned[0].name}/exit/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "pruned" in text and "warmup selection" in text
+    for rec in module.registry:  # an HParams run per adapter
+        hp_dir = Path(trainer.log_dir) / "hparams" / rec.name
+        hp = EventAccumulator(str(hp_dir))
+        hp.Reload()
+        assert "hparams/best_val_loss" in hp.Tags()["scalars"]
+        assert "_hparams_/session_start_info" in hp.PluginTagToContent("hparams")
+    out = capsys.readouterr().out
+    assert "Adapters ranked by best validation loss" in out and "pruned" in out
+
+
+def test_slots_are_reused_once_free():
+    slots = slot_assignment([("a", 0, 10), ("b", 0, 5), ("c", 5, 12), ("d", 10, 20), ("e", 6, 8)])
+    assert slots == {"b": 0, "a": 1, "c": 0, "e": 2, "d": 1}
