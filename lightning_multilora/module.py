@@ -280,7 +280,6 @@ class MultiLoRAMixin:
 
     # -- Lightning hooks ------------------------------------------------------------------------
 
-    @override
     def _fill_slots(self) -> None:
         """Let candidate providers (callbacks with ``fill_slots(trainer, module)``, e.g. OptunaSweep) queue
         adapters for the free slots, then admit from the queue."""
@@ -291,6 +290,7 @@ class MultiLoRAMixin:
                 fill(trainer, self)
         self._admit()
 
+    @override
     def configure_optimizers(self):
         self._fill_slots()  # after a checkpoint is restored, before the optimizer is built
         groups = [self._param_group(r.spec) for r in self.registry.holding_weights]
@@ -536,6 +536,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
             model = base_model
         else:
             model = build_base_model(base_model, config_overrides, dtype, base_seed)
+        model.train()  # from_pretrained returns eval mode; Lightning trains modules as they are
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = model

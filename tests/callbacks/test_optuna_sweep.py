@@ -99,3 +99,17 @@ def test_bad_search_space():
         OptunaSweep({"rank": {"type": "categorical", "choices": [0, 4]}})
     with pytest.raises(ValueError, match="`sampler` can be tpe, random, grid"):
         OptunaSweep(SPACE, sampler="cmaes")
+
+
+def test_two_runs_feed_one_study_through_its_storage(tmp_path, trainer_kwargs):
+    # Two sweeps (as two processes would) share an SQLite study: trial numbers and adapter names never collide.
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    names = []
+    for run in range(2):
+        sweep = OptunaSweep(SPACE, n_trials=2, storage=storage, study_name="shared",
+                            base={"max_steps": 3, "batch_size": 1}, slots=2, seed=run)
+        _, module = fit(tmp_path / f"run{run}", trainer_kwargs, sweep)
+        names += [r.name for r in module.registry]
+    trials = optuna.load_study(study_name="shared", storage=storage).get_trials()
+    assert [t.number for t in trials] == [0, 1, 2, 3] and sorted(names) == [f"trial-{i}" for i in range(4)]
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
