@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--pretrain-examples", type=int, default=3000)
     parser.add_argument("--pretrain-steps", type=int, default=150)
     parser.add_argument("--train-examples", type=int, default=48)
-    parser.add_argument("--val-examples", type=int, default=16)
+    parser.add_argument("--val-examples", type=int, default=48)
     parser.add_argument("--epochs", type=float, default=3.0)
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--val-every", type=int, default=8)
