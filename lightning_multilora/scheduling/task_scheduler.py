@@ -1,0 +1,198 @@
+"""`TaskScheduler`: minimum-makespan placement of training tasks on GPUs with OR-Tools CP-SAT.
+
+The problem is P|size_j|C_max (ALTO's inter-task scheduler): task ``j`` runs ``d_j`` on ``g_j`` GPUs at
+once. A cumulative constraint (at most ``G`` GPUs busy at any time) gives the optimal makespan; concrete
+GPU ids are assigned afterwards by sweeping the tasks in start order, which always succeeds because the
+cumulative bound holds at every instant and tasks do not need contiguous ids.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class Task:
+    """A training task: ``duration`` (seconds, > 0) on ``gpus`` GPUs (>= 1)."""
+
+    id: str
+    duration: float
+    gpus: int = 1
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("task `id` must be a non-empty string")
+        if not (isinstance(self.duration, (int, float)) and math.isfinite(self.duration) and self.duration > 0):
+            raise ValueError(f"task {self.id!r}: `duration` must be a finite number > 0, got {self.duration!r}")
+        if not (isinstance(self.gpus, int) and self.gpus >= 1):
+            raise ValueError(f"task {self.id!r}: `gpus` must be an integer >= 1, got {self.gpus!r}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    task_id: str
+    start: float
+    end: float
+    gpu_ids: tuple[int, ...]
+
+
+@dataclass
+class Schedule:
+    placements: dict[str, Placement]
+    makespan: float
+    optimal: bool
+    solve_s: float
+    lower_bound: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def table(self) -> str:
+        rows = sorted(self.placements.values(), key=lambda p: (p.start, p.task_id))
+        lines = [f"{'task':<16} {'start':>10} {'end':>10}  gpus"]
+        lines += [f"{p.task_id:<16} {p.start:>10.1f} {p.end:>10.1f}  {','.join(map(str, p.gpu_ids))}" for p in rows]
+        lines.append(f"makespan {self.makespan:.1f} ({'optimal' if self.optimal else 'feasible'}, "
+                     f"lower bound {self.lower_bound:.1f}, solved in {self.solve_s:.3f} s)")
+        return "\n".join(lines)
+
+
+def validate_tasks(tasks: Sequence[Task], num_gpus: int) -> None:
+    seen = set()
+    for task in tasks:
+        if task.id in seen:
+            raise ValueError(f"duplicate task id {task.id!r}; task ids must be unique")
+        seen.add(task.id)
+        if task.gpus > num_gpus:
+            raise ValueError(f"task {task.id!r} needs {task.gpus} GPUs but only {num_gpus} exist")
+
+
+def lower_bound(tasks: Iterable[Task], num_gpus: int, now: float = 0.0) -> float:
+    """max(total work / G, longest task) from ``now``: no schedule ends earlier."""
+    tasks = list(tasks)
+    if not tasks:
+        return now
+    return now + max(sum(t.duration * t.gpus for t in tasks) / num_gpus, max(t.duration for t in tasks))
+
+
+def assign_gpu_ids(intervals: Sequence[tuple[str, float, float, int]], num_gpus: int,
+                   fixed: Optional[dict[str, tuple[int, ...]]] = None) -> dict[str, tuple[int, ...]]:
+    """Concrete GPU ids for (task, start, end, gpus) intervals that never exceed ``num_gpus`` at once."""
+    fixed = fixed or {}
+    busy: list[tuple[float, tuple[int, ...]]] = []  # (end, ids) of tasks holding GPUs
+    free = set(range(num_gpus))
+    out: dict[str, tuple[int, ...]] = {}
+    for task_id, start, end, gpus in sorted(intervals, key=lambda x: (x[1], x[0] not in fixed)):
+        for item in [b for b in busy if b[0] <= start + 1e-9]:
+            busy.remove(item)
+            free.update(item[1])
+        if task_id in fixed:
+            ids = fixed[task_id]
+            if not set(ids) <= free:
+                raise ValueError(f"running task {task_id!r} holds GPUs {ids} that are not free")
+        else:
+            if len(free) < gpus:
+                raise RuntimeError(f"no {gpus} free GPUs for {task_id!r} at {start}: the plan exceeds {num_gpus}")
+            ids = tuple(sorted(free)[:gpus])
+        free.difference_update(ids)
+        busy.append((end, ids))
+        out[task_id] = ids
+    return out
+
+
+class TaskScheduler:
+    """Plans tasks on ``num_gpus`` GPUs for minimum makespan; replans with running tasks fixed.
+
+    Args:
+        num_gpus: GPUs available (>= 1).
+        time_limit_s: CP-SAT's time limit per solve; the best plan found by then is returned.
+        resolution_s: durations are rounded up to this grid for the integer model.
+        workers: CP-SAT search workers.
+    """
+
+    def __init__(self, num_gpus: int, time_limit_s: float = 1.0, resolution_s: float = 1.0, workers: int = 8) -> None:
+        if not (isinstance(num_gpus, int) and num_gpus >= 1):
+            raise ValueError(f"`num_gpus` must be an integer >= 1, got {num_gpus!r}")
+        if time_limit_s <= 0:
+            raise ValueError(f"`time_limit_s` must be > 0, got {time_limit_s}")
+        if resolution_s <= 0:
+            raise ValueError(f"`resolution_s` must be > 0, got {resolution_s}")
+        self.num_gpus, self.time_limit_s, self.resolution_s, self.workers = num_gpus, time_limit_s, resolution_s, workers
+        self.last: Optional[Schedule] = None
+
+    def _ticks(self, seconds: float) -> int:
+        return max(0, math.ceil(seconds / self.resolution_s - 1e-9))
+
+    def plan(self, tasks: Sequence[Task], running: Optional[dict[str, Placement]] = None, now: float = 0.0,
+             hint: Optional[Schedule] = None, time_limit_s: Optional[float] = None) -> Schedule:
+        """Place ``tasks`` (not yet started) from ``now``; ``running`` placements stay as they are.
+
+        ``hint`` (default: the previous plan) warm-starts the solver with the starts it still applies to;
+        ``time_limit_s`` overrides the scheduler's limit for this solve (replanning wants a short one).
+        """
+        from ortools.sat.python import cp_model
+
+        running = dict(running or {})
+        validate_tasks(list(tasks), self.num_gpus)
+        overlap = {t.id for t in tasks} & set(running)
+        if overlap:
+            raise ValueError(f"tasks {sorted(overlap)} are both running and to be planned")
+        hint = hint if hint is not None else self.last
+        model = cp_model.CpModel()
+        t0 = self._ticks(now)
+        horizon = t0 + sum(self._ticks(t.duration) for t in tasks) + sum(
+            max(0, self._ticks(p.end) - t0) for p in running.values()) + 1
+        intervals, demands, ends, starts = [], [], [], {}
+        for task_id, p in running.items():
+            start, end = self._ticks(p.start), max(self._ticks(p.end), t0)
+            intervals.append(model.NewIntervalVar(start, end - start, end, f"run_{task_id}"))
+            demands.append(len(p.gpu_ids))
+            ends.append(end)
+        for task in tasks:
+            size = max(1, self._ticks(task.duration))
+            start = model.NewIntVar(t0, horizon, f"s_{task.id}")
+            end = model.NewIntVar(t0, horizon + size, f"e_{task.id}")
+            intervals.append(model.NewIntervalVar(start, size, end, f"i_{task.id}"))
+            demands.append(task.gpus)
+            ends.append(end)
+            starts[task.id] = start
+            if hint is not None and task.id in hint.placements:
+                model.AddHint(start, max(t0, self._ticks(hint.placements[task.id].start)))
+        model.AddCumulative(intervals, demands, self.num_gpus)
+        makespan = model.NewIntVar(t0, horizon * 2, "makespan")
+        model.AddMaxEquality(makespan, ends) if ends else model.Add(makespan == t0)
+        model.Minimize(makespan)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = time_limit_s if time_limit_s is not None else self.time_limit_s
+        solver.parameters.num_search_workers = self.workers
+        status = solver.Solve(model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise RuntimeError(f"CP-SAT found no plan ({solver.StatusName(status)}) within {self.time_limit_s} s")
+        res = self.resolution_s
+        rows = [(tid, p.start, p.end, len(p.gpu_ids)) for tid, p in running.items()]
+        rows += [(t.id, solver.Value(starts[t.id]) * res, solver.Value(starts[t.id]) * res + max(1, self._ticks(t.duration)) * res,
+                  t.gpus) for t in tasks]
+        ids = assign_gpu_ids(rows, self.num_gpus, {tid: p.gpu_ids for tid, p in running.items()})
+        placements = {tid: Placement(tid, start, end, ids[tid]) for tid, start, end, _ in rows}
+        schedule = Schedule(placements, solver.Value(makespan) * res, status == cp_model.OPTIMAL, solver.WallTime(),
+                            lower_bound(tasks, self.num_gpus, now))
+        self.last = schedule
+        return schedule
+
+
+def list_schedule(tasks: Sequence[Task], num_gpus: int, order: Optional[Sequence[str]] = None) -> float:
+    """Greedy list scheduling (default order: longest first): each task starts at the earliest time enough
+    GPUs are free. Returns the makespan; the baseline the CP-SAT plan is compared with."""
+    by_id = {t.id: t for t in tasks}
+    order = list(order) if order is not None else [t.id for t in sorted(tasks, key=lambda t: -t.duration)]
+    running: list[tuple[float, int]] = []  # (end, gpus)
+    free, now, makespan = num_gpus, 0.0, 0.0
+    for task_id in order:
+        task = by_id[task_id]
+        while free < task.gpus:
+            running.sort()
+            end, gpus = running.pop(0)
+            now, free = max(now, end), free + gpus
+        running.append((now + task.duration, task.gpus))
+        free -= task.gpus
+        makespan = max(makespan, now + task.duration)
+    return makespan

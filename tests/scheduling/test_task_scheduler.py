@@ -1,0 +1,91 @@
+"""TaskScheduler: optimal makespans (checked by brute force), valid GPU ids, replanning, bad tasks."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from lightning_multilora.scheduling import Placement, Task, TaskScheduler, list_schedule, lower_bound
+
+
+def brute_force_makespan(tasks: list[Task], gpus: int) -> int:
+    """The optimum over all integer start times (small instances only)."""
+    horizon = int(sum(t.duration for t in tasks))
+    best = horizon
+    for starts in itertools.product(range(horizon), repeat=len(tasks)):
+        end = max(s + t.duration for s, t in zip(starts, tasks))
+        if end >= best:
+            continue
+        if all(sum(t.gpus for s, t in zip(starts, tasks) if s <= time < s + t.duration) <= gpus for time in range(int(end))):
+            best = int(end)
+    return best
+
+
+def check_valid(schedule, tasks: list[Task], gpus: int) -> None:
+    by_id = {t.id: t for t in tasks}
+    for p in schedule.placements.values():
+        if p.task_id in by_id:
+            assert len(p.gpu_ids) == by_id[p.task_id].gpus and p.end - p.start == pytest.approx(by_id[p.task_id].duration)
+        assert all(0 <= g < gpus for g in p.gpu_ids)
+    for a, b in itertools.combinations(schedule.placements.values(), 2):
+        if a.start < b.end and b.start < a.end:  # overlapping in time: disjoint GPUs
+            assert not set(a.gpu_ids) & set(b.gpu_ids), (a, b)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plans_are_optimal_on_small_instances(seed):
+    rng = random.Random(seed)
+    gpus = rng.choice([2, 3])
+    tasks = [Task(f"t{i}", rng.randint(1, 4), rng.randint(1, gpus)) for i in range(4)]
+    schedule = TaskScheduler(gpus).plan(tasks)
+    assert schedule.optimal
+    assert schedule.makespan == brute_force_makespan(tasks, gpus)
+    assert schedule.makespan >= lower_bound(tasks, gpus)
+    check_valid(schedule, tasks, gpus)
+
+
+def test_alto_mix_beats_or_matches_longest_first_list_scheduling():
+    tasks = ([Task(f"70b-{i}", d, 4) for i, d in enumerate([500, 420])] +
+             [Task(f"32b-{i}", d, 2) for i, d in enumerate([300, 260, 240])] +
+             [Task(f"8b-{i}", d, 1) for i, d in enumerate([200, 180, 150, 120, 90, 60])])
+    schedule = TaskScheduler(8).plan(tasks)
+    assert schedule.optimal and schedule.makespan <= list_schedule(tasks, 8)
+    check_valid(schedule, tasks, 8)
+
+
+def test_replanning_keeps_running_tasks_fixed():
+    scheduler = TaskScheduler(4)
+    tasks = [Task("a", 10, 2), Task("b", 6, 2), Task("c", 4, 4), Task("d", 3, 1)]
+    first = scheduler.plan(tasks)
+    started = {tid: p for tid, p in first.placements.items() if p.start == 0}
+    assert started
+    # an early completion and an arrival at t=2: the running tasks keep their start, end and GPUs
+    now = 2.0
+    running = {tid: Placement(tid, p.start, p.end, p.gpu_ids) for tid, p in started.items()}
+    pending = [t for t in tasks if t.id not in running] + [Task("e", 5, 1)]
+    second = scheduler.plan(pending, running=running, now=now)
+    for tid, p in running.items():
+        assert second.placements[tid] == p
+    assert all(second.placements[t.id].start >= now for t in pending)
+    check_valid(second, pending, 4)
+
+
+@pytest.mark.parametrize("tasks, message", [
+    ([Task("a", 1, 1), Task("a", 2, 1)], "duplicate task id 'a'"),
+    ([Task("a", 1, 9)], "needs 9 GPUs but only 4 exist"),
+])
+def test_bad_task_sets(tasks, message):
+    with pytest.raises(ValueError, match=message):
+        TaskScheduler(4).plan(tasks)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"id": "x", "duration": -1}, "`duration` must be a finite number > 0"),
+    ({"id": "x", "duration": 3, "gpus": 0}, "`gpus` must be an integer >= 1"),
+    ({"id": "", "duration": 3}, "`id` must be a non-empty string"),
+])
+def test_bad_tasks(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Task(**kwargs)
