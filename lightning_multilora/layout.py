@@ -50,27 +50,3 @@ class BatchLayout:
     @property
     def sizes(self) -> tuple[int, ...]:
         return tuple(e - s for s, e in zip(self.starts, self.ends))
-
-    def rows_of(self, name: str) -> slice:
-        i = self.names.index(name)
-        return slice(self.starts[i], self.ends[i])
-
-    def scaled(self, factor: int) -> "BatchLayout":
-        """The same layout in units of ``factor`` (rows -> tokens for sequences of length ``factor``)."""
-        return BatchLayout(
-            self.names,
-            tuple(s * factor for s in self.starts),
-            tuple(e * factor for e in self.ends),
-            self.num_rows * factor,
-        )
-
-    def select(self, keep: Sequence[str]) -> "BatchLayout":
-        """Only the segments of adapters in ``keep`` (the rows of the others become base-only)."""
-        keep = set(keep)
-        idx = [i for i, n in enumerate(self.names) if n in keep]
-        return BatchLayout(
-            tuple(self.names[i] for i in idx),
-            tuple(self.starts[i] for i in idx),
-            tuple(self.ends[i] for i in idx),
-            self.num_rows,
-        )

@@ -110,9 +110,6 @@ class AdapterRegistry:
     def __len__(self) -> int:
         return len(self._records)
 
-    def pop(self, name: str) -> AdapterRecord:
-        return self._records.pop(name)
-
     def in_state(self, *states: AdapterState) -> list[AdapterRecord]:
         return [r for r in self._records.values() if r.state in states]
 
