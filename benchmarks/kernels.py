@@ -7,7 +7,9 @@ Run on the H200 (about 3 minutes):
 For each Llama-8B projection shape, N adapters, ranks and tokens per adapter, times one call's forward
 and backward (gradients of x, every A and every B; bf16 activations, fp32 adapters) of:
 
-- ``ours``: `multi_lora_triton` (6 launches whatever N);
+- ``ours``: `multi_lora_triton` (6 launches whatever N), gradients of A and B returned through autograd;
+- ``ours_direct``: the same with ``direct_grads=True`` (what `MultiLoRALinear` uses): dA/dB added straight
+  into ``.grad``, one autograd input instead of 2N;
 - ``loop``: the per-adapter PyTorch reference (what PEFT's mixed-batch path does);
 - ``grouped_mm``: ``torch._grouped_mm`` over rank-padded stacked weights (one launch per product);
 - ``floor``: the bytes that must move (x, Y read + written, dY, x again for dA, dX written, the
@@ -134,7 +136,9 @@ def main() -> None:
                             torch.autograd.backward(y, grad)
                         return step
 
-                    impls = {"ours": fwd_bwd(lambda xx, bb: multi_lora_triton(xx, bb, w, True))}
+                    wd = LoRAWeights(w.a, w.b, w.scaling, w.dropout, w.starts, w.ends, direct_grads=True)
+                    impls = {"ours": fwd_bwd(lambda xx, bb: multi_lora_triton(xx, bb, w, True)),
+                             "ours_direct": fwd_bwd(lambda xx, bb: multi_lora_triton(xx, bb, wd, True))}
                     if n <= args.max_loop_n:
                         impls["loop"] = fwd_bwd(lambda xx, bb: multi_lora_reference(xx, bb, w, True))
                     gmm = GroupedMM(w, device)

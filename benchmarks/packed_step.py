@@ -80,6 +80,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=450.0,
                    help="skip (record null) any measurement that would end later than this many seconds "
                         "after start")
+    p.add_argument("--fused-adamw", action="store_true", help="AdamW(fused=True) for both LoRA variants")
+    p.add_argument("--cprofile", action="store_true", help="print where the host time of one packed step goes")
+    p.add_argument("--append", action="store_true", help="keep the rows already in --out and add these after them")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON output (default: benchmarks/results/packed_step_h200.json; with --tiny a temp file)")
     args = p.parse_args()
@@ -227,7 +230,7 @@ def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline:
         names = [f"adapter{i}" for i in range(n)]
         for i, name in enumerate(names):
             layers.add_adapter(name, rank=RANK, alpha=ALPHA, seed=i)
-        optimizer = torch.optim.AdamW([p for name in names for p in layers.parameters_of(name)], lr=LR)
+        optimizer = torch.optim.AdamW([p for name in names for p in layers.parameters_of(name)], lr=LR, fused=args.fused_adamw or None)
         layout = BatchLayout.from_sizes(names, [1] * n)
         for seq in args.seqs:
             ids = torch.randint(model.config.vocab_size, (n, seq), device=device)
@@ -240,6 +243,8 @@ def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline:
                 optimizer.zero_grad(set_to_none=True)
 
             record(rows[seq, n], "packed", *measure(f"packed seq={seq} N={n}", step, 1, args, deadline, device))
+            if args.cprofile and rows[seq, n]["packed_ms"] is not None:
+                profile_host(step, device)
             optimizer.zero_grad(set_to_none=True)  # an OOM mid-step leaves gradients behind
             del ids, step
         del optimizer
@@ -247,6 +252,18 @@ def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline:
             layers.remove_adapter(name)
         free_memory(device)
     restore_base(model, layers)
+
+
+def profile_host(step: Callable[[], None], device: torch.device) -> None:
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step()
+    profiler.disable()
+    sync(device)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
 
 
 def restore_base(model: nn.Module, layers: LoRALayers) -> None:
@@ -264,7 +281,7 @@ def run_sequential_peft(model: nn.Module, rows: dict, args: argparse.Namespace, 
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS))
-    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=LR)
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=LR, fused=args.fused_adamw or None)
     # PEFT injects its layers into `model` in place, so calling `model` runs them, and the loss is computed
     # exactly as for the other variants.
     for seq in args.seqs:
@@ -312,7 +329,7 @@ def main() -> None:
 
     notes = (
         f"Step = forward + next-token CE (chunked, checkpointed) + backward with non-reentrant gradient "
-        f"checkpointing; LoRA variants also run AdamW (lr {LR}) over fp32 adapter weights "
+        f"checkpointing; LoRA variants also run {'fused ' if args.fused_adamw else ''}AdamW (lr {LR}) over fp32 adapter weights "
         f"(r={RANK}, alpha={ALPHA}, 7 projections), no grad clipping. base_floor: frozen base at batch N, input "
         f"embeddings require grad. packed: lightning_multilora, N adapters x batch 1 in one step. "
         f"sequential_peft: one PEFT adapter at batch 1 stepped N times back to back (each adapter's step "
@@ -341,8 +358,9 @@ def main() -> None:
         run_sequential_peft(model, rows, args, deadline, device)
 
     results = [rows[key] for key in sorted(rows)]
+    kept = json.loads(args.out.read_text()) if args.append and args.out.exists() else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    args.out.write_text(json.dumps(kept + results, indent=2) + "\n")
     print_table(results)
     print(f"\n{common['gpu']}, torch {common['torch']}, backend {common['backend']}; "
           f"total {time.perf_counter() - start:.0f} s; wrote {len(results)} rows to {args.out}")

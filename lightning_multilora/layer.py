@@ -41,7 +41,12 @@ class MultiLoRALinear(nn.Module):
     (PEFT's shapes), scaling ``alpha / r`` (``alpha / sqrt(r)`` for rsLoRA) and its own dropout.
     In ``forward`` the context's `BatchLayout` says which rows each adapter owns; rows of adapters
     this layer does not hold, and rows outside every segment, get the base output only.
+
+    ``direct_grads`` (default True): the Triton kernels add adapter gradients straight into ``.grad``
+    (see `LoRAWeights`); set it False on a layer to take ``torch.autograd.grad`` w.r.t. its adapters.
     """
+
+    direct_grads: bool = True
 
     def __init__(self, base: nn.Module, context: Optional[LayoutContext] = None) -> None:
         super().__init__()
@@ -120,7 +125,7 @@ class MultiLoRALinear(nn.Module):
     def _weights_for(self, layout: BatchLayout, tokens_per_row: int) -> Optional[LoRAWeights]:
         """This layer's adapters of ``layout`` in token units; reused while layout and adapters are the same
         (forward, recomputation and backward of a step, and steps with the same shapes)."""
-        key = (layout.names, layout.starts, layout.ends, tokens_per_row, self._version)
+        key = (layout.names, layout.starts, layout.ends, tokens_per_row, self._version, self.direct_grads)
         if self._weights_key == key:
             return self._weights
         held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
@@ -133,6 +138,7 @@ class MultiLoRALinear(nn.Module):
                 dropout=tuple(self.dropout[n] for _, n in held),
                 starts=tuple(layout.starts[i] * tokens_per_row for i, _ in held),
                 ends=tuple(layout.ends[i] * tokens_per_row for i, _ in held),
+                direct_grads=self.direct_grads,
             )
         self._weights_key, self._weights = key, weights
         return weights

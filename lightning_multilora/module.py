@@ -296,7 +296,13 @@ class MultiLoRAMixin:
         groups = [self._param_group(r.spec) for r in self.registry.holding_weights]
         if not groups:
             raise ValueError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
-        return self.optimizer_class(groups, **self.optimizer_kwargs)
+        kwargs = dict(self.optimizer_kwargs)
+        on_cuda = any(p.is_cuda for g in groups for p in g["params"])
+        if on_cuda and self.optimizer_class in (torch.optim.Adam, torch.optim.AdamW) and not (
+                {"fused", "foreach"} & kwargs.keys()):
+            # thousands of small adapter tensors: the fused kernels cut the step's host time by ~4x
+            kwargs["fused"] = True
+        return self.optimizer_class(groups, **kwargs)
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:

@@ -14,8 +14,10 @@ The four kernels:
   ``dS``) is fp32.
 - `_rank_times_weight`: ``Y[t, :] (+)= c_i * (R[t, :r_i] @ W_i) [* drop mask]`` where W_i is ``B_i^T``
   (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = drop'(dS A)``).
-- `_weight_grad`: per adapter, ``G_i = c_i * L_i^T @ drop_i(M_i)`` over its rows, stored in A's layout
-  (``dA = dS^T drop(X)``) or B's (``dB^T = s S^T dY``).
+- `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
+  adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = dS^T drop(X)``)
+  or B's (``dB^T = s S^T dY``). It adds into what is there, as autograd's gradient accumulation does;
+  its autotuning trials must therefore run on scratch targets (see `triton_lora`).
 Dropout masks come from a per-adapter seed and the element's (row, column): the backward regenerates
 the forward's mask instead of storing it.
 """
@@ -160,11 +162,11 @@ def _rank_times_weight(
     tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
 
 
-@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "SPLIT_T", "HAS_DROPOUT"], reset_to_zero=["G_FLAT"])
+@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "SPLIT_T", "HAS_DROPOUT"])
 @triton.jit
 def _weight_grad(
     # pointers
-    L, M, G_FLAT, G_OFFS, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
+    L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes
     K,
     # strides
@@ -179,7 +181,7 @@ def _weight_grad(
     start = tl.load(SEG_START + a)
     end = tl.load(SEG_END + a)
     r = tl.load(RANKS + a)
-    g = G_FLAT + tl.load(G_OFFS + a)  # this adapter's gradient inside one flat buffer
+    g = tl.load(G_PTRS + a).to(G_WITNESS.dtype)  # this adapter's own gradient tensor
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_r = tl.arange(0, BLOCK_R)
     mask_k = offs_k < K
@@ -203,6 +205,7 @@ def _weight_grad(
         g_ptrs = g + offs_k[None, :] * r + offs_r[:, None]
     mask = mask_r[:, None] & mask_k[None, :]
     if SPLIT_T == 1:
-        tl.store(g_ptrs, acc.to(G_FLAT.dtype.element_ty), mask=mask)
+        acc += tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)
     else:
-        tl.atomic_add(g_ptrs, acc.to(G_FLAT.dtype.element_ty), mask=mask)
+        tl.atomic_add(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)

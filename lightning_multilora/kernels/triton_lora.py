@@ -11,6 +11,7 @@ import triton
 from torch import Tensor
 
 from lightning_multilora.kernels import triton_kernels as K
+from lightning_multilora.kernels.launch import FastLauncher
 from lightning_multilora.kernels.weights import LoRAWeights
 
 BLOCK_M = 64  # rows per program in the row-blocked kernels (the schedule's block); other tiles are tuned
@@ -31,6 +32,16 @@ class _LRU(OrderedDict):
 
 _schedules = _LRU()
 _pointer_tables = _LRU()
+_rows_times_weight = FastLauncher(K._rows_times_weight, K.INTERPRETED)
+_rank_times_weight = FastLauncher(K._rank_times_weight, K.INTERPRETED)
+_weight_grad = FastLauncher(K._weight_grad, K.INTERPRETED)
+
+
+def _upload(host: Tensor, device: torch.device) -> Tensor:
+    """A small host table to the device without a stream sync (pageable copies wait for the stream)."""
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
 
 
 @dataclass(frozen=True)
@@ -58,9 +69,8 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         host = torch.tensor([adapters, firsts], dtype=torch.int32).reshape(2, -1)
         segs = torch.tensor([starts, ends], dtype=torch.int32).reshape(2, -1)
         covered = sum(e - s for s, e in zip(starts, ends)) == num_rows
-        return Schedule(host[0].to(device, non_blocking=True), host[1].to(device, non_blocking=True),
-                        segs[0].to(device, non_blocking=True), segs[1].to(device, non_blocking=True),
-                        len(adapters), covered, max((e - s for s, e in zip(starts, ends)), default=0))
+        host, segs = _upload(host, device), _upload(segs, device)
+        return Schedule(host[0], host[1], segs[0], segs[1], len(adapters), covered, max((e - s for s, e in zip(starts, ends)), default=0))
 
     return _schedules.get_or_make((starts, ends, num_rows, str(device)), make)
 
@@ -80,7 +90,18 @@ class PointerTable:
 
 def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
     """Pointers to every adapter's own A and B, with ranks and scalings; cached by address, so it is
-    rebuilt only when the adapter set (or a parameter's storage) changes."""
+    rebuilt only when the adapter set (or a parameter's storage) changes. Memoized on ``weights`` too,
+    checked by the first and last weights' addresses (moving a model moves them all)."""
+    check = (weights.a[0].data_ptr(), weights.b[-1].data_ptr(), device)
+    memo = weights.memo.get("pointer_table")
+    if memo is not None and memo[0] == check:
+        return memo[1]
+    table = _pointer_table(weights, device)
+    weights.memo["pointer_table"] = (check, table)
+    return table
+
+
+def _pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
     key = (tuple(a.data_ptr() for a in weights.a), tuple(b.data_ptr() for b in weights.b),
            tuple(a.shape[0] for a in weights.a), weights.scaling, weights.dropout, str(device))
 
@@ -91,12 +112,12 @@ def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
                             dtype=torch.int64).reshape(2, n)
         ranks = [a.shape[0] for a in weights.a]
         floats = torch.tensor([list(weights.scaling), [1.0] * n, list(weights.dropout)], dtype=torch.float32)
-        floats = floats.reshape(3, n).to(device, non_blocking=True)
+        floats = _upload(floats.reshape(3, n), device)
         sizes = [a.numel() for a in weights.a] + [b.numel() for b in weights.b]
         offsets = torch.tensor([[0] + sizes[:n - 1], [0] + sizes[n:-1]], dtype=torch.int64).reshape(2, n).cumsum(1)
-        return PointerTable(ptrs[0].to(device, non_blocking=True), ptrs[1].to(device, non_blocking=True),
-                            torch.tensor(ranks, dtype=torch.int32).to(device, non_blocking=True),
-                            floats[0], floats[1], floats[2], offsets.to(device, non_blocking=True), sizes,
+        ptrs = _upload(ptrs, device)
+        return PointerTable(ptrs[0], ptrs[1], _upload(torch.tensor(ranks, dtype=torch.int32), device),
+                            floats[0], floats[1], floats[2], _upload(offsets, device), sizes,
                             max(16, triton.next_power_of_2(max(ranks))))
 
     return _pointer_tables.get_or_make(key, make)
@@ -131,10 +152,15 @@ class GroupedLoRAFunction(torch.autograd.Function):
                             ``dA_i = dS_i^T drop_i(X_i)``;  ``dB_i = s_i dY_i^T S_i``.
     ``dY_base = dY``. ``S`` is kept from the forward; dropout masks are regenerated from per-adapter
     seeds. Rows outside every segment keep ``Y_base`` (and get ``dX = 0``).
+
+    ``direct``: ``dA_i`` and ``dB_i`` are added straight into each parameter's ``.grad`` (as autograd's
+    AccumulateGrad would) and only ``A_0`` is an autograd input, so that backward runs; otherwise every
+    ``A_i`` and ``B_i`` is an input and gets its gradient through autograd.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool, *params: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool, direct: bool,
+                *params: Tensor) -> Tensor:
         n = len(weights.a)
         device = x.device
         table = pointer_table(weights, device)
@@ -147,27 +173,28 @@ class GroupedLoRAFunction(torch.autograd.Function):
         split = _split_k(sched.num_blocks, x.shape[1], device)
         s = _low_rank_buffer(x.shape[0], table.block_r, split, device)
         if sched.num_blocks:
-            K._rows_times_weight[(sched.num_blocks, split)](
-                x, table.a_ptrs, weights.a[0], s, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
-                table.ones, table.drop_p, seeds, x.shape[1], x.stride(0), s.stride(0),
-                W_IS_A=True, HAS_DROPOUT=has_dropout, DOT_PRECISION=_precision(x), SPLIT_K=split, BLOCK_M=BLOCK_M,
-                BLOCK_R=table.block_r, **_meta("rows"))
+            _rows_times_weight(
+                (sched.num_blocks, split),
+                (x, table.a_ptrs, weights.a[0], s, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
+                 table.ones, table.drop_p, seeds, x.shape[1], x.stride(0), s.stride(0)),
+                dict(W_IS_A=True, HAS_DROPOUT=has_dropout, DOT_PRECISION=_precision(x), SPLIT_K=split,
+                     BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_meta("rows")))
             d_out = base_out.shape[1]
-            K._rank_times_weight[lambda meta: (sched.num_blocks, triton.cdiv(d_out, meta["BLOCK_N"]))](
-                s, table.b_ptrs, weights.a[0], base_out, sched.blk_adapter, sched.blk_start, sched.seg_end,
-                table.ranks, table.scaling, table.drop_p, seeds, d_out, s.stride(0), base_out.stride(0),
-                W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
-                BLOCK_R=table.block_r, **_meta("rank"))
+            _rank_times_weight(
+                lambda meta: (sched.num_blocks, triton.cdiv(d_out, meta["BLOCK_N"])),
+                (s, table.b_ptrs, weights.a[0], base_out, sched.blk_adapter, sched.blk_start, sched.seg_end,
+                 table.ranks, table.scaling, table.drop_p, seeds, d_out, s.stride(0), base_out.stride(0)),
+                dict(W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
+                     BLOCK_R=table.block_r, **_meta("rank")))
         ctx.mark_dirty(base_out)
         ctx.save_for_backward(x, s, seeds)
-        ctx.weights, ctx.has_dropout = weights, has_dropout
+        ctx.weights, ctx.has_dropout, ctx.direct, ctx.num_params = weights, has_dropout, direct, len(params)
         return base_out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         x, s, seeds = ctx.saved_tensors
         weights: LoRAWeights = ctx.weights
-        n = len(weights.a)
         device = dy.device
         table = pointer_table(weights, device)
         sched = schedule(weights.starts, weights.ends, x.shape[0], device)
@@ -177,21 +204,79 @@ class GroupedLoRAFunction(torch.autograd.Function):
         ds = _low_rank_buffer(x.shape[0], table.block_r, split, device)
         dx = None
         if sched.num_blocks:
-            K._rows_times_weight[(sched.num_blocks, split)](
-                dy, table.b_ptrs, weights.a[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
-                table.scaling, table.drop_p, seeds, d_out, dy.stride(0), ds.stride(0),
-                W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), SPLIT_K=split, BLOCK_M=BLOCK_M,
-                BLOCK_R=table.block_r, **_meta("rows"))
+            _rows_times_weight(
+                (sched.num_blocks, split),
+                (dy, table.b_ptrs, weights.a[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
+                 table.scaling, table.drop_p, seeds, d_out, dy.stride(0), ds.stride(0)),
+                dict(W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), SPLIT_K=split, BLOCK_M=BLOCK_M,
+                     BLOCK_R=table.block_r, **_meta("rows")))
         if ctx.needs_input_grad[0]:
             dx = (torch.empty_like(x) if sched.covers_all_rows else torch.zeros_like(x))
             if sched.num_blocks:
-                K._rank_times_weight[lambda meta: (sched.num_blocks, triton.cdiv(d_in, meta["BLOCK_N"]))](
-                    ds, table.a_ptrs, weights.a[0], dx, sched.blk_adapter, sched.blk_start, sched.seg_end,
-                    table.ranks, table.ones, table.drop_p, seeds, d_in, ds.stride(0), dx.stride(0),
-                    W_IS_A=True, ACCUMULATE=False, HAS_DROPOUT=ctx.has_dropout, DOT_PRECISION=_precision(x),
-                    BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_meta("rank"))
-        grads_a, grads_b = _weight_grads(x, dy, s, ds, seeds, weights, table, sched, ctx.has_dropout)
-        return (dx, dy, None, None, *grads_a, *grads_b)
+                _rank_times_weight(
+                    lambda meta: (sched.num_blocks, triton.cdiv(d_in, meta["BLOCK_N"])),
+                    (ds, table.a_ptrs, weights.a[0], dx, sched.blk_adapter, sched.blk_start, sched.seg_end,
+                     table.ranks, table.ones, table.drop_p, seeds, d_in, ds.stride(0), dx.stride(0)),
+                    dict(W_IS_A=True, ACCUMULATE=False, HAS_DROPOUT=ctx.has_dropout, DOT_PRECISION=_precision(x),
+                         BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_meta("rank")))
+        if ctx.direct:
+            targets = _grads_of_parameters(weights, device)
+            grads: tuple = (None,) * ctx.num_params
+        else:
+            targets = _fresh_grads(weights, table, device)
+            grads = targets.a + targets.b
+        _weight_grads(x, dy, s, ds, seeds, weights, table, sched, ctx.has_dropout, targets)
+        return (dx, dy, None, None, None, *grads)
+
+
+@dataclass(frozen=True)
+class GradTargets:
+    """Where the weight-gradient launches add ``dA_i`` and ``dB_i``: device pointer arrays (and the tensors)."""
+
+    a_ptrs: Tensor
+    b_ptrs: Tensor
+    a: tuple[Tensor, ...]
+    b: tuple[Tensor, ...]
+
+
+_grad_tables = _LRU()
+
+
+def _fresh_grads(weights: LoRAWeights, table: PointerTable, device: torch.device) -> GradTargets:
+    """Zeroed gradients in two flat buffers (one for every dA, one for every dB), returned through autograd."""
+    n = len(weights.a)
+    wdtype = weights.a[0].dtype
+    sizes_a, sizes_b = table.grad_sizes[:n], table.grad_sizes[n:]
+    flat_a = torch.zeros(sum(sizes_a), device=device, dtype=wdtype)
+    flat_b = torch.zeros(sum(sizes_b), device=device, dtype=wdtype)
+    ptrs = table.grad_offsets * flat_a.element_size()  # on the device: no host-to-device copy per call
+    ptrs[0] += flat_a.data_ptr()
+    ptrs[1] += flat_b.data_ptr()
+    grads_a = tuple(g.view_as(a) for g, a in zip(torch.split(flat_a, sizes_a), weights.a))
+    grads_b = tuple(g.view_as(b) for g, b in zip(torch.split(flat_b, sizes_b), weights.b))
+    return GradTargets(ptrs[0], ptrs[1], grads_a, grads_b)
+
+
+def _grads_of_parameters(weights: LoRAWeights, device: torch.device) -> GradTargets:
+    """The parameters' own ``.grad`` tensors; missing ones are created (zeroed, one flat buffer for all of
+    them), as the first accumulation would. Pointer arrays are cached by the gradients' addresses."""
+    params = weights.a + weights.b
+    grads = [p.grad for p in params]
+    if any(g is None or not g.is_contiguous() for g in grads):
+        redo = [i for i, g in enumerate(grads) if g is None or not g.is_contiguous()]
+        flat = torch.zeros(sum(params[i].numel() for i in redo), device=device, dtype=params[redo[0]].dtype)
+        for i, view in zip(redo, torch.split(flat, [params[i].numel() for i in redo])):
+            if grads[i] is not None:
+                view.copy_(grads[i].reshape(-1))
+            params[i].grad = grads[i] = view.view_as(params[i])
+    n = len(weights.a)
+    key = (tuple(g.data_ptr() for g in grads), str(device))
+
+    def make() -> GradTargets:
+        ptrs = _upload(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64).reshape(2, n), device)
+        return GradTargets(ptrs[0], ptrs[1], (), ())
+
+    return _grad_tables.get_or_make(key, make)
 
 
 def _meta(kind: str) -> dict[str, int]:
@@ -235,30 +320,36 @@ def _split_for(num_programs: int, max_tokens: int, device: torch.device) -> int:
     return split
 
 
-def _weight_grads(x, dy, s, ds, seeds, weights: LoRAWeights, table: PointerTable, sched: Schedule, has_dropout):
+_tuned_grad_keys: set = set()
+
+
+def _weight_grads(x, dy, s, ds, seeds, weights: LoRAWeights, table: PointerTable, sched: Schedule, has_dropout,
+                  targets: GradTargets) -> None:
+    """``dA_i += dS_i^T drop_i(X_i)`` and ``dB_i += s_i dY_i^T S_i``, two launches into ``targets``."""
     n = len(weights.a)
-    device, wdtype = x.device, weights.a[0].dtype
+    device = x.device
     d_in, d_out = x.shape[1], dy.shape[1]
-    split_a = _split_for(n * triton.cdiv(d_in, 128), sched.max_tokens, device)
-    split_b = _split_for(n * triton.cdiv(d_out, 128), sched.max_tokens, device)
-    # One buffer for all dA and one for all dB: the autotuner zeroes a kernel's output buffer between its
-    # trials, so the two launches must not share one.
-    sizes_a, sizes_b = table.grad_sizes[:n], table.grad_sizes[n:]
-    flat_a = (torch.zeros if split_a > 1 else torch.empty)(sum(sizes_a), device=device, dtype=wdtype)
-    flat_b = (torch.zeros if split_b > 1 else torch.empty)(sum(sizes_b), device=device, dtype=wdtype)
-    grads_a = [g.view_as(a) for g, a in zip(torch.split(flat_a, sizes_a), weights.a)]
-    grads_b = [g.view_as(b) for g, b in zip(torch.split(flat_b, sizes_b), weights.b)]
-    K._weight_grad[lambda meta: (n, triton.cdiv(d_in, meta["BLOCK_K"]), split_a)](
-        ds, x, flat_a, table.grad_offsets[0], sched.seg_start, sched.seg_end, table.ranks, table.ones, table.drop_p,
-        seeds, d_in, ds.stride(0), x.stride(0),
-        G_IS_A=True, HAS_DROPOUT=has_dropout, SPLIT_T=split_a, DOT_PRECISION=_precision(x),
-        BLOCK_R=table.block_r, **_meta("grad"))
-    K._weight_grad[lambda meta: (n, triton.cdiv(d_out, meta["BLOCK_K"]), split_b)](
-        s, dy, flat_b, table.grad_offsets[1], sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p,
-        seeds, d_out, s.stride(0), dy.stride(0),
-        G_IS_A=False, HAS_DROPOUT=False, SPLIT_T=split_b, DOT_PRECISION=_precision(x),
-        BLOCK_R=table.block_r, **_meta("grad"))
-    return grads_a, grads_b
+    witness = targets.a[0] if targets.a else weights.a[0].grad
+    launches = (  # (G_IS_A, L, M, K, coefficients, dropout, pointers)
+        (True, ds, x, d_in, table.ones, has_dropout, targets.a_ptrs),
+        (False, s, dy, d_out, table.scaling, False, targets.b_ptrs),
+    )
+    for g_is_a, low, full, k, coef, dropout, ptrs in launches:
+        split = _split_for(n * triton.cdiv(k, 128), sched.max_tokens, device)
+        args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, table.ranks, coef, table.drop_p, seeds, k,
+                low.stride(0), full.stride(0))
+        meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, SPLIT_T=split, DOT_PRECISION=_precision(x),
+                    BLOCK_R=table.block_r, **_meta("grad"))
+        grid = lambda m, k=k, split=split: (n, triton.cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
+        tune_key = (k, table.block_r, g_is_a, split, dropout, low.dtype, full.dtype, witness.dtype, meta["DOT_PRECISION"])
+        if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
+            # The launch adds into its targets, and the autotuner's trials would add several times: let them
+            # run on scratch gradients first; the real launch below then reuses the chosen tiles.
+            scratch = _fresh_grads(weights, table, device)
+            K._weight_grad[grid](low, full, scratch.a_ptrs if g_is_a else scratch.b_ptrs, scratch.a[0], *args[4:],
+                                 **meta)
+            _tuned_grad_keys.add(tune_key)
+        _weight_grad(grid, args, meta)
 
 
 def multi_lora_triton(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool) -> Tensor:
@@ -269,4 +360,8 @@ def multi_lora_triton(x: Tensor, base_out: Tensor, weights: LoRAWeights, trainin
         return base_out
     if weights.a[0].shape[1] != x.shape[1] or weights.b[0].shape[0] != base_out.shape[1]:
         raise ValueError(f"adapter shapes do not fit x {tuple(x.shape)} and base_out {tuple(base_out.shape)}")
-    return GroupedLoRAFunction.apply(x, base_out, weights, training, *weights.a, *weights.b)
+    params = weights.a + weights.b
+    direct = weights.direct_grads and torch.is_grad_enabled() and all(p.is_leaf and p.requires_grad for p in params)
+    if direct:
+        params = params[:1]  # the one autograd input that makes backward run; the gradients go to `.grad`
+    return GroupedLoRAFunction.apply(x, base_out, weights, training, direct, *params)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import Tensor
 
@@ -15,6 +16,13 @@ class LoRAWeights:
     ``a[i]`` is ``(r_i, d_in)`` and ``b[i]`` is ``(d_out, r_i)`` (PEFT's ``lora_A.weight`` /
     ``lora_B.weight``); ``scaling[i]`` multiplies the low-rank product; ``dropout[i]`` is applied to
     the adapter's input rows in training.
+
+    ``direct_grads``: when the weights are leaf parameters that require grad, the Triton path adds
+    ``dA_i`` / ``dB_i`` straight into their ``.grad`` during backward (what autograd's gradient
+    accumulation does), instead of handing 2N gradients to autograd: that per-adapter bookkeeping is
+    most of a call's host time. ``loss.backward()`` gives the same ``.grad`` either way; with
+    ``direct_grads`` the weights are not autograd inputs of the call, so ``torch.autograd.grad`` w.r.t.
+    them (and per-parameter gradient hooks) need ``direct_grads=False``.
     """
 
     a: tuple[Tensor, ...]
@@ -23,6 +31,10 @@ class LoRAWeights:
     dropout: tuple[float, ...]
     starts: tuple[int, ...]
     ends: tuple[int, ...]
+    direct_grads: bool = False
+    # Per-object memo of derived device tables (the Triton path's pointer table), so the forward,
+    # recomputation and backward of a step do not rebuild their keys.
+    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:
         n = len(self.a)

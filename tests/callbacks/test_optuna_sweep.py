@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import lightning as L
-import optuna
 import pytest
+
+optuna = pytest.importorskip("optuna")  # absent on the GPU image; installed by `make test`
 
 from lightning_multilora import MultiLoRADataModule, MultiLoRAModule, OptunaSweep, WarmupSelection
 from lightning_multilora.data import GeneratedArithmetic

@@ -147,16 +147,64 @@ def test_the_layer_runs_the_triton_backend_like_the_reference():
     for backend in ("reference", "triton"):
         kernels.set_backend(backend)
         try:
+            model.zero_grad(set_to_none=True)
             with layers.use(layout):
                 loss = model(input_ids=ids).logits.float().pow(2).mean()
-                grads = torch.autograd.grad(loss, layers.parameters_of("a1"))
-            results[backend] = (loss.detach(), grads)
+                loss.backward()  # the layers' default: Triton adds adapter gradients straight into .grad
+            results[backend] = (loss.detach(), [p.grad.clone() for p in layers.parameters_of("a1")])
         finally:
             kernels.set_backend("auto")
     tol = 1e-4 if DEVICE == "cpu" else 2e-2
     assert rel(results["triton"][0], results["reference"][0]) < tol
     for g, g_ref in zip(results["triton"][1], results["reference"][1]):
         assert rel(g, g_ref) < tol
+
+
+def with_direct_grads(w: LoRAWeights) -> LoRAWeights:
+    return LoRAWeights(w.a, w.b, w.scaling, w.dropout, w.starts, w.ends, direct_grads=True)
+
+
+@pytest.mark.parametrize("dropout", [None, [0.3, 0.0, 0.5]])
+def test_direct_gradients_accumulate_into_dot_grad_like_autograd(dropout):
+    x, base, w = problem([3, 16, 9], [130, 1, 64], d_in=48, d_out=72, dtype=torch.float32, dropout=dropout)
+    grad_out = torch.randn_like(base)
+    xg = x.detach().clone().requires_grad_()
+    torch.manual_seed(0)
+    y_auto = multi_lora_triton(xg, base.clone(), w, True)
+    expected = torch.autograd.grad(y_auto, [xg, *w.a, *w.b], grad_out)
+    direct = with_direct_grads(w)
+    params = [*w.a, *w.b]
+    w.b[1].grad = torch.ones_like(w.b[1])  # an existing gradient is added to, the others are created
+    w.a[2].grad = torch.ones(w.a[2].shape[1], w.a[2].shape[0], device=w.a[2].device).t()  # non-contiguous
+    xg.grad = None
+    for _ in range(2):  # two micro-batches accumulate, as with autograd
+        torch.manual_seed(0)
+        y = multi_lora_triton(xg, base.clone(), direct, True)
+        torch.testing.assert_close(y, y_auto)
+        y.backward(grad_out)
+    torch.testing.assert_close(xg.grad, 2 * expected[0], rtol=1e-5, atol=1e-5)
+    for i, (p, g) in enumerate(zip(params, expected[1:])):
+        prior = 1.0 if i in (len(w.a) + 1, 2) else 0.0
+        torch.testing.assert_close(p.grad, prior + 2 * g, rtol=1e-5, atol=1e-5)
+    # the created gradients share one buffer: one allocation per call, not one per adapter
+    assert w.a[0].grad.untyped_storage().data_ptr() == w.b[0].grad.untyped_storage().data_ptr()
+
+
+def test_direct_gradients_fall_back_to_autograd_for_non_leaf_or_frozen_weights():
+    x, base, w = problem([4, 5], [10, 20], d_in=32, d_out=16, dtype=torch.float32, seed=4)
+    grad_out = torch.randn_like(base)
+    y_ref, grads_ref = run(multi_lora_triton, x, base, w, False, grad_out)
+    scaled = LoRAWeights(tuple(a * 1.0 for a in w.a), w.b, w.scaling, w.dropout, w.starts, w.ends, direct_grads=True)
+    y, grads = run(multi_lora_triton, x, base, scaled, False, grad_out)  # autograd.grad still works
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref)
+    w.a[0].requires_grad_(False)
+    frozen = with_direct_grads(w)
+    xg = x.detach().clone().requires_grad_()
+    multi_lora_triton(xg, base.clone(), frozen, False).backward(grad_out)
+    assert w.a[0].grad is None  # the autograd path: a frozen adapter gets no gradient, the others theirs
+    for p, g_ref in zip([xg, *w.a[1:], *w.b], [grads_ref[0], *grads_ref[2:]]):
+        torch.testing.assert_close(p.grad, g_ref)
 
 
 @pytest.mark.gpu
@@ -170,3 +218,29 @@ def test_bf16_on_the_gpu_against_float64(ranks, tokens):
     for g, g_ref in zip(grads, grads_ref):
         if g_ref.abs().max() > 0:
             assert rel(g, g_ref) <= 1e-2
+
+
+def test_the_fast_launch_key_separates_what_triton_specializes_on():
+    from lightning_multilora.kernels.launch import _spec
+
+    aligned = torch.zeros(64)
+    assert _spec(aligned) != _spec(aligned[1:])  # 16-byte alignment of pointers
+    assert _spec(aligned) != _spec(aligned.double())  # dtypes
+    assert len({_spec(1), _spec(16), _spec(17), _spec(2**31 + 16)}) == 4  # 1, multiples of 16, 64-bit ints
+    assert _spec(32) == _spec(4096) and _spec(True) != _spec(False)
+
+
+@pytest.mark.gpu
+def test_fast_launches_match_the_first_launch_and_new_variants_compile():
+    x, base, w = problem([3, 16, 9], [130, 1, 64], d_in=4096, d_out=1024, dtype=torch.bfloat16, seed=7)
+    grad_out = torch.randn_like(base)
+    first = run(multi_lora_triton, x, base, w, False, grad_out)
+    again = run(multi_lora_triton, x, base, w, False, grad_out)  # the same variants, launched directly
+    for a, b in zip([first[0], *first[1]], [again[0], *again[1]]):
+        assert rel(a, b) <= 1e-5  # (split reductions add atomically, in any order)
+    # a misaligned input makes a new variant (Triton compiles it without the alignment assumption)
+    x_mis = torch.empty(x.numel() + 1, device=x.device, dtype=x.dtype)[1:].view_as(x).copy_(x)
+    assert x_mis.data_ptr() % 16 != 0
+    y = multi_lora_triton(x_mis, base.clone(), w, False)
+    y_ref = multi_lora_reference(x.double(), base.double(), as64(w), False)
+    assert rel(y, y_ref) <= 1e-2

@@ -1,0 +1,82 @@
+"""Low-overhead launches of (autotuned) Triton kernels.
+
+A Triton launch through ``kernel[grid](...)`` costs tens of microseconds of Python on the host (the
+autotuner's key, argument binding, option handling). A LoRA call makes six launches on small problems, so
+that host time, not the GPU, set the pace of a training step. `FastLauncher` sends a variant's first
+launch through Triton (autotuning, compiling) and keeps the compiled kernel and the chosen tiles under a
+key of everything Triton specializes a kernel on (argument dtypes, 16-byte pointer alignment, integers
+equal to 1, divisible by 16 or beyond 32 bits, the constexpr arguments); later launches with the same key
+call the compiled kernel's launcher directly.
+
+Under ``TRITON_INTERPRET=1``, or while Triton launch hooks are set (profilers), every launch takes
+Triton's own path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import triton
+
+_INT32 = 2**31
+
+
+def _spec(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if isinstance(arg, bool):
+        return arg
+    if isinstance(arg, int):
+        return (arg == 1, arg % 16 == 0, -_INT32 <= arg < _INT32)
+    return (type(arg), arg)
+
+
+class FastLauncher:
+    """``launcher(grid, args, meta)`` launches ``kernel[grid](*args, **meta)``.
+
+    ``args`` are the kernel's leading positional (runtime) arguments, ``meta`` its remaining constexpr
+    keyword arguments; ``grid`` is a tuple or a function of the full meta-parameters (tuned tiles included).
+    """
+
+    def __init__(self, kernel: Any, interpreted: bool) -> None:
+        self.kernel = kernel
+        self.interpreted = interpreted
+        # an Autotuner wraps the JITFunction (in the interpreter, `fn` is the plain Python function)
+        self.arg_names: list[str] = [] if interpreted else list(getattr(kernel, "fn", kernel).arg_names)
+        self._variants: dict[tuple, tuple[Any, dict[str, Any], list[Any]]] = {}
+
+    def __call__(self, grid: tuple | Callable[[Mapping[str, Any]], tuple], args: tuple, meta: dict[str, Any]) -> None:
+        if self.interpreted or _hooks_set():
+            self.kernel[grid](*args, **meta)
+            return
+        device = args[0].device.index
+        key = (device, tuple(_spec(a) for a in args), tuple(meta.items()))
+        variant = self._variants.get(key)
+        if variant is None:
+            compiled = self.kernel[grid](*args, **meta)
+            best = getattr(self.kernel, "best_config", None)
+            tiles = dict(best.kwargs) if best is not None else {}
+            full = {**meta, **tiles}
+            missing = [n for n in self.arg_names[len(args):] if n not in full]
+            if compiled is None or not hasattr(compiled, "run") or missing:
+                return  # launched by Triton; this variant keeps Triton's path
+            self._variants[key] = (compiled, full, [full[n] for n in self.arg_names[len(args):]])
+            return
+        compiled, full, tail = variant
+        shape = grid(full) if callable(grid) else grid
+        shape = tuple(shape) + (1,) * (3 - len(shape))
+        stream = torch._C._cuda_getCurrentRawStream(device)
+        compiled.run(shape[0], shape[1], shape[2], stream, compiled.function, compiled.packed_metadata, None,
+                     None, None, *args, *tail)
+
+
+def _hooks_set() -> bool:
+    runtime = getattr(getattr(triton, "knobs", None), "runtime", None)
+    return runtime is not None and (_active(runtime.launch_enter_hook) or _active(runtime.launch_exit_hook))
+
+
+def _active(hook: Any) -> bool:
+    """A launch hook that does something: Triton >= 3.5 keeps (possibly empty) hook chains, older ones None."""
+    return hook is not None and bool(getattr(hook, "calls", True))
