@@ -75,7 +75,11 @@ class MultiLoRAMixin:
         max_running: Optional[int] = None,
         export_dir: Optional[str] = None,
         validate_on_finish: bool = True,
+        admission: Optional[Any] = None,
     ) -> None:
+        """``admission``: an `AdmissionController` (see `lightning_multilora.scheduling`): queued adapters
+        start only while its memory model says they fit, largest batch sizes first, a freed slot going to
+        the exited adapter's batch size first. ``max_running`` still caps the count when both are given."""
         if max_running is not None and max_running < 1:
             raise ValueError(f"`max_running` must be >= 1 or None, got {max_running}")
         self.automatic_optimization = False
@@ -87,6 +91,8 @@ class MultiLoRAMixin:
         self.optimizer_class = resolve_optimizer(optimizer)
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.max_running = max_running
+        self.admission = admission
+        self._freed_spec: Optional[AdapterSpec] = None
         self.export_dir = export_dir
         self.validate_on_finish = validate_on_finish
         self.keep_best_weights = False  # EarlyExit turns this on: exports then carry the best-validation weights
@@ -160,6 +166,7 @@ class MultiLoRAMixin:
 
     def _notify_exit(self, rec: AdapterRecord) -> None:
         """Tell callbacks with an ``on_adapter_exit(trainer, module, record)`` method, and log the exit."""
+        self._freed_spec = rec.spec  # the next admission prefers its batch size
         trainer = self._trainer_or_none()
         if trainer is None:
             return
@@ -211,9 +218,17 @@ class MultiLoRAMixin:
         return dm
 
     def _admit(self) -> None:
-        """Start queued adapters while slots are free."""
-        while self.registry.queued and (self.max_running is None or len(self.registry.running) < self.max_running):
-            rec = self.registry.queued[0]
+        """Start queued adapters while slots are free (and, with an admission controller, while they fit)."""
+        queued = list(self.registry.queued)
+        if self.admission is not None and queued:
+            running = [r.spec for r in self.registry.running]
+            by_name = {r.name: r for r in queued}
+            queued = [by_name[s.name] for s in self.admission.select(running, [r.spec for r in queued],
+                                                                      self._freed_spec)]
+        self._freed_spec = None
+        for rec in queued:
+            if self.max_running is not None and len(self.registry.running) >= self.max_running:
+                break
             spec = rec.spec
             try:
                 if rec.max_steps is None:
@@ -517,6 +532,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         config_overrides: fields changed in the base model's config.
         export_dir: where adapters are written (default ``<log_dir>/adapters``).
         validate_on_finish: measure an adapter's validation loss when it finishes.
+        admission: an `AdmissionController`: adapters start while its memory model says they fit.
     """
 
     def __init__(
@@ -534,6 +550,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         export_dir: Optional[str] = None,
         validate_on_finish: bool = True,
         base_seed: int = 0,
+        admission: Optional[Any] = None,
     ) -> None:
         super().__init__()
         from lightning_multilora.base_model import build_base_model
@@ -548,7 +565,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         self.model = model
         specs = list(adapters or []) + (grid.specs() if grid is not None else [])
         self.init_multilora(model, specs, target_modules, optimizer, optimizer_kwargs, max_running, export_dir,
-                            validate_on_finish)
+                            validate_on_finish, admission)
 
     @property
     def max_sequence_length(self) -> Optional[int]:

@@ -1,5 +1,14 @@
-"""Scheduling: placing training tasks on GPUs (CP-SAT makespan scheduler)."""
+"""Scheduling: memory models and admission on one GPU, placing training tasks on GPUs (CP-SAT)."""
 
+from lightning_multilora.scheduling.admission import AdmissionController, choose_gradient_checkpointing, fit_predictor
+from lightning_multilora.scheduling.memory import (
+    AnalyticMemoryModel,
+    MemoryFit,
+    MemoryFitCache,
+    MemoryPoint,
+    ModelShape,
+)
+from lightning_multilora.scheduling.profiler import MemoryProfiler, ThroughputProfiler, cuda_step_measure
 from lightning_multilora.scheduling.runner import RunRecord, ScheduleRunner, SimulatedExecutor
 from lightning_multilora.scheduling.task_scheduler import (
     Placement,
@@ -10,5 +19,7 @@ from lightning_multilora.scheduling.task_scheduler import (
     lower_bound,
 )
 
-__all__ = ["Placement", "RunRecord", "Schedule", "ScheduleRunner", "SimulatedExecutor", "Task", "TaskScheduler",
+__all__ = ["AdmissionController", "AnalyticMemoryModel", "MemoryFit", "MemoryFitCache", "MemoryPoint",
+           "MemoryProfiler", "ModelShape", "ThroughputProfiler", "choose_gradient_checkpointing",
+           "cuda_step_measure", "fit_predictor", "Placement", "RunRecord", "Schedule", "ScheduleRunner", "SimulatedExecutor", "Task", "TaskScheduler",
            "list_schedule", "lower_bound"]

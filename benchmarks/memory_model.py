@@ -1,0 +1,149 @@
+"""Memory profile, fit and admission of a Llama-3.1-8B-shaped model on the GPU (ALTO's profiler).
+
+Run on the H200 (about 6-8 minutes):
+
+    PYTHONPATH=. python benchmarks/memory_model.py --out benchmarks/results/memory_model_h200.json
+
+Check the script end to end on a CPU (no GPU: the analytic model stands in for the measured peaks, and
+the admitted run is not executed; writes to a temp file):
+
+    PYTHONPATH=. python benchmarks/memory_model.py --dry-run --out /tmp/memory_model.json
+
+Steps: (1) `MemoryProfiler`: binary search of ``B_max`` with one adapter, then the ``(N, b)`` grid, one
+real training step each (r=16 adapters on the 7 projections, seq ``--seq``, gradient checkpointing, AdamW),
+peak = ``torch.cuda.max_memory_reserved``; fit ``M = k0 + k1*B*L + k2*P``. (2) Held-back points (not in
+the grid) measured and predicted: relative error (goal <= 5%). (3) `AdmissionController` with the fit:
+how many batch-1 adapters it admits next to the base (goal >= 64 at seq 1024), and a run of that many
+for ``--steps`` steps: no out-of-memory, tokens/s. The analytic model's prediction is reported beside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from benchmarks.packed_step import ALPHA, LLAMA_31_8B, LR, RANK, TARGETS, build_model, lm_backward
+from lightning_multilora.layer import inject_multilora
+from lightning_multilora.layout import BatchLayout
+from lightning_multilora.scheduling import (
+    AdmissionController,
+    AnalyticMemoryModel,
+    MemoryProfiler,
+    ModelShape,
+    cuda_step_measure,
+    fit_predictor,
+)
+from lightning_multilora.spec import AdapterSpec
+
+HELD_BACK = [(3, 1), (6, 2), (12, 1), (24, 1), (5, 4), (40, 1)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--safety-margin", type=float, default=0.9)
+    p.add_argument("--steps", type=int, default=3, help="steps of the admitted run")
+    p.add_argument("--max-batch", type=int, default=512)
+    p.add_argument("--dry-run", action="store_true", help="CPU: analytic peaks instead of measured ones")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    out = args.out or (Path(tempfile.gettempdir()) / "memory_model.json" if args.dry_run
+                       else Path("benchmarks/results/memory_model_h200.json"))
+    shape = ModelShape.from_config(LLAMA_31_8B)
+    analytic = AnalyticMemoryModel(shape, loss_chunk_tokens=4096)
+    params = shape.adapter_params(RANK, TARGETS)
+
+    if args.dry_run:
+        capacity = 141e9
+        measure = lambda n, b: (None if (m := analytic.predict([(RANK, b, TARGETS)] * n, args.seq)) > capacity  # noqa: E731
+                                else m)
+        gpu, layers, model = "dry run (analytic peaks)", None, None
+    else:
+        device = torch.device("cuda")
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        gpu = torch.cuda.get_device_name(device)
+        model = build_model(False, args.seq, device)
+        layers = inject_multilora(model, TARGETS)
+
+        def step(n: int, b: int) -> None:
+            names = [f"p{i}" for i in range(n)]
+            for i, name in enumerate(names):
+                layers.add_adapter(name, rank=RANK, alpha=ALPHA, seed=i)
+            try:
+                params_ = [q for name in names for q in layers.parameters_of(name)]
+                optimizer = torch.optim.AdamW(params_, lr=LR, fused=True)
+                ids = torch.randint(shape.vocab_size, (n * b, args.seq), device=device)
+                with layers.use(BatchLayout.from_sizes(names, [b] * n)):
+                    lm_backward(model, ids)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            finally:
+                for name in names:
+                    layers.remove_adapter(name)
+
+        measure = cuda_step_measure(step, device)
+
+    start = time.perf_counter()
+    profiler = MemoryProfiler(measure, capacity, args.seq, params, args.safety_margin, max_batch=args.max_batch)
+    fit = profiler.profile(dict(model="llama-3.1-8b-shaped", seq_len=args.seq, ranks=[RANK], targets=TARGETS,
+                                checkpointing=True, gpu=gpu))
+    profile_s = time.perf_counter() - start
+    held = []
+    for n, b in HELD_BACK:
+        if n * b > profiler.b_max:
+            continue
+        peak = measure(n, b)
+        if peak is None:
+            continue
+        pred = fit.predict(n * b * args.seq, n * params)
+        held.append(dict(n_adapters=n, batch_size=b, measured_gib=round(peak / 2**30, 2),
+                         predicted_gib=round(pred / 2**30, 2), rel_error=round(abs(pred - peak) / peak, 4),
+                         analytic_gib=round(analytic.predict([(RANK, b, TARGETS)] * n, args.seq) / 2**30, 2)))
+
+    ctrl = AdmissionController(fit_predictor(fit, args.seq, lambda s: shape.adapter_params(s.rank, TARGETS)),
+                               capacity, args.safety_margin)
+    candidates = [AdapterSpec(f"c{i}", rank=RANK, batch_size=1) for i in range(512)]
+    admitted = len(ctrl.plan(candidates))
+    run = dict(admitted=admitted, steps=args.steps, oom=None, tokens_per_s=None, peak_gib=None)
+    if not args.dry_run:
+        names = [f"run{i}" for i in range(admitted)]
+        for i, name in enumerate(names):
+            layers.add_adapter(name, rank=RANK, alpha=ALPHA, seed=i)
+        optimizer = torch.optim.AdamW([q for name in names for q in layers.parameters_of(name)], lr=LR, fused=True)
+        ids = torch.randint(shape.vocab_size, (admitted, args.seq), device=device)
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                with layers.use(BatchLayout.from_sizes(names, [1] * admitted)):
+                    lm_backward(model, ids)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            run.update(oom=False, tokens_per_s=round(admitted * args.seq * args.steps / (time.perf_counter() - t0)),
+                       peak_gib=round(torch.cuda.max_memory_reserved(device) / 2**30, 2))
+        except torch.cuda.OutOfMemoryError:
+            run["oom"] = True
+
+    result = dict(gpu=gpu, torch=torch.__version__, date=datetime.now(timezone.utc).date().isoformat(),
+                  seq_len=args.seq, safety_margin=args.safety_margin, capacity_gib=round(capacity / 2**30, 2),
+                  b_max=profiler.b_max, profile_s=round(profile_s, 1),
+                  fit=dict(k0_gib=round(fit.k0 / 2**30, 3), k1_bytes_per_token=fit.k1, k2_bytes_per_param=fit.k2,
+                           max_rel_error_on_grid=round(max(fit.relative_errors(fit.points)), 4)),
+                  points=[dict(n_adapters=q.n_adapters, batch_size=q.batch_size, peak_gib=round(q.peak_bytes / 2**30, 2))
+                          for q in fit.points],
+                  held_back=held, admission=run)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "points"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,228 @@
+"""Peak-memory models of a packed multi-LoRA step: PLoRA's analytic formula and ALTO's fitted line.
+
+- `ModelShape` holds what the formulas need of a decoder (layers, widths, heads, vocabulary) and the
+  input/output widths of each LoRA target projection.
+- `AnalyticMemoryModel` (PLoRA, appendix 8): base weights + per-adapter parameters, gradients and
+  optimizer states + activations, with or without gradient checkpointing. Good for planning before any
+  profiling, and on the CPU.
+- `MemoryFit` (ALTO, appendix A.3): ``M = k0 + k1 * B * L + k2 * P`` fitted by least squares on measured
+  peaks, ``B`` the total batch (rows), ``L`` the sequence length and ``P`` the adapters' trainable
+  parameters. ALTO's ``k0 + k1 * B * L`` is the case of a fixed adapter set; the ``P`` term lets one fit
+  cover any number and rank of adapters. `MemoryFitCache` keeps fits on disk keyed by a signature of
+  what they depend on (model, dtype, sequence length, ranks, targets, checkpointing, GPU).
+
+Nothing here imports Lightning; sizes are bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+log = logging.getLogger(__name__)
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a Llama-style decoder that its memory depends on."""
+
+    num_layers: int
+    hidden: int
+    intermediate: int
+    num_heads: int
+    num_kv_heads: int
+    vocab_size: int
+    head_dim: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelShape.{name} must be >= 1, got {getattr(self, name)}")
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelShape":
+        """From a Hugging Face config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig``...)."""
+        get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+        heads = get("num_attention_heads")
+        return cls(num_layers=get("num_hidden_layers"), hidden=get("hidden_size"),
+                   intermediate=get("intermediate_size"), num_heads=heads,
+                   num_kv_heads=get("num_key_value_heads") or heads, vocab_size=get("vocab_size"),
+                   head_dim=get("head_dim"))
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden // self.num_heads
+
+    def projection(self, name: str) -> tuple[int, int]:
+        """``(in_features, out_features)`` of a target projection."""
+        q, kv = self.num_heads * self.dim_per_head, self.num_kv_heads * self.dim_per_head
+        dims = {"q_proj": (self.hidden, q), "k_proj": (self.hidden, kv), "v_proj": (self.hidden, kv),
+                "o_proj": (q, self.hidden), "gate_proj": (self.hidden, self.intermediate),
+                "up_proj": (self.hidden, self.intermediate), "down_proj": (self.intermediate, self.hidden)}
+        if name not in dims:
+            raise ValueError(f"target module can be {', '.join(PROJECTIONS)}, got {name!r}")
+        return dims[name]
+
+    def adapter_params(self, rank: int, targets: Sequence[str] = PROJECTIONS) -> int:
+        """Trainable parameters of one rank-``rank`` adapter on ``targets`` in every layer."""
+        return self.num_layers * rank * sum(sum(self.projection(t)) for t in targets)
+
+    @property
+    def base_params(self) -> int:
+        per_layer = sum(i * o for i, o in (self.projection(t) for t in PROJECTIONS)) + 2 * self.hidden
+        return self.num_layers * per_layer + 2 * self.vocab_size * self.hidden + self.hidden
+
+
+@dataclass(frozen=True)
+class AnalyticMemoryModel:
+    """PLoRA's analytic peak: ``M_base_weights + sum_k (param + grad + optimizer) + activations``.
+
+    Activations per token and layer follow Korthikanti et al. (the formula PLoRA's appendix sums per
+    module): without checkpointing every layer keeps ``act_per_token_layer`` bytes per token; with it,
+    each layer keeps its input and one layer's worth is live during recomputation. LoRA adds ``r`` values
+    per target per token (PLoRA's ``b * s * r``). The fp32 logits of the loss are counted for every token,
+    or for ``loss_chunk_tokens`` when the loss is computed chunk by chunk.
+    """
+
+    shape: ModelShape
+    base_bytes_per_param: float = 2.0  # bf16 base
+    adapter_bytes_per_param: float = 4.0  # fp32 adapters
+    optimizer_states: int = 2  # AdamW: exp_avg, exp_avg_sq
+    activation_bytes: float = 2.0
+    gradient_checkpointing: bool = True
+    loss_chunk_tokens: Optional[int] = None
+
+    @property
+    def act_per_token_layer(self) -> float:
+        """Bytes a layer keeps per token for its backward (attention with a fused kernel: no s^2 term)."""
+        h, i = self.shape.hidden, self.shape.intermediate
+        return self.activation_bytes * (10 * h + 4 * i)
+
+    def base_bytes(self) -> float:
+        return self.shape.base_params * self.base_bytes_per_param
+
+    def adapter_bytes(self, rank: int, targets: Sequence[str] = PROJECTIONS) -> float:
+        """Parameters, gradients and optimizer states of one adapter."""
+        return self.shape.adapter_params(rank, targets) * self.adapter_bytes_per_param * (2 + self.optimizer_states)
+
+    def activations(self, tokens: int, lora_rank_tokens: float = 0.0) -> float:
+        """Activation bytes of a step over ``tokens`` tokens; ``lora_rank_tokens`` = sum over adapters of
+        ``rank * tokens * len(targets)`` (the low-rank intermediates kept for backward)."""
+        h = self.shape.hidden
+        layers = self.shape.num_layers
+        if self.gradient_checkpointing:
+            per_token = layers * h * self.activation_bytes + self.act_per_token_layer
+        else:
+            per_token = layers * self.act_per_token_layer
+        lora = lora_rank_tokens * 4.0 * (1 if self.gradient_checkpointing else layers)
+        logit_tokens = tokens if self.loss_chunk_tokens is None else min(tokens, self.loss_chunk_tokens)
+        logits = logit_tokens * self.shape.vocab_size * 4.0
+        return tokens * per_token + lora + logits
+
+    def predict(self, adapters: Sequence[tuple[int, int, Sequence[str]]], seq_len: int) -> float:
+        """Peak bytes for adapters given as ``(rank, batch_size, targets)`` at ``seq_len`` tokens per row."""
+        tokens = sum(b for _, b, _ in adapters) * seq_len
+        lora_tokens = sum(r * b * seq_len * len(t) for r, b, t in adapters)
+        return (self.base_bytes() + sum(self.adapter_bytes(r, t) for r, _, t in adapters)
+                + self.activations(tokens, lora_tokens))
+
+
+@dataclass(frozen=True)
+class MemoryPoint:
+    """One measured step: ``n_adapters`` adapters at ``batch_size`` rows each, ``seq_len`` tokens a row,
+    ``adapter_params`` trainable parameters in all, ``peak_bytes`` the step's peak."""
+
+    n_adapters: int
+    batch_size: int
+    seq_len: int
+    adapter_params: int
+    peak_bytes: float
+
+    @property
+    def tokens(self) -> int:
+        return self.n_adapters * self.batch_size * self.seq_len
+
+
+@dataclass
+class MemoryFit:
+    """``M(tokens, params) = k0 + k1 * tokens + k2 * params`` (tokens = B * L), least squares on points."""
+
+    k0: float
+    k1: float
+    k2: float
+    signature: dict[str, Any] = field(default_factory=dict)
+    points: list[MemoryPoint] = field(default_factory=list)
+
+    @classmethod
+    def fit(cls, points: Sequence[MemoryPoint], signature: Optional[Mapping[str, Any]] = None) -> "MemoryFit":
+        import numpy as np
+
+        if len(points) < 3:
+            raise ValueError(f"fitting M = k0 + k1*B*L + k2*P needs >= 3 measured points, got {len(points)}")
+        x = np.array([[1.0, p.tokens, p.adapter_params] for p in points])
+        y = np.array([p.peak_bytes for p in points])
+        if np.linalg.matrix_rank(x) < 3:
+            # every point has the same tokens-to-parameters ratio: fall back to ALTO's k0 + k1*B*L
+            k01, *_ = np.linalg.lstsq(x[:, :2], y, rcond=None)
+            k = (k01[0], k01[1], 0.0)
+        else:
+            k, *_ = np.linalg.lstsq(x, y, rcond=None)
+        return cls(float(k[0]), float(k[1]), float(k[2]), dict(signature or {}), list(points))
+
+    def predict(self, tokens: float, adapter_params: float) -> float:
+        return self.k0 + self.k1 * tokens + self.k2 * adapter_params
+
+    def relative_errors(self, points: Sequence[MemoryPoint]) -> list[float]:
+        return [abs(self.predict(p.tokens, p.adapter_params) - p.peak_bytes) / p.peak_bytes for p in points]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(k0=self.k0, k1=self.k1, k2=self.k2, signature=self.signature,
+                    points=[asdict(p) for p in self.points])
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "MemoryFit":
+        return cls(data["k0"], data["k1"], data["k2"], dict(data.get("signature", {})),
+                   [MemoryPoint(**p) for p in data.get("points", [])])
+
+
+def signature_key(signature: Mapping[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(signature, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+class MemoryFitCache:
+    """Fits on disk, one JSON file per signature (model, dtype, sequence length, ranks, targets,
+    checkpointing, GPU name...)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+
+    def path(self, signature: Mapping[str, Any]) -> Path:
+        return self.directory / f"memory_fit_{signature_key(signature)}.json"
+
+    def load(self, signature: Mapping[str, Any]) -> Optional[MemoryFit]:
+        """The fit for exactly this signature, or None (logged) when there is none or it was made for
+        something else (another GPU or model): the caller then profiles again."""
+        path = self.path(signature)
+        if not path.exists():
+            log.info("no memory profile for %s: profiling", dict(signature))
+            return None
+        fit = MemoryFit.from_dict(json.loads(path.read_text()))
+        if fit.signature != json.loads(json.dumps(dict(signature), default=str)):
+            log.warning("memory profile %s was made for %s, not %s: profiling again", path, fit.signature,
+                        dict(signature))
+            return None
+        return fit
+
+    def save(self, fit: MemoryFit) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.path(fit.signature)
+        fit.signature = json.loads(json.dumps(fit.signature, default=str))
+        path.write_text(json.dumps(fit.to_dict(), indent=1))
+        return path

@@ -1,0 +1,187 @@
+"""ALTO's two-phase memory profiler and a throughput profiler with an on-disk cache.
+
+`MemoryProfiler` takes a ``measure(n_adapters, batch_size) -> peak bytes | None`` function (``None``: out
+of memory) so the search and the fit are the same on a GPU (`cuda_step_measure`, one real training
+step) and in tests. Phase 1 binary-searches the largest total batch ``B_max`` one adapter can take
+within the safety margin; phase 2 measures the grid ``(N, b)``, ``b`` in ``batch_sizes``,
+``N * b <= B_max`` and fits `MemoryFit`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning_multilora.scheduling.memory import MemoryFit, MemoryFitCache, MemoryPoint, signature_key
+
+log = logging.getLogger(__name__)
+
+Measure = Callable[[int, int], Optional[float]]
+
+
+def check_margin(safety_margin: float) -> float:
+    if not (0.0 < safety_margin <= 1.0):
+        raise ValueError(f"`safety_margin` is the usable fraction of device memory, in (0, 1], got {safety_margin}")
+    return float(safety_margin)
+
+
+class MemoryProfiler:
+    """Find ``B_max``, measure the ``(N, b)`` grid, fit ``M = k0 + k1*B*L + k2*P``.
+
+    Args:
+        measure: one training step of ``n`` adapters at batch ``b`` each; returns its peak bytes or None.
+        capacity_bytes: the device's memory.
+        seq_len: tokens per row of the measured steps.
+        params_per_adapter: trainable parameters of one profiled adapter.
+        safety_margin: the usable fraction of ``capacity_bytes``, in (0, 1].
+        batch_sizes: per-adapter batch sizes of the grid.
+        max_batch: upper end of the binary search.
+        max_adapters: upper end of ``N`` in the grid.
+    """
+
+    def __init__(self, measure: Measure, capacity_bytes: float, seq_len: int, params_per_adapter: int,
+                 safety_margin: float = 0.9, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
+                 max_batch: int = 1024, max_adapters: int = 128) -> None:
+        self.measure = measure
+        self.capacity_bytes = float(capacity_bytes)
+        self.seq_len = seq_len
+        self.params_per_adapter = params_per_adapter
+        self.safety_margin = check_margin(safety_margin)
+        if not batch_sizes or any(b < 1 for b in batch_sizes):
+            raise ValueError(f"`batch_sizes` must be positive integers, got {list(batch_sizes)}")
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.max_batch = max_batch
+        self.max_adapters = max_adapters
+        self.points: list[MemoryPoint] = []
+
+    @property
+    def budget(self) -> float:
+        return self.capacity_bytes * self.safety_margin
+
+    def _point(self, n: int, b: int) -> Optional[MemoryPoint]:
+        peak = self.measure(n, b)
+        if peak is None:
+            return None
+        point = MemoryPoint(n, b, self.seq_len, n * self.params_per_adapter, float(peak))
+        self.points.append(point)
+        return point
+
+    def find_max_batch(self) -> int:
+        """Phase 1: the largest total batch one adapter trains at within the margin (0 if none fits)."""
+        lo, hi = 0, self.max_batch  # lo fits (or is 0), everything above hi is unknown/too big
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            point = self._point(1, mid)
+            if point is not None and point.peak_bytes <= self.budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def grid(self, b_max: int) -> list[tuple[int, int]]:
+        """Phase 2's configurations: ``N`` doubling from 1, every ``b`` with ``N * b <= b_max``."""
+        configs = []
+        for b in self.batch_sizes:
+            n = 1
+            while n * b <= b_max and n <= self.max_adapters:
+                configs.append((n, b))
+                n *= 2
+        return configs
+
+    def profile(self, signature: Optional[Mapping[str, Any]] = None) -> MemoryFit:
+        b_max = self.find_max_batch()
+        if b_max < 1:
+            raise RuntimeError(f"one adapter at batch 1 does not fit in {self.safety_margin:.0%} of "
+                               f"{self.capacity_bytes / 2**30:.1f} GiB")
+        for n, b in self.grid(b_max):
+            self._point(n, b)
+        fit = MemoryFit.fit(self.points, dict(signature or {}))  # phase 1's points are measurements too
+        self.b_max = b_max
+        log.info("memory fit: M = %.3g + %.3g*B*L + %.3g*P bytes over %d points (B_max=%d)", fit.k0, fit.k1,
+                 fit.k2, len(fit.points), b_max)
+        return fit
+
+    def cached_profile(self, cache: MemoryFitCache, signature: Mapping[str, Any]) -> MemoryFit:
+        """The cached fit for ``signature``, or a new profile (then cached)."""
+        fit = cache.load(signature)
+        if fit is None:
+            fit = self.profile(signature)
+            fit.signature = dict(signature)
+            cache.save(fit)
+        return fit
+
+
+def cuda_step_measure(step: Callable[[int, int], None], device: Any = None) -> Measure:
+    """A `Measure` from ``step(n, b)`` (one training step of ``n`` adapters at batch ``b``, adding and
+    removing them itself): the step's ``torch.cuda.max_memory_reserved``, None on out-of-memory."""
+    import torch
+
+    def measure(n: int, b: int) -> Optional[float]:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        try:
+            step(n, b)
+            torch.cuda.synchronize(device)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return None
+        return float(torch.cuda.max_memory_reserved(device))
+
+    return measure
+
+
+class ThroughputProfiler:
+    """Samples per second of a task from a short real run, cached per task signature on disk.
+
+    ``duration(signature, total_samples, run)`` is the scheduler's ``d = total_samples / throughput``;
+    ``run(steps) -> samples`` is only called when the signature is not cached.
+    """
+
+    def __init__(self, path: str | Path, warmup_steps: int = 2, steps: int = 5) -> None:
+        self.path = Path(path)
+        if warmup_steps < 0 or steps < 1:
+            raise ValueError(f"`warmup_steps` must be >= 0 and `steps` >= 1, got {warmup_steps}, {steps}")
+        self.warmup_steps, self.steps = warmup_steps, steps
+
+    def _table(self) -> dict[str, Any]:
+        return json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def cached(self, signature: Mapping[str, Any]) -> Optional[float]:
+        entry = self._table().get(signature_key(signature))
+        return None if entry is None else float(entry["samples_per_s"])
+
+    def measure(self, signature: Mapping[str, Any], run: Callable[[int], int],
+                sync: Optional[Callable[[], None]] = None) -> float:
+        """Time ``run(steps)`` after ``run(warmup_steps)``; store and return samples/s."""
+        if self.warmup_steps:
+            run(self.warmup_steps)
+        if sync is not None:
+            sync()
+        start = time.perf_counter()
+        samples = run(self.steps)
+        if sync is not None:
+            sync()
+        elapsed = time.perf_counter() - start
+        if samples <= 0 or elapsed <= 0:
+            raise RuntimeError(f"the throughput run processed {samples} samples in {elapsed:.3g} s")
+        rate = samples / elapsed
+        table = self._table()
+        table[signature_key(signature)] = dict(signature=json.loads(json.dumps(dict(signature), default=str)),
+                                               samples_per_s=rate)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(table, indent=1))
+        return rate
+
+    def duration(self, signature: Mapping[str, Any], total_samples: int, run: Callable[[int], int],
+                 sync: Optional[Callable[[], None]] = None) -> float:
+        """Seconds to train ``total_samples`` samples (measured once per signature)."""
+        if total_samples < 0:
+            raise ValueError(f"`total_samples` must be >= 0, got {total_samples}")
+        rate = self.cached(signature)
+        if rate is None:
+            rate = self.measure(signature, run, sync)
+        return total_samples / rate

@@ -1,0 +1,88 @@
+"""AdmissionController: decreasing batch sizes, same-size backfill, the memory budget; in a real fit."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+from lightning.pytorch.callbacks import Callback
+
+from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
+from lightning_multilora.registry import AdapterState
+from lightning_multilora.scheduling.admission import AdmissionController, choose_gradient_checkpointing, fit_predictor
+from lightning_multilora.scheduling.memory import MemoryFit
+
+
+def rows_times(per_row: float):
+    """A memory model: ``per_row`` bytes per batch row (plus nothing else), for readable budgets."""
+    return lambda specs: per_row * sum(s.batch_size for s in specs)
+
+
+def spec(name: str, batch_size: int, **kw) -> AdapterSpec:
+    return AdapterSpec(name, rank=2, batch_size=batch_size, **kw)
+
+
+def test_admission_takes_the_largest_batch_sizes_first_while_they_fit():
+    ctrl = AdmissionController(rows_times(100), capacity_bytes=1000, safety_margin=0.7)  # budget 700 = 7 rows
+    queue = [spec("a", 1), spec("b", 4), spec("c", 2), spec("d", 4), spec("e", 1)]
+    chosen = ctrl.select([], queue)
+    assert [s.name for s in chosen] == ["b", "c", "a"]  # b (4), then d (4) would make 8 > 7; c (2); a (1)
+    assert [s.name for s in ctrl.plan(queue)] == ["b", "c", "a"]
+    # next to running adapters only the space left is used
+    assert [s.name for s in ctrl.select([spec("r", 4)], queue)] == ["c", "a"]
+
+
+def test_a_freed_slot_goes_to_the_same_batch_size_first_then_to_whatever_fits():
+    ctrl = AdmissionController(rows_times(1), capacity_bytes=8, safety_margin=1.0)
+    running = [spec("r1", 2), spec("r2", 4)]
+    queue = [spec("big", 4), spec("one", 1), spec("two", 2)]
+    assert [s.name for s in ctrl.select(running, queue, freed=spec("gone", 2))] == ["two"]  # 2+4+2 = 8
+    assert [s.name for s in ctrl.select(running[:1], queue, freed=spec("gone", 1))] == ["one", "big"]  # 2+1+4 = 7
+    assert [s.name for s in ctrl.select(running[:1], queue, freed=spec("gone", 8))] == ["big", "two"]  # mixed
+
+
+def test_bad_budgets_and_empty_queues_are_clear_errors():
+    with pytest.raises(ValueError, match=r"safety_margin.*\(0, 1\]"):
+        AdmissionController(rows_times(1), 10, safety_margin=1.2)
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        AdmissionController(rows_times(1), 0)
+    ctrl = AdmissionController(rows_times(100), capacity_bytes=150, safety_margin=1.0)
+    with pytest.raises(ValueError, match="queue is empty"):
+        ctrl.plan([])
+    with pytest.raises(ValueError, match="not even one adapter fits: 'b' \\(batch_size=2\\)"):
+        ctrl.plan([spec("a", 4), spec("b", 2)])
+
+
+def test_fit_predictor_and_the_checkpointing_choice():
+    fit = MemoryFit(k0=10.0, k1=1.0, k2=0.5)
+    predict = fit_predictor(fit, seq_len=4, params_of=lambda s: 2 * s.rank)
+    assert predict([spec("a", 2), spec("b", 1)]) == 10 + 1.0 * 3 * 4 + 0.5 * 8
+    with_ckpt, without = rows_times(1), rows_times(3)
+    assert choose_gradient_checkpointing([spec("a", 2)], with_ckpt, without, budget_bytes=6) is False
+    assert choose_gradient_checkpointing([spec("a", 4)], with_ckpt, without, budget_bytes=6) is True
+    with pytest.raises(ValueError, match="even with gradient checkpointing"):
+        choose_gradient_checkpointing([spec("a", 8)], with_ckpt, without, budget_bytes=6)
+    with pytest.raises(ValueError, match="seq_len"):
+        fit_predictor(fit, 0, lambda s: 1)
+
+
+def test_a_fit_admits_by_memory_and_backfills_same_batch_size(tmp_path, trainer_kwargs):
+    from lightning_multilora.data import GeneratedArithmetic
+
+    # budget: 4 rows. b1 and b3 (batch 2) start; b1's slot goes to b4 (its batch size) although b0 and b2
+    # came first in the queue; when b3 leaves no batch-2 adapter is queued, so b0 and b2 share its slot.
+    specs = [spec("b0", 1, max_steps=4), spec("b1", 2, max_steps=2), spec("b2", 1, max_steps=4),
+             spec("b3", 2, max_steps=3), spec("b4", 2, max_steps=2)]
+    ctrl = AdmissionController(rows_times(100), capacity_bytes=400, safety_margin=1.0)
+    seen: list[frozenset] = []
+
+    class Watch(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append(frozenset(batch["layout"].names))
+
+    module = MultiLoRAModule("tiny-llama", adapters=specs, admission=ctrl, export_dir=str(tmp_path),
+                             validate_on_finish=False)
+    dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, max_val_examples=8)
+    L.Trainer(**trainer_kwargs, callbacks=[Watch()]).fit(module, dm)
+    assert seen[:4] == [{"b1", "b3"}, {"b1", "b3"}, {"b3", "b4"}, {"b4", "b0", "b2"}]
+    assert all(sum(module.registry[n].spec.batch_size for n in step) <= 4 for step in seen)
+    assert all(r.state == AdapterState.FINISHED for r in module.registry)

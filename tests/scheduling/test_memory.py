@@ -1,0 +1,93 @@
+"""Memory models against peaks measured on the H200 (tests/scheduling/fixtures, from packed_step.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from lightning_multilora.scheduling.memory import (
+    PROJECTIONS,
+    AnalyticMemoryModel,
+    MemoryFit,
+    MemoryFitCache,
+    MemoryPoint,
+    ModelShape,
+)
+
+FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "h200_llama8b_peaks.json").read_text())
+SHAPE = ModelShape.from_config(FIXTURE["config"])
+GIB = 2**30
+
+
+def measured_points() -> list[MemoryPoint]:
+    return [MemoryPoint(p["n_adapters"], p["batch_size"], p["seq_len"],
+                        p["n_adapters"] * SHAPE.adapter_params(p["rank"]), p["peak_gib"] * GIB)
+            for p in FIXTURE["points"]]
+
+
+def test_model_shape_counts_llama_8b_parameters():
+    assert SHAPE.adapter_params(16) == 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432)  # q,o / k,v / gate,up,down
+    assert SHAPE.adapter_params(16, ["q_proj", "v_proj"]) == 32 * 16 * (8192 + 5120)
+    assert abs(SHAPE.base_params / 8.03e9 - 1) < 0.005
+    with pytest.raises(ValueError, match="target module can be q_proj"):
+        SHAPE.projection("mlp")
+    with pytest.raises(ValueError, match="ModelShape.hidden"):
+        ModelShape(2, 0, 8, 2, 2, 10)
+
+
+def test_the_analytic_model_is_within_12_percent_of_the_measured_peaks():
+    model = AnalyticMemoryModel(SHAPE, loss_chunk_tokens=4096)  # the benchmark's chunked loss
+    for p in FIXTURE["points"]:
+        predicted = model.predict([(p["rank"], p["batch_size"], PROJECTIONS)] * p["n_adapters"], p["seq_len"])
+        assert abs(predicted / (p["peak_gib"] * GIB) - 1) < 0.12, p
+
+
+def test_the_analytic_model_grows_with_adapters_batch_and_rank_and_checkpointing_saves_memory():
+    model = AnalyticMemoryModel(SHAPE)
+    one = model.predict([(16, 1, PROJECTIONS)], 1024)
+    assert model.predict([(16, 1, PROJECTIONS)] * 2, 1024) > one
+    assert model.predict([(16, 2, PROJECTIONS)], 1024) > one
+    assert model.predict([(64, 1, PROJECTIONS)], 1024) > one
+    without = AnalyticMemoryModel(SHAPE, gradient_checkpointing=False)
+    assert without.predict([(16, 8, PROJECTIONS)], 1024) > model.predict([(16, 8, PROJECTIONS)], 1024)
+
+
+def test_the_fit_recovers_a_linear_law_and_fits_the_measured_peaks():
+    law = lambda tokens, params: 15e9 + 3e5 * tokens + 16 * params  # noqa: E731
+    synthetic = [MemoryPoint(n, b, 512, n * 1000, law(n * b * 512, n * 1000)) for n, b in [(1, 1), (2, 4), (8, 1), (4, 2)]]
+    fit = MemoryFit.fit(synthetic)
+    assert fit.k0 == pytest.approx(15e9) and fit.k1 == pytest.approx(3e5) and fit.k2 == pytest.approx(16)
+    real = measured_points()
+    fit = MemoryFit.fit(real)
+    assert fit.k1 > 0 and fit.k2 > 0  # memory grows with tokens and with adapter parameters
+    assert max(fit.relative_errors(real)) < 0.15
+    with pytest.raises(ValueError, match=">= 3 measured points"):
+        MemoryFit.fit(real[:2])
+
+
+def test_a_fit_with_a_fixed_adapter_set_falls_back_to_altos_line():
+    points = [MemoryPoint(4, b, 256, 4000, 1e9 + 100 * b * 1024) for b in (1, 2, 4)]
+    fit = MemoryFit.fit(points)  # P is the same at every point (rank-deficient): ALTO's k0 + k1*B*L
+    assert max(fit.relative_errors(points)) < 1e-9
+
+
+def test_the_cache_returns_a_fit_only_for_its_own_signature(tmp_path, caplog):
+    cache = MemoryFitCache(tmp_path)
+    signature = dict(model="llama-8b", dtype="bfloat16", seq_len=1024, ranks=[16], targets=list(PROJECTIONS),
+                     checkpointing=True, gpu="NVIDIA H200")
+    assert cache.load(signature) is None
+    fit = MemoryFit.fit(measured_points(), signature)
+    path = cache.save(fit)
+    loaded = cache.load(signature)
+    assert loaded is not None and loaded.k1 == fit.k1 and loaded.points == fit.points
+    assert cache.load(dict(signature, gpu="NVIDIA H100")) is None  # another GPU: profile again
+    # a file that claims another signature is not trusted
+    data = json.loads(path.read_text())
+    data["signature"]["model"] = "other"
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING):
+        assert cache.load(signature) is None
+    assert "profiling again" in caplog.text

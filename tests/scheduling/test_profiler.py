@@ -1,0 +1,111 @@
+"""MemoryProfiler's search, grid and fit; the throughput cache."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_multilora.scheduling.memory import MemoryFit, MemoryFitCache
+from lightning_multilora.scheduling.profiler import MemoryProfiler, ThroughputProfiler
+
+GIB = 2**30
+PARAMS = 41_943_040  # one r=16 adapter of Llama-8B on the 7 projections
+CAPACITY = 141 * GIB
+
+
+def h200_like(calls: list):
+    """Peaks from a law fitted to the H200 measurements (k0 ~ 16.9 GiB); out of memory above the card."""
+    def measure(n: int, b: int):
+        calls.append((n, b))
+        peak = 16.9 * GIB + 3.1e5 * n * b * 1024 + 16.3 * n * PARAMS
+        return None if peak > CAPACITY else peak
+    return measure
+
+
+def test_phase_one_finds_the_largest_batch_within_the_margin_and_phase_two_fits_the_grid():
+    calls: list = []
+    profiler = MemoryProfiler(h200_like(calls), CAPACITY, seq_len=1024, params_per_adapter=PARAMS, safety_margin=0.9)
+    b_max = profiler.find_max_batch()
+    budget = 0.9 * CAPACITY
+    peak = lambda n, b: 16.9 * GIB + 3.1e5 * n * b * 1024 + 16.3 * n * PARAMS  # noqa: E731
+    assert peak(1, b_max) <= budget < peak(1, b_max + 1)
+    assert len(calls) <= 11  # a binary search over 1..1024
+    grid = profiler.grid(b_max)
+    assert (1, 1) in grid and all(n * b <= b_max for n, b in grid)
+    assert {b for _, b in grid} == {1, 2, 4, 8, 16, 32}
+    fit = profiler.profile({"gpu": "test"})
+    assert fit.k1 == pytest.approx(3.1e5, rel=1e-6) and fit.k2 == pytest.approx(16.3, rel=1e-6)
+    assert fit.signature == {"gpu": "test"}
+
+
+def test_out_of_memory_points_are_skipped_and_nothing_fitting_is_an_error():
+    profiler = MemoryProfiler(lambda n, b: None, CAPACITY, seq_len=1024, params_per_adapter=PARAMS)
+    assert profiler.find_max_batch() == 0
+    with pytest.raises(RuntimeError, match="does not fit"):
+        profiler.profile()
+
+
+@pytest.mark.parametrize("margin", [0.0, -0.1, 1.5])
+def test_the_safety_margin_must_be_a_fraction(margin):
+    with pytest.raises(ValueError, match=r"safety_margin.*\(0, 1\]"):
+        MemoryProfiler(lambda n, b: 1.0, CAPACITY, 1024, PARAMS, safety_margin=margin)
+
+
+def test_a_cached_profile_is_not_measured_again(tmp_path):
+    calls: list = []
+    cache = MemoryFitCache(tmp_path)
+    signature = {"model": "llama-8b", "seq_len": 1024, "gpu": "NVIDIA H200"}
+    first = MemoryProfiler(h200_like(calls), CAPACITY, 1024, PARAMS).cached_profile(cache, signature)
+    n_calls = len(calls)
+    again = MemoryProfiler(h200_like(calls), CAPACITY, 1024, PARAMS).cached_profile(cache, signature)
+    assert len(calls) == n_calls and isinstance(again, MemoryFit) and again.k1 == first.k1
+    MemoryProfiler(h200_like(calls), CAPACITY, 1024, PARAMS).cached_profile(cache, dict(signature, gpu="H100"))
+    assert len(calls) > n_calls  # another GPU: profiled
+
+
+def test_throughput_is_measured_once_per_signature_and_gives_durations(tmp_path):
+    runs: list[int] = []
+
+    def run(steps: int) -> int:
+        runs.append(steps)
+        total = 0
+        for _ in range(steps):
+            total += sum(range(20000)) > 0  # some work per step
+        return 8 * steps  # 8 samples per step
+
+    profiler = ThroughputProfiler(tmp_path / "throughput.json", warmup_steps=1, steps=3)
+    signature = {"model": "tiny-llama", "ranks": [4, 8], "batch_sizes": [2, 2]}
+    d1 = profiler.duration(signature, 800, run)
+    assert runs == [1, 3] and d1 > 0
+    d2 = ThroughputProfiler(tmp_path / "throughput.json").duration(signature, 1600, run)
+    assert runs == [1, 3] and d2 == pytest.approx(2 * d1)  # cached on disk
+    with pytest.raises(ValueError, match="total_samples"):
+        profiler.duration(signature, -1, run)
+    with pytest.raises(RuntimeError, match="processed 0 samples"):
+        profiler.measure({"other": 1}, lambda steps: 0)
+
+
+@pytest.mark.gpu
+def test_cuda_step_measure_reads_real_peaks_of_a_training_step():
+    import torch
+
+    from lightning_multilora.base_model import build_base_model
+    from lightning_multilora.layer import inject_multilora
+    from lightning_multilora.layout import BatchLayout
+    from lightning_multilora.scheduling.profiler import cuda_step_measure
+
+    model = build_base_model("tiny-llama").cuda()
+    layers = inject_multilora(model, ["q_proj", "v_proj"])
+
+    def step(n: int, b: int) -> None:
+        names = [f"p{i}" for i in range(n)]
+        for i, name in enumerate(names):
+            layers.add_adapter(name, rank=8, alpha=16, seed=i)
+        ids = torch.randint(258, (n * b, 256), device="cuda")
+        with layers.use(BatchLayout.from_sizes(names, [b] * n)):
+            model(input_ids=ids).logits.float().logsumexp(-1).mean().backward()
+        for name in names:
+            layers.remove_adapter(name)
+
+    measure = cuda_step_measure(step)
+    small, large = measure(1, 1), measure(8, 4)
+    assert 0 < small < large
