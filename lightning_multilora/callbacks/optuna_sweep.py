@@ -54,7 +54,8 @@ class OptunaSweep(Callback):
         sampler: ``"tpe"``, ``"random"`` or ``"grid"`` (a grid over the categorical choices) for a new study.
         base: AdapterSpec fields shared by every trial (``max_steps``, ``dataset``...).
         alpha_over_rank: alpha = this * rank unless ``alpha`` is searched (ALTO: 2).
-        slots: trials kept running or queued at once (default: the module's ``max_running``, else 4).
+        slots: trials kept running or queued at once (default: as many as the module's ``admission``
+            controller says fit, plus one waiting; else the module's ``max_running``, else 4).
         seed: the sampler's seed.
 
     Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values;
@@ -138,12 +139,22 @@ class OptunaSweep(Callback):
         import optuna
 
         study = self._ensure_study(trainer)
-        slots = self.slots or getattr(pl_module, "max_running", None) or 4
         registry = pl_module.registry
         # paused adapters (waiting for warmup selection) have freed their slots
         active = [n for n, t in self.trials.items() if not t["told"] and registry[n].state in
                   (AdapterState.RUNNING, AdapterState.QUEUED)]
-        while len(active) < slots and self.asked < self.n_trials and not self.exhausted:
+        if self.slots is None and getattr(pl_module, "admission", None) is not None:
+            # the module's memory model decides: ask trials until one would have to wait in the queue
+            def room() -> bool:
+                running = [r.spec for r in registry.running]
+                queued = [r.spec for r in registry.queued]
+                return len(pl_module.admission.select(running, queued)) == len(queued)
+        else:
+            slots = self.slots or getattr(pl_module, "max_running", None) or 4
+
+            def room() -> bool:
+                return len(active) < slots
+        while room() and self.asked < self.n_trials and not self.exhausted:
             if self._grid_exhausted(study):
                 self.exhausted = True
                 break

@@ -114,3 +114,24 @@ def test_two_runs_feed_one_study_through_its_storage(tmp_path, trainer_kwargs):
     trials = optuna.load_study(study_name="shared", storage=storage).get_trials()
     assert [t.number for t in trials] == [0, 1, 2, 3] and sorted(names) == [f"trial-{i}" for i in range(4)]
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+
+
+def test_the_admission_controller_sets_how_many_trials_run(tmp_path, trainer_kwargs):
+    from lightning_multilora.scheduling import AdmissionController
+
+    # 100 bytes a row, a 500-byte budget, batch size 2: two trials run at once, a third waits in the queue
+    ctrl = AdmissionController(lambda specs: 100 * sum(s.batch_size for s in specs), 500, safety_margin=1.0)
+    sweep = OptunaSweep(SPACE, n_trials=5, base={"max_steps": 4, "batch_size": 2})
+    running: list[int] = []
+
+    class Watch(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            running.append(len(batch["layout"].names))
+            queued = [r for r in pl_module.registry if r.state == AdapterState.QUEUED]
+            assert len(queued) <= 1
+
+    module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"), admission=ctrl)
+    L.Trainer(**trainer_kwargs, callbacks=[sweep, Watch()]).fit(module, dm())
+    assert max(running) == 2 and running[0] == 2
+    assert len(sweep.study.get_trials()) == 5
+    assert all(r.state == AdapterState.FINISHED for r in module.registry)
