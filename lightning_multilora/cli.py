@@ -2,6 +2,7 @@
 
     multilora fit --config sweep.yaml        # any LightningCLI subcommand and flag
     multilora demo [--trainer.max_steps 50]  # the packaged default sweep (configs/demo.yaml)
+    multilora schedule tasks.yaml            # plan tasks on the GPUs (CP-SAT), print a table and a Gantt chart, run
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ def demo_config() -> str:
 
 def main(args: Optional[list[str]] = None) -> None:
     args = list(sys.argv[1:] if args is None else args)
+    if args[:1] == ["schedule"]:
+        from lightning_multilora.scheduling.task_file import main as schedule
+
+        sys.exit(schedule(args[1:]))
     if args[:1] == ["demo"]:
         args = ["fit", "--config", demo_config(), *args[1:]]
     MultiLoRACLI(MultiLoRAModule, MultiLoRADataModule, subclass_mode_model=False, subclass_mode_data=False,

@@ -9,7 +9,8 @@ from lightning_multilora.scheduling.memory import (
     ModelShape,
 )
 from lightning_multilora.scheduling.profiler import MemoryProfiler, ThroughputProfiler, cuda_step_measure
-from lightning_multilora.scheduling.runner import RunRecord, ScheduleRunner, SimulatedExecutor
+from lightning_multilora.scheduling.executors import Completion, LocalExecutor, SimulatedExecutor
+from lightning_multilora.scheduling.runner import RunRecord, ScheduleRunner
 from lightning_multilora.scheduling.task_scheduler import (
     Placement,
     Schedule,
@@ -21,5 +22,5 @@ from lightning_multilora.scheduling.task_scheduler import (
 
 __all__ = ["AdmissionController", "AnalyticMemoryModel", "MemoryFit", "MemoryFitCache", "MemoryPoint",
            "MemoryProfiler", "ModelShape", "ThroughputProfiler", "choose_gradient_checkpointing",
-           "cuda_step_measure", "fit_predictor", "Placement", "RunRecord", "Schedule", "ScheduleRunner", "SimulatedExecutor", "Task", "TaskScheduler",
+           "Completion", "LocalExecutor", "cuda_step_measure", "fit_predictor", "Placement", "RunRecord", "Schedule", "ScheduleRunner", "SimulatedExecutor", "Task", "TaskScheduler",
            "list_schedule", "lower_bound"]

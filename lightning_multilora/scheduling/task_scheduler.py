@@ -15,15 +15,29 @@ from typing import Iterable, Optional, Sequence
 
 @dataclass(frozen=True)
 class Task:
-    """A training task: ``duration`` (seconds, > 0) on ``gpus`` GPUs (>= 1)."""
+    """A training task: ``duration`` (seconds, > 0, an estimate) on ``gpus`` GPUs (>= 1).
+
+    ``command`` (argv, or a string split like a shell would) is what a `LocalExecutor` runs; ``torchrun``
+    launches it as ``torchrun --nproc-per-node <gpus> ...`` (the command is then a script and its args).
+    """
 
     id: str
     duration: float
     gpus: int = 1
+    command: Optional[tuple[str, ...]] = None
+    torchrun: bool = False
 
     def __post_init__(self) -> None:
-        if not self.id:
+        if not self.id or not isinstance(self.id, str):
             raise ValueError("task `id` must be a non-empty string")
+        if isinstance(self.command, str):
+            import shlex
+
+            object.__setattr__(self, "command", tuple(shlex.split(self.command)))
+        elif self.command is not None:
+            object.__setattr__(self, "command", tuple(str(c) for c in self.command))
+        if self.command is not None and not self.command:
+            raise ValueError(f"task {self.id!r}: `command` must not be empty")
         if not (isinstance(self.duration, (int, float)) and math.isfinite(self.duration) and self.duration > 0):
             raise ValueError(f"task {self.id!r}: `duration` must be a finite number > 0, got {self.duration!r}")
         if not (isinstance(self.gpus, int) and self.gpus >= 1):

@@ -26,9 +26,10 @@ def test_early_completions_shorten_the_run_and_replanning_fills_the_gap():
     records = runner.run()
     assert {r.state for r in records.values()} == {"finished"}
     assert runner.makespan < planned
-    first_exit = min(r.end for r in records.values())
-    assert first_exit == pytest.approx(3)
-    assert any(start == pytest.approx(3) for start, _, _ in executor.started)  # the freed GPUs were used at once
+    # (several plans are optimal; whichever ran) the first early exit freed GPUs that were used at once
+    early = min((records[x] for x in "ab"), key=lambda r: r.end)
+    assert early.end - early.start == pytest.approx(3)
+    assert any(start == pytest.approx(early.end) for start, _, _ in executor.started)
     assert no_gpu_shared_at_once(records) and runner.replans >= 2
 
 

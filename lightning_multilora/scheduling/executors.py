@@ -1,0 +1,129 @@
+"""Executors run planned tasks and report completions to the `ScheduleRunner`.
+
+An executor has a clock (``now()``, seconds), ``start(task, gpu_ids)`` and ``wait(deadline)``: block until
+at least one running task completes or the clock reaches ``deadline`` (None: until a completion), and
+return the completions. `SimulatedExecutor` runs on a virtual clock (tests, what-if planning);
+`LocalExecutor` runs each task's command as a subprocess on its GPUs (``CUDA_VISIBLE_DEVICES``;
+``torchrun`` for multi-GPU tasks) on the wall clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from lightning_multilora.scheduling.task_scheduler import Task
+
+
+@dataclass(order=True)
+class Completion:
+    time: float
+    task_id: str = field(compare=False)
+    ok: bool = field(compare=False)
+    detail: str = field(default="", compare=False)
+
+
+class SimulatedExecutor:
+    """Runs tasks on a virtual clock. ``actual`` gives a task's real duration when it differs from the
+    estimate (an early exit ends a task early); ``failures`` how many of its first attempts fail (halfway)."""
+
+    def __init__(self, actual: Optional[dict[str, float]] = None, failures: Optional[dict[str, int]] = None) -> None:
+        self.actual = dict(actual or {})
+        self.failures = dict(failures or {})
+        self._events: list[Completion] = []
+        self._now = 0.0
+        self.started: list[tuple[float, str, tuple[int, ...]]] = []
+
+    def now(self) -> float:
+        return self._now
+
+    def start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
+        self.started.append((self._now, task.id, gpu_ids))
+        duration = self.actual.get(task.id, task.duration)
+        fails = self.failures.get(task.id, 0) > 0
+        if fails:
+            self.failures[task.id] -= 1
+            duration /= 2
+        heapq.heappush(self._events, Completion(self._now + duration, task.id, not fails))
+
+    def wait(self, deadline: Optional[float]) -> list[Completion]:
+        if not self._events or (deadline is not None and self._events[0].time > deadline):
+            if deadline is None:
+                raise RuntimeError("waiting for a completion with no task running")
+            self._now = max(self._now, deadline)
+            return []
+        self._now = max(self._now, self._events[0].time)
+        done = []
+        while self._events and self._events[0].time <= self._now + 1e-9:
+            done.append(heapq.heappop(self._events))
+        return done
+
+
+class LocalExecutor:
+    """Each task's ``command`` as a subprocess on its GPU set, output to ``log_dir/<task>.<attempt>.log``.
+
+    ``CUDA_VISIBLE_DEVICES`` is the task's GPU ids; a ``torchrun`` task runs as
+    ``python -m torch.distributed.run --nproc-per-node <gpus> --standalone <command>``. A non-zero exit
+    status is a failed attempt (the runner retries it). ``poll_s`` is how often running tasks are checked.
+    """
+
+    def __init__(self, log_dir: str | Path, env: Optional[dict[str, str]] = None, poll_s: float = 0.05) -> None:
+        self.log_dir = Path(log_dir)
+        self.env = dict(env or {})
+        self.poll_s = poll_s
+        self._t0 = time.monotonic()
+        self._procs: dict[str, tuple[subprocess.Popen, object, Path]] = {}
+        self._attempts: dict[str, int] = {}
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def command_for(self, task: Task) -> list[str]:
+        if task.command is None:
+            raise ValueError(f"task {task.id!r} has no `command` to run")
+        if task.torchrun:
+            return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={task.gpus}", "--standalone",
+                    *task.command]
+        return list(task.command)
+
+    def start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
+        command = self.command_for(task)
+        self._attempts[task.id] = self._attempts.get(task.id, 0) + 1
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self.log_dir / f"{task.id}.{self._attempts[task.id]}.log"
+        log = open(log_path, "w")  # noqa: SIM115 - closed when the task completes
+        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in gpu_ids),
+               "MULTILORA_TASK_ID": task.id}
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        self._procs[task.id] = (proc, log, log_path)
+
+    def wait(self, deadline: Optional[float]) -> list[Completion]:
+        if not self._procs and deadline is None:
+            raise RuntimeError("waiting for a completion with no task running")
+        while True:
+            done = []
+            for task_id, (proc, log, log_path) in list(self._procs.items()):
+                code = proc.poll()
+                if code is not None:
+                    log.close()
+                    del self._procs[task_id]
+                    done.append(Completion(self.now(), task_id, code == 0,
+                                           "" if code == 0 else f"exit status {code}, log {log_path}"))
+            if done or (deadline is not None and self.now() >= deadline):
+                return done
+            time.sleep(self.poll_s)
+
+    def stop(self) -> None:
+        """Terminate every running task (an interrupted schedule leaves no orphans)."""
+        for proc, log, _ in self._procs.values():
+            proc.terminate()
+        for proc, log, _ in self._procs.values():
+            proc.wait(timeout=30)
+            log.close()
+        self._procs.clear()

@@ -1,0 +1,166 @@
+"""`multilora schedule tasks.yaml`: plan a task file on the GPUs (table + Gantt chart), then run it.
+
+A task file::
+
+    gpus: 8                 # GPUs of this machine
+    time_limit_s: 5         # CP-SAT limit per solve (default 2)
+    resolution_s: 1         # plan grid in seconds (default 1)
+    max_retries: 2          # attempts after a failure (default 2)
+    log_dir: runs/schedule  # task logs and the Gantt chart (default runs/schedule)
+    tasks:
+      - {id: llama70b-sweep, duration: 3600, gpus: 4, command: "multilora fit --config a.yaml", torchrun: false}
+      - {id: qwen7b-sweep, duration: 900, gpus: 1, command: [multilora, fit, --config, b.yaml]}
+
+``--plan-only`` prints the plan and stops; ``--simulate`` runs it on a virtual clock; otherwise each task
+runs as a subprocess on its GPUs. ``--inbox DIR``: task files (``*.yaml``, a ``tasks:`` list) dropped into
+``DIR`` while the schedule runs are submitted and replanned (then renamed ``*.yaml.done``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from lightning_multilora.scheduling.executors import LocalExecutor, SimulatedExecutor
+from lightning_multilora.scheduling.runner import RunRecord, ScheduleRunner
+from lightning_multilora.scheduling.task_scheduler import Schedule, Task, TaskScheduler, validate_tasks
+
+TASK_FIELDS = ("id", "duration", "gpus", "command", "torchrun")
+FILE_FIELDS = ("gpus", "time_limit_s", "resolution_s", "max_retries", "log_dir", "tasks")
+
+
+def parse_tasks(entries: Any, where: str) -> list[Task]:
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f"{where}: `tasks` must be a non-empty list of tasks")
+    tasks = []
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where}: task #{i} must be a mapping with {', '.join(TASK_FIELDS)}")
+        unknown = set(entry) - set(TASK_FIELDS)
+        if unknown:
+            raise ValueError(f"{where}: task #{i} has unknown fields {sorted(unknown)}; allowed: {', '.join(TASK_FIELDS)}")
+        if "id" not in entry or "duration" not in entry:
+            raise ValueError(f"{where}: task #{i} needs `id` and `duration` (seconds)")
+        try:
+            tasks.append(Task(str(entry["id"]), entry["duration"], entry.get("gpus", 1), entry.get("command"),
+                              bool(entry.get("torchrun", False))))
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from err
+    return tasks
+
+
+def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
+    """The file's settings and its tasks, validated (ids unique, no task wider than the machine)."""
+    data = yaml.safe_load(Path(path).read_text())
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: a task file is a mapping with {', '.join(FILE_FIELDS)}")
+    unknown = set(data) - set(FILE_FIELDS)
+    if unknown:
+        raise ValueError(f"{path}: unknown fields {sorted(unknown)}; allowed: {', '.join(FILE_FIELDS)}")
+    gpus = data.get("gpus")
+    if not (isinstance(gpus, int) and gpus >= 1):
+        raise ValueError(f"{path}: `gpus` must be an integer >= 1, got {gpus!r}")
+    settings = dict(gpus=gpus, time_limit_s=float(data.get("time_limit_s", 2.0)),
+                    resolution_s=float(data.get("resolution_s", 1.0)), max_retries=int(data.get("max_retries", 2)),
+                    log_dir=str(data.get("log_dir", "runs/schedule")))
+    tasks = parse_tasks(data.get("tasks"), str(path))
+    validate_tasks(tasks, gpus)
+    return settings, tasks
+
+
+def gantt(placements: Mapping[str, Any], num_gpus: int, path: str | Path, title: str = "") -> Path:
+    """A Gantt chart (one row per GPU) of placements or run records (``start``, ``end``, ``gpu_ids``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * num_gpus))
+    colors = plt.get_cmap("tab20")
+    for k, (task_id, p) in enumerate(sorted(placements.items(), key=lambda kv: kv[1].start)):
+        for gpu in p.gpu_ids:
+            ax.barh(gpu, p.end - p.start, left=p.start, color=colors(k % 20), edgecolor="black", linewidth=0.5)
+            ax.text(p.start + (p.end - p.start) / 2, gpu, task_id, ha="center", va="center", fontsize=7,
+                    clip_on=True)
+    ax.set_yticks(range(num_gpus), [f"GPU {i}" for i in range(num_gpus)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def inbox_poller(inbox: Path, num_gpus: int):
+    """Tasks from task files dropped into ``inbox`` (each read once, then renamed ``.done``)."""
+    inbox.mkdir(parents=True, exist_ok=True)
+
+    def poll() -> list[Task]:
+        tasks: list[Task] = []
+        for path in sorted(inbox.glob("*.yaml")):
+            try:
+                data = yaml.safe_load(path.read_text()) or {}
+                new = parse_tasks(data.get("tasks") if isinstance(data, Mapping) else None, str(path))
+                validate_tasks(new, num_gpus)
+                tasks += new
+                path.rename(path.with_name(path.name + ".done"))
+            except ValueError as err:
+                path.rename(path.with_name(path.name + ".rejected"))
+                print(f"rejected {path}: {err}", flush=True)
+        return tasks
+
+    return poll
+
+
+def records_table(records: Mapping[str, RunRecord]) -> str:
+    lines = [f"{'task':<16} {'state':<9} {'tries':>5} {'start':>9} {'end':>9}  gpus"]
+    for r in sorted(records.values(), key=lambda r: (r.start, r.task_id)):
+        lines.append(f"{r.task_id:<16} {r.state:<9} {r.attempts:>5} {r.start:>9.1f} {r.end:>9.1f}  "
+                     f"{','.join(map(str, r.gpu_ids))}{'  ' + r.detail if r.detail else ''}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="multilora schedule", description=__doc__.split("\n", 1)[0])
+    parser.add_argument("task_file", type=Path)
+    parser.add_argument("--plan-only", action="store_true", help="print the plan and the Gantt chart, run nothing")
+    parser.add_argument("--simulate", action="store_true", help="run on a virtual clock (durations as given)")
+    parser.add_argument("--inbox", type=Path, default=None, help="folder watched for new task files while running")
+    parser.add_argument("--gantt", type=Path, default=None, help="Gantt chart image (default <log_dir>/plan.png)")
+    args = parser.parse_args(argv)
+    try:
+        settings, tasks = load_task_file(args.task_file)
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        parser.error(str(err))
+    scheduler = TaskScheduler(settings["gpus"], settings["time_limit_s"], settings["resolution_s"])
+    plan: Schedule = scheduler.plan(tasks)
+    print(plan.table())
+    chart = gantt(plan.placements, settings["gpus"], args.gantt or Path(settings["log_dir"]) / "plan.png",
+                  f"plan: makespan {plan.makespan:.0f} s")
+    print(f"Gantt chart: {chart}")
+    if args.plan_only:
+        return 0
+    if not args.simulate and any(t.command is None for t in tasks):
+        parser.error("every task needs a `command` to run (or use --simulate / --plan-only)")
+    executor = SimulatedExecutor() if args.simulate else LocalExecutor(Path(settings["log_dir"]) / "logs")
+    poll = inbox_poller(args.inbox, settings["gpus"]) if args.inbox is not None else None
+    runner = ScheduleRunner(scheduler, executor, settings["max_retries"], poll=poll)
+    for task in tasks:
+        runner.submit(task)
+    try:
+        records = runner.run()
+    except KeyboardInterrupt:
+        if isinstance(executor, LocalExecutor):
+            executor.stop()
+        raise
+    print(records_table(records))
+    done = gantt(records, settings["gpus"], Path(settings["log_dir"]) / "run.png", f"run: makespan {runner.makespan:.0f} s")
+    print(f"makespan {runner.makespan:.1f} s, {runner.replans} replans; Gantt chart of the run: {done}")
+    return 0 if all(r.state == "finished" for r in records.values()) else 1

@@ -1,0 +1,88 @@
+"""LocalExecutor: real subprocesses on their GPU sets through the ScheduleRunner, on the CPU."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from lightning_multilora.scheduling import LocalExecutor, ScheduleRunner, SimulatedExecutor, Task, TaskScheduler
+
+RECORD_GPUS = "import os, sys, time; open(sys.argv[1], 'w').write(os.environ['CUDA_VISIBLE_DEVICES']); time.sleep(0.3)"
+FLAKY = ("import os, sys; m = sys.argv[1]; first = not os.path.exists(m); open(m, 'a').close(); "
+         "sys.exit(3 if first else 0)")
+
+
+def tiny_training_config(tmp_path) -> str:
+    path = tmp_path / "tiny.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        seed_everything: 0
+        trainer:
+          accelerator: cpu
+          devices: 1
+          default_root_dir: {tmp_path / 'run'}
+          enable_progress_bar: false
+          enable_model_summary: false
+          limit_val_batches: 0
+        model:
+          base_model: tiny-llama
+          adapters:
+            - {{name: only, rank: 2, batch_size: 2, max_steps: 2}}
+          validate_on_finish: false
+        data:
+          sources:
+            arithmetic:
+              class_path: lightning_multilora.data.GeneratedArithmetic
+              init_args: {{num_examples: 40}}
+        """))
+    return str(path)
+
+
+def test_three_tiny_tasks_run_as_subprocesses_on_their_gpus_with_a_retried_failure(tmp_path):
+    py = sys.executable
+    tasks = [
+        Task("train", 20.0, 1, [py, "-m", "lightning_multilora.cli", "fit", "--config", tiny_training_config(tmp_path)]),
+        Task("pair", 1.0, 2, [py, "-c", RECORD_GPUS, str(tmp_path / "pair.gpus")]),
+        Task("flaky", 1.0, 1, [py, "-c", FLAKY, str(tmp_path / "flaky.marker")]),
+    ]
+    executor = LocalExecutor(tmp_path / "logs")
+    runner = ScheduleRunner(TaskScheduler(2, resolution_s=0.5), executor, max_retries=1)
+    for task in tasks:
+        runner.submit(task)
+    records = runner.run()
+    assert {r.task_id: r.state for r in records.values()} == {"train": "finished", "pair": "finished",
+                                                             "flaky": "finished"}
+    assert records["flaky"].attempts == 2 and (tmp_path / "logs" / "flaky.1.log").exists()
+    pair = records["pair"]
+    assert (tmp_path / "pair.gpus").read_text() == ",".join(map(str, pair.gpu_ids)) and len(pair.gpu_ids) == 2
+    # the 2-GPU task never overlapped a 1-GPU task on two GPUs
+    train = records["train"]
+    assert pair.end <= train.start + 1e-6 or train.end <= pair.start + 1e-6
+    assert list((tmp_path / "run").rglob("adapter_model.safetensors"))  # the training task really trained
+
+
+def test_a_task_that_keeps_failing_is_marked_failed_with_its_log(tmp_path):
+    runner = ScheduleRunner(TaskScheduler(1), LocalExecutor(tmp_path), max_retries=1)
+    runner.submit(Task("bad", 1.0, 1, [sys.executable, "-c", "raise SystemExit(2)"]))
+    record = runner.run()["bad"]
+    assert record.state == "failed" and record.attempts == 2 and "exit status 2" in record.detail
+
+
+def test_a_running_schedule_accepts_new_tasks_and_tasks_need_commands(tmp_path):
+    inbox = [[Task("late", 2.0, 1)]]
+    polls = {"n": 0}
+
+    def poll():
+        polls["n"] += 1
+        return inbox.pop() if polls["n"] == 2 and inbox else []  # arrives while "first" runs
+
+    runner = ScheduleRunner(TaskScheduler(1), SimulatedExecutor(), poll=poll)
+    runner.submit(Task("first", 5.0, 1))
+    records = runner.run()
+    assert set(records) == {"first", "late"} and records["late"].start >= records["first"].end
+    with pytest.raises(ValueError, match="has no `command`"):
+        LocalExecutor(tmp_path).start(Task("x", 1.0), (0,))
+    with pytest.raises(ValueError, match="`command` must not be empty"):
+        Task("y", 1.0, 1, [])
+    assert Task("z", 1.0, 1, "python -c 'print(1)'").command == ("python", "-c", "print(1)")

@@ -1,0 +1,91 @@
+"""`multilora schedule tasks.yaml`: parsing, clear errors, plan + Gantt chart, simulated and real runs."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from lightning_multilora.cli import main as cli_main
+from lightning_multilora.scheduling.task_file import load_task_file, main
+
+
+def write(tmp_path, text: str, name: str = "tasks.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+ALTO_MIX = """\
+    gpus: 8
+    log_dir: {log_dir}
+    tasks:
+      - {{id: llama70b-a, duration: 300, gpus: 4}}
+      - {{id: llama70b-b, duration: 240, gpus: 4}}
+      - {{id: qwen32b-a, duration: 200, gpus: 2}}
+      - {{id: qwen32b-b, duration: 180, gpus: 2}}
+      - {{id: llama8b-a, duration: 120, gpus: 1}}
+      - {{id: llama8b-b, duration: 100, gpus: 1}}
+      - {{id: qwen7b, duration: 90, gpus: 1}}
+    """
+
+
+def test_plan_only_prints_the_plan_and_draws_the_gantt_chart(tmp_path, capsys):
+    path = write(tmp_path, ALTO_MIX.format(log_dir=tmp_path / "logs"))
+    assert main([str(path), "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert "llama70b-a" in out and "makespan" in out and "optimal" in out
+    assert (tmp_path / "logs" / "plan.png").stat().st_size > 1000
+
+
+def test_a_simulated_run_through_the_multilora_command(tmp_path, capsys):
+    path = write(tmp_path, ALTO_MIX.format(log_dir=tmp_path / "logs"))
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["schedule", str(path), "--simulate"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.count("finished") == 7 and (tmp_path / "logs" / "run.png").exists()
+
+
+def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    py = sys.executable
+    staged = write(tmp_path, f"tasks: [{{id: late, duration: 1, command: [{py}, -c, 'print(2)']}}]", "staged.yaml")
+    # the first task drops a new task file into the inbox while the schedule runs
+    drop = f"import shutil, time; shutil.copy('{staged}', '{inbox / 'new.yaml'}'); time.sleep(0.5)"
+    path = write(tmp_path, f"""\
+        gpus: 1
+        resolution_s: 0.5
+        log_dir: {tmp_path / 'logs'}
+        tasks:
+          - {{id: first, duration: 1, command: [{py}, -c, "{drop}"]}}
+        """)
+    assert main([str(path), "--inbox", str(inbox)]) == 0
+    out = capsys.readouterr().out
+    assert "late" in out and out.count("finished") == 2
+    assert (inbox / "new.yaml.done").exists()
+
+
+@pytest.mark.parametrize("body, message", [
+    ("gpus: 2\ntasks: [{id: a, duration: -5}]", "`duration` must be a finite number > 0"),
+    ("gpus: 2\ntasks: [{id: a, duration: 5, gpus: 4}]", "needs 4 GPUs but only 2 exist"),
+    ("gpus: 2\ntasks: [{id: a, duration: 5}, {id: a, duration: 3}]", "duplicate task id 'a'"),
+    ("gpus: 0\ntasks: [{id: a, duration: 5}]", "`gpus` must be an integer >= 1"),
+    ("gpus: 2\ntasks: [{id: a, duration: 5, memory: 3}]", "unknown fields \\['memory'\\]"),
+    ("gpus: 2\ntasks: []", "`tasks` must be a non-empty list"),
+    ("gpus: 2\nworkers: 3\ntasks: [{id: a, duration: 5}]", "unknown fields \\['workers'\\]"),
+])
+def test_bad_task_files_get_clear_errors(tmp_path, body, message):
+    with pytest.raises(ValueError, match=message):
+        load_task_file(write(tmp_path, body))
+
+
+def test_the_command_line_reports_bad_files_and_missing_commands(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main([str(write(tmp_path, "gpus: 1\ntasks: [{id: a, duration: -1}]"))])
+    assert "`duration` must be a finite number > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([str(write(tmp_path, f"gpus: 1\nlog_dir: {tmp_path}\ntasks: [{{id: a, duration: 1}}]"))])
+    assert "every task needs a `command`" in capsys.readouterr().err
