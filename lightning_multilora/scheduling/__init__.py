@@ -10,6 +10,7 @@ from lightning_multilora.scheduling.memory import (
 )
 from lightning_multilora.scheduling.profiler import MemoryProfiler, ThroughputProfiler, cuda_step_measure
 from lightning_multilora.scheduling.executors import Completion, LocalExecutor, SimulatedExecutor
+from lightning_multilora.scheduling.packing import Job, PackingPlanner, plora_greedy
 from lightning_multilora.scheduling.runner import RunRecord, ScheduleRunner
 from lightning_multilora.scheduling.task_scheduler import (
     Placement,
@@ -22,5 +23,5 @@ from lightning_multilora.scheduling.task_scheduler import (
 
 __all__ = ["AdmissionController", "AnalyticMemoryModel", "MemoryFit", "MemoryFitCache", "MemoryPoint",
            "MemoryProfiler", "ModelShape", "ThroughputProfiler", "choose_gradient_checkpointing",
-           "Completion", "LocalExecutor", "cuda_step_measure", "fit_predictor", "Placement", "RunRecord", "Schedule", "ScheduleRunner", "SimulatedExecutor", "Task", "TaskScheduler",
+           "Completion", "Job", "LocalExecutor", "PackingPlanner", "plora_greedy", "cuda_step_measure", "fit_predictor", "Placement", "RunRecord", "Schedule", "ScheduleRunner", "SimulatedExecutor", "Task", "TaskScheduler",
            "list_schedule", "lower_bound"]

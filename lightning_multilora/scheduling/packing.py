@@ -1,0 +1,206 @@
+"""PLoRA's half of planning: which configurations share a packed job, and on how many GPUs.
+
+`PackingPlanner` builds candidate packs for every GPU count ``d`` (powers of two up to the machine):
+the configurations, ordered by batch size then length (homogeneous packs suit the grouped kernels), cut
+into consecutive packs that fit the memory model at ``d`` GPUs, plus the packs PLoRA's greedy planner
+forms. One CP-SAT model then picks a set of packs that covers every configuration exactly once and
+schedules them (optional intervals, a cumulative GPU constraint) for minimum makespan: packing, GPU
+counts and timing are decided together. The greedy plan is the solver's starting hint, so the result is
+never worse than it.
+
+`plora_greedy` is PLoRA's planner as its paper describes it (Algorithms 4 and 5): whenever GPUs are free,
+for each power-of-two ``D`` that fits, grow a pack while the LoRA throughput ``sum(r_k) / T(pack, D)``
+improves and memory allows, launch the pack with the best throughput per GPU, and advance to the next
+predicted completion when no GPU is left. It is the baseline the planner is measured against.
+
+Both take the same cost model: ``memory(specs, d)`` (peak bytes per GPU of a pack on ``d`` GPUs) and
+``step_time(specs, d)`` (seconds per step); a job lasts ``max(steps) * step_time``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from lightning_multilora.scheduling.profiler import check_margin
+from lightning_multilora.scheduling.task_scheduler import Placement, Schedule, Task, assign_gpu_ids, lower_bound
+from lightning_multilora.spec import AdapterSpec
+
+CostFn = Callable[[Sequence[AdapterSpec], int], float]
+
+
+@dataclass(frozen=True)
+class Job:
+    """A packed fine-tuning job: adapters trained together on ``gpus`` GPUs for ``duration`` seconds."""
+
+    id: str
+    specs: tuple[AdapterSpec, ...]
+    gpus: int
+    duration: float
+
+    def task(self) -> Task:
+        return Task(self.id, self.duration, self.gpus)
+
+
+def _steps(spec: AdapterSpec) -> int:
+    if spec.max_steps is None:
+        raise ValueError(f"adapter {spec.name!r}: planning needs `max_steps` (a length in steps)")
+    return spec.max_steps
+
+
+class PackingPlanner:
+    """Packs configurations into jobs and places the jobs on ``num_gpus`` GPUs (CP-SAT).
+
+    Args:
+        num_gpus: GPUs of the machine.
+        memory: peak bytes per GPU of a pack on ``d`` GPUs.
+        step_time: seconds per training step of a pack on ``d`` GPUs.
+        gpu_bytes: memory of one GPU.
+        load_factor: the usable fraction of it (PLoRA's ``C``), in (0, 1].
+        time_limit_s: CP-SAT's limit.
+        resolution_s: the plan's time grid.
+    """
+
+    def __init__(self, num_gpus: int, memory: CostFn, step_time: CostFn, gpu_bytes: float, load_factor: float = 0.9,
+                 time_limit_s: float = 5.0, resolution_s: float = 1.0) -> None:
+        if not (isinstance(num_gpus, int) and num_gpus >= 1):
+            raise ValueError(f"`num_gpus` must be an integer >= 1, got {num_gpus!r}")
+        self.num_gpus, self.memory, self.step_time = num_gpus, memory, step_time
+        self.budget = gpu_bytes * check_margin(load_factor)
+        self.time_limit_s, self.resolution_s = time_limit_s, resolution_s
+        self.gpu_options = [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= num_gpus]
+
+    def duration(self, specs: Sequence[AdapterSpec], gpus: int) -> float:
+        return max(_steps(s) for s in specs) * self.step_time(specs, gpus)
+
+    def fits(self, specs: Sequence[AdapterSpec], gpus: int) -> bool:
+        return self.memory(specs, gpus) <= self.budget
+
+    def candidate_packs(self, specs: Sequence[AdapterSpec]) -> list[tuple[tuple[AdapterSpec, ...], int]]:
+        """For each GPU count, consecutive packs of the (batch size, length)-ordered configurations, each as
+        large as memory allows, and also each configuration alone (so any cover exists)."""
+        order = sorted(specs, key=lambda s: (-s.batch_size, -_steps(s), s.name))
+        packs: dict[tuple[tuple[str, ...], int], tuple[tuple[AdapterSpec, ...], int]] = {}
+        for d in self.gpu_options:
+            current: list[AdapterSpec] = []
+            for spec in order:
+                if current and not self.fits([*current, spec], d):
+                    packs[(tuple(s.name for s in current), d)] = (tuple(current), d)
+                    current = []
+                current.append(spec)
+            if current:
+                packs[(tuple(s.name for s in current), d)] = (tuple(current), d)
+            for spec in order:
+                packs.setdefault(((spec.name,), d), ((spec,), d))
+        feasible = [(p, d) for p, d in packs.values() if self.fits(p, d)]
+        alone = {p[0].name for p, _ in feasible if len(p) == 1}
+        missing = [s.name for s in specs if s.name not in alone]
+        if missing:
+            raise ValueError(f"configurations {missing} do not fit even alone on {self.num_gpus} GPUs")
+        return feasible
+
+    def plan(self, specs: Sequence[AdapterSpec]) -> tuple[list[Job], Schedule]:
+        from ortools.sat.python import cp_model
+
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError("configuration names must be unique")
+        if not specs:
+            raise ValueError("no configurations to plan")
+        packs = self.candidate_packs(specs)
+        greedy_jobs, greedy_placements, _ = plora_greedy(specs, self.num_gpus, self.memory, self.step_time,
+                                                         self.budget, 1.0)
+        greedy_start = {}
+        for job in greedy_jobs:
+            key = (tuple(sorted(s.name for s in job.specs)), job.gpus)
+            greedy_start[key] = greedy_placements[job.id].start
+            if not any((tuple(sorted(q.name for q in p)), d) == key for p, d in packs):
+                packs.append((job.specs, job.gpus))
+        res = self.resolution_s
+        sizes = [max(1, math.ceil(self.duration(p, d) / res - 1e-9)) for p, d in packs]
+        horizon = sum(sizes)
+        model = cp_model.CpModel()
+        chosen, starts, intervals, ends = [], [], [], []
+        for k, ((pack, d), size) in enumerate(zip(packs, sizes)):
+            x = model.NewBoolVar(f"x{k}")
+            s = model.NewIntVar(0, horizon, f"s{k}")
+            e = model.NewIntVar(0, horizon + size, f"e{k}")
+            intervals.append(model.NewOptionalIntervalVar(s, size, e, x, f"i{k}"))
+            hinted = greedy_start.get((tuple(sorted(q.name for q in pack)), d))
+            model.AddHint(x, hinted is not None)
+            if hinted is not None:
+                model.AddHint(s, math.ceil(hinted / res - 1e-9))
+            chosen.append(x)
+            starts.append(s)
+            ends.append(e)
+        for spec in specs:
+            model.AddExactlyOne(x for x, (pack, _) in zip(chosen, packs) if any(p.name == spec.name for p in pack))
+        model.AddCumulative(intervals, [d for _, d in packs], self.num_gpus)
+        makespan = model.NewIntVar(0, horizon, "makespan")
+        for x, e in zip(chosen, ends):
+            model.Add(makespan >= e).OnlyEnforceIf(x)
+        model.Minimize(makespan)
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = self.time_limit_s
+        solver.parameters.num_search_workers = 8
+        status = solver.Solve(model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            raise RuntimeError(f"CP-SAT found no packing ({solver.StatusName(status)}) within {self.time_limit_s} s")
+        jobs, rows = [], []
+        for k, ((pack, d), size) in enumerate(zip(packs, sizes)):
+            if solver.Value(chosen[k]):
+                job = Job(f"job{len(jobs)}", pack, d, size * res)
+                jobs.append(job)
+                start = solver.Value(starts[k]) * res
+                rows.append((job.id, start, start + job.duration, d))
+        ids = assign_gpu_ids(rows, self.num_gpus)
+        placements = {jid: Placement(jid, start, end, ids[jid]) for jid, start, end, _ in rows}
+        schedule = Schedule(placements, solver.Value(makespan) * res, status == cp_model.OPTIMAL, solver.WallTime(),
+                            lower_bound([j.task() for j in jobs], self.num_gpus))
+        return jobs, schedule
+
+
+def plora_greedy(specs: Sequence[AdapterSpec], num_gpus: int, memory: CostFn, step_time: CostFn, gpu_bytes: float,
+                 load_factor: float = 0.9) -> tuple[list[Job], dict[str, Placement], float]:
+    """PLoRA's greedy job planner (see the module doc). Returns the jobs, their placements and the makespan."""
+    budget = gpu_bytes * check_margin(load_factor)
+    remaining = sorted(specs, key=lambda s: (-s.rank, s.name))
+    options = [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= num_gpus]
+    now, free = 0.0, list(range(num_gpus))
+    running: list[tuple[float, tuple[int, ...]]] = []
+    jobs: list[Job] = []
+    placements: dict[str, Placement] = {}
+    while remaining:
+        best = None
+        for d in (d for d in options if d <= len(free)):
+            pack: list[AdapterSpec] = []
+            score = 0.0
+            for spec in remaining:
+                trial = [*pack, spec]
+                if memory(trial, d) > budget:
+                    continue
+                trial_score = sum(s.rank for s in trial) / step_time(trial, d)
+                if trial_score > score:
+                    pack, score = trial, trial_score
+            if pack and (best is None or score / d > best[0]):
+                best = (score / d, pack, d)
+        if best is None:
+            if not running:
+                names = [s.name for s in remaining]
+                raise ValueError(f"configurations {names} do not fit on {num_gpus} GPUs")
+            running.sort()
+            end, gpu_ids = running.pop(0)
+            now = max(now, end)
+            free.extend(gpu_ids)
+            continue
+        _, pack, d = best
+        duration = max(_steps(s) for s in pack) * step_time(pack, d)
+        gpu_ids = tuple(sorted(free)[:d])
+        free = [g for g in free if g not in gpu_ids]
+        job = Job(f"greedy{len(jobs)}", tuple(pack), d, duration)
+        jobs.append(job)
+        placements[job.id] = Placement(job.id, now, now + duration, gpu_ids)
+        running.append((now + duration, gpu_ids))
+        remaining = [s for s in remaining if s not in pack]
+    return jobs, placements, max((p.end for p in placements.values()), default=0.0)
