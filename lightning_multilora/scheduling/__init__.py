@@ -1,6 +1,12 @@
 """Scheduling: memory models and admission on one GPU, placing training tasks on GPUs (CP-SAT)."""
 
-from lightning_multilora.scheduling.admission import AdmissionController, choose_gradient_checkpointing, fit_predictor
+from lightning_multilora.scheduling.admission import (
+    AdmissionController,
+    CPSATAdmission,
+    choose_gradient_checkpointing,
+    fit_predictor,
+    simulate_sweep,
+)
 from lightning_multilora.scheduling.memory import (
     AnalyticMemoryModel,
     MemoryFit,
@@ -21,7 +27,7 @@ from lightning_multilora.scheduling.task_scheduler import (
     lower_bound,
 )
 
-__all__ = ["AdmissionController", "AnalyticMemoryModel", "MemoryFit", "MemoryFitCache", "MemoryPoint",
+__all__ = ["AdmissionController", "CPSATAdmission", "simulate_sweep", "AnalyticMemoryModel", "MemoryFit", "MemoryFitCache", "MemoryPoint",
            "MemoryProfiler", "ModelShape", "ThroughputProfiler", "choose_gradient_checkpointing",
            "Completion", "Job", "LocalExecutor", "PackingPlanner", "plora_greedy", "cuda_step_measure", "fit_predictor", "Placement", "RunRecord", "Schedule", "ScheduleRunner", "SimulatedExecutor", "Task", "TaskScheduler",
            "list_schedule", "lower_bound"]

@@ -95,3 +95,83 @@ def choose_gradient_checkpointing(specs: Sequence[AdapterSpec], with_checkpointi
         raise ValueError(f"{len(specs)} adapters do not fit even with gradient checkpointing "
                          f"({with_checkpointing(specs) / 2**30:.2f} GiB > {budget_bytes / 2**30:.2f} GiB)")
     return True
+
+
+class CPSATAdmission(AdmissionController):
+    """The slot-filling decision as a small CP-SAT model, in place of the greedy order.
+
+    With a linear memory fit (``M = k0 + k1*B*L + k2*P``) each candidate's cost is linear, so choosing
+    which queued candidates to admit is a knapsack: maximize ``sum x_i * value_i`` subject to the fit's
+    prediction of running + chosen staying within the budget. ``value_i`` counts the rows admitted (the
+    packed step's throughput), a bonus for the freed slot's batch size (homogeneous packs) and
+    ``priority(spec)`` (e.g. the Optuna study's most promising candidates; default 0), in that order of
+    weight. Use it wherever an `AdmissionController` goes (the module, `OptunaSweep`).
+    """
+
+    def __init__(self, fit: MemoryFit, seq_len: int, params_of: Callable[[AdapterSpec], int], capacity_bytes: float,
+                 safety_margin: float = 0.9, priority: Optional[Callable[[AdapterSpec], float]] = None,
+                 time_limit_s: float = 0.5) -> None:
+        super().__init__(fit_predictor(fit, seq_len, params_of), capacity_bytes, safety_margin)
+        self.fit, self.seq_len, self.params_of = fit, seq_len, params_of
+        self.priority = priority or (lambda spec: 0.0)
+        self.time_limit_s = time_limit_s
+
+    def select(self, running: Sequence[AdapterSpec], candidates: Sequence[AdapterSpec],
+               freed: Optional[AdapterSpec] = None) -> list[AdapterSpec]:
+        from ortools.sat.python import cp_model
+
+        if not candidates:
+            return []
+        room = self.budget - self.predict(running)
+        costs = [self.fit.k1 * s.batch_size * self.seq_len + self.fit.k2 * self.params_of(s) for s in candidates]
+        scale = max(max(costs), 1.0) / 1e6  # integer costs, about 1e6 for the largest
+        model = cp_model.CpModel()
+        x = [model.NewBoolVar(s.name) for s in candidates]
+        model.Add(sum(int(round(c / scale)) * xi for c, xi in zip(costs, x)) <= int(room / scale))
+        priorities = [self.priority(s) for s in candidates]
+        top = max((abs(p) for p in priorities), default=0.0) or 1.0
+        values = [1000 * s.batch_size + (100 if freed is not None and s.batch_size == freed.batch_size else 0)
+                  + int(round(50 * p / top)) for s, p in zip(candidates, priorities)]
+        model.Maximize(sum(v * xi for v, xi in zip(values, x)))
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = self.time_limit_s
+        solver.parameters.num_search_workers = 1
+        status = solver.Solve(model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return super().select(running, candidates, freed)
+        chosen = sorted((s for s, xi in zip(candidates, x) if solver.Value(xi)), key=lambda s: -s.batch_size)
+        # rounding the costs must never admit what the fit says does not fit
+        while chosen and not self.fits([*running, *chosen]):
+            chosen.pop()
+        return chosen
+
+
+def simulate_sweep(controller: AdmissionController, specs: Sequence[AdapterSpec],
+                   step_time: Callable[[Sequence[AdapterSpec]], float], seq_len: int) -> dict[str, float]:
+    """A sweep on one device on a virtual clock: every step trains all running adapters (``step_time``
+    seconds), each adapter leaves after its ``max_steps``, freed slots are refilled by ``controller``.
+    Returns the makespan, tokens per second and the mean / largest number of adapters running."""
+    queue = list(specs)
+    running: dict[str, list] = {}  # name -> [spec, steps left]
+    clock = tokens = 0.0
+    counts: list[int] = []
+    freed: Optional[AdapterSpec] = None
+    while queue or running:
+        for spec in controller.select([r[0] for r in running.values()], queue, freed):
+            if spec.max_steps is None:
+                raise ValueError(f"adapter {spec.name!r}: the simulation needs `max_steps`")
+            running[spec.name] = [spec, spec.max_steps]
+            queue.remove(spec)
+        freed = None
+        if not running:
+            raise ValueError(f"adapters {[s.name for s in queue]} never fit the memory budget")
+        active = [r[0] for r in running.values()]
+        clock += step_time(active)
+        tokens += sum(s.batch_size for s in active) * seq_len
+        counts.append(len(active))
+        for name in list(running):
+            running[name][1] -= 1
+            if running[name][1] == 0:
+                freed = running.pop(name)[0]
+    return dict(makespan_s=clock, tokens_per_s=tokens / clock, mean_running=sum(counts) / len(counts),
+                max_running=max(counts))
