@@ -11,8 +11,9 @@ A task file::
       - {id: llama70b-sweep, duration: 3600, gpus: 4, command: "multilora fit --config a.yaml", torchrun: false}
       - {id: qwen7b-sweep, duration: 900, gpus: 1, command: [multilora, fit, --config, b.yaml]}
 
-``--plan-only`` prints the plan and stops; ``--simulate`` runs it on a virtual clock; otherwise each task
-runs as a subprocess on its GPUs. ``--inbox DIR``: task files (``*.yaml``, a ``tasks:`` list) dropped into
+``--plan-only`` prints the plan and stops; ``--simulate`` runs it on a virtual clock; ``--ray ADDRESS``
+hands each task to a Ray cluster (``auto``: the local one; placement groups with GPU bundles); otherwise
+each task runs as a subprocess on its GPUs. ``--inbox DIR``: task files (``*.yaml``, a ``tasks:`` list) dropped into
 ``DIR`` while the schedule runs are submitted and replanned (then renamed ``*.yaml.done``).
 """
 
@@ -132,6 +133,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("task_file", type=Path)
     parser.add_argument("--plan-only", action="store_true", help="print the plan and the Gantt chart, run nothing")
     parser.add_argument("--simulate", action="store_true", help="run on a virtual clock (durations as given)")
+    parser.add_argument("--ray", default=None, metavar="ADDRESS", help="run the tasks on this Ray cluster ('auto')")
     parser.add_argument("--inbox", type=Path, default=None, help="folder watched for new task files while running")
     parser.add_argument("--gantt", type=Path, default=None, help="Gantt chart image (default <log_dir>/plan.png)")
     args = parser.parse_args(argv)
@@ -149,7 +151,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if not args.simulate and any(t.command is None for t in tasks):
         parser.error("every task needs a `command` to run (or use --simulate / --plan-only)")
-    executor = SimulatedExecutor() if args.simulate else LocalExecutor(Path(settings["log_dir"]) / "logs")
+    if args.simulate:
+        executor = SimulatedExecutor()
+    elif args.ray is not None:
+        from lightning_multilora.scheduling.ray_executor import RayExecutor
+
+        executor = RayExecutor(address=args.ray)
+    else:
+        executor = LocalExecutor(Path(settings["log_dir"]) / "logs")
     poll = inbox_poller(args.inbox, settings["gpus"]) if args.inbox is not None else None
     runner = ScheduleRunner(scheduler, executor, settings["max_retries"], poll=poll)
     for task in tasks:

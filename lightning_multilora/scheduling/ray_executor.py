@@ -1,0 +1,85 @@
+"""`RayExecutor`: hand each planned task to a Ray cluster instead of launching it ourselves.
+
+Each task gets a placement group with one bundle of ``task.gpus`` GPUs (``STRICT_PACK``: one node) and
+runs its command there as a subprocess from a Ray task. Ray picks the devices and sets
+``CUDA_VISIBLE_DEVICES`` for real GPUs; the plan's GPU ids are kept for the records. ``resource`` can
+name a custom resource standing in for GPUs (tests on a CPU cluster: ``ray.init(resources={"fake_gpu":
+4})``). Same protocol as the other executors: ``now``, ``start``, ``wait``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from typing import Any, Optional
+
+from lightning_multilora.scheduling.executors import Completion
+from lightning_multilora.scheduling.task_scheduler import Task
+
+
+def _run_command(command: list[str], env: dict[str, str], resource: str) -> tuple[int, str]:
+    """Runs inside the Ray worker; returns the exit status and the output's tail."""
+    if resource != "GPU":  # a custom resource: say which "devices" Ray granted, as it does for GPUs
+        import ray
+
+        granted = ray.get_runtime_context().get_assigned_resources()
+        env = {**env, "MULTILORA_ASSIGNED": str(granted.get(resource, 0))}
+    result = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True)
+    return result.returncode, (result.stdout + result.stderr)[-2000:]
+
+
+class RayExecutor:
+    """Runs tasks on a Ray cluster (``ray.init(address)`` unless Ray is already initialised)."""
+
+    def __init__(self, address: Optional[str] = None, resource: str = "GPU", poll_s: float = 0.05) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=address)
+        self.ray = ray
+        self.resource = resource
+        self.poll_s = poll_s
+        self._t0 = time.monotonic()
+        self._remote = ray.remote(_run_command)
+        self._refs: dict[Any, tuple[str, Any]] = {}  # object ref -> (task id, placement group)
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if task.command is None:
+            raise ValueError(f"task {task.id!r} has no `command` to run")
+        pg = placement_group([{self.resource: task.gpus}], strategy="STRICT_PACK")
+        demand = {"num_gpus": task.gpus} if self.resource == "GPU" else {"resources": {self.resource: task.gpus}}
+        ref = self._remote.options(num_cpus=0, **demand,
+                                   scheduling_strategy=PlacementGroupSchedulingStrategy(pg)).remote(
+            list(task.command), {"MULTILORA_TASK_ID": task.id}, self.resource)
+        self._refs[ref] = (task.id, pg)
+
+    def wait(self, deadline: Optional[float]) -> list[Completion]:
+        from ray.util.placement_group import remove_placement_group
+
+        if not self._refs and deadline is None:
+            raise RuntimeError("waiting for a completion with no task running")
+        while True:
+            timeout = self.poll_s if deadline is None else max(0.0, min(self.poll_s, deadline - self.now()))
+            ready, _ = self.ray.wait(list(self._refs), num_returns=len(self._refs), timeout=timeout) if self._refs \
+                else ([], [])
+            done = []
+            for ref in ready:
+                task_id, pg = self._refs.pop(ref)
+                try:
+                    code, tail = self.ray.get(ref)
+                    ok, detail = code == 0, "" if code == 0 else f"exit status {code}: {tail[-300:]}"
+                except Exception as err:  # noqa: BLE001 - a crashed worker is a failed attempt
+                    ok, detail = False, f"{type(err).__name__}: {err}"
+                remove_placement_group(pg)
+                done.append(Completion(self.now(), task_id, ok, detail))
+            if done or (deadline is not None and self.now() >= deadline):
+                return done
+            if not self._refs:
+                time.sleep(timeout)

@@ -1,0 +1,44 @@
+"""RayExecutor on a local Ray cluster on the CPU, with a custom resource standing in for GPUs."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from lightning_multilora.scheduling import ScheduleRunner, Task, TaskScheduler  # noqa: E402
+from lightning_multilora.scheduling.ray_executor import RayExecutor  # noqa: E402
+
+REPORT = ("import os, sys, time; open(sys.argv[1], 'w').write(os.environ['MULTILORA_TASK_ID'] + ' ' + "
+          "os.environ['MULTILORA_ASSIGNED']); time.sleep(0.5)")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    ray.init(num_cpus=2, resources={"fake_gpu": 2}, include_dashboard=False, log_to_driver=False,
+             configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_planned_tasks_run_on_placement_groups_with_their_gpu_counts(cluster, tmp_path):
+    py = sys.executable
+    tasks = [Task("wide", 1.0, 2, [py, "-c", REPORT, str(tmp_path / "wide")]),
+             Task("n1", 1.0, 1, [py, "-c", REPORT, str(tmp_path / "n1")]),
+             Task("n2", 1.0, 1, [py, "-c", REPORT, str(tmp_path / "n2")]),
+             Task("bad", 1.0, 1, [py, "-c", "raise SystemExit(4)"])]
+    runner = ScheduleRunner(TaskScheduler(2, resolution_s=0.5), RayExecutor(resource="fake_gpu"), max_retries=1)
+    for task in tasks:
+        runner.submit(task)
+    records = runner.run()
+    assert {t: records[t].state for t in ("wide", "n1", "n2")} == {"wide": "finished", "n1": "finished",
+                                                                   "n2": "finished"}
+    assert records["bad"].state == "failed" and records["bad"].attempts == 2 and "exit status 4" in records["bad"].detail
+    assert (tmp_path / "wide").read_text() == "wide 2.0"  # Ray granted the task both "GPUs"
+    assert (tmp_path / "n1").read_text() == "n1 1.0"
+    wide = records["wide"]
+    for name in ("n1", "n2"):  # never alongside the 2-GPU task on a 2-GPU cluster
+        r = records[name]
+        assert r.end <= wide.start + 1e-6 or wide.end <= r.start + 1e-6
