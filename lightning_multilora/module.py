@@ -195,8 +195,61 @@ class MultiLoRAMixin:
         return path
 
     def packing_roster(self) -> list[AdapterSpec]:
-        """Specs of the adapters in the next packed batch (running, in registry order)."""
-        return [r.spec for r in self.registry.running]
+        """Specs of the adapters in the next packed batch (running, in registry order; under adapter
+        parallelism, this rank's)."""
+        return [r.spec for r in self.registry.running if self._owns(r.name)]
+
+    # -- adapter parallelism (the strategy places adapters on ranks) ----------------------------
+
+    def _placement(self) -> Optional[Any]:
+        trainer = self._trainer_or_none()
+        strategy = getattr(trainer, "strategy", None) if trainer is not None else None
+        return strategy if hasattr(strategy, "owns") and hasattr(strategy, "place") else None
+
+    def _owns(self, name: str) -> bool:
+        placement = self._placement()
+        return placement is None or placement.owns(name)
+
+    def configure_model(self) -> None:
+        """Under `AdapterParallelStrategy`: shard the frozen base with FSDP2, adapters left out."""
+        placement = self._placement()
+        if placement is not None and hasattr(placement, "parallelize"):
+            if not getattr(self, "_parallelized", False):
+                params = [p for n in self.lora_layers.adapter_names for p in self.lora_layers.parameters_of(n)]
+                placement.parallelize(self.lora_layers.model, params)
+                self._parallelized = True
+
+    def _sync_ranks(self) -> None:
+        """Share this rank's adapters' progress and exits with the others, so every rank's registry (and so
+        admission and the end of training) stays the same."""
+        placement = self._placement()
+        if placement is None:
+            return
+        fields = ("state", "reason", "step", "max_steps", "tokens_seen", "samples_seen", "started_at_step",
+                  "ended_at_step", "export_path", "best_val_loss", "last_val_loss")
+        mine = {r.name: {f: getattr(r, f) for f in fields} for r in self.registry
+                if placement.owner.get(r.name) == placement.global_rank}
+        for name, update in placement.exchange(mine).items():
+            if placement.owns(name) or name not in self.registry:
+                continue
+            rec = self.registry[name]
+            was_exited = rec.state.exited
+            for f, value in update.items():
+                setattr(rec, f, value)
+            if rec.state.exited and not was_exited:
+                rec.close_span(rec.ended_at_step if rec.ended_at_step is not None else self._global_step())
+
+    def _idle_step(self) -> None:
+        """A rank with no adapter: run the base forward and backward anyway (FSDP's collectives need every
+        rank), on one dummy row, the embeddings' output made to require grad."""
+        embed = self.lora_layers.model.get_input_embeddings()
+        hook = embed.register_forward_hook(lambda module, args, out: out.detach().requires_grad_(True))
+        try:
+            ids = torch.zeros(1, 8, dtype=torch.long, device=self.device)
+            out = self.lora_layers.model(input_ids=ids).logits
+            self.manual_backward(out.float().sum() * 0.0)
+        finally:
+            hook.remove()
 
     def _export_root(self) -> Path:
         if self.export_dir is not None:
@@ -226,6 +279,7 @@ class MultiLoRAMixin:
             queued = [by_name[s.name] for s in self.admission.select(running, [r.spec for r in queued],
                                                                       self._freed_spec)]
         self._freed_spec = None
+        placement = self._placement()
         for rec in queued:
             if self.max_running is not None and len(self.registry.running) >= self.max_running:
                 break
@@ -242,10 +296,14 @@ class MultiLoRAMixin:
             except ValueError as err:
                 rec.state, rec.reason = AdapterState.FAILED, str(err)
                 raise
-            self._create_weights(rec)
             rec.state, rec.reason = AdapterState.RUNNING, ""
             rec.started_at_step = self._global_step()
             rec.open_span(rec.started_at_step)
+            if placement is not None:
+                placement.place([r.spec for r in self.registry.running])
+                if not placement.owns(rec.name):
+                    continue  # another rank trains it
+            self._create_weights(rec)
             optimizer = self._raw_optimizer()
             if optimizer is not None:
                 optimizer.add_param_group(self._param_group(spec))
@@ -308,7 +366,10 @@ class MultiLoRAMixin:
     @override
     def configure_optimizers(self):
         self._fill_slots()  # after a checkpoint is restored, before the optimizer is built
-        groups = [self._param_group(r.spec) for r in self.registry.holding_weights]
+        groups = [self._param_group(r.spec) for r in self.registry.holding_weights if self._owns(r.name)]
+        if not groups and self._placement() is not None and self.registry.running:
+            # this rank holds no adapter yet: an empty group keeps the optimizer valid until one arrives
+            groups = [{"params": [nn.Parameter(torch.zeros(0, device=self.device))], "lr": 0.0, "adapter": None}]
         if not groups:
             raise ValueError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
         kwargs = dict(self.optimizer_kwargs)
@@ -322,6 +383,11 @@ class MultiLoRAMixin:
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         layout: BatchLayout = batch["layout"]
+        if not layout.names:
+            if self._placement() is None:
+                raise RuntimeError("no adapter has rows to pack this step")
+            self._idle_step()
+            return torch.zeros((), device=self.device)
         records = [self.registry[n] for n in layout.names]
         optimizer = self.optimizers()
         params = [self.lora_layers.parameters_of(r.name) for r in records]
@@ -382,6 +448,7 @@ class MultiLoRAMixin:
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Callbacks' on_train_batch_end ran first: adapters they removed, paused or queued are settled here.
+        self._sync_ranks()
         self._fill_slots()
         counts = self.registry.counts()
         if not self.registry.running and not self.registry.queued:
@@ -397,7 +464,7 @@ class MultiLoRAMixin:
     @override
     def on_fit_end(self) -> None:
         # Nothing trained is lost: adapters still running when fit stops are exported as they are.
-        for rec in self.registry.holding_weights:
+        for rec in [r for r in self.registry.holding_weights if r.name in self.lora_layers.adapter_names]:
             if self.keep_best_weights:
                 self.restore_best_weights(rec.name)
             self.save_adapter(rec.name)

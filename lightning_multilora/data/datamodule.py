@@ -244,12 +244,15 @@ class MultiLoRADataModule(L.LightningDataModule):
     # -- packing --------------------------------------------------------------------------------
 
     def pack(self, names: Sequence[str], rows: Sequence[tuple[list[list[int]], list[list[int]]]]) -> dict[str, Any]:
-        """Concatenate each adapter's rows in order, right-pad to the longest, and attach the layout."""
+        """Concatenate each adapter's rows in order, right-pad to the longest, and attach the layout.
+        No rows (a rank whose adapters have all left, under adapter parallelism) is an empty batch."""
         sizes = [len(ids) for ids, _ in rows]
         flat_ids = [r for ids, _ in rows for r in ids]
         flat_labels = [r for _, labels in rows for r in labels]
         if not flat_ids:
-            raise RuntimeError("no adapter has rows to pack this step")
+            empty = torch.zeros((0, 1), dtype=torch.long)
+            return {"input_ids": empty, "attention_mask": empty, "labels": empty.clone(),
+                    "layout": BatchLayout((), (), (), 0)}
         length = self.max_length if self.padding == "max_length" else max(len(r) for r in flat_ids)
         length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
         pad = self.tokenizer.pad_token_id

@@ -1,0 +1,118 @@
+"""`AdapterParallelStrategy`: adapters split across ranks, the frozen base sharded with FSDP2 (ALTO's
+adapter parallelism).
+
+Every rank joins FSDP's all-gathers of the frozen base; each rank trains a disjoint set of adapters on its
+own data; adapter parameters and gradients never enter a collective (they are FSDP ``ignored_params``, or
+created after sharding, so FSDP never manages them; the base is frozen, so nothing is reduce-scattered).
+The module keeps the same registry on every rank: admission runs identically everywhere, `place` gives
+each admitted adapter an owner (balanced by rows per step, same batch sizes together), and after every
+step the ranks exchange their adapters' progress and exits (``all_gather_object``) so that the next
+admission, and the end of training, are decided alike. A rank with no adapter left still runs the base's
+forward and backward, so the collectives never wait on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from lightning_multilora.spec import AdapterSpec
+
+
+def assign_adapters(specs: Sequence[AdapterSpec], num_ranks: int,
+                    current: Optional[Mapping[str, int]] = None) -> dict[str, int]:
+    """A disjoint, balanced owner for every adapter: adapters already placed stay; new ones go, largest batch
+    first, to the rank that already holds that batch size and has the least rows, else the least-loaded rank."""
+    if num_ranks < 1:
+        raise ValueError(f"`num_ranks` must be >= 1, got {num_ranks}")
+    owner = dict(current or {})
+    by_name = {s.name: s for s in specs}
+    load = [0] * num_ranks
+    sizes: list[set[int]] = [set() for _ in range(num_ranks)]
+    for name, rank in owner.items():
+        if name in by_name:
+            load[rank] += by_name[name].batch_size
+            sizes[rank].add(by_name[name].batch_size)
+    for spec in sorted((s for s in specs if s.name not in owner), key=lambda s: (-s.batch_size, s.name)):
+        least = min(load)
+        same = [r for r in range(num_ranks) if spec.batch_size in sizes[r] and load[r] + spec.batch_size <= least + spec.batch_size]
+        rank = min(same, key=lambda r: (load[r], r)) if same else min(range(num_ranks), key=lambda r: (load[r], r))
+        owner[spec.name] = rank
+        load[rank] += spec.batch_size
+        sizes[rank].add(spec.batch_size)
+    return owner
+
+
+class AdapterParallelStrategy(ModelParallelStrategy):
+    """``Trainer(strategy="adapter_parallel")``: FSDP2 over all ranks for the frozen base, adapters local.
+
+    Args:
+        param_dtype: FSDP2 mixed precision for the base's gathered parameters (e.g. ``torch.bfloat16``).
+        reshard_after_forward: FSDP2's choice (True: least memory, the base is gathered again in backward).
+        **kwargs: `ModelParallelStrategy`'s (``process_group_backend``, ``timeout``...).
+    """
+
+    strategy_name = "adapter_parallel"
+
+    def __init__(self, param_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True,
+                 **kwargs: Any) -> None:
+        kwargs.setdefault("save_distributed_checkpoint", False)
+        super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
+        self.param_dtype = param_dtype
+        self.reshard_after_forward = reshard_after_forward
+        self.owner: dict[str, int] = {}
+
+    def setup_environment(self) -> None:
+        self._data_parallel_size = self.num_processes * self.num_nodes  # every rank shards the base
+        super().setup_environment()
+
+    # -- the base ---------------------------------------------------------------------------------
+
+    def parallelize(self, model: nn.Module, adapter_params: Sequence[nn.Parameter]) -> None:
+        """``fully_shard`` every decoder layer, then the root, leaving adapter parameters out."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        policy = MixedPrecisionPolicy(param_dtype=self.param_dtype)
+        ignored = set(adapter_params)
+        blocks = _decoder_layers(model)
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy,
+                        ignored_params=ignored & set(block.parameters()))
+        fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy,
+                    ignored_params=ignored)
+
+    # -- adapters -------------------------------------------------------------------------------
+
+    def place(self, specs: Sequence[AdapterSpec]) -> None:
+        self.owner = assign_adapters(specs, self.world_size, self.owner)
+
+    def owns(self, name: str) -> bool:
+        return self.owner.get(name) == self.global_rank
+
+    def exchange(self, updates: dict[str, Any]) -> dict[str, Any]:
+        """Every rank's ``updates`` (its own adapters' progress), merged."""
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, updates)
+        merged: dict[str, Any] = {}
+        for part in gathered:
+            merged.update(part)
+        return merged
+
+
+def _decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks of a Hugging Face causal LM (``model.model.layers``), else every child ModuleList's items."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        return list(layers)
+    found = [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]
+    if not found:
+        raise TypeError(f"{type(model).__name__}: no decoder layers (model.model.layers) to shard")
+    return found

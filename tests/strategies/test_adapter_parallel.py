@@ -1,0 +1,82 @@
+"""AdapterParallelStrategy on 2 gloo CPU processes against one process; adapter placement."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from lightning_multilora import AdapterSpec
+from lightning_multilora.strategies import AdapterParallelStrategy, assign_adapters
+
+SCRIPT = Path(__file__).parent / "ap_run.py"
+
+
+def test_adapters_are_placed_disjoint_balanced_and_sticky():
+    specs = [AdapterSpec(f"b{i}", batch_size=b) for i, b in enumerate([4, 1, 4, 1, 2, 2, 1, 1])]
+    owner = assign_adapters(specs, 2)
+    assert set(owner) == {s.name for s in specs} and set(owner.values()) == {0, 1}
+    load = [sum(s.batch_size for s in specs if owner[s.name] == r) for r in (0, 1)]
+    assert abs(load[0] - load[1]) <= 1
+    new = [*specs, AdapterSpec("late", batch_size=2)]
+    again = assign_adapters(new, 2, owner)
+    assert all(again[n] == r for n, r in owner.items())  # placed adapters never move
+    assert again["late"] == min((0, 1), key=lambda r: load[r])  # the least-loaded rank takes a newcomer
+    with pytest.raises(ValueError, match="num_ranks"):
+        assign_adapters(specs, 0)
+
+
+def test_the_strategy_is_registered_by_name():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry.get("adapter_parallel").__class__ is AdapterParallelStrategy
+
+
+def run(out: Path, mode: str) -> None:
+    result = subprocess.run([sys.executable, str(SCRIPT), str(out), mode], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def parallel_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("adapter_parallel")
+    run(out, "parallel")
+    return out
+
+
+def test_two_ranks_train_each_adapter_exactly_like_one_process(parallel_run):
+    tmp_path = parallel_run
+    run(tmp_path, "single")
+    ranks = [json.loads((tmp_path / f"parallel.rank{r}.json").read_text()) for r in (0, 1)]
+    # disjoint owners; every rank saw every adapter finish (rank 0's last adapter ends at step 4, rank 1's at 6:
+    # rank 0 kept joining the base's collectives for two steps and nothing hung)
+    assert set(ranks[0]["owned"]) | set(ranks[1]["owned"]) == {"a0", "a1", "a2", "a3"}
+    assert not set(ranks[0]["owned"]) & set(ranks[1]["owned"])
+    assert ranks[0]["states"] == ranks[1]["states"]
+    assert all(state == "finished" for state, _ in ranks[0]["states"].values())
+    for name in ("a0", "a1", "a2", "a3"):
+        parallel = load_file(tmp_path / "parallel" / name / "adapter_model.safetensors")
+        single = load_file(tmp_path / "single" / name / "adapter_model.safetensors")
+        assert parallel.keys() == single.keys()
+        for key in single:
+            assert (parallel[key] - single[key]).abs().max() <= 1e-6, (name, key)
+        assert any(t.abs().max() > 0 for k, t in single.items() if "lora_B" in k)  # it did train
+
+
+def test_no_adapter_tensor_enters_a_collective(parallel_run):
+    from lightning_multilora.base_model import build_base_model
+
+    tmp_path = parallel_run
+    model = build_base_model("tiny-llama")
+    per_layer = {sum(p.numel() for p in layer.parameters()) for layer in model.model.layers}
+    layer_ids = {id(p) for layer in model.model.layers for p in layer.parameters()}
+    root = sum(p.numel() for p in model.parameters() if id(p) not in layer_ids)
+    for rank in (0, 1):
+        calls = json.loads((tmp_path / f"parallel.rank{rank}.json").read_text())["calls"]
+        kinds = {name for name, _ in calls}
+        assert kinds == {"all_gather_single"}  # no reduce-scatter or all-reduce: nothing trainable is sharded
+        assert {numel for _, numel in calls} <= per_layer | {root}  # only the frozen base is gathered
