@@ -86,6 +86,41 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy,
                     ignored_params=ignored)
 
+    # -- checkpoints: one file per rank, adapters only ------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """This rank's adapter tensors (the frozen base is never saved; no collective is needed)."""
+        module = self.lightning_module
+        names = set(getattr(module.lora_layers, "adapter_names", [])) if hasattr(module, "lora_layers") else set()
+        return {k: v.detach().cpu() for k, v in module.state_dict().items()
+                if (".lora_A." in k or ".lora_B." in k) and any(f".{n}" in k for n in names)}
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        return optimizer.state_dict()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """``filepath`` becomes a folder with ``rank<r>.ckpt`` per rank: its adapters, optimizer state and the
+        (shared) registry."""
+        from pathlib import Path
+
+        path = Path(self.broadcast(str(filepath)))
+        if path.is_file():
+            self.barrier("adapter_parallel_ckpt")
+            if self.global_rank == 0:
+                path.unlink()
+        self.barrier("adapter_parallel_ckpt_ready")
+        path.mkdir(parents=True, exist_ok=True)
+        checkpoint = dict(checkpoint, adapter_owner=dict(self.owner), rank=self.global_rank)
+        torch.save(checkpoint, path / f"rank{self.global_rank}.ckpt")
+        self.barrier("adapter_parallel_ckpt_saved")
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        raise NotImplementedError(
+            "resuming an adapter-parallel run from a checkpoint is not supported yet; the per-rank files in "
+            f"{checkpoint_path} hold each rank's adapters and optimizer states, and every adapter was exported "
+            "in PEFT format when it exited")
+
     # -- adapters -------------------------------------------------------------------------------
 
     def place(self, specs: Sequence[AdapterSpec]) -> None:

@@ -45,8 +45,8 @@ def main() -> None:
     dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, padding="max_length", max_length=96,
                              max_val_examples=8)
     kwargs = dict(accelerator="cpu", max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,
-                  enable_model_summary=False, enable_checkpointing=False, logger=False, default_root_dir=str(out),
-                  limit_val_batches=0)
+                  enable_model_summary=False, logger=False, default_root_dir=str(out / f"root_{mode}"),
+                  limit_val_batches=0)  # checkpointing on: the default ModelCheckpoint saves at the end
     if mode == "parallel":
         for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
                      "all_reduce"):
