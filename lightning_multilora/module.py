@@ -104,20 +104,40 @@ class MultiLoRAMixin:
     # -- what a subclass may override -----------------------------------------------------------
 
     def adapter_loss_terms(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
-        """Per adapter of ``batch["layout"]``: (sum of token losses, number of target tokens).
+        """Per adapter of ``batch["layout"]``: (sum of its loss terms, their count); the loss is their ratio.
 
-        Default: causal-LM cross-entropy on the completion tokens (labels ``!= -100``) of
-        ``self.model(input_ids, attention_mask).logits``.
+        SFT adapters: causal-LM cross-entropy on the completion tokens (labels ``!= -100``) of
+        ``self.model(input_ids, attention_mask).logits``. DPO adapters (their rows: chosen then rejected):
+        ``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` per pair, with sequence log-probabilities
+        of the completion; the reference ``ref`` is the base with adapters off, one forward under no_grad
+        over every DPO adapter's rows of the batch.
         """
+        layout: BatchLayout = batch["layout"]
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        logits = out.logits[:, :-1]  # (B, T-1, V)
-        labels = batch["labels"][:, 1:]  # (B, T-1)
-        token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
-                                     ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
-        mask = labels != IGNORE_INDEX
-        row_sum = torch.where(mask, token_loss, torch.zeros_like(token_loss)).sum(dim=1)  # (B,)
-        row_count = mask.sum(dim=1)
-        return segment_sum(row_sum, batch["layout"]), segment_sum(row_count.to(row_sum.dtype), batch["layout"])
+        row_sum, row_count = _row_token_loss(out.logits, batch["labels"])
+        sums, counts = segment_sum(row_sum, layout), segment_sum(row_count.to(row_sum.dtype), layout)
+        dpo = [i for i, n in enumerate(layout.names) if n in self.registry and self.registry[n].spec.objective == "dpo"]
+        self._preference_accuracy = {}
+        if not dpo:
+            return sums, counts
+        rows = torch.cat([torch.arange(layout.starts[i], layout.ends[i]) for i in dpo]).to(row_sum.device)
+        with torch.no_grad(), self.lora_layers.use(None):  # the reference: the base alone, once for all
+            ref = self.model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows])
+            ref_sum, _ = _row_token_loss(ref.logits, batch["labels"][rows])
+        ref_logp = torch.zeros_like(row_sum)
+        ref_logp[rows] = -ref_sum.to(row_sum.dtype)
+        policy_logp = -row_sum
+        sums, counts = list(sums.unbind(0)), list(counts.unbind(0))
+        for i in dpo:
+            start, end = layout.starts[i], layout.ends[i]
+            half = (end - start) // 2
+            chosen = policy_logp[start:start + half] - ref_logp[start:start + half]
+            rejected = policy_logp[start + half:end] - ref_logp[start + half:end]
+            margin = self.registry[layout.names[i]].spec.dpo_beta * (chosen - rejected)
+            sums[i] = -F.logsigmoid(margin).sum()
+            counts[i] = margin.new_tensor(float(half))
+            self._preference_accuracy[layout.names[i]] = (margin.detach() > 0).float().mean()
+        return torch.stack(sums), torch.stack(counts)
 
     # -- adapter lifecycle ----------------------------------------------------------------------
 
@@ -428,6 +448,8 @@ class MultiLoRAMixin:
             prefix = f"adapters/{rec.name}/"
             logs.update({prefix + "train_loss": loss, prefix + "grad_norm": norm, prefix + "lr": lr,
                          prefix + "tokens_seen": float(rec.tokens_seen)})
+            if rec.name in getattr(self, "_preference_accuracy", {}):
+                logs[prefix + "preference_accuracy"] = float(self._preference_accuracy[rec.name])
         optimizer.step()
         self._after_step(records)
         if logs:
@@ -559,6 +581,15 @@ class MultiLoRAMixin:
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def _row_token_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    """Per row: the summed next-token cross-entropy over completion tokens, and their number."""
+    logits, labels = logits[:, :-1], labels[:, 1:]
+    token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+                                 ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
+    mask = labels != IGNORE_INDEX
+    return torch.where(mask, token_loss, torch.zeros_like(token_loss)).sum(dim=1), mask.sum(dim=1)
 
 
 def segment_sum(values: Tensor, layout: BatchLayout) -> Tensor:

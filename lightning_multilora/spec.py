@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
 SCHEDULES = ("constant", "linear", "cosine")
-OBJECTIVES = ("sft",)
+OBJECTIVES = ("sft", "dpo")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_\-]+$")
 
 
@@ -50,7 +50,10 @@ class AdapterSpec:
     target_modules: Optional[list[str]] = None
     """Module names to adapt (PEFT style). None: the module's default targets."""
     objective: str = "sft"
-    """Training objective; ``sft`` (completion-only cross-entropy)."""
+    """Training objective: ``sft`` (completion-only cross-entropy) or ``dpo`` (preference pairs; the
+    reference is the base with adapters off)."""
+    dpo_beta: float = 0.1
+    """DPO's beta (> 0): how far the adapter may move from the reference."""
     dataset: Optional[str] = None
     """Name of a data source in the data module; None: its default source."""
     seed: int = 0
@@ -87,6 +90,7 @@ class AdapterSpec:
                "a number > 0 or None")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"`objective` can be {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        _check(self, "dpo_beta", _num(self.dpo_beta) and self.dpo_beta > 0, "a number > 0")
         if self.target_modules is not None:
             if isinstance(self.target_modules, str):
                 self.target_modules = [self.target_modules]

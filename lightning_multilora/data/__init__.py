@@ -8,10 +8,12 @@ from lightning_multilora.data.sources import (
     HFDatasetSource,
     JSONLSource,
     ListSource,
+    PreferenceExample,
+    PreferenceSource,
 )
 from lightning_multilora.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
     "AdapterStream", "ByteTokenizer", "DataSource", "Example", "GeneratedArithmetic", "HFDatasetSource",
-    "HFTokenizer", "JSONLSource", "ListSource", "MultiLoRADataModule", "TokenizedSplit", "load_tokenizer",
+    "HFTokenizer", "JSONLSource", "ListSource", "PreferenceExample", "PreferenceSource", "MultiLoRADataModule", "TokenizedSplit", "load_tokenizer",
 ]

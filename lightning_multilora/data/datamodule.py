@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.types import EVAL_DATALOADERS, TRAIN_DATALOADER
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_multilora.data.sources import DataSource, GeneratedArithmetic
+from lightning_multilora.data.sources import DataSource, GeneratedArithmetic, PreferenceExample
 from lightning_multilora.data.tokenizer import Tokenizer, load_tokenizer
 from lightning_multilora.layout import BatchLayout
 
@@ -26,10 +26,23 @@ PADDINGS = ("longest", "max_length")
 
 @dataclass
 class TokenizedSplit:
-    """Token ids and labels (``-100`` on prompt tokens) of one split of one source."""
+    """Token ids and labels (``-100`` on prompt tokens) of one split of one source. For preference pairs,
+    ``input_ids`` / ``labels`` are the chosen rows and ``rejected_ids`` / ``rejected_labels`` the rejected."""
 
     input_ids: list[list[int]]
     labels: list[list[int]]
+    rejected_ids: Optional[list[list[int]]] = None
+    rejected_labels: Optional[list[list[int]]] = None
+
+    def rows(self, idx: Sequence[int], objective: str, where: str) -> tuple[list[list[int]], list[list[int]]]:
+        """Rows of examples ``idx``: DPO takes every chosen row, then every rejected row."""
+        ids, labels = [self.input_ids[i] for i in idx], [self.labels[i] for i in idx]
+        if objective == "dpo":
+            if self.rejected_ids is None:
+                raise ValueError(f"{where}: objective 'dpo' needs preference pairs (a PreferenceSource)")
+            ids += [self.rejected_ids[i] for i in idx]
+            labels += [self.rejected_labels[i] for i in idx]
+        return ids, labels
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -198,9 +211,10 @@ class MultiLoRADataModule(L.LightningDataModule):
         if self.max_val_examples is not None:
             n_val = min(n_val, self.max_val_examples)
         tok, limit = self.tokenizer, self.effective_max_length
-        ids_all, labels_all = [], []
-        for i in order:
-            prompt, completion = tok.encode(examples[i].prompt), tok.encode(examples[i].completion)
+        pairs = isinstance(examples[0], PreferenceExample)
+
+        def encode(i: int, prompt: list[int], text: str) -> Optional[tuple[list[int], list[int]]]:
+            completion = tok.encode(text)
             ids = prompt + completion + [tok.eos_token_id]
             labels = [IGNORE_INDEX] * len(prompt) + completion + [tok.eos_token_id]
             if limit is not None and len(ids) > limit:
@@ -213,15 +227,31 @@ class MultiLoRADataModule(L.LightningDataModule):
                 ids, labels = ids[:limit], labels[:limit]
             if all(x == IGNORE_INDEX for x in labels[1:]):
                 if self.truncate:
-                    continue
+                    return None
                 raise ValueError(f"example {i} of data source {name!r} has no completion tokens to learn")
-            ids_all.append(ids)
-            labels_all.append(labels)
-        if len(ids_all) < 2:
+            return ids, labels
+
+        chosen, rejected = [], []
+        for i in order:
+            example = examples[i]
+            prompt = tok.encode(example.prompt)
+            first = encode(i, prompt, example.chosen if pairs else example.completion)
+            second = encode(i, prompt, example.rejected) if pairs else None
+            if first is None or (pairs and second is None):
+                continue
+            chosen.append(first)
+            rejected.append(second)
+        if len(chosen) < 2:
             raise ValueError(f"data source {name!r} has fewer than 2 usable examples after truncation")
-        n_val = min(n_val, len(ids_all) - 1)
-        val = TokenizedSplit(ids_all[:n_val], labels_all[:n_val])
-        train = TokenizedSplit(ids_all[n_val:], labels_all[n_val:])
+        n_val = min(n_val, len(chosen) - 1)
+
+        def split(part: list) -> TokenizedSplit:
+            rows = [chosen[k] for k in part]
+            rej = [rejected[k] for k in part] if pairs else None
+            return TokenizedSplit([r[0] for r in rows], [r[1] for r in rows],
+                                  [r[0] for r in rej] if rej else None, [r[1] for r in rej] if rej else None)
+
+        val, train = split(list(range(n_val))), split(list(range(n_val, len(chosen))))
         return train, val
 
     def num_train_examples(self, dataset: Optional[str]) -> int:
@@ -272,7 +302,7 @@ class MultiLoRADataModule(L.LightningDataModule):
         for spec in specs:
             train, _ = self.split(spec.dataset)
             idx = self.stream(spec).next_indices()
-            rows.append(([train.input_ids[i] for i in idx], [train.labels[i] for i in idx]))
+            rows.append(train.rows(idx, spec.objective, f"adapter {spec.name!r}"))
         return self.pack([s.name for s in specs], rows)
 
     def val_batches(self, specs: Sequence["AdapterSpec"]) -> Iterator[dict[str, Any]]:
@@ -285,7 +315,7 @@ class MultiLoRADataModule(L.LightningDataModule):
             for spec, val in zip(specs, splits):
                 if lo < len(val):
                     names.append(spec.name)
-                    rows.append((val.input_ids[lo:hi], val.labels[lo:hi]))
+                    rows.append(val.rows(range(lo, min(hi, len(val))), spec.objective, f"adapter {spec.name!r}"))
             yield self.pack(names, rows)
 
     # -- Lightning hooks ------------------------------------------------------------------------

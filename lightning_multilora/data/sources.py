@@ -18,6 +18,16 @@ class Example:
     completion: str
 
 
+@dataclass(frozen=True)
+class PreferenceExample:
+    """A preference pair: one prompt, a chosen and a rejected completion (DPO adapters train on these;
+    SFT adapters on the chosen one)."""
+
+    prompt: str
+    chosen: str
+    rejected: str
+
+
 class DataSource:
     """Base class: ``examples()`` returns the full list of examples (the data module splits train/val)."""
 
@@ -157,3 +167,61 @@ class ListSource(DataSource):
     def examples(self) -> list[Example]:
         return [format_record(r, "prompt_completion", "prompt", "completion", f"records[{i}]")
                 for i, r in enumerate(self.records)]
+
+
+PREFERENCE_FORMATS = ("prompt_chosen_rejected", "hh_rlhf")
+
+
+def split_hh_rlhf(chosen: str, rejected: str) -> PreferenceExample:
+    """Anthropic HH-RLHF transcripts: the prompt is everything up to the last ``Assistant:`` turn."""
+    cut = chosen.rfind("\n\nAssistant:")
+    if cut < 0:
+        raise ValueError("an hh_rlhf record has no '\n\nAssistant:' turn")
+    cut += len("\n\nAssistant:")
+    if rejected[:cut] != chosen[:cut]:
+        cut = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+    return PreferenceExample(chosen[:cut], chosen[cut:], rejected[cut:])
+
+
+class PreferenceSource(DataSource):
+    """Preference pairs from a JSON-lines file (optionally ``.gz``) or from ``records`` in memory.
+
+    ``format``: ``prompt_chosen_rejected`` (fields ``prompt``, ``chosen``, ``rejected``) or ``hh_rlhf``
+    (``chosen`` / ``rejected`` transcripts sharing their prompt).
+    """
+
+    def __init__(self, path: Optional[str] = None, format: str = "prompt_chosen_rejected",
+                 records: Optional[list[dict]] = None, limit: Optional[int] = None) -> None:
+        if format not in PREFERENCE_FORMATS:
+            raise ValueError(f"`format` can be {', '.join(PREFERENCE_FORMATS)}, got {format!r}")
+        if (path is None) == (records is None):
+            raise ValueError("PreferenceSource takes exactly one of `path` and `records`")
+        self.path, self.format, self.records, self.limit = path, format, records, limit
+
+    def _records(self) -> list[dict]:
+        if self.records is not None:
+            return list(self.records)
+        path = Path(self.path)
+        if not path.is_file():
+            raise FileNotFoundError(f"PreferenceSource: no file at `path` {self.path!r}")
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+
+    def examples(self) -> list[PreferenceExample]:
+        out = []
+        for i, record in enumerate(self._records()):
+            need = ("chosen", "rejected") if self.format == "hh_rlhf" else ("prompt", "chosen", "rejected")
+            missing = [f for f in need if f not in record]
+            if missing:
+                raise ValueError(f"{self.path or 'records'}[{i}]: record has no field(s) {missing}; it has {sorted(record)}")
+            if self.format == "hh_rlhf":
+                out.append(split_hh_rlhf(str(record["chosen"]), str(record["rejected"])))
+            else:
+                out.append(PreferenceExample(str(record["prompt"]), str(record["chosen"]), str(record["rejected"])))
+            if self.limit is not None and len(out) >= self.limit:
+                break
+        return out
+
+    def describe(self) -> str:
+        return f"PreferenceSource({self.path or 'records'}, {self.format})"

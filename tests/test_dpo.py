@@ -1,0 +1,118 @@
+"""DPO adapters: the loss against the formula written out by hand, one shared reference forward, a mixed
+SFT + DPO run, preference data parsing."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
+from lightning_multilora.data import GeneratedArithmetic, PreferenceSource
+from lightning_multilora.data.sources import split_hh_rlhf
+from lightning_multilora.registry import AdapterState
+
+PAIRS = [{"prompt": f"Q{i}: is {i} even?", "chosen": " yes" if i % 2 == 0 else " no",
+          "rejected": " no" if i % 2 == 0 else " yes"} for i in range(40)]
+HH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "hh_rlhf_harmless" / "pairs.jsonl.gz"
+
+
+def setup_module_and_batch():
+    specs = [AdapterSpec("p", rank=4, objective="dpo", dpo_beta=0.3, batch_size=3, max_steps=5, seed=1),
+             AdapterSpec("s", rank=2, batch_size=2, max_steps=5, seed=2, dataset="arith"),
+             AdapterSpec("q", rank=3, objective="dpo", dpo_beta=1.5, batch_size=2, max_steps=5, seed=3)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False)
+    dm = MultiLoRADataModule(sources={"pairs": PreferenceSource(records=PAIRS), "arith": GeneratedArithmetic(40)}, max_length=96)  # the first source is the default
+    for rec in module.registry:
+        module._create_weights(rec)
+        rec.state = AdapterState.RUNNING
+        with torch.no_grad():
+            for p in module.lora_layers.parameters_of(rec.name):
+                p.normal_(0, 0.2)  # B != 0: the policy differs from the reference
+    return module, dm, specs
+
+
+def sequence_logp(model, ids, mask, labels):
+    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].double()
+    target = labels[:, 1:]
+    logp = torch.log_softmax(logits, -1)
+    picked = logp.gather(-1, target.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (picked * (target != -100)).sum(-1)
+
+
+def test_the_dpo_loss_is_the_formula_with_one_reference_forward_for_all_dpo_adapters():
+    module, dm, specs = setup_module_and_batch()
+    batch = dm.train_batch(specs)
+    layout = batch["layout"]
+    calls = []
+    hook = module.model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(kwargs["input_ids"].shape[0]),
+                                                  with_kwargs=True)
+    with module.lora_layers.use(layout):
+        sums, counts = module.adapter_loss_terms(batch)
+    hook.remove()
+    dpo_rows = sum(layout.ends[i] - layout.starts[i] for i, n in enumerate(layout.names) if n != "s")
+    assert calls == [layout.num_rows, dpo_rows]  # the policy forward, then one reference forward
+    with torch.no_grad():
+        with module.lora_layers.use(layout):
+            policy = sequence_logp(module.model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+        with module.lora_layers.use(None):
+            reference = sequence_logp(module.model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+    losses = sums / counts
+    for i, spec in enumerate(specs):
+        s, e = layout.starts[i], layout.ends[i]
+        if spec.objective == "sft":
+            continue
+        b = spec.batch_size
+        assert e - s == 2 * b  # chosen rows, then rejected rows
+        margin = spec.dpo_beta * ((policy[s:s + b] - reference[s:s + b]) - (policy[s + b:e] - reference[s + b:e]))
+        expected = sum(-math.log(1 / (1 + math.exp(-m))) for m in margin.tolist()) / b  # -log sigmoid, mean
+        assert losses[i].item() == pytest.approx(expected, rel=1e-4)
+        assert module._preference_accuracy[spec.name].item() == pytest.approx((margin > 0).double().mean().item())
+    # the SFT adapter's loss is the usual completion cross-entropy
+    i = layout.names.index("s")
+    s, e = layout.starts[i], layout.ends[i]
+    n_tokens = (batch["labels"][s:e, 1:] != -100).sum()
+    assert losses[i].item() == pytest.approx((-policy[s:e].sum() / n_tokens).item(), rel=1e-4)
+
+
+def test_sft_and_dpo_adapters_train_together_and_dpo_learns_the_preferences(tmp_path, trainer_kwargs):
+    specs = [AdapterSpec("p", rank=8, lr=1e-2, objective="dpo", dpo_beta=0.5, batch_size=4, max_steps=40, seed=1),
+             AdapterSpec("s", rank=4, lr=1e-2, batch_size=4, max_steps=40, seed=2, dataset="arith")]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path))
+    dm = MultiLoRADataModule(sources={"pairs": PreferenceSource(records=PAIRS), "arith": GeneratedArithmetic(60)}, max_length=96,
+                             max_val_examples=8)
+    L.Trainer(**trainer_kwargs).fit(module, dm)
+    p, s = module.registry["p"], module.registry["s"]
+    assert p.state == s.state == AdapterState.FINISHED
+    first, last = p.train_losses[0][1], p.train_losses[-1][1]
+    assert first == pytest.approx(math.log(2), rel=1e-3)  # B = 0 at the start: policy == reference
+    assert last < 0.5 * first  # the preference is learned
+    assert s.train_losses[-1][1] < s.train_losses[0][1]
+    assert p.best_val_loss is not None and p.best_val_loss < math.log(2)
+
+
+def test_preference_sources_parse_and_reject_bad_records():
+    example = split_hh_rlhf("\n\nHuman: hi\n\nAssistant: hello!", "\n\nHuman: hi\n\nAssistant: go away")
+    assert example.prompt == "\n\nHuman: hi\n\nAssistant:" and example.chosen == " hello!"
+    assert example.rejected == " go away"
+    with pytest.raises(ValueError, match=r"no field\(s\) \['rejected'\]"):
+        PreferenceSource(records=[{"prompt": "a", "chosen": "b"}]).examples()
+    with pytest.raises(ValueError, match="`format` can be prompt_chosen_rejected, hh_rlhf"):
+        PreferenceSource(records=PAIRS, format="pairs")
+    with pytest.raises(ValueError, match="exactly one of `path` and `records`"):
+        PreferenceSource()
+    with pytest.raises(ValueError, match="dpo_beta"):
+        AdapterSpec("x", objective="dpo", dpo_beta=0)
+    dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(20)})
+    with pytest.raises(ValueError, match="objective 'dpo' needs preference pairs"):
+        dm.train_batch([AdapterSpec("d", objective="dpo")])
+
+
+@pytest.mark.skipif(not HH.exists(), reason="../shared/data (HH-RLHF pairs) is not beside this checkout")
+def test_hh_rlhf_pairs_load_as_preference_pairs():
+    examples = PreferenceSource(str(HH), format="hh_rlhf", limit=50).examples()
+    assert len(examples) == 50
+    assert all(e.prompt.endswith("Assistant:") and e.chosen != e.rejected for e in examples)
