@@ -31,18 +31,47 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+QUANTIZATIONS = ("nf4", "fp4")
+
+
+def quantization_config(quantization: str, compute_dtype: torch.dtype) -> Any:
+    """QLoRA's 4-bit base: a `BitsAndBytesConfig` (``nf4`` or ``fp4`` weights, ``compute_dtype`` matmuls)."""
+    from transformers import BitsAndBytesConfig
+
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"`quantization` can be {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+
 def build_base_model(
     base_model: str,
     config_overrides: Optional[dict[str, Any]] = None,
     dtype: str = "float32",
     seed: int = 0,
+    quantization: Optional[str] = None,
 ) -> nn.Module:
     """A causal LM: ``"tiny-llama"`` / ``"tiny-qwen2"`` / ``"tiny-mistral"`` (random weights from ``seed``,
     built from a config), or a local Hugging Face checkpoint directory / hub name via ``from_pretrained``.
-    ``config_overrides`` changes fields of the built-in configs (or of the checkpoint's config)."""
+    ``config_overrides`` changes fields of the built-in configs (or of the checkpoint's config).
+    ``quantization`` (``nf4`` / ``fp4``): the decoder's linears become bitsandbytes 4-bit layers computing
+    in ``dtype`` (QLoRA); a built-in model is written to a temporary checkpoint and loaded back quantized,
+    the same path a real checkpoint takes."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch_dtype = resolve_dtype(dtype)
+    if quantization is not None:
+        config = quantization_config(quantization, torch_dtype)
+        if base_model in TINY_CONFIGS:
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                build_base_model(base_model, config_overrides, dtype, seed).save_pretrained(tmp)
+                model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=config, dtype=torch_dtype)
+            model.config.name_or_path = base_model
+            return model
+        return AutoModelForCausalLM.from_pretrained(base_model, quantization_config=config, dtype=torch_dtype,
+                                                    **dict(config_overrides or {}))
     if base_model in TINY_CONFIGS:
         kwargs = dict(TINY_CONFIGS[base_model])
         kwargs.update(config_overrides or {})

@@ -631,6 +631,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         export_dir: where adapters are written (default ``<log_dir>/adapters``).
         validate_on_finish: measure an adapter's validation loss when it finishes.
         admission: an `AdmissionController`: adapters start while its memory model says they fit.
+        quantization: ``nf4`` / ``fp4``: a 4-bit bitsandbytes base computing in ``dtype`` (QLoRA).
     """
 
     def __init__(
@@ -649,6 +650,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         validate_on_finish: bool = True,
         base_seed: int = 0,
         admission: Optional[Any] = None,
+        quantization: Optional[str] = None,
     ) -> None:
         super().__init__()
         from lightning_multilora.base_model import build_base_model
@@ -656,7 +658,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         if isinstance(base_model, nn.Module):
             model = base_model
         else:
-            model = build_base_model(base_model, config_overrides, dtype, base_seed)
+            model = build_base_model(base_model, config_overrides, dtype, base_seed, quantization)
         model.train()  # from_pretrained returns eval mode; Lightning trains modules as they are
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

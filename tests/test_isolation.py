@@ -33,15 +33,17 @@ def make_datamodule() -> MultiLoRADataModule:
     })
 
 
-def train_alone_with_peft(spec: AdapterSpec, dm: MultiLoRADataModule, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """The baseline: PEFT LoRA, torch AdamW, transformers' schedule, the adapter's own batches."""
+def train_alone_with_peft(spec: AdapterSpec, dm: MultiLoRADataModule, device: str = "cpu",
+                          quantization=None) -> dict[str, torch.Tensor]:
+    """The baseline: PEFT LoRA (QLoRA with ``quantization``), torch AdamW, transformers' schedule, the
+    adapter's own batches."""
     targets = spec.target_modules or DEFAULT_TARGETS
     init_base = build_base_model("tiny-llama")
     layers = inject_multilora(init_base, DEFAULT_TARGETS)
     layers.add_adapter(spec.name, spec.rank, spec.alpha, spec.dropout, spec.use_rslora, targets, spec.seed)
     init = layers.peft_state_dict(spec.name)
 
-    model = get_peft_model(build_base_model("tiny-llama"), LoraConfig(
+    model = get_peft_model(build_base_model("tiny-llama", quantization=quantization), LoraConfig(
         r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, use_rslora=spec.use_rslora,
         target_modules=targets, task_type="CAUSAL_LM")).to(device)
     result = set_peft_model_state_dict(model, {k.replace("base_model.model.", "base_model.model.", 1): v
@@ -89,3 +91,19 @@ def test_packed_adapters_equal_each_trained_alone_with_peft(tmp_path, trainer_kw
         # the adapter must have moved, so that the comparison is not of two initialisations
         moved = [k for k in alone if "lora_B" in k and alone[k].abs().max() > 0]
         assert moved, f"adapter {spec.name} did not train"
+
+
+def test_qlora_packed_adapters_equal_each_trained_alone_with_peft_qlora(tmp_path, trainer_kwargs):
+    pytest.importorskip("bitsandbytes")
+    specs = [s for s in SPECS if s.name in ("a", "d")]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, quantization="nf4", export_dir=str(tmp_path / "out"),
+                             validate_on_finish=False)
+    assert type(module.model.model.layers[0].self_attn.q_proj.base).__name__ == "Linear4bit"
+    L.Trainer(**trainer_kwargs).fit(module, make_datamodule())
+    for spec in specs:
+        packed = load_file(str(tmp_path / "out" / spec.name / "adapter_model.safetensors"))
+        alone = train_alone_with_peft(spec, make_datamodule(), quantization="nf4")
+        assert set(packed) == set(alone), spec.name
+        for key in alone:  # the same 4-bit base and fp32 compute on both sides
+            torch.testing.assert_close(packed[key], alone[key], rtol=1e-4, atol=1e-6, msg=f"{spec.name}: {key}")
+        assert any(alone[k].abs().max() > 0 for k in alone if "lora_B" in k)
