@@ -66,6 +66,17 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.owner: dict[str, int] = {}
 
+    def setup(self, trainer: Any) -> None:
+        # Callbacks that decide for adapters (ask trials, prune, stop) would each decide on every rank, for
+        # adapters the rank does not own: refuse them until their decisions are made on one rank and
+        # broadcast, rather than let the ranks' registries drift apart and the collectives hang.
+        deciders = [type(c).__name__ for c in trainer.callbacks
+                    if type(c).__module__.startswith("lightning_multilora.callbacks") and type(c).__name__ != "SweepReport"]
+        if deciders:
+            raise ValueError(f"callbacks {deciders} are not supported with strategy='adapter_parallel' yet: they "
+                             "decide per rank; run them with a single-device strategy")
+        super().setup(trainer)
+
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_processes * self.num_nodes  # every rank shards the base
         super().setup_environment()

@@ -98,3 +98,12 @@ def test_no_adapter_tensor_enters_a_collective(parallel_run):
         assert all(numel <= 1 for name, numel in calls if name == "all_reduce")  # Lightning's control flags only
         gathered = {numel for name, numel in calls if name.startswith("all_gather")}
         assert gathered and gathered <= per_layer | {root}  # only the frozen base is gathered
+
+
+def test_deciding_callbacks_are_refused_clearly():
+    from types import SimpleNamespace
+
+    from lightning_multilora.callbacks import EarlyExit
+
+    with pytest.raises(ValueError, match=r"callbacks \['EarlyExit'\] are not supported with strategy='adapter_parallel'"):
+        AdapterParallelStrategy().setup(SimpleNamespace(callbacks=[EarlyExit()]))
