@@ -572,7 +572,8 @@ class MultiLoRAMixin:
         self.registry.load_state_dict(state["registry"])
         self._best_weights = dict(state.get("best_weights", {}))
         for rec in self.registry.holding_weights:
-            self._create_weights(rec)
+            if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
+                self._create_weights(rec)
         saved = set(checkpoint["state_dict"])
         expected = {k for k, _ in self.named_parameters() if any(s in k for s in _LORA_KEYS)}
         missing = expected - saved

@@ -126,11 +126,37 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         torch.save(checkpoint, path / f"rank{self.global_rank}.ckpt")
         self.barrier("adapter_parallel_ckpt_saved")
 
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Restore before the optimizer is built: the registry and this rank's adapters come back first, then
+        # `configure_optimizers` makes their param groups and the saved optimizer state loads into them.
+        return False
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return True
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        raise NotImplementedError(
-            "resuming an adapter-parallel run from a checkpoint is not supported yet; the per-rank files in "
-            f"{checkpoint_path} hold each rank's adapters and optimizer states, and every adapter was exported "
-            "in PEFT format when it exited")
+        """This rank's file of a checkpoint folder written by `save_checkpoint` (same number of ranks)."""
+        from pathlib import Path
+
+        path = Path(self.broadcast(str(checkpoint_path))) / f"rank{self.global_rank}.ckpt"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: an adapter-parallel checkpoint is a folder with one "
+                                    f"rank<r>.ckpt per rank, and this run has {self.world_size} ranks")
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        if checkpoint.get("rank") != self.global_rank:
+            raise ValueError(f"{path} was written by rank {checkpoint.get('rank')}, not {self.global_rank}")
+        self.owner = dict(checkpoint.get("adapter_owner", {}))
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)  # adapters only
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        from lightning.pytorch.strategies import Strategy
+
+        Strategy.load_optimizer_state_dict(self, checkpoint)
 
     # -- adapters -------------------------------------------------------------------------------
 

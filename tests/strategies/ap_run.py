@@ -1,6 +1,8 @@
 """Trains four adapters with `AdapterParallelStrategy` on 2 gloo processes, or in one process (the reference).
 
-    python tests/strategies/ap_run.py OUT_DIR parallel|single
+    python tests/strategies/ap_run.py OUT_DIR parallel|single|stop|resume
+
+``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt); ``resume`` finishes from that checkpoint.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes.
@@ -47,7 +49,14 @@ def main() -> None:
     kwargs = dict(accelerator="cpu", max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,
                   enable_model_summary=False, logger=False, default_root_dir=str(out / f"root_{mode}"),
                   limit_val_batches=0)  # checkpointing on: the default ModelCheckpoint saves at the end
-    if mode == "parallel":
+    ckpt_path = None
+    if mode == "stop":
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        kwargs.update(max_steps=2, callbacks=[ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1)])
+    if mode == "resume":
+        (ckpt_path,) = (out / "ckpt").glob("*.ckpt")
+    if mode != "single":
         for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
                      "all_reduce"):
             if hasattr(dist, name):
@@ -56,10 +65,10 @@ def main() -> None:
         trainer = L.Trainer(strategy=strategy, devices=2, **kwargs)
     else:
         trainer = L.Trainer(devices=1, **kwargs)
-    trainer.fit(module, dm)
+    trainer.fit(module, dm, ckpt_path=ckpt_path)
     rank = trainer.global_rank
     shards = []
-    if mode == "parallel":
+    if mode != "single":
         from torch.distributed.tensor import DTensor
 
         shards = sorted({p.to_local().numel() for p in module.model.parameters() if isinstance(p, DTensor)})

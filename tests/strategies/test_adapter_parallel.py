@@ -67,21 +67,32 @@ def test_two_ranks_train_each_adapter_exactly_like_one_process(parallel_run):
         assert any(t.abs().max() > 0 for k, t in single.items() if "lora_B" in k)  # it did train
 
 
-def test_checkpoints_hold_each_ranks_adapters_and_resuming_is_refused_clearly(parallel_run):
+def test_checkpoints_hold_each_ranks_adapters(parallel_run):
     import torch
 
     folders = list((parallel_run / "root_parallel").rglob("*.ckpt"))
     assert folders, "the default ModelCheckpoint saved nothing"
-    ckpt = folders[0]
     owned = []
     for rank in (0, 1):
-        state = torch.load(ckpt / f"rank{rank}.ckpt", weights_only=False)
+        state = torch.load(folders[0] / f"rank{rank}.ckpt", weights_only=False)
         keys = set(state["state_dict"])
         assert state["rank"] == rank and keys == {k for k in keys if ".lora_" in k}
         owned.append({n for n, r in state["adapter_owner"].items() if r == rank})
     assert owned[0].isdisjoint(owned[1])
-    with pytest.raises(NotImplementedError, match="not supported yet"):
-        AdapterParallelStrategy().load_checkpoint(ckpt)
+
+
+def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_as_if_never_stopped(parallel_run, tmp_path):
+    run(tmp_path, "stop")
+    run(tmp_path, "resume")
+    for name in ("a0", "a1", "a2", "a3"):
+        # a3 (2 steps) finished before the stop; the others finished after the resume
+        folder = tmp_path / ("stop" if name == "a3" else "resume")
+        resumed = load_file(folder / name / "adapter_model.safetensors")
+        uninterrupted = load_file(parallel_run / "parallel" / name / "adapter_model.safetensors")
+        for key in uninterrupted:
+            assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
+    with pytest.raises(FileNotFoundError, match="one rank<r>.ckpt per rank"):
+        AdapterParallelStrategy().load_checkpoint(tmp_path / "nowhere")
 
 
 def test_no_adapter_tensor_enters_a_collective(parallel_run):
