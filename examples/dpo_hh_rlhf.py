@@ -25,13 +25,13 @@ L.Trainer(accelerator="cpu", devices=1, max_steps=-1, limit_val_batches=0, logge
           enable_progress_bar=False).fit(module, dm)
 
 # held-out pairs with the trained adapter: the fraction where it prefers the chosen answer more than the base does
-module.add_adapter(AdapterSpec("eval", rank=32, alpha=64, objective="dpo", dpo_beta=0.5))
-record = module.registry["eval"]
+module.add_adapter(AdapterSpec("heldout", rank=32, alpha=64, objective="dpo", dpo_beta=0.5))
+record = module.registry["heldout"]
 module._create_weights(record)
 record.state = record.state.RUNNING
 from safetensors.torch import load_file  # noqa: E402
 
-module.lora_layers.load_peft_state_dict("eval", load_file("runs/dpo_hh_rlhf/harmless/adapter_model.safetensors"))
+module.lora_layers.load_peft_state_dict("heldout", load_file("runs/dpo_hh_rlhf/harmless/adapter_model.safetensors"))
 module.eval()
 correct = total = 0
 with torch.no_grad():
@@ -39,6 +39,6 @@ with torch.no_grad():
         with module.lora_layers.use(batch["layout"]):
             module.adapter_loss_terms(batch)
         pairs = batch["layout"].num_rows // 2
-        correct += module._preference_accuracy["eval"].item() * pairs
+        correct += module._preference_accuracy["heldout"].item() * pairs
         total += pairs
 print(f"held-out preference accuracy {correct / total:.3f} on {total} pairs")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -11,6 +12,14 @@ from typing import Any, Optional
 SCHEDULES = ("constant", "linear", "cosine")
 OBJECTIVES = ("sft", "dpo")
 _NAME_RE = re.compile(r"^[A-Za-z0-9_\-]+$")
+
+
+@functools.lru_cache(maxsize=1)
+def _reserved_names() -> frozenset:
+    """Attribute names of a ``ParameterDict`` (``eval``, ``train``, ``to``...): not usable as adapter names."""
+    import torch
+
+    return frozenset(dir(torch.nn.ParameterDict()))
 
 
 @dataclass
@@ -64,6 +73,9 @@ class AdapterSpec:
             raise ValueError(
                 f"`name` must be a non-empty string of letters, digits, '_' or '-', got {self.name!r}"
             )
+        if self.name in _reserved_names():
+            raise ValueError(f"`name` {self.name!r} is taken by torch.nn.Module (adapters are ParameterDict keys); "
+                             "pick another name")
         _check(self, "rank", isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1,
                "an integer >= 1")
         _check(self, "alpha", _num(self.alpha) and self.alpha > 0, "a number > 0")

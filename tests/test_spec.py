@@ -39,6 +39,12 @@ def test_bad_names(name):
         AdapterSpec(name)
 
 
+@pytest.mark.parametrize("name", ["eval", "train", "to", "parameters"])
+def test_names_taken_by_torch_modules_are_refused(name):
+    with pytest.raises(ValueError, match=f"`name` '{name}' is taken by torch.nn.Module"):
+        AdapterSpec(name)
+
+
 def test_steps_and_epochs_are_exclusive_and_default_to_100_steps():
     with pytest.raises(ValueError, match="exclusive"):
         AdapterSpec("x", max_steps=3, max_epochs=1.0)
