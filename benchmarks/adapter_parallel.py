@@ -1,0 +1,207 @@
+"""Adapter parallelism vs FSDP data parallelism over the same adapters (vs one GPU where the base fits).
+
+On two H200s (a Qwen2.5-32B-shaped base, random bf16, 8 adapters at batch size 1, seq 256):
+
+    torchrun --nproc-per-node 2 benchmarks/adapter_parallel.py --model qwen2.5-32b --adapters 8 --batch-size 1 --seq 256 --out benchmarks/results/adapter_parallel_h200x2.json
+    python benchmarks/adapter_parallel.py --model qwen2.5-32b --adapters 8 --batch-size 1 --seq 256 --out benchmarks/results/adapter_parallel_h200x1.json
+
+On four (issue 10: a Llama-3.1-70B-shaped base, per-adapter batch 1, 2, 4 or 8):
+
+    torchrun --nproc-per-node 4 benchmarks/adapter_parallel.py --model llama-3.1-70b --adapters 8 --batch-size 2 --seq 256 --out benchmarks/results/adapter_parallel_h200x4.json
+
+Check on a CPU (2 gloo processes, tiny model; writes a temp file):
+
+    torchrun --nproc-per-node 2 benchmarks/adapter_parallel.py --tiny --steps 3 --out /tmp/adapter_parallel.json
+
+The base is built on the meta device, sharded with FSDP2 (each decoder layer, the embeddings, the LM head and
+the decoder), then materialized and randomly initialized on each rank's GPU: no rank ever holds the whole model.
+Gradient checkpointing, the chunked loss of packed_step.py, r=16 adapters on the 7 projections, fused AdamW.
+
+- ``adapter_parallel``: each rank owns a disjoint, balanced set of adapters (`assign_adapters`), trains them on its
+  own rows; adapter weights are FSDP ``ignored_params`` (local, never communicated).
+- ``fsdp_dp``: every adapter on every rank as FSDP-managed (sharded, gradients reduce-scattered) parameters; the
+  global batch (adapters x batch size rows) split evenly over the ranks.
+- with one process: everything on one GPU (where it fits).
+
+Reported: median step time and tokens/s over ``--steps`` steps after ``--warmup``, peak memory per GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.packed_step import ALPHA, LLAMA_31_8B, LR, RANK, TARGETS, lm_backward
+from lightning_multilora.base_model import TINY_CONFIGS
+from lightning_multilora.layer import MultiLoRALinear, inject_multilora
+from lightning_multilora.layout import BatchLayout
+from lightning_multilora.spec import AdapterSpec
+from lightning_multilora.strategies.adapter_parallel import assign_adapters
+
+MODELS = {
+    "qwen2.5-32b": dict(model_type="qwen2", vocab_size=152064, hidden_size=5120, intermediate_size=27648,
+                        num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8,
+                        max_position_embeddings=32768, tie_word_embeddings=False),
+    "llama-3.1-70b": dict(LLAMA_31_8B, model_type="llama", hidden_size=8192, intermediate_size=28672,
+                          num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8),
+    "llama-3.1-8b": dict(LLAMA_31_8B, model_type="llama"),
+}
+
+
+def build(config_kwargs: dict, device: torch.device, mode: str, names: list[str], world: int):
+    """The sharded base with ``names``' adapters; adapters are FSDP-managed only in ``fsdp_dp``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**config_kwargs)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    layers = inject_multilora(model, TARGETS)
+    for i, name in enumerate(names):
+        layers.add_adapter(name, rank=RANK, alpha=ALPHA, seed=i)
+    adapter_params = {p for n in names for p in layers.parameters_of(n)}
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device.type, (world,))
+        ignored = adapter_params if mode == "adapter_parallel" else set()
+        policy = MixedPrecisionPolicy()
+        units = [*model.model.layers, model.model.embed_tokens, model.lm_head]
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=policy, ignored_params=ignored & set(unit.parameters()))
+        fully_shard(model.model, mesh=mesh, mp_policy=policy, ignored_params=ignored & set(model.model.parameters()))
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local = p.to_local() if isinstance(p, DTensor) else p
+            if ".lora_B." in name:
+                local.zero_()
+            elif "norm" in name:
+                local.fill_(1.0)
+            else:
+                local.normal_(0.0, 0.02, generator=generator)
+        for module in model.modules():  # rotary tables are buffers: recompute them on the real device
+            if hasattr(module, "inv_freq") and hasattr(module, "rope_init_fn"):
+                inv_freq, module.attention_scaling = module.rope_init_fn(module.config, device)
+                module.inv_freq = inv_freq
+                module.original_inv_freq = inv_freq
+    lora = [p for n in names for p in layers.parameters_of(n)]  # after to_empty: the materialized tensors
+    optimizer = torch.optim.AdamW(lora, lr=LR, fused=device.type == "cuda")
+    return model, layers, optimizer
+
+
+def measure(step, steps: int, warmup: int, device: torch.device) -> list[float]:
+    times = []
+    for i in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier() if dist.is_initialized() else None
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier() if dist.is_initialized() else None
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    p.add_argument("--model", default="qwen2.5-32b", choices=sorted(MODELS))
+    p.add_argument("--tiny", action="store_true", help="tiny Llama on the CPU (gloo): checks the script")
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=1)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", type=Path, required=True)
+    args = p.parse_args()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    config = dict(TINY_CONFIGS["tiny-llama"]) if args.tiny else MODELS[args.model]
+    names = [f"a{i}" for i in range(args.adapters)]
+    specs = [AdapterSpec(n, rank=RANK, batch_size=args.batch_size) for n in names]
+    rows = []
+    for mode in (("adapter_parallel", "fsdp_dp") if world > 1 else ("single",)):
+        if mode == "adapter_parallel":
+            owner = assign_adapters(specs, world)
+            mine = [n for n in names if owner[n] == rank]
+            row_sizes = [args.batch_size] * len(mine)
+        elif mode == "fsdp_dp":
+            mine = names  # every adapter everywhere; this rank's share of the global rows
+            total = args.adapters * args.batch_size
+            lo, hi = rank * total // world, (rank + 1) * total // world
+            row_sizes = [max(0, min(hi, (i + 1) * args.batch_size) - max(lo, i * args.batch_size)) for i in range(len(names))]
+        else:
+            mine, row_sizes = names, [args.batch_size] * len(names)
+        MultiLoRALinear.direct_grads = mode != "fsdp_dp"  # FSDP manages those gradients itself
+        model, layers, optimizer = build(config, device, mode, mine, world)
+        present = [(n, r) for n, r in zip(mine, row_sizes) if r > 0]
+        layout = BatchLayout.from_sizes([n for n, _ in present], [r for _, r in present])
+        ids = torch.randint(config["vocab_size"], (max(1, layout.num_rows), args.seq), device=device)
+        if mode == "fsdp_dp":
+            # FSDP reduce-scatters the same set of gradients on every rank: adapters without rows on this rank
+            # get a zero-weighted term, added inside the layer's forward (where the parameters are unsharded)
+            def touch_all(module, args, out):
+                extra = sum(p.sum() for p in [*module.lora_A.values(), *module.lora_B.values()])
+                return out + 0.0 * extra.to(out.dtype)
+
+            for layer in layers.values():
+                layer.register_forward_hook(touch_all)
+
+        def step() -> None:
+            with layers.use(layout if layout.num_rows else None):
+                hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
+                from benchmarks.packed_step import lm_loss
+
+                loss = lm_loss(model.lm_head, hidden, ids)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        times = measure(step, args.steps, args.warmup, device)
+        ms = statistics.median(times) * 1e3
+        tokens = args.adapters * args.batch_size * args.seq  # the whole (global) batch per step
+        row = dict(mode=mode, model="tiny-llama" if args.tiny else args.model, world_size=world,
+                   adapters=args.adapters, batch_size=args.batch_size, seq=args.seq, step_ms=round(ms, 1),
+                   tokens_per_s=round(tokens / (ms / 1e3), 1),
+                   peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None)
+        rows.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+        del model, layers, optimizer
+        if cuda:
+            torch.cuda.empty_cache()
+    if rank == 0:
+        meta = dict(gpu=torch.cuda.get_device_name(device) if cuda else "cpu", torch=torch.__version__,
+                    date=datetime.now(timezone.utc).date().isoformat())
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
