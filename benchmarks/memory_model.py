@@ -15,6 +15,9 @@ peak = ``torch.cuda.max_memory_reserved``; fit ``M = k0 + k1*B*L + k2*P``. (2) H
 the grid) measured and predicted: relative error (goal <= 5%). (3) `AdmissionController` with the fit:
 how many batch-1 adapters it admits next to the base (goal >= 64 at seq 1024), and a run of that many
 for ``--steps`` steps: no out-of-memory, tokens/s. The analytic model's prediction is reported beside.
+(4) The checkpointing decision: ``--compare-checkpointing N`` batch-1 adapters stepped with and without
+gradient checkpointing (step time and peak both ways), and what `choose_gradient_checkpointing` decides for
+them from the analytic model.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ def main() -> None:
     p.add_argument("--safety-margin", type=float, default=0.9)
     p.add_argument("--steps", type=int, default=3, help="steps of the admitted run")
     p.add_argument("--max-batch", type=int, default=512)
+    p.add_argument("--compare-checkpointing", type=int, default=4, metavar="N",
+                   help="adapters (batch 1) timed with and without gradient checkpointing (0: skip)")
     p.add_argument("--dry-run", action="store_true", help="CPU: analytic peaks instead of measured ones")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -132,6 +137,41 @@ def main() -> None:
         except torch.cuda.OutOfMemoryError:
             run["oom"] = True
 
+    compare = None
+    if args.compare_checkpointing:
+        from lightning_multilora.scheduling import choose_gradient_checkpointing
+
+        n = args.compare_checkpointing
+        specs = [AdapterSpec(f"k{i}", rank=RANK, batch_size=1) for i in range(n)]
+        analytic_without = AnalyticMemoryModel(shape, loss_chunk_tokens=4096, gradient_checkpointing=False)
+        as_tuples = lambda ss: [(s.rank, s.batch_size, TARGETS) for s in ss]  # noqa: E731
+        try:
+            keep = choose_gradient_checkpointing(specs, lambda ss: analytic.predict(as_tuples(ss), args.seq),
+                                                 lambda ss: analytic_without.predict(as_tuples(ss), args.seq),
+                                                 capacity * args.safety_margin)
+        except ValueError as err:
+            keep = str(err)
+        compare = dict(adapters=n, decision_keep_checkpointing=keep,
+                       predicted_gib={"with": round(analytic.predict(as_tuples(specs), args.seq) / 2**30, 2),
+                                      "without": round(analytic_without.predict(as_tuples(specs), args.seq) / 2**30, 2)})
+        if not args.dry_run:
+            for label, enable in (("with", True), ("without", False)):
+                if enable:
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                else:
+                    model.gradient_checkpointing_disable()
+                times = []
+                peak = None
+                for _ in range(3):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    peak = measure(n, 1)
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                compare[f"step_s_{label}"] = round(sorted(times)[1], 3)  # includes adding/removing the adapters
+                compare[f"peak_gib_{label}"] = None if peak is None else round(peak / 2**30, 2)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
     result = dict(gpu=gpu, torch=torch.__version__, date=datetime.now(timezone.utc).date().isoformat(),
                   seq_len=args.seq, safety_margin=args.safety_margin, capacity_gib=round(capacity / 2**30, 2),
                   b_max=profiler.b_max, profile_s=round(profile_s, 1),
@@ -139,7 +179,7 @@ def main() -> None:
                            max_rel_error_on_grid=round(max(fit.relative_errors(fit.points)), 4)),
                   points=[dict(n_adapters=q.n_adapters, batch_size=q.batch_size, peak_gib=round(q.peak_bytes / 2**30, 2))
                           for q in fit.points],
-                  held_back=held, admission=run)
+                  held_back=held, admission=run, checkpointing=compare)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "points"}, indent=1))
