@@ -320,12 +320,19 @@ class MultiLoRAMixin:
             rec.started_at_step = self._global_step()
             rec.open_span(rec.started_at_step)
             if placement is not None:
+                if hasattr(placement, "check_spec"):
+                    placement.check_spec(spec)
                 placement.place([r.spec for r in self.registry.running])
                 if not placement.owns(rec.name):
                     continue  # another rank trains it
             self._create_weights(rec)
             optimizer = self._raw_optimizer()
             if optimizer is not None:
+                # a placeholder group (a rank that started with no adapter) goes once a real one arrives
+                for group in [g for g in optimizer.param_groups if g.get("adapter") is None]:
+                    for q in group["params"]:
+                        optimizer.state.pop(q, None)
+                    optimizer.param_groups.remove(group)
                 optimizer.add_param_group(self._param_group(spec))
 
     def _create_weights(self, rec: AdapterRecord) -> None:
@@ -386,7 +393,11 @@ class MultiLoRAMixin:
     @override
     def configure_optimizers(self):
         self._fill_slots()  # after a checkpoint is restored, before the optimizer is built
-        groups = [self._param_group(r.spec) for r in self.registry.holding_weights if self._owns(r.name)]
+        records = [r for r in self.registry.holding_weights if self._owns(r.name)]
+        # after a resume, the groups in the saved optimizer's order: its state is matched to groups by position
+        order = {name: i for i, name in enumerate(getattr(self, "_restored_group_order", []))}
+        records.sort(key=lambda r: order.get(r.name, len(order)))
+        groups = [self._param_group(r.spec) for r in records]
         if not groups and self._placement() is not None and self.registry.running:
             # this rank holds no adapter yet: an empty group keeps the optimizer valid until one arrives
             groups = [{"params": [nn.Parameter(torch.zeros(0, device=self.device))], "lr": 0.0, "adapter": None}]
@@ -443,7 +454,7 @@ class MultiLoRAMixin:
             groups[rec.name]["lr"] = lr
             rec.step += 1
             rec.tokens_seen += int(n_tok)
-            rec.samples_seen += layout.ends[i] - layout.starts[i]
+            rec.samples_seen += (layout.ends[i] - layout.starts[i]) * spec.batch_size // spec.rows_per_step
             rec.train_losses.append((rec.step, loss))
             prefix = f"adapters/{rec.name}/"
             logs.update({prefix + "train_loss": loss, prefix + "grad_norm": norm, prefix + "lr": lr,
@@ -558,6 +569,8 @@ class MultiLoRAMixin:
         checkpoint["multilora"] = {
             "registry": self.registry.state_dict(),
             "best_weights": self._best_weights,
+            "group_order": [g.get("adapter") for g in (self._raw_optimizer().param_groups
+                                                       if self._raw_optimizer() is not None else [])],
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -571,6 +584,7 @@ class MultiLoRAMixin:
             self.lora_layers.remove_adapter(name)
         self.registry.load_state_dict(state["registry"])
         self._best_weights = dict(state.get("best_weights", {}))
+        self._restored_group_order = [n for n in state.get("group_order", []) if n is not None]
         for rec in self.registry.holding_weights:
             if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
                 self._create_weights(rec)

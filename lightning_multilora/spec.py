@@ -112,6 +112,11 @@ class AdapterSpec:
         _check(self, "seed", isinstance(self.seed, int), "an integer")
 
     @property
+    def rows_per_step(self) -> int:
+        """Rows this adapter puts in a packed batch: ``batch_size``, twice that for DPO (chosen + rejected)."""
+        return self.batch_size * (2 if self.objective == "dpo" else 1)
+
+    @property
     def scaling(self) -> float:
         """LoRA scaling: alpha / r, or alpha / sqrt(r) for rsLoRA (as PEFT computes it)."""
         return self.alpha / math.sqrt(self.rank) if self.use_rslora else self.alpha / self.rank

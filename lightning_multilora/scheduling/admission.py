@@ -24,7 +24,7 @@ def fit_predictor(fit: MemoryFit, seq_len: int, params_of: Callable[[AdapterSpec
         raise ValueError(f"`seq_len` must be >= 1, got {seq_len}")
 
     def predict(specs: Sequence[AdapterSpec]) -> float:
-        return fit.predict(sum(s.batch_size for s in specs) * seq_len, sum(params_of(s) for s in specs))
+        return fit.predict(sum(s.rows_per_step for s in specs) * seq_len, sum(params_of(s) for s in specs))
 
     return predict
 
@@ -123,14 +123,14 @@ class CPSATAdmission(AdmissionController):
         if not candidates:
             return []
         room = self.budget - self.predict(running)
-        costs = [self.fit.k1 * s.batch_size * self.seq_len + self.fit.k2 * self.params_of(s) for s in candidates]
+        costs = [self.fit.k1 * s.rows_per_step * self.seq_len + self.fit.k2 * self.params_of(s) for s in candidates]
         scale = max(max(costs), 1.0) / 1e6  # integer costs, about 1e6 for the largest
         model = cp_model.CpModel()
         x = [model.NewBoolVar(s.name) for s in candidates]
         model.Add(sum(int(round(c / scale)) * xi for c, xi in zip(costs, x)) <= int(room / scale))
         priorities = [self.priority(s) for s in candidates]
         top = max((abs(p) for p in priorities), default=0.0) or 1.0
-        values = [1000 * s.batch_size + (100 if freed is not None and s.batch_size == freed.batch_size else 0)
+        values = [1000 * s.rows_per_step + (100 if freed is not None and s.batch_size == freed.batch_size else 0)
                   + int(round(50 * p / top)) for s, p in zip(candidates, priorities)]
         model.Maximize(sum(v * xi for v, xi in zip(values, x)))
         solver = cp_model.CpSolver()
@@ -167,7 +167,7 @@ def simulate_sweep(controller: AdmissionController, specs: Sequence[AdapterSpec]
             raise ValueError(f"adapters {[s.name for s in queue]} never fit the memory budget")
         active = [r[0] for r in running.values()]
         clock += step_time(active)
-        tokens += sum(s.batch_size for s in active) * seq_len
+        tokens += sum(s.rows_per_step for s in active) * seq_len
         counts.append(len(active))
         for name in list(running):
             running[name][1] -= 1

@@ -80,17 +80,13 @@ class LocalExecutor:
         self._t0 = time.monotonic()
         self._procs: dict[str, tuple[subprocess.Popen, object, Path]] = {}
         self._attempts: dict[str, int] = {}
+        self._failed_starts: list[Completion] = []
 
     def now(self) -> float:
         return time.monotonic() - self._t0
 
     def command_for(self, task: Task) -> list[str]:
-        if task.command is None:
-            raise ValueError(f"task {task.id!r} has no `command` to run")
-        if task.torchrun:
-            return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={task.gpus}", "--standalone",
-                    *task.command]
-        return list(task.command)
+        return task_command(task)
 
     def start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
         command = self.command_for(task)
@@ -100,10 +96,19 @@ class LocalExecutor:
         log = open(log_path, "w")  # noqa: SIM115 - closed when the task completes
         env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in gpu_ids),
                "MULTILORA_TASK_ID": task.id}
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        except OSError as err:  # e.g. the program does not exist: a failed attempt, not a crashed schedule
+            log.write(f"could not start {command}: {err}\n")
+            log.close()
+            self._failed_starts.append(Completion(self.now(), task.id, False, f"could not start: {err}"))
+            return
         self._procs[task.id] = (proc, log, log_path)
 
     def wait(self, deadline: Optional[float]) -> list[Completion]:
+        if self._failed_starts:
+            done, self._failed_starts = self._failed_starts, []
+            return done
         if not self._procs and deadline is None:
             raise RuntimeError("waiting for a completion with no task running")
         while True:
@@ -120,10 +125,33 @@ class LocalExecutor:
             time.sleep(self.poll_s)
 
     def stop(self) -> None:
-        """Terminate every running task (an interrupted schedule leaves no orphans)."""
+        """Terminate every running task and its children (an interrupted schedule leaves no orphans)."""
+        import signal
+
+        for proc, _, _ in self._procs.values():
+            _signal_group(proc, signal.SIGTERM)
         for proc, log, _ in self._procs.values():
-            proc.terminate()
-        for proc, log, _ in self._procs.values():
-            proc.wait(timeout=30)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
             log.close()
         self._procs.clear()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # each task runs in its own process group (start_new_session)
+    except ProcessLookupError:
+        pass
+
+
+def task_command(task: Task) -> list[str]:
+    """A task's argv: its ``command``, under ``torchrun --nproc-per-node <gpus>`` for a ``torchrun`` task."""
+    if task.command is None:
+        raise ValueError(f"task {task.id!r} has no `command` to run")
+    if task.torchrun:
+        return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={task.gpus}", "--standalone",
+                *task.command]
+    return list(task.command)

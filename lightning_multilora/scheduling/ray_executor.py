@@ -14,7 +14,7 @@ import subprocess
 import time
 from typing import Any, Optional
 
-from lightning_multilora.scheduling.executors import Completion
+from lightning_multilora.scheduling.executors import Completion, task_command
 from lightning_multilora.scheduling.task_scheduler import Task
 
 
@@ -51,13 +51,12 @@ class RayExecutor:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if task.command is None:
-            raise ValueError(f"task {task.id!r} has no `command` to run")
+        command = task_command(task)
         pg = placement_group([{self.resource: task.gpus}], strategy="STRICT_PACK")
         demand = {"num_gpus": task.gpus} if self.resource == "GPU" else {"resources": {self.resource: task.gpus}}
         ref = self._remote.options(num_cpus=0, **demand,
                                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg)).remote(
-            list(task.command), {"MULTILORA_TASK_ID": task.id}, self.resource)
+            command, {"MULTILORA_TASK_ID": task.id}, self.resource)
         self._refs[ref] = (task.id, pg)
 
     def wait(self, deadline: Optional[float]) -> list[Completion]:

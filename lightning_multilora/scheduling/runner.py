@@ -41,9 +41,12 @@ class ScheduleRunner:
         self.records: dict[str, RunRecord] = {}
         self.replans = 0
 
+    def known_ids(self) -> set[str]:
+        """Ids of every task submitted so far (waiting, running or ended)."""
+        return set(self.pending) | set(self.running) | set(self.records) | {t.id for _, _, t in self.arrivals}
+
     def submit(self, task: Task, at: Optional[float] = None) -> None:
-        known = set(self.pending) | set(self.running) | set(self.records) | {t.id for _, _, t in self.arrivals}
-        if task.id in known:
+        if task.id in self.known_ids():
             raise ValueError(f"duplicate task id {task.id!r}; task ids must be unique")
         if task.gpus > self.scheduler.num_gpus:
             raise ValueError(f"task {task.id!r} needs {task.gpus} GPUs but only {self.scheduler.num_gpus} exist")

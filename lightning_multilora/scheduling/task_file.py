@@ -99,8 +99,10 @@ def gantt(placements: Mapping[str, Any], num_gpus: int, path: str | Path, title:
     return path
 
 
-def inbox_poller(inbox: Path, num_gpus: int):
-    """Tasks from task files dropped into ``inbox`` (each read once, then renamed ``.done``)."""
+def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_command: bool = False):
+    """Tasks from task files dropped into ``inbox`` (each read once, then renamed ``.done``); a bad file is
+    renamed ``.rejected`` and reported, and the schedule goes on. ``known()`` gives the task ids already in
+    the schedule (a new task may not reuse one). Write files elsewhere and move them in (a rename is atomic)."""
     inbox.mkdir(parents=True, exist_ok=True)
 
     def poll() -> list[Task]:
@@ -109,10 +111,15 @@ def inbox_poller(inbox: Path, num_gpus: int):
             try:
                 data = yaml.safe_load(path.read_text()) or {}
                 new = parse_tasks(data.get("tasks") if isinstance(data, Mapping) else None, str(path))
-                validate_tasks(new, num_gpus)
+                validate_tasks([*tasks, *new], num_gpus)
+                taken = sorted({t.id for t in new} & set(known() if known is not None else ()))
+                if taken:
+                    raise ValueError(f"task ids {taken} are already in the schedule")
+                if need_command and any(t.command is None for t in new):
+                    raise ValueError("every task needs a `command` to run")
                 tasks += new
                 path.rename(path.with_name(path.name + ".done"))
-            except ValueError as err:
+            except (ValueError, yaml.YAMLError) as err:
                 path.rename(path.with_name(path.name + ".rejected"))
                 print(f"rejected {path}: {err}", flush=True)
         return tasks
@@ -159,16 +166,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         executor = RayExecutor(address=args.ray)
     else:
         executor = LocalExecutor(Path(settings["log_dir"]) / "logs")
-    poll = inbox_poller(args.inbox, settings["gpus"]) if args.inbox is not None else None
-    runner = ScheduleRunner(scheduler, executor, settings["max_retries"], poll=poll)
+    runner = ScheduleRunner(scheduler, executor, settings["max_retries"])
+    if args.inbox is not None:
+        runner.poll = inbox_poller(args.inbox, settings["gpus"], known=lambda: runner.known_ids(),
+                                   need_command=not args.simulate)
     for task in tasks:
         runner.submit(task)
     try:
         records = runner.run()
-    except KeyboardInterrupt:
+    finally:  # an interrupted or failed schedule leaves no task running
         if isinstance(executor, LocalExecutor):
             executor.stop()
-        raise
     print(records_table(records))
     done = gantt(records, settings["gpus"], Path(settings["log_dir"]) / "run.png", f"run: makespan {runner.makespan:.0f} s")
     print(f"makespan {runner.makespan:.1f} s, {runner.replans} replans; Gantt chart of the run: {done}")

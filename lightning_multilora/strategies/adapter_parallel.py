@@ -35,14 +35,14 @@ def assign_adapters(specs: Sequence[AdapterSpec], num_ranks: int,
     sizes: list[set[int]] = [set() for _ in range(num_ranks)]
     for name, rank in owner.items():
         if name in by_name:
-            load[rank] += by_name[name].batch_size
+            load[rank] += by_name[name].rows_per_step
             sizes[rank].add(by_name[name].batch_size)
     for spec in sorted((s for s in specs if s.name not in owner), key=lambda s: (-s.batch_size, s.name)):
         least = min(load)
-        same = [r for r in range(num_ranks) if spec.batch_size in sizes[r] and load[r] + spec.batch_size <= least + spec.batch_size]
+        same = [r for r in range(num_ranks) if spec.batch_size in sizes[r] and load[r] < least + spec.rows_per_step]
         rank = min(same, key=lambda r: (load[r], r)) if same else min(range(num_ranks), key=lambda r: (load[r], r))
         owner[spec.name] = rank
-        load[rank] += spec.batch_size
+        load[rank] += spec.rows_per_step
         sizes[rank].add(spec.batch_size)
     return owner
 
@@ -75,7 +75,26 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         if deciders:
             raise ValueError(f"callbacks {deciders} are not supported with strategy='adapter_parallel' yet: they "
                              "decide per rank; run them with a single-device strategy")
+        # Forwards that only some ranks run would leave the others out of FSDP's all-gathers: validation (each
+        # rank validates only its own adapters), and admission control (decided per rank).
+        if getattr(trainer, "limit_val_batches", 0) != 0:
+            raise ValueError("validation is not supported with strategy='adapter_parallel' yet: set "
+                             "Trainer(limit_val_batches=0)")
+        module = self.lightning_module
+        if getattr(module, "validate_on_finish", False):
+            raise ValueError("`validate_on_finish=True` is not supported with strategy='adapter_parallel' yet: set "
+                             "it to False")
+        if getattr(module, "admission", None) is not None:
+            raise ValueError("`admission` controllers are not supported with strategy='adapter_parallel' yet: "
+                             "use `max_running`")
         super().setup(trainer)
+
+    def check_spec(self, spec: AdapterSpec) -> None:
+        """Adapters this strategy cannot train yet get a clear error when they are admitted."""
+        if spec.objective != "sft":
+            raise ValueError(f"adapter {spec.name!r}: objective {spec.objective!r} is not supported with "
+                             "strategy='adapter_parallel' yet (its reference forward would run on some ranks "
+                             "only); allowed: 'sft'")
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_processes * self.num_nodes  # every rank shards the base

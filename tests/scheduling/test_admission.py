@@ -130,3 +130,38 @@ def test_the_simulated_sweep_compares_admission_policies():
     tiny = AdmissionController(rows_times(1), 1, safety_margin=1.0)
     with pytest.raises(ValueError, match="never fit the memory budget"):
         simulate_sweep(tiny, specs[:2], step, 1024)
+
+
+def run_admitted(out, trainer_kwargs, stop_at=None, ckpt=None):
+    from lightning_multilora.data import GeneratedArithmetic
+
+    # b4 (batch 2) takes b1's slot at step 2 ahead of b0 and b2: the optimizer's group order differs from the
+    # registry's, and a resume must still give every adapter its own optimizer state
+    specs = [spec("b0", 1, max_steps=6, lr=1e-2), spec("b1", 2, max_steps=2, lr=1e-2),
+             spec("b2", 1, max_steps=6, lr=1e-2), spec("b3", 2, max_steps=3, lr=1e-2),
+             spec("b4", 2, max_steps=7, lr=1e-2)]
+    ctrl = AdmissionController(rows_times(100), capacity_bytes=400, safety_margin=1.0)
+    module = MultiLoRAModule("tiny-llama", adapters=specs, admission=ctrl, export_dir=str(out),
+                             validate_on_finish=False)
+    kwargs = dict(trainer_kwargs, max_steps=stop_at) if stop_at is not None else dict(trainer_kwargs)
+    trainer = L.Trainer(**kwargs)
+    trainer.fit(module, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, padding="max_length",
+                                            max_length=96, max_val_examples=8), ckpt_path=ckpt)
+    return trainer, module
+
+
+def test_resume_keeps_each_adapters_optimizer_state_whatever_the_admission_order(tmp_path, trainer_kwargs):
+    import torch
+    from safetensors.torch import load_file
+
+    _, full = run_admitted(tmp_path / "full", trainer_kwargs)
+    trainer, part = run_admitted(tmp_path / "part", trainer_kwargs, stop_at=4)
+    groups = [g["adapter"] for g in trainer.optimizers[0].param_groups]
+    assert groups != sorted(groups)  # admission order, not registry order
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    _, resumed = run_admitted(tmp_path / "part", trainer_kwargs, ckpt=str(tmp_path / "mid.ckpt"))
+    for name in ("b0", "b2", "b4"):
+        a = load_file(tmp_path / "full" / name / "adapter_model.safetensors")
+        b = load_file(tmp_path / "part" / name / "adapter_model.safetensors")
+        for key in a:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")

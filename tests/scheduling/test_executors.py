@@ -86,3 +86,14 @@ def test_a_running_schedule_accepts_new_tasks_and_tasks_need_commands(tmp_path):
     with pytest.raises(ValueError, match="`command` must not be empty"):
         Task("y", 1.0, 1, [])
     assert Task("z", 1.0, 1, "python -c 'print(1)'").command == ("python", "-c", "print(1)")
+
+
+def test_a_missing_program_is_a_failed_attempt_and_stop_ends_running_tasks(tmp_path):
+    runner = ScheduleRunner(TaskScheduler(1), LocalExecutor(tmp_path), max_retries=1)
+    runner.submit(Task("ghost", 1.0, 1, ["/no/such/program"]))
+    record = runner.run()["ghost"]
+    assert record.state == "failed" and record.attempts == 2 and "could not start" in record.detail
+    executor = LocalExecutor(tmp_path)
+    executor.start(Task("sleeper", 1.0, 1, [sys.executable, "-c", "import time; time.sleep(60)"]), (0,))
+    executor.stop()
+    assert executor.wait(0.0) == []  # nothing left running

@@ -89,3 +89,17 @@ def test_the_command_line_reports_bad_files_and_missing_commands(tmp_path, capsy
     with pytest.raises(SystemExit):
         main([str(write(tmp_path, f"gpus: 1\nlog_dir: {tmp_path}\ntasks: [{{id: a, duration: 1}}]"))])
     assert "every task needs a `command`" in capsys.readouterr().err
+
+
+def test_bad_inbox_files_are_rejected_and_the_schedule_goes_on(tmp_path):
+    from lightning_multilora.scheduling.task_file import inbox_poller
+
+    inbox = tmp_path / "inbox"
+    poll = inbox_poller(inbox, 2, known=lambda: {"taken"}, need_command=True)
+    (inbox / "a.yaml").write_text("tasks: [{id: ok, duration: 1, command: [echo]}]")
+    (inbox / "b.yaml").write_text("tasks: [{id: taken, duration: 1, command: [echo]}]")
+    (inbox / "c.yaml").write_text("tasks: [{id: x, duration: 1}]")
+    (inbox / "d.yaml").write_text("tasks: [{id: y, duration: 1")  # broken YAML
+    assert [t.id for t in poll()] == ["ok"]
+    assert sorted(p.name for p in inbox.iterdir()) == ["a.yaml.done", "b.yaml.rejected", "c.yaml.rejected",
+                                                       "d.yaml.rejected"]

@@ -118,3 +118,14 @@ def test_deciding_callbacks_are_refused_clearly():
 
     with pytest.raises(ValueError, match=r"callbacks \['EarlyExit'\] are not supported with strategy='adapter_parallel'"):
         AdapterParallelStrategy().setup(SimpleNamespace(callbacks=[EarlyExit()]))
+
+
+def test_what_is_not_coordinated_across_ranks_yet_is_refused_clearly():
+    from types import SimpleNamespace
+
+    strategy = AdapterParallelStrategy()
+    with pytest.raises(ValueError, match=r"validation is not supported .*limit_val_batches=0"):
+        strategy.setup(SimpleNamespace(callbacks=[], limit_val_batches=1.0))
+    with pytest.raises(ValueError, match="objective 'dpo' is not supported with strategy='adapter_parallel'"):
+        strategy.check_spec(AdapterSpec("d", objective="dpo"))
+    strategy.check_spec(AdapterSpec("s"))
