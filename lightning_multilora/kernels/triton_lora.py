@@ -91,8 +91,8 @@ class PointerTable:
 def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
     """Pointers to every adapter's own A and B, with ranks and scalings; cached by address, so it is
     rebuilt only when the adapter set (or a parameter's storage) changes. Memoized on ``weights`` too,
-    checked by the first and last weights' addresses (moving a model moves them all)."""
-    check = (weights.a[0].data_ptr(), weights.b[-1].data_ptr(), device)
+    checked against every weight's address (a storage swapped in place is seen)."""
+    check = (tuple(t.data_ptr() for t in weights.a + weights.b), device)
     memo = weights.memo.get("pointer_table")
     if memo is not None and memo[0] == check:
         return memo[1]
