@@ -26,11 +26,13 @@ _EXPORTS = {
     "EarlyExit": "lightning_multilora.callbacks.early_exit",
     "WarmupSelection": "lightning_multilora.callbacks.warmup",
     "OptunaSweep": "lightning_multilora.callbacks.optuna_sweep",
+    "AdapterParallelStrategy": "lightning_multilora.strategies.adapter_parallel",
 }
 
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from lightning_multilora.strategies.adapter_parallel import AdapterParallelStrategy
     from lightning_multilora.callbacks.early_exit import EarlyExit
     from lightning_multilora.callbacks.optuna_sweep import OptunaSweep
     from lightning_multilora.callbacks.report import SweepReport

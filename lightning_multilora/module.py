@@ -21,6 +21,7 @@ from lightning_multilora.layout import BatchLayout
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
 from lightning_multilora.schedules import lr_factor
 from lightning_multilora.spec import AdapterSpec, SweepGrid
+import lightning_multilora.strategies  # noqa: E402,F401 - registers strategy="adapter_parallel"
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _LORA_KEYS = (".lora_A.", ".lora_B.")
