@@ -247,7 +247,7 @@ class MultiLoRAMixin:
         if placement is None:
             return
         fields = ("state", "reason", "step", "max_steps", "tokens_seen", "samples_seen", "started_at_step",
-                  "ended_at_step", "export_path", "best_val_loss", "last_val_loss")
+                  "ended_at_step", "export_path", "best_val_loss", "best_val_step", "last_val_loss", "val_losses")
         mine = {r.name: {f: getattr(r, f) for f in fields} for r in self.registry
                 if placement.owner.get(r.name) == placement.global_rank}
         for name, update in placement.exchange(mine).items():
@@ -259,6 +259,22 @@ class MultiLoRAMixin:
                 setattr(rec, f, value)
             if rec.state.exited and not was_exited:
                 rec.close_span(rec.ended_at_step if rec.ended_at_step is not None else self._global_step())
+
+    def align_batches(self, batches: list) -> list:
+        """Under adapter parallelism, pad this rank's batches with empty ones to the largest count of any rank:
+        every rank then runs as many base forwards (FSDP's all-gathers need them all)."""
+        placement = self._placement()
+        if placement is None:
+            return batches
+        most = int(placement.reduce(torch.tensor(len(batches), device=self.device), reduce_op="max").item())
+        empty = {"input_ids": torch.zeros((0, 1), dtype=torch.long), "attention_mask": torch.zeros((0, 1), dtype=torch.long),
+                 "labels": torch.zeros((0, 1), dtype=torch.long), "layout": BatchLayout((), (), (), 0)}
+        return batches + [dict(empty) for _ in range(most - len(batches))]
+
+    def _idle_forward(self) -> None:
+        """A rank with nothing to validate: one dummy row through the base, so the collectives match."""
+        with torch.no_grad(), self.lora_layers.use(None):
+            self.lora_layers.model(input_ids=torch.zeros(1, 8, dtype=torch.long, device=self.device))
 
     def _idle_step(self) -> None:
         """A rank with no adapter: run the base forward and backward anyway (FSDP's collectives need every
@@ -475,14 +491,35 @@ class MultiLoRAMixin:
                 rec.state = AdapterState.RUNNING
                 self._exit(rec, AdapterState.FAILED, reason)
             elif rec.state == AdapterState.RUNNING and rec.max_steps is not None and rec.step >= rec.max_steps:
+                if self._placement() is not None:
+                    continue  # finished together on every rank after the exchange (`_finish_together`)
                 if self.validate_on_finish:
                     self.evaluate([rec.spec], record=True)
                 self._exit(rec, AdapterState.FINISHED, f"reached max_steps={rec.max_steps}")
+
+    def _finish_together(self) -> None:
+        """Under adapter parallelism: the adapters that reached their length are validated by all ranks at once
+        (each rank its own), then their owners export and free them."""
+        done = [r for r in self.registry.running if r.max_steps is not None and r.step >= r.max_steps]
+        if not done:
+            return
+        if self.validate_on_finish:
+            self.evaluate([r.spec for r in done], record=True)
+        for rec in done:
+            reason = f"reached max_steps={rec.max_steps}"
+            if self._owns(rec.name):
+                self._exit(rec, AdapterState.FINISHED, reason)
+            else:
+                rec.state, rec.reason, rec.ended_at_step = AdapterState.FINISHED, reason, self._global_step()
+                rec.close_span(rec.ended_at_step)
+        self._sync_ranks()
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         # Callbacks' on_train_batch_end ran first: adapters they removed, paused or queued are settled here.
         self._sync_ranks()
+        if self._placement() is not None:
+            self._finish_together()
         self._fill_slots()
         counts = self.registry.counts()
         if not self.registry.running and not self.registry.queued:
@@ -511,8 +548,11 @@ class MultiLoRAMixin:
         was_training = self.training
         self.eval()
         with torch.no_grad():
-            for batch in dm.val_batches(list(specs)):
+            for batch in self.align_batches(list(dm.val_batches([s for s in specs if self._owns(s.name)]))):
                 batch = move_data_to_device(batch, self.device)
+                if not batch["layout"].names:
+                    self._idle_forward()
+                    continue
                 with self.lora_layers.use(batch["layout"]):
                     loss_sum, count = self.adapter_loss_terms(batch)
                 for name, s, c in zip(batch["layout"].names, loss_sum.tolist(), count.tolist()):
@@ -530,6 +570,9 @@ class MultiLoRAMixin:
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        if not batch["layout"].names:
+            self._idle_forward()
+            return
         with self.lora_layers.use(batch["layout"]):
             loss_sum, count = self.adapter_loss_terms(batch)
         for name, s, c in zip(batch["layout"].names, loss_sum.tolist(), count.tolist()):
@@ -542,6 +585,7 @@ class MultiLoRAMixin:
         if self.trainer.sanity_checking:
             return
         self._record_val_losses({n: (s / c if c > 0 else math.nan) for n, (s, c) in self._val_sums.items()})
+        self._sync_ranks()  # every rank learns every adapter's validation
 
     def _record_val_losses(self, losses: dict[str, float]) -> None:
         logs = {}

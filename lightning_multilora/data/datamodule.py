@@ -102,7 +102,10 @@ class _ValBatches(IterableDataset):
         self.datamodule = datamodule
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return self.datamodule.val_batches(self.datamodule.running_specs())
+        batches = self.datamodule.val_batches(self.datamodule.running_specs())
+        module = self.datamodule.trainer.lightning_module if self.datamodule.trainer is not None else None
+        align = getattr(module, "align_batches", None)  # adapter parallelism: the same count on every rank
+        return iter(align(list(batches))) if align is not None else batches
 
 
 class MultiLoRADataModule(L.LightningDataModule):

@@ -75,15 +75,8 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         if deciders:
             raise ValueError(f"callbacks {deciders} are not supported with strategy='adapter_parallel' yet: they "
                              "decide per rank; run them with a single-device strategy")
-        # Forwards that only some ranks run would leave the others out of FSDP's all-gathers: validation (each
-        # rank validates only its own adapters), and admission control (decided per rank).
-        if getattr(trainer, "limit_val_batches", 0) != 0:
-            raise ValueError("validation is not supported with strategy='adapter_parallel' yet: set "
-                             "Trainer(limit_val_batches=0)")
+        # Admission control is decided per rank (its freed-slot preference would differ between ranks).
         module = self.lightning_module
-        if getattr(module, "validate_on_finish", False):
-            raise ValueError("`validate_on_finish=True` is not supported with strategy='adapter_parallel' yet: set "
-                             "it to False")
         if getattr(module, "admission", None) is not None:
             raise ValueError("`admission` controllers are not supported with strategy='adapter_parallel' yet: "
                              "use `max_running`")

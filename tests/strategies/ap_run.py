@@ -43,12 +43,12 @@ def record(name):
 
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
-    module = MultiLoRAModule("tiny-llama", adapters=SPECS, export_dir=str(out / mode), validate_on_finish=False)
+    module = MultiLoRAModule("tiny-llama", adapters=SPECS, export_dir=str(out / mode))  # validates on finish
     dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, padding="max_length", max_length=96,
                              max_val_examples=8)
     kwargs = dict(accelerator="cpu", max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,
                   enable_model_summary=False, logger=False, default_root_dir=str(out / f"root_{mode}"),
-                  limit_val_batches=0)  # checkpointing on: the default ModelCheckpoint saves at the end
+                  val_check_interval=3, check_val_every_n_epoch=None)  # checkpointing on: ModelCheckpoint saves at the end
     ckpt_path = None
     if mode == "stop":
         from lightning.pytorch.callbacks import ModelCheckpoint
@@ -74,8 +74,9 @@ def main() -> None:
         shards = sorted({p.to_local().numel() for p in module.model.parameters() if isinstance(p, DTensor)})
     owned = sorted(n for n, r in getattr(trainer.strategy, "owner", {}).items() if r == rank)
     states = {r.name: (r.state.value, r.step) for r in module.registry}
+    val = {r.name: r.val_losses for r in module.registry}
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps(dict(owned=owned, calls=CALLS, shard_numels=shards,
-                                                                 states=states)))
+                                                                 states=states, val=val)))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,13 @@ def test_two_ranks_train_each_adapter_exactly_like_one_process(parallel_run):
     assert not set(ranks[0]["owned"]) & set(ranks[1]["owned"])
     assert ranks[0]["states"] == ranks[1]["states"]
     assert all(state == "finished" for state, _ in ranks[0]["states"].values())
+    # validation (every 3 steps, and on finishing) ran on every rank for its own adapters, results shared
+    single = json.loads((tmp_path / "single.rank0.json").read_text())
+    assert ranks[0]["val"] == ranks[1]["val"]
+    for name, history in single["val"].items():
+        assert [s for s, _ in ranks[0]["val"][name]] == [s for s, _ in history] and history
+        for (_, a), (_, b) in zip(ranks[0]["val"][name], history):
+            assert a == pytest.approx(b, rel=1e-5)
     for name in ("a0", "a1", "a2", "a3"):
         parallel = load_file(tmp_path / "parallel" / name / "adapter_model.safetensors")
         single = load_file(tmp_path / "single" / name / "adapter_model.safetensors")
@@ -124,8 +131,6 @@ def test_what_is_not_coordinated_across_ranks_yet_is_refused_clearly():
     from types import SimpleNamespace
 
     strategy = AdapterParallelStrategy()
-    with pytest.raises(ValueError, match=r"validation is not supported .*limit_val_batches=0"):
-        strategy.setup(SimpleNamespace(callbacks=[], limit_val_batches=1.0))
     with pytest.raises(ValueError, match="objective 'dpo' is not supported with strategy='adapter_parallel'"):
         strategy.check_spec(AdapterSpec("d", objective="dpo"))
     strategy.check_spec(AdapterSpec("s"))
