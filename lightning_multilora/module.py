@@ -267,9 +267,7 @@ class MultiLoRAMixin:
         if placement is None:
             return batches
         most = int(placement.reduce(torch.tensor(len(batches), device=self.device), reduce_op="max").item())
-        empty = {"input_ids": torch.zeros((0, 1), dtype=torch.long), "attention_mask": torch.zeros((0, 1), dtype=torch.long),
-                 "labels": torch.zeros((0, 1), dtype=torch.long), "layout": BatchLayout((), (), (), 0)}
-        return batches + [dict(empty) for _ in range(most - len(batches))]
+        return batches + [self._datamodule().pack([], []) for _ in range(most - len(batches))]
 
     def _idle_forward(self) -> None:
         """A rank with nothing to validate: one dummy row through the base, so the collectives match."""
@@ -506,13 +504,9 @@ class MultiLoRAMixin:
         if self.validate_on_finish:
             self.evaluate([r.spec for r in done], record=True)
         for rec in done:
-            reason = f"reached max_steps={rec.max_steps}"
             if self._owns(rec.name):
-                self._exit(rec, AdapterState.FINISHED, reason)
-            else:
-                rec.state, rec.reason, rec.ended_at_step = AdapterState.FINISHED, reason, self._global_step()
-                rec.close_span(rec.ended_at_step)
-        self._sync_ranks()
+                self._exit(rec, AdapterState.FINISHED, f"reached max_steps={rec.max_steps}")
+        self._sync_ranks()  # the owners' exits reach every rank
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -611,11 +605,11 @@ class MultiLoRAMixin:
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if any(s in k for s in _LORA_KEYS)}
+        optimizer = self._raw_optimizer()
         checkpoint["multilora"] = {
             "registry": self.registry.state_dict(),
             "best_weights": self._best_weights,
-            "group_order": [g.get("adapter") for g in (self._raw_optimizer().param_groups
-                                                       if self._raw_optimizer() is not None else [])],
+            "group_order": [g.get("adapter") for g in optimizer.param_groups] if optimizer is not None else [],
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }

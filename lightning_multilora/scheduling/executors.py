@@ -85,11 +85,8 @@ class LocalExecutor:
     def now(self) -> float:
         return time.monotonic() - self._t0
 
-    def command_for(self, task: Task) -> list[str]:
-        return task_command(task)
-
     def start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
-        command = self.command_for(task)
+        command = task_command(task)
         self._attempts[task.id] = self._attempts.get(task.id, 0) + 1
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.log_dir / f"{task.id}.{self._attempts[task.id]}.log"
