@@ -1,6 +1,6 @@
 """Memory profile, fit and admission of a Llama-3.1-8B-shaped model on the GPU (ALTO's profiler).
 
-Run on the H200 (about 6-8 minutes):
+Run on the H200 (about 4-5 minutes):
 
     PYTHONPATH=. python benchmarks/memory_model.py --out benchmarks/results/memory_model_h200.json
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -52,12 +53,19 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--safety-margin", type=float, default=0.9)
     p.add_argument("--steps", type=int, default=3, help="steps of the admitted run")
-    p.add_argument("--max-batch", type=int, default=512)
+    p.add_argument("--max-batch", type=int, default=40,
+                   help="upper end of the B_max search (the grid needs b <= 32, the held-back points N*b <= 40; "
+                        "a search up to the real B_max, ~300 rows at seq 1024, costs minutes of huge steps)")
     p.add_argument("--compare-checkpointing", type=int, default=4, metavar="N",
                    help="adapters (batch 1) timed with and without gradient checkpointing (0: skip)")
     p.add_argument("--dry-run", action="store_true", help="CPU: analytic peaks instead of measured ones")
+    p.add_argument("--allocator", default="expandable_segments:True",
+                   help="PYTORCH_CUDA_ALLOC_CONF of the run ('' for the default): expandable segments keep the "
+                        "reserved peaks close to what is allocated, so they are linear enough to fit")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.allocator:
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", args.allocator)  # before the first CUDA allocation
     out = args.out or (Path(tempfile.gettempdir()) / "memory_model.json" if args.dry_run
                        else Path("benchmarks/results/memory_model_h200.json"))
     shape = ModelShape.from_config(LLAMA_31_8B)
@@ -115,7 +123,9 @@ def main() -> None:
                                capacity, args.safety_margin)
     candidates = [AdapterSpec(f"c{i}", rank=RANK, batch_size=1) for i in range(512)]
     admitted = len(ctrl.plan(candidates))
-    run = dict(admitted=admitted, steps=args.steps, oom=None, tokens_per_s=None, peak_gib=None)
+    run = dict(admitted=admitted, steps=args.steps, oom=None, tokens_per_s=None, peak_gib=None,
+               predicted_gib=round(fit.predict(admitted * args.seq, admitted * params) / 2**30, 2),
+               budget_gib=round(capacity * args.safety_margin / 2**30, 2))
     if not args.dry_run:
         names = [f"run{i}" for i in range(admitted)]
         for i, name in enumerate(names):
@@ -136,6 +146,10 @@ def main() -> None:
                        peak_gib=round(torch.cuda.max_memory_reserved(device) / 2**30, 2))
         except torch.cuda.OutOfMemoryError:
             run["oom"] = True
+        del optimizer, ids
+        for name in names:
+            layers.remove_adapter(name)
+        torch.cuda.empty_cache()
 
     compare = None
     if args.compare_checkpointing:
@@ -173,6 +187,7 @@ def main() -> None:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     result = dict(gpu=gpu, torch=torch.__version__, date=datetime.now(timezone.utc).date().isoformat(),
+                  allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), max_batch=args.max_batch,
                   seq_len=args.seq, safety_margin=args.safety_margin, capacity_gib=round(capacity / 2**30, 2),
                   b_max=profiler.b_max, profile_s=round(profile_s, 1),
                   fit=dict(k0_gib=round(fit.k0 / 2**30, 3), k1_bytes_per_token=fit.k1, k2_bytes_per_param=fit.k2,

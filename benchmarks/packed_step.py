@@ -82,6 +82,9 @@ def parse_args() -> argparse.Namespace:
                         "after start")
     p.add_argument("--fused-adamw", action="store_true", help="AdamW(fused=True) for both LoRA variants")
     p.add_argument("--cprofile", action="store_true", help="print where the host time of one packed step goes")
+    p.add_argument("--trace", action="store_true",
+                   help="print, for one floor and one packed step, host enqueue vs wall time, GPU busy time and the "
+                        "kernels that take it (torch.profiler)")
     p.add_argument("--append", action="store_true", help="keep the rows already in --out and add these after them")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON output (default: benchmarks/results/packed_step_h200.json; with --tiny a temp file)")
@@ -220,6 +223,8 @@ def run_floor(model: nn.Module, rows: dict, args: argparse.Namespace, deadline: 
                 lm_backward(model, ids, inputs_embeds=embed(ids).detach().requires_grad_(True))
 
             record(rows[seq, n], "base_floor", *measure(f"floor seq={seq} N={n}", step, 1, args, deadline, device))
+            if args.trace and rows[seq, n]["base_floor_ms"] is not None:
+                rows[seq, n]["base_floor_trace"] = profile_device(step, device, f"floor seq={seq} N={n}")
             del ids, step
 
 
@@ -245,6 +250,8 @@ def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline:
             record(rows[seq, n], "packed", *measure(f"packed seq={seq} N={n}", step, 1, args, deadline, device))
             if args.cprofile and rows[seq, n]["packed_ms"] is not None:
                 profile_host(step, device)
+            if args.trace and rows[seq, n]["packed_ms"] is not None:
+                rows[seq, n]["packed_trace"] = profile_device(step, device, f"packed seq={seq} N={n}")
             optimizer.zero_grad(set_to_none=True)  # an OOM mid-step leaves gradients behind
             del ids, step
         del optimizer
@@ -264,6 +271,45 @@ def profile_host(step: Callable[[], None], device: torch.device) -> None:
     profiler.disable()
     sync(device)
     pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
+
+def profile_device(step: Callable[[], None], device: torch.device, label: str, top: int = 18) -> dict:
+    """One step under torch.profiler: host enqueue time (until ``step`` returns) vs wall time (until the GPU
+    is done), GPU busy time (the union of kernel, copy and memset intervals) and the kernels taking it."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        host = time.perf_counter() - t0
+        sync(device)
+        wall = time.perf_counter() - t0
+    spans = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in prof.profiler.kineto_results.events()
+                   if e.device_type() == DeviceType.CUDA)
+    busy, end = 0, None
+    by_name: dict[str, list] = {}
+    for lo, hi in spans:
+        if end is None or lo > end:
+            busy += hi - lo
+            end = hi
+        elif hi > end:
+            busy += hi - end
+            end = hi
+    for e in prof.profiler.kineto_results.events():
+        if e.device_type() == DeviceType.CUDA:
+            entry = by_name.setdefault(e.name()[:90], [0, 0])
+            entry[0] += e.duration_ns()
+            entry[1] += 1
+    kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    summary = dict(host_ms=round(host * 1e3, 1), wall_ms=round(wall * 1e3, 1), gpu_busy_ms=round(busy / 1e6, 1),
+                   kernels=[dict(name=k, ms=round(v[0] / 1e6, 2), count=v[1]) for k, v in kernels])
+    print(f"  trace {label}: host {summary['host_ms']} ms, wall {summary['wall_ms']} ms, "
+          f"GPU busy {summary['gpu_busy_ms']} ms (under the profiler)")
+    for k in summary["kernels"]:
+        print(f"    {k['ms']:9.2f} ms {k['count']:6d}x  {k['name']}")
+    return summary
 
 
 def restore_base(model: nn.Module, layers: LoRALayers) -> None:
