@@ -62,6 +62,8 @@ def main() -> None:
     p.add_argument("--allocator", default="expandable_segments:True",
                    help="PYTORCH_CUDA_ALLOC_CONF of the run ('' for the default): expandable segments keep the "
                         "reserved peaks close to what is allocated, so they are linear enough to fit")
+    p.add_argument("--no-guard", action="store_true",
+                   help="admit on the fit alone, without the analytic model as the guard beyond the profiled points")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     if args.allocator:
@@ -119,7 +121,9 @@ def main() -> None:
                          predicted_gib=round(pred / 2**30, 2), rel_error=round(abs(pred - peak) / peak, 4),
                          analytic_gib=round(analytic.predict([(RANK, b, TARGETS)] * n, args.seq) / 2**30, 2)))
 
-    ctrl = AdmissionController(fit_predictor(fit, args.seq, lambda s: shape.adapter_params(s.rank, TARGETS)),
+    guard = lambda ss: analytic.predict([(s.rank, s.batch_size, TARGETS) for s in ss], args.seq)  # noqa: E731
+    ctrl = AdmissionController(fit_predictor(fit, args.seq, lambda s: shape.adapter_params(s.rank, TARGETS),
+                                             beyond=None if args.no_guard else guard),
                                capacity, args.safety_margin)
     candidates = [AdapterSpec(f"c{i}", rank=RANK, batch_size=1) for i in range(512)]
     admitted = len(ctrl.plan(candidates))

@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_multilora.kernels import LoRAWeights, multi_lora
+from lightning_multilora.kernels import LoRAWeights, multi_lora, multi_lora_linear
 from lightning_multilora.layout import BatchLayout
 
 
@@ -119,8 +119,20 @@ class MultiLoRALinear(nn.Module):
         if weights is None:
             return self.base(x)
         x2d = x.reshape(-1, self.in_features)  # (T, d_in): the kernels see tokens, the layout rows
-        out = multi_lora(x2d, self.base(x2d), weights, self.training)  # a fresh base output, free to update in place
+        if self._plain_frozen_base(x2d):
+            out = multi_lora_linear(x2d, self.base.weight, self.base.bias, weights, self.training)
+        else:
+            out = multi_lora(x2d, self.base(x2d), weights, self.training)  # a fresh base output, updated in place
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _plain_frozen_base(self, x: Tensor) -> bool:
+        """The base is a plain frozen ``nn.Linear`` in ``x``'s dtype, without hooks and outside autocast:
+        its product can then run inside the LoRA Function (see `multi_lora_linear`). Anything else
+        (quantized, trainable, hooked or autocast bases) is called as a module."""
+        base = self.base
+        return (type(base) is nn.Linear and not base.weight.requires_grad and base.weight.dtype == x.dtype
+                and (base.bias is None or not base.bias.requires_grad) and not base._forward_hooks
+                and not base._forward_pre_hooks and not torch.is_autocast_enabled(x.device.type))
 
     def _weights_for(self, layout: BatchLayout, tokens_per_row: int) -> Optional[LoRAWeights]:
         """This layer's adapters of ``layout`` in token units; reused while layout and adapters are the same

@@ -7,7 +7,9 @@ plug in without touching the layer.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
+import torch.nn.functional as F
 from torch import Tensor
 
 from lightning_multilora.kernels.reference import multi_lora_reference
@@ -53,6 +55,24 @@ def multi_lora(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool
     return multi_lora_reference(x, base_out, weights, training)
 
 
+def multi_lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], weights: LoRAWeights,
+                      training: bool) -> Tensor:
+    """``F.linear(x, weight, bias)`` plus every adapter's LoRA term: `multi_lora` over a frozen dense base.
+
+    ``weight`` (and ``bias``) must be frozen and in ``x``'s dtype. On the Triton backend the base product is
+    computed inside the LoRA autograd Function, whose backward adds the LoRA part of ``dX`` straight into
+    the base's ``dY W`` (no separate LoRA ``dX`` for autograd to sum); the reference computes the same.
+    """
+    if weight.requires_grad or (bias is not None and bias.requires_grad) or weight.dtype != x.dtype:
+        raise ValueError(f"multi_lora_linear needs a frozen base weight (and bias) in the input's dtype {x.dtype}, "
+                         f"got weight {weight.dtype} requires_grad={weight.requires_grad}")
+    if resolve_backend(x) == "triton":
+        from lightning_multilora.kernels.triton_lora import multi_lora_linear_triton
+
+        return multi_lora_linear_triton(x, weight, bias, weights, training)
+    return multi_lora_reference(x, F.linear(x, weight, bias), weights, training)
+
+
 def resolve_backend(x: Tensor) -> str:
     """The backend that runs for ``x``: what ``auto`` resolves to, or the forced one."""
     if _backend not in BACKENDS:
@@ -70,5 +90,5 @@ def _triton_available() -> bool:
     return True
 
 
-__all__ = ["BACKENDS", "LoRAWeights", "get_backend", "multi_lora", "multi_lora_reference", "resolve_backend",
-           "set_backend"]
+__all__ = ["BACKENDS", "LoRAWeights", "get_backend", "multi_lora", "multi_lora_linear", "multi_lora_reference",
+           "resolve_backend", "set_backend"]

@@ -10,8 +10,8 @@ are tf32 unless ``torch.backends.cuda.matmul.allow_tf32`` is off, then exact "ie
 
 The four kernels:
 - `_rows_times_weight`: ``OUT[t, :r_i] = c_i * (drop_i(IN[t]) @ W_i)`` where W_i is ``A_i^T`` (shrink,
-  ``S = drop(X) A^T``) or ``B_i`` (``dS = s dY B``); split over K when there are few rows. OUT (``S``,
-  ``dS``) is fp32.
+  ``S = drop(X) A^T``) or ``B_i`` (``dS = s dY B``); split over K (tuned) into an fp32 ``OUT`` (``S``,
+  ``dS``) that must be zeroed.
 - `_rank_times_weight`: ``Y[t, :] (+)= c_i * (R[t, :r_i] @ W_i) [* drop mask]`` where W_i is ``B_i^T``
   (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = drop'(dS A)``).
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
@@ -32,7 +32,7 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Fixed tiles for the interpreter; on the GPU the tiles below are autotuned per shape.
 DEFAULT_META = {
-    "rows": dict(BLOCK_K=64),
+    "rows": dict(BLOCK_K=64),  # SPLIT_K: `triton_lora._split_k`
     "rank": dict(BLOCK_N=128),
     "grad": dict(BLOCK_K=64, BLOCK_T=64),
 }
@@ -45,8 +45,11 @@ def _tuned(configs, key, **kwargs):
 
 
 # Few candidates per kernel: each is compiled once per shape the first time it runs.
-_ROWS_CONFIGS = [triton.Config({"BLOCK_K": k}, num_warps=w, num_stages=st)
-                 for k, w, st in ((64, 4, 3), (128, 4, 3), (64, 8, 4), (128, 8, 3))]
+# The row kernel streams its input once: how many programs share a row block (SPLIT_K, each over a slice of
+# K, adding into OUT atomically) decides whether the GPU has enough loads in flight; it depends on the
+# number of row blocks (ROW_BUCKET, a power of two), so it is tuned per bucket with the tiles.
+_ROWS_CONFIGS = [triton.Config({"BLOCK_K": k, "SPLIT_K": sp}, num_warps=w, num_stages=st)
+                 for sp in (1, 2, 4, 8) for k, w, st in ((64, 4, 4), (128, 8, 3), (256, 8, 3))]
 _RANK_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
                  for n, w, st in ((64, 4, 2), (128, 4, 2), (128, 8, 3), (256, 8, 2))]
 _GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_stages=3)
@@ -60,7 +63,7 @@ def _dropout_scale(values, seed, p, rows, cols, n_cols):
     return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
 
 
-@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "SPLIT_K"], reset_to_zero=["OUT"])
+@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "ROW_BUCKET"], reset_to_zero=["OUT"])
 @triton.jit
 def _rows_times_weight(
     # pointers
@@ -70,8 +73,8 @@ def _rows_times_weight(
     # strides
     stride_in_m, stride_out_m,
     # meta-parameters
-    W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_BUCKET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     split = tl.program_id(1)

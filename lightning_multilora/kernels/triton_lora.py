@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 import triton
 from torch import Tensor
 
@@ -156,13 +157,22 @@ class GroupedLoRAFunction(torch.autograd.Function):
     ``direct``: ``dA_i`` and ``dB_i`` are added straight into each parameter's ``.grad`` (as autograd's
     AccumulateGrad would) and only ``A_0`` is an autograd input, so that backward runs; otherwise every
     ``A_i`` and ``B_i`` is an input and gets its gradient through autograd.
+
+    ``base_out=None`` with a frozen ``base_weight`` (and ``base_bias``): the Function owns the frozen
+    linear too, ``Y_base = X W^T + b``, and its backward makes ``dX = dY W`` with the LoRA term added into
+    that buffer by the last launch, instead of a separate LoRA ``dX`` that autograd then adds to the base's
+    (one write and a three-pass add over ``(T, d_in)`` fewer per layer).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool, direct: bool,
+    def forward(ctx, x: Tensor, base_out: Optional[Tensor], base_weight: Optional[Tensor],
+                base_bias: Optional[Tensor], weights: LoRAWeights, training: bool, direct: bool,
                 *params: Tensor) -> Tensor:
         n = len(weights.a)
         device = x.device
+        owns_base = base_out is None
+        if owns_base:
+            base_out = F.linear(x, base_weight, base_bias)
         table = pointer_table(weights, device)
         sched = schedule(weights.starts, weights.ends, x.shape[0], device)
         has_dropout = training and any(p > 0 for p in weights.dropout)
@@ -170,15 +180,14 @@ class GroupedLoRAFunction(torch.autograd.Function):
         # state) regenerates the same masks.
         seeds = (torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32, device=device) if has_dropout else table.ranks)
         x = x if x.stride(-1) == 1 else x.contiguous()
-        split = _split_k(sched.num_blocks, x.shape[1], device)
-        s = _low_rank_buffer(x.shape[0], table.block_r, split, device)
+        s = _low_rank_buffer(x.shape[0], table.block_r, device)
         if sched.num_blocks:
             _rows_times_weight(
-                (sched.num_blocks, split),
+                _rows_grid(sched),
                 (x, table.a_ptrs, weights.a[0], s, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
                  table.ones, table.drop_p, seeds, x.shape[1], x.stride(0), s.stride(0)),
-                dict(W_IS_A=True, HAS_DROPOUT=has_dropout, DOT_PRECISION=_precision(x), SPLIT_K=split,
-                     BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_meta("rows")))
+                dict(W_IS_A=True, HAS_DROPOUT=has_dropout, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
+                     BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, x.shape[1], device)))
             d_out = base_out.shape[1]
             _rank_times_weight(
                 lambda meta: (sched.num_blocks, triton.cdiv(d_out, meta["BLOCK_N"])),
@@ -186,39 +195,43 @@ class GroupedLoRAFunction(torch.autograd.Function):
                  table.ranks, table.scaling, table.drop_p, seeds, d_out, s.stride(0), base_out.stride(0)),
                 dict(W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
                      BLOCK_R=table.block_r, **_meta("rank")))
-        ctx.mark_dirty(base_out)
-        ctx.save_for_backward(x, s, seeds)
+        if not owns_base:
+            ctx.mark_dirty(base_out)
+        ctx.save_for_backward(x, s, seeds, base_weight if owns_base else None)
         ctx.weights, ctx.has_dropout, ctx.direct, ctx.num_params = weights, has_dropout, direct, len(params)
+        ctx.owns_base = owns_base
         return base_out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, s, seeds = ctx.saved_tensors
+        x, s, seeds, base_weight = ctx.saved_tensors
         weights: LoRAWeights = ctx.weights
         device = dy.device
         table = pointer_table(weights, device)
         sched = schedule(weights.starts, weights.ends, x.shape[0], device)
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         d_in, d_out = x.shape[1], dy.shape[1]
-        split = _split_k(sched.num_blocks, d_out, device)
-        ds = _low_rank_buffer(x.shape[0], table.block_r, split, device)
+        ds = _low_rank_buffer(x.shape[0], table.block_r, device)
         dx = None
         if sched.num_blocks:
             _rows_times_weight(
-                (sched.num_blocks, split),
+                _rows_grid(sched),
                 (dy, table.b_ptrs, weights.a[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
                  table.scaling, table.drop_p, seeds, d_out, dy.stride(0), ds.stride(0)),
-                dict(W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), SPLIT_K=split, BLOCK_M=BLOCK_M,
-                     BLOCK_R=table.block_r, **_meta("rows")))
+                dict(W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
+                     BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, d_out, device)))
         if ctx.needs_input_grad[0]:
-            dx = (torch.empty_like(x) if sched.covers_all_rows else torch.zeros_like(x))
+            if ctx.owns_base:
+                dx = torch.mm(dy, base_weight)  # the frozen linear's dX; the LoRA term is added into it
+            else:
+                dx = (torch.empty_like(x) if sched.covers_all_rows else torch.zeros_like(x))
             if sched.num_blocks:
                 _rank_times_weight(
                     lambda meta: (sched.num_blocks, triton.cdiv(d_in, meta["BLOCK_N"])),
                     (ds, table.a_ptrs, weights.a[0], dx, sched.blk_adapter, sched.blk_start, sched.seg_end,
                      table.ranks, table.ones, table.drop_p, seeds, d_in, ds.stride(0), dx.stride(0)),
-                    dict(W_IS_A=True, ACCUMULATE=False, HAS_DROPOUT=ctx.has_dropout, DOT_PRECISION=_precision(x),
-                         BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_meta("rank")))
+                    dict(W_IS_A=True, ACCUMULATE=ctx.owns_base, HAS_DROPOUT=ctx.has_dropout,
+                         DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_meta("rank")))
         if ctx.direct:
             targets = _grads_of_parameters(weights, device)
             grads: tuple = (None,) * ctx.num_params
@@ -226,7 +239,7 @@ class GroupedLoRAFunction(torch.autograd.Function):
             targets = _fresh_grads(weights, table, device)
             grads = targets.a + targets.b
         _weight_grads(x, dy, s, ds, seeds, weights, table, sched, ctx.has_dropout, targets)
-        return (dx, dy, None, None, None, *grads)
+        return (dx, None if ctx.owns_base else dy, None, None, None, None, None, *grads)
 
 
 @dataclass(frozen=True)
@@ -287,20 +300,26 @@ def _meta(kind: str) -> dict[str, int]:
 _SMS: dict[int, int] = {}
 
 
-def _low_rank_buffer(rows: int, block_r: int, split: int, device: torch.device) -> Tensor:
-    """``S`` / ``dS``: fp32 (precision, and atomics when split over K); zeroed only when split."""
-    alloc = torch.zeros if split > 1 else torch.empty
-    return alloc((rows, block_r), device=device, dtype=torch.float32)
+def _low_rank_buffer(rows: int, block_r: int, device: torch.device) -> Tensor:
+    """``S`` / ``dS``: fp32 (precision, and atomics when the row kernel splits K), zeroed."""
+    return torch.zeros((rows, block_r), device=device, dtype=torch.float32)
+
+
+def _rows_grid(sched: Schedule):
+    return lambda meta: (sched.num_blocks, meta["SPLIT_K"])
+
+
+def _rows_meta(num_blocks: int, k: int, device: torch.device) -> dict[str, int]:
+    """The row kernel's meta-parameters: on the GPU the split (with the tiles) is tuned per bucket of row
+    blocks; the interpreter takes fixed tiles and `_split_k`."""
+    if K.INTERPRETED:
+        return dict(K.DEFAULT_META["rows"], SPLIT_K=_split_k(num_blocks, k, device), ROW_BUCKET=1)
+    return dict(ROW_BUCKET=min(triton.next_power_of_2(max(num_blocks, 1)), 1 << 14))
 
 
 def _split_k(num_blocks: int, k: int, device: torch.device) -> int:
-    """Programs per row block for the row kernels: enough for two waves of the GPU, at least 256 of K each."""
-    if device.type != "cuda" or num_blocks == 0:
-        return 1
-    split = 1
-    while num_blocks * split < 2 * _sm_count(device) and k // (split * 2) >= 256:
-        split *= 2
-    return split
+    """Programs per row block in the interpreter: one (tests force more to run the atomic path)."""
+    return 1
 
 
 def _sm_count(device: torch.device) -> int:
@@ -358,10 +377,29 @@ def multi_lora_triton(x: Tensor, base_out: Tensor, weights: LoRAWeights, trainin
         raise ValueError(f"expected x (T, d_in) and base_out (T, d_out), got {tuple(x.shape)}, {tuple(base_out.shape)}")
     if len(weights.a) == 0:
         return base_out
-    if weights.a[0].shape[1] != x.shape[1] or weights.b[0].shape[0] != base_out.shape[1]:
-        raise ValueError(f"adapter shapes do not fit x {tuple(x.shape)} and base_out {tuple(base_out.shape)}")
+    return _apply(x, base_out, None, None, weights, training, base_out.shape[1])
+
+
+def multi_lora_linear_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], weights: LoRAWeights,
+                             training: bool) -> Tensor:
+    """The Triton path of `multi_lora_linear`: the frozen linear ``X W^T + b`` and the LoRA terms in one
+    autograd Function, so the LoRA ``dX`` is added into the base's."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"expected x (T, d_in) and weight (d_out, d_in), got {tuple(x.shape)}, {tuple(weight.shape)}")
+    if weight.requires_grad or (bias is not None and bias.requires_grad) or weight.dtype != x.dtype:
+        raise ValueError("the fused path needs a frozen base weight (and bias) in the input's dtype")
+    if len(weights.a) == 0:
+        return F.linear(x, weight, bias)
+    return _apply(x, None, weight, bias, weights, training, weight.shape[0])
+
+
+def _apply(x: Tensor, base_out: Optional[Tensor], weight: Optional[Tensor], bias: Optional[Tensor],
+           weights: LoRAWeights, training: bool, d_out: int) -> Tensor:
+    if weights.a[0].shape[1] != x.shape[1] or weights.b[0].shape[0] != d_out:
+        raise ValueError(f"adapter shapes A {tuple(weights.a[0].shape)}, B {tuple(weights.b[0].shape)} do not fit "
+                         f"x {tuple(x.shape)} and an output of width {d_out}")
     params = weights.a + weights.b
     direct = weights.direct_grads and torch.is_grad_enabled() and all(p.is_leaf and p.requires_grad for p in params)
     if direct:
         params = params[:1]  # the one autograd input that makes backward run; the gradients go to `.grad`
-    return GroupedLoRAFunction.apply(x, base_out, weights, training, direct, *params)
+    return GroupedLoRAFunction.apply(x, base_out, weight, bias, weights, training, direct, *params)

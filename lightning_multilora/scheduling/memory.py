@@ -156,8 +156,8 @@ class MemoryFit:
 
     The squares are of *relative* errors (each point weighted by ``1 / peak``): the goal is a relative
     error, and the measured peaks span several times each other, so plain least squares would spend the
-    fit on the largest points and miss the small ones (on the H200 grid of `benchmarks/memory_model.py`:
-    8.7% vs 6.7% worst held-back error).
+    fit on the largest points and miss the small ones (H200 grids of `benchmarks/memory_model.py`: worst
+    held-back error 8.7% -> 6.7% on one, 122 adapters extrapolated at 11.7% -> 8.5% on another).
     """
 
     k0: float

@@ -160,6 +160,70 @@ def test_the_layer_runs_the_triton_backend_like_the_reference():
         assert rel(g, g_ref) < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dropout, bias", [(None, True), ([0.3, 0.0, 0.5], False)])
+def test_the_fused_frozen_linear_adds_the_lora_dx_into_the_base_dx(dtype, dropout, bias):
+    from lightning_multilora.kernels import multi_lora_linear
+    from lightning_multilora.kernels.triton_lora import multi_lora_linear_triton
+
+    if DEVICE == "cuda" and dtype == torch.float32:
+        pytest.skip("fp32 products on the GPU are tf32; bf16 is checked by the GPU tests")
+    x, _, w = problem([3, 16, 9], [130, 1, 64], d_in=48, d_out=72, dtype=dtype, dropout=dropout)
+    weight = torch.randn(72, 48, device=DEVICE).div(48 ** 0.5).to(dtype)
+    b = torch.randn(72, device=DEVICE).to(dtype) if bias else None
+    grad_out = torch.randn(x.shape[0], 72, device=DEVICE, dtype=dtype)
+
+    def fused(x_, _base, w_, training):
+        return multi_lora_linear_triton(x_, weight, b, w_, training)
+
+    def unfused(x_, _base, w_, training):
+        return multi_lora_triton(x_, torch.nn.functional.linear(x_, weight, b), w_, training)
+
+    torch.manual_seed(0)
+    y, grads = run(fused, x, x, w, True, grad_out)
+    torch.manual_seed(0)
+    y_ref, grads_ref = run(unfused, x, x, w, True, grad_out)  # same dropout masks: the same seeds drawn
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    assert rel(y, y_ref) < tol
+    for g, g_ref in zip(grads, grads_ref):
+        assert rel(g, g_ref) < tol
+    if dropout is None:  # and against float64, rows outside every segment included (dX = dY W there)
+        x64, w64 = x.double(), as64(w)
+        y64, grads64 = run(lambda x_, _b, w_, t: multi_lora_reference(
+            x_, torch.nn.functional.linear(x_, weight.double(), None if b is None else b.double()), w_, t),
+            x64, x64, w64, False, grad_out.double())
+        assert rel(y, y64) < tol
+        for g, g64 in zip(grads, grads64):
+            assert rel(g, g64) < tol
+    with pytest.raises(ValueError, match="frozen base weight"):
+        multi_lora_linear(x, weight.clone().requires_grad_(), b, w, False)
+
+
+def test_the_layer_fuses_only_a_plain_frozen_linear():
+    from lightning_multilora import BatchLayout
+    from lightning_multilora.layer import LayoutContext, MultiLoRALinear
+
+    import lightning_multilora.layer as layer_module
+
+    calls = []
+    original = layer_module.multi_lora_linear
+    layer_module.multi_lora_linear = lambda *a, **k: calls.append(1) or original(*a, **k)
+    try:
+        for trainable in (False, True):
+            base = torch.nn.Linear(16, 8).to(DEVICE)
+            layer = MultiLoRALinear(base, LayoutContext())  # freezes the base ...
+            base.requires_grad_(trainable)  # ... which a user may unfreeze again
+            layer.add_adapter("a", rank=2, alpha=4)
+            layer.context.layout = BatchLayout(("a",), (0,), (2,), 2)
+            before = len(calls)
+            layer(torch.randn(2, 3, 16, device=DEVICE)).sum().backward()
+            assert len(calls) - before == (0 if trainable else 1)  # a trainable base is called as a module
+            assert (base.weight.grad is not None) == trainable
+            assert layer.lora_B["a"].grad is not None
+    finally:
+        layer_module.multi_lora_linear = original
+
+
 def with_direct_grads(w: LoRAWeights) -> LoRAWeights:
     return LoRAWeights(w.a, w.b, w.scaling, w.dropout, w.starts, w.ends, direct_grads=True)
 
@@ -214,6 +278,22 @@ def test_bf16_on_the_gpu_against_float64(ranks, tokens):
     grad_out = torch.randn_like(base)
     y, grads = run(multi_lora_triton, x, base, w, False, grad_out)
     y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+    assert rel(y, y_ref) <= 1e-2
+    for g, g_ref in zip(grads, grads_ref):
+        if g_ref.abs().max() > 0:
+            assert rel(g, g_ref) <= 1e-2
+
+
+@pytest.mark.gpu
+def test_the_fused_frozen_linear_in_bf16_on_the_gpu_against_float64():
+    from lightning_multilora.kernels import multi_lora_linear
+
+    x, _, w = problem([8, 128, 64, 100], [1024, 300, 17, 999], d_in=4096, d_out=1024, dtype=torch.bfloat16)
+    weight = (torch.randn(1024, 4096, device=DEVICE) / 64).to(torch.bfloat16)
+    grad_out = torch.randn(x.shape[0], 1024, device=DEVICE, dtype=torch.bfloat16)
+    y, grads = run(lambda x_, _b, w_, t: multi_lora_linear(x_, weight, None, w_, t), x, x, w, False, grad_out)
+    y_ref, grads_ref = run(lambda x_, _b, w_, t: multi_lora_reference(x_, x_ @ weight.double().t(), w_, t),
+                           x.double(), x.double(), as64(w), False, grad_out.double())
     assert rel(y, y_ref) <= 1e-2
     for g, g_ref in zip(grads, grads_ref):
         if g_ref.abs().max() > 0:
