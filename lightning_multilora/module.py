@@ -433,6 +433,9 @@ class MultiLoRAMixin:
             if self._placement() is None:
                 raise RuntimeError("no adapter has rows to pack this step")
             self._idle_step()
+            # A step with no gradients (a no-op) so this rank's global step advances with the others': the
+            # checkpoint and validation decisions that follow it must be the same on every rank.
+            self.optimizers().step()
             return torch.zeros((), device=self.device)
         records = [self.registry[n] for n in layout.names]
         optimizer = self.optimizers()

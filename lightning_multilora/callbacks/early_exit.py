@@ -147,6 +147,11 @@ class EarlyExit(Callback):
                 pl_module.remove_adapter(rec.name, reason=reason, state=AdapterState.OVERFIT)
             if decision is not None:
                 self.exits.append({"adapter": rec.name, "state": decision, "step": rec.step, "reason": reason})
+        # Under adapter parallelism each rank decides for the adapters it trains (only those have training
+        # curves here); the exits reach the other ranks now, before a checkpoint is written.
+        sync = getattr(pl_module, "_sync_ranks", None)
+        if sync is not None:
+            sync()
 
     @override
     def state_dict(self) -> dict[str, Any]:

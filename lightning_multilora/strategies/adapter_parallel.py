@@ -67,11 +67,13 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         self.owner: dict[str, int] = {}
 
     def setup(self, trainer: Any) -> None:
-        # Callbacks that decide for adapters (ask trials, prune, stop) would each decide on every rank, for
-        # adapters the rank does not own: refuse them until their decisions are made on one rank and
-        # broadcast, rather than let the ranks' registries drift apart and the collectives hang.
+        # Callbacks that decide across adapters (ask trials, select among a cohort) would each decide on every
+        # rank from what that rank sees: refuse them until their decisions are made on one rank and broadcast,
+        # rather than let the ranks' registries drift apart and the collectives hang. EarlyExit judges each
+        # adapter on its own curves, on the rank that trains it, and shares its exits (`_sync_ranks`).
         deciders = [type(c).__name__ for c in trainer.callbacks
-                    if type(c).__module__.startswith("lightning_multilora.callbacks") and type(c).__name__ != "SweepReport"]
+                    if type(c).__module__.startswith("lightning_multilora.callbacks")
+                    and type(c).__name__ not in ("SweepReport", "EarlyExit")]
         if deciders:
             raise ValueError(f"callbacks {deciders} are not supported with strategy='adapter_parallel' yet: they "
                              "decide per rank; run them with a single-device strategy")

@@ -1,8 +1,9 @@
 """Trains four adapters with `AdapterParallelStrategy` on 2 gloo processes, or in one process (the reference).
 
-    python tests/strategies/ap_run.py OUT_DIR parallel|single|stop|resume
+    python tests/strategies/ap_run.py OUT_DIR parallel|single|stop|resume|early_exit|early_exit_single
 
 ``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt); ``resume`` finishes from that checkpoint.
+``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes.
@@ -56,7 +57,19 @@ def main() -> None:
         kwargs.update(max_steps=2, callbacks=[ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1)])
     if mode == "resume":
         (ckpt_path,) = (out / "ckpt").glob("*.ckpt")
-    if mode != "single":
+    if mode in ("early_exit", "early_exit_single"):
+        from lightning_multilora.callbacks import EarlyExit
+
+        class ExitA1(EarlyExit):
+            """EarlyExit whose rule says "overfit" for a1 at its first validation: the coordination is under
+            test here, the rule itself in tests/callbacks."""
+
+            def observe_validation(self, name, val_loss, step=-1):
+                super().observe_validation(name, val_loss, step)
+                return "overfit" if name == "a1" else None
+
+        kwargs.update(callbacks=[ExitA1()])
+    if not mode.endswith("single"):
         for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
                      "all_reduce"):
             if hasattr(dist, name):
@@ -68,7 +81,7 @@ def main() -> None:
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     rank = trainer.global_rank
     shards = []
-    if mode != "single":
+    if not mode.endswith("single"):
         from torch.distributed.tensor import DTensor
 
         shards = sorted({p.to_local().numel() for p in module.model.parameters() if isinstance(p, DTensor)})

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from lightning_multilora import AdapterSpec
@@ -118,13 +119,28 @@ def test_no_adapter_tensor_enters_a_collective(parallel_run):
         assert gathered and gathered <= per_layer | {root}  # only the frozen base is gathered
 
 
-def test_deciding_callbacks_are_refused_clearly():
+def test_callbacks_deciding_across_ranks_are_refused_clearly():
     from types import SimpleNamespace
 
-    from lightning_multilora.callbacks import EarlyExit
+    from lightning_multilora.callbacks import WarmupSelection
 
-    with pytest.raises(ValueError, match=r"callbacks \['EarlyExit'\] are not supported with strategy='adapter_parallel'"):
-        AdapterParallelStrategy().setup(SimpleNamespace(callbacks=[EarlyExit()]))
+    with pytest.raises(ValueError, match=r"callbacks \['WarmupSelection'\] are not supported with strategy='adapter_parallel'"):
+        AdapterParallelStrategy().setup(SimpleNamespace(callbacks=[WarmupSelection()]))
+
+
+def test_an_early_exit_on_one_rank_reaches_the_other_and_matches_one_process(tmp_path):
+    run(tmp_path, "early_exit")
+    run(tmp_path, "early_exit_single")
+    ranks = [json.loads((tmp_path / f"early_exit.rank{r}.json").read_text()) for r in (0, 1)]
+    single = json.loads((tmp_path / "early_exit_single.rank0.json").read_text())
+    assert ranks[0]["states"] == ranks[1]["states"] == single["states"]  # the exit reached the other rank
+    assert single["states"]["a1"] == ["overfit", 3]  # a1 left at its first validation (step 3 of 6)
+    assert sum("a1" in r["owned"] for r in ranks) == 1
+    for name in ("a0", "a1", "a2", "a3"):  # the exported (best) weights are the single process's
+        parallel = load_file(tmp_path / "early_exit" / name / "adapter_model.safetensors")
+        alone = load_file(tmp_path / "early_exit_single" / name / "adapter_model.safetensors")
+        for key in alone:
+            torch.testing.assert_close(parallel[key], alone[key], rtol=1e-5, atol=1e-6)
 
 
 def test_what_is_not_coordinated_across_ranks_yet_is_refused_clearly():
