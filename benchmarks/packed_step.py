@@ -150,6 +150,15 @@ def lm_backward(model: nn.Module, ids: Tensor, inputs_embeds: Optional[Tensor] =
 # ---------------------------------------------------------------------------------------------- timing
 
 
+def pick_device(tiny: bool) -> torch.device:
+    """The CPU for ``--tiny``, else the GPU (an 8B benchmark has nothing to measure without one)."""
+    if tiny:
+        return torch.device("cpu")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    raise SystemExit("the 8B benchmark needs a CUDA GPU; use --tiny to check the script on a CPU")
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -362,12 +371,7 @@ def main() -> None:
     import peft
     import transformers
 
-    if args.tiny:
-        device = torch.device("cpu")
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-    else:
-        raise SystemExit("the 8B benchmark needs a CUDA GPU; use --tiny to check the script on a CPU")
+    device = pick_device(args.tiny)
     torch.manual_seed(0)
     model = build_model(args.tiny, max(args.seqs), device)
     model_name = "tiny-llama (random bf16)" if args.tiny else "Llama-3.1-8B-shaped (random bf16)"

@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.packed_step import ALPHA, LR, RANK, TARGETS, build_model, lm_backward, restore_base
+from benchmarks.packed_step import (ALPHA, LR, RANK, TARGETS, build_model, lm_backward, pick_device, restore_base,
+                                    sync)
 from lightning_multilora.layer import inject_multilora
 from lightning_multilora.layout import BatchLayout
 
@@ -72,11 +73,6 @@ def make_optimizer(name: str, groups: list[dict]) -> torch.optim.Optimizer:
 
     cls = {"adamw8bit": bnb.optim.AdamW8bit, "paged_adamw8bit": bnb.optim.PagedAdamW8bit}[name]
     return cls(groups, lr=LR, weight_decay=0.01)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_n(model: nn.Module, layers, n: int, seq: int, reps: int, optimizer_name: str,
@@ -145,12 +141,7 @@ def main() -> None:
     args = p.parse_args()
     out = args.out or (Path(tempfile.gettempdir()) / "qlora.json" if args.tiny
                        else Path("benchmarks/results/qlora_h200.json"))
-    if args.tiny:
-        device = torch.device("cpu")
-    elif torch.cuda.is_available():
-        device = torch.device("cuda")
-    else:
-        raise SystemExit("the 8B benchmark needs a CUDA GPU; use --tiny to check the script on a CPU")
+    device = pick_device(args.tiny)
     import bitsandbytes
     import transformers
 
