@@ -20,7 +20,10 @@ Gradient checkpointing, the chunked loss of packed_step.py, r=16 adapters on the
 - ``adapter_parallel``: each rank owns a disjoint, balanced set of adapters (`assign_adapters`), trains them on its
   own rows; adapter weights are FSDP ``ignored_params`` (local, never communicated).
 - ``fsdp_dp``: every adapter on every rank as FSDP-managed (sharded, gradients reduce-scattered) parameters; the
-  global batch (adapters x batch size rows) split evenly over the ranks.
+  global batch (adapters x batch size rows) split evenly over the ranks (multi-LoRA packing under plain FSDP).
+- ``fsdp_per_adapter``: the usual way (PEFT + FSDP, ALTO's FSDP baseline): one adapter at a time, its batch split
+  over the ranks; a rank without a row runs a zero-weighted dummy row (FSDP needs every rank in every step).
+  Its tokens/s is that of training the adapters one after another.
 - with one process: everything on one GPU (where it fits).
 
 Reported: median step time and tokens/s over ``--steps`` steps after ``--warmup``, peak memory per GPU.
@@ -142,7 +145,8 @@ def main() -> None:
     names = [f"a{i}" for i in range(args.adapters)]
     specs = [AdapterSpec(n, rank=RANK, batch_size=args.batch_size) for n in names]
     rows = []
-    for mode in (("adapter_parallel", "fsdp_dp") if world > 1 else ("single",)):
+    for mode in (("adapter_parallel", "fsdp_dp", "fsdp_per_adapter") if world > 1 else ("single",)):
+        weights = None  # per-row loss weights (the dummy rows of fsdp_per_adapter)
         if mode == "adapter_parallel":
             owner = assign_adapters(specs, world)
             mine = [n for n in names if owner[n] == rank]
@@ -152,14 +156,20 @@ def main() -> None:
             total = args.adapters * args.batch_size
             lo, hi = rank * total // world, (rank + 1) * total // world
             row_sizes = [max(0, min(hi, (i + 1) * args.batch_size) - max(lo, i * args.batch_size)) for i in range(len(names))]
+        elif mode == "fsdp_per_adapter":
+            mine = names[:1]
+            share = args.batch_size // world + (rank < args.batch_size % world)
+            row_sizes = [max(share, 1)]
+            if share == 0:
+                weights = 0.0
         else:
             mine, row_sizes = names, [args.batch_size] * len(names)
-        MultiLoRALinear.direct_grads = mode != "fsdp_dp"  # FSDP manages those gradients itself
+        MultiLoRALinear.direct_grads = not mode.startswith("fsdp")  # FSDP manages those gradients itself
         model, layers, optimizer = build(config, device, mode, mine, world)
         present = [(n, r) for n, r in zip(mine, row_sizes) if r > 0]
         layout = BatchLayout.from_sizes([n for n, _ in present], [r for _, r in present])
         ids = torch.randint(config["vocab_size"], (max(1, layout.num_rows), args.seq), device=device)
-        if mode == "fsdp_dp":
+        if mode.startswith("fsdp"):
             # FSDP reduce-scatters the same set of gradients on every rank: adapters without rows on this rank
             # get a zero-weighted term, added inside the layer's forward (where the parameters are unsharded)
             def touch_all(module, args, out):
@@ -175,6 +185,8 @@ def main() -> None:
                 from benchmarks.packed_step import lm_loss
 
                 loss = lm_loss(model.lm_head, hidden, ids)
+                if weights is not None:
+                    loss = loss * weights
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -183,7 +195,8 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats(device)
         times = measure(step, args.steps, args.warmup, device)
         ms = statistics.median(times) * 1e3
-        tokens = args.adapters * args.batch_size * args.seq  # the whole (global) batch per step
+        # the whole (global) batch per step: every adapter's, or the one adapter's for fsdp_per_adapter
+        tokens = (1 if mode == "fsdp_per_adapter" else args.adapters) * args.batch_size * args.seq
         row = dict(mode=mode, model="tiny-llama" if args.tiny else args.model, world_size=world,
                    adapters=args.adapters, batch_size=args.batch_size, seq=args.seq, step_ms=round(ms, 1),
                    tokens_per_s=round(tokens / (ms / 1e3), 1),
