@@ -2,21 +2,24 @@
 
 Adapter ``i`` owns rows ``[start_i, end_i)``. A schedule table of (adapter, first row) pairs, one per
 ``BLOCK_M`` rows of each segment, drives the row-blocked kernels, so adapters with more tokens get more
-programs and boundary blocks are masked: no token padding. Ranks differ per adapter: the rank axis is a
-``BLOCK_R``-wide tile masked by ``offs_r < r_i``; weights are never padded in memory. Each adapter keeps
+programs and boundary blocks are masked: no token padding. Ranks differ per adapter: the rank axis is cut
+into ``BLOCK_R``-wide chunks masked by ``offs_r < r_i``; a chunk past an adapter's rank costs nothing (its
+program returns at once, or the rank loop ends), so a mix of ranks 8..128 does each adapter's own work rather
+than the largest rank's. Weights are never padded in memory. Each adapter keeps
 its own ``A_i (r_i, d_in)`` and ``B_i (d_out, r_i)`` tensors, reached through device arrays of pointers.
 All accumulation is fp32; matrix products take the activation dtype (bf16 / fp16 / fp32; fp32 products
 are tf32 unless ``torch.backends.cuda.matmul.allow_tf32`` is off, then exact "ieee").
 
 The four kernels:
 - `_rows_times_weight`: ``OUT[t, :r_i] = c_i * (drop_i(IN[t]) @ W_i)`` where W_i is ``A_i^T`` (shrink,
-  ``S = drop(X) A^T``) or ``B_i`` (``dS = s dY B``); split over K (tuned) into an fp32 ``OUT`` (``S``,
-  ``dS``) that must be zeroed.
+  ``S = drop(X) A^T``) or ``B_i`` (``dS = s dY B``); one program per (row block, rank chunk), the chunks of
+  one row block adjacent (the second reads its rows from L2); split over K (tuned) into an fp32 ``OUT``
+  (``S``, ``dS``) that must be zeroed.
 - `_rank_times_weight`: ``Y[t, :] (+)= c_i * (R[t, :r_i] @ W_i) [* drop mask]`` where W_i is ``B_i^T``
-  (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = drop'(dS A)``).
+  (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = drop'(dS A)``); loops over the rank chunks.
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = dS^T drop(X)``)
-  or B's (``dB^T = s S^T dY``). It adds into what is there, as autograd's gradient accumulation does;
+  or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split). It adds into what is there, as autograd's gradient accumulation does;
   its autotuning trials must therefore run on scratch targets (see `triton_lora`).
 Dropout masks come from a per-adapter seed and the element's (row, column): the backward regenerates
 the forward's mask instead of storing it.
@@ -69,22 +72,25 @@ def _rows_times_weight(
     # pointers
     IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes
-    K,
+    K, R_CHUNKS,
     # strides
     stride_in_m, stride_out_m,
     # meta-parameters
     W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_BUCKET: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) // R_CHUNKS
+    r0 = (tl.program_id(0) % R_CHUNKS) * BLOCK_R
     split = tl.program_id(1)
     a = tl.load(BLK_ADAPTER + pid)
+    r = tl.load(RANKS + a)
+    if r0 >= r:  # a chunk past this adapter's rank
+        return
     m0 = tl.load(BLK_START + pid)
     end = tl.load(SEG_END + a)
-    r = tl.load(RANKS + a)
     w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
     mask_m = offs_m < end
     mask_r = offs_r < r
     if W_IS_A:  # W = A^T: element (k, j) is A[j, k], A row-major (r, K)
@@ -140,22 +146,25 @@ def _rank_times_weight(
     w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_r = tl.arange(0, BLOCK_R)
     mask_m = offs_m < end
     mask_n = offs_n < N
-    mask_r = offs_r < r
     if W_IS_A:  # W = A: element (j, n) is A[j, n], A row-major (r, N)
         stride_wr = N
         stride_wn = 1
     else:  # W = B^T: element (j, n) is B[n, j], B row-major (N, r)
         stride_wr = 1
         stride_wn = r
-    low = tl.load(R + offs_m[:, None] * stride_r_m + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
-                  other=0.0)
-    wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
-                 mask=mask_r[:, None] & mask_n[None, :], other=0.0)
     dot_dtype = Y.dtype.element_ty
-    acc = tl.dot(low.to(dot_dtype), wt.to(dot_dtype), input_precision=DOT_PRECISION) * tl.load(COEF + a)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(0, r, BLOCK_R):  # this adapter's rank, chunk by chunk
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask_r = offs_r < r
+        low = tl.load(R + offs_m[:, None] * stride_r_m + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
+                      other=0.0)
+        wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
+                     mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        acc += tl.dot(low.to(dot_dtype), wt.to(dot_dtype), input_precision=DOT_PRECISION)
+    acc = acc * tl.load(COEF + a)
     if HAS_DROPOUT:
         acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m, offs_n, N)
     y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
@@ -171,22 +180,25 @@ def _weight_grad(
     # pointers
     L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes
-    K,
+    K, R_CHUNKS,
     # strides
     stride_l_m, stride_m_m,
     # meta-parameters
     G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPLIT_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    a = tl.program_id(0)
+    a = tl.program_id(0) // R_CHUNKS
+    r0 = (tl.program_id(0) % R_CHUNKS) * BLOCK_R
     pid_k = tl.program_id(1)
     split = tl.program_id(2)
+    r = tl.load(RANKS + a)
+    if r0 >= r:  # a chunk past this adapter's rank
+        return
     start = tl.load(SEG_START + a)
     end = tl.load(SEG_END + a)
-    r = tl.load(RANKS + a)
     g = tl.load(G_PTRS + a).to(G_WITNESS.dtype)  # this adapter's own gradient tensor
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = r0 + tl.arange(0, BLOCK_R)
     mask_k = offs_k < K
     mask_r = offs_r < r
     acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)

@@ -86,7 +86,17 @@ class PointerTable:
     drop_p: Tensor  # (n,) fp32
     grad_offsets: Tensor  # (2, n) int64: where dA_i starts in the dA buffer, dB_i in the dB buffer
     grad_sizes: list[int]  # numel of dA_0..dA_n-1, dB_0..dB_n-1
-    block_r: int
+    block_r: int  # the rank chunk (a tile width)
+    r_chunks: int  # chunks that cover the largest rank; S and dS are ``block_r * r_chunks`` wide
+
+
+MAX_RANK_CHUNK = 64
+
+
+def rank_chunk(ranks: list[int]) -> int:
+    """The rank tile: the largest rank's (a power of two, at least 16) up to `MAX_RANK_CHUNK`; larger ranks
+    take several chunks, so that in a mix of ranks the small ones do not run the largest one's tile."""
+    return min(MAX_RANK_CHUNK, max(16, triton.next_power_of_2(max(ranks))))
 
 
 def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
@@ -117,9 +127,10 @@ def _pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
         sizes = [a.numel() for a in weights.a] + [b.numel() for b in weights.b]
         offsets = torch.tensor([[0] + sizes[:n - 1], [0] + sizes[n:-1]], dtype=torch.int64).reshape(2, n).cumsum(1)
         ptrs = _upload(ptrs, device)
+        chunk = rank_chunk(ranks)
         return PointerTable(ptrs[0], ptrs[1], _upload(torch.tensor(ranks, dtype=torch.int32), device),
                             floats[0], floats[1], floats[2], _upload(offsets, device), sizes,
-                            max(16, triton.next_power_of_2(max(ranks))))
+                            chunk, triton.cdiv(max(ranks), chunk))
 
     return _pointer_tables.get_or_make(key, make)
 
@@ -180,14 +191,14 @@ class GroupedLoRAFunction(torch.autograd.Function):
         # state) regenerates the same masks.
         seeds = (torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32, device=device) if has_dropout else table.ranks)
         x = x if x.stride(-1) == 1 else x.contiguous()
-        s = _low_rank_buffer(x.shape[0], table.block_r, device)
+        s = _low_rank_buffer(x.shape[0], table, device)
         if sched.num_blocks:
             _rows_times_weight(
-                _rows_grid(sched),
+                _rows_grid(sched, table),
                 (x, table.a_ptrs, weights.a[0], s, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
-                 table.ones, table.drop_p, seeds, x.shape[1], x.stride(0), s.stride(0)),
+                 table.ones, table.drop_p, seeds, x.shape[1], table.r_chunks, x.stride(0), s.stride(0)),
                 dict(W_IS_A=True, HAS_DROPOUT=has_dropout, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
-                     BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, x.shape[1], device)))
+                     BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks * table.r_chunks, x.shape[1], device)))
             d_out = base_out.shape[1]
             _rank_times_weight(
                 lambda meta: (sched.num_blocks, triton.cdiv(d_out, meta["BLOCK_N"])),
@@ -211,15 +222,15 @@ class GroupedLoRAFunction(torch.autograd.Function):
         sched = schedule(weights.starts, weights.ends, x.shape[0], device)
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         d_in, d_out = x.shape[1], dy.shape[1]
-        ds = _low_rank_buffer(x.shape[0], table.block_r, device)
+        ds = _low_rank_buffer(x.shape[0], table, device)
         dx = None
         if sched.num_blocks:
             _rows_times_weight(
-                _rows_grid(sched),
+                _rows_grid(sched, table),
                 (dy, table.b_ptrs, weights.a[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
-                 table.scaling, table.drop_p, seeds, d_out, dy.stride(0), ds.stride(0)),
+                 table.scaling, table.drop_p, seeds, d_out, table.r_chunks, dy.stride(0), ds.stride(0)),
                 dict(W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
-                     BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, d_out, device)))
+                     BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks * table.r_chunks, d_out, device)))
         if ctx.needs_input_grad[0]:
             if ctx.owns_base:
                 dx = torch.mm(dy, base_weight)  # the frozen linear's dX; the LoRA term is added into it
@@ -300,18 +311,19 @@ def _meta(kind: str) -> dict[str, int]:
 _SMS: dict[int, int] = {}
 
 
-def _low_rank_buffer(rows: int, block_r: int, device: torch.device) -> Tensor:
-    """``S`` / ``dS``: fp32 (precision, and atomics when the row kernel splits K), zeroed."""
-    return torch.zeros((rows, block_r), device=device, dtype=torch.float32)
+def _low_rank_buffer(rows: int, table: PointerTable, device: torch.device) -> Tensor:
+    """``S`` / ``dS``: fp32 (precision, and atomics when the row kernel splits K), zeroed, as wide as the
+    rank chunks that cover the largest rank."""
+    return torch.zeros((rows, table.block_r * table.r_chunks), device=device, dtype=torch.float32)
 
 
-def _rows_grid(sched: Schedule):
-    return lambda meta: (sched.num_blocks, meta["SPLIT_K"])
+def _rows_grid(sched: Schedule, table: PointerTable):
+    return lambda meta: (sched.num_blocks * table.r_chunks, meta["SPLIT_K"])
 
 
 def _rows_meta(num_blocks: int, k: int, device: torch.device) -> dict[str, int]:
-    """The row kernel's meta-parameters: on the GPU the split (with the tiles) is tuned per bucket of row
-    blocks; the interpreter takes fixed tiles and `_split_k`."""
+    """The row kernel's meta-parameters: on the GPU the split (with the tiles) is tuned per bucket of
+    programs (row blocks x rank chunks); the interpreter takes fixed tiles and `_split_k`."""
     if K.INTERPRETED:
         return dict(K.DEFAULT_META["rows"], SPLIT_K=_split_k(num_blocks, k, device), ROW_BUCKET=1)
     return dict(ROW_BUCKET=min(triton.next_power_of_2(max(num_blocks, 1)), 1 << 14))
@@ -354,12 +366,12 @@ def _weight_grads(x, dy, s, ds, seeds, weights: LoRAWeights, table: PointerTable
         (False, s, dy, d_out, table.scaling, False, targets.b_ptrs),
     )
     for g_is_a, low, full, k, coef, dropout, ptrs in launches:
-        split = _split_for(n * triton.cdiv(k, 128), sched.max_tokens, device)
+        split = _split_for(n * table.r_chunks * triton.cdiv(k, 128), sched.max_tokens, device)
         args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, table.ranks, coef, table.drop_p, seeds, k,
-                low.stride(0), full.stride(0))
+                table.r_chunks, low.stride(0), full.stride(0))
         meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, SPLIT_T=split, DOT_PRECISION=_precision(x),
                     BLOCK_R=table.block_r, **_meta("grad"))
-        grid = lambda m, k=k, split=split: (n, triton.cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
+        grid = lambda m, k=k, split=split: (n * table.r_chunks, triton.cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
         tune_key = (k, table.block_r, g_is_a, split, dropout, low.dtype, full.dtype, witness.dtype, meta["DOT_PRECISION"])
         if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
             # The launch adds into its targets, and the autotuner's trials would add several times: let them

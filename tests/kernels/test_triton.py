@@ -101,6 +101,47 @@ def test_split_reductions_with_atomics_match_the_reference(monkeypatch):
         assert rel(g, g_ref) < 1e-5
 
 
+@pytest.mark.parametrize("dropout", [None, [0.0, 0.3, 0.0, 0.5, 0.0, 0.1]])
+def test_ranks_beyond_one_chunk_are_covered_chunk_by_chunk(monkeypatch, dropout):
+    # With 16-wide rank chunks, rank 100 takes 7 chunks and rank 1 one: chunks past an adapter's rank do
+    # nothing, the others cover every rank column exactly once (forward, dX, dA, dB).
+    from lightning_multilora.kernels import triton_lora
+
+    monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 16)
+    monkeypatch.setattr(triton_lora, "_pointer_tables", triton_lora._LRU())
+    ranks = [1, 7, 100, 33, 16, 17]
+    x, base, w = problem(ranks, [70, 3, 65, 0, 128, 9], d_in=80, d_out=40, dtype=torch.float32, dropout=dropout)
+    table = triton_lora.pointer_table(w, x.device)
+    assert (table.block_r, table.r_chunks) == (16, 7)
+    grad_out = torch.randn_like(base)
+    torch.manual_seed(0)
+    y, grads = run(multi_lora_triton, x, base, w, True, grad_out)
+    if dropout is None:
+        y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+        assert rel(y, y_ref) < 1e-5
+        for g, g_ref in zip(grads, grads_ref):
+            assert rel(g, g_ref) < 1e-5
+    else:  # the same masks with one chunk as wide as the largest rank
+        monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 128)
+        monkeypatch.setattr(triton_lora, "_pointer_tables", triton_lora._LRU())
+        w.memo.clear()
+        assert triton_lora.pointer_table(w, x.device).r_chunks == 1
+        torch.manual_seed(0)
+        y_one, grads_one = run(multi_lora_triton, x, base, w, True, grad_out)
+        assert rel(y, y_one) < 1e-5
+        for g, g_one in zip(grads, grads_one):
+            assert rel(g, g_one) < 1e-5
+
+
+def test_the_rank_chunk_is_the_largest_rank_up_to_the_cap():
+    from lightning_multilora.kernels.triton_lora import MAX_RANK_CHUNK, rank_chunk
+
+    assert rank_chunk([1]) == 16
+    assert rank_chunk([16, 16]) == 16
+    assert rank_chunk([8, 33]) == 64
+    assert rank_chunk([8, 128, 256]) == MAX_RANK_CHUNK == 64
+
+
 def test_rows_outside_every_segment_keep_the_base_output():
     x, base, w = problem([4, 5], [10, 20], d_in=32, d_out=16, dtype=torch.float32, seed=3)
     y = multi_lora_triton(x, base.clone(), w, False)
