@@ -557,8 +557,8 @@ class MultiLoRAMixin:
                     sums[name][1] += c
         self.train(was_training)
         losses = {n: (s / c if c > 0 else math.nan) for n, (s, c) in sums.items()}
-        if record:
-            self._record_val_losses(losses)
+        if record:  # under adapter parallelism a rank measures (and records) its own adapters, `_sync_ranks` the rest
+            self._record_val_losses({n: loss for n, loss in losses.items() if self._owns(n)})
         return losses
 
     @override

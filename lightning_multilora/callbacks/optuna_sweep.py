@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from lightning_multilora.registry import AdapterRecord, AdapterState
 from lightning_multilora.spec import AdapterSpec
+from lightning_multilora.strategies.adapter_parallel import decide_once, decides_here, placement_of
 
 if TYPE_CHECKING:
     import optuna
@@ -62,6 +63,12 @@ class OptunaSweep(Callback):
     an early exit or warmup pruning is told PRUNED, a finished adapter COMPLETE with its best validation
     loss, a failure FAIL. An exhausted grid ends the sweep cleanly. A resumed run keeps its trials'
     numbers (no trial lost or duplicated).
+
+    Under `AdapterParallelStrategy` the study is used from rank 0 alone: it asks the trials and broadcasts them
+    (with its bookkeeping), so every rank queues the same adapters in the same order and places them alike; it
+    reports and tells from its registry, where every adapter's validation losses and exit arrive from the rank
+    that trains it. An exit is told at the next fill of the slots (or at the end of training), before any new
+    trial is asked, as a single process would.
     """
 
     def __init__(self, search_space: dict[str, dict[str, Any]], n_trials: int = 16,
@@ -136,9 +143,16 @@ class OptunaSweep(Callback):
         return len(study.get_trials(deepcopy=False)) >= size
 
     def _fill(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Queue asked trials for the free slots; under adapter parallelism rank 0 asks, every rank queues."""
+        self._adopt(pl_module, decide_once(pl_module, lambda: self._ask(trainer, pl_module)))
+
+    def _ask(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        """On the deciding process: tell the exits not told yet, then ask trials while there is room (queueing
+        them here). Returns what the other ranks need to queue the same adapters (`_adopt`)."""
         import optuna
 
         study = self._ensure_study(trainer)
+        self._tell_exits(pl_module)
         registry = pl_module.registry
         # paused adapters (waiting for warmup selection) have freed their slots
         active = [n for n, t in self.trials.items() if not t["told"] and registry[n].state in
@@ -154,6 +168,7 @@ class OptunaSweep(Callback):
 
             def room() -> bool:
                 return len(active) < slots
+        specs = []
         while room() and self.asked < self.n_trials and not self.exhausted:
             if self._grid_exhausted(study):
                 self.exhausted = True
@@ -170,10 +185,22 @@ class OptunaSweep(Callback):
             self.trials[name] = {"trial_id": trial._trial_id, "number": trial.number, "reported": [], "told": False}
             self.asked += 1
             active.append(name)
+            specs.append(spec)
+        return {"specs": specs, "state": self.state_dict()}
+
+    def _adopt(self, pl_module: L.LightningModule, decision: dict[str, Any]) -> None:
+        """Apply the deciding process's trials and bookkeeping here (a no-op where they were decided): every
+        rank's registry and sweep state stay the same, checkpoints included."""
+        self.load_state_dict(decision["state"])
+        for spec in decision["specs"]:
+            if spec.name not in pl_module.registry:
+                pl_module.add_adapter(spec)
 
     def _report(self, pl_module: L.LightningModule) -> None:
         import optuna
 
+        if self.study is None or not decides_here(pl_module):
+            return  # under adapter parallelism rank 0 reports, for every rank
         for name, info in self.trials.items():
             if info["told"]:
                 continue
@@ -185,7 +212,20 @@ class OptunaSweep(Callback):
                     info["reported"].append(step)
 
     def on_adapter_exit(self, trainer: L.Trainer, pl_module: L.LightningModule, rec: AdapterRecord) -> None:
-        """Tell the study how an adapter's trial ended (called by the module when an adapter leaves)."""
+        """Tell the study how an adapter's trial ended (called by the module when an adapter leaves; under
+        adapter parallelism only on the rank that trained it, so rank 0 tells it later, `_tell_exits`)."""
+        if placement_of(pl_module) is None:
+            self._conclude(pl_module, rec)
+
+    def _tell_exits(self, pl_module: L.LightningModule) -> None:
+        """Tell every exited adapter's trial not told yet (under adapter parallelism: the exits shared by the
+        ranks since the last fill)."""
+        for name, info in self.trials.items():
+            if not info["told"] and name in pl_module.registry and pl_module.registry[name].state.exited:
+                self._conclude(pl_module, pl_module.registry[name])
+
+    def _conclude(self, pl_module: L.LightningModule, rec: AdapterRecord) -> None:
+        """Report the trial's last validations, then tell COMPLETE (its best validation loss), PRUNED or FAIL."""
         import optuna
 
         info = self.trials.get(rec.name)
@@ -202,7 +242,9 @@ class OptunaSweep(Callback):
 
     def _tell(self, number: int, **kwargs: Any) -> None:
         try:
-            self.study.tell(number, **kwargs)
+            # skip_if_finished: under adapter parallelism a trial is told after the checkpoint of the step it
+            # exited in; a run resumed from that checkpoint finds it told already
+            self.study.tell(number, skip_if_finished=True, **kwargs)
         except RuntimeError as err:
             # GridSampler calls study.stop() once its grid is used up, which only an optimize() loop may do;
             # the trial's state is stored before that, so the grid is simply exhausted.
@@ -227,8 +269,18 @@ class OptunaSweep(Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._ensure_study(trainer)
         self._fill(trainer, pl_module)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Exits after the last fill (a validation after the last step) are told too: under adapter parallelism
+        # by rank 0, its bookkeeping shared (every rank calls this hook, so the broadcast is matched).
+        self._adopt(pl_module, decide_once(pl_module, lambda: self._tell_remaining(pl_module)))
+
+    def _tell_remaining(self, pl_module: L.LightningModule) -> dict[str, Any]:
+        """`_tell_exits`, as a decision that asks nothing (for `_adopt`)."""
+        self._tell_exits(pl_module)
+        return {"specs": [], "state": self.state_dict()}
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_multilora.registry import AdapterState
+from lightning_multilora.registry import AdapterRegistry, AdapterState
+from lightning_multilora.strategies.adapter_parallel import decide_once
 
 
 class WarmupSelection(Callback):
@@ -23,6 +24,11 @@ class WarmupSelection(Callback):
     are pruned (exported, then their weights and optimizer states freed). Candidates that exit during
     warmup (diverged, failed) count among the K but cannot be kept. While a callback such as
     `OptunaSweep` still has candidates to ask (``has_pending_candidates()``), the ranking waits for them.
+
+    Under `AdapterParallelStrategy` the ranks first share their adapters' progress, then rank 0 decides which
+    adapters have warmed up and, later, which are kept; every rank applies its decisions. All ranks validate
+    the warmed-up adapters together (each its own), and the owners' results reach every registry before the
+    ranking; a pruned adapter is exported and freed by the rank that trains it.
     """
 
     def __init__(self, warmup_fraction: float = 0.05, keep_fraction: float = 0.25, min_keep: int = 1) -> None:
@@ -52,32 +58,60 @@ class WarmupSelection(Callback):
                            batch_idx: int) -> None:
         if self.decided:
             return
-        registry = pl_module.registry
-        for rec in registry:
-            if rec.name not in self.candidates and rec.state != AdapterState.QUEUED:
-                self.candidates.append(rec.name)
-        warmed = [rec for rec in registry.running
+        _sync(pl_module)  # under adapter parallelism: every adapter's step and state, current on every rank
+        warmup = decide_once(pl_module, lambda: self._warmed_up(pl_module.registry))
+        self.candidates += warmup["candidates"]
+        if warmup["warmed"]:
+            self._validate_and_pause(pl_module, warmup["warmed"])
+        selection = decide_once(pl_module, lambda: self._selection(trainer, pl_module.registry))
+        if selection is not None:
+            self._apply(pl_module, selection)
+            _sync(pl_module)  # the owners' prunes reach every rank before a checkpoint is written
+
+    def _warmed_up(self, registry: AdapterRegistry) -> dict[str, list[str]]:
+        """The decision of this step: new candidates (adapters that left the queue) and the adapters whose
+        warmup just ended."""
+        candidates = [rec.name for rec in registry
+                      if rec.name not in self.candidates and rec.state != AdapterState.QUEUED]
+        warmed = [rec.name for rec in registry.running
                   if rec.name not in self.warmup_losses and rec.step >= self.warmup_steps(rec.max_steps)]
-        if warmed:
-            losses = pl_module.evaluate([rec.spec for rec in warmed], record=True)
-            for rec in warmed:
-                self.warmup_losses[rec.name] = losses[rec.name]
-                pl_module.pause_adapter(rec.name, reason=f"warmed up ({rec.step} steps), waiting for selection")
+        return {"candidates": candidates, "warmed": warmed}
+
+    def _validate_and_pause(self, pl_module: L.LightningModule, names: list[str]) -> None:
+        """Validate the warmed-up adapters (under adapter parallelism all ranks at once, each its own; the
+        owners' losses then reach every registry) and pause them until the selection."""
+        registry = pl_module.registry
+        pl_module.evaluate([registry[n].spec for n in names], record=True)
+        _sync(pl_module)
+        for name in names:
+            rec = registry[name]
+            self.warmup_losses[name] = rec.last_val_loss
+            pl_module.pause_adapter(name, reason=f"warmed up ({rec.step} steps), waiting for selection")
+
+    def _selection(self, trainer: L.Trainer, registry: AdapterRegistry) -> Optional[dict[str, Any]]:
+        """None while candidates are still warming up, queued or to come; else the ranking's decision: the
+        names to keep, and the others with why they are pruned."""
         still_warming = [r for r in registry.running if r.name not in self.warmup_losses]
         more_coming = any(getattr(cb, "has_pending_candidates", lambda: False)() for cb in trainer.callbacks)
         if still_warming or registry.queued or more_coming:
-            return
+            return None
         waiting = {r.name: self.warmup_losses[r.name] for r in registry.paused if r.name in self.warmup_losses}
-        self.kept = self.select(waiting, len(self.candidates))
+        kept = self.select(waiting, len(self.candidates))
         ranking = sorted(waiting, key=lambda n: waiting[n])
-        for name in ranking:
+        pruned = {name: (f"warmup selection: validation loss {waiting[name]:.4f} ranked {place} of {len(ranking)}; "
+                         f"kept the top {len(kept)} of {len(self.candidates)} candidates")
+                  for place, name in enumerate(ranking, start=1) if name not in kept}
+        return {"ranking": ranking, "kept": kept, "pruned": pruned}
+
+    def _apply(self, pl_module: L.LightningModule, selection: dict[str, Any]) -> None:
+        """Resume the kept adapters (every rank), prune the others (their owner exports and frees them; the
+        other ranks learn it at the next exchange)."""
+        self.kept = list(selection["kept"])
+        for name in selection["ranking"]:
             if name in self.kept:
                 pl_module.resume_adapter(name)
-            else:
-                place = ranking.index(name) + 1
-                pl_module.remove_adapter(name, state=AdapterState.PRUNED, reason=(
-                    f"warmup selection: validation loss {waiting[name]:.4f} ranked {place} of {len(ranking)}; "
-                    f"kept the top {len(self.kept)} of {len(self.candidates)} candidates"))
+            elif pl_module._owns(name):
+                pl_module.remove_adapter(name, state=AdapterState.PRUNED, reason=selection["pruned"][name])
         self.decided = True
 
     @override
@@ -91,3 +125,10 @@ class WarmupSelection(Callback):
         self.candidates = list(state_dict.get("candidates", []))
         self.kept = list(state_dict.get("kept", []))
         self.decided = bool(state_dict.get("decided", False))
+
+
+def _sync(pl_module: L.LightningModule) -> None:
+    """Share the ranks' adapter progress and exits (a no-op in a single process)."""
+    sync = getattr(pl_module, "_sync_ranks", None)
+    if sync is not None:
+        sync()

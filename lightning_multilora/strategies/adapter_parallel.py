@@ -9,18 +9,24 @@ each admitted adapter an owner (balanced by rows per step, same batch sizes toge
 step the ranks exchange their adapters' progress and exits (``all_gather_object``) so that the next
 admission, and the end of training, are decided alike. A rank with no adapter left still runs the base's
 forward and backward, so the collectives never wait on it.
+
+Callbacks that decide across adapters (`OptunaSweep` asks trials and tells results, `WarmupSelection` ranks
+the cohort) decide on rank 0 alone, from the shared registry, through `decide_once`: the decision (or the
+error it raised) is broadcast, and every rank applies the same one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
 from lightning_multilora.spec import AdapterSpec
+
+T = TypeVar("T")
 
 
 def assign_adapters(specs: Sequence[AdapterSpec], num_ranks: int,
@@ -67,16 +73,6 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         self.owner: dict[str, int] = {}
 
     def setup(self, trainer: Any) -> None:
-        # Callbacks that decide across adapters (ask trials, select among a cohort) would each decide on every
-        # rank from what that rank sees: refuse them until their decisions are made on one rank and broadcast,
-        # rather than let the ranks' registries drift apart and the collectives hang. EarlyExit judges each
-        # adapter on its own curves, on the rank that trains it, and shares its exits (`_sync_ranks`).
-        deciders = [type(c).__name__ for c in trainer.callbacks
-                    if type(c).__module__.startswith("lightning_multilora.callbacks")
-                    and type(c).__name__ not in ("SweepReport", "EarlyExit")]
-        if deciders:
-            raise ValueError(f"callbacks {deciders} are not supported with strategy='adapter_parallel' yet: they "
-                             "decide per rank; run them with a single-device strategy")
         # Admission control is decided per rank (its freed-slot preference would differ between ranks).
         module = self.lightning_module
         if getattr(module, "admission", None) is not None:
@@ -190,6 +186,43 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         for part in gathered:
             merged.update(part)
         return merged
+
+    def decide_on_rank_zero(self, decide: Callable[[], T]) -> T:
+        """``decide()`` on rank 0 alone; its result reaches every rank (``broadcast_object_list``). Rank 0 also
+        broadcasts the error it raised, which every other rank then raises (a ValueError or TypeError as such,
+        others as RuntimeError): none is left waiting in a collective that rank 0 never joins."""
+        outcome: Any = None
+        if self.global_rank == 0:
+            try:
+                outcome = ("ok", decide())
+            except Exception as err:
+                self.broadcast(("error", (type(err).__name__, str(err))), src=0)
+                raise
+        kind, value = self.broadcast(outcome, src=0)
+        if kind == "error":
+            name, message = value
+            cls = {"ValueError": ValueError, "TypeError": TypeError}.get(name, RuntimeError)
+            raise cls(f"rank 0 failed to decide for every rank: {name}: {message}")
+        return value
+
+
+def placement_of(pl_module: Any) -> Optional[AdapterParallelStrategy]:
+    """The `AdapterParallelStrategy` training ``pl_module``'s adapters, or None in a single process."""
+    placement = getattr(pl_module, "_placement", lambda: None)()
+    return placement if isinstance(placement, AdapterParallelStrategy) else None
+
+
+def decides_here(pl_module: Any) -> bool:
+    """Whether this process makes the run's shared decisions (the single process, or rank 0)."""
+    placement = placement_of(pl_module)
+    return placement is None or placement.global_rank == 0
+
+
+def decide_once(pl_module: Any, decide: Callable[[], T]) -> T:
+    """``decide()`` in a single process; under adapter parallelism rank 0's, broadcast (`decide_on_rank_zero`).
+    Every rank must call it at the same point: it is a collective."""
+    placement = placement_of(pl_module)
+    return decide() if placement is None else placement.decide_on_rank_zero(decide)
 
 
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:

@@ -1,12 +1,19 @@
 """Trains four adapters with `AdapterParallelStrategy` on 2 gloo processes, or in one process (the reference).
 
-    python tests/strategies/ap_run.py OUT_DIR parallel|single|stop|resume|early_exit|early_exit_single
+    python tests/strategies/ap_run.py OUT_DIR parallel|single|stop|resume|early_exit|early_exit_single|optuna|
+        optuna_single|warmup|warmup_single|optuna_bad_target
 
 ``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt); ``resume`` finishes from that checkpoint.
 ``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation.
+``optuna`` / ``optuna_single``: no fixed adapters; OptunaSweep asks 5 trials (2 slots) from an in-memory TPE study
+that every process creates (2 random startup trials, so later asks depend on what was told before them).
+``warmup`` / ``warmup_single``: OptunaSweep (random sampler, SQLite OUT_DIR/<mode>.db) feeds 4 candidates through 2
+slots to WarmupSelection, which keeps the best 2. ``optuna_bad_target``: every trial names a missing target module.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
-and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes.
+and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
+sweep modes also its calls of the Optuna study (ask, report, tell), the trials of its study object and the
+callbacks' states.
 Run by tests/strategies/test_adapter_parallel.py.
 """
 
@@ -15,6 +22,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 import lightning as L
 import torch
@@ -29,6 +37,9 @@ SPECS = [AdapterSpec("a0", rank=2, batch_size=2, lr=1e-3, max_steps=3, seed=1),
          AdapterSpec("a2", rank=3, batch_size=1, lr=1e-3, max_steps=4, seed=3),
          AdapterSpec("a3", rank=2, batch_size=1, lr=3e-3, max_steps=2, seed=4)]
 CALLS: list[tuple[str, int]] = []
+STUDY_CALLS: list[list] = []
+SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
+         "rank": {"type": "categorical", "choices": [2, 4]}}
 
 
 def record(name):
@@ -42,9 +53,53 @@ def record(name):
     setattr(dist, name, wrapper)
 
 
+def count_study_calls() -> None:
+    """Record every ask, report and tell this process makes on any Optuna study."""
+    import optuna
+
+    def wrap(cls, name, describe):
+        original = getattr(cls, name)
+
+        def wrapper(self, *args, **kwargs):
+            result = original(self, *args, **kwargs)
+            STUDY_CALLS.append([name, *describe(self, result, *args, **kwargs)])
+            return result
+
+        setattr(cls, name, wrapper)
+
+    wrap(optuna.Study, "ask", lambda self, trial, *a, **k: [trial.number])
+    wrap(optuna.Study, "tell", lambda self, result, number, *a, **k: [number])
+    wrap(optuna.trial.Trial, "report", lambda self, result, value, step: [self.number, step])
+
+
+def sweep_callbacks(out: Path, mode: str) -> tuple[list, Callable[[], Any]]:
+    """The callbacks of a sweep mode, and how to find the study this process holds after fit (to read back)."""
+    import optuna
+
+    from lightning_multilora.callbacks import OptunaSweep, WarmupSelection
+
+    count_study_calls()
+    if mode.startswith("warmup"):
+        sweep = OptunaSweep(SPACE, n_trials=4, storage=f"sqlite:///{out / mode}.db", sampler="random", seed=3,
+                            base={"max_steps": 8, "batch_size": 1}, slots=2)
+        return [sweep, WarmupSelection(warmup_fraction=0.25, keep_fraction=0.5)], lambda: sweep.study
+    study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0, n_startup_trials=2))
+    base = {"max_steps": 3, "batch_size": 1}
+    if mode == "optuna_bad_target":
+        base["target_modules"] = ["nope_proj"]
+    return [OptunaSweep(SPACE, n_trials=5, study=study, base=base, slots=2)], lambda: study
+
+
+def study_rows(study) -> list[dict]:
+    return [dict(number=t.number, params=t.params, state=t.state.name, value=t.value,
+                 steps=sorted(t.intermediate_values), adapter=t.user_attrs.get("adapter"))
+            for t in study.get_trials(deepcopy=False)]
+
+
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
-    module = MultiLoRAModule("tiny-llama", adapters=SPECS, export_dir=str(out / mode))  # validates on finish
+    sweep = mode.startswith(("optuna", "warmup"))  # its adapters come from the study; adapters validate on finish
+    module = MultiLoRAModule("tiny-llama", adapters=[] if sweep else SPECS, export_dir=str(out / mode))
     dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, padding="max_length", max_length=96,
                              max_val_examples=8)
     kwargs = dict(accelerator="cpu", max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,
@@ -69,12 +124,19 @@ def main() -> None:
                 return "overfit" if name == "a1" else None
 
         kwargs.update(callbacks=[ExitA1()])
+    held_study = None
+    if sweep:
+        callbacks, held_study = sweep_callbacks(out, mode)
+        kwargs.update(callbacks=callbacks)
     if not mode.endswith("single"):
         for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
                      "all_reduce"):
             if hasattr(dist, name):
                 record(name)
-        strategy = AdapterParallelStrategy(process_group_backend="gloo")
+        from datetime import timedelta
+
+        # a short collective timeout: a rank left waiting fails the run in a minute rather than hanging the tests
+        strategy = AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90))
         trainer = L.Trainer(strategy=strategy, devices=2, **kwargs)
     else:
         trainer = L.Trainer(devices=1, **kwargs)
@@ -88,8 +150,16 @@ def main() -> None:
     owned = sorted(n for n, r in getattr(trainer.strategy, "owner", {}).items() if r == rank)
     states = {r.name: (r.state.value, r.step) for r in module.registry}
     val = {r.name: r.val_losses for r in module.registry}
+    sweep_state = {}
+    if held_study is not None:
+        study = held_study()
+        sweep_state = dict(study=study_rows(study) if study is not None else None, study_calls=STUDY_CALLS,
+                           callbacks={type(cb).__name__: cb.state_dict() for cb in trainer.callbacks
+                                      if type(cb).__module__.startswith("lightning_multilora")},
+                           specs={r.name: r.spec.to_dict() for r in module.registry},
+                           reasons={r.name: r.reason for r in module.registry})
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps(dict(owned=owned, calls=CALLS, shard_numels=shards,
-                                                                 states=states, val=val)))
+                                                                 states=states, val=val, **sweep_state)))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ from safetensors.torch import load_file
 from lightning_multilora import AdapterSpec
 from lightning_multilora.strategies import AdapterParallelStrategy, assign_adapters
 
+sys.path.insert(0, str(Path(__file__).parent))
+from ap_run import study_rows  # noqa: E402
+
 SCRIPT = Path(__file__).parent / "ap_run.py"
 
 
@@ -37,8 +40,12 @@ def test_the_strategy_is_registered_by_name():
     assert StrategyRegistry.get("adapter_parallel").__class__ is AdapterParallelStrategy
 
 
+def launch(out: Path, mode: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), str(out), mode], capture_output=True, text=True, timeout=600)
+
+
 def run(out: Path, mode: str) -> None:
-    result = subprocess.run([sys.executable, str(SCRIPT), str(out), mode], capture_output=True, text=True, timeout=600)
+    result = launch(out, mode)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -119,15 +126,6 @@ def test_no_adapter_tensor_enters_a_collective(parallel_run):
         assert gathered and gathered <= per_layer | {root}  # only the frozen base is gathered
 
 
-def test_callbacks_deciding_across_ranks_are_refused_clearly():
-    from types import SimpleNamespace
-
-    from lightning_multilora.callbacks import WarmupSelection
-
-    with pytest.raises(ValueError, match=r"callbacks \['WarmupSelection'\] are not supported with strategy='adapter_parallel'"):
-        AdapterParallelStrategy().setup(SimpleNamespace(callbacks=[WarmupSelection()]))
-
-
 def test_an_early_exit_on_one_rank_reaches_the_other_and_matches_one_process(tmp_path):
     run(tmp_path, "early_exit")
     run(tmp_path, "early_exit_single")
@@ -150,3 +148,97 @@ def test_what_is_not_coordinated_across_ranks_yet_is_refused_clearly():
     with pytest.raises(ValueError, match="objective 'dpo' is not supported with strategy='adapter_parallel'"):
         strategy.check_spec(AdapterSpec("d", objective="dpo"))
     strategy.check_spec(AdapterSpec("s"))
+
+
+def load_runs(tmp_path: Path, mode: str) -> tuple[list[dict], dict]:
+    """Rank 0's and rank 1's reports of ``mode``, and the single process's (``<mode>_single``)."""
+    ranks = [json.loads((tmp_path / f"{mode}.rank{r}.json").read_text()) for r in (0, 1)]
+    return ranks, json.loads((tmp_path / f"{mode}_single.rank0.json").read_text())
+
+
+def assert_same_exports(tmp_path: Path, mode: str, names) -> None:
+    for name in names:
+        parallel = load_file(tmp_path / mode / name / "adapter_model.safetensors")
+        alone = load_file(tmp_path / f"{mode}_single" / name / "adapter_model.safetensors")
+        assert parallel.keys() == alone.keys()
+        for key in alone:
+            torch.testing.assert_close(parallel[key], alone[key], rtol=1e-5, atol=1e-6)
+
+
+def assert_study_used_from_rank_zero_once_per_result(ranks: list[dict], study: list[dict]) -> None:
+    """Rank 1 never touched a study; rank 0 asked and told each trial once and reported each validation once."""
+    from collections import Counter
+
+    assert ranks[1]["study_calls"] == []
+    calls = Counter(tuple(c) for c in ranks[0]["study_calls"])
+    numbers = [t["number"] for t in study]
+    assert numbers == list(range(len(study)))
+    assert all(calls[("ask", n)] == 1 and calls[("tell", n)] == 1 for n in numbers)
+    reports = {c for c in calls if c[0] == "report"}
+    assert all(calls[c] == 1 for c in reports)
+    val = ranks[0]["val"]
+    assert reports == {("report", t["number"], step) for t in study for step, _ in val[t["adapter"]]}
+    assert all(t["steps"] == [step for step, _ in val[t["adapter"]]] for t in study)
+
+
+def assert_same_study(parallel: list[dict], single: list[dict]) -> None:
+    assert [(t["number"], t["params"], t["state"], t["steps"]) for t in parallel] == [
+        (t["number"], t["params"], t["state"], t["steps"]) for t in single]
+    for a, b in zip(parallel, single):
+        assert a["value"] == pytest.approx(b["value"], rel=1e-5)
+
+
+def test_an_optuna_sweep_asks_and_tells_from_rank_zero_and_runs_the_trials_of_one_process(tmp_path):
+    pytest.importorskip("optuna")  # absent on the GPU image; installed by `make test`
+    run(tmp_path, "optuna")
+    run(tmp_path, "optuna_single")
+    ranks, single = load_runs(tmp_path, "optuna")
+    # every rank queued the same trials with the same specs and ended with the same registry and sweep state
+    assert ranks[0]["specs"] == ranks[1]["specs"] == single["specs"]
+    assert ranks[0]["states"] == ranks[1]["states"] == single["states"]
+    assert all(state == "finished" for state, _ in single["states"].values()) and len(single["states"]) == 5
+    assert ranks[0]["val"] == ranks[1]["val"]
+    assert ranks[0]["callbacks"] == ranks[1]["callbacks"]
+    assert ranks[0]["owned"] and ranks[1]["owned"] and not set(ranks[0]["owned"]) & set(ranks[1]["owned"])
+    # rank 1's own (in-memory) study stayed empty; rank 0's holds each result once, as the single process's does
+    # (two random startup trials, then TPE: the later trials' parameters depend on what was told before them)
+    assert ranks[1]["study"] == []
+    assert_study_used_from_rank_zero_once_per_result(ranks, ranks[0]["study"])
+    assert_same_study(ranks[0]["study"], single["study"])
+    assert_same_exports(tmp_path, "optuna", single["states"])
+
+
+def test_warmup_selection_decided_on_rank_zero_keeps_what_one_process_keeps(tmp_path):
+    optuna = pytest.importorskip("optuna")
+
+    run(tmp_path, "warmup")
+    run(tmp_path, "warmup_single")
+    ranks, single = load_runs(tmp_path, "warmup")
+    warmup = [r["callbacks"]["WarmupSelection"] for r in (*ranks, single)]
+    assert warmup[0] == warmup[1]
+    assert warmup[0]["decided"] and len(warmup[0]["candidates"]) == 4 and len(warmup[0]["kept"]) == 2
+    assert (warmup[0]["candidates"], warmup[0]["kept"]) == (warmup[2]["candidates"], warmup[2]["kept"])
+    assert warmup[0]["warmup_losses"] == pytest.approx(warmup[2]["warmup_losses"], rel=1e-5)
+    assert ranks[0]["states"] == ranks[1]["states"] == single["states"]
+    assert ranks[0]["reasons"] == ranks[1]["reasons"] == single["reasons"]
+    assert sorted(state for state, _ in single["states"].values()) == ["finished", "finished", "pruned", "pruned"]
+    assert ranks[0]["callbacks"]["OptunaSweep"] == ranks[1]["callbacks"]["OptunaSweep"]
+    # the study, read back from its SQLite file: pruned trials told PRUNED, kept ones COMPLETE, once each
+    studies = [study_rows(optuna.load_study(study_name="multilora", storage=f"sqlite:///{tmp_path / m}.db"))
+               for m in ("warmup", "warmup_single")]
+    assert ranks[1]["study"] is None
+    assert_study_used_from_rank_zero_once_per_result(ranks, studies[0])
+    assert_same_study(*studies)
+    assert {t["adapter"] for t in studies[0] if t["state"] == "PRUNED"} == {
+        n for n, (state, _) in single["states"].items() if state == "pruned"}
+    assert_same_exports(tmp_path, "warmup", single["states"])  # pruned adapters too, exported by their owner
+
+
+def test_an_error_in_rank_zeros_decision_fails_every_rank_with_its_message(tmp_path):
+    pytest.importorskip("optuna")
+    result = launch(tmp_path, "optuna_bad_target")  # every trial names a module the model does not have
+    assert result.returncode != 0
+    missing = "`target_modules` ['nope_proj'] are not among the injected layers; injected module names end in:"
+    assert "ValueError: trial 0 with" in result.stderr and missing in result.stderr  # rank 0
+    assert "ValueError: rank 0 failed to decide for every rank: ValueError: trial 0 with" in result.stderr  # rank 1
+    assert "timed out" not in result.stderr.lower()
