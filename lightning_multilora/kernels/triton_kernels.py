@@ -41,10 +41,18 @@ DEFAULT_META = {
 }
 
 
+def _quick_bench(fn, quantiles=None, **kwargs):
+    """Triton's timing with a shorter budget (5 ms warm-up, 25 ms of runs per config, not 25 and 100): these
+    kernels take microseconds, and a run whose adapter set changes meets new row buckets as it goes."""
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+
+
 def _tuned(configs, key, **kwargs):
+    """Autotuned on the GPU; the choices are cached on disk (Triton's cache), so a new process does not tune
+    the same shapes again."""
     if INTERPRETED:
         return lambda fn: fn
-    return triton.autotune(configs=configs, key=key, **kwargs)
+    return triton.autotune(configs=configs, key=key, cache_results=True, do_bench=_quick_bench, **kwargs)
 
 
 # Few candidates per kernel: each is compiled once per shape the first time it runs.
@@ -67,16 +75,17 @@ def _dropout_scale(values, seed, p, rows, cols, n_cols):
 
 
 @_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "ROW_BUCKET"], reset_to_zero=["OUT"])
-@triton.jit
+@triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET"])
 def _rows_times_weight(
     # pointers
     IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
-    # sizes
-    K, R_CHUNKS,
+    # sizes (ROW_BUCKET, a power of two of the programs, only keys the tuning: a runtime value, so every
+    # bucket shares the compiled kernels)
+    K, R_CHUNKS, ROW_BUCKET,
     # strides
     stride_in_m, stride_out_m,
     # meta-parameters
-    W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, ROW_BUCKET: tl.constexpr,
+    W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0) // R_CHUNKS
@@ -175,7 +184,7 @@ def _rank_times_weight(
 
 
 @_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "SPLIT_T", "HAS_DROPOUT"])
-@triton.jit
+@triton.jit(do_not_specialize=["R_CHUNKS"])
 def _weight_grad(
     # pointers
     L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,

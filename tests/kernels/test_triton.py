@@ -139,7 +139,7 @@ def test_the_rank_chunk_is_the_largest_rank_up_to_the_cap():
     assert rank_chunk([1]) == 16
     assert rank_chunk([16, 16]) == 16
     assert rank_chunk([8, 33]) == 64
-    assert rank_chunk([8, 128, 256]) == MAX_RANK_CHUNK == 64
+    assert rank_chunk([8, 128, 256]) == MAX_RANK_CHUNK == 128
 
 
 def test_rows_outside_every_segment_keep_the_base_output():
