@@ -68,6 +68,26 @@ def test_add_and_remove_adapters_mid_fit(tmp_path, trainer_kwargs):
         torch.testing.assert_close(exported(module, "new")[key], value, rtol=1e-5, atol=1e-7)
 
 
+def test_exits_at_a_validation_that_empty_every_slot_refill_them_at_the_next_step(tmp_path, trainer_kwargs):
+    # An exit at validation time (EarlyExit's) can leave no adapter running before the next step; the queued one
+    # must start at that step's end instead of the run failing on an empty batch.
+    class ExitAllAtValidation(L.Callback):
+        def on_validation_end(self, trainer, pl_module):
+            for rec in list(pl_module.registry.running):
+                if rec.name == "first":
+                    pl_module.remove_adapter(rec.name, reason="test: exited at validation")
+
+    specs = [AdapterSpec("first", max_steps=100), AdapterSpec("second", max_steps=6, seed=1)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=1, export_dir=str(tmp_path / "out"))
+    trainer = L.Trainer(**dict(trainer_kwargs, val_check_interval=4), callbacks=[ExitAllAtValidation()])
+    trainer.fit(module, small_dm())
+    first, second = module.registry["first"], module.registry["second"]
+    assert (first.state.value, first.step) == ("pruned", 4)
+    assert (second.state.value, second.step) == ("finished", 6)
+    assert second.started_at_step == 5  # one idle step (global step 4 -> 5), then admitted
+    assert trainer.global_step == 11
+
+
 def test_queue_respects_max_running_and_backfills(tmp_path, trainer_kwargs):
     specs = [AdapterSpec(f"q{i}", rank=2, batch_size=1, max_steps=3 + i, seed=i) for i in range(5)]
     seen: list[tuple[str, ...]] = []
@@ -136,7 +156,7 @@ def test_per_adapter_metrics_are_logged_to_tensorboard(tmp_path, trainer_kwargs)
 
     specs = [AdapterSpec("x", batch_size=2, max_steps=12), AdapterSpec("y", batch_size=1, max_steps=8, seed=1)]
     module = MultiLoRAModule("tiny-llama", adapters=specs)
-    kwargs = dict(trainer_kwargs, logger=TensorBoardLogger(str(tmp_path), name="tb"), log_every_n_steps=2,
+    kwargs = dict(trainer_kwargs, logger=TensorBoardLogger(str(tmp_path), name="tb"), log_every_n_steps=5,
                   val_check_interval=4)
     trainer = L.Trainer(**kwargs)
     trainer.fit(module, small_dm())
@@ -146,4 +166,10 @@ def test_per_adapter_metrics_are_logged_to_tensorboard(tmp_path, trainer_kwargs)
     for name in ("x", "y"):
         for metric in ("train_loss", "val_loss", "lr", "grad_norm", "tokens_seen"):
             assert f"adapters/{name}/{metric}" in tags
+    # the steps a logger writes (every log_every_n_steps and at the stop, x's 12th step), with each adapter's last
+    # values among them (y's 8th step, written at the next write)
+    for name in ("x", "y"):
+        written = events.Scalars(f"adapters/{name}/train_loss")
+        assert [e.step for e in written] == [4, 9, 11]
+        assert written[-1].value == pytest.approx(module.registry[name].train_losses[-1][1])
     assert module.registry["x"].export_path.startswith(trainer.log_dir)
