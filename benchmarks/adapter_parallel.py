@@ -59,7 +59,8 @@ MODELS = {
 }
 
 
-def build(config_kwargs: dict, device: torch.device, mode: str, names: list[str], world: int):
+def build(config_kwargs: dict, device: torch.device, mode: str, names: list[str], world: int,
+          reshard_after_forward: bool = True):
     """The sharded base with ``names``' adapters; adapters are FSDP-managed only in ``fsdp_dp``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
@@ -83,7 +84,8 @@ def build(config_kwargs: dict, device: torch.device, mode: str, names: list[str]
         policy = MixedPrecisionPolicy()
         units = [*model.model.layers, model.model.embed_tokens, model.lm_head]
         for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=policy, ignored_params=ignored & set(unit.parameters()))
+            fully_shard(unit, mesh=mesh, mp_policy=policy, ignored_params=ignored & set(unit.parameters()),
+                        reshard_after_forward=reshard_after_forward)
         fully_shard(model.model, mesh=mesh, mp_policy=policy, ignored_params=ignored & set(model.model.parameters()))
     model.to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(0)
@@ -104,6 +106,16 @@ def build(config_kwargs: dict, device: torch.device, mode: str, names: list[str]
     lora = [p for n in names for p in layers.parameters_of(n)]  # after to_empty: the materialized tensors
     optimizer = torch.optim.AdamW(lora, lr=LR, fused=device.type == "cuda")
     return model, layers, optimizer
+
+
+def link_bandwidth(device: torch.device, mib: int = 512, iters: int = 5) -> float:
+    """All-gather bandwidth between the ranks, GB/s received per rank (what FSDP's gathers of the base get)."""
+    world = dist.get_world_size()
+    shard = torch.empty(mib * 2**20 // 2, dtype=torch.bfloat16, device=device)
+    full = torch.empty(shard.numel() * world, dtype=shard.dtype, device=device)
+    dist.all_gather_into_tensor(full, shard)
+    times = measure(lambda: dist.all_gather_into_tensor(full, shard), iters, 1, device)
+    return (world - 1) * shard.numel() * shard.element_size() / statistics.median(times) / 1e9
 
 
 def measure(step, steps: int, warmup: int, device: torch.device) -> list[float]:
@@ -132,6 +144,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--modes", nargs="+", default=["adapter_parallel", "fsdp_dp", "fsdp_per_adapter"],
+                   choices=["adapter_parallel", "fsdp_dp", "fsdp_per_adapter"], help="with several processes")
+    p.add_argument("--no-reshard", action="store_true",
+                   help="FSDP2 reshard_after_forward=False: gather the base once per step, not again in backward")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -145,7 +161,10 @@ def main() -> None:
     names = [f"a{i}" for i in range(args.adapters)]
     specs = [AdapterSpec(n, rank=RANK, batch_size=args.batch_size) for n in names]
     rows = []
-    for mode in (("adapter_parallel", "fsdp_dp", "fsdp_per_adapter") if world > 1 else ("single",)):
+    link = round(link_bandwidth(device), 1) if world > 1 else None
+    if rank == 0 and link:
+        print(f"all-gather: {link} GB/s received per rank", flush=True)
+    for mode in (args.modes if world > 1 else ("single",)):
         weights = None  # per-row loss weights (the dummy rows of fsdp_per_adapter)
         if mode == "adapter_parallel":
             owner = assign_adapters(specs, world)
@@ -165,7 +184,7 @@ def main() -> None:
         else:
             mine, row_sizes = names, [args.batch_size] * len(names)
         MultiLoRALinear.direct_grads = not mode.startswith("fsdp")  # FSDP manages those gradients itself
-        model, layers, optimizer = build(config, device, mode, mine, world)
+        model, layers, optimizer = build(config, device, mode, mine, world, not args.no_reshard)
         present = [(n, r) for n, r in zip(mine, row_sizes) if r > 0]
         layout = BatchLayout.from_sizes([n for n, _ in present], [r for _, r in present])
         ids = torch.randint(config["vocab_size"], (max(1, layout.num_rows), args.seq), device=device)
@@ -198,6 +217,7 @@ def main() -> None:
         # the whole (global) batch per step: every adapter's, or the one adapter's for fsdp_per_adapter
         tokens = (1 if mode == "fsdp_per_adapter" else args.adapters) * args.batch_size * args.seq
         row = dict(mode=mode, model="tiny-llama" if args.tiny else args.model, world_size=world,
+                   reshard_after_forward=not args.no_reshard, allgather_gbps=link,
                    adapters=args.adapters, batch_size=args.batch_size, seq=args.seq, step_ms=round(ms, 1),
                    tokens_per_s=round(tokens / (ms / 1e3), 1),
                    peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None)

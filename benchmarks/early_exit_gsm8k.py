@@ -28,6 +28,7 @@ import random
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Optional
 
 import lightning as L
 import torch
@@ -49,34 +50,55 @@ def load_gsm8k(path: str) -> list[dict]:
     return out
 
 
-def pretrain_base(texts: list[str], out_dir: Path, steps: int, max_length: int, seed: int) -> float:
-    """Full-parameter causal-LM pretraining of a small Llama on raw GSM8K text; returns the last loss."""
+def split_gsm8k(path: str, seed: int, pretrain_examples: int, sweep_examples: int,
+                max_length: int) -> tuple[list[dict], list[dict]]:
+    """Shuffled GSM8K: the first ``pretrain_examples`` problems pretrain the base; the sweep takes the next
+    ``sweep_examples`` that fit ``max_length`` bytes whole (no truncation: every adapter trains on complete
+    question/answer pairs)."""
+    records = load_gsm8k(path)
+    random.Random(seed).shuffle(records)
+    fits = [r for r in records[pretrain_examples:]
+            if len((r["prompt"] + r["completion"]).encode("utf-8")) + 1 <= max_length]
+    return records[:pretrain_examples], fits[:sweep_examples]
+
+
+SMALL_BASE = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4}
+
+
+def pretrain_base(texts: list[str], out_dir: Path, steps: int, max_length: int, seed: int,
+                  config: Optional[dict] = None, batch_size: int = 16, device: str = "cpu", lr: float = 3e-3) -> float:
+    """Full-parameter causal-LM pretraining of a small Llama (``config``: overrides of tiny-llama's, default
+    `SMALL_BASE`) on raw GSM8K text, bf16 autocast on a GPU; saved (fp32) to ``out_dir``. Returns the last loss."""
     tok = ByteTokenizer()
-    model = build_base_model("tiny-llama", {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 4,
-                                            "max_position_embeddings": max_length, "initializer_range": 0.02},
-                             seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=steps, pct_start=0.1)
+    model = build_base_model("tiny-llama", {**(config or SMALL_BASE), "max_position_embeddings": max_length,
+                                            "initializer_range": 0.02}, seed=seed).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.1)
     rng = random.Random(seed)
     model.train()
     loss = math.nan
     for _ in range(steps):
-        batch = [tok.encode(t)[:max_length - 1] + [tok.eos_token_id] for t in rng.sample(texts, 16)]
+        batch = [tok.encode(t)[:max_length - 1] + [tok.eos_token_id] for t in rng.sample(texts, batch_size)]
         length = max(len(b) for b in batch)
         ids = torch.full((len(batch), length), tok.pad_token_id)
         labels = torch.full((len(batch), length), -100)
         for i, b in enumerate(batch):
             ids[i, :len(b)] = torch.tensor(b)
             labels[i, :len(b)] = torch.tensor(b)
-        loss = model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss
+        ids, labels = ids.to(device), labels.to(device)
+        with torch.autocast("cuda", torch.bfloat16, enabled=device != "cpu"):
+            loss = model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if torch.isfinite(norm):  # a spike's non-finite gradients would poison every weight: skip that step
+            opt.step()
         sched.step()
-        loss = loss.item()
+    last = loss.item()
+    if not all(torch.isfinite(p).all() for p in model.parameters()) or not math.isfinite(last):
+        raise RuntimeError(f"pretraining diverged (last loss {last}); lower `lr` ({lr}) or the steps")
     model.save_pretrained(out_dir)
-    return loss
+    return last
 
 
 def run_sweep(base_dir: Path, train: list[dict], val_fraction: float, args, early_exit: bool, root: Path) -> dict:
@@ -125,14 +147,8 @@ def main() -> None:
     root = Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
 
-    records = load_gsm8k(args.data)
-    random.Random(args.seed).shuffle(records)
-    pretrain = records[:args.pretrain_examples]
-    # The sweep uses problems that fit in --max-length bytes whole (no truncation), so every adapter trains
-    # on complete question/answer pairs.
-    fits = [r for r in records[args.pretrain_examples:]
-            if len((r["prompt"] + r["completion"]).encode("utf-8")) + 1 <= args.max_length]
-    sweep_data = fits[:args.train_examples + args.val_examples]
+    pretrain, sweep_data = split_gsm8k(args.data, args.seed, args.pretrain_examples,
+                                       args.train_examples + args.val_examples, args.max_length)
     val_fraction = args.val_examples / len(sweep_data)
 
     start = time.perf_counter()
