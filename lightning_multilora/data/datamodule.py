@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import lightning as L
+import numpy as np
 import torch
 from lightning.pytorch.utilities.types import EVAL_DATALOADERS, TRAIN_DATALOADERS
 from torch.utils.data import DataLoader, IterableDataset
@@ -46,6 +48,17 @@ class TokenizedSplit:
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+def _right_padded(rows: Sequence[Sequence[int]], length: int, fill: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` as one ``(len(rows), length)`` tensor right-padded with ``fill``, and the mask of real entries.
+    One conversion of all the values (a row at a time cost ~0.1 ms, 25 ms for a 60-adapter batch)."""
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)
+    mask = torch.arange(length)[None, :] < lengths[:, None]
+    out = torch.full((len(rows), length), fill, dtype=torch.long)
+    values = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    out[mask] = torch.from_numpy(values)  # row-major order: each row's values in turn
+    return out, mask
 
 
 class AdapterStream:
@@ -288,15 +301,9 @@ class MultiLoRADataModule(L.LightningDataModule):
                     "layout": BatchLayout((), (), (), 0)}
         length = self.max_length if self.padding == "max_length" else max(len(r) for r in flat_ids)
         length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.full((len(flat_ids), length), pad, dtype=torch.long)
-        labels = torch.full((len(flat_ids), length), IGNORE_INDEX, dtype=torch.long)
-        mask = torch.zeros((len(flat_ids), length), dtype=torch.long)
-        for i, (ids, lab) in enumerate(zip(flat_ids, flat_labels)):
-            input_ids[i, :len(ids)] = torch.tensor(ids)
-            labels[i, :len(lab)] = torch.tensor(lab)
-            mask[i, :len(ids)] = 1
-        return {"input_ids": input_ids, "attention_mask": mask, "labels": labels,
+        input_ids, mask = _right_padded(flat_ids, length, self.tokenizer.pad_token_id)
+        labels, _ = _right_padded(flat_labels, length, IGNORE_INDEX)
+        return {"input_ids": input_ids, "attention_mask": mask.long(), "labels": labels,
                 "layout": BatchLayout.from_sizes(list(names), sizes)}
 
     def train_batch(self, specs: Sequence["AdapterSpec"]) -> dict[str, Any]:

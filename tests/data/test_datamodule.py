@@ -110,6 +110,20 @@ def test_packing_masks_prompts_and_padding_and_carries_the_layout():
     assert fixed.train_batch([AdapterSpec("z", batch_size=2)])["input_ids"].shape[1] == 128
 
 
+def test_pack_right_pads_rows_of_any_length_exactly():
+    dm = MultiLoRADataModule()
+    ids = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+    labels = [[IGNORE_INDEX, 6, 7], [8], [IGNORE_INDEX, IGNORE_INDEX, 11, 12, 13]]
+    batch = dm.pack(["x", "y"], [(ids[:2], labels[:2]), (ids[2:], labels[2:])])
+    width = batch["input_ids"].shape[1]
+    assert width >= 5 and batch["layout"].sizes == (2, 1)
+    pad = dm.tokenizer.pad_token_id
+    assert batch["input_ids"].tolist() == [r + [pad] * (width - len(r)) for r in ids]
+    assert batch["labels"].tolist() == [r + [IGNORE_INDEX] * (width - len(r)) for r in labels]
+    assert batch["attention_mask"].tolist() == [[1] * len(r) + [0] * (width - len(r)) for r in ids]
+    assert batch["attention_mask"].dtype == batch["input_ids"].dtype == torch.long
+
+
 def test_empty_dataset_is_a_clear_error():
     dm = MultiLoRADataModule(sources={"empty": ListSource([])})
     with pytest.raises(ValueError, match="data source 'empty' .* has 0 examples"):
