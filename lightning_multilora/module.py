@@ -452,7 +452,7 @@ class MultiLoRAMixin:
             total = torch.where(finite, losses, torch.zeros_like(losses)).sum()
             if total.requires_grad:
                 self.manual_backward(total)
-        norms = torch.stack([_grad_norm(group, losses) for group in params])  # (N,)
+        norms = _grad_norms(params, losses)  # (N,)
         tokens = segment_sum(batch["attention_mask"].sum(dim=1), layout)
         stats = torch.stack([losses.detach().float(), norms.float(), tokens.float()]).tolist()  # one sync
         logs: dict[str, dict[str, float]] = {}  # per adapter
@@ -678,11 +678,18 @@ def segment_sum(values: Tensor, layout: BatchLayout) -> Tensor:
     return out.index_add(0, index.to(values.device), values)[:-1]
 
 
-def _grad_norm(params: Sequence[Tensor], like: Tensor) -> Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
+def _grad_norms(groups: Sequence[Sequence[Tensor]], like: Tensor) -> Tensor:
+    """``(N,)``: the L2 norm of each group's gradients (zero for a group without any). One multi-tensor norm over
+    every gradient of every group, not one norm launch per tensor (60 adapters on 56 layers: 6720 launches)."""
+    counts = [sum(p.grad is not None for p in group) for group in groups]
+    grads = [p.grad for group in groups for p in group if p.grad is not None]
     if not grads:
-        return like.new_zeros(()).float()
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        return like.new_zeros(len(groups), dtype=torch.float32)
+    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    per_tensor = torch.stack(torch._foreach_norm(grads, 2, dtype=dtype))
+    index = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(counts)).to(per_tensor.device)
+    squares = per_tensor.new_zeros(len(groups)).index_add_(0, index, per_tensor.square())
+    return squares.sqrt()
 
 
 class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):

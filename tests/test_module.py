@@ -173,3 +173,21 @@ def test_per_adapter_metrics_are_logged_to_tensorboard(tmp_path, trainer_kwargs)
         assert [e.step for e in written] == [4, 9, 11]
         assert written[-1].value == pytest.approx(module.registry[name].train_losses[-1][1])
     assert module.registry["x"].export_path.startswith(trainer.log_dir)
+
+
+def test_grad_norms_are_each_groups_l2_norm_in_one_pass():
+    from lightning_multilora.module import _grad_norms
+
+    torch.manual_seed(0)
+    groups = [[torch.zeros(3, 4, requires_grad=True), torch.zeros(5, requires_grad=True)],
+              [torch.zeros(2, requires_grad=True)],  # no gradient at all: norm 0
+              [torch.zeros(7, requires_grad=True), torch.zeros(1, 3, requires_grad=True)]]
+    for group in (groups[0], groups[2]):
+        for p in group:
+            p.grad = torch.randn_like(p)
+    groups[2][1].grad = None  # a parameter without a gradient counts for nothing
+    norms = _grad_norms(groups, torch.zeros(()))
+    expected = [torch.cat([p.grad.flatten() for p in g if p.grad is not None] or [torch.zeros(0)]).norm()
+                for g in groups]
+    torch.testing.assert_close(norms, torch.stack(expected))
+    assert norms[1] == 0
