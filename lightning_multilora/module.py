@@ -442,9 +442,11 @@ class MultiLoRAMixin:
         records = [self.registry[n] for n in layout.names]
         optimizer = self.optimizers()
         params = [self.lora_layers.parameters_of(r.name) for r in records]
-        for group in params:
-            for p in group:
-                p.grad = None
+        # Zeroed in place, not dropped: the gradients keep their storage, so the LoRA backward adds into the same
+        # tensors every step (no new buffers and device pointer tables per layer per step).
+        stale = [p.grad for group in params for p in group if p.grad is not None]
+        if stale:
+            torch._foreach_zero_(stale)
         with self.lora_layers.use(layout):
             loss_sum, count = self.adapter_loss_terms(batch)
             losses = loss_sum / count.clamp(min=1)  # (N,) mean over each adapter's target tokens
