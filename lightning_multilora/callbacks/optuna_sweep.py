@@ -204,12 +204,14 @@ class OptunaSweep(Callback):
         for name, info in self.trials.items():
             if info["told"]:
                 continue
-            rec = pl_module.registry[name]
+            new = [(step, loss) for step, loss in pl_module.registry[name].val_losses
+                   if step not in info["reported"] and math.isfinite(loss)]
+            if not new:
+                continue  # a Trial handle reads the storage: ~1 ms each, for every trial at every step otherwise
             trial = optuna.trial.Trial(self.study, info["trial_id"])
-            for step, loss in rec.val_losses:
-                if step not in info["reported"] and math.isfinite(loss):
-                    trial.report(loss, step)
-                    info["reported"].append(step)
+            for step, loss in new:
+                trial.report(loss, step)
+                info["reported"].append(step)
 
     def on_adapter_exit(self, trainer: L.Trainer, pl_module: L.LightningModule, rec: AdapterRecord) -> None:
         """Tell the study how an adapter's trial ended (called by the module when an adapter leaves; under
