@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -72,7 +73,12 @@ class ModelShape:
 
     def adapter_params(self, rank: int, targets: Sequence[str] = PROJECTIONS) -> int:
         """Trainable parameters of one rank-``rank`` adapter on ``targets`` in every layer."""
-        return self.num_layers * rank * sum(sum(self.projection(t)) for t in targets)
+        return rank * self._params_per_rank(tuple(targets))
+
+    @functools.lru_cache(maxsize=64)
+    def _params_per_rank(self, targets: tuple[str, ...]) -> int:
+        # admission asks this for every candidate set it weighs: O(sets x adapters) calls per decision
+        return self.num_layers * sum(sum(self.projection(t)) for t in targets)
 
     @property
     def base_params(self) -> int:
