@@ -168,6 +168,9 @@ class MultiLoRAMixin:
             raise ValueError(f"only a running adapter can be paused; {name!r} is {rec.state.value}")
         rec.state, rec.reason = AdapterState.PAUSED, reason
         rec.close_span(self._global_step())
+        if name in self.lora_layers.adapter_names:
+            for p in self.lora_layers.parameters_of(name):
+                p.grad = None  # the optimizer would step it with its last gradients at every step it waits
 
     def resume_adapter(self, name: str) -> None:
         """Train a paused adapter again, from where it stopped (it takes a slot, beyond `max_running` if need be)."""

@@ -191,3 +191,26 @@ def test_grad_norms_are_each_groups_l2_norm_in_one_pass():
                 for g in groups]
     torch.testing.assert_close(norms, torch.stack(expected))
     assert norms[1] == 0
+
+
+def test_a_paused_adapter_keeps_its_weights_until_resumed(tmp_path, trainer_kwargs):
+    # A paused adapter (e.g. waiting for warmup selection) keeps its optimizer state, but the optimizer must not
+    # step it with its last gradients while it waits.
+    snapshots = {}
+
+    class PauseThenResume(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            step = trainer.global_step
+            if step == 2:
+                pl_module.pause_adapter("p")
+                snapshots["paused"] = {k: v.clone() for k, v in pl_module.lora_layers.peft_state_dict("p").items()}
+            elif step == 5:
+                snapshots["before_resume"] = {k: v.clone() for k, v in pl_module.lora_layers.peft_state_dict("p").items()}
+                pl_module.resume_adapter("p")
+
+    specs = [AdapterSpec("p", max_steps=6, weight_decay=0.1), AdapterSpec("q", max_steps=10, seed=1)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path / "out"))
+    L.Trainer(**trainer_kwargs, callbacks=[PauseThenResume()]).fit(module, small_dm())
+    for key, value in snapshots["paused"].items():
+        assert torch.equal(snapshots["before_resume"][key], value), key
+    assert module.registry["p"].step == 6 and module.registry["p"].state.value == "finished"
