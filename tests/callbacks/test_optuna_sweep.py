@@ -43,6 +43,26 @@ def test_trials_fill_slots_and_are_told_complete_in_sqlite(tmp_path, trainer_kwa
     assert {r.name for r in module.registry} == {f"trial-{i}" for i in range(5)}
 
 
+def test_trial_handles_are_opened_only_to_report_new_validations(tmp_path, trainer_kwargs, monkeypatch):
+    # A Trial handle reads the storage; opening one per trial at every step cost ~1 ms each (60 trials: 70 ms).
+    opened = []
+    init = optuna.trial.Trial.__init__
+
+    def counting(self, study, trial_id):
+        opened.append(trial_id)
+        init(self, study, trial_id)
+
+    monkeypatch.setattr(optuna.trial.Trial, "__init__", counting)
+    sweep = OptunaSweep(SPACE, n_trials=2, base={"max_steps": 9, "batch_size": 2}, slots=2,
+                        storage=f"sqlite:///{tmp_path / 'study.db'}")
+    trainer, module = fit(tmp_path, trainer_kwargs, sweep)
+    assert trainer.global_step == 9
+    validations = sum(len(r.val_losses) for r in module.registry)  # at steps 3, 6, 9 (and on finishing)
+    assert validations >= 6 and all(t.intermediate_values for t in sweep.study.get_trials())
+    # one handle per ask (Optuna's own) and at most one per reported validation; none on the other steps (18)
+    assert len(opened) <= 2 + validations
+
+
 def test_enqueued_trials_go_first_and_warmup_pruning_is_told_pruned(tmp_path, trainer_kwargs):
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="q")
     study.enqueue_trial({"lr": 5e-3, "rank": 4})
