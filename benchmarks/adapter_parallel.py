@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.packed_step import ALPHA, LLAMA_31_8B, LR, RANK, TARGETS, lm_backward
+from benchmarks.packed_step import ALPHA, LLAMA_31_8B, LR, RANK, TARGETS, lm_loss
 from lightning_multilora.base_model import TINY_CONFIGS
 from lightning_multilora.layer import MultiLoRALinear, inject_multilora
 from lightning_multilora.layout import BatchLayout
@@ -201,8 +201,6 @@ def main() -> None:
         def step() -> None:
             with layers.use(layout if layout.num_rows else None):
                 hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
-                from benchmarks.packed_step import lm_loss
-
                 loss = lm_loss(model.lm_head, hidden, ids)
                 if weights is not None:
                     loss = loss * weights

@@ -229,7 +229,7 @@ def warm_kernels(base_dir: Path, dm: MultiLoRADataModule, args, root: Path) -> f
     return time.perf_counter() - start
 
 
-def full_system(base_dir: Path, dm: MultiLoRADataModule, args, root: Path, device: str) -> dict[str, Any]:
+def full_system(base_dir: Path, dm: MultiLoRADataModule, args, root: Path) -> dict[str, Any]:
     """(c): the study asks the grid's points into the slots the memory model admits; warmup selection keeps the
     best quarter; early exit stops diverging and overfitting ones."""
     from transformers import AutoConfig
@@ -314,7 +314,7 @@ def main() -> None:
           f"{peft['wall_s']} s for 60", flush=True)
     warm_s = warm_kernels(base_dir, make_datamodule(sweep_data, args), args, root / "warm")
     print(f"kernels compiled and tuned in {warm_s:.0f} s (untimed)", flush=True)
-    full = full_system(base_dir, make_datamodule(sweep_data, args), args, root / "full", device)
+    full = full_system(base_dir, make_datamodule(sweep_data, args), args, root / "full")
     print(f"(c) full system: {full['wall_s']} s, {full['samples']} samples, best {full['best_adapter']} "
           f"{full['best_val_loss']:.4f}", flush=True)
     partial.write_text(json.dumps({"a_sequential_peft": peft, "c_full_system": full}, indent=1, default=str))

@@ -99,6 +99,7 @@ class MultiLoRAMixin:
         self.keep_best_weights = False  # EarlyExit turns this on: exports then carry the best-validation weights
         self._best_weights: dict[str, dict[str, Tensor]] = {}
         self._val_sums: dict[str, list[float]] = {}
+        self._step_logs: dict[str, dict[str, float]] = {}  # this step's per-adapter scalars, until they are logged
         for spec in adapters:
             self.add_adapter(spec)
 
@@ -532,7 +533,7 @@ class MultiLoRAMixin:
             self.trainer.should_stop = True
         # an adapter's values when a logger writes them, and its last ones when it stops (exit, warmup pause)
         writes = self._logger_writes_this_step()
-        stash, self._step_logs = getattr(self, "_step_logs", {}), {}
+        stash, self._step_logs = self._step_logs, {}
         logs = {k: v for name, values in stash.items()
                 if writes or name not in self.registry or self.registry[name].state != AdapterState.RUNNING
                 for k, v in values.items()}
