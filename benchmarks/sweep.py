@@ -72,6 +72,26 @@ def make_datamodule(train: list[dict], args) -> MultiLoRADataModule:
                                val_batch_size=16, split_seed=args.seed)
 
 
+class StepTimes(L.Callback):
+    """Wall time of every training step and how many adapters it trained (where a run spends its time)."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, float, int]] = []  # (global step, ms, adapters in the batch)
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.rows.append((trainer.global_step, round((time.perf_counter() - self._start) * 1e3, 2),
+                          len(batch["layout"].names)))
+
+    def summary(self) -> dict[str, Any]:
+        ms = sorted(r[1] for r in self.rows)
+        return {"steps": len(ms), "total_s": round(sum(ms) / 1e3, 2), "median_ms": ms[len(ms) // 2] if ms else None,
+                "over_1s": sum(1 for m in ms if m > 1000), "rows": self.rows}
+
+
 def trainer(root: Path, args, callbacks: list, profile: str = "") -> L.Trainer:
     """``profile``: Lightning's SimpleProfiler (time per hook, data fetch, step) written next to ``--out``."""
     from lightning.pytorch.profilers import SimpleProfiler
@@ -198,14 +218,16 @@ def sequential_peft(specs: list[AdapterSpec], base_dir: Path, dm: MultiLoRADataM
 # ---------------------------------------------------------------------------------------------- (b), (c)
 
 
-def summarize(module: MultiLoRAModule, wall: float, steps: int) -> dict[str, Any]:
+def summarize(module: MultiLoRAModule, wall: float, steps: int, times: StepTimes) -> dict[str, Any]:
     recs = [r for r in module.registry if math.isfinite(r.best_val_loss)]
     best = min(recs, key=lambda r: r.best_val_loss)
     return {"wall_s": round(wall, 1), "samples": sum(r.samples_seen for r in module.registry), "steps": steps,
             "best_adapter": config_key(best.spec), "best_val_loss": best.best_val_loss,
             "statuses": {k: v for k, v in module.registry.counts().items() if v},
+            "step_times": times.summary(),
             "per_config": {config_key(r.spec): {"name": r.name, "status": r.state.value, "samples": r.samples_seen,
-                                                "steps": r.step, "best_val_loss": r.best_val_loss}
+                                                "steps": r.step, "best_val_loss": r.best_val_loss, "reason": r.reason,
+                                                "val_losses": [(st, round(v, 5)) for st, v in r.val_losses]}
                            for r in module.registry}}
 
 
@@ -214,9 +236,11 @@ def packed(base_dir: Path, dm: MultiLoRADataModule, args, root: Path) -> dict[st
     start = time.perf_counter()
     module = MultiLoRAModule(str(base_dir), adapters=grid_specs(args.epochs), dtype=args.dtype,
                              export_dir=str(root / "adapters"))
-    fit = trainer(root, args, [], "b")
+    times = StepTimes()
+    fit = trainer(root, argparse.Namespace(**{**vars(args), "val_every": args.packed_val_every or args.val_every}),
+                  [times], "b")
     fit.fit(module, dm)
-    return summarize(module, time.perf_counter() - start, fit.global_step)
+    return summarize(module, time.perf_counter() - start, fit.global_step, times)
 
 
 def warm_kernels(base_dir: Path, dm: MultiLoRADataModule, args, root: Path) -> float:
@@ -248,9 +272,11 @@ def full_system(base_dir: Path, dm: MultiLoRADataModule, args, root: Path) -> di
     study = OptunaSweep({k: {"type": "categorical", "choices": v} for k, v in GRID.items()}, n_trials=60,
                         sampler="grid", base={"max_epochs": args.epochs, "grad_clip": 1.0},
                         storage=f"sqlite:///{(root / 'optuna.db').resolve()}", seed=args.seed)
-    fit = trainer(root, args, [study, WarmupSelection(warmup_fraction=0.05, keep_fraction=0.25), EarlyExit()], "c")
+    times = StepTimes()
+    fit = trainer(root, args, [study, WarmupSelection(warmup_fraction=0.05, keep_fraction=0.25), EarlyExit(), times],
+                  "c")
     fit.fit(module, dm)
-    out = summarize(module, time.perf_counter() - start, fit.global_step)
+    out = summarize(module, time.perf_counter() - start, fit.global_step, times)
     out["trials"] = {}
     for trial in study.study.get_trials(deepcopy=False):  # how the study saw them
         out["trials"][trial.state.name] = out["trials"].get(trial.state.name, 0) + 1
@@ -279,7 +305,12 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="base dtype (default bfloat16 on a GPU, float32 on a CPU)")
     parser.add_argument("--memory-gib", type=float, default=None, help="admission's memory (default: the GPU's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--variants", default="abc", help="which of (a), (b), (c) to run, e.g. 'bc' (report: all)")
+    parser.add_argument("--packed-val-every", type=int, default=None,
+                        help="(b) validated every this many steps instead (denser curves, for analysis)")
     args = parser.parse_args()
+    if not args.variants or set(args.variants) - set("abc"):
+        parser.error(f"--variants takes letters among 'a', 'b', 'c', got {args.variants!r}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     base_config = H200_BASE
     if args.tiny:
@@ -305,21 +336,32 @@ def main() -> None:
     print(f"pretrained the base in {pretrain_s:.0f} s (last loss {last:.3f})", flush=True)
 
     specs = grid_specs(args.epochs)
-    dm = make_datamodule(sweep_data, args)
-    peft = sequential_peft(specs, base_dir, dm, args, device)
     partial = Path(args.out).with_suffix(".partial.json")
     partial.parent.mkdir(parents=True, exist_ok=True)
-    partial.write_text(json.dumps({"a_sequential_peft": peft}, indent=1, default=str))
-    print(f"(a) sequential PEFT: {peft['configs_run']} configurations in {peft['measured_wall_s']} s -> "
-          f"{peft['wall_s']} s for 60", flush=True)
+    results: dict[str, Any] = {"meta": {"args": vars(args), "pretrain_s": round(pretrain_s, 1)}}
+    if "a" in args.variants:
+        peft = results["a_sequential_peft"] = sequential_peft(specs, base_dir, make_datamodule(sweep_data, args),
+                                                              args, device)
+        partial.write_text(json.dumps(results, indent=1, default=str))
+        print(f"(a) sequential PEFT: {peft['configs_run']} configurations in {peft['measured_wall_s']} s -> "
+              f"{peft['wall_s']} s for 60", flush=True)
     warm_s = warm_kernels(base_dir, make_datamodule(sweep_data, args), args, root / "warm")
+    results["meta"]["kernel_warmup_s"] = round(warm_s, 1)
     print(f"kernels compiled and tuned in {warm_s:.0f} s (untimed)", flush=True)
-    full = full_system(base_dir, make_datamodule(sweep_data, args), args, root / "full")
-    print(f"(c) full system: {full['wall_s']} s, {full['samples']} samples, best {full['best_adapter']} "
-          f"{full['best_val_loss']:.4f}", flush=True)
-    partial.write_text(json.dumps({"a_sequential_peft": peft, "c_full_system": full}, indent=1, default=str))
-    pack = packed(base_dir, make_datamodule(sweep_data, args), args, root / "packed")
-    print(f"(b) packed: {pack['wall_s']} s, {pack['samples']} samples", flush=True)
+    if "c" in args.variants:
+        full = results["c_full_system"] = full_system(base_dir, make_datamodule(sweep_data, args), args, root / "full")
+        partial.write_text(json.dumps(results, indent=1, default=str))
+        print(f"(c) full system: {full['wall_s']} s, {full['samples']} samples, best {full['best_adapter']} "
+              f"{full['best_val_loss']:.4f}; steps {full['step_times']['steps']}, median "
+              f"{full['step_times']['median_ms']} ms", flush=True)
+    if "b" in args.variants:
+        pack = results["b_packed"] = packed(base_dir, make_datamodule(sweep_data, args), args, root / "packed")
+        partial.write_text(json.dumps(results, indent=1, default=str))
+        print(f"(b) packed: {pack['wall_s']} s, {pack['samples']} samples; median step "
+              f"{pack['step_times']['median_ms']} ms", flush=True)
+    if set(args.variants) != set("abc"):
+        print(f"only {args.variants} run: partial results in {partial} (the report needs all three)")
+        return
 
     # (a) and (b) train the same adapters: compare them where (a) ran
     diffs = {k: abs(r["best_val_loss"] - pack["per_config"][k]["best_val_loss"]) / pack["per_config"][k]["best_val_loss"]

@@ -47,15 +47,19 @@ class EarlyExit(Callback):
       consecutive evaluations: the adapter exits as ``diverged``. The count resets when either slope
       drops to ``tau_slope`` or below.
     - *overfitting*: ``g = (val - ema_train) / ema_train > tau_gap`` for ``patience_ovf`` consecutive
-      evaluations: the adapter's best-validation weights are restored and exported, and it exits as
-      ``overfit``.
+      evaluations whose validation loss is not a new best: the adapter's best-validation weights are restored
+      and exported, and it exits as ``overfit``. An evaluation at a new best resets the count: a validation
+      loss that still falls is not overfitting, whatever the gap (early in the first epoch a gap comes from
+      which examples the smoothed training loss happened to see). ``overfit_while_improving=True`` counts those
+      evaluations too, ALTO's rule as written.
 
     Every adapter keeps its best-validation weights; they are what is exported when it leaves
     (finished included). Defaults are ALTO's: window 2, patience 2, tau_gap 0.1, tau_slope 0.001.
     """
 
     def __init__(self, ema_alpha: float = 0.1, window: int = 2, patience_div: int = 2, patience_ovf: int = 2,
-                 tau_gap: float = 0.1, tau_slope: float = 0.001, keep_best_weights: bool = True) -> None:
+                 tau_gap: float = 0.1, tau_slope: float = 0.001, keep_best_weights: bool = True,
+                 overfit_while_improving: bool = False) -> None:
         if not (0.0 < ema_alpha <= 1.0):
             raise ValueError(f"`ema_alpha` must be in (0, 1], got {ema_alpha}")
         if window < 2:
@@ -69,6 +73,7 @@ class EarlyExit(Callback):
         self.patience_div, self.patience_ovf = patience_div, patience_ovf
         self.tau_gap, self.tau_slope = tau_gap, tau_slope
         self.keep_best_weights = keep_best_weights
+        self.overfit_while_improving = overfit_while_improving
         self.watches: dict[str, AdapterWatch] = {}
         self.exits: list[dict[str, Any]] = []
 
@@ -89,6 +94,7 @@ class EarlyExit(Callback):
         watch = self.watches.setdefault(name, AdapterWatch())
         if math.isnan(watch.ema) or not math.isfinite(val_loss):
             return None
+        improving = all(val_loss < v for v in watch.val_at_eval)
         watch.ema_at_eval.append(watch.ema)
         watch.val_at_eval.append(val_loss)
         watch.evaluated_steps.append(step)
@@ -97,7 +103,8 @@ class EarlyExit(Callback):
             s_val = slope(watch.val_at_eval[-self.window:])
             watch.divergence_count = watch.divergence_count + 1 if (s_train > self.tau_slope and s_val > self.tau_slope) else 0
         gap = (val_loss - watch.ema) / watch.ema if watch.ema > 0 else 0.0
-        watch.overfit_count = watch.overfit_count + 1 if gap > self.tau_gap else 0
+        counts = gap > self.tau_gap and (self.overfit_while_improving or not improving)
+        watch.overfit_count = watch.overfit_count + 1 if counts else 0
         if watch.divergence_count >= self.patience_div:
             return "diverged"
         if watch.overfit_count >= self.patience_ovf:

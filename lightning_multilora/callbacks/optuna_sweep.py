@@ -18,7 +18,9 @@ if TYPE_CHECKING:
     import optuna
 
 PARAM_TYPES = ("float", "int", "categorical")
-PRUNED_STATES = (AdapterState.DIVERGED, AdapterState.OVERFIT, AdapterState.PRUNED)
+PRUNED_STATES = (AdapterState.DIVERGED, AdapterState.PRUNED)
+# an overfit exit keeps (and exports) its best-validation weights: a result, as a finished adapter's
+COMPLETE_STATES = (AdapterState.FINISHED, AdapterState.OVERFIT)
 
 
 def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.distributions.BaseDistribution"]:
@@ -60,8 +62,8 @@ class OptunaSweep(Callback):
         seed: the sampler's seed.
 
     Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values;
-    an early exit or warmup pruning is told PRUNED, a finished adapter COMPLETE with its best validation
-    loss, a failure FAIL. An exhausted grid ends the sweep cleanly. A resumed run keeps its trials'
+    a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one stopped for overfitting
+    (its best-validation weights are what it exports), COMPLETE with its best validation loss; a failure FAIL. An exhausted grid ends the sweep cleanly. A resumed run keeps its trials'
     numbers (no trial lost or duplicated).
 
     Under `AdapterParallelStrategy` the study is used from rank 0 alone: it asks the trials and broadcasts them
@@ -234,9 +236,9 @@ class OptunaSweep(Callback):
         if info is None or info["told"] or self.study is None:
             return
         self._report(pl_module)
-        if rec.state == AdapterState.FINISHED and math.isfinite(rec.best_val_loss):
+        if rec.state in COMPLETE_STATES and math.isfinite(rec.best_val_loss):
             self._tell(info["number"], values=rec.best_val_loss)
-        elif rec.state in PRUNED_STATES or rec.state == AdapterState.FINISHED:
+        elif rec.state in PRUNED_STATES or rec.state in COMPLETE_STATES:
             self._tell(info["number"], state=optuna.trial.TrialState.PRUNED)
         else:
             self._tell(info["number"], state=optuna.trial.TrialState.FAIL)

@@ -48,11 +48,28 @@ def test_only_training_rising_is_not_divergence():
 
 def test_overfitting_fires_after_patience_evaluations_above_the_gap():
     rule = EarlyExit(ema_alpha=1.0)
-    train = [1.0, 0.8, 0.6, 0.5, 0.4]
-    val = [1.05, 0.85, 0.7, 0.58, 0.5]  # gaps: 5%, 6%, 16.7%, 16%, 25%
-    assert feed(rule, train, val) == [None, None, None, "overfit", "overfit"][:4] + ["overfit"]
+    train = [1.0, 0.8, 0.6, 0.5, 0.4, 0.3]
+    val = [1.05, 0.85, 0.7, 0.72, 0.75, 0.8]  # gaps: 5%, 6%, 16.7% (a new best), 44%, 87%, 167%
+    assert feed(rule, train, val) == [None, None, None, None, "overfit", "overfit"]
     rule = EarlyExit(ema_alpha=1.0, patience_ovf=3)
-    assert feed(rule, train, val)[:5] == [None, None, None, None, "overfit"]
+    assert feed(rule, train, val) == [None, None, None, None, None, "overfit"]
+
+
+def test_a_gap_while_the_validation_loss_still_falls_is_not_overfitting():
+    train = [1.0, 0.8, 0.6, 0.5, 0.4]
+    val = [1.05, 0.85, 0.7, 0.58, 0.5]  # gaps: 5%, 6%, 16.7%, 16%, 25%, every validation a new best
+    assert feed(EarlyExit(ema_alpha=1.0), train, val) == [None] * 5
+    # ALTO's rule as written counts them: overfit at the second gap above tau
+    assert feed(EarlyExit(ema_alpha=1.0, overfit_while_improving=True), train, val) == [None, None, None, "overfit",
+                                                                                        "overfit"]
+
+
+def test_a_new_best_validation_resets_the_overfitting_count():
+    rule = EarlyExit(ema_alpha=1.0)
+    train = [1.0, 0.5, 0.5, 0.5, 0.5, 0.5]
+    val = [1.0, 0.9, 0.95, 0.8, 0.85, 0.9]  # above the best at 2, a new best at 3, above it at 4 and 5
+    assert feed(rule, train, val) == [None, None, None, None, None, "overfit"]
+    assert rule.watches["a"].overfit_count == 2
 
 
 def test_overfitting_count_resets_when_the_gap_closes():

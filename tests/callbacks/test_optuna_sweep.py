@@ -155,3 +155,28 @@ def test_the_admission_controller_sets_how_many_trials_run(tmp_path, trainer_kwa
     assert max(running) == 2 and running[0] == 2
     assert len(sweep.study.get_trials()) == 5
     assert all(r.state == AdapterState.FINISHED for r in module.registry)
+
+
+class _OverfitAtFirstValidation(L.Callback):
+    """Stops the first adapter validated with a new loss as EarlyExit's overfitting rule does (best weights kept)."""
+
+    def __init__(self) -> None:
+        self.stopped: list[str] = []
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        for rec in list(pl_module.registry.running):
+            if rec.val_losses and not self.stopped:
+                pl_module.remove_adapter(rec.name, reason="test", state=AdapterState.OVERFIT)
+                self.stopped.append(rec.name)
+
+
+def test_an_overfit_exit_is_told_complete_with_its_best_validation_loss(tmp_path, trainer_kwargs):
+    sweep = OptunaSweep(SPACE, n_trials=3, base={"max_steps": 6, "batch_size": 2}, slots=2, sampler="random")
+    stop = _OverfitAtFirstValidation()
+    _, module = fit(tmp_path, trainer_kwargs, sweep, callbacks=[stop])
+    assert len(stop.stopped) == 1
+    rec = module.registry[stop.stopped[0]]
+    assert rec.state == AdapterState.OVERFIT and rec.step < 6
+    trial = sweep.study.get_trials()[int(rec.name.split("-")[1])]
+    assert trial.state == optuna.trial.TrialState.COMPLETE and trial.value == pytest.approx(rec.best_val_loss)
+    assert sweep.study.best_value <= rec.best_val_loss  # an overfit adapter competes for the study's best
