@@ -45,6 +45,19 @@ def _upload(host: Tensor, device: torch.device) -> Tensor:
     return host.to(device)
 
 
+def _upload_rows(host: Tensor, device: torch.device) -> Tensor:
+    """A (rows, n) host table uploaded with every row starting on a 16-byte boundary (its columns padded with
+    zeros): a row is passed to the kernels as a pointer, and Triton compiles a kernel anew (every tuning
+    candidate) for a pointer of another alignment. Unpadded, row 1 of an int32 table is aligned only when n
+    is a multiple of 4, so a sweep whose adapter or block count changes recompiled the kernels (~8 s each
+    time on the H200). Returns the padded (rows, n_padded) device tensor; slice ``[:, :n]`` row by row."""
+    per = max(1, 16 // host.element_size())
+    n = host.shape[1]
+    padded = host.new_zeros((host.shape[0], -(-max(n, 1) // per) * per))
+    padded[:, :n] = host
+    return _upload(padded, device)
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Device tables of one layout: per block its adapter and first row; per adapter its rows."""
@@ -70,8 +83,10 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         host = torch.tensor([adapters, firsts], dtype=torch.int32).reshape(2, -1)
         segs = torch.tensor([starts, ends], dtype=torch.int32).reshape(2, -1)
         covered = sum(e - s for s, e in zip(starts, ends)) == num_rows
-        host, segs = _upload(host, device), _upload(segs, device)
-        return Schedule(host[0], host[1], segs[0], segs[1], len(adapters), covered, max((e - s for s, e in zip(starts, ends)), default=0))
+        nb, na = len(adapters), len(starts)
+        host, segs = _upload_rows(host, device), _upload_rows(segs, device)
+        return Schedule(host[0, :nb], host[1, :nb], segs[0, :na], segs[1, :na], nb, covered,
+                        max((e - s for s, e in zip(starts, ends)), default=0))
 
     return _schedules.get_or_make((starts, ends, num_rows, str(device)), make)
 
@@ -84,7 +99,7 @@ class PointerTable:
     scaling: Tensor  # (n,) fp32
     ones: Tensor  # (n,) fp32
     drop_p: Tensor  # (n,) fp32
-    grad_offsets: Tensor  # (2, n) int64: where dA_i starts in the dA buffer, dB_i in the dB buffer
+    grad_offsets: Tensor  # (2, >= n) int64: where dA_i starts in the dA buffer, dB_i in the dB buffer (rows padded)
     grad_sizes: list[int]  # numel of dA_0..dA_n-1, dB_0..dB_n-1
     block_r: int  # the rank chunk (a tile width)
     r_chunks: int  # chunks that cover the largest rank; S and dS are ``block_r * r_chunks`` wide
@@ -126,13 +141,13 @@ def _pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
                             dtype=torch.int64).reshape(2, n)
         ranks = [a.shape[0] for a in weights.a]
         floats = torch.tensor([list(weights.scaling), [1.0] * n, list(weights.dropout)], dtype=torch.float32)
-        floats = _upload(floats.reshape(3, n), device)
+        floats = _upload_rows(floats.reshape(3, n), device)
         sizes = [a.numel() for a in weights.a] + [b.numel() for b in weights.b]
         offsets = torch.tensor([[0] + sizes[:n - 1], [0] + sizes[n:-1]], dtype=torch.int64).reshape(2, n).cumsum(1)
-        ptrs = _upload(ptrs, device)
+        ptrs = _upload_rows(ptrs, device)
         chunk = rank_chunk(ranks)
-        return PointerTable(ptrs[0], ptrs[1], _upload(torch.tensor(ranks, dtype=torch.int32), device),
-                            floats[0], floats[1], floats[2], _upload(offsets, device), sizes,
+        return PointerTable(ptrs[0, :n], ptrs[1, :n], _upload(torch.tensor(ranks, dtype=torch.int32), device),
+                            floats[0, :n], floats[1, :n], floats[2, :n], _upload_rows(offsets, device), sizes,
                             chunk, triton.cdiv(max(ranks), chunk))
 
     return _pointer_tables.get_or_make(key, make)
@@ -283,7 +298,7 @@ def _fresh_grads(weights: LoRAWeights, table: PointerTable, device: torch.device
     ptrs[1] += flat_b.data_ptr()
     grads_a = tuple(g.view_as(a) for g, a in zip(torch.split(flat_a, sizes_a), weights.a))
     grads_b = tuple(g.view_as(b) for g, b in zip(torch.split(flat_b, sizes_b), weights.b))
-    return GradTargets(ptrs[0], ptrs[1], grads_a, grads_b)
+    return GradTargets(ptrs[0, :n], ptrs[1, :n], grads_a, grads_b)
 
 
 def _grads_of_parameters(weights: LoRAWeights, device: torch.device) -> GradTargets:
@@ -302,8 +317,8 @@ def _grads_of_parameters(weights: LoRAWeights, device: torch.device) -> GradTarg
     key = (tuple(g.data_ptr() for g in grads), str(device))
 
     def make() -> GradTargets:
-        ptrs = _upload(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64).reshape(2, n), device)
-        return GradTargets(ptrs[0], ptrs[1], (), ())
+        ptrs = _upload_rows(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64).reshape(2, n), device)
+        return GradTargets(ptrs[0, :n], ptrs[1, :n], (), ())
 
     return _grad_tables.get_or_make(key, make)
 

@@ -365,3 +365,22 @@ def test_fast_launches_match_the_first_launch_and_new_variants_compile():
     y = multi_lora_triton(x_mis, base.clone(), w, False)
     y_ref = multi_lora_reference(x.double(), base.double(), as64(w), False)
     assert rel(y, y_ref) <= 1e-2
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7])
+def test_every_device_table_starts_on_16_bytes_whatever_the_adapter_count(n):
+    """Triton specializes a pointer argument on its 16-byte alignment: a table row that starts off it (the second
+    row of an int32 table of 5) compiles every kernel and tuning candidate anew when the adapter set changes."""
+    from lightning_multilora.kernels.triton_lora import _fresh_grads, _grads_of_parameters, pointer_table, schedule
+
+    x, _, w = problem([4] * n, [3] * n, 8, 8, torch.float32, gaps=True, seed=n)
+    table = pointer_table(w, x.device)
+    sched = schedule(w.starts, w.ends, x.shape[0], x.device)
+    tensors = [table.a_ptrs, table.b_ptrs, table.ranks, table.scaling, table.ones, table.drop_p,
+               sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end]
+    targets = [_fresh_grads(w, table, x.device), _grads_of_parameters(w, x.device)]
+    tensors += [t.a_ptrs for t in targets] + [t.b_ptrs for t in targets]
+    assert all(t.data_ptr() % 16 == 0 for t in tensors)
+    assert [t.numel() for t in (table.a_ptrs, table.scaling, sched.seg_end, targets[0].b_ptrs)] == [n] * 4
+    assert sched.blk_adapter.numel() == sched.num_blocks and table.ranks.tolist() == [4] * n
+    assert table.drop_p.tolist() == list(w.dropout) and table.scaling.tolist() == pytest.approx(list(w.scaling))
