@@ -431,8 +431,8 @@ def report(r: dict, args) -> str:
         f"{r['rank_of_exhaustive_best_in_c']}, and (c)'s best `{c['best_adapter']}` ({c['best_val_loss']:.4f}) is "
         f"{'within' if r['c_best_within_1pct'] else 'NOT within'} 1% of it.",
         "- (c)'s policies: admission by the analytic memory model, `WarmupSelection` (5% warmup, keep 25%), "
-        f"`EarlyExit` with ALTO's thresholds (w=2, p=2, tau_gap=0.1, tau_slope=0.001; an evaluation at a new best "
-        f"validation loss does not count toward overfitting), `OptunaSweep` (grid sampler, SQLite). Exits: "
+        "`EarlyExit` with ALTO's thresholds (w=2, p=2, tau_gap=0.1, tau_slope=0.001; an evaluation at a new best "
+        "validation loss does not count toward overfitting), `OptunaSweep` (grid sampler, SQLite). Exits: "
         + ", ".join(f"{k} {n}" for k, n in c["statuses"].items()) + "; Optuna's view: "
         + ", ".join(f"{k} {n}" for k, n in c.get("trials", {}).items()) + ".",
         f"- Steps: (b) {b['step_times']['steps']} (median {b['step_times']['median_ms']:.0f} ms), (c) "
