@@ -425,8 +425,8 @@ def report(r: dict, args) -> str:
                      f"{v['best_adapter']} | {statuses} |")
     lines += [
         "",
-        f"- **(c) is {r['speedup_c_over_a']:.1f}x faster than (a)** (goal >= 10x; ALTO reports 9.5x on one GPU, PLoRA "
-        f"7.52x); (b) alone {r['speedup_b_over_a']:.1f}x. (c) trained {c['samples'] / b['samples']:.1%} of the samples.",
+        f"- **(c) is {r['speedup_c_over_a']:.2f}x faster than (a)** (goal >= 10x; ALTO reports 9.5x on one GPU, PLoRA "
+        f"7.52x); (b) alone {r['speedup_b_over_a']:.2f}x. (c) trained {c['samples'] / b['samples']:.1%} of the samples.",
         f"- The exhaustive best is `{r['exhaustive_best']}` ({b['best_val_loss']:.4f}); in (c) it ranks "
         f"{r['rank_of_exhaustive_best_in_c']}, and (c)'s best `{c['best_adapter']}` ({c['best_val_loss']:.4f}) is "
         f"{'within' if r['c_best_within_1pct'] else 'NOT within'} 1% of it.",
