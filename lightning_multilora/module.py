@@ -94,6 +94,7 @@ class MultiLoRAMixin:
         self.max_running = max_running
         self.admission = admission
         self._freed_spec: Optional[AdapterSpec] = None
+        self._exited_since_sync: list[str] = []  # under adapter parallelism: exits the other ranks learn next
         self.export_dir = export_dir
         self.validate_on_finish = validate_on_finish
         self.keep_best_weights = False  # EarlyExit turns this on: exports then carry the best-validation weights
@@ -120,7 +121,10 @@ class MultiLoRAMixin:
         sums, counts = segment_sum(row_sum, layout), segment_sum(row_count.to(row_sum.dtype), layout)
         dpo = [i for i, n in enumerate(layout.names) if n in self.registry and self.registry[n].spec.objective == "dpo"]
         self._preference_accuracy = {}
-        if not dpo:
+        if not self._reference_forward_needed(bool(dpo)):
+            return sums, counts
+        if not dpo:  # another rank runs its reference forward: join the base's collectives
+            self._idle_forward(reference=False)
             return sums, counts
         rows = torch.cat([torch.arange(layout.starts[i], layout.ends[i]) for i in dpo]).to(row_sum.device)
         with torch.no_grad(), self.lora_layers.use(None):  # the reference: the base alone, once for all
@@ -192,6 +196,8 @@ class MultiLoRAMixin:
     def _notify_exit(self, rec: AdapterRecord) -> None:
         """Tell callbacks with an ``on_adapter_exit(trainer, module, record)`` method, and log the exit."""
         self._freed_spec = rec.spec  # the next admission prefers its batch size
+        if self._placement() is not None:
+            self._exited_since_sync.append(rec.name)
         trainer = self._trainer_or_none()
         if trainer is None:
             return
@@ -263,6 +269,13 @@ class MultiLoRAMixin:
                 setattr(rec, f, value)
             if rec.state.exited and not was_exited:
                 rec.close_span(rec.ended_at_step if rec.ended_at_step is not None else self._global_step())
+                self._exited_since_sync.append(name)
+        # The freed slot's batch size guides the next admission: the same exit on every rank (each rank saw its
+        # own exits first), the last in registry order of those since the last exchange.
+        exited = set(self._exited_since_sync)
+        if exited:
+            self._freed_spec = [r.spec for r in self.registry if r.name in exited][-1]
+        self._exited_since_sync = []
 
     def align_batches(self, batches: list) -> list:
         """Under adapter parallelism, pad this rank's batches with empty ones to the largest count of any rank:
@@ -273,10 +286,24 @@ class MultiLoRAMixin:
         most = int(placement.reduce(torch.tensor(len(batches), device=self.device), reduce_op="max").item())
         return batches + [self._datamodule().pack([], []) for _ in range(most - len(batches))]
 
-    def _idle_forward(self) -> None:
-        """A rank with nothing to validate: one dummy row through the base, so the collectives match."""
+    def _reference_forward_needed(self, here: bool) -> bool:
+        """Whether DPO's reference forward runs this step: where this process has DPO rows; under adapter
+        parallelism on every rank when any rank has some (the base's forward is a collective there)."""
+        placement = self._placement()
+        if placement is None:
+            return here
+        if not any(r.spec.objective == "dpo" for r in self.registry):  # the same registry on every rank
+            return False
+        flag = torch.tensor(int(here), device=self.device)
+        return bool(placement.reduce(flag, reduce_op="max").item())
+
+    def _idle_forward(self, reference: bool = True) -> None:
+        """A rank with nothing to validate: one dummy row through the base, so the collectives match (and a
+        second one when another rank runs DPO's reference forward, unless ``reference`` is False)."""
         with torch.no_grad(), self.lora_layers.use(None):
             self.lora_layers.model(input_ids=torch.zeros(1, 8, dtype=torch.long, device=self.device))
+        if reference and self._reference_forward_needed(False):
+            self._idle_forward(reference=False)
 
     def _idle_step(self) -> None:
         """A rank with no adapter: run the base forward and backward anyway (FSDP's collectives need every
@@ -286,6 +313,8 @@ class MultiLoRAMixin:
         try:
             ids = torch.zeros(1, 8, dtype=torch.long, device=self.device)
             out = self.lora_layers.model(input_ids=ids).logits
+            if self._reference_forward_needed(False):  # another rank's DPO reference forward, before backward
+                self._idle_forward(reference=False)
             self.manual_backward(out.float().sum() * 0.0)
         finally:
             hook.remove()
@@ -312,13 +341,17 @@ class MultiLoRAMixin:
     def _admit(self) -> None:
         """Start queued adapters while slots are free (and, with an admission controller, while they fit)."""
         queued = list(self.registry.queued)
+        placement = self._placement()
         if self.admission is not None and queued:
             running = [r.spec for r in self.registry.running]
             by_name = {r.name: r for r in queued}
-            queued = [by_name[s.name] for s in self.admission.select(running, [r.spec for r in queued],
-                                                                      self._freed_spec)]
+            if placement is not None and hasattr(placement, "select_admitted"):  # each rank's adapters, its memory
+                chosen = placement.select_admitted(self.admission, running, [r.spec for r in queued],
+                                                   self._freed_spec)
+            else:
+                chosen = self.admission.select(running, [r.spec for r in queued], self._freed_spec)
+            queued = [by_name[s.name] for s in chosen]
         self._freed_spec = None
-        placement = self._placement()
         for rec in queued:
             if self.max_running is not None and len(self.registry.running) >= self.max_running:
                 break
@@ -339,8 +372,6 @@ class MultiLoRAMixin:
             rec.started_at_step = self._global_step()
             rec.open_span(rec.started_at_step)
             if placement is not None:
-                if hasattr(placement, "check_spec"):
-                    placement.check_spec(spec)
                 placement.place([r.spec for r in self.registry.running])
                 if not placement.owns(rec.name):
                     continue  # another rank trains it

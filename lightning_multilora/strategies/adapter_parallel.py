@@ -4,11 +4,13 @@ adapter parallelism).
 Every rank joins FSDP's all-gathers of the frozen base; each rank trains a disjoint set of adapters on its
 own data; adapter parameters and gradients never enter a collective (they are FSDP ``ignored_params``, or
 created after sharding, so FSDP never manages them; the base is frozen, so nothing is reduce-scattered).
-The module keeps the same registry on every rank: admission runs identically everywhere, `place` gives
+The module keeps the same registry on every rank: admission runs identically everywhere (an admission
+controller judges each rank's own adapters against one device's memory, `select_admitted`), `place` gives
 each admitted adapter an owner (balanced by rows per step, same batch sizes together), and after every
 step the ranks exchange their adapters' progress and exits (``all_gather_object``) so that the next
 admission, and the end of training, are decided alike. A rank with no adapter left still runs the base's
-forward and backward, so the collectives never wait on it.
+forward and backward, so the collectives never wait on it; likewise a rank without DPO rows joins the
+reference forward (the base alone) that a rank with some runs.
 
 Callbacks that decide across adapters (`OptunaSweep` asks trials and tells results, `WarmupSelection` ranks
 the cohort) decide on rank 0 alone, from the shared registry, through `decide_once`: the decision (or the
@@ -71,21 +73,6 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         self.param_dtype = param_dtype
         self.reshard_after_forward = reshard_after_forward
         self.owner: dict[str, int] = {}
-
-    def setup(self, trainer: Any) -> None:
-        # Admission control is decided per rank (its freed-slot preference would differ between ranks).
-        module = self.lightning_module
-        if getattr(module, "admission", None) is not None:
-            raise ValueError("`admission` controllers are not supported with strategy='adapter_parallel' yet: "
-                             "use `max_running`")
-        super().setup(trainer)
-
-    def check_spec(self, spec: AdapterSpec) -> None:
-        """Adapters this strategy cannot train yet get a clear error when they are admitted."""
-        if spec.objective != "sft":
-            raise ValueError(f"adapter {spec.name!r}: objective {spec.objective!r} is not supported with "
-                             "strategy='adapter_parallel' yet (its reference forward would run on some ranks "
-                             "only); allowed: 'sft'")
 
     def setup_environment(self) -> None:
         self._data_parallel_size = self.num_processes * self.num_nodes  # every rank shards the base
@@ -172,6 +159,36 @@ class AdapterParallelStrategy(ModelParallelStrategy):
 
     def place(self, specs: Sequence[AdapterSpec]) -> None:
         self.owner = assign_adapters(specs, self.world_size, self.owner)
+
+    def owners_if_started(self, specs: Sequence[AdapterSpec]) -> dict[str, int]:
+        """Where ``specs`` would train if started in this order, one after the other, as the module starts
+        them (`place` after each): the adapters already placed stay."""
+        owner = dict(self.owner)
+        placed: list[AdapterSpec] = []
+        for spec in specs:
+            placed.append(spec)
+            if spec.name not in owner:
+                owner = assign_adapters(placed, self.world_size, owner)
+        return owner
+
+    def select_admitted(self, admission: Any, running: Sequence[AdapterSpec], candidates: Sequence[AdapterSpec],
+                        freed: Optional[AdapterSpec] = None) -> list[AdapterSpec]:
+        """Admission per rank: ``admission``'s predictor and budget (one device's) judge each rank's own adapters,
+        where they would be placed. The order is the greedy controller's (largest batch first, the freed slot's
+        batch size before the others); a candidate is started only if its rank, and every other, still fits.
+        The same registry on every rank gives the same decision everywhere.
+
+        The predictor is asked about one rank's adapters as if the whole base sat on that device: under FSDP2 a
+        rank holds a shard and one gathered layer, so this errs on the safe side (give ``admission`` a
+        predictor for one rank to pack more)."""
+        from lightning_multilora.scheduling.admission import AdmissionController
+
+        def per_rank_peak(specs: Sequence[AdapterSpec]) -> float:
+            owner = self.owners_if_started(specs)
+            return max(admission.predict([s for s in specs if owner[s.name] == rank]) for rank in range(self.world_size))
+
+        greedy = AdmissionController(per_rank_peak, admission.capacity_bytes, admission.safety_margin)
+        return greedy.select(running, candidates, freed)
 
     def owns(self, name: str) -> bool:
         return self.owner.get(name) == self.global_rank

@@ -1,7 +1,7 @@
 """Trains four adapters with `AdapterParallelStrategy` on 2 gloo processes, or in one process (the reference).
 
     python tests/strategies/ap_run.py OUT_DIR parallel|single|stop|resume|early_exit|early_exit_single|optuna|
-        optuna_single|warmup|warmup_single|optuna_bad_target
+        optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|dpo_single
 
 ``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt); ``resume`` finishes from that checkpoint.
 ``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation.
@@ -9,6 +9,9 @@
 that every process creates (2 random startup trials, so later asks depend on what was told before them).
 ``warmup`` / ``warmup_single``: OptunaSweep (random sampler, SQLite OUT_DIR/<mode>.db) feeds 4 candidates through 2
 slots to WarmupSelection, which keeps the best 2. ``optuna_bad_target``: every trial names a missing target module.
+``admission``: an `AdmissionController` whose "memory" is 1 GiB a row per step and 2 GiB a device, so a rank holds
+2 rows at a time (one process: a0 alone, then the others as slots free).
+``dpo`` / ``dpo_single``: a DPO adapter (5 steps) and an SFT one (2 steps): on 2 ranks, one each.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -36,6 +39,10 @@ SPECS = [AdapterSpec("a0", rank=2, batch_size=2, lr=1e-3, max_steps=3, seed=1),
          AdapterSpec("a1", rank=4, batch_size=2, lr=2e-3, max_steps=6, seed=2),
          AdapterSpec("a2", rank=3, batch_size=1, lr=1e-3, max_steps=4, seed=3),
          AdapterSpec("a3", rank=2, batch_size=1, lr=3e-3, max_steps=2, seed=4)]
+DPO_SPECS = [AdapterSpec("d", objective="dpo", dataset="pairs", rank=2, batch_size=2, lr=5e-3, max_steps=5, seed=1),
+             AdapterSpec("s", dataset="arith", rank=2, batch_size=2, lr=2e-3, max_steps=2, seed=2)]
+PAIRS = [{"prompt": f"Q{i}: is {i} even?", "chosen": " yes" if i % 2 == 0 else " no",
+          "rejected": " no" if i % 2 == 0 else " yes"} for i in range(40)]
 CALLS: list[tuple[str, int]] = []
 STUDY_CALLS: list[list] = []
 SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
@@ -99,9 +106,21 @@ def study_rows(study) -> list[dict]:
 def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
     sweep = mode.startswith(("optuna", "warmup"))  # its adapters come from the study; adapters validate on finish
-    module = MultiLoRAModule("tiny-llama", adapters=[] if sweep else SPECS, export_dir=str(out / mode))
-    dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, padding="max_length", max_length=96,
-                             max_val_examples=8)
+    admission = None
+    if mode == "admission":
+        from lightning_multilora.scheduling import AdmissionController
+
+        admission = AdmissionController(lambda specs: float(sum(s.rows_per_step for s in specs) * 2**30), 2 * 2**30,
+                                        safety_margin=1.0)
+    dpo = mode.startswith("dpo")
+    specs = [] if sweep else DPO_SPECS if dpo else SPECS
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(out / mode), admission=admission)
+    sources: dict[str, Any] = {"arith": GeneratedArithmetic(200)}
+    if dpo:
+        from lightning_multilora.data import PreferenceSource
+
+        sources["pairs"] = PreferenceSource(records=PAIRS)
+    dm = MultiLoRADataModule(sources=sources, padding="max_length", max_length=96, max_val_examples=8)
     kwargs = dict(accelerator="cpu", max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,
                   enable_model_summary=False, logger=False, default_root_dir=str(out / f"root_{mode}"),
                   val_check_interval=3, check_val_every_n_epoch=None)  # checkpointing on: ModelCheckpoint saves at the end
@@ -149,6 +168,7 @@ def main() -> None:
         shards = sorted({p.to_local().numel() for p in module.model.parameters() if isinstance(p, DTensor)})
     owned = sorted(n for n, r in getattr(trainer.strategy, "owner", {}).items() if r == rank)
     states = {r.name: (r.state.value, r.step) for r in module.registry}
+    started = {r.name: r.started_at_step for r in module.registry}
     val = {r.name: r.val_losses for r in module.registry}
     sweep_state = {}
     if held_study is not None:
@@ -159,7 +179,8 @@ def main() -> None:
                            specs={r.name: r.spec.to_dict() for r in module.registry},
                            reasons={r.name: r.reason for r in module.registry})
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps(dict(owned=owned, calls=CALLS, shard_numels=shards,
-                                                                 states=states, val=val, **sweep_state)))
+                                                                 states=states, started=started, val=val,
+                                                                 **sweep_state)))
 
 
 if __name__ == "__main__":

@@ -141,13 +141,48 @@ def test_an_early_exit_on_one_rank_reaches_the_other_and_matches_one_process(tmp
             torch.testing.assert_close(parallel[key], alone[key], rtol=1e-5, atol=1e-6)
 
 
-def test_what_is_not_coordinated_across_ranks_yet_is_refused_clearly():
-    from types import SimpleNamespace
+def test_dpo_on_one_rank_and_sft_on_the_other_train_as_in_one_process(tmp_path):
+    """DPO's reference forward is a collective under FSDP: the rank without DPO rows (training SFT, then idle once
+    its adapter finished, and in validation) joins it; every adapter ends as in one process."""
+    run(tmp_path, "dpo")
+    run(tmp_path, "dpo_single")
+    ranks, single = load_runs(tmp_path, "dpo")
+    assert ranks[0]["owned"] == ["d"] and ranks[1]["owned"] == ["s"]
+    assert ranks[0]["states"] == ranks[1]["states"] == single["states"] == {"d": ["finished", 5], "s": ["finished", 2]}
+    assert ranks[0]["val"] == ranks[1]["val"]
+    for name in ("d", "s"):
+        assert [v for _, v in ranks[0]["val"][name]] == pytest.approx([v for _, v in single["val"][name]], rel=1e-5)
+    assert_same_exports(tmp_path, "dpo", ["d", "s"])
 
+
+def test_admission_judges_each_ranks_adapters_against_one_devices_memory(tmp_path):
+    run(tmp_path, "admission")
+    ranks = [json.loads((tmp_path / f"admission.rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["states"] == ranks[1]["states"] and ranks[0]["started"] == ranks[1]["started"]
+    assert all(state == "finished" for state, _ in ranks[0]["states"].values())
+    # 2 rows a rank: a0 (batch 2) on rank 0 and a1 (batch 2) on rank 1 start together (one device would start a0
+    # alone); a2 and a3 (batch 1) wait until a0 frees rank 0 at step 3, then both go there
+    assert ranks[0]["started"] == {"a0": 0, "a1": 0, "a2": 3, "a3": 3}
+    assert ranks[0]["owned"] == ["a0", "a2", "a3"] and ranks[1]["owned"] == ["a1"]
+
+
+def test_per_rank_admission_places_as_the_module_starts_adapters():
+    from lightning_multilora.scheduling import AdmissionController
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    env = LightningEnvironment()
+    env.set_world_size(2)  # no process group: only the placement arithmetic
     strategy = AdapterParallelStrategy()
-    with pytest.raises(ValueError, match="objective 'dpo' is not supported with strategy='adapter_parallel'"):
-        strategy.check_spec(AdapterSpec("d", objective="dpo"))
-    strategy.check_spec(AdapterSpec("s"))
+    strategy.cluster_environment = env
+    rows = AdmissionController(lambda specs: float(sum(s.rows_per_step for s in specs)), 3.0, safety_margin=1.0)
+    specs = [AdapterSpec(f"b{i}", batch_size=bs) for i, bs in enumerate([2, 2, 2, 1, 1, 1])]
+    chosen = strategy.select_admitted(rows, [], specs)
+    # ranks of 3 rows: b0 | b1, then b2 fits nowhere (2 + 2 > 3), b3 -> rank 0, b4 -> rank 1, b5 nowhere
+    assert [s.name for s in chosen] == ["b0", "b1", "b3", "b4"]
+    assert strategy.owners_if_started(chosen) == {"b0": 0, "b1": 1, "b3": 0, "b4": 1}
+    # one device's view of the same controller admits 3 rows in all
+    assert [s.name for s in rows.select([], specs)] == ["b0", "b3"]
 
 
 def load_runs(tmp_path: Path, mode: str) -> tuple[list[dict], dict]:
