@@ -1,7 +1,7 @@
 """Trains four adapters with `AdapterParallelStrategy` on 2 gloo processes, or in one process (the reference).
 
     python tests/strategies/ap_run.py OUT_DIR parallel|single|stop|resume|early_exit|early_exit_single|optuna|
-        optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|dpo_single
+        optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|dpo_single|warmup_stop|warmup_resume
 
 ``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt); ``resume`` finishes from that checkpoint.
 ``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation.
@@ -11,6 +11,8 @@ that every process creates (2 random startup trials, so later asks depend on wha
 slots to WarmupSelection, which keeps the best 2. ``optuna_bad_target``: every trial names a missing target module.
 ``admission``: an `AdmissionController` whose "memory" is 1 GiB a row per step and 2 GiB a device, so a rank holds
 2 rows at a time (one process: a0 alone, then the others as slots free).
+``warmup_stop`` / ``warmup_resume``: the ``warmup`` sweep stopped after 3 steps (checkpoint in OUT_DIR/wckpt; the
+study in OUT_DIR/warmup_resumed.db) and resumed from there.
 ``dpo`` / ``dpo_single``: a DPO adapter (5 steps) and an SFT one (2 steps): on 2 ranks, one each.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
@@ -87,7 +89,8 @@ def sweep_callbacks(out: Path, mode: str) -> tuple[list, Callable[[], Any]]:
 
     count_study_calls()
     if mode.startswith("warmup"):
-        sweep = OptunaSweep(SPACE, n_trials=4, storage=f"sqlite:///{out / mode}.db", sampler="random", seed=3,
+        db = out / ("warmup_resumed" if mode in ("warmup_stop", "warmup_resume") else mode)
+        sweep = OptunaSweep(SPACE, n_trials=4, storage=f"sqlite:///{db}.db", sampler="random", seed=3,
                             base={"max_steps": 8, "batch_size": 1}, slots=2)
         return [sweep, WarmupSelection(warmup_fraction=0.25, keep_fraction=0.5)], lambda: sweep.study
     study = optuna.create_study(sampler=optuna.samplers.TPESampler(seed=0, n_startup_trials=2))
@@ -147,6 +150,13 @@ def main() -> None:
     if sweep:
         callbacks, held_study = sweep_callbacks(out, mode)
         kwargs.update(callbacks=callbacks)
+    if mode == "warmup_stop":
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        kwargs.update(max_steps=3, callbacks=[*kwargs["callbacks"], ModelCheckpoint(
+            dirpath=out / "wckpt", every_n_train_steps=3, save_top_k=-1)])
+    if mode == "warmup_resume":
+        (ckpt_path,) = (out / "wckpt").glob("*.ckpt")
     if not mode.endswith("single"):
         for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
                      "all_reduce"):

@@ -269,6 +269,34 @@ def test_warmup_selection_decided_on_rank_zero_keeps_what_one_process_keeps(tmp_
     assert_same_exports(tmp_path, "warmup", single["states"])  # pruned adapters too, exported by their owner
 
 
+def test_a_sweep_stopped_in_its_warmup_and_resumed_ends_as_if_never_stopped(tmp_path):
+    """OptunaSweep + WarmupSelection on 2 ranks, checkpointed at step 3 (candidates paused and queued, the study
+    half asked) and resumed from that checkpoint and the same SQLite study."""
+    optuna = pytest.importorskip("optuna")
+
+    run(tmp_path, "warmup")
+    run(tmp_path, "warmup_stop")
+    stopped = [json.loads((tmp_path / f"warmup_stop.rank{r}.json").read_text()) for r in (0, 1)]
+    assert any(state in ("paused", "queued", "running") for state, _ in stopped[0]["states"].values())
+    run(tmp_path, "warmup_resume")
+    full = [json.loads((tmp_path / f"warmup.rank{r}.json").read_text()) for r in (0, 1)]
+    resumed = [json.loads((tmp_path / f"warmup_resume.rank{r}.json").read_text()) for r in (0, 1)]
+    for a, b in zip(resumed, full):
+        assert a["states"] == b["states"] and a["reasons"] == b["reasons"] and a["owned"] == b["owned"]
+        assert a["callbacks"]["WarmupSelection"]["kept"] == b["callbacks"]["WarmupSelection"]["kept"]
+        assert a["callbacks"]["WarmupSelection"]["warmup_losses"] == pytest.approx(
+            b["callbacks"]["WarmupSelection"]["warmup_losses"], rel=1e-5)
+    studies = [study_rows(optuna.load_study(study_name="multilora", storage=f"sqlite:///{tmp_path / m}.db"))
+               for m in ("warmup_resumed", "warmup")]
+    assert_same_study(*studies)  # no trial asked twice or lost across the restart
+    for name, (state, _) in full[0]["states"].items():
+        folder = "warmup_resume" if (tmp_path / "warmup_resume" / name).exists() else "warmup_stop"
+        resumed_weights = load_file(tmp_path / folder / name / "adapter_model.safetensors")
+        uninterrupted = load_file(tmp_path / "warmup" / name / "adapter_model.safetensors")
+        for key in uninterrupted:
+            torch.testing.assert_close(resumed_weights[key], uninterrupted[key], rtol=1e-5, atol=1e-6)
+
+
 def test_an_error_in_rank_zeros_decision_fails_every_rank_with_its_message(tmp_path):
     pytest.importorskip("optuna")
     result = launch(tmp_path, "optuna_bad_target")  # every trial names a module the model does not have
