@@ -73,7 +73,9 @@ def make_datamodule(train: list[dict], args) -> MultiLoRADataModule:
 
 
 class StepTimes(L.Callback):
-    """Wall time of every training step and how many adapters it trained (where a run spends its time)."""
+    """Wall time of every training step and how many adapters it trained (where a run spends its time). The
+    module's own after-step work (finishing validations, exports, admission) runs after the callbacks' hooks: it
+    is not in these times (it is in the profiler's and the run's wall time)."""
 
     def __init__(self) -> None:
         self.rows: list[tuple[int, float, int]] = []  # (global step, ms, adapters in the batch)

@@ -25,6 +25,7 @@ import lightning_multilora.strategies  # noqa: E402,F401 - registers strategy="a
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _LORA_KEYS = (".lora_A.", ".lora_B.")
+_EXITS_KEY = "\0exits-of-rank-"  # in the ranks' exchange: a rank's exits since the last one (not an adapter name)
 
 
 def resolve_optimizer(optimizer: Union[str, type]) -> type:
@@ -94,6 +95,7 @@ class MultiLoRAMixin:
         self.max_running = max_running
         self.admission = admission
         self._freed_spec: Optional[AdapterSpec] = None
+        self._resume_checkpoint: Optional[dict[str, Any]] = None  # between on_load_checkpoint and the optimizer
         self._exited_since_sync: list[str] = []  # under adapter parallelism: exits the other ranks learn next
         self.export_dir = export_dir
         self.validate_on_finish = validate_on_finish
@@ -258,9 +260,13 @@ class MultiLoRAMixin:
             return
         fields = ("state", "reason", "step", "max_steps", "tokens_seen", "samples_seen", "started_at_step",
                   "ended_at_step", "export_path", "best_val_loss", "best_val_step", "last_val_loss", "val_losses")
-        mine = {r.name: {f: getattr(r, f) for f in fields} for r in self.registry
-                if placement.owner.get(r.name) == placement.global_rank}
+        mine: dict[str, Any] = {r.name: {f: getattr(r, f) for f in fields} for r in self.registry
+                                if placement.owner.get(r.name) == placement.global_rank}
+        mine[f"{_EXITS_KEY}{placement.global_rank}"] = list(self._exited_since_sync)
         for name, update in placement.exchange(mine).items():
+            if name.startswith(_EXITS_KEY):
+                self._exited_since_sync.extend(update)  # every rank's exits since the last exchange
+                continue
             if placement.owns(name) or name not in self.registry:
                 continue
             rec = self.registry[name]
@@ -270,8 +276,8 @@ class MultiLoRAMixin:
             if rec.state.exited and not was_exited:
                 rec.close_span(rec.ended_at_step if rec.ended_at_step is not None else self._global_step())
                 self._exited_since_sync.append(name)
-        # The freed slot's batch size guides the next admission: the same exit on every rank (each rank saw its
-        # own exits first), the last in registry order of those since the last exchange.
+        # The freed slot's batch size guides the next admission: the same exit on every rank (the union of every
+        # rank's exits since the last exchange), the last in registry order.
         exited = set(self._exited_since_sync)
         if exited:
             self._freed_spec = [r.spec for r in self.registry if r.name in exited][-1]
@@ -425,6 +431,8 @@ class MultiLoRAMixin:
         self._notify_exit(rec)
 
     def _global_step(self) -> int:
+        if self._resume_checkpoint is not None:  # resuming: the trainer's step is restored after the optimizer
+            return int(self._resume_checkpoint.get("global_step", 0))
         trainer = self._trainer_or_none()
         return int(trainer.global_step) if trainer is not None else 0
 
@@ -442,11 +450,14 @@ class MultiLoRAMixin:
 
     @override
     def configure_optimizers(self):
+        if self._resume_checkpoint is not None and self._placement() is not None:
+            # A checkpoint is written by a callback's on_train_batch_end, before the module's: under adapter
+            # parallelism the step's exchange and its finished adapters were not settled in it. Settle them now,
+            # as the uninterrupted run did after that step.
+            self._sync_ranks()
+            self._finish_together()
         self._fill_slots()  # after a checkpoint is restored, before the optimizer is built
         records = [r for r in self.registry.holding_weights if self._owns(r.name)]
-        # after a resume, the groups in the saved optimizer's order: its state is matched to groups by position
-        order = {name: i for i, name in enumerate(getattr(self, "_restored_group_order", []))}
-        records.sort(key=lambda r: order.get(r.name, len(order)))
         groups = [self._param_group(r.spec) for r in records]
         if not groups and self._placement() is not None and self.registry.running:
             # this rank holds no adapter yet: an empty group keeps the optimizer valid until one arrives
@@ -459,7 +470,11 @@ class MultiLoRAMixin:
                 {"fused", "foreach"} & kwargs.keys()):
             # thousands of small adapter tensors: the fused kernels cut the step's host time by ~4x
             kwargs["fused"] = True
-        return self.optimizer_class(groups, **kwargs)
+        optimizer = self.optimizer_class(groups, **kwargs)
+        if self._resume_checkpoint is not None:
+            _match_optimizer_state(self._resume_checkpoint, optimizer)
+            self._resume_checkpoint = None
+        return optimizer
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
@@ -667,6 +682,9 @@ class MultiLoRAMixin:
             "registry": self.registry.state_dict(),
             "best_weights": self._best_weights,
             "group_order": [g.get("adapter") for g in optimizer.param_groups] if optimizer is not None else [],
+            # what the next admission prefers, and (adapter parallelism) exits not yet shared with the other ranks
+            "freed": self._freed_spec.name if self._freed_spec is not None else None,
+            "exited_since_sync": list(self._exited_since_sync),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -680,7 +698,10 @@ class MultiLoRAMixin:
             self.lora_layers.remove_adapter(name)
         self.registry.load_state_dict(state["registry"])
         self._best_weights = dict(state.get("best_weights", {}))
-        self._restored_group_order = [n for n in state.get("group_order", []) if n is not None]
+        self._resume_checkpoint = checkpoint  # its optimizer state is matched to the new groups by adapter name
+        freed = state.get("freed")
+        self._freed_spec = self.registry[freed].spec if freed is not None and freed in self.registry else None
+        self._exited_since_sync = list(state.get("exited_since_sync", []))
         for rec in self.registry.holding_weights:
             if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
                 self._create_weights(rec)
@@ -692,6 +713,33 @@ class MultiLoRAMixin:
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    """Rewrite the checkpoint's optimizer state for ``optimizer``'s groups, matched by adapter name: Lightning
+    then loads it by position. The groups can differ from the saved ones: a checkpoint is written before the
+    module settles its step (slots refilled after an exit, adapters finished under adapter parallelism), so an
+    adapter started since has no saved state (it starts fresh, as it did in the uninterrupted run) and one that
+    has left since is dropped."""
+    states = checkpoint.get("optimizer_states")
+    if not states:
+        return
+    saved = states[0]
+    by_name = {g.get("adapter"): g for g in saved["param_groups"] if g.get("adapter") is not None}
+    matched: dict[str, Any] = {"state": {}, "param_groups": []}
+    index = 0
+    for group in optimizer.param_groups:
+        ids = list(range(index, index + len(group["params"])))
+        index += len(ids)
+        old = by_name.get(group.get("adapter"))
+        if old is not None and len(old["params"]) == len(ids):
+            matched["param_groups"].append({**old, "params": ids})
+            for old_id, new_id in zip(old["params"], ids):
+                if old_id in saved["state"]:
+                    matched["state"][new_id] = saved["state"][old_id]
+        else:
+            matched["param_groups"].append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
+    checkpoint["optimizer_states"] = [matched, *states[1:]]
 
 
 def _row_token_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

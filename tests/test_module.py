@@ -117,7 +117,7 @@ def test_epochs_are_counted_on_each_adapters_own_dataset(tmp_path, trainer_kwarg
     assert module.registry["b"].step == 5
 
 
-def run_resumable(tmp_path, trainer_kwargs, stop_at=None, ckpt=None):
+def run_resumable(tmp_path, trainer_kwargs, stop_at=None, ckpt=None, callbacks=()):
     specs = [
         AdapterSpec("r1", rank=4, lr=2e-3, batch_size=2, max_steps=16, seed=1, dropout=0.1),
         AdapterSpec("r2", rank=3, lr=1e-3, batch_size=3, max_steps=6, seed=2, lr_schedule="cosine", warmup_steps=2),
@@ -127,6 +127,8 @@ def run_resumable(tmp_path, trainer_kwargs, stop_at=None, ckpt=None):
     kwargs = dict(trainer_kwargs, val_check_interval=5)
     if stop_at is not None:
         kwargs["max_steps"] = stop_at
+    if callbacks:
+        kwargs.update(callbacks=list(callbacks), enable_checkpointing=True)
     trainer = L.Trainer(**kwargs)
     L.seed_everything(0)  # dropout draws from the global generator; the checkpoint carries its state
     trainer.fit(module, fixed_dm(), ckpt_path=ckpt)
@@ -145,6 +147,27 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path, trainer_kwarg
     for name in ("r1", "r2", "r3"):
         a, b = full.registry[name], resumed.registry[name]
         assert (a.state, a.step, a.tokens_seen) == (b.state, b.step, b.tokens_seen)
+        assert a.val_losses == b.val_losses
+        for key, value in exported(full, name).items():
+            assert torch.equal(exported(resumed, name)[key], value), f"{name}: {key}"
+
+
+def test_resume_from_a_checkpoint_written_at_an_exit_and_refill_equals_uninterrupted_run(tmp_path, trainer_kwargs):
+    """ModelCheckpoint writes in its on_train_batch_end, before the module refills the slot r2 freed at step 6
+    (r3 waits for it): the saved optimizer has no group for r3, the resumed one does."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    _, full = run_resumable(tmp_path / "full", trainer_kwargs)
+    save = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=6, save_top_k=-1)
+    run_resumable(tmp_path / "part", trainer_kwargs, stop_at=6, callbacks=[save])
+    (ckpt,) = (tmp_path / "ckpt").glob("*.ckpt")
+    saved = torch.load(ckpt, weights_only=False)
+    assert [g["adapter"] for g in saved["optimizer_states"][0]["param_groups"]] == ["r1"]
+    assert {r["spec"]["name"]: r["state"] for r in saved["multilora"]["registry"]["records"]}["r3"] == "queued"
+    _, resumed = run_resumable(tmp_path / "part", trainer_kwargs, ckpt=str(ckpt))
+    for name in ("r1", "r2", "r3"):
+        a, b = full.registry[name], resumed.registry[name]
+        assert (a.state, a.step, a.tokens_seen, a.started_at_step) == (b.state, b.step, b.tokens_seen, b.started_at_step)
         assert a.val_losses == b.val_losses
         for key, value in exported(full, name).items():
             assert torch.equal(exported(resumed, name)[key], value), f"{name}: {key}"

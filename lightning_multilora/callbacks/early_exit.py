@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -89,12 +89,15 @@ class EarlyExit(Callback):
             watch.ema = loss if math.isnan(watch.ema) else self.ema_alpha * loss + (1 - self.ema_alpha) * watch.ema
         return watch.ema
 
-    def observe_validation(self, name: str, val_loss: float, step: int = -1) -> str | None:
-        """Record one validation; returns ``"diverged"``, ``"overfit"`` or None (keep training)."""
+    def observe_validation(self, name: str, val_loss: float, step: int = -1,
+                           new_best: Optional[bool] = None) -> str | None:
+        """Record one validation; returns ``"diverged"``, ``"overfit"`` or None (keep training). ``new_best``:
+        whether it is the adapter's best validation so far (default: below every validation seen here; the
+        callback passes the adapter record's own view, which also counts validations made outside the loop)."""
         watch = self.watches.setdefault(name, AdapterWatch())
         if math.isnan(watch.ema) or not math.isfinite(val_loss):
             return None
-        improving = all(val_loss < v for v in watch.val_at_eval)
+        improving = all(val_loss < v for v in watch.val_at_eval) if new_best is None else new_best
         watch.ema_at_eval.append(watch.ema)
         watch.val_at_eval.append(val_loss)
         watch.evaluated_steps.append(step)
@@ -142,7 +145,7 @@ class EarlyExit(Callback):
             step, val = rec.val_losses[-1]
             if watch.evaluated_steps and watch.evaluated_steps[-1] == step:
                 continue  # no new validation of this adapter
-            decision = self.observe_validation(rec.name, val, step)
+            decision = self.observe_validation(rec.name, val, step, new_best=rec.best_val_step == step)
             if decision == "diverged":
                 reason = (f"training and validation losses rising for {watch.divergence_count} evaluations "
                           f"(slopes over {self.window} points > {self.tau_slope})")

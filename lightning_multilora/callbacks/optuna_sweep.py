@@ -161,9 +161,13 @@ class OptunaSweep(Callback):
                   (AdapterState.RUNNING, AdapterState.QUEUED)]
         if self.slots is None and getattr(pl_module, "admission", None) is not None:
             # the module's memory model decides: ask trials until one would have to wait in the queue
+            placement = placement_of(pl_module)
+
             def room() -> bool:
                 running = [r.spec for r in registry.running]
                 queued = [r.spec for r in registry.queued]
+                if placement is not None and hasattr(placement, "select_admitted"):  # every rank's memory
+                    return len(placement.select_admitted(pl_module.admission, running, queued)) == len(queued)
                 return len(pl_module.admission.select(running, queued)) == len(queued)
         else:
             slots = self.slots or getattr(pl_module, "max_running", None) or 4
@@ -236,8 +240,11 @@ class OptunaSweep(Callback):
         if info is None or info["told"] or self.study is None:
             return
         self._report(pl_module)
-        if rec.state in COMPLETE_STATES and math.isfinite(rec.best_val_loss):
-            self._tell(info["number"], values=rec.best_val_loss)
+        # an overfit exit exports its best-validation weights only when they are kept (EarlyExit's default)
+        value = (rec.last_val_loss if rec.state == AdapterState.OVERFIT and not getattr(pl_module, "keep_best_weights",
+                                                                                          True) else rec.best_val_loss)
+        if rec.state in COMPLETE_STATES and math.isfinite(value):
+            self._tell(info["number"], values=value)
         elif rec.state in PRUNED_STATES or rec.state in COMPLETE_STATES:
             self._tell(info["number"], state=optuna.trial.TrialState.PRUNED)
         else:

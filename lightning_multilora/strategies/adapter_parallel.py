@@ -178,7 +178,8 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         batch size before the others); a candidate is started only if its rank, and every other, still fits.
         The same registry on every rank gives the same decision everywhere.
 
-        The predictor is asked about one rank's adapters as if the whole base sat on that device: under FSDP2 a
+        Any controller is applied this way, greedily: a `CPSATAdmission`'s knapsack and priorities are not used
+        under this strategy (its predictor is). The predictor is asked about one rank's adapters as if the whole base sat on that device: under FSDP2 a
         rank holds a shard and one gathered layer, so this errs on the safe side (give ``admission`` a
         predictor for one rank to pack more)."""
         from lightning_multilora.scheduling.admission import AdmissionController

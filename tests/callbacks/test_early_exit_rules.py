@@ -103,3 +103,15 @@ def test_ema_smooths_and_state_round_trips():
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EarlyExit(**kwargs)
+
+
+def test_the_callers_view_of_a_new_best_decides_whether_a_gap_counts():
+    """The callback passes the adapter record's own best (it also counts validations made outside the loop)."""
+    rule = EarlyExit(ema_alpha=1.0)
+    rule.observe_train_loss("a", 0.5)
+    # falling validations, yet not new bests for the record (a better one was measured by `evaluate`)
+    assert rule.observe_validation("a", 0.9, step=1, new_best=False) is None
+    assert rule.observe_validation("a", 0.8, step=2, new_best=False) == "overfit"
+    rule = EarlyExit(ema_alpha=1.0)
+    rule.observe_train_loss("a", 0.5)
+    assert [rule.observe_validation("a", v, step=i, new_best=True) for i, v in enumerate([0.9, 0.95, 1.0])] == [None] * 3

@@ -1,7 +1,7 @@
 """Trains four adapters with `AdapterParallelStrategy` on 2 gloo processes, or in one process (the reference).
 
     python tests/strategies/ap_run.py OUT_DIR parallel|single|stop|resume|early_exit|early_exit_single|optuna|
-        optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|dpo_single|warmup_stop|warmup_resume
+        optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|dpo_single|warmup_stop|warmup_resume|optuna_admission
 
 ``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt); ``resume`` finishes from that checkpoint.
 ``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation.
@@ -13,6 +13,8 @@ slots to WarmupSelection, which keeps the best 2. ``optuna_bad_target``: every t
 2 rows at a time (one process: a0 alone, then the others as slots free).
 ``warmup_stop`` / ``warmup_resume``: the ``warmup`` sweep stopped after 3 steps (checkpoint in OUT_DIR/wckpt; the
 study in OUT_DIR/warmup_resumed.db) and resumed from there.
+``optuna_admission``: OptunaSweep (random sampler, no ``slots``) asks 6 trials of batch 1 while the ``admission``
+controller's 2 "GiB" a device admit them (2 a rank).
 ``dpo`` / ``dpo_single``: a DPO adapter (5 steps) and an SFT one (2 steps): on 2 ranks, one each.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
@@ -88,6 +90,10 @@ def sweep_callbacks(out: Path, mode: str) -> tuple[list, Callable[[], Any]]:
     from lightning_multilora.callbacks import OptunaSweep, WarmupSelection
 
     count_study_calls()
+    if mode == "optuna_admission":
+        sweep = OptunaSweep(SPACE, n_trials=6, study=optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)),
+                            base={"max_steps": 3, "batch_size": 1})
+        return [sweep], lambda: sweep.study
     if mode.startswith("warmup"):
         db = out / ("warmup_resumed" if mode in ("warmup_stop", "warmup_resume") else mode)
         sweep = OptunaSweep(SPACE, n_trials=4, storage=f"sqlite:///{db}.db", sampler="random", seed=3,
@@ -110,7 +116,7 @@ def main() -> None:
     out, mode = Path(sys.argv[1]), sys.argv[2]
     sweep = mode.startswith(("optuna", "warmup"))  # its adapters come from the study; adapters validate on finish
     admission = None
-    if mode == "admission":
+    if mode in ("admission", "optuna_admission"):
         from lightning_multilora.scheduling import AdmissionController
 
         admission = AdmissionController(lambda specs: float(sum(s.rows_per_step for s in specs) * 2**30), 2 * 2**30,
@@ -141,8 +147,8 @@ def main() -> None:
             """EarlyExit whose rule says "overfit" for a1 at its first validation: the coordination is under
             test here, the rule itself in tests/callbacks."""
 
-            def observe_validation(self, name, val_loss, step=-1):
-                super().observe_validation(name, val_loss, step)
+            def observe_validation(self, name, val_loss, step=-1, new_best=None):
+                super().observe_validation(name, val_loss, step, new_best)
                 return "overfit" if name == "a1" else None
 
         kwargs.update(callbacks=[ExitA1()])

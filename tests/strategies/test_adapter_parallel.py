@@ -96,13 +96,23 @@ def test_checkpoints_hold_each_ranks_adapters(parallel_run):
     assert owned[0].isdisjoint(owned[1])
 
 
+SPEC_NAMES = ("a0", "a1", "a2", "a3")
+
+
 def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_as_if_never_stopped(parallel_run, tmp_path):
     run(tmp_path, "stop")
     run(tmp_path, "resume")
-    for name in ("a0", "a1", "a2", "a3"):
-        # a3 (2 steps) finished before the stop; the others finished after the resume
-        folder = tmp_path / ("stop" if name == "a3" else "resume")
-        resumed = load_file(folder / name / "adapter_model.safetensors")
+    for rank in (0, 1):
+        resumed_run = json.loads((tmp_path / f"resume.rank{rank}.json").read_text())
+        uninterrupted_run = json.loads((parallel_run / f"parallel.rank{rank}.json").read_text())
+        # a3 reached its 2 steps at the checkpoint's step: settled at the resume, not trained a third step
+        assert resumed_run["states"] == uninterrupted_run["states"] and resumed_run["states"]["a3"] == ["finished", 2]
+        for name in SPEC_NAMES:  # the same validations, at the same steps
+            assert [s for s, _ in resumed_run["val"][name]] == [s for s, _ in uninterrupted_run["val"][name]]
+            assert [v for _, v in resumed_run["val"][name]] == pytest.approx(
+                [v for _, v in uninterrupted_run["val"][name]], rel=1e-5)
+    for name in SPEC_NAMES:
+        resumed = load_file(tmp_path / "resume" / name / "adapter_model.safetensors")
         uninterrupted = load_file(parallel_run / "parallel" / name / "adapter_model.safetensors")
         for key in uninterrupted:
             assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
@@ -164,6 +174,16 @@ def test_admission_judges_each_ranks_adapters_against_one_devices_memory(tmp_pat
     # alone); a2 and a3 (batch 1) wait until a0 frees rank 0 at step 3, then both go there
     assert ranks[0]["started"] == {"a0": 0, "a1": 0, "a2": 3, "a3": 3}
     assert ranks[0]["owned"] == ["a0", "a2", "a3"] and ranks[1]["owned"] == ["a1"]
+
+
+def test_an_optuna_sweep_asks_as_many_trials_as_every_ranks_memory_admits(tmp_path):
+    pytest.importorskip("optuna")
+    run(tmp_path, "optuna_admission")
+    ranks = [json.loads((tmp_path / f"optuna_admission.rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["started"] == ranks[1]["started"] and len(ranks[0]["started"]) == 6
+    # 2 rows a rank: 4 trials start at once (one device's view of the memory would have asked 3), then 2 more
+    assert sorted(ranks[0]["started"].values()) == [0, 0, 0, 0, 3, 3]
+    assert all(state == "finished" for state, _ in ranks[0]["states"].values())
 
 
 def test_per_rank_admission_places_as_the_module_starts_adapters():
