@@ -116,6 +116,9 @@ class MultiLoRAMixin:
         ``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` per pair, with sequence log-probabilities
         of the completion; the reference ``ref`` is the base with adapters off, one forward under no_grad
         over every DPO adapter's rows of the batch.
+
+        An override that runs extra forwards of the base must, under adapter parallelism, run as many on every
+        rank (the base's forward is a collective there): see how ``_reference_forward_needed`` pairs them.
         """
         layout: BatchLayout = batch["layout"]
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
