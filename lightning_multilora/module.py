@@ -680,11 +680,9 @@ class MultiLoRAMixin:
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if any(s in k for s in _LORA_KEYS)}
-        optimizer = self._raw_optimizer()
         checkpoint["multilora"] = {
             "registry": self.registry.state_dict(),
             "best_weights": self._best_weights,
-            "group_order": [g.get("adapter") for g in optimizer.param_groups] if optimizer is not None else [],
             # what the next admission prefers, and (adapter parallelism) exits not yet shared with the other ranks
             "freed": self._freed_spec.name if self._freed_spec is not None else None,
             "exited_since_sync": list(self._exited_since_sync),

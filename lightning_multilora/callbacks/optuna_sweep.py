@@ -63,7 +63,8 @@ class OptunaSweep(Callback):
 
     Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values;
     a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one stopped for overfitting
-    (its best-validation weights are what it exports), COMPLETE with its best validation loss; a failure FAIL. An exhausted grid ends the sweep cleanly. A resumed run keeps its trials'
+    (its best-validation weights are what it exports), COMPLETE with its best validation loss; a failure
+    FAIL. An exhausted grid ends the sweep cleanly. A resumed run keeps its trials'
     numbers (no trial lost or duplicated).
 
     Under `AdapterParallelStrategy` the study is used from rank 0 alone: it asks the trials and broadcasts them

@@ -179,14 +179,15 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         The same registry on every rank gives the same decision everywhere.
 
         Any controller is applied this way, greedily: a `CPSATAdmission`'s knapsack and priorities are not used
-        under this strategy (its predictor is). The predictor is asked about one rank's adapters as if the whole base sat on that device: under FSDP2 a
-        rank holds a shard and one gathered layer, so this errs on the safe side (give ``admission`` a
-        predictor for one rank to pack more)."""
+        under this strategy (its predictor is). The predictor is asked about one rank's adapters as if the whole
+        base sat on that device: under FSDP2 a rank holds a shard and one gathered layer, so this errs on the safe
+        side (give ``admission`` a predictor for one rank to pack more)."""
         from lightning_multilora.scheduling.admission import AdmissionController
 
         def per_rank_peak(specs: Sequence[AdapterSpec]) -> float:
             owner = self.owners_if_started(specs)
-            return max(admission.predict([s for s in specs if owner[s.name] == rank]) for rank in range(self.world_size))
+            return max(admission.predict([s for s in specs if owner[s.name] == rank])
+                       for rank in range(self.world_size))
 
         greedy = AdmissionController(per_rank_peak, admission.capacity_bytes, admission.safety_margin)
         return greedy.select(running, candidates, freed)
