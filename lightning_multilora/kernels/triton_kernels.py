@@ -19,8 +19,8 @@ The four kernels:
   (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = drop'(dS A)``); loops over the rank chunks.
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = dS^T drop(X)``)
-  or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split). It adds into what is there, as autograd's gradient accumulation does;
-  its autotuning trials must therefore run on scratch targets (see `triton_lora`).
+  or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
+  runtime value). It adds into what is there, as autograd's gradient accumulation does; its autotuning trials must therefore run on scratch targets (see `triton_lora`).
 Dropout masks come from a per-adapter seed and the element's (row, column): the backward regenerates
 the forward's mask instead of storing it.
 """
@@ -183,17 +183,18 @@ def _rank_times_weight(
     tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
 
 
-@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "SPLIT_T", "HAS_DROPOUT"])
-@triton.jit(do_not_specialize=["R_CHUNKS"])
+@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "HAS_DROPOUT"])
+@triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T"])
 def _weight_grad(
     # pointers
     L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
-    # sizes
-    K, R_CHUNKS,
+    # sizes (SPLIT_T, the programs sharing one adapter's rows, is a runtime value: a run whose adapter set
+    # shrinks meets several, and each would otherwise compile every tuning candidate again)
+    K, R_CHUNKS, SPLIT_T,
     # strides
     stride_l_m, stride_m_m,
-    # meta-parameters
-    G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, SPLIT_T: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    # meta-parameters (ATOMIC: SPLIT_T > 1)
+    G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     a = tl.program_id(0) // R_CHUNKS
@@ -228,7 +229,7 @@ def _weight_grad(
     else:  # G = dB (K, r) row-major, written from its transpose
         g_ptrs = g + offs_k[None, :] * r + offs_r[:, None]
     mask = mask_r[:, None] & mask_k[None, :]
-    if SPLIT_T == 1:
+    if not ATOMIC:
         acc += tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)
     else:

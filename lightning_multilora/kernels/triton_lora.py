@@ -110,11 +110,30 @@ class PointerTable:
 # kernel reads X once per chunk. So ranks up to 128 keep one tile; only larger ones are chunked.
 MAX_RANK_CHUNK = 128
 
+# The widest rank tile used on each CUDA device so far. A tile never narrows within a process: a narrower one
+# is a new kernel variant, and compiling its tuning candidates costs seconds (on the H200, 15 s of a sweep
+# went to the last adapter left, whose smaller rank narrowed the tile), while a wider tile than the ranks need
+# only masks part of a memory-bound product. `reset_rank_tiles` forgets them (benchmarks of fixed sets).
+_widest_tile: dict[str, int] = {}
 
-def rank_chunk(ranks: list[int]) -> int:
+
+def rank_chunk(ranks: list[int], device: Optional[torch.device] = None) -> int:
     """The rank tile: the largest rank's (a power of two, at least 16) up to `MAX_RANK_CHUNK`; larger ranks
-    take several chunks (no program runs a tile wider than the cap)."""
-    return min(MAX_RANK_CHUNK, max(16, triton.next_power_of_2(max(ranks))))
+    take several chunks (no program runs a tile wider than the cap). On a CUDA ``device`` it is at least the
+    widest tile used there before (see `_widest_tile`)."""
+    tile = min(MAX_RANK_CHUNK, max(16, triton.next_power_of_2(max(ranks))))
+    if device is None or device.type != "cuda":
+        return tile
+    key = str(device)
+    tile = min(MAX_RANK_CHUNK, max(tile, _widest_tile.get(key, 0)))
+    _widest_tile[key] = tile
+    return tile
+
+
+def reset_rank_tiles() -> None:
+    """Let the next adapter set on every device take its own rank tile (the next tables built, that is)."""
+    _widest_tile.clear()
+    _pointer_tables.clear()
 
 
 def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
@@ -145,7 +164,7 @@ def _pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
         sizes = [a.numel() for a in weights.a] + [b.numel() for b in weights.b]
         offsets = torch.tensor([[0] + sizes[:n - 1], [0] + sizes[n:-1]], dtype=torch.int64).reshape(2, n).cumsum(1)
         ptrs = _upload_rows(ptrs, device)
-        chunk = rank_chunk(ranks)
+        chunk = rank_chunk(ranks, device)
         return PointerTable(ptrs[0, :n], ptrs[1, :n], _upload(torch.tensor(ranks, dtype=torch.int32), device),
                             floats[0, :n], floats[1, :n], floats[2, :n], _upload_rows(offsets, device), sizes,
                             chunk, triton.cdiv(max(ranks), chunk))
@@ -393,11 +412,12 @@ def _weight_grads(x, dy, s, ds, seeds, weights: LoRAWeights, table: PointerTable
     for g_is_a, low, full, k, coef, dropout, ptrs in launches:
         split = _split_for(n * table.r_chunks * triton.cdiv(k, 128), sched.max_tokens, device)
         args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, table.ranks, coef, table.drop_p, seeds, k,
-                table.r_chunks, low.stride(0), full.stride(0))
-        meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, SPLIT_T=split, DOT_PRECISION=_precision(x),
+                table.r_chunks, split, low.stride(0), full.stride(0))
+        meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, ATOMIC=split > 1, DOT_PRECISION=_precision(x),
                     BLOCK_R=table.block_r, **_meta("grad"))
         grid = lambda m, k=k, split=split: (n * table.r_chunks, triton.cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
-        tune_key = (k, table.block_r, g_is_a, split, dropout, low.dtype, full.dtype, witness.dtype, meta["DOT_PRECISION"])
+        tune_key = (k, table.block_r, g_is_a, split > 1, dropout, low.dtype, full.dtype, witness.dtype,
+                    meta["DOT_PRECISION"])
         if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
             # The launch adds into its targets, and the autotuner's trials would add several times: let them
             # run on scratch gradients first; the real launch below then reuses the chosen tiles.

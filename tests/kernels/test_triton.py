@@ -142,6 +142,22 @@ def test_the_rank_chunk_is_the_largest_rank_up_to_the_cap():
     assert rank_chunk([8, 128, 256]) == MAX_RANK_CHUNK == 128
 
 
+def test_the_rank_tile_never_narrows_on_a_cuda_device(monkeypatch):
+    # A narrower tile would be a new kernel variant to compile mid-run; a wider one only masks.
+    from lightning_multilora.kernels import triton_lora
+    from lightning_multilora.kernels.triton_lora import MAX_RANK_CHUNK, rank_chunk, reset_rank_tiles
+
+    monkeypatch.setattr(triton_lora, "_widest_tile", {})
+    cuda0, cuda1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert rank_chunk([64, 8], cuda0) == 64
+    assert rank_chunk([16, 32], cuda0) == 64 and rank_chunk([1], cuda0) == 64
+    assert rank_chunk([16], cuda1) == 16  # per device
+    assert rank_chunk([16]) == rank_chunk([16], torch.device("cpu")) == 16  # the interpreter: no compiles
+    assert rank_chunk([100], cuda0) == 128 and rank_chunk([8], cuda0) == MAX_RANK_CHUNK
+    reset_rank_tiles()
+    assert rank_chunk([16], cuda0) == 16
+
+
 def test_rows_outside_every_segment_keep_the_base_output():
     x, base, w = problem([4, 5], [10, 20], d_in=32, d_out=16, dtype=torch.float32, seed=3)
     y = multi_lora_triton(x, base.clone(), w, False)
@@ -339,6 +355,41 @@ def test_the_fused_frozen_linear_in_bf16_on_the_gpu_against_float64():
     for g, g_ref in zip(grads, grads_ref):
         if g_ref.abs().max() > 0:
             assert rel(g, g_ref) <= 1e-2
+
+
+def _compiled_variants() -> int:
+    """Kernels Triton has compiled so far, over the three kernels and every device."""
+    from lightning_multilora.kernels import triton_kernels as K
+
+    fns = [getattr(k, "fn", k) for k in (K._rows_times_weight, K._rank_times_weight, K._weight_grad)]
+    if not all(hasattr(fn, "device_caches") for fn in fns):
+        pytest.skip("this Triton keeps no per-device kernel caches")
+    return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
+
+
+@pytest.mark.gpu
+def test_a_narrower_adapter_set_and_other_row_splits_compile_no_new_kernel(monkeypatch):
+    # A sweep's adapter set shrinks as adapters exit: its largest rank drops and the weight-gradient kernel
+    # splits the remaining adapters' rows over more programs. Neither may compile a kernel mid-run.
+    from lightning_multilora.kernels import triton_lora
+
+    triton_lora.reset_rank_tiles()
+    x, base, w = problem([64, 16, 32], [300, 200, 100], d_in=512, d_out=256, dtype=torch.bfloat16, seed=11)
+    grad_out = torch.randn_like(base)
+    for split in (1, 2):  # the plain and the atomic weight-gradient variants
+        monkeypatch.setattr(triton_lora, "_split_for", lambda num_programs, max_tokens, device, s=split: s)
+        run(multi_lora_triton, x, base, w, False, grad_out)
+    compiled = _compiled_variants()
+    x, base, w = problem([16], [50], d_in=512, d_out=256, dtype=torch.bfloat16, seed=12)
+    grad_out = torch.randn_like(base)
+    monkeypatch.setattr(triton_lora, "_split_for", lambda num_programs, max_tokens, device: 8)
+    y, grads = run(multi_lora_triton, x, base, w, False, grad_out)
+    assert triton_lora.pointer_table(w, x.device).block_r == 64
+    assert _compiled_variants() == compiled
+    y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+    assert rel(y, y_ref) <= 1e-2
+    for g, g_ref in zip(grads, grads_ref):
+        assert rel(g, g_ref) <= 1e-2
 
 
 def test_the_fast_launch_key_separates_what_triton_specializes_on():
