@@ -60,8 +60,10 @@ MODELS = {
 
 
 def build(config_kwargs: dict, device: torch.device, mode: str, names: list[str], world: int,
-          reshard_after_forward: bool = True):
-    """The sharded base with ``names``' adapters; adapters are FSDP-managed only in ``fsdp_dp``."""
+          reshard_after_forward: bool = True, shard_size: int = 0):
+    """The sharded base with ``names``' adapters; adapters are FSDP-managed only in ``fsdp_dp``. ``shard_size``
+    (adapter_parallel only): 0 shards over every rank, 1 keeps a whole base on each, others shard within groups
+    of that many ranks and replicate across them (as `AdapterParallelStrategy(shard_size=...)`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -76,10 +78,12 @@ def build(config_kwargs: dict, device: torch.device, mode: str, names: list[str]
     for i, name in enumerate(names):
         layers.add_adapter(name, rank=RANK, alpha=ALPHA, seed=i)
     adapter_params = {p for n in names for p in layers.parameters_of(n)}
-    if world > 1:
+    size = shard_size if mode == "adapter_parallel" and shard_size else world
+    if size > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device.type, (world,))
+        mesh = (init_device_mesh(device.type, (world,)) if size == world else
+                init_device_mesh(device.type, (world // size, size), mesh_dim_names=("replicate", "shard")))
         ignored = adapter_params if mode == "adapter_parallel" else set()
         policy = MixedPrecisionPolicy()
         units = [*model.model.layers, model.model.embed_tokens, model.lm_head]
@@ -148,6 +152,9 @@ def main() -> None:
                    choices=["adapter_parallel", "fsdp_dp", "fsdp_per_adapter"], help="with several processes")
     p.add_argument("--no-reshard", action="store_true",
                    help="FSDP2 reshard_after_forward=False: gather the base once per step, not again in backward")
+    p.add_argument("--shard-sizes", type=int, nargs="+", default=[0],
+                   help="adapter_parallel's base: 0 sharded over every rank, 1 whole on each rank, k sharded "
+                        "within groups of k ranks; one row each")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -164,7 +171,11 @@ def main() -> None:
     link = round(link_bandwidth(device), 1) if world > 1 else None
     if rank == 0 and link:
         print(f"all-gather: {link} GB/s received per rank", flush=True)
-    for mode in (args.modes if world > 1 else ("single",)):
+    if any(k < 0 or (k and world % k) for k in args.shard_sizes):
+        p.error(f"--shard-sizes must be 0 or divisors of the world size {world}, got {args.shard_sizes}")
+    runs = [(m, k) for m in (args.modes if world > 1 else ("single",))
+            for k in (args.shard_sizes if m == "adapter_parallel" else [0])]
+    for mode, shard_size in runs:
         weights = None  # per-row loss weights (the dummy rows of fsdp_per_adapter)
         if mode == "adapter_parallel":
             owner = assign_adapters(specs, world)
@@ -184,7 +195,7 @@ def main() -> None:
         else:
             mine, row_sizes = names, [args.batch_size] * len(names)
         MultiLoRALinear.direct_grads = not mode.startswith("fsdp")  # FSDP manages those gradients itself
-        model, layers, optimizer = build(config, device, mode, mine, world, not args.no_reshard)
+        model, layers, optimizer = build(config, device, mode, mine, world, not args.no_reshard, shard_size)
         present = [(n, r) for n, r in zip(mine, row_sizes) if r > 0]
         layout = BatchLayout.from_sizes([n for n, _ in present], [r for _, r in present])
         ids = torch.randint(config["vocab_size"], (max(1, layout.num_rows), args.seq), device=device)
@@ -216,6 +227,7 @@ def main() -> None:
         tokens = (1 if mode == "fsdp_per_adapter" else args.adapters) * args.batch_size * args.seq
         row = dict(mode=mode, model="tiny-llama" if args.tiny else args.model, world_size=world,
                    reshard_after_forward=not args.no_reshard, allgather_gbps=link,
+                   shard_size=(shard_size or world) if mode == "adapter_parallel" else (world if world > 1 else None),
                    adapters=args.adapters, batch_size=args.batch_size, seq=args.seq, step_ms=round(ms, 1),
                    tokens_per_s=round(tokens / (ms / 1e3), 1),
                    peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None)

@@ -2,7 +2,9 @@
 adapter parallelism).
 
 Every rank joins FSDP's all-gathers of the frozen base; each rank trains a disjoint set of adapters on its
-own data; adapter parameters and gradients never enter a collective (they are FSDP ``ignored_params``, or
+own data; with ``shard_size`` the base is sharded over groups of that many ranks and replicated across the
+groups (FSDP2's hybrid sharding), and ``shard_size=1`` keeps a whole copy on every rank, with no collective of
+the base at all (the fastest choice for a base that fits one device with its adapters); adapter parameters and gradients never enter a collective (they are FSDP ``ignored_params``, or
 created after sharding, so FSDP never manages them; the base is frozen, so nothing is reduce-scattered).
 The module keeps the same registry on every rank: admission runs identically everywhere (an admission
 controller judges each rank's own adapters against one device's memory, `select_admitted`), `place` gives
@@ -59,32 +61,61 @@ class AdapterParallelStrategy(ModelParallelStrategy):
     """``Trainer(strategy="adapter_parallel")``: FSDP2 over all ranks for the frozen base, adapters local.
 
     Args:
-        param_dtype: FSDP2 mixed precision for the base's gathered parameters (e.g. ``torch.bfloat16``).
+        param_dtype: FSDP2 mixed precision for the base's gathered parameters (e.g. ``torch.bfloat16``; a
+            replicated base, ``shard_size=1``, keeps the dtype it was loaded in).
         reshard_after_forward: FSDP2's choice (True: least memory, the base is gathered again in backward).
+        shard_size: ranks that share one copy of the base, each holding a shard: ``None`` (all of them,
+            ALTO's setting), a divisor of the world size (sharded within groups of that many consecutive ranks,
+            replicated across groups), or 1 (a whole base on every rank: no collective of the base per step,
+            at the memory of a whole base per device).
         **kwargs: `ModelParallelStrategy`'s (``process_group_backend``, ``timeout``...).
     """
 
     strategy_name = "adapter_parallel"
 
     def __init__(self, param_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True,
-                 **kwargs: Any) -> None:
+                 shard_size: Optional[int] = None, **kwargs: Any) -> None:
+        if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int)
+                                       or shard_size < 1):
+            raise ValueError(f"`shard_size` must be None (every rank) or a positive int that divides the number "
+                             f"of ranks, got {shard_size!r}")
         kwargs.setdefault("save_distributed_checkpoint", False)
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
         self.param_dtype = param_dtype
         self.reshard_after_forward = reshard_after_forward
+        self.shard_size = shard_size
         self.owner: dict[str, int] = {}
 
     def setup_environment(self) -> None:
-        self._data_parallel_size = self.num_processes * self.num_nodes  # every rank shards the base
+        world = self.num_processes * self.num_nodes
+        if self.shard_size is not None and world % self.shard_size:
+            raise ValueError(f"`shard_size` must divide the number of ranks ({world}), got {self.shard_size}")
+        self._data_parallel_size = world  # every rank trains its own adapters on its own data
         super().setup_environment()
 
     # -- the base ---------------------------------------------------------------------------------
 
+    @property
+    def base_shard_size(self) -> int:
+        """How many ranks share one copy of the base (1: every rank holds it whole)."""
+        return self.shard_size if self.shard_size is not None else self.world_size
+
     def parallelize(self, model: nn.Module, adapter_params: Sequence[nn.Parameter]) -> None:
-        """``fully_shard`` every decoder layer, then the root, leaving adapter parameters out."""
+        """``fully_shard`` every decoder layer, then the root, leaving adapter parameters out; over every rank,
+        or hybrid (sharded within groups of ``shard_size``, replicated across them); with ``shard_size=1``
+        nothing (Lightning moves the whole base to each rank's device)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        mesh = self.device_mesh["data_parallel"]
+        size = self.base_shard_size
+        if size == 1:
+            return
+        if size == self.world_size:
+            mesh = self.device_mesh["data_parallel"]
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh(self.root_device.type, (self.world_size // size, size),
+                                    mesh_dim_names=("replicate", "shard"))
         policy = MixedPrecisionPolicy(param_dtype=self.param_dtype)
         ignored = set(adapter_params)
         blocks = _decoder_layers(model)

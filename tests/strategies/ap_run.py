@@ -47,7 +47,7 @@ DPO_SPECS = [AdapterSpec("d", objective="dpo", dataset="pairs", rank=2, batch_si
              AdapterSpec("s", dataset="arith", rank=2, batch_size=2, lr=2e-3, max_steps=2, seed=2)]
 PAIRS = [{"prompt": f"Q{i}: is {i} even?", "chosen": " yes" if i % 2 == 0 else " no",
           "rejected": " no" if i % 2 == 0 else " yes"} for i in range(40)]
-CALLS: list[tuple[str, int]] = []
+CALLS: list[tuple[str, int, int]] = []  # (collective, largest tensor's numel, ranks in its group)
 STUDY_CALLS: list[list] = []
 SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
          "rank": {"type": "categorical", "choices": [2, 4]}}
@@ -58,7 +58,8 @@ def record(name):
 
     def wrapper(*args, **kwargs):
         tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-        CALLS.append((name, max((t.numel() for t in tensors), default=0)))
+        group = kwargs.get("group") or next((a for a in args if isinstance(a, dist.ProcessGroup)), None)
+        CALLS.append((name, max((t.numel() for t in tensors), default=0), dist.get_world_size(group)))
         return original(*args, **kwargs)
 
     setattr(dist, name, wrapper)
@@ -171,17 +172,21 @@ def main() -> None:
         from datetime import timedelta
 
         # a short collective timeout: a rank left waiting fails the run in a minute rather than hanging the tests
-        strategy = AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90))
-        trainer = L.Trainer(strategy=strategy, devices=2, **kwargs)
+        # "replicated": a whole base on each of 2 ranks; "hybrid": 4 ranks, the base sharded within pairs
+        shard_size = {"replicated": 1, "hybrid": 2}.get(mode)
+        strategy = AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90),
+                                           shard_size=shard_size)
+        trainer = L.Trainer(strategy=strategy, devices=4 if mode == "hybrid" else 2, **kwargs)
     else:
         trainer = L.Trainer(devices=1, **kwargs)
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     rank = trainer.global_rank
-    shards = []
+    shards, local = [], 0
     if not mode.endswith("single"):
         from torch.distributed.tensor import DTensor
 
         shards = sorted({p.to_local().numel() for p in module.model.parameters() if isinstance(p, DTensor)})
+        local = sum(p.to_local().numel() for p in module.model.parameters() if isinstance(p, DTensor))
     owned = sorted(n for n, r in getattr(trainer.strategy, "owner", {}).items() if r == rank)
     states = {r.name: (r.state.value, r.step) for r in module.registry}
     started = {r.name: r.started_at_step for r in module.registry}
@@ -194,7 +199,7 @@ def main() -> None:
                                       if type(cb).__module__.startswith("lightning_multilora")},
                            specs={r.name: r.spec.to_dict() for r in module.registry},
                            reasons={r.name: r.reason for r in module.registry})
-    (out / f"{mode}.rank{rank}.json").write_text(json.dumps(dict(owned=owned, calls=CALLS, shard_numels=shards,
+    (out / f"{mode}.rank{rank}.json").write_text(json.dumps(dict(owned=owned, calls=CALLS, shard_numels=shards, local_numel=local,
                                                                  states=states, started=started, val=val,
                                                                  **sweep_state)))
 

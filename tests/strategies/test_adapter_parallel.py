@@ -56,9 +56,14 @@ def parallel_run(tmp_path_factory):
     return out
 
 
-def test_two_ranks_train_each_adapter_exactly_like_one_process(parallel_run):
+@pytest.fixture(scope="module")
+def single_run(parallel_run):
+    run(parallel_run, "single")
+    return parallel_run
+
+
+def test_two_ranks_train_each_adapter_exactly_like_one_process(parallel_run, single_run):
     tmp_path = parallel_run
-    run(tmp_path, "single")
     ranks = [json.loads((tmp_path / f"parallel.rank{r}.json").read_text()) for r in (0, 1)]
     # disjoint owners; every rank saw every adapter finish (rank 0's last adapter ends at step 4, rank 1's at 6:
     # rank 0 kept joining the base's collectives for two steps and nothing hung)
@@ -131,9 +136,45 @@ def test_no_adapter_tensor_enters_a_collective(parallel_run):
     for rank in (0, 1):
         calls = json.loads((tmp_path / f"parallel.rank{rank}.json").read_text())["calls"]
         assert not [c for c in calls if "reduce_scatter" in c[0]]  # nothing trainable is sharded: no gradient sync
-        assert all(numel <= 1 for name, numel in calls if name == "all_reduce")  # Lightning's control flags only
-        gathered = {numel for name, numel in calls if name.startswith("all_gather")}
+        assert all(numel <= 1 for name, numel, _ in calls if name == "all_reduce")  # Lightning's control flags only
+        gathered = {numel for name, numel, _ in calls if name.startswith("all_gather")}
         assert gathered and gathered <= per_layer | {root}  # only the frozen base is gathered
+
+
+@pytest.mark.parametrize("mode, ranks", [("replicated", 2), ("hybrid", 4)])
+def test_a_replicated_or_hybrid_sharded_base_trains_each_adapter_like_one_process(single_run, tmp_path, mode, ranks):
+    # shard_size=1: a whole base on each rank, nothing of it communicated; shard_size=2 of 4 ranks: sharded
+    # within pairs (FSDP2 hybrid sharding), a layer's gathers are half the size of plain FSDP's over 4 ranks
+    from lightning_multilora.base_model import build_base_model
+
+    run(tmp_path, mode)
+    reports = [json.loads((tmp_path / f"{mode}.rank{r}.json").read_text()) for r in range(ranks)]
+    single = json.loads((single_run / "single.rank0.json").read_text())
+    assert sorted(n for r in reports for n in r["owned"]) == ["a0", "a1", "a2", "a3"]
+    for report in reports:
+        assert report["states"] == single["states"]
+        for name, history in single["val"].items():
+            assert [s for s, _ in report["val"][name]] == [s for s, _ in history]
+            assert [v for _, v in report["val"][name]] == pytest.approx([v for _, v in history], rel=1e-5)
+        assert not [c for c in report["calls"] if "reduce_scatter" in c[0]]
+        assert all(numel <= 1 for name, numel, _ in report["calls"] if name == "all_reduce")
+    model = build_base_model("tiny-llama")
+    base_numel = sum(p.numel() for p in model.parameters())
+    layer_numel = sum(p.numel() for p in model.model.layers[0].parameters())
+    gathers = [(numel, group) for r in reports for name, numel, group in r["calls"] if name.startswith("all_gather")]
+    if mode == "replicated":
+        assert not gathers and all(r["local_numel"] == 0 for r in reports)
+    else:  # each pair holds one copy, half on each rank; a layer is gathered whole within a pair
+        assert (layer_numel, 2) in gathers and {group for _, group in gathers} == {2}
+        assert [r["local_numel"] for r in reports[:2]] == [r["local_numel"] for r in reports[2:]]
+        assert sum(r["local_numel"] for r in reports[:2]) == base_numel
+    for name in ("a0", "a1", "a2", "a3"):
+        parallel = load_file(tmp_path / mode / name / "adapter_model.safetensors")
+        alone = load_file(single_run / "single" / name / "adapter_model.safetensors")
+        for key in alone:
+            assert (parallel[key] - alone[key]).abs().max() <= 1e-6, (name, key)
+    with pytest.raises(ValueError, match="shard_size"):
+        AdapterParallelStrategy(shard_size=0)
 
 
 def test_an_early_exit_on_one_rank_reaches_the_other_and_matches_one_process(tmp_path):
