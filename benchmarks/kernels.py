@@ -33,7 +33,7 @@ import triton
 from triton.testing import do_bench
 
 from lightning_multilora.kernels import LoRAWeights, multi_lora_reference
-from lightning_multilora.kernels.triton_lora import multi_lora_triton
+from lightning_multilora.kernels.triton_lora import multi_lora_triton, reset_rank_tiles
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
 
@@ -122,6 +122,7 @@ def main() -> None:
             for rk in args.ranks:
                 for tk in args.tokens:
                     rng = random.Random(f"{d_in}-{d_out}-{n}-{rk}-{tk}")
+                    reset_rank_tiles()  # each point takes its own rank tile (a training run's never narrows)
                     ranks, tokens = ranks_for(rk, n, rng), tokens_for(tk, n, rng)
                     x, base, w = make(d_in, d_out, ranks, tokens, device)
                     grad = torch.randn_like(base)
