@@ -3,6 +3,8 @@
 On two H200s (a Qwen2.5-32B-shaped base, random bf16, 8 adapters at batch size 1, seq 256):
 
     torchrun --nproc-per-node 2 benchmarks/adapter_parallel.py --model qwen2.5-32b --adapters 8 --batch-size 1 --seq 256 --out benchmarks/results/adapter_parallel_h200x2.json
+    # adapter parallelism alone, the base replicated (shard size 1) and sharded (0: over every rank), one row each:
+    torchrun --nproc-per-node 2 benchmarks/adapter_parallel.py --model qwen2.5-32b --adapters 16 --modes adapter_parallel --shard-sizes 1 0 --no-reshard --out ...
     python benchmarks/adapter_parallel.py --model qwen2.5-32b --adapters 8 --batch-size 1 --seq 256 --out benchmarks/results/adapter_parallel_h200x1.json
 
 On four (issue 10: a Llama-3.1-70B-shaped base, per-adapter batch 1, 2, 4 or 8):
@@ -26,7 +28,9 @@ Gradient checkpointing, the chunked loss of packed_step.py, r=16 adapters on the
   Its tokens/s is that of training the adapters one after another.
 - with one process: everything on one GPU (where it fits).
 
-Reported: median step time and tokens/s over ``--steps`` steps after ``--warmup``, peak memory per GPU.
+Reported: median step time and tokens/s over ``--steps`` steps after ``--warmup``, the host's time per step (until
+the step's Python returned, before waiting for the GPU), peak memory per GPU; ``--profile`` adds torch.profiler
+tables of one more step (rank 0).
 """
 
 from __future__ import annotations
@@ -122,20 +126,24 @@ def link_bandwidth(device: torch.device, mib: int = 512, iters: int = 5) -> floa
     return (world - 1) * shard.numel() * shard.element_size() / statistics.median(times) / 1e9
 
 
-def measure(step, steps: int, warmup: int, device: torch.device) -> list[float]:
-    times = []
+def measure(step, steps: int, warmup: int, device: torch.device) -> tuple[list[float], list[float]]:
+    """Wall seconds per step (synchronized), and the host's: until ``step()`` returned, before waiting for
+    the GPU (close to the wall time when the host, not the GPU, sets the pace)."""
+    times, host = [], []
     for i in range(warmup + steps):
         if device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier() if dist.is_initialized() else None
         start = time.perf_counter()
         step()
+        queued = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.synchronize()
         dist.barrier() if dist.is_initialized() else None
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    return times
+            host.append(queued - start)
+    return times, host
 
 
 def main() -> None:
@@ -152,6 +160,7 @@ def main() -> None:
                    choices=["adapter_parallel", "fsdp_dp", "fsdp_per_adapter"], help="with several processes")
     p.add_argument("--no-reshard", action="store_true",
                    help="FSDP2 reshard_after_forward=False: gather the base once per step, not again in backward")
+    p.add_argument("--profile", type=Path, help="rank 0 writes torch.profiler tables of one more step here")
     p.add_argument("--shard-sizes", type=int, nargs="+", default=[0],
                    help="adapter_parallel's base: 0 sharded over every rank, 1 whole on each rank, k sharded "
                         "within groups of k ranks; one row each")
@@ -221,14 +230,25 @@ def main() -> None:
 
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        times = measure(step, args.steps, args.warmup, device)
+        times, host = measure(step, args.steps, args.warmup, device)
         ms = statistics.median(times) * 1e3
+        if args.profile and rank == 0:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+                step()
+                torch.cuda.synchronize() if cuda else None
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+            table += "\n" + prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                                      row_limit=25)
+            args.profile.with_name(f"{args.profile.stem}_{mode}_{shard_size}{args.profile.suffix}").write_text(table)
         # the whole (global) batch per step: every adapter's, or the one adapter's for fsdp_per_adapter
         tokens = (1 if mode == "fsdp_per_adapter" else args.adapters) * args.batch_size * args.seq
         row = dict(mode=mode, model="tiny-llama" if args.tiny else args.model, world_size=world,
                    reshard_after_forward=not args.no_reshard, allgather_gbps=link,
                    shard_size=(shard_size or world) if mode == "adapter_parallel" else (world if world > 1 else None),
                    adapters=args.adapters, batch_size=args.batch_size, seq=args.seq, step_ms=round(ms, 1),
+                   host_ms=round(statistics.median(host) * 1e3, 1),
                    tokens_per_s=round(tokens / (ms / 1e3), 1),
                    peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None)
         rows.append(row)
