@@ -25,8 +25,9 @@ initialization, so (a) and (b) train the same adapters (checked below on the con
   feeding the slots.
 
 Reported: wall time, samples trained, best validation loss and its configuration per variant; the speed-up of (c)
-over (a); where the exhaustive best ranks in (c). Kernel autotuning (Triton, first use of each shape) is paid
-inside the timed runs: (c) runs before (b).
+over (a); where the exhaustive best ranks in (c). Before (c) and (b), an untimed warm-up (reported) compiles and
+tunes the Triton kernels: two steps of the whole grid, then two of its largest rank alone. Triton caches both on
+disk, so only a machine's first sweep pays them; (c) runs before (b).
 """
 
 from __future__ import annotations
