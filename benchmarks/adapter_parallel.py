@@ -122,7 +122,7 @@ def link_bandwidth(device: torch.device, mib: int = 512, iters: int = 5) -> floa
     shard = torch.empty(mib * 2**20 // 2, dtype=torch.bfloat16, device=device)
     full = torch.empty(shard.numel() * world, dtype=shard.dtype, device=device)
     dist.all_gather_into_tensor(full, shard)
-    times = measure(lambda: dist.all_gather_into_tensor(full, shard), iters, 1, device)
+    times, _ = measure(lambda: dist.all_gather_into_tensor(full, shard), iters, 1, device)
     return (world - 1) * shard.numel() * shard.element_size() / statistics.median(times) / 1e9
 
 
@@ -232,16 +232,21 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats(device)
         times, host = measure(step, args.steps, args.warmup, device)
         ms = statistics.median(times) * 1e3
-        if args.profile and rank == 0:
+        if args.profile:  # every rank runs the step (a sharded base's gathers need them all); rank 0 records it
+            from contextlib import nullcontext
+
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with (profile(activities=activities) if rank == 0 else nullcontext()) as prof:
                 step()
                 torch.cuda.synchronize() if cuda else None
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-            table += "\n" + prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
-                                                      row_limit=25)
-            args.profile.with_name(f"{args.profile.stem}_{mode}_{shard_size}{args.profile.suffix}").write_text(table)
+            if rank == 0:
+                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+                table += "\n" + prof.key_averages().table(
+                    sort_by="self_device_time_total" if cuda else "self_cpu_time_total", row_limit=25)
+                name = f"{args.profile.stem}_{mode}_{shard_size}{args.profile.suffix}"
+                args.profile.with_name(name).write_text(table)
         # the whole (global) batch per step: every adapter's, or the one adapter's for fsdp_per_adapter
         tokens = (1 if mode == "fsdp_per_adapter" else args.adapters) * args.batch_size * args.seq
         row = dict(mode=mode, model="tiny-llama" if args.tiny else args.model, world_size=world,

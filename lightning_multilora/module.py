@@ -247,7 +247,8 @@ class MultiLoRAMixin:
         return placement is None or placement.owns(name)
 
     def configure_model(self) -> None:
-        """Under `AdapterParallelStrategy`: shard the frozen base with FSDP2, adapters left out."""
+        """Under `AdapterParallelStrategy`: shard the frozen base with FSDP2 (as its ``shard_size`` says; a
+        replicated base is only cast to its ``param_dtype``), adapters left out."""
         placement = self._placement()
         if placement is not None and hasattr(placement, "parallelize"):
             if not getattr(self, "_parallelized", False):

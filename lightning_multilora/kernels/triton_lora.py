@@ -102,7 +102,8 @@ class PointerTable:
     grad_offsets: Tensor  # (2, >= n) int64: where dA_i starts in the dA buffer, dB_i in the dB buffer (rows padded)
     grad_sizes: list[int]  # numel of dA_0..dA_n-1, dB_0..dB_n-1
     block_r: int  # the rank chunk (a tile width)
-    r_chunks: int  # chunks that cover the largest rank; S and dS are ``block_r * r_chunks`` wide
+    r_chunks: int  # chunks that cover the largest rank
+    width: int  # columns of S and dS: the largest rank rounded up to 16 (kernels touch no column past a rank)
 
 
 # Measured on the H200 (4096x4096, 32 adapters of ranks 8..128, 1024 tokens each): with 64-wide chunks the
@@ -167,7 +168,7 @@ def _pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
         chunk = rank_chunk(ranks, device)
         return PointerTable(ptrs[0, :n], ptrs[1, :n], _upload(torch.tensor(ranks, dtype=torch.int32), device),
                             floats[0, :n], floats[1, :n], floats[2, :n], _upload_rows(offsets, device), sizes,
-                            chunk, triton.cdiv(max(ranks), chunk))
+                            chunk, triton.cdiv(max(ranks), chunk), 16 * triton.cdiv(max(ranks), 16))
 
     return _pointer_tables.get_or_make(key, make)
 
@@ -352,8 +353,8 @@ _SMS: dict[int, int] = {}
 
 def _low_rank_buffer(rows: int, table: PointerTable, device: torch.device) -> Tensor:
     """``S`` / ``dS``: fp32 (precision, and atomics when the row kernel splits K), zeroed, as wide as the
-    rank chunks that cover the largest rank."""
-    return torch.zeros((rows, table.block_r * table.r_chunks), device=device, dtype=torch.float32)
+    largest rank rounded up to 16 (not the rank tile, which may be wider than any rank left: `rank_chunk`)."""
+    return torch.zeros((rows, table.width), device=device, dtype=torch.float32)
 
 
 def _rows_grid(sched: Schedule, table: PointerTable):

@@ -4,8 +4,9 @@ adapter parallelism).
 Every rank joins FSDP's all-gathers of the frozen base; each rank trains a disjoint set of adapters on its
 own data; with ``shard_size`` the base is sharded over groups of that many ranks and replicated across the
 groups (FSDP2's hybrid sharding), and ``shard_size=1`` keeps a whole copy on every rank, with no collective of
-the base at all (the fastest choice for a base that fits one device with its adapters); adapter parameters and gradients never enter a collective (they are FSDP ``ignored_params``, or
-created after sharding, so FSDP never manages them; the base is frozen, so nothing is reduce-scattered).
+the base at all (the fastest choice for a base that fits one device with its adapters). Adapter parameters
+and gradients never enter a collective (they are FSDP ``ignored_params``, or created after sharding, so FSDP
+never manages them; the base is frozen, so nothing is reduce-scattered).
 The module keeps the same registry on every rank: admission runs identically everywhere (an admission
 controller judges each rank's own adapters against one device's memory, `select_admitted`), `place` gives
 each admitted adapter an owner (balanced by rows per step, same batch sizes together), and after every
@@ -58,11 +59,12 @@ def assign_adapters(specs: Sequence[AdapterSpec], num_ranks: int,
 
 
 class AdapterParallelStrategy(ModelParallelStrategy):
-    """``Trainer(strategy="adapter_parallel")``: FSDP2 over all ranks for the frozen base, adapters local.
+    """``Trainer(strategy="adapter_parallel")``: each rank trains its own adapters; the frozen base sharded with
+    FSDP2 over all ranks (default), within groups of ``shard_size`` ranks, or held whole on each rank.
 
     Args:
-        param_dtype: FSDP2 mixed precision for the base's gathered parameters (e.g. ``torch.bfloat16``; a
-            replicated base, ``shard_size=1``, keeps the dtype it was loaded in).
+        param_dtype: the dtype the base computes in (e.g. ``torch.bfloat16``): FSDP2 mixed precision for a
+            sharded base's gathered parameters; a replicated base (``shard_size=1``) is cast to it once.
         reshard_after_forward: FSDP2's choice (True: least memory, the base is gathered again in backward).
         shard_size: ranks that share one copy of the base, each holding a shard: ``None`` (all of them,
             ALTO's setting), a divisor of the world size (sharded within groups of that many consecutive ranks,
@@ -102,12 +104,18 @@ class AdapterParallelStrategy(ModelParallelStrategy):
 
     def parallelize(self, model: nn.Module, adapter_params: Sequence[nn.Parameter]) -> None:
         """``fully_shard`` every decoder layer, then the root, leaving adapter parameters out; over every rank,
-        or hybrid (sharded within groups of ``shard_size``, replicated across them); with ``shard_size=1``
-        nothing (Lightning moves the whole base to each rank's device)."""
+        or hybrid (sharded within groups of ``shard_size``, replicated across them). With one rank per copy
+        the base is not sharded (Lightning moves it whole to each rank's device), only cast to ``param_dtype``."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         size = self.base_shard_size
         if size == 1:
+            if self.param_dtype is not None:
+                ignored = {id(p) for p in adapter_params}
+                with torch.no_grad():
+                    for p in model.parameters():
+                        if id(p) not in ignored and p.is_floating_point():
+                            p.data = p.data.to(self.param_dtype)
             return
         if size == self.world_size:
             mesh = self.device_mesh["data_parallel"]

@@ -112,7 +112,7 @@ def test_ranks_beyond_one_chunk_are_covered_chunk_by_chunk(monkeypatch, dropout)
     ranks = [1, 7, 100, 33, 16, 17]
     x, base, w = problem(ranks, [70, 3, 65, 0, 128, 9], d_in=80, d_out=40, dtype=torch.float32, dropout=dropout)
     table = triton_lora.pointer_table(w, x.device)
-    assert (table.block_r, table.r_chunks) == (16, 7)
+    assert (table.block_r, table.r_chunks, table.width) == (16, 7, 112)
     grad_out = torch.randn_like(base)
     torch.manual_seed(0)
     y, grads = run(multi_lora_triton, x, base, w, True, grad_out)

@@ -40,6 +40,22 @@ def test_the_strategy_is_registered_by_name():
     assert StrategyRegistry.get("adapter_parallel").__class__ is AdapterParallelStrategy
 
 
+def test_a_replicated_base_is_cast_to_param_dtype_and_its_adapters_are_not():
+    import torch
+
+    from lightning_multilora.base_model import build_base_model
+    from lightning_multilora.layer import inject_multilora
+
+    model = build_base_model("tiny-llama")
+    layers = inject_multilora(model, ["q_proj", "v_proj"])
+    layers.add_adapter("a", rank=4, alpha=8)
+    adapters = list(layers.parameters_of("a"))
+    AdapterParallelStrategy(param_dtype=torch.bfloat16, shard_size=1).parallelize(model, adapters)
+    kept = {id(p) for p in adapters}
+    assert all(p.dtype == torch.float32 for p in adapters)
+    assert {p.dtype for p in model.parameters() if id(p) not in kept} == {torch.bfloat16}
+
+
 def launch(out: Path, mode: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), str(out), mode], capture_output=True, text=True, timeout=600)
 
