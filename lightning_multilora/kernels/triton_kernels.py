@@ -20,7 +20,8 @@ The four kernels:
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = dS^T drop(X)``)
   or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
-  runtime value). It adds into what is there, as autograd's gradient accumulation does; its autotuning trials must therefore run on scratch targets (see `triton_lora`).
+  runtime value). It adds into what is there, as autograd's gradient accumulation does; its autotuning
+  trials must therefore run on scratch targets (see `triton_lora`).
 Dropout masks come from a per-adapter seed and the element's (row, column): the backward regenerates
 the forward's mask instead of storing it.
 """
