@@ -52,7 +52,11 @@ class FastLauncher:
             self.kernel[grid](*args, **meta)
             return
         device = args[0].device.index
-        key = (device, tuple(_spec(a) for a in args), tuple(meta.items()))
+        # `_spec` of every argument, inlined (this runs on every launch)
+        key = (device, tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else
+                              a if a.__class__ is bool else
+                              (a == 1, not a & 15, -_INT32 <= a < _INT32) if a.__class__ is int else (type(a), a)
+                              for a in args]), tuple(meta.items()))
         variant = self._variants.get(key)
         if variant is None:
             compiled = self.kernel[grid](*args, **meta)

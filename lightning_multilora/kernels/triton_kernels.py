@@ -62,8 +62,10 @@ def _tuned(configs, key, **kwargs):
 # number of row blocks (ROW_BUCKET, a power of two), so it is tuned per bucket with the tiles.
 _ROWS_CONFIGS = [triton.Config({"BLOCK_K": k, "SPLIT_K": sp}, num_warps=w, num_stages=st)
                  for sp in (1, 2, 4, 8) for k, w, st in ((64, 4, 4), (128, 8, 3), (256, 8, 3))]
+# One pipeline stage is what a streaming read-modify-write wants: on the H200, 16 adapters x 1024 tokens, the
+# expand into a 14336-wide Y took 358 us with the best of the staged configs and 255 us (3.7 TB/s) with one stage.
 _RANK_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
-                 for n, w, st in ((64, 4, 2), (128, 4, 2), (128, 8, 3), (256, 8, 2))]
+                 for n, w, st in ((64, 4, 1), (128, 4, 1), (128, 8, 1), (256, 8, 1), (64, 4, 2), (128, 8, 3))]
 _GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_stages=3)
                  for k, t, w in ((64, 64, 4), (128, 64, 4), (128, 32, 8), (256, 32, 8))]
 

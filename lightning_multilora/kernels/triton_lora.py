@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Optional
 
 import torch
@@ -36,6 +37,17 @@ _pointer_tables = _LRU()
 _rows_times_weight = FastLauncher(K._rows_times_weight, K.INTERPRETED)
 _rank_times_weight = FastLauncher(K._rank_times_weight, K.INTERPRETED)
 _weight_grad = FastLauncher(K._weight_grad, K.INTERPRETED)
+
+
+_data_ptr = Tensor.data_ptr  # mapped over tuples of tensors: the per-call checks run at C speed, not Python's
+_is_contiguous = Tensor.is_contiguous
+_requires_grad = attrgetter("requires_grad")
+_is_leaf = attrgetter("is_leaf")
+_grad = attrgetter("grad")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv is a constexpr function: costly to call from Python on every launch
 
 
 def _upload(host: Tensor, device: torch.device) -> Tensor:
@@ -104,6 +116,7 @@ class PointerTable:
     block_r: int  # the rank chunk (a tile width)
     r_chunks: int  # chunks that cover the largest rank
     width: int  # columns of S and dS: the largest rank rounded up to 16 (kernels touch no column past a rank)
+    one_rank: bool  # every adapter has the same rank
 
 
 # Measured on the H200 (4096x4096, 32 adapters of ranks 8..128, 1024 tokens each): with 64-wide chunks the
@@ -141,7 +154,7 @@ def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
     """Pointers to every adapter's own A and B, with ranks and scalings; cached by address, so it is
     rebuilt only when the adapter set (or a parameter's storage) changes. Memoized on ``weights`` too,
     checked against every weight's address (a storage swapped in place is seen)."""
-    check = (tuple(t.data_ptr() for t in weights.a + weights.b), device)
+    check = (tuple(map(_data_ptr, weights.a + weights.b)), device)
     memo = weights.memo.get("pointer_table")
     if memo is not None and memo[0] == check:
         return memo[1]
@@ -151,7 +164,7 @@ def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
 
 
 def _pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
-    key = (tuple(a.data_ptr() for a in weights.a), tuple(b.data_ptr() for b in weights.b),
+    key = (tuple(map(_data_ptr, weights.a)), tuple(map(_data_ptr, weights.b)),
            tuple(a.shape[0] for a in weights.a), weights.scaling, weights.dropout, str(device))
 
     def make() -> PointerTable:
@@ -168,9 +181,50 @@ def _pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
         chunk = rank_chunk(ranks, device)
         return PointerTable(ptrs[0, :n], ptrs[1, :n], _upload(torch.tensor(ranks, dtype=torch.int32), device),
                             floats[0, :n], floats[1, :n], floats[2, :n], _upload_rows(offsets, device), sizes,
-                            chunk, triton.cdiv(max(ranks), chunk), 16 * triton.cdiv(max(ranks), 16))
+                            chunk, _cdiv(max(ranks), chunk), 16 * _cdiv(max(ranks), 16), len(set(ranks)) == 1)
 
     return _pointer_tables.get_or_make(key, make)
+
+
+@dataclass(frozen=True)
+class WeightCopies:
+    """Every adapter's ``A_i`` and ``B_i`` in the activation dtype, in two flat buffers, with device pointer
+    arrays into them. The products multiply in the activation dtype anyway (each kernel casts the weight tile
+    it loads), so reading these instead of the fp32 parameters gives the same results; it halves the weight
+    bytes every program reads and spares the kernels the conversion (on the H200 the expand kernel took 0.83 ms
+    with fp32 weights and 0.46 ms with bf16 ones at 16 adapters x 1024 tokens, 4096->14336)."""
+
+    views: tuple[Tensor, ...]  # A_0..A_n-1, B_0..B_n-1 in the flat buffers
+    a_ptrs: Tensor
+    b_ptrs: Tensor
+    witness: Tensor
+
+
+def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype, device: torch.device) -> WeightCopies:
+    """The adapters' weights copied into ``dtype``: buffers made once per adapter set (memoized on ``weights``),
+    refreshed on every call (one multi-tensor copy: the weights may have changed in any way since the last
+    call; a forward and its recomputation read the same values)."""
+    memo = weights.memo.get("weight_copies")
+    if memo is None or memo[0] is not table or memo[1] != dtype:
+        n = len(weights.a)
+        flat_a, flat_b, views_a, views_b = _flat_like(weights, table, device, dtype, zero=False)
+        ptrs = table.grad_offsets * flat_a.element_size()
+        ptrs[0] += flat_a.data_ptr()
+        ptrs[1] += flat_b.data_ptr()
+        views = views_a + views_b
+        memo = (table, dtype, WeightCopies(views, ptrs[0, :n], ptrs[1, :n], flat_a))
+        weights.memo["weight_copies"] = memo
+    copies = memo[2]
+    with torch.no_grad():
+        torch._foreach_copy_(list(copies.views), list(weights.a + weights.b))
+    return copies
+
+
+def _copy_dtype(x: Tensor, out_dtype: torch.dtype, weights: LoRAWeights) -> Optional[torch.dtype]:
+    """The dtype to copy the weights into before the products (None: read the parameters as they are)."""
+    if x.dtype in (torch.bfloat16, torch.float16) and out_dtype == x.dtype and weights.a[0].dtype != x.dtype:
+        return x.dtype
+    return None
 
 
 def _precision(x: Tensor) -> str:
@@ -194,103 +248,142 @@ def _check(weights: LoRAWeights) -> None:
             raise ValueError("all adapter weights of one call must share a dtype")
 
 
-class GroupedLoRAFunction(torch.autograd.Function):
-    """``Y = Y_base + s_i * drop_i(X_i) A_i^T B_i^T`` on every adapter's rows, in place on ``Y_base``.
+@dataclass
+class _Call:
+    """What both halves of one grouped LoRA call share: built once per forward, kept for backward (its tensors
+    are device tables, the dropout seeds and the frozen base weight, never activations)."""
 
-    Forward (2 launches):   ``S_i = drop_i(X_i) A_i^T``;   ``Y_i = Y_base_i + s_i S_i B_i^T``.
-    Backward (4 launches):  ``dS_i = s_i dY_i B_i``;        ``dX_i = drop_i'(dS_i A_i)``;
-                            ``dA_i = dS_i^T drop_i(X_i)``;  ``dB_i = s_i dY_i^T S_i``.
-    ``dY_base = dY``. ``S`` is kept from the forward; dropout masks are regenerated from per-adapter
-    seeds. Rows outside every segment keep ``Y_base`` (and get ``dX = 0``).
+    weights: LoRAWeights
+    table: PointerTable
+    sched: Schedule
+    seeds: Tensor  # (n,) int32 per-adapter dropout seeds (the ranks table when there is no dropout)
+    a_ptrs: Tensor  # (n,) the A_i the products read: the adapters' own, or their copies in the activation dtype
+    b_ptrs: Tensor
+    w_witness: Tensor  # a tensor of the dtype behind a_ptrs / b_ptrs
+    has_dropout: bool
+    precision: str
+    direct: bool
+    d_out: int
+    out_dtype: torch.dtype
+
+
+class _LoRAShrink(torch.autograd.Function):
+    """First half of a grouped LoRA call: ``S_i = drop_i(X_i) A_i^T`` (one launch), and a placeholder ``Z`` of
+    ``Y``'s shape over one element of storage, whose only use is to bring ``dY`` back from `_LoRAExpand`.
+
+    Backward (2 launches): ``dA_i = dS_i^T drop_i(X_i)``; ``dB_i = s_i dY_i^T S_i`` (``dY`` arrives as ``Z``'s
+    gradient). ``dX`` is left to `_LoRAExpand`, which returns all of it.
+
+    Why two Functions: this half saves ``X`` and ``S``, the expand half saves no tensor. Under non-reentrant
+    gradient checkpointing a layer's recomputation stops once every saved tensor is back, so it stops after
+    the layer's last shrink and never recomputes the last projection's frozen product (``down_proj``'s in a
+    Llama layer: one large GEMM per layer and step, as the frozen base alone would skip it).
 
     ``direct``: ``dA_i`` and ``dB_i`` are added straight into each parameter's ``.grad`` (as autograd's
     AccumulateGrad would) and only ``A_0`` is an autograd input, so that backward runs; otherwise every
     ``A_i`` and ``B_i`` is an input and gets its gradient through autograd.
-
-    ``base_out=None`` with a frozen ``base_weight`` (and ``base_bias``): the Function owns the frozen
-    linear too, ``Y_base = X W^T + b``, and its backward makes ``dX = dY W`` with the LoRA term added into
-    that buffer by the last launch, instead of a separate LoRA ``dX`` that autograd then adds to the base's
-    (one write and a three-pass add over ``(T, d_in)`` fewer per layer).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, base_out: Optional[Tensor], base_weight: Optional[Tensor],
-                base_bias: Optional[Tensor], weights: LoRAWeights, training: bool, direct: bool,
-                *params: Tensor) -> Tensor:
-        n = len(weights.a)
-        device = x.device
-        owns_base = base_out is None
-        if owns_base:
-            base_out = F.linear(x, base_weight, base_bias)
-        table = pointer_table(weights, device)
-        sched = schedule(weights.starts, weights.ends, x.shape[0], device)
-        has_dropout = training and any(p > 0 for p in weights.dropout)
-        # Seeds drawn on the device: no host sync, and checkpoint recomputation (which restores the RNG
-        # state) regenerates the same masks.
-        seeds = (torch.randint(0, 2**31 - 1, (n,), dtype=torch.int32, device=device) if has_dropout else table.ranks)
-        x = x if x.stride(-1) == 1 else x.contiguous()
-        s = _low_rank_buffer(x.shape[0], table, device)
+    def forward(ctx, x: Tensor, call: _Call, *params: Tensor) -> tuple[Tensor, Tensor]:
+        table, sched = call.table, call.sched
+        s = _low_rank_buffer(x.shape[0], table, x.device)
         if sched.num_blocks:
             _rows_times_weight(
                 _rows_grid(sched, table),
-                (x, table.a_ptrs, weights.a[0], s, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
-                 table.ones, table.drop_p, seeds, x.shape[1], table.r_chunks, _row_bucket(sched, table),
-                 x.stride(0), s.stride(0)),
-                dict(W_IS_A=True, HAS_DROPOUT=has_dropout, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
-                     BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, x.shape[1], device)))
-            d_out = base_out.shape[1]
+                (x, call.a_ptrs, call.w_witness, s, sched.blk_adapter, sched.blk_start, sched.seg_end,
+                 table.ranks, table.ones, table.drop_p, call.seeds, x.shape[1], table.r_chunks,
+                 _row_bucket(sched, table), x.stride(0), s.stride(0)),
+                dict(W_IS_A=True, HAS_DROPOUT=call.has_dropout, DOT_PRECISION=call.precision, BLOCK_M=BLOCK_M,
+                     BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, x.shape[1], x.device)))
+        z = torch.empty_strided((x.shape[0], call.d_out), (0, 0), device=x.device, dtype=call.out_dtype)
+        ctx.save_for_backward(x, s)
+        ctx.call, ctx.num_params = call, len(params)
+        return s, z
+
+    @staticmethod
+    def backward(ctx, ds: Tensor, dy: Tensor):
+        x, s = ctx.saved_tensors
+        call: _Call = ctx.call
+        if call.direct:
+            targets = _grads_of_parameters(call.weights, call.table, x.device)
+            grads: tuple = (None,) * ctx.num_params
+        else:
+            targets = _fresh_grads(call.weights, call.table, x.device)
+            grads = targets.a + targets.b
+        if call.sched.num_blocks:
+            dy = dy if dy.stride(-1) == 1 else dy.contiguous()
+            _weight_grads(x, dy, s, ds, call, targets)
+        return (None, None, *grads)
+
+
+class _LoRAExpand(torch.autograd.Function):
+    """Second half: ``Y_i = Y_base_i + s_i S_i B_i^T`` (one launch), written into ``Y_base``.
+
+    Backward (2 launches): ``dS_i = s_i dY_i B_i``; ``dX_i = drop_i'(dS_i A_i)``. ``dY_base = dY``, and ``dY``
+    goes back to `_LoRAShrink` as ``Z``'s gradient (for ``dB``). Rows outside every segment keep ``Y_base`` and
+    get no LoRA ``dX``. No tensor is saved (see `_LoRAShrink` for why); ``S`` is not needed here.
+
+    ``base_out=None`` with a frozen ``base_weight`` (and ``base_bias``): this half owns the frozen linear too,
+    ``Y_base = X W^T + b``, and its backward makes ``dX = dY W`` with the LoRA term added into that buffer by
+    the last launch, instead of a separate LoRA ``dX`` that autograd then adds to the base's (one write and a
+    three-pass add over ``(T, d_in)`` fewer per layer).
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, s: Tensor, z: Tensor, base_out: Optional[Tensor], base_weight: Optional[Tensor],
+                base_bias: Optional[Tensor], call: _Call) -> Tensor:
+        owns_base = base_out is None
+        if owns_base:
+            base_out = F.linear(x, base_weight, base_bias)
+        table, sched, d_out = call.table, call.sched, call.d_out
+        if sched.num_blocks:
             _rank_times_weight(
-                lambda meta: (sched.num_blocks, triton.cdiv(d_out, meta["BLOCK_N"])),
-                (s, table.b_ptrs, weights.a[0], base_out, sched.blk_adapter, sched.blk_start, sched.seg_end,
-                 table.ranks, table.scaling, table.drop_p, seeds, d_out, s.stride(0), base_out.stride(0)),
-                dict(W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
+                lambda meta: (sched.num_blocks, _cdiv(d_out, meta["BLOCK_N"])),
+                (s, call.b_ptrs, call.w_witness, base_out, sched.blk_adapter, sched.blk_start, sched.seg_end,
+                 table.ranks, table.scaling, table.drop_p, call.seeds, d_out, s.stride(0), base_out.stride(0)),
+                dict(W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION=call.precision, BLOCK_M=BLOCK_M,
                      BLOCK_R=table.block_r, **_meta("rank")))
         if not owns_base:
             ctx.mark_dirty(base_out)
-        ctx.save_for_backward(x, s, seeds, base_weight if owns_base else None)
-        ctx.weights, ctx.has_dropout, ctx.direct, ctx.num_params = weights, has_dropout, direct, len(params)
-        ctx.owns_base = owns_base
+        # Attributes, not saved tensors (a saved tensor would bring this half back into the recomputation):
+        # the frozen base weight is a parameter, and the shapes are all backward needs of x.
+        ctx.call, ctx.base_weight, ctx.owns_base = call, base_weight, owns_base
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return base_out
 
     @staticmethod
     def backward(ctx, dy: Tensor):
-        x, s, seeds, base_weight = ctx.saved_tensors
-        weights: LoRAWeights = ctx.weights
+        call: _Call = ctx.call
+        table, sched = call.table, call.sched
         device = dy.device
-        table = pointer_table(weights, device)
-        sched = schedule(weights.starts, weights.ends, x.shape[0], device)
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        d_in, d_out = x.shape[1], dy.shape[1]
-        ds = _low_rank_buffer(x.shape[0], table, device)
+        (rows, d_in), d_out = ctx.x_shape, dy.shape[1]
+        ds = _low_rank_buffer(rows, table, device)
         dx = None
         if sched.num_blocks:
             _rows_times_weight(
                 _rows_grid(sched, table),
-                (dy, table.b_ptrs, weights.a[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
-                 table.scaling, table.drop_p, seeds, d_out, table.r_chunks, _row_bucket(sched, table),
-                 dy.stride(0), ds.stride(0)),
-                dict(W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M,
+                (dy, call.b_ptrs, call.w_witness, ds, sched.blk_adapter, sched.blk_start, sched.seg_end,
+                 table.ranks, table.scaling, table.drop_p, call.seeds, d_out, table.r_chunks,
+                 _row_bucket(sched, table), dy.stride(0), ds.stride(0)),
+                dict(W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=call.precision, BLOCK_M=BLOCK_M,
                      BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, d_out, device)))
         if ctx.needs_input_grad[0]:
             if ctx.owns_base:
-                dx = torch.mm(dy, base_weight)  # the frozen linear's dX; the LoRA term is added into it
+                dx = torch.mm(dy, ctx.base_weight)  # the frozen linear's dX; the LoRA term is added into it
+            elif sched.covers_all_rows:
+                dx = torch.empty(ctx.x_shape, device=device, dtype=ctx.x_dtype)
             else:
-                dx = (torch.empty_like(x) if sched.covers_all_rows else torch.zeros_like(x))
+                dx = torch.zeros(ctx.x_shape, device=device, dtype=ctx.x_dtype)
             if sched.num_blocks:
                 _rank_times_weight(
-                    lambda meta: (sched.num_blocks, triton.cdiv(d_in, meta["BLOCK_N"])),
-                    (ds, table.a_ptrs, weights.a[0], dx, sched.blk_adapter, sched.blk_start, sched.seg_end,
-                     table.ranks, table.ones, table.drop_p, seeds, d_in, ds.stride(0), dx.stride(0)),
-                    dict(W_IS_A=True, ACCUMULATE=ctx.owns_base, HAS_DROPOUT=ctx.has_dropout,
-                         DOT_PRECISION=_precision(x), BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_meta("rank")))
-        if ctx.direct:
-            targets = _grads_of_parameters(weights, device)
-            grads: tuple = (None,) * ctx.num_params
-        else:
-            targets = _fresh_grads(weights, table, device)
-            grads = targets.a + targets.b
-        _weight_grads(x, dy, s, ds, seeds, weights, table, sched, ctx.has_dropout, targets)
-        return (dx, None if ctx.owns_base else dy, None, None, None, None, None, *grads)
+                    lambda meta: (sched.num_blocks, _cdiv(d_in, meta["BLOCK_N"])),
+                    (ds, call.a_ptrs, call.w_witness, dx, sched.blk_adapter, sched.blk_start, sched.seg_end,
+                     table.ranks, table.ones, table.drop_p, call.seeds, d_in, ds.stride(0), dx.stride(0)),
+                    dict(W_IS_A=True, ACCUMULATE=ctx.owns_base, HAS_DROPOUT=call.has_dropout,
+                         DOT_PRECISION=call.precision, BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_meta("rank")))
+        return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
 
 
 @dataclass(frozen=True)
@@ -309,32 +402,57 @@ _grad_tables = _LRU()
 def _fresh_grads(weights: LoRAWeights, table: PointerTable, device: torch.device) -> GradTargets:
     """Zeroed gradients in two flat buffers (one for every dA, one for every dB), returned through autograd."""
     n = len(weights.a)
-    wdtype = weights.a[0].dtype
-    sizes_a, sizes_b = table.grad_sizes[:n], table.grad_sizes[n:]
-    flat_a = torch.zeros(sum(sizes_a), device=device, dtype=wdtype)
-    flat_b = torch.zeros(sum(sizes_b), device=device, dtype=wdtype)
+    flat_a, flat_b, grads_a, grads_b = _flat_like(weights, table, device)
     ptrs = table.grad_offsets * flat_a.element_size()  # on the device: no host-to-device copy per call
     ptrs[0] += flat_a.data_ptr()
     ptrs[1] += flat_b.data_ptr()
-    grads_a = tuple(g.view_as(a) for g, a in zip(torch.split(flat_a, sizes_a), weights.a))
-    grads_b = tuple(g.view_as(b) for g, b in zip(torch.split(flat_b, sizes_b), weights.b))
     return GradTargets(ptrs[0, :n], ptrs[1, :n], grads_a, grads_b)
 
 
-def _grads_of_parameters(weights: LoRAWeights, device: torch.device) -> GradTargets:
-    """The parameters' own ``.grad`` tensors; missing ones are created (zeroed, one flat buffer for all of
-    them), as the first accumulation would. Pointer arrays are cached by the gradients' addresses."""
+def _flat_like(weights: LoRAWeights, table: PointerTable, device: torch.device,
+               dtype: Optional[torch.dtype] = None, zero: bool = True):
+    """Two flat buffers shaped as every A_i and every B_i (zeroed, or left empty), and the views of them."""
+    n = len(weights.a)
+    dtype = dtype or weights.a[0].dtype
+    sizes_a, sizes_b = table.grad_sizes[:n], table.grad_sizes[n:]
+    make = torch.zeros if zero else torch.empty
+    flat_a = make(sum(sizes_a), device=device, dtype=dtype)
+    flat_b = make(sum(sizes_b), device=device, dtype=dtype)
+    if table.one_rank:  # one call each (what a sweep of one rank has), not n views made in Python
+        views_a = flat_a.view(n, *weights.a[0].shape).unbind(0)
+        views_b = flat_b.view(n, *weights.b[0].shape).unbind(0)
+    else:
+        views_a = tuple(g.view_as(a) for g, a in zip(torch.split(flat_a, sizes_a), weights.a))
+        views_b = tuple(g.view_as(b) for g, b in zip(torch.split(flat_b, sizes_b), weights.b))
+    return flat_a, flat_b, views_a, views_b
+
+
+def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torch.device) -> GradTargets:
+    """The parameters' own ``.grad`` tensors; missing ones are created (zeroed, in flat buffers), as the first
+    accumulation would. Pointer arrays are cached by the gradients' addresses."""
     params = weights.a + weights.b
-    grads = [p.grad for p in params]
-    if any(g is None or not g.is_contiguous() for g in grads):
+    grads = list(map(_grad, params))
+    n = len(weights.a)
+    if grads.count(None) == len(grads):  # the first backward of a step (after zero_grad(set_to_none=True))
+        fresh = _fresh_grads(weights, table, device)
+        for p, g in zip(params, fresh.a + fresh.b):
+            p.grad = g
+        targets = GradTargets(fresh.a_ptrs, fresh.b_ptrs, (), ())
+        # a later backward before zero_grad (gradient accumulation) finds these by address
+        _grad_tables.get_or_make((tuple(map(_data_ptr, fresh.a + fresh.b)), device), lambda: targets)
+        return targets
+    try:
+        ready = all(map(_is_contiguous, grads))
+    except TypeError:  # a gradient is None
+        ready = False
+    if not ready:
         redo = [i for i, g in enumerate(grads) if g is None or not g.is_contiguous()]
         flat = torch.zeros(sum(params[i].numel() for i in redo), device=device, dtype=params[redo[0]].dtype)
         for i, view in zip(redo, torch.split(flat, [params[i].numel() for i in redo])):
             if grads[i] is not None:
                 view.copy_(grads[i].reshape(-1))
             params[i].grad = grads[i] = view.view_as(params[i])
-    n = len(weights.a)
-    key = (tuple(g.data_ptr() for g in grads), str(device))
+    key = (tuple(map(_data_ptr, grads)), device)
 
     def make() -> GradTargets:
         ptrs = _upload_rows(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64).reshape(2, n), device)
@@ -399,24 +517,24 @@ def _split_for(num_programs: int, max_tokens: int, device: torch.device) -> int:
 _tuned_grad_keys: set = set()
 
 
-def _weight_grads(x, dy, s, ds, seeds, weights: LoRAWeights, table: PointerTable, sched: Schedule, has_dropout,
-                  targets: GradTargets) -> None:
+def _weight_grads(x: Tensor, dy: Tensor, s: Tensor, ds: Tensor, call: _Call, targets: GradTargets) -> None:
     """``dA_i += dS_i^T drop_i(X_i)`` and ``dB_i += s_i dY_i^T S_i``, two launches into ``targets``."""
+    weights, table, sched, seeds = call.weights, call.table, call.sched, call.seeds
     n = len(weights.a)
     device = x.device
     d_in, d_out = x.shape[1], dy.shape[1]
     witness = targets.a[0] if targets.a else weights.a[0].grad
     launches = (  # (G_IS_A, L, M, K, coefficients, dropout, pointers)
-        (True, ds, x, d_in, table.ones, has_dropout, targets.a_ptrs),
+        (True, ds, x, d_in, table.ones, call.has_dropout, targets.a_ptrs),
         (False, s, dy, d_out, table.scaling, False, targets.b_ptrs),
     )
     for g_is_a, low, full, k, coef, dropout, ptrs in launches:
-        split = _split_for(n * table.r_chunks * triton.cdiv(k, 128), sched.max_tokens, device)
+        split = _split_for(n * table.r_chunks * _cdiv(k, 128), sched.max_tokens, device)
         args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, table.ranks, coef, table.drop_p, seeds, k,
                 table.r_chunks, split, low.stride(0), full.stride(0))
-        meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, ATOMIC=split > 1, DOT_PRECISION=_precision(x),
+        meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, ATOMIC=split > 1, DOT_PRECISION=call.precision,
                     BLOCK_R=table.block_r, **_meta("grad"))
-        grid = lambda m, k=k, split=split: (n * table.r_chunks, triton.cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
+        grid = lambda m, k=k, split=split: (n * table.r_chunks, _cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
         tune_key = (k, table.block_r, g_is_a, split > 1, dropout, low.dtype, full.dtype, witness.dtype,
                     meta["DOT_PRECISION"])
         if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
@@ -457,7 +575,25 @@ def _apply(x: Tensor, base_out: Optional[Tensor], weight: Optional[Tensor], bias
         raise ValueError(f"adapter shapes A {tuple(weights.a[0].shape)}, B {tuple(weights.b[0].shape)} do not fit "
                          f"x {tuple(x.shape)} and an output of width {d_out}")
     params = weights.a + weights.b
-    direct = weights.direct_grads and torch.is_grad_enabled() and all(p.is_leaf and p.requires_grad for p in params)
+    direct = (weights.direct_grads and torch.is_grad_enabled() and all(map(_requires_grad, params))
+              and all(map(_is_leaf, params)))
     if direct:
         params = params[:1]  # the one autograd input that makes backward run; the gradients go to `.grad`
-    return GroupedLoRAFunction.apply(x, base_out, weight, bias, weights, training, direct, *params)
+    device = x.device
+    table = pointer_table(weights, device)
+    has_dropout = training and any(p > 0 for p in weights.dropout)
+    # Seeds drawn on the device: no host sync, and checkpoint recomputation (which restores the RNG state)
+    # regenerates the same masks.
+    seeds = (torch.randint(0, 2**31 - 1, (len(weights.a),), dtype=torch.int32, device=device) if has_dropout
+             else table.ranks)
+    out_dtype = x.dtype if base_out is None else base_out.dtype
+    a_ptrs, b_ptrs, witness = table.a_ptrs, table.b_ptrs, weights.a[0]
+    copy_dtype = _copy_dtype(x, out_dtype, weights)
+    if copy_dtype is not None:
+        copies = weight_copies(weights, table, copy_dtype, device)
+        a_ptrs, b_ptrs, witness = copies.a_ptrs, copies.b_ptrs, copies.witness
+    call = _Call(weights, table, schedule(weights.starts, weights.ends, x.shape[0], device), seeds, a_ptrs, b_ptrs,
+                 witness, has_dropout, _precision(x), direct, d_out, out_dtype)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    s, z = _LoRAShrink.apply(x, call, *params)
+    return _LoRAExpand.apply(x, s, z, base_out, weight, bias, call)

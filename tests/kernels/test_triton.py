@@ -256,6 +256,56 @@ def test_the_fused_frozen_linear_adds_the_lora_dx_into_the_base_dx(dtype, dropou
         multi_lora_linear(x, weight.clone().requires_grad_(), b, w, False)
 
 
+@pytest.mark.parametrize("dropout", [None, [0.3, 0.0, 0.5]])
+def test_checkpoint_recomputation_skips_the_last_fused_frozen_product(dropout):
+    """Under non-reentrant checkpointing the recomputation stops after the last tensor saved for backward.
+    The LoRA call saves its tensors in the shrink, before the frozen product: so, as for the frozen base
+    alone, the last projection's product is not recomputed, and the gradients are unchanged."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_multilora.kernels.triton_lora import multi_lora_linear_triton
+
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x, _, w1 = problem([3, 16, 9], [30, 1, 20], d_in=24, d_out=40, dtype=dtype, dropout=dropout,
+                       gaps=False, seed=1)
+    _, _, w2 = problem([5, 2, 8], [30, 1, 20], d_in=40, d_out=56, dtype=dtype, dropout=dropout, gaps=False, seed=2)
+    w1_base = torch.randn(40, 24, device=DEVICE).div(24 ** 0.5).to(dtype)
+    w2_base = torch.randn(56, 40, device=DEVICE).div(40 ** 0.5).to(dtype)
+    grad_out = torch.randn(x.shape[0], 56, device=DEVICE, dtype=dtype)
+
+    def block(x_):
+        h = torch.relu(multi_lora_linear_triton(x_, w1_base, None, w1, True))
+        return multi_lora_linear_triton(h, w2_base, None, w2, True)
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.shapes.append(tuple(tuple(a.shape) for a in args if isinstance(a, torch.Tensor))[-2:])
+            return func(*args, **(kwargs or {}))
+
+    def grads(checkpointed):
+        torch.manual_seed(0)
+        x_ = x.detach().clone().requires_grad_()
+        y = checkpoint(block, x_, use_reentrant=False) if checkpointed else block(x_)
+        products = Products()
+        with products:
+            got = torch.autograd.grad(y, [x_, *w1.a, *w1.b, *w2.a, *w2.b], grad_out)
+        return got, products.shapes
+
+    plain, _ = grads(False)
+    recomputed, shapes = grads(True)
+    first_forward, last_forward = ((51, 24), (24, 40)), ((51, 40), (40, 56))  # every product's shapes differ
+    assert shapes.count(first_forward) == 1  # the first projection is recomputed (its output is needed)
+    assert shapes.count(last_forward) == 0  # the last one is not
+    for g, g_ref in zip(recomputed, plain):
+        assert rel(g, g_ref) < 1e-5
+
+
 def test_the_layer_fuses_only_a_plain_frozen_linear():
     from lightning_multilora import BatchLayout
     from lightning_multilora.layer import LayoutContext, MultiLoRALinear
@@ -429,7 +479,9 @@ def test_every_device_table_starts_on_16_bytes_whatever_the_adapter_count(n):
     sched = schedule(w.starts, w.ends, x.shape[0], x.device)
     tensors = [table.a_ptrs, table.b_ptrs, table.ranks, table.scaling, table.ones, table.drop_p,
                sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end]
-    targets = [_fresh_grads(w, table, x.device), _grads_of_parameters(w, x.device)]
+    targets = [_fresh_grads(w, table, x.device), _grads_of_parameters(w, table, x.device)]  # .grad made
+    targets.append(_grads_of_parameters(w, table, x.device))  # .grad found
+    assert targets[2].a_ptrs is targets[1].a_ptrs  # by address, cached
     tensors += [t.a_ptrs for t in targets] + [t.b_ptrs for t in targets]
     assert all(t.data_ptr() % 16 == 0 for t in tensors)
     assert [t.numel() for t in (table.a_ptrs, table.scaling, sched.seg_end, targets[0].b_ptrs)] == [n] * 4
