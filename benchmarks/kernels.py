@@ -18,7 +18,7 @@ and backward (gradients of x, every A and every B; bf16 activations, fp32 adapte
 ``ms`` is GPU time: one forward + backward captured in a CUDA graph and replayed (``triton.testing.do_bench``
 medians), so that the host's Python and launch costs, which a training step overlaps with the frozen base's
 GEMMs, do not hide the kernels. ``eager_ms`` is the same call run eagerly back to back (host time included),
-measured for ``ours_direct`` only: the per-call host cost the layer adds to a step.
+measured for ``ours_direct`` only (host time included, with one autograd backward per call).
 LoRAFusion is not run here (see the results' notes). Rows go to ``--out``: op, shape, n_adapters, ranks,
 tokens, impl, ms, gbps, pct_of_floor.
 """
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -129,6 +130,8 @@ def main() -> None:
     parser.add_argument("--shapes", type=int, nargs="+", default=None, help="indices into SHAPES")
     parser.add_argument("--out", default="benchmarks/results/kernels_h200.json")
     parser.add_argument("--max-loop-n", type=int, default=64)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop starting new points after this many seconds and write the rows measured so far")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -137,11 +140,15 @@ def main() -> None:
     common = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   date=datetime.now(timezone.utc).date().isoformat(), copy_gbps=round(bandwidth, 1))
     rows = []
+    start = time.monotonic()
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
     for d_in, d_out in shapes:
         for n in args.ns:
             for rk in args.ranks:
                 for tk in args.tokens:
+                    if args.budget_s is not None and time.monotonic() - start > args.budget_s:
+                        print(f"budget of {args.budget_s:.0f} s reached: skipping {d_in}x{d_out} N={n} r={rk} t={tk}")
+                        continue
                     rng = random.Random(f"{d_in}-{d_out}-{n}-{rk}-{tk}")
                     reset_rank_tiles()  # each point takes its own rank tile (a training run's never narrows)
                     ranks, tokens = ranks_for(rk, n, rng), tokens_for(tk, n, rng)

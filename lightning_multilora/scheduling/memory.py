@@ -101,6 +101,7 @@ class AnalyticMemoryModel:
     base_bytes_per_param: float = 2.0  # bf16 base
     adapter_bytes_per_param: float = 4.0  # fp32 adapters
     optimizer_states: int = 2  # AdamW: exp_avg, exp_avg_sq
+    weight_copy_bytes_per_param: float = 2.0  # the GPU kernels' copy of the weights in the activation dtype
     activation_bytes: float = 2.0
     gradient_checkpointing: bool = True
     loss_chunk_tokens: Optional[int] = None
@@ -115,8 +116,9 @@ class AnalyticMemoryModel:
         return self.shape.base_params * self.base_bytes_per_param
 
     def adapter_bytes(self, rank: int, targets: Sequence[str] = PROJECTIONS) -> float:
-        """Parameters, gradients and optimizer states of one adapter."""
-        return self.shape.adapter_params(rank, targets) * self.adapter_bytes_per_param * (2 + self.optimizer_states)
+        """Parameters, gradients and optimizer states of one adapter, and the kernels' copy of its weights."""
+        per_param = self.adapter_bytes_per_param * (2 + self.optimizer_states) + self.weight_copy_bytes_per_param
+        return self.shape.adapter_params(rank, targets) * per_param
 
     def activations(self, tokens: int, lora_rank_tokens: float = 0.0) -> float:
         """Activation bytes of a step over ``tokens`` tokens; ``lora_rank_tokens`` = sum over adapters of

