@@ -19,7 +19,9 @@ and backward (gradients of x, every A and every B; bf16 activations, fp32 adapte
 medians), so that the host's Python and launch costs, which a training step overlaps with the frozen base's
 GEMMs, do not hide the kernels. ``eager_ms`` is the same call run eagerly back to back (host time included),
 measured for ``ours_direct`` only (host time included, with one autograd backward per call).
-LoRAFusion is not run here (see the results' notes). Rows go to ``--out``: op, shape, n_adapters, ranks,
+With ``--lorafusion-src DIR`` (a CentML/lorafusion source tree, imported at run time, never committed), points
+with N <= 4 also time LoRAFusion's fused multi-LoRA linear (``lorafusion``) beside ours with the same frozen
+linear fused in (``ours_linear_direct``); their floor adds the frozen weight, read in forward and backward. Rows go to ``--out``: op, shape, n_adapters, ranks,
 tokens, impl, ms, gbps, pct_of_floor.
 """
 
@@ -37,7 +39,7 @@ import triton
 from triton.testing import do_bench
 
 from lightning_multilora.kernels import LoRAWeights, multi_lora_reference
-from lightning_multilora.kernels.triton_lora import multi_lora_triton, reset_rank_tiles
+from lightning_multilora.kernels.triton_lora import multi_lora_linear_triton, multi_lora_triton, reset_rank_tiles
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
 
@@ -130,10 +132,19 @@ def main() -> None:
     parser.add_argument("--shapes", type=int, nargs="+", default=None, help="indices into SHAPES")
     parser.add_argument("--out", default="benchmarks/results/kernels_h200.json")
     parser.add_argument("--max-loop-n", type=int, default=64)
+    parser.add_argument("--lorafusion-src", default=None,
+                        help="a CentML/lorafusion source tree (e.g. .lorafusion, never committed): adds its fused "
+                             "multi-LoRA linear (N <= 4) beside ours with the frozen linear fused in "
+                             "(benchmarks/lorafusion_side.py)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting new points after this many seconds and write the rows measured so far")
     args = parser.parse_args()
     device = torch.device("cuda")
+    lorafusion = None
+    if args.lorafusion_src:
+        from benchmarks.lorafusion_side import load_lorafusion
+
+        lorafusion = load_lorafusion(args.lorafusion_src)
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
     print(f"{torch.cuda.get_device_name()}: measured copy bandwidth {bandwidth:.0f} GB/s", flush=True)
@@ -172,21 +183,36 @@ def main() -> None:
                         impls["loop"] = fwd_bwd(lambda xx, bb: multi_lora_reference(xx, bb, w, True))
                     gmm = GroupedMM(w, device)
                     impls["grouped_mm"] = fwd_bwd(gmm)
+                    fused = set()  # impls that include the frozen linear: their floor adds its weight, read twice
+                    if lorafusion is not None:
+                        from benchmarks.lorafusion_side import make_lorafusion_step
+
+                        frozen = (torch.randn(d_out, d_in, device=device) / d_in ** 0.5).to(torch.bfloat16)
+                        try:
+                            impls["lorafusion"] = make_lorafusion_step(x, frozen, w, grad, lorafusion)
+                            impls["ours_linear_direct"] = lambda: torch.autograd.backward(
+                                multi_lora_linear_triton(xg, frozen, None, wd, True), grad)
+                            fused |= {"lorafusion", "ours_linear_direct"}
+                        except ValueError as err:  # more than 4 adapters, unaligned widths, ...
+                            print(f"  lorafusion skipped: {err}")
                     shape = f"{d_in}x{d_out}"
                     line = [f"{shape:>11} N={n:<2} r={rk:<5} t={tk:<5}"]
                     for impl, step in impls.items():
+                        impl_bytes = nbytes + (2 * 2 * d_in * d_out if impl in fused else 0)
+                        impl_floor_ms = impl_bytes / (bandwidth * 1e9) * 1e3
                         try:
                             ms = graph_ms(step)
-                            eager = (do_bench(step, warmup=5, rep=30) if impl == "ours_direct" else None)
+                            eager = (do_bench(step, warmup=5, rep=30)
+                                     if impl in ("ours_direct", "lorafusion", "ours_linear_direct") else None)
                         except Exception as err:  # noqa: BLE001 - a baseline that cannot run this shape
                             print(f"  {impl} failed: {type(err).__name__}: {str(err)[:120]}")
                             continue
                         rows.append(dict(op="lora_fwd_bwd", shape=shape, n_adapters=n, ranks=rk, tokens=tk,
                                          total_tokens=x.shape[0], impl=impl, ms=round(ms, 4),
                                          eager_ms=None if eager is None else round(eager, 4),
-                                         gbps=round(nbytes / (ms * 1e-3) / 1e9, 1),
-                                         pct_of_floor=round(100 * floor_ms / ms, 1), **common))
-                        line.append(f"{impl} {ms:7.3f} ms ({100 * floor_ms / ms:4.0f}%)")
+                                         gbps=round(impl_bytes / (ms * 1e-3) / 1e9, 1),
+                                         pct_of_floor=round(100 * impl_floor_ms / ms, 1), **common))
+                        line.append(f"{impl} {ms:7.3f} ms ({100 * impl_floor_ms / ms:4.0f}%)")
                     rows.append(dict(op="lora_fwd_bwd", shape=shape, n_adapters=n, ranks=rk, tokens=tk,
                                      total_tokens=x.shape[0], impl="floor", ms=round(floor_ms, 4),
                                      gbps=round(bandwidth, 1), pct_of_floor=100.0, **common))

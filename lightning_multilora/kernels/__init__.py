@@ -60,7 +60,7 @@ def multi_lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], weights
     """``F.linear(x, weight, bias)`` plus every adapter's LoRA term: `multi_lora` over a frozen dense base.
 
     ``weight`` (and ``bias``) must be frozen and in ``x``'s dtype. On the Triton backend the base product is
-    computed inside the LoRA autograd Function, whose backward adds the LoRA part of ``dX`` straight into
+    computed inside the LoRA autograd Functions, whose backward adds the LoRA part of ``dX`` straight into
     the base's ``dY W`` (no separate LoRA ``dX`` for autograd to sum); the reference computes the same.
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad) or weight.dtype != x.dtype:

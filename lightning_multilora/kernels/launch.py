@@ -23,14 +23,13 @@ import triton
 _INT32 = 2**31
 
 
-def _spec(arg: Any) -> Any:
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() % 16 == 0)
-    if isinstance(arg, bool):
-        return arg
-    if isinstance(arg, int):
-        return (arg == 1, arg % 16 == 0, -_INT32 <= arg < _INT32)
-    return (type(arg), arg)
+def _specs(args: tuple) -> tuple:
+    """What Triton specializes each argument on: a tensor's dtype and 16-byte alignment; a bool's value; whether
+    an int is 1, a multiple of 16, and within 32 bits (one comprehension: this runs on every launch)."""
+    return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else
+                  a if a.__class__ is bool else
+                  (a == 1, not a & 15, -_INT32 <= a < _INT32) if isinstance(a, int) else (type(a), a)
+                  for a in args])
 
 
 class FastLauncher:
@@ -52,11 +51,7 @@ class FastLauncher:
             self.kernel[grid](*args, **meta)
             return
         device = args[0].device.index
-        # `_spec` of every argument, inlined (this runs on every launch)
-        key = (device, tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else
-                              a if a.__class__ is bool else
-                              (a == 1, not a & 15, -_INT32 <= a < _INT32) if a.__class__ is int else (type(a), a)
-                              for a in args]), tuple(meta.items()))
+        key = (device, _specs(args), tuple(meta.items()))
         variant = self._variants.get(key)
         if variant is None:
             compiled = self.kernel[grid](*args, **meta)

@@ -136,8 +136,8 @@ def _rows_times_weight(
         tl.atomic_add(out_ptrs, acc, mask=mask)
 
 
-@_tuned(_RANK_CONFIGS, key=["N", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK"],
-        restore_value=["Y"])
+@_tuned(_RANK_CONFIGS, key=["N", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
+                            "SCALE_PRODUCT"], restore_value=["Y"])
 @triton.jit
 def _rank_times_weight(
     # pointers
@@ -149,6 +149,7 @@ def _rank_times_weight(
     # meta-parameters
     W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_CHUNK: tl.constexpr,
+    SCALE_PRODUCT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -168,11 +169,16 @@ def _rank_times_weight(
         stride_wr = 1
         stride_wn = r
     dot_dtype = Y.dtype.element_ty
-    coef = tl.load(COEF + a)
     # The first rank chunk outside the loop, and the scaling applied to the (BLOCK_M, BLOCK_R) tile rather than
     # to the product: with ranks up to one chunk (the usual case) this is the whole kernel, a plain streaming
     # read-modify-write of Y (on the H200, a 16384 x 14336 bf16 Y: 253 us, 3.7 TB/s; 304 us with the loop compiled
     # in although it never ran; 331 us with all chunks in the loop and the scaling on the product).
+    # SCALE_PRODUCT (fp16 outputs): the scaling goes on the fp32 product instead, as a scaled tile may overflow
+    # fp16's range where the product does not.
+    if SCALE_PRODUCT:
+        coef = 1.0
+    else:
+        coef = tl.load(COEF + a)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < r
     low = tl.load(R + offs_m[:, None] * stride_r_m + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
@@ -189,6 +195,8 @@ def _rank_times_weight(
             wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
                          mask=mask_r[:, None] & mask_n[None, :], other=0.0)
             acc += tl.dot((low * coef).to(dot_dtype), wt.to(dot_dtype), input_precision=DOT_PRECISION)
+    if SCALE_PRODUCT:
+        acc = acc * tl.load(COEF + a)
     if HAS_DROPOUT:
         acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m, offs_n, N)
     y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]

@@ -1,4 +1,4 @@
-"""The Triton multi-LoRA path: launch plans, pointer tables and the autograd Function."""
+"""The Triton multi-LoRA path: launch plans, pointer tables and the two autograd Functions of a call."""
 
 from __future__ import annotations
 
@@ -202,20 +202,24 @@ class WeightCopies:
 
 
 def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype, device: torch.device) -> WeightCopies:
-    """The adapters' weights copied into ``dtype``: buffers made once per adapter set (memoized on ``weights``),
-    refreshed on every call (one multi-tensor copy: the weights may have changed in any way since the last
-    call; a forward and its recomputation read the same values)."""
-    memo = weights.memo.get("weight_copies")
-    if memo is None or memo[0] is not table or memo[1] != dtype:
+    """The adapters' weights copied into ``dtype``: buffers made once per adapter set and dtype (memoized on
+    ``weights``), refreshed on every call (one multi-tensor copy: the weights may have changed in any way since
+    the last call). A backward reads the values of its call's forward (or recomputation): the weights do not
+    change between a forward and its backward, and each call keeps its buffers alive (`_Call.copies`)."""
+    memo = weights.memo.setdefault("weight_copies", {})
+    entry = memo.get(dtype)
+    if entry is None or entry[0] is not table:
         n = len(weights.a)
-        flat_a, flat_b, views_a, views_b = _flat_like(weights, table, device, dtype, zero=False)
-        ptrs = table.grad_offsets * flat_a.element_size()
-        ptrs[0] += flat_a.data_ptr()
-        ptrs[1] += flat_b.data_ptr()
-        views = views_a + views_b
-        memo = (table, dtype, WeightCopies(views, ptrs[0, :n], ptrs[1, :n], flat_a))
-        weights.memo["weight_copies"] = memo
-    copies = memo[2]
+        # Normal tensors even when the first call runs under inference_mode (a validation before training):
+        # inference tensors could not be refreshed in place by a later training forward.
+        with torch.inference_mode(False):
+            flat_a, flat_b, views_a, views_b = _flat_like(weights, table, device, dtype, zero=False)
+            ptrs = table.grad_offsets * flat_a.element_size()
+            ptrs[0] += flat_a.data_ptr()
+            ptrs[1] += flat_b.data_ptr()
+        entry = (table, WeightCopies(views_a + views_b, ptrs[0, :n], ptrs[1, :n], flat_a))
+        memo[dtype] = entry
+    copies = entry[1]
     with torch.no_grad():
         torch._foreach_copy_(list(copies.views), list(weights.a + weights.b))
     return copies
@@ -252,7 +256,7 @@ def _check(weights: LoRAWeights) -> None:
 @dataclass
 class _Call:
     """What both halves of one grouped LoRA call share: built once per forward, kept for backward (its tensors
-    are device tables, the dropout seeds and the frozen base weight, never activations)."""
+    are device tables, the dropout seeds and the weight copies, never activations)."""
 
     weights: LoRAWeights
     table: PointerTable
@@ -261,6 +265,7 @@ class _Call:
     a_ptrs: Tensor  # (n,) the A_i the products read: the adapters' own, or their copies in the activation dtype
     b_ptrs: Tensor
     w_witness: Tensor  # a tensor of the dtype behind a_ptrs / b_ptrs
+    copies: Optional["WeightCopies"]  # keeps the copies behind a_ptrs / b_ptrs alive until this call's backward
     has_dropout: bool
     precision: str
     direct: bool
@@ -306,6 +311,8 @@ class _LoRAShrink(torch.autograd.Function):
     def backward(ctx, ds: Tensor, dy: Tensor):
         x, s = ctx.saved_tensors
         call: _Call = ctx.call
+        if not any(ctx.needs_input_grad[2:]):  # frozen adapters: nothing to compute here (dX is the expand's)
+            return (None, None) + (None,) * ctx.num_params
         if call.direct:
             targets = _grads_of_parameters(call.weights, call.table, x.device)
             grads: tuple = (None,) * ctx.num_params
@@ -345,7 +352,7 @@ class _LoRAExpand(torch.autograd.Function):
                  table.ranks, table.scaling, table.drop_p, call.seeds, d_out, s.stride(0), base_out.stride(0)),
                 dict(W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION=call.precision, BLOCK_M=BLOCK_M,
                      BLOCK_R=table.block_r, MULTI_CHUNK=table.r_chunks > 1,
-                     **_meta("rank")))
+                     SCALE_PRODUCT=base_out.dtype == torch.float16, **_meta("rank")))
         if not owns_base:
             ctx.mark_dirty(base_out)
         # Attributes, not saved tensors (a saved tensor would bring this half back into the recomputation):
@@ -361,8 +368,10 @@ class _LoRAExpand(torch.autograd.Function):
         device = dy.device
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
         (rows, d_in), d_out = ctx.x_shape, dy.shape[1]
+        ds, dx = None, None
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only base_out wants a gradient
+            return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
         ds = _low_rank_buffer(rows, table, device)
-        dx = None
         if sched.num_blocks:
             _rows_times_weight(
                 _rows_grid(sched, table),
@@ -385,7 +394,7 @@ class _LoRAExpand(torch.autograd.Function):
                      table.ranks, table.ones, table.drop_p, call.seeds, d_in, ds.stride(0), dx.stride(0)),
                     dict(W_IS_A=True, ACCUMULATE=ctx.owns_base, HAS_DROPOUT=call.has_dropout,
                          DOT_PRECISION=call.precision, BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
-                         MULTI_CHUNK=table.r_chunks > 1, **_meta("rank")))
+                         MULTI_CHUNK=table.r_chunks > 1, SCALE_PRODUCT=False, **_meta("rank")))
         return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
 
 
@@ -561,8 +570,8 @@ def multi_lora_triton(x: Tensor, base_out: Tensor, weights: LoRAWeights, trainin
 
 def multi_lora_linear_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], weights: LoRAWeights,
                              training: bool) -> Tensor:
-    """The Triton path of `multi_lora_linear`: the frozen linear ``X W^T + b`` and the LoRA terms in one
-    autograd Function, so the LoRA ``dX`` is added into the base's."""
+    """The Triton path of `multi_lora_linear`: the frozen linear ``X W^T + b`` runs inside the LoRA call (its
+    expand half), so the LoRA ``dX`` is added into the base's."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"expected x (T, d_in) and weight (d_out, d_in), got {tuple(x.shape)}, {tuple(weight.shape)}")
     if weight.requires_grad or (bias is not None and bias.requires_grad) or weight.dtype != x.dtype:
@@ -590,13 +599,13 @@ def _apply(x: Tensor, base_out: Optional[Tensor], weight: Optional[Tensor], bias
     seeds = (torch.randint(0, 2**31 - 1, (len(weights.a),), dtype=torch.int32, device=device) if has_dropout
              else table.ranks)
     out_dtype = x.dtype if base_out is None else base_out.dtype
-    a_ptrs, b_ptrs, witness = table.a_ptrs, table.b_ptrs, weights.a[0]
+    a_ptrs, b_ptrs, witness, copies = table.a_ptrs, table.b_ptrs, weights.a[0], None
     copy_dtype = _copy_dtype(x, out_dtype, weights)
     if copy_dtype is not None:
         copies = weight_copies(weights, table, copy_dtype, device)
         a_ptrs, b_ptrs, witness = copies.a_ptrs, copies.b_ptrs, copies.witness
     call = _Call(weights, table, schedule(weights.starts, weights.ends, x.shape[0], device), seeds, a_ptrs, b_ptrs,
-                 witness, has_dropout, _precision(x), direct, d_out, out_dtype)
+                 witness, copies, has_dropout, _precision(x), direct, d_out, out_dtype)
     x = x if x.stride(-1) == 1 else x.contiguous()
     s, z = _LoRAShrink.apply(x, call, *params)
     return _LoRAExpand.apply(x, s, z, base_out, weight, bias, call)

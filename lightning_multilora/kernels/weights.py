@@ -32,8 +32,8 @@ class LoRAWeights:
     starts: tuple[int, ...]
     ends: tuple[int, ...]
     direct_grads: bool = False
-    # Per-object memo of derived device tables (the Triton path's pointer table), so the forward,
-    # recomputation and backward of a step do not rebuild their keys.
+    # Per-object memo of derived device state (the Triton path's pointer table, and its copies of the weights
+    # in the activation dtype: 2 bytes a parameter), so the calls of a step do not rebuild them.
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:

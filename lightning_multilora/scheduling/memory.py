@@ -101,7 +101,9 @@ class AnalyticMemoryModel:
     base_bytes_per_param: float = 2.0  # bf16 base
     adapter_bytes_per_param: float = 4.0  # fp32 adapters
     optimizer_states: int = 2  # AdamW: exp_avg, exp_avg_sq
-    weight_copy_bytes_per_param: float = 2.0  # the GPU kernels' copy of the weights in the activation dtype
+    # The GPU kernels' copy of the weights in the activation dtype, made when that is narrower than the
+    # adapters' (None: activation_bytes then, else 0)
+    weight_copy_bytes_per_param: Optional[float] = None
     activation_bytes: float = 2.0
     gradient_checkpointing: bool = True
     loss_chunk_tokens: Optional[int] = None
@@ -117,7 +119,10 @@ class AnalyticMemoryModel:
 
     def adapter_bytes(self, rank: int, targets: Sequence[str] = PROJECTIONS) -> float:
         """Parameters, gradients and optimizer states of one adapter, and the kernels' copy of its weights."""
-        per_param = self.adapter_bytes_per_param * (2 + self.optimizer_states) + self.weight_copy_bytes_per_param
+        copy = self.weight_copy_bytes_per_param
+        if copy is None:
+            copy = self.activation_bytes if self.activation_bytes < self.adapter_bytes_per_param else 0.0
+        per_param = self.adapter_bytes_per_param * (2 + self.optimizer_states) + copy
         return self.shape.adapter_params(rank, targets) * per_param
 
     def activations(self, tokens: int, lora_rank_tokens: float = 0.0) -> float:

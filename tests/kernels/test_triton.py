@@ -443,13 +443,17 @@ def test_a_narrower_adapter_set_and_other_row_splits_compile_no_new_kernel(monke
 
 
 def test_the_fast_launch_key_separates_what_triton_specializes_on():
-    from lightning_multilora.kernels.launch import _spec
+    from lightning_multilora.kernels.launch import _specs
+
+    def spec(arg):
+        return _specs((arg,))[0]
 
     aligned = torch.zeros(64)
-    assert _spec(aligned) != _spec(aligned[1:])  # 16-byte alignment of pointers
-    assert _spec(aligned) != _spec(aligned.double())  # dtypes
-    assert len({_spec(1), _spec(16), _spec(17), _spec(2**31 + 16)}) == 4  # 1, multiples of 16, 64-bit ints
-    assert _spec(32) == _spec(4096) and _spec(True) != _spec(False)
+    assert spec(aligned) != spec(aligned[1:])  # 16-byte alignment of pointers
+    assert spec(aligned) != spec(aligned.double())  # dtypes
+    assert len({spec(1), spec(16), spec(17), spec(2**31 + 16), spec(-(2**31) - 17)}) == 5  # 1, 16k, 64-bit
+    assert spec(32) == spec(4096) and spec(True) != spec(False) and spec(1) != spec(True)
+    assert len(_specs((aligned, 3, True, "x"))) == 4
 
 
 @pytest.mark.gpu
@@ -458,6 +462,10 @@ def test_fast_launches_match_the_first_launch_and_new_variants_compile():
     grad_out = torch.randn_like(base)
     first = run(multi_lora_triton, x, base, w, False, grad_out)
     again = run(multi_lora_triton, x, base, w, False, grad_out)  # the same variants, launched directly
+    from lightning_multilora.kernels import triton_lora
+
+    for launcher in (triton_lora._rows_times_weight, triton_lora._rank_times_weight, triton_lora._weight_grad):
+        assert launcher._variants, launcher.kernel  # every kernel's variants are kept for direct launches
     for a, b in zip([first[0], *first[1]], [again[0], *again[1]]):
         assert rel(a, b) <= 1e-5  # (split reductions add atomically, in any order)
     # a misaligned input makes a new variant (Triton compiles it without the alignment assumption)
@@ -487,3 +495,41 @@ def test_every_device_table_starts_on_16_bytes_whatever_the_adapter_count(n):
     assert [t.numel() for t in (table.a_ptrs, table.scaling, sched.seg_end, targets[0].b_ptrs)] == [n] * 4
     assert sched.blk_adapter.numel() == sched.num_blocks and table.ranks.tolist() == [4] * n
     assert table.drop_p.tolist() == list(w.dropout) and table.scaling.tolist() == pytest.approx(list(w.scaling))
+
+
+def test_weight_copies_stay_alive_until_their_backward_and_survive_inference_mode():
+    """Half-precision calls read copies of the fp32 weights. A call keeps its copies until its backward, even when
+    a later call of the same weights (another dtype) makes new ones; copies first made under inference_mode (a
+    validation before training) can still be refreshed by a training forward."""
+    if DEVICE == "cuda":
+        pytest.skip("the interpreter's fp16 covers the copy path; the GPU tests cover bf16")
+    import dataclasses
+
+    x, base, w = problem([4, 16], [30, 20], d_in=40, d_out=56, dtype=torch.float16, seed=3, gaps=False)
+    grad_out = torch.randn_like(base)
+    expected = run(multi_lora_triton, x, base, dataclasses.replace(w, memo={}), False, grad_out)
+    fresh = dataclasses.replace(w, memo={})
+    xg = x.clone().requires_grad_()
+    y = multi_lora_triton(xg, base.clone(), fresh, False)
+    with torch.no_grad():  # the same weights in bf16: new copies replace the fp16 ones in the memo
+        multi_lora_triton(x.to(torch.bfloat16), base.to(torch.bfloat16), fresh, False)
+    junk = [torch.full((sum(b.numel() for b in w.b),), 1e3, dtype=torch.float16) for _ in range(20)]  # noqa: F841
+    grads = torch.autograd.grad(y, [xg, *fresh.a, *fresh.b], grad_out)
+    for g, g_ref in zip(grads, expected[1]):
+        assert rel(g, g_ref) < 1e-6
+    later = dataclasses.replace(w, memo={})
+    with torch.inference_mode():
+        multi_lora_triton(x, base.clone(), later, False)
+    y, grads = run(multi_lora_triton, x, base, later, True, grad_out)
+    assert rel(y, expected[0]) < 1e-6
+
+
+def test_fp16_outputs_are_scaled_after_the_product():
+    """s * S can leave fp16's range where s * S B^T does not: the fp16 expand scales its fp32 product."""
+    rows, d_in, d_out, r = 8, 64, 32, 8
+    x = torch.full((rows, d_in), 4.0, device=DEVICE).half()
+    a = torch.full((r, d_in), 4.0, device=DEVICE, requires_grad=True)  # S = 1024
+    b = torch.full((d_out, r), 1e-3, device=DEVICE, requires_grad=True)
+    w = LoRAWeights((a,), (b,), (128.0,), (0.0,), (0,), (rows,))  # s = 128: s * S = 131072 > 65504
+    y = multi_lora_triton(x, torch.zeros(rows, d_out, device=DEVICE).half(), w, False)
+    assert torch.isfinite(y).all() and rel(y, torch.full_like(y, 128 * 1024 * 8e-3, dtype=torch.float64)) < 1e-3

@@ -53,6 +53,10 @@ def test_the_analytic_model_grows_with_adapters_batch_and_rank_and_checkpointing
     assert model.predict([(64, 1, PROJECTIONS)], 1024) > one
     without = AnalyticMemoryModel(SHAPE, gradient_checkpointing=False)
     assert without.predict([(16, 8, PROJECTIONS)], 1024) > model.predict([(16, 8, PROJECTIONS)], 1024)
+    # bf16 activations: the kernels' bf16 copy of fp32 adapters; fp32 activations read the adapters as they are
+    params = SHAPE.adapter_params(16)
+    assert model.adapter_bytes(16) == params * (4 * 4 + 2)
+    assert AnalyticMemoryModel(SHAPE, activation_bytes=4.0).adapter_bytes(16) == params * 4 * 4
 
 
 def test_the_fit_recovers_a_linear_law_and_fits_the_measured_peaks():
