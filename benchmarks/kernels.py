@@ -17,12 +17,15 @@ and backward (gradients of x, every A and every B; bf16 activations, fp32 adapte
 
 ``ms`` is GPU time: one forward + backward captured in a CUDA graph and replayed (``triton.testing.do_bench``
 medians), so that the host's Python and launch costs, which a training step overlaps with the frozen base's
-GEMMs, do not hide the kernels. ``eager_ms`` is the same call run eagerly back to back (host time included),
-measured for ``ours_direct`` only (host time included, with one autograd backward per call).
+GEMMs, do not hide the kernels. ``eager_ms`` is the same call run eagerly back to back (host time included,
+with one autograd backward per call), for ours_direct (and the LoRAFusion pair below) only.
+
 With ``--lorafusion-src DIR`` (a CentML/lorafusion source tree, imported at run time, never committed), points
 with N <= 4 also time LoRAFusion's fused multi-LoRA linear (``lorafusion``) beside ours with the same frozen
-linear fused in (``ours_linear_direct``); their floor adds the frozen weight, read in forward and backward. Rows go to ``--out``: op, shape, n_adapters, ranks,
-tokens, impl, ms, gbps, pct_of_floor.
+linear fused in (``ours_linear_direct``), and the frozen linear alone (``frozen_linear``, compute-bound); the
+floor of the two fused rows is ``frozen_linear``'s time plus the LoRA bytes' floor (``floor_ms`` in each row).
+
+Rows go to ``--out``: op, shape, n_adapters, ranks, tokens, impl, ms, eager_ms, gbps, floor_ms, pct_of_floor.
 """
 
 from __future__ import annotations
@@ -189,7 +192,11 @@ def main() -> None:
 
                         frozen = (torch.randn(d_out, d_in, device=device) / d_in ** 0.5).to(torch.bfloat16)
                         try:
-                            impls["lorafusion"] = make_lorafusion_step(x, frozen, w, grad, lorafusion)
+                            lf_step = make_lorafusion_step(x, frozen, w, grad, lorafusion)
+                            # the frozen product alone: the fused rows' floor is its time plus the LoRA bytes
+                            impls["frozen_linear"] = lambda: torch.autograd.backward(
+                                torch.nn.functional.linear(xg, frozen), grad)
+                            impls["lorafusion"] = lf_step
                             impls["ours_linear_direct"] = lambda: torch.autograd.backward(
                                 multi_lora_linear_triton(xg, frozen, None, wd, True), grad)
                             fused |= {"lorafusion", "ours_linear_direct"}
@@ -197,9 +204,11 @@ def main() -> None:
                             print(f"  lorafusion skipped: {err}")
                     shape = f"{d_in}x{d_out}"
                     line = [f"{shape:>11} N={n:<2} r={rk:<5} t={tk:<5}"]
+                    frozen_ms = None
                     for impl, step in impls.items():
-                        impl_bytes = nbytes + (2 * 2 * d_in * d_out if impl in fused else 0)
-                        impl_floor_ms = impl_bytes / (bandwidth * 1e9) * 1e3
+                        impl_bytes, impl_floor_ms = nbytes, floor_ms
+                        if impl in fused and frozen_ms is not None:
+                            impl_floor_ms = frozen_ms + floor_ms
                         try:
                             ms = graph_ms(step)
                             eager = (do_bench(step, warmup=5, rep=30)
@@ -207,10 +216,13 @@ def main() -> None:
                         except Exception as err:  # noqa: BLE001 - a baseline that cannot run this shape
                             print(f"  {impl} failed: {type(err).__name__}: {str(err)[:120]}")
                             continue
+                        if impl == "frozen_linear":
+                            frozen_ms = ms
                         rows.append(dict(op="lora_fwd_bwd", shape=shape, n_adapters=n, ranks=rk, tokens=tk,
                                          total_tokens=x.shape[0], impl=impl, ms=round(ms, 4),
                                          eager_ms=None if eager is None else round(eager, 4),
                                          gbps=round(impl_bytes / (ms * 1e-3) / 1e9, 1),
+                                         floor_ms=round(impl_floor_ms, 4),
                                          pct_of_floor=round(100 * impl_floor_ms / ms, 1), **common))
                         line.append(f"{impl} {ms:7.3f} ms ({100 * impl_floor_ms / ms:4.0f}%)")
                     rows.append(dict(op="lora_fwd_bwd", shape=shape, n_adapters=n, ranks=rk, tokens=tk,

@@ -269,7 +269,8 @@ def full_system(base_dir: Path, dm: MultiLoRADataModule, args, root: Path) -> di
     root.mkdir(parents=True, exist_ok=True)
     (root / "optuna.db").unlink(missing_ok=True)  # a fresh study (a stored one would be resumed)
     shape = ModelShape.from_config(AutoConfig.from_pretrained(base_dir))
-    memory = AnalyticMemoryModel(shape, base_bytes_per_param=torch.finfo(getattr(torch, args.dtype)).bits / 8,
+    width = torch.finfo(getattr(torch, args.dtype)).bits / 8
+    memory = AnalyticMemoryModel(shape, base_bytes_per_param=width, activation_bytes=width,
                                  gradient_checkpointing=False)
     capacity = (args.memory_gib * 2**30 if args.memory_gib else torch.cuda.get_device_properties(0).total_memory)
     admission = AdmissionController(

@@ -12,13 +12,13 @@ are tf32 unless ``torch.backends.cuda.matmul.allow_tf32`` is off, then exact "ie
 
 The four kernels:
 - `_rows_times_weight`: ``OUT[t, :r_i] = c_i * (drop_i(IN[t]) @ W_i)`` where W_i is ``A_i^T`` (shrink,
-  ``S = drop(X) A^T``) or ``B_i`` (``dS = s dY B``); one program per (row block, rank chunk), the chunks of
-  one row block adjacent (the second reads its rows from L2); split over K (tuned) into an fp32 ``OUT``
-  (``S``, ``dS``) that must be zeroed.
+  ``S = drop(X) A^T``) or ``B_i`` (``dS = dY B``, kept without the scaling); one program per (row block,
+  rank chunk), the chunks of one row block adjacent (the second reads its rows from L2); split over K (tuned)
+  into an fp32 ``OUT`` (``S``, ``dS``) that must be zeroed.
 - `_rank_times_weight`: ``Y[t, :] (+)= c_i * (R[t, :r_i] @ W_i) [* drop mask]`` where W_i is ``B_i^T``
-  (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = drop'(dS A)``); loops over the rank chunks.
+  (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = s drop'(dS A)``); loops over the rank chunks.
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
-  adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = dS^T drop(X)``)
+  adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = s dS^T drop(X)``)
   or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
   runtime value). It adds into what is there, as autograd's gradient accumulation does; its autotuning
   trials must therefore run on scratch targets (see `triton_lora`).
@@ -173,12 +173,12 @@ def _rank_times_weight(
     # to the product: with ranks up to one chunk (the usual case) this is the whole kernel, a plain streaming
     # read-modify-write of Y (on the H200, a 16384 x 14336 bf16 Y: 253 us, 3.7 TB/s; 304 us with the loop compiled
     # in although it never ran; 331 us with all chunks in the loop and the scaling on the product).
-    # SCALE_PRODUCT (fp16 outputs): the scaling goes on the fp32 product instead, as a scaled tile may overflow
-    # fp16's range where the product does not.
+    # SCALE_PRODUCT (fp16 outputs): the tile takes min(s, 1) and the fp32 product max(s, 1), so the fp16 tile is
+    # never larger than the unscaled or the scaled one (either may leave fp16's range where the result does not).
+    coef = tl.load(COEF + a)
     if SCALE_PRODUCT:
-        coef = 1.0
-    else:
-        coef = tl.load(COEF + a)
+        after = tl.maximum(coef, 1.0)
+        coef = tl.minimum(coef, 1.0)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < r
     low = tl.load(R + offs_m[:, None] * stride_r_m + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
@@ -196,7 +196,7 @@ def _rank_times_weight(
                          mask=mask_r[:, None] & mask_n[None, :], other=0.0)
             acc += tl.dot((low * coef).to(dot_dtype), wt.to(dot_dtype), input_precision=DOT_PRECISION)
     if SCALE_PRODUCT:
-        acc = acc * tl.load(COEF + a)
+        acc = acc * after
     if HAS_DROPOUT:
         acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m, offs_n, N)
     y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]

@@ -277,7 +277,7 @@ class _LoRAShrink(torch.autograd.Function):
     """First half of a grouped LoRA call: ``S_i = drop_i(X_i) A_i^T`` (one launch), and a placeholder ``Z`` of
     ``Y``'s shape over one element of storage, whose only use is to bring ``dY`` back from `_LoRAExpand`.
 
-    Backward (2 launches): ``dA_i = dS_i^T drop_i(X_i)``; ``dB_i = s_i dY_i^T S_i`` (``dY`` arrives as ``Z``'s
+    Backward (2 launches): ``dA_i = s_i dS_i^T drop_i(X_i)``; ``dB_i = s_i dY_i^T S_i`` (``dY`` arrives as ``Z``'s
     gradient). ``dX`` is left to `_LoRAExpand`, which returns all of it.
 
     Why two Functions: this half saves ``X`` and ``S``, the expand half saves no tensor. Under non-reentrant
@@ -328,7 +328,8 @@ class _LoRAShrink(torch.autograd.Function):
 class _LoRAExpand(torch.autograd.Function):
     """Second half: ``Y_i = Y_base_i + s_i S_i B_i^T`` (one launch), written into ``Y_base``.
 
-    Backward (2 launches): ``dS_i = s_i dY_i B_i``; ``dX_i = drop_i'(dS_i A_i)``. ``dY_base = dY``, and ``dY``
+    Backward (2 launches): ``dS_i = dY_i B_i``; ``dX_i = s_i drop_i'(dS_i A_i)``. (``dS`` is kept without ``s_i``:
+    in fp16 a scaled ``dS`` may overflow where ``dX`` and ``dA`` do not.) ``dY_base = dY``, and ``dY``
     goes back to `_LoRAShrink` as ``Z``'s gradient (for ``dB``). Rows outside every segment keep ``Y_base`` and
     get no LoRA ``dX``. No tensor is saved (see `_LoRAShrink` for why); ``S`` is not needed here.
 
@@ -376,7 +377,7 @@ class _LoRAExpand(torch.autograd.Function):
             _rows_times_weight(
                 _rows_grid(sched, table),
                 (dy, call.b_ptrs, call.w_witness, ds, sched.blk_adapter, sched.blk_start, sched.seg_end,
-                 table.ranks, table.scaling, table.drop_p, call.seeds, d_out, table.r_chunks,
+                 table.ranks, table.ones, table.drop_p, call.seeds, d_out, table.r_chunks,
                  _row_bucket(sched, table), dy.stride(0), ds.stride(0)),
                 dict(W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=call.precision, BLOCK_M=BLOCK_M,
                      BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, d_out, device)))
@@ -391,10 +392,11 @@ class _LoRAExpand(torch.autograd.Function):
                 _rank_times_weight(
                     lambda meta: (sched.num_blocks, _cdiv(d_in, meta["BLOCK_N"])),
                     (ds, call.a_ptrs, call.w_witness, dx, sched.blk_adapter, sched.blk_start, sched.seg_end,
-                     table.ranks, table.ones, table.drop_p, call.seeds, d_in, ds.stride(0), dx.stride(0)),
+                     table.ranks, table.scaling, table.drop_p, call.seeds, d_in, ds.stride(0), dx.stride(0)),
                     dict(W_IS_A=True, ACCUMULATE=ctx.owns_base, HAS_DROPOUT=call.has_dropout,
                          DOT_PRECISION=call.precision, BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
-                         MULTI_CHUNK=table.r_chunks > 1, SCALE_PRODUCT=False, **_meta("rank")))
+                         MULTI_CHUNK=table.r_chunks > 1, SCALE_PRODUCT=dx.dtype == torch.float16,
+                         **_meta("rank")))
         return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
 
 
@@ -530,14 +532,14 @@ _tuned_grad_keys: set = set()
 
 
 def _weight_grads(x: Tensor, dy: Tensor, s: Tensor, ds: Tensor, call: _Call, targets: GradTargets) -> None:
-    """``dA_i += dS_i^T drop_i(X_i)`` and ``dB_i += s_i dY_i^T S_i``, two launches into ``targets``."""
+    """``dA_i += s_i dS_i^T drop_i(X_i)`` and ``dB_i += s_i dY_i^T S_i``, two launches into ``targets``."""
     weights, table, sched, seeds = call.weights, call.table, call.sched, call.seeds
     n = len(weights.a)
     device = x.device
     d_in, d_out = x.shape[1], dy.shape[1]
     witness = targets.a[0] if targets.a else weights.a[0].grad
     launches = (  # (G_IS_A, L, M, K, coefficients, dropout, pointers)
-        (True, ds, x, d_in, table.ones, call.has_dropout, targets.a_ptrs),
+        (True, ds, x, d_in, table.scaling, call.has_dropout, targets.a_ptrs),  # dS is kept without s
         (False, s, dy, d_out, table.scaling, False, targets.b_ptrs),
     )
     for g_is_a, low, full, k, coef, dropout, ptrs in launches:

@@ -499,11 +499,13 @@ def test_every_device_table_starts_on_16_bytes_whatever_the_adapter_count(n):
 
 def test_weight_copies_stay_alive_until_their_backward_and_survive_inference_mode():
     """Half-precision calls read copies of the fp32 weights. A call keeps its copies until its backward, even when
-    a later call of the same weights (another dtype) makes new ones; copies first made under inference_mode (a
-    validation before training) can still be refreshed by a training forward."""
+    a later call of the same weights makes new ones (here: a new pointer table, as after a storage swap); copies
+    first made under inference_mode (a validation before training) can still be refreshed by a training forward."""
     if DEVICE == "cuda":
         pytest.skip("the interpreter's fp16 covers the copy path; the GPU tests cover bf16")
     import dataclasses
+
+    from lightning_multilora.kernels import triton_lora
 
     x, base, w = problem([4, 16], [30, 20], d_in=40, d_out=56, dtype=torch.float16, seed=3, gaps=False)
     grad_out = torch.randn_like(base)
@@ -511,8 +513,10 @@ def test_weight_copies_stay_alive_until_their_backward_and_survive_inference_mod
     fresh = dataclasses.replace(w, memo={})
     xg = x.clone().requires_grad_()
     y = multi_lora_triton(xg, base.clone(), fresh, False)
-    with torch.no_grad():  # the same weights in bf16: new copies replace the fp16 ones in the memo
-        multi_lora_triton(x.to(torch.bfloat16), base.to(torch.bfloat16), fresh, False)
+    fresh.memo.pop("pointer_table")
+    triton_lora._pointer_tables.clear()
+    with torch.no_grad():  # new copies replace this call's in the memo
+        multi_lora_triton(x, base.clone(), fresh, False)
     junk = [torch.full((sum(b.numel() for b in w.b),), 1e3, dtype=torch.float16) for _ in range(20)]  # noqa: F841
     grads = torch.autograd.grad(y, [xg, *fresh.a, *fresh.b], grad_out)
     for g, g_ref in zip(grads, expected[1]):
@@ -524,12 +528,29 @@ def test_weight_copies_stay_alive_until_their_backward_and_survive_inference_mod
     assert rel(y, expected[0]) < 1e-6
 
 
-def test_fp16_outputs_are_scaled_after_the_product():
-    """s * S can leave fp16's range where s * S B^T does not: the fp16 expand scales its fp32 product."""
+@pytest.mark.parametrize("scaling", [128.0, 0.25])
+def test_fp16_keeps_the_scaling_where_nothing_overflows(scaling):
+    """An fp16 operand is never scaled up before the product it feeds: with s > 1 a scaled S or dS, with s < 1
+    an unscaled S, may leave fp16's range where the output and every gradient do not."""
     rows, d_in, d_out, r = 8, 64, 32, 8
-    x = torch.full((rows, d_in), 4.0, device=DEVICE).half()
-    a = torch.full((r, d_in), 4.0, device=DEVICE, requires_grad=True)  # S = 1024
+    big = 1024.0 if scaling > 1 else 102400.0  # S = 4 * a * 64 (fp16 max 65504)
+    x = torch.full((rows, d_in), 4.0, device=DEVICE).half().requires_grad_()
+    a = torch.full((r, d_in), big / 256, device=DEVICE, requires_grad=True)
     b = torch.full((d_out, r), 1e-3, device=DEVICE, requires_grad=True)
-    w = LoRAWeights((a,), (b,), (128.0,), (0.0,), (0,), (rows,))  # s = 128: s * S = 131072 > 65504
+    w = LoRAWeights((a,), (b,), (scaling,), (0.0,), (0,), (rows,))
     y = multi_lora_triton(x, torch.zeros(rows, d_out, device=DEVICE).half(), w, False)
-    assert torch.isfinite(y).all() and rel(y, torch.full_like(y, 128 * 1024 * 8e-3, dtype=torch.float64)) < 1e-3
+    assert torch.isfinite(y).all() and rel(y, torch.full_like(y, scaling * big * 8e-3, dtype=torch.float64)) < 1e-3
+    # backward: dS = dY B with large B and dY, s = 128: s * dS would overflow, dX and dA do not
+    x_small = torch.full((rows, d_in), 1e-3, device=DEVICE).half().requires_grad_()
+    a_small = torch.full((r, d_in), 1e-3, device=DEVICE, requires_grad=True)
+    b_big = torch.full((d_out, r), 4.0, device=DEVICE, requires_grad=True)
+    w = LoRAWeights((a_small,), (b_big,), (128.0,), (0.0,), (0,), (rows,))
+    grad_out = torch.full((rows, d_out), 64.0, device=DEVICE).half()
+    y = multi_lora_triton(x_small, torch.zeros(rows, d_out, device=DEVICE).half(), w, False)
+    grads = torch.autograd.grad(y, [x_small, a_small, b_big], grad_out)
+    w64 = LoRAWeights((a_small.double(),), (b_big.double(),), (128.0,), (0.0,), (0,), (rows,))
+    x64 = x_small.detach().double().requires_grad_()
+    y64 = multi_lora_reference(x64, torch.zeros(rows, d_out, device=DEVICE).double(), w64, False)
+    grads64 = torch.autograd.grad(y64, [x64, *w64.a, *w64.b], grad_out.double())
+    for g, g64 in zip(grads, grads64):
+        assert torch.isfinite(g).all() and rel(g, g64) < 1e-2
