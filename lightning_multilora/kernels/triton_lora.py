@@ -209,15 +209,11 @@ def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype,
     memo = weights.memo.setdefault("weight_copies", {})
     entry = memo.get(dtype)
     if entry is None or entry[0] is not table:
-        n = len(weights.a)
         # Normal tensors even when the first call runs under inference_mode (a validation before training):
         # inference tensors could not be refreshed in place by a later training forward.
         with torch.inference_mode(False):
-            flat_a, flat_b, views_a, views_b = _flat_like(weights, table, device, dtype, zero=False)
-            ptrs = table.grad_offsets * flat_a.element_size()
-            ptrs[0] += flat_a.data_ptr()
-            ptrs[1] += flat_b.data_ptr()
-        entry = (table, WeightCopies(views_a + views_b, ptrs[0, :n], ptrs[1, :n], flat_a))
+            flat_a, ptrs_a, ptrs_b, views_a, views_b = _flat_like(weights, table, device, dtype, zero=False)
+        entry = (table, WeightCopies(views_a + views_b, ptrs_a, ptrs_b, flat_a))
         memo[dtype] = entry
     copies = entry[1]
     with torch.no_grad():
@@ -262,15 +258,25 @@ class _Call:
     table: PointerTable
     sched: Schedule
     seeds: Tensor  # (n,) int32 per-adapter dropout seeds (the ranks table when there is no dropout)
-    a_ptrs: Tensor  # (n,) the A_i the products read: the adapters' own, or their copies in the activation dtype
-    b_ptrs: Tensor
-    w_witness: Tensor  # a tensor of the dtype behind a_ptrs / b_ptrs
-    copies: Optional["WeightCopies"]  # keeps the copies behind a_ptrs / b_ptrs alive until this call's backward
+    # The weight copies the products read (kept alive until this call's backward); None: the adapters' own weights
+    copies: Optional["WeightCopies"]
     has_dropout: bool
     precision: str
     direct: bool
     d_out: int
     out_dtype: torch.dtype
+
+    @property
+    def a_ptrs(self) -> Tensor:  # (n,) the A_i the products read
+        return self.table.a_ptrs if self.copies is None else self.copies.a_ptrs
+
+    @property
+    def b_ptrs(self) -> Tensor:
+        return self.table.b_ptrs if self.copies is None else self.copies.b_ptrs
+
+    @property
+    def w_witness(self) -> Tensor:  # a tensor of the dtype behind a_ptrs / b_ptrs
+        return self.weights.a[0] if self.copies is None else self.copies.witness
 
 
 class _LoRAShrink(torch.autograd.Function):
@@ -415,17 +421,14 @@ _grad_tables = _LRU()
 
 def _fresh_grads(weights: LoRAWeights, table: PointerTable, device: torch.device) -> GradTargets:
     """Zeroed gradients in two flat buffers (one for every dA, one for every dB), returned through autograd."""
-    n = len(weights.a)
-    flat_a, flat_b, grads_a, grads_b = _flat_like(weights, table, device)
-    ptrs = table.grad_offsets * flat_a.element_size()  # on the device: no host-to-device copy per call
-    ptrs[0] += flat_a.data_ptr()
-    ptrs[1] += flat_b.data_ptr()
-    return GradTargets(ptrs[0, :n], ptrs[1, :n], grads_a, grads_b)
+    flat_a, ptrs_a, ptrs_b, grads_a, grads_b = _flat_like(weights, table, device)
+    return GradTargets(ptrs_a, ptrs_b, grads_a, grads_b)
 
 
 def _flat_like(weights: LoRAWeights, table: PointerTable, device: torch.device,
                dtype: Optional[torch.dtype] = None, zero: bool = True):
-    """Two flat buffers shaped as every A_i and every B_i (zeroed, or left empty), and the views of them."""
+    """Two flat buffers shaped as every A_i and every B_i (zeroed, or left empty): the first buffer, device
+    pointer arrays to every A_i and B_i view (computed on the device: no upload per call), and the views."""
     n = len(weights.a)
     dtype = dtype or weights.a[0].dtype
     sizes_a, sizes_b = table.grad_sizes[:n], table.grad_sizes[n:]
@@ -438,7 +441,10 @@ def _flat_like(weights: LoRAWeights, table: PointerTable, device: torch.device,
     else:
         views_a = tuple(g.view_as(a) for g, a in zip(torch.split(flat_a, sizes_a), weights.a))
         views_b = tuple(g.view_as(b) for g, b in zip(torch.split(flat_b, sizes_b), weights.b))
-    return flat_a, flat_b, views_a, views_b
+    ptrs = table.grad_offsets * flat_a.element_size()
+    ptrs[0] += flat_a.data_ptr()
+    ptrs[1] += flat_b.data_ptr()
+    return flat_a, ptrs[0, :n], ptrs[1, :n], views_a, views_b
 
 
 def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torch.device) -> GradTargets:
@@ -601,13 +607,10 @@ def _apply(x: Tensor, base_out: Optional[Tensor], weight: Optional[Tensor], bias
     seeds = (torch.randint(0, 2**31 - 1, (len(weights.a),), dtype=torch.int32, device=device) if has_dropout
              else table.ranks)
     out_dtype = x.dtype if base_out is None else base_out.dtype
-    a_ptrs, b_ptrs, witness, copies = table.a_ptrs, table.b_ptrs, weights.a[0], None
     copy_dtype = _copy_dtype(x, out_dtype, weights)
-    if copy_dtype is not None:
-        copies = weight_copies(weights, table, copy_dtype, device)
-        a_ptrs, b_ptrs, witness = copies.a_ptrs, copies.b_ptrs, copies.witness
-    call = _Call(weights, table, schedule(weights.starts, weights.ends, x.shape[0], device), seeds, a_ptrs, b_ptrs,
-                 witness, copies, has_dropout, _precision(x), direct, d_out, out_dtype)
+    copies = None if copy_dtype is None else weight_copies(weights, table, copy_dtype, device)
+    call = _Call(weights, table, schedule(weights.starts, weights.ends, x.shape[0], device), seeds, copies,
+                 has_dropout, _precision(x), direct, d_out, out_dtype)
     x = x if x.stride(-1) == 1 else x.contiguous()
     s, z = _LoRAShrink.apply(x, call, *params)
     return _LoRAExpand.apply(x, s, z, base_out, weight, bias, call)

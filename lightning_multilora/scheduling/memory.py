@@ -101,9 +101,6 @@ class AnalyticMemoryModel:
     base_bytes_per_param: float = 2.0  # bf16 base
     adapter_bytes_per_param: float = 4.0  # fp32 adapters
     optimizer_states: int = 2  # AdamW: exp_avg, exp_avg_sq
-    # The GPU kernels' copy of the weights in the activation dtype, made when that is narrower than the
-    # adapters' (None: activation_bytes then, else 0)
-    weight_copy_bytes_per_param: Optional[float] = None
     activation_bytes: float = 2.0
     gradient_checkpointing: bool = True
     loss_chunk_tokens: Optional[int] = None
@@ -118,10 +115,9 @@ class AnalyticMemoryModel:
         return self.shape.base_params * self.base_bytes_per_param
 
     def adapter_bytes(self, rank: int, targets: Sequence[str] = PROJECTIONS) -> float:
-        """Parameters, gradients and optimizer states of one adapter, and the kernels' copy of its weights."""
-        copy = self.weight_copy_bytes_per_param
-        if copy is None:
-            copy = self.activation_bytes if self.activation_bytes < self.adapter_bytes_per_param else 0.0
+        """Parameters, gradients and optimizer states of one adapter, and the GPU kernels' copy of its weights in
+        the activation dtype (made when that is narrower than the adapters')."""
+        copy = self.activation_bytes if self.activation_bytes < self.adapter_bytes_per_param else 0.0
         per_param = self.adapter_bytes_per_param * (2 + self.optimizer_states) + copy
         return self.shape.adapter_params(rank, targets) * per_param
 
