@@ -13,7 +13,8 @@ The base is a Llama-3.1-8B-shaped model with random bf16 weights (built from a c
 sdpa attention and non-reentrant gradient checkpointing. Every adapter is r=16, alpha=32, on the 7
 projections, with fp32 weights (the default of both our layers and PEFT). Each adapter has batch size 1,
 so N adapters make a batch of N rows. One step is forward + next-token cross entropy + backward, plus an
-AdamW step over the adapter weights for the two LoRA variants:
+AdamW step over the adapter weights for the two LoRA variants (ours as `MultiLoRAModule` runs it: one flat
+parameter per adapter, gradients zeroed in place):
 
 - ``base_floor_ms``: the model without LoRA at batch N, backward through every layer (the input
   embeddings require grad, no weight grads): the least any LoRA training step can cost.
@@ -244,25 +245,30 @@ def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline:
         names = [f"adapter{i}" for i in range(n)]
         for i, name in enumerate(names):
             layers.add_adapter(name, rank=RANK, alpha=ALPHA, seed=i)
-        optimizer = torch.optim.AdamW([p for name in names for p in layers.parameters_of(name)], lr=LR, fused=args.fused_adamw or None)
+        # As `MultiLoRAModule` does: one param group per adapter holding its flat parameter (every layer's A and B),
+        # gradients zeroed in place before each backward.
+        optimizer = torch.optim.AdamW([{"params": layers.optimizer_parameters(name, elementwise=True)} for name in names],
+                                      lr=LR, fused=args.fused_adamw or None)
         layout = BatchLayout.from_sizes(names, [1] * n)
         for seq in args.seqs:
             ids = torch.randint(model.config.vocab_size, (n, seq), device=device)
 
             def step() -> None:
+                for name in names:
+                    layers.prepare_grads(name)
                 # Backward stays inside `use`: gradient checkpointing re-runs the layers during backward.
                 with layers.use(layout):
                     lm_backward(model, ids)
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
 
             record(rows[seq, n], "packed", *measure(f"packed seq={seq} N={n}", step, 1, args, deadline, device))
             if args.cprofile and rows[seq, n]["packed_ms"] is not None:
                 profile_host(step, device)
             if args.trace and rows[seq, n]["packed_ms"] is not None:
                 rows[seq, n]["packed_trace"] = profile_device(step, device, f"packed seq={seq} N={n}")
-            optimizer.zero_grad(set_to_none=True)  # an OOM mid-step leaves gradients behind
             del ids, step
+        for name in names:
+            layers.drop_grads(name)
         del optimizer
         for name in names:
             layers.remove_adapter(name)

@@ -11,6 +11,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_multilora.flat import FlatAdapter, flat_adapter
 from lightning_multilora.kernels import LoRAWeights, multi_lora, multi_lora_linear
 from lightning_multilora.layout import BatchLayout
 
@@ -200,6 +201,7 @@ class LoRALayers(Mapping):
         self._layers = layers
         self.context = context
         self._targets: dict[str, list[str]] = {}
+        self._flat: dict[str, Optional[FlatAdapter]] = {}  # per adapter; None: kept per layer (several devices)
 
     def __getitem__(self, key: str) -> MultiLoRALinear:
         return self._layers[key]
@@ -244,7 +246,8 @@ class LoRALayers(Mapping):
         """Add adapter ``name`` to every layer its ``target_modules`` select (all injected layers if None).
 
         Initialisation is drawn from a generator seeded by ``seed`` and the layer's position, so an
-        adapter's initial weights do not depend on which other adapters exist.
+        adapter's initial weights do not depend on which other adapters exist. The adapter's parameters are then
+        held flat (see `FlatAdapter`) where they share a device.
         """
         if name in self._targets:
             raise ValueError(f"adapter {name!r} already exists; adapter names must be unique")
@@ -255,12 +258,14 @@ class LoRALayers(Mapping):
             generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + index)
             self._layers[layer_name].add_adapter(name, rank, alpha, dropout, use_rslora, generator, dtype)
         self._targets[name] = layer_names
+        self._flat[name] = flat_adapter(self.parameters_of(name))
 
     def remove_adapter(self, name: str) -> None:
         if name not in self._targets:
             raise KeyError(f"no adapter {name!r}; present: {self.adapter_names}")
         for layer_name in self._targets.pop(name):
             self._layers[layer_name].remove_adapter(name)
+        self._flat.pop(name, None)
 
     def parameters_of(self, name: str) -> list[nn.Parameter]:
         if name not in self._targets:
@@ -270,6 +275,42 @@ class LoRALayers(Mapping):
             layer = self._layers[layer_name]
             params += [layer.lora_A[name], layer.lora_B[name]]
         return params
+
+    def _flat_of(self, name: str) -> Optional[FlatAdapter]:
+        if name not in self._targets:
+            raise KeyError(f"no adapter {name!r}; present: {self.adapter_names}")
+        return self._flat.get(name)
+
+    def step_parameters(self, name: str) -> list[nn.Parameter]:
+        """The tensors that hold adapter ``name``'s gradients for a step: its flat parameter (one tensor for every
+        layer), or its per-layer parameters where it is not held flat. Norms and clipping work on these."""
+        flat = self._flat_of(name)
+        return [flat.flat] if flat is not None else self.parameters_of(name)
+
+    def optimizer_parameters(self, name: str, elementwise: bool) -> list[nn.Parameter]:
+        """What an optimizer steps for adapter ``name``: the flat parameter for an ``elementwise`` one (Adam, SGD:
+        the same update on the concatenation), else the per-layer parameters (their gradients are the same
+        views of the flat gradient)."""
+        return self.step_parameters(name) if elementwise else self.parameters_of(name)
+
+    def prepare_grads(self, name: str) -> None:
+        """Before a step's backward: adapter ``name``'s gradients zeroed (kept, not dropped: the kernels add into
+        the same tensors every step), each layer's ``.grad`` a view of the flat gradient."""
+        flat = self._flat_of(name)
+        if flat is not None:
+            flat.prepare_grads()
+            return
+        stale = [p.grad for p in self.parameters_of(name) if p.grad is not None]
+        if stale:
+            torch._foreach_zero_(stale)
+
+    def drop_grads(self, name: str) -> None:
+        """Adapter ``name`` has no gradient this step (an optimizer skips it)."""
+        flat = self._flat_of(name)
+        if flat is not None:
+            flat.drop_grads()
+        for p in self.parameters_of(name):
+            p.grad = None
 
     def target_layers(self, name: str) -> list[str]:
         return list(self._targets[name])

@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import peft_target_modules, save_peft_adapter
+from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS
 from lightning_multilora.layer import LoRALayers, inject_multilora
 from lightning_multilora.layout import BatchLayout
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
@@ -179,8 +180,7 @@ class MultiLoRAMixin:
         rec.state, rec.reason = AdapterState.PAUSED, reason
         rec.close_span(self._global_step())
         if name in self.lora_layers.adapter_names:
-            for p in self.lora_layers.parameters_of(name):
-                p.grad = None  # the optimizer would step it with its last gradients at every step it waits
+            self.lora_layers.drop_grads(name)  # the optimizer would step it with its last gradients at every step it waits
 
     def resume_adapter(self, name: str) -> None:
         """Train a paused adapter again, from where it stopped (it takes a slot, beyond `max_running` if need be)."""
@@ -401,7 +401,8 @@ class MultiLoRAMixin:
                                      spec.target_modules or self.default_target_modules, spec.seed)
 
     def _param_group(self, spec: AdapterSpec) -> dict[str, Any]:
-        return {"params": self.lora_layers.parameters_of(spec.name), "lr": spec.lr,
+        params = self.lora_layers.optimizer_parameters(spec.name, self.optimizer_class in ELEMENTWISE_OPTIMIZERS)
+        return {"params": params, "lr": spec.lr,
                 "weight_decay": spec.weight_decay, "adapter": spec.name}
 
     def _raw_optimizer(self) -> Optional[torch.optim.Optimizer]:
@@ -495,12 +496,11 @@ class MultiLoRAMixin:
             return torch.zeros((), device=self.device)
         records = [self.registry[n] for n in layout.names]
         optimizer = self.optimizers()
-        params = [self.lora_layers.parameters_of(r.name) for r in records]
+        params = [self.lora_layers.step_parameters(r.name) for r in records]  # one flat tensor per adapter
         # Zeroed in place, not dropped: the gradients keep their storage, so the LoRA backward adds into the same
         # tensors every step (no new buffers and device pointer tables per layer per step).
-        stale = [p.grad for group in params for p in group if p.grad is not None]
-        if stale:
-            torch._foreach_zero_(stale)
+        for rec in records:
+            self.lora_layers.prepare_grads(rec.name)
         with self.lora_layers.use(layout):
             loss_sum, count = self.adapter_loss_terms(batch)
             losses = loss_sum / count.clamp(min=1)  # (N,) mean over each adapter's target tokens
@@ -517,8 +517,7 @@ class MultiLoRAMixin:
         for i, rec in enumerate(records):
             loss, norm, n_tok = stats[0][i], stats[1][i], stats[2][i]
             if not (math.isfinite(loss) and math.isfinite(norm)):
-                for p in params[i]:
-                    p.grad = None
+                self.lora_layers.drop_grads(rec.name)
                 what = "loss" if not math.isfinite(loss) else "gradient norm"
                 rec.state = AdapterState.FAILED
                 rec.reason = f"non-finite {what} ({loss if what == 'loss' else norm}) at step {rec.step}"

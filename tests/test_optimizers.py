@@ -5,6 +5,7 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
 from lightning_multilora.data import GeneratedArithmetic
@@ -13,19 +14,57 @@ from lightning_multilora.module import resolve_optimizer
 
 def test_any_torch_optimizer_by_import_path_with_per_adapter_groups(tmp_path, trainer_kwargs):
     specs = [AdapterSpec("a", lr=0.05, batch_size=2, max_steps=4), AdapterSpec("b", lr=0.01, batch_size=1, max_steps=8)]
-    groups_seen = []
+    groups_seen, held = [], []
 
     class Watch(L.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             opt = trainer.optimizers[0]
             groups_seen.append({g["adapter"]: (g["lr"], len(g["params"])) for g in opt.param_groups})
+            if len(groups_seen) == 1:
+                held.extend([opt.param_groups[1]["params"][0], pl_module.lora_layers.parameters_of("b")])
 
     module = MultiLoRAModule("tiny-llama", adapters=specs, optimizer="torch.optim.SGD",
                              optimizer_kwargs={"momentum": 0.9}, export_dir=str(tmp_path), validate_on_finish=False)
     L.Trainer(**trainer_kwargs, callbacks=[Watch()]).fit(module, MultiLoRADataModule(sources={"x": GeneratedArithmetic(60)}))
     assert isinstance(module.trainer.optimizers[0], torch.optim.SGD)
-    assert groups_seen[0] == {"a": (0.05, 28), "b": (0.01, 28)}  # 14 layers x (A, B)
+    assert groups_seen[0] == {"a": (0.05, 1), "b": (0.01, 1)}  # SGD is elementwise: one flat tensor per adapter
     assert set(groups_seen[4]) == {"b"}  # a left after 4 steps, its group went with it
+    flat, per_layer = held
+    assert len(per_layer) == 28 and flat.numel() >= sum(p.numel() for p in per_layer)  # 14 layers x (A, B)
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in per_layer)
+
+
+@pytest.mark.parametrize("optimizer, kwargs", [("torch.optim.AdamW", {"weight_decay": 0.1}),
+                                               ("torch.optim.SGD", {"momentum": 0.9, "weight_decay": 0.01})])
+def test_the_flat_parameter_steps_as_the_per_layer_parameters_would(tmp_path, trainer_kwargs, optimizer, kwargs):
+    """An elementwise optimizer steps each adapter's one flat parameter; the weights after training are those of
+    the same optimizer stepping every layer's tensors (a subclass, so not known to be elementwise), clipping
+    included."""
+    results = {}
+    per_tensor = type("PerTensor", (resolve_optimizer(optimizer),), {})
+    for label, cls in (("flat", optimizer), ("per_layer", per_tensor)):
+        specs = [AdapterSpec("a", lr=0.02, batch_size=2, max_steps=4, grad_clip=0.05, seed=3),
+                 AdapterSpec("b", rank=4, lr=0.01, batch_size=1, max_steps=3, seed=4)]
+        module = MultiLoRAModule("tiny-llama", adapters=specs, optimizer=cls, optimizer_kwargs=kwargs,
+                                 export_dir=str(tmp_path / label), validate_on_finish=False)
+        counts = []
+
+        class Watch(L.Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                counts.append(sorted(len(g["params"]) for g in trainer.optimizers[0].param_groups))
+
+        torch.manual_seed(0)
+        L.Trainer(**trainer_kwargs, callbacks=[Watch()]).fit(
+            module, MultiLoRADataModule(sources={"x": GeneratedArithmetic(60)}))
+        results[label] = (counts[0], {n: dict(load_file(str(tmp_path / label / n / "adapter_model.safetensors")))
+                                      for n in ("a", "b")})
+    assert results["flat"][0] == [1, 1] and results["per_layer"][0] == [28, 28]
+    for name in ("a", "b"):
+        flat, per_layer = results["flat"][1][name], results["per_layer"][1][name]
+        assert flat.keys() == per_layer.keys()
+        for key in flat:
+            torch.testing.assert_close(flat[key], per_layer[key], rtol=1e-5, atol=1e-7)
+        assert any(not torch.equal(v, torch.zeros_like(v)) for k, v in flat.items() if "lora_B" in k)  # it trained
 
 
 def test_bad_optimizer_is_a_clear_error():

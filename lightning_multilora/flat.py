@@ -1,0 +1,105 @@
+"""`FlatAdapter`: one adapter's weights in every layer as views of one flat parameter, its gradients as views of
+one flat gradient.
+
+A LoRA adapter on an 8B model's 7 projections has 448 tensors (A and B in 32 layers); 32 adapters have 14,336.
+Whatever touches each of them from Python costs host time at every step: on the H200 a fused AdamW step over
+14,336 tensors took 98 ms of host time (its per-tensor bookkeeping), where the frozen base's whole step
+(seq 16) takes about 160 ms. With the weights and gradients flat, the optimizer, the gradient norm, clipping and
+the zeroing see one tensor per adapter. The layers keep their own ``lora_A`` / ``lora_B`` parameters (views),
+so state dicts, exports and the kernels' pointer tables are unchanged.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter, is_
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+_data_ptr = Tensor.data_ptr
+_grad = attrgetter("grad")
+ALIGN = 64  # elements: each view starts on a 256-byte boundary (fp32), as a separately allocated tensor would
+
+# Optimizers whose update is elementwise (the same on a concatenation as on its parts): they step the flat
+# parameter. Others (factored, per-matrix or trust-ratio ones, or optimizers we do not know) step the layers'
+# own parameters, whose gradients are the same views.
+ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
+    torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.RMSprop, torch.optim.Adagrad,
+)
+
+
+class FlatAdapter:
+    """The parameters ``params`` (one adapter's, every layer, one device and dtype) re-pointed at views of
+    ``flat``, with their ``.grad`` views of one flat gradient.
+
+    The views stay valid as long as nothing replaces a parameter's storage. Something may (``module.to()`` to
+    another device or dtype, an assignment to ``.data``): `prepare_grads` sees it by the parameters' addresses
+    and binds them again, keeping their values and ``flat``'s identity (the optimizer's key).
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter]) -> None:
+        if not params:
+            raise ValueError("a FlatAdapter needs at least one parameter")
+        self.params = tuple(params)
+        self.flat = nn.Parameter(torch.empty(0, dtype=params[0].dtype, device=params[0].device))
+        self._bind()
+
+    @staticmethod
+    def can_hold(params: Sequence[Tensor]) -> bool:
+        """One device and one dtype (a model split over devices keeps per-layer parameters)."""
+        return bool(params) and len({(p.device, p.dtype) for p in params}) == 1
+
+    def _views(self, flat: Tensor) -> tuple[Tensor, ...]:
+        return tuple(flat[o:o + p.numel()].view(p.shape) for o, p in zip(self._offsets, self.params))
+
+    def _bind(self) -> None:
+        """Copy the parameters' values into a new flat storage, point them at its views; a new zeroed gradient."""
+        if not self.can_hold(self.params):
+            raise ValueError("an adapter's parameters must share one device and dtype to be held flat; got "
+                             f"{sorted({(str(p.device), str(p.dtype)) for p in self.params})}")
+        offsets, total = [], 0
+        for p in self.params:
+            offsets.append(total)
+            total += -(-p.numel() // ALIGN) * ALIGN
+        self._offsets = offsets
+        first = self.params[0]
+        with torch.no_grad():
+            flat = torch.zeros(total, dtype=first.dtype, device=first.device)
+            views = self._views(flat)
+            torch._foreach_copy_(list(views), [p.detach() for p in self.params])
+            for p, view in zip(self.params, views):
+                p.data = view
+            self.flat.data = flat
+        self._grad = torch.zeros_like(flat)
+        self._grad_views = self._views(self._grad)
+        self._ptrs = (flat.data_ptr(), *map(_data_ptr, self.params))
+
+    def bound(self) -> bool:
+        """Every parameter is still its view of ``flat``."""
+        return (self.flat.data_ptr(), *map(_data_ptr, self.params)) == self._ptrs
+
+    def prepare_grads(self) -> Tensor:
+        """Before a step's backward: the flat gradient zeroed, ``flat.grad`` set to it and every parameter's
+        ``.grad`` its view (set again where something dropped or replaced it). Returns the flat gradient."""
+        if not self.bound():
+            self._bind()
+        self._grad.zero_()
+        if self.flat.grad is not self._grad:
+            self.flat.grad = self._grad
+        if not all(map(is_, map(_grad, self.params), self._grad_views)):
+            for p, g in zip(self.params, self._grad_views):
+                p.grad = g
+        return self._grad
+
+    def drop_grads(self) -> None:
+        """No gradient for this step (the optimizer skips the adapter): ``flat`` and every parameter lose theirs."""
+        self.flat.grad = None
+        for p in self.params:
+            p.grad = None
+
+
+def flat_adapter(params: Sequence[nn.Parameter]) -> Optional[FlatAdapter]:
+    """A `FlatAdapter` over ``params`` where they can be held flat, else None."""
+    return FlatAdapter(params) if FlatAdapter.can_hold(params) else None

@@ -1,0 +1,95 @@
+"""One adapter's per-layer parameters held as views of one flat parameter and gradient."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_multilora.base_model import build_base_model
+from lightning_multilora.flat import ALIGN, FlatAdapter, flat_adapter
+from lightning_multilora.layer import inject_multilora
+
+
+def params(*shapes, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(*s, generator=g, dtype=dtype)) for s in shapes]
+
+
+def test_the_parameters_become_aligned_views_of_the_flat_parameter_with_their_values():
+    ps = params((3, 5), (7, 3), (2, 100))
+    values = [p.detach().clone() for p in ps]
+    flat = FlatAdapter(ps)
+    for p, v in zip(ps, values):
+        assert torch.equal(p, v) and p.is_contiguous()
+        assert p.untyped_storage().data_ptr() == flat.flat.untyped_storage().data_ptr()
+        assert (p.data_ptr() - flat.flat.data_ptr()) % (ALIGN * 4) == 0
+    with torch.no_grad():
+        flat.flat.mul_(2)  # what an optimizer step does to the flat parameter, every layer sees
+    for p, v in zip(ps, values):
+        assert torch.equal(p, 2 * v)
+
+
+def test_gradients_are_views_of_one_zeroed_flat_gradient_and_accumulate_through_autograd():
+    ps = params((3, 5), (7, 3))
+    flat = FlatAdapter(ps)
+    for _ in range(2):  # a second step starts from zero again
+        grad = flat.prepare_grads()
+        assert flat.flat.grad is grad and not grad.any()
+        (ps[0].sum() * 2 + ps[1].pow(2).sum()).backward()  # autograd adds into the existing .grad in place
+        assert torch.equal(ps[0].grad, torch.full((3, 5), 2.0)) and torch.equal(ps[1].grad, 2 * ps[1].detach())
+        assert torch.isclose(grad.norm(), torch.cat([ps[0].grad.flatten(), ps[1].grad.flatten()]).norm())
+    flat.drop_grads()
+    assert flat.flat.grad is None and all(p.grad is None for p in ps)
+    ps[0].grad = torch.ones(3, 5)  # someone set a gradient of their own: the next step links the view again
+    flat.prepare_grads()
+    assert ps[0].grad.data_ptr() == flat.flat.grad.data_ptr() and not ps[0].grad.any()
+
+
+def test_a_replaced_storage_is_bound_again_keeping_the_values_and_the_flat_identity():
+    ps = params((3, 5), (7, 3))
+    flat = FlatAdapter(ps)
+    key = flat.flat
+    with torch.no_grad():
+        ps[1].data = torch.full((7, 3), 4.0)  # what module.to(device) does to every parameter
+    assert not flat.bound()
+    flat.prepare_grads()
+    assert flat.bound() and flat.flat is key
+    assert torch.equal(flat.flat[ALIGN:ALIGN + 21], torch.full((21,), 4.0))
+    assert ps[1].untyped_storage().data_ptr() == key.untyped_storage().data_ptr()
+
+
+def test_a_model_cast_to_another_dtype_is_bound_again():
+    model = build_base_model("tiny-llama")
+    layers = inject_multilora(model, ["q_proj", "v_proj"])
+    layers.add_adapter("a", rank=4, alpha=8, seed=1)
+    before = {k: v.clone() for k, v in layers.peft_state_dict("a").items()}
+    model.double()
+    layers.prepare_grads("a")
+    [flat] = layers.step_parameters("a")
+    assert flat.dtype == torch.float64 and all(p.grad.dtype == torch.float64 for p in layers.parameters_of("a"))
+    for k, v in layers.peft_state_dict("a").items():
+        assert torch.equal(v, before[k].double())
+
+
+def test_parameters_on_several_devices_or_dtypes_stay_per_layer():
+    mixed = params((3, 5)) + params((2, 2), dtype=torch.float64)
+    assert flat_adapter(mixed) is None
+    with pytest.raises(ValueError, match="share one device and dtype"):
+        FlatAdapter(mixed)
+
+
+def test_the_layers_hold_each_adapter_flat_and_free_it_with_the_adapter():
+    model = build_base_model("tiny-llama")
+    layers = inject_multilora(model, ["q_proj", "v_proj"])
+    layers.add_adapter("a", rank=4, alpha=8, seed=1)
+    layers.add_adapter("b", rank=2, alpha=8, seed=2)
+    [flat_a] = layers.step_parameters("a")
+    per_layer = layers.parameters_of("a")
+    assert flat_a.numel() >= sum(p.numel() for p in per_layer)
+    assert layers.optimizer_parameters("a", elementwise=False) == per_layer
+    assert layers.optimizer_parameters("a", elementwise=True) == [flat_a]
+    layers.remove_adapter("a")
+    with pytest.raises(KeyError, match="no adapter 'a'"):
+        layers.step_parameters("a")
+    assert len(layers.step_parameters("b")) == 1
