@@ -17,7 +17,9 @@ and backward (gradients of x, every A and every B; bf16 activations, fp32 adapte
 
 ``ms`` is GPU time: one forward + backward captured in a CUDA graph and replayed (``triton.testing.do_bench``
 medians), so that the host's Python and launch costs, which a training step overlaps with the frozen base's
-GEMMs, do not hide the kernels. ``eager_ms`` is the same call run eagerly back to back (host time included,
+GEMMs, do not hide the kernels. Every implementation writes a fresh dX (``x.grad`` is dropped before each
+call): adding it into an older ``x.grad`` (autograd's accumulation, two reads and a write of ``(T, d_in)``) is no
+part of the LoRA path, and in a model dX is consumed by the layer below. ``eager_ms`` is the same call run eagerly back to back (host time included,
 with one autograd backward per call), for ours_direct (and the LoRAFusion pair below) only.
 
 With ``--lorafusion-src DIR`` (a CentML/lorafusion source tree, imported at run time, never committed), points
@@ -175,6 +177,7 @@ def main() -> None:
 
                     def fwd_bwd(fn):
                         def step():  # ours adds into `base` in place (its contract); repeats only grow it
+                            xg.grad = None  # dX written, not added into the last one (see the module docstring)
                             y = fn(xg, base.detach())
                             torch.autograd.backward(y, grad)
                         return step
@@ -194,11 +197,10 @@ def main() -> None:
                         try:
                             lf_step = make_lorafusion_step(x, frozen, w, grad, lorafusion)
                             # the frozen product alone: the fused rows' floor is its time plus the LoRA bytes
-                            impls["frozen_linear"] = lambda: torch.autograd.backward(
-                                torch.nn.functional.linear(xg, frozen), grad)
+                            impls["frozen_linear"] = fwd_bwd(lambda xx, bb: torch.nn.functional.linear(xx, frozen))
                             impls["lorafusion"] = lf_step
-                            impls["ours_linear_direct"] = lambda: torch.autograd.backward(
-                                multi_lora_linear_triton(xg, frozen, None, wd, True), grad)
+                            impls["ours_linear_direct"] = fwd_bwd(
+                                lambda xx, bb: multi_lora_linear_triton(xx, frozen, None, wd, True))
                             fused |= {"lorafusion", "ours_linear_direct"}
                         except ValueError as err:  # more than 4 adapters, unaligned widths, ...
                             print(f"  lorafusion skipped: {err}")

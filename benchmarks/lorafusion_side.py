@@ -233,7 +233,8 @@ class LoRAFusionStep:
 
     Inputs that LoRAFusion needs in another layout (padded rows, adapter weights in the activation dtype) are
     made once here, outside the call, as its data pipeline would hand them over. Gradients accumulate in the
-    ``.grad`` of `x_leaf`, `a` and `b` (as in benchmarks/kernels.py, where repeats only grow them).
+    ``.grad`` of `a` and `b`; `x_leaf`'s is made anew by every call (as in benchmarks/kernels.py: dX is written,
+    never added into an older one).
     """
 
     def __init__(self, lf: LoRAFusion, x: Tensor, base_weight: Tensor, weights: LoRAWeights, grad: Tensor) -> None:
@@ -333,6 +334,7 @@ class LoRAFusionStep:
             same_dropout_p_value=0.0, max_r=self.max_r, linear_bias=None)
 
     def __call__(self) -> None:
+        self.x_leaf.grad = None
         y = self.forward()
         torch.autograd.backward(y, self.grad)
 

@@ -24,6 +24,12 @@ The four kernels:
   trials must therefore run on scratch targets (see `triton_lora`).
 Dropout masks come from a per-adapter seed and the element's (row, column): the backward regenerates
 the forward's mask instead of storing it.
+
+``W_ALIGNED`` / ``G_ALIGNED``: every weight (gradient) row starts on a 16-byte boundary (every rank a multiple of
+8, every tensor aligned). Triton cannot know the alignment of a pointer read from a table, so without the hint a
+weight tile is loaded element by element in every loop iteration; with it, as vectors (asynchronous copies in the
+row kernel). On the H200, one forward + backward over the four Llama-8B shapes, 32 adapters x 256 tokens: r=64
+1971 -> 1435 us, ranks 8..128 3309 -> 2173 us, r=16 926 -> 874 us.
 """
 
 from __future__ import annotations
@@ -77,7 +83,7 @@ def _dropout_scale(values, seed, p, rows, cols, n_cols):
     return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
 
 
-@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "ROW_BUCKET"], reset_to_zero=["OUT"])
+@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "ROW_BUCKET"], reset_to_zero=["OUT"])
 @triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET"])
 def _rows_times_weight(
     # pointers
@@ -88,7 +94,7 @@ def _rows_times_weight(
     # strides
     stride_in_m, stride_out_m,
     # meta-parameters
-    W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0) // R_CHUNKS
@@ -101,6 +107,9 @@ def _rows_times_weight(
     m0 = tl.load(BLK_START + pid)
     end = tl.load(SEG_END + a)
     w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
+    if W_ALIGNED:  # 16-byte weight rows: vector (and asynchronous) loads of the weight tile
+        w = tl.multiple_of(w, 16)
+        r = tl.multiple_of(r, 8)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     mask_m = offs_m < end
@@ -137,7 +146,7 @@ def _rows_times_weight(
 
 
 @_tuned(_RANK_CONFIGS, key=["N", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
-                            "SCALE_PRODUCT"], restore_value=["Y"])
+                            "SCALE_PRODUCT", "W_ALIGNED"], restore_value=["Y"])
 @triton.jit
 def _rank_times_weight(
     # pointers
@@ -149,7 +158,7 @@ def _rank_times_weight(
     # meta-parameters
     W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_CHUNK: tl.constexpr,
-    SCALE_PRODUCT: tl.constexpr,
+    SCALE_PRODUCT: tl.constexpr, W_ALIGNED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -158,6 +167,9 @@ def _rank_times_weight(
     end = tl.load(SEG_END + a)
     r = tl.load(RANKS + a)
     w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
+    if W_ALIGNED:  # 16-byte weight rows: vector loads of the weight tile
+        w = tl.multiple_of(w, 16)
+        r = tl.multiple_of(r, 8)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < end
@@ -206,7 +218,7 @@ def _rank_times_weight(
     tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
 
 
-@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "HAS_DROPOUT"])
+@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "HAS_DROPOUT", "G_ALIGNED"])
 @triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T"])
 def _weight_grad(
     # pointers
@@ -218,7 +230,7 @@ def _weight_grad(
     stride_l_m, stride_m_m,
     # meta-parameters (ATOMIC: SPLIT_T > 1)
     G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    G_ALIGNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     a = tl.program_id(0) // R_CHUNKS
     r0 = (tl.program_id(0) % R_CHUNKS) * BLOCK_R
@@ -230,6 +242,9 @@ def _weight_grad(
     start = tl.load(SEG_START + a)
     end = tl.load(SEG_END + a)
     g = tl.load(G_PTRS + a).to(G_WITNESS.dtype)  # this adapter's own gradient tensor
+    if G_ALIGNED:  # 16-byte gradient rows: vector stores (and atomics)
+        g = tl.multiple_of(g, 16)
+        r = tl.multiple_of(r, 8)
     offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     offs_r = r0 + tl.arange(0, BLOCK_R)
     mask_k = offs_k < K

@@ -118,6 +118,8 @@ class PointerTable:
     r_chunks: int  # chunks that cover the largest rank
     width: int  # columns of S and dS: the largest rank rounded up to 16 (kernels touch no column past a rank)
     one_rank: bool  # every adapter has the same rank
+    ranks8: bool  # every rank is a multiple of 8: rows of A_i, B_i (and of flat copies of them) stay 16-byte aligned
+    params_aligned: bool  # every A_i and B_i starts on a 16-byte boundary
 
 
 # Measured on the H200 (4096x4096, 32 adapters of ranks 8..128, 1024 tokens each): with 64-wide chunks the
@@ -182,7 +184,8 @@ def _pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
         chunk = rank_chunk(ranks, device)
         return PointerTable(ptrs[0, :n], ptrs[1, :n], _upload(torch.tensor(ranks, dtype=torch.int32), device),
                             floats[0, :n], floats[1, :n], floats[2, :n], _upload_rows(offsets, device), sizes,
-                            chunk, _cdiv(max(ranks), chunk), 16 * _cdiv(max(ranks), 16), len(set(ranks)) == 1)
+                            chunk, _cdiv(max(ranks), chunk), 16 * _cdiv(max(ranks), 16), len(set(ranks)) == 1,
+                            all(r % 8 == 0 for r in ranks), not any(p.data_ptr() & 15 for p in weights.a + weights.b))
 
     return _pointer_tables.get_or_make(key, make)
 
@@ -283,6 +286,12 @@ class _Call:
     def w_witness(self) -> Tensor:  # a tensor of the dtype behind a_ptrs / b_ptrs
         return self.weights.a[0] if self.copies is None else self.copies.witness
 
+    @property
+    def w_aligned(self) -> bool:
+        """Every row of every weight the products read starts on a 16-byte boundary: the kernels' weight tiles
+        are then loaded as vectors (flat copies keep that alignment when every rank is a multiple of 8)."""
+        return self.table.ranks8 and (self.copies is not None or self.table.params_aligned)
+
 
 class _LoRAShrink(torch.autograd.Function):
     """First half of a grouped LoRA call: ``S_i = drop_i(X_i) A_i^T`` (one launch), and a placeholder ``Z`` of
@@ -311,8 +320,8 @@ class _LoRAShrink(torch.autograd.Function):
                 (x, call.a_ptrs, call.w_witness, s, sched.blk_adapter, sched.blk_start, sched.seg_end,
                  table.ranks, table.ones, table.drop_p, call.seeds, x.shape[1], table.r_chunks,
                  _row_bucket(sched, table), x.stride(0), s.stride(0)),
-                dict(W_IS_A=True, HAS_DROPOUT=call.has_dropout, DOT_PRECISION=call.precision, BLOCK_M=BLOCK_M,
-                     BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, x.shape[1], x.device)))
+                dict(W_IS_A=True, HAS_DROPOUT=call.has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
+                     BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, x.shape[1], x.device)))
         z = torch.empty_strided((x.shape[0], call.d_out), (0, 0), device=x.device, dtype=call.out_dtype)
         ctx.save_for_backward(x, s)
         ctx.call, ctx.num_params = call, len(params)
@@ -369,7 +378,7 @@ class _LoRAExpand(torch.autograd.Function):
                  table.ranks, table.scaling, table.drop_p, call.seeds, d_out, s.stride(0), base_out.stride(0)),
                 dict(W_IS_A=False, ACCUMULATE=not lora_first, HAS_DROPOUT=False, DOT_PRECISION=call.precision,
                      BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, MULTI_CHUNK=table.r_chunks > 1,
-                     SCALE_PRODUCT=base_out.dtype == torch.float16, **_meta("rank")))
+                     SCALE_PRODUCT=base_out.dtype == torch.float16, W_ALIGNED=call.w_aligned, **_meta("rank")))
         if lora_first:
             base_out.addmm_(x, base_weight.t())  # Y = X W^T + (s S B^T): the LoRA term read in the GEMM's epilogue
         if not owns_base:
@@ -397,8 +406,9 @@ class _LoRAExpand(torch.autograd.Function):
                 (dy, call.b_ptrs, call.w_witness, ds, sched.blk_adapter, sched.blk_start, sched.seg_end,
                  table.ranks, table.ones, table.drop_p, call.seeds, d_out, table.r_chunks,
                  _row_bucket(sched, table), dy.stride(0), ds.stride(0)),
-                dict(W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=call.precision, BLOCK_M=BLOCK_M,
-                     BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, d_out, device)))
+                dict(W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
+                     BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
+                     **_rows_meta(sched.num_blocks, d_out, device)))
         if ctx.needs_input_grad[0]:
             lora_first = ctx.owns_base and _lora_first(sched, None)
             if ctx.owns_base and not lora_first:
@@ -415,7 +425,7 @@ class _LoRAExpand(torch.autograd.Function):
                     dict(W_IS_A=True, ACCUMULATE=ctx.owns_base and not lora_first, HAS_DROPOUT=call.has_dropout,
                          DOT_PRECISION=call.precision, BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
                          MULTI_CHUNK=table.r_chunks > 1, SCALE_PRODUCT=dx.dtype == torch.float16,
-                         **_meta("rank")))
+                         W_ALIGNED=call.w_aligned, **_meta("rank")))
             if lora_first:
                 dx.addmm_(dy, ctx.base_weight)  # dX = dY W + (LoRA dX), the LoRA term read in the GEMM's epilogue
         return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
@@ -440,6 +450,7 @@ class GradTargets:
     b_ptrs: Tensor
     a: tuple[Tensor, ...]
     b: tuple[Tensor, ...]
+    aligned: bool  # every row of every target starts on a 16-byte boundary (vector stores)
 
 
 _grad_tables = _LRU()
@@ -448,7 +459,7 @@ _grad_tables = _LRU()
 def _fresh_grads(weights: LoRAWeights, table: PointerTable, device: torch.device) -> GradTargets:
     """Zeroed gradients in two flat buffers (one for every dA, one for every dB), returned through autograd."""
     flat_a, ptrs_a, ptrs_b, grads_a, grads_b = _flat_like(weights, table, device)
-    return GradTargets(ptrs_a, ptrs_b, grads_a, grads_b)
+    return GradTargets(ptrs_a, ptrs_b, grads_a, grads_b, table.ranks8)
 
 
 def _flat_like(weights: LoRAWeights, table: PointerTable, device: torch.device,
@@ -484,7 +495,7 @@ def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torc
         fresh = _fresh_grads(weights, table, device)
         for p, g in zip(params, fresh.a + fresh.b):
             p.grad = g
-        targets = GradTargets(fresh.a_ptrs, fresh.b_ptrs, (), ())
+        targets = GradTargets(fresh.a_ptrs, fresh.b_ptrs, (), (), fresh.aligned)
         # a later backward before zero_grad (gradient accumulation) finds these by address
         _grad_tables.get_or_make((tuple(map(_data_ptr, fresh.a + fresh.b)), device), lambda: targets)
         return targets
@@ -502,8 +513,9 @@ def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torc
     key = (tuple(map(_data_ptr, grads)), device)
 
     def make() -> GradTargets:
-        ptrs = _upload_rows(torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64).reshape(2, n), device)
-        return GradTargets(ptrs[0, :n], ptrs[1, :n], (), ())
+        host = [g.data_ptr() for g in grads]
+        ptrs = _upload_rows(torch.tensor(host, dtype=torch.int64).reshape(2, n), device)
+        return GradTargets(ptrs[0, :n], ptrs[1, :n], (), (), table.ranks8 and not any(p & 15 for p in host))
 
     return _grad_tables.get_or_make(key, make)
 
@@ -580,10 +592,10 @@ def _weight_grads(x: Tensor, dy: Tensor, s: Tensor, ds: Tensor, call: _Call, tar
         args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, table.ranks, coef, table.drop_p, seeds, k,
                 table.r_chunks, split, low.stride(0), full.stride(0))
         meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, ATOMIC=split > 1, DOT_PRECISION=call.precision,
-                    BLOCK_R=table.block_r, **_meta("grad"))
+                    G_ALIGNED=targets.aligned, BLOCK_R=table.block_r, **_meta("grad"))
         grid = lambda m, k=k, split=split: (n * table.r_chunks, _cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
         tune_key = (k, table.block_r, g_is_a, split > 1, dropout, low.dtype, full.dtype, witness.dtype,
-                    meta["DOT_PRECISION"])
+                    meta["DOT_PRECISION"], targets.aligned)
         if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
             # The launch adds into its targets, and the autotuner's trials would add several times: let them
             # run on scratch gradients first; the real launch below then reuses the chosen tiles.

@@ -395,7 +395,8 @@ def test_direct_gradients_fall_back_to_autograd_for_non_leaf_or_frozen_weights()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("ranks, tokens", CASES + [([16] * 32, [256] * 32), ([8, 128, 64, 100], [1024, 300, 17, 999])])
+@pytest.mark.parametrize("ranks, tokens", CASES + [([16] * 32, [256] * 32), ([8, 128, 64, 100], [1024, 300, 17, 999]),
+                                            ([8, 128, 64, 24], [1024, 300, 17, 999])])  # vector weight loads
 def test_bf16_on_the_gpu_against_float64(ranks, tokens):
     x, base, w = problem(ranks, tokens, d_in=4096, d_out=1024, dtype=torch.bfloat16)
     grad_out = torch.randn_like(base)
@@ -456,6 +457,34 @@ def test_a_narrower_adapter_set_and_other_row_splits_compile_no_new_kernel(monke
     assert rel(y, y_ref) <= 1e-2
     for g, g_ref in zip(grads, grads_ref):
         assert rel(g, g_ref) <= 1e-2
+
+
+def test_weight_tiles_are_declared_aligned_only_where_every_row_is():
+    """The kernels load weight (and store gradient) tiles as vectors when every row starts on a 16-byte boundary:
+    every rank a multiple of 8, and every parameter (or its flat copy) aligned."""
+    import dataclasses
+
+    from lightning_multilora.kernels.triton_lora import _Call, _fresh_grads, _grads_of_parameters, pointer_table
+
+    def call(w, copies):
+        table = pointer_table(w, torch.device(DEVICE))
+        return _Call(w, table, None, table.ranks, copies, False, "ieee", True, 8, torch.float32), table
+
+    _, _, w = problem([8, 16, 24], [3, 4, 5], d_in=40, d_out=56, dtype=torch.float32, seed=1)
+    c, table = call(w, None)
+    assert c.w_aligned and table.ranks8 and table.params_aligned
+    assert _fresh_grads(w, table, torch.device(DEVICE)).aligned
+    _, _, odd = problem([8, 7], [3, 4], d_in=40, d_out=56, dtype=torch.float32, seed=2)
+    c, table = call(odd, None)
+    assert not c.w_aligned and not _fresh_grads(odd, table, torch.device(DEVICE)).aligned
+    storage = torch.zeros(8 * 40 + 1, device=DEVICE)
+    shifted = dataclasses.replace(w, a=(storage[1:].view(8, 40).requires_grad_(),) + w.a[1:], memo={})
+    c, table = call(shifted, None)
+    assert table.ranks8 and not table.params_aligned and not c.w_aligned
+    assert call(shifted, object())[0].w_aligned  # a flat copy keeps 16-byte rows whatever the parameters' offsets
+    for p in w.a + w.b:
+        p.grad = torch.zeros(p.numel() + 1, device=DEVICE)[1:].view_as(p)  # gradients one element off
+    assert not _grads_of_parameters(w, pointer_table(w, torch.device(DEVICE)), torch.device(DEVICE)).aligned
 
 
 def test_the_fast_launch_key_separates_what_triton_specializes_on():
