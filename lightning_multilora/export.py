@@ -51,7 +51,6 @@ def save_peft_adapter(
         base_model_name_or_path=base_model_name_or_path,
     )
     config.save_pretrained(str(directory))
-    # copies: the layers' weights are views of one flat tensor, and safetensors refuses tensors that share memory
-    tensors = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state_dict.items()}
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
     return directory

@@ -35,8 +35,12 @@ class FlatAdapter:
     ``flat``, with their ``.grad`` views of one flat gradient.
 
     The views stay valid as long as nothing replaces a parameter's storage. Something may (``module.to()`` to
-    another device or dtype, an assignment to ``.data``): `prepare_grads` sees it by the parameters' addresses
-    and binds them again, keeping their values and ``flat``'s identity (the optimizer's key).
+    another device or dtype, an assignment to ``.data``): `rebind` (which `MultiLoRAMixin` calls whenever the
+    module is moved or cast) and `prepare_grads` see it by the parameters' addresses and bind them again, keeping
+    their values and ``flat``'s identity (the optimizer's key).
+
+    Between `prepare_grads` and the optimizer's step nothing may set the gradients to None
+    (``optimizer.zero_grad()``): an elementwise optimizer would then skip the adapter.
     """
 
     def __init__(self, params: Sequence[nn.Parameter]) -> None:
@@ -55,7 +59,8 @@ class FlatAdapter:
         return tuple(flat[o:o + p.numel()].view(p.shape) for o, p in zip(self._offsets, self.params))
 
     def _bind(self) -> None:
-        """Copy the parameters' values into a new flat storage, point them at its views; a new zeroed gradient."""
+        """Copy the parameters' values into a new flat storage and point them at its views (the gradient is made
+        by the first `prepare_grads`: an adapter only evaluated never holds one)."""
         if not self.can_hold(self.params):
             raise ValueError("an adapter's parameters must share one device and dtype to be held flat; got "
                              f"{sorted({(str(p.device), str(p.dtype)) for p in self.params})}")
@@ -72,20 +77,34 @@ class FlatAdapter:
             for p, view in zip(self.params, views):
                 p.data = view
             self.flat.data = flat
-        self._grad = torch.zeros_like(flat)
-        self._grad_views = self._views(self._grad)
+        self._grad: Optional[Tensor] = None
+        self._grad_views: tuple[Tensor, ...] = ()
         self._ptrs = (flat.data_ptr(), *map(_data_ptr, self.params))
 
     def bound(self) -> bool:
         """Every parameter is still its view of ``flat``."""
         return (self.flat.data_ptr(), *map(_data_ptr, self.params)) == self._ptrs
 
+    def rebind(self) -> None:
+        """Bind the parameters again if something replaced their storage (a move to another device or dtype)."""
+        if not self.bound():
+            self._bind()
+
+    def flatten(self, tensors: Sequence[Tensor]) -> Tensor:
+        """Tensors shaped as ``params`` (an optimizer's per-parameter moments, say) laid out as ``flat`` is."""
+        out = torch.zeros(self.flat.numel(), dtype=tensors[0].dtype, device=tensors[0].device)
+        torch._foreach_copy_(list(self._views(out)), [t.reshape(p.shape) for t, p in zip(tensors, self.params)])
+        return out
+
     def prepare_grads(self) -> Tensor:
         """Before a step's backward: the flat gradient zeroed, ``flat.grad`` set to it and every parameter's
         ``.grad`` its view (set again where something dropped or replaced it). Returns the flat gradient."""
-        if not self.bound():
-            self._bind()
-        self._grad.zero_()
+        self.rebind()
+        if self._grad is None:
+            self._grad = torch.zeros_like(self.flat.data)
+            self._grad_views = self._views(self._grad)
+        else:
+            self._grad.zero_()
         if self.flat.grad is not self._grad:
             self.flat.grad = self._grad
         if not all(map(is_, map(_grad, self.params), self._grad_views)):
@@ -94,12 +113,14 @@ class FlatAdapter:
         return self._grad
 
     def drop_grads(self) -> None:
-        """No gradient for this step (the optimizer skips the adapter): ``flat`` and every parameter lose theirs."""
+        """No gradient for this step (the optimizer skips the adapter): ``flat`` and every parameter lose theirs,
+        and the buffer is freed (a paused adapter holds none; the next `prepare_grads` makes it again)."""
         self.flat.grad = None
         for p in self.params:
             p.grad = None
+        self._grad, self._grad_views = None, ()
 
 
-def flat_adapter(params: Sequence[nn.Parameter]) -> Optional[FlatAdapter]:
+def make_flat(params: Sequence[nn.Parameter]) -> Optional[FlatAdapter]:
     """A `FlatAdapter` over ``params`` where they can be held flat, else None."""
     return FlatAdapter(params) if FlatAdapter.can_hold(params) else None

@@ -11,7 +11,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_multilora.flat import FlatAdapter, flat_adapter
+from lightning_multilora.flat import FlatAdapter, make_flat
 from lightning_multilora.kernels import LoRAWeights, multi_lora, multi_lora_linear
 from lightning_multilora.layout import BatchLayout
 
@@ -258,7 +258,7 @@ class LoRALayers(Mapping):
             generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + index)
             self._layers[layer_name].add_adapter(name, rank, alpha, dropout, use_rslora, generator, dtype)
         self._targets[name] = layer_names
-        self._flat[name] = flat_adapter(self.parameters_of(name))
+        self._flat[name] = make_flat(self.parameters_of(name))
 
     def remove_adapter(self, name: str) -> None:
         if name not in self._targets:
@@ -276,15 +276,22 @@ class LoRALayers(Mapping):
             params += [layer.lora_A[name], layer.lora_B[name]]
         return params
 
-    def _flat_of(self, name: str) -> Optional[FlatAdapter]:
+    def flat_adapter(self, name: str) -> Optional[FlatAdapter]:
+        """Adapter ``name``'s `FlatAdapter` (None where its parameters are kept per layer: several devices)."""
         if name not in self._targets:
             raise KeyError(f"no adapter {name!r}; present: {self.adapter_names}")
         return self._flat.get(name)
 
+    def rebind(self) -> None:
+        """After the model was moved or cast: every flat adapter follows its parameters (see `FlatAdapter`)."""
+        for flat in self._flat.values():
+            if flat is not None:
+                flat.rebind()
+
     def step_parameters(self, name: str) -> list[nn.Parameter]:
         """The tensors that hold adapter ``name``'s gradients for a step: its flat parameter (one tensor for every
         layer), or its per-layer parameters where it is not held flat. Norms and clipping work on these."""
-        flat = self._flat_of(name)
+        flat = self.flat_adapter(name)
         return [flat.flat] if flat is not None else self.parameters_of(name)
 
     def optimizer_parameters(self, name: str, elementwise: bool) -> list[nn.Parameter]:
@@ -296,7 +303,7 @@ class LoRALayers(Mapping):
     def prepare_grads(self, name: str) -> None:
         """Before a step's backward: adapter ``name``'s gradients zeroed (kept, not dropped: the kernels add into
         the same tensors every step), each layer's ``.grad`` a view of the flat gradient."""
-        flat = self._flat_of(name)
+        flat = self.flat_adapter(name)
         if flat is not None:
             flat.prepare_grads()
             return
@@ -306,7 +313,7 @@ class LoRALayers(Mapping):
 
     def drop_grads(self, name: str) -> None:
         """Adapter ``name`` has no gradient this step (an optimizer skips it)."""
-        flat = self._flat_of(name)
+        flat = self.flat_adapter(name)
         if flat is not None:
             flat.drop_grads()
         for p in self.parameters_of(name):
@@ -316,12 +323,13 @@ class LoRALayers(Mapping):
         return list(self._targets[name])
 
     def peft_state_dict(self, name: str, prefix: str = "base_model.model.") -> dict[str, Tensor]:
-        """Adapter ``name``'s weights under PEFT's saved key names (``...q_proj.lora_A.weight``)."""
+        """Adapter ``name``'s weights under PEFT's saved key names (``...q_proj.lora_A.weight``): copies, each with
+        its own storage (the parameters are views of one flat tensor, which safetensors would refuse to save)."""
         out = {}
         for layer_name in self._targets[name]:
             layer = self._layers[layer_name]
-            out[f"{prefix}{layer_name}.lora_A.weight"] = layer.lora_A[name].detach()
-            out[f"{prefix}{layer_name}.lora_B.weight"] = layer.lora_B[name].detach()
+            out[f"{prefix}{layer_name}.lora_A.weight"] = layer.lora_A[name].detach().clone()
+            out[f"{prefix}{layer_name}.lora_B.weight"] = layer.lora_B[name].detach().clone()
         return out
 
     def load_peft_state_dict(self, name: str, state: Mapping[str, Tensor], prefix: str = "base_model.model.") -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -246,6 +247,15 @@ class MultiLoRAMixin:
         placement = self._placement()
         return placement is None or placement.owns(name)
 
+    def _apply(self, fn, *args, **kwargs):
+        """Moves and casts (``.to()``, Lightning's device placement and precision) replace the per-layer adapter
+        parameters' storage: each adapter's flat parameter follows at once (before an optimizer is built on it)."""
+        out = super()._apply(fn, *args, **kwargs)
+        layers = self.__dict__.get("lora_layers")
+        if layers is not None:
+            layers.rebind()
+        return out
+
     def configure_model(self) -> None:
         """Under `AdapterParallelStrategy`: shard the frozen base with FSDP2 (as its ``shard_size`` says; a
         replicated base is only cast to its ``param_dtype``), adapters left out."""
@@ -462,6 +472,7 @@ class MultiLoRAMixin:
             self._sync_ranks()
             self._finish_together()
         self._fill_slots()  # after a checkpoint is restored, before the optimizer is built
+        self.lora_layers.rebind()  # the flat parameters the groups hold follow any move since their adapters came
         records = [r for r in self.registry.holding_weights if self._owns(r.name)]
         groups = [self._param_group(r.spec) for r in records]
         if not groups and self._placement() is not None and self.registry.running:
@@ -477,9 +488,27 @@ class MultiLoRAMixin:
             kwargs["fused"] = True
         optimizer = self.optimizer_class(groups, **kwargs)
         if self._resume_checkpoint is not None:
-            _match_optimizer_state(self._resume_checkpoint, optimizer)
+            _match_optimizer_state(self._resume_checkpoint, optimizer, self._flat_optimizer_state)
             self._resume_checkpoint = None
         return optimizer
+
+    def _flat_optimizer_state(self, name: str, per_layer: list[Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
+        """A saved optimizer state of adapter ``name``'s per-layer parameters (a checkpoint written before adapters
+        were held flat, or by a per-tensor optimizer) as the state of its flat parameter; None if it does not fit."""
+        flat = self.lora_layers.flat_adapter(name)
+        params = self.lora_layers.parameters_of(name)
+        if flat is None or len(per_layer) != len(params) or any(s is None for s in per_layer):
+            return None
+        state: dict[str, Any] = {}
+        for key in per_layer[0]:
+            values = [s.get(key) for s in per_layer]
+            if all(torch.is_tensor(v) and v.shape == p.shape for v, p in zip(values, params)):
+                state[key] = flat.flatten(values)  # moments: laid out as the flat parameter
+            elif all(torch.is_tensor(v) and v.numel() == 1 for v in values) or all(not torch.is_tensor(v) for v in values):
+                state[key] = values[0]  # the step count: the same for every tensor of an adapter
+            else:
+                return None
+        return state
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
@@ -667,8 +696,7 @@ class MultiLoRAMixin:
             if math.isfinite(loss) and loss < rec.best_val_loss:
                 rec.best_val_loss, rec.best_val_step = loss, rec.step
                 if self.keep_best_weights and name in self.lora_layers.adapter_names:
-                    self._best_weights[name] = {k: v.detach().to("cpu", copy=True)
-                                                for k, v in self.lora_layers.peft_state_dict(name).items()}
+                    self._best_weights[name] = {k: v.to("cpu") for k, v in self.lora_layers.peft_state_dict(name).items()}
             logs[f"adapters/{name}/val_loss"] = loss
         trainer = self._trainer_or_none()
         if logs and trainer is not None:
@@ -716,12 +744,14 @@ class MultiLoRAMixin:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
-def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Optimizer,
+                           to_flat: Optional[Any] = None) -> None:
     """Rewrite the checkpoint's optimizer state for ``optimizer``'s groups, matched by adapter name: Lightning
     then loads it by position. The groups can differ from the saved ones: a checkpoint is written before the
     module settles its step (slots refilled after an exit, adapters finished under adapter parallelism), so an
     adapter started since has no saved state (it starts fresh, as it did in the uninterrupted run) and one that
-    has left since is dropped."""
+    has left since is dropped. A group saved per layer and now holding one flat parameter gets its state through
+    ``to_flat(name, per_layer_states)``; a group whose state cannot be carried over starts fresh, with a warning."""
     states = checkpoint.get("optimizer_states")
     if not states:
         return
@@ -732,13 +762,23 @@ def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Op
     for group in optimizer.param_groups:
         ids = list(range(index, index + len(group["params"])))
         index += len(ids)
-        old = by_name.get(group.get("adapter"))
+        name = group.get("adapter")
+        old = by_name.get(name)
+        flat_state = None
+        if old is not None and len(old["params"]) != len(ids) and len(ids) == 1 and to_flat is not None:
+            flat_state = to_flat(name, [saved["state"].get(i) for i in old["params"]])
         if old is not None and len(old["params"]) == len(ids):
             matched["param_groups"].append({**old, "params": ids})
             for old_id, new_id in zip(old["params"], ids):
                 if old_id in saved["state"]:
                     matched["state"][new_id] = saved["state"][old_id]
+        elif flat_state is not None:
+            matched["param_groups"].append({**old, "params": ids})
+            matched["state"][ids[0]] = flat_state
         else:
+            if old is not None:
+                warnings.warn(f"the checkpoint's optimizer state of adapter {name!r} ({len(old['params'])} tensors) "
+                              f"does not fit its parameters now ({len(ids)}): it starts fresh", stacklevel=2)
             matched["param_groups"].append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     checkpoint["optimizer_states"] = [matched, *states[1:]]
 

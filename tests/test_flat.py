@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lightning_multilora.base_model import build_base_model
-from lightning_multilora.flat import ALIGN, FlatAdapter, flat_adapter
+from lightning_multilora.flat import ALIGN, FlatAdapter, make_flat
 from lightning_multilora.layer import inject_multilora
 
 
@@ -74,7 +74,7 @@ def test_a_model_cast_to_another_dtype_is_bound_again():
 
 def test_parameters_on_several_devices_or_dtypes_stay_per_layer():
     mixed = params((3, 5)) + params((2, 2), dtype=torch.float64)
-    assert flat_adapter(mixed) is None
+    assert make_flat(mixed) is None
     with pytest.raises(ValueError, match="share one device and dtype"):
         FlatAdapter(mixed)
 
@@ -93,3 +93,33 @@ def test_the_layers_hold_each_adapter_flat_and_free_it_with_the_adapter():
     with pytest.raises(KeyError, match="no adapter 'a'"):
         layers.step_parameters("a")
     assert len(layers.step_parameters("b")) == 1
+
+
+def test_no_gradient_is_held_before_the_first_step_and_state_dicts_are_copies(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = build_base_model("tiny-llama")
+    layers = inject_multilora(model, ["q_proj", "v_proj"])
+    layers.add_adapter("a", rank=4, alpha=8, seed=1)
+    [flat] = layers.step_parameters("a")
+    assert flat.grad is None and all(p.grad is None for p in layers.parameters_of("a"))  # evaluation only: none
+    state = layers.peft_state_dict("a")
+    save_file(state, str(tmp_path / "a.safetensors"))  # each tensor its own storage (views would be refused)
+    for v in state.values():
+        v.zero_()  # a copy: the adapter's weights are untouched
+    saved = load_file(str(tmp_path / "a.safetensors"))
+    assert any(v.abs().sum() > 0 for v in saved.values())
+    for k, v in layers.peft_state_dict("a").items():
+        assert torch.equal(v, saved[k])
+
+
+def test_a_module_moved_or_cast_rebinds_its_flat_parameters_at_once():
+    from lightning_multilora import AdapterSpec, MultiLoRAModule
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=4)])
+    module._create_weights(module.registry["a"])
+    module.double()  # what Lightning's precision plugins and device placement do, before any optimizer exists
+    [flat] = module.lora_layers.step_parameters("a")
+    assert flat.dtype == torch.float64 and module.lora_layers.flat_adapter("a").bound()
+    p = module.lora_layers.parameters_of("a")[0]
+    assert p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()

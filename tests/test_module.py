@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -117,13 +119,19 @@ def test_epochs_are_counted_on_each_adapters_own_dataset(tmp_path, trainer_kwarg
     assert module.registry["b"].step == 5
 
 
-def run_resumable(tmp_path, trainer_kwargs, stop_at=None, ckpt=None, callbacks=()):
+class PerLayerAdamW(torch.optim.AdamW):
+    """AdamW under another class: not known to be elementwise, so it steps (and saves state for) every layer's
+    parameters, as checkpoints written before adapters were held flat did."""
+
+
+def run_resumable(tmp_path, trainer_kwargs, stop_at=None, ckpt=None, callbacks=(), optimizer="torch.optim.AdamW"):
     specs = [
         AdapterSpec("r1", rank=4, lr=2e-3, batch_size=2, max_steps=16, seed=1, dropout=0.1),
         AdapterSpec("r2", rank=3, lr=1e-3, batch_size=3, max_steps=6, seed=2, lr_schedule="cosine", warmup_steps=2),
         AdapterSpec("r3", rank=5, lr=3e-3, batch_size=1, max_steps=12, seed=3),
     ]
-    module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=2, export_dir=str(tmp_path / "export"))
+    module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=2, export_dir=str(tmp_path / "export"),
+                             optimizer=optimizer)
     kwargs = dict(trainer_kwargs, val_check_interval=5)
     if stop_at is not None:
         kwargs["max_steps"] = stop_at
@@ -150,6 +158,32 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path, trainer_kwarg
         assert a.val_losses == b.val_losses
         for key, value in exported(full, name).items():
             assert torch.equal(exported(resumed, name)[key], value), f"{name}: {key}"
+
+
+def test_per_layer_optimizer_state_resumes_into_flat_parameters(tmp_path, trainer_kwargs):
+    """A checkpoint whose optimizer state is per layer resumes into one flat parameter per adapter, moments and step
+    counts carried over: the result is the uninterrupted run's."""
+    _, full = run_resumable(tmp_path / "full", trainer_kwargs, optimizer=PerLayerAdamW)
+    trainer, _ = run_resumable(tmp_path / "part", trainer_kwargs, stop_at=9, optimizer=PerLayerAdamW)
+    assert sorted(len(g["params"]) for g in trainer.optimizers[0].param_groups) == [28, 28]
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    seen = []
+
+    class Groups(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            opt = trainer.optimizers[0]
+            seen.append({g["adapter"]: (len(g["params"]), float(opt.state[g["params"][0]].get("step", -1)))
+                         for g in opt.param_groups})
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, resumed = run_resumable(tmp_path / "part", trainer_kwargs, ckpt=str(tmp_path / "mid.ckpt"),
+                                   callbacks=[Groups()])
+    assert not [w for w in caught if "starts fresh" in str(w.message)]
+    assert seen[0]["r1"] == (1, 9.0)  # one flat tensor, its 9 steps of moments restored
+    for name in ("r1", "r2", "r3"):
+        for key, value in exported(full, name).items():
+            torch.testing.assert_close(exported(resumed, name)[key], value, rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
 
 
 def test_resume_from_a_checkpoint_written_at_an_exit_and_refill_equals_uninterrupted_run(tmp_path, trainer_kwargs):

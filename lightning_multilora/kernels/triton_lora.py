@@ -95,7 +95,9 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
                 firsts.append(m)
         host = torch.tensor([adapters, firsts], dtype=torch.int32).reshape(2, -1)
         segs = torch.tensor([starts, ends], dtype=torch.int32).reshape(2, -1)
-        covered = sum(e - s for s, e in zip(starts, ends)) == num_rows
+        # the segments tile [0, num_rows) exactly: every row is one adapter's
+        bounds = [0] + [edge for span in sorted(zip(starts, ends)) for edge in span] + [num_rows]
+        covered = all(a == b for a, b in zip(bounds[::2], bounds[1::2]))
         nb, na = len(adapters), len(starts)
         host, segs = _upload_rows(host, device), _upload_rows(segs, device)
         return Schedule(host[0, :nb], host[1, :nb], segs[0, :na], segs[1, :na], nb, covered,
@@ -167,8 +169,10 @@ def pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
 
 
 def _pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
+    # the shapes and dtype too: another layer's adapters may sit at the same addresses once these are freed
     key = (tuple(map(_data_ptr, weights.a)), tuple(map(_data_ptr, weights.b)),
-           tuple(a.shape[0] for a in weights.a), weights.scaling, weights.dropout, str(device))
+           tuple(a.shape[0] for a in weights.a), weights.a[0].shape[1], weights.b[0].shape[0], weights.a[0].dtype,
+           weights.scaling, weights.dropout, str(device))
 
     def make() -> PointerTable:
         _check(weights)
@@ -366,7 +370,8 @@ class _LoRAExpand(torch.autograd.Function):
                 base_bias: Optional[Tensor], call: _Call) -> Tensor:
         owns_base = base_out is None
         table, sched, d_out = call.table, call.sched, call.d_out
-        lora_first = owns_base and _lora_first(sched, base_bias)
+        # (not under autocast: an in-place addmm_ would keep x's dtype where F.linear casts)
+        lora_first = owns_base and _lora_first(sched, base_bias) and not torch.is_autocast_enabled(x.device.type)
         if lora_first:
             base_out = torch.empty((x.shape[0], d_out), device=x.device, dtype=x.dtype)
         elif owns_base:
@@ -497,7 +502,7 @@ def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torc
             p.grad = g
         targets = GradTargets(fresh.a_ptrs, fresh.b_ptrs, (), (), fresh.aligned)
         # a later backward before zero_grad (gradient accumulation) finds these by address
-        _grad_tables.get_or_make((tuple(map(_data_ptr, fresh.a + fresh.b)), device), lambda: targets)
+        _grad_tables.get_or_make((tuple(map(_data_ptr, fresh.a + fresh.b)), device, table.ranks8), lambda: targets)
         return targets
     try:
         ready = all(map(_is_contiguous, grads))
@@ -510,7 +515,7 @@ def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torc
             if grads[i] is not None:
                 view.copy_(grads[i].reshape(-1))
             params[i].grad = grads[i] = view.view_as(params[i])
-    key = (tuple(map(_data_ptr, grads)), device)
+    key = (tuple(map(_data_ptr, grads)), device, table.ranks8)  # `aligned` depends on the ranks too
 
     def make() -> GradTargets:
         host = [g.data_ptr() for g in grads]
