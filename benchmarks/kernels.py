@@ -236,18 +236,32 @@ def main() -> None:
 
 
 def summarize(rows) -> None:
+    """Per implementation of ours and per rank kind: wins against grouped_mm and LoRAFusion, N=32 floor shares and
+    speed-ups over the loop."""
     by_key = {}
     for r in rows:
         by_key.setdefault((r["shape"], r["n_adapters"], r["ranks"], r["tokens"]), {})[r["impl"]] = r
-    wins_gmm = sum(1 for v in by_key.values() if "grouped_mm" in v and v["ours"]["ms"] < v["grouped_mm"]["ms"])
-    print(f"\nours faster than grouped_mm at {wins_gmm}/{sum('grouped_mm' in v for v in by_key.values())} points")
-    n32 = [v for k, v in by_key.items() if k[1] == 32]
-    if n32:
-        pct = sorted(v["ours"]["pct_of_floor"] for v in n32)
-        print(f"N=32: ours at {pct[0]}..{pct[-1]}% of the bandwidth floor (median {pct[len(pct) // 2]}%)")
-        speed = sorted(v["loop"]["ms"] / v["ours"]["ms"] for v in n32 if "loop" in v)
-        if speed:
-            print(f"N=32: ours vs loop speed-up {speed[0]:.1f}x..{speed[-1]:.1f}x")
+    print()
+    for impl in ("ours_direct", "ours"):
+        for kind in sorted({k[2] for k in by_key}):
+            points = {k: v for k, v in by_key.items() if k[2] == kind and impl in v}
+            line = [f"{impl} r={kind}:"]
+            versus = [v for v in points.values() if "grouped_mm" in v]
+            if versus:
+                wins = sum(v[impl]["ms"] <= v["grouped_mm"]["ms"] for v in versus)
+                line.append(f"faster than grouped_mm at {wins}/{len(versus)} points;")
+            n32 = [v for k, v in points.items() if k[1] == 32]
+            if n32:
+                pct = sorted(v[impl]["pct_of_floor"] for v in n32)
+                line.append(f"N=32 at {pct[0]}..{pct[-1]}% of the floor (median {pct[len(pct) // 2]}%);")
+                speed = sorted(v["loop"]["ms"] / v[impl]["ms"] for v in n32 if "loop" in v)
+                if speed:
+                    line.append(f"{speed[0]:.1f}x..{speed[-1]:.1f}x the loop")
+            print(" ".join(line))
+    fused = [v for v in by_key.values() if "lorafusion" in v and "ours_linear_direct" in v]
+    if fused:
+        wins = sum(v["ours_linear_direct"]["ms"] <= v["lorafusion"]["ms"] for v in fused)
+        print(f"ours_linear_direct faster than LoRAFusion at {wins}/{len(fused)} points")
 
 
 if __name__ == "__main__":

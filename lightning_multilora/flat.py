@@ -75,7 +75,9 @@ class FlatAdapter:
             views = self._views(flat)
             torch._foreach_copy_(list(views), [p.detach() for p in self.params])
             for p, view in zip(self.params, views):
+                p.grad = None  # a gradient of the old storage (moved or cast with it) no longer aliases anything
                 p.data = view
+            self.flat.grad = None
             self.flat.data = flat
         self._grad: Optional[Tensor] = None
         self._grad_views: tuple[Tensor, ...] = ()
