@@ -271,3 +271,22 @@ def test_a_paused_adapter_keeps_its_weights_until_resumed(tmp_path, trainer_kwar
     for key, value in snapshots["paused"].items():
         assert torch.equal(snapshots["before_resume"][key], value), key
     assert module.registry["p"].step == 6 and module.registry["p"].state.value == "finished"
+
+
+def test_optimizer_state_that_no_longer_fits_starts_fresh_with_a_warning():
+    from lightning_multilora.module import _match_optimizer_state
+
+    p, q = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([{"params": [p], "adapter": "a"}, {"params": [q], "adapter": "b"}])
+    saved = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(4)}, 1: {"step": torch.tensor(5.0)},
+                       2: {"step": torch.tensor(5.0)}},
+             "param_groups": [{"params": [0], "adapter": "a", "lr": 0.5}, {"params": [1, 2], "adapter": "b", "lr": 0.25}]}
+    checkpoint = {"optimizer_states": [saved]}
+    with pytest.warns(UserWarning, match="adapter 'b' .* starts fresh"):
+        _match_optimizer_state(checkpoint, optimizer, lambda name, states: None)
+    matched = checkpoint["optimizer_states"][0]
+    assert matched["param_groups"][0]["lr"] == 0.5 and torch.equal(matched["state"][0]["exp_avg"], torch.ones(4))
+    assert matched["param_groups"][1]["params"] == [1] and 1 not in matched["state"]  # b: fresh
+    checkpoint = {"optimizer_states": [saved]}
+    _match_optimizer_state(checkpoint, optimizer, lambda name, states: {"step": states[0]["step"]})
+    assert float(checkpoint["optimizer_states"][0]["state"][1]["step"]) == 5.0  # converted: kept
