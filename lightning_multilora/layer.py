@@ -315,7 +315,8 @@ class LoRALayers(Mapping):
         """Adapter ``name`` has no gradient this step (an optimizer skips it)."""
         flat = self.flat_adapter(name)
         if flat is not None:
-            flat.drop_grads()
+            flat.drop_grads()  # the per-layer gradients too
+            return
         for p in self.parameters_of(name):
             p.grad = None
 
