@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from benchmarks.packed_step import ALPHA, LLAMA_31_8B, LR, RANK, TARGETS, lm_loss
 from lightning_multilora.base_model import TINY_CONFIGS
+from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import MultiLoRALinear, inject_multilora
 from lightning_multilora.layout import BatchLayout
 from lightning_multilora.spec import AdapterSpec
@@ -76,7 +77,7 @@ def build(config_kwargs: dict, device: torch.device, mode: str, names: list[str]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
     model.train()
     layers = inject_multilora(model, TARGETS)
     for i, name in enumerate(names):

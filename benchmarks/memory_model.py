@@ -34,6 +34,7 @@ import torch
 
 from benchmarks.packed_step import ALPHA, LLAMA_31_8B, LR, RANK, TARGETS, build_model, lm_backward
 from lightning_multilora.layer import inject_multilora
+from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layout import BatchLayout
 from lightning_multilora.scheduling import (
     AdmissionController,
@@ -175,7 +176,7 @@ def main() -> None:
         if not args.dry_run:
             for label, enable in (("with", True), ("without", False)):
                 if enable:
-                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
                 else:
                     model.gradient_checkpointing_disable()
                 times = []
@@ -188,7 +189,7 @@ def main() -> None:
                     times.append(time.perf_counter() - t0)
                 compare[f"step_s_{label}"] = round(sorted(times)[1], 3)  # includes adding/removing the adapters
                 compare[f"peak_gib_{label}"] = None if peak is None else round(peak / 2**30, 2)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
 
     result = dict(gpu=gpu, torch=torch.__version__, date=datetime.now(timezone.utc).date().isoformat(),
                   allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), max_batch=args.max_batch,

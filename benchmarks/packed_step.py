@@ -46,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_multilora.base_model import TINY_CONFIGS
 from lightning_multilora.kernels import resolve_backend
+from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import LoRALayers, MultiLoRALinear, inject_multilora
 from lightning_multilora.layout import BatchLayout
 
@@ -116,7 +117,7 @@ def build_model(tiny: bool, max_seq: int, device: torch.device) -> nn.Module:
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.requires_grad_(False)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
     model.train()  # transformers only checkpoints layers in training mode
     return model
 

@@ -27,6 +27,7 @@ _EXPORTS = {
     "WarmupSelection": "lightning_multilora.callbacks.warmup",
     "OptunaSweep": "lightning_multilora.callbacks.optuna_sweep",
     "AdapterParallelStrategy": "lightning_multilora.strategies.adapter_parallel",
+    "checkpointing_kwargs": "lightning_multilora.kernels.recompute",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from lightning_multilora.callbacks.report import SweepReport
     from lightning_multilora.callbacks.warmup import WarmupSelection
     from lightning_multilora.data.datamodule import MultiLoRADataModule
+    from lightning_multilora.kernels.recompute import checkpointing_kwargs
     from lightning_multilora.layer import LoRALayers, MultiLoRALinear, inject_multilora
     from lightning_multilora.layout import BatchLayout
     from lightning_multilora.module import MultiLoRAMixin, MultiLoRAModule

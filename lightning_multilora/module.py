@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import peft_target_modules, save_peft_adapter
 from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS
+from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import LoRALayers, inject_multilora
 from lightning_multilora.layout import BatchLayout
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
@@ -868,7 +869,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
             model = build_base_model(base_model, config_overrides, dtype, base_seed, quantization)
         model.train()  # from_pretrained returns eval mode; Lightning trains modules as they are
         if gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
         self.model = model
         specs = list(adapters or []) + (grid.specs() if grid is not None else [])
         self.init_multilora(model, specs, target_modules, optimizer, optimizer_kwargs, max_running, export_dir,

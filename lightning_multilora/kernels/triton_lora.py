@@ -15,6 +15,7 @@ from torch import Tensor
 
 from lightning_multilora.kernels import triton_kernels as K
 from lightning_multilora.kernels.launch import FastLauncher
+from lightning_multilora.kernels.recompute import active_region
 from lightning_multilora.kernels.weights import LoRAWeights
 
 BLOCK_M = 64  # rows per program in the row-blocked kernels (the schedule's block); other tiles are tuned
@@ -277,6 +278,8 @@ class _Call:
     direct: bool
     d_out: int
     out_dtype: torch.dtype
+    # ``S`` as this call's forward made it, kept for a recomputation under gradient checkpointing (`recompute`)
+    kept_s: Optional[Tensor] = None
 
     @property
     def a_ptrs(self) -> Tensor:  # (n,) the A_i the products read
@@ -317,8 +320,11 @@ class _LoRAShrink(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, call: _Call, *params: Tensor) -> tuple[Tensor, Tensor]:
         table, sched = call.table, call.sched
-        s = _low_rank_buffer(x.shape[0], table, x.device)
-        if sched.num_blocks:
+        if call.kept_s is not None:  # a recomputation: S is the forward's (same inputs, same dropout seeds)
+            s = call.kept_s
+        else:
+            s = _low_rank_buffer(x.shape[0], table, x.device)
+        if sched.num_blocks and call.kept_s is None:
             _rows_times_weight(
                 _rows_grid(sched, table),
                 (x, call.a_ptrs, call.w_witness, s, sched.blk_adapter, sched.blk_start, sched.seg_end,
@@ -656,5 +662,14 @@ def _apply(x: Tensor, base_out: Optional[Tensor], weight: Optional[Tensor], bias
     call = _Call(weights, table, schedule(weights.starts, weights.ends, x.shape[0], device), seeds, copies,
                  has_dropout, _precision(x), direct, d_out, out_dtype)
     x = x if x.stride(-1) == 1 else x.contiguous()
+    region = active_region()  # a region checkpointed with `recompute.checkpoint_contexts`
+    if region is None or not torch.is_grad_enabled():
+        return _LoRAExpand.apply(x, *_LoRAShrink.apply(x, call, *params), base_out, weight, bias, call)
+    # (the table is held by the forward's call until its backward, so its id is not reused meanwhile)
+    key = (id(table), x.shape, x.dtype, d_out, has_dropout, call.precision)
+    if region.replaying:
+        call.kept_s = region.take(key)
     s, z = _LoRAShrink.apply(x, call, *params)
+    if not region.replaying:
+        region.keep(key, s)
     return _LoRAExpand.apply(x, s, z, base_out, weight, bias, call)

@@ -272,6 +272,24 @@ def test_the_fused_frozen_linear_adds_the_lora_dx_into_the_base_dx(dtype, dropou
         multi_lora_linear(x, weight.clone().requires_grad_(), b, w, False)
 
 
+def two_fused_projections(dropout):
+    """Two fused frozen linears with adapters (every product's shapes differ), a relu between them: the input,
+    both adapter sets, the block and an upstream gradient."""
+    from lightning_multilora.kernels.triton_lora import multi_lora_linear_triton
+
+    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
+    x, _, w1 = problem([3, 16, 9], [30, 1, 20], d_in=24, d_out=40, dtype=dtype, dropout=dropout, gaps=False, seed=1)
+    _, _, w2 = problem([5, 2, 8], [30, 1, 20], d_in=40, d_out=56, dtype=dtype, dropout=dropout, gaps=False, seed=2)
+    w1_base = torch.randn(40, 24, device=DEVICE).div(24 ** 0.5).to(dtype)
+    w2_base = torch.randn(56, 40, device=DEVICE).div(40 ** 0.5).to(dtype)
+
+    def block(x_):
+        h = torch.relu(multi_lora_linear_triton(x_, w1_base, None, w1, True))
+        return multi_lora_linear_triton(h, w2_base, None, w2, True)
+
+    return x, w1, w2, block, torch.randn(x.shape[0], 56, device=DEVICE, dtype=dtype)
+
+
 @pytest.mark.parametrize("dropout", [None, [0.3, 0.0, 0.5]])
 def test_checkpoint_recomputation_skips_the_last_fused_frozen_product(dropout):
     """Under non-reentrant checkpointing the recomputation stops after the last tensor saved for backward.
@@ -280,19 +298,7 @@ def test_checkpoint_recomputation_skips_the_last_fused_frozen_product(dropout):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
 
-    from lightning_multilora.kernels.triton_lora import multi_lora_linear_triton
-
-    dtype = torch.float16 if DEVICE == "cuda" else torch.float32
-    x, _, w1 = problem([3, 16, 9], [30, 1, 20], d_in=24, d_out=40, dtype=dtype, dropout=dropout,
-                       gaps=False, seed=1)
-    _, _, w2 = problem([5, 2, 8], [30, 1, 20], d_in=40, d_out=56, dtype=dtype, dropout=dropout, gaps=False, seed=2)
-    w1_base = torch.randn(40, 24, device=DEVICE).div(24 ** 0.5).to(dtype)
-    w2_base = torch.randn(56, 40, device=DEVICE).div(40 ** 0.5).to(dtype)
-    grad_out = torch.randn(x.shape[0], 56, device=DEVICE, dtype=dtype)
-
-    def block(x_):
-        h = torch.relu(multi_lora_linear_triton(x_, w1_base, None, w1, True))
-        return multi_lora_linear_triton(h, w2_base, None, w2, True)
+    x, w1, w2, block, grad_out = two_fused_projections(dropout)
 
     class Products(TorchDispatchMode):
         def __init__(self):
@@ -320,6 +326,63 @@ def test_checkpoint_recomputation_skips_the_last_fused_frozen_product(dropout):
     assert shapes.count(last_forward) == 0  # the last one is not
     for g, g_ref in zip(recomputed, plain):
         assert rel(g, g_ref) < 1e-5
+
+
+@pytest.mark.parametrize("dropout", [None, [0.3, 0.0, 0.5]])
+def test_a_recomputation_takes_the_low_rank_activations_its_forward_kept(dropout):
+    """Checkpointed with `checkpoint_contexts`, the recomputation launches no shrink (it takes each ``S`` its
+    forward kept, dropout masks included), and every gradient equals the one of an uncheckpointed run."""
+    from torch.utils.checkpoint import checkpoint
+
+    import lightning_multilora.kernels.triton_lora as TL
+    from lightning_multilora.kernels.recompute import checkpoint_contexts
+    x, w1, w2, block, grad_out = two_fused_projections(dropout)
+
+    launches = []
+    launcher = TL._rows_times_weight
+    TL._rows_times_weight = lambda grid, args, meta: launches.append(meta["W_IS_A"]) or launcher(grid, args, meta)
+    try:
+        def grads(context_fn):
+            torch.manual_seed(0)
+            x_ = x.detach().clone().requires_grad_()
+            y = block(x_) if context_fn is None else checkpoint(block, x_, use_reentrant=False, context_fn=context_fn)
+            launches.clear()
+            got = torch.autograd.grad(y, [x_, *w1.a, *w1.b, *w2.a, *w2.b], grad_out)
+            return got, launches.count(True)  # W_IS_A: a shrink
+
+        plain, shrinks_plain = grads(None)
+        kept, shrinks_kept = grads(checkpoint_contexts)
+    finally:
+        TL._rows_times_weight = launcher
+    assert (shrinks_plain, shrinks_kept) == (0, 0)
+    for g, g_ref in zip(kept, plain):
+        assert rel(g, g_ref) < 1e-5
+    # without the contexts the recomputation launches both shrinks again
+    x_ = x.detach().clone().requires_grad_()
+    torch.manual_seed(0)
+    y = checkpoint(block, x_, use_reentrant=False)
+    TL._rows_times_weight = lambda grid, args, meta: launches.append(meta["W_IS_A"]) or launcher(grid, args, meta)
+    try:
+        launches.clear()
+        torch.autograd.grad(y, [x_, *w1.a], grad_out)
+    finally:
+        TL._rows_times_weight = launcher
+    assert launches.count(True) == 2
+
+
+def test_a_recomputation_of_another_call_computes_its_own_low_rank_activations():
+    """A kept ``S`` goes only to a call with the same key, in order; after a mismatch the region hands out none."""
+    from lightning_multilora.kernels.recompute import _Region
+
+    region = _Region()
+    s1, s2 = torch.ones(2, 16), torch.zeros(3, 16)
+    region.keep(("a", 2), s1)
+    region.keep(("b", 3), s2)
+    assert region.take(("a", 2)).data_ptr() == s1.data_ptr()
+    assert region.take(("c", 3)) is None  # not the next call's
+    assert region.take(("b", 3)) is None  # nor anything after it
+    region.cursor = 0  # a second recomputation (backward with retain_graph) starts again
+    assert region.take(("a", 2)) is not None
 
 
 def test_the_layer_fuses_only_a_plain_frozen_linear():
