@@ -15,7 +15,7 @@ Triton's own path.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import triton
@@ -46,14 +46,21 @@ class FastLauncher:
         self.arg_names: list[str] = [] if interpreted else list(getattr(kernel, "fn", kernel).arg_names)
         self._variants: dict[tuple, tuple[Any, dict[str, Any], list[Any]]] = {}
 
-    def __call__(self, grid: tuple | Callable[[Mapping[str, Any]], tuple], args: tuple, meta: dict[str, Any]) -> None:
+    def __call__(self, grid: tuple | Callable[[Mapping[str, Any]], tuple], args: tuple, meta: dict[str, Any],
+                 before: Optional[Callable[[Optional[Mapping[str, Any]]], None]] = None) -> None:
+        """``before``, if given, runs just before the launch with its full meta-parameters (the tuned tiles
+        included), or with None where Triton's own path picks them (a first launch, the interpreter, hooks)."""
         if self.interpreted or _hooks_set():
+            if before is not None:
+                before(meta if self.interpreted else None)
             self.kernel[grid](*args, **meta)
             return
         device = args[0].device.index
         key = (device, _specs(args), tuple(meta.items()))
         variant = self._variants.get(key)
         if variant is None:
+            if before is not None:
+                before(None)
             compiled = self.kernel[grid](*args, **meta)
             best = getattr(self.kernel, "best_config", None)
             tiles = dict(best.kwargs) if best is not None else {}
@@ -64,6 +71,8 @@ class FastLauncher:
             self._variants[key] = (compiled, full, [full[n] for n in self.arg_names[len(args):]])
             return
         compiled, full, tail = variant
+        if before is not None:
+            before(full)
         shape = grid(full) if callable(grid) else grid
         shape = tuple(shape) + (1,) * (3 - len(shape))
         stream = torch._C._cuda_getCurrentRawStream(device)
