@@ -21,7 +21,9 @@ The four kernels:
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = s dS^T drop(X)``)
   or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
   runtime value). It adds into what is there, as autograd's gradient accumulation does; its autotuning
-  trials must therefore run on scratch targets (see `triton_lora`).
+  trials must therefore run on scratch targets (see `triton_lora`). ``WITH_DS`` (the ``dB`` launch): each
+  program also adds its K block's share of ``dS = dY B`` into a zeroed fp32 ``dS`` (atomically, one
+  ``(BLOCK_T, r)`` tile per ``dY`` tile), so ``dY`` is read once for both instead of twice.
 Dropout masks come from a per-adapter seed and the element's (row, column): the backward regenerates
 the forward's mask instead of storing it.
 
@@ -218,19 +220,20 @@ def _rank_times_weight(
     tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
 
 
-@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "HAS_DROPOUT", "G_ALIGNED"])
+@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS", "W_ALIGNED"])
 @triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T"])
 def _weight_grad(
-    # pointers
-    L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
+    # pointers (W_PTRS, W_WITNESS, DS: the B_i and dS of WITH_DS)
+    L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS, DS,
     # sizes (SPLIT_T, the programs sharing one adapter's rows, is a runtime value: a run whose adapter set
     # shrinks meets several, and each would otherwise compile every tuning candidate again)
     K, R_CHUNKS, SPLIT_T,
     # strides
-    stride_l_m, stride_m_m,
+    stride_l_m, stride_m_m, stride_ds_m,
     # meta-parameters (ATOMIC: SPLIT_T > 1)
     G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    G_ALIGNED: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    G_ALIGNED: tl.constexpr, WITH_DS: tl.constexpr, W_ALIGNED: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     a = tl.program_id(0) // R_CHUNKS
     r0 = (tl.program_id(0) % R_CHUNKS) * BLOCK_R
@@ -249,6 +252,11 @@ def _weight_grad(
     offs_r = r0 + tl.arange(0, BLOCK_R)
     mask_k = offs_k < K
     mask_r = offs_r < r
+    if WITH_DS:  # this program's (BLOCK_K, BLOCK_R) tile of B_i (row-major (K, r)), read once
+        w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
+        if W_ALIGNED:
+            w = tl.multiple_of(w, 16)
+        wt = tl.load(w + offs_k[:, None] * r + offs_r[None, :], mask=mask_k[:, None] & mask_r[None, :], other=0.0)
     acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
     # SPLIT_T programs share one adapter's rows, interleaved by BLOCK_T, and add into G atomically.
     for t0 in range(start + split * BLOCK_T, end, BLOCK_T * SPLIT_T):
@@ -261,6 +269,10 @@ def _weight_grad(
         if HAS_DROPOUT:
             full = _dropout_scale(full, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_t, offs_k, K).to(full.dtype)
         acc += tl.dot(tl.trans(low.to(full.dtype)), full, input_precision=DOT_PRECISION)
+        if WITH_DS:  # dS_i[t, :] += dY[t, k-block] B_i[k-block, :], from the dY tile already loaded
+            part = tl.dot(full, wt.to(full.dtype), input_precision=DOT_PRECISION)
+            tl.atomic_add(DS + offs_t[:, None] * stride_ds_m + offs_r[None, :], part,
+                          mask=mask_t[:, None] & mask_r[None, :])
     acc = acc * tl.load(COEF + a)
     if G_IS_A:  # G = dA (r, K) row-major
         g_ptrs = g + offs_r[:, None] * K + offs_k[None, :]

@@ -280,6 +280,8 @@ class _Call:
     out_dtype: torch.dtype
     # ``S`` as this call's forward made it, kept for a recomputation under gradient checkpointing (`recompute`)
     kept_s: Optional[Tensor] = None
+    # The gradients the expand's backward added dB into (`FUSED_DS_DB`), for the shrink's backward to add dA into
+    grad_targets: Optional["GradTargets"] = None
 
     @property
     def a_ptrs(self) -> Tensor:  # (n,) the A_i the products read
@@ -320,11 +322,11 @@ class _LoRAShrink(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, call: _Call, *params: Tensor) -> tuple[Tensor, Tensor]:
         table, sched = call.table, call.sched
-        if call.kept_s is not None:  # a recomputation: S is the forward's (same inputs, same dropout seeds)
-            s = call.kept_s
-        else:
-            s = _low_rank_buffer(x.shape[0], table, x.device)
-        if sched.num_blocks and call.kept_s is None:
+        # A recomputation: S is the forward's (same inputs, same dropout seeds). Taken off the call, which stays on
+        # ctx: S -> grad_fn -> ctx -> call -> S would be a reference cycle, holding the graph until a gc pass.
+        kept, call.kept_s = call.kept_s, None
+        s = kept if kept is not None else _low_rank_buffer(x.shape[0], table, x.device)
+        if sched.num_blocks and kept is None:
             _rows_times_weight(
                 _rows_grid(sched, table),
                 (x, call.a_ptrs, call.w_witness, s, sched.blk_adapter, sched.blk_start, sched.seg_end,
@@ -344,15 +346,19 @@ class _LoRAShrink(torch.autograd.Function):
         call: _Call = ctx.call
         if not any(ctx.needs_input_grad[2:]):  # frozen adapters: nothing to compute here (dX is the expand's)
             return (None, None) + (None,) * ctx.num_params
-        if call.direct:
-            targets = _grads_of_parameters(call.weights, call.table, x.device)
+        which = "ab"
+        if call.grad_targets is not None:  # dB was added by the expand's backward, with dS
+            targets, which, call.grad_targets = call.grad_targets, "a", None
             grads: tuple = (None,) * ctx.num_params
+        elif call.direct:
+            targets = _grads_of_parameters(call.weights, call.table, x.device)
+            grads = (None,) * ctx.num_params
         else:
             targets = _fresh_grads(call.weights, call.table, x.device)
             grads = targets.a + targets.b
         if call.sched.num_blocks:
             dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-            _weight_grads(x, dy, s, ds, call, targets)
+            _weight_grads(x, dy, s, ds, call, targets, which)
         return (None, None, *grads)
 
 
@@ -399,6 +405,9 @@ class _LoRAExpand(torch.autograd.Function):
         # the frozen base weight is a parameter, and the shapes are all backward needs of x.
         ctx.call, ctx.base_weight, ctx.owns_base = call, base_weight, owns_base
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        # S for dB in this half's backward (`FUSED_DS_DB`): the shrink keeps it anyway (saved, or kept for a
+        # recomputation); an attribute, so that it brings nothing back into a recomputation
+        ctx.s = s if call.direct else None
         return base_out
 
     @staticmethod
@@ -412,7 +421,12 @@ class _LoRAExpand(torch.autograd.Function):
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only base_out wants a gradient
             return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
         ds = _low_rank_buffer(rows, table, device)
-        if sched.num_blocks:
+        if sched.num_blocks and FUSED_DS_DB and call.direct and ctx.s is not None:
+            # dB's launch adds dS too (one pass over dY for both); the shrink's backward then does dA only
+            ds.zero_()
+            call.grad_targets = _grads_of_parameters(call.weights, table, device)
+            _weight_grads(None, dy, ctx.s, ds, call, call.grad_targets, which="b+ds")
+        elif sched.num_blocks:
             _rows_times_weight(
                 _rows_grid(sched, table),
                 (dy, call.b_ptrs, call.w_witness, ds, sched.blk_adapter, sched.blk_start, sched.seg_end,
@@ -443,6 +457,10 @@ class _LoRAExpand(torch.autograd.Function):
                 dx.addmm_(dy, ctx.base_weight)  # dX = dY W + (LoRA dX), the LoRA term read in the GEMM's epilogue
         return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
 
+
+# The dB launch adds dS = dY B too, from the dY tiles it reads anyway (`_weight_grad`'s WITH_DS), in place of the row
+# launch that read dY a second time; with direct gradients (the default), where the expand's backward can add dB.
+FUSED_DS_DB = True
 
 # The frozen linear takes the LoRA term as its GEMM's addend (``Y = X W^T + Y_lora``, cuBLAS with beta = 1) instead
 # of the LoRA launch reading and rewriting the GEMM's output: one pass over Y (and over dX in backward) fewer.
@@ -598,34 +616,48 @@ def _split_for(num_programs: int, max_tokens: int, device: torch.device) -> int:
 _tuned_grad_keys: set = set()
 
 
-def _weight_grads(x: Tensor, dy: Tensor, s: Tensor, ds: Tensor, call: _Call, targets: GradTargets) -> None:
-    """``dA_i += s_i dS_i^T drop_i(X_i)`` and ``dB_i += s_i dY_i^T S_i``, two launches into ``targets``."""
+def _weight_grads(x: Tensor, dy: Tensor, s: Tensor, ds: Tensor, call: _Call, targets: GradTargets,
+                  which: str = "ab") -> None:
+    """``dA_i += s_i dS_i^T drop_i(X_i)`` (``"a"`` in ``which``) and ``dB_i += s_i dY_i^T S_i`` (``"b"``), one launch
+    each into ``targets``. ``which="b+ds"``: the ``dB`` launch also adds ``dS = dY B`` into ``ds`` (zeroed)."""
+    if "a" in which:
+        _weight_grad_launch(True, ds, x, call, targets, None)
+    if "b" in which:
+        _weight_grad_launch(False, s, dy, call, targets, ds if which.endswith("+ds") else None)
+
+
+def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, targets: GradTargets,
+                        ds: Optional[Tensor]) -> None:
     weights, table, sched, seeds = call.weights, call.table, call.sched, call.seeds
     n = len(weights.a)
-    device = x.device
-    d_in, d_out = x.shape[1], dy.shape[1]
+    device = full.device
+    k = full.shape[1]
     witness = targets.a[0] if targets.a else weights.a[0].grad
-    launches = (  # (G_IS_A, L, M, K, coefficients, dropout, pointers)
-        (True, ds, x, d_in, table.scaling, call.has_dropout, targets.a_ptrs),  # dS is kept without s
-        (False, s, dy, d_out, table.scaling, False, targets.b_ptrs),
-    )
-    for g_is_a, low, full, k, coef, dropout, ptrs in launches:
-        split = _split_for(n * table.r_chunks * _cdiv(k, 128), sched.max_tokens, device)
-        args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, table.ranks, coef, table.drop_p, seeds, k,
-                table.r_chunks, split, low.stride(0), full.stride(0))
-        meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, ATOMIC=split > 1, DOT_PRECISION=call.precision,
-                    G_ALIGNED=targets.aligned, BLOCK_R=table.block_r, **_meta("grad"))
-        grid = lambda m, k=k, split=split: (n * table.r_chunks, _cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
-        tune_key = (k, table.block_r, g_is_a, split > 1, dropout, low.dtype, full.dtype, witness.dtype,
-                    meta["DOT_PRECISION"], targets.aligned)
-        if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
-            # The launch adds into its targets, and the autotuner's trials would add several times: let them
-            # run on scratch gradients first; the real launch below then reuses the chosen tiles.
-            scratch = _fresh_grads(weights, table, device)
-            K._weight_grad[grid](low, full, scratch.a_ptrs if g_is_a else scratch.b_ptrs, scratch.a[0], *args[4:],
-                                 **meta)
-            _tuned_grad_keys.add(tune_key)
-        _weight_grad(grid, args, meta)
+    # (dS is kept without s; dropout only on X, in dA)
+    dropout = call.has_dropout and g_is_a
+    ptrs = targets.a_ptrs if g_is_a else targets.b_ptrs
+    with_ds = ds is not None
+    split = _split_for(n * table.r_chunks * _cdiv(k, 128), sched.max_tokens, device)
+    tail = (k, table.r_chunks, split, low.stride(0), full.stride(0), ds.stride(0) if with_ds else 0)
+    w_args = (call.b_ptrs, call.w_witness, ds) if with_ds else (ptrs, witness, low)  # (unused without dS)
+    args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p, seeds,
+            *w_args, *tail)
+    w_aligned = with_ds and call.w_aligned
+    meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, ATOMIC=split > 1, DOT_PRECISION=call.precision,
+                G_ALIGNED=targets.aligned, WITH_DS=with_ds, W_ALIGNED=w_aligned, BLOCK_R=table.block_r,
+                **_meta("grad"))
+    grid = lambda m: (n * table.r_chunks, _cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
+    tune_key = (k, table.block_r, g_is_a, split > 1, dropout, low.dtype, full.dtype, witness.dtype,
+                meta["DOT_PRECISION"], targets.aligned, with_ds, w_aligned)
+    if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
+        # The launch adds into its targets (and dS), and the autotuner's trials would add several times: let them
+        # run on scratch ones first; the real launch below then reuses the chosen tiles.
+        scratch = _fresh_grads(weights, table, device)
+        scratch_w = (w_args[0], w_args[1], torch.zeros_like(ds)) if with_ds else (ptrs, scratch.a[0], low)
+        K._weight_grad[grid](low, full, scratch.a_ptrs if g_is_a else scratch.b_ptrs, scratch.a[0], *args[4:10],
+                             *scratch_w, *tail, **meta)
+        _tuned_grad_keys.add(tune_key)
+    _weight_grad(grid, args, meta)
 
 
 def multi_lora_triton(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool) -> Tensor:

@@ -394,6 +394,41 @@ def test_a_recomputation_takes_the_low_rank_activations_its_forward_kept(dropout
     assert launches.count(True) == 2
 
 
+def test_a_recomputation_with_kept_activations_leaves_no_reference_cycle():
+    """What a checkpointed step allocates is freed by reference counting alone once its graph is gone (a cycle
+    would hold every recomputed tensor until Python's gc runs: on the H200 a step's activations piled up to OOM)."""
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_multilora.kernels import recompute
+
+    x, w1, w2, block, grad_out = two_fused_projections(None)
+    taken = []
+    take = recompute._Region.take
+
+    def spy(self, key):
+        s = take(self, key)
+        taken.append(weakref.ref(s))
+        return s
+
+    recompute._Region.take = spy
+    gc.collect()
+    gc.disable()
+    try:
+        for p in (*w1.a, *w1.b, *w2.a, *w2.b):
+            p.grad = None
+        x_ = x.detach().clone().requires_grad_()
+        y = checkpoint(block, x_, use_reentrant=False, context_fn=recompute.checkpoint_contexts)
+        y.backward(grad_out)
+        del y
+        assert len(taken) == 2 and all(ref() is None for ref in taken)
+    finally:
+        gc.enable()
+        recompute._Region.take = take
+
+
 def test_a_recomputation_of_another_call_computes_its_own_low_rank_activations():
     """A kept ``S`` goes only to a call with the same key, in order; after a mismatch the region hands out none."""
     from lightning_multilora.kernels.recompute import _Region
@@ -462,6 +497,53 @@ def test_direct_gradients_accumulate_into_dot_grad_like_autograd(dropout):
         torch.testing.assert_close(p.grad, prior + 2 * g, rtol=1e-5, atol=1e-5)
     # the created gradients share one buffer: one allocation per call, not one per adapter
     assert w.a[0].grad.untyped_storage().data_ptr() == w.b[0].grad.untyped_storage().data_ptr()
+
+
+def run_direct(x, base, w, grad_out):
+    """Output and gradients (x, every A, every B) with direct gradients (the layer's default path)."""
+    direct = with_direct_grads(w)
+    for p in direct.a + direct.b:
+        p.grad = None
+    xg = x.detach().clone().requires_grad_()
+    y = multi_lora_triton(xg, base.detach().clone(), direct, False)
+    y.backward(grad_out)
+    return y.detach(), [xg.grad] + [p.grad.clone() for p in direct.a + direct.b]
+
+
+@pytest.mark.parametrize("chunked, split", [(False, 1), (True, 1), (False, 2)])
+def test_the_db_launch_adds_ds_from_the_dy_it_reads(monkeypatch, chunked, split):
+    """With direct gradients the expand's backward makes dB and dS in one launch (``FUSED_DS_DB``), instead of a
+    row launch for dS and a dB launch in the shrink's backward: the same output and gradients as the reference,
+    with ranks over several chunks and rows split over programs; the row kernel runs for the forward only."""
+    from lightning_multilora.kernels import triton_lora
+
+    if chunked:
+        monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 16)
+        monkeypatch.setattr(triton_lora, "_pointer_tables", triton_lora._LRU())
+    if INTERPRETED:
+        monkeypatch.setattr(triton_lora, "_split_for", lambda num_programs, max_tokens, device: split)
+    rows_launches = []
+    launcher = triton_lora._rows_times_weight
+    monkeypatch.setattr(triton_lora, "_rows_times_weight",
+                        lambda grid, args, meta, *rest: rows_launches.append(meta["W_IS_A"]) or launcher(grid, args, meta, *rest))
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    ranks, tokens = ([1, 7, 100, 16], [70, 0, 5, 130]) if not chunked else ([3, 40, 17], [64, 100, 1])
+    x, base, w = problem(ranks, tokens, d_in=96, d_out=200, dtype=dtype, seed=3)
+    grad_out = torch.randn_like(base)
+    y, grads = run_direct(x, base, w, grad_out)
+    assert rows_launches == [True]  # the shrink; no dS row launch
+    y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert rel(y, y_ref) < tol
+    for g, g_ref in zip(grads, grads_ref):
+        if g_ref.abs().max() > 0:
+            assert rel(g, g_ref) < tol
+    monkeypatch.setattr(triton_lora, "FUSED_DS_DB", False)  # the two-launch path agrees
+    rows_launches.clear()
+    _, unfused = run_direct(x, base, w, grad_out)
+    assert rows_launches == [True, False]
+    for g, g_ref in zip(grads, unfused):
+        assert rel(g, g_ref) < tol
 
 
 def test_direct_gradients_fall_back_to_autograd_for_non_leaf_or_frozen_weights():
