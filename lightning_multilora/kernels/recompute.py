@@ -22,8 +22,6 @@ Usage with Hugging Face models (`MultiLoRAModule(gradient_checkpointing=True)` d
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Optional
 
 from torch import Tensor
@@ -60,22 +58,29 @@ class _Active(threading.local):
 _active = _Active()
 
 
-@contextmanager
-def _within(region: _Region, replaying: bool) -> Iterator[None]:
-    previous = _active.region
-    _active.region = region
-    region.replaying, region.cursor = replaying, 0
-    try:
-        yield
-    finally:
-        _active.region = previous
+class _Within:
+    """Makes ``region`` the active one while entered (forward, or a recomputation: a region is recomputed once per
+    backward that needs it, e.g. twice with ``retain_graph=True``, so this can be entered again)."""
+
+    __slots__ = ("region", "replaying", "previous")
+
+    def __init__(self, region: _Region, replaying: bool) -> None:
+        self.region, self.replaying, self.previous = region, replaying, None
+
+    def __enter__(self) -> None:
+        self.previous = _active.region
+        _active.region = self.region
+        self.region.replaying, self.region.cursor = self.replaying, 0
+
+    def __exit__(self, *exc) -> None:
+        _active.region = self.previous
 
 
 def checkpoint_contexts():
     """``context_fn`` of ``torch.utils.checkpoint.checkpoint``: (forward context, recomputation context)
     sharing one region's kept ``S`` tensors."""
     region = _Region()
-    return _within(region, replaying=False), _within(region, replaying=True)
+    return _Within(region, replaying=False), _Within(region, replaying=True)
 
 
 def checkpointing_kwargs() -> dict:

@@ -420,12 +420,14 @@ class _LoRAExpand(torch.autograd.Function):
         ds, dx = None, None
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only base_out wants a gradient
             return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
-        ds = _low_rank_buffer(rows, table, device)
-        if sched.num_blocks and FUSED_DS_DB and call.direct and ctx.s is not None:
+        # (dS goes back to autograd as S's gradient: zeroed under anomaly detection, which checks all of it)
+        ds = _low_rank_buffer(rows, table, device, zero=torch.is_anomaly_enabled())
+        s, ctx.s = ctx.s, None  # freed with this backward, as a saved tensor would be (a second backward: unfused)
+        if sched.num_blocks and FUSED_DS_DB and call.direct and s is not None:
             # dB's launch adds dS too (one pass over dY for both); the shrink's backward then does dA only
             ds.zero_()
             call.grad_targets = _grads_of_parameters(call.weights, table, device)
-            _weight_grads(None, dy, ctx.s, ds, call, call.grad_targets, which="b+ds")
+            _weight_grads(None, dy, s, ds, call, call.grad_targets, which="b+ds")
         elif sched.num_blocks:
             _rows_times_weight(
                 _rows_grid(sched, table),
@@ -559,12 +561,12 @@ def _meta(kind: str) -> dict[str, int]:
 _SMS: dict[int, int] = {}
 
 
-def _low_rank_buffer(rows: int, table: PointerTable, device: torch.device) -> Tensor:
+def _low_rank_buffer(rows: int, table: PointerTable, device: torch.device, zero: bool = False) -> Tensor:
     """``S`` / ``dS``: fp32 (precision, and atomics when the row kernel splits K), as wide as the largest rank
     rounded up to 16 (not the rank tile, which may be wider than any rank left: `rank_chunk`). Left empty: the
     row kernel writes every segment row's first ``r_i`` columns, the only ones any kernel reads (masked by
     segment and rank), and `_zero_if_split` zeroes it where the launch adds into it instead."""
-    return torch.empty((rows, table.width), device=device, dtype=torch.float32)
+    return (torch.zeros if zero else torch.empty)((rows, table.width), device=device, dtype=torch.float32)
 
 
 def _zero_if_split(out: Tensor):
@@ -648,7 +650,7 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
                 **_meta("grad"))
     grid = lambda m: (n * table.r_chunks, _cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
     tune_key = (k, table.block_r, g_is_a, split > 1, dropout, low.dtype, full.dtype, witness.dtype,
-                meta["DOT_PRECISION"], targets.aligned, with_ds, w_aligned)
+                meta["DOT_PRECISION"], targets.aligned, with_ds, w_aligned, w_args[1].dtype)
     if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
         # The launch adds into its targets (and dS), and the autotuner's trials would add several times: let them
         # run on scratch ones first; the real launch below then reuses the chosen tiles.

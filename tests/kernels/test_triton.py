@@ -109,7 +109,8 @@ def test_low_rank_buffers_are_read_only_where_written(monkeypatch, split):
 
     made = []
     empty = triton_lora._low_rank_buffer
-    monkeypatch.setattr(triton_lora, "_low_rank_buffer", lambda *a: made.append(empty(*a).fill_(float("nan"))) or made[-1])
+    monkeypatch.setattr(triton_lora, "_low_rank_buffer",
+                        lambda *a, **k: made.append(empty(*a, **k).fill_(float("nan"))) or made[-1])
     if INTERPRETED:
         monkeypatch.setattr(triton_lora, "_split_k", lambda num_blocks, k, device: split)
     x, base, w = problem([3, 16, 9], [130, 1, 64], d_in=200, d_out=72, dtype=torch.float32,
@@ -427,6 +428,78 @@ def test_a_recomputation_with_kept_activations_leaves_no_reference_cycle():
     finally:
         gc.enable()
         recompute._Region.take = take
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_region_is_recomputed_again_by_a_second_backward(direct):
+    """``retain_graph=True``: each backward recomputes the region (entering its recomputation context again) and
+    gets the same gradients as an uncheckpointed run, on the fused dB + dS path (direct) and the other one."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_multilora.kernels.recompute import checkpoint_contexts
+    from lightning_multilora.kernels.triton_lora import multi_lora_linear_triton
+
+    x, _, w = problem([3, 16, 9], [30, 1, 20], d_in=24, d_out=40, dtype=torch.float32, gaps=False, seed=6)
+    w = with_direct_grads(w) if direct else w
+    weight = torch.randn(40, 24, device=DEVICE).div(24 ** 0.5)
+    grad_out = torch.randn(x.shape[0], 40, device=DEVICE)
+    fn = lambda v: torch.relu(multi_lora_linear_triton(v, weight, None, w, False))  # noqa: E731
+    params = [*w.a, *w.b]
+
+    def grads_of(y, x_, retain):
+        if not direct:
+            return torch.autograd.grad(y, [x_, *params], grad_out, retain_graph=retain)
+        for p in params:
+            p.grad = None
+        x_.grad = None
+        y.backward(grad_out, retain_graph=retain)
+        return [x_.grad.clone()] + [p.grad.clone() for p in params]
+
+    x_ = x.detach().clone().requires_grad_()
+    expected = grads_of(fn(x_), x_, False)
+    x_ = x.detach().clone().requires_grad_()
+    y = checkpoint(fn, x_, use_reentrant=False, context_fn=checkpoint_contexts)
+    for retain in (True, False):
+        for g, g_ref in zip(grads_of(y, x_, retain), expected):
+            assert rel(g, g_ref) < 1e-5
+
+
+def test_low_rank_buffers_are_freed_by_their_backward(monkeypatch):
+    """S and dS are freed once the backward that used them is over, while the output (and its graph) stays."""
+    import gc
+    import weakref
+
+    from lightning_multilora.kernels import triton_lora
+
+    made = []
+    buffer = triton_lora._low_rank_buffer
+    monkeypatch.setattr(triton_lora, "_low_rank_buffer", lambda *a, **k: made.append(weakref.ref(t := buffer(*a, **k))) or t)
+    x, base, w = problem([3, 16, 9], [30, 1, 20], d_in=24, d_out=40, dtype=torch.float32, seed=9)
+    gc.collect()
+    gc.disable()
+    try:
+        y = multi_lora_triton(x.detach().clone().requires_grad_(), base.clone(), with_direct_grads(w), False)
+        y.backward(torch.randn_like(y))
+        assert len(made) == 2 and all(ref() is None for ref in made)  # y is still alive
+    finally:
+        gc.enable()
+
+
+def test_anomaly_detection_sees_no_unwritten_gradient_elements():
+    """``dS`` goes back to autograd as ``S``'s gradient; under anomaly detection (which checks every element of it
+    for NaN) it starts zeroed, so rows outside every segment and columns past a rank hold no garbage."""
+    x, base, w = problem([3, 16, 9], [30, 1, 20], d_in=24, d_out=40, dtype=torch.float32, seed=8)  # with gaps
+    grad_out = torch.randn_like(base)
+    from lightning_multilora.kernels import triton_lora
+
+    empty = torch.empty
+    try:  # garbage in every empty buffer: NaN
+        triton_lora.torch.empty = lambda *a, **k: empty(*a, **k).fill_(float("nan")) if k.get("dtype") == torch.float32 else empty(*a, **k)
+        with torch.autograd.set_detect_anomaly(True):
+            _, grads = run(multi_lora_triton, x, base, w, False, grad_out)
+    finally:
+        triton_lora.torch.empty = empty
+    assert all(torch.isfinite(g).all() for g in grads)
 
 
 def test_a_recomputation_of_another_call_computes_its_own_low_rank_activations():
