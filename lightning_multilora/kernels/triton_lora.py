@@ -307,7 +307,8 @@ class _LoRAShrink(torch.autograd.Function):
     ``Y``'s shape over one element of storage, whose only use is to bring ``dY`` back from `_LoRAExpand`.
 
     Backward (2 launches): ``dA_i = s_i dS_i^T drop_i(X_i)``; ``dB_i = s_i dY_i^T S_i`` (``dY`` arrives as ``Z``'s
-    gradient). ``dX`` is left to `_LoRAExpand`, which returns all of it.
+    gradient). ``dX`` is left to `_LoRAExpand`, which returns all of it. With direct gradients (`FUSED_DS_DB`) the
+    expand's backward has added ``dB`` already, and this launches ``dA`` only.
 
     Why two Functions: this half saves ``X`` and ``S``, the expand half saves no tensor. Under non-reentrant
     gradient checkpointing a layer's recomputation stops once every saved tensor is back, so it stops after
@@ -346,9 +347,9 @@ class _LoRAShrink(torch.autograd.Function):
         call: _Call = ctx.call
         if not any(ctx.needs_input_grad[2:]):  # frozen adapters: nothing to compute here (dX is the expand's)
             return (None, None) + (None,) * ctx.num_params
-        which = "ab"
-        if call.grad_targets is not None:  # dB was added by the expand's backward, with dS
-            targets, which, call.grad_targets = call.grad_targets, "a", None
+        db = call.grad_targets is None  # else dB was added by the expand's backward, with dS
+        if not db:
+            targets, call.grad_targets = call.grad_targets, None
             grads: tuple = (None,) * ctx.num_params
         elif call.direct:
             targets = _grads_of_parameters(call.weights, call.table, x.device)
@@ -358,7 +359,9 @@ class _LoRAShrink(torch.autograd.Function):
             grads = targets.a + targets.b
         if call.sched.num_blocks:
             dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-            _weight_grads(x, dy, s, ds, call, targets, which)
+            _weight_grad_launch(True, ds, x, call, targets)
+            if db:
+                _weight_grad_launch(False, s, dy, call, targets)
         return (None, None, *grads)
 
 
@@ -368,7 +371,9 @@ class _LoRAExpand(torch.autograd.Function):
     Backward (2 launches): ``dS_i = dY_i B_i``; ``dX_i = s_i drop_i'(dS_i A_i)``. (``dS`` is kept without ``s_i``:
     in fp16 a scaled ``dS`` may overflow where ``dX`` and ``dA`` do not.) ``dY_base = dY``, and ``dY``
     goes back to `_LoRAShrink` as ``Z``'s gradient (for ``dB``). Rows outside every segment keep ``Y_base`` and
-    get no LoRA ``dX``. No tensor is saved (see `_LoRAShrink` for why); ``S`` is not needed here.
+    get no LoRA ``dX``. No tensor is saved (see `_LoRAShrink` for why). With direct gradients (`FUSED_DS_DB`)
+    the first launch is ``dB_i += s_i dY_i^T S_i``, adding ``dS`` from the same ``dY`` tiles (``S`` held as an
+    attribute, released by this backward).
 
     ``base_out=None`` with a frozen ``base_weight`` (and ``base_bias``): this half owns the frozen linear too,
     ``Y_base = X W^T + b``, and its backward makes ``dX = dY W`` with the LoRA term added into that buffer by
@@ -420,14 +425,14 @@ class _LoRAExpand(torch.autograd.Function):
         ds, dx = None, None
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only base_out wants a gradient
             return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
-        # (dS goes back to autograd as S's gradient: zeroed under anomaly detection, which checks all of it)
-        ds = _low_rank_buffer(rows, table, device, zero=torch.is_anomaly_enabled())
         s, ctx.s = ctx.s, None  # freed with this backward, as a saved tensor would be (a second backward: unfused)
-        if sched.num_blocks and FUSED_DS_DB and call.direct and s is not None:
+        fused = sched.num_blocks and FUSED_DS_DB and call.direct and s is not None
+        # (dS goes back to autograd as S's gradient: zeroed under anomaly detection too, which checks all of it)
+        ds = _low_rank_buffer(rows, table, device, zero=fused or torch.is_anomaly_enabled())
+        if fused:
             # dB's launch adds dS too (one pass over dY for both); the shrink's backward then does dA only
-            ds.zero_()
             call.grad_targets = _grads_of_parameters(call.weights, table, device)
-            _weight_grads(None, dy, s, ds, call, call.grad_targets, which="b+ds")
+            _weight_grad_launch(False, s, dy, call, call.grad_targets, ds)
         elif sched.num_blocks:
             _rows_times_weight(
                 _rows_grid(sched, table),
@@ -618,18 +623,11 @@ def _split_for(num_programs: int, max_tokens: int, device: torch.device) -> int:
 _tuned_grad_keys: set = set()
 
 
-def _weight_grads(x: Tensor, dy: Tensor, s: Tensor, ds: Tensor, call: _Call, targets: GradTargets,
-                  which: str = "ab") -> None:
-    """``dA_i += s_i dS_i^T drop_i(X_i)`` (``"a"`` in ``which``) and ``dB_i += s_i dY_i^T S_i`` (``"b"``), one launch
-    each into ``targets``. ``which="b+ds"``: the ``dB`` launch also adds ``dS = dY B`` into ``ds`` (zeroed)."""
-    if "a" in which:
-        _weight_grad_launch(True, ds, x, call, targets, None)
-    if "b" in which:
-        _weight_grad_launch(False, s, dy, call, targets, ds if which.endswith("+ds") else None)
-
-
 def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, targets: GradTargets,
-                        ds: Optional[Tensor]) -> None:
+                        ds: Optional[Tensor] = None) -> None:
+    """One launch into ``targets``: ``dA_i += s_i dS_i^T drop_i(X_i)`` (``g_is_a``: ``low`` = dS, ``full`` = X) or
+    ``dB_i += s_i dY_i^T S_i`` (``low`` = S, ``full`` = dY), the latter also adding ``dS = dY B`` into ``ds``
+    (zeroed) when given."""
     weights, table, sched, seeds = call.weights, call.table, call.sched, call.seeds
     n = len(weights.a)
     device = full.device
