@@ -65,6 +65,7 @@ class MultiLoRALinear(nn.Module):
         self._version = 0  # bumped when adapters change, invalidating the cached LoRAWeights
         self._weights_key: Optional[tuple] = None
         self._weights: Optional[LoRAWeights] = None
+        self._weights_seen: Optional[tuple] = None  # (layout object, tokens per row, version, direct_grads)
 
     @property
     def adapter_names(self) -> list[str]:
@@ -108,53 +109,61 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         layout = self.context.layout
-        if layout is None or len(self.lora_A) == 0:
+        if layout is None:
             return self.base(x)
-        if x.shape[0] != layout.num_rows:
+        shape = x.shape
+        if shape[0] != layout.num_rows:
             raise RuntimeError(
-                f"the batch has {x.shape[0]} rows but the layout describes {layout.num_rows}; "
+                f"the batch has {shape[0]} rows but the layout describes {layout.num_rows}; "
                 "set the layout of the batch being run"
             )
-        tokens_per_row = x[0].numel() // x.shape[-1] if x.dim() > 2 else 1
-        weights = self._weights_for(layout, tokens_per_row)
+        weights = self._weights_for(layout, math.prod(shape[1:-1]))  # tokens per row
         if weights is None:
             return self.base(x)
         x2d = x.reshape(-1, self.in_features)  # (T, d_in): the kernels see tokens, the layout rows
-        if self._plain_frozen_base(x2d):
-            out = multi_lora_linear(x2d, self.base.weight, self.base.bias, weights, self.training)
+        base = self._modules["base"]
+        if self._plain_frozen_base(base, x2d):
+            out = multi_lora_linear(x2d, base.weight, base.bias, weights, self.training)
         else:
-            out = multi_lora(x2d, self.base(x2d), weights, self.training)  # a fresh base output, updated in place
-        return out.reshape(*x.shape[:-1], self.out_features)
+            out = multi_lora(x2d, base(x2d), weights, self.training)  # a fresh base output, updated in place
+        return out.reshape(*shape[:-1], self.out_features)
 
-    def _plain_frozen_base(self, x: Tensor) -> bool:
+    @staticmethod
+    def _plain_frozen_base(base: nn.Module, x: Tensor) -> bool:
         """The base is a plain frozen ``nn.Linear`` in ``x``'s dtype, without hooks and outside autocast:
         its product can then run inside the LoRA Function (see `multi_lora_linear`). Anything else
         (quantized, trainable, hooked or autocast bases) is called as a module."""
-        base = self.base
-        return (type(base) is nn.Linear and not base.weight.requires_grad and base.weight.dtype == x.dtype
-                and (base.bias is None or not base.bias.requires_grad) and not base._forward_hooks
-                and not base._forward_pre_hooks and not torch.is_autocast_enabled(x.device.type))
+        if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks:
+            return False
+        params = base._parameters
+        weight, bias = params["weight"], params["bias"]
+        return (not weight.requires_grad and weight.dtype == x.dtype and (bias is None or not bias.requires_grad)
+                and not torch.is_autocast_enabled(x.device.type))
 
     def _weights_for(self, layout: BatchLayout, tokens_per_row: int) -> Optional[LoRAWeights]:
         """This layer's adapters of ``layout`` in token units; reused while layout and adapters are the same
         (forward, recomputation and backward of a step, and steps with the same shapes)."""
+        seen = self._weights_seen
+        if (seen is not None and seen[0] is layout and seen[1] == tokens_per_row and seen[2] == self._version
+                and seen[3] == self.direct_grads):
+            return self._weights  # the same layout object (treated as immutable): no key to build and compare
         key = (layout.names, layout.starts, layout.ends, tokens_per_row, self._version, self.direct_grads)
-        if self._weights_key == key:
-            return self._weights
-        held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
-        weights = None
-        if held:
-            weights = LoRAWeights(
-                a=tuple(self.lora_A[n] for _, n in held),
-                b=tuple(self.lora_B[n] for _, n in held),
-                scaling=tuple(self.scaling[n] for _, n in held),
-                dropout=tuple(self.dropout[n] for _, n in held),
-                starts=tuple(layout.starts[i] * tokens_per_row for i, _ in held),
-                ends=tuple(layout.ends[i] * tokens_per_row for i, _ in held),
-                direct_grads=self.direct_grads,
-            )
-        self._weights_key, self._weights = key, weights
-        return weights
+        if self._weights_key != key:
+            held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
+            weights = None
+            if held:
+                weights = LoRAWeights(
+                    a=tuple(self.lora_A[n] for _, n in held),
+                    b=tuple(self.lora_B[n] for _, n in held),
+                    scaling=tuple(self.scaling[n] for _, n in held),
+                    dropout=tuple(self.dropout[n] for _, n in held),
+                    starts=tuple(layout.starts[i] * tokens_per_row for i, _ in held),
+                    ends=tuple(layout.ends[i] * tokens_per_row for i, _ in held),
+                    direct_grads=self.direct_grads,
+                )
+            self._weights_key, self._weights = key, weights
+        self._weights_seen = (layout, tokens_per_row, self._version, self.direct_grads)
+        return self._weights
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, adapters={self.adapter_names}"

@@ -4,9 +4,9 @@ A Triton launch through ``kernel[grid](...)`` costs tens of microseconds of Pyth
 autotuner's key, argument binding, option handling). A LoRA call makes six launches on small problems, so
 that host time, not the GPU, set the pace of a training step. `FastLauncher` sends a variant's first
 launch through Triton (autotuning, compiling) and keeps the compiled kernel and the chosen tiles under a
-key of everything Triton specializes a kernel on (argument dtypes, 16-byte pointer alignment, integers
-equal to 1, divisible by 16 or beyond 32 bits, the constexpr arguments); later launches with the same key
-call the compiled kernel's launcher directly.
+key that covers everything Triton specializes a kernel on (argument dtypes, 16-byte pointer alignment, the
+values of the other arguments, the constexpr ones); later launches with the same key call the compiled
+kernel's launcher directly.
 
 Under ``TRITON_INTERPRET=1``, or while Triton launch hooks are set (profilers), every launch takes
 Triton's own path.
@@ -20,16 +20,15 @@ from typing import Any, Optional
 import torch
 import triton
 
-_INT32 = 2**31
-
 
 def _specs(args: tuple) -> tuple:
-    """What Triton specializes each argument on: a tensor's dtype and 16-byte alignment; a bool's value; whether
-    an int is 1, a multiple of 16, and within 32 bits (one comprehension: this runs on every launch)."""
+    """The part of a launch's key that its arguments give: each tensor's dtype and 16-byte alignment (what Triton
+    specializes a pointer on), every other argument by value (a bool apart from the int of its value). An int's
+    value is finer than what Triton specializes it on (1, a multiple of 16, within 32 bits): a new value takes
+    Triton's own path once, which finds its compiled kernel. The kernels' int arguments are widths, strides and
+    counts fixed per layer shape. One comprehension: this runs on every launch."""
     return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else
-                  a if a.__class__ is bool else
-                  (a == 1, not a & 15, -_INT32 <= a < _INT32) if isinstance(a, int) else (type(a), a)
-                  for a in args])
+                  a if a.__class__ is int else (a.__class__, a) for a in args])
 
 
 class FastLauncher:
@@ -55,7 +54,7 @@ class FastLauncher:
                 before(meta if self.interpreted else None)
             self.kernel[grid](*args, **meta)
             return
-        device = args[0].device.index
+        device = args[0].get_device()
         key = (device, _specs(args), tuple(meta.items()))
         variant = self._variants.get(key)
         if variant is None:

@@ -7,9 +7,11 @@ a Llama-8B layer, 637 MB of reads at 32 x 256 tokens) for a tensor of only ``ran
 
 `checkpoint_contexts` is a ``context_fn`` for ``torch.utils.checkpoint.checkpoint`` (non-reentrant) that
 keeps each shrink's ``S`` from the forward and hands it back, in order, to the recomputation of the same
-region, which then skips the launch. ``S`` costs ``tokens x max rank x 4`` bytes per projection until
-the region's backward (about 117 MB for 32 adapters x 256 tokens on the 224 projections of Llama-8B),
-against the activations checkpointing drops.
+region, which then skips the launch. It also reuses the forward call's launch state (pointer tables,
+schedule, weight copies, dropout seeds), which the same inputs would rebuild the same, so a recomputed call
+costs little host time. ``S`` costs ``tokens x max rank x 4`` bytes per projection until the region's
+backward (about 117 MB for 32 adapters x 256 tokens on the 224 projections of Llama-8B), against the
+activations checkpointing drops.
 
 The entries are checked as they are taken back: a recomputation that asks for an ``S`` of another call
 (another shape or adapter set) stops taking them, and computes from there on.
@@ -22,7 +24,7 @@ Usage with Hugging Face models (`MultiLoRAModule(gradient_checkpointing=True)` d
 from __future__ import annotations
 
 import threading
-from typing import Optional
+from typing import Any, Optional
 
 from torch import Tensor
 
@@ -37,15 +39,16 @@ class _Region:
         self.cursor = 0
         self.replaying = False
 
-    def keep(self, key: tuple, s: Tensor) -> None:
-        self.entries.append((key, s.detach()))
+    def keep(self, key: tuple, s: Tensor, call: Any = None) -> None:
+        """Keep ``S`` of a call with this key (and the call's launch state, which its recomputation reuses)."""
+        self.entries.append((key, s.detach(), call))
 
-    def take(self, key: tuple) -> Optional[Tensor]:
-        """The next kept ``S`` if it belongs to a call with this key; else None from here on."""
+    def take(self, key: tuple) -> Optional[tuple[Tensor, Any]]:
+        """The next kept ``(S, call)`` if it belongs to a call with this key; else None from here on."""
         if self.cursor < len(self.entries) and self.entries[self.cursor][0] == key:
-            s = self.entries[self.cursor][1]
+            _, s, call = self.entries[self.cursor]
             self.cursor += 1
-            return s.detach()  # a fresh alias: the recomputation's Function becomes its grad_fn, not the kept one's
+            return s.detach(), call  # a fresh alias: the recomputation's Function becomes its grad_fn
         self.cursor = len(self.entries)
         return None
 

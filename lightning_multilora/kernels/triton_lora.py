@@ -278,6 +278,7 @@ class _Call:
     direct: bool
     d_out: int
     out_dtype: torch.dtype
+    params: tuple[Tensor, ...]  # the call's autograd inputs: every A_i and B_i, or A_0 alone (``direct``)
     # ``S`` as this call's forward made it, kept for a recomputation under gradient checkpointing (`recompute`)
     kept_s: Optional[Tensor] = None
     # The gradients the expand's backward added dB into (`FUSED_DS_DB`), for the shrink's backward to add dA into
@@ -587,7 +588,8 @@ def _rows_grid(sched: Schedule, table: PointerTable):
 
 def _row_bucket(sched: Schedule, table: PointerTable) -> int:
     """The row kernel's K split (with its tiles) is tuned per bucket of programs (row blocks x rank chunks)."""
-    return min(triton.next_power_of_2(max(sched.num_blocks * table.r_chunks, 1)), 1 << 14)
+    programs = max(sched.num_blocks * table.r_chunks, 1)
+    return min(1 << (programs - 1).bit_length(), 1 << 14)  # the next power of two (triton's is slow to call)
 
 
 def _rows_meta(num_blocks: int, k: int, device: torch.device) -> dict[str, int]:
@@ -687,6 +689,35 @@ def _apply(x: Tensor, base_out: Optional[Tensor], weight: Optional[Tensor], bias
     if weights.a[0].shape[1] != x.shape[1] or weights.b[0].shape[0] != d_out:
         raise ValueError(f"adapter shapes A {tuple(weights.a[0].shape)}, B {tuple(weights.b[0].shape)} do not fit "
                          f"x {tuple(x.shape)} and an output of width {d_out}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out_dtype = x.dtype if base_out is None else base_out.dtype
+    region = active_region() if torch.is_grad_enabled() else None  # a region checkpointed with `checkpoint_contexts`
+    if region is None:
+        call = _new_call(x, weights, training, d_out, out_dtype)
+        return _LoRAExpand.apply(x, *_LoRAShrink.apply(x, call, *call.params), base_out, weight, bias, call)
+    # (``weights`` is held by the kept call until the region's backward, so its id is not reused meanwhile)
+    key = (id(weights), x.shape, x.dtype, out_dtype, d_out, training, _precision(x))
+    kept = region.take(key) if region.replaying else None
+    if kept is not None:  # a recomputation: the forward's S and launch state
+        s, call = kept
+        if call.has_dropout:  # the forward's draw again (the region's RNG state is restored): ops after it see the same stream
+            _draw_seeds(weights, x.device)
+        call.kept_s = s
+    else:
+        call = _new_call(x, weights, training, d_out, out_dtype)
+    s, z = _LoRAShrink.apply(x, call, *call.params)
+    if not region.replaying:
+        region.keep(key, s, call)
+    return _LoRAExpand.apply(x, s, z, base_out, weight, bias, call)
+
+
+def _draw_seeds(weights: LoRAWeights, device: torch.device) -> Tensor:
+    """Per-adapter dropout seeds, drawn on the device: no host sync, and a checkpoint recomputation (which restores
+    the RNG state) draws the same ones."""
+    return torch.randint(0, 2**31 - 1, (len(weights.a),), dtype=torch.int32, device=device)
+
+
+def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_dtype: torch.dtype) -> _Call:
     params = weights.a + weights.b
     direct = (weights.direct_grads and torch.is_grad_enabled() and all(map(_requires_grad, params))
               and all(map(_is_leaf, params)))
@@ -695,24 +726,8 @@ def _apply(x: Tensor, base_out: Optional[Tensor], weight: Optional[Tensor], bias
     device = x.device
     table = pointer_table(weights, device)
     has_dropout = training and any(p > 0 for p in weights.dropout)
-    # Seeds drawn on the device: no host sync, and checkpoint recomputation (which restores the RNG state)
-    # regenerates the same masks.
-    seeds = (torch.randint(0, 2**31 - 1, (len(weights.a),), dtype=torch.int32, device=device) if has_dropout
-             else table.ranks)
-    out_dtype = x.dtype if base_out is None else base_out.dtype
+    seeds = _draw_seeds(weights, device) if has_dropout else table.ranks
     copy_dtype = _copy_dtype(x, out_dtype, weights)
     copies = None if copy_dtype is None else weight_copies(weights, table, copy_dtype, device)
-    call = _Call(weights, table, schedule(weights.starts, weights.ends, x.shape[0], device), seeds, copies,
-                 has_dropout, _precision(x), direct, d_out, out_dtype)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    region = active_region()  # a region checkpointed with `recompute.checkpoint_contexts`
-    if region is None or not torch.is_grad_enabled():
-        return _LoRAExpand.apply(x, *_LoRAShrink.apply(x, call, *params), base_out, weight, bias, call)
-    # (the table is held by the forward's call until its backward, so its id is not reused meanwhile)
-    key = (id(table), x.shape, x.dtype, d_out, has_dropout, call.precision)
-    if region.replaying:
-        call.kept_s = region.take(key)
-    s, z = _LoRAShrink.apply(x, call, *params)
-    if not region.replaying:
-        region.keep(key, s)
-    return _LoRAExpand.apply(x, s, z, base_out, weight, bias, call)
+    return _Call(weights, table, schedule(weights.starts, weights.ends, x.shape[0], device), seeds, copies,
+                 has_dropout, _precision(x), direct, d_out, out_dtype, params)

@@ -363,23 +363,26 @@ def test_a_recomputation_takes_the_low_rank_activations_its_forward_kept(dropout
     from lightning_multilora.kernels.recompute import checkpoint_contexts
     x, w1, w2, block, grad_out = two_fused_projections(dropout)
 
-    launches = []
-    launcher = TL._rows_times_weight
+    launches, calls = [], []
+    launcher, new_call = TL._rows_times_weight, TL._new_call
     TL._rows_times_weight = lambda grid, args, meta, *rest: launches.append(meta["W_IS_A"]) or launcher(grid, args, meta, *rest)
+    TL._new_call = lambda *args: calls.append(args) or new_call(*args)
     try:
         def grads(context_fn):
             torch.manual_seed(0)
             x_ = x.detach().clone().requires_grad_()
             y = block(x_) if context_fn is None else checkpoint(block, x_, use_reentrant=False, context_fn=context_fn)
             launches.clear()
+            calls.clear()
             got = torch.autograd.grad(y, [x_, *w1.a, *w1.b, *w2.a, *w2.b], grad_out)
-            return got, launches.count(True)  # W_IS_A: a shrink
+            return got, launches.count(True), len(calls)  # W_IS_A: a shrink
 
-        plain, shrinks_plain = grads(None)
-        kept, shrinks_kept = grads(checkpoint_contexts)
+        plain, shrinks_plain, _ = grads(None)
+        kept, shrinks_kept, calls_kept = grads(checkpoint_contexts)
     finally:
-        TL._rows_times_weight = launcher
+        TL._rows_times_weight, TL._new_call = launcher, new_call
     assert (shrinks_plain, shrinks_kept) == (0, 0)
+    assert calls_kept == 0  # the recomputed call reuses its forward's launch state (tables, copies, seeds)
     for g, g_ref in zip(kept, plain):
         assert rel(g, g_ref) < 1e-5
     # without the contexts the recomputation launches both shrinks again
@@ -393,6 +396,32 @@ def test_a_recomputation_takes_the_low_rank_activations_its_forward_kept(dropout
     finally:
         TL._rows_times_weight = launcher
     assert launches.count(True) == 2
+
+
+def test_a_recomputed_call_with_dropout_leaves_the_random_stream_as_its_forward_did():
+    """The recomputation reuses its forward's dropout seeds but still draws them again: a random op after the LoRA
+    call in the same region (here torch's dropout) then gets the forward's mask, and every gradient equals the
+    uncheckpointed run's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_multilora.kernels.recompute import checkpoint_contexts
+    from lightning_multilora.kernels.triton_lora import multi_lora_linear_triton
+
+    x, w1, w2, _, grad_out = two_fused_projections([0.3, 0.0, 0.5])
+    w1_base = torch.randn(40, 24, device=DEVICE).div(24 ** 0.5).to(x.dtype)
+
+    def block(x_):
+        h = torch.nn.functional.dropout(multi_lora_linear_triton(x_, w1_base, None, w1, True), 0.5)
+        return h.sum(1, keepdim=True) * grad_out[:, :1]
+
+    def grads(checkpointed):
+        torch.manual_seed(0)
+        x_ = x.detach().clone().requires_grad_()
+        y = checkpoint(block, x_, use_reentrant=False, context_fn=checkpoint_contexts) if checkpointed else block(x_)
+        return torch.autograd.grad(y.sum(), [x_, *w1.a, *w1.b])
+
+    for g, g_ref in zip(grads(True), grads(False)):
+        assert rel(g, g_ref) < 1e-5
 
 
 def test_a_recomputation_with_kept_activations_leaves_no_reference_cycle():
@@ -410,9 +439,9 @@ def test_a_recomputation_with_kept_activations_leaves_no_reference_cycle():
     take = recompute._Region.take
 
     def spy(self, key):
-        s = take(self, key)
-        taken.append(weakref.ref(s))
-        return s
+        kept = take(self, key)
+        taken.append(weakref.ref(kept[0]))
+        return kept
 
     recompute._Region.take = spy
     gc.collect()
@@ -508,9 +537,10 @@ def test_a_recomputation_of_another_call_computes_its_own_low_rank_activations()
 
     region = _Region()
     s1, s2 = torch.ones(2, 16), torch.zeros(3, 16)
-    region.keep(("a", 2), s1)
-    region.keep(("b", 3), s2)
-    assert region.take(("a", 2)).data_ptr() == s1.data_ptr()
+    region.keep(("a", 2), s1, "call a")
+    region.keep(("b", 3), s2, "call b")
+    s, call = region.take(("a", 2))
+    assert s.data_ptr() == s1.data_ptr() and call == "call a"
     assert region.take(("c", 3)) is None  # not the next call's
     assert region.take(("b", 3)) is None  # nor anything after it
     region.cursor = 0  # a second recomputation (backward with retain_graph) starts again
@@ -710,7 +740,7 @@ def test_weight_tiles_are_declared_aligned_only_where_every_row_is():
 
     def call(w, copies):
         table = pointer_table(w, torch.device(DEVICE))
-        return _Call(w, table, None, table.ranks, copies, False, "ieee", True, 8, torch.float32), table
+        return _Call(w, table, None, table.ranks, copies, False, "ieee", True, 8, torch.float32, w.a[:1]), table
 
     _, _, w = problem([8, 16, 24], [3, 4, 5], d_in=40, d_out=56, dtype=torch.float32, seed=1)
     c, table = call(w, None)
@@ -739,7 +769,8 @@ def test_the_fast_launch_key_separates_what_triton_specializes_on():
     assert spec(aligned) != spec(aligned[1:])  # 16-byte alignment of pointers
     assert spec(aligned) != spec(aligned.double())  # dtypes
     assert len({spec(1), spec(16), spec(17), spec(2**31 + 16), spec(-(2**31) - 17)}) == 5  # 1, 16k, 64-bit
-    assert spec(32) == spec(4096) and spec(True) != spec(False) and spec(1) != spec(True)
+    assert spec(True) != spec(False) and spec(1) != spec(True) and spec(0) != spec(False)
+    assert spec(aligned) == spec(torch.ones(8)) and spec(4096) == spec(4096)  # the same dtype and alignment
     assert len(_specs((aligned, 3, True, "x"))) == 4
 
 
