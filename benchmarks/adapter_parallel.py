@@ -17,7 +17,8 @@ Check on a CPU (2 gloo processes, tiny model; writes a temp file):
 
 The base is built on the meta device, sharded with FSDP2 (each decoder layer, the embeddings, the LM head and
 the decoder), then materialized and randomly initialized on each rank's GPU: no rank ever holds the whole model.
-Gradient checkpointing, the chunked loss of packed_step.py, r=16 adapters on the 7 projections, fused AdamW.
+Gradient checkpointing, the chunked loss of packed_step.py, r=16 adapters on the 7 projections, fused AdamW (over one
+flat parameter per adapter, as `MultiLoRAModule` holds them, except in the FSDP modes).
 
 - ``adapter_parallel``: each rank owns a disjoint, balanced set of adapters (`assign_adapters`), trains them on its
   own rows; adapter weights are FSDP ``ignored_params`` (local, never communicated).
@@ -46,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from benchmarks.packed_step import ALPHA, LLAMA_31_8B, LR, RANK, TARGETS, lm_loss
+from benchmarks.packed_step import ALPHA, LLAMA_31_8B, LR, RANK, TARGETS, lm_loss, profile_host
 from lightning_multilora.base_model import TINY_CONFIGS
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import MultiLoRALinear, inject_multilora
@@ -112,7 +113,12 @@ def build(config_kwargs: dict, device: torch.device, mode: str, names: list[str]
                 inv_freq, module.attention_scaling = module.rope_init_fn(module.config, device)
                 module.inv_freq = inv_freq
                 module.original_inv_freq = inv_freq
-    lora = [p for n in names for p in layers.parameters_of(n)]  # after to_empty: the materialized tensors
+    flat = not mode.startswith("fsdp")  # FSDP shards (and reduces) the adapters' per-layer parameters itself
+    if flat:
+        # As `MultiLoRAModule` holds them: one flat parameter per adapter (every layer's A and B as views), which
+        # follows the storage `to_empty` gave each parameter; the optimizer steps one tensor per adapter
+        layers.rebind()
+    lora = [p for n in names for p in layers.optimizer_parameters(n, elementwise=flat)]  # after to_empty
     optimizer = torch.optim.AdamW(lora, lr=LR, fused=device.type == "cuda")
     return model, layers, optimizer
 
@@ -162,6 +168,8 @@ def main() -> None:
     p.add_argument("--no-reshard", action="store_true",
                    help="FSDP2 reshard_after_forward=False: gather the base once per step, not again in backward")
     p.add_argument("--profile", type=Path, help="rank 0 writes torch.profiler tables of one more step here")
+    p.add_argument("--cprofile", action="store_true",
+                   help="print where the host time of one more step goes (cProfile; a single process only)")
     p.add_argument("--shard-sizes", type=int, nargs="+", default=[0],
                    help="adapter_parallel's base: 0 sharded over every rank, 1 whole on each rank, k sharded "
                         "within groups of k ranks; one row each")
@@ -219,7 +227,12 @@ def main() -> None:
             for layer in layers.values():
                 layer.register_forward_hook(touch_all)
 
+        flat = not mode.startswith("fsdp")
+
         def step() -> None:
+            if flat:  # gradients zeroed in place (flat views the kernels add into), as `MultiLoRAModule` does
+                for name in mine:
+                    layers.prepare_grads(name)
             with layers.use(layout if layout.num_rows else None):
                 hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
                 loss = lm_loss(model.lm_head, hidden, ids)
@@ -227,12 +240,15 @@ def main() -> None:
                     loss = loss * weights
                 loss.backward()
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            if not flat:
+                optimizer.zero_grad(set_to_none=True)
 
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         times, host = measure(step, args.steps, args.warmup, device)
         ms = statistics.median(times) * 1e3
+        if args.cprofile and world == 1:  # the launches' host time without the profiler's hooks (see packed_step.py)
+            profile_host(step, device)
         if args.profile:  # every rank runs the step (a sharded base's gathers need them all); rank 0 records it
             from contextlib import nullcontext
 

@@ -287,6 +287,7 @@ def profile_host(step: Callable[[], None], device: torch.device) -> None:
     profiler.disable()
     sync(device)
     pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+    pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
 
 
 def profile_device(step: Callable[[], None], device: torch.device, label: str, top: int = 18) -> dict:

@@ -6,6 +6,7 @@ import math
 import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from operator import is_
 from typing import Optional, Sequence, Union
 
 import torch
@@ -292,10 +293,17 @@ class LoRALayers(Mapping):
         return self._flat.get(name)
 
     def rebind(self) -> None:
-        """After the model was moved or cast: every flat adapter follows its parameters (see `FlatAdapter`)."""
-        for flat in self._flat.values():
-            if flat is not None:
+        """After the model was moved or cast: every flat adapter follows its parameters (see `FlatAdapter`). Where
+        the layers hold new parameter objects (``to_empty`` from the meta device replaces them), the adapter is
+        held flat anew over those, with their values."""
+        for name, flat in self._flat.items():
+            if flat is None:
+                continue
+            params = self.parameters_of(name)
+            if len(params) == len(flat.params) and all(map(is_, params, flat.params)):
                 flat.rebind()
+            else:
+                self._flat[name] = make_flat(params)
 
     def step_parameters(self, name: str) -> list[nn.Parameter]:
         """The tensors that hold adapter ``name``'s gradients for a step: its flat parameter (one tensor for every

@@ -9,6 +9,7 @@ from torch import nn
 from lightning_multilora.base_model import build_base_model
 from lightning_multilora.flat import ALIGN, FlatAdapter, make_flat
 from lightning_multilora.layer import inject_multilora
+from lightning_multilora.layout import BatchLayout
 
 
 def params(*shapes, dtype=torch.float32):
@@ -93,6 +94,37 @@ def test_the_layers_hold_each_adapter_flat_and_free_it_with_the_adapter():
     with pytest.raises(KeyError, match="no adapter 'a'"):
         layers.step_parameters("a")
     assert len(layers.step_parameters("b")) == 1
+
+
+def test_adapters_of_a_model_materialized_from_the_meta_device_are_held_flat_again():
+    """``to_empty`` from the meta device gives the layers new parameter objects (the flat adapter held the old
+    ones): `rebind` holds each adapter flat over the new ones, with their values, and training reaches them."""
+    with torch.device("meta"):
+        model = build_base_model("tiny-llama")
+    layers = inject_multilora(model, ["q_proj", "v_proj"])
+    layers.add_adapter("a", rank=4, alpha=8, seed=1)
+    [old_flat] = layers.step_parameters("a")
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    values = [p.detach().clone() for p in layers.parameters_of("a")]
+    layers.rebind()
+    [flat] = layers.step_parameters("a")
+    assert flat is not old_flat and flat.device.type == "cpu"
+    for p, v in zip(layers.parameters_of("a"), values):
+        assert torch.equal(p, v) and p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    optimizer = torch.optim.SGD(layers.optimizer_parameters("a", elementwise=True), lr=0.1)
+    layers.prepare_grads("a")
+    x = torch.randint(model.config.vocab_size, (2, 5))
+    with layers.use(BatchLayout.from_sizes(["a"], [2])):
+        model(input_ids=x).logits.float().square().mean().backward()
+    assert flat.grad is not None and flat.grad.abs().sum() > 0
+    optimizer.step()
+    assert not all(torch.equal(p, v) for p, v in zip(layers.parameters_of("a"), values))
+    layers.rebind()  # nothing replaced since: the same flat parameter
+    assert layers.step_parameters("a")[0] is flat
 
 
 def test_no_gradient_is_held_before_the_first_step_and_state_dicts_are_copies(tmp_path):

@@ -536,7 +536,8 @@ def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torc
             p.grad = g
         targets = GradTargets(fresh.a_ptrs, fresh.b_ptrs, (), (), fresh.aligned)
         # a later backward before zero_grad (gradient accumulation) finds these by address
-        _grad_tables.get_or_make((tuple(map(_data_ptr, fresh.a + fresh.b)), device, table.ranks8), lambda: targets)
+        key = (tuple(map(_data_ptr, fresh.a + fresh.b)), device, table.ranks8)
+        weights.memo["grad_targets"] = (key, _grad_tables.get_or_make(key, lambda: targets))
         return targets
     try:
         ready = all(map(_is_contiguous, grads))
@@ -550,13 +551,20 @@ def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torc
                 view.copy_(grads[i].reshape(-1))
             params[i].grad = grads[i] = view.view_as(params[i])
     key = (tuple(map(_data_ptr, grads)), device, table.ranks8)  # `aligned` depends on the ranks too
+    # Memoized on `weights` (one per layer): the shared cache alone holds fewer entries than a large model has
+    # projections (Qwen2.5-32B: 448), and cycling through it rebuilt and uploaded every table at every backward.
+    memo = weights.memo.get("grad_targets")
+    if memo is not None and memo[0] == key:
+        return memo[1]
 
     def make() -> GradTargets:
         host = [g.data_ptr() for g in grads]
         ptrs = _upload_rows(torch.tensor(host, dtype=torch.int64).reshape(2, n), device)
         return GradTargets(ptrs[0, :n], ptrs[1, :n], (), (), table.ranks8 and not any(p & 15 for p in host))
 
-    return _grad_tables.get_or_make(key, make)
+    targets = _grad_tables.get_or_make(key, make)
+    weights.memo["grad_targets"] = (key, targets)
+    return targets
 
 
 def _meta(kind: str) -> dict[str, int]:
@@ -729,5 +737,8 @@ def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_d
     seeds = _draw_seeds(weights, device) if has_dropout else table.ranks
     copy_dtype = _copy_dtype(x, out_dtype, weights)
     copies = None if copy_dtype is None else weight_copies(weights, table, copy_dtype, device)
-    return _Call(weights, table, schedule(weights.starts, weights.ends, x.shape[0], device), seeds, copies,
-                 has_dropout, _precision(x), direct, d_out, out_dtype, params)
+    memo = weights.memo.get("schedule")  # (rows, device): the segments are the weights' own
+    if memo is None or memo[0] != (x.shape[0], device):
+        sched = schedule(weights.starts, weights.ends, x.shape[0], device)
+        memo = weights.memo["schedule"] = ((x.shape[0], device), sched)
+    return _Call(weights, table, memo[1], seeds, copies, has_dropout, _precision(x), direct, d_out, out_dtype, params)

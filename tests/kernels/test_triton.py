@@ -613,6 +613,37 @@ def run_direct(x, base, w, grad_out):
     return y.detach(), [xg.grad] + [p.grad.clone() for p in direct.a + direct.b]
 
 
+def test_gradient_tables_are_reused_when_a_model_has_more_projections_than_the_shared_cache(monkeypatch):
+    """Each layer keeps the device table of its gradients' addresses: with gradients kept in place across steps
+    (flat adapters), no step after the first builds or uploads one, however many projections share the cache."""
+    from lightning_multilora.kernels import triton_lora
+
+    monkeypatch.setattr(triton_lora, "_CACHE_SIZE", 1)
+    monkeypatch.setattr(triton_lora, "_grad_tables", triton_lora._LRU())
+    layers = []
+    for seed in (1, 2, 3):
+        x, base, w = problem([8, 16], [5, 7], d_in=24, d_out=40, dtype=torch.float32, seed=seed)
+        layers.append((x, base, with_direct_grads(w)))
+    uploads = []
+    upload = triton_lora._upload_rows
+    monkeypatch.setattr(triton_lora, "_upload_rows", lambda *a: uploads.append(a[0].shape) or upload(*a))
+
+    def step():
+        for x, base, w in layers:
+            y = multi_lora_triton(x.detach().clone().requires_grad_(), base.detach().clone(), w, False)
+            y.backward(torch.ones_like(y))
+
+    step()  # gradients made (in flat buffers), with their tables
+    step()  # the gradients exist now: each layer's table, by their addresses
+    uploads.clear()
+    grads = [p.grad.clone() for _, _, w in layers for p in w.a + w.b]
+    step()
+    assert uploads == []
+    # and the third step added into the same gradients (as accumulation does)
+    for g_before, p in zip(grads, [p for _, _, w in layers for p in w.a + w.b]):
+        torch.testing.assert_close(p.grad, g_before * 1.5)
+
+
 @pytest.mark.parametrize("chunked, split", [(False, 1), (True, 1), (False, 2)])
 def test_the_db_launch_adds_ds_from_the_dy_it_reads(monkeypatch, chunked, split):
     """With direct gradients the expand's backward makes dB and dS in one launch (``FUSED_DS_DB``), instead of a
