@@ -134,8 +134,8 @@ class MultiLoRALinear(nn.Module):
         """The base is a plain frozen ``nn.Linear`` in ``x``'s dtype, without hooks and outside autocast:
         its product can then run inside the LoRA Function (see `multi_lora_linear`). Anything else
         (quantized, trainable, hooked or autocast bases) is called as a module."""
-        if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks:
-            return False
+        if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks or x.is_meta:
+            return False  # (autocast has no meta device to ask about)
         params = base._parameters
         weight, bias = params["weight"], params["bias"]
         return (not weight.requires_grad and weight.dtype == x.dtype and (bias is None or not bias.requires_grad)
@@ -304,6 +304,8 @@ class LoRALayers(Mapping):
                 flat.rebind()
             else:
                 self._flat[name] = make_flat(params)
+                for layer_name in self._targets[name]:  # drop the layers' cached weights (the old parameters)
+                    self._layers[layer_name]._version += 1
 
     def step_parameters(self, name: str) -> list[nn.Parameter]:
         """The tensors that hold adapter ``name``'s gradients for a step: its flat parameter (one tensor for every

@@ -104,6 +104,9 @@ def test_adapters_of_a_model_materialized_from_the_meta_device_are_held_flat_aga
     layers = inject_multilora(model, ["q_proj", "v_proj"])
     layers.add_adapter("a", rank=4, alpha=8, seed=1)
     [old_flat] = layers.step_parameters("a")
+    layout = BatchLayout.from_sizes(["a"], [2])
+    with layers.use(layout):  # a forward on the meta device: the layers cache their adapters' (meta) weights
+        model(input_ids=torch.zeros(2, 5, dtype=torch.long, device="meta"))
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -118,7 +121,7 @@ def test_adapters_of_a_model_materialized_from_the_meta_device_are_held_flat_aga
     optimizer = torch.optim.SGD(layers.optimizer_parameters("a", elementwise=True), lr=0.1)
     layers.prepare_grads("a")
     x = torch.randint(model.config.vocab_size, (2, 5))
-    with layers.use(BatchLayout.from_sizes(["a"], [2])):
+    with layers.use(layout):  # the same layout object: the layers use the new parameters, not the cached ones
         model(input_ids=x).logits.float().square().mean().backward()
     assert flat.grad is not None and flat.grad.abs().sum() > 0
     optimizer.step()
