@@ -136,8 +136,7 @@ class MultiLoRALinear(nn.Module):
         (quantized, trainable, hooked or autocast bases) is called as a module."""
         if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks or x.is_meta:
             return False  # (autocast has no meta device to ask about)
-        params = base._parameters
-        weight, bias = params["weight"], params["bias"]
+        weight, bias = base.weight, base.bias  # (wrappers such as FSDP1 may set plain tensors in forward)
         return (not weight.requires_grad and weight.dtype == x.dtype and (bias is None or not bias.requires_grad)
                 and not torch.is_autocast_enabled(x.device.type))
 
@@ -295,7 +294,8 @@ class LoRALayers(Mapping):
     def rebind(self) -> None:
         """After the model was moved or cast: every flat adapter follows its parameters (see `FlatAdapter`). Where
         the layers hold new parameter objects (``to_empty`` from the meta device replaces them), the adapter is
-        held flat anew over those, with their values."""
+        held flat anew over those, with their values: a new flat parameter, so an optimizer built before must be
+        built again. The layers drop the adapter weights they cached (they may hold replaced parameters)."""
         for name, flat in self._flat.items():
             if flat is None:
                 continue
@@ -304,8 +304,8 @@ class LoRALayers(Mapping):
                 flat.rebind()
             else:
                 self._flat[name] = make_flat(params)
-                for layer_name in self._targets[name]:  # drop the layers' cached weights (the old parameters)
-                    self._layers[layer_name]._version += 1
+        for layer in self._layers.values():
+            layer._version += 1
 
     def step_parameters(self, name: str) -> list[nn.Parameter]:
         """The tensors that hold adapter ``name``'s gradients for a step: its flat parameter (one tensor for every

@@ -706,16 +706,19 @@ def _apply(x: Tensor, base_out: Optional[Tensor], weight: Optional[Tensor], bias
     # (``weights`` is held by the kept call until the region's backward, so its id is not reused meanwhile)
     key = (id(weights), x.shape, x.dtype, out_dtype, d_out, training, _precision(x))
     kept = region.take(key) if region.replaying else None
-    if kept is not None:  # a recomputation: the forward's S and launch state
+    if kept is not None and kept[1] is not None:  # a recomputation: the forward's S and launch state
         s, call = kept
-        if call.has_dropout:  # the forward's draw again (the region's RNG state is restored): ops after it see the same stream
+        if call.has_dropout:  # the forward's draw again (the RNG state is restored): later ops see the same stream
             _draw_seeds(weights, x.device)
-        call.kept_s = s
     else:
         call = _new_call(x, weights, training, d_out, out_dtype)
+    if kept is not None:
+        call.kept_s = kept[0]
     s, z = _LoRAShrink.apply(x, call, *call.params)
     if not region.replaying:
-        region.keep(key, s, call)
+        # The call only where its autograd inputs are leaves: a non-leaf weight's graph (made inside the region)
+        # reaches back to the region through the checkpoint's hooks, a cycle that would outlive an unused graph
+        region.keep(key, s, call if all(map(_is_leaf, call.params)) else None)
     return _LoRAExpand.apply(x, s, z, base_out, weight, bias, call)
 
 

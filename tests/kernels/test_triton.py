@@ -459,6 +459,47 @@ def test_a_recomputation_with_kept_activations_leaves_no_reference_cycle():
         recompute._Region.take = take
 
 
+def test_a_region_whose_weights_are_made_inside_it_is_freed_without_a_backward():
+    """Adapter weights computed inside the checkpointed region (non-leaf tensors): the region keeps their call's S
+    but not the call, whose autograd inputs lead back to the region; a graph dropped without a backward is then
+    freed by reference counting alone."""
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_multilora.kernels import recompute
+    from lightning_multilora.kernels.triton_lora import multi_lora_linear_triton
+
+    x, _, w = problem([3, 16], [30, 1], d_in=24, d_out=40, dtype=torch.float32, gaps=False, seed=1)
+    w_base = torch.randn(40, 24, device=DEVICE)
+    kept = []
+    keep = recompute._Region.keep
+
+    scale = torch.tensor(2.0, device=DEVICE, requires_grad=True)  # its product saves tensors (through the hooks)
+
+    def spy(self, key, s, call=None):
+        keep(self, key, s, call)
+        kept.append((weakref.ref(self.entries[-1][1]), call is None))
+
+    def block(x_):
+        scaled = LoRAWeights(tuple(a * scale for a in w.a), w.b, w.scaling, w.dropout, w.starts, w.ends)
+        return multi_lora_linear_triton(x_, w_base, None, scaled, True)
+
+    recompute._Region.keep = spy
+    gc.collect()
+    gc.disable()
+    try:
+        y = checkpoint(block, x.detach().clone().requires_grad_(), use_reentrant=False,
+                       context_fn=recompute.checkpoint_contexts)
+        assert len(kept) == 1 and kept[0][1]  # S kept, the call not
+        del y
+        assert kept[0][0]() is None
+    finally:
+        gc.enable()
+        recompute._Region.keep = keep
+
+
 @pytest.mark.parametrize("direct", [False, True])
 def test_a_region_is_recomputed_again_by_a_second_backward(direct):
     """``retain_graph=True``: each backward recomputes the region (entering its recomputation context again) and
