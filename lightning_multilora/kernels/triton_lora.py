@@ -699,19 +699,20 @@ def _apply(x: Tensor, base_out: Optional[Tensor], weight: Optional[Tensor], bias
                          f"x {tuple(x.shape)} and an output of width {d_out}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     out_dtype = x.dtype if base_out is None else base_out.dtype
+    precision = _precision(x)
     region = active_region() if torch.is_grad_enabled() else None  # a region checkpointed with `checkpoint_contexts`
     if region is None:
-        call = _new_call(x, weights, training, d_out, out_dtype)
+        call = _new_call(x, weights, training, d_out, out_dtype, precision)
         return _LoRAExpand.apply(x, *_LoRAShrink.apply(x, call, *call.params), base_out, weight, bias, call)
     # (``weights`` is held by the kept call until the region's backward, so its id is not reused meanwhile)
-    key = (id(weights), x.shape, x.dtype, out_dtype, d_out, training, _precision(x))
+    key = (id(weights), x.shape, x.dtype, out_dtype, d_out, training, precision)
     kept = region.take(key) if region.replaying else None
     if kept is not None and kept[1] is not None:  # a recomputation: the forward's S and launch state
         s, call = kept
         if call.has_dropout:  # the forward's draw again (the RNG state is restored): later ops see the same stream
             _draw_seeds(weights, x.device)
     else:
-        call = _new_call(x, weights, training, d_out, out_dtype)
+        call = _new_call(x, weights, training, d_out, out_dtype, precision)
     if kept is not None:
         call.kept_s = kept[0]
     s, z = _LoRAShrink.apply(x, call, *call.params)
@@ -728,7 +729,8 @@ def _draw_seeds(weights: LoRAWeights, device: torch.device) -> Tensor:
     return torch.randint(0, 2**31 - 1, (len(weights.a),), dtype=torch.int32, device=device)
 
 
-def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_dtype: torch.dtype) -> _Call:
+def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_dtype: torch.dtype,
+              precision: str) -> _Call:
     params = weights.a + weights.b
     direct = (weights.direct_grads and torch.is_grad_enabled() and all(map(_requires_grad, params))
               and all(map(_is_leaf, params)))
@@ -744,4 +746,4 @@ def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_d
     if memo is None or memo[0] != (x.shape[0], device):
         sched = schedule(weights.starts, weights.ends, x.shape[0], device)
         memo = weights.memo["schedule"] = ((x.shape[0], device), sched)
-    return _Call(weights, table, memo[1], seeds, copies, has_dropout, _precision(x), direct, d_out, out_dtype, params)
+    return _Call(weights, table, memo[1], seeds, copies, has_dropout, precision, direct, d_out, out_dtype, params)

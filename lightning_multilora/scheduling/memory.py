@@ -130,7 +130,8 @@ class AnalyticMemoryModel:
             per_token = layers * h * self.activation_bytes + self.act_per_token_layer
         else:
             per_token = layers * self.act_per_token_layer
-        # every layer's S stays until backward, with checkpointing too (`kernels.recompute` keeps it for the recomputation)
+        # every layer's S stays until backward, with checkpointing too (`kernels.recompute` keeps it for the
+        # recomputation)
         lora = lora_rank_tokens * 4.0 * layers
         logit_tokens = tokens if self.loss_chunk_tokens is None else min(tokens, self.loss_chunk_tokens)
         logits = logit_tokens * self.shape.vocab_size * 4.0
