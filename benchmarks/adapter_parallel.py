@@ -7,6 +7,11 @@ On two H200s (a Qwen2.5-32B-shaped base, random bf16, 8 adapters at batch size 1
     torchrun --nproc-per-node 2 benchmarks/adapter_parallel.py --model qwen2.5-32b --adapters 16 --modes adapter_parallel --shard-sizes 1 0 --no-reshard --out ...
     python benchmarks/adapter_parallel.py --model qwen2.5-32b --adapters 8 --batch-size 1 --seq 256 --out benchmarks/results/adapter_parallel_h200x1.json
 
+With each rank's forward + backward replayed from a CUDA graph (the base whole on each rank, or one GPU):
+
+    torchrun --nproc-per-node 2 benchmarks/adapter_parallel.py --model qwen2.5-32b --adapters 8 --modes adapter_parallel --shard-sizes 1 --no-reshard --cuda-graph --out ...
+    python benchmarks/adapter_parallel.py --model qwen2.5-32b --adapters 8 --cuda-graph --out ...
+
 On four (issue 10: a Llama-3.1-70B-shaped base, per-adapter batch 1, 2, 4 or 8):
 
     torchrun --nproc-per-node 4 benchmarks/adapter_parallel.py --model llama-3.1-70b --adapters 8 --batch-size 2 --seq 256 --out benchmarks/results/adapter_parallel_h200x4.json
@@ -49,6 +54,7 @@ import torch.distributed as dist
 
 from benchmarks.packed_step import ALPHA, LLAMA_31_8B, LR, RANK, TARGETS, lm_loss, profile_host
 from lightning_multilora.base_model import TINY_CONFIGS
+from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import MultiLoRALinear, inject_multilora
 from lightning_multilora.layout import BatchLayout
@@ -170,6 +176,10 @@ def main() -> None:
     p.add_argument("--profile", type=Path, help="rank 0 writes torch.profiler tables of one more step here")
     p.add_argument("--cprofile", action="store_true",
                    help="print where the host time of one more step goes (cProfile; a single process only)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="replay each rank's forward + backward from a CUDA graph captured at the second warmup step "
+                        "(`StepGraphs`); the optimizer steps eagerly. Needs a base that is not sharded: one process, "
+                        "or adapter_parallel with --shard-sizes 1")
     p.add_argument("--shard-sizes", type=int, nargs="+", default=[0],
                    help="adapter_parallel's base: 0 sharded over every rank, 1 whole on each rank, k sharded "
                         "within groups of k ranks; one row each")
@@ -193,6 +203,9 @@ def main() -> None:
         p.error(f"--shard-sizes must be 0 or divisors of the world size {world}, got {args.shard_sizes}")
     runs = [(m, k) for m in (args.modes if world > 1 else ("single",))
             for k in (args.shard_sizes if m == "adapter_parallel" else [0])]
+    if args.cuda_graph and world > 1 and any(m != "adapter_parallel" or k != 1 for m, k in runs):
+        p.error("--cuda-graph captures no collective: with several processes it needs --modes adapter_parallel "
+                "--shard-sizes 1 (a whole base on each rank)")
     for mode, shard_size in runs:
         weights = None  # per-row loss weights (the dummy rows of fsdp_per_adapter)
         if mode == "adapter_parallel":
@@ -228,8 +241,9 @@ def main() -> None:
                 layer.register_forward_hook(touch_all)
 
         flat = not mode.startswith("fsdp")
+        graphs = StepGraphs(warmup=1, enabled=args.cuda_graph)
 
-        def step() -> None:
+        def forward_backward(ids: torch.Tensor) -> torch.Tensor:
             if flat:  # gradients zeroed in place (flat views the kernels add into), as `MultiLoRAModule` does
                 for name in mine:
                     layers.prepare_grads(name)
@@ -239,6 +253,10 @@ def main() -> None:
                 if weights is not None:
                     loss = loss * weights
                 loss.backward()
+            return loss.detach()
+
+        def step() -> None:
+            graphs("step", forward_backward, ids)
             optimizer.step()
             if not flat:
                 optimizer.zero_grad(set_to_none=True)
@@ -271,12 +289,14 @@ def main() -> None:
                    shard_size=(shard_size or world) if mode == "adapter_parallel" else (world if world > 1 else None),
                    adapters=args.adapters, batch_size=args.batch_size, seq=args.seq, step_ms=round(ms, 1),
                    host_ms=round(statistics.median(host) * 1e3, 1),
+                   cuda_graph=bool(graphs.replays) if args.cuda_graph else None,
+                   graph_failure=next(iter(graphs.failures.values()), None) if args.cuda_graph else None,
                    tokens_per_s=round(tokens / (ms / 1e3), 1),
                    peak_gib=round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if cuda else None)
         rows.append(row)
         if rank == 0:
             print(json.dumps(row), flush=True)
-        del model, layers, optimizer
+        del model, layers, optimizer, graphs, forward_backward, step
         if cuda:
             torch.cuda.empty_cache()
     if rank == 0:

@@ -5,6 +5,11 @@ past 450 s):
 
     PYTHONPATH=. python benchmarks/packed_step.py --seqs 256 1024 --ns 1 4 16 32 --reps 3 --out benchmarks/results/packed_step_h200.json
 
+The same with each forward + backward replayed from a CUDA graph (the floor's too; rows say `"replayed"` in
+``base_floor_cuda_graph`` / ``packed_cuda_graph``, or why a capture failed):
+
+    PYTHONPATH=. python benchmarks/packed_step.py --seqs 256 --ns 4 32 --skip-peft --cuda-graph --append --out benchmarks/results/packed_step_h200.json
+
 End-to-end check on a CPU (tiny model; writes to a temp file, never to the results file):
 
     PYTHONPATH=. python benchmarks/packed_step.py --tiny --ns 1 4 --seqs 32 --reps 2 --out /tmp/ps.json
@@ -45,6 +50,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_multilora.base_model import TINY_CONFIGS
+from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels import resolve_backend
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import LoRALayers, MultiLoRALinear, inject_multilora
@@ -87,6 +93,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--trace", action="store_true",
                    help="print, for one floor and one packed step, host enqueue vs wall time, GPU busy time and the "
                         "kernels that take it (torch.profiler)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="replay the forward + backward of the floor and of the packed step from CUDA graphs "
+                        "(`StepGraphs`, captured at the second warm-up step; the optimizer steps eagerly)")
     p.add_argument("--append", action="store_true", help="keep the rows already in --out and add these after them")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON output (default: benchmarks/results/packed_step_h200.json; with --tiny a temp file)")
@@ -229,14 +238,26 @@ def run_floor(model: nn.Module, rows: dict, args: argparse.Namespace, deadline: 
     for seq in args.seqs:
         for n in args.ns:
             ids = torch.randint(model.config.vocab_size, (n, seq), device=device)
+            graphs = StepGraphs(warmup=1, enabled=args.cuda_graph)
+
+            def floor_step(ids: Tensor) -> None:
+                lm_backward(model, ids, inputs_embeds=embed(ids).detach().requires_grad_(True))
 
             def step() -> None:
-                lm_backward(model, ids, inputs_embeds=embed(ids).detach().requires_grad_(True))
+                graphs("floor", floor_step, ids)
 
             record(rows[seq, n], "base_floor", *measure(f"floor seq={seq} N={n}", step, 1, args, deadline, device))
             if args.trace and rows[seq, n]["base_floor_ms"] is not None:
                 rows[seq, n]["base_floor_trace"] = profile_device(step, device, f"floor seq={seq} N={n}")
-            del ids, step
+            rows[seq, n]["base_floor_cuda_graph"] = note_graphs(graphs, args)
+            del ids, step, graphs, floor_step
+
+
+def note_graphs(graphs: StepGraphs, args: argparse.Namespace) -> Optional[str]:
+    """What a row says of its CUDA graph: None without --cuda-graph, "replayed", or why it ran eagerly."""
+    if not args.cuda_graph:
+        return None
+    return "replayed" if graphs.replays else next(iter(graphs.failures.values()), "not captured")
 
 
 def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline: float, device: torch.device):
@@ -253,13 +274,17 @@ def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline:
         layout = BatchLayout.from_sizes(names, [1] * n)
         for seq in args.seqs:
             ids = torch.randint(model.config.vocab_size, (n, seq), device=device)
+            graphs = StepGraphs(warmup=1, enabled=args.cuda_graph)
 
-            def step() -> None:
+            def packed_step(ids: Tensor) -> None:
                 for name in names:
                     layers.prepare_grads(name)
                 # Backward stays inside `use`: gradient checkpointing re-runs the layers during backward.
                 with layers.use(layout):
                     lm_backward(model, ids)
+
+            def step() -> None:
+                graphs("packed", packed_step, ids)
                 optimizer.step()
 
             record(rows[seq, n], "packed", *measure(f"packed seq={seq} N={n}", step, 1, args, deadline, device))
@@ -267,7 +292,8 @@ def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline:
                 profile_host(step, device)
             if args.trace and rows[seq, n]["packed_ms"] is not None:
                 rows[seq, n]["packed_trace"] = profile_device(step, device, f"packed seq={seq} N={n}")
-            del ids, step
+            rows[seq, n]["packed_cuda_graph"] = note_graphs(graphs, args)
+            del ids, step, graphs, packed_step
         for name in names:
             layers.drop_grads(name)
         del optimizer

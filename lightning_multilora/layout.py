@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+PADDING_SIDES = (None, "right", "left")
 
 
 @dataclass
@@ -14,14 +16,21 @@ class BatchLayout:
 
     Segments are sorted, disjoint and may leave rows without an adapter (those rows get the frozen
     base output only). A segment may be empty (an adapter with no rows this step).
+
+    ``padding_side``: where the batch's rows are padded, when known (not part of equality). ``"right"`` (as
+    `MultiLoRADataModule` packs): every row's tokens come first, so a causal model needs no attention mask
+    for them, which lets ``MultiLoRAModule(cuda_graphs=True)`` capture the step.
     """
 
     names: tuple[str, ...]
     starts: tuple[int, ...]
     ends: tuple[int, ...]
     num_rows: int
+    padding_side: Optional[str] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if self.padding_side not in PADDING_SIDES:
+            raise ValueError(f"BatchLayout: `padding_side` can be None, 'right' or 'left', got {self.padding_side!r}")
         if not (len(self.names) == len(self.starts) == len(self.ends)):
             raise ValueError("BatchLayout: `names`, `starts` and `ends` must have the same length")
         if len(set(self.names)) != len(self.names):
@@ -36,7 +45,8 @@ class BatchLayout:
             prev = end
 
     @classmethod
-    def from_sizes(cls, names: Sequence[str], sizes: Sequence[int]) -> "BatchLayout":
+    def from_sizes(cls, names: Sequence[str], sizes: Sequence[int],
+                   padding_side: Optional[str] = None) -> "BatchLayout":
         """Consecutive segments: adapter ``names[i]`` gets the next ``sizes[i]`` rows."""
         starts, ends, offset = [], [], 0
         for size in sizes:
@@ -45,7 +55,7 @@ class BatchLayout:
             starts.append(offset)
             offset += size
             ends.append(offset)
-        return cls(tuple(names), tuple(starts), tuple(ends), offset)
+        return cls(tuple(names), tuple(starts), tuple(ends), offset, padding_side)
 
     @property
     def sizes(self) -> tuple[int, ...]:

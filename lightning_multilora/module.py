@@ -18,6 +18,7 @@ from typing_extensions import override
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import peft_target_modules, save_peft_adapter
 from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS
+from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import LoRALayers, inject_multilora
 from lightning_multilora.layout import BatchLayout
@@ -81,10 +82,21 @@ class MultiLoRAMixin:
         export_dir: Optional[str] = None,
         validate_on_finish: bool = True,
         admission: Optional[Any] = None,
+        cuda_graphs: bool = False,
     ) -> None:
         """``admission``: an `AdmissionController` (see `lightning_multilora.scheduling`): queued adapters
         start only while its memory model says they fit, largest batch sizes first, a freed slot going to
-        the exited adapter's batch size first. ``max_running`` still caps the count when both are given."""
+        the exited adapter's batch size first. ``max_running`` still caps the count when both are given.
+
+        ``cuda_graphs``: replay each training step's forward and backward from a CUDA graph, captured at the
+        third step of the same layout (`StepGraphs`): the host's Python then no longer paces small-batch steps.
+        The optimizer, clipping and the per-adapter decisions stay eager. Applies to SFT steps on a CUDA device
+        whose batches are right-padded (as `MultiLoRADataModule` packs them; the batch's layout says so with
+        ``padding_side="right"``), in one process or under adapter parallelism with a whole base per rank
+        (``shard_size=1``); other steps run eagerly. An override of `adapter_loss_terms` and the
+        ``on_before_backward`` / ``on_after_backward`` hooks run their Python once per captured layout; the
+        batch reaches them without its attention mask (right padding needs none under a causal mask). Each
+        layout's graph keeps its step's intermediate memory (the four most recent are kept)."""
         if max_running is not None and max_running < 1:
             raise ValueError(f"`max_running` must be >= 1 or None, got {max_running}")
         self.automatic_optimization = False
@@ -106,6 +118,7 @@ class MultiLoRAMixin:
         self._best_weights: dict[str, dict[str, Tensor]] = {}
         self._val_sums: dict[str, list[float]] = {}
         self._step_logs: dict[str, dict[str, float]] = {}  # this step's per-adapter scalars, until they are logged
+        self._step_graphs = StepGraphs(warmup=2, max_graphs=4, enabled=cuda_graphs)
         for spec in adapters:
             self.add_adapter(spec)
 
@@ -407,6 +420,7 @@ class MultiLoRAMixin:
                 optimizer.add_param_group(self._param_group(spec))
 
     def _create_weights(self, rec: AdapterRecord) -> None:
+        self._step_graphs.clear()  # a new layout anyway; the graphs' memory is freed now rather than later
         spec = rec.spec
         self.lora_layers.add_adapter(spec.name, spec.rank, spec.alpha, spec.dropout, spec.use_rslora,
                                      spec.target_modules or self.default_target_modules, spec.seed)
@@ -437,6 +451,7 @@ class MultiLoRAMixin:
                     del optimizer.param_groups[i]
                     break
         self.lora_layers.remove_adapter(rec.name)
+        self._step_graphs.clear()  # the graphs that read its weights would otherwise keep them alive
         rec.state, rec.reason, rec.ended_at_step = state, reason, self._global_step()
         rec.close_span(rec.ended_at_step)
         self._best_weights.pop(rec.name, None)
@@ -527,18 +542,7 @@ class MultiLoRAMixin:
         records = [self.registry[n] for n in layout.names]
         optimizer = self.optimizers()
         params = [self.lora_layers.step_parameters(r.name) for r in records]  # one flat tensor per adapter
-        # Zeroed in place, not dropped: the gradients keep their storage, so the LoRA backward adds into the same
-        # tensors every step (no new buffers and device pointer tables per layer per step).
-        for rec in records:
-            self.lora_layers.prepare_grads(rec.name)
-        with self.lora_layers.use(layout):
-            loss_sum, count = self.adapter_loss_terms(batch)
-            losses = loss_sum / count.clamp(min=1)  # (N,) mean over each adapter's target tokens
-            finite = torch.isfinite(losses)
-            total = torch.where(finite, losses, torch.zeros_like(losses)).sum()
-            if total.requires_grad:
-                self.manual_backward(total)
-        norms = _grad_norms(params, losses)  # (N,)
+        losses, norms, total = self._run_forward_backward(batch, records)
         tokens = segment_sum(batch["attention_mask"].sum(dim=1), layout)
         stats = torch.stack([losses.detach().float(), norms.float(), tokens.float()]).tolist()  # one sync
         logs: dict[str, dict[str, float]] = {}  # per adapter
@@ -569,7 +573,59 @@ class MultiLoRAMixin:
         optimizer.step()
         self._after_step(records)
         self._step_logs = logs  # logged in on_train_batch_end, where it is known whether a logger writes them
-        return total.detach()
+        return total.clone()  # (a replayed graph's output is overwritten by its next replay)
+
+    def _forward_backward(self, batch: dict[str, Any], records: Sequence[AdapterRecord]
+                          ) -> tuple[Tensor, Tensor, Tensor]:
+        """A training step's device work: the adapters' gradients zeroed, the packed forward, the backward of the
+        sum of the finite per-adapter losses, each adapter's gradient norm: ``(losses, norms, total)``."""
+        params = [self.lora_layers.step_parameters(r.name) for r in records]
+        # Zeroed in place, not dropped: the gradients keep their storage, so the LoRA backward adds into the same
+        # tensors every step (no new buffers and device pointer tables per layer per step).
+        for rec in records:
+            self.lora_layers.prepare_grads(rec.name)
+        with self.lora_layers.use(batch["layout"]):
+            loss_sum, count = self.adapter_loss_terms(batch)
+            losses = loss_sum / count.clamp(min=1)  # (N,) mean over each adapter's target tokens
+            finite = torch.isfinite(losses)
+            total = torch.where(finite, losses, torch.zeros_like(losses)).sum()
+            if total.requires_grad:
+                self.manual_backward(total)
+        return losses.detach(), _grad_norms(params, losses), total.detach()
+
+    def _run_forward_backward(self, batch: dict[str, Any], records: Sequence[AdapterRecord]
+                              ) -> tuple[Tensor, Tensor, Tensor]:
+        """`_forward_backward`, replayed from a CUDA graph where ``cuda_graphs`` is on and the step allows it."""
+        key = self._graph_key(batch, records)
+        if key is None:
+            return self._forward_backward(batch, records)
+        layout = batch["layout"]
+
+        def device_step(input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            # Right-padded rows need no attention mask under a causal mask: every real token comes before the
+            # padding. (With a mask, the model reads it on the host to choose its attention path.)
+            return self._forward_backward({"input_ids": input_ids, "attention_mask": None, "labels": labels,
+                                           "layout": layout}, records)
+
+        return self._step_graphs(key, device_step, batch["input_ids"], batch["labels"])
+
+    def _graph_key(self, batch: dict[str, Any], records: Sequence[AdapterRecord]) -> Optional[tuple]:
+        """What a captured step depends on besides the batch's values (None: this step runs eagerly): the layout,
+        the adapters' flat parameters and gradients (by address), the mode and the autocast state."""
+        graphs = self._step_graphs
+        if not graphs.enabled or graphs.failures or not batch["input_ids"].is_cuda:
+            return None
+        if batch["layout"].padding_side != "right" or any(r.spec.objective != "sft" for r in records):
+            return None  # a padding mask read on the host; DPO's reference forward indexes rows on the host
+        placement = self._placement()
+        if placement is not None and getattr(placement, "base_shard_size", None) != 1:
+            return None  # a sharded base's forward is a collective
+        layout: BatchLayout = batch["layout"]
+        bound = tuple((p.data_ptr(), 0 if p.grad is None else p.grad.data_ptr())
+                      for r in records for p in self.lora_layers.step_parameters(r.name))
+        device_type = batch["input_ids"].device.type
+        autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
+        return layout.names, layout.starts, layout.ends, layout.num_rows, bound, self.training, autocast
 
     def _after_step(self, records: Sequence[AdapterRecord]) -> None:
         for rec in records:
@@ -797,12 +853,35 @@ def segment_sum(values: Tensor, layout: BatchLayout) -> Tensor:
     """Sum ``values`` (one per row) over each adapter's rows: ``(num_rows,) -> (num_adapters,)``."""
     if len(layout.names) == 0:
         return values.new_zeros(0)
+    index = _device_index(("segments", layout.starts, layout.ends, layout.num_rows), values.device,
+                          lambda: _segment_index(layout))
+    out = values.new_zeros(len(layout.names) + 1)
+    return out.index_add(0, index, values)[:-1]
+
+
+def _segment_index(layout: BatchLayout) -> Tensor:
     index = torch.empty(layout.num_rows, dtype=torch.long)
     index.fill_(len(layout.names))  # rows outside every segment go to a dropped extra bucket
     for i, (s, e) in enumerate(zip(layout.starts, layout.ends)):
         index[s:e] = i
-    out = values.new_zeros(len(layout.names) + 1)
-    return out.index_add(0, index.to(values.device), values)[:-1]
+    return index
+
+
+_DEVICE_INDICES: dict[tuple, Tensor] = {}
+
+
+def _device_index(key: tuple, device: torch.device, make) -> Tensor:
+    """A small index tensor made on the host once per key and device, then reused: a step's device work then
+    copies nothing from the host (a copy from pageable memory cannot be captured in a CUDA graph, and costs a
+    stream sync). Kept for the 256 most recent keys."""
+    key = (key, str(device))
+    index = _DEVICE_INDICES.pop(key, None)
+    if index is None:
+        index = make().to(device)
+    _DEVICE_INDICES[key] = index  # (re-inserted: the most recent last)
+    if len(_DEVICE_INDICES) > 256:
+        del _DEVICE_INDICES[next(iter(_DEVICE_INDICES))]
+    return index
 
 
 def _grad_norms(groups: Sequence[Sequence[Tensor]], like: Tensor) -> Tensor:
@@ -814,7 +893,8 @@ def _grad_norms(groups: Sequence[Sequence[Tensor]], like: Tensor) -> Tensor:
         return like.new_zeros(len(groups), dtype=torch.float32)
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     per_tensor = torch.stack(torch._foreach_norm(grads, 2, dtype=dtype))
-    index = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(counts)).to(per_tensor.device)
+    index = _device_index(("groups", tuple(counts)), per_tensor.device,
+                          lambda: torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(counts)))
     squares = per_tensor.new_zeros(len(groups)).index_add_(0, index, per_tensor.square())
     return squares.sqrt()
 
@@ -840,6 +920,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         validate_on_finish: measure an adapter's validation loss when it finishes.
         admission: an `AdmissionController`: adapters start while its memory model says they fit.
         quantization: ``nf4`` / ``fp4``: a 4-bit bitsandbytes base computing in ``dtype`` (QLoRA).
+        cuda_graphs: replay each step's forward and backward from a CUDA graph (see `init_multilora`).
     """
 
     def __init__(
@@ -859,6 +940,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         base_seed: int = 0,
         admission: Optional[Any] = None,
         quantization: Optional[str] = None,
+        cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
         from lightning_multilora.base_model import build_base_model
@@ -873,7 +955,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         self.model = model
         specs = list(adapters or []) + (grid.specs() if grid is not None else [])
         self.init_multilora(model, specs, target_modules, optimizer, optimizer_kwargs, max_running, export_dir,
-                            validate_on_finish, admission)
+                            validate_on_finish, admission, cuda_graphs)
 
     @property
     def max_sequence_length(self) -> Optional[int]:

@@ -139,7 +139,7 @@ class MultiLoRADataModule(L.LightningDataModule):
         pad_to_multiple_of: round the padded length up to a multiple of this (8 suits tensor cores).
 
     The batch is a dict with ``input_ids``, ``attention_mask``, ``labels`` (``(B, T)``, right-padded to
-    the longest row) and ``layout`` (a `BatchLayout` in rows, adapters in roster order).
+    the longest row) and ``layout`` (a `BatchLayout` in rows, adapters in roster order, ``padding_side="right"``).
     """
 
     def __init__(
@@ -304,7 +304,7 @@ class MultiLoRADataModule(L.LightningDataModule):
         input_ids, mask = _right_padded(flat_ids, length, self.tokenizer.pad_token_id)
         labels, _ = _right_padded(flat_labels, length, IGNORE_INDEX)
         return {"input_ids": input_ids, "attention_mask": mask.long(), "labels": labels,
-                "layout": BatchLayout.from_sizes(list(names), sizes)}
+                "layout": BatchLayout.from_sizes(list(names), sizes, padding_side="right")}
 
     def train_batch(self, specs: Sequence["AdapterSpec"]) -> dict[str, Any]:
         """The next packed training batch: each adapter's next micro-batch from its own stream."""

@@ -73,6 +73,18 @@ def multi_lora_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor], weights
     return multi_lora_reference(x, F.linear(x, weight, bias), weights, training)
 
 
+def keep_calls():
+    """A context collecting the Triton calls made while it is open (see `triton_lora.keep_calls`); an empty list
+    where Triton is not installed."""
+    if not _triton_available():
+        from contextlib import nullcontext
+
+        return nullcontext([])
+    from lightning_multilora.kernels.triton_lora import keep_calls as _keep_calls
+
+    return _keep_calls()
+
+
 def resolve_backend(x: Tensor) -> str:
     """The backend that runs for ``x``: what ``auto`` resolves to, or the forced one."""
     if _backend not in BACKENDS:
@@ -90,5 +102,5 @@ def _triton_available() -> bool:
     return True
 
 
-__all__ = ["BACKENDS", "LoRAWeights", "get_backend", "multi_lora", "multi_lora_linear", "multi_lora_reference",
-           "resolve_backend", "set_backend"]
+__all__ = ["BACKENDS", "LoRAWeights", "get_backend", "keep_calls", "multi_lora", "multi_lora_linear",
+           "multi_lora_reference", "resolve_backend", "set_backend"]

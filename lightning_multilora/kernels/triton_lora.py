@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter, is_
@@ -729,6 +731,23 @@ def _draw_seeds(weights: LoRAWeights, device: torch.device) -> Tensor:
     return torch.randint(0, 2**31 - 1, (len(weights.a),), dtype=torch.int32, device=device)
 
 
+# The lists of the open `keep_calls` contexts (innermost last)
+_call_sinks: list[list] = []
+
+
+@contextmanager
+def keep_calls() -> Iterator[list]:
+    """Collects every call made while open (forward calls; a recomputation reuses its forward's). A CUDA graph
+    captured meanwhile keeps reading the device tables of those calls (pointer arrays, schedules, gradient
+    tables, weight copies) at every replay: holding the calls holds the tables, whichever cache drops them."""
+    sink: list = []
+    _call_sinks.append(sink)
+    try:
+        yield sink
+    finally:
+        _call_sinks.remove(sink)
+
+
 def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_dtype: torch.dtype,
               precision: str) -> _Call:
     params = weights.a + weights.b
@@ -746,4 +765,7 @@ def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_d
     if memo is None or memo[0] != (x.shape[0], device):
         sched = schedule(weights.starts, weights.ends, x.shape[0], device)
         memo = weights.memo["schedule"] = ((x.shape[0], device), sched)
-    return _Call(weights, table, memo[1], seeds, copies, has_dropout, precision, direct, d_out, out_dtype, params)
+    call = _Call(weights, table, memo[1], seeds, copies, has_dropout, precision, direct, d_out, out_dtype, params)
+    if _call_sinks:
+        _call_sinks[-1].append(call)
+    return call

@@ -1,0 +1,175 @@
+"""StepGraphs: eager where it cannot capture; on the GPU, replays that train as the eager steps do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_multilora.graphs import StepGraphs
+
+
+@pytest.mark.parametrize("field, kwargs", [("warmup", dict(warmup=0)), ("max_graphs", dict(max_graphs=0)),
+                                           ("warmup", dict(warmup=1.5))])
+def test_bad_arguments_name_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=f"`{field}`"):
+        StepGraphs(**kwargs)
+
+
+def test_cpu_inputs_run_every_call_eagerly():
+    graphs = StepGraphs(warmup=1)
+    calls = []
+
+    def step(x):
+        calls.append(x.clone())
+        return x * 2
+
+    for i in range(4):
+        out = graphs("k", step, torch.full((3,), float(i)))
+        assert torch.equal(out, torch.full((3,), 2.0 * i))
+    assert len(calls) == 4 and len(graphs) == 0 and graphs.replays == 0
+
+
+def test_keep_calls_collects_the_forward_calls_of_the_triton_path():
+    pytest.importorskip("triton")
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    from lightning_multilora.kernels import LoRAWeights, keep_calls
+    from lightning_multilora.kernels.triton_lora import multi_lora_triton
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    a = (torch.randn(4, 8, device=device, requires_grad=True),)
+    b = (torch.zeros(6, 4, device=device, requires_grad=True),)
+    w = LoRAWeights(a, b, (2.0,), (0.0,), (0,), (5,))
+    x = torch.randn(5, 8, device=device)
+    with keep_calls() as calls:
+        multi_lora_triton(x, torch.zeros(5, 6, device=device), w, False)
+        with keep_calls() as inner:  # the innermost open context collects
+            multi_lora_triton(x, torch.zeros(5, 6, device=device), w, False)
+    multi_lora_triton(x, torch.zeros(5, 6, device=device), w, False)  # none open: kept by nobody
+    assert len(calls) == 1 and len(inner) == 1 and calls[0] is not inner[0]
+    assert calls[0].weights is w
+
+
+def _tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_multilora.kernels.recompute import checkpointing_kwargs
+    from lightning_multilora.layer import inject_multilora
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16)
+    model.requires_grad_(False)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
+    model.train()
+    layers = inject_multilora(model, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    for i, name in enumerate(("a", "b")):
+        layers.add_adapter(name, rank=8 * (i + 1), alpha=16, seed=i)
+        with torch.no_grad():  # B nonzero: every product matters from the first step
+            for p in layers.parameters_of(name):
+                p.normal_(0.0, 0.05)
+    return model, layers
+
+
+@pytest.mark.gpu
+def test_replayed_steps_train_as_the_eager_steps_do():
+    from lightning_multilora.layout import BatchLayout
+
+    torch.manual_seed(0)
+    batches = [torch.randint(128, (3, 16), device="cuda") for _ in range(6)]
+    layout = BatchLayout.from_sizes(["a", "b"], [1, 2])
+    results = []
+    for graphed in (False, True):
+        model, layers = _tiny_llama(seed=1)
+        params = [p for n in ("a", "b") for p in layers.optimizer_parameters(n, elementwise=True)]
+        optimizer = torch.optim.AdamW(params, lr=1e-2, fused=True)
+        graphs = StepGraphs(warmup=2, enabled=graphed)
+
+        def step(ids):
+            for name in ("a", "b"):
+                layers.prepare_grads(name)
+            with layers.use(layout):
+                loss = nn.functional.cross_entropy(model(input_ids=ids).logits[:, :-1].flatten(0, 1).float(),
+                                                   ids[:, 1:].flatten())
+                loss.backward()
+            return loss.detach()
+
+        losses = []
+        for ids in batches:
+            losses.append(graphs("layout", step, ids).clone())
+            optimizer.step()
+        results.append((torch.stack(losses), [p.detach().clone() for p in params], graphs))
+    (eager_losses, eager_params, _), (graph_losses, graph_params, graphs) = results
+    assert graphs.captures == 1 and graphs.replays == 4 and not graphs.failures
+    torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-3, atol=1e-3)
+    for p, q in zip(graph_params, eager_params):
+        torch.testing.assert_close(p, q, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_a_step_that_reads_a_value_on_the_host_runs_eagerly_with_a_warning():
+    graphs = StepGraphs(warmup=1)
+    weight = torch.ones(4, device="cuda")
+
+    def step(x):
+        total = (x * weight).sum()
+        return x * 2 if total.item() > 0 else x  # a host read: not capturable
+
+    x = torch.ones(4, device="cuda")
+    graphs("k", step, x)
+    with pytest.warns(UserWarning, match="could not be captured"):
+        out = graphs("k", step, x)
+    assert torch.equal(out, x * 2) and "k" in graphs.failures and len(graphs) == 0
+    assert torch.equal(graphs("k", step, -x), -x)  # eager from now on: the branch follows the values
+
+
+def test_packed_batches_say_they_are_right_padded_and_segment_sums_reuse_their_index():
+    from lightning_multilora.data import GeneratedArithmetic
+    from lightning_multilora.data.datamodule import MultiLoRADataModule
+    from lightning_multilora.module import _DEVICE_INDICES, segment_sum
+
+    dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(20)})
+    batch = dm.pack(["a", "b"], [([[1, 2, 3]], [[1, 2, 3]]), ([[4], [5, 6]], [[4], [5, 6]])])
+    assert batch["layout"].padding_side == "right" and batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
+    assert segment_sum(torch.tensor([1.0, 2.0, 4.0]), batch["layout"]).tolist() == [1.0, 6.0]
+    kept = [v for k, v in _DEVICE_INDICES.items() if k[0][0] == "segments" and k[0][1:] == ((0, 1), (1, 3), 3)]
+    assert len(kept) == 1  # made once for the layout, on the host, then reused (no copy inside a step)
+    segment_sum(torch.tensor([0.0, 1.0, 1.0]), batch["layout"])
+    assert [v for k, v in _DEVICE_INDICES.items() if k[0][1:] == ((0, 1), (1, 3), 3)][0] is kept[0]
+
+
+@pytest.mark.gpu
+def test_a_module_with_cuda_graphs_trains_as_the_eager_module(tmp_path):
+    import lightning as L
+
+    from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
+    from lightning_multilora.data import GeneratedArithmetic
+
+    results = []
+    for graphed in (False, True):
+        specs = [AdapterSpec("a", lr=1e-3, batch_size=2, max_steps=8),
+                 AdapterSpec("b", lr=3e-3, rank=16, batch_size=3, max_steps=8, seed=1)]
+        dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, max_length=64, truncate=True,
+                                 padding="max_length", max_val_examples=8)
+        module = MultiLoRAModule("tiny-llama", adapters=specs, dtype="bfloat16", gradient_checkpointing=True,
+                                 cuda_graphs=graphed, export_dir=str(tmp_path / str(graphed)), validate_on_finish=False)
+        start = {n: {k: v.clone() for k, v in module.lora_layers.peft_state_dict(n).items()} for n in ("a", "b")}
+        L.Trainer(accelerator="gpu", devices=1, max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,
+                  enable_model_summary=False, enable_checkpointing=False, logger=False, default_root_dir=str(tmp_path),
+                  val_check_interval=10_000, check_val_every_n_epoch=None).fit(module, dm)
+        from safetensors.torch import load_file
+
+        deltas = torch.cat([(load_file(f"{module.registry[n].export_path}/adapter_model.safetensors")[k].cuda()
+                             - start[n][k].cuda()).flatten().float() for n in ("a", "b") for k in sorted(start[n])])
+        losses = torch.tensor([loss for n in ("a", "b") for _, loss in module.registry[n].train_losses])
+        results.append((deltas, losses, module._step_graphs))
+    (eager_deltas, eager_losses, _), (graph_deltas, graph_losses, graphs) = results
+    # steps 1 (no gradients yet: another key) and 2-3 eager, the capture at step 4 replayed, then 5-8 replays
+    assert graphs.captures == 1 and graphs.replays == 5 and not graphs.failures
+    # the eager steps pass the attention mask, the graphed ones none (another SDPA kernel): close, not equal
+    assert torch.nn.functional.cosine_similarity(graph_deltas, eager_deltas, dim=0) > 0.99
+    torch.testing.assert_close(graph_losses, eager_losses, rtol=2e-2, atol=2e-2)
