@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.packed_step import ALPHA, LLAMA_31_8B, LR, RANK, TARGETS, lm_loss, profile_host
-from lightning_multilora.base_model import TINY_CONFIGS
+from lightning_multilora.base_model import TINY_CONFIGS, one_sequence_per_row
 from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import MultiLoRALinear, inject_multilora
@@ -203,6 +203,8 @@ def main() -> None:
         p.error(f"--shard-sizes must be 0 or divisors of the world size {world}, got {args.shard_sizes}")
     runs = [(m, k) for m in (args.modes if world > 1 else ("single",))
             for k in (args.shard_sizes if m == "adapter_parallel" else [0])]
+    if args.cuda_graph and args.warmup < 2:
+        p.error("--cuda-graph needs --warmup >= 2: an eager step, then the capture (the timed steps replay)")
     if args.cuda_graph and world > 1 and any(m != "adapter_parallel" or k != 1 for m, k in runs):
         p.error("--cuda-graph captures no collective: with several processes it needs --modes adapter_parallel "
                 "--shard-sizes 1 (a whole base on each rank)")
@@ -247,7 +249,7 @@ def main() -> None:
             if flat:  # gradients zeroed in place (flat views the kernels add into), as `MultiLoRAModule` does
                 for name in mine:
                     layers.prepare_grads(name)
-            with layers.use(layout if layout.num_rows else None):
+            with layers.use(layout if layout.num_rows else None), one_sequence_per_row():
                 hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
                 loss = lm_loss(model.lm_head, hidden, ids)
                 if weights is not None:

@@ -8,7 +8,7 @@ past 450 s):
 The same with each forward + backward replayed from a CUDA graph (the floor's too; rows say `"replayed"` in
 ``base_floor_cuda_graph`` / ``packed_cuda_graph``, or why a capture failed):
 
-    PYTHONPATH=. python benchmarks/packed_step.py --seqs 256 --ns 4 32 --skip-peft --cuda-graph --append --out benchmarks/results/packed_step_h200.json
+    PYTHONPATH=. python benchmarks/packed_step.py --seqs 256 --ns 4 32 --skip-peft --cuda-graph --warmup 3 --append --out benchmarks/results/packed_step_h200.json
 
 End-to-end check on a CPU (tiny model; writes to a temp file, never to the results file):
 
@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_multilora.base_model import TINY_CONFIGS
+from lightning_multilora.base_model import TINY_CONFIGS, one_sequence_per_row
 from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels import resolve_backend
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
@@ -102,6 +102,8 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.reps < 1 or args.warmup < 1:
         p.error("--reps and --warmup must be >= 1 (the last warm-up step estimates the time budget)")
+    if args.cuda_graph and args.warmup < 3:
+        p.error("--cuda-graph needs --warmup >= 3: an eager step, the capture, then a replay that estimates the budget")
     if args.out is None:
         args.out = Path(tempfile.gettempdir()) / "packed_step_tiny.json" if args.tiny else H200_RESULTS
     if args.tiny and args.out.resolve() == H200_RESULTS:
@@ -241,7 +243,8 @@ def run_floor(model: nn.Module, rows: dict, args: argparse.Namespace, deadline: 
             graphs = StepGraphs(warmup=1, enabled=args.cuda_graph)
 
             def floor_step(ids: Tensor) -> None:
-                lm_backward(model, ids, inputs_embeds=embed(ids).detach().requires_grad_(True))
+                with one_sequence_per_row():  # (no mask: a capture would otherwise build a full one)
+                    lm_backward(model, ids, inputs_embeds=embed(ids).detach().requires_grad_(True))
 
             def step() -> None:
                 graphs("floor", floor_step, ids)
@@ -280,7 +283,7 @@ def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline:
                 for name in names:
                     layers.prepare_grads(name)
                 # Backward stays inside `use`: gradient checkpointing re-runs the layers during backward.
-                with layers.use(layout):
+                with layers.use(layout), one_sequence_per_row():
                     lm_backward(model, ids)
 
             def step() -> None:

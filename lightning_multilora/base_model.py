@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, Optional
 
 import torch
@@ -83,3 +85,33 @@ def build_base_model(
         return model.to(torch_dtype)
     kwargs = dict(config_overrides or {})
     return AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype, **kwargs)
+
+
+@contextmanager
+def one_sequence_per_row() -> Iterator[None]:
+    """Tells Hugging Face's mask builder that every row of the batch holds one sequence (positions 0, 1, ...,
+    then right padding), so that a causal model run without an attention mask takes SDPA's ``is_causal`` path.
+
+    Without an attention mask, transformers looks for several sequences packed into one row in the position
+    ids: a check read on the host, which it skips while tracing, and it counts a CUDA graph capture as tracing.
+    Under a capture it would then build a full (rows, 1, T, T) mask, a slower attention than the eager steps'.
+    Inside this context the check is skipped and no packing is assumed (the rows `MultiLoRADataModule` packs
+    never hold two sequences). Transformers versions without the check are left as they are."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover (transformers is a dependency)
+        yield
+        return
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        yield
+        return
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = _no_packed_sequences
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _no_packed_sequences(position_ids: torch.Tensor) -> None:
+    return None

@@ -40,7 +40,9 @@ class StepGraphs:
       (kernel tuning, device tables), which the capture must find full. ``max_graphs``: graphs kept, the least
       recently replayed dropped first (each holds the memory of its step's intermediates).
     - Not on CUDA, or ``enabled=False``: every call is eager. A capture that fails (a host sync, an operation
-      that cannot be captured) warns once with the reason, and that key then runs eagerly.
+      that cannot be captured) warns with the reason, and every call runs eagerly from then on (``enabled``
+      turns False; `failures` keeps the reason).
+    - Gradient checkpointing under a capture needs torch >= 2.10 (its RNG state is read and restored).
     """
 
     def __init__(self, warmup: int = 2, max_graphs: int = 4, enabled: bool = True) -> None:
@@ -60,7 +62,7 @@ class StepGraphs:
 
     @property
     def failures(self) -> dict[Hashable, str]:
-        """Keys whose capture failed, with the reason (they run eagerly)."""
+        """The key whose capture failed, with the reason (since then every call runs eagerly)."""
         return dict(self._failed)
 
     def clear(self) -> None:
@@ -93,22 +95,31 @@ class StepGraphs:
 
         statics = tuple(t.clone() for t in inputs)
         graph = torch.cuda.CUDAGraph()
+        # A stream of its own: cuBLAS keeps a workspace per stream, which a graph captured on a shared stream would
+        # share with the others, and lose to the first of them that is freed
+        stream, current = torch.cuda.Stream(), torch.cuda.current_stream()
         # Autocast's cache of cast weights would hand the capture tensors that outlive it: off while capturing
         autocast = (torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
                     if torch.is_autocast_enabled("cuda") else nullcontext())
         try:
             # thread_local: another thread's CUDA calls (a data loader's pinning) do not invalidate the capture
-            with keep_calls() as calls, torch.cuda.graph(graph, capture_error_mode="thread_local"), autocast:
+            with keep_calls() as calls, torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"), \
+                    autocast:
                 outputs = fn(*statics)
-        except Exception as err:  # noqa: BLE001 (any failure of the capture: the step then runs eagerly)
+        except Exception as err:  # noqa: BLE001 (any failure of the capture: every step then runs eagerly)
+            # A capture the step invalidated makes the capture's end fail too, before it gives the stream back
+            torch.cuda.set_stream(current)
             while err.__context__ is not None:  # the first error, not the capture's end it made fail too
                 err = err.__context__
             reason = f"{type(err).__name__}: {err}".splitlines()[0]
             self._failed[key[0]] = reason
-            warnings.warn(f"a CUDA graph of this step could not be captured ({reason}); it runs eagerly", stacklevel=3)
+            self.enabled = False
+            self.clear()
+            warnings.warn(f"a CUDA graph of this step could not be captured ({reason}); steps run eagerly from now on",
+                          stacklevel=3)
             torch.cuda.synchronize()
             return fn(*inputs)
-        self._graphs[key] = _Captured(graph, statics, outputs, calls)
+        self._graphs[key] = _Captured(graph, statics, outputs, calls, stream)
         self.captures += 1
         while len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
@@ -118,8 +129,10 @@ class StepGraphs:
 
 
 class _Captured:
-    __slots__ = ("graph", "inputs", "outputs", "keep")
+    __slots__ = ("graph", "inputs", "outputs", "keep", "stream")
 
-    def __init__(self, graph: Any, inputs: tuple[Tensor, ...], outputs: Any, keep: Optional[list]) -> None:
+    def __init__(self, graph: Any, inputs: tuple[Tensor, ...], outputs: Any, keep: Optional[list],
+                 stream: Any) -> None:
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
-        self.keep = keep  # the LoRA calls whose device tables the graph reads
+        self.keep = keep  # the LoRA calls (and tables) whose device state the graph reads
+        self.stream = stream

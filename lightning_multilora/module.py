@@ -15,10 +15,12 @@ from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_multilora.base_model import one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import peft_target_modules, save_peft_adapter
 from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS
 from lightning_multilora.graphs import StepGraphs
+from lightning_multilora.kernels import keep_alive
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import LoRALayers, inject_multilora
 from lightning_multilora.layout import BatchLayout
@@ -137,7 +139,7 @@ class MultiLoRAMixin:
         rank (the base's forward is a collective there): see how ``_reference_forward_needed`` pairs them.
         """
         layout: BatchLayout = batch["layout"]
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
         row_sum, row_count = _row_token_loss(out.logits, batch["labels"])
         sums, counts = segment_sum(row_sum, layout), segment_sum(row_count.to(row_sum.dtype), layout)
         dpo = [i for i, n in enumerate(layout.names) if n in self.registry and self.registry[n].spec.objective == "dpo"]
@@ -149,7 +151,8 @@ class MultiLoRAMixin:
             return sums, counts
         rows = torch.cat([torch.arange(layout.starts[i], layout.ends[i]) for i in dpo]).to(row_sum.device)
         with torch.no_grad(), self.lora_layers.use(None):  # the reference: the base alone, once for all
-            ref = self.model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows])
+            ref = self.model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
+                             use_cache=False)
             ref_sum, _ = _row_token_loss(ref.logits, batch["labels"][rows])
         ref_logp = torch.zeros_like(row_sum)
         ref_logp[rows] = -ref_sum.to(row_sum.dtype)
@@ -604,8 +607,9 @@ class MultiLoRAMixin:
         def device_step(input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             # Right-padded rows need no attention mask under a causal mask: every real token comes before the
             # padding. (With a mask, the model reads it on the host to choose its attention path.)
-            return self._forward_backward({"input_ids": input_ids, "attention_mask": None, "labels": labels,
-                                           "layout": layout}, records)
+            with one_sequence_per_row():
+                return self._forward_backward({"input_ids": input_ids, "attention_mask": None, "labels": labels,
+                                               "layout": layout}, records)
 
         return self._step_graphs(key, device_step, batch["input_ids"], batch["labels"])
 
@@ -618,8 +622,9 @@ class MultiLoRAMixin:
         if batch["layout"].padding_side != "right" or any(r.spec.objective != "sft" for r in records):
             return None  # a padding mask read on the host; DPO's reference forward indexes rows on the host
         placement = self._placement()
-        if placement is not None and getattr(placement, "base_shard_size", None) != 1:
-            return None  # a sharded base's forward is a collective
+        if placement is not None and (getattr(placement, "base_shard_size", None) != 1
+                                      or any(r.spec.objective == "dpo" for r in self.registry)):
+            return None  # a sharded base's forward is a collective; so is the question of a DPO reference forward
         layout: BatchLayout = batch["layout"]
         bound = tuple((p.data_ptr(), 0 if p.grad is None else p.grad.data_ptr())
                       for r in records for p in self.lora_layers.step_parameters(r.name))
@@ -881,7 +886,7 @@ def _device_index(key: tuple, device: torch.device, make) -> Tensor:
     _DEVICE_INDICES[key] = index  # (re-inserted: the most recent last)
     if len(_DEVICE_INDICES) > 256:
         del _DEVICE_INDICES[next(iter(_DEVICE_INDICES))]
-    return index
+    return keep_alive(index)  # a graph being captured reads it at every replay, whatever this cache drops
 
 
 def _grad_norms(groups: Sequence[Sequence[Tensor]], like: Tensor) -> Tensor:

@@ -123,8 +123,10 @@ def test_a_step_that_reads_a_value_on_the_host_runs_eagerly_with_a_warning():
     graphs("k", step, x)
     with pytest.warns(UserWarning, match="could not be captured"):
         out = graphs("k", step, x)
-    assert torch.equal(out, x * 2) and "k" in graphs.failures and len(graphs) == 0
+    assert torch.equal(out, x * 2) and "k" in graphs.failures and len(graphs) == 0 and not graphs.enabled
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the failed capture's stream given back
     assert torch.equal(graphs("k", step, -x), -x)  # eager from now on: the branch follows the values
+    assert torch.equal(graphs("other", lambda v: v + 1, x), x + 1) and graphs.replays == 0
 
 
 def test_packed_batches_say_they_are_right_padded_and_segment_sums_reuse_their_index():
@@ -173,3 +175,30 @@ def test_a_module_with_cuda_graphs_trains_as_the_eager_module(tmp_path):
     # the eager steps pass the attention mask, the graphed ones none (another SDPA kernel): close, not equal
     assert torch.nn.functional.cosine_similarity(graph_deltas, eager_deltas, dim=0) > 0.99
     torch.testing.assert_close(graph_losses, eager_losses, rtol=2e-2, atol=2e-2)
+
+
+def test_rows_of_one_sequence_keep_the_causal_attention_path_under_a_capture(monkeypatch):
+    # transformers counts a CUDA graph capture as tracing: without an attention mask it then builds a full
+    # (rows, 1, T, T) mask from the position ids (packed sequences) instead of SDPA's is_causal. Simulated here.
+    from transformers import LlamaConfig, LlamaForCausalLM, masking_utils
+    from transformers.models.llama import modeling_llama
+
+    from lightning_multilora.base_model import one_sequence_per_row
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=64, max_position_embeddings=32)
+    config._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(config).eval()
+    masks = []
+    build = modeling_llama.create_causal_mask
+    monkeypatch.setattr(modeling_llama, "create_causal_mask", lambda *a, **k: masks.append(build(*a, **k)))
+    monkeypatch.setattr(masking_utils, "is_tracing", lambda *a, **k: True)
+    ids = torch.randint(64, (3, 12))
+    with torch.no_grad():  # (no cache, as in training: transformers looks for packed rows only then)
+        model(input_ids=ids, use_cache=False)
+        with one_sequence_per_row():
+            model(input_ids=ids, use_cache=False)
+        model(input_ids=ids, use_cache=False)
+    assert masks[0] is not None and tuple(masks[0].shape) == (3, 1, 12, 12)
+    assert masks[1] is None  # is_causal
+    assert masks[2] is not None  # the context restored what it replaced

@@ -85,6 +85,16 @@ def keep_calls():
     return _keep_calls()
 
 
+def keep_alive(obj):
+    """``obj``, kept by the innermost open `keep_calls` context too (device state that a CUDA graph being
+    captured reads, and that no cache may free while the graph lives)."""
+    if not _triton_available():
+        return obj
+    from lightning_multilora.kernels.triton_lora import keep_alive as _keep_alive
+
+    return _keep_alive(obj)
+
+
 def resolve_backend(x: Tensor) -> str:
     """The backend that runs for ``x``: what ``auto`` resolves to, or the forced one."""
     if _backend not in BACKENDS:
@@ -102,5 +112,5 @@ def _triton_available() -> bool:
     return True
 
 
-__all__ = ["BACKENDS", "LoRAWeights", "get_backend", "keep_calls", "multi_lora", "multi_lora_linear",
+__all__ = ["BACKENDS", "LoRAWeights", "get_backend", "keep_alive", "keep_calls", "multi_lora", "multi_lora_linear",
            "multi_lora_reference", "resolve_backend", "set_backend"]

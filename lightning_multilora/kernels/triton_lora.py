@@ -57,6 +57,10 @@ def _cdiv(a: int, b: int) -> int:
 def _upload(host: Tensor, device: torch.device) -> Tensor:
     """A small host table to the device without a stream sync (pageable copies wait for the stream)."""
     if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing():
+            # A replay would copy from a pinned buffer recycled since: the table must exist before a capture
+            raise RuntimeError("a device table of the LoRA kernels was to be made during a CUDA graph capture; "
+                               "run the same step eagerly first (StepGraphs' warm-up) so that it is cached")
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 
@@ -500,7 +504,7 @@ _grad_tables = _LRU()
 def _fresh_grads(weights: LoRAWeights, table: PointerTable, device: torch.device) -> GradTargets:
     """Zeroed gradients in two flat buffers (one for every dA, one for every dB), returned through autograd."""
     flat_a, ptrs_a, ptrs_b, grads_a, grads_b = _flat_like(weights, table, device)
-    return GradTargets(ptrs_a, ptrs_b, grads_a, grads_b, table.ranks8)
+    return keep_alive(GradTargets(ptrs_a, ptrs_b, grads_a, grads_b, table.ranks8))
 
 
 def _flat_like(weights: LoRAWeights, table: PointerTable, device: torch.device,
@@ -540,7 +544,7 @@ def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torc
         # a later backward before zero_grad (gradient accumulation) finds these by address
         key = (tuple(map(_data_ptr, fresh.a + fresh.b)), device, table.ranks8)
         weights.memo["grad_targets"] = (key, _grad_tables.get_or_make(key, lambda: targets))
-        return targets
+        return keep_alive(targets)
     try:
         ready = all(map(_is_contiguous, grads))
     except TypeError:  # a gradient is None
@@ -557,7 +561,7 @@ def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torc
     # projections (Qwen2.5-32B: 448), and cycling through it rebuilt and uploaded every table at every backward.
     memo = weights.memo.get("grad_targets")
     if memo is not None and memo[0] == key:
-        return memo[1]
+        return keep_alive(memo[1])
 
     def make() -> GradTargets:
         host = [g.data_ptr() for g in grads]
@@ -566,7 +570,7 @@ def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torc
 
     targets = _grad_tables.get_or_make(key, make)
     weights.memo["grad_targets"] = (key, targets)
-    return targets
+    return keep_alive(targets)
 
 
 def _meta(kind: str) -> dict[str, int]:
@@ -737,15 +741,23 @@ _call_sinks: list[list] = []
 
 @contextmanager
 def keep_calls() -> Iterator[list]:
-    """Collects every call made while open (forward calls; a recomputation reuses its forward's). A CUDA graph
-    captured meanwhile keeps reading the device tables of those calls (pointer arrays, schedules, gradient
-    tables, weight copies) at every replay: holding the calls holds the tables, whichever cache drops them."""
+    """Collects every call made while open (forward calls; a recomputation reuses its forward's) and the
+    gradient tables their backwards use (`keep_alive`). A CUDA graph captured meanwhile keeps reading those
+    device tables (pointer arrays, schedules, gradient tables, weight copies) at every replay: holding them
+    holds the tables, whichever cache drops them."""
     sink: list = []
     _call_sinks.append(sink)
     try:
         yield sink
     finally:
         _call_sinks.remove(sink)
+
+
+def keep_alive(obj: Any) -> Any:
+    """``obj``, also added to the innermost open `keep_calls` list (if any): device state a capture reads."""
+    if _call_sinks:
+        _call_sinks[-1].append(obj)
+    return obj
 
 
 def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_dtype: torch.dtype,
@@ -765,7 +777,5 @@ def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_d
     if memo is None or memo[0] != (x.shape[0], device):
         sched = schedule(weights.starts, weights.ends, x.shape[0], device)
         memo = weights.memo["schedule"] = ((x.shape[0], device), sched)
-    call = _Call(weights, table, memo[1], seeds, copies, has_dropout, precision, direct, d_out, out_dtype, params)
-    if _call_sinks:
-        _call_sinks[-1].append(call)
-    return call
+    return keep_alive(_Call(weights, table, memo[1], seeds, copies, has_dropout, precision, direct, d_out, out_dtype,
+                            params))
