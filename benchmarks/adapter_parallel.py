@@ -115,10 +115,11 @@ def build(config_kwargs: dict, device: torch.device, mode: str, names: list[str]
             else:
                 local.normal_(0.0, 0.02, generator=generator)
         for module in model.modules():  # rotary tables are buffers: recompute them on the real device
-            if hasattr(module, "inv_freq") and hasattr(module, "rope_init_fn"):
-                inv_freq, module.attention_scaling = module.rope_init_fn(module.config, device)
+            if hasattr(module, "inv_freq") and hasattr(module, "config"):
+                inv_freq, module.attention_scaling = rope_init_fn(module)(module.config)
+                inv_freq = inv_freq.to(device)
                 module.inv_freq = inv_freq
-                module.original_inv_freq = inv_freq
+                module.original_inv_freq = inv_freq.clone()
     flat = not mode.startswith("fsdp")  # FSDP shards (and reduces) the adapters' per-layer parameters itself
     if flat:
         # As `MultiLoRAModule` holds them: one flat parameter per adapter (every layer's A and B as views), which
@@ -127,6 +128,20 @@ def build(config_kwargs: dict, device: torch.device, mode: str, names: list[str]
     lora = [p for n in names for p in layers.optimizer_parameters(n, elementwise=flat)]  # after to_empty
     optimizer = torch.optim.AdamW(lora, lr=LR, fused=device.type == "cuda")
     return model, layers, optimizer
+
+
+def rope_init_fn(module: torch.nn.Module):
+    """The function that makes a rotary embedding's ``inv_freq``: kept on the module by older transformers, looked
+    up from its ``rope_type`` by newer ones (5.17 keeps none: `to_empty` left the tables uninitialized)."""
+    init = getattr(module, "rope_init_fn", None)
+    if init is not None:
+        return init
+    rope_type = getattr(module, "rope_type", "default")
+    if rope_type == "default" and hasattr(module, "compute_default_rope_parameters"):
+        return module.compute_default_rope_parameters
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ROPE_INIT_FUNCTIONS[rope_type]
 
 
 def link_bandwidth(device: torch.device, mib: int = 512, iters: int = 5) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional
@@ -87,31 +88,62 @@ def build_base_model(
     return AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype, **kwargs)
 
 
+_PATCH_LOCK = threading.Lock()
+_PATCH_DEPTH = 0
+_PATCH_SAVED: dict[str, Any] = {}
+
+
 @contextmanager
 def one_sequence_per_row() -> Iterator[None]:
     """Tells Hugging Face's mask builder that every row of the batch holds one sequence (positions 0, 1, ...,
-    then right padding), so that a causal model run without an attention mask takes SDPA's ``is_causal`` path.
+    then right padding), so that a causal model run without an attention mask and without a cache takes SDPA's
+    ``is_causal`` path.
 
-    Without an attention mask, transformers looks for several sequences packed into one row in the position
-    ids: a check read on the host, which it skips while tracing, and it counts a CUDA graph capture as tracing.
-    Under a capture it would then build a full (rows, 1, T, T) mask, a slower attention than the eager steps'.
-    Inside this context the check is skipped and no packing is assumed (the rows `MultiLoRADataModule` packs
-    never hold two sequences). Transformers versions without the check are left as they are."""
+    transformers counts a CUDA graph capture as tracing, and while tracing it neither skips the causal mask
+    (it cannot tell whether a traced graph will see padding) nor rules out several sequences packed into one
+    row of position ids (a check read on the host). Under a capture it would then build a full (rows, 1, T, T)
+    mask: a slower attention than the eager steps', and different kernels. Inside this context neither
+    question is asked for the mask-free, cache-free, offset-free case (the rows `MultiLoRADataModule` packs);
+    any other case gets transformers' own answer. Reentrant and shared by threads (the backward's recomputation
+    runs on autograd's thread); versions without these functions are left as they are."""
+    global _PATCH_DEPTH
     try:
         from transformers import masking_utils
     except ImportError:  # pragma: no cover (transformers is a dependency)
         yield
         return
-    if not hasattr(masking_utils, "find_packed_sequence_indices"):
-        yield
-        return
-    original = masking_utils.find_packed_sequence_indices
-    masking_utils.find_packed_sequence_indices = _no_packed_sequences
+    with _PATCH_LOCK:
+        if _PATCH_DEPTH == 0:
+            for name, replacement in (("find_packed_sequence_indices", _no_packed_sequences),
+                                      ("_ignore_causal_mask_sdpa", _causal_when_unmasked)):
+                original = getattr(masking_utils, name, None)
+                if original is not None:
+                    _PATCH_SAVED[name] = original
+                    setattr(masking_utils, name, replacement)
+        _PATCH_DEPTH += 1
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices = original
+        with _PATCH_LOCK:
+            _PATCH_DEPTH -= 1
+            if _PATCH_DEPTH == 0:
+                for name, original in _PATCH_SAVED.items():
+                    setattr(masking_utils, name, original)
+                _PATCH_SAVED.clear()
 
 
 def _no_packed_sequences(position_ids: torch.Tensor) -> None:
     return None
+
+
+def _causal_when_unmasked(padding_mask: Optional[torch.Tensor], q_length: int, kv_length: int, q_offset: Any,
+                          kv_offset: Any, local_attention_size: Optional[int] = None) -> bool:
+    """transformers' ``_ignore_causal_mask_sdpa``, answered without it where the answer cannot depend on a value:
+    no padding mask, a square causal mask from position 0, no sliding window over it, nothing being compiled."""
+    if (padding_mask is None and q_length == kv_length and type(q_offset) is int and q_offset == 0
+            and type(kv_offset) is int and kv_offset == 0
+            and (local_attention_size is None or kv_length < local_attention_size)
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing()):
+        return True
+    return _PATCH_SAVED["_ignore_causal_mask_sdpa"](padding_mask, q_length, kv_length, q_offset, kv_offset,
+                                                    local_attention_size)

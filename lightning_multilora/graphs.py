@@ -13,6 +13,7 @@ frozen base, a non-reentrant gradient-checkpointed backward and fused optimizers
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -95,16 +96,18 @@ class StepGraphs:
 
         statics = tuple(t.clone() for t in inputs)
         graph = torch.cuda.CUDAGraph()
-        # A stream of its own: cuBLAS keeps a workspace per stream, which a graph captured on a shared stream would
-        # share with the others, and lose to the first of them that is freed
+        pool = torch.cuda.graph_pool_handle()  # (named: a failed capture's memory is released by it)
+        # A stream of its own (from torch's pool of streams), not the default capture stream all graphs share
         stream, current = torch.cuda.Stream(), torch.cuda.current_stream()
         # Autocast's cache of cast weights would hand the capture tensors that outlive it: off while capturing
         autocast = (torch.autocast("cuda", dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False)
                     if torch.is_autocast_enabled("cuda") else nullcontext())
+        reason = None
+        calls: list = []
         try:
             # thread_local: another thread's CUDA calls (a data loader's pinning) do not invalidate the capture
-            with keep_calls() as calls, torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"), \
-                    autocast:
+            with keep_calls() as calls, torch.cuda.graph(graph, pool=pool, stream=stream,
+                                                         capture_error_mode="thread_local"), autocast:
                 outputs = fn(*statics)
         except Exception as err:  # noqa: BLE001 (any failure of the capture: every step then runs eagerly)
             # A capture the step invalidated makes the capture's end fail too, before it gives the stream back
@@ -112,12 +115,14 @@ class StepGraphs:
             while err.__context__ is not None:  # the first error, not the capture's end it made fail too
                 err = err.__context__
             reason = f"{type(err).__name__}: {err}".splitlines()[0]
+        if reason is not None:  # (out of the except block: its traceback held the failed step's tensors)
+            del graph, statics, calls
+            _release_pool(pool)
             self._failed[key[0]] = reason
             self.enabled = False
             self.clear()
             warnings.warn(f"a CUDA graph of this step could not be captured ({reason}); steps run eagerly from now on",
                           stacklevel=3)
-            torch.cuda.synchronize()
             return fn(*inputs)
         self._graphs[key] = _Captured(graph, statics, outputs, calls, stream)
         self.captures += 1
@@ -126,6 +131,22 @@ class StepGraphs:
         graph.replay()  # the capture ran nothing: this call's step is the first replay
         self.replays += 1
         return outputs
+
+
+def _release_pool(pool: Any) -> None:
+    """Give back the memory a failed capture took: its pool stays open for allocations, and held, otherwise
+    (the capture's end failed before closing it). Best effort: torch's own calls, where it has them."""
+    gc.collect()
+    torch.cuda.synchronize()
+    device = torch.cuda.current_device()
+    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+        release = getattr(torch._C, name, None)
+        if release is not None:
+            try:
+                release(device, pool)
+            except (RuntimeError, TypeError):  # already closed by the capture's end; another torch
+                pass
+    torch.cuda.empty_cache()
 
 
 class _Captured:
