@@ -98,7 +98,10 @@ class MultiLoRAMixin:
         (``shard_size=1``); other steps run eagerly. An override of `adapter_loss_terms` and the
         ``on_before_backward`` / ``on_after_backward`` hooks run their Python once per captured layout; the
         batch reaches them without its attention mask (right padding needs none under a causal mask). Each
-        layout's graph keeps its step's intermediate memory (the four most recent are kept)."""
+        layout and batch shape has its own graph, which keeps its step's intermediate memory (the four most
+        recently replayed are kept): pad batches to few shapes (``MultiLoRADataModule(padding="max_length")``
+        or ``pad_to_multiple_of``), or most steps of a varying length run eagerly. Needs torch >= 2.10 with
+        gradient checkpointing."""
         if max_running is not None and max_running < 1:
             raise ValueError(f"`max_running` must be >= 1 or None, got {max_running}")
         self.automatic_optimization = False

@@ -224,3 +224,36 @@ def test_rows_of_one_sequence_keep_the_causal_attention_path_under_a_capture(mon
     assert masks[0] is not None and tuple(masks[0].shape) == (3, 1, 12, 12)
     assert masks[1] is None  # is_causal
     assert masks[2] is not None  # the context restored what it replaced
+
+
+def test_one_sequence_per_row_nests_and_restores_transformers_functions():
+    import threading
+
+    from transformers import masking_utils
+
+    from lightning_multilora.base_model import one_sequence_per_row
+
+    originals = (masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa)
+    entered, release = threading.Event(), threading.Event()
+
+    def other_thread():  # enters while the main thread holds the context, leaves after it (the backward's thread)
+        with one_sequence_per_row():
+            entered.set()
+            release.wait(10)
+
+    with one_sequence_per_row():
+        patched = masking_utils.find_packed_sequence_indices
+        assert patched is not originals[0] and patched(torch.arange(4)[None]) is None
+        # the mask-free square case skips the mask; any other case gets transformers' own answer
+        assert masking_utils._ignore_causal_mask_sdpa(None, 8, 8, 0, 0) is True
+        assert masking_utils._ignore_causal_mask_sdpa(torch.ones(1, 8, dtype=torch.bool), 8, 8, 0, 0) is True
+        assert masking_utils._ignore_causal_mask_sdpa(torch.tensor([[True] * 7 + [False]]), 8, 8, 0, 0) is False
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        entered.wait(10)
+        with one_sequence_per_row():
+            assert masking_utils.find_packed_sequence_indices is patched
+    assert masking_utils.find_packed_sequence_indices is patched  # the other thread is still inside
+    release.set()
+    thread.join(10)
+    assert (masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa) == originals
