@@ -142,7 +142,7 @@ class MultiLoRAMixin:
         rank (the base's forward is a collective there): see how ``_reference_forward_needed`` pairs them.
         """
         layout: BatchLayout = batch["layout"]
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **self._no_cache())
         row_sum, row_count = _row_token_loss(out.logits, batch["labels"])
         sums, counts = segment_sum(row_sum, layout), segment_sum(row_count.to(row_sum.dtype), layout)
         dpo = [i for i, n in enumerate(layout.names) if n in self.registry and self.registry[n].spec.objective == "dpo"]
@@ -155,7 +155,7 @@ class MultiLoRAMixin:
         rows = torch.cat([torch.arange(layout.starts[i], layout.ends[i]) for i in dpo]).to(row_sum.device)
         with torch.no_grad(), self.lora_layers.use(None):  # the reference: the base alone, once for all
             ref = self.model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
-                             use_cache=False)
+                             **self._no_cache())
             ref_sum, _ = _row_token_loss(ref.logits, batch["labels"][rows])
         ref_logp = torch.zeros_like(row_sum)
         ref_logp[rows] = -ref_sum.to(row_sum.dtype)
@@ -171,6 +171,10 @@ class MultiLoRAMixin:
             counts[i] = margin.new_tensor(float(half))
             self._preference_accuracy[layout.names[i]] = (margin.detach() > 0).float().mean()
         return torch.stack(sums), torch.stack(counts)
+
+    def _no_cache(self) -> dict[str, Any]:
+        """``use_cache=False`` for a Hugging Face model (training keeps no key/value cache), nothing for others."""
+        return {"use_cache": False} if hasattr(getattr(self.model, "config", None), "use_cache") else {}
 
     # -- adapter lifecycle ----------------------------------------------------------------------
 

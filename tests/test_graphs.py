@@ -149,7 +149,8 @@ def test_packed_batches_say_they_are_right_padded_and_segment_sums_reuse_their_i
 
     dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(20)})
     batch = dm.pack(["a", "b"], [([[1, 2, 3]], [[1, 2, 3]]), ([[4], [5, 6]], [[4], [5, 6]])])
-    assert batch["layout"].padding_side == "right" and batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
+    assert batch["layout"].padding_side == "right"
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0], [1, 1, 0]]
     assert segment_sum(torch.tensor([1.0, 2.0, 4.0]), batch["layout"]).tolist() == [1.0, 6.0]
     kept = [v for k, v in _DEVICE_INDICES.items() if k[0][0] == "segments" and k[0][1:] == ((0, 1), (1, 3), 3)]
     assert len(kept) == 1  # made once for the layout, on the host, then reused (no copy inside a step)

@@ -290,3 +290,32 @@ def test_optimizer_state_that_no_longer_fits_starts_fresh_with_a_warning():
     checkpoint = {"optimizer_states": [saved]}
     _match_optimizer_state(checkpoint, optimizer, lambda name, states: {"step": states[0]["step"]})
     assert float(checkpoint["optimizer_states"][0]["state"][1]["step"]) == 5.0  # converted: kept
+
+
+def test_the_mixin_trains_adapters_of_a_model_that_is_not_a_hugging_face_one(tmp_path, trainer_kwargs):
+    # (the ready-made module passes Hugging Face's use_cache=False; a plain model's forward takes no such argument)
+    from types import SimpleNamespace
+
+    from lightning_multilora import MultiLoRAMixin
+
+    class PlainLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.q_proj = torch.nn.Embedding(258, 16), torch.nn.Linear(16, 16)
+            self.head = torch.nn.Linear(16, 258)
+
+        def forward(self, input_ids, attention_mask=None):
+            return SimpleNamespace(logits=self.head(torch.tanh(self.q_proj(self.embed(input_ids)))))
+
+    class Sweep(MultiLoRAMixin, L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = PlainLM()
+            self.init_multilora(self.model, adapters=[AdapterSpec("a", lr=1e-2, max_steps=3)],
+                                target_modules=["q_proj"], export_dir=str(tmp_path / "out"), validate_on_finish=False)
+
+    module = Sweep()
+    L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    rec = module.registry["a"]
+    assert rec.state == AdapterState.FINISHED and rec.step == 3 and len(rec.train_losses) == 3
+    assert set(exported(module, "a")) == {f"base_model.model.q_proj.lora_{x}.weight" for x in "AB"}
