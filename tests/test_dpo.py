@@ -17,6 +17,9 @@ from lightning_multilora.registry import AdapterState
 
 PAIRS = [{"prompt": f"Q{i}: is {i} even?", "chosen": " yes" if i % 2 == 0 else " no",
           "rejected": " no" if i % 2 == 0 else " yes"} for i in range(40)]
+# A preference that generalises to unseen prompts (a fixed style of answer), so that the validation pairs can show
+# it learned; the parity of i (PAIRS) is learned from 8 training examples only on some random bases.
+STYLE_PAIRS = [{"prompt": f"Q{i}: is {i} even?", "chosen": " Certainly, gladly!", "rejected": " no."} for i in range(40)]
 HH = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "hh_rlhf_harmless" / "pairs.jsonl.gz"
 
 
@@ -82,14 +85,14 @@ def test_sft_and_dpo_adapters_train_together_and_dpo_learns_the_preferences(tmp_
     specs = [AdapterSpec("p", rank=8, lr=1e-2, objective="dpo", dpo_beta=0.5, batch_size=4, max_steps=40, seed=1),
              AdapterSpec("s", rank=4, lr=1e-2, batch_size=4, max_steps=40, seed=2, dataset="arith")]
     module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path))
-    dm = MultiLoRADataModule(sources={"pairs": PreferenceSource(records=PAIRS), "arith": GeneratedArithmetic(60)}, max_length=96,
-                             max_val_examples=8)
+    dm = MultiLoRADataModule(sources={"pairs": PreferenceSource(records=STYLE_PAIRS), "arith": GeneratedArithmetic(60)},
+                             max_length=96, max_val_examples=8)
     L.Trainer(**trainer_kwargs).fit(module, dm)
     p, s = module.registry["p"], module.registry["s"]
     assert p.state == s.state == AdapterState.FINISHED
-    first, last = p.train_losses[0][1], p.train_losses[-1][1]
+    first, last = p.train_losses[0][1], sum(loss for _, loss in p.train_losses[-5:]) / 5
     assert first == pytest.approx(math.log(2), rel=1e-3)  # B = 0 at the start: policy == reference
-    assert last < 0.5 * first  # the preference is learned
+    assert last < 0.5 * first  # the preference is learned (the last 5 steps: ~0 on 8 random bases)
     assert s.train_losses[-1][1] < s.train_losses[0][1]
     assert p.best_val_loss is not None and p.best_val_loss < math.log(2)
 

@@ -71,6 +71,16 @@ def train_alone_with_peft(spec: AdapterSpec, dm: MultiLoRADataModule, device: st
     return {k: v.detach().cpu() for k, v in get_peft_model_state_dict(model).items()}
 
 
+def assert_trained_alike(packed: dict, alone: dict, name: str, rel: float = 1e-3) -> None:
+    """Per tensor, by norm: |packed - alone| <= rel |alone|. Not element by element: another CPU (AVX2 kernels instead
+    of AVX-512) or the GPU sums in another order, and Adam turns that noise into moves of up to ~lr of the few
+    parameters whose gradient is ~0 (measured: 2.5e-5 of a tensor's norm), while a real difference (another batch, a
+    lost or doubled update) moves whole tensors by 1e-2 of their norm and more."""
+    for key in alone:
+        diff, scale = (packed[key].double() - alone[key].double()).norm(), alone[key].double().norm()
+        assert diff <= rel * scale, f"{name}: {key}: |difference| {diff:.3g} against |alone| {scale:.3g}"
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_packed_adapters_equal_each_trained_alone_with_peft(tmp_path, trainer_kwargs, device):
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on the GPU too
@@ -85,9 +95,7 @@ def test_packed_adapters_equal_each_trained_alone_with_peft(tmp_path, trainer_kw
         assert set(packed) == set(alone), spec.name
         # On the GPU the grouped kernels sum in another order than cuBLAS: measured on the H200, the
         # largest difference is 7e-6 absolute (1.2e-5 relative per tensor) after 20 steps.
-        atol = 1e-6 if device == "cpu" else 2e-5
-        for key in alone:
-            torch.testing.assert_close(packed[key], alone[key], rtol=1e-4, atol=atol, msg=f"{spec.name}: {key}")
+        assert_trained_alike(packed, alone, spec.name)
         # the adapter must have moved, so that the comparison is not of two initialisations
         moved = [k for k in alone if "lora_B" in k and alone[k].abs().max() > 0]
         assert moved, f"adapter {spec.name} did not train"
@@ -104,6 +112,5 @@ def test_qlora_packed_adapters_equal_each_trained_alone_with_peft_qlora(tmp_path
         packed = load_file(str(tmp_path / "out" / spec.name / "adapter_model.safetensors"))
         alone = train_alone_with_peft(spec, make_datamodule(), quantization="nf4")
         assert set(packed) == set(alone), spec.name
-        for key in alone:  # the same 4-bit base and fp32 compute on both sides
-            torch.testing.assert_close(packed[key], alone[key], rtol=1e-4, atol=1e-6, msg=f"{spec.name}: {key}")
+        assert_trained_alike(packed, alone, spec.name)  # the same 4-bit base and fp32 compute on both sides
         assert any(alone[k].abs().max() > 0 for k in alone if "lora_B" in k)

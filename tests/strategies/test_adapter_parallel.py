@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from lightning_multilora import AdapterSpec
@@ -204,8 +203,7 @@ def test_an_early_exit_on_one_rank_reaches_the_other_and_matches_one_process(tmp
     for name in ("a0", "a1", "a2", "a3"):  # the exported (best) weights are the single process's
         parallel = load_file(tmp_path / "early_exit" / name / "adapter_model.safetensors")
         alone = load_file(tmp_path / "early_exit_single" / name / "adapter_model.safetensors")
-        for key in alone:
-            torch.testing.assert_close(parallel[key], alone[key], rtol=1e-5, atol=1e-6)
+        assert_weights_close(parallel, alone)
 
 
 def test_dpo_on_one_rank_and_sft_on_the_other_train_as_in_one_process(tmp_path):
@@ -273,8 +271,17 @@ def assert_same_exports(tmp_path: Path, mode: str, names) -> None:
         parallel = load_file(tmp_path / mode / name / "adapter_model.safetensors")
         alone = load_file(tmp_path / f"{mode}_single" / name / "adapter_model.safetensors")
         assert parallel.keys() == alone.keys()
-        for key in alone:
-            torch.testing.assert_close(parallel[key], alone[key], rtol=1e-5, atol=1e-6)
+        assert_weights_close(parallel, alone)
+
+
+def assert_weights_close(actual: dict, expected: dict, rel: float = 1e-3) -> None:
+    """Per tensor, by norm: |actual - expected| <= rel |expected|. Not element by element: on another CPU (AVX2
+    instead of AVX-512 kernels) Adam turns float noise into moves of up to ~lr of the few parameters whose gradient
+    is ~0 (measured: 2.8e-4 of a tensor's norm), while a real difference (another batch, a lost update) moves whole
+    tensors by far more (lora_B starts at zero: its norm is the training's alone)."""
+    for key in expected:
+        diff, scale = (actual[key].double() - expected[key].double()).norm(), expected[key].double().norm()
+        assert diff <= rel * scale, f"{key}: |difference| {diff:.3g} against |expected| {scale:.3g}"
 
 
 def assert_study_used_from_rank_zero_once_per_result(ranks: list[dict], study: list[dict]) -> None:
@@ -370,8 +377,7 @@ def test_a_sweep_stopped_in_its_warmup_and_resumed_ends_as_if_never_stopped(tmp_
         folder = "warmup_resume" if (tmp_path / "warmup_resume" / name).exists() else "warmup_stop"
         resumed_weights = load_file(tmp_path / folder / name / "adapter_model.safetensors")
         uninterrupted = load_file(tmp_path / "warmup" / name / "adapter_model.safetensors")
-        for key in uninterrupted:
-            torch.testing.assert_close(resumed_weights[key], uninterrupted[key], rtol=1e-5, atol=1e-6)
+        assert_weights_close(resumed_weights, uninterrupted)
 
 
 def test_an_error_in_rank_zeros_decision_fails_every_rank_with_its_message(tmp_path):
