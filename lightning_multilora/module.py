@@ -552,7 +552,7 @@ class MultiLoRAMixin:
         records = [self.registry[n] for n in layout.names]
         optimizer = self.optimizers()
         params = [self.lora_layers.step_parameters(r.name) for r in records]  # one flat tensor per adapter
-        losses, norms, total = self._run_forward_backward(batch, records)
+        losses, norms, total = self._run_forward_backward(batch, records, params)
         tokens = segment_sum(batch["attention_mask"].sum(dim=1), layout)
         stats = torch.stack([losses.detach().float(), norms.float(), tokens.float()]).tolist()  # one sync
         logs: dict[str, dict[str, float]] = {}  # per adapter
@@ -585,11 +585,11 @@ class MultiLoRAMixin:
         self._step_logs = logs  # logged in on_train_batch_end, where it is known whether a logger writes them
         return total.clone()  # (a replayed graph's output is overwritten by its next replay)
 
-    def _forward_backward(self, batch: dict[str, Any], records: Sequence[AdapterRecord]
-                          ) -> tuple[Tensor, Tensor, Tensor]:
+    def _forward_backward(self, batch: dict[str, Any], records: Sequence[AdapterRecord],
+                          params: Sequence[Sequence[Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
         """A training step's device work: the adapters' gradients zeroed, the packed forward, the backward of the
-        sum of the finite per-adapter losses, each adapter's gradient norm: ``(losses, norms, total)``."""
-        params = [self.lora_layers.step_parameters(r.name) for r in records]
+        sum of the finite per-adapter losses, each adapter's gradient norm (over ``params``, its step
+        parameters): ``(losses, norms, total)``."""
         # Zeroed in place, not dropped: the gradients keep their storage, so the LoRA backward adds into the same
         # tensors every step (no new buffers and device pointer tables per layer per step).
         for rec in records:
@@ -603,12 +603,12 @@ class MultiLoRAMixin:
                 self.manual_backward(total)
         return losses.detach(), _grad_norms(params, losses), total.detach()
 
-    def _run_forward_backward(self, batch: dict[str, Any], records: Sequence[AdapterRecord]
-                              ) -> tuple[Tensor, Tensor, Tensor]:
+    def _run_forward_backward(self, batch: dict[str, Any], records: Sequence[AdapterRecord],
+                              params: Sequence[Sequence[Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
         """`_forward_backward`, replayed from a CUDA graph where ``cuda_graphs`` is on and the step allows it."""
-        key = self._graph_key(batch, records)
+        key = self._graph_key(batch, records, params)
         if key is None:
-            return self._forward_backward(batch, records)
+            return self._forward_backward(batch, records, params)
         layout = batch["layout"]
 
         def device_step(input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -616,15 +616,16 @@ class MultiLoRAMixin:
             # padding. (With a mask, the model reads it on the host to choose its attention path.)
             with one_sequence_per_row():
                 return self._forward_backward({"input_ids": input_ids, "attention_mask": None, "labels": labels,
-                                               "layout": layout}, records)
+                                               "layout": layout}, records, params)
 
         return self._step_graphs(key, device_step, batch["input_ids"], batch["labels"])
 
-    def _graph_key(self, batch: dict[str, Any], records: Sequence[AdapterRecord]) -> Optional[tuple]:
+    def _graph_key(self, batch: dict[str, Any], records: Sequence[AdapterRecord],
+                   params: Sequence[Sequence[Tensor]]) -> Optional[tuple]:
         """What a captured step depends on besides the batch's values (None: this step runs eagerly): the layout,
         the adapters' flat parameters and gradients (by address), the mode and the autocast state."""
         graphs = self._step_graphs
-        if not graphs.enabled or graphs.failures or not batch["input_ids"].is_cuda:
+        if not graphs.enabled or not batch["input_ids"].is_cuda:  # (a failed capture turned it off)
             return None
         if batch["layout"].padding_side != "right" or any(r.spec.objective != "sft" for r in records):
             return None  # a padding mask read on the host; DPO's reference forward indexes rows on the host
@@ -633,8 +634,7 @@ class MultiLoRAMixin:
                                       or any(r.spec.objective == "dpo" for r in self.registry)):
             return None  # a sharded base's forward is a collective; so is the question of a DPO reference forward
         layout: BatchLayout = batch["layout"]
-        bound = tuple((p.data_ptr(), 0 if p.grad is None else p.grad.data_ptr())
-                      for r in records for p in self.lora_layers.step_parameters(r.name))
+        bound = tuple((p.data_ptr(), 0 if p.grad is None else p.grad.data_ptr()) for group in params for p in group)
         device_type = batch["input_ids"].device.type
         autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
         return layout.names, layout.starts, layout.ends, layout.num_rows, bound, self.training, autocast
