@@ -55,6 +55,7 @@ from lightning_multilora.kernels import resolve_backend
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import LoRALayers, MultiLoRALinear, inject_multilora
 from lightning_multilora.layout import BatchLayout
+from lightning_multilora.optim import GroupedAdamW
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, LR = 16, 32, 1e-4
@@ -88,11 +89,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=450.0,
                    help="skip (record null) any measurement that would end later than this many seconds "
                         "after start")
-    p.add_argument("--fused-adamw", action="store_true", help="AdamW(fused=True) for both LoRA variants")
+    p.add_argument("--optimizer", choices=("grouped", "fused", "foreach"), default="grouped",
+                   help="the packed step's AdamW: GroupedAdamW (one launch over every adapter, what MultiLoRAModule "
+                        "runs on CUDA), torch's fused=True or its foreach default; PEFT takes fused=True with 'fused', "
+                        "else the default")
     p.add_argument("--cprofile", action="store_true", help="print where the host time of one packed step goes")
     p.add_argument("--trace", action="store_true",
                    help="print, for one floor and one packed step, host enqueue vs wall time, GPU busy time and the "
                         "kernels that take it (torch.profiler)")
+    p.add_argument("--trace-top", type=int, default=18, help="how many kernels --trace lists (by time)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay the forward + backward of the floor and of the packed step from CUDA graphs "
                         "(`StepGraphs`, captured at the second warm-up step; the optimizer steps eagerly)")
@@ -251,7 +256,7 @@ def run_floor(model: nn.Module, rows: dict, args: argparse.Namespace, deadline: 
 
             record(rows[seq, n], "base_floor", *measure(f"floor seq={seq} N={n}", step, 1, args, deadline, device))
             if args.trace and rows[seq, n]["base_floor_ms"] is not None:
-                rows[seq, n]["base_floor_trace"] = profile_device(step, device, f"floor seq={seq} N={n}")
+                rows[seq, n]["base_floor_trace"] = profile_device(step, device, f"floor seq={seq} N={n}", args.trace_top)
             rows[seq, n]["base_floor_cuda_graph"] = note_graphs(graphs, args)
             del ids, step, graphs, floor_step
 
@@ -272,8 +277,11 @@ def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline:
             layers.add_adapter(name, rank=RANK, alpha=ALPHA, seed=i)
         # As `MultiLoRAModule` does: one param group per adapter holding its flat parameter (every layer's A and B),
         # gradients zeroed in place before each backward.
-        optimizer = torch.optim.AdamW([{"params": layers.optimizer_parameters(name, elementwise=True)} for name in names],
-                                      lr=LR, fused=args.fused_adamw or None)
+        groups = [{"params": layers.optimizer_parameters(name, elementwise=True)} for name in names]
+        if args.optimizer == "grouped":
+            optimizer = GroupedAdamW(groups, lr=LR)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=LR, fused=args.optimizer == "fused" or None)
         layout = BatchLayout.from_sizes(names, [1] * n)
         for seq in args.seqs:
             ids = torch.randint(model.config.vocab_size, (n, seq), device=device)
@@ -294,7 +302,7 @@ def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline:
             if args.cprofile and rows[seq, n]["packed_ms"] is not None:
                 profile_host(step, device)
             if args.trace and rows[seq, n]["packed_ms"] is not None:
-                rows[seq, n]["packed_trace"] = profile_device(step, device, f"packed seq={seq} N={n}")
+                rows[seq, n]["packed_trace"] = profile_device(step, device, f"packed seq={seq} N={n}", args.trace_top)
             rows[seq, n]["packed_cuda_graph"] = note_graphs(graphs, args)
             del ids, step, graphs, packed_step
         for name in names:
@@ -373,7 +381,7 @@ def run_sequential_peft(model: nn.Module, rows: dict, args: argparse.Namespace, 
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS))
-    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=LR, fused=args.fused_adamw or None)
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=LR, fused=args.optimizer == "fused" or None)
     # PEFT injects its layers into `model` in place, so calling `model` runs them, and the loss is computed
     # exactly as for the other variants.
     for seq in args.seqs:
@@ -416,7 +424,7 @@ def main() -> None:
 
     notes = (
         f"Step = forward + next-token CE (chunked, checkpointed) + backward with non-reentrant gradient "
-        f"checkpointing; LoRA variants also run {'fused ' if args.fused_adamw else ''}AdamW (lr {LR}) over fp32 adapter weights "
+        f"checkpointing; LoRA variants also run AdamW (lr {LR}; ours: {args.optimizer}) over fp32 adapter weights "
         f"(r={RANK}, alpha={ALPHA}, 7 projections), no grad clipping. base_floor: frozen base at batch N, input "
         f"embeddings require grad. packed: lightning_multilora, N adapters x batch 1 in one step. "
         f"sequential_peft: one PEFT adapter at batch 1 stepped N times back to back (each adapter's step "

@@ -28,6 +28,7 @@ _EXPORTS = {
     "OptunaSweep": "lightning_multilora.callbacks.optuna_sweep",
     "AdapterParallelStrategy": "lightning_multilora.strategies.adapter_parallel",
     "checkpointing_kwargs": "lightning_multilora.kernels.recompute",
+    "GroupedAdamW": "lightning_multilora.optim",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
     from lightning_multilora.layer import LoRALayers, MultiLoRALinear, inject_multilora
     from lightning_multilora.layout import BatchLayout
     from lightning_multilora.module import MultiLoRAMixin, MultiLoRAModule
+    from lightning_multilora.optim import GroupedAdamW
     from lightning_multilora.registry import AdapterRegistry, AdapterState
     from lightning_multilora.spec import AdapterSpec, SweepGrid
 

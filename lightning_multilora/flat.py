@@ -17,6 +17,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor, nn
 
+from lightning_multilora.optim import GroupedAdamW
+
 _data_ptr = Tensor.data_ptr
 _grad = attrgetter("grad")
 ALIGN = 64  # elements: each view starts on a 256-byte boundary (fp32), as a separately allocated tensor would
@@ -26,7 +28,7 @@ ALIGN = 64  # elements: each view starts on a 256-byte boundary (fp32), as a sep
 # own parameters, whose gradients are the same views.
 ELEMENTWISE_OPTIMIZERS: tuple[type, ...] = (
     torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
-    torch.optim.RMSprop, torch.optim.Adagrad,
+    torch.optim.RMSprop, torch.optim.Adagrad, GroupedAdamW,
 )
 
 
