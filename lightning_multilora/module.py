@@ -24,7 +24,7 @@ from lightning_multilora.kernels import keep_alive
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import LoRALayers, inject_multilora
 from lightning_multilora.layout import BatchLayout
-from lightning_multilora.optim import GroupedAdamW
+from lightning_multilora.optim import IMPLEMENTATION_FLAGS, GroupedAdamW, grouped_adamw_applies
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
 from lightning_multilora.schedules import lr_factor
 from lightning_multilora.spec import AdapterSpec, SweepGrid
@@ -510,15 +510,12 @@ class MultiLoRAMixin:
         kwargs = dict(self.optimizer_kwargs)
         on_cuda = any(p.is_cuda for g in groups for p in g["params"])
         optimizer_class = self.optimizer_class
-        if on_cuda and optimizer_class in (torch.optim.Adam, torch.optim.AdamW) and not (
+        if grouped_adamw_applies(optimizer_class, kwargs, [p for g in groups for p in g["params"]]):
+            optimizer_class = GroupedAdamW  # the same update and state, one launch over every adapter
+        elif on_cuda and optimizer_class in (torch.optim.Adam, torch.optim.AdamW) and not (
                 {"fused", "foreach"} & kwargs.keys()):
-            if optimizer_class is torch.optim.AdamW and not kwargs.get("amsgrad"):
-                # the same update and state in one launch over every adapter (PyTorch's fused AdamW launches per
-                # group and moves the moments at ~60% of the copy bandwidth)
-                optimizer_class = GroupedAdamW
-            else:
-                # thousands of small adapter tensors: the fused kernels cut the step's host time by ~4x
-                kwargs["fused"] = True
+            # thousands of small adapter tensors: the fused kernels cut the step's host time by ~4x
+            kwargs["fused"] = True
         optimizer = optimizer_class(groups, **kwargs)
         if self._resume_checkpoint is not None:
             _match_optimizer_state(self._resume_checkpoint, optimizer, self._flat_optimizer_state)
@@ -843,6 +840,8 @@ def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Op
         flat_state = None
         if old is not None and len(old["params"]) != len(ids) and len(ids) == 1 and to_flat is not None:
             flat_state = to_flat(name, [saved["state"].get(i) for i in old["params"]])
+        if old is not None:  # what it learns from the checkpoint, how it steps from the optimizer built now
+            old = {**old, **{k: group[k] for k in IMPLEMENTATION_FLAGS if k in group}}
         if old is not None and len(old["params"]) == len(ids):
             matched["param_groups"].append({**old, "params": ids})
             for old_id, new_id in zip(old["params"], ids):

@@ -4,27 +4,30 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from contextlib import nullcontext
 from typing import Any, Callable, Optional
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim.optimizer import _get_scalar_dtype
 
 _CACHE_SIZE = 8
+# How a group steps, not what it learns: a loaded state dict keeps the optimizer's own (see `load_state_dict`).
+IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
 
 
 class GroupedAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW`` (same arguments, update, state and ``state_dict``) whose step, for CUDA fp32
     parameters, runs one Triton launch over every param group: the adapters' groups, each with its own
     learning rate, betas, eps, weight decay and step count (`kernels.triton_adamw`). With many adapters this
-    is the largest memory pass of a LoRA step after the base model's; PyTorch's fused AdamW launches per group
-    and moves it at about 60% of the H200's copy bandwidth.
+    is the largest memory pass of a LoRA step after the base model's.
 
     Everything else steps through ``torch.optim.AdamW`` (``foreach`` as given): parameters on the CPU (or
-    with ``kernels.set_backend("reference")``), other dtypes, sparse gradients, a learning rate held in a
-    CUDA tensor, ``amsgrad``, ``capturable`` and ``differentiable``. ``fused=True`` is refused: this is the
-    fused path. `MultiLoRAModule` uses it for ``torch.optim.AdamW`` on CUDA unless ``optimizer_kwargs`` sets
-    ``fused`` or ``foreach``.
+    with ``kernels.set_backend("reference")``), other dtypes, sparse gradients, tensor subclasses (DTensor), a
+    learning rate or betas held in a CUDA tensor, ``amsgrad``, ``capturable`` and ``differentiable``.
+    ``fused=True`` is refused: this is the fused path. A state dict of any AdamW loads (a fused one's step counts
+    are moved to the host). `MultiLoRAModule` uses it for ``torch.optim.AdamW`` on CUDA (see
+    `grouped_adamw_applies`).
     """
 
     def __init__(self, params, lr: float | Tensor = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -36,15 +39,35 @@ class GroupedAdamW(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, **kwargs)
         self._tables: OrderedDict[tuple, Any] = OrderedDict()
 
+    def __setstate__(self, state: dict[str, Any]) -> None:  # copy.deepcopy, pickle
+        super().__setstate__(state)
+        self._tables = OrderedDict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, keeping this optimizer's own implementation flags (a checkpoint of a fused AdamW carries
+        ``fused=True``, which would turn the grouped step off) and every step count on the host."""
+        flags = [{k: g[k] for k in IMPLEMENTATION_FLAGS if k in g} for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, own in zip(self.param_groups, flags):
+            group.update(own)
+            if group.get("capturable"):
+                continue
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and torch.is_tensor(state.get("step")) and state["step"].device.type != "cpu":
+                    state["step"] = state["step"].to("cpu", _get_scalar_dtype())
+
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        check = getattr(self, "_accelerator_graph_capture_health_check", None) or self._cuda_graph_capture_health_check
+        check()  # (a capture needs capturable=True, which steps through torch)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         members = self._grouped_members()
         if members is None:
-            super().step()
+            _adamw_step(self)
         elif members:
             self._grouped_step(members)
         return loss
@@ -57,16 +80,15 @@ class GroupedAdamW(torch.optim.AdamW):
         for group in self.param_groups:
             if group["amsgrad"] or group["capturable"] or group["differentiable"] or group.get("fused"):
                 return None
-            lr = group["lr"]
-            if isinstance(lr, Tensor) and lr.device.type != "cpu":
+            if any(isinstance(v, Tensor) and v.device.type != "cpu" for v in (group["lr"], *group["betas"])):
                 return None
             for p in group["params"]:
                 g = p.grad
                 if g is None:
                     continue
-                if (p.dtype != torch.float32 or g.dtype != torch.float32 or g.is_sparse or not p.is_contiguous()
-                        or not g.is_contiguous() or (device is not None and p.device != device)
-                        or g.device != p.device):
+                if (type(p) not in (Tensor, nn.Parameter) or type(g) is not Tensor or p.dtype != torch.float32
+                        or g.dtype != torch.float32 or g.is_sparse or not p.is_contiguous() or not g.is_contiguous()
+                        or (device is not None and p.device != device) or g.device != p.device):
                     return None
                 device = p.device
                 members.append((p, group))
@@ -79,26 +101,28 @@ class GroupedAdamW(torch.optim.AdamW):
         from lightning_multilora.kernels.triton_lora import _upload
 
         device = members[0][0].device
-        hyper, tensors = [], []
+        hyper, tensors, steps = [], [], []
         for p, group in members:
             state = self.state[p]
             if len(state) == 0:  # as torch.optim.AdamW starts a parameter
                 state["step"] = torch.tensor(0.0, dtype=_get_scalar_dtype())
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            elif state["step"].device.type != "cpu":  # a state loaded from a fused or capturable AdamW
-                state["step"] = state["step"].cpu()
             m, v = state["exp_avg"], state["exp_avg_sq"]
-            if m.dtype != torch.float32 or v.dtype != torch.float32 or not (m.is_contiguous() and v.is_contiguous()):
-                raise ValueError(f"GroupedAdamW's exp_avg and exp_avg_sq must be contiguous fp32 like their parameter, "
-                                 f"got {m.dtype} and {v.dtype}")
-            state["step"] += 1
-            step = float(state["step"])
+            for name, t in (("exp_avg", m), ("exp_avg_sq", v)):
+                if t.shape != p.shape or t.device != p.device or t.dtype != torch.float32 or not t.is_contiguous():
+                    raise ValueError(f"GroupedAdamW: the state's {name} must be a contiguous fp32 tensor shaped and "
+                                     f"placed as its parameter {tuple(p.shape)} on {p.device}, got {tuple(t.shape)} "
+                                     f"{t.dtype} on {t.device} (a state loaded from another model?)")
+            if state["step"].device.type != "cpu":  # (a state set by hand after loading)
+                state["step"] = state["step"].to("cpu", _get_scalar_dtype())
+            step = float(state["step"]) + 1  # counted once the launch is made
             lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
             hyper.append((1.0 - lr * float(group["weight_decay"]), 1.0 - beta1, beta2, 1.0 - beta2,
-                          lr / (1.0 - beta1 ** step),
-                          math.sqrt(1.0 - beta2 ** step), float(group["eps"]), -1.0 if group["maximize"] else 1.0))
+                          lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), float(group["eps"]),
+                          -1.0 if group["maximize"] else 1.0))
             tensors.append((p, p.grad, m, v))
+            steps.append(state["step"])
         ptrs = tuple(t.data_ptr() for quad in tensors for t in quad)
         numels = tuple(p.numel() for p, *_ in tensors)
         key = (device, ptrs, numels)
@@ -113,7 +137,10 @@ class GroupedAdamW(torch.optim.AdamW):
         ptr_table, numel_table, blk_tensor, blk_index = tables
         hyper_table = _upload(torch.tensor(hyper, dtype=torch.float32), device)
         aligned = all(ptr % 16 == 0 for ptr in ptrs)
-        triton_adamw.launch(ptr_table, tensors[0][0], numel_table, hyper_table, blk_tensor, blk_index, aligned)
+        with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
+            triton_adamw.launch(ptr_table, tensors[0][0], numel_table, hyper_table, blk_tensor, blk_index, aligned)
+        for step in steps:
+            step.add_(1)
 
     @staticmethod
     def _make_tables(ptrs: tuple[int, ...], numels: tuple[int, ...], device: torch.device, block: int, upload):
@@ -128,4 +155,30 @@ class GroupedAdamW(torch.optim.AdamW):
                 upload(blk_tensor, device), upload(blk_index.to(torch.int32), device))
 
 
-__all__ = ["GroupedAdamW"]
+def _adamw_step(optimizer: torch.optim.AdamW) -> None:
+    """torch's AdamW step, without the step hooks a second time: once any AdamW exists, torch has wrapped
+    ``AdamW.step`` in the hook runner, and ``GroupedAdamW.step`` (wrapped too) has run them already."""
+    step = torch.optim.AdamW.step
+    if getattr(step, "hooked", False):
+        step = step.__wrapped__
+    step(optimizer)
+
+
+def grouped_adamw_applies(optimizer_class: type, kwargs: dict[str, Any], params: list[Tensor]) -> bool:
+    """Whether `MultiLoRAModule` steps ``optimizer_class(params, **kwargs)`` as `GroupedAdamW`: torch.optim.AdamW over
+    CUDA parameters on the Triton backend, with no implementation flag set (``fused``, ``foreach``, ``capturable``,
+    ``differentiable``) and no ``amsgrad``, so that the grouped kernel runs every step (elsewhere the module keeps
+    torch's ``fused=True``)."""
+    from lightning_multilora.kernels import resolve_backend
+
+    if optimizer_class is not torch.optim.AdamW or not params or not params[0].is_cuda:
+        return False
+    if set(IMPLEMENTATION_FLAGS) & kwargs.keys() or kwargs.get("amsgrad"):
+        return False
+    lr = kwargs.get("lr")
+    if isinstance(lr, Tensor) and lr.device.type != "cpu":
+        return False
+    return resolve_backend(params[0]) == "triton"
+
+
+__all__ = ["GroupedAdamW", "grouped_adamw_applies"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -96,23 +97,135 @@ def test_state_dict_moves_between_grouped_and_torch_adamw(triton_backend):
     assert max_rel(ours2, ref2) < 2e-6
 
 
-def test_everything_else_steps_through_torch_adamw():
-    """On the reference backend (CPU's default), with amsgrad or a non-fp32 parameter, the step is torch's own."""
+@pytest.fixture
+def launches(monkeypatch):
+    """The grouped kernel's launches, counted."""
+    from lightning_multilora.kernels import triton_adamw
+
+    made = []
+    real = triton_adamw.launch
+    monkeypatch.setattr(triton_adamw, "launch", lambda *a, **k: made.append(1) or real(*a, **k))
+    return made
+
+
+class OtherParameter(torch.nn.Parameter):
+    pass
+
+
+@pytest.mark.skipif(not KERNEL_RUNS, reason="no GPU and TRITON_INTERPRET is not set")
+@pytest.mark.parametrize("case", ["amsgrad", "float64", "subclass", "reference backend"])
+def test_everything_else_steps_through_torch_adamw(triton_backend, launches, case):
+    """With amsgrad, a non-fp32 parameter, a tensor subclass or the reference backend, the step is torch's own:
+    no launch, the same numbers to the bit."""
+    if case == "reference backend":
+        kernels.set_backend("reference")
+    dtype = torch.float64 if case == "float64" else torch.float32
+    hyper = {"amsgrad": True} if case == "amsgrad" else {}
+    make = OtherParameter if case == "subclass" else torch.nn.Parameter
+    a = make(torch.randn(64, dtype=dtype, device=DEVICE))
+    b = make(a.detach().clone())  # (torch itself steps a subclass through another path than a Parameter)
+    opt, ref = GroupedAdamW([a], lr=0.1, **hyper), torch.optim.AdamW([b], lr=0.1, **hyper)
+    for step in range(3):
+        a.grad = torch.full_like(a, float(step + 1))
+        b.grad = a.grad.clone()
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=0)
+    assert not launches
+
+
+@pytest.mark.skipif(not KERNEL_RUNS, reason="no GPU and TRITON_INTERPRET is not set")
+def test_a_fused_adamw_checkpoint_resumes_grouped(triton_backend, launches):
+    """A state dict of torch's fused AdamW (the module's optimizer before GroupedAdamW) keeps the grouped step on:
+    its ``fused=True`` is not taken over, its step counts come to the host, and training continues as torch's."""
+    ours, ref = params(), params()
+    fused = torch.optim.AdamW([dict(params=p, **h) for p, h in zip(ref, HYPER)], fused=True)
+    for step in range(2):
+        set_grads(ref, ref, step)
+        fused.step()
+    for ga, gb in zip(ours, ref):
+        for a, b in zip(ga, gb):
+            a.data.copy_(b.detach())
+    opt = GroupedAdamW([dict(params=p, **h) for p, h in zip(ours, HYPER)])
+    opt.load_state_dict(copy.deepcopy(fused.state_dict()))  # (torch would share the moment tensors)
+    assert all(g["fused"] is None for g in opt.param_groups)
+    assert all(s["step"].device.type == "cpu" for s in opt.state.values())
+    for step in range(2, 5):
+        set_grads(ours, ref, step)
+        opt.step()
+        fused.step()
+    assert len(launches) == 3 and max_rel(ours, ref) < 2e-6
+
+
+@pytest.mark.skipif(not KERNEL_RUNS, reason="no GPU and TRITON_INTERPRET is not set")
+def test_a_state_of_another_shape_is_refused(triton_backend):
+    small = torch.nn.Parameter(torch.randn(4096, device=DEVICE))
+    other = GroupedAdamW([small])
+    small.grad = torch.ones_like(small)
+    other.step()
+    big = torch.nn.Parameter(torch.randn(16384, device=DEVICE))
+    opt = GroupedAdamW([big])
+    opt.load_state_dict(other.state_dict())
+    big.grad = torch.ones_like(big)
+    with pytest.raises(ValueError, match="exp_avg must be .* shaped and placed as its parameter"):
+        opt.step()
+    assert float(opt.state[big]["step"]) == 1.0  # nothing was counted
+
+
+@pytest.mark.skipif(not KERNEL_RUNS, reason="no GPU and TRITON_INTERPRET is not set")
+@pytest.mark.parametrize("grouped", [True, False])
+def test_step_hooks_run_once_and_a_copy_steps(triton_backend, launches, grouped):
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])  # torch wraps AdamW.step in its hook runner now
+    w = torch.nn.Parameter(torch.ones(8, device=DEVICE, dtype=torch.float32 if grouped else torch.float64))
+    opt = GroupedAdamW([w], lr=0.1)
+    seen = []
+    opt.register_step_pre_hook(lambda *a: seen.append("pre"))
+    opt.register_step_post_hook(lambda *a: seen.append("post"))
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert seen == ["pre", "post"] and len(launches) == int(grouped)
+    clone = copy.deepcopy(opt)  # (pickling keeps no device tables)
+    clone.param_groups[0]["params"][0].grad = torch.ones_like(w)
+    clone.step()
+    assert float(clone.state[clone.param_groups[0]["params"][0]]["step"]) == 2.0
+
+
+def test_which_adamw_the_module_steps():
+    """`MultiLoRAModule` swaps in GroupedAdamW only where its kernel runs every step."""
+    from types import SimpleNamespace
+
+    from lightning_multilora.optim import grouped_adamw_applies
+
+    on_gpu = [SimpleNamespace(is_cuda=True)]
+    assert grouped_adamw_applies(torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}, on_gpu)
+    for kwargs in ({"fused": True}, {"foreach": False}, {"capturable": True}, {"amsgrad": True},
+                   {"differentiable": True}):
+        assert not grouped_adamw_applies(torch.optim.AdamW, kwargs, on_gpu), kwargs
+    assert not grouped_adamw_applies(torch.optim.Adam, {}, on_gpu)
+    assert not grouped_adamw_applies(torch.optim.AdamW, {}, [torch.zeros(1)])  # CPU
     before = kernels.get_backend()
     kernels.set_backend("reference")
     try:
-        for hyper, dtype in (({}, torch.float32), ({"amsgrad": True}, torch.float32), ({}, torch.float64)):
-            a = torch.randn(64, dtype=dtype, requires_grad=True)
-            b = a.detach().clone().requires_grad_()
-            opt, ref = GroupedAdamW([a], lr=0.1, **hyper), torch.optim.AdamW([b], lr=0.1, **hyper)
-            for step in range(3):
-                a.grad = torch.full_like(a, float(step + 1))
-                b.grad = a.grad.clone()
-                opt.step()
-                ref.step()
-            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert not grouped_adamw_applies(torch.optim.AdamW, {}, on_gpu)
     finally:
         kernels.set_backend(before)
+
+
+def test_a_resumed_group_keeps_the_optimizers_own_flags():
+    """The module matches a checkpoint's groups to the optimizer built now by adapter name: the hyperparameters and
+    state come from the checkpoint, ``fused`` / ``foreach`` / ... from the optimizer (a fused run resumed as
+    GroupedAdamW stays grouped, a grouped one resumed with ``fused=True`` stays fused)."""
+    from lightning_multilora.module import _match_optimizer_state
+
+    p = torch.nn.Parameter(torch.zeros(3))
+    optimizer = GroupedAdamW([{"params": [p], "adapter": "a", "lr": 1e-3}])
+    saved = {"state": {0: {"step": torch.tensor(4.0)}},
+             "param_groups": [{**{k: v for k, v in optimizer.param_groups[0].items() if k != "params"},
+                               "params": [0], "lr": 5e-4, "fused": True}]}
+    checkpoint = {"optimizer_states": [saved]}
+    _match_optimizer_state(checkpoint, optimizer)
+    group = checkpoint["optimizer_states"][0]["param_groups"][0]
+    assert group["lr"] == 5e-4 and group["fused"] is None and group["adapter"] == "a"
 
 
 def test_closure_and_bad_arguments():
