@@ -22,9 +22,8 @@ Check on a CPU (2 gloo processes, tiny model; writes a temp file):
 
 The base is built on the meta device, sharded with FSDP2 (each decoder layer, the embeddings, the LM head and
 the decoder), then materialized and randomly initialized on each rank's GPU: no rank ever holds the whole model.
-Gradient checkpointing, the chunked loss of packed_step.py, r=16 adapters on the 7 projections, AdamW over one
-flat parameter per adapter as `MultiLoRAModule` holds and steps them (`GroupedAdamW`, one launch on the GPU), except
-in the FSDP modes (torch's fused AdamW over the sharded per-layer parameters).
+Gradient checkpointing, the chunked loss of packed_step.py, r=16 adapters on the 7 projections, fused AdamW (over one
+flat parameter per adapter, as `MultiLoRAModule` holds them, except in the FSDP modes).
 
 - ``adapter_parallel``: each rank owns a disjoint, balanced set of adapters (`assign_adapters`), trains them on its
   own rows; adapter weights are FSDP ``ignored_params`` (local, never communicated).
@@ -59,7 +58,6 @@ from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import MultiLoRALinear, inject_multilora
 from lightning_multilora.layout import BatchLayout
-from lightning_multilora.optim import GroupedAdamW
 from lightning_multilora.spec import AdapterSpec
 from lightning_multilora.strategies.adapter_parallel import assign_adapters
 
@@ -128,10 +126,7 @@ def build(config_kwargs: dict, device: torch.device, mode: str, names: list[str]
         # follows the storage `to_empty` gave each parameter; the optimizer steps one tensor per adapter
         layers.rebind()
     lora = [p for n in names for p in layers.optimizer_parameters(n, elementwise=flat)]  # after to_empty
-    if flat and device.type == "cuda":  # as `MultiLoRAModule` steps them: one launch over every adapter
-        optimizer = GroupedAdamW(lora, lr=LR)
-    else:
-        optimizer = torch.optim.AdamW(lora, lr=LR, fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(lora, lr=LR, fused=device.type == "cuda")
     return model, layers, optimizer
 
 

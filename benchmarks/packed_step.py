@@ -89,10 +89,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=450.0,
                    help="skip (record null) any measurement that would end later than this many seconds "
                         "after start")
-    p.add_argument("--optimizer", choices=("grouped", "fused", "foreach"), default="grouped",
-                   help="the packed step's AdamW: GroupedAdamW (one launch over every adapter, what MultiLoRAModule "
-                        "runs on CUDA), torch's fused=True or its foreach default; PEFT takes fused=True with 'fused', "
-                        "else the default")
+    p.add_argument("--optimizer", choices=("fused", "grouped", "foreach"), default="fused",
+                   help="the packed step's AdamW: torch's fused=True (what MultiLoRAModule runs on CUDA), GroupedAdamW "
+                        "(one launch over every adapter) or torch's foreach default; PEFT takes fused=True with "
+                        "'fused', else torch's default")
     p.add_argument("--cprofile", action="store_true", help="print where the host time of one packed step goes")
     p.add_argument("--trace", action="store_true",
                    help="print, for one floor and one packed step, host enqueue vs wall time, GPU busy time and the "

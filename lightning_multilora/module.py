@@ -24,7 +24,7 @@ from lightning_multilora.kernels import keep_alive
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import LoRALayers, inject_multilora
 from lightning_multilora.layout import BatchLayout
-from lightning_multilora.optim import IMPLEMENTATION_FLAGS, GroupedAdamW, grouped_adamw_applies
+from lightning_multilora.optim import IMPLEMENTATION_FLAGS
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
 from lightning_multilora.schedules import lr_factor
 from lightning_multilora.spec import AdapterSpec, SweepGrid
@@ -509,14 +509,11 @@ class MultiLoRAMixin:
             raise ValueError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
         kwargs = dict(self.optimizer_kwargs)
         on_cuda = any(p.is_cuda for g in groups for p in g["params"])
-        optimizer_class = self.optimizer_class
-        if grouped_adamw_applies(optimizer_class, kwargs, [p for g in groups for p in g["params"]]):
-            optimizer_class = GroupedAdamW  # the same update and state, one launch over every adapter
-        elif on_cuda and optimizer_class in (torch.optim.Adam, torch.optim.AdamW) and not (
+        if on_cuda and self.optimizer_class in (torch.optim.Adam, torch.optim.AdamW) and not (
                 {"fused", "foreach"} & kwargs.keys()):
             # thousands of small adapter tensors: the fused kernels cut the step's host time by ~4x
             kwargs["fused"] = True
-        optimizer = optimizer_class(groups, **kwargs)
+        optimizer = self.optimizer_class(groups, **kwargs)
         if self._resume_checkpoint is not None:
             _match_optimizer_state(self._resume_checkpoint, optimizer, self._flat_optimizer_state)
             self._resume_checkpoint = None

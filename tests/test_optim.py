@@ -190,27 +190,6 @@ def test_step_hooks_run_once_and_a_copy_steps(triton_backend, launches, grouped)
     assert float(clone.state[clone.param_groups[0]["params"][0]]["step"]) == 2.0
 
 
-def test_which_adamw_the_module_steps():
-    """`MultiLoRAModule` swaps in GroupedAdamW only where its kernel runs every step."""
-    from types import SimpleNamespace
-
-    from lightning_multilora.optim import grouped_adamw_applies
-
-    on_gpu = [SimpleNamespace(is_cuda=True)]
-    assert grouped_adamw_applies(torch.optim.AdamW, {"lr": 1e-3, "weight_decay": 0.1}, on_gpu)
-    for kwargs in ({"fused": True}, {"foreach": False}, {"capturable": True}, {"amsgrad": True},
-                   {"differentiable": True}):
-        assert not grouped_adamw_applies(torch.optim.AdamW, kwargs, on_gpu), kwargs
-    assert not grouped_adamw_applies(torch.optim.Adam, {}, on_gpu)
-    assert not grouped_adamw_applies(torch.optim.AdamW, {}, [torch.zeros(1)])  # CPU
-    before = kernels.get_backend()
-    kernels.set_backend("reference")
-    try:
-        assert not grouped_adamw_applies(torch.optim.AdamW, {}, on_gpu)
-    finally:
-        kernels.set_backend(before)
-
-
 def test_a_resumed_group_keeps_the_optimizers_own_flags():
     """The module matches a checkpoint's groups to the optimizer built now by adapter name: the hyperparameters and
     state come from the checkpoint, ``fused`` / ``foreach`` / ... from the optimizer (a fused run resumed as
@@ -260,32 +239,42 @@ def test_large_groups_match_torch_fused_on_the_gpu():
 
 
 @pytest.mark.gpu
-def test_the_module_steps_adamw_in_one_launch_on_cuda(tmp_path):
-    """`MultiLoRAModule` with torch.optim.AdamW on CUDA steps GroupedAdamW; with ``fused`` set, torch's; the two
-    train the same adapters to the same weights."""
+def test_the_module_trains_with_grouped_adamw_as_with_torch_fused(tmp_path):
+    """`MultiLoRAModule(optimizer="lightning_multilora.GroupedAdamW")` on CUDA trains the adapters to the weights of
+    the default (torch's fused AdamW), with one launch per step."""
     import lightning as L
     from safetensors.torch import load_file
 
     from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
     from lightning_multilora.data import GeneratedArithmetic
+    from lightning_multilora.kernels import triton_adamw
 
-    weights, classes = [], []
-    for kwargs in ({}, {"fused": True}):
-        specs = [AdapterSpec("a", lr=1e-3, batch_size=2, max_steps=6, weight_decay=0.1),
-                 AdapterSpec("b", lr=3e-3, rank=16, batch_size=3, max_steps=4, seed=1)]
-        dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(100)}, max_length=64, truncate=True)
-        module = MultiLoRAModule("tiny-llama", adapters=specs, dtype="float32", optimizer_kwargs=kwargs,
-                                 export_dir=str(tmp_path / str(bool(kwargs))), validate_on_finish=False)
+    weights, classes, launched = [], [], []
+    real = triton_adamw.launch
+    triton_adamw.launch = lambda *a, **k: launched.append(1) or real(*a, **k)
+    try:
+        for optimizer in ("lightning_multilora.GroupedAdamW", "torch.optim.AdamW"):
+            specs = [AdapterSpec("a", lr=1e-3, batch_size=2, max_steps=6, weight_decay=0.1),
+                     AdapterSpec("b", lr=3e-3, rank=16, batch_size=3, max_steps=4, seed=1)]
+            dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(100)}, max_length=64, truncate=True)
+            module = MultiLoRAModule("tiny-llama", adapters=specs, dtype="float32", optimizer=optimizer,
+                                     export_dir=str(tmp_path / optimizer), validate_on_finish=False)
 
-        class Seen(L.Callback):
-            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-                classes.append(type(trainer.optimizers[0]))
+            class Seen(L.Callback):
+                def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                    classes.append(type(trainer.optimizers[0]))
 
-        L.Trainer(accelerator="gpu", devices=1, max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,
-                  enable_model_summary=False, enable_checkpointing=False, logger=False, default_root_dir=str(tmp_path),
-                  callbacks=[Seen()]).fit(module, dm)
-        weights.append({n: load_file(f"{module.registry[n].export_path}/adapter_model.safetensors") for n in ("a", "b")})
-    assert classes[0] is GroupedAdamW and classes[-1] is torch.optim.AdamW
+            L.Trainer(accelerator="gpu", devices=1, max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, logger=False,
+                      default_root_dir=str(tmp_path), callbacks=[Seen()]).fit(module, dm)
+            weights.append({n: load_file(f"{module.registry[n].export_path}/adapter_model.safetensors")
+                            for n in ("a", "b")})
+            if optimizer == "torch.optim.AdamW":
+                assert all(g["fused"] for g in module.trainer.optimizers[0].param_groups)
+    finally:
+        triton_adamw.launch = real
+    grouped_steps = classes.count(GroupedAdamW)
+    assert classes[0] is GroupedAdamW and classes[-1] is torch.optim.AdamW and 0 < len(launched) <= grouped_steps
     for n in ("a", "b"):
         for k, ours in weights[0][n].items():
             ref = weights[1][n][k]

@@ -1,11 +1,10 @@
 """AdamW over every adapter's parameters in one Triton launch.
 
 An adapter's step updates its flat fp32 parameter and the two moments: per element, four loads (``p``, ``g``,
-``m``, ``v``) and three stores, 28 bytes. With many adapters that is the largest memory pass of a LoRA step
-after the base model's (32 Llama-8B adapters at r=16: 1.34 G parameters, 37.6 GB per step). PyTorch's fused
-AdamW launches one multi-tensor kernel per param group and moves it at about 2.4 TB/s on the H200; this kernel
-reads a table of (adapter, block) pairs and moves every group's tensors in one launch, with 16-byte vector
-loads on whole blocks.
+``m``, ``v``) and three stores, 28 bytes (32 Llama-8B adapters at r=16: 1.34 G parameters, 37.6 GB per step). This
+kernel reads a table of (tensor, block) pairs and moves every group's tensors in one launch, with 16-byte vector
+accesses on whole blocks; on the H200 it runs at 82% of the copy bandwidth, as torch's fused AdamW does with its
+launches per group.
 
 Per tensor ``i`` (its group's hyperparameters, its own step count), as ``torch.optim.AdamW`` computes it::
 
