@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
+from benchmarks.kernels import copy_bandwidth
 from lightning_multilora.optim import GroupedAdamW
 
 LLAMA8B_R16 = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
@@ -39,13 +40,6 @@ def make(n: int, numel: int, impl: str, device) -> tuple[torch.optim.Optimizer, 
         return GroupedAdamW(groups), params
     kwargs = {"fused": True} if impl == "fused" else {"foreach": True} if impl == "foreach" else {"foreach": False}
     return torch.optim.AdamW(groups, **kwargs), params
-
-
-def copy_bandwidth(device) -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100)
-    return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
 def main() -> None:

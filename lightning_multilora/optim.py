@@ -116,8 +116,6 @@ class GroupedAdamW(torch.optim.AdamW):
                     raise ValueError(f"GroupedAdamW: the state's {name} must be a contiguous fp32 tensor shaped and "
                                      f"placed as its parameter {tuple(p.shape)} on {p.device}, got {tuple(t.shape)} "
                                      f"{t.dtype} on {t.device} (a state loaded from another model?)")
-            if state["step"].device.type != "cpu":  # (a state set by hand after loading)
-                state["step"] = state["step"].to("cpu", _get_scalar_dtype())
             step = float(state["step"]) + 1  # counted once the launch is made
             lr, (beta1, beta2) = float(group["lr"]), (float(b) for b in group["betas"])
             hyper.append((1.0 - lr * float(group["weight_decay"]), 1.0 - beta1, beta2, 1.0 - beta2,
@@ -130,31 +128,32 @@ class GroupedAdamW(torch.optim.AdamW):
         key = (device, ptrs, numels)
         tables = self._tables.get(key)
         if tables is None:
-            tables = self._make_tables(ptrs, numels, device, triton_adamw.BLOCK, _upload)
+            tables = _make_tables(ptrs, numels, device, triton_adamw.BLOCK)
             self._tables[key] = tables
             if len(self._tables) > _CACHE_SIZE:
                 self._tables.popitem(last=False)
         else:
             self._tables.move_to_end(key)
-        ptr_table, numel_table, blk_tensor, blk_index = tables
+        ptr_table, numel_table, blk_tensor, blk_index, aligned = tables
         hyper_table = _upload(torch.tensor(hyper, dtype=torch.float32), device)
-        aligned = all(ptr % 16 == 0 for ptr in ptrs)
         with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
             triton_adamw.launch(ptr_table, tensors[0][0], numel_table, hyper_table, blk_tensor, blk_index, aligned)
         for step in steps:
             step.add_(1)
 
-    @staticmethod
-    def _make_tables(ptrs: tuple[int, ...], numels: tuple[int, ...], device: torch.device, block: int, upload):
-        """Device tables of the kernel: the four addresses and the size of each tensor, and per program its
-        (tensor, block) pair."""
-        sizes = torch.tensor(numels, dtype=torch.int64)
-        blocks = (sizes + block - 1) // block
-        first = torch.cumsum(blocks, 0) - blocks
-        blk_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks)
-        blk_index = (torch.arange(int(blocks.sum()), dtype=torch.int64) - torch.repeat_interleave(first, blocks))
-        return (upload(torch.tensor(ptrs, dtype=torch.int64), device), upload(sizes, device),
-                upload(blk_tensor, device), upload(blk_index.to(torch.int32), device))
+
+def _make_tables(ptrs: tuple[int, ...], numels: tuple[int, ...], device: torch.device, block: int):
+    """Device tables of the kernel: the four addresses and the size of each tensor, and per program its (tensor,
+    block) pair; and whether every tensor starts on a 16-byte boundary (vector accesses)."""
+    from lightning_multilora.kernels.triton_lora import _upload
+
+    sizes = torch.tensor(numels, dtype=torch.int64)
+    blocks = (sizes + block - 1) // block
+    first = torch.cumsum(blocks, 0) - blocks
+    blk_tensor = torch.repeat_interleave(torch.arange(len(numels), dtype=torch.int32), blocks)
+    blk_index = torch.arange(int(blocks.sum()), dtype=torch.int64) - torch.repeat_interleave(first, blocks)
+    return (_upload(torch.tensor(ptrs, dtype=torch.int64), device), _upload(sizes, device),
+            _upload(blk_tensor, device), _upload(blk_index.to(torch.int32), device), all(p % 16 == 0 for p in ptrs))
 
 
 def _adamw_step(optimizer: torch.optim.AdamW) -> None:
