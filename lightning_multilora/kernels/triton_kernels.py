@@ -45,7 +45,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Fixed tiles for the interpreter; on the GPU the tiles below are autotuned per shape.
 DEFAULT_META = {
     "rows": dict(BLOCK_K=64),  # SPLIT_K: `triton_lora._split_k`
-    "rank": dict(BLOCK_N=128),
+    "rank": dict(BLOCK_N=64, N_LOOP=2),
     "grad": dict(BLOCK_K=64, BLOCK_T=64),
 }
 
@@ -72,12 +72,18 @@ _ROWS_CONFIGS = [triton.Config({"BLOCK_K": k, "SPLIT_K": sp}, num_warps=w, num_s
                  for sp in (1, 2, 4, 8) for k, w, st in ((64, 4, 4), (128, 8, 3), (256, 8, 3))]
 # One pipeline stage suits a streaming read-modify-write: on the H200, 16 adapters x 1024 tokens, the expand into a
 # 14336-wide Y took 358 us with the staged configs alone and 331 us once one-stage ones were candidates.
-_RANK_CONFIGS = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=st)
-                 for n, w, st in ((64, 4, 1), (128, 4, 1), (128, 8, 1), (256, 8, 1), (64, 4, 2), (128, 8, 3))]
+# N_LOOP > 1 (column blocks per program, reusing the low-rank tile) for wider rank tiles: on the H200, 32 adapters x
+# 1024 tokens at r=64, dX of 4096 columns took 129 us with one block per program, where its writes alone take 63.
+_RANK_CONFIGS = [triton.Config({"BLOCK_N": n, "N_LOOP": nl}, num_warps=w, num_stages=st)
+                 for n, nl, w, st in ((64, 1, 4, 1), (128, 1, 4, 1), (128, 1, 8, 1), (256, 1, 8, 1), (64, 1, 4, 2),
+                                      (128, 1, 8, 3), (64, 4, 4, 1), (128, 2, 4, 1), (128, 4, 8, 1), (256, 2, 8, 1))]
 # (256, 64, 8 warps): on the H200, 32 adapters x 256 tokens at r=16, the dB + dS launch took 34.1 us at K=4096 (38.2
 # with the best of the others) and 106 us at K=14336 (121).
+# (256, 32, 4 warps) and (128, 32, 4): the best of a sweep (BLOCK_T 32-128, BLOCK_K 64-256, 4/8 warps, 2-4 stages) on the
+# H200, 32 adapters x 1024 tokens, K=4096: dA at r=64 107.5 us (127.9 with the others), at r=128 274 us (307).
 _GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_stages=3)
-                 for k, t, w in ((64, 64, 4), (128, 64, 4), (128, 32, 8), (256, 32, 8), (256, 64, 8))]
+                 for k, t, w in ((64, 64, 4), (128, 64, 4), (128, 32, 8), (256, 32, 8), (256, 64, 8), (256, 32, 4),
+                                 (128, 32, 4))]
 
 
 @triton.jit
@@ -150,19 +156,20 @@ def _rows_times_weight(
 
 
 @_tuned(_RANK_CONFIGS, key=["N", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
-                            "SCALE_PRODUCT", "W_ALIGNED"], restore_value=["Y"])
-@triton.jit
+                            "SCALE_PRODUCT", "W_ALIGNED", "ROW_BUCKET"], restore_value=["Y"])
+@triton.jit(do_not_specialize=["ROW_BUCKET"])
 def _rank_times_weight(
     # pointers
     R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
-    # sizes
-    N,
+    # sizes (ROW_BUCKET, the row blocks' next power of two, only keys the tuning: how many columns a program
+    # should take depends on how many row blocks there are to fill the GPU with)
+    N, ROW_BUCKET,
     # strides
     stride_r_m, stride_y_m,
     # meta-parameters
     W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_CHUNK: tl.constexpr,
-    SCALE_PRODUCT: tl.constexpr, W_ALIGNED: tl.constexpr,
+    SCALE_PRODUCT: tl.constexpr, W_ALIGNED: tl.constexpr, N_LOOP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -175,9 +182,7 @@ def _rank_times_weight(
         w = tl.multiple_of(w, 16)
         r = tl.multiple_of(r, 8)
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < end
-    mask_n = offs_n < N
     if W_IS_A:  # W = A: element (j, n) is A[j, n], A row-major (r, N)
         stride_wr = N
         stride_wn = 1
@@ -185,10 +190,12 @@ def _rank_times_weight(
         stride_wr = 1
         stride_wn = r
     dot_dtype = Y.dtype.element_ty
-    # The first rank chunk outside the loop, and the scaling applied to the (BLOCK_M, BLOCK_R) tile rather than
-    # to the product: with ranks up to one chunk (the usual case) this is the whole kernel, a plain streaming
-    # read-modify-write of Y (on the H200, a 16384 x 14336 bf16 Y: 253 us, 3.7 TB/s; 304 us with the loop compiled
-    # in although it never ran; 331 us with all chunks in the loop and the scaling on the product).
+    # The first rank chunk is loaded once, outside every loop, and scaled as a (BLOCK_M, BLOCK_R) tile rather than
+    # on the product: with ranks up to one chunk (the usual case) each column block is then a plain streaming
+    # read-modify-write of Y (on the H200, a 16384 x 14336 bf16 Y: 253 us, 3.7 TB/s; 304 us with the chunk loop
+    # compiled in although it never ran; 331 us with all chunks in the loop and the scaling on the product).
+    # N_LOOP column blocks per program reuse that tile: each program reads it once instead of once per block (at
+    # r=64, 32 x 1024 rows, the fp32 tile re-read per 128 columns was as many L2 bytes as dX's writes).
     # SCALE_PRODUCT (fp16 outputs): the tile takes min(s, 1) and the fp32 product max(s, 1), so the fp16 tile is
     # never larger than the unscaled or the scaled one (either may leave fp16's range where the result does not).
     coef = tl.load(COEF + a)
@@ -199,27 +206,31 @@ def _rank_times_weight(
     mask_r = offs_r < r
     low = tl.load(R + offs_m[:, None] * stride_r_m + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
                   other=0.0)
-    wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
-                 mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-    acc = tl.dot((low * coef).to(dot_dtype), wt.to(dot_dtype), input_precision=DOT_PRECISION)
-    if MULTI_CHUNK:  # ranks beyond one chunk (compiled only for them: even an empty loop slows the kernel)
-        for r0 in range(BLOCK_R, r, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            mask_r = offs_r < r
-            low = tl.load(R + offs_m[:, None] * stride_r_m + offs_r[None, :],
-                          mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-            wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
-                         mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-            acc += tl.dot((low * coef).to(dot_dtype), wt.to(dot_dtype), input_precision=DOT_PRECISION)
-    if SCALE_PRODUCT:
-        acc = acc * after
-    if HAS_DROPOUT:
-        acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m, offs_n, N)
-    y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if ACCUMULATE:
-        acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
+    low = (low * coef).to(dot_dtype)
+    for j in tl.static_range(N_LOOP):
+        offs_n = (pid_n * N_LOOP + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
+                     mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(low, wt.to(dot_dtype), input_precision=DOT_PRECISION)
+        if MULTI_CHUNK:  # ranks beyond one chunk (compiled only for them: even an empty loop slows the kernel)
+            for r0 in range(BLOCK_R, r, BLOCK_R):
+                offs_c = r0 + tl.arange(0, BLOCK_R)
+                mask_c = offs_c < r
+                more = tl.load(R + offs_m[:, None] * stride_r_m + offs_c[None, :],
+                               mask=mask_m[:, None] & mask_c[None, :], other=0.0)
+                wc = tl.load(w + offs_c[:, None] * stride_wr + offs_n[None, :] * stride_wn,
+                             mask=mask_c[:, None] & mask_n[None, :], other=0.0)
+                acc += tl.dot((more * coef).to(dot_dtype), wc.to(dot_dtype), input_precision=DOT_PRECISION)
+        if SCALE_PRODUCT:
+            acc = acc * after
+        if HAS_DROPOUT:
+            acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m, offs_n, N)
+        y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        if ACCUMULATE:
+            acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
 
 
 @_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS", "W_ALIGNED"])

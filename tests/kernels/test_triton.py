@@ -692,6 +692,7 @@ def test_the_db_launch_adds_ds_from_the_dy_it_reads(monkeypatch, chunked, split)
     with ranks over several chunks and rows split over programs; the row kernel runs for the forward only."""
     from lightning_multilora.kernels import triton_lora
 
+    monkeypatch.setattr(triton_lora, "FUSED_DS_MAX_TILE", 256)  # fused at every rank tile (the GPU default: 16 only)
     if chunked:
         monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 16)
         monkeypatch.setattr(triton_lora, "_pointer_tables", triton_lora._LRU())
@@ -719,6 +720,31 @@ def test_the_db_launch_adds_ds_from_the_dy_it_reads(monkeypatch, chunked, split)
     assert rows_launches == [True, False]
     for g, g_ref in zip(grads, unfused):
         assert rel(g, g_ref) < tol
+
+
+def test_the_db_launch_leaves_ds_to_the_row_kernel_past_the_fused_tile(monkeypatch):
+    """Rank tiles wider than ``FUSED_DS_MAX_TILE`` take a dS row launch and a dB launch (the fused one's atomics grow
+    with the tile); one of 16 or less is fused. Both give the reference's gradients."""
+    from lightning_multilora.kernels import triton_lora
+
+    rows_launches = []
+    launcher = triton_lora._rows_times_weight
+    monkeypatch.setattr(triton_lora, "_rows_times_weight",
+                        lambda grid, args, meta, *rest: rows_launches.append(meta["W_IS_A"]) or launcher(grid, args, meta, *rest))
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for ranks, launches in (([4, 40], [True, False]), ([4, 16], [True])):
+        triton_lora.reset_rank_tiles()  # a tile of this set's own (on the GPU a tile never narrows)
+        x, base, w = problem(ranks, [50, 70], d_in=64, d_out=96, dtype=dtype, seed=5)
+        grad_out = torch.randn_like(base)
+        rows_launches.clear()
+        y, grads = run_direct(x, base, w, grad_out)
+        assert rows_launches == launches
+        y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+        assert rel(y, y_ref) < tol
+        for g, g_ref in zip(grads, grads_ref):
+            assert rel(g, g_ref) < tol
+    triton_lora.reset_rank_tiles()
 
 
 def test_direct_gradients_fall_back_to_autograd_for_non_leaf_or_frozen_weights():
