@@ -1,6 +1,7 @@
 """Grouped LoRA kernels, forward + backward of one layer's LoRA path, against the alternatives.
 
-Run on the H200 (about 4 minutes):
+Run on the H200 (minutes per shape on a fresh machine, most of them compiling and tuning; ``--ns 32`` for the
+N=32 rows alone, ``--budget-s`` to stop early):
 
     PYTHONPATH=. python benchmarks/kernels.py --out benchmarks/results/kernels_h200.json
 
