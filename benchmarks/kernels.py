@@ -16,9 +16,10 @@ and backward (gradients of x, every A and every B; bf16 activations, fp32 adapte
 - ``floor``: the bytes that must move (x, Y read + written, dY, x again for dA, dX written, the
   weights and their gradients) over the device-to-device copy bandwidth measured in the same run.
 
-``ms`` is GPU time: forward + backward steps captured back to back in a CUDA graph (about 3 ms of them) and
-replayed (``triton.testing.do_bench`` medians, divided by the steps), so that the host's Python and launch costs,
-which a training step overlaps with the frozen base's GEMMs, do not hide the kernels. Every implementation writes a fresh dX (``x.grad`` is dropped before each
+``ms`` is GPU time: forward + backward steps captured back to back in a CUDA graph (about 3 ms of them, at most
+20) and replayed (``triton.testing.do_bench`` medians, divided by the steps), so that the host's Python and launch
+costs, which a training step overlaps with the frozen base's GEMMs, do not hide the kernels. Each step starts
+with a cold L2 (a 256 MB write before it, timed apart and subtracted: `graph_ms`). Every implementation writes a fresh dX (``x.grad`` is dropped before each
 call): adding it into an older ``x.grad`` (autograd's accumulation, two reads and a write of ``(T, d_in)``) is no
 part of the LoRA path, and in a model dX is consumed by the layer below. ``eager_ms`` is the same call run eagerly back to back (host time included,
 with one autograd backward per call), for ours_direct (and the LoRAFusion pair below) only.
@@ -107,32 +108,39 @@ def copy_bandwidth(device) -> float:
 
 def graph_ms(step, target_ms: float = 3.0, max_repeats: int = 20) -> float:
     """GPU time of ``step`` (a forward + backward): captured in a CUDA graph and replayed. The graph holds several
-    steps back to back (enough for ~``target_ms`` a replay), and a replay's time is divided among them: the
-    device-side start of a replay (tens of microseconds after its start event is recorded, the host still
-    submitting the graph) would otherwise count against a step of a few hundred. Gradients are left in place
-    (they accumulate), so each captured backward adds into existing buffers as a training step's backward does
-    after its first micro-batch."""
+    steps back to back (enough for ~``target_ms`` a replay, at most ``max_repeats``), and a replay's time is divided
+    among them: the device-side start of a replay (tens of microseconds after its start event is recorded, the
+    host still submitting the graph) would otherwise count against a step of a few hundred. Each step follows a
+    write of 256 MB, so that every step starts with a cold L2 as a lone step does (a small problem's inputs would
+    otherwise stay in the 50 MB L2 from one step to the next); the writes are timed in a graph of their own and
+    subtracted. Gradients are left in place (they accumulate), so each captured backward adds into existing
+    buffers as a training step's backward does after its first micro-batch."""
     for _ in range(3):  # compiles, tunes and allocates outside the capture
         step()
     torch.cuda.synchronize()
+    flush = torch.empty(2**28 // 4, dtype=torch.int32, device="cuda")
 
-    def capture(repeats: int) -> "torch.cuda.CUDAGraph":
+    def capture(repeats: int, fn) -> "torch.cuda.CUDAGraph":
         graph = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            step()  # warm the side stream's allocations, as torch.cuda.make_graphed_callables does
+            fn()  # warm the side stream's allocations, as torch.cuda.make_graphed_callables does
             with torch.cuda.graph(graph):
                 for _ in range(repeats):
-                    step()
+                    flush.zero_()
+                    fn()
         torch.cuda.current_stream().wait_stream(side)
         return graph
 
-    one = do_bench(capture(1).replay, warmup=5, rep=30)
+    def per_step(repeats: int) -> float:
+        steps = do_bench(capture(repeats, step).replay, warmup=5, rep=30)
+        flushes = do_bench(capture(repeats, lambda: None).replay, warmup=5, rep=30)
+        return (steps - flushes) / repeats
+
+    one = per_step(1)
     repeats = max(1, min(max_repeats, round(target_ms / max(one, 1e-3))))
-    if repeats == 1:
-        return one
-    return do_bench(capture(repeats).replay, warmup=5, rep=30) / repeats
+    return one if repeats == 1 else per_step(repeats)
 
 
 def floor_bytes(x, base, w) -> int:
@@ -168,7 +176,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: measured copy bandwidth {bandwidth:.0f} GB/s", flush=True)
     common = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   date=datetime.now(timezone.utc).date().isoformat(), copy_gbps=round(bandwidth, 1),
-                  timing="ms: CUDA graph of back-to-back forward+backward steps (~3 ms a replay), per step")
+                  timing="ms: CUDA graph of back-to-back forward+backward steps (~3 ms a replay), per step, each after an L2 flush (subtracted)")
     rows = []
     start = time.monotonic()
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES

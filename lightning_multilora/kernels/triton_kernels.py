@@ -72,8 +72,9 @@ _ROWS_CONFIGS = [triton.Config({"BLOCK_K": k, "SPLIT_K": sp}, num_warps=w, num_s
                  for sp in (1, 2, 4, 8) for k, w, st in ((64, 4, 4), (128, 8, 3), (256, 8, 3))]
 # One pipeline stage suits a streaming read-modify-write: on the H200, 16 adapters x 1024 tokens, the expand into a
 # 14336-wide Y took 358 us with the staged configs alone and 331 us once one-stage ones were candidates.
-# N_LOOP > 1 (column blocks per program, reusing the low-rank tile) for wider rank tiles: on the H200, 32 adapters x
-# 1024 tokens at r=64, dX of 4096 columns took 129 us with one block per program, where its writes alone take 63.
+# N_LOOP > 1: column blocks per program, reusing the low-rank tile (candidates at every rank; they pay off with wider
+# tiles: on the H200, 32 adapters x 1024 tokens at r=64, dX of 4096 columns took 129 us with one block per program,
+# where its writes alone take 63).
 _RANK_CONFIGS = [triton.Config({"BLOCK_N": n, "N_LOOP": nl}, num_warps=w, num_stages=st)
                  for n, nl, w, st in ((64, 1, 4, 1), (128, 1, 4, 1), (128, 1, 8, 1), (256, 1, 8, 1), (64, 1, 4, 2),
                                       (128, 1, 8, 3), (64, 4, 4, 1), (128, 2, 4, 1), (128, 4, 8, 1), (256, 2, 8, 1))]

@@ -287,7 +287,8 @@ class _Call:
     params: tuple[Tensor, ...]  # the call's autograd inputs: every A_i and B_i, or A_0 alone (``direct``)
     # ``S`` as this call's forward made it, kept for a recomputation under gradient checkpointing (`recompute`)
     kept_s: Optional[Tensor] = None
-    # The gradients the expand's backward added dB into (`FUSED_DS_DB`), for the shrink's backward to add dA into
+    # The gradients the expand's backward added dB into (when it fused dS: `FUSED_DS_DB`, `FUSED_DS_MAX_TILE`), for
+    # the shrink's backward to add dA into
     grad_targets: Optional["GradTargets"] = None
 
     @property
@@ -314,8 +315,9 @@ class _LoRAShrink(torch.autograd.Function):
     ``Y``'s shape over one element of storage, whose only use is to bring ``dY`` back from `_LoRAExpand`.
 
     Backward (2 launches): ``dA_i = s_i dS_i^T drop_i(X_i)``; ``dB_i = s_i dY_i^T S_i`` (``dY`` arrives as ``Z``'s
-    gradient). ``dX`` is left to `_LoRAExpand`, which returns all of it. With direct gradients (`FUSED_DS_DB`) the
-    expand's backward has added ``dB`` already, and this launches ``dA`` only.
+    gradient). ``dX`` is left to `_LoRAExpand`, which returns all of it. With direct gradients and rank tiles up to
+    `FUSED_DS_MAX_TILE` (`FUSED_DS_DB`) the expand's backward has added ``dB`` already, and this launches ``dA``
+    only.
 
     Why two Functions: this half saves ``X`` and ``S``, the expand half saves no tensor. Under non-reentrant
     gradient checkpointing a layer's recomputation stops once every saved tensor is back, so it stops after
@@ -378,9 +380,9 @@ class _LoRAExpand(torch.autograd.Function):
     Backward (2 launches): ``dS_i = dY_i B_i``; ``dX_i = s_i drop_i'(dS_i A_i)``. (``dS`` is kept without ``s_i``:
     in fp16 a scaled ``dS`` may overflow where ``dX`` and ``dA`` do not.) ``dY_base = dY``, and ``dY``
     goes back to `_LoRAShrink` as ``Z``'s gradient (for ``dB``). Rows outside every segment keep ``Y_base`` and
-    get no LoRA ``dX``. No tensor is saved (see `_LoRAShrink` for why). With direct gradients (`FUSED_DS_DB`)
-    the first launch is ``dB_i += s_i dY_i^T S_i``, adding ``dS`` from the same ``dY`` tiles (``S`` held as an
-    attribute, released by this backward).
+    get no LoRA ``dX``. No tensor is saved (see `_LoRAShrink` for why). With direct gradients and rank tiles up to
+    `FUSED_DS_MAX_TILE` (`FUSED_DS_DB`) the first launch is ``dB_i += s_i dY_i^T S_i``, adding ``dS`` from the same
+    ``dY`` tiles (``S`` held as an attribute, released by this backward).
 
     ``base_out=None`` with a frozen ``base_weight`` (and ``base_bias``): this half owns the frozen linear too,
     ``Y_base = X W^T + b``, and its backward makes ``dX = dY W`` with the LoRA term added into that buffer by
@@ -475,11 +477,14 @@ class _LoRAExpand(torch.autograd.Function):
 
 
 # The dB launch adds dS = dY B too, from the dY tiles it reads anyway (`_weight_grad`'s WITH_DS), in place of the row
-# launch that read dY a second time; with direct gradients (the default), where the expand's backward can add dB.
+# launch that read dY a second time; with direct gradients (the default), where the expand's backward can add dB,
+# and rank tiles up to `FUSED_DS_MAX_TILE`.
 FUSED_DS_DB = True
 # ... for rank tiles up to this width. Each program adds its K block's share of dS atomically, and those atomics grow
 # with the tile: on the H200, 32 adapters x 1024 tokens, K=4096, the fused launch took 102 us at r=16 (a dS row launch
-# and a dB launch: ~150) but 350 us at r=64 (82 + 124 apart) and 682 us at ranks 8..128 (tile 128).
+# and a dB launch: ~150) but 350 us at r=64 (82 + 124 apart) and 682 us at ranks 8..128 (tile 128). The tile is the
+# table's (`rank_chunk`), which never narrows on a GPU: once a set with ranks over 16 has run there, later rank-16
+# calls stay unfused until `reset_rank_tiles` (both ways give the same gradients).
 FUSED_DS_MAX_TILE = 16
 
 # The frozen linear takes the LoRA term as its GEMM's addend (``Y = X W^T + Y_lora``, cuBLAS with beta = 1) instead

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
 
 from lightning_multilora.kernels import LoRAWeights, multi_lora_reference  # noqa: E402
 from lightning_multilora.kernels.triton_lora import multi_lora_triton  # noqa: E402
@@ -183,6 +184,73 @@ def test_the_rank_tile_never_narrows_on_a_cuda_device(monkeypatch):
     assert rank_chunk([16], cuda0) == 16
 
 
+def _every_candidate(tuned):
+    """(plain kernel, its tuning candidates): the autotuner times the candidates but checks no result."""
+    from lightning_multilora.kernels import triton_kernels as K
+
+    configs = {K._rank_times_weight: K._RANK_CONFIGS, K._weight_grad: K._GRAD_CONFIGS}[tuned]
+    from triton.runtime.autotuner import Autotuner
+
+    kernel = tuned.fn if isinstance(tuned, Autotuner) else tuned  # (the interpreter's kernels are not autotuned)
+    return kernel, [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
+
+
+def test_every_expand_tuning_candidate_gives_the_reference():
+    """Each candidate tile of the expand kernel (``N_LOOP`` column blocks per program included), launched directly,
+    over ranks of several 16-wide chunks, a gap row and an adapter without tokens: ``Y = base + s S B^T``."""
+    from lightning_multilora.kernels import triton_kernels as K
+    from lightning_multilora.kernels import triton_lora
+
+    x, base, w = problem([3, 40, 17], [70, 0, 130], d_in=24, d_out=200, dtype=torch.float32, seed=21)
+    device = x.device
+    table = triton_lora.pointer_table(w, device)
+    sched = triton_lora.schedule(w.starts, w.ends, x.shape[0], device)
+    s = torch.zeros(x.shape[0], table.width, device=device)
+    expected = base.double().clone()
+    for a, b, sc, st, en in zip(w.a, w.b, w.scaling, w.starts, w.ends):
+        s[st:en, :a.shape[0]] = x[st:en] @ a.detach().t()
+        expected[st:en] += sc * (s[st:en, :a.shape[0]].double() @ b.detach().double().t())
+    kernel, candidates = _every_candidate(K._rank_times_weight)
+    for meta in candidates:
+        y = base.clone()
+        grid = (sched.num_blocks, triton.cdiv(y.shape[1], meta["BLOCK_N"] * meta["N_LOOP"]))
+        kernel[grid](s, table.b_ptrs, w.a[0], y, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
+                     table.scaling, table.drop_p, table.ranks, y.shape[1], 4, s.stride(0), y.stride(0), W_IS_A=False,
+                     ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M, BLOCK_R=16,
+                     MULTI_CHUNK=True, SCALE_PRODUCT=False, W_ALIGNED=False, **meta)
+        assert rel(y, expected) < 1e-5, meta
+
+
+def test_every_weight_gradient_tuning_candidate_gives_the_reference():
+    """Each candidate tile of the weight-gradient kernel, launched directly as the fused ``dB`` + ``dS`` launch
+    (``dB_i += s_i dY_i^T S_i``, ``dS_i += dY_i B_i``), with rows plain and split over two programs."""
+    from lightning_multilora.kernels import triton_kernels as K
+    from lightning_multilora.kernels import triton_lora
+
+    x, base, w = problem([3, 40, 17], [70, 0, 130], d_in=24, d_out=200, dtype=torch.float32, seed=22)
+    device = x.device
+    table = triton_lora.pointer_table(w, device)
+    sched = triton_lora.schedule(w.starts, w.ends, x.shape[0], device)
+    s = torch.randn(x.shape[0], table.width, device=device)
+    dy = torch.randn_like(base)
+    kernel, candidates = _every_candidate(K._weight_grad)
+    for meta in candidates:
+        for split in (1, 2):
+            targets = triton_lora._fresh_grads(w, table, device)
+            ds = torch.zeros_like(s)
+            grid = (len(w.a) * 3, triton.cdiv(dy.shape[1], meta["BLOCK_K"]), split)
+            kernel[grid](s, dy, targets.b_ptrs, targets.a[0], sched.seg_start, sched.seg_end, table.ranks,
+                         table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3, split,
+                         s.stride(0), dy.stride(0), ds.stride(0), G_IS_A=False, HAS_DROPOUT=False, ATOMIC=split > 1,
+                         DOT_PRECISION="ieee", G_ALIGNED=False, WITH_DS=True, W_ALIGNED=False, BLOCK_R=16, **meta)
+            for a, b, db, sc, st, en in zip(w.a, w.b, targets.b, w.scaling, w.starts, w.ends):
+                r = a.shape[0]
+                want = sc * (dy[st:en].double().t() @ s[st:en, :r].double())
+                assert rel(db, want) < 1e-5 if en > st else db.abs().max() == 0, (meta, split)
+                if en > st:
+                    assert rel(ds[st:en, :r], dy[st:en].double() @ b.detach().double()) < 1e-5, (meta, split)
+
+
 def test_rows_outside_every_segment_keep_the_base_output():
     x, base, w = problem([4, 5], [10, 20], d_in=32, d_out=16, dtype=torch.float32, seed=3)
     y = multi_lora_triton(x, base.clone(), w, False)
@@ -196,7 +264,8 @@ def test_rows_outside_every_segment_keep_the_base_output():
 def test_dropout_mask_is_per_adapter_and_the_backward_reuses_it():
     # y - base is linear in A, B and X for a fixed mask, so <grad, param> = <grad_out, y - base> holds
     # exactly only if the backward applies the forward's mask.
-    x, base, w = problem([8, 8], [128, 128], d_in=64, d_out=32, dtype=torch.float32, dropout=[0.5, 0.0], gaps=False)
+    # (d_in 200: dX's programs take several column blocks each, every one with its own mask coordinates)
+    x, base, w = problem([8, 8], [128, 128], d_in=200, d_out=32, dtype=torch.float32, dropout=[0.5, 0.0], gaps=False)
     grad_out = torch.randn_like(base)
     y, grads = run(multi_lora_triton, x, base, w, True, grad_out)
     dx, (da0, da1), (db0, db1) = grads[0], grads[1:3], grads[3:5]
@@ -692,7 +761,7 @@ def test_the_db_launch_adds_ds_from_the_dy_it_reads(monkeypatch, chunked, split)
     with ranks over several chunks and rows split over programs; the row kernel runs for the forward only."""
     from lightning_multilora.kernels import triton_lora
 
-    monkeypatch.setattr(triton_lora, "FUSED_DS_MAX_TILE", 256)  # fused at every rank tile (the GPU default: 16 only)
+    monkeypatch.setattr(triton_lora, "FUSED_DS_MAX_TILE", 256)  # fused at every rank tile (the default: 16 only)
     if chunked:
         monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 16)
         monkeypatch.setattr(triton_lora, "_pointer_tables", triton_lora._LRU())
