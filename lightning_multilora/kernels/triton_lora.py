@@ -89,6 +89,7 @@ class Schedule:
     num_blocks: int
     covers_all_rows: bool
     max_tokens: int
+    bucket: int  # the expand/dX launches' tuning bucket: `_bucket` of num_blocks
 
 
 def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, device: torch.device) -> Schedule:
@@ -108,7 +109,7 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         nb, na = len(adapters), len(starts)
         host, segs = _upload_rows(host, device), _upload_rows(segs, device)
         return Schedule(host[0, :nb], host[1, :nb], segs[0, :na], segs[1, :na], nb, covered,
-                        max((e - s for s, e in zip(starts, ends)), default=0))
+                        max((e - s for s, e in zip(starts, ends)), default=0), _bucket(nb))
 
     return _schedules.get_or_make((starts, ends, num_rows, str(device)), make)
 
@@ -396,7 +397,7 @@ class _LoRAExpand(torch.autograd.Function):
     def forward(ctx, x: Tensor, s: Tensor, z: Tensor, base_out: Optional[Tensor], base_weight: Optional[Tensor],
                 base_bias: Optional[Tensor], call: _Call) -> Tensor:
         owns_base = base_out is None
-        table, sched, d_out = call.table, call.sched, call.d_out
+        sched, d_out = call.sched, call.d_out
         # (not under autocast: an in-place addmm_ would keep x's dtype where F.linear casts)
         lora_first = owns_base and _lora_first(sched, base_bias) and not torch.is_autocast_enabled(x.device.type)
         if lora_first:
@@ -404,14 +405,7 @@ class _LoRAExpand(torch.autograd.Function):
         elif owns_base:
             base_out = F.linear(x, base_weight, base_bias)
         if sched.num_blocks:
-            _rank_times_weight(
-                lambda meta: (sched.num_blocks, _cdiv(d_out, meta["BLOCK_N"] * meta["N_LOOP"])),
-                (s, call.b_ptrs, call.w_witness, base_out, sched.blk_adapter, sched.blk_start, sched.seg_end,
-                 table.ranks, table.scaling, table.drop_p, call.seeds, d_out, _bucket(sched.num_blocks), s.stride(0),
-                 base_out.stride(0)),
-                dict(W_IS_A=False, ACCUMULATE=not lora_first, HAS_DROPOUT=False, DOT_PRECISION=call.precision,
-                     BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, MULTI_CHUNK=table.r_chunks > 1,
-                     SCALE_PRODUCT=base_out.dtype == torch.float16, W_ALIGNED=call.w_aligned, **_meta("rank")))
+            _rank_launch(call, s, call.b_ptrs, base_out, False, not lora_first, False)
         if lora_first:
             base_out.addmm_(x, base_weight.t())  # Y = X W^T + (s S B^T): the LoRA term read in the GEMM's epilogue
         if not owns_base:
@@ -431,7 +425,7 @@ class _LoRAExpand(torch.autograd.Function):
         table, sched = call.table, call.sched
         device = dy.device
         dy = dy if dy.stride(-1) == 1 else dy.contiguous()
-        (rows, d_in), d_out = ctx.x_shape, dy.shape[1]
+        rows, d_out = ctx.x_shape[0], dy.shape[1]
         ds, dx = None, None
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only base_out wants a gradient
             return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
@@ -462,15 +456,7 @@ class _LoRAExpand(torch.autograd.Function):
             else:
                 dx = torch.zeros(ctx.x_shape, device=device, dtype=ctx.x_dtype)
             if sched.num_blocks:
-                _rank_times_weight(
-                    lambda meta: (sched.num_blocks, _cdiv(d_in, meta["BLOCK_N"] * meta["N_LOOP"])),
-                    (ds, call.a_ptrs, call.w_witness, dx, sched.blk_adapter, sched.blk_start, sched.seg_end,
-                     table.ranks, table.scaling, table.drop_p, call.seeds, d_in, _bucket(sched.num_blocks), ds.stride(0),
-                     dx.stride(0)),
-                    dict(W_IS_A=True, ACCUMULATE=ctx.owns_base and not lora_first, HAS_DROPOUT=call.has_dropout,
-                         DOT_PRECISION=call.precision, BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
-                         MULTI_CHUNK=table.r_chunks > 1, SCALE_PRODUCT=dx.dtype == torch.float16,
-                         W_ALIGNED=call.w_aligned, **_meta("rank")))
+                _rank_launch(call, ds, call.a_ptrs, dx, True, ctx.owns_base and not lora_first, call.has_dropout)
             if lora_first:
                 dx.addmm_(dy, ctx.base_weight)  # dX = dY W + (LoRA dX), the LoRA term read in the GEMM's epilogue
         return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
@@ -609,6 +595,19 @@ def _zero_if_split(out: Tensor):
 
 def _rows_grid(sched: Schedule, table: PointerTable):
     return lambda meta: (sched.num_blocks * table.r_chunks, meta["SPLIT_K"])
+
+
+def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: bool, accumulate: bool,
+                 has_dropout: bool) -> None:
+    """``OUT[t, :] (+)= c_i (LOW[t, :r_i] @ W_i) [* drop mask]``: the expand (``W_i = B_i^T``) or dX (``W_i = A_i``)."""
+    sched, table, width = call.sched, call.table, out.shape[1]
+    _rank_times_weight(
+        lambda meta: (sched.num_blocks, _cdiv(width, meta["BLOCK_N"] * meta["N_LOOP"])),
+        (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
+         table.scaling, table.drop_p, call.seeds, width, sched.bucket, low.stride(0), out.stride(0)),
+        dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
+             BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, MULTI_CHUNK=table.r_chunks > 1,
+             SCALE_PRODUCT=out.dtype == torch.float16, W_ALIGNED=call.w_aligned, **_meta("rank")))
 
 
 def _row_bucket(sched: Schedule, table: PointerTable) -> int:
