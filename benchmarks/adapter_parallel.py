@@ -261,14 +261,13 @@ def main() -> None:
         graphs = StepGraphs(warmup=1, enabled=args.cuda_graph)
 
         def forward_backward(ids: torch.Tensor) -> torch.Tensor:
-            if flat:  # gradients zeroed in place (flat views the kernels add into), as `MultiLoRAModule` does
-                for name in mine:
-                    layers.prepare_grads(name)
             with layers.use(layout if layout.num_rows else None), one_sequence_per_row():
                 hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
                 loss = lm_loss(model.lm_head, hidden, ids)
                 if weights is not None:
                     loss = loss * weights
+                if flat:  # gradients zeroed in place (flat views the kernels add into), as `MultiLoRAModule` does
+                    layers.prepare_grads(*mine)
                 loss.backward()
             return loss.detach()
 

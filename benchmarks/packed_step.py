@@ -156,13 +156,18 @@ def lm_loss(lm_head: nn.Linear, hidden: Tensor, ids: Tensor) -> Tensor:
     return total / (ids.shape[1] - 1)
 
 
-def lm_backward(model: nn.Module, ids: Tensor, inputs_embeds: Optional[Tensor] = None) -> None:
-    """Forward through the decoder (hidden states, not logits: `lm_loss` makes those), loss, backward."""
+def lm_backward(model: nn.Module, ids: Tensor, inputs_embeds: Optional[Tensor] = None,
+                before_backward: Optional[Callable[[], None]] = None) -> None:
+    """Forward through the decoder (hidden states, not logits: `lm_loss` makes those), loss, backward
+    (``before_backward`` is called between the two)."""
     if inputs_embeds is None:
         hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
     else:
         hidden = model.model(inputs_embeds=inputs_embeds, use_cache=False).last_hidden_state
-    lm_loss(model.lm_head, hidden, ids).backward()
+    loss = lm_loss(model.lm_head, hidden, ids)
+    if before_backward is not None:
+        before_backward()
+    loss.backward()
 
 
 # ---------------------------------------------------------------------------------------------- timing
@@ -288,11 +293,10 @@ def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline:
             graphs = StepGraphs(warmup=1, enabled=args.cuda_graph)
 
             def packed_step(ids: Tensor) -> None:
-                for name in names:
-                    layers.prepare_grads(name)
-                # Backward stays inside `use`: gradient checkpointing re-runs the layers during backward.
+                # Backward stays inside `use`: gradient checkpointing re-runs the layers during backward. The
+                # gradients are zeroed between forward and backward, as `MultiLoRAModule` does.
                 with layers.use(layout), one_sequence_per_row():
-                    lm_backward(model, ids)
+                    lm_backward(model, ids, before_backward=lambda: layers.prepare_grads(*names))
 
             def step() -> None:
                 graphs("packed", packed_step, ids)
@@ -333,36 +337,67 @@ def profile_device(step: Callable[[], None], device: torch.device, label: str, t
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    collections: list[float] = []  # Python's garbage collections during the step (host pauses), ms each
+    started: list[float] = []
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            collections.append((time.perf_counter() - started.pop()) * 1e3)
+
     sync(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        step()
-        host = time.perf_counter() - t0
-        sync(device)
-        wall = time.perf_counter() - t0
-    spans = sorted((e.start_ns(), e.start_ns() + e.duration_ns()) for e in prof.profiler.kineto_results.events()
-                   if e.device_type() == DeviceType.CUDA)
-    busy, end = 0, None
+    gc.callbacks.append(on_gc)
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            step()
+            host = time.perf_counter() - t0
+            sync(device)
+            wall = time.perf_counter() - t0
+    finally:
+        gc.callbacks.remove(on_gc)
+    spans = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[:60])
+                   for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA)
+    busy, end, last = 0, None, None
+    gaps = []  # (idle ns, start of the idle time, kernel before, kernel after)
     by_name: dict[str, list] = {}
-    for lo, hi in spans:
+    for lo, hi, name in spans:
         if end is None or lo > end:
+            if end is not None:
+                gaps.append((lo - end, end, last, name))
             busy += hi - lo
-            end = hi
+            end, last = hi, name
         elif hi > end:
             busy += hi - end
-            end = hi
+            end, last = hi, name
     for e in prof.profiler.kineto_results.events():
         if e.device_type() == DeviceType.CUDA:
             entry = by_name.setdefault(e.name()[:90], [0, 0])
             entry[0] += e.duration_ns()
             entry[1] += 1
     kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    # Where the GPU waits for the host: idle time inside the step per 50 ms window of the trace, and the longest gaps.
+    first = spans[0][0] if spans else 0
+    windows: dict[int, float] = {}
+    for gap, at, _, _ in gaps:
+        w = int((at - first) / 50e6) * 50
+        windows[w] = windows.get(w, 0.0) + gap / 1e6
+    longest = sorted(gaps, reverse=True)[:top]
     summary = dict(host_ms=round(host * 1e3, 1), wall_ms=round(wall * 1e3, 1), gpu_busy_ms=round(busy / 1e6, 1),
-                   kernels=[dict(name=k, ms=round(v[0] / 1e6, 2), count=v[1]) for k, v in kernels])
+                   gc_collections=len(collections), gc_ms=round(sum(collections), 2),
+                   kernels=[dict(name=k, ms=round(v[0] / 1e6, 2), count=v[1]) for k, v in kernels],
+                   idle_ms_per_50ms=[[w, round(v, 2)] for w, v in sorted(windows.items())],
+                   longest_gaps=[dict(us=round(g / 1e3, 1), at_ms=round((at - first) / 1e6, 2), after=a, before=b)
+                                 for g, at, a, b in longest])
     print(f"  trace {label}: host {summary['host_ms']} ms, wall {summary['wall_ms']} ms, "
-          f"GPU busy {summary['gpu_busy_ms']} ms (under the profiler)")
+          f"GPU busy {summary['gpu_busy_ms']} ms (under the profiler); {len(collections)} garbage collections took "
+          f"{summary['gc_ms']} ms")
     for k in summary["kernels"]:
         print(f"    {k['ms']:9.2f} ms {k['count']:6d}x  {k['name']}")
+    print("  idle ms per 50 ms of the trace: " + ", ".join(f"{w}: {v}" for w, v in summary["idle_ms_per_50ms"]))
+    for g in summary["longest_gaps"]:
+        print(f"    idle {g['us']:8.1f} us at {g['at_ms']:8.2f} ms, after {g['after']} / before {g['before']}")
     return summary
 
 

@@ -100,14 +100,17 @@ class FlatAdapter:
         torch._foreach_copy_(list(self._views(out)), [t.reshape(p.shape) for t, p in zip(tensors, self.params)])
         return out
 
-    def prepare_grads(self) -> Tensor:
+    def prepare_grads(self, zero: bool = True) -> Tensor:
         """Before a step's backward: the flat gradient zeroed, ``flat.grad`` set to it and every parameter's
-        ``.grad`` its view (set again where something dropped or replaced it). Returns the flat gradient."""
+        ``.grad`` its view (set again where something dropped or replaced it). Returns the flat gradient.
+
+        ``zero=False`` leaves an existing gradient's values for the caller to zero (`LoRALayers.prepare_grads`
+        zeroes every adapter's in one launch); a new one is made zeroed either way."""
         self.rebind()
         if self._grad is None:
             self._grad = torch.zeros_like(self.flat.data)
             self._grad_views = self._views(self._grad)
-        else:
+        elif zero:
             self._grad.zero_()
         if self.flat.grad is not self._grad:
             self.flat.grad = self._grad

@@ -319,14 +319,20 @@ class LoRALayers(Mapping):
         views of the flat gradient)."""
         return self.step_parameters(name) if elementwise else self.parameters_of(name)
 
-    def prepare_grads(self, name: str) -> None:
-        """Before a step's backward: adapter ``name``'s gradients zeroed (kept, not dropped: the kernels add into
-        the same tensors every step), each layer's ``.grad`` a view of the flat gradient."""
-        flat = self.flat_adapter(name)
-        if flat is not None:
-            flat.prepare_grads()
-            return
-        stale = [p.grad for p in self.parameters_of(name) if p.grad is not None]
+    def prepare_grads(self, *names: str) -> None:
+        """Before a step's backward: the gradients of the adapters ``names`` zeroed (kept, not dropped: the kernels
+        add into the same tensors every step), each layer's ``.grad`` a view of its adapter's flat gradient. One
+        multi-tensor zeroing for them all. Nothing reads the gradients before the backward, so a step may call
+        this after its forward, while the device still runs it (its host time then costs no device time)."""
+        stale = []
+        for name in names:
+            flat = self.flat_adapter(name)
+            if flat is None:
+                stale += [p.grad for p in self.parameters_of(name) if p.grad is not None]
+            elif flat._grad is not None:
+                stale.append(flat.prepare_grads(zero=False))
+            else:
+                flat.prepare_grads()  # made zeroed
         if stale:
             torch._foreach_zero_(stale)
 

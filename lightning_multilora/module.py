@@ -591,15 +591,15 @@ class MultiLoRAMixin:
         """A training step's device work: the adapters' gradients zeroed, the packed forward, the backward of the
         sum of the finite per-adapter losses, each adapter's gradient norm (over ``params``, its step
         parameters): ``(losses, norms, total)``."""
-        # Zeroed in place, not dropped: the gradients keep their storage, so the LoRA backward adds into the same
-        # tensors every step (no new buffers and device pointer tables per layer per step).
-        for rec in records:
-            self.lora_layers.prepare_grads(rec.name)
         with self.lora_layers.use(batch["layout"]):
             loss_sum, count = self.adapter_loss_terms(batch)
             losses = loss_sum / count.clamp(min=1)  # (N,) mean over each adapter's target tokens
             finite = torch.isfinite(losses)
             total = torch.where(finite, losses, torch.zeros_like(losses)).sum()
+            # Zeroed in place, not dropped: the gradients keep their storage, so the LoRA backward adds into the
+            # same tensors every step (no new buffers and device pointer tables per layer per step). Done once the
+            # forward is queued: the device runs it meanwhile (before it, the device would wait for this host work).
+            self.lora_layers.prepare_grads(*(rec.name for rec in records))
             if total.requires_grad:
                 self.manual_backward(total)
         return losses.detach(), _grad_norms(params, losses), total.detach()

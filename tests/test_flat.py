@@ -73,6 +73,30 @@ def test_a_model_cast_to_another_dtype_is_bound_again():
         assert torch.equal(v, before[k].double())
 
 
+def test_one_call_zeroes_the_gradients_of_several_adapters_flat_new_and_per_layer():
+    """`LoRALayers.prepare_grads(*names)`: held gradients zeroed in place (the same tensors), a first one made,
+    an adapter kept per layer zeroed too; adapters not named keep theirs."""
+    model = build_base_model("tiny-llama")
+    layers = inject_multilora(model, ["q_proj", "v_proj"])
+    for i, name in enumerate("abcd"):
+        layers.add_adapter(name, rank=2 + i, alpha=8, seed=i)
+    layers._flat["c"] = None  # as an adapter split over devices: per-layer parameters
+    for name in "abd":
+        layers.prepare_grads(name)
+    for name in "abcd":
+        for p in layers.parameters_of(name):
+            if name != "b":
+                p.grad.fill_(3.0) if p.grad is not None else setattr(p, "grad", torch.full_like(p, 3.0))
+    held = {"a": layers.step_parameters("a")[0].grad}
+    layers.flat_adapter("b").drop_grads()  # b holds none: made anew
+    layers.prepare_grads("a", "b", "c")
+    for name in "abc":
+        assert all(p.grad is not None and not p.grad.any() for p in layers.parameters_of(name)), name
+    assert layers.step_parameters("a")[0].grad is held["a"]  # in place, not replaced
+    assert all(p.grad.data_ptr() >= held["a"].data_ptr() for p in layers.parameters_of("a"))
+    assert all((p.grad == 3.0).all() for p in layers.parameters_of("d"))  # not named: untouched
+
+
 def test_parameters_on_several_devices_or_dtypes_stay_per_layer():
     mixed = params((3, 5)) + params((2, 2), dtype=torch.float64)
     assert make_flat(mixed) is None
