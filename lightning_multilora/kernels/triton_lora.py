@@ -472,6 +472,12 @@ FUSED_DS_DB = True
 # table's (`rank_chunk`), which never narrows on a GPU: once a set with ranks over 16 has run there, later rank-16
 # calls stay unfused until `reset_rank_tiles` (both ways give the same gradients).
 FUSED_DS_MAX_TILE = 16
+# The weight-gradient launches take rank chunks of at most this width, whatever the table's tile: a 128-wide tile
+# computes the full width for every adapter of a mix (its (r, BLOCK_K) fp32 accumulator too), where 64-wide chunks
+# past an adapter's rank return at once. On the H200, 32 adapters x 1024 tokens, ranks 8..128: dA at K=4096 took
+# 174 us with the 128 tile, 135 with 64-wide chunks, 142 with 32; dB at K=14336 611, 456, 483. At r=64 the 64 tile
+# beats 32-wide chunks (dA 107 vs 139 us). The expand keeps the full tile (207 us at 128, 241 at 64).
+GRAD_MAX_TILE = 64
 
 # The frozen linear takes the LoRA term as its GEMM's addend (``Y = X W^T + Y_lora``, cuBLAS with beta = 1) instead
 # of the LoRA launch reading and rewriting the GEMM's output: one pass over Y (and over dX in backward) fewer.
@@ -667,17 +673,19 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
     dropout = call.has_dropout and g_is_a
     ptrs = targets.a_ptrs if g_is_a else targets.b_ptrs
     with_ds = ds is not None
-    split = _split_for(n * table.r_chunks * _cdiv(k, 128), sched.max_tokens, device)
-    tail = (k, table.r_chunks, split, low.stride(0), full.stride(0), ds.stride(0) if with_ds else 0)
+    block_r = min(table.block_r, GRAD_MAX_TILE)
+    r_chunks = _cdiv(table.width, block_r)
+    split = _split_for(n * r_chunks * _cdiv(k, 128), sched.max_tokens, device)
+    tail = (k, r_chunks, split, low.stride(0), full.stride(0), ds.stride(0) if with_ds else 0)
     w_args = (call.b_ptrs, call.w_witness, ds) if with_ds else (ptrs, witness, low)  # (unused without dS)
     args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p, seeds,
             *w_args, *tail)
     w_aligned = with_ds and call.w_aligned
     meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, ATOMIC=split > 1, DOT_PRECISION=call.precision,
-                G_ALIGNED=targets.aligned, WITH_DS=with_ds, W_ALIGNED=w_aligned, BLOCK_R=table.block_r,
+                G_ALIGNED=targets.aligned, WITH_DS=with_ds, W_ALIGNED=w_aligned, BLOCK_R=block_r,
                 **_meta("grad"))
-    grid = lambda m: (n * table.r_chunks, _cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
-    tune_key = (k, table.block_r, g_is_a, split > 1, dropout, low.dtype, full.dtype, witness.dtype,
+    grid = lambda m: (n * r_chunks, _cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
+    tune_key = (k, block_r, g_is_a, split > 1, dropout, low.dtype, full.dtype, witness.dtype,
                 meta["DOT_PRECISION"], targets.aligned, with_ds, w_aligned, w_args[1].dtype)
     if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
         # The launch adds into its targets (and dS), and the autotuner's trials would add several times: let them
