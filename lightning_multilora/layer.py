@@ -329,10 +329,8 @@ class LoRALayers(Mapping):
             flat = self.flat_adapter(name)
             if flat is None:
                 stale += [p.grad for p in self.parameters_of(name) if p.grad is not None]
-            elif flat._grad is not None:
-                stale.append(flat.prepare_grads(zero=False))
             else:
-                flat.prepare_grads()  # made zeroed
+                stale.append(flat.prepare_grads(zero=False))  # (a new one is zero already: zeroed once more)
         if stale:
             torch._foreach_zero_(stale)
 

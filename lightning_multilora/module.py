@@ -588,7 +588,7 @@ class MultiLoRAMixin:
 
     def _forward_backward(self, batch: dict[str, Any], records: Sequence[AdapterRecord],
                           params: Sequence[Sequence[Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
-        """A training step's device work: the adapters' gradients zeroed, the packed forward, the backward of the
+        """A training step's device work: the packed forward, the adapters' gradients zeroed, the backward of the
         sum of the finite per-adapter losses, each adapter's gradient norm (over ``params``, its step
         parameters): ``(losses, norms, total)``."""
         with self.lora_layers.use(batch["layout"]):
