@@ -333,7 +333,9 @@ def profile_host(step: Callable[[], None], device: torch.device) -> None:
 
 def profile_device(step: Callable[[], None], device: torch.device, label: str, top: int = 18) -> dict:
     """One step under torch.profiler: host enqueue time (until ``step`` returns) vs wall time (until the GPU
-    is done), GPU busy time (the union of kernel, copy and memset intervals) and the kernels taking it."""
+    is done), GPU busy time (the union of kernel, copy and memset intervals) and the kernels taking it, the GPU's
+    idle time (per 50 ms of the step, and the longest gaps with the kernels around them) and Python's garbage
+    collections during the step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -357,8 +359,8 @@ def profile_device(step: Callable[[], None], device: torch.device, label: str, t
             wall = time.perf_counter() - t0
     finally:
         gc.callbacks.remove(on_gc)
-    spans = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[:60])
-                   for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA)
+    device_events = [e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA]
+    spans = sorted((e.start_ns(), e.start_ns() + e.duration_ns(), e.name()[:60]) for e in device_events)
     busy, end, last = 0, None, None
     gaps = []  # (idle ns, start of the idle time, kernel before, kernel after)
     by_name: dict[str, list] = {}
@@ -371,11 +373,10 @@ def profile_device(step: Callable[[], None], device: torch.device, label: str, t
         elif hi > end:
             busy += hi - end
             end, last = hi, name
-    for e in prof.profiler.kineto_results.events():
-        if e.device_type() == DeviceType.CUDA:
-            entry = by_name.setdefault(e.name()[:90], [0, 0])
-            entry[0] += e.duration_ns()
-            entry[1] += 1
+    for e in device_events:
+        entry = by_name.setdefault(e.name()[:90], [0, 0])
+        entry[0] += e.duration_ns()
+        entry[1] += 1
     kernels = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
     # Where the GPU waits for the host: idle time inside the step per 50 ms window of the trace, and the longest gaps.
     first = spans[0][0] if spans else 0
