@@ -16,14 +16,18 @@ The four kernels:
   rank chunk), the chunks of one row block adjacent (the second reads its rows from L2); split over K (tuned)
   into an fp32 ``OUT`` (``S``, ``dS``) that must be zeroed.
 - `_rank_times_weight`: ``Y[t, :] (+)= c_i * (R[t, :r_i] @ W_i) [* drop mask]`` where W_i is ``B_i^T``
-  (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = s drop'(dS A)``); loops over the rank chunks.
+  (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = s drop'(dS A)``); one program per (row block,
+  ``N_PER`` columns), a pipelined loop over its column blocks, each over the rank chunks.
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = s dS^T drop(X)``)
   or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
   runtime value). It adds into what is there, as autograd's gradient accumulation does; its autotuning
   trials must therefore run on scratch targets (see `triton_lora`). ``WITH_DS`` (the ``dB`` launch): each
   program also adds its K block's share of ``dS = dY B`` into a zeroed fp32 ``dS`` (atomically, one
-  ``(BLOCK_T, r)`` tile per ``dY`` tile), so ``dY`` is read once for both instead of twice.
+  ``(BLOCK_T, r)`` tile per ``dY`` tile), so ``dY`` is read once for both instead of twice. ``TRANS_ACC`` (rank
+  chunks of 32 and more: `triton_lora.GRAD_TRANSPOSE_MIN_TILE`): the program accumulates ``G_i^T = drop_i(M_i)^T L_i``,
+  a ``(BLOCK_K, BLOCK_R)`` tile with the wide operand on the left of the product (dB's own layout; dA's is stored
+  transposed).
 Dropout masks come from a per-adapter seed and the element's (row, column): the backward regenerates
 the forward's mask instead of storing it.
 
@@ -45,7 +49,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Fixed tiles for the interpreter; on the GPU the tiles below are autotuned per shape.
 DEFAULT_META = {
     "rows": dict(BLOCK_K=64),  # SPLIT_K: `triton_lora._split_k`
-    "rank": dict(BLOCK_N=64, N_LOOP=2),
+    "rank": dict(BLOCK_N=64, N_PER=128),
     "grad": dict(BLOCK_K=64, BLOCK_T=64),
 }
 
@@ -70,21 +74,28 @@ def _tuned(configs, key, **kwargs):
 # number of row blocks (ROW_BUCKET, a power of two), so it is tuned per bucket with the tiles.
 _ROWS_CONFIGS = [triton.Config({"BLOCK_K": k, "SPLIT_K": sp}, num_warps=w, num_stages=st)
                  for sp in (1, 2, 4, 8) for k, w, st in ((64, 4, 4), (128, 8, 3), (256, 8, 3))]
-# One pipeline stage suits a streaming read-modify-write: on the H200, 16 adapters x 1024 tokens, the expand into a
-# 14336-wide Y took 358 us with the staged configs alone and 331 us once one-stage ones were candidates.
-# N_LOOP > 1: column blocks per program, reusing the low-rank tile (candidates at every rank; they pay off with wider
-# tiles: on the H200, 32 adapters x 1024 tokens at r=64, dX of 4096 columns took 129 us with one block per program,
-# where its writes alone take 63).
-_RANK_CONFIGS = [triton.Config({"BLOCK_N": n, "N_LOOP": nl}, num_warps=w, num_stages=st)
-                 for n, nl, w, st in ((64, 1, 4, 1), (128, 1, 4, 1), (128, 1, 8, 1), (256, 1, 8, 1), (64, 1, 4, 2),
-                                      (128, 1, 8, 3), (64, 4, 4, 1), (128, 2, 4, 1), (128, 4, 8, 1), (256, 2, 8, 1))]
+# The expand / dX kernel walks its N_PER columns in BLOCK_N-wide steps, a loop the compiler pipelines (num_stages):
+# the next weight tile (and, for the expand, the next Y tile) is in flight while this one is multiplied and stored,
+# and the low-rank tile is read once per program. On the H200, 32 adapters x 1024 tokens at r=64: dX of 4096 columns
+# took 126 us with the best unrolled candidate (two column blocks a program, one stage) and 96 with a whole row
+# pipelined over three stages (its writes alone take 63); dX of 14336 columns 420 -> 312 us; the expand into a 4096-
+# and a 14336-wide Y 166 -> 154 and 566 -> 513 us. N_PER == BLOCK_N: one block a program; one stage: the earlier
+# unrolled candidates' shapes (fewer rows, r=16). In `benchmarks/kernels.py --ns 32` (36 points, 34 tuning keys) 12
+# of these were chosen somewhere; the others are kept for other row counts.
+_RANK_CONFIGS = [triton.Config({"BLOCK_N": n, "N_PER": per}, num_warps=w, num_stages=st)
+                 for n, per, w, st in ((128, 16384, 8, 3), (128, 16384, 4, 3), (256, 16384, 8, 3), (64, 16384, 4, 3),
+                                       (128, 2048, 4, 3), (128, 2048, 8, 3), (128, 512, 4, 3), (64, 512, 4, 3),
+                                       (64, 64, 4, 1), (128, 128, 4, 1), (256, 256, 8, 1), (128, 128, 8, 1),
+                                       (64, 64, 4, 2), (128, 128, 8, 3), (64, 256, 4, 1), (128, 256, 4, 1),
+                                       (128, 512, 8, 1), (256, 512, 8, 1))]
 # (256, 64, 8 warps): on the H200, 32 adapters x 256 tokens at r=16, the dB + dS launch took 34.1 us at K=4096 (38.2
 # with the best of the others) and 106 us at K=14336 (121).
 # (256, 32, 4 warps) and (128, 32, 4): the best of a sweep (BLOCK_T 32-128, BLOCK_K 64-256, 4/8 warps, 2-4 stages) on the
 # H200, 32 adapters x 1024 tokens, K=4096: dA at r=64 107.5 us (127.9 with the others), at r=128 274 us (307).
-_GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_stages=3)
-                 for k, t, w in ((64, 64, 4), (128, 64, 4), (128, 32, 8), (256, 32, 8), (256, 64, 8), (256, 32, 4),
-                                 (128, 32, 4))]
+# (256, 64, 8 warps, 4 stages): dB at K=14336, r=64, 32 x 1024 tokens, 340 us (356 with the best of the others).
+_GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_stages=st)
+                 for k, t, w, st in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 8, 3), (256, 32, 8, 3), (256, 64, 8, 3),
+                                     (256, 32, 4, 3), (128, 32, 4, 3), (256, 64, 8, 4))]
 
 
 @triton.jit
@@ -170,7 +181,7 @@ def _rank_times_weight(
     # meta-parameters
     W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_CHUNK: tl.constexpr,
-    SCALE_PRODUCT: tl.constexpr, W_ALIGNED: tl.constexpr, N_LOOP: tl.constexpr,
+    SCALE_PRODUCT: tl.constexpr, W_ALIGNED: tl.constexpr, N_PER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -195,8 +206,8 @@ def _rank_times_weight(
     # on the product: with ranks up to one chunk (the usual case) each column block is then a plain streaming
     # read-modify-write of Y (on the H200, a 16384 x 14336 bf16 Y: 253 us, 3.7 TB/s; 304 us with the chunk loop
     # compiled in although it never ran; 331 us with all chunks in the loop and the scaling on the product).
-    # N_LOOP column blocks per program reuse that tile: each program reads it once instead of once per block (at
-    # r=64, 32 x 1024 rows, the fp32 tile re-read per 128 columns was as many L2 bytes as dX's writes).
+    # A program takes N_PER columns, reusing that tile for all of them (at r=64, 32 x 1024 rows, the fp32 tile re-read
+    # per 128 columns was as many L2 bytes as dX's writes), in a loop pipelined over the column blocks.
     # SCALE_PRODUCT (fp16 outputs): the tile takes min(s, 1) and the fp32 product max(s, 1), so the fp16 tile is
     # never larger than the unscaled or the scaled one (either may leave fp16's range where the result does not).
     coef = tl.load(COEF + a)
@@ -208,8 +219,9 @@ def _rank_times_weight(
     low = tl.load(R + offs_m[:, None] * stride_r_m + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
                   other=0.0)
     low = (low * coef).to(dot_dtype)
-    for j in tl.static_range(N_LOOP):
-        offs_n = (pid_n * N_LOOP + j) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_lo = pid_n * N_PER
+    for n0 in range(n_lo, tl.minimum(n_lo + N_PER, N), BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
                      mask=mask_r[:, None] & mask_n[None, :], other=0.0)
@@ -234,7 +246,8 @@ def _rank_times_weight(
         tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
 
 
-@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS", "W_ALIGNED"])
+@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS", "W_ALIGNED",
+                             "TRANS_ACC"])
 @triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T"])
 def _weight_grad(
     # pointers (W_PTRS, W_WITNESS, DS: the B_i and dS of WITH_DS)
@@ -246,7 +259,7 @@ def _weight_grad(
     stride_l_m, stride_m_m, stride_ds_m,
     # meta-parameters (ATOMIC: SPLIT_T > 1)
     G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    G_ALIGNED: tl.constexpr, WITH_DS: tl.constexpr, W_ALIGNED: tl.constexpr,
+    G_ALIGNED: tl.constexpr, WITH_DS: tl.constexpr, W_ALIGNED: tl.constexpr, TRANS_ACC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     a = tl.program_id(0) // R_CHUNKS
@@ -271,7 +284,10 @@ def _weight_grad(
         if W_ALIGNED:
             w = tl.multiple_of(w, 16)
         wt = tl.load(w + offs_k[:, None] * r + offs_r[None, :], mask=mask_k[:, None] & mask_r[None, :], other=0.0)
-    acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+    if TRANS_ACC:  # G^T = M^T L, a (BLOCK_K, BLOCK_R) accumulator (see the module text)
+        acc = tl.zeros((BLOCK_K, BLOCK_R), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
     # SPLIT_T programs share one adapter's rows, interleaved by BLOCK_T, and add into G atomically.
     for t0 in range(start + split * BLOCK_T, end, BLOCK_T * SPLIT_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
@@ -282,17 +298,28 @@ def _weight_grad(
                        other=0.0)
         if HAS_DROPOUT:
             full = _dropout_scale(full, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_t, offs_k, K).to(full.dtype)
-        acc += tl.dot(tl.trans(low.to(full.dtype)), full, input_precision=DOT_PRECISION)
+        if TRANS_ACC:
+            acc += tl.dot(tl.trans(full), low.to(full.dtype), input_precision=DOT_PRECISION)
+        else:
+            acc += tl.dot(tl.trans(low.to(full.dtype)), full, input_precision=DOT_PRECISION)
         if WITH_DS:  # dS_i[t, :] += dY[t, k-block] B_i[k-block, :], from the dY tile already loaded
             part = tl.dot(full, wt.to(full.dtype), input_precision=DOT_PRECISION)
             tl.atomic_add(DS + offs_t[:, None] * stride_ds_m + offs_r[None, :], part,
                           mask=mask_t[:, None] & mask_r[None, :])
     acc = acc * tl.load(COEF + a)
-    if G_IS_A:  # G = dA (r, K) row-major
-        g_ptrs = g + offs_r[:, None] * K + offs_k[None, :]
-    else:  # G = dB (K, r) row-major, written from its transpose
-        g_ptrs = g + offs_k[None, :] * r + offs_r[:, None]
-    mask = mask_r[:, None] & mask_k[None, :]
+    # G = dA (r, K) or dB (K, r), row-major, stored from the accumulator's layout
+    if not TRANS_ACC:  # acc[j, k] (rank j, column k)
+        off_rk = offs_r[:, None]
+        off_kk = offs_k[None, :]
+        mask = mask_r[:, None] & mask_k[None, :]
+    else:  # acc[k, j]
+        off_rk = offs_r[None, :]
+        off_kk = offs_k[:, None]
+        mask = mask_k[:, None] & mask_r[None, :]
+    if G_IS_A:
+        g_ptrs = g + off_rk * K + off_kk
+    else:
+        g_ptrs = g + off_kk * r + off_rk
     if not ATOMIC:
         acc += tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)

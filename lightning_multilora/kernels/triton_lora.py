@@ -478,6 +478,12 @@ FUSED_DS_MAX_TILE = 16
 # 174 us with the 128 tile, 135 with 64-wide chunks, 142 with 32; dB at K=14336 611, 456, 483. At r=64 the 64 tile
 # beats 32-wide chunks (dA 107 vs 139 us). The expand keeps the full tile (207 us at 128, 241 at 64).
 GRAD_MAX_TILE = 64
+# Weight-gradient launches with rank chunks of at least this width accumulate the transpose, G^T = M^T L (the wide
+# tile as the product's left operand, a (BLOCK_K, BLOCK_R) accumulator; `_weight_grad`'s TRANS_ACC); narrower ones
+# G = L^T M. On the H200, 32 adapters x 1024 tokens, K=4096, a launch: dA and dB at r=64 108 -> 103 us, at r=128 (two
+# 64-wide chunks) 196 -> 164; at r=32 about even (dA 88.2 -> 87.0, dB 87.6 -> 85.6); at r=16 the transpose was slower,
+# most in the fused dB + dS launch (256 tokens 42.8 -> 46.6 us; 14336 columns of dY, 1024 tokens, 340 -> 442).
+GRAD_TRANSPOSE_MIN_TILE = 32
 
 # The frozen linear takes the LoRA term as its GEMM's addend (``Y = X W^T + Y_lora``, cuBLAS with beta = 1) instead
 # of the LoRA launch reading and rewriting the GEMM's output: one pass over Y (and over dX in backward) fewer.
@@ -608,7 +614,7 @@ def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
     """``OUT[t, :] (+)= c_i (LOW[t, :r_i] @ W_i) [* drop mask]``: the expand (``W_i = B_i^T``) or dX (``W_i = A_i``)."""
     sched, table, width = call.sched, call.table, out.shape[1]
     _rank_times_weight(
-        lambda meta: (sched.num_blocks, _cdiv(width, meta["BLOCK_N"] * meta["N_LOOP"])),
+        lambda meta: (sched.num_blocks, _cdiv(width, meta["N_PER"])),
         (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
          table.scaling, table.drop_p, call.seeds, width, sched.bucket, low.stride(0), out.stride(0)),
         dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
@@ -683,6 +689,7 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
     w_aligned = with_ds and call.w_aligned
     meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, ATOMIC=split > 1, DOT_PRECISION=call.precision,
                 G_ALIGNED=targets.aligned, WITH_DS=with_ds, W_ALIGNED=w_aligned, BLOCK_R=block_r,
+                TRANS_ACC=block_r >= GRAD_TRANSPOSE_MIN_TILE,
                 **_meta("grad"))
     grid = lambda m: (n * r_chunks, _cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
     tune_key = (k, block_r, g_is_a, split > 1, dropout, low.dtype, full.dtype, witness.dtype,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -196,7 +197,7 @@ def _every_candidate(tuned):
 
 
 def test_every_expand_tuning_candidate_gives_the_reference():
-    """Each candidate tile of the expand kernel (``N_LOOP`` column blocks per program included), launched directly,
+    """Each candidate tile of the expand kernel (columns per program ``N_PER`` included), launched directly,
     over ranks of several 16-wide chunks, a gap row and an adapter without tokens: ``Y = base + s S B^T``."""
     from lightning_multilora.kernels import triton_kernels as K
     from lightning_multilora.kernels import triton_lora
@@ -213,7 +214,7 @@ def test_every_expand_tuning_candidate_gives_the_reference():
     kernel, candidates = _every_candidate(K._rank_times_weight)
     for meta in candidates:
         y = base.clone()
-        grid = (sched.num_blocks, triton.cdiv(y.shape[1], meta["BLOCK_N"] * meta["N_LOOP"]))
+        grid = (sched.num_blocks, triton.cdiv(y.shape[1], meta["N_PER"]))
         kernel[grid](s, table.b_ptrs, w.a[0], y, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
                      table.scaling, table.drop_p, table.ranks, y.shape[1], 4, s.stride(0), y.stride(0), W_IS_A=False,
                      ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M, BLOCK_R=16,
@@ -223,7 +224,8 @@ def test_every_expand_tuning_candidate_gives_the_reference():
 
 def test_every_weight_gradient_tuning_candidate_gives_the_reference():
     """Each candidate tile of the weight-gradient kernel, launched directly as the fused ``dB`` + ``dS`` launch
-    (``dB_i += s_i dY_i^T S_i``, ``dS_i += dY_i B_i``), with rows plain and split over two programs."""
+    (``dB_i += s_i dY_i^T S_i``, ``dS_i += dY_i B_i``), accumulating G or its transpose, with rows plain and split
+    over two programs."""
     from lightning_multilora.kernels import triton_kernels as K
     from lightning_multilora.kernels import triton_lora
 
@@ -234,21 +236,21 @@ def test_every_weight_gradient_tuning_candidate_gives_the_reference():
     s = torch.randn(x.shape[0], table.width, device=device)
     dy = torch.randn_like(base)
     kernel, candidates = _every_candidate(K._weight_grad)
-    for meta in candidates:
-        for split in (1, 2):
-            targets = triton_lora._fresh_grads(w, table, device)
-            ds = torch.zeros_like(s)
-            grid = (len(w.a) * 3, triton.cdiv(dy.shape[1], meta["BLOCK_K"]), split)
-            kernel[grid](s, dy, targets.b_ptrs, targets.a[0], sched.seg_start, sched.seg_end, table.ranks,
-                         table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3, split,
-                         s.stride(0), dy.stride(0), ds.stride(0), G_IS_A=False, HAS_DROPOUT=False, ATOMIC=split > 1,
-                         DOT_PRECISION="ieee", G_ALIGNED=False, WITH_DS=True, W_ALIGNED=False, BLOCK_R=16, **meta)
-            for a, b, db, sc, st, en in zip(w.a, w.b, targets.b, w.scaling, w.starts, w.ends):
-                r = a.shape[0]
-                want = sc * (dy[st:en].double().t() @ s[st:en, :r].double())
-                assert rel(db, want) < 1e-5 if en > st else db.abs().max() == 0, (meta, split)
-                if en > st:
-                    assert rel(ds[st:en, :r], dy[st:en].double() @ b.detach().double()) < 1e-5, (meta, split)
+    for meta, trans, split in itertools.product(candidates, (False, True), (1, 2)):
+        targets = triton_lora._fresh_grads(w, table, device)
+        ds = torch.zeros_like(s)
+        grid = (len(w.a) * 3, triton.cdiv(dy.shape[1], meta["BLOCK_K"]), split)
+        kernel[grid](s, dy, targets.b_ptrs, targets.a[0], sched.seg_start, sched.seg_end, table.ranks,
+                     table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3, split,
+                     s.stride(0), dy.stride(0), ds.stride(0), G_IS_A=False, HAS_DROPOUT=False, ATOMIC=split > 1,
+                     DOT_PRECISION="ieee", G_ALIGNED=False, WITH_DS=True, W_ALIGNED=False, BLOCK_R=16,
+                     TRANS_ACC=trans, **meta)
+        for a, b, db, sc, st, en in zip(w.a, w.b, targets.b, w.scaling, w.starts, w.ends):
+            r = a.shape[0]
+            want = sc * (dy[st:en].double().t() @ s[st:en, :r].double())
+            assert rel(db, want) < 1e-5 if en > st else db.abs().max() == 0, (meta, trans, split)
+            if en > st:
+                assert rel(ds[st:en, :r], dy[st:en].double() @ b.detach().double()) < 1e-5, (meta, trans, split)
 
 
 def test_rows_outside_every_segment_keep_the_base_output():
