@@ -118,8 +118,9 @@ def graph_ms(step, target_ms: float = 3.0, max_repeats: int = 20) -> float:
     for _ in range(3):  # compiles, tunes and allocates outside the capture
         step()
     torch.cuda.synchronize()
-    # Cached blocks of earlier points go back to the device first: a capture that meets a full device would have
-    # the allocator free cached memory inside the capture, which invalidates it (a full N=32 run lost 3 rows so).
+    # Cached blocks of earlier points go back to the device first, so that the allocator need not free cached memory
+    # inside the capture (which would invalidate it). This was taken for the cause of two points' failed captures in
+    # a full N=32 run; they failed again with it, and the cause is still open (results/kernels_h200.md, session 15).
     torch.cuda.empty_cache()
     flush = torch.empty(2**28 // 4, dtype=torch.int32, device="cuda")
 
