@@ -1,7 +1,7 @@
 """Grouped LoRA kernels, forward + backward of one layer's LoRA path, against the alternatives.
 
 Run on the H200 (minutes per shape on a fresh machine, most of them compiling and tuning; ``--ns 32`` for the
-N=32 rows alone, ``--budget-s`` to stop early):
+N=32 rows alone, ``--impls ours_direct`` for ours alone, ``--budget-s`` to stop early):
 
     PYTHONPATH=. python benchmarks/kernels.py --out benchmarks/results/kernels_h200.json
 
@@ -35,6 +35,7 @@ Rows go to ``--out``: op, shape, n_adapters, ranks, tokens, impl, ms, eager_ms, 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import time
@@ -115,18 +116,25 @@ def graph_ms(step, target_ms: float = 3.0, max_repeats: int = 20) -> float:
     otherwise stay in the 50 MB L2 from one step to the next); the writes are timed in a graph of their own and
     subtracted. Gradients are left in place (they accumulate), so each captured backward adds into existing
     buffers as a training step's backward does after its first micro-batch."""
-    for _ in range(3):  # compiles, tunes and allocates outside the capture
-        step()
+    # The warm-up steps (compiling, tuning, allocating outside the capture) run on the stream the capture will run
+    # on, and a garbage collection follows. A leaf's AccumulateGrad node keeps the stream it was made on; one made on
+    # the default stream that outlives its step (a graph kept alive, or one in a reference cycle not yet collected)
+    # makes the captured backward wait on the default stream, which invalidates the capture ("operation would make
+    # the legacy stream depend on a capturing blocking stream", with PyTorch's warning that an AccumulateGrad node's
+    # stream does not match its gradient's). Captures failed so at a few points of full runs (sessions 14-16) when
+    # the warm-up ran on the default stream; emptying the allocator's cache (session 15) did not stop them.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
     torch.cuda.synchronize()
-    # Cached blocks of earlier points go back to the device first, so that the allocator need not free cached memory
-    # inside the capture (which would invalidate it). This was taken for the cause of two points' failed captures in
-    # a full N=32 run; they failed again with it, and the cause is still open (results/kernels_h200.md, session 15).
+    gc.collect()
     torch.cuda.empty_cache()
     flush = torch.empty(2**28 // 4, dtype=torch.int32, device="cuda")
 
     def capture(repeats: int, fn) -> "torch.cuda.CUDAGraph":
         graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             fn()  # warm the side stream's allocations, as torch.cuda.make_graphed_callables does
@@ -166,6 +174,8 @@ def main() -> None:
                         help="a CentML/lorafusion source tree (e.g. .lorafusion, never committed): adds its fused "
                              "multi-LoRA linear (N <= 4) beside ours with the frozen linear fused in "
                              "(benchmarks/lorafusion_side.py)")
+    parser.add_argument("--impls", nargs="+", default=None,
+                        help="time only these implementations (e.g. ours_direct; default: all)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting new points after this many seconds and write the rows measured so far")
     args = parser.parse_args()
@@ -230,6 +240,8 @@ def main() -> None:
                             fused |= {"lorafusion", "ours_linear_direct"}
                         except ValueError as err:  # more than 4 adapters, unaligned widths, ...
                             print(f"  lorafusion skipped: {err}")
+                    if args.impls:
+                        impls = {k: v for k, v in impls.items() if k in args.impls}
                     shape = f"{d_in}x{d_out}"
                     line = [f"{shape:>11} N={n:<2} r={rk:<5} t={tk:<5}"]
                     frozen_ms = None

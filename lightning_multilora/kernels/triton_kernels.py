@@ -14,10 +14,14 @@ The four kernels:
 - `_rows_times_weight`: ``OUT[t, :r_i] = c_i * (drop_i(IN[t]) @ W_i)`` where W_i is ``A_i^T`` (shrink,
   ``S = drop(X) A^T``) or ``B_i`` (``dS = dY B``, kept without the scaling); one program per (row block,
   rank chunk), the chunks of one row block adjacent (the second reads its rows from L2); split over K (tuned)
-  into an fp32 ``OUT`` (``S``, ``dS``) that must be zeroed.
+  into an fp32 ``OUT`` (``S``, ``dS``) that must be zeroed. An ``OUT`` in the activation dtype (many rows:
+  `triton_lora.low_rank_dtype`) takes only the candidates that store (no split).
 - `_rank_times_weight`: ``Y[t, :] (+)= c_i * (R[t, :r_i] @ W_i) [* drop mask]`` where W_i is ``B_i^T``
   (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = s drop'(dS A)``); one program per (row block,
-  ``N_PER`` columns), a pipelined loop over its column blocks, each over the rank chunks.
+  ``N_PER`` columns), a pipelined loop over its column blocks, each over the rank chunks. ``NARROW``: the
+  kernel also holds copies of that loop for tiles of half (and a quarter of) ``BLOCK_R``, and a program whose
+  adapter's rank fits one runs it: with ranks 8..128 (a 128 tile) an adapter of rank 8 no longer multiplies and
+  holds 128 rank columns (`triton_lora.NARROW_RANK_TILES`).
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = s dS^T drop(X)``)
   or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
@@ -98,6 +102,14 @@ _GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_st
                                      (256, 32, 4, 3), (128, 32, 4, 3), (256, 64, 8, 4))]
 
 
+def _stores_unless_fp32(configs, named_args, **kwargs):
+    """The row kernel's candidates for its output: into fp32 any K split (a split adds atomically); into a half-
+    precision ``OUT`` (``S`` / ``dS`` in the activation dtype: `triton_lora.low_rank_dtype`) only those that store."""
+    if named_args["OUT"].element_size() == 4:
+        return configs
+    return [c for c in configs if c.kwargs["SPLIT_K"] == 1]
+
+
 @triton.jit
 def _dropout_scale(values, seed, p, rows, cols, n_cols):
     """``values * keep / (1 - p)`` with ``keep = rand(seed, row * n_cols + col) >= p`` (fp32)."""
@@ -105,7 +117,8 @@ def _dropout_scale(values, seed, p, rows, cols, n_cols):
     return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
 
 
-@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "ROW_BUCKET"], reset_to_zero=["OUT"])
+@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "ROW_BUCKET"], reset_to_zero=["OUT"],
+        prune_configs_by={"early_config_prune": _stores_unless_fp32})
 @triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET"])
 def _rows_times_weight(
     # pointers
@@ -167,32 +180,12 @@ def _rows_times_weight(
         tl.atomic_add(out_ptrs, acc, mask=mask)
 
 
-@_tuned(_RANK_CONFIGS, key=["N", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
-                            "SCALE_PRODUCT", "W_ALIGNED", "ROW_BUCKET"], restore_value=["Y"])
-@triton.jit(do_not_specialize=["ROW_BUCKET"])
-def _rank_times_weight(
-    # pointers
-    R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
-    # sizes (ROW_BUCKET, the row blocks' next power of two, only keys the tuning: how many columns a program
-    # should take depends on how many row blocks there are to fill the GPU with)
-    N, ROW_BUCKET,
-    # strides
-    stride_r_m, stride_y_m,
-    # meta-parameters
-    W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_CHUNK: tl.constexpr,
-    SCALE_PRODUCT: tl.constexpr, W_ALIGNED: tl.constexpr, N_PER: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    a = tl.load(BLK_ADAPTER + pid)
-    m0 = tl.load(BLK_START + pid)
-    end = tl.load(SEG_END + a)
-    r = tl.load(RANKS + a)
-    w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
-    if W_ALIGNED:  # 16-byte weight rows: vector loads of the weight tile
-        w = tl.multiple_of(w, 16)
-        r = tl.multiple_of(r, 8)
+@triton.jit
+def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m,
+                  W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, N_PER: tl.constexpr):
+    """`_rank_times_weight`'s work for one row block and its ``N_PER`` columns, over a rank tile of ``BLOCK_R``."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
     if W_IS_A:  # W = A: element (j, n) is A[j, n], A row-major (r, N)
@@ -244,6 +237,61 @@ def _rank_times_weight(
         if ACCUMULATE:
             acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
+
+
+@_tuned(_RANK_CONFIGS, key=["N", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
+                            "SCALE_PRODUCT", "W_ALIGNED", "NARROW", "ROW_BUCKET"], restore_value=["Y"])
+@triton.jit(do_not_specialize=["ROW_BUCKET"])
+def _rank_times_weight(
+    # pointers
+    R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
+    # sizes (ROW_BUCKET, the row blocks' next power of two, only keys the tuning: how many columns a program
+    # should take depends on how many row blocks there are to fill the GPU with)
+    N, ROW_BUCKET,
+    # strides
+    stride_r_m, stride_y_m,
+    # meta-parameters
+    W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_CHUNK: tl.constexpr,
+    SCALE_PRODUCT: tl.constexpr, W_ALIGNED: tl.constexpr, N_PER: tl.constexpr, NARROW: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    a = tl.load(BLK_ADAPTER + pid)
+    m0 = tl.load(BLK_START + pid)
+    end = tl.load(SEG_END + a)
+    r = tl.load(RANKS + a)
+    w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
+    if W_ALIGNED:  # 16-byte weight rows: vector loads of the weight tile
+        w = tl.multiple_of(w, 16)
+        r = tl.multiple_of(r, 8)
+    # NARROW: an adapter whose rank fits half (a quarter) of the tile runs a tile of that width (see the module text)
+    if NARROW >= 2:
+        if r <= BLOCK_R // 4:
+            _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
+                          ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 4, False,
+                          SCALE_PRODUCT, N_PER)
+        elif r <= BLOCK_R // 2:
+            _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
+                          ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 2, False,
+                          SCALE_PRODUCT, N_PER)
+        else:
+            _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
+                          ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK,
+                          SCALE_PRODUCT, N_PER)
+    elif NARROW == 1:
+        if r <= BLOCK_R // 2:
+            _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
+                          ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 2, False,
+                          SCALE_PRODUCT, N_PER)
+        else:
+            _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
+                          ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK,
+                          SCALE_PRODUCT, N_PER)
+    else:
+        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
+                      ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT,
+                      N_PER)
 
 
 @_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS", "W_ALIGNED",

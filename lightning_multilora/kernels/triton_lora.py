@@ -286,6 +286,9 @@ class _Call:
     d_out: int
     out_dtype: torch.dtype
     params: tuple[Tensor, ...]  # the call's autograd inputs: every A_i and B_i, or A_0 alone (``direct``)
+    # The expand's backward adds dB and dS in one launch (`FUSED_DS_DB`; decided with the forward, as S's dtype is)
+    fuse_ds: bool
+    low_dtype: torch.dtype  # of S and dS (`low_rank_dtype`)
     # ``S`` as this call's forward made it, kept for a recomputation under gradient checkpointing (`recompute`)
     kept_s: Optional[Tensor] = None
     # The gradients the expand's backward added dB into (when it fused dS: `FUSED_DS_DB`, `FUSED_DS_MAX_TILE`), for
@@ -336,7 +339,7 @@ class _LoRAShrink(torch.autograd.Function):
         # A recomputation: S is the forward's (same inputs, same dropout seeds). Taken off the call, which stays on
         # ctx: S -> grad_fn -> ctx -> call -> S would be a reference cycle, holding the graph until a gc pass.
         kept, call.kept_s = call.kept_s, None
-        s = kept if kept is not None else _low_rank_buffer(x.shape[0], table, x.device)
+        s = kept if kept is not None else _low_rank_buffer(x.shape[0], table, x.device, call.low_dtype)
         if sched.num_blocks and kept is None:
             _rows_times_weight(
                 _rows_grid(sched, table),
@@ -430,9 +433,9 @@ class _LoRAExpand(torch.autograd.Function):
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only base_out wants a gradient
             return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
         s, ctx.s = ctx.s, None  # freed with this backward, as a saved tensor would be (a second backward: unfused)
-        fused = sched.num_blocks and FUSED_DS_DB and call.direct and s is not None and table.block_r <= FUSED_DS_MAX_TILE
+        fused = sched.num_blocks and call.fuse_ds and s is not None
         # (dS goes back to autograd as S's gradient: zeroed under anomaly detection too, which checks all of it)
-        ds = _low_rank_buffer(rows, table, device, zero=fused or torch.is_anomaly_enabled())
+        ds = _low_rank_buffer(rows, table, device, call.low_dtype, zero=fused or torch.is_anomaly_enabled())
         if fused:
             # dB's launch adds dS too (one pass over dY for both); the shrink's backward then does dA only
             call.grad_targets = _grads_of_parameters(call.weights, table, device)
@@ -590,12 +593,56 @@ def _meta(kind: str) -> dict[str, int]:
 _SMS: dict[int, int] = {}
 
 
-def _low_rank_buffer(rows: int, table: PointerTable, device: torch.device, zero: bool = False) -> Tensor:
-    """``S`` / ``dS``: fp32 (precision, and atomics when the row kernel splits K), as wide as the largest rank
-    rounded up to 16 (not the rank tile, which may be wider than any rank left: `rank_chunk`). Left empty: the
-    row kernel writes every segment row's first ``r_i`` columns, the only ones any kernel reads (masked by
-    segment and rank), and `_zero_if_split` zeroes it where the launch adds into it instead."""
-    return (torch.zeros if zero else torch.empty)((rows, table.width), device=device, dtype=torch.float32)
+def _low_rank_buffer(rows: int, table: PointerTable, device: torch.device, dtype: torch.dtype,
+                     zero: bool = False) -> Tensor:
+    """``S`` / ``dS`` in ``dtype`` (`low_rank_dtype`), as wide as the largest rank rounded up to 16 (not the rank
+    tile, which may be wider than any rank left: `rank_chunk`). Left empty: the row kernel writes every segment
+    row's first ``r_i`` columns, the only ones any kernel reads (masked by segment and rank), and `_zero_if_split`
+    zeroes it where the launch adds into it instead."""
+    return (torch.zeros if zero else torch.empty)((rows, table.width), device=device, dtype=dtype)
+
+
+# S and dS in the activation dtype where it is one of these and every launch that writes them stores (no atomics):
+# the products that read them take the activation dtype anyway (each kernel casts the tile it loads), so only the
+# bytes change, halved: the weight-gradient launches read them once per K block, the expand and dX launches once per
+# program. On the H200, 32 adapters x 1024 tokens, 4096x4096, profiler: the weight-gradient launches at r=64 took 206
+# -> 192 us, at ranks 8..128 239 -> 212; the expand + dX 264 -> 257 and 348 -> 338; a forward + backward 0.662 ->
+# 0.638 ms and 0.788 -> 0.750 (0.714 with `NARROW_RANK_TILES` too, in `benchmarks/kernels.py`). Otherwise fp32: fp32
+# activations, the fused dB + dS launch (atomic adds into dS), row launches that may split K (few row blocks:
+# `LOW_RANK_MIN_WAVES`), and fp16, whose range an unscaled S may leave where s * S does not (the expand scales the
+# tile by min(s, 1) before its cast: `triton_kernels`' SCALE_PRODUCT).
+LOW_RANK_HALF_DTYPES = (torch.bfloat16,)
+# ... from this many row-kernel programs per SM up (fewer: the row kernel may split K, adding into fp32 atomically).
+LOW_RANK_MIN_WAVES = 2
+
+
+def low_rank_dtype(x: Tensor, d_out: int, sched: Schedule, table: PointerTable, fuse_ds: bool) -> torch.dtype:
+    """The dtype of a call's ``S`` and ``dS`` (one for both: ``dS`` is ``S``'s gradient, and autograd would cast a
+    gradient of another dtype): `LOW_RANK_HALF_DTYPES`."""
+    if x.dtype not in LOW_RANK_HALF_DTYPES or fuse_ds:
+        return torch.float32
+    if x.device.type != "cuda":  # the interpreter: the row launches' K split is `_split_k`'s
+        split = max(_split_k(sched.num_blocks, k, x.device) for k in (x.shape[1], d_out))
+        return x.dtype if split == 1 else torch.float32
+    programs = sched.num_blocks * table.r_chunks
+    return x.dtype if programs >= LOW_RANK_MIN_WAVES * _sm_count(x.device) else torch.float32
+
+
+# Rank tiles narrower than a launch's, in the expand and dX launches: an adapter whose rank fits half or a quarter of
+# the tile runs a tile of that width (`triton_kernels`' NARROW): each width is compiled into the kernel, and a program
+# takes one, by its adapter's rank. A tile is the largest rank's (and never narrows on a device: `rank_chunk`), so
+# with ranks 8..128 every adapter used to multiply, and hold, 128 rank columns. Up to this many halvings, none below
+# 16. On the H200, 32 adapters x 1024 tokens, 4096x4096, profiler: the expand + dX launches at ranks 8..128 took 348
+# -> 314 us, at r=64 (every adapter the full tile: the narrower copies compiled, never run) 264 -> 262. The row
+# and weight-gradient kernels do not take it: the row launches gained nothing (168 -> 167 us), and the
+# weight-gradient launches, whose rank chunks are at most 64 already (`GRAD_MAX_TILE`), got slower with fp32 S / dS
+# (r=64 206 -> 272 us, ranks 8..128 239 -> 268) and at most 3% faster with bf16 ones.
+NARROW_RANK_TILES = 2
+
+
+def narrow_levels(block_r: int) -> int:
+    """How many narrower widths a launch of rank tile ``block_r`` compiles (`NARROW_RANK_TILES`)."""
+    return min(NARROW_RANK_TILES, max(0, (block_r // 16).bit_length() - 1))
 
 
 def _zero_if_split(out: Tensor):
@@ -619,6 +666,7 @@ def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
          table.scaling, table.drop_p, call.seeds, width, sched.bucket, low.stride(0), out.stride(0)),
         dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
              BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, MULTI_CHUNK=table.r_chunks > 1,
+             NARROW=narrow_levels(table.block_r),
              SCALE_PRODUCT=out.dtype == torch.float16, W_ALIGNED=call.w_aligned, **_meta("rank")))
 
 
@@ -806,5 +854,7 @@ def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_d
     if memo is None or memo[0] != (x.shape[0], device):
         sched = schedule(weights.starts, weights.ends, x.shape[0], device)
         memo = weights.memo["schedule"] = ((x.shape[0], device), sched)
-    return keep_alive(_Call(weights, table, memo[1], seeds, copies, has_dropout, precision, direct, d_out, out_dtype,
-                            params))
+    sched = memo[1]
+    fuse_ds = FUSED_DS_DB and direct and table.block_r <= FUSED_DS_MAX_TILE
+    return keep_alive(_Call(weights, table, sched, seeds, copies, has_dropout, precision, direct, d_out, out_dtype,
+                            params, fuse_ds, low_rank_dtype(x, d_out, sched, table, fuse_ds)))

@@ -60,6 +60,7 @@ CASES = [
     ([1, 7, 100], [70, 0, 5]),  # ranks 1, 7, 100; an adapter with no tokens
     ([16], [1]),  # one adapter, one token
     ([3, 16, 9, 33, 2], [130, 1, 64, 17, 0]),  # mixed token counts across block boundaries
+    ([40, 5, 128, 20], [33, 70, 1, 64]),  # a 128 tile: adapters of 64-, 32- and 128-wide tiles (`NARROW_RANK_TILES`)
 ]
 
 
@@ -126,6 +127,74 @@ def test_low_rank_buffers_are_read_only_where_written(monkeypatch, split):
     assert rel(y, y_ref) < 1e-4
     for g, g_ref in zip(grads, grads_ref):
         assert rel(g, g_ref) < 1e-4
+
+
+def test_low_rank_activations_take_the_activation_dtype_where_every_launch_stores(monkeypatch):
+    """``S`` and ``dS`` are kept in the activation dtype (`LOW_RANK_HALF_DTYPES`) where every launch writing them
+    stores, and in fp32 where one adds atomically (a row launch split over K, the fused dB + dS launch) or the
+    activations are fp32; either way the output and every gradient match the reference."""
+    from lightning_multilora.kernels import triton_lora
+
+    half = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # (the interpreter's bf16 arithmetic is wrong)
+    monkeypatch.setattr(triton_lora, "LOW_RANK_HALF_DTYPES", (half,))
+    monkeypatch.setattr(triton_lora, "LOW_RANK_MIN_WAVES", 0)  # on the GPU: half precision at any row count
+    made = []
+    buffer = triton_lora._low_rank_buffer
+    monkeypatch.setattr(triton_lora, "_low_rank_buffer", lambda *a, **k: made.append(t := buffer(*a, **k)) or t)
+    tol = 5e-3 if half == torch.float16 else 1e-2
+
+    def check(ranks, dtype, direct, want):
+        triton_lora.reset_rank_tiles()
+        x, base, w = problem(ranks, [70, 0, 130], d_in=48, d_out=72, dtype=dtype, seed=31)
+        grad_out = torch.randn_like(base)
+        made.clear()
+        y, grads = run_direct(x, base, w, grad_out) if direct else run(multi_lora_triton, x, base, w, False, grad_out)
+        assert [t.dtype for t in made] == [want, want], (ranks, dtype, direct)
+        y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+        assert rel(y, y_ref) < tol
+        for g, g_ref in zip(grads, grads_ref):
+            if g_ref.abs().max() > 0:
+                assert rel(g, g_ref) < tol
+
+    check([3, 40, 17], half, False, half)
+    check([3, 40, 17], half, True, half)  # direct gradients, a tile over FUSED_DS_MAX_TILE: a dS row launch
+    check([3, 16, 9], half, True, torch.float32)  # the fused dB + dS launch adds into dS atomically
+    if DEVICE == "cpu":
+        check([3, 40, 17], torch.float32, False, torch.float32)
+        monkeypatch.setattr(triton_lora, "_split_k", lambda num_blocks, k, device: 2)
+    else:
+        monkeypatch.setattr(triton_lora, "LOW_RANK_MIN_WAVES", 10**6)
+    check([3, 40, 17], half, False, torch.float32)  # a row launch that may split K
+    triton_lora.reset_rank_tiles()
+
+
+def test_the_expand_and_dx_launches_compile_the_narrower_rank_tiles_of_theirs(monkeypatch):
+    """The expand and dX launches pass the kernel how many narrower rank tiles (halvings, none below 16, at most
+    `NARROW_RANK_TILES`) to compile beside their own; with none the results are the same."""
+    from lightning_multilora.kernels import triton_lora
+    from lightning_multilora.kernels.triton_lora import narrow_levels
+
+    assert [narrow_levels(t) for t in (16, 32, 64, 128, 256)] == [0, 1, 2, 2, 2]
+    seen = {}
+    launcher = triton_lora._rank_times_weight
+
+    def record(grid, args, meta, *rest):
+        seen.setdefault(meta["W_IS_A"], set()).add((meta["BLOCK_R"], meta["NARROW"]))
+        return launcher(grid, args, meta, *rest)
+
+    monkeypatch.setattr(triton_lora, "_rank_times_weight", record)
+    x, base, w = problem([100, 5, 40], [33, 70, 64], d_in=48, d_out=72, dtype=torch.float32, seed=32)
+    grad_out = torch.randn_like(base)
+    triton_lora.reset_rank_tiles()
+    y, grads = run(multi_lora_triton, x, base, w, False, grad_out)
+    assert seen == {False: {(128, 2)}, True: {(128, 2)}}  # the expand, dX
+    monkeypatch.setattr(triton_lora, "NARROW_RANK_TILES", 0)
+    seen.clear()
+    y_one, grads_one = run(multi_lora_triton, x, base, w, False, grad_out)
+    assert seen == {False: {(128, 0)}, True: {(128, 0)}}
+    for a, b in zip([y, *grads], [y_one, *grads_one]):
+        assert rel(a, b) < 1e-5
+    triton_lora.reset_rank_tiles()
 
 
 @pytest.mark.parametrize("dropout", [None, [0.0, 0.3, 0.0, 0.5, 0.0, 0.1]])
@@ -198,11 +267,12 @@ def _every_candidate(tuned):
 
 def test_every_expand_tuning_candidate_gives_the_reference():
     """Each candidate tile of the expand kernel (columns per program ``N_PER`` included), launched directly,
-    over ranks of several 16-wide chunks, a gap row and an adapter without tokens: ``Y = base + s S B^T``."""
+    with a 32-wide rank tile and its narrower 16 (``NARROW``): ranks of one narrow tile, of one tile and of several
+    chunks, a gap row and an adapter without tokens: ``Y = base + s S B^T``."""
     from lightning_multilora.kernels import triton_kernels as K
     from lightning_multilora.kernels import triton_lora
 
-    x, base, w = problem([3, 40, 17], [70, 0, 130], d_in=24, d_out=200, dtype=torch.float32, seed=21)
+    x, base, w = problem([3, 40, 17, 30], [70, 0, 130, 5], d_in=24, d_out=200, dtype=torch.float32, seed=21)
     device = x.device
     table = triton_lora.pointer_table(w, device)
     sched = triton_lora.schedule(w.starts, w.ends, x.shape[0], device)
@@ -217,8 +287,8 @@ def test_every_expand_tuning_candidate_gives_the_reference():
         grid = (sched.num_blocks, triton.cdiv(y.shape[1], meta["N_PER"]))
         kernel[grid](s, table.b_ptrs, w.a[0], y, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
                      table.scaling, table.drop_p, table.ranks, y.shape[1], 4, s.stride(0), y.stride(0), W_IS_A=False,
-                     ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M, BLOCK_R=16,
-                     MULTI_CHUNK=True, SCALE_PRODUCT=False, W_ALIGNED=False, **meta)
+                     ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M, BLOCK_R=32,
+                     MULTI_CHUNK=True, SCALE_PRODUCT=False, W_ALIGNED=False, NARROW=1, **meta)
         assert rel(y, expected) < 1e-5, meta
 
 
@@ -838,7 +908,12 @@ def test_direct_gradients_fall_back_to_autograd_for_non_leaf_or_frozen_weights()
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranks, tokens", CASES + [([16] * 32, [256] * 32), ([8, 128, 64, 100], [1024, 300, 17, 999]),
                                             ([8, 128, 64, 24], [1024, 300, 17, 999])])  # vector weight loads
-def test_bf16_on_the_gpu_against_float64(ranks, tokens):
+@pytest.mark.parametrize("low_rank_half", [False, True])
+def test_bf16_on_the_gpu_against_float64(ranks, tokens, low_rank_half, monkeypatch):
+    from lightning_multilora.kernels import triton_lora
+
+    # S and dS in bf16 at any row count, or in fp32 at any (`low_rank_dtype`)
+    monkeypatch.setattr(triton_lora, "LOW_RANK_MIN_WAVES", 0 if low_rank_half else 10**6)
     x, base, w = problem(ranks, tokens, d_in=4096, d_out=1024, dtype=torch.bfloat16)
     grad_out = torch.randn_like(base)
     y, grads = run(multi_lora_triton, x, base, w, False, grad_out)
@@ -909,7 +984,8 @@ def test_weight_tiles_are_declared_aligned_only_where_every_row_is():
 
     def call(w, copies):
         table = pointer_table(w, torch.device(DEVICE))
-        return _Call(w, table, None, table.ranks, copies, False, "ieee", True, 8, torch.float32, w.a[:1]), table
+        return (_Call(w, table, None, table.ranks, copies, False, "ieee", True, 8, torch.float32, w.a[:1], False,
+                      torch.float32), table)
 
     _, _, w = problem([8, 16, 24], [3, 4, 5], d_in=40, d_out=56, dtype=torch.float32, seed=1)
     c, table = call(w, None)
