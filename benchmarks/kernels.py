@@ -50,6 +50,8 @@ from lightning_multilora.kernels import LoRAWeights, multi_lora_reference
 from lightning_multilora.kernels.triton_lora import multi_lora_linear_triton, multi_lora_triton, reset_rank_tiles
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
+# (frozen_linear, lorafusion and ours_linear_direct run only with --lorafusion-src)
+IMPLS = ["ours", "ours_direct", "loop", "grouped_mm", "frozen_linear", "lorafusion", "ours_linear_direct"]
 
 
 def ranks_for(kind: str, n: int, rng: random.Random) -> list[int]:
@@ -122,7 +124,8 @@ def graph_ms(step, target_ms: float = 3.0, max_repeats: int = 20) -> float:
     # makes the captured backward wait on the default stream, which invalidates the capture ("operation would make
     # the legacy stream depend on a capturing blocking stream", with PyTorch's warning that an AccumulateGrad node's
     # stream does not match its gradient's). Captures failed so at a few points of full runs (sessions 14-16) when
-    # the warm-up ran on the default stream; emptying the allocator's cache (session 15) did not stop them.
+    # the warm-up ran on the default stream; emptying the allocator's cache (session 15) did not stop them. The
+    # emptying stays: cached blocks of earlier points go back to the device, so that none is freed inside a capture.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -174,8 +177,8 @@ def main() -> None:
                         help="a CentML/lorafusion source tree (e.g. .lorafusion, never committed): adds its fused "
                              "multi-LoRA linear (N <= 4) beside ours with the frozen linear fused in "
                              "(benchmarks/lorafusion_side.py)")
-    parser.add_argument("--impls", nargs="+", default=None,
-                        help="time only these implementations (e.g. ours_direct; default: all)")
+    parser.add_argument("--impls", nargs="+", default=None, choices=IMPLS, metavar="IMPL",
+                        help=f"time only these implementations ({', '.join(IMPLS)}; default: all)")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting new points after this many seconds and write the rows measured so far")
     args = parser.parse_args()
