@@ -16,6 +16,12 @@ and backward (gradients of x, every A and every B; bf16 activations, fp32 adapte
 - ``floor``: the bytes that must move (x, Y read + written, dY, x again for dA, dX written, the
   weights and their gradients) over the device-to-device copy bandwidth measured in the same run.
 
+Adapter gradients (``--grads``): by default they stay in place, so that each step adds into the last one's (a read
+and a write of them), as `MultiLoRAModule`'s steps add into flat gradients zeroed before each backward (and as a
+later micro-batch of gradient accumulation does). ``--grads fresh``: every step starts without them, as after
+``zero_grad(set_to_none=True)``; the floor counts that case (a write alone), and ours then stores the new
+gradients without reading them. Rows say which (``grads``; rows without the field accumulated).
+
 ``ms`` is GPU time: forward + backward steps captured back to back in a CUDA graph (about 3 ms of them, at most
 20) and replayed (``triton.testing.do_bench`` medians, divided by the steps), so that the host's Python and launch
 costs, which a training step overlaps with the frozen base's GEMMs, do not hide the kernels. Each step starts
@@ -116,8 +122,8 @@ def graph_ms(step, target_ms: float = 3.0, max_repeats: int = 20) -> float:
     host still submitting the graph) would otherwise count against a step of a few hundred. Each step follows a
     write of 256 MB, so that every step starts with a cold L2 as a lone step does (a small problem's inputs would
     otherwise stay in the 50 MB L2 from one step to the next); the writes are timed in a graph of their own and
-    subtracted. Gradients are left in place (they accumulate), so each captured backward adds into existing
-    buffers as a training step's backward does after its first micro-batch."""
+    subtracted. Whether each step starts without adapter gradients is ``step``'s to decide (``--grads``): a
+    captured backward that makes new ones allocates them from the graph's own pool."""
     # The warm-up steps (compiling, tuning, allocating outside the capture) run on the stream the capture will run
     # on, and a garbage collection follows. A leaf's AccumulateGrad node keeps the stream it was made on; one made on
     # the default stream that outlives its step (a graph kept alive, or one in a reference cycle not yet collected)
@@ -179,6 +185,10 @@ def main() -> None:
                              "(benchmarks/lorafusion_side.py)")
     parser.add_argument("--impls", nargs="+", default=None, choices=IMPLS, metavar="IMPL",
                         help=f"time only these implementations ({', '.join(IMPLS)}; default: all)")
+    parser.add_argument("--grads", choices=["accumulate", "fresh"], default="accumulate",
+                        help="accumulate (default): each step adds into the adapter gradients the last one left, as "
+                             "MultiLoRAModule's steps add into their zeroed flat gradients; fresh: every step starts "
+                             "without them (zero_grad(set_to_none=True)), and ours stores new ones without reading")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting new points after this many seconds and write the rows measured so far")
     args = parser.parse_args()
@@ -193,7 +203,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: measured copy bandwidth {bandwidth:.0f} GB/s", flush=True)
     common = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   date=datetime.now(timezone.utc).date().isoformat(), copy_gbps=round(bandwidth, 1),
-                  timing="ms: CUDA graph of back-to-back forward+backward steps (~3 ms a replay), per step, each after an L2 flush (subtracted)")
+                  timing="ms: CUDA graph of back-to-back forward+backward steps (~3 ms a replay), per step, each after an L2 flush (subtracted)",
+                  grads=args.grads)
     rows = []
     start = time.monotonic()
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
@@ -217,6 +228,9 @@ def main() -> None:
                     def fwd_bwd(fn):
                         def step():  # ours adds into `base` in place (its contract); repeats only grow it
                             xg.grad = None  # dX written, not added into the last one (see the module docstring)
+                            if args.grads == "fresh":  # a step of one micro-batch (see --grads)
+                                for p in params[1:]:
+                                    p.grad = None
                             y = fn(xg, base.detach())
                             torch.autograd.backward(y, grad)
                         return step

@@ -25,8 +25,10 @@ The four kernels:
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = s dS^T drop(X)``)
   or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
-  runtime value). It adds into what is there, as autograd's gradient accumulation does; its autotuning
-  trials must therefore run on scratch targets (see `triton_lora`). ``WITH_DS`` (the ``dB`` launch): each
+  runtime value). It adds into what is there, as autograd's gradient accumulation does (its autotuning trials
+  must therefore run on scratch targets: see `triton_lora`), or, into new gradients (``ADD_TO_G`` off: made
+  empty by a backward that found none, after ``zero_grad(set_to_none=True)``), stores without reading them: no
+  zeroing and no read of zeros, each as many bytes as the gradients. ``WITH_DS`` (the ``dB`` launch): each
   program also adds its K block's share of ``dS = dY B`` into a zeroed fp32 ``dS`` (atomically, one
   ``(BLOCK_T, r)`` tile per ``dY`` tile), so ``dY`` is read once for both instead of twice. ``TRANS_ACC`` (rank
   chunks of 32 and more: `triton_lora.GRAD_TRANSPOSE_MIN_TILE`): the program accumulates ``G_i^T = drop_i(M_i)^T L_i``,
@@ -117,8 +119,8 @@ def _dropout_scale(values, seed, p, rows, cols, n_cols):
     return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
 
 
-@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "ROW_BUCKET"], reset_to_zero=["OUT"],
-        prune_configs_by={"early_config_prune": _stores_unless_fp32})
+@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "ROW_BUCKET"],
+        reset_to_zero=["OUT"], prune_configs_by={"early_config_prune": _stores_unless_fp32})
 @triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET"])
 def _rows_times_weight(
     # pointers
@@ -239,7 +241,7 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_
         tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
 
 
-@_tuned(_RANK_CONFIGS, key=["N", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
+@_tuned(_RANK_CONFIGS, key=["N", "BLOCK_M", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
                             "SCALE_PRODUCT", "W_ALIGNED", "NARROW", "ROW_BUCKET"], restore_value=["Y"])
 @triton.jit(do_not_specialize=["ROW_BUCKET"])
 def _rank_times_weight(
@@ -294,8 +296,8 @@ def _rank_times_weight(
                       N_PER)
 
 
-@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS", "W_ALIGNED",
-                             "TRANS_ACC"])
+@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "ADD_TO_G", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS",
+                             "W_ALIGNED", "TRANS_ACC"])
 @triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T"])
 def _weight_grad(
     # pointers (W_PTRS, W_WITNESS, DS: the B_i and dS of WITH_DS)
@@ -305,8 +307,9 @@ def _weight_grad(
     K, R_CHUNKS, SPLIT_T,
     # strides
     stride_l_m, stride_m_m, stride_ds_m,
-    # meta-parameters (ATOMIC: SPLIT_T > 1)
-    G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    # meta-parameters (ATOMIC: SPLIT_T > 1; ADD_TO_G: G holds gradients to add to, else it is stored)
+    G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, ADD_TO_G: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
     G_ALIGNED: tl.constexpr, WITH_DS: tl.constexpr, W_ALIGNED: tl.constexpr, TRANS_ACC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
@@ -369,7 +372,8 @@ def _weight_grad(
     else:
         g_ptrs = g + off_kk * r + off_rk
     if not ATOMIC:
-        acc += tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if ADD_TO_G:
+            acc += tl.load(g_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)

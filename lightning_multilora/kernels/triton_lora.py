@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import repeat
 from operator import attrgetter, is_
 from typing import Any, Optional
@@ -231,7 +231,7 @@ def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype,
         # Normal tensors even when the first call runs under inference_mode (a validation before training):
         # inference tensors could not be refreshed in place by a later training forward.
         with torch.inference_mode(False):
-            flat_a, ptrs_a, ptrs_b, views_a, views_b = _flat_like(weights, table, device, dtype, zero=False)
+            flat_a, _, ptrs_a, ptrs_b, views_a, views_b = _flat_like(weights, table, device, dtype, zero=False)
         entry = (table, WeightCopies(views_a + views_b, ptrs_a, ptrs_b, flat_a))
         memo[dtype] = entry
     copies = entry[1]
@@ -364,11 +364,11 @@ class _LoRAShrink(torch.autograd.Function):
         if not db:
             targets, call.grad_targets = call.grad_targets, None
             grads: tuple = (None,) * ctx.num_params
-        elif call.direct:
-            targets = _grads_of_parameters(call.weights, call.table, x.device)
+        elif call.direct:  # (new gradients are left empty where both launches below store every element)
+            targets = _grads_of_parameters(call.weights, call.table, x.device, empty=call.sched.num_blocks > 0)
             grads = (None,) * ctx.num_params
         else:
-            targets = _fresh_grads(call.weights, call.table, x.device)
+            targets = _fresh_grads(call.weights, call.table, x.device, empty=call.sched.num_blocks > 0)
             grads = targets.a + targets.b
         if call.sched.num_blocks:
             dy = dy if dy.stride(-1) == 1 else dy.contiguous()
@@ -438,7 +438,7 @@ class _LoRAExpand(torch.autograd.Function):
         ds = _low_rank_buffer(rows, table, device, call.low_dtype, zero=fused or torch.is_anomaly_enabled())
         if fused:
             # dB's launch adds dS too (one pass over dY for both); the shrink's backward then does dA only
-            call.grad_targets = _grads_of_parameters(call.weights, table, device)
+            call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True)
             _weight_grad_launch(False, s, dy, call, call.grad_targets, ds)
         elif sched.num_blocks:
             _rows_times_weight(
@@ -471,7 +471,9 @@ class _LoRAExpand(torch.autograd.Function):
 FUSED_DS_DB = True
 # ... for rank tiles up to this width. Each program adds its K block's share of dS atomically, and those atomics grow
 # with the tile: on the H200, 32 adapters x 1024 tokens, K=4096, the fused launch took 102 us at r=16 (a dS row launch
-# and a dB launch: ~150) but 350 us at r=64 (82 + 124 apart) and 682 us at ranks 8..128 (tile 128). The tile is the
+# and a dB launch: ~150) but 350 us at r=64 (82 + 124 apart) and 682 us at ranks 8..128 (tile 128). K tiles up to 512
+# (fewer shares of dS to add) did not save it: at r=64, dA with the fused dB + dS took 431 us against 194 for dA and
+# dB plus 80 for the dS row launch (session 17, `benchmarks/results/kernels_h200_ab_s17.json`). The tile is the
 # table's (`rank_chunk`), which never narrows on a GPU: once a set with ranks over 16 has run there, later rank-16
 # calls stay unfused until `reset_rank_tiles` (both ways give the same gradients).
 FUSED_DS_MAX_TILE = 16
@@ -508,21 +510,26 @@ class GradTargets:
     a: tuple[Tensor, ...]
     b: tuple[Tensor, ...]
     aligned: bool  # every row of every target starts on a 16-byte boundary (vector stores)
+    # The two flat buffers behind the targets while nothing has been written into them (made empty): a launch then
+    # stores its gradients instead of adding them (`_weight_grad_launch`); None: add into what is there
+    new: Optional[tuple[Tensor, Tensor]] = None
 
 
 _grad_tables = _LRU()
 
 
-def _fresh_grads(weights: LoRAWeights, table: PointerTable, device: torch.device) -> GradTargets:
-    """Zeroed gradients in two flat buffers (one for every dA, one for every dB), returned through autograd."""
-    flat_a, ptrs_a, ptrs_b, grads_a, grads_b = _flat_like(weights, table, device)
-    return keep_alive(GradTargets(ptrs_a, ptrs_b, grads_a, grads_b, table.ranks8))
+def _fresh_grads(weights: LoRAWeights, table: PointerTable, device: torch.device, empty: bool = False) -> GradTargets:
+    """New gradients in two flat buffers (one for every dA, one for every dB), returned through autograd: zeroed,
+    or with ``empty`` left for the launches that follow to store every element of (`GradTargets.new`)."""
+    flat_a, flat_b, ptrs_a, ptrs_b, grads_a, grads_b = _flat_like(weights, table, device, zero=not empty)
+    new = (flat_a, flat_b) if empty else None
+    return keep_alive(GradTargets(ptrs_a, ptrs_b, grads_a, grads_b, table.ranks8, new))
 
 
 def _flat_like(weights: LoRAWeights, table: PointerTable, device: torch.device,
                dtype: Optional[torch.dtype] = None, zero: bool = True):
-    """Two flat buffers shaped as every A_i and every B_i (zeroed, or left empty): the first buffer, device
-    pointer arrays to every A_i and B_i view (computed on the device: no upload per call), and the views."""
+    """Two flat buffers shaped as every A_i and every B_i (zeroed, or left empty): the buffers, device pointer
+    arrays to every A_i and B_i view (computed on the device: no upload per call), and the views."""
     n = len(weights.a)
     dtype = dtype or weights.a[0].dtype
     sizes_a, sizes_b = table.grad_sizes[:n], table.grad_sizes[n:]
@@ -538,25 +545,27 @@ def _flat_like(weights: LoRAWeights, table: PointerTable, device: torch.device,
     ptrs = table.grad_offsets * flat_a.element_size()
     ptrs[0] += flat_a.data_ptr()
     ptrs[1] += flat_b.data_ptr()
-    return flat_a, ptrs[0, :n], ptrs[1, :n], views_a, views_b
+    return flat_a, flat_b, ptrs[0, :n], ptrs[1, :n], views_a, views_b
 
 
-def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torch.device) -> GradTargets:
-    """The parameters' own ``.grad`` tensors; missing ones are created (zeroed, in flat buffers), as the first
-    accumulation would. Pointer arrays are cached by the gradients' addresses."""
+def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torch.device,
+                         empty: bool = False) -> GradTargets:
+    """The parameters' own ``.grad`` tensors; missing ones are created in flat buffers (zeroed, as the first
+    accumulation would, or with ``empty`` left for the launches that follow to store into: `_fresh_grads`).
+    Pointer arrays are cached by the gradients' addresses."""
     params = weights.a + weights.b
     grads = list(map(_grad, params))
     n = len(weights.a)
     # (not `grads.count(None)`: that compares every tensor with None through Tensor.__eq__, ~1 ms per call)
     if all(map(is_, grads, repeat(None))):  # the first backward of a step (after zero_grad(set_to_none=True))
-        fresh = _fresh_grads(weights, table, device)
+        fresh = _fresh_grads(weights, table, device, empty)
         for p, g in zip(params, fresh.a + fresh.b):
             p.grad = g
         targets = GradTargets(fresh.a_ptrs, fresh.b_ptrs, (), (), fresh.aligned)
-        # a later backward before zero_grad (gradient accumulation) finds these by address
+        # a later backward before zero_grad (gradient accumulation) finds these by address, and adds into them
         key = (tuple(map(_data_ptr, fresh.a + fresh.b)), device, table.ranks8)
         weights.memo["grad_targets"] = (key, _grad_tables.get_or_make(key, lambda: targets))
-        return keep_alive(targets)
+        return keep_alive(replace(targets, new=fresh.new))
     try:
         ready = all(map(_is_contiguous, grads))
     except TypeError:  # a gradient is None
@@ -735,12 +744,17 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
     args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p, seeds,
             *w_args, *tail)
     w_aligned = with_ds and call.w_aligned
-    meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, ATOMIC=split > 1, DOT_PRECISION=call.precision,
+    # Into new (empty) gradients: stored, or with a row split zeroed first and added into
+    new = targets.new[0 if g_is_a else 1] if targets.new is not None else None
+    if new is not None and split > 1:
+        new.zero_()
+    add_to_g = new is None
+    meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, ATOMIC=split > 1, ADD_TO_G=add_to_g, DOT_PRECISION=call.precision,
                 G_ALIGNED=targets.aligned, WITH_DS=with_ds, W_ALIGNED=w_aligned, BLOCK_R=block_r,
                 TRANS_ACC=block_r >= GRAD_TRANSPOSE_MIN_TILE,
                 **_meta("grad"))
     grid = lambda m: (n * r_chunks, _cdiv(k, m["BLOCK_K"]), split)  # noqa: E731
-    tune_key = (k, block_r, g_is_a, split > 1, dropout, low.dtype, full.dtype, witness.dtype,
+    tune_key = (k, block_r, g_is_a, split > 1, add_to_g, dropout, low.dtype, full.dtype, witness.dtype,
                 meta["DOT_PRECISION"], targets.aligned, with_ds, w_aligned, w_args[1].dtype)
     if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
         # The launch adds into its targets (and dS), and the autotuner's trials would add several times: let them

@@ -104,6 +104,42 @@ def test_split_reductions_with_atomics_match_the_reference(monkeypatch):
         assert rel(g, g_ref) < 1e-5
 
 
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("split", [1, 2])
+def test_new_weight_gradients_are_stored_without_being_read(monkeypatch, direct, split):
+    """New gradient buffers (returned through autograd, or a first backward's ``.grad`` after
+    ``zero_grad(set_to_none=True)``) start empty and the weight-gradient launches store into them: filled with NaN,
+    every gradient still matches the reference and the adapter without tokens gets zeros; a row split (atomic adds)
+    has its buffer zeroed first. A call in which no adapter has a row launches nothing and gets zeros."""
+    from lightning_multilora.kernels import triton_lora
+
+    made = []
+    flat_like = triton_lora._flat_like
+
+    def nan_filled(*args, **kwargs):
+        out = flat_like(*args, **kwargs)
+        if not kwargs.get("zero", True):
+            made.append(out[0].fill_(float("nan")))
+            out[1].fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(triton_lora, "_flat_like", nan_filled)
+    monkeypatch.setattr(triton_lora, "_split_for", lambda num_programs, max_tokens, device: split)
+    for ranks, tokens in (([3, 16, 9], [130, 0, 64]), ([4, 8], [0, 0])):
+        x, base, w = problem(ranks, tokens, d_in=72, d_out=40, dtype=torch.float32, seed=12)
+        grad_out = torch.randn_like(base)
+        if sum(tokens):
+            _, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+        else:  # no LoRA term at all (the reference's output does not even depend on the weights)
+            grads_ref = [torch.zeros_like(p) for p in (x, *w.a, *w.b)]
+        made.clear()
+        _, grads = run_direct(x, base, w, grad_out) if direct else run(multi_lora_triton, x, base, w, False, grad_out)
+        assert len(made) == (1 if sum(tokens) else 0)  # empty only where a launch follows
+        for g, g_ref in zip(grads, grads_ref):
+            assert torch.isfinite(g).all()
+            assert rel(g, g_ref) < 1e-4 if g_ref.abs().max() > 0 else g.abs().max() == 0
+
+
 @pytest.mark.parametrize("split", [1, 4])
 def test_low_rank_buffers_are_read_only_where_written(monkeypatch, split):
     """``S`` and ``dS`` start empty: filled with NaN, every output still matches the reference (the row kernel
@@ -295,7 +331,8 @@ def test_every_expand_tuning_candidate_gives_the_reference():
 def test_every_weight_gradient_tuning_candidate_gives_the_reference():
     """Each candidate tile of the weight-gradient kernel, launched directly as the fused ``dB`` + ``dS`` launch
     (``dB_i += s_i dY_i^T S_i``, ``dS_i += dY_i B_i``), accumulating G or its transpose, with rows plain and split
-    over two programs."""
+    over two programs; adding into gradients already there, or storing into new ones without reading them (filled
+    with NaN here: a read would show), the adapter without tokens getting zeros."""
     from lightning_multilora.kernels import triton_kernels as K
     from lightning_multilora.kernels import triton_lora
 
@@ -306,19 +343,25 @@ def test_every_weight_gradient_tuning_candidate_gives_the_reference():
     s = torch.randn(x.shape[0], table.width, device=device)
     dy = torch.randn_like(base)
     kernel, candidates = _every_candidate(K._weight_grad)
-    for meta, trans, split in itertools.product(candidates, (False, True), (1, 2)):
-        targets = triton_lora._fresh_grads(w, table, device)
+    for meta, trans, (split, add) in itertools.product(candidates, (False, True), ((1, True), (1, False), (2, True))):
+        targets = triton_lora._fresh_grads(w, table, device, empty=not add)
+        if add:
+            prior = [torch.randn_like(db) for db in targets.b]
+            torch._foreach_copy_(list(targets.b), prior)
+        else:
+            targets.new[1].fill_(float("nan"))
+            prior = [torch.zeros_like(db) for db in targets.b]
         ds = torch.zeros_like(s)
         grid = (len(w.a) * 3, triton.cdiv(dy.shape[1], meta["BLOCK_K"]), split)
         kernel[grid](s, dy, targets.b_ptrs, targets.a[0], sched.seg_start, sched.seg_end, table.ranks,
                      table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3, split,
                      s.stride(0), dy.stride(0), ds.stride(0), G_IS_A=False, HAS_DROPOUT=False, ATOMIC=split > 1,
-                     DOT_PRECISION="ieee", G_ALIGNED=False, WITH_DS=True, W_ALIGNED=False, BLOCK_R=16,
+                     ADD_TO_G=add, DOT_PRECISION="ieee", G_ALIGNED=False, WITH_DS=True, W_ALIGNED=False, BLOCK_R=16,
                      TRANS_ACC=trans, **meta)
-        for a, b, db, sc, st, en in zip(w.a, w.b, targets.b, w.scaling, w.starts, w.ends):
+        for a, b, db, old, sc, st, en in zip(w.a, w.b, targets.b, prior, w.scaling, w.starts, w.ends):
             r = a.shape[0]
             want = sc * (dy[st:en].double().t() @ s[st:en, :r].double())
-            assert rel(db, want) < 1e-5 if en > st else db.abs().max() == 0, (meta, trans, split)
+            assert rel(db - old, want) < 1e-5 if en > st else (db - old).abs().max() == 0, (meta, trans, split, add)
             if en > st:
                 assert rel(ds[st:en, :r], dy[st:en].double() @ b.detach().double()) < 1e-5, (meta, trans, split)
 
