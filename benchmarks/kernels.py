@@ -300,6 +300,8 @@ def summarize(rows) -> None:
     for impl in ("ours_direct", "ours"):
         for kind in sorted({k[2] for k in by_key}):
             points = {k: v for k, v in by_key.items() if k[2] == kind and impl in v}
+            if not points:  # (an implementation left out with --impls)
+                continue
             line = [f"{impl} r={kind}:"]
             versus = [v for v in points.values() if "grouped_mm" in v]
             if versus:
