@@ -104,11 +104,11 @@ class FlatAdapter:
         """Before a step's backward: the flat gradient zeroed, ``flat.grad`` set to it and every parameter's
         ``.grad`` its view (set again where something dropped or replaced it). Returns the flat gradient.
 
-        ``zero=False`` leaves an existing gradient's values for the caller to zero (`LoRALayers.prepare_grads`
-        zeroes every adapter's in one launch); a new one is made zeroed either way."""
+        ``zero=False`` leaves the gradient's values, an existing one's or a new one's (made empty), for the caller to
+        zero (`LoRALayers.prepare_grads` zeroes every adapter's in one launch)."""
         self.rebind()
         if self._grad is None:
-            self._grad = torch.zeros_like(self.flat.data)
+            self._grad = (torch.zeros_like if zero else torch.empty_like)(self.flat.data)
             self._grad_views = self._views(self._grad)
         elif zero:
             self._grad.zero_()

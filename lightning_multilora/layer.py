@@ -330,7 +330,7 @@ class LoRALayers(Mapping):
             if flat is None:
                 stale += [p.grad for p in self.parameters_of(name) if p.grad is not None]
             else:
-                stale.append(flat.prepare_grads(zero=False))  # (a new one is zero already: zeroed once more)
+                stale.append(flat.prepare_grads(zero=False))  # (a new one made empty: zeroed here with the rest)
         if stale:
             torch._foreach_zero_(stale)
 

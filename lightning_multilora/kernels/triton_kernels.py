@@ -267,29 +267,16 @@ def _rank_times_weight(
     if W_ALIGNED:  # 16-byte weight rows: vector loads of the weight tile
         w = tl.multiple_of(w, 16)
         r = tl.multiple_of(r, 8)
-    # NARROW: an adapter whose rank fits half (a quarter) of the tile runs a tile of that width (see the module text)
-    if NARROW >= 2:
-        if r <= BLOCK_R // 4:
-            _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
-                          ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 4, False,
-                          SCALE_PRODUCT, N_PER)
-        elif r <= BLOCK_R // 2:
-            _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
-                          ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 2, False,
-                          SCALE_PRODUCT, N_PER)
-        else:
-            _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
-                          ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK,
-                          SCALE_PRODUCT, N_PER)
-    elif NARROW == 1:
-        if r <= BLOCK_R // 2:
-            _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
-                          ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 2, False,
-                          SCALE_PRODUCT, N_PER)
-        else:
-            _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
-                          ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK,
-                          SCALE_PRODUCT, N_PER)
+    # NARROW: an adapter whose rank fits a quarter (half) of the tile runs a tile of that width (see the module text);
+    # the widths a launch does not compile are constexpr-false conditions, dropped with their calls
+    if NARROW >= 2 and r <= BLOCK_R // 4:
+        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
+                      ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 4, False, SCALE_PRODUCT,
+                      N_PER)
+    elif NARROW >= 1 and r <= BLOCK_R // 2:
+        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
+                      ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 2, False, SCALE_PRODUCT,
+                      N_PER)
     else:
         _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
                       ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT,

@@ -364,12 +364,14 @@ class _LoRAShrink(torch.autograd.Function):
         if not db:
             targets, call.grad_targets = call.grad_targets, None
             grads: tuple = (None,) * ctx.num_params
-        elif call.direct:  # (new gradients are left empty where both launches below store every element)
-            targets = _grads_of_parameters(call.weights, call.table, x.device, empty=call.sched.num_blocks > 0)
-            grads = (None,) * ctx.num_params
-        else:
-            targets = _fresh_grads(call.weights, call.table, x.device, empty=call.sched.num_blocks > 0)
-            grads = targets.a + targets.b
+        else:  # new gradients are left empty where the launches below store every element of them
+            empty = call.sched.num_blocks > 0
+            if call.direct:
+                targets = _grads_of_parameters(call.weights, call.table, x.device, empty)
+                grads = (None,) * ctx.num_params
+            else:
+                targets = _fresh_grads(call.weights, call.table, x.device, empty)
+                grads = targets.a + targets.b
         if call.sched.num_blocks:
             dy = dy if dy.stride(-1) == 1 else dy.contiguous()
             _weight_grad_launch(True, ds, x, call, targets)
