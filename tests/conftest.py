@@ -31,6 +31,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def exact_fp32():
+    """fp32 products in fp32 on the GPU too (tf32 off for matmuls and cuDNN; the Triton kernels then take "ieee"),
+    restored afterwards. The switches are properties of module objects, which monkeypatch cannot set."""
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    prior = matmul.allow_tf32, cudnn.allow_tf32
+    matmul.allow_tf32 = cudnn.allow_tf32 = False
+    yield
+    matmul.allow_tf32, cudnn.allow_tf32 = prior
+
+
+@pytest.fixture
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"the shared data folder {SHARED_DATA} is absent (only a project checkout beside shared/ has it)")

@@ -82,9 +82,7 @@ def assert_trained_alike(packed: dict, alone: dict, name: str, rel: float = 1e-3
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_packed_adapters_equal_each_trained_alone_with_peft(tmp_path, trainer_kwargs, device):
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on the GPU too
-    torch.backends.cudnn.allow_tf32 = False
+def test_packed_adapters_equal_each_trained_alone_with_peft(tmp_path, trainer_kwargs, device, exact_fp32):
     module = MultiLoRAModule("tiny-llama", adapters=SPECS, export_dir=str(tmp_path / "out"), validate_on_finish=False)
     dm = make_datamodule()
     L.Trainer(**dict(trainer_kwargs, accelerator=device)).fit(module, dm)

@@ -801,20 +801,10 @@ def with_direct_grads(w: LoRAWeights) -> LoRAWeights:
     return LoRAWeights(w.a, w.b, w.scaling, w.dropout, w.starts, w.ends, direct_grads=True)
 
 
-@pytest.fixture
-def exact_fp32():
-    """fp32 products in fp32 on the GPU too (tf32 off; `triton_lora._precision` then picks "ieee"). A test that compares
-    two fp32 paths launching different kernels needs it: a tf32 rounding of dS that differs in its last bit moved a
-    gradient by ~5e-5 on the H200."""
-    matmul = torch.backends.cuda.matmul  # its attributes are properties of a module object: monkeypatch cannot set them
-    prior = matmul.allow_tf32
-    matmul.allow_tf32 = False
-    yield
-    matmul.allow_tf32 = prior
-
-
 @pytest.mark.parametrize("dropout", [None, [0.3, 0.0, 0.5]])
 def test_direct_gradients_accumulate_into_dot_grad_like_autograd(dropout, exact_fp32):
+    # exact_fp32: the two paths launch different kernels (the direct one may add dS in the dB launch), and on the
+    # H200 a tf32 rounding of a dS differing in its last bit moved a gradient by ~5e-5
     x, base, w = problem([3, 16, 9], [130, 1, 64], d_in=48, d_out=72, dtype=torch.float32, dropout=dropout)
     grad_out = torch.randn_like(base)
     xg = x.detach().clone().requires_grad_()
