@@ -21,7 +21,8 @@ The four kernels:
   ``N_PER`` columns), a pipelined loop over its column blocks, each over the rank chunks. ``NARROW``: the
   kernel also holds copies of that loop for tiles of half (and a quarter of) ``BLOCK_R``, and a program whose
   adapter's rank fits one runs it: with ranks 8..128 (a 128 tile) an adapter of rank 8 no longer multiplies and
-  holds 128 rank columns (`triton_lora.NARROW_RANK_TILES`).
+  holds 128 rank columns (`triton_lora.NARROW_RANK_TILES`). ``PREFETCH``: each step of that loop loads the next
+  block's ``Y`` tile, so a read of ``Y`` is in flight while a block multiplies and stores.
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = s dS^T drop(X)``)
   or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
@@ -55,7 +56,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Fixed tiles for the interpreter; on the GPU the tiles below are autotuned per shape.
 DEFAULT_META = {
     "rows": dict(BLOCK_K=64),  # SPLIT_K: `triton_lora._split_k`
-    "rank": dict(BLOCK_N=64, N_PER=128),
+    "rank": dict(BLOCK_N=64, N_PER=128, PREFETCH=True),
     "grad": dict(BLOCK_K=64, BLOCK_T=64),
 }
 
@@ -88,7 +89,8 @@ _ROWS_CONFIGS = [triton.Config({"BLOCK_K": k, "SPLIT_K": sp}, num_warps=w, num_s
 # and a 14336-wide Y 166 -> 154 and 566 -> 513 us. N_PER == BLOCK_N: one block a program; one stage: the earlier
 # unrolled candidates' shapes (fewer rows, r=16). In `benchmarks/kernels.py --ns 32` (36 points, 34 tuning keys) 12
 # of these were chosen somewhere; the others are kept for other row counts.
-_RANK_CONFIGS = [triton.Config({"BLOCK_N": n, "N_PER": per}, num_warps=w, num_stages=st)
+# PREFETCH (Y a column block ahead, `_rank_columns`) in every candidate that pipelines its loop (num_stages > 1).
+_RANK_CONFIGS = [triton.Config({"BLOCK_N": n, "N_PER": per, "PREFETCH": st > 1}, num_warps=w, num_stages=st)
                  for n, per, w, st in ((128, 16384, 8, 3), (128, 16384, 4, 3), (256, 16384, 8, 3), (64, 16384, 4, 3),
                                        (128, 2048, 4, 3), (128, 2048, 8, 3), (128, 512, 4, 3), (64, 512, 4, 3),
                                        (64, 64, 4, 1), (128, 128, 4, 1), (256, 256, 8, 1), (128, 128, 8, 1),
@@ -186,7 +188,8 @@ def _rows_times_weight(
 def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m,
                   W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-                  MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, N_PER: tl.constexpr):
+                  MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, N_PER: tl.constexpr,
+                  PREFETCH: tl.constexpr):
     """`_rank_times_weight`'s work for one row block and its ``N_PER`` columns, over a rank tile of ``BLOCK_R``."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
@@ -215,9 +218,25 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_
                   other=0.0)
     low = (low * coef).to(dot_dtype)
     n_lo = pid_n * N_PER
-    for n0 in range(n_lo, tl.minimum(n_lo + N_PER, N), BLOCK_N):
+    n_hi = tl.minimum(n_lo + N_PER, N)
+    if ACCUMULATE and PREFETCH:  # the first column block's Y tile, before the loop (see below)
+        offs_n = n_lo + tl.arange(0, BLOCK_N)
+        y_next = tl.load(Y + offs_m[:, None] * stride_y_m + offs_n[None, :],
+                         mask=mask_m[:, None] & (offs_n < n_hi)[None, :], other=0.0)
+    for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
+        y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
+        if ACCUMULATE and PREFETCH:
+            # The compiler pipelines the weight tiles (asynchronous copies, num_stages) but loads the Y tile, which
+            # becomes the product's accumulator, when it is needed: each column block waited for its Y. Loading the
+            # next block's Y here, a block ahead in registers, keeps a read in flight while this block multiplies
+            # and stores (on the H200, 32 x 1024 rows at r=64, Y read and written, 8 warps, 3 stages: 179.7 -> 161.5
+            # us at 4096 columns, 594.6 -> 547.2 at 14336, 79-81% of the copy rate against 76-78% for the best
+            # candidate without it; one-stage candidates, one block a program, got slower, and do not prefetch).
+            # In a forward + backward only the expand reads Y (dX is written fresh): N=32 steps within noise.
+            y_cur = y_next
+            y_next = tl.load(y_ptrs + BLOCK_N, mask=mask_m[:, None] & ((offs_n + BLOCK_N) < n_hi)[None, :], other=0.0)
         wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
                      mask=mask_r[:, None] & mask_n[None, :], other=0.0)
         acc = tl.dot(low, wt.to(dot_dtype), input_precision=DOT_PRECISION)
@@ -234,10 +253,12 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_
             acc = acc * after
         if HAS_DROPOUT:
             acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m, offs_n, N)
-        y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
         mask = mask_m[:, None] & mask_n[None, :]
         if ACCUMULATE:
-            acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+            if PREFETCH:
+                acc += y_cur.to(tl.float32)
+            else:
+                acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
         tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
 
 
@@ -256,6 +277,7 @@ def _rank_times_weight(
     W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_CHUNK: tl.constexpr,
     SCALE_PRODUCT: tl.constexpr, W_ALIGNED: tl.constexpr, N_PER: tl.constexpr, NARROW: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -272,15 +294,15 @@ def _rank_times_weight(
     if NARROW >= 2 and r <= BLOCK_R // 4:
         _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
                       ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 4, False, SCALE_PRODUCT,
-                      N_PER)
+                      N_PER, PREFETCH)
     elif NARROW >= 1 and r <= BLOCK_R // 2:
         _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
                       ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 2, False, SCALE_PRODUCT,
-                      N_PER)
+                      N_PER, PREFETCH)
     else:
         _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
                       ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT,
-                      N_PER)
+                      N_PER, PREFETCH)
 
 
 @_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "ADD_TO_G", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS",
