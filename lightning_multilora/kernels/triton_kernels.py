@@ -219,7 +219,14 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_
     low = (low * coef).to(dot_dtype)
     n_lo = pid_n * N_PER
     n_hi = tl.minimum(n_lo + N_PER, N)
-    if ACCUMULATE and PREFETCH:  # the first column block's Y tile, before the loop (see below)
+    # PREFETCH: the compiler pipelines the weight tiles (asynchronous copies, num_stages) but loads the Y tile, which
+    # becomes the product's accumulator, when it is needed: each column block waited for its Y. Loading the next
+    # block's Y a block ahead, in registers, keeps a read in flight while a block multiplies and stores (on the H200,
+    # 32 x 1024 rows at r=64, Y read and written, 8 warps, 3 stages: 179.7 -> 161.5 us at 4096 columns, 594.6 ->
+    # 547.2 at 14336, 79-81% of the copy rate against 76-78% for the best candidate without it; one-stage candidates,
+    # one block a program, got slower, and do not prefetch). In a forward + backward only the expand reads Y (dX is
+    # written fresh): N=32 steps within noise.
+    if ACCUMULATE and PREFETCH:  # the first column block's Y tile
         offs_n = n_lo + tl.arange(0, BLOCK_N)
         y_next = tl.load(Y + offs_m[:, None] * stride_y_m + offs_n[None, :],
                          mask=mask_m[:, None] & (offs_n < n_hi)[None, :], other=0.0)
@@ -227,14 +234,7 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
-        if ACCUMULATE and PREFETCH:
-            # The compiler pipelines the weight tiles (asynchronous copies, num_stages) but loads the Y tile, which
-            # becomes the product's accumulator, when it is needed: each column block waited for its Y. Loading the
-            # next block's Y here, a block ahead in registers, keeps a read in flight while this block multiplies
-            # and stores (on the H200, 32 x 1024 rows at r=64, Y read and written, 8 warps, 3 stages: 179.7 -> 161.5
-            # us at 4096 columns, 594.6 -> 547.2 at 14336, 79-81% of the copy rate against 76-78% for the best
-            # candidate without it; one-stage candidates, one block a program, got slower, and do not prefetch).
-            # In a forward + backward only the expand reads Y (dX is written fresh): N=32 steps within noise.
+        if ACCUMULATE and PREFETCH:  # this block's Y was loaded a step ago; the next block's goes out now
             y_cur = y_next
             y_next = tl.load(y_ptrs + BLOCK_N, mask=mask_m[:, None] & ((offs_n + BLOCK_N) < n_hi)[None, :], other=0.0)
         wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
