@@ -26,8 +26,9 @@ The four kernels:
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = s dS^T drop(X)``)
   or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
-  runtime value). It adds into what is there, as autograd's gradient accumulation does (its autotuning trials
-  must therefore run on scratch targets: see `triton_lora`), or, into new gradients (``ADD_TO_G`` off: made
+  runtime value), the adapters taken in ``ORDER`` (`triton_lora.schedule`: most rows first). It adds into what
+  is there, as autograd's gradient accumulation does (its autotuning trials must therefore run on scratch
+  targets: see `triton_lora`), or, into new gradients (``ADD_TO_G`` off: made
   empty by a backward that found none, after ``zero_grad(set_to_none=True)``), stores without reading them: no
   zeroing and no read of zeros, each as many bytes as the gradients. ``WITH_DS`` (the ``dB`` launch): each
   program also adds its K block's share of ``dS = dY B`` into a zeroed fp32 ``dS`` (atomically, one
@@ -310,7 +311,7 @@ def _rank_times_weight(
 @triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T"])
 def _weight_grad(
     # pointers (W_PTRS, W_WITNESS, DS: the B_i and dS of WITH_DS)
-    L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS, DS,
+    L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS, DS,
     # sizes (SPLIT_T, the programs sharing one adapter's rows, is a runtime value: a run whose adapter set
     # shrinks meets several, and each would otherwise compile every tuning candidate again)
     K, R_CHUNKS, SPLIT_T,
@@ -322,10 +323,13 @@ def _weight_grad(
     G_ALIGNED: tl.constexpr, WITH_DS: tl.constexpr, W_ALIGNED: tl.constexpr, TRANS_ACC: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    a = tl.program_id(0) // R_CHUNKS
-    r0 = (tl.program_id(0) % R_CHUNKS) * BLOCK_R
-    pid_k = tl.program_id(1)
-    split = tl.program_id(2)
+    # grid (K blocks x SPLIT_T, adapters x R_CHUNKS): the programs of one adapter's rank chunk are adjacent, and the
+    # adapters come in ORDER (most rows first), so that the longest programs start first
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    pid_k = tl.program_id(0) % k_blocks
+    split = tl.program_id(0) // k_blocks
+    a = tl.load(ORDER + tl.program_id(1) // R_CHUNKS)
+    r0 = (tl.program_id(1) % R_CHUNKS) * BLOCK_R
     r = tl.load(RANKS + a)
     if r0 >= r:  # a chunk past this adapter's rank
         return

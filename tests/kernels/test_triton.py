@@ -301,6 +301,24 @@ def _every_candidate(tuned):
     return kernel, [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
 
 
+def test_the_schedule_lists_the_longest_programs_first():
+    """Row blocks by their adapter's rank, largest first (ties and one rank for all: segment order); the weight-
+    gradient launches' adapters by token count, most first. Every row block of every segment is listed once."""
+    from lightning_multilora.kernels.triton_lora import BLOCK_M, schedule
+
+    starts, ends = (0, 10, 210, 215, 300), (10, 210, 215, 300, 300)  # 10, 200, 5, 85 and 0 rows
+    sched = schedule(starts, ends, 300, torch.device("cpu"), (8, 16, 128, 16, 64))
+    blocks = list(zip(sched.blk_adapter.tolist(), sched.blk_start.tolist()))
+    assert blocks == [(2, 210), (1, 10), (1, 10 + BLOCK_M), (1, 10 + 2 * BLOCK_M), (1, 10 + 3 * BLOCK_M),
+                      (3, 215), (3, 215 + BLOCK_M), (0, 0)]
+    assert sched.grad_order.tolist() == [1, 3, 0, 2, 4]
+    assert sched.seg_start.tolist() == list(starts) and sched.seg_end.tolist() == list(ends)
+    same = schedule(starts, ends, 300, torch.device("cpu"), (16,) * 5)
+    assert same is schedule(starts, ends, 300, torch.device("cpu"))  # one rank: the layout's own tables
+    assert [a for a, _ in zip(same.blk_adapter.tolist(), same.blk_start.tolist())] == [0, 1, 1, 1, 1, 2, 3, 3]
+    assert same.grad_order.tolist() == [1, 3, 0, 2, 4]
+
+
 def test_every_expand_tuning_candidate_gives_the_reference():
     """Each candidate tile of the expand kernel (columns per program ``N_PER`` included), launched directly,
     with a 32-wide rank tile and its narrower 16 (``NARROW``): ranks of one narrow tile, of one tile and of several
@@ -352,8 +370,8 @@ def test_every_weight_gradient_tuning_candidate_gives_the_reference():
             targets.new[1].fill_(float("nan"))
             prior = [torch.zeros_like(db) for db in targets.b]
         ds = torch.zeros_like(s)
-        grid = (len(w.a) * 3, triton.cdiv(dy.shape[1], meta["BLOCK_K"]), split)
-        kernel[grid](s, dy, targets.b_ptrs, targets.a[0], sched.seg_start, sched.seg_end, table.ranks,
+        grid = (triton.cdiv(dy.shape[1], meta["BLOCK_K"]) * split, len(w.a) * 3)
+        kernel[grid](s, dy, targets.b_ptrs, targets.a[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks,
                      table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3, split,
                      s.stride(0), dy.stride(0), ds.stride(0), G_IS_A=False, HAS_DROPOUT=False, ATOMIC=split > 1,
                      ADD_TO_G=add, DOT_PRECISION="ieee", G_ALIGNED=False, WITH_DS=True, W_ALIGNED=False, BLOCK_R=16,
@@ -1094,7 +1112,7 @@ def test_every_device_table_starts_on_16_bytes_whatever_the_adapter_count(n):
     table = pointer_table(w, x.device)
     sched = schedule(w.starts, w.ends, x.shape[0], x.device)
     tensors = [table.a_ptrs, table.b_ptrs, table.ranks, table.scaling, table.ones, table.drop_p,
-               sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end]
+               sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end, sched.grad_order]
     targets = [_fresh_grads(w, table, x.device), _grads_of_parameters(w, table, x.device)]  # .grad made
     targets.append(_grads_of_parameters(w, table, x.device))  # .grad found
     assert targets[2].a_ptrs is targets[1].a_ptrs  # by address, cached
