@@ -90,7 +90,8 @@ class Schedule:
     num_blocks: int
     covers_all_rows: bool
     max_tokens: int
-    bucket: int  # the expand/dX launches' tuning bucket: `_bucket` of num_blocks
+    bucket: int  # the expand/dX and weight-gradient launches' tuning bucket: `_bucket` of num_blocks
+    token_bucket: int  # the weight-gradient launches' other one: `_bucket` of max_tokens
 
 
 def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, device: torch.device,
@@ -120,10 +121,10 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         # the segments tile [0, num_rows) exactly: every row is one adapter's
         bounds = [0] + [edge for span in sorted(zip(starts, ends)) for edge in span] + [num_rows]
         covered = all(a == b for a, b in zip(bounds[::2], bounds[1::2]))
-        nb = len(adapters)
+        nb, max_tokens = len(adapters), max((e - s for s, e in zip(starts, ends)), default=0)
         host, segs = _upload_rows(host, device), _upload_rows(segs, device)
         return Schedule(host[0, :nb], host[1, :nb], segs[0, :n], segs[1, :n], segs[2, :n], nb, covered,
-                        max((e - s for s, e in zip(starts, ends)), default=0), _bucket(nb))
+                        max_tokens, _bucket(nb), _bucket(max_tokens))
 
     if ranks is not None and len(set(ranks)) == 1:
         ranks = None  # one rank: the segment order (and the cached tables of the layout)
@@ -757,7 +758,8 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
     block_r = min(table.block_r, GRAD_MAX_TILE)
     r_chunks = _cdiv(table.width, block_r)
     split = _split_for(n * r_chunks * _cdiv(k, 128), sched.max_tokens, device)
-    tail = (k, r_chunks, split, low.stride(0), full.stride(0), ds.stride(0) if with_ds else 0)
+    tail = (k, r_chunks, split, sched.bucket, sched.token_bucket, low.stride(0), full.stride(0),
+            ds.stride(0) if with_ds else 0)
     w_args = (call.b_ptrs, call.w_witness, ds) if with_ds else (ptrs, witness, low)  # (unused without dS)
     args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, sched.grad_order, table.ranks, table.scaling,
             table.drop_p, seeds, *w_args, *tail)
@@ -773,7 +775,8 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
                 **_meta("grad"))
     grid = lambda m: (_cdiv(k, m["BLOCK_K"]) * split, n * r_chunks)  # noqa: E731
     tune_key = (k, block_r, g_is_a, split > 1, add_to_g, dropout, low.dtype, full.dtype, witness.dtype,
-                meta["DOT_PRECISION"], targets.aligned, with_ds, w_aligned, w_args[1].dtype)
+                meta["DOT_PRECISION"], targets.aligned, with_ds, w_aligned, w_args[1].dtype, sched.bucket,
+                sched.token_bucket)
     if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
         # The launch adds into its targets (and dS), and the autotuner's trials would add several times: let them
         # run on scratch ones first; the real launch below then reuses the chosen tiles.

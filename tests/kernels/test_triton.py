@@ -317,6 +317,12 @@ def test_the_schedule_lists_the_longest_programs_first():
     assert same is schedule(starts, ends, 300, torch.device("cpu"))  # one rank: the layout's own tables
     assert [a for a, _ in zip(same.blk_adapter.tolist(), same.blk_start.tolist())] == [0, 1, 1, 1, 1, 2, 3, 3]
     assert same.grad_order.tolist() == [1, 3, 0, 2, 4]
+    # the weight-gradient launches' tuning buckets: row blocks and the largest adapter's rows, each a power of two
+    assert (sched.bucket, sched.token_bucket) == (8, 256)
+    even = schedule((0, 150), (150, 300), 300, torch.device("cpu"))  # as many rows, spread evenly
+    assert (even.bucket, even.token_bucket) == (8, 256) and even.max_tokens == 150
+    assert schedule((0, 60), (60, 300), 300, torch.device("cpu")).token_bucket == 256
+    assert schedule((0, 10), (10, 300), 300, torch.device("cpu")).token_bucket == 512
 
 
 def test_every_expand_tuning_candidate_gives_the_reference():
@@ -372,7 +378,7 @@ def test_every_weight_gradient_tuning_candidate_gives_the_reference():
         ds = torch.zeros_like(s)
         grid = (triton.cdiv(dy.shape[1], meta["BLOCK_K"]) * split, len(w.a) * 3)
         kernel[grid](s, dy, targets.b_ptrs, targets.a[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks,
-                     table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3, split,
+                     table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3, split, 1, 1,
                      s.stride(0), dy.stride(0), ds.stride(0), G_IS_A=False, HAS_DROPOUT=False, ATOMIC=split > 1,
                      ADD_TO_G=add, DOT_PRECISION="ieee", G_ALIGNED=False, WITH_DS=True, W_ALIGNED=False, BLOCK_R=16,
                      TRANS_ACC=trans, **meta)
