@@ -274,8 +274,14 @@ def _precision(x: Tensor) -> str:
 
 def _check(weights: LoRAWeights) -> None:
     """Checked once per adapter set (when its pointer table is built), not on every call."""
-    if max(a.shape[0] for a in weights.a) > 256:
+    r_max = max(a.shape[0] for a in weights.a)
+    if r_max > 256:
         raise ValueError("the Triton path supports ranks up to 256")
+    # the weight-gradient launches' grid has one row per adapter and rank chunk, and CUDA allows 65535 rows
+    chunks = _cdiv(r_max, min(max(16, triton.next_power_of_2(r_max)), GRAD_MAX_TILE))
+    if len(weights.a) * chunks > 65535:
+        raise ValueError(f"the Triton path takes at most {65535 // chunks} adapters a call with ranks up to {r_max} "
+                         f"(got {len(weights.a)}); split them over several calls")
     d_in, d_out = weights.a[0].shape[1], weights.b[0].shape[0]
     for a, b in zip(weights.a, weights.b):
         if a.shape[1] != d_in or b.shape[0] != d_out or a.shape[0] != b.shape[1]:

@@ -325,6 +325,22 @@ def test_the_schedule_lists_the_longest_programs_first():
     assert schedule((0, 10), (10, 300), 300, torch.device("cpu")).token_bucket == 512
 
 
+def test_adapter_sets_past_the_kernels_limits_get_a_clear_error():
+    from lightning_multilora.kernels.triton_lora import pointer_table
+
+    def weights(n, rank):  # one tensor pair repeated: only the shapes are checked
+        a, b = torch.zeros(rank, 1), torch.zeros(1, rank)
+        return LoRAWeights((a,) * n, (b,) * n, (1.0,) * n, (0.0,) * n, tuple(range(n)), tuple(range(1, n + 1)))
+
+    with pytest.raises(ValueError, match="ranks up to 256"):
+        pointer_table(weights(2, 257), torch.device("cpu"))
+    with pytest.raises(ValueError, match="at most 16383 adapters a call with ranks up to 256 \\(got 16384\\)"):
+        pointer_table(weights(16384, 256), torch.device("cpu"))
+    with pytest.raises(ValueError, match="at most 65535 adapters a call with ranks up to 8 \\(got 65536\\)"):
+        pointer_table(weights(65536, 8), torch.device("cpu"))
+    assert pointer_table(weights(16383, 256), torch.device("cpu")).r_chunks == 2  # (128-wide chunks elsewhere)
+
+
 def test_every_expand_tuning_candidate_gives_the_reference():
     """Each candidate tile of the expand kernel (columns per program ``N_PER`` included), launched directly,
     with a 32-wide rank tile and its narrower 16 (``NARROW``): ranks of one narrow tile, of one tile and of several
