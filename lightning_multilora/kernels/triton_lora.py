@@ -102,7 +102,8 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
     launch's programs in grid order, each as a slot frees), so that none starts last and runs on alone: with
     ``ranks`` that differ, the row blocks are listed by their adapter's rank, largest first (an expand / dX
     program's work grows with its rank tile, `NARROW_RANK_TILES`); the weight-gradient launches take the adapters
-    by token count, largest first (a program there runs over all its adapter's rows: `grad_order`). Ties keep the
+    by token count, largest first (a program there runs over its adapter's rows, or a share of them where a
+    launch splits them: `grad_order`). Ties keep the
     segment order. On the H200, 32 adapters of 64..2048 tokens, the four Llama-8B shapes: a forward + backward took
     0.92-0.99x the time of the segment order (the weight-gradient launches had started 2048-token programs last);
     ranks 8..128 at 1024 tokens each, 4096x4096: 0.97x."""
@@ -202,18 +203,24 @@ def _pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
     def make() -> PointerTable:
         _check(weights)
         n = len(weights.a)
+        ranks = [a.shape[0] for a in weights.a]
+        chunk, width = rank_chunk(ranks, device), 16 * _cdiv(max(ranks), 16)
+        # The weight-gradient launches' grid has a row per adapter and rank chunk (`_weight_grad_launch`'s count),
+        # and CUDA allows 65535 rows. Checked for every call, gradients or not: one limit for an adapter set.
+        grad_chunks = _cdiv(width, min(chunk, GRAD_MAX_TILE))
+        if n * grad_chunks > 65535:
+            raise ValueError(f"the Triton path takes at most {65535 // grad_chunks} adapters a call with ranks up to "
+                             f"{max(ranks)} (got {n}); split them over several calls")
         ptrs = torch.tensor([[a.data_ptr() for a in weights.a], [b.data_ptr() for b in weights.b]],
                             dtype=torch.int64).reshape(2, n)
-        ranks = [a.shape[0] for a in weights.a]
         floats = torch.tensor([list(weights.scaling), [1.0] * n, list(weights.dropout)], dtype=torch.float32)
         floats = _upload_rows(floats.reshape(3, n), device)
         sizes = [a.numel() for a in weights.a] + [b.numel() for b in weights.b]
         offsets = torch.tensor([[0] + sizes[:n - 1], [0] + sizes[n:-1]], dtype=torch.int64).reshape(2, n).cumsum(1)
         ptrs = _upload_rows(ptrs, device)
-        chunk = rank_chunk(ranks, device)
         return PointerTable(ptrs[0, :n], ptrs[1, :n], _upload(torch.tensor(ranks, dtype=torch.int32), device),
                             floats[0, :n], floats[1, :n], floats[2, :n], _upload_rows(offsets, device), sizes,
-                            chunk, _cdiv(max(ranks), chunk), 16 * _cdiv(max(ranks), 16), len(set(ranks)) == 1,
+                            chunk, _cdiv(max(ranks), chunk), width, len(set(ranks)) == 1,
                             all(r % 8 == 0 for r in ranks), not any(p.data_ptr() & 15 for p in weights.a + weights.b))
 
     return _pointer_tables.get_or_make(key, make)
@@ -274,14 +281,8 @@ def _precision(x: Tensor) -> str:
 
 def _check(weights: LoRAWeights) -> None:
     """Checked once per adapter set (when its pointer table is built), not on every call."""
-    r_max = max(a.shape[0] for a in weights.a)
-    if r_max > 256:
+    if max(a.shape[0] for a in weights.a) > 256:
         raise ValueError("the Triton path supports ranks up to 256")
-    # the weight-gradient launches' grid has one row per adapter and rank chunk, and CUDA allows 65535 rows
-    chunks = _cdiv(r_max, min(max(16, triton.next_power_of_2(r_max)), GRAD_MAX_TILE))
-    if len(weights.a) * chunks > 65535:
-        raise ValueError(f"the Triton path takes at most {65535 // chunks} adapters a call with ranks up to {r_max} "
-                         f"(got {len(weights.a)}); split them over several calls")
     d_in, d_out = weights.a[0].shape[1], weights.b[0].shape[0]
     for a, b in zip(weights.a, weights.b):
         if a.shape[1] != d_in or b.shape[0] != d_out or a.shape[0] != b.shape[1]:

@@ -325,7 +325,8 @@ def test_the_schedule_lists_the_longest_programs_first():
     assert schedule((0, 10), (10, 300), 300, torch.device("cpu")).token_bucket == 512
 
 
-def test_adapter_sets_past_the_kernels_limits_get_a_clear_error():
+def test_adapter_sets_past_the_kernels_limits_get_a_clear_error(monkeypatch):
+    from lightning_multilora.kernels import triton_lora
     from lightning_multilora.kernels.triton_lora import pointer_table
 
     def weights(n, rank):  # one tensor pair repeated: only the shapes are checked
@@ -339,6 +340,9 @@ def test_adapter_sets_past_the_kernels_limits_get_a_clear_error():
     with pytest.raises(ValueError, match="at most 65535 adapters a call with ranks up to 8 \\(got 65536\\)"):
         pointer_table(weights(65536, 8), torch.device("cpu"))
     assert pointer_table(weights(16383, 256), torch.device("cpu")).r_chunks == 2  # (128-wide chunks elsewhere)
+    monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 16)  # 16-wide chunks: 16 of them at rank 256
+    with pytest.raises(ValueError, match="at most 4095 adapters a call with ranks up to 256 \\(got 4096\\)"):
+        pointer_table(weights(4096, 256), torch.device("cpu"))
 
 
 def test_every_expand_tuning_candidate_gives_the_reference():
