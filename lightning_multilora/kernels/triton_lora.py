@@ -103,10 +103,10 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
     ``ranks`` that differ, the row blocks are listed by their adapter's rank, largest first (an expand / dX
     program's work grows with its rank tile, `NARROW_RANK_TILES`); the weight-gradient launches take the adapters
     by token count, largest first (a program there runs over its adapter's rows, or a share of them where a
-    launch splits them: `grad_order`). Ties keep the
-    segment order. On the H200, 32 adapters of 64..2048 tokens, the four Llama-8B shapes: a forward + backward took
-    0.92-0.99x the time of the segment order (the weight-gradient launches had started 2048-token programs last);
-    ranks 8..128 at 1024 tokens each, 4096x4096: 0.97x."""
+    launch splits them: `grad_order`). Ties keep the segment order. On the H200, 32 adapters of 64..2048 tokens,
+    the four Llama-8B shapes: a forward + backward took 0.92-0.99x the time of the segment order (the
+    weight-gradient launches had started 2048-token programs last); ranks 8..128 at 1024 tokens each, 4096x4096:
+    0.97x."""
 
     def make() -> Schedule:
         n = len(starts)
@@ -205,9 +205,9 @@ def _pointer_table(weights: LoRAWeights, device: torch.device) -> PointerTable:
         n = len(weights.a)
         ranks = [a.shape[0] for a in weights.a]
         chunk, width = rank_chunk(ranks, device), 16 * _cdiv(max(ranks), 16)
-        # The weight-gradient launches' grid has a row per adapter and rank chunk (`_weight_grad_launch`'s count),
-        # and CUDA allows 65535 rows. Checked for every call, gradients or not: one limit for an adapter set.
-        grad_chunks = _cdiv(width, min(chunk, GRAD_MAX_TILE))
+        # The weight-gradient launches' grid has a row per adapter and rank chunk, and CUDA allows 65535 rows.
+        # Checked for every call, gradients or not: one limit for an adapter set.
+        _, grad_chunks = _grad_chunks(chunk, width)
         if n * grad_chunks > 65535:
             raise ValueError(f"the Triton path takes at most {65535 // grad_chunks} adapters a call with ranks up to "
                              f"{max(ranks)} (got {n}); split them over several calls")
@@ -509,6 +509,13 @@ FUSED_DS_MAX_TILE = 16
 # 174 us with the 128 tile, 135 with 64-wide chunks, 142 with 32; dB at K=14336 611, 456, 483. At r=64 the 64 tile
 # beats 32-wide chunks (dA 107 vs 139 us). The expand keeps the full tile (207 us at 128, 241 at 64).
 GRAD_MAX_TILE = 64
+
+
+def _grad_chunks(block_r: int, width: int) -> tuple[int, int]:
+    """The weight-gradient launches' rank chunk and how many cover ``width`` (S's columns), for a table tile
+    ``block_r``."""
+    tile = min(block_r, GRAD_MAX_TILE)
+    return tile, _cdiv(width, tile)
 # Weight-gradient launches with rank chunks of at least this width accumulate the transpose, G^T = M^T L (the wide
 # tile as the product's left operand, a (BLOCK_K, BLOCK_R) accumulator; `_weight_grad`'s TRANS_ACC); narrower ones
 # G = L^T M. On the H200, 32 adapters x 1024 tokens, K=4096, a launch: dA and dB at r=64 108 -> 103 us, at r=128 (two
@@ -762,8 +769,7 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
     dropout = call.has_dropout and g_is_a
     ptrs = targets.a_ptrs if g_is_a else targets.b_ptrs
     with_ds = ds is not None
-    block_r = min(table.block_r, GRAD_MAX_TILE)
-    r_chunks = _cdiv(table.width, block_r)
+    block_r, r_chunks = _grad_chunks(table.block_r, table.width)
     split = _split_for(n * r_chunks * _cdiv(k, 128), sched.max_tokens, device)
     tail = (k, r_chunks, split, sched.bucket, sched.token_bucket, low.stride(0), full.stride(0),
             ds.stride(0) if with_ds else 0)
