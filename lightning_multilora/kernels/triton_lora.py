@@ -103,7 +103,9 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
     ``ranks`` that differ, the row blocks are listed by their adapter's rank, largest first (an expand / dX
     program's work grows with its rank tile, `NARROW_RANK_TILES`); the weight-gradient launches take the adapters
     by token count, largest first (a program there runs over its adapter's rows, or a share of them where a
-    launch splits them: `grad_order`). Ties keep the segment order. On the H200, 32 adapters of 64..2048 tokens,
+    launch splits them: `grad_order`). Ties keep the segment order in the row blocks, and reverse the row blocks'
+    order in `grad_order`: the dB launch follows the dS row launch and reads the same dY, whose last rows read are
+    then still in L2 (`DB_AFTER_DS`). On the H200, 32 adapters of 64..2048 tokens,
     the four Llama-8B shapes: a forward + backward took 0.92-0.99x the time of the segment order (the
     weight-gradient launches had started 2048-token programs last); ranks 8..128 at 1024 tokens each, 4096x4096:
     0.97x."""
@@ -116,7 +118,8 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
             for m in range(starts[i], ends[i], BLOCK_M):
                 adapters.append(i)
                 firsts.append(m)
-        by_tokens = sorted(range(n), key=lambda i: starts[i] - ends[i])
+        last_read = {a: -pos for pos, a in enumerate(by_rank)}  # ties: the row launches' last adapters first
+        by_tokens = sorted(range(n), key=lambda i: (starts[i] - ends[i], last_read[i]))
         host = torch.tensor([adapters, firsts], dtype=torch.int32).reshape(2, -1)
         segs = torch.tensor([starts, ends, by_tokens], dtype=torch.int32).reshape(3, -1)
         # the segments tile [0, num_rows) exactly: every row is one adapter's
@@ -343,9 +346,9 @@ class _LoRAShrink(torch.autograd.Function):
     ``Y``'s shape over one element of storage, whose only use is to bring ``dY`` back from `_LoRAExpand`.
 
     Backward (2 launches): ``dA_i = s_i dS_i^T drop_i(X_i)``; ``dB_i = s_i dY_i^T S_i`` (``dY`` arrives as ``Z``'s
-    gradient). ``dX`` is left to `_LoRAExpand`, which returns all of it. With direct gradients and rank tiles up to
-    `FUSED_DS_MAX_TILE` (`FUSED_DS_DB`) the expand's backward has added ``dB`` already, and this launches ``dA``
-    only.
+    gradient). ``dX`` is left to `_LoRAExpand`, which returns all of it. With direct gradients the expand's backward
+    has added ``dB`` already (with ``dS`` for rank tiles up to `FUSED_DS_MAX_TILE`: `FUSED_DS_DB`; after its dS row
+    launch otherwise: `DB_AFTER_DS`), and this launches ``dA`` only.
 
     Why two Functions: this half saves ``X`` and ``S``, the expand half saves no tensor. Under non-reentrant
     gradient checkpointing a layer's recomputation stops once every saved tensor is back, so it stops after
@@ -412,7 +415,8 @@ class _LoRAExpand(torch.autograd.Function):
     goes back to `_LoRAShrink` as ``Z``'s gradient (for ``dB``). Rows outside every segment keep ``Y_base`` and
     get no LoRA ``dX``. No tensor is saved (see `_LoRAShrink` for why). With direct gradients and rank tiles up to
     `FUSED_DS_MAX_TILE` (`FUSED_DS_DB`) the first launch is ``dB_i += s_i dY_i^T S_i``, adding ``dS`` from the same
-    ``dY`` tiles (``S`` held as an attribute, released by this backward).
+    ``dY`` tiles; with wider ones the dB launch follows the dS row launch (`DB_AFTER_DS`). (``S`` is held as an
+    attribute, released by this backward.)
 
     ``base_out=None`` with a frozen ``base_weight`` (and ``base_bias``): this half owns the frozen linear too,
     ``Y_base = X W^T + b``, and its backward makes ``dX = dY W`` with the LoRA term added into that buffer by
@@ -443,8 +447,8 @@ class _LoRAExpand(torch.autograd.Function):
         # the frozen base weight is a parameter, and the shapes are all backward needs of x.
         ctx.call, ctx.base_weight, ctx.owns_base = call, base_weight, owns_base
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        # S for dB in this half's backward (`FUSED_DS_DB`): the shrink keeps it anyway (saved, or kept for a
-        # recomputation); an attribute, so that it brings nothing back into a recomputation
+        # S for dB in this half's backward (`FUSED_DS_DB`, `DB_AFTER_DS`): the shrink keeps it anyway (saved, or kept
+        # for a recomputation); an attribute, so that it brings nothing back into a recomputation
         ctx.s = s if call.direct else None
         return base_out
 
@@ -476,6 +480,10 @@ class _LoRAExpand(torch.autograd.Function):
                      BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
                      **_rows_meta(sched.num_blocks, d_out, device)),
                 _zero_if_split(ds))
+            if DB_AFTER_DS and s is not None:
+                # dB next, while the last of dY that the row launch read is still in L2 (`DB_AFTER_DS`)
+                call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True)
+                _weight_grad_launch(False, s, dy, call, call.grad_targets)
         if ctx.needs_input_grad[0]:
             lora_first = ctx.owns_base and _lora_first(sched, None)
             if ctx.owns_base and not lora_first:
@@ -503,6 +511,13 @@ FUSED_DS_DB = True
 # table's (`rank_chunk`), which never narrows on a GPU: once a set with ranks over 16 has run there, later rank-16
 # calls stay unfused until `reset_rank_tiles` (both ways give the same gradients).
 FUSED_DS_MAX_TILE = 16
+# Unfused, with direct gradients, the expand's backward launches dB right after the dS row launch (instead of the
+# shrink's backward, after the dX and dA launches): both read dY, and the dB launch takes the adapters whose rows the
+# row launch read last first (`Schedule.grad_order`'s ties), so that it finds the end of dY still in L2. On the H200,
+# 32 adapters, r=64 and ranks 8..128, the four Llama-8B shapes, 256 / 1024 / 64..2048 tokens each: a forward +
+# backward took 0.990-0.999x the time (14 of 14 points faster; 4096x4096, 256 tokens: the weight-gradient launches
+# 63.3 -> 61.4 us), the same tuned tiles either way (`benchmarks/results/kernels_h200_ab_s21.json`).
+DB_AFTER_DS = True
 # The weight-gradient launches take rank chunks of at most this width, whatever the table's tile: a 128-wide tile
 # computes the full width for every adapter of a mix (its (r, BLOCK_K) fp32 accumulator too), where 64-wide chunks
 # past an adapter's rank return at once. On the H200, 32 adapters x 1024 tokens, ranks 8..128: dA at K=4096 took
