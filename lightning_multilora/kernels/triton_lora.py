@@ -318,8 +318,8 @@ class _Call:
     low_dtype: torch.dtype  # of S and dS (`low_rank_dtype`)
     # ``S`` as this call's forward made it, kept for a recomputation under gradient checkpointing (`recompute`)
     kept_s: Optional[Tensor] = None
-    # The gradients the expand's backward added dB into (when it fused dS: `FUSED_DS_DB`, `FUSED_DS_MAX_TILE`), for
-    # the shrink's backward to add dA into
+    # The gradients the expand's backward added dB into (with dS, `FUSED_DS_DB`, or after the dS row launch,
+    # `DB_AFTER_DS`), for the shrink's backward to add dA into
     grad_targets: Optional["GradTargets"] = None
 
     @property
@@ -347,8 +347,9 @@ class _LoRAShrink(torch.autograd.Function):
 
     Backward (2 launches): ``dA_i = s_i dS_i^T drop_i(X_i)``; ``dB_i = s_i dY_i^T S_i`` (``dY`` arrives as ``Z``'s
     gradient). ``dX`` is left to `_LoRAExpand`, which returns all of it. With direct gradients the expand's backward
-    has added ``dB`` already (with ``dS`` for rank tiles up to `FUSED_DS_MAX_TILE`: `FUSED_DS_DB`; after its dS row
-    launch otherwise: `DB_AFTER_DS`), and this launches ``dA`` only.
+    adds ``dB`` (with ``dS`` for rank tiles up to `FUSED_DS_MAX_TILE`: `FUSED_DS_DB`; after its dS row launch
+    otherwise: `DB_AFTER_DS`; not in a second backward of a retained graph, which has no ``S`` there), and this
+    then launches ``dA`` only.
 
     Why two Functions: this half saves ``X`` and ``S``, the expand half saves no tensor. Under non-reentrant
     gradient checkpointing a layer's recomputation stops once every saved tensor is back, so it stops after
@@ -356,8 +357,8 @@ class _LoRAShrink(torch.autograd.Function):
     Llama layer: one large GEMM per layer and step, as the frozen base alone would skip it).
 
     ``direct``: ``dA_i`` and ``dB_i`` are added straight into each parameter's ``.grad`` (as autograd's
-    AccumulateGrad would) and only ``A_0`` is an autograd input, so that backward runs; otherwise every
-    ``A_i`` and ``B_i`` is an input and gets its gradient through autograd.
+    AccumulateGrad would, and only where it would run: `_adds_direct_grads`) and only ``A_0`` is an autograd input,
+    so that backward runs; otherwise every ``A_i`` and ``B_i`` is an input and gets its gradient through autograd.
     """
 
     @staticmethod
@@ -385,9 +386,10 @@ class _LoRAShrink(torch.autograd.Function):
     def backward(ctx, ds: Tensor, dy: Tensor):
         x, s = ctx.saved_tensors
         call: _Call = ctx.call
-        if not any(ctx.needs_input_grad[2:]):  # frozen adapters: nothing to compute here (dX is the expand's)
+        if not any(ctx.needs_input_grad[2:]) or (call.direct and not _adds_direct_grads(ctx)):
+            # frozen adapters, or gradients of other tensors only: nothing to compute here (dX is the expand's)
             return (None, None) + (None,) * ctx.num_params
-        db = call.grad_targets is None  # else dB was added by the expand's backward, with dS
+        db = call.grad_targets is None  # else the expand's backward added dB (`FUSED_DS_DB`, `DB_AFTER_DS`)
         if not db:
             targets, call.grad_targets = call.grad_targets, None
             grads: tuple = (None,) * ctx.num_params
@@ -404,6 +406,8 @@ class _LoRAShrink(torch.autograd.Function):
             _weight_grad_launch(True, ds, x, call, targets)
             if db:
                 _weight_grad_launch(False, s, dy, call, targets)
+        for p, g in zip(call.weights.a, targets.later_a):  # new dA, made by the expand's backward: stored now
+            p.grad = g
         return (None, None, *grads)
 
 
@@ -463,12 +467,14 @@ class _LoRAExpand(torch.autograd.Function):
         if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):  # only base_out wants a gradient
             return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
         s, ctx.s = ctx.s, None  # freed with this backward, as a saved tensor would be (a second backward: unfused)
+        if s is not None and not _adds_direct_grads(ctx.next_functions[1][0]):  # (S's node: the shrink's)
+            s = None  # no adapter gradients in this backward: no dB, and dS from the row launch (for dX)
         fused = sched.num_blocks and call.fuse_ds and s is not None
         # (dS goes back to autograd as S's gradient: zeroed under anomaly detection too, which checks all of it)
         ds = _low_rank_buffer(rows, table, device, call.low_dtype, zero=fused or torch.is_anomaly_enabled())
         if fused:
             # dB's launch adds dS too (one pass over dY for both); the shrink's backward then does dA only
-            call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True)
+            call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True, later_a=True)
             _weight_grad_launch(False, s, dy, call, call.grad_targets, ds)
         elif sched.num_blocks:
             _rows_times_weight(
@@ -482,7 +488,7 @@ class _LoRAExpand(torch.autograd.Function):
                 _zero_if_split(ds))
             if DB_AFTER_DS and s is not None:
                 # dB next, while the last of dY that the row launch read is still in L2 (`DB_AFTER_DS`)
-                call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True)
+                call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True, later_a=True)
                 _weight_grad_launch(False, s, dy, call, call.grad_targets)
         if ctx.needs_input_grad[0]:
             lora_first = ctx.owns_base and _lora_first(sched, None)
@@ -497,6 +503,25 @@ class _LoRAExpand(torch.autograd.Function):
             if lora_first:
                 dx.addmm_(dy, ctx.base_weight)  # dX = dY W + (LoRA dX), the LoRA term read in the GEMM's epilogue
         return dx, ds, dy, None if ctx.owns_base else dy, None, None, None
+
+
+def _adds_direct_grads(shrink: Any) -> bool:
+    """Whether a backward through the shrink's node ``shrink`` is to add direct gradients into the adapters'
+    ``.grad``: where autograd's own accumulation would run for ``A_0`` (the one autograd input of a direct call).
+    ``torch.autograd.grad(loss, [x])`` (an input's gradient: saliency, a gradient penalty, adversarial inputs)
+    accumulates no parameter's gradient, and then neither does a direct call, as PEFT's layers would not; nor does
+    ``backward(inputs=[x])``. (``backward(inputs=...)`` naming adapter weights other than ``A_0`` gets none either:
+    they are not autograd inputs of a direct call; see `LoRAWeights`.)"""
+    node = shrink.next_functions[-1][0]  # the edges of its tensor inputs (x, A_0): A_0's AccumulateGrad
+    if node is None:
+        return False
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError as err:  # torch raises where A_0 is one of torch.autograd.grad's inputs
+        raise RuntimeError(
+            "torch.autograd.grad with respect to adapter weights needs direct_grads=False (MultiLoRALinear."
+            "direct_grads, LoRAWeights.direct_grads): with direct gradients they are added into .grad during "
+            "backward, not returned") from err
 
 
 # The dB launch adds dS = dY B too, from the dY tiles it reads anyway (`_weight_grad`'s WITH_DS), in place of the row
@@ -561,6 +586,9 @@ class GradTargets:
     # The two flat buffers behind the targets while nothing has been written into them (made empty): a launch then
     # stores its gradients instead of adding them (`_weight_grad_launch`); None: add into what is there
     new: Optional[tuple[Tensor, Tensor]] = None
+    # New dA views not yet set as the A_i's ``.grad`` (`_grads_of_parameters`' ``later_a``): the shrink's backward
+    # sets them once its launch has stored them
+    later_a: tuple[Tensor, ...] = ()
 
 
 _grad_tables = _LRU()
@@ -597,23 +625,26 @@ def _flat_like(weights: LoRAWeights, table: PointerTable, device: torch.device,
 
 
 def _grads_of_parameters(weights: LoRAWeights, table: PointerTable, device: torch.device,
-                         empty: bool = False) -> GradTargets:
+                         empty: bool = False, later_a: bool = False) -> GradTargets:
     """The parameters' own ``.grad`` tensors; missing ones are created in flat buffers (zeroed, as the first
     accumulation would, or with ``empty`` left for the launches that follow to store into: `_fresh_grads`).
-    Pointer arrays are cached by the gradients' addresses."""
+    Pointer arrays are cached by the gradients' addresses. ``later_a``: new dA views are left for the caller to set
+    as ``.grad`` once a launch has stored them (`GradTargets.later_a`): dB is stored first, and an error before
+    dA's launch (out of memory in the dX product, say) leaves the A_i without a gradient, not with an unwritten
+    one that a later backward would add into."""
     params = weights.a + weights.b
     grads = list(map(_grad, params))
     n = len(weights.a)
     # (not `grads.count(None)`: that compares every tensor with None through Tensor.__eq__, ~1 ms per call)
     if all(map(is_, grads, repeat(None))):  # the first backward of a step (after zero_grad(set_to_none=True))
         fresh = _fresh_grads(weights, table, device, empty)
-        for p, g in zip(params, fresh.a + fresh.b):
+        for p, g in zip(weights.b if later_a else params, fresh.b if later_a else fresh.a + fresh.b):
             p.grad = g
         targets = GradTargets(fresh.a_ptrs, fresh.b_ptrs, (), (), fresh.aligned)
         # a later backward before zero_grad (gradient accumulation) finds these by address, and adds into them
         key = (tuple(map(_data_ptr, fresh.a + fresh.b)), device, table.ranks8)
         weights.memo["grad_targets"] = (key, _grad_tables.get_or_make(key, lambda: targets))
-        return keep_alive(replace(targets, new=fresh.new))
+        return keep_alive(replace(targets, new=fresh.new, later_a=fresh.a if later_a else ()))
     try:
         ready = all(map(_is_contiguous, grads))
     except TypeError:  # a gradient is None
@@ -779,7 +810,7 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
     n = len(weights.a)
     device = full.device
     k = full.shape[1]
-    witness = targets.a[0] if targets.a else weights.a[0].grad
+    witness = targets.a[0] if targets.a else targets.later_a[0] if targets.later_a else weights.a[0].grad
     # (dS is kept without s; dropout only on X, in dA)
     dropout = call.has_dropout and g_is_a
     ptrs = targets.a_ptrs if g_is_a else targets.b_ptrs

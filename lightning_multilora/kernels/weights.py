@@ -22,7 +22,9 @@ class LoRAWeights:
     accumulation does), instead of handing 2N gradients to autograd: that per-adapter bookkeeping is
     most of a call's host time. ``loss.backward()`` gives the same ``.grad`` either way; with
     ``direct_grads`` the weights are not autograd inputs of the call, so ``torch.autograd.grad`` w.r.t.
-    them (and per-parameter gradient hooks) need ``direct_grads=False``.
+    them (which raises otherwise), ``backward(inputs=...)`` naming some of them, and per-parameter gradient hooks
+    need ``direct_grads=False``. ``torch.autograd.grad`` w.r.t. other tensors only (an input's gradient) leaves
+    their ``.grad`` alone, as it does without.
     """
 
     a: tuple[Tensor, ...]

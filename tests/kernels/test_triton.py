@@ -849,11 +849,15 @@ def with_direct_grads(w: LoRAWeights) -> LoRAWeights:
     return LoRAWeights(w.a, w.b, w.scaling, w.dropout, w.starts, w.ends, direct_grads=True)
 
 
+@pytest.mark.parametrize("ranks", [[3, 16, 9], [3, 40, 9]])  # dB with dS (`FUSED_DS_DB`), after dS (`DB_AFTER_DS`)
 @pytest.mark.parametrize("dropout", [None, [0.3, 0.0, 0.5]])
-def test_direct_gradients_accumulate_into_dot_grad_like_autograd(dropout, exact_fp32):
+def test_direct_gradients_accumulate_into_dot_grad_like_autograd(dropout, ranks, exact_fp32):
     # exact_fp32: the two paths launch different kernels (the direct one may add dS in the dB launch), and on the
     # H200 a tf32 rounding of a dS differing in its last bit moved a gradient by ~5e-5
-    x, base, w = problem([3, 16, 9], [130, 1, 64], d_in=48, d_out=72, dtype=torch.float32, dropout=dropout)
+    from lightning_multilora.kernels import triton_lora
+
+    triton_lora.reset_rank_tiles()  # a tile of this set's own (on the GPU a tile never narrows)
+    x, base, w = problem(ranks, [130, 1, 64], d_in=48, d_out=72, dtype=torch.float32, dropout=dropout)
     grad_out = torch.randn_like(base)
     xg = x.detach().clone().requires_grad_()
     torch.manual_seed(0)
@@ -878,6 +882,7 @@ def test_direct_gradients_accumulate_into_dot_grad_like_autograd(dropout, exact_
         close(p.grad, prior + 2 * g)
     # the created gradients share one buffer: one allocation per call, not one per adapter
     assert w.a[0].grad.untyped_storage().data_ptr() == w.b[0].grad.untyped_storage().data_ptr()
+    triton_lora.reset_rank_tiles()
 
 
 def run_direct(x, base, w, grad_out):
@@ -990,6 +995,67 @@ def test_the_db_launch_leaves_ds_to_the_row_kernel_past_the_fused_tile(monkeypat
         assert rel(y, y_ref) < tol
         for g, g_ref in zip(grads, grads_ref):
             assert rel(g, g_ref) < tol
+    triton_lora.reset_rank_tiles()
+
+
+@pytest.mark.parametrize("ranks", [[4, 16], [4, 40]])  # the fused dB + dS launch, and dB after the dS row launch
+def test_direct_gradients_leave_dot_grad_alone_when_only_an_inputs_gradient_is_asked_for(ranks):
+    """``torch.autograd.grad(y, [x])`` (or ``backward(inputs=[x])``) accumulates no parameter's gradient with
+    autograd; a direct call then adds none either, and dX is the same. A later backward adds them as usual."""
+    from lightning_multilora.kernels import triton_lora
+
+    triton_lora.reset_rank_tiles()
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x, base, w = problem(ranks, [50, 70], d_in=64, d_out=96, dtype=dtype, seed=6)
+    grad_out = torch.randn_like(base)
+    direct = with_direct_grads(w)
+    _, (dx_ref, *grads_ref) = run(multi_lora_triton, x, base, w, False, grad_out)
+    xg = x.detach().clone().requires_grad_()
+    (dx,) = torch.autograd.grad(multi_lora_triton(xg, base.clone(), direct, False), [xg], grad_out)
+    multi_lora_triton(xg, base.clone(), direct, False).backward(grad_out, inputs=[xg])
+    assert all(p.grad is None for p in direct.a + direct.b)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # (bf16: the launches differ, the fused one adds dS atomically)
+    assert rel(dx, dx_ref) < tol and rel(xg.grad, dx_ref) < tol
+    multi_lora_triton(xg, base.clone(), direct, False).backward(grad_out)
+    for p, g in zip(direct.a + direct.b, grads_ref):
+        assert rel(p.grad, g) < tol
+    with pytest.raises(RuntimeError, match="direct_grads=False"):  # the adapters' gradients asked of autograd
+        torch.autograd.grad(multi_lora_triton(xg, base.clone(), direct, False), [xg, direct.a[0]], grad_out)
+    triton_lora.reset_rank_tiles()
+
+
+@pytest.mark.parametrize("ranks", [[4, 16], [4, 40]])
+def test_an_error_after_the_db_launch_leaves_no_unwritten_gradient(monkeypatch, ranks):
+    """The expand's backward stores new dB (`FUSED_DS_DB`, `DB_AFTER_DS`) before dA's launch: an error in between
+    (out of memory in the dX product) leaves the A_i without a gradient, never with an unwritten buffer that the
+    next backward would add into. The next backward gives the reference's gradients on top of the dB stored."""
+    from lightning_multilora.kernels import triton_lora
+
+    triton_lora.reset_rank_tiles()
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x, base, w = problem(ranks, [50, 70], d_in=64, d_out=96, dtype=dtype, seed=7)
+    grad_out = torch.randn_like(base)
+    _, (_, *grads_ref) = run(multi_lora_triton, x, base, w, False, grad_out)
+    direct = with_direct_grads(w)
+    launch = triton_lora._rank_launch
+
+    def failing_dx(call, low, w_ptrs, out, w_is_a, *rest):
+        if w_is_a:
+            raise torch.OutOfMemoryError("dX")
+        return launch(call, low, w_ptrs, out, w_is_a, *rest)
+
+    monkeypatch.setattr(triton_lora, "_rank_launch", failing_dx)
+    xg = x.detach().clone().requires_grad_()
+    with pytest.raises(torch.OutOfMemoryError):
+        multi_lora_triton(xg, base.clone(), direct, False).backward(grad_out)
+    assert all(a.grad is None for a in direct.a)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for b, g in zip(direct.b, grads_ref[len(ranks):]):
+        assert rel(b.grad, g) < tol
+    monkeypatch.setattr(triton_lora, "_rank_launch", launch)
+    multi_lora_triton(xg, base.clone(), direct, False).backward(grad_out)
+    for p, g, times in zip(direct.a + direct.b, grads_ref, [1] * len(ranks) + [2] * len(ranks)):
+        assert rel(p.grad, times * g) < tol
     triton_lora.reset_rank_tiles()
 
 
