@@ -81,3 +81,31 @@ def test_each_row_uses_its_own_adapter_and_unassigned_rows_the_base():
     with pytest.raises(RuntimeError, match="layout describes 5"):
         with layer.context.use(layout):
             layer(x[:4])
+
+
+@pytest.mark.parametrize("rank", [4, 40])  # (rank tiles: dB launched with dS, and after the dS row launch)
+def test_an_inputs_gradient_leaves_the_adapters_gradients_alone_on_the_triton_path(rank):
+    """``torch.autograd.grad`` w.r.t. the input (saliency, a gradient penalty, adversarial embeddings) adds nothing
+    to the adapters' ``.grad`` with the layer's direct gradients, as with PEFT's; ``backward`` then adds as usual;
+    asking autograd for the adapters' gradients names ``direct_grads``."""
+    from lightning_multilora import kernels
+
+    before = kernels.get_backend()
+    kernels.set_backend("triton")  # (the interpreter on the CPU)
+    try:
+        torch.manual_seed(0)
+        layer = MultiLoRALinear(nn.Linear(16, 12))
+        for name in ("a", "b"):
+            layer.add_adapter(name, rank=rank, alpha=rank)
+            nn.init.normal_(layer.lora_B[name])
+        x = torch.randn(4, 3, 16, requires_grad=True)
+        with layer.context.use(BatchLayout(("a", "b"), (0, 2), (2, 4), 4)):
+            (dx,) = torch.autograd.grad(layer(x).square().sum(), [x])
+            assert all(p.grad is None for p in layer.parameters() if p.requires_grad)
+            layer(x).square().sum().backward()
+            assert torch.allclose(x.grad, dx, atol=1e-5)
+            assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in layer.parameters() if p.requires_grad)
+            with pytest.raises(RuntimeError, match="direct_grads=False"):
+                torch.autograd.grad(layer(x).sum(), [x, layer.lora_A["a"]])
+    finally:
+        kernels.set_backend(before)
