@@ -35,7 +35,8 @@ with N <= 4 also time LoRAFusion's fused multi-LoRA linear (``lorafusion``) besi
 linear fused in (``ours_linear_direct``), and the frozen linear alone (``frozen_linear``, compute-bound); the
 floor of the two fused rows is ``frozen_linear``'s time plus the LoRA bytes' floor (``floor_ms`` in each row).
 
-Rows go to ``--out``: op, shape, n_adapters, ranks, tokens, impl, ms, eager_ms, gbps, floor_ms, pct_of_floor.
+Rows go to ``--out``: op, shape, n_adapters, ranks, tokens, impl, ms, eager_ms, gbps, floor_ms, pct_of_floor; the
+tiles the kernels' autotuning chose, per tuning key, to ``--out`` with the suffix ``.tuning.json``.
 """
 
 from __future__ import annotations
@@ -287,7 +288,18 @@ def main() -> None:
                     del x, base, w, grad, xg, params, gmm
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
+    Path(args.out).with_suffix(".tuning.json").write_text(json.dumps(tuning_choices(), indent=1))
     summarize(rows)
+
+
+def tuning_choices() -> dict:
+    """The tiles each autotuned kernel chose, per tuning key (Triton's ``Autotuner.cache``): which layouts shared a
+    choice, and whether two runs chose alike (the weight-gradient tuning has varied between runs)."""
+    from lightning_multilora.kernels import triton_kernels
+
+    return {name: [dict(key=list(map(str, key)), config=str(config))
+                   for key, config in getattr(getattr(triton_kernels, name), "cache", {}).items()]
+            for name in ("_rows_times_weight", "_rank_times_weight", "_weight_grad")}
 
 
 def summarize(rows) -> None:
