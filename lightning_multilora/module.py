@@ -283,8 +283,16 @@ class MultiLoRAMixin:
 
     def configure_model(self) -> None:
         """Under `AdapterParallelStrategy`: shard the frozen base with FSDP2 (as its ``shard_size`` says; a
-        replicated base is only cast to its ``param_dtype``), adapters left out."""
+        replicated base is only cast to its ``param_dtype``), adapters left out. Other strategies over several
+        processes are refused."""
         placement = self._placement()
+        trainer = self._trainer_or_none()
+        if placement is None and trainer is not None and trainer.world_size > 1:
+            raise ValueError(
+                f"`strategy`: MultiLoRAModule trains in one process, or over several with strategy='adapter_parallel' "
+                f"(AdapterParallelStrategy); got {type(trainer.strategy).__name__} over {trainer.world_size} "
+                "processes. A data-parallel strategy would give every process every adapter, and adapters start "
+                "and stop during a run, so they cannot be registered with it up front.")
         if placement is not None and hasattr(placement, "parallelize"):
             if not getattr(self, "_parallelized", False):
                 params = [p for n in self.lora_layers.adapter_names for p in self.lora_layers.parameters_of(n)]

@@ -319,3 +319,19 @@ def test_the_mixin_trains_adapters_of_a_model_that_is_not_a_hugging_face_one(tmp
     rec = module.registry["a"]
     assert rec.state == AdapterState.FINISHED and rec.step == 3 and len(rec.train_losses) == 3
     assert set(exported(module, "a")) == {f"base_model.model.q_proj.lora_{x}.weight" for x in "AB"}
+
+
+def test_a_data_parallel_strategy_is_refused_naming_the_one_that_works(tmp_path):
+    """Over several processes only `AdapterParallelStrategy` places adapters: DDP (say) would get every adapter on
+    every process, none of them there when it wraps the model. Refused before it wraps anything (Lightning calls
+    ``configure_model`` first), naming the field and the strategy to use; one process takes any."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path))
+    module._trainer = SimpleNamespace(world_size=2, strategy=DDPStrategy())
+    with pytest.raises(ValueError, match="`strategy`.*'adapter_parallel'.*got DDPStrategy over 2 processes"):
+        module.configure_model()
+    module._trainer = SimpleNamespace(world_size=1, strategy=DDPStrategy())
+    module.configure_model()
