@@ -410,17 +410,23 @@ class MultiLoRAMixin:
                 break
             spec = rec.spec
             try:
+                self._datamodule().source_name(spec.dataset)  # a misspelled `dataset` fails here, not at a batch
                 if rec.max_steps is None:
                     if spec.max_steps is not None:
                         rec.max_steps = spec.max_steps
                     else:
                         steps_per_epoch = math.ceil(self._datamodule().num_train_examples(spec.dataset) / spec.batch_size)
                         rec.max_steps = max(1, math.ceil(spec.max_epochs * steps_per_epoch))
-                else:
-                    self._datamodule().source_name(spec.dataset)
             except ValueError as err:
                 rec.state, rec.reason = AdapterState.FAILED, str(err)
-                raise
+                if self._global_step() == 0:  # nothing trained yet: the run stops at once, with the error
+                    raise
+                # later (an adapter added, or a trial asked, mid-run): that adapter fails alone, and the others train
+                # on; nothing they learned is lost to a crash
+                rec.ended_at_step = self._global_step()
+                warnings.warn(f"adapter {rec.name!r} could not start: {err}")
+                self._notify_exit(rec)
+                continue
             rec.state, rec.reason = AdapterState.RUNNING, ""
             rec.started_at_step = self._global_step()
             rec.open_span(rec.started_at_step)
@@ -683,9 +689,10 @@ class MultiLoRAMixin:
         self._fill_slots()
         counts = self.registry.counts()
         if not self.registry.running and not self.registry.queued:
-            if self.registry.paused:
-                raise RuntimeError(f"adapters {[r.name for r in self.registry.paused]} are paused and nothing is left "
-                                   "to run; resume or remove them")
+            if self.registry.paused:  # nothing could resume them: the run ends, and `on_fit_end` exports them
+                warnings.warn(f"adapters {[r.name for r in self.registry.paused]} are paused and nothing is left to "
+                              "run: the run stops here and exports them as they are (resume or remove paused "
+                              "adapters to go on)")
             self.trainer.should_stop = True
         # an adapter's values when a logger writes them, and its last ones when it stops (exit, warmup pause)
         writes = self._logger_writes_this_step()
@@ -716,9 +723,13 @@ class MultiLoRAMixin:
                 self.restore_best_weights(rec.name)
             self.save_adapter(rec.name)
 
-    def evaluate(self, specs: Sequence[AdapterSpec], record: bool = False) -> dict[str, float]:
-        """Validation loss of each adapter over its whole validation split, packed, outside the loop.
-        ``record`` adds them to the adapters' histories (and best weights) as a regular validation does."""
+    def evaluate(self, specs: Union[Sequence[Union[AdapterSpec, str]], AdapterSpec, str],
+                 record: bool = False) -> dict[str, float]:
+        """Validation loss of each adapter (specs or names; running or paused: their weights are the model's) over
+        its whole validation split, packed, outside the loop. ``record`` adds them to the adapters' histories (and
+        best weights) as a regular validation does."""
+        specs = [specs] if isinstance(specs, (AdapterSpec, str)) else list(specs)
+        specs = [self._held_spec(s) for s in specs]
         dm = self._datamodule()
         sums = {s.name: [0.0, 0.0] for s in specs}
         was_training = self.training
@@ -739,6 +750,19 @@ class MultiLoRAMixin:
         if record:  # under adapter parallelism a rank measures (and records) its own adapters, `_sync_ranks` the rest
             self._record_val_losses({n: loss for n, loss in losses.items() if self._owns(n)})
         return losses
+
+    def _held_spec(self, spec: Union[AdapterSpec, str]) -> AdapterSpec:
+        """``spec`` (or the spec of the adapter so named), checked to have weights here: an adapter that has left
+        (or never came) would be measured on the base model alone."""
+        name = spec if isinstance(spec, str) else spec.name
+        if name not in self.registry:
+            raise ValueError(f"`specs`: {name!r} is not an adapter of this module; adapters: {[r.name for r in self.registry]}")
+        rec = self.registry[name]
+        if self._owns(name) and name not in self.lora_layers.adapter_names:
+            where = f"; its weights were exported to {rec.export_path}" if rec.export_path else ""
+            raise ValueError(f"`specs`: evaluate takes adapters whose weights the model holds (running or paused); "
+                             f"{name!r} is {rec.state.value}{where}")
+        return rec.spec if isinstance(spec, str) else spec
 
     @override
     def on_validation_epoch_start(self) -> None:

@@ -335,3 +335,63 @@ def test_a_data_parallel_strategy_is_refused_naming_the_one_that_works(tmp_path)
         module.configure_model()
     module._trainer = SimpleNamespace(world_size=1, strategy=DDPStrategy())
     module.configure_model()
+
+
+def test_an_adapter_that_cannot_start_mid_run_fails_alone(tmp_path, trainer_kwargs):
+    """A misspelled `dataset` on an adapter that starts mid-run (queued, added, or asked of a study) fails that
+    adapter with the error, tells callbacks of its exit, and the others train on and are exported; at the start of
+    a fit (nothing trained yet) the run stops at once with the same error."""
+    specs = [AdapterSpec("long", rank=2, batch_size=1, max_steps=5, seed=1),
+             AdapterSpec("short", rank=2, batch_size=1, max_steps=2, seed=2),
+             AdapterSpec("typo", rank=2, batch_size=1, max_steps=2, dataset="arithm", seed=3)]
+    exits = []
+
+    class Exits(Callback):
+        def on_adapter_exit(self, trainer, pl_module, rec):
+            exits.append((rec.name, rec.state))
+
+    module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=2, export_dir=str(tmp_path),
+                             validate_on_finish=False)
+    with pytest.warns(UserWarning, match="'typo' could not start: .*`dataset` 'arithm' is not a data source"):
+        L.Trainer(**trainer_kwargs, callbacks=[Exits()]).fit(module, small_dm())
+    states = {r.name: r.state for r in module.registry}
+    assert states == {"long": AdapterState.FINISHED, "short": AdapterState.FINISHED, "typo": AdapterState.FAILED}
+    assert "is not a data source" in module.registry["typo"].reason and ("typo", AdapterState.FAILED) in exits
+    assert exported(module, "long") and module.registry["typo"].export_path is None
+    first = MultiLoRAModule("tiny-llama", adapters=specs[2:], export_dir=str(tmp_path / "b"), validate_on_finish=False)
+    with pytest.raises(ValueError, match="`dataset` 'arithm' is not a data source; sources are: \\['arith'\\]"):
+        L.Trainer(**trainer_kwargs).fit(first, small_dm())
+
+
+def test_a_run_left_with_paused_adapters_alone_stops_and_exports_them(tmp_path, trainer_kwargs):
+    """Nothing could resume them: the run ends with a warning, and each paused adapter is exported as it is."""
+
+    class PauseAt(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2:
+                pl_module.pause_adapter("p", reason="by test")
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("p", rank=2, batch_size=1, max_steps=50, seed=1)],
+                             export_dir=str(tmp_path), validate_on_finish=False)
+    trainer = L.Trainer(**trainer_kwargs, callbacks=[PauseAt()])
+    with pytest.warns(UserWarning, match=r"\['p'\] are paused and nothing is left to run"):
+        trainer.fit(module, small_dm())
+    rec = module.registry["p"]
+    assert trainer.global_step == 2 and rec.state == AdapterState.PAUSED and rec.step == 2
+    weights = exported(module, "p")
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in weights.items())
+
+
+def test_evaluate_takes_held_adapters_by_spec_or_name_and_refuses_the_others(tmp_path, trainer_kwargs):
+    """An adapter that has left (its weights freed) would be measured on the base model alone: refused, saying
+    where its weights went; a name never added is refused with the module's adapters."""
+    specs = [AdapterSpec("done", rank=2, batch_size=1, max_steps=2, seed=1),
+             AdapterSpec("on", rank=2, batch_size=1, max_steps=50, seed=2)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path), validate_on_finish=False)
+    L.Trainer(**{**trainer_kwargs, "max_steps": 3}).fit(module, small_dm())
+    by_name, by_spec = module.evaluate("on"), module.evaluate([module.registry["on"].spec])
+    assert by_name == by_spec and set(by_name) == {"on"} and by_name["on"] > 0
+    with pytest.raises(ValueError, match="`specs`: .*'done' is finished; its weights were exported to"):
+        module.evaluate(["done", "on"])
+    with pytest.raises(ValueError, match=r"'nope' is not an adapter of this module; adapters: \['done', 'on'\]"):
+        module.evaluate([AdapterSpec("nope")])

@@ -23,15 +23,28 @@ PRUNED_STATES = (AdapterState.DIVERGED, AdapterState.PRUNED)
 COMPLETE_STATES = (AdapterState.FINISHED, AdapterState.OVERFIT)
 
 
+# The keys a parameter of each type takes (Optuna's distributions' arguments)
+PARAM_KEYS = {"float": ("type", "low", "high", "log", "step"), "int": ("type", "low", "high", "log", "step"),
+              "categorical": ("type", "choices")}
+
+
 def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.distributions.BaseDistribution"]:
-    """Optuna distributions from ``{"lr": {"type": "float", "low": 1e-5, "high": 5e-4, "log": True}, ...}``."""
+    """Optuna distributions from ``{"lr": {"type": "float", "low": 1e-5, "high": 5e-4, "log": True}, ...}``
+    (``step`` too, for ``float`` and ``int``: Optuna's ``FloatDistribution`` / ``IntDistribution``)."""
     import optuna
 
     out = {}
     for name, spec in search_space.items():
+        if not isinstance(spec, dict):
+            raise ValueError(f"search space `{name}`: a parameter is a dict such as {{'type': 'float', 'low': 1e-5, "
+                             f"'high': 1e-3, 'log': True}}, got {spec!r}")
         kind = spec.get("type")
         if kind not in PARAM_TYPES:
             raise ValueError(f"search space `{name}`: `type` can be {', '.join(PARAM_TYPES)}, got {kind!r}")
+        unknown = sorted(set(spec) - set(PARAM_KEYS[kind]))
+        if unknown:
+            raise ValueError(f"search space `{name}`: a {kind} parameter takes {', '.join(PARAM_KEYS[kind])}; "
+                             f"got {', '.join(map(repr, unknown))}")
         if kind == "categorical":
             if not spec.get("choices"):
                 raise ValueError(f"search space `{name}`: a categorical parameter needs non-empty `choices`")
@@ -40,7 +53,11 @@ def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.
             if "low" not in spec or "high" not in spec:
                 raise ValueError(f"search space `{name}`: a {kind} parameter needs `low` and `high`")
             cls = optuna.distributions.FloatDistribution if kind == "float" else optuna.distributions.IntDistribution
-            out[name] = cls(spec["low"], spec["high"], log=bool(spec.get("log", False)))
+            step = spec.get("step", None if kind == "float" else 1)
+            try:
+                out[name] = cls(spec["low"], spec["high"], log=bool(spec.get("log", False)), step=step)
+            except ValueError as err:  # Optuna's own checks (low > high, log with a step, ...)
+                raise ValueError(f"search space `{name}`: {err}") from err
     return out
 
 

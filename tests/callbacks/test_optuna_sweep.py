@@ -120,6 +120,22 @@ def test_bad_search_space():
         OptunaSweep({"rank": {"type": "categorical", "choices": [0, 4]}})
     with pytest.raises(ValueError, match="`sampler` can be tpe, random, grid"):
         OptunaSweep(SPACE, sampler="cmaes")
+    # misspelled or unknown keys are named with the ones the type takes, not dropped
+    with pytest.raises(ValueError, match="`lr`: a float parameter takes type, low, high, log, step; got 'Log'"):
+        OptunaSweep({"lr": {"type": "float", "low": 1e-5, "high": 1e-3, "Log": True}})
+    with pytest.raises(ValueError, match="`lr`: a parameter is a dict"):
+        OptunaSweep({"lr": [1e-4, 1e-3]})
+    with pytest.raises(ValueError, match="`rank`: .*step"):  # Optuna's own check, under the parameter's name
+        OptunaSweep({"rank": {"type": "int", "low": 4, "high": 64, "step": 4, "log": True}})
+
+
+def test_a_search_space_step_reaches_the_distribution():
+    from lightning_multilora.callbacks.optuna_sweep import distributions
+
+    space = distributions({"rank": {"type": "int", "low": 4, "high": 64, "step": 4},
+                           "lr": {"type": "float", "low": 0.1, "high": 0.5, "step": 0.1}})
+    assert space["rank"] == optuna.distributions.IntDistribution(4, 64, step=4)
+    assert space["lr"] == optuna.distributions.FloatDistribution(0.1, 0.5, step=0.1)
 
 
 def test_two_runs_feed_one_study_through_its_storage(tmp_path, trainer_kwargs):
