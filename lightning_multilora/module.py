@@ -716,12 +716,20 @@ class MultiLoRAMixin:
         return bool(getattr(connector, "should_update_logs", True))
 
     @override
-    def on_fit_end(self) -> None:
-        # Nothing trained is lost: adapters still running when fit stops are exported as they are.
+    def on_train_end(self) -> None:
+        # Nothing trained is lost: adapters still running (or paused) when training stops are exported as they are,
+        # before `on_fit_end`, where callbacks (`SweepReport`) list the exports.
+        self._export_held()
+
+    def _export_held(self) -> None:
+        """Export every adapter whose weights the model holds (its best-validation weights where they are kept)."""
         for rec in [r for r in self.registry.holding_weights if r.name in self.lora_layers.adapter_names]:
             if self.keep_best_weights:
                 self.restore_best_weights(rec.name)
             self.save_adapter(rec.name)
+
+    def configure_callbacks(self) -> list[L.Callback]:
+        return [ExportOnException()]
 
     def evaluate(self, specs: Union[Sequence[Union[AdapterSpec, str]], AdapterSpec, str],
                  record: bool = False) -> dict[str, float]:
@@ -944,6 +952,26 @@ def _grad_norms(groups: Sequence[Sequence[Tensor]], like: Tensor) -> Tensor:
                           lambda: torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(counts)))
     squares = per_tensor.new_zeros(len(groups)).index_add_(0, index, per_tensor.square())
     return squares.sqrt()
+
+
+class ExportOnException(L.Callback):
+    """Exports the adapters a `MultiLoRAMixin` module holds when fit stops on an exception, Ctrl+C included (Lightning
+    then calls no module hook, only callbacks' ``on_exception``): nothing trained is lost. Added by the module's
+    ``configure_callbacks``."""
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        export = getattr(pl_module, "_export_held", None)
+        if export is None:
+            return
+        try:
+            export()
+        except Exception as err:  # noqa: BLE001 - the run's own exception is the one to raise
+            warnings.warn(f"exporting the adapters after {type(exception).__name__} failed: {err}")
+            return
+        held = [r.export_path for r in pl_module.registry.holding_weights if r.export_path]
+        if held:
+            warnings.warn(f"fit stopped by {type(exception).__name__}: the adapters it held are exported to {held}")
 
 
 class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):

@@ -66,7 +66,7 @@ class AdapterSpec:
     dataset: Optional[str] = None
     """Name of a data source in the data module; None: its default source."""
     seed: int = 0
-    """Seed for this adapter's initialisation, data order and dropout."""
+    """Seed for this adapter's initialisation and data order (its dropout masks come from the run's random stream)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.match(self.name):

@@ -395,3 +395,35 @@ def test_evaluate_takes_held_adapters_by_spec_or_name_and_refuses_the_others(tmp
         module.evaluate(["done", "on"])
     with pytest.raises(ValueError, match=r"'nope' is not an adapter of this module; adapters: \['done', 'on'\]"):
         module.evaluate([AdapterSpec("nope")])
+
+
+def test_a_fit_stopped_by_an_exception_exports_the_adapters_it_held(tmp_path, trainer_kwargs):
+    """Ctrl+C or an error mid-fit calls no module hook, only callbacks' ``on_exception``: the module's own callback
+    (``configure_callbacks``) exports every adapter it held, and the run's exception is raised as it was."""
+
+    class Boom(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                raise RuntimeError("boom")
+
+    specs = [AdapterSpec(n, rank=2, batch_size=1, max_steps=50, seed=i) for i, n in enumerate(("x", "y"))]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path), validate_on_finish=False)
+    with pytest.warns(UserWarning, match="fit stopped by RuntimeError: the adapters it held are exported"):
+        with pytest.raises(RuntimeError, match="boom"):
+            L.Trainer(**trainer_kwargs, callbacks=[Boom()]).fit(module, small_dm())
+    for name in ("x", "y"):
+        assert module.registry[name].state == AdapterState.RUNNING and module.registry[name].step == 3
+        assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in exported(module, name).items())
+
+
+def test_the_sweep_report_lists_the_adapters_exported_when_training_stops_early(tmp_path, trainer_kwargs):
+    """Adapters still running at the Trainer's own stop (``max_steps``) are exported before the report is written
+    (``on_train_end``, before callbacks' ``on_fit_end``), so the report names their exports."""
+    from lightning_multilora import SweepReport
+
+    report = SweepReport(print_table=False, filename=None, tensorboard=False)
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("r", rank=2, batch_size=1, max_steps=50, seed=1)],
+                             export_dir=str(tmp_path), validate_on_finish=False)
+    L.Trainer(**{**trainer_kwargs, "max_steps": 2}, callbacks=[report]).fit(module, small_dm())
+    (row,) = report.rows
+    assert row["status"] == "running" and row["export_path"] == module.registry["r"].export_path is not None
