@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import numbers
 import re
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
@@ -76,13 +77,18 @@ class AdapterSpec:
         if self.name in _reserved_names():
             raise ValueError(f"`name` {self.name!r} is taken by torch.nn.Module (adapters are ParameterDict keys); "
                              "pick another name")
-        _check(self, "rank", isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 1,
-               "an integer >= 1")
-        _check(self, "alpha", _num(self.alpha) and self.alpha > 0, "a number > 0")
+        for f in fields(self):  # numpy (and other) scalars, as a search or a grid may give them: Python numbers
+            value = getattr(self, f.name)
+            if isinstance(value, numbers.Number) and not isinstance(value, (int, float)) and hasattr(value, "item"):
+                setattr(self, f.name, value.item())
+        _check(self, "rank", _int(self.rank) and self.rank >= 1, "an integer >= 1")
+        _check(self, "alpha", _num(self.alpha) and 0 < self.alpha < math.inf, "a finite number > 0")
         _check(self, "dropout", _num(self.dropout) and 0.0 <= self.dropout < 1.0, "a number in [0, 1)")
+        _check(self, "use_rslora", isinstance(self.use_rslora, bool), "True or False")
         _check(self, "lr", _num(self.lr) and self.lr > 0 and math.isfinite(self.lr), "a finite number > 0")
-        _check(self, "weight_decay", _num(self.weight_decay) and self.weight_decay >= 0, "a number >= 0")
-        _check(self, "batch_size", isinstance(self.batch_size, int) and self.batch_size >= 1, "an integer >= 1")
+        _check(self, "weight_decay", _num(self.weight_decay) and 0 <= self.weight_decay < math.inf,
+               "a finite number >= 0")
+        _check(self, "batch_size", _int(self.batch_size) and self.batch_size >= 1, "an integer >= 1")
         if self.max_steps is not None and self.max_epochs is not None:
             raise ValueError(
                 f"`max_steps` and `max_epochs` are exclusive; got max_steps={self.max_steps}, "
@@ -91,25 +97,25 @@ class AdapterSpec:
         if self.max_steps is None and self.max_epochs is None:
             self.max_steps = 100
         if self.max_steps is not None:
-            _check(self, "max_steps", isinstance(self.max_steps, int) and self.max_steps >= 1, "an integer >= 1")
+            _check(self, "max_steps", _int(self.max_steps) and self.max_steps >= 1, "an integer >= 1")
         if self.max_epochs is not None:
-            _check(self, "max_epochs", _num(self.max_epochs) and self.max_epochs > 0, "a number > 0")
+            _check(self, "max_epochs", _num(self.max_epochs) and 0 < self.max_epochs < math.inf, "a finite number > 0")
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"`lr_schedule` can be {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
-        _check(self, "warmup_steps", isinstance(self.warmup_steps, int) and self.warmup_steps >= 0,
-               "an integer >= 0")
-        _check(self, "grad_clip", self.grad_clip is None or (_num(self.grad_clip) and self.grad_clip > 0),
-               "a number > 0 or None")
+        _check(self, "warmup_steps", _int(self.warmup_steps) and self.warmup_steps >= 0, "an integer >= 0")
+        _check(self, "grad_clip", self.grad_clip is None or (_num(self.grad_clip) and 0 < self.grad_clip < math.inf),
+               "a finite number > 0 or None")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"`objective` can be {', '.join(OBJECTIVES)}, got {self.objective!r}")
-        _check(self, "dpo_beta", _num(self.dpo_beta) and self.dpo_beta > 0, "a number > 0")
+        _check(self, "dpo_beta", _num(self.dpo_beta) and 0 < self.dpo_beta < math.inf, "a finite number > 0")
         if self.target_modules is not None:
             if isinstance(self.target_modules, str):
                 self.target_modules = [self.target_modules]
             _check(self, "target_modules", len(self.target_modules) > 0 and all(
                 isinstance(t, str) and t for t in self.target_modules), "a non-empty list of module names")
             self.target_modules = list(self.target_modules)
-        _check(self, "seed", isinstance(self.seed, int), "an integer")
+        _check(self, "seed", _int(self.seed), "an integer")
+        _check(self, "dataset", self.dataset is None or isinstance(self.dataset, str), "a data source's name or None")
 
     @property
     def rows_per_step(self) -> int:
@@ -145,6 +151,10 @@ def _num(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _check(spec: AdapterSpec, name: str, ok: bool, allowed: str) -> None:
     if not ok:
         raise ValueError(f"`{name}` must be {allowed}, got {getattr(spec, name)!r} for adapter {spec.name!r}")
@@ -173,6 +183,9 @@ class SweepGrid:
         for key in list(self.axes) + list(self.base):
             if key not in known:
                 raise ValueError(f"SweepGrid field {key!r} is not an AdapterSpec field; allowed: {sorted(known)}")
+        for key, values in self.axes.items():
+            if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or not values:
+                raise ValueError(f"SweepGrid `axes[{key!r}]` must be a non-empty list of values, got {values!r}")
         keys = list(self.axes)
         out = []
         for values in itertools.product(*(self.axes[k] for k in keys)):

@@ -12,25 +12,40 @@ from lightning_multilora import AdapterSpec, SweepGrid
 @pytest.mark.parametrize("field, value, message", [
     ("rank", 0, "`rank` must be an integer >= 1"),
     ("rank", -3, "`rank` must be an integer >= 1"),
-    ("alpha", 0, "`alpha` must be a number > 0"),
-    ("alpha", -1.0, "`alpha` must be a number > 0"),
+    ("alpha", 0, "`alpha` must be a finite number > 0"),
+    ("alpha", -1.0, "`alpha` must be a finite number > 0"),
+    ("alpha", math.inf, "`alpha` must be a finite number > 0"),
     ("lr", 0.0, "`lr` must be a finite number > 0"),
     ("lr", -1e-4, "`lr` must be a finite number > 0"),
     ("lr", math.inf, "`lr` must be a finite number > 0"),
     ("batch_size", 0, "`batch_size` must be an integer >= 1"),
+    ("batch_size", True, "`batch_size` must be an integer >= 1"),
+    ("seed", True, "`seed` must be an integer"),
+    ("use_rslora", "yes", "`use_rslora` must be True or False"),
+    ("dataset", 123, "`dataset` must be a data source's name or None"),
     ("dropout", 1.0, "`dropout` must be a number in \\[0, 1\\)"),
-    ("weight_decay", -0.1, "`weight_decay` must be a number >= 0"),
+    ("weight_decay", -0.1, "`weight_decay` must be a finite number >= 0"),
+    ("weight_decay", math.inf, "`weight_decay` must be a finite number >= 0"),
     ("max_steps", 0, "`max_steps` must be an integer >= 1"),
-    ("max_epochs", -1.0, "`max_epochs` must be a number > 0"),
+    ("max_epochs", -1.0, "`max_epochs` must be a finite number > 0"),
     ("lr_schedule", "step", "`lr_schedule` can be constant, linear, cosine"),
     ("objective", "ppo", "`objective` can be sft"),
-    ("grad_clip", 0.0, "`grad_clip` must be a number > 0 or None"),
+    ("grad_clip", 0.0, "`grad_clip` must be a finite number > 0 or None"),
     ("warmup_steps", -1, "`warmup_steps` must be an integer >= 0"),
     ("target_modules", [], "`target_modules` must be a non-empty list"),
 ])
 def test_bad_values_name_the_field_and_the_allowed_values(field, value, message):
     with pytest.raises(ValueError, match=message):
         AdapterSpec("x", **{field: value})
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    np = pytest.importorskip("numpy")
+    spec = AdapterSpec("x", rank=np.int64(4), lr=np.float32(1e-3), batch_size=np.int32(2), alpha=np.float64(8))
+    assert (spec.rank, spec.batch_size) == (4, 2) and type(spec.rank) is int and type(spec.lr) is float
+    assert spec.lr == pytest.approx(1e-3) and spec.to_dict()["alpha"] == 8.0
+    with pytest.raises(ValueError, match="`rank` must be an integer >= 1, got 0"):
+        AdapterSpec("x", rank=np.int64(0))
 
 
 @pytest.mark.parametrize("name", ["", "a.b", "a b", "a/b", None])
@@ -74,3 +89,9 @@ def test_grid_is_the_cartesian_product_with_readable_unique_names():
     assert all(s.alpha == 2 * s.rank and s.max_steps == 7 for s in specs)
     with pytest.raises(ValueError, match="not an AdapterSpec field"):
         SweepGrid(axes={"learning_rate": [1e-4]}).specs()
+
+
+@pytest.mark.parametrize("value", ["cosine", 1e-3, []])
+def test_a_grid_axis_must_be_a_list_of_values(value):
+    with pytest.raises(ValueError, match="SweepGrid `axes\\['lr'\\]` must be a non-empty list of values"):
+        SweepGrid(axes={"lr": value}).specs()
