@@ -689,7 +689,7 @@ class MultiLoRAMixin:
         self._fill_slots()
         counts = self.registry.counts()
         if not self.registry.running and not self.registry.queued:
-            if self.registry.paused:  # nothing could resume them: the run ends, and `on_fit_end` exports them
+            if self.registry.paused:  # nothing could resume them: the run ends, and `on_train_end` exports them
                 warnings.warn(f"adapters {[r.name for r in self.registry.paused]} are paused and nothing is left to "
                               "run: the run stops here and exports them as they are (resume or remove paused "
                               "adapters to go on)")
@@ -721,12 +721,15 @@ class MultiLoRAMixin:
         # before `on_fit_end`, where callbacks (`SweepReport`) list the exports.
         self._export_held()
 
-    def _export_held(self) -> None:
-        """Export every adapter whose weights the model holds (its best-validation weights where they are kept)."""
+    def _export_held(self) -> list[Path]:
+        """Export every adapter whose weights the model holds (its best-validation weights where they are kept);
+        the directories written."""
+        paths = []
         for rec in [r for r in self.registry.holding_weights if r.name in self.lora_layers.adapter_names]:
             if self.keep_best_weights:
                 self.restore_best_weights(rec.name)
-            self.save_adapter(rec.name)
+            paths.append(self.save_adapter(rec.name))
+        return paths
 
     def configure_callbacks(self) -> list[L.Callback]:
         return [ExportOnException()]
@@ -764,7 +767,8 @@ class MultiLoRAMixin:
         (or never came) would be measured on the base model alone."""
         name = spec if isinstance(spec, str) else spec.name
         if name not in self.registry:
-            raise ValueError(f"`specs`: {name!r} is not an adapter of this module; adapters: {[r.name for r in self.registry]}")
+            raise ValueError(f"`specs`: {name!r} is not an adapter of this module; adapters: "
+                             f"{[r.name for r in self.registry]}")
         rec = self.registry[name]
         if self._owns(name) and name not in self.lora_layers.adapter_names:
             where = f"; its weights were exported to {rec.export_path}" if rec.export_path else ""
@@ -965,13 +969,13 @@ class ExportOnException(L.Callback):
         if export is None:
             return
         try:
-            export()
+            paths = export()
         except Exception as err:  # noqa: BLE001 - the run's own exception is the one to raise
             warnings.warn(f"exporting the adapters after {type(exception).__name__} failed: {err}")
             return
-        held = [r.export_path for r in pl_module.registry.holding_weights if r.export_path]
-        if held:
-            warnings.warn(f"fit stopped by {type(exception).__name__}: the adapters it held are exported to {held}")
+        if paths:
+            warnings.warn(f"fit stopped by {type(exception).__name__}: the adapters it held are exported to "
+                          f"{[str(p) for p in paths]}")
 
 
 class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):

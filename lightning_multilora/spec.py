@@ -184,7 +184,7 @@ class SweepGrid:
             if key not in known:
                 raise ValueError(f"SweepGrid field {key!r} is not an AdapterSpec field; allowed: {sorted(known)}")
         for key, values in self.axes.items():
-            if isinstance(values, (str, bytes)) or not isinstance(values, (list, tuple)) or not values:
+            if not isinstance(values, (list, tuple)) or not values:
                 raise ValueError(f"SweepGrid `axes[{key!r}]` must be a non-empty list of values, got {values!r}")
         keys = list(self.axes)
         out = []

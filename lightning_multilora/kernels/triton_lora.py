@@ -472,11 +472,7 @@ class _LoRAExpand(torch.autograd.Function):
         fused = sched.num_blocks and call.fuse_ds and s is not None
         # (dS goes back to autograd as S's gradient: zeroed under anomaly detection too, which checks all of it)
         ds = _low_rank_buffer(rows, table, device, call.low_dtype, zero=fused or torch.is_anomaly_enabled())
-        if fused:
-            # dB's launch adds dS too (one pass over dY for both); the shrink's backward then does dA only
-            call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True, later_a=True)
-            _weight_grad_launch(False, s, dy, call, call.grad_targets, ds)
-        elif sched.num_blocks:
+        if sched.num_blocks and not fused:
             _rows_times_weight(
                 _rows_grid(sched, table),
                 (dy, call.b_ptrs, call.w_witness, ds, sched.blk_adapter, sched.blk_start, sched.seg_end,
@@ -486,10 +482,11 @@ class _LoRAExpand(torch.autograd.Function):
                      BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
                      **_rows_meta(sched.num_blocks, d_out, device)),
                 _zero_if_split(ds))
-            if DB_AFTER_DS and s is not None:
-                # dB next, while the last of dY that the row launch read is still in L2 (`DB_AFTER_DS`)
-                call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True, later_a=True)
-                _weight_grad_launch(False, s, dy, call, call.grad_targets)
+        if sched.num_blocks and s is not None and (fused or DB_AFTER_DS):
+            # dB here, adding dS too (one pass over dY for both), or right after the dS row launch, while the end of
+            # dY that it read is still in L2 (`DB_AFTER_DS`); the shrink's backward then does dA only
+            call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True, later_a=True)
+            _weight_grad_launch(False, s, dy, call, call.grad_targets, ds if fused else None)
         if ctx.needs_input_grad[0]:
             lora_first = ctx.owns_base and _lora_first(sched, None)
             if ctx.owns_base and not lora_first:
