@@ -26,7 +26,7 @@ def _specs(args: tuple) -> tuple:
     specializes a pointer on), every other argument by value (a bool apart from the int of its value). An int's
     value is finer than what Triton specializes it on (1, a multiple of 16, within 32 bits): a new value takes
     Triton's own path once, which finds its compiled kernel. The kernels' int arguments are widths, strides and
-    counts fixed per layer shape, and a few per layout (rank chunks, row splits, the tuning buckets: powers of two),
+    counts fixed per layer shape, and a few per layout (rank chunks, row splits, the tuning buckets: `triton_lora._bucket`),
     so a run meets few values. One comprehension: this runs on every launch."""
     return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else
                   a if a.__class__ is int else (a.__class__, a) for a in args])
@@ -42,8 +42,8 @@ class FastLauncher:
     def __init__(self, kernel: Any, interpreted: bool) -> None:
         self.kernel = kernel
         self.interpreted = interpreted
-        # an Autotuner wraps the JITFunction (in the interpreter, `fn` is the plain Python function)
-        self.arg_names: list[str] = [] if interpreted else list(getattr(kernel, "fn", kernel).arg_names)
+        # (a JITFunction or an Autotuner: both name the kernel's arguments)
+        self.arg_names: list[str] = [] if interpreted else list(kernel.arg_names)
         self._variants: dict[tuple, tuple[Any, dict[str, Any], list[Any]]] = {}
 
     def __call__(self, grid: tuple | Callable[[Mapping[str, Any]], tuple], args: tuple, meta: dict[str, Any],

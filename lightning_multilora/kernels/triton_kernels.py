@@ -79,7 +79,7 @@ def _tuned(configs, key, **kwargs):
 # Few candidates per kernel: each is compiled once per shape the first time it runs.
 # The row kernel streams its input once: how many programs share a row block (SPLIT_K, each over a slice of
 # K, adding into OUT atomically) decides whether the GPU has enough loads in flight; it depends on the
-# number of row blocks (ROW_BUCKET, a power of two), so it is tuned per bucket with the tiles.
+# number of row blocks (ROW_BUCKET, `triton_lora._bucket`), so it is tuned per bucket with the tiles.
 _ROWS_CONFIGS = [triton.Config({"BLOCK_K": k, "SPLIT_K": sp}, num_warps=w, num_stages=st)
                  for sp in (1, 2, 4, 8) for k, w, st in ((64, 4, 4), (128, 8, 3), (256, 8, 3))]
 # The expand / dX kernel walks its N_PER columns in BLOCK_N-wide steps, a loop the compiler pipelines (num_stages):
@@ -128,8 +128,8 @@ def _dropout_scale(values, seed, p, rows, cols, n_cols):
 def _rows_times_weight(
     # pointers
     IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
-    # sizes (ROW_BUCKET, a power of two of the programs, only keys the tuning: a runtime value, so every
-    # bucket shares the compiled kernels)
+    # sizes (ROW_BUCKET, a bucket of the programs (`triton_lora._bucket`), only keys the tuning: a runtime value,
+    # so every bucket shares the compiled kernels)
     K, R_CHUNKS, ROW_BUCKET,
     # strides
     stride_in_m, stride_out_m,
@@ -269,7 +269,7 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_
 def _rank_times_weight(
     # pointers
     R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
-    # sizes (ROW_BUCKET, the row blocks' next power of two, only keys the tuning: how many columns a program
+    # sizes (ROW_BUCKET, a bucket of the row blocks, only keys the tuning: how many columns a program
     # should take depends on how many row blocks there are to fill the GPU with)
     N, ROW_BUCKET,
     # strides
@@ -314,7 +314,7 @@ def _weight_grad(
     L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS, DS,
     # sizes (SPLIT_T, the programs sharing one adapter's rows, is a runtime value: a run whose adapter set
     # shrinks meets several, and each would otherwise compile every tuning candidate again; ROW_BUCKET and
-    # TOKEN_BUCKET, powers of two of the row blocks and of the largest adapter's rows, only key the tuning, so
+    # TOKEN_BUCKET, buckets of the row blocks and of the largest adapter's rows, only key the tuning, so
     # that a layout of other row counts, or mixed ones, takes tiles tuned for it and not the first layout's: on the
     # H200, N=32 with 64..2048 tokens an adapter, a forward + backward with tiles tuned on 32 x 256 tokens took
     # 1.005-1.22x (median 1.03x) the time with tiles tuned on its own layout)
@@ -394,3 +394,30 @@ def _weight_grad(
         tl.store(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)
+
+
+# One launch copies every A_i and B_i into their activation-dtype copies (`triton_lora.WeightCopies`): program
+# (j, t) takes elements [j * BLOCK * PER, (j + 1) * BLOCK * PER) of A_t (t < N) or B_(t-N). Fixed tiles, the best on
+# the H200 at 4096x4096: r=64 31 us (torch._foreach_copy_ 37), r=16 17 us (22); 4096x14336 r=64 60 us (73).
+COPY_META = dict(BLOCK=4096, PER=2, num_warps=8)
+
+
+@triton.jit(do_not_specialize=["N"])  # (the adapter count: a set that shrinks to one adapter compiles nothing new)
+def _copy_weights(A_SRC, B_SRC, A_DST, B_DST, RANKS, SRC_WITNESS, DST_WITNESS, N, D_IN, D_OUT,
+                  ALIGNED: tl.constexpr, BLOCK: tl.constexpr, PER: tl.constexpr):
+    t = tl.program_id(1)
+    is_a = t < N
+    i = tl.where(is_a, t, t - N)
+    size = tl.load(RANKS + i) * tl.where(is_a, D_IN, D_OUT)
+    start = tl.program_id(0) * (BLOCK * PER)
+    if start >= size:
+        return
+    src = tl.where(is_a, tl.load(A_SRC + i), tl.load(B_SRC + i)).to(SRC_WITNESS.dtype)
+    dst = tl.where(is_a, tl.load(A_DST + i), tl.load(B_DST + i)).to(DST_WITNESS.dtype)
+    if ALIGNED:  # every A_i, B_i and copy starts on a 16-byte boundary
+        src = tl.multiple_of(src, 16)
+        dst = tl.multiple_of(dst, 16)
+    for j in tl.static_range(PER):
+        offs = start + j * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < size
+        tl.store(dst + offs, tl.load(src + offs, mask=mask).to(DST_WITNESS.dtype.element_ty), mask=mask)

@@ -304,7 +304,7 @@ def _every_candidate(tuned):
 def test_the_schedule_lists_the_longest_programs_first():
     """Row blocks by their adapter's rank, largest first (ties and one rank for all: segment order); the weight-
     gradient launches' adapters by token count, most first. Every row block of every segment is listed once."""
-    from lightning_multilora.kernels.triton_lora import BLOCK_M, schedule
+    from lightning_multilora.kernels.triton_lora import BLOCK_M, _bucket, schedule
 
     starts, ends = (0, 10, 210, 215, 300), (10, 210, 215, 300, 300)  # 10, 200, 5, 85 and 0 rows
     sched = schedule(starts, ends, 300, torch.device("cpu"), (8, 16, 128, 16, 64))
@@ -317,16 +317,19 @@ def test_the_schedule_lists_the_longest_programs_first():
     assert same is schedule(starts, ends, 300, torch.device("cpu"))  # one rank: the layout's own tables
     assert [a for a, _ in zip(same.blk_adapter.tolist(), same.blk_start.tolist())] == [0, 1, 1, 1, 1, 2, 3, 3]
     assert same.grad_order.tolist() == [1, 3, 0, 2, 4]
-    # the weight-gradient launches' tuning buckets: row blocks and the largest adapter's rows, each a power of two
+    # the weight-gradient launches' tuning buckets: row blocks and the largest adapter's rows, each rounded up to
+    # 2**k or 3 * 2**(k-1)
     assert (sched.bucket, sched.token_bucket) == (8, 256)
     # ties of token count: the reverse of the row blocks' adapter order (the dB launch follows the dS row launch)
     ties = schedule((0, 64, 128, 192), (64, 128, 192, 200), 200, torch.device("cpu"), (8, 16, 8, 8))
     assert ties.blk_adapter.tolist() == [1, 0, 2, 3] and ties.grad_order.tolist() == [2, 0, 1, 3]
     assert schedule((0, 64, 128), (64, 128, 192), 192, torch.device("cpu")).grad_order.tolist() == [2, 1, 0]
     even = schedule((0, 150), (150, 300), 300, torch.device("cpu"))  # as many rows, spread evenly
-    assert (even.bucket, even.token_bucket) == (8, 256) and even.max_tokens == 150
+    assert (even.bucket, even.token_bucket) == (6, 192) and even.max_tokens == 150
     assert schedule((0, 60), (60, 300), 300, torch.device("cpu")).token_bucket == 256
-    assert schedule((0, 10), (10, 300), 300, torch.device("cpu")).token_bucket == 512
+    assert schedule((0, 10), (10, 300), 300, torch.device("cpu")).token_bucket == 384
+    assert [_bucket(n) for n in (0, 1, 2, 3, 4, 5, 7, 257, 384, 385, 512, 513, 12289, 10 ** 6)] == \
+        [1, 1, 2, 3, 4, 6, 8, 384, 384, 512, 512, 768, 16384, 16384]
 
 
 def test_adapter_sets_past_the_kernels_limits_get_a_clear_error(monkeypatch):
@@ -1112,10 +1115,13 @@ def test_the_fused_frozen_linear_in_bf16_on_the_gpu_against_float64():
 
 
 def _compiled_variants() -> int:
-    """Kernels Triton has compiled so far, over the three kernels and every device."""
+    """Kernels Triton has compiled so far, over the four kernels and every device."""
+    from triton.runtime.autotuner import Autotuner
+
     from lightning_multilora.kernels import triton_kernels as K
 
-    fns = [getattr(k, "fn", k) for k in (K._rows_times_weight, K._rank_times_weight, K._weight_grad)]
+    kernels = (K._rows_times_weight, K._rank_times_weight, K._weight_grad, K._copy_weights)
+    fns = [k.fn if isinstance(k, Autotuner) else k for k in kernels]
     if not all(hasattr(fn, "device_caches") for fn in fns):
         pytest.skip("this Triton keeps no per-device kernel caches")
     return sum(len(cache[0]) for fn in fns for cache in fn.device_caches.values())
@@ -1262,6 +1268,27 @@ def test_weight_copies_stay_alive_until_their_backward_and_survive_inference_mod
     assert rel(y, expected[0]) < 1e-6
 
 
+@pytest.mark.parametrize("ranks", [[8, 16, 64], [3, 100, 7, 1]])
+def test_weight_copies_equal_the_weights_cast_and_follow_their_changes(ranks):
+    """One launch copies every A_i and B_i into the activation dtype, exactly as ``Tensor.to`` rounds, ranks that
+    keep 16-byte alignment or not, an A_i larger than one program's share (100 x 96); every forward call copies the
+    weights as they are then (an optimizer step changes them in place)."""
+    from lightning_multilora.kernels import triton_lora
+
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16  # (the interpreter mishandles bf16)
+    a = tuple(torch.randn(r, 96, device=DEVICE) for r in ranks)
+    b = tuple(torch.randn(40, r, device=DEVICE) for r in ranks)
+    w = LoRAWeights(a, b, (1.0,) * len(ranks), (0.0,) * len(ranks), tuple(range(len(ranks))),
+                    tuple(range(1, len(ranks) + 1)))
+    table = triton_lora.pointer_table(w, torch.device(DEVICE))
+    for _ in range(2):
+        copies = triton_lora.weight_copies(w, table, dtype, torch.device(DEVICE))
+        assert [c.dtype for c in copies.views] == [dtype] * (2 * len(ranks))
+        assert all(torch.equal(c, p.to(dtype)) for c, p in zip(copies.views, a + b))
+        for p in a + b:
+            p.mul_(-3.7).add_(0.01)
+
+
 def test_a_backward_into_existing_gradients_compares_no_tensors(monkeypatch):
     """Finding the parameters' own ``.grad`` runs at C speed: no tensor is compared with anything (``list.count(None)``
     over gradients called ``Tensor.__eq__`` on each, ~1 ms per layer call), and the gradients accumulate."""
@@ -1284,7 +1311,7 @@ def test_a_backward_into_existing_gradients_compares_no_tensors(monkeypatch):
         assert rel(p.grad - 1, g) < (1e-5 if DEVICE == "cpu" else 2e-2)
 
 
-def test_a_recomputation_reads_the_copies_its_forward_made():
+def test_a_recomputation_reads_the_copies_its_forward_made(monkeypatch):
     """Under gradient checkpointing the recomputation (a forward inside backward) makes no weight copies: it reads
     those its forward refreshed. A forward after the weights change refreshes them, and its recomputation reads
     the new values."""
@@ -1292,33 +1319,26 @@ def test_a_recomputation_reads_the_copies_its_forward_made():
         pytest.skip("the interpreter's fp16 covers the copy path; the GPU tests cover bf16")
     import dataclasses
 
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
 
+    from lightning_multilora.kernels import triton_lora
     from lightning_multilora.kernels.triton_lora import multi_lora_linear_triton
 
     x, _, w = problem([4, 16], [30, 20], d_in=40, d_out=56, dtype=torch.float16, seed=5, gaps=False)
     weight = torch.randn(56, 40).div(40 ** 0.5).half()
     grad_out = torch.randn(x.shape[0], 56).half()
-
-    class Copies(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func is torch.ops.aten._foreach_copy_.default
-            return func(*args, **(kwargs or {}))
+    launches = []
+    copy = triton_lora._copy_weights
+    monkeypatch.setattr(triton_lora, "_copy_weights", lambda *args, **kw: launches.append(1) or copy(*args, **kw))
 
     def grads(weights, checkpointed):
         x_ = x.detach().clone().requires_grad_()
         fn = lambda v: torch.relu(multi_lora_linear_triton(v, weight, None, weights, False))  # noqa: E731
-        forward, backward = Copies(), Copies()
-        with forward:
-            y = checkpoint(fn, x_, use_reentrant=False) if checkpointed else fn(x_)
-        with backward:
-            got = torch.autograd.grad(y, [x_, *weights.a, *weights.b], grad_out)
-        return got, forward.count, backward.count
+        before = len(launches)
+        y = checkpoint(fn, x_, use_reentrant=False) if checkpointed else fn(x_)
+        between = len(launches)
+        got = torch.autograd.grad(y, [x_, *weights.a, *weights.b], grad_out)
+        return got, between - before, len(launches) - between
 
     shared = dataclasses.replace(w, memo={})
     for step in range(2):
