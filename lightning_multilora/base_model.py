@@ -63,6 +63,7 @@ def build_base_model(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch_dtype = resolve_dtype(dtype)
+    _refuse_near_miss(base_model)
     if quantization is not None:
         config = quantization_config(quantization, torch_dtype)
         if base_model in TINY_CONFIGS:
@@ -79,6 +80,7 @@ def build_base_model(
         kwargs = dict(TINY_CONFIGS[base_model])
         kwargs.update(config_overrides or {})
         config = AutoConfig.for_model(**kwargs)
+        _refuse_unknown_fields(config, config_overrides or {})
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config)
@@ -86,6 +88,35 @@ def build_base_model(
         return model.to(torch_dtype)
     kwargs = dict(config_overrides or {})
     return AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype, **kwargs)
+
+
+def _refuse_near_miss(base_model: str) -> None:
+    """A name one typo away from a built-in model (``tiny-lama``) is refused at once: ``from_pretrained`` would
+    spend ~45 s retrying the Hugging Face Hub before its network error, and name no built-in."""
+    import difflib
+    import os
+
+    if base_model in TINY_CONFIGS or os.path.exists(base_model) or "/" in base_model:
+        return
+    close = difflib.get_close_matches(base_model, TINY_CONFIGS, n=1, cutoff=0.75)
+    if close:
+        raise ValueError(f"`base_model` {base_model!r} is no built-in model ({', '.join(TINY_CONFIGS)}) and no local "
+                         f"checkpoint directory: did you mean {close[0]!r}?")
+
+
+def _refuse_unknown_fields(config: Any, overrides: dict[str, Any]) -> None:
+    """``config_overrides`` keys that the config stored as they came (a field it does not have: a typo) are
+    refused. Legacy names the config converts (``rope_theta`` into ``rope_parameters``) pass."""
+    import difflib
+
+    fields = type(config)().to_dict()
+    stored = config.to_dict()
+    unknown = [key for key in overrides if key in stored and key not in fields]
+    if unknown:
+        hints = [f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+                 for key in unknown for close in [difflib.get_close_matches(key, fields, n=1)]]
+        raise ValueError(f"`config_overrides` names fields a {config.model_type} config does not have: "
+                         f"{', '.join(hints)}. Its fields: {', '.join(sorted(k for k in fields if k[0] != '_'))}")
 
 
 _PATCH_LOCK = threading.Lock()

@@ -7,10 +7,12 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from importlib import resources
 from typing import Optional
 
+from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_multilora.callbacks.report import SweepReport
@@ -34,11 +36,22 @@ class MultiLoRACLI(LightningCLI):
         })
 
 
+class RawEpilogFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
+    """jsonargparse's help, with the epilog's lines kept as written."""
+
+
 def demo_config() -> str:
     return str(resources.files("lightning_multilora") / "configs" / "demo.yaml")
 
 
+COMMANDS = """commands beside LightningCLI's (fit, validate, ...):
+  demo [--trainer.max_steps 50]  the packaged default sweep (configs/demo.yaml): fit with its config
+  schedule TASKS.yaml            plan tasks on the GPUs (CP-SAT), print a table and a Gantt chart, run them
+                                 (`multilora schedule --help`)"""
+
+
 def main(args: Optional[list[str]] = None) -> None:
+    from_command_line = args is None
     args = list(sys.argv[1:] if args is None else args)
     if args[:1] == ["schedule"]:
         from lightning_multilora.scheduling.task_file import main as schedule
@@ -46,8 +59,11 @@ def main(args: Optional[list[str]] = None) -> None:
         sys.exit(schedule(args[1:]))
     if args[:1] == ["demo"]:
         args = ["fit", "--config", demo_config(), *args[1:]]
+    if from_command_line:  # (LightningCLI warns when given both ``args`` and a command line)
+        sys.argv[1:] = args
     MultiLoRACLI(MultiLoRAModule, MultiLoRADataModule, subclass_mode_model=False, subclass_mode_data=False,
-                 save_config_kwargs={"overwrite": True}, args=args)
+                 save_config_kwargs={"overwrite": True}, args=None if from_command_line else args,
+                 parser_kwargs={"epilog": COMMANDS, "formatter_class": RawEpilogFormatter})
 
 
 if __name__ == "__main__":

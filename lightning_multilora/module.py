@@ -732,7 +732,23 @@ class MultiLoRAMixin:
         return paths
 
     def configure_callbacks(self) -> list[L.Callback]:
+        self._refuse_trainer_options()  # (Lightning calls this before it checks the Trainer's options itself)
         return [ExportOnException()]
+
+    def _refuse_trainer_options(self) -> None:
+        """The Trainer's clipping and accumulation would act on all adapters at once; each adapter has its own. Said
+        here, in the module's terms (Lightning's own error says to switch to automatic optimization)."""
+        trainer = self.trainer
+        if trainer.state.fn != "fit":
+            return
+        clip = trainer.gradient_clip_val
+        if clip is not None and clip > 0:
+            raise ValueError(f"`Trainer(gradient_clip_val={clip})`: each adapter clips its own gradients, by its "
+                             "`AdapterSpec.grad_clip` (a norm > 0, default 1.0, or None for no clipping); leave "
+                             "`gradient_clip_val` unset")
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})`: each adapter "
+                             "takes `AdapterSpec.batch_size` sequences a step; leave `accumulate_grad_batches` at 1")
 
     def evaluate(self, specs: Union[Sequence[Union[AdapterSpec, str]], AdapterSpec, str],
                  record: bool = False) -> dict[str, float]:

@@ -7,6 +7,7 @@ import itertools
 import math
 import numbers
 import re
+import warnings
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
@@ -103,6 +104,10 @@ class AdapterSpec:
         if self.lr_schedule not in SCHEDULES:
             raise ValueError(f"`lr_schedule` can be {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
         _check(self, "warmup_steps", _int(self.warmup_steps) and self.warmup_steps >= 0, "an integer >= 0")
+        if self.max_steps is not None and self.warmup_steps >= self.max_steps:
+            warnings.warn(f"adapter {self.name!r}: warmup_steps={self.warmup_steps} >= max_steps={self.max_steps}, "
+                          f"so its learning rate never reaches lr={self.lr} (it ends at "
+                          f"{(self.max_steps - 1) / self.warmup_steps:.2g} x lr)", stacklevel=3)
         _check(self, "grad_clip", self.grad_clip is None or (_num(self.grad_clip) and 0 < self.grad_clip < math.inf),
                "a finite number > 0 or None")
         if self.objective not in OBJECTIVES:

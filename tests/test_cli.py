@@ -70,6 +70,19 @@ def test_bad_config_values_are_clear_errors(tmp_path, capsys):
     assert "`rank` must be an integer >= 1, got -1" in str(err.value) + capsys.readouterr().err
 
 
+def test_help_lists_demo_and_schedule_and_the_command_line_gives_no_args_warning(monkeypatch, capsys):
+    import warnings
+
+    monkeypatch.setattr(sys, "argv", ["multilora", "--help"])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as done:
+        warnings.simplefilter("always")
+        main()
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "fit" in out
+    assert "demo [--trainer.max_steps 50]" in out and "\n  schedule TASKS.yaml" in out  # (its lines kept)
+    assert not [w for w in caught if "args parameter" in str(w.message)]
+
+
 @pytest.mark.slow
 def test_python_api_example_and_peft_loading_example(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "python_api_sweep.py")], cwd=tmp_path,

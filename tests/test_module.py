@@ -337,6 +337,18 @@ def test_a_data_parallel_strategy_is_refused_naming_the_one_that_works(tmp_path)
     module.configure_model()
 
 
+@pytest.mark.parametrize("option", [dict(gradient_clip_val=0.5), dict(accumulate_grad_batches=2)])
+def test_trainer_clipping_and_accumulation_are_refused_naming_the_adapter_fields(tmp_path, trainer_kwargs, option):
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=1, max_steps=2)],
+                             export_dir=str(tmp_path / "export"))
+    field = {"gradient_clip_val": "grad_clip", "accumulate_grad_batches": "batch_size"}[next(iter(option))]
+    with pytest.raises(ValueError, match=rf"`Trainer\({next(iter(option))}=.*`AdapterSpec.{field}`"):
+        L.Trainer(**trainer_kwargs, **option).fit(module, small_dm())
+    assert module.registry["a"].step == 0
+    L.Trainer(**trainer_kwargs, gradient_clip_val=0).fit(module, small_dm())  # (0: Lightning's "no clipping")
+    assert module.registry["a"].step == 2
+
+
 def test_an_adapter_that_cannot_start_mid_run_fails_alone(tmp_path, trainer_kwargs):
     """A misspelled `dataset` on an adapter that starts mid-run (queued, added, or asked of a study) fails that
     adapter with the error, tells callbacks of its exit, and the others train on and are exported; at the start of

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 
@@ -65,6 +66,16 @@ def test_steps_and_epochs_are_exclusive_and_default_to_100_steps():
         AdapterSpec("x", max_steps=3, max_epochs=1.0)
     assert AdapterSpec("x").max_steps == 100
     assert AdapterSpec("x", max_epochs=2).max_steps is None
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_of():
+    with pytest.warns(UserWarning, match=r"adapter 'a': warmup_steps=10 >= max_steps=10.*never reaches lr=0.001 "
+                                         r"\(it ends at 0.9 x lr\)"):
+        AdapterSpec("a", lr=1e-3, max_steps=10, warmup_steps=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AdapterSpec("b", max_steps=10, warmup_steps=9)
+        AdapterSpec("c", max_epochs=1, warmup_steps=500)  # (steps of an epoch: unknown here)
 
 
 def test_scaling_is_alpha_over_r_or_rslora():

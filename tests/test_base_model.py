@@ -1,0 +1,38 @@
+"""Loading the frozen base: built-in configs, local checkpoints, and the errors for names and fields that are typos."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from lightning_multilora.base_model import build_base_model
+
+
+def test_a_near_miss_of_a_built_in_name_is_refused_at_once():
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"`base_model` 'tiny-lama'.*tiny-llama, tiny-qwen2, tiny-mistral.*"
+                                         r"did you mean 'tiny-llama'"):
+        build_base_model("tiny-lama")
+    assert time.monotonic() - started < 5  # (no Hub retries: those took ~45 s)
+
+
+def test_a_local_checkpoint_loads_even_where_its_name_is_near_a_built_in(tmp_path, monkeypatch):
+    built = build_base_model("tiny-llama", {"num_hidden_layers": 1}, seed=3)
+    monkeypatch.chdir(tmp_path)
+    built.save_pretrained("tiny-lama")
+    loaded = build_base_model("tiny-lama")
+    assert loaded.config.num_hidden_layers == 1
+    ids = torch.tensor([[1, 2, 3, 4]])
+    torch.testing.assert_close(loaded(ids).logits, built(ids).logits)
+
+
+def test_config_overrides_take_effect_and_a_misspelled_field_is_refused():
+    model = build_base_model("tiny-llama", {"num_hidden_layers": 1, "rope_theta": 5e5})  # (a legacy name converted)
+    assert model.config.num_hidden_layers == 1 and model.config.rope_parameters["rope_theta"] == 5e5
+    assert build_base_model("tiny-mistral", {"sliding_window": 8}).config.sliding_window == 8
+    with pytest.raises(ValueError, match=r"`config_overrides`.*llama.*'hidden_sizee' \(did you mean 'hidden_size'\?\)"):
+        build_base_model("tiny-llama", {"hidden_sizee": 32})
+    with pytest.raises(ValueError, match=r"`config_overrides`.*'sliding_window'"):  # a Mistral field on Llama
+        build_base_model("tiny-llama", {"sliding_window": 8})
