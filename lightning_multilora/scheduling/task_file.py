@@ -46,9 +46,12 @@ def parse_tasks(entries: Any, where: str) -> list[Task]:
             raise ValueError(f"{where}: task #{i} has unknown fields {sorted(unknown)}; allowed: {', '.join(TASK_FIELDS)}")
         if "id" not in entry or "duration" not in entry:
             raise ValueError(f"{where}: task #{i} needs `id` and `duration` (seconds)")
+        task_id = entry["id"]
+        if isinstance(task_id, (int, float)) and not isinstance(task_id, bool):
+            task_id = str(task_id)  # (YAML reads `id: 7` as a number)
         try:
-            tasks.append(Task(str(entry["id"]), entry["duration"], entry.get("gpus", 1), entry.get("command"),
-                              bool(entry.get("torchrun", False))))
+            tasks.append(Task(task_id, entry["duration"], entry.get("gpus", 1), entry.get("command"),
+                              entry.get("torchrun", False)))
         except ValueError as err:
             raise ValueError(f"{where}: {err}") from err
     return tasks
@@ -65,12 +68,24 @@ def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
     gpus = data.get("gpus")
     if not (isinstance(gpus, int) and gpus >= 1):
         raise ValueError(f"{path}: `gpus` must be an integer >= 1, got {gpus!r}")
-    settings = dict(gpus=gpus, time_limit_s=float(data.get("time_limit_s", 2.0)),
-                    resolution_s=float(data.get("resolution_s", 1.0)), max_retries=int(data.get("max_retries", 2)),
-                    log_dir=str(data.get("log_dir", "runs/schedule")))
+    settings = dict(gpus=gpus, time_limit_s=_setting(data, "time_limit_s", 2.0, path),
+                    resolution_s=_setting(data, "resolution_s", 1.0, path), max_retries=data.get("max_retries", 2),
+                    log_dir=data.get("log_dir", "runs/schedule"))
+    if not (isinstance(settings["max_retries"], int) and not isinstance(settings["max_retries"], bool)
+            and settings["max_retries"] >= 0):
+        raise ValueError(f"{path}: `max_retries` must be an integer >= 0, got {settings['max_retries']!r}")
+    if not (isinstance(settings["log_dir"], str) and settings["log_dir"]):
+        raise ValueError(f"{path}: `log_dir` must be a directory path, got {settings['log_dir']!r}")
     tasks = parse_tasks(data.get("tasks"), str(path))
     validate_tasks(tasks, gpus)
     return settings, tasks
+
+
+def _setting(data: Mapping[str, Any], name: str, default: float, path: Any) -> float:
+    value = data.get(name, default)
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
+        raise ValueError(f"{path}: `{name}` must be a number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 def gantt(placements: Mapping[str, Any], num_gpus: int, path: str | Path, title: str = "") -> Path:
@@ -119,7 +134,7 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
                     raise ValueError("every task needs a `command` to run")
                 tasks += new
                 path.rename(path.with_name(path.name + ".done"))
-            except (ValueError, yaml.YAMLError) as err:
+            except Exception as err:  # (whatever is wrong with a dropped file, the running tasks go on)
                 path.rename(path.with_name(path.name + ".rejected"))
                 print(f"rejected {path}: {err}", flush=True)
         return tasks

@@ -29,19 +29,26 @@ class Task:
 
     def __post_init__(self) -> None:
         if not self.id or not isinstance(self.id, str):
-            raise ValueError("task `id` must be a non-empty string")
+            raise ValueError(f"task `id` must be a non-empty string, got {self.id!r}")
         if isinstance(self.command, str):
             import shlex
 
             object.__setattr__(self, "command", tuple(shlex.split(self.command)))
-        elif self.command is not None:
+        elif isinstance(self.command, (list, tuple)) and all(isinstance(c, (str, int, float)) and
+                                                              not isinstance(c, bool) for c in self.command):
             object.__setattr__(self, "command", tuple(str(c) for c in self.command))
+        elif self.command is not None:
+            raise ValueError(f"task {self.id!r}: `command` must be a string or a list of arguments, "
+                             f"got {self.command!r}")
         if self.command is not None and not self.command:
             raise ValueError(f"task {self.id!r}: `command` must not be empty")
-        if not (isinstance(self.duration, (int, float)) and math.isfinite(self.duration) and self.duration > 0):
+        if not (isinstance(self.duration, (int, float)) and not isinstance(self.duration, bool)
+                and math.isfinite(self.duration) and self.duration > 0):
             raise ValueError(f"task {self.id!r}: `duration` must be a finite number > 0, got {self.duration!r}")
-        if not (isinstance(self.gpus, int) and self.gpus >= 1):
+        if not (isinstance(self.gpus, int) and not isinstance(self.gpus, bool) and self.gpus >= 1):
             raise ValueError(f"task {self.id!r}: `gpus` must be an integer >= 1, got {self.gpus!r}")
+        if not isinstance(self.torchrun, bool):
+            raise ValueError(f"task {self.id!r}: `torchrun` must be true or false, got {self.torchrun!r}")
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,16 @@ def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
     ("gpus: 2\ntasks: [{id: a, duration: 5, memory: 3}]", "unknown fields \\['memory'\\]"),
     ("gpus: 2\ntasks: []", "`tasks` must be a non-empty list"),
     ("gpus: 2\nworkers: 3\ntasks: [{id: a, duration: 5}]", "unknown fields \\['workers'\\]"),
+    ("gpus: 2\ntasks: [{id: a, duration: 5, command: 123}]", "`command` must be a string or a list of arguments"),
+    ("gpus: 2\ntasks: [{id: a, duration: 5, torchrun: 'false'}]", "`torchrun` must be true or false, got 'false'"),
+    ("gpus: 2\ntasks: [{id: a, duration: 5, gpus: true}]", "`gpus` must be an integer >= 1, got True"),
+    ("gpus: 2\ntasks: [{id: a, duration: true}]", "`duration` must be a finite number > 0, got True"),
+    ("gpus: 2\ntasks: [{id: , duration: 5}]", "task `id` must be a non-empty string, got None"),
+    ("gpus: 2\ntime_limit_s: fast\ntasks: [{id: a, duration: 5}]", "`time_limit_s` must be a number of seconds > 0"),
+    ("gpus: 2\nresolution_s: 0\ntasks: [{id: a, duration: 5}]", "`resolution_s` must be a number of seconds > 0"),
+    ("gpus: 2\nmax_retries: -1\ntasks: [{id: a, duration: 5}]", "`max_retries` must be an integer >= 0"),
+    ("gpus: 2\nmax_retries: 1.7\ntasks: [{id: a, duration: 5}]", "`max_retries` must be an integer >= 0"),
+    ("gpus: 2\nlog_dir:\ntasks: [{id: a, duration: 5}]", "`log_dir` must be a directory path, got None"),
 ])
 def test_bad_task_files_get_clear_errors(tmp_path, body, message):
     with pytest.raises(ValueError, match=message):
@@ -100,6 +110,8 @@ def test_bad_inbox_files_are_rejected_and_the_schedule_goes_on(tmp_path):
     (inbox / "b.yaml").write_text("tasks: [{id: taken, duration: 1, command: [echo]}]")
     (inbox / "c.yaml").write_text("tasks: [{id: x, duration: 1}]")
     (inbox / "d.yaml").write_text("tasks: [{id: y, duration: 1")  # broken YAML
-    assert [t.id for t in poll()] == ["ok"]
+    (inbox / "e.yaml").write_text("tasks: [{id: z, duration: 1, command: 123}]")  # (was a TypeError: the run died)
+    (inbox / "f.yaml").write_text("tasks: [{id: 7, duration: 1, command: [echo, 1]}]")  # a number read as the id
+    assert [t.id for t in poll()] == ["ok", "7"]
     assert sorted(p.name for p in inbox.iterdir()) == ["a.yaml.done", "b.yaml.rejected", "c.yaml.rejected",
-                                                       "d.yaml.rejected"]
+                                                       "d.yaml.rejected", "e.yaml.rejected", "f.yaml.done"]
