@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch import Tensor, nn
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_multilora.base_model import one_sequence_per_row
@@ -24,6 +25,7 @@ from lightning_multilora.kernels import keep_alive
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import LoRALayers, inject_multilora
 from lightning_multilora.layout import BatchLayout
+from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.optim import IMPLEMENTATION_FLAGS
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
 from lightning_multilora.schedules import lr_factor
@@ -249,6 +251,9 @@ class MultiLoRAMixin:
             raise ValueError(f"adapter {name!r} holds no weights ({rec.state.value}); it was exported to "
                              f"{rec.export_path}")
         directory = Path(directory) if directory is not None else self._export_root() / name
+        if (directory / "adapter_config.json").exists() and str(directory) != rec.export_path:
+            warnings.warn(f"adapter {name!r}: {directory} holds an adapter this run did not write; it is "
+                          "overwritten (give each run its own `export_dir`)")
         base = getattr(getattr(self.lora_layers.model, "config", None), "name_or_path", None)
         layers = self.lora_layers.target_layers(name)
         path = save_peft_adapter(directory, rec.spec, self.lora_layers.peft_state_dict(name),
@@ -372,13 +377,15 @@ class MultiLoRAMixin:
         finally:
             hook.remove()
 
+    def setup(self, stage: str) -> None:
+        log_dir_of(self.trainer)  # asked on every rank (a collective), remembered for exports on one rank alone
+
     def _export_root(self) -> Path:
         if self.export_dir is not None:
             return Path(self.export_dir)
         trainer = self._trainer_or_none()
         if trainer is not None:
-            root = trainer.log_dir or trainer.default_root_dir
-            return Path(root) / "adapters"
+            return Path(log_dir_of(trainer)) / "adapters"
         return Path("adapters")
 
     def _trainer_or_none(self) -> Optional[L.Trainer]:
@@ -519,6 +526,10 @@ class MultiLoRAMixin:
         if not groups and self._placement() is not None and self.registry.running:
             # this rank holds no adapter yet: an empty group keeps the optimizer valid until one arrives
             groups = [{"params": [nn.Parameter(torch.zeros(0, device=self.device))], "lr": 0.0, "adapter": None}]
+        if not groups and len(self.registry) and all(r.state.exited for r in self.registry):
+            raise ValueError(f"nothing to train: every adapter has already ended "
+                             f"({', '.join(f'{r.name}: {r.state.value}' for r in self.registry)}); resuming a finished "
+                             "run trains nothing (new AdapterSpecs given to the module are queued on resume)")
         if not groups:
             raise ValueError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
         kwargs = dict(self.optimizer_kwargs)
@@ -724,11 +735,17 @@ class MultiLoRAMixin:
     def _export_held(self) -> list[Path]:
         """Export every adapter whose weights the model holds (its best-validation weights where they are kept);
         the directories written."""
-        paths = []
+        paths, failed = [], []
         for rec in [r for r in self.registry.holding_weights if r.name in self.lora_layers.adapter_names]:
-            if self.keep_best_weights:
-                self.restore_best_weights(rec.name)
-            paths.append(self.save_adapter(rec.name))
+            try:  # one adapter that cannot be written (a full disk, say) costs no other its export
+                if self.keep_best_weights:
+                    self.restore_best_weights(rec.name)
+                paths.append(self.save_adapter(rec.name))
+            except Exception as err:  # noqa: BLE001 - reported below, after the others are written
+                failed.append(f"{rec.name!r} ({type(err).__name__}: {err})")
+        if failed:
+            raise RuntimeError(f"exporting {', '.join(failed)} failed; the other adapters were exported to "
+                               f"{[str(p) for p in paths]}")
         return paths
 
     def configure_callbacks(self) -> list[L.Callback]:
@@ -848,6 +865,29 @@ class MultiLoRAMixin:
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
 
+    def _merge_given_specs(self, given: list[AdapterSpec]) -> None:
+        """After the checkpoint's registry replaced this module's: adapters given now but absent from the checkpoint
+        are queued (a sweep extended on resume); one still queued there takes the spec given now; one that has
+        started keeps the spec it trained with, and a change to it is warned of (it is not applied)."""
+        added, kept = [], []
+        for spec in given:
+            if spec.name not in self.registry:
+                self.registry.add(spec)
+                added.append(spec.name)
+                continue
+            rec = self.registry[spec.name]
+            if rec.spec == spec:
+                continue
+            if rec.state == AdapterState.QUEUED:
+                rec.spec = spec
+            else:
+                kept.append(f"{spec.name!r} ({rec.state.value}; {_spec_changes(rec.spec, spec)})")
+        if added:
+            rank_zero_warn(f"adapters not in the checkpoint are queued: {added}")
+        if kept:
+            rank_zero_warn("adapters resumed from the checkpoint keep the specs they started with; these changes "
+                           f"are not applied: {'; '.join(kept)} (give a changed adapter a new name to train it)")
+
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("multilora")
@@ -855,7 +895,9 @@ class MultiLoRAMixin:
             raise ValueError("this checkpoint was not written by a MultiLoRAMixin module (no 'multilora' entry)")
         for name in list(self.lora_layers.adapter_names):
             self.lora_layers.remove_adapter(name)
+        given = [r.spec for r in self.registry]  # this module's own (constructor, grid, add_adapter before fit)
         self.registry.load_state_dict(state["registry"])
+        self._merge_given_specs(given)
         self._best_weights = dict(state.get("best_weights", {}))
         self._resume_checkpoint = checkpoint  # its optimizer state is matched to the new groups by adapter name
         freed = state.get("freed")
@@ -872,6 +914,11 @@ class MultiLoRAMixin:
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def _spec_changes(old: AdapterSpec, new: AdapterSpec) -> str:
+    before, after = old.to_dict(), new.to_dict()
+    return ", ".join(f"{k} {before[k]!r} -> {after[k]!r}" for k in after if before.get(k) != after[k])
 
 
 def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Optimizer,

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 SCHEDULES = ("constant", "linear", "cosine")
 OBJECTIVES = ("sft", "dpo")
-_NAME_RE = re.compile(r"^[A-Za-z0-9_\-]+$")
+_NAME_RE = re.compile(r"[A-Za-z0-9_\-]{1,200}")  # (a directory name of the export: at most 255 bytes)
 
 
 @functools.lru_cache(maxsize=1)
@@ -71,9 +71,9 @@ class AdapterSpec:
     """Seed for this adapter's initialisation and data order (its dropout masks come from the run's random stream)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
             raise ValueError(
-                f"`name` must be a non-empty string of letters, digits, '_' or '-', got {self.name!r}"
+                f"`name` must be 1 to 200 letters, digits, '_' or '-', got {self.name!r}"
             )
         if self.name in _reserved_names():
             raise ValueError(f"`name` {self.name!r} is taken by torch.nn.Module (adapters are ParameterDict keys); "

@@ -439,3 +439,77 @@ def test_the_sweep_report_lists_the_adapters_exported_when_training_stops_early(
     L.Trainer(**{**trainer_kwargs, "max_steps": 2}, callbacks=[report]).fit(module, small_dm())
     (row,) = report.rows
     assert row["status"] == "running" and row["export_path"] == module.registry["r"].export_path is not None
+
+
+def test_an_adapter_that_cannot_be_exported_costs_no_other_its_export(tmp_path, trainer_kwargs, monkeypatch):
+    """One export that fails (a full disk, a name the file system refuses) is reported after the other adapters are
+    written: nothing else trained is lost."""
+    import lightning_multilora.module as module_lib
+
+    save = module_lib.save_peft_adapter
+
+    def failing(directory, spec, *args, **kwargs):
+        if spec.name == "x":
+            raise OSError(28, "No space left on device")
+        return save(directory, spec, *args, **kwargs)
+
+    monkeypatch.setattr(module_lib, "save_peft_adapter", failing)
+    specs = [AdapterSpec(n, rank=2, batch_size=1, max_steps=50, seed=i) for i, n in enumerate(("x", "y", "z"))]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path), validate_on_finish=False)
+    with pytest.raises(RuntimeError, match=r"exporting 'x' \(OSError: .*No space left.*\) failed; the other adapters "
+                                           r"were exported to \[.*/y', .*/z'\]"):
+        with pytest.warns(UserWarning, match="exporting the adapters after RuntimeError failed"):
+            L.Trainer(**{**trainer_kwargs, "max_steps": 2}).fit(module, small_dm())
+    assert module.registry["x"].export_path is None
+    for name in ("y", "z"):
+        assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in exported(module, name).items())
+
+
+def test_an_export_over_another_runs_adapter_is_warned_of(tmp_path, trainer_kwargs):
+    def fit(seed: int) -> MultiLoRAModule:
+        module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("best", rank=2, batch_size=1, max_steps=2,
+                                                                     seed=seed)],
+                                 export_dir=str(tmp_path / "adapters"), validate_on_finish=False)
+        L.Trainer(**trainer_kwargs).fit(module, small_dm())
+        return module
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*holds an adapter this run did not write")
+        first = fit(1)
+        first.save_adapter("best") if "best" in first.lora_layers.adapter_names else None  # (its own: no warning)
+    with pytest.warns(UserWarning, match=r"adapter 'best': .*adapters/best holds an adapter this run did not write; "
+                                         r"it is overwritten \(give each run its own `export_dir`\)"):
+        fit(2)
+
+
+def test_a_resume_queues_new_adapters_applies_edits_to_queued_ones_and_warns_of_the_rest(tmp_path, trainer_kwargs):
+    """The checkpoint's registry is the run's; an adapter given now and not in it is queued, a queued one takes the
+    spec given now, a started one keeps its own (the change is named in a warning). A finished run resumed with
+    nothing new says so."""
+
+    def fit(specs, ckpt=None, max_steps=-1):
+        module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=1, export_dir=str(tmp_path / "export"),
+                                 validate_on_finish=False)
+        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": max_steps})
+        trainer.fit(module, small_dm(), ckpt_path=ckpt)
+        return trainer, module
+
+    first = [AdapterSpec(n, rank=2, batch_size=1, lr=1e-3, max_steps=3, seed=i) for i, n in enumerate("abc")]
+    trainer, _ = fit(first, max_steps=2)
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    edited = [AdapterSpec("a", rank=2, batch_size=1, lr=5e-3, max_steps=3, seed=0),  # started: kept as it was
+              AdapterSpec("b", rank=2, batch_size=1, lr=1e-3, max_steps=2, seed=1),  # queued: takes the edit
+              first[2], AdapterSpec("d", rank=2, batch_size=1, max_steps=1, seed=3)]  # new: queued
+    with pytest.warns(UserWarning) as caught:
+        trainer, module = fit(edited, ckpt=str(tmp_path / "mid.ckpt"))
+    messages = [str(w.message) for w in caught]
+    assert any("adapters not in the checkpoint are queued: ['d']" in m for m in messages)
+    assert any("keep the specs they started with" in m and "'a' (running; lr 0.001 -> 0.005)" in m for m in messages)
+    assert not any("'b'" in m for m in messages if "keep the specs" in m)
+    reg = module.registry
+    assert [(n, reg[n].state.value, reg[n].step) for n in "abcd"] == [
+        ("a", "finished", 3), ("b", "finished", 2), ("c", "finished", 3), ("d", "finished", 1)]
+    assert reg["a"].spec.lr == 1e-3 and reg["b"].spec.max_steps == 2
+    trainer.save_checkpoint(tmp_path / "end.ckpt")
+    with pytest.raises(ValueError, match=r"nothing to train: every adapter has already ended \(a: finished, "):
+        fit(edited, ckpt=str(tmp_path / "end.ckpt"))

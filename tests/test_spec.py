@@ -49,10 +49,12 @@ def test_numpy_scalars_are_taken_as_python_numbers():
         AdapterSpec("x", rank=np.int64(0))
 
 
-@pytest.mark.parametrize("name", ["", "a.b", "a b", "a/b", None])
+@pytest.mark.parametrize("name", ["", "a.b", "a b", "a/b", None, "best\n", "x" * 201])
 def test_bad_names(name):
-    with pytest.raises(ValueError, match="`name` must be"):
+    """Names become export directories: no path characters, no trailing newline, within a file name's length."""
+    with pytest.raises(ValueError, match="`name` must be 1 to 200 letters, digits, '_' or '-'"):
         AdapterSpec(name)
+    assert AdapterSpec("x" * 200).name == "x" * 200
 
 
 @pytest.mark.parametrize("name", ["eval", "train", "to", "parameters"])

@@ -10,6 +10,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.registry import AdapterRecord, AdapterState
 from lightning_multilora.spec import AdapterSpec
 from lightning_multilora.strategies.adapter_parallel import decide_once, decides_here, placement_of
@@ -76,7 +77,9 @@ class OptunaSweep(Callback):
         alpha_over_rank: alpha = this * rank unless ``alpha`` is searched (ALTO: 2).
         slots: trials kept running or queued at once (default: as many as the module's ``admission``
             controller says fit, plus one waiting; else the module's ``max_running``, else 4).
-        seed: the sampler's seed.
+        seed: the sampler's seed (None: Optuna's random one); TPE and random asks are seeded with this and the
+            study's trial count, so a resumed run asks what the uninterrupted one did, and a second run on the same
+            study asks new configurations.
 
     Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values;
     a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one stopped for overfitting
@@ -94,7 +97,8 @@ class OptunaSweep(Callback):
     def __init__(self, search_space: dict[str, dict[str, Any]], n_trials: int = 16,
                  study: Optional["optuna.Study"] = None, storage: Optional[str] = None,
                  study_name: str = "multilora", sampler: str = "tpe", base: Optional[dict[str, Any]] = None,
-                 alpha_over_rank: Optional[float] = 2.0, slots: Optional[int] = None, seed: int = 0) -> None:
+                 alpha_over_rank: Optional[float] = 2.0, slots: Optional[int] = None,
+                 seed: Optional[int] = 0) -> None:
         if n_trials < 1:
             raise ValueError(f"`n_trials` must be >= 1, got {n_trials}")
         if sampler not in ("tpe", "random", "grid"):
@@ -106,6 +110,7 @@ class OptunaSweep(Callback):
         self.base = dict(base or {})
         self.n_trials, self.storage, self.study_name, self.sampler_name = n_trials, storage, study_name, sampler
         self.alpha_over_rank, self.slots, self.seed = alpha_over_rank, slots, seed
+        self._own_sampler = False
         for name, dist in self.distributions.items():  # every value of the space must make a valid AdapterSpec
             for value in (dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)):
                 AdapterSpec(name="check", **self._spec_kwargs({**{n: _example(d) for n, d in
@@ -117,19 +122,25 @@ class OptunaSweep(Callback):
 
     # -- study ----------------------------------------------------------------------------------
 
-    def _sampler(self):
+    def _sampler(self, trials_so_far: int = 0):
+        """The sampler of the study this sweep makes, for an ask made when the study holds ``trials_so_far``
+        trials: its seed is ``seed``'s and that count's. An ask therefore draws as the same ask of an uninterrupted
+        run does after a resume from a checkpoint, and a second run against the study (a script run again) asks new
+        configurations, not the first run's again. (A grid keeps one sampler: its seed shuffles the grid's points,
+        which it numbers in that order, and it asks the points no trial has.)"""
         import optuna
 
+        seed = None if self.seed is None else (self.seed * 1_000_003 + trials_so_far) % 2**32
         if self.sampler_name == "random":
-            return optuna.samplers.RandomSampler(seed=self.seed)
+            return optuna.samplers.RandomSampler(seed=seed)
         if self.sampler_name == "grid":
             grid = {}
             for name, dist in self.distributions.items():
                 if not isinstance(dist, optuna.distributions.CategoricalDistribution):
                     raise ValueError(f"sampler 'grid' needs categorical parameters; `{name}` is not")
                 grid[name] = list(dist.choices)
-            return optuna.samplers.GridSampler(grid, seed=self.seed)
-        return optuna.samplers.TPESampler(seed=self.seed)
+            return optuna.samplers.GridSampler(grid, seed=seed)
+        return optuna.samplers.TPESampler(seed=seed)
 
     def _ensure_study(self, trainer: L.Trainer) -> "optuna.Study":
         import optuna
@@ -137,12 +148,13 @@ class OptunaSweep(Callback):
         if self.study is None:
             storage = self.storage
             if storage is None:
-                root = Path(trainer.log_dir or trainer.default_root_dir)
+                root = Path(log_dir_of(trainer))
                 root.mkdir(parents=True, exist_ok=True)
                 storage = f"sqlite:///{(root / 'optuna.db').resolve()}"
                 self.storage = storage
             self.study = optuna.create_study(storage=storage, study_name=self.study_name, direction="minimize",
                                              sampler=self._sampler(), load_if_exists=True)
+            self._own_sampler = True  # (a study given by the user keeps its own sampler)
         return self.study
 
     def _spec_kwargs(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -197,6 +209,8 @@ class OptunaSweep(Callback):
             if self._grid_exhausted(study):
                 self.exhausted = True
                 break
+            if self._own_sampler and self.sampler_name != "grid":  # (a grid's seed orders its points: kept)
+                study.sampler = self._sampler(len(study.get_trials(deepcopy=False)))
             trial = study.ask(self.distributions)
             name = f"trial-{trial.number}"
             try:
@@ -295,6 +309,7 @@ class OptunaSweep(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not hasattr(pl_module, "registry"):
             raise TypeError("OptunaSweep needs a MultiLoRAMixin module")
+        log_dir_of(trainer)  # asked on every rank (a collective): the study is made on rank 0 alone
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -10,6 +10,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.registry import AdapterRegistry, AdapterState
 
 _STATE_COLORS = {
@@ -39,12 +40,16 @@ class SweepReport(Callback):
         self.rows: list[dict] = []
 
     @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        log_dir_of(trainer)  # asked on every rank (a collective): `on_fit_end` writes on rank 0 alone
+
+    @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         registry: Optional[AdapterRegistry] = getattr(pl_module, "registry", None)
         if registry is None or not trainer.is_global_zero:
             return
         self.rows = registry.summary_rows()
-        log_dir = trainer.log_dir or trainer.default_root_dir
+        log_dir = log_dir_of(trainer)
         if self.filename and log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
             (Path(log_dir) / self.filename).write_text(json.dumps(self.rows, indent=1, default=str))

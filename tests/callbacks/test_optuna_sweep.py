@@ -109,6 +109,24 @@ def test_kill_and_resume_loses_and_duplicates_no_trial(tmp_path, trainer_kwargs)
     assert {r.name for r in resumed.registry} == {f"trial-{t.number}" for t in trials}
     for t in trials:  # study and registry agree
         assert t.value == pytest.approx(resumed.registry[f"trial-{t.number}"].best_val_loss)
+    # the trials asked after the resume have the uninterrupted run's parameters (each ask is seeded by the seed
+    # and the study's trial count: a sampler made anew at the resume does not start its draws over)
+    storage = f"sqlite:///{tmp_path / 'full.db'}"
+    fit(tmp_path / "full", trainer_kwargs, sweep())
+    full = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert [t.params for t in full] == [t.params for t in trials]
+
+
+def test_a_second_run_on_a_study_asks_new_configurations(tmp_path, trainer_kwargs):
+    """A script run again against its study (no checkpoint) asks configurations its first run did not: Optuna's
+    usual workflow. Before, every run's sampler started from the same seed and asked the same ones again."""
+    storage = f"sqlite:///{tmp_path / 'again.db'}"
+    for run in range(2):
+        sweep = OptunaSweep(SPACE, n_trials=2, storage=storage, sampler="random",
+                            base={"max_steps": 2, "batch_size": 1}, slots=2)
+        fit(tmp_path / f"run{run}", trainer_kwargs, sweep)
+    params = [t.params for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()]
+    assert len(params) == 4 and params[2:] != params[:2] and len({p["lr"] for p in params}) == 4
 
 
 def test_bad_search_space():

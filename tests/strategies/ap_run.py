@@ -1,7 +1,8 @@
 """Trains four adapters with `AdapterParallelStrategy` on 2 gloo processes, or in one process (the reference).
 
     python tests/strategies/ap_run.py OUT_DIR parallel|single|stop|resume|early_exit|early_exit_single|optuna|
-        optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|dpo_single|warmup_stop|warmup_resume|optuna_admission
+        optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|dpo_single|warmup_stop|warmup_resume|optuna_admission|
+        optuna_defaults
 
 ``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt); ``resume`` finishes from that checkpoint.
 ``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation.
@@ -16,6 +17,8 @@ study in OUT_DIR/warmup_resumed.db) and resumed from there.
 ``optuna_admission``: OptunaSweep (random sampler, no ``slots``) asks 6 trials of batch 1 while the ``admission``
 controller's 2 "GiB" a device admit them (2 a rank).
 ``dpo`` / ``dpo_single``: a DPO adapter (5 steps) and an SFT one (2 steps): on 2 ranks, one each.
+``optuna_defaults``: OptunaSweep (3 random trials) and SweepReport with no directory given: the study, the exports
+and the summary go to the TensorBoard logger's directory.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -95,6 +98,11 @@ def sweep_callbacks(out: Path, mode: str) -> tuple[list, Callable[[], Any]]:
         sweep = OptunaSweep(SPACE, n_trials=6, study=optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)),
                             base={"max_steps": 3, "batch_size": 1})
         return [sweep], lambda: sweep.study
+    if mode == "optuna_defaults":  # the study, the exports and the summary where they go by default: the log dir
+        from lightning_multilora.callbacks import SweepReport
+
+        sweep = OptunaSweep(SPACE, n_trials=3, sampler="random", seed=1, base={"max_steps": 3, "batch_size": 1}, slots=2)
+        return [sweep, SweepReport(print_table=False)], lambda: sweep.study
     if mode.startswith("warmup"):
         db = out / ("warmup_resumed" if mode in ("warmup_stop", "warmup_resume") else mode)
         sweep = OptunaSweep(SPACE, n_trials=4, storage=f"sqlite:///{db}.db", sampler="random", seed=3,
@@ -124,7 +132,9 @@ def main() -> None:
                                         safety_margin=1.0)
     dpo = mode.startswith("dpo")
     specs = [] if sweep else DPO_SPECS if dpo else SPECS
-    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(out / mode), admission=admission)
+    defaults = mode == "optuna_defaults"
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=None if defaults else str(out / mode),
+                             admission=admission)
     sources: dict[str, Any] = {"arith": GeneratedArithmetic(200)}
     if dpo:
         from lightning_multilora.data import PreferenceSource
@@ -132,7 +142,7 @@ def main() -> None:
         sources["pairs"] = PreferenceSource(records=PAIRS)
     dm = MultiLoRADataModule(sources=sources, padding="max_length", max_length=96, max_val_examples=8)
     kwargs = dict(accelerator="cpu", max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,
-                  enable_model_summary=False, logger=False, default_root_dir=str(out / f"root_{mode}"),
+                  enable_model_summary=False, logger=defaults, default_root_dir=str(out / f"root_{mode}"),
                   val_check_interval=3, check_val_every_n_epoch=None)  # checkpointing on: ModelCheckpoint saves at the end
     ckpt_path = None
     if mode == "stop":

@@ -327,6 +327,22 @@ def test_an_optuna_sweep_asks_and_tells_from_rank_zero_and_runs_the_trials_of_on
     assert_same_exports(tmp_path, "optuna", single["states"])
 
 
+def test_the_default_directories_are_asked_on_every_rank(tmp_path):
+    """Without ``export_dir``, a storage or a summary path, all of them go to the log dir, which ``Trainer.log_dir``
+    broadcasts from rank 0: asked by one rank alone (an export on the adapter's rank, the study on rank 0) the run
+    hung. Every trial finishes and is exported there, the study and the summary beside them."""
+    pytest.importorskip("optuna")
+    run(tmp_path, "optuna_defaults")
+    ranks = [json.loads((tmp_path / f"optuna_defaults.rank{r}.json").read_text()) for r in (0, 1)]
+    states = ranks[0]["states"]
+    assert len(states) == 3 and all(state == "finished" for state, _ in states.values()) and ranks[1]["states"] == states
+    log_dir = tmp_path / "root_optuna_defaults" / "lightning_logs" / "version_0"
+    assert sorted(p.name for p in (log_dir / "adapters").iterdir()) == sorted(states)
+    assert (log_dir / "optuna.db").is_file()
+    assert sorted(row["adapter"] for row in json.loads((log_dir / "sweep_summary.json").read_text())) == sorted(states)
+    assert [p.name for p in log_dir.parent.iterdir()] == ["version_0"]
+
+
 def test_warmup_selection_decided_on_rank_zero_keeps_what_one_process_keeps(tmp_path):
     optuna = pytest.importorskip("optuna")
 
