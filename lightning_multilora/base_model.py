@@ -105,18 +105,24 @@ def _refuse_near_miss(base_model: str) -> None:
 
 
 def _refuse_unknown_fields(config: Any, overrides: dict[str, Any]) -> None:
-    """``config_overrides`` keys that the config stored as they came (a field it does not have: a typo) are
-    refused. Legacy names the config converts (``rope_theta`` into ``rope_parameters``) pass."""
+    """``config_overrides`` keys that the config stored as they came (no field of its own): one close to a field
+    (``hidden_sizee``) is a typo and refused; another is warned of (a model may still read it: Qwen2 takes
+    ``head_dim`` with ``getattr``). Legacy names the config converts (``rope_theta`` into ``rope_parameters``) pass."""
     import difflib
+    import warnings
 
     fields = type(config)().to_dict()
     stored = config.to_dict()
     unknown = [key for key in overrides if key in stored and key not in fields]
-    if unknown:
-        hints = [f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
-                 for key in unknown for close in [difflib.get_close_matches(key, fields, n=1)]]
+    typos = {key: close[0] for key in unknown for close in [difflib.get_close_matches(key, fields, n=1, cutoff=0.8)]
+             if close}
+    if typos:
         raise ValueError(f"`config_overrides` names fields a {config.model_type} config does not have: "
-                         f"{', '.join(hints)}. Its fields: {', '.join(sorted(k for k in fields if k[0] != '_'))}")
+                         f"{', '.join(f'{k!r} (did you mean {v!r}?)' for k, v in typos.items())}. Its fields: "
+                         f"{', '.join(sorted(k for k in fields if k[0] != '_'))}")
+    if unknown:
+        warnings.warn(f"`config_overrides` {unknown} are no fields of a {config.model_type} config: they are set on "
+                      "it as given, and the model uses them only if its code reads them", stacklevel=3)
 
 
 _PATCH_LOCK = threading.Lock()

@@ -113,6 +113,9 @@ class MultiLoRAMixin:
         self._all_module_names = [n for n, _ in model.named_modules()]
         self.default_target_modules = target_modules
         self.registry = AdapterRegistry()
+        # adapters given to the module outside a fit (constructor, grid, `add_adapter` before `fit`): what a resume
+        # merges into the checkpoint's registry (not those a sweep added during an earlier fit of this object)
+        self._given: dict[str, AdapterSpec] = {}
         self.optimizer_class = resolve_optimizer(optimizer)
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.max_running = max_running
@@ -186,7 +189,11 @@ class MultiLoRAMixin:
         if not isinstance(spec, AdapterSpec):
             raise TypeError(f"add_adapter takes an AdapterSpec, got {type(spec).__name__}")
         self.lora_layers.layers_for(spec.target_modules or self.default_target_modules)  # validates targets
-        return self.registry.add(spec)
+        rec = self.registry.add(spec)
+        trainer = self._trainer_or_none()
+        if trainer is None or trainer.state.status != "running":
+            self._given[spec.name] = spec
+        return rec
 
     def remove_adapter(self, name: str, reason: str = "removed", state: AdapterState = AdapterState.PRUNED) -> None:
         """Stop an adapter now: a running one is exported first, then its weights and optimizer state
@@ -252,8 +259,9 @@ class MultiLoRAMixin:
                              f"{rec.export_path}")
         directory = Path(directory) if directory is not None else self._export_root() / name
         if (directory / "adapter_config.json").exists() and str(directory) != rec.export_path:
-            warnings.warn(f"adapter {name!r}: {directory} holds an adapter this run did not write; it is "
-                          "overwritten (give each run its own `export_dir`)")
+            warnings.warn(f"adapter {name!r}: {directory} holds an adapter this run did not write (another run's, "
+                          "or one written after the checkpoint this run resumed from); it is overwritten (give each "
+                          "new run its own `export_dir`)")
         base = getattr(getattr(self.lora_layers.model, "config", None), "name_or_path", None)
         layers = self.lora_layers.target_layers(name)
         path = save_peft_adapter(directory, rec.spec, self.lora_layers.peft_state_dict(name),
@@ -379,6 +387,9 @@ class MultiLoRAMixin:
 
     def setup(self, stage: str) -> None:
         log_dir_of(self.trainer)  # asked on every rank (a collective), remembered for exports on one rank alone
+        parent = getattr(super(), "setup", None)
+        if parent is not None:
+            parent(stage)
 
     def _export_root(self) -> Path:
         if self.export_dir is not None:
@@ -735,7 +746,7 @@ class MultiLoRAMixin:
     def _export_held(self) -> list[Path]:
         """Export every adapter whose weights the model holds (its best-validation weights where they are kept);
         the directories written."""
-        paths, failed = [], []
+        paths, failed, first = [], [], None
         for rec in [r for r in self.registry.holding_weights if r.name in self.lora_layers.adapter_names]:
             try:  # one adapter that cannot be written (a full disk, say) costs no other its export
                 if self.keep_best_weights:
@@ -743,9 +754,10 @@ class MultiLoRAMixin:
                 paths.append(self.save_adapter(rec.name))
             except Exception as err:  # noqa: BLE001 - reported below, after the others are written
                 failed.append(f"{rec.name!r} ({type(err).__name__}: {err})")
+                first = first or err
         if failed:
             raise RuntimeError(f"exporting {', '.join(failed)} failed; the other adapters were exported to "
-                               f"{[str(p) for p in paths]}")
+                               f"{[str(p) for p in paths]}") from first
         return paths
 
     def configure_callbacks(self) -> list[L.Callback]:
@@ -895,9 +907,8 @@ class MultiLoRAMixin:
             raise ValueError("this checkpoint was not written by a MultiLoRAMixin module (no 'multilora' entry)")
         for name in list(self.lora_layers.adapter_names):
             self.lora_layers.remove_adapter(name)
-        given = [r.spec for r in self.registry]  # this module's own (constructor, grid, add_adapter before fit)
         self.registry.load_state_dict(state["registry"])
-        self._merge_given_specs(given)
+        self._merge_given_specs(list(self._given.values()))
         self._best_weights = dict(state.get("best_weights", {}))
         self._resume_checkpoint = checkpoint  # its optimizer state is matched to the new groups by adapter name
         freed = state.get("freed")
@@ -1024,7 +1035,12 @@ def _grad_norms(groups: Sequence[Sequence[Tensor]], like: Tensor) -> Tensor:
 class ExportOnException(L.Callback):
     """Exports the adapters a `MultiLoRAMixin` module holds when fit stops on an exception, Ctrl+C included (Lightning
     then calls no module hook, only callbacks' ``on_exception``): nothing trained is lost. Added by the module's
-    ``configure_callbacks``."""
+    ``configure_callbacks``. Its ``setup`` also asks ``Trainer.log_dir`` on every rank (`log_dir_of`), where a
+    module's own ``setup`` may not (a subclass's that does not call ``super()``)."""
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        log_dir_of(trainer)
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:

@@ -78,8 +78,8 @@ class OptunaSweep(Callback):
         slots: trials kept running or queued at once (default: as many as the module's ``admission``
             controller says fit, plus one waiting; else the module's ``max_running``, else 4).
         seed: the sampler's seed (None: Optuna's random one); TPE and random asks are seeded with this and the
-            study's trial count, so a resumed run asks what the uninterrupted one did, and a second run on the same
-            study asks new configurations.
+            number of the ask over the study, so a resumed run asks what the uninterrupted one did, and a second run
+            on the same study asks new configurations.
 
     Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values;
     a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one stopped for overfitting
@@ -111,6 +111,7 @@ class OptunaSweep(Callback):
         self.n_trials, self.storage, self.study_name, self.sampler_name = n_trials, storage, study_name, sampler
         self.alpha_over_rank, self.slots, self.seed = alpha_over_rank, slots, seed
         self._own_sampler = False
+        self.first_trial: Optional[int] = None  # trials the study held when this sweep first opened it
         for name, dist in self.distributions.items():  # every value of the space must make a valid AdapterSpec
             for value in (dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)):
                 AdapterSpec(name="check", **self._spec_kwargs({**{n: _example(d) for n, d in
@@ -122,15 +123,16 @@ class OptunaSweep(Callback):
 
     # -- study ----------------------------------------------------------------------------------
 
-    def _sampler(self, trials_so_far: int = 0):
-        """The sampler of the study this sweep makes, for an ask made when the study holds ``trials_so_far``
-        trials: its seed is ``seed``'s and that count's. An ask therefore draws as the same ask of an uninterrupted
-        run does after a resume from a checkpoint, and a second run against the study (a script run again) asks new
-        configurations, not the first run's again. (A grid keeps one sampler: its seed shuffles the grid's points,
+    def _sampler(self, ask: int = 0):
+        """The sampler of the study this sweep makes, for its ask number ``ask`` counted over the study (the trials
+        it held when this sweep first opened it, plus this sweep's asks so far, both kept in checkpoints): its seed
+        is ``seed``'s and that number's. An ask therefore draws as the same ask of an uninterrupted run does after a
+        resume from a checkpoint, and a second run against the study (a script run again) asks new configurations,
+        not the first run's again. (A grid keeps one sampler: its seed shuffles the grid's points,
         which it numbers in that order, and it asks the points no trial has.)"""
         import optuna
 
-        seed = None if self.seed is None else (self.seed * 1_000_003 + trials_so_far) % 2**32
+        seed = None if self.seed is None else (self.seed * 1_000_003 + ask) % 2**32
         if self.sampler_name == "random":
             return optuna.samplers.RandomSampler(seed=seed)
         if self.sampler_name == "grid":
@@ -155,6 +157,8 @@ class OptunaSweep(Callback):
             self.study = optuna.create_study(storage=storage, study_name=self.study_name, direction="minimize",
                                              sampler=self._sampler(), load_if_exists=True)
             self._own_sampler = True  # (a study given by the user keeps its own sampler)
+            if self.first_trial is None:  # (a resumed sweep has it from its checkpoint)
+                self.first_trial = len(self.study.get_trials(deepcopy=False))
         return self.study
 
     def _spec_kwargs(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -210,7 +214,7 @@ class OptunaSweep(Callback):
                 self.exhausted = True
                 break
             if self._own_sampler and self.sampler_name != "grid":  # (a grid's seed orders its points: kept)
-                study.sampler = self._sampler(len(study.get_trials(deepcopy=False)))
+                study.sampler = self._sampler(self.first_trial + self.asked)
             trial = study.ask(self.distributions)
             name = f"trial-{trial.number}"
             try:
@@ -339,13 +343,15 @@ class OptunaSweep(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"trials": {n: dict(t) for n, t in self.trials.items()}, "asked": self.asked,
-                "exhausted": self.exhausted, "storage": self.storage, "study_name": self.study_name}
+                "exhausted": self.exhausted, "storage": self.storage, "study_name": self.study_name,
+                "first_trial": self.first_trial}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.trials = {n: dict(t) for n, t in state_dict.get("trials", {}).items()}
         self.asked = int(state_dict.get("asked", len(self.trials)))
         self.exhausted = bool(state_dict.get("exhausted", False))
+        self.first_trial = state_dict.get("first_trial", self.first_trial)
         if self.storage is None:
             self.storage = state_dict.get("storage")
 

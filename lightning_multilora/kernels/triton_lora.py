@@ -243,7 +243,7 @@ class WeightCopies:
     a_ptrs: Tensor
     b_ptrs: Tensor
     witness: Tensor
-    copy_grid: tuple[int, int]  # `K._copy_weights`' programs: blocks of the largest A_i or B_i, 2n tensors
+    copy_grid: tuple[int, int]  # `K._copy_weights`' programs: 2n tensors, blocks of the largest A_i or B_i
 
 
 def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype, device: torch.device) -> WeightCopies:
@@ -262,7 +262,7 @@ def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype,
         with torch.inference_mode(False):
             flat_a, _, ptrs_a, ptrs_b, views_a, views_b = _flat_like(weights, table, device, dtype, zero=False)
         most = max(max(a.numel() for a in weights.a), max(b.numel() for b in weights.b))
-        grid = (_cdiv(most, K.COPY_META["BLOCK"] * K.COPY_META["PER"]), 2 * len(weights.a))
+        grid = (2 * len(weights.a), _cdiv(most, K.COPY_META["BLOCK"] * K.COPY_META["PER"]))
         entry = (table, WeightCopies(views_a + views_b, ptrs_a, ptrs_b, flat_a, grid))
         memo[dtype] = entry
     copies = entry[1]

@@ -132,14 +132,24 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
                     raise ValueError(f"task ids {taken} are already in the schedule")
                 if need_command and any(t.command is None for t in new):
                     raise ValueError("every task needs a `command` to run")
-                tasks += new
-                path.rename(path.with_name(path.name + ".done"))
             except Exception as err:  # (whatever is wrong with a dropped file, the running tasks go on)
-                path.rename(path.with_name(path.name + ".rejected"))
+                _rename(path, ".rejected")
                 print(f"rejected {path}: {err}", flush=True)
+                continue
+            if _rename(path, ".done"):  # (renamed first: a file that stays would be read again)
+                tasks += new
         return tasks
 
     return poll
+
+
+def _rename(path: Path, suffix: str) -> bool:
+    try:
+        path.rename(path.with_name(path.name + suffix))
+        return True
+    except OSError as err:  # (moved away or unwritable meanwhile: said, and the schedule goes on)
+        print(f"could not rename {path} to *{suffix}: {err}", flush=True)
+        return False
 
 
 def records_table(records: Mapping[str, RunRecord]) -> str:
