@@ -1,9 +1,9 @@
 """The run's log directory, asked of the Trainer once per Trainer.
 
 ``Trainer.log_dir`` is a collective (rank 0's directory, broadcast): every process must ask it at the same point, or
-the one that asks alone waits for ever. The module and the callbacks ask it in ``setup``, where every process is,
-and take the remembered answer later, where one process may be alone (an export on the adapter's rank, a decision
-on rank 0, the report on rank 0)."""
+the one that asks alone waits for ever. The module's own callback (`module.ExportOnException`) asks it in ``setup``,
+where every process is; the module and the callbacks take the remembered answer later, where one process may be
+alone (an export on the adapter's rank, a decision on rank 0, the report on rank 0)."""
 
 from __future__ import annotations
 

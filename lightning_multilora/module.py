@@ -12,8 +12,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from torch import Tensor, nn
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_multilora.base_model import one_sequence_per_row
@@ -384,12 +384,6 @@ class MultiLoRAMixin:
             self.manual_backward(out.float().sum() * 0.0)
         finally:
             hook.remove()
-
-    def setup(self, stage: str) -> None:
-        log_dir_of(self.trainer)  # asked on every rank (a collective), remembered for exports on one rank alone
-        parent = getattr(super(), "setup", None)
-        if parent is not None:
-            parent(stage)
 
     def _export_root(self) -> Path:
         if self.export_dir is not None:
@@ -1035,8 +1029,9 @@ def _grad_norms(groups: Sequence[Sequence[Tensor]], like: Tensor) -> Tensor:
 class ExportOnException(L.Callback):
     """Exports the adapters a `MultiLoRAMixin` module holds when fit stops on an exception, Ctrl+C included (Lightning
     then calls no module hook, only callbacks' ``on_exception``): nothing trained is lost. Added by the module's
-    ``configure_callbacks``. Its ``setup`` also asks ``Trainer.log_dir`` on every rank (`log_dir_of`), where a
-    module's own ``setup`` may not (a subclass's that does not call ``super()``)."""
+    ``configure_callbacks``. Its ``setup`` also asks ``Trainer.log_dir`` on every rank and remembers it
+    (`log_dir_of`): exports on one rank alone, `SweepReport` and `OptunaSweep` on rank 0 take it from there. (A
+    callback's ``setup``, not the module's: a subclass may override that one without calling ``super()``.)"""
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

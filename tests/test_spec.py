@@ -72,12 +72,14 @@ def test_steps_and_epochs_are_exclusive_and_default_to_100_steps():
 
 def test_a_warmup_as_long_as_the_run_is_warned_of():
     with pytest.warns(UserWarning, match=r"adapter 'a': warmup_steps=10 >= max_steps=10.*never reaches lr=0.001 "
-                                         r"\(it ends at 0.9 x lr\)"):
-        AdapterSpec("a", lr=1e-3, max_steps=10, warmup_steps=10)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+                                         r"\(it ends at 0.9 x lr\)") as caught:
+        spec = AdapterSpec("a", lr=1e-3, max_steps=10, warmup_steps=10)
+    assert len(caught) == 1 and spec.warmup_steps == 10  # (a warning, not an error: the spec is made)
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
         AdapterSpec("b", max_steps=10, warmup_steps=9)
         AdapterSpec("c", max_epochs=1, warmup_steps=500)  # (steps of an epoch: unknown here)
+    assert [str(w.message) for w in quiet] == []
 
 
 def test_scaling_is_alpha_over_r_or_rslora():

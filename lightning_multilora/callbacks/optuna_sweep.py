@@ -313,7 +313,6 @@ class OptunaSweep(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not hasattr(pl_module, "registry"):
             raise TypeError("OptunaSweep needs a MultiLoRAMixin module")
-        log_dir_of(trainer)  # asked on every rank (a collective): the study is made on rank 0 alone
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -40,10 +40,6 @@ class SweepReport(Callback):
         self.rows: list[dict] = []
 
     @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        log_dir_of(trainer)  # asked on every rank (a collective): `on_fit_end` writes on rank 0 alone
-
-    @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         registry: Optional[AdapterRegistry] = getattr(pl_module, "registry", None)
         if registry is None or not trainer.is_global_zero:

@@ -26,8 +26,8 @@ def _specs(args: tuple) -> tuple:
     specializes a pointer on), every other argument by value (a bool apart from the int of its value). An int's
     value is finer than what Triton specializes it on (1, a multiple of 16, within 32 bits): a new value takes
     Triton's own path once, which finds its compiled kernel. The kernels' int arguments are widths, strides and
-    counts fixed per layer shape, and a few per layout (rank chunks, row splits, the tuning buckets: `triton_lora._bucket`),
-    so a run meets few values. One comprehension: this runs on every launch."""
+    counts fixed per layer shape, and a few per layout (rank chunks, row splits, the tuning buckets of
+    `triton_lora._bucket`), so a run meets few values. One comprehension: this runs on every launch."""
     return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else
                   a if a.__class__ is int else (a.__class__, a) for a in args])
 

@@ -397,9 +397,9 @@ def _weight_grad(
 
 
 # One launch copies every A_i and B_i into their activation-dtype copies (`triton_lora.WeightCopies`): program
-# (t, j) takes elements [j * BLOCK * PER, (j + 1) * BLOCK * PER) of A_t (t < N) or B_(t-N) (the tensors on the grid's
-# first axis: a second one holds at most 65535). Fixed tiles, the best on
-# the H200 at 4096x4096: r=64 31 us (torch._foreach_copy_ 37), r=16 17 us (22); 4096x14336 r=64 60 us (73).
+# (t, j) takes elements [j * BLOCK * PER, (j + 1) * BLOCK * PER) of A_t (t < N) or B_(t-N) (the tensors on the
+# grid's first axis: a second one holds at most 65535). Fixed tiles, the best of five on the H200 at 4096x4096:
+# r=64 31 us (torch._foreach_copy_ 37), r=16 17 us (22); 4096x14336 r=64 60 us (73).
 COPY_META = dict(BLOCK=4096, PER=2, num_warps=8)
 
 
