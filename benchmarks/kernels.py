@@ -11,6 +11,10 @@ and backward (gradients of x, every A and every B; bf16 activations, fp32 adapte
 - ``ours``: `multi_lora_triton` (6 launches whatever N), gradients of A and B returned through autograd;
 - ``ours_direct``: the same with ``direct_grads=True`` (what `MultiLoRALinear` uses): dA/dB added straight
   into ``.grad``, one autograd input instead of 2N;
+- ``ours_shadow``: ``ours_direct`` reading bf16 copies of the weights that the caller keeps (``LoRAWeights.a_copies``:
+  the adapters' shadows, which `GroupedAdamW` writes at its step, `lightning_multilora.shadow`), so the call copies
+  nothing. Its rows also give ``shadow_write_ms``, the time the optimizer's extra write of the shadows (2 bytes a
+  parameter) takes at the copy rate, and ``pct_of_floor_with_shadow_write``, the share of the floor counting it;
 - ``loop``: the per-adapter PyTorch reference (what PEFT's mixed-batch path does);
 - ``grouped_mm``: ``torch._grouped_mm`` over rank-padded stacked weights (one launch per product);
 - ``floor``: the bytes that must move (x, Y read + written, dY, x again for dA, dX written, the
@@ -58,7 +62,7 @@ from lightning_multilora.kernels.triton_lora import multi_lora_linear_triton, mu
 
 SHAPES = [(4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096)]
 # (frozen_linear, lorafusion and ours_linear_direct run only with --lorafusion-src)
-IMPLS = ["ours", "ours_direct", "loop", "grouped_mm", "frozen_linear", "lorafusion", "ours_linear_direct"]
+IMPLS = ["ours", "ours_direct", "ours_shadow", "loop", "grouped_mm", "frozen_linear", "lorafusion", "ours_linear_direct"]
 
 
 def ranks_for(kind: str, n: int, rng: random.Random) -> list[int]:
@@ -237,8 +241,13 @@ def main() -> None:
                         return step
 
                     wd = LoRAWeights(w.a, w.b, w.scaling, w.dropout, w.starts, w.ends, direct_grads=True)
+                    ws = LoRAWeights(w.a, w.b, w.scaling, w.dropout, w.starts, w.ends, direct_grads=True,
+                                     a_copies=tuple(a.detach().to(x.dtype) for a in w.a),
+                                     b_copies=tuple(b.detach().to(x.dtype) for b in w.b))
+                    shadow_write_ms = sum(2 * (a.numel() + b.numel()) for a, b in zip(w.a, w.b)) / (bandwidth * 1e6)
                     impls = {"ours": fwd_bwd(lambda xx, bb: multi_lora_triton(xx, bb, w, True)),
-                             "ours_direct": fwd_bwd(lambda xx, bb: multi_lora_triton(xx, bb, wd, True))}
+                             "ours_direct": fwd_bwd(lambda xx, bb: multi_lora_triton(xx, bb, wd, True)),
+                             "ours_shadow": fwd_bwd(lambda xx, bb: multi_lora_triton(xx, bb, ws, True))}
                     if n <= args.max_loop_n:
                         impls["loop"] = fwd_bwd(lambda xx, bb: multi_lora_reference(xx, bb, w, True))
                     gmm = GroupedMM(w, device)
@@ -280,12 +289,15 @@ def main() -> None:
                                          gbps=round(nbytes / (ms * 1e-3) / 1e9, 1),
                                          floor_ms=round(impl_floor_ms, 4),
                                          pct_of_floor=round(100 * impl_floor_ms / ms, 1), **common))
+                        if impl == "ours_shadow":
+                            rows[-1].update(shadow_write_ms=round(shadow_write_ms, 4), pct_of_floor_with_shadow_write=
+                                            round(100 * impl_floor_ms / (ms + shadow_write_ms), 1))
                         line.append(f"{impl} {ms:7.3f} ms ({100 * impl_floor_ms / ms:4.0f}%)")
                     rows.append(dict(op="lora_fwd_bwd", shape=shape, n_adapters=n, ranks=rk, tokens=tk,
                                      total_tokens=x.shape[0], impl="floor", ms=round(floor_ms, 4),
                                      gbps=round(bandwidth, 1), pct_of_floor=100.0, **common))
                     print("  ".join(line) + f"  floor {floor_ms:.3f} ms", flush=True)
-                    del x, base, w, grad, xg, params, gmm
+                    del x, base, w, wd, ws, grad, xg, params, gmm
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(rows, indent=1))
     Path(args.out).with_suffix(".tuning.json").write_text(json.dumps(tuning_choices(), indent=1))
@@ -309,7 +321,7 @@ def summarize(rows) -> None:
     for r in rows:
         by_key.setdefault((r["shape"], r["n_adapters"], r["ranks"], r["tokens"]), {})[r["impl"]] = r
     print()
-    for impl in ("ours_direct", "ours"):
+    for impl in ("ours_shadow", "ours_direct", "ours"):
         for kind in sorted({k[2] for k in by_key}):
             points = {k: v for k, v in by_key.items() if k[2] == kind and impl in v}
             if not points:  # (an implementation left out with --impls)
@@ -323,6 +335,10 @@ def summarize(rows) -> None:
             if n32:
                 pct = sorted(v[impl]["pct_of_floor"] for v in n32)
                 line.append(f"N=32 at {pct[0]}..{pct[-1]}% of the floor (median {pct[len(pct) // 2]}%);")
+                if impl == "ours_shadow":
+                    pct = sorted(v[impl]["pct_of_floor_with_shadow_write"] for v in n32)
+                    line.append(f"counting the optimizer's shadow write {pct[0]}..{pct[-1]}% (median "
+                                f"{pct[len(pct) // 2]}%);")
                 speed = sorted(v["loop"]["ms"] / v[impl]["ms"] for v in n32 if "loop" in v)
                 if speed:
                     line.append(f"{speed[0]:.1f}x..{speed[-1]:.1f}x the loop")

@@ -7,7 +7,9 @@ Run on the GPU (about a minute on one H200):
 Each adapter is one flat fp32 parameter of ``--numel`` elements (default: a Llama-3.1-8B adapter at r=16 on the 7
 projections of 32 layers, 41.9 M), in its own param group with its own learning rate and weight decay, as
 `MultiLoRAModule` holds them. One step reads the parameter, its gradient and both moments and writes the
-parameter and the moments: 28 bytes per element. ``gbps`` is that traffic over the measured time and
+parameter and the moments: 28 bytes per element. ``grouped_shadow`` also writes each parameter's bf16 shadow (what the
+LoRA kernels read, `lightning_multilora.shadow`): 30 bytes. ``refresh`` is the copy into the shadows that stands in
+for that write when another optimizer steps (`shadow.refresh`: 6 bytes). ``gbps`` is that traffic over the measured time and
 ``pct_of_copy`` its share of the device-to-device copy bandwidth measured in the same run. ``max_rel_diff``: after
 five steps, the largest difference of any parameter from torch's single-tensor AdamW relative to that parameter's
 largest value. Rows also go to a markdown table next to ``--out``.
@@ -26,6 +28,19 @@ from triton.testing import do_bench
 
 from benchmarks.kernels import copy_bandwidth
 from lightning_multilora.optim import GroupedAdamW
+from lightning_multilora.shadow import Shadow, refresh, register_shadow, shadow_of
+
+BYTES = {"grouped": 28, "grouped_shadow": 30, "fused": 28, "foreach": 28, "refresh": 6}
+
+
+class Refresh:
+    """The shadows' copy alone, forced (as after a step of an optimizer that does not write them)."""
+
+    def __init__(self, params):
+        self.shadows = [Shadow(p, [p], [0], torch.bfloat16) for p in params]
+
+    def step(self):
+        refresh(self.shadows, force=True)
 
 LLAMA8B_R16 = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
 
@@ -36,7 +51,10 @@ def make(n: int, numel: int, impl: str, device) -> tuple[torch.optim.Optimizer, 
     for p in params:
         p.grad = torch.randn(numel, device=device, generator=gen)
     groups = [{"params": [p], "lr": 1e-4 * (1 + i % 4), "weight_decay": 0.01 * (i % 3)} for i, p in enumerate(params)]
-    if impl == "grouped":
+    if impl in ("grouped", "grouped_shadow"):
+        if impl == "grouped_shadow":
+            for p in params:
+                register_shadow(p, Shadow(p, [p], [0], torch.bfloat16))
         return GroupedAdamW(groups), params
     kwargs = {"fused": True} if impl == "fused" else {"foreach": True} if impl == "foreach" else {"foreach": False}
     return torch.optim.AdamW(groups, **kwargs), params
@@ -58,18 +76,26 @@ def main() -> None:
     for n in args.ns:
         small = min(args.numel, 1 << 20)  # correctness on a smaller copy of the same setting
         reference, ref_params = make(n, small, "single", device)
-        for impl in ("grouped", "fused", "foreach"):
-            opt, params = make(n, small, impl, device)
-            for _ in range(5):
-                opt.step()
-            if impl == "grouped":  # five steps of the reference once
+        for impl in ("grouped", "grouped_shadow", "fused", "foreach", "refresh"):
+            if impl == "refresh":
+                diff = 0.0
+                params = make(n, args.numel, "foreach", device)[1]
+                opt = Refresh(params)
+            else:
+                opt, params = make(n, small, impl, device)
                 for _ in range(5):
-                    reference.step()
-            diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(params, ref_params))
-            del opt, params
-            opt, params = make(n, args.numel, impl, device)
+                    opt.step()
+                if impl == "grouped":  # five steps of the reference once
+                    for _ in range(5):
+                        reference.step()
+                diff = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(params, ref_params))
+                if impl == "grouped_shadow":
+                    assert all(shadow_of(p).fresh() and torch.equal(shadow_of(p).tensor, p.detach().bfloat16())
+                               for p in params), "the shadows are not the parameters in bf16"
+                del opt, params
+                opt, params = make(n, args.numel, impl, device)
             ms = do_bench(opt.step, warmup=5, rep=50)
-            gbps = 28 * n * args.numel / (ms * 1e-3) / 1e9
+            gbps = BYTES[impl] * n * args.numel / (ms * 1e-3) / 1e9
             row = dict(meta, n_adapters=n, numel=args.numel, impl=impl, ms=round(ms, 3), gbps=round(gbps, 1),
                        pct_of_copy=round(100 * gbps / bandwidth, 1), max_rel_diff=float(f"{diff:.2e}"))
             rows.append(row)

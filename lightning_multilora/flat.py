@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_multilora.optim import GroupedAdamW
+from lightning_multilora.shadow import Shadow, register_shadow
 
 _data_ptr = Tensor.data_ptr
 _grad = attrgetter("grad")
@@ -50,6 +51,7 @@ class FlatAdapter:
             raise ValueError("a FlatAdapter needs at least one parameter")
         self.params = tuple(params)
         self.flat = nn.Parameter(torch.empty(0, dtype=params[0].dtype, device=params[0].device))
+        self.shadow: Optional[Shadow] = None
         self._bind()
 
     @staticmethod
@@ -84,6 +86,21 @@ class FlatAdapter:
         self._grad: Optional[Tensor] = None
         self._grad_views: tuple[Tensor, ...] = ()
         self._ptrs = (flat.data_ptr(), *map(_data_ptr, self.params))
+        if self.shadow is not None:  # a new storage (moved or cast): a new shadow beside it
+            self.keep_shadow(self.shadow.dtype, renew=True)
+
+    def keep_shadow(self, dtype: torch.dtype, renew: bool = False) -> Shadow:
+        """Hold the adapter's weights in ``dtype`` too (a `Shadow`: `GroupedAdamW` writes it at its step, `refresh`
+        copies it where it is stale), laid out as ``flat``; made again when ``flat`` is bound anew."""
+        if renew or self.shadow is None or self.shadow.dtype != dtype:
+            self.shadow = Shadow(self.flat, self.params, self._offsets, dtype)
+            register_shadow(self.flat, self.shadow)
+        return self.shadow
+
+    def drop_shadow(self) -> None:
+        """No shadow any more (its memory is freed once no forward holds it)."""
+        self.shadow = None
+        register_shadow(self.flat, None)
 
     def bound(self) -> bool:
         """Every parameter is still its view of ``flat``."""

@@ -13,7 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from lightning_multilora.flat import FlatAdapter, make_flat
-from lightning_multilora.kernels import LoRAWeights, multi_lora, multi_lora_linear
+from lightning_multilora.kernels import LoRAWeights, multi_lora, multi_lora_linear, resolve_backend
+from lightning_multilora.shadow import Shadow
+from lightning_multilora.shadow import refresh as _refresh
 from lightning_multilora.layout import BatchLayout
 
 
@@ -26,14 +28,17 @@ class LayoutContext:
 
     def __init__(self) -> None:
         self.layout: Optional[BatchLayout] = None
+        # the layout's adapters' shadows (`MultiLoRALinear.shadows`) are fresh: the layers may read them
+        self.shadows: bool = False
 
     @contextmanager
-    def use(self, layout: Optional[BatchLayout]) -> Iterator[None]:
-        previous, self.layout = self.layout, layout
+    def use(self, layout: Optional[BatchLayout], shadows: bool = False) -> Iterator[None]:
+        previous = self.layout, self.shadows
+        self.layout, self.shadows = layout, shadows
         try:
             yield
         finally:
-            self.layout = previous
+            self.layout, self.shadows = previous
 
 
 class MultiLoRALinear(nn.Module):
@@ -63,10 +68,14 @@ class MultiLoRALinear(nn.Module):
         self.lora_B = nn.ParameterDict()
         self.scaling: dict[str, float] = {}
         self.dropout: dict[str, float] = {}
+        # per adapter, its A and B in the activation dtype, kept by `LoRALayers` (views of the adapter's `Shadow`):
+        # read by the kernels instead of copies of their own while the context says they are fresh
+        self.shadows: dict[str, tuple[Tensor, Tensor]] = {}
         self._version = 0  # bumped when adapters change, invalidating the cached LoRAWeights
         self._weights_key: Optional[tuple] = None
         self._weights: Optional[LoRAWeights] = None
-        self._weights_seen: Optional[tuple] = None  # (layout object, tokens per row, version, direct_grads)
+        # (layout object, tokens per row, version, direct_grads, shadows fresh)
+        self._weights_seen: Optional[tuple] = None
 
     @property
     def adapter_names(self) -> list[str]:
@@ -106,6 +115,7 @@ class MultiLoRALinear(nn.Module):
         del self.lora_B[name]
         del self.scaling[name]
         del self.dropout[name]
+        self.shadows.pop(name, None)
         self._version += 1
 
     def forward(self, x: Tensor) -> Tensor:
@@ -144,13 +154,17 @@ class MultiLoRALinear(nn.Module):
         """This layer's adapters of ``layout`` in token units; reused while layout and adapters are the same
         (forward, recomputation and backward of a step, and steps with the same shapes)."""
         seen = self._weights_seen
+        shadows = self.context.shadows
         if (seen is not None and seen[0] is layout and seen[1] == tokens_per_row and seen[2] == self._version
-                and seen[3] == self.direct_grads):
+                and seen[3] == self.direct_grads and seen[4] == shadows):
             return self._weights  # the same layout object (treated as immutable): no key to build and compare
-        key = (layout.names, layout.starts, layout.ends, tokens_per_row, self._version, self.direct_grads)
+        key = (layout.names, layout.starts, layout.ends, tokens_per_row, self._version, self.direct_grads, shadows)
         if self._weights_key != key:
             held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
             weights = None
+            copies: tuple[tuple[Tensor, Tensor], ...] = ()
+            if shadows and held and all(n in self.shadows for _, n in held):
+                copies = tuple(self.shadows[n] for _, n in held)
             if held:
                 weights = LoRAWeights(
                     a=tuple(self.lora_A[n] for _, n in held),
@@ -160,13 +174,24 @@ class MultiLoRALinear(nn.Module):
                     starts=tuple(layout.starts[i] * tokens_per_row for i, _ in held),
                     ends=tuple(layout.ends[i] * tokens_per_row for i, _ in held),
                     direct_grads=self.direct_grads,
+                    a_copies=tuple(a for a, _ in copies),
+                    b_copies=tuple(b for _, b in copies),
                 )
             self._weights_key, self._weights = key, weights
-        self._weights_seen = (layout, tokens_per_row, self._version, self.direct_grads)
+        self._weights_seen = (layout, tokens_per_row, self._version, self.direct_grads, shadows)
         return self._weights
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, adapters={self.adapter_names}"
+
+
+def _compute_dtype(base: nn.Module) -> Optional[torch.dtype]:
+    """The dtype a base layer computes in: its weight's, or a quantized layer's ``compute_dtype`` (None: unknown)."""
+    weight = getattr(base, "weight", None)
+    if isinstance(weight, Tensor) and weight.is_floating_point():
+        return weight.dtype
+    dtype = getattr(base, "compute_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def _weight_device(module: nn.Module) -> torch.device:
@@ -203,7 +228,14 @@ class LoRALayers(Mapping):
 
     Adds and removes adapters across layers, and yields an adapter's parameters and its PEFT-named
     state dict.
+
+    ``shadows`` (default True): an adapter held flat in fp32 on a CUDA device, in layers whose base computes in
+    bf16 or fp16, also keeps its weights in that dtype (a `Shadow`, which `GroupedAdamW` writes at its step). Inside
+    `use`, the stale ones are copied again and the layers' kernels read them instead of copying their own weights at
+    every call. Set it False (before adapters are added or the model is moved) to copy per call.
     """
+
+    shadows: bool = True
 
     def __init__(self, model: nn.Module, layers: dict[str, MultiLoRALinear], context: LayoutContext) -> None:
         self.model = model
@@ -211,6 +243,8 @@ class LoRALayers(Mapping):
         self.context = context
         self._targets: dict[str, list[str]] = {}
         self._flat: dict[str, Optional[FlatAdapter]] = {}  # per adapter; None: kept per layer (several devices)
+        self._attached: dict[str, Optional[Shadow]] = {}  # per adapter, the shadow its layers' views are of
+        self._refreshed_before_replays = False
 
     def __getitem__(self, key: str) -> MultiLoRALinear:
         return self._layers[key]
@@ -268,13 +302,17 @@ class LoRALayers(Mapping):
             self._layers[layer_name].add_adapter(name, rank, alpha, dropout, use_rslora, generator, dtype)
         self._targets[name] = layer_names
         self._flat[name] = make_flat(self.parameters_of(name))
+        self._sync_shadow(name)
 
     def remove_adapter(self, name: str) -> None:
         if name not in self._targets:
             raise KeyError(f"no adapter {name!r}; present: {self.adapter_names}")
         for layer_name in self._targets.pop(name):
             self._layers[layer_name].remove_adapter(name)
-        self._flat.pop(name, None)
+        flat = self._flat.pop(name, None)
+        if flat is not None:
+            flat.drop_shadow()
+        self._attached.pop(name, None)
 
     def parameters_of(self, name: str) -> list[nn.Parameter]:
         if name not in self._targets:
@@ -303,9 +341,86 @@ class LoRALayers(Mapping):
             if len(params) == len(flat.params) and all(map(is_, params, flat.params)):
                 flat.rebind()
             else:
+                flat.drop_shadow()
                 self._flat[name] = make_flat(params)
+            self._sync_shadow(name)
         for layer in self._layers.values():
             layer._version += 1
+
+    def _shadow_dtype(self, name: str) -> Optional[torch.dtype]:
+        """The dtype adapter ``name``'s shadow should have (None: it should have none)."""
+        flat = self._flat.get(name)
+        if not self.shadows or flat is None:
+            return None
+        p = flat.flat
+        if p.dtype != torch.float32 or p.is_inference() or resolve_backend(p) != "triton":
+            return None  # (the Triton path copies fp32 weights; inference tensors count no versions)
+        dtypes = {_compute_dtype(self._layers[n].base) for n in self._targets[name]}
+        return dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16} else None
+
+    def _sync_shadow(self, name: str) -> Optional[Shadow]:
+        """Adapter ``name``'s shadow made, renewed or dropped as `_shadow_dtype` says, and its layers' views of it
+        (`MultiLoRALinear.shadows`) set."""
+        flat = self._flat.get(name)
+        dtype = self._shadow_dtype(name)
+        shadow = None
+        if flat is not None:
+            if dtype is None:
+                flat.drop_shadow()
+            else:
+                shadow = flat.keep_shadow(dtype)
+        if name in self._attached and self._attached[name] is shadow:
+            return shadow
+        for i, layer_name in enumerate(self._targets[name]):
+            layer = self._layers[layer_name]
+            if shadow is None:
+                layer.shadows.pop(name, None)
+            else:  # (the views are in `parameters_of`'s order: A and B of each layer)
+                layer.shadows[name] = (shadow.views[2 * i], shadow.views[2 * i + 1])
+            layer._version += 1
+        self._attached[name] = shadow
+        return shadow
+
+    def refresh_shadows(self, names: Sequence[str]) -> bool:
+        """Before a forward of adapters ``names``: their stale shadows copied again (one launch). Returns whether the
+        layers may read shadows.
+
+        During a CUDA graph capture nothing can be refreshed (a replay runs no Python), so the layers copy their
+        weights inside the graph as without shadows, unless the capture runs inside `refreshed_before_replays`:
+        its caller refreshes the shadows before every replay (`MultiLoRAMixin` does)."""
+        if not self.shadows:
+            return False
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if capturing and not self._refreshed_before_replays:
+            return False
+        shadows = []
+        for name in names:
+            flat = self._flat.get(name)
+            if flat is None or flat.shadow is None:
+                continue
+            if not flat.bound() or not all(map(is_, self.parameters_of(name), flat.params)):
+                # a storage or a parameter replaced behind the flat's back (``p.data = t``, ``load_state_dict(...,
+                # assign=True)``, a deep copy): held flat again over the layers' parameters as they are now
+                self.rebind()
+                flat = self._flat[name]
+            shadow = flat.shadow
+            if shadow is not None and self._attached.get(name) is not shadow:  # renewed by a rebind
+                shadow = self._sync_shadow(name)
+            if shadow is not None:
+                shadows.append(shadow)
+        if shadows and not capturing:
+            _refresh(shadows)
+        return bool(shadows)
+
+    @contextmanager
+    def refreshed_before_replays(self) -> Iterator[None]:
+        """Captures made inside read the shadows: the caller refreshes them (`refresh_shadows`) before every replay
+        of those graphs, and captures nothing while any is stale."""
+        previous, self._refreshed_before_replays = self._refreshed_before_replays, True
+        try:
+            yield
+        finally:
+            self._refreshed_before_replays = previous
 
     def step_parameters(self, name: str) -> list[nn.Parameter]:
         """The tensors that hold adapter ``name``'s gradients for a step: its flat parameter (one tensor for every
@@ -363,9 +478,12 @@ class LoRALayers(Mapping):
                 layer.lora_A[name].copy_(state[f"{prefix}{layer_name}.lora_A.weight"])
                 layer.lora_B[name].copy_(state[f"{prefix}{layer_name}.lora_B.weight"])
 
-    def use(self, layout: Optional[BatchLayout]):
-        """Context manager: run the model with this batch layout."""
-        return self.context.use(layout)
+    @contextmanager
+    def use(self, layout: Optional[BatchLayout]) -> Iterator[None]:
+        """Context manager: run the model with this batch layout (its adapters' stale shadows copied on entry)."""
+        shadows = layout is not None and self.refresh_shadows(layout.names)
+        with self.context.use(layout, shadows=shadows):
+            yield
 
 
 def linear_module_names(model: nn.Module) -> list[str]:

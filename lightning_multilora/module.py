@@ -20,6 +20,8 @@ from lightning_multilora.base_model import one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import peft_target_modules, save_peft_adapter
 from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS
+from lightning_multilora.optim import GroupedAdamW
+from lightning_multilora.shadow import shadow_of
 from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels import keep_alive
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
@@ -89,7 +91,13 @@ class MultiLoRAMixin:
         admission: Optional[Any] = None,
         cuda_graphs: bool = False,
     ) -> None:
-        """``admission``: an `AdmissionController` (see `lightning_multilora.scheduling`): queued adapters
+        """``optimizer``: an optimizer class or its import path, built with ``optimizer_kwargs`` and one param group
+        per adapter. On CUDA the default, ``torch.optim.AdamW``, steps as `GroupedAdamW` (one launch for every
+        adapter, which also writes the adapters' bf16 shadows that the LoRA kernels read) unless ``optimizer_kwargs``
+        sets ``fused``, ``foreach``, ``amsgrad``, ``capturable`` or ``differentiable``; ``torch.optim.Adam`` (and
+        AdamW with those flags but ``fused``/``foreach``) steps fused.
+
+        ``admission``: an `AdmissionController` (see `lightning_multilora.scheduling`): queued adapters
         start only while its memory model says they fit, largest batch sizes first, a freed slot going to
         the exited adapter's batch size first. ``max_running`` still caps the count when both are given.
 
@@ -538,12 +546,18 @@ class MultiLoRAMixin:
         if not groups:
             raise ValueError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
         kwargs = dict(self.optimizer_kwargs)
+        optimizer_class = self.optimizer_class
         on_cuda = any(p.is_cuda for g in groups for p in g["params"])
-        if on_cuda and self.optimizer_class in (torch.optim.Adam, torch.optim.AdamW) and not (
+        if on_cuda and optimizer_class in (torch.optim.Adam, torch.optim.AdamW) and not (
                 {"fused", "foreach"} & kwargs.keys()):
-            # thousands of small adapter tensors: the fused kernels cut the step's host time by ~4x
-            kwargs["fused"] = True
-        optimizer = self.optimizer_class(groups, **kwargs)
+            if optimizer_class is torch.optim.AdamW and not any(
+                    kwargs.get(k) for k in ("amsgrad", "capturable", "differentiable")):
+                # one launch for every adapter, which also writes the adapters' bf16 shadows that the LoRA kernels
+                # read (torch's would leave them to a copy before each forward): `GroupedAdamW`
+                optimizer_class = GroupedAdamW
+            else:  # thousands of small adapter tensors: the fused kernels cut the step's host time by ~4x
+                kwargs["fused"] = True
+        optimizer = optimizer_class(groups, **kwargs)
         if self._resume_checkpoint is not None:
             _match_optimizer_state(self._resume_checkpoint, optimizer, self._flat_optimizer_state)
             self._resume_checkpoint = None
@@ -641,6 +655,8 @@ class MultiLoRAMixin:
         if key is None:
             return self._forward_backward(batch, records, params)
         layout = batch["layout"]
+        # outside the graph: a replay reads the shadows its capture read, which must hold this step's weights
+        self.lora_layers.refresh_shadows(layout.names)
 
         def device_step(input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             # Right-padded rows need no attention mask under a causal mask: every real token comes before the
@@ -649,7 +665,8 @@ class MultiLoRAMixin:
                 return self._forward_backward({"input_ids": input_ids, "attention_mask": None, "labels": labels,
                                                "layout": layout}, records, params)
 
-        return self._step_graphs(key, device_step, batch["input_ids"], batch["labels"])
+        with self.lora_layers.refreshed_before_replays():
+            return self._step_graphs(key, device_step, batch["input_ids"], batch["labels"])
 
     def _graph_key(self, batch: dict[str, Any], records: Sequence[AdapterRecord],
                    params: Sequence[Sequence[Tensor]]) -> Optional[tuple]:
@@ -665,7 +682,10 @@ class MultiLoRAMixin:
                                       or any(r.spec.objective == "dpo" for r in self.registry)):
             return None  # a sharded base's forward is a collective; so is the question of a DPO reference forward
         layout: BatchLayout = batch["layout"]
-        bound = tuple((p.data_ptr(), 0 if p.grad is None else p.grad.data_ptr()) for group in params for p in group)
+        # (and each one's shadow: a graph captured reading shadows must not replay once they are gone or renewed)
+        bound = tuple((p.data_ptr(), 0 if p.grad is None else p.grad.data_ptr(),
+                       0 if (s := shadow_of(p)) is None or not self.lora_layers.shadows else s.tensor.data_ptr())
+                      for group in params for p in group)
         device_type = batch["input_ids"].device.type
         autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
         return layout.names, layout.starts, layout.ends, layout.num_rows, bound, self.training, autocast

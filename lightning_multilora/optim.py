@@ -11,6 +11,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import _get_scalar_dtype
 
+from lightning_multilora.shadow import shadow_of
+
 _CACHE_SIZE = 8
 # How a group steps, not what it learns: a loaded state dict keeps the optimizer's own (see `load_state_dict`).
 IMPLEMENTATION_FLAGS = ("fused", "foreach", "capturable", "differentiable")
@@ -21,9 +23,12 @@ class GroupedAdamW(torch.optim.AdamW):
     parameters, runs one Triton launch over every param group: the adapters' groups, each with its own
     learning rate, betas, eps, weight decay and step count (`kernels.triton_adamw`), where torch's fused AdamW
     launches per group. On the H200 the two take the same GPU
-    time (32 adapters x 41.9 M parameters: 10.8 vs 10.9 ms, 82% of the copy bandwidth; `benchmarks/optimizer.py`),
-    so `MultiLoRAModule` keeps torch's by default; pass ``optimizer="lightning_multilora.GroupedAdamW"`` for one
-    launch per step.
+    time (32 adapters x 41.9 M parameters: 10.8 vs 10.9 ms, 82% of the copy bandwidth; `benchmarks/optimizer.py`).
+
+    A parameter with a `Shadow` (`lightning_multilora.shadow`: an adapter's flat weights in bf16, which the LoRA
+    kernels read) gets it written in the same launch, so the forward that follows copies nothing (the store costs
+    1.57 ms of the 32 adapters' 12.3 ms step; the copy it replaces, 2.3 ms). That is why `MultiLoRAModule` steps its
+    default AdamW as this on CUDA.
 
     Everything else steps through ``torch.optim.AdamW`` (``foreach`` as given): parameters on the CPU (or
     with ``kernels.set_backend("reference")``), other dtypes, sparse gradients, tensor subclasses (DTensor), a
@@ -103,7 +108,7 @@ class GroupedAdamW(torch.optim.AdamW):
         from lightning_multilora.kernels.triton_lora import _upload
 
         device = members[0][0].device
-        hyper, tensors, steps = [], [], []
+        hyper, tensors, steps, shadows, shadow_ptrs = [], [], [], [], []
         for p, group in members:
             state = self.state[p]
             if len(state) == 0:  # as torch.optim.AdamW starts a parameter
@@ -121,9 +126,16 @@ class GroupedAdamW(torch.optim.AdamW):
             hyper.append((1.0 - lr * float(group["weight_decay"]), 1.0 - beta1, beta2, 1.0 - beta2,
                           lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step), float(group["eps"]),
                           -1.0 if group["maximize"] else 1.0))
+            shadow = shadow_of(p)
+            if shadow is not None and (shadow.tensor.device != device or shadow.tensor.numel() != p.numel()
+                                       or shadow.dtype != (shadows[0].dtype if shadows else shadow.dtype)):
+                shadow = None  # (one shadow dtype a launch; a mismatched one is left stale, and copied when read)
+            if shadow is not None:
+                shadows.append(shadow)
             tensors.append((p, p.grad, m, v))
+            shadow_ptrs.append(0 if shadow is None else shadow.tensor.data_ptr())
             steps.append(state["step"])
-        ptrs = tuple(t.data_ptr() for quad in tensors for t in quad)
+        ptrs = tuple(x for quad, s in zip(tensors, shadow_ptrs) for x in (*map(Tensor.data_ptr, quad), s))
         numels = tuple(p.numel() for p, *_ in tensors)
         key = (device, ptrs, numels)
         tables = self._tables.get(key)
@@ -137,9 +149,12 @@ class GroupedAdamW(torch.optim.AdamW):
         ptr_table, numel_table, blk_tensor, blk_index, aligned = tables
         hyper_table = _upload(torch.tensor(hyper, dtype=torch.float32), device)
         with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
-            triton_adamw.launch(ptr_table, tensors[0][0], numel_table, hyper_table, blk_tensor, blk_index, aligned)
+            triton_adamw.launch(ptr_table, tensors[0][0], numel_table, hyper_table, blk_tensor, blk_index, aligned,
+                                shadows[0].tensor if shadows else None, len(shadows) == len(tensors))
         for step in steps:
             step.add_(1)
+        for shadow in shadows:
+            shadow.mark_written(in_step=True)
 
 
 def _make_tables(ptrs: tuple[int, ...], numels: tuple[int, ...], device: torch.device, block: int):

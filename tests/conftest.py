@@ -31,6 +31,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def triton_backend():
+    """The Triton kernels on CPU tensors too (the interpreter), as on CUDA ones; the backend restored after."""
+    from lightning_multilora import kernels
+
+    before = kernels.get_backend()
+    kernels.set_backend("triton")
+    yield
+    kernels.set_backend(before)
+
+
+@pytest.fixture
 def exact_fp32():
     """fp32 products in fp32 on the GPU too (tf32 off for matmuls and cuDNN; the Triton kernels then take "ieee"),
     restored afterwards. The switches are properties of module objects, which monkeypatch cannot set."""

@@ -22,15 +22,6 @@ HYPER = [dict(lr=1e-2, weight_decay=0.1), dict(lr=3e-3, betas=(0.8, 0.95), eps=1
          dict(lr=0.1, weight_decay=0.01, maximize=True), dict(lr=1e-3)]
 
 
-@pytest.fixture
-def triton_backend():
-    """The kernel on CPU tensors too (the interpreter), as on CUDA ones."""
-    before = kernels.get_backend()
-    kernels.set_backend("triton")
-    yield
-    kernels.set_backend(before)
-
-
 def params(seed=1, scale=1):
     g = torch.Generator().manual_seed(seed)
     return [[torch.randn(n * scale, generator=g).to(DEVICE).requires_grad_() for n in grp] for grp in SIZES]
@@ -240,8 +231,8 @@ def test_large_groups_match_torch_fused_on_the_gpu():
 
 @pytest.mark.gpu
 def test_the_module_trains_with_grouped_adamw_as_with_torch_fused(tmp_path):
-    """`MultiLoRAModule(optimizer="lightning_multilora.GroupedAdamW")` on CUDA trains the adapters to the weights of
-    the default (torch's fused AdamW), with one launch per step."""
+    """`MultiLoRAModule` on CUDA steps ``torch.optim.AdamW`` (the default) as `GroupedAdamW`, one launch per step, and
+    trains the adapters to the weights of torch's fused AdamW (``optimizer_kwargs={"fused": True}``)."""
     import lightning as L
     from safetensors.torch import load_file
 
@@ -253,12 +244,13 @@ def test_the_module_trains_with_grouped_adamw_as_with_torch_fused(tmp_path):
     real = triton_adamw.launch
     triton_adamw.launch = lambda *a, **k: launched.append(1) or real(*a, **k)
     try:
-        for optimizer in ("lightning_multilora.GroupedAdamW", "torch.optim.AdamW"):
+        for optimizer, kwargs in (("torch.optim.AdamW", {}), ("torch.optim.AdamW", {"fused": True})):
             specs = [AdapterSpec("a", lr=1e-3, batch_size=2, max_steps=6, weight_decay=0.1),
                      AdapterSpec("b", lr=3e-3, rank=16, batch_size=3, max_steps=4, seed=1)]
             dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(100)}, max_length=64, truncate=True)
             module = MultiLoRAModule("tiny-llama", adapters=specs, dtype="float32", optimizer=optimizer,
-                                     export_dir=str(tmp_path / optimizer), validate_on_finish=False)
+                                     optimizer_kwargs=kwargs, export_dir=str(tmp_path / str(len(kwargs))),
+                                     validate_on_finish=False)
 
             class Seen(L.Callback):
                 def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -269,7 +261,7 @@ def test_the_module_trains_with_grouped_adamw_as_with_torch_fused(tmp_path):
                       default_root_dir=str(tmp_path), callbacks=[Seen()]).fit(module, dm)
             weights.append({n: load_file(f"{module.registry[n].export_path}/adapter_model.safetensors")
                             for n in ("a", "b")})
-            if optimizer == "torch.optim.AdamW":
+            if kwargs:
                 assert all(g["fused"] for g in module.trainer.optimizers[0].param_groups)
     finally:
         triton_adamw.launch = real

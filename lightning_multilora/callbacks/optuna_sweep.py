@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -80,6 +81,14 @@ class OptunaSweep(Callback):
         seed: the sampler's seed (None: Optuna's random one); TPE and random asks are seeded with this and the
             number of the ask over the study, so a resumed run asks what the uninterrupted one did, and a second run
             on the same study asks new configurations.
+        heartbeat_interval: seconds; with a storage URL, the study is opened with Optuna's heartbeat
+            (``RDBStorage(url, heartbeat_interval=..., grace_period=...)``): the sweep records a heartbeat for each
+            of its running trials at most this often, and on opening the study fails the trials whose heartbeat is
+            older than ``grace_period`` (default: Optuna's, twice the interval), those of a run that was killed and
+            will not be resumed (``optuna.storages.fail_stale_trials``, as ``study.optimize`` does). A resumed
+            sweep's own trials are kept. Choose a grace period longer than a step and a validation: another
+            process sharing the study would fail the trials of a sweep that does not beat for that long. A ``study``
+            given with a heartbeat storage is treated alike.
 
     Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values;
     a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one stopped for overfitting
@@ -98,9 +107,20 @@ class OptunaSweep(Callback):
                  study: Optional["optuna.Study"] = None, storage: Optional[str] = None,
                  study_name: str = "multilora", sampler: str = "tpe", base: Optional[dict[str, Any]] = None,
                  alpha_over_rank: Optional[float] = 2.0, slots: Optional[int] = None,
-                 seed: Optional[int] = 0) -> None:
+                 seed: Optional[int] = 0, heartbeat_interval: Optional[int] = None,
+                 grace_period: Optional[int] = None) -> None:
         if n_trials < 1:
             raise ValueError(f"`n_trials` must be >= 1, got {n_trials}")
+        for name, value in (("heartbeat_interval", heartbeat_interval), ("grace_period", grace_period)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"`{name}` must be an integer number of seconds >= 1 or None, got {value!r}")
+        if grace_period is not None and heartbeat_interval is None:
+            raise ValueError("`grace_period` needs `heartbeat_interval` (the heartbeat it is a grace period of)")
+        if study is not None and heartbeat_interval is not None:
+            raise ValueError("`heartbeat_interval` opens a storage URL with a heartbeat; a `study` given keeps its "
+                             "own storage (open it with RDBStorage(url, heartbeat_interval=...) instead)")
+        self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period
+        self._last_beat = -math.inf
         if sampler not in ("tpe", "random", "grid"):
             raise ValueError(f"`sampler` can be tpe, random, grid, got {sampler!r}")
         if slots is not None and slots < 1:
@@ -154,12 +174,42 @@ class OptunaSweep(Callback):
                 root.mkdir(parents=True, exist_ok=True)
                 storage = f"sqlite:///{(root / 'optuna.db').resolve()}"
                 self.storage = storage
+            if self.heartbeat_interval is not None:
+                storage = optuna.storages.RDBStorage(storage, heartbeat_interval=self.heartbeat_interval,
+                                                     grace_period=self.grace_period)
             self.study = optuna.create_study(storage=storage, study_name=self.study_name, direction="minimize",
                                              sampler=self._sampler(), load_if_exists=True)
             self._own_sampler = True  # (a study given by the user keeps its own sampler)
+            if self._beats():
+                self._beat(force=True)  # a resumed sweep's trials are alive, however long it was stopped
+                with warnings.catch_warnings():  # (Optuna marks it experimental since 2.9)
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    optuna.storages.fail_stale_trials(self.study)
             if self.first_trial is None:  # (a resumed sweep has it from its checkpoint)
                 self.first_trial = len(self.study.get_trials(deepcopy=False))
         return self.study
+
+    def _beats(self) -> bool:
+        """The study's storage takes heartbeats (Optuna's RDBStorage with ``heartbeat_interval``)."""
+        from optuna.storages._heartbeat import BaseHeartbeat, is_heartbeat_enabled
+
+        storage = getattr(self.study, "_storage", None)
+        return isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage)
+
+    def _beat(self, force: bool = False) -> None:
+        """A heartbeat for each trial of this sweep not told yet, at most once per heartbeat interval."""
+        import time
+
+        if self.study is None or not self._beats():
+            return
+        storage = self.study._storage
+        now = time.monotonic()
+        if not force and now - self._last_beat < storage.get_heartbeat_interval():
+            return
+        self._last_beat = now
+        for info in self.trials.values():
+            if not info["told"]:
+                storage.record_heartbeat(info["trial_id"])
 
     def _spec_kwargs(self, params: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(self.base)
@@ -215,7 +265,9 @@ class OptunaSweep(Callback):
                 break
             if self._own_sampler and self.sampler_name != "grid":  # (a grid's seed orders its points: kept)
                 study.sampler = self._sampler(self.first_trial + self.asked)
-            trial = study.ask(self.distributions)
+            with warnings.catch_warnings():  # (the heartbeats are recorded here, outside study.optimize: `_beat`)
+                warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
+                trial = study.ask(self.distributions)
             name = f"trial-{trial.number}"
             try:
                 spec = AdapterSpec(name=name, **self._spec_kwargs(trial.params))
@@ -225,6 +277,8 @@ class OptunaSweep(Callback):
                 raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
             trial.set_user_attr("adapter", name)
             self.trials[name] = {"trial_id": trial._trial_id, "number": trial.number, "reported": [], "told": False}
+            if self._beats():
+                self.study._storage.record_heartbeat(trial._trial_id)
             self.asked += 1
             active.append(name)
             specs.append(spec)
@@ -251,9 +305,15 @@ class OptunaSweep(Callback):
             if not new:
                 continue  # a Trial handle reads the storage: ~1 ms each, for every trial at every step otherwise
             trial = optuna.trial.Trial(self.study, info["trial_id"])
-            for step, loss in new:
-                trial.report(loss, step)
-                info["reported"].append(step)
+            try:
+                for step, loss in new:
+                    trial.report(loss, step)
+                    info["reported"].append(step)
+            except optuna.exceptions.UpdateFinishedTrialError:
+                # another process failed it as stale (its heartbeat older than the grace period)
+                info["told"] = True
+                warnings.warn(f"trial {info['number']} ({name}) was finished by another process (a heartbeat older "
+                              "than the study's grace period?); its results are no longer reported")
 
     def on_adapter_exit(self, trainer: L.Trainer, pl_module: L.LightningModule, rec: AdapterRecord) -> None:
         """Tell the study how an adapter's trial ended (called by the module when an adapter leaves; under
@@ -333,11 +393,15 @@ class OptunaSweep(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         self._report(pl_module)
+        if decides_here(pl_module):
+            self._beat()
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
             self._report(pl_module)
+        if decides_here(pl_module):
+            self._beat()
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -14,6 +14,9 @@ Per tensor ``i`` (its group's hyperparameters, its own step count), as ``torch.o
     p = p - lr / (1 - beta1**step) * m / (sqrt(v) / sqrt(1 - beta2**step) + eps)
 
 ``g`` is negated first under ``maximize`` (``sign = -1``). Square root and division round to nearest (IEEE), as PyTorch's.
+
+A tensor may have a shadow (`lightning_multilora.shadow`): the new ``p`` is also stored there in 16 bits (rounded to
+nearest even, as ``Tensor.to``), 2 bytes an element more.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ HYPER = ("decay", "1-beta1", "beta2", "1-beta2", "step_size", "bc2_sqrt", "eps",
 
 
 @triton.jit
-def _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, decay, c1, beta2, c2, step_size, bc2_sqrt, eps, sign):
+def _update(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, s_on, offs, mask, decay, c1, beta2, c2, step_size, bc2_sqrt, eps,
+            sign, SHADOWS: tl.constexpr):
     # (masked-off lanes load nothing defined and store nothing)
     grad = tl.load(g_ptr + offs, mask=mask) * sign
     param = tl.load(p_ptr + offs, mask=mask)
@@ -42,29 +46,39 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, mask, decay, c1, beta2, c2, step_s
     tl.store(p_ptr + offs, param, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
+    if SHADOWS == 1:  # every tensor has one
+        tl.store(s_ptr + offs, param.to(s_ptr.dtype.element_ty), mask=mask)
+    elif SHADOWS == 2:  # some have one
+        if s_on:
+            tl.store(s_ptr + offs, param.to(s_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _grouped_adamw(
-    PTRS, WITNESS, NUMEL, HYPER, BLK_TENSOR, BLK_INDEX,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    PTRS, WITNESS, SHADOW_WITNESS, NUMEL, HYPER, BLK_TENSOR, BLK_INDEX,
+    ALIGNED: tl.constexpr, SHADOWS: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """One program per (tensor, block): ``PTRS[i] = (p, g, m, v)`` addresses of tensor ``i`` (fp32, like
-    ``WITNESS``), ``NUMEL[i]`` its size, ``HYPER[i]`` its eight scalars (`HYPER`; ``sign`` is -1 under
-    ``maximize``)."""
+    """One program per (tensor, block): ``PTRS[i] = (p, g, m, v, shadow)`` addresses of tensor ``i`` (fp32, like
+    ``WITNESS``; the shadow in ``SHADOW_WITNESS``' dtype, 0 for none; ``SHADOWS``: 0 no tensor has one, 1 every tensor,
+    2 some), ``NUMEL[i]`` its size, ``HYPER[i]`` its eight
+    scalars (`HYPER`; ``sign`` is -1 under ``maximize``)."""
     pid = tl.program_id(0)
     t = tl.load(BLK_TENSOR + pid)
     start = tl.load(BLK_INDEX + pid).to(tl.int64) * BLOCK
     numel = tl.load(NUMEL + t)
-    p_ptr = tl.load(PTRS + 4 * t).to(WITNESS.dtype)
-    g_ptr = tl.load(PTRS + 4 * t + 1).to(WITNESS.dtype)
-    m_ptr = tl.load(PTRS + 4 * t + 2).to(WITNESS.dtype)
-    v_ptr = tl.load(PTRS + 4 * t + 3).to(WITNESS.dtype)
+    p_ptr = tl.load(PTRS + 5 * t).to(WITNESS.dtype)
+    g_ptr = tl.load(PTRS + 5 * t + 1).to(WITNESS.dtype)
+    m_ptr = tl.load(PTRS + 5 * t + 2).to(WITNESS.dtype)
+    v_ptr = tl.load(PTRS + 5 * t + 3).to(WITNESS.dtype)
+    s_addr = tl.load(PTRS + 5 * t + 4)
+    s_on = s_addr != 0
+    s_ptr = s_addr.to(SHADOW_WITNESS.dtype)
     if ALIGNED:  # every tensor starts on a 16-byte boundary: vector loads and stores
         p_ptr = tl.multiple_of(p_ptr, 16)
         g_ptr = tl.multiple_of(g_ptr, 16)
         m_ptr = tl.multiple_of(m_ptr, 16)
         v_ptr = tl.multiple_of(v_ptr, 16)
+        s_ptr = tl.multiple_of(s_ptr, 16)
     h = HYPER + 8 * t
     decay = tl.load(h)
     c1 = tl.load(h + 1)
@@ -76,14 +90,18 @@ def _grouped_adamw(
     sign = tl.load(h + 7)
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= numel:  # a whole block: no mask, so nothing stops the vector accesses
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, None, decay, c1, beta2, c2, step_size, bc2_sqrt, eps,
-                sign)
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, s_on, offs, None, decay, c1, beta2, c2, step_size, bc2_sqrt, eps,
+                sign, SHADOWS)
     else:
-        _update(p_ptr, g_ptr, m_ptr, v_ptr, offs, offs < numel, decay, c1, beta2, c2, step_size, bc2_sqrt,
-                eps, sign)
+        _update(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, s_on, offs, offs < numel, decay, c1, beta2, c2, step_size, bc2_sqrt,
+                eps, sign, SHADOWS)
 
 
-def launch(ptrs, witness, numel, hyper, blk_tensor, blk_index, aligned: bool) -> None:
-    """One launch over ``blk_tensor.numel()`` blocks (see `_grouped_adamw`)."""
-    _grouped_adamw[(blk_tensor.numel(),)](ptrs, witness, numel, hyper, blk_tensor, blk_index,
-                                          ALIGNED=aligned, BLOCK=BLOCK, num_warps=NUM_WARPS)
+def launch(ptrs, witness, numel, hyper, blk_tensor, blk_index, aligned: bool, shadow_witness=None,
+           every_shadow: bool = False) -> None:
+    """One launch over ``blk_tensor.numel()`` blocks (see `_grouped_adamw`); ``shadow_witness``: a tensor of the
+    shadows' dtype (None: no tensor has one); ``every_shadow``: every tensor has one."""
+    shadows = 0 if shadow_witness is None else 1 if every_shadow else 2
+    _grouped_adamw[(blk_tensor.numel(),)](ptrs, witness, witness if shadow_witness is None else shadow_witness, numel,
+                                          hyper, blk_tensor, blk_index, ALIGNED=aligned, SHADOWS=shadows, BLOCK=BLOCK,
+                                          num_warps=NUM_WARPS)

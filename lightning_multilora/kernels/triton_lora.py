@@ -239,15 +239,18 @@ class WeightCopies:
     4096->14336, the expand and dX launches of a forward + backward took 0.83 ms with fp32 weights, 0.46 ms with
     bf16 ones; the shrink and dS launches 0.24 and 0.18 ms)."""
 
-    views: tuple[Tensor, ...]  # A_0..A_n-1, B_0..B_n-1 in the flat buffers
+    views: tuple[Tensor, ...]  # A_0..A_n-1, B_0..B_n-1 in the flat buffers (or the caller's copies)
     a_ptrs: Tensor
     b_ptrs: Tensor
     witness: Tensor
     copy_grid: tuple[int, int]  # `K._copy_weights`' programs: 2n tensors, blocks of the largest A_i or B_i
+    aligned: bool  # every row of every copy starts on a 16-byte boundary
+    kept: bool = False  # the caller's copies (`LoRAWeights.a_copies`): read as they are, never written here
 
 
 def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype, device: torch.device) -> WeightCopies:
-    """The adapters' weights copied into ``dtype``: buffers made once per adapter set and dtype (memoized on
+    """The adapters' weights in ``dtype``: the caller's copies where ``weights`` has them in that dtype
+    (`LoRAWeights.a_copies`, read as they are), else buffers made once per adapter set and dtype (memoized on
     ``weights``), refreshed on every forward call (one launch, `K._copy_weights`: the weights may have changed in
     any way since the last call). A backward reads the values of its call's forward: the weights do not change
     between a forward and its backward, and each call keeps its buffers alive (`_Call.copies`). For the same reason a
@@ -256,6 +259,15 @@ def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype,
     memo = weights.memo.setdefault("weight_copies", {})
     entry = memo.get(dtype)
     fresh = entry is None or entry[0] is not table
+    if weights.a_copies and weights.a_copies[0].dtype == dtype:  # kept equal to the weights by the caller
+        if fresh:
+            copies = weights.a_copies + weights.b_copies
+            n, host = len(weights.a), [c.data_ptr() for c in copies]
+            ptrs = _upload_rows(torch.tensor(host, dtype=torch.int64).reshape(2, n), device)
+            entry = (table, WeightCopies(copies, ptrs[0, :n], ptrs[1, :n], copies[0], (0, 0),
+                                         table.ranks8 and not any(p & 15 for p in host), kept=True))
+            memo[dtype] = entry
+        return entry[1]
     if fresh:
         # Normal tensors even when the first call runs under inference_mode (a validation before training):
         # inference tensors could not be refreshed in place by a later training forward.
@@ -263,7 +275,7 @@ def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype,
             flat_a, _, ptrs_a, ptrs_b, views_a, views_b = _flat_like(weights, table, device, dtype, zero=False)
         most = max(max(a.numel() for a in weights.a), max(b.numel() for b in weights.b))
         grid = (2 * len(weights.a), _cdiv(most, K.COPY_META["BLOCK"] * K.COPY_META["PER"]))
-        entry = (table, WeightCopies(views_a + views_b, ptrs_a, ptrs_b, flat_a, grid))
+        entry = (table, WeightCopies(views_a + views_b, ptrs_a, ptrs_b, flat_a, grid, table.ranks8))
         memo[dtype] = entry
     copies = entry[1]
     if fresh or torch._C._current_graph_task_id() == -1:  # -1: not inside a backward (no recomputation)
@@ -345,7 +357,7 @@ class _Call:
     def w_aligned(self) -> bool:
         """Every row of every weight the products read starts on a 16-byte boundary: the kernels' weight tiles
         are then loaded as vectors (flat copies keep that alignment when every rank is a multiple of 8)."""
-        return self.table.ranks8 and (self.copies is not None or self.table.params_aligned)
+        return self.copies.aligned if self.copies is not None else self.table.ranks8 and self.table.params_aligned
 
 
 class _LoRAShrink(torch.autograd.Function):

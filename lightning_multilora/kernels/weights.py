@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 
@@ -25,6 +26,12 @@ class LoRAWeights:
     them (which raises otherwise), ``backward(inputs=...)`` naming some of them, and per-parameter gradient hooks
     need ``direct_grads=False``. ``torch.autograd.grad`` w.r.t. other tensors only (an input's gradient) leaves
     their ``.grad`` alone, as it does without.
+
+    ``a_copies`` / ``b_copies``: the same weights in a 16-bit activation dtype, kept equal to ``a`` / ``b`` by the
+    caller (an optimizer that writes both at its step: `lightning_multilora.shadow`). Where the Triton path would
+    copy the weights into the activation dtype before its products, it reads these instead and copies nothing; a
+    caller that passes copies older than the weights gets the older weights' products. The reference path reads
+    ``a`` and ``b``.
     """
 
     a: tuple[Tensor, ...]
@@ -34,6 +41,8 @@ class LoRAWeights:
     starts: tuple[int, ...]
     ends: tuple[int, ...]
     direct_grads: bool = False
+    a_copies: tuple[Tensor, ...] = ()
+    b_copies: tuple[Tensor, ...] = ()
     # Per-object memo of derived device state (the Triton path's pointer table, and its copies of the weights
     # in the activation dtype: 2 bytes a parameter), so the calls of a step do not rebuild them.
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
@@ -42,3 +51,14 @@ class LoRAWeights:
         n = len(self.a)
         if not (len(self.b) == len(self.scaling) == len(self.dropout) == len(self.starts) == len(self.ends) == n):
             raise ValueError("LoRAWeights: a, b, scaling, dropout, starts and ends must have one entry per adapter")
+        if self.a_copies or self.b_copies:
+            if len(self.a_copies) != n or len(self.b_copies) != n:
+                raise ValueError("LoRAWeights: a_copies and b_copies must have one entry per adapter (or none)")
+            dtypes = {c.dtype for c in self.a_copies + self.b_copies}
+            if len(dtypes) != 1 or not dtypes <= {torch.bfloat16, torch.float16}:
+                raise ValueError(f"LoRAWeights: a_copies and b_copies must share one dtype, bfloat16 or float16; got "
+                                 f"{sorted(map(str, dtypes))}")
+            for w, c in zip(self.a + self.b, self.a_copies + self.b_copies):
+                if c.shape != w.shape or c.device != w.device or not c.is_contiguous():
+                    raise ValueError(f"LoRAWeights: each copy must be contiguous and shaped and placed as its weight; "
+                                     f"got {tuple(c.shape)} on {c.device} for {tuple(w.shape)} on {w.device}")

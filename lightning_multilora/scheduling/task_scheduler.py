@@ -9,6 +9,7 @@ cumulative bound holds at every instant and tasks do not need contiguous ids.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
@@ -74,6 +75,7 @@ class Schedule:
         lines += [f"{p.task_id:<16} {p.start:>10.1f} {p.end:>10.1f}  {','.join(map(str, p.gpu_ids))}" for p in rows]
         lines.append(f"makespan {self.makespan:.1f} ({'optimal' if self.optimal else 'feasible'}, "
                      f"lower bound {self.lower_bound:.1f}, solved in {self.solve_s:.3f} s)")
+        lines += self.notes
         return "\n".join(lines)
 
 
@@ -186,18 +188,46 @@ class TaskScheduler:
         solver.parameters.max_time_in_seconds = time_limit_s if time_limit_s is not None else self.time_limit_s
         solver.parameters.num_search_workers = self.workers
         status = solver.Solve(model)
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            raise RuntimeError(f"CP-SAT found no plan ({solver.StatusName(status)}) within {self.time_limit_s} s")
+        notes = []
+        if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            start_of = {t.id: solver.Value(starts[t.id]) for t in tasks}
+            span = solver.Value(makespan)
+        elif status == cp_model.UNKNOWN:  # out of time before a first plan: a greedy one, valid but not optimized
+            limit = time_limit_s if time_limit_s is not None else self.time_limit_s
+            start_of = self._greedy_starts(tasks, running, t0)
+            span = max([t0, *(start_of[t.id] + max(1, self._ticks(t.duration)) for t in tasks),
+                        *(max(self._ticks(p.end), t0) for p in running.values())])
+            notes.append(f"CP-SAT found no plan within time_limit_s={limit} s: greedy list schedule (longest first); "
+                         "raise time_limit_s for an optimized plan")
+            warnings.warn(notes[-1])
+        else:
+            raise RuntimeError(f"CP-SAT found no plan ({solver.StatusName(status)}) for {len(tasks)} tasks on "
+                               f"{self.num_gpus} GPUs")
         res = self.resolution_s
         rows = [(tid, p.start, p.end, len(p.gpu_ids)) for tid, p in running.items()]
-        rows += [(t.id, solver.Value(starts[t.id]) * res, solver.Value(starts[t.id]) * res + max(1, self._ticks(t.duration)) * res,
-                  t.gpus) for t in tasks]
+        rows += [(t.id, start_of[t.id] * res, (start_of[t.id] + max(1, self._ticks(t.duration))) * res, t.gpus)
+                 for t in tasks]
         ids = assign_gpu_ids(rows, self.num_gpus, {tid: p.gpu_ids for tid, p in running.items()})
         placements = {tid: Placement(tid, start, end, ids[tid]) for tid, start, end, _ in rows}
-        schedule = Schedule(placements, solver.Value(makespan) * res, status == cp_model.OPTIMAL, solver.WallTime(),
-                            lower_bound(tasks, self.num_gpus, now))
+        schedule = Schedule(placements, span * res, status == cp_model.OPTIMAL, solver.WallTime(),
+                            lower_bound(tasks, self.num_gpus, now), notes)
         self.last = schedule
         return schedule
+
+    def _greedy_starts(self, tasks: Sequence[Task], running: dict[str, Placement], t0: int) -> dict[str, int]:
+        """Start ticks of ``tasks`` by list scheduling from ``t0`` (longest first, each as soon as enough GPUs are
+        free), around the ``running`` placements."""
+        busy = [(max(self._ticks(p.end), t0), len(p.gpu_ids)) for p in running.values()]  # (end, gpus)
+        free, clock, starts = self.num_gpus - sum(g for _, g in busy), t0, {}
+        for task in sorted(tasks, key=lambda t: -t.duration):
+            while free < task.gpus:
+                busy.sort()
+                end, gpus = busy.pop(0)
+                clock, free = max(clock, end), free + gpus
+            starts[task.id] = clock
+            busy.append((clock + max(1, self._ticks(task.duration)), task.gpus))
+            free -= task.gpus
+        return starts
 
 
 def list_schedule(tasks: Sequence[Task], num_gpus: int, order: Optional[Sequence[str]] = None) -> float:

@@ -214,3 +214,33 @@ def test_an_overfit_exit_is_told_complete_with_its_best_validation_loss(tmp_path
     trial = sweep.study.get_trials()[int(rec.name.split("-")[1])]
     assert trial.state == optuna.trial.TrialState.COMPLETE and trial.value == pytest.approx(rec.best_val_loss)
     assert sweep.study.best_value <= rec.best_val_loss  # an overfit adapter competes for the study's best
+
+
+def test_with_a_heartbeat_a_killed_runs_trials_are_failed_and_a_resumed_sweeps_kept(tmp_path, trainer_kwargs):
+    """``heartbeat_interval``: the trials of a run killed without a checkpoint to resume from (Optuna's stale trials)
+    are failed when a sweep next opens the study; a sweep resumed from its checkpoint after longer than the grace
+    period keeps its own trials running and completes them."""
+    import time
+
+    storage = f"sqlite:///{tmp_path / 'beat.db'}"
+
+    def sweep():
+        return OptunaSweep(SPACE, n_trials=5, storage=storage, base={"max_steps": 6, "batch_size": 2}, slots=2,
+                           heartbeat_interval=1, grace_period=2)
+
+    trainer, _ = fit(tmp_path, trainer_kwargs, sweep(), max_steps=8)  # "killed" after 8 steps
+    ckpt = tmp_path / "kill.ckpt"
+    trainer.save_checkpoint(ckpt)
+    study = optuna.load_study(study_name="multilora", storage=storage)
+    orphan = study.ask()  # a trial of another worker that died: it beat once, long ago
+    study._storage.record_heartbeat(orphan._trial_id)
+    time.sleep(3)
+    _, resumed = fit(tmp_path, trainer_kwargs, sweep(), ckpt=str(ckpt))
+    states = {t.number: t.state for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()}
+    assert states.pop(orphan.number) == optuna.trial.TrialState.FAIL
+    assert len(states) == 5 and set(states.values()) == {optuna.trial.TrialState.COMPLETE}
+    assert {r.name for r in resumed.registry} == {f"trial-{n}" for n in states}
+    with pytest.raises(ValueError, match="`heartbeat_interval` must be an integer number of seconds >= 1"):
+        OptunaSweep(SPACE, heartbeat_interval=0)
+    with pytest.raises(ValueError, match="`grace_period` needs `heartbeat_interval`"):
+        OptunaSweep(SPACE, grace_period=10)

@@ -1157,7 +1157,8 @@ def test_weight_tiles_are_declared_aligned_only_where_every_row_is():
     every rank a multiple of 8, and every parameter (or its flat copy) aligned."""
     import dataclasses
 
-    from lightning_multilora.kernels.triton_lora import _Call, _fresh_grads, _grads_of_parameters, pointer_table
+    from lightning_multilora.kernels.triton_lora import (_Call, _fresh_grads, _grads_of_parameters, pointer_table,
+                                                         weight_copies)
 
     def call(w, copies):
         table = pointer_table(w, torch.device(DEVICE))
@@ -1175,7 +1176,14 @@ def test_weight_tiles_are_declared_aligned_only_where_every_row_is():
     shifted = dataclasses.replace(w, a=(storage[1:].view(8, 40).requires_grad_(),) + w.a[1:], memo={})
     c, table = call(shifted, None)
     assert table.ranks8 and not table.params_aligned and not c.w_aligned
-    assert call(shifted, object())[0].w_aligned  # a flat copy keeps 16-byte rows whatever the parameters' offsets
+    copies = weight_copies(shifted, table, torch.float16, torch.device(DEVICE))
+    assert copies.aligned and call(shifted, copies)[0].w_aligned  # flat copies keep 16-byte rows, whatever the offsets
+    half = torch.zeros(8 * 40 + 1, device=DEVICE, dtype=torch.float16)
+    kept = dataclasses.replace(w, a_copies=(half[1:].view(8, 40),) + tuple(a.half() for a in w.a[1:]),
+                               b_copies=tuple(b.half() for b in w.b), memo={})
+    assert not weight_copies(kept, pointer_table(kept, torch.device(DEVICE)), torch.float16, torch.device(DEVICE)).aligned
+    kept = dataclasses.replace(kept, a_copies=tuple(a.half() for a in w.a), memo={})  # the caller's copies, aligned
+    assert weight_copies(kept, pointer_table(kept, torch.device(DEVICE)), torch.float16, torch.device(DEVICE)).aligned
     for p in w.a + w.b:
         p.grad = torch.zeros(p.numel() + 1, device=DEVICE)[1:].view_as(p)  # gradients one element off
     assert not _grads_of_parameters(w, pointer_table(w, torch.device(DEVICE)), torch.device(DEVICE)).aligned
@@ -1287,6 +1295,51 @@ def test_weight_copies_equal_the_weights_cast_and_follow_their_changes(ranks):
         assert all(torch.equal(c, p.to(dtype)) for c, p in zip(copies.views, a + b))
         for p in a + b:
             p.mul_(-3.7).add_(0.01)
+
+
+@pytest.mark.parametrize("ranks", [[8, 16, 64], [3, 100, 7]])
+def test_copies_kept_by_the_caller_are_read_and_nothing_is_copied(monkeypatch, ranks):
+    """``LoRAWeights.a_copies`` / ``b_copies`` (an optimizer's 16-bit shadows): the products read them and no copy
+    is launched; copies equal to the weights cast give the results of the call that copies, and copies that differ
+    from the weights give the products of the copies (so they are what is read); shadows of another dtype than the
+    activations' are ignored. Ranks that keep 16-byte alignment or not."""
+    import dataclasses
+
+    from lightning_multilora.kernels import triton_lora
+
+    if DEVICE == "cuda" and not INTERPRETED:
+        dtype = torch.bfloat16
+    else:
+        dtype = torch.float16  # (the interpreter mishandles bf16)
+    x, base, w = problem(ranks, [5, 17, 9][:len(ranks)], d_in=48, d_out=40, dtype=dtype, seed=11)
+    w = dataclasses.replace(w, a=tuple(a.float() for a in w.a), b=tuple(b.float() for b in w.b), memo={})
+    grad_out = torch.randn_like(base)
+    expected = run(multi_lora_triton, x, base, w, False, grad_out)
+    launches = []
+    copy = triton_lora._copy_weights
+    monkeypatch.setattr(triton_lora, "_copy_weights", lambda *args, **kw: launches.append(1) or copy(*args, **kw))
+    kept = dataclasses.replace(w, a_copies=tuple(a.to(dtype) for a in w.a), b_copies=tuple(b.to(dtype) for b in w.b),
+                               memo={})
+    y, grads = run(multi_lora_triton, x, base, kept, False, grad_out)
+    assert not launches
+    assert torch.equal(y, expected[0])
+    for g, g_ref in zip(grads, expected[1]):
+        assert torch.equal(g, g_ref)
+    doubled = dataclasses.replace(w, a_copies=tuple((2 * a).to(dtype) for a in w.a), b_copies=kept.b_copies, memo={})
+    y2 = run(multi_lora_triton, x, base, doubled, False, grad_out)[0]
+    lora, lora2 = (y - base).float(), (y2 - base).float()
+    assert rel(lora2, 2 * lora) < 1e-2 and rel(lora, lora2) > 0.3
+    other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
+    ignored = dataclasses.replace(w, a_copies=tuple(a.to(other) for a in w.a), b_copies=tuple(b.to(other) for b in w.b),
+                                  memo={})
+    assert torch.equal(run(multi_lora_triton, x, base, ignored, False, grad_out)[0], expected[0])
+    assert launches  # (these copied the weights themselves)
+    with pytest.raises(ValueError, match="a_copies and b_copies must have one entry per adapter"):
+        dataclasses.replace(w, a_copies=kept.a_copies[:1], b_copies=kept.b_copies)
+    with pytest.raises(ValueError, match="shaped and placed as its weight"):
+        dataclasses.replace(w, a_copies=kept.b_copies, b_copies=kept.a_copies)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        dataclasses.replace(w, a_copies=w.a, b_copies=w.b)
 
 
 def test_a_backward_into_existing_gradients_compares_no_tensors(monkeypatch):

@@ -89,3 +89,23 @@ def test_bad_task_sets(tasks, message):
 def test_bad_tasks(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Task(**kwargs)
+
+
+def test_a_solve_out_of_time_before_any_plan_falls_back_to_list_scheduling(monkeypatch):
+    """CP-SAT stopping at ``time_limit_s`` without a first solution (UNKNOWN) no longer ends the schedule: the plan is a
+    greedy list schedule around the running tasks, valid, not marked optimal, with a warning and a note naming
+    ``time_limit_s``."""
+    from ortools.sat.python import cp_model
+
+    rng = random.Random(3)
+    tasks = [Task(f"t{i}", float(rng.randint(5, 60)), rng.choice([1, 2, 4])) for i in range(12)]
+    running = {"r": Placement("r", 0.0, 30.0, (0, 1))}
+    solve = cp_model.CpSolver.Solve  # (solved, then reported as out of time: what a too small limit gives)
+    monkeypatch.setattr(cp_model.CpSolver, "Solve", lambda self, model, *a, **k: solve(self, model) and cp_model.UNKNOWN)
+    with pytest.warns(UserWarning, match="time_limit_s=0.5"):
+        plan = TaskScheduler(4, time_limit_s=0.5).plan(tasks, running, now=10.0)
+    check_valid(plan, tasks, 4)
+    assert plan.placements["r"] == running["r"] and not plan.optimal
+    assert all(plan.placements[t.id].start >= 10.0 for t in tasks)
+    assert plan.makespan == max(p.end for p in plan.placements.values())
+    assert plan.makespan >= lower_bound(tasks, 4, 10.0) and "time_limit_s" in plan.table()
