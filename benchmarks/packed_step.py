@@ -89,10 +89,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=450.0,
                    help="skip (record null) any measurement that would end later than this many seconds "
                         "after start")
-    p.add_argument("--optimizer", choices=("fused", "grouped", "foreach"), default="fused",
-                   help="the packed step's AdamW: torch's fused=True (what MultiLoRAModule runs on CUDA), GroupedAdamW "
-                        "(one launch over every adapter) or torch's foreach default; PEFT takes fused=True with "
-                        "'fused', else torch's default")
+    p.add_argument("--optimizer", choices=("fused", "grouped", "foreach"), default="grouped",
+                   help="the packed step's AdamW: GroupedAdamW (one launch over every adapter, writing their bf16 "
+                        "shadows: what MultiLoRAModule runs on CUDA), torch's fused=True (the shadows then copied once "
+                        "a step) or torch's foreach default; PEFT takes fused=True with 'fused', else torch's default")
     p.add_argument("--cprofile", action="store_true", help="print where the host time of one packed step goes")
     p.add_argument("--trace", action="store_true",
                    help="print, for one floor and one packed step, host enqueue vs wall time, GPU busy time and the "
@@ -299,7 +299,11 @@ def run_packed(model: nn.Module, rows: dict, args: argparse.Namespace, deadline:
                     lm_backward(model, ids, before_backward=lambda: layers.prepare_grads(*names))
 
             def step() -> None:
-                graphs("packed", packed_step, ids)
+                # As `MultiLoRAModule` does: the adapters' stale shadows copied before the graph (a replay runs no
+                # Python), which may then read them
+                layers.refresh_shadows(names)
+                with layers.refreshed_before_replays():
+                    graphs("packed", packed_step, ids)
                 optimizer.step()
 
             record(rows[seq, n], "packed", *measure(f"packed seq={seq} N={n}", step, 1, args, deadline, device))
@@ -417,7 +421,8 @@ def run_sequential_peft(model: nn.Module, rows: dict, args: argparse.Namespace, 
     from peft import LoraConfig, get_peft_model
 
     peft_model = get_peft_model(model, LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=TARGETS))
-    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=LR, fused=args.optimizer == "fused" or None)
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=LR,
+                                  fused=args.optimizer == "fused" or None)
     # PEFT injects its layers into `model` in place, so calling `model` runs them, and the loss is computed
     # exactly as for the other variants.
     for seq in args.seqs:
