@@ -596,6 +596,9 @@ class MultiLoRAMixin:
             return torch.zeros((), device=self.device)
         records = [self.registry[n] for n in layout.names]
         optimizer = self.optimizers()
+        # Once a step, outside any CUDA graph (a replay reads the shadows its capture read), before the step's
+        # parameters and graph key are taken (a replaced storage is held flat again here)
+        self.lora_layers.refresh_shadows(layout.names)
         params = [self.lora_layers.step_parameters(r.name) for r in records]  # one flat tensor per adapter
         losses, norms, total = self._run_forward_backward(batch, records, params)
         tokens = segment_sum(batch["attention_mask"].sum(dim=1), layout)
@@ -635,7 +638,7 @@ class MultiLoRAMixin:
         """A training step's device work: the packed forward, the adapters' gradients zeroed, the backward of the
         sum of the finite per-adapter losses, each adapter's gradient norm (over ``params``, its step
         parameters): ``(losses, norms, total)``."""
-        with self.lora_layers.use(batch["layout"]):
+        with self.lora_layers.use(batch["layout"], refresh=False):  # (`training_step` refreshed the shadows)
             loss_sum, count = self.adapter_loss_terms(batch)
             losses = loss_sum / count.clamp(min=1)  # (N,) mean over each adapter's target tokens
             finite = torch.isfinite(losses)
@@ -655,8 +658,6 @@ class MultiLoRAMixin:
         if key is None:
             return self._forward_backward(batch, records, params)
         layout = batch["layout"]
-        # outside the graph: a replay reads the shadows its capture read, which must hold this step's weights
-        self.lora_layers.refresh_shadows(layout.names)
 
         def device_step(input_ids: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
             # Right-padded rows need no attention mask under a causal mask: every real token comes before the

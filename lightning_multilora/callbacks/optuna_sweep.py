@@ -116,11 +116,15 @@ class OptunaSweep(Callback):
                 raise ValueError(f"`{name}` must be an integer number of seconds >= 1 or None, got {value!r}")
         if grace_period is not None and heartbeat_interval is None:
             raise ValueError("`grace_period` needs `heartbeat_interval` (the heartbeat it is a grace period of)")
+        if grace_period is not None and grace_period <= heartbeat_interval:
+            raise ValueError(f"`grace_period` must be longer than `heartbeat_interval` ({heartbeat_interval} s), got "
+                             f"{grace_period}: a live trial would look stale between two of its heartbeats")
         if study is not None and heartbeat_interval is not None:
             raise ValueError("`heartbeat_interval` opens a storage URL with a heartbeat; a `study` given keeps its "
                              "own storage (open it with RDBStorage(url, heartbeat_interval=...) instead)")
         self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period
         self._last_beat = -math.inf
+        self._opened = False  # the study's stale trials checked once this sweep opened it
         if sampler not in ("tpe", "random", "grid"):
             raise ValueError(f"`sampler` can be tpe, random, grid, got {sampler!r}")
         if slots is not None and slots < 1:
@@ -175,18 +179,22 @@ class OptunaSweep(Callback):
                 storage = f"sqlite:///{(root / 'optuna.db').resolve()}"
                 self.storage = storage
             if self.heartbeat_interval is not None:
-                storage = optuna.storages.RDBStorage(storage, heartbeat_interval=self.heartbeat_interval,
-                                                     grace_period=self.grace_period)
+                if not isinstance(storage, str):
+                    raise ValueError(f"`heartbeat_interval` opens `storage` as a URL (an RDB) with a heartbeat; got "
+                                     f"{type(storage).__name__} (pass the URL, or a storage object without "
+                                     "heartbeat_interval here)")
+                with warnings.catch_warnings():  # (Optuna marks the argument experimental)
+                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                    storage = optuna.storages.RDBStorage(storage, heartbeat_interval=self.heartbeat_interval,
+                                                         grace_period=self.grace_period)
             self.study = optuna.create_study(storage=storage, study_name=self.study_name, direction="minimize",
                                              sampler=self._sampler(), load_if_exists=True)
             self._own_sampler = True  # (a study given by the user keeps its own sampler)
-            if self._beats():
-                self._beat(force=True)  # a resumed sweep's trials are alive, however long it was stopped
-                with warnings.catch_warnings():  # (Optuna marks it experimental since 2.9)
-                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                    optuna.storages.fail_stale_trials(self.study)
             if self.first_trial is None:  # (a resumed sweep has it from its checkpoint)
                 self.first_trial = len(self.study.get_trials(deepcopy=False))
+        if not self._opened:
+            self._opened = True
+            self._beat(force=True)  # a resumed sweep's trials are alive, however long it was stopped
         return self.study
 
     def _beats(self) -> bool:
@@ -197,8 +205,12 @@ class OptunaSweep(Callback):
         return isinstance(storage, BaseHeartbeat) and is_heartbeat_enabled(storage)
 
     def _beat(self, force: bool = False) -> None:
-        """A heartbeat for each trial of this sweep not told yet, at most once per heartbeat interval."""
+        """At most once per heartbeat interval: a heartbeat for each trial of this sweep not told yet, then the
+        study's stale trials failed (another run's, killed for good: `fail_stale_trials`, as ``study.optimize`` does
+        before each trial)."""
         import time
+
+        import optuna
 
         if self.study is None or not self._beats():
             return
@@ -208,8 +220,11 @@ class OptunaSweep(Callback):
             return
         self._last_beat = now
         for info in self.trials.values():
-            if not info["told"]:
+            if not info["told"] and not info.get("lost"):
                 storage.record_heartbeat(info["trial_id"])
+        with warnings.catch_warnings():  # (Optuna marks it experimental)
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            optuna.storages.fail_stale_trials(self.study)
 
     def _spec_kwargs(self, params: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(self.base)
@@ -298,7 +313,7 @@ class OptunaSweep(Callback):
         if self.study is None or not decides_here(pl_module):
             return  # under adapter parallelism rank 0 reports, for every rank
         for name, info in self.trials.items():
-            if info["told"]:
+            if info["told"] or info.get("lost"):
                 continue
             new = [(step, loss) for step, loss in pl_module.registry[name].val_losses
                    if step not in info["reported"] and math.isfinite(loss)]
@@ -310,10 +325,7 @@ class OptunaSweep(Callback):
                     trial.report(loss, step)
                     info["reported"].append(step)
             except optuna.exceptions.UpdateFinishedTrialError:
-                # another process failed it as stale (its heartbeat older than the grace period)
-                info["told"] = True
-                warnings.warn(f"trial {info['number']} ({name}) was finished by another process (a heartbeat older "
-                              "than the study's grace period?); its results are no longer reported")
+                self._lost(info, name)
 
     def on_adapter_exit(self, trainer: L.Trainer, pl_module: L.LightningModule, rec: AdapterRecord) -> None:
         """Tell the study how an adapter's trial ended (called by the module when an adapter leaves; under
@@ -347,11 +359,25 @@ class OptunaSweep(Callback):
             self._tell(info["number"], state=optuna.trial.TrialState.FAIL)
         info["told"] = True
 
+    @staticmethod
+    def _lost(info: dict[str, Any], name: str) -> None:
+        """Trial ``info`` was finished by another process (failed as stale: this sweep's heartbeat older than the
+        study's grace period). Its adapter trains on and keeps its slot (a trial's slot is freed by its exit); the
+        study hears no more of it."""
+        info["lost"] = True
+        warnings.warn(f"trial {info['number']} ({name}) was finished by another process (a heartbeat older than the "
+                      "study's grace period? make grace_period longer than a step and a validation); its adapter "
+                      "trains on, and the study hears no more of it")
+
     def _tell(self, number: int, **kwargs: Any) -> None:
+        import optuna
+
         try:
             # skip_if_finished: under adapter parallelism a trial is told after the checkpoint of the step it
             # exited in; a run resumed from that checkpoint finds it told already
             self.study.tell(number, skip_if_finished=True, **kwargs)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # finished by another process meanwhile (`_lost`)
         except RuntimeError as err:
             # GridSampler calls study.stop() once its grid is used up, which only an optimize() loop may do;
             # the trial's state is stored before that, so the grid is simply exhausted.

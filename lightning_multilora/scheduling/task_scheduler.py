@@ -215,18 +215,21 @@ class TaskScheduler:
         return schedule
 
     def _greedy_starts(self, tasks: Sequence[Task], running: dict[str, Placement], t0: int) -> dict[str, int]:
-        """Start ticks of ``tasks`` by list scheduling from ``t0`` (longest first, each as soon as enough GPUs are
-        free), around the ``running`` placements."""
-        busy = [(max(self._ticks(p.end), t0), len(p.gpu_ids)) for p in running.values()]  # (end, gpus)
-        free, clock, starts = self.num_gpus - sum(g for _, g in busy), t0, {}
+        """Start ticks of ``tasks`` by list scheduling from ``t0`` around the ``running`` placements: longest first,
+        each at the earliest tick from which enough GPUs stay free for its whole duration (so a short task fills
+        GPUs that a wide one waits for)."""
+        placed = [(self._ticks(p.start), max(self._ticks(p.end), t0), len(p.gpu_ids)) for p in running.values()]
+        starts: dict[str, int] = {}
         for task in sorted(tasks, key=lambda t: -t.duration):
-            while free < task.gpus:
-                busy.sort()
-                end, gpus = busy.pop(0)
-                clock, free = max(clock, end), free + gpus
-            starts[task.id] = clock
-            busy.append((clock + max(1, self._ticks(task.duration)), task.gpus))
-            free -= task.gpus
+            size = max(1, self._ticks(task.duration))
+            for start in sorted({t0, *(end for _, end, _ in placed if end > t0)}):
+                end = start + size
+                # usage only rises at a placement's start: checking those inside the window (and its start) suffices
+                points = [start, *(s for s, _, _ in placed if start < s < end)]
+                if all(sum(g for s, e, g in placed if s <= q < e) + task.gpus <= self.num_gpus for q in points):
+                    break
+            starts[task.id] = start
+            placed.append((start, end, task.gpus))
         return starts
 
 

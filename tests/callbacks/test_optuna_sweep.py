@@ -244,3 +244,51 @@ def test_with_a_heartbeat_a_killed_runs_trials_are_failed_and_a_resumed_sweeps_k
         OptunaSweep(SPACE, heartbeat_interval=0)
     with pytest.raises(ValueError, match="`grace_period` needs `heartbeat_interval`"):
         OptunaSweep(SPACE, grace_period=10)
+    with pytest.raises(ValueError, match="`grace_period` must be longer than `heartbeat_interval` \\(60 s\\)"):
+        OptunaSweep(SPACE, heartbeat_interval=60, grace_period=30)
+    with pytest.raises(ValueError, match="`heartbeat_interval` opens `storage` as a URL"):
+        OptunaSweep(SPACE, storage=optuna.storages.InMemoryStorage(), heartbeat_interval=5)._ensure_study(None)
+
+
+def test_a_trial_that_goes_stale_while_the_sweep_runs_is_failed_at_its_next_beat(tmp_path):
+    """A killed run's trial still within the grace period when the sweep opens the study is failed at a later beat,
+    once its heartbeat is older than the grace period; the sweep's own trials, beaten, are not."""
+    import time
+
+    storage = f"sqlite:///{tmp_path / 'late.db'}"
+    sweep = OptunaSweep(SPACE, storage=storage, heartbeat_interval=1, grace_period=2)
+    sweep._ensure_study(None)
+    orphan = sweep.study.ask()
+    sweep.study._storage.record_heartbeat(orphan._trial_id)
+    ours = sweep.study.ask()
+    sweep.trials["trial-x"] = {"trial_id": ours._trial_id, "number": ours.number, "reported": [], "told": False}
+    sweep._beat(force=True)
+    assert sweep.study.trials[orphan.number].state == optuna.trial.TrialState.RUNNING  # not stale yet
+    for _ in range(3):
+        time.sleep(1.1)
+        sweep._beat()
+    states = {t.number: t.state for t in sweep.study.trials}
+    assert states == {orphan.number: optuna.trial.TrialState.FAIL, ours.number: optuna.trial.TrialState.RUNNING}
+
+
+def test_a_trial_finished_by_another_process_keeps_its_slot_and_is_no_longer_reported(tmp_path, trainer_kwargs):
+    """Another process fails a running trial (as stale): the sweep warns, reports nothing more to it, and its adapter
+    keeps its slot until it exits (the sweep asks no extra trial meanwhile)."""
+    storage = f"sqlite:///{tmp_path / 'lost.db'}"
+    peaks = []
+
+    class FailElsewhere(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            peaks.append(len(pl_module.registry.running))
+            if trainer.global_step == 2:
+                study = optuna.load_study(study_name="multilora", storage=storage)
+                study.tell(0, state=optuna.trial.TrialState.FAIL)
+
+    sweep = OptunaSweep(SPACE, n_trials=3, storage=storage, base={"max_steps": 6, "batch_size": 2}, slots=2)
+    with pytest.warns(UserWarning, match="trial 0 \\(trial-0\\) was finished by another process"):
+        _, module = fit(tmp_path, trainer_kwargs, sweep, callbacks=[FailElsewhere()])
+    assert max(peaks) <= 2
+    states = {t.number: t.state for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()}
+    assert states == {0: optuna.trial.TrialState.FAIL, 1: optuna.trial.TrialState.COMPLETE,
+                      2: optuna.trial.TrialState.COMPLETE}
+    assert module.registry["trial-0"].state == AdapterState.FINISHED

@@ -109,3 +109,28 @@ def test_a_solve_out_of_time_before_any_plan_falls_back_to_list_scheduling(monke
     assert all(plan.placements[t.id].start >= 10.0 for t in tasks)
     assert plan.makespan == max(p.end for p in plan.placements.values())
     assert plan.makespan >= lower_bound(tasks, 4, 10.0) and "time_limit_s" in plan.table()
+
+
+def test_the_fallback_plan_fills_gpus_a_wide_task_waits_for(monkeypatch):
+    """The greedy fallback starts a short task on GPUs that a task needing all of them waits for (backfilling),
+    instead of holding every later task behind it; random instances stay valid."""
+    from ortools.sat.python import cp_model
+
+    solve = cp_model.CpSolver.Solve
+    monkeypatch.setattr(cp_model.CpSolver, "Solve", lambda self, model, *a, **k: solve(self, model) and cp_model.UNKNOWN)
+    running = {"r": Placement("r", 0.0, 100.0, (0,))}
+    tasks = [Task("wide", 200.0, 4), Task("short", 50.0, 2)]
+    with pytest.warns(UserWarning):
+        plan = TaskScheduler(4).plan(tasks, running)
+    assert plan.placements["short"].start == 0.0 and plan.placements["wide"].start == 100.0
+    rng = random.Random(7)
+    for _ in range(40):
+        gpus = rng.choice([2, 4, 8])
+        tasks = [Task(f"t{i}", float(rng.randint(1, 40)), rng.randint(1, gpus)) for i in range(rng.randint(0, 9))]
+        now = float(rng.randint(0, 20))
+        running = {f"r{i}": Placement(f"r{i}", 0.0, float(rng.randint(1, 50)), (i,)) for i in range(rng.randint(0, 2))}
+        with pytest.warns(UserWarning):
+            plan = TaskScheduler(gpus).plan(tasks, running, now=now)
+        check_valid(plan, tasks, gpus)
+        assert all(plan.placements[t.id].start >= now for t in tasks)
+        assert all(plan.placements[k] == p for k, p in running.items())
