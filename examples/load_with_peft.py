@@ -1,6 +1,6 @@
 """Load an exported adapter with PEFT and answer a question with it.
 
-    python examples/load_with_peft.py runs/demo/lightning_logs/version_0/adapters/lr8e-3-rank4-bs8
+    python examples/load_with_peft.py runs/demo/lightning_logs/version_0/adapters/trial-7
 
 The tiny demo base is rebuilt from its config with the same seed (it was never saved: it is random and
 frozen); for a real base, pass its checkpoint path to `AutoModelForCausalLM.from_pretrained` instead.

@@ -159,19 +159,26 @@ def test_packed_batches_say_they_are_right_padded_and_segment_sums_reuse_their_i
 
 
 @pytest.mark.gpu
-def test_a_module_with_cuda_graphs_trains_as_the_eager_module(tmp_path):
+@pytest.mark.parametrize("dtype, rtol, delta_tol", [("float32", 1e-4, 1e-2), ("bfloat16", 3e-2, 5e-2)])
+def test_a_module_with_cuda_graphs_trains_as_the_eager_module(tmp_path, monkeypatch, dtype, rtol, delta_tol):
+    """In bf16 the adapters' shadows are read (no weight copy is launched, eagerly or in the graph): the module
+    refreshes them before each replay."""
     import lightning as L
 
     from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
     from lightning_multilora.data import GeneratedArithmetic
+    from lightning_multilora.kernels import triton_lora
 
+    launches = []
+    copy_launch = triton_lora._copy_weights
+    monkeypatch.setattr(triton_lora, "_copy_weights", lambda *a, **k: launches.append(1) or copy_launch(*a, **k))
     results = []
     for graphed in (False, True):
         specs = [AdapterSpec("a", lr=1e-3, batch_size=2, max_steps=8),
                  AdapterSpec("b", lr=3e-3, rank=16, batch_size=3, max_steps=8, seed=1)]
         dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, max_length=64, truncate=True,
                                  padding="max_length", max_val_examples=8)
-        module = MultiLoRAModule("tiny-llama", adapters=specs, dtype="float32", gradient_checkpointing=True,
+        module = MultiLoRAModule("tiny-llama", adapters=specs, dtype=dtype, gradient_checkpointing=True,
                                  cuda_graphs=graphed, export_dir=str(tmp_path / str(graphed)), validate_on_finish=False)
         start = {}
 
@@ -194,10 +201,12 @@ def test_a_module_with_cuda_graphs_trains_as_the_eager_module(tmp_path):
     assert graphs.captures == 1 and graphs.replays == 5 and not graphs.failures
     # The eager module passes the attention mask, the graphed one none (another SDPA kernel): in fp32, equal to
     # ~1e-6. Each replayed step's loss is nearest the eager loss of its own batch (not a stale batch's).
-    torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-4, atol=0.0)
+    torch.testing.assert_close(graph_losses, eager_losses, rtol=rtol, atol=0.0)
     for g, e in zip(graph_losses, eager_losses):
         assert (g[:, None] - e[None, :]).abs().argmin(dim=1).tolist() == list(range(len(e)))
-    assert eager_deltas.norm() > 0 and (graph_deltas - eager_deltas).norm() / eager_deltas.norm() < 1e-2
+    assert eager_deltas.norm() > 0 and (graph_deltas - eager_deltas).norm() / eager_deltas.norm() < delta_tol
+    if dtype == "bfloat16":
+        assert not launches
 
 
 def test_rows_of_one_sequence_keep_the_causal_attention_path_under_a_capture(monkeypatch):

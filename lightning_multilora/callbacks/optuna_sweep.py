@@ -82,13 +82,16 @@ class OptunaSweep(Callback):
             number of the ask over the study, so a resumed run asks what the uninterrupted one did, and a second run
             on the same study asks new configurations.
         heartbeat_interval: seconds; with a storage URL, the study is opened with Optuna's heartbeat
-            (``RDBStorage(url, heartbeat_interval=..., grace_period=...)``): the sweep records a heartbeat for each
-            of its running trials at most this often, and on opening the study fails the trials whose heartbeat is
-            older than ``grace_period`` (default: Optuna's, twice the interval), those of a run that was killed and
-            will not be resumed (``optuna.storages.fail_stale_trials``, as ``study.optimize`` does). A resumed
-            sweep's own trials are kept. Choose a grace period longer than a step and a validation: another
-            process sharing the study would fail the trials of a sweep that does not beat for that long. A ``study``
-            given with a heartbeat storage is treated alike.
+            (``RDBStorage(url, heartbeat_interval=..., grace_period=...)``). The sweep records a heartbeat for each
+            of its running trials at most this often, and then fails the study's trials whose heartbeat is older
+            than ``grace_period``: those of a run that was killed (``optuna.storages.fail_stale_trials``, as
+            ``study.optimize`` does). A sweep resumed from its checkpoint beats its own trials first and keeps
+            them, unless another process sharing the study failed them while the sweep was down for longer than
+            the grace period (their adapters then train on, unreported, with a warning). A ``study`` given with a
+            heartbeat storage is treated alike.
+        grace_period: seconds without a heartbeat after which a running trial counts as stale (default: Optuna's,
+            twice ``heartbeat_interval``). Make it longer than a step and a validation: another process sharing the
+            study would fail the trials of a sweep that does not beat for that long.
 
     Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values;
     a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one stopped for overfitting
@@ -119,6 +122,9 @@ class OptunaSweep(Callback):
         if grace_period is not None and grace_period <= heartbeat_interval:
             raise ValueError(f"`grace_period` must be longer than `heartbeat_interval` ({heartbeat_interval} s), got "
                              f"{grace_period}: a live trial would look stale between two of its heartbeats")
+        if heartbeat_interval is not None and storage is not None and not isinstance(storage, str):
+            raise ValueError(f"`heartbeat_interval` opens `storage` as a URL (an RDB) with a heartbeat; got "
+                             f"{type(storage).__name__} (pass the URL, or open the storage with its own heartbeat)")
         if study is not None and heartbeat_interval is not None:
             raise ValueError("`heartbeat_interval` opens a storage URL with a heartbeat; a `study` given keeps its "
                              "own storage (open it with RDBStorage(url, heartbeat_interval=...) instead)")
@@ -365,9 +371,10 @@ class OptunaSweep(Callback):
         study's grace period). Its adapter trains on and keeps its slot (a trial's slot is freed by its exit); the
         study hears no more of it."""
         info["lost"] = True
-        warnings.warn(f"trial {info['number']} ({name}) was finished by another process (a heartbeat older than the "
-                      "study's grace period? make grace_period longer than a step and a validation); its adapter "
-                      "trains on, and the study hears no more of it")
+        warnings.warn(f"trial {info['number']} ({name}) was finished by another process sharing the study: its "
+                      "heartbeat was older than the grace period (this run was stopped longer than that before a "
+                      "resume, or a step or validation took longer: then lengthen grace_period); its adapter trains "
+                      "on, and the study hears no more of it")
 
     def _tell(self, number: int, **kwargs: Any) -> None:
         import optuna

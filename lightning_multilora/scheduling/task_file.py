@@ -84,8 +84,17 @@ def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
 def _setting(data: Mapping[str, Any], name: str, default: float, path: Any) -> float:
     value = data.get(name, default)
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
-        raise ValueError(f"{path}: `{name}` must be a number of seconds > 0, got {value!r}")
+        raise ValueError(f"{path}: `{name}` must be a number of seconds > 0, got {value!r}{_yaml_hint(value)}")
     return float(value)
+
+
+def _yaml_hint(value: Any) -> str:
+    """Why a number may have arrived as text: YAML 1.1 (PyYAML) reads ``1e-3`` as a string, ``1.0e-3`` as a float."""
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return ""
+    return f" (text: YAML reads exponents without a dot as text; write {float(value)!r})" if isinstance(value, str) else ""
 
 
 def gantt(placements: Mapping[str, Any], num_gpus: int, path: str | Path, title: str = "") -> Path:

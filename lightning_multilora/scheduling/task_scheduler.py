@@ -45,7 +45,9 @@ class Task:
             raise ValueError(f"task {self.id!r}: `command` must not be empty")
         if not (isinstance(self.duration, (int, float)) and not isinstance(self.duration, bool)
                 and math.isfinite(self.duration) and self.duration > 0):
-            raise ValueError(f"task {self.id!r}: `duration` must be a finite number > 0, got {self.duration!r}")
+            hint = (" (text: YAML reads exponents without a dot as text; write it with one, e.g. 1.0e3)"
+                    if isinstance(self.duration, str) else "")
+            raise ValueError(f"task {self.id!r}: `duration` must be a finite number > 0, got {self.duration!r}{hint}")
         if not (isinstance(self.gpus, int) and not isinstance(self.gpus, bool) and self.gpus >= 1):
             raise ValueError(f"task {self.id!r}: `gpus` must be an integer >= 1, got {self.gpus!r}")
         if not isinstance(self.torchrun, bool):
@@ -141,6 +143,7 @@ class TaskScheduler:
             raise ValueError(f"`resolution_s` must be > 0, got {resolution_s}")
         self.num_gpus, self.time_limit_s, self.resolution_s, self.workers = num_gpus, time_limit_s, resolution_s, workers
         self.last: Optional[Schedule] = None
+        self._warned_greedy = False
 
     def _ticks(self, seconds: float) -> int:
         return max(0, math.ceil(seconds / self.resolution_s - 1e-9))
@@ -199,7 +202,9 @@ class TaskScheduler:
                         *(max(self._ticks(p.end), t0) for p in running.values())])
             notes.append(f"CP-SAT found no plan within time_limit_s={limit} s: greedy list schedule (longest first); "
                          "raise time_limit_s for an optimized plan")
-            warnings.warn(notes[-1])
+            if not self._warned_greedy:  # (a runner replans often; the plan's table keeps the note)
+                self._warned_greedy = True
+                warnings.warn(notes[-1])
         else:
             raise RuntimeError(f"CP-SAT found no plan ({solver.StatusName(status)}) for {len(tasks)} tasks on "
                                f"{self.num_gpus} GPUs")

@@ -247,7 +247,7 @@ def test_with_a_heartbeat_a_killed_runs_trials_are_failed_and_a_resumed_sweeps_k
     with pytest.raises(ValueError, match="`grace_period` must be longer than `heartbeat_interval` \\(60 s\\)"):
         OptunaSweep(SPACE, heartbeat_interval=60, grace_period=30)
     with pytest.raises(ValueError, match="`heartbeat_interval` opens `storage` as a URL"):
-        OptunaSweep(SPACE, storage=optuna.storages.InMemoryStorage(), heartbeat_interval=5)._ensure_study(None)
+        OptunaSweep(SPACE, storage=optuna.storages.InMemoryStorage(), heartbeat_interval=5)
 
 
 def test_a_trial_that_goes_stale_while_the_sweep_runs_is_failed_at_its_next_beat(tmp_path):

@@ -83,6 +83,9 @@ def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
     ("gpus: 2\ntasks: [{id: , duration: 5}]", "task `id` must be a non-empty string, got None"),
     ("gpus: 2\ntime_limit_s: fast\ntasks: [{id: a, duration: 5}]", "`time_limit_s` must be a number of seconds > 0"),
     ("gpus: 2\nresolution_s: 0\ntasks: [{id: a, duration: 5}]", "`resolution_s` must be a number of seconds > 0"),
+    ("gpus: 2\ntime_limit_s: 1e-9\ntasks: [{id: a, duration: 5}]", "got '1e-9' \\(text: YAML reads exponents without a "
+     "dot as text; write 1e-09\\)"),
+    ("gpus: 2\ntasks: [{id: a, duration: 3e2}]", "got '3e2' \\(text: YAML reads exponents without a dot as text"),
     ("gpus: 2\nmax_retries: -1\ntasks: [{id: a, duration: 5}]", "`max_retries` must be an integer >= 0"),
     ("gpus: 2\nmax_retries: 1.7\ntasks: [{id: a, duration: 5}]", "`max_retries` must be an integer >= 0"),
     ("gpus: 2\nlog_dir:\ntasks: [{id: a, duration: 5}]", "`log_dir` must be a directory path, got None"),

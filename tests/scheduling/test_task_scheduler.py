@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import warnings
 
 import pytest
 
@@ -102,8 +103,12 @@ def test_a_solve_out_of_time_before_any_plan_falls_back_to_list_scheduling(monke
     running = {"r": Placement("r", 0.0, 30.0, (0, 1))}
     solve = cp_model.CpSolver.Solve  # (solved, then reported as out of time: what a too small limit gives)
     monkeypatch.setattr(cp_model.CpSolver, "Solve", lambda self, model, *a, **k: solve(self, model) and cp_model.UNKNOWN)
+    scheduler = TaskScheduler(4, time_limit_s=0.5)
     with pytest.warns(UserWarning, match="time_limit_s=0.5"):
-        plan = TaskScheduler(4, time_limit_s=0.5).plan(tasks, running, now=10.0)
+        plan = scheduler.plan(tasks, running, now=10.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once a scheduler: a runner replans often (the plan's table keeps the note)
+        assert "time_limit_s" in scheduler.plan(tasks, running, now=10.0).table()
     check_valid(plan, tasks, 4)
     assert plan.placements["r"] == running["r"] and not plan.optimal
     assert all(plan.placements[t.id].start >= 10.0 for t in tasks)
