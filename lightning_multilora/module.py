@@ -20,17 +20,16 @@ from lightning_multilora.base_model import one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import peft_target_modules, save_peft_adapter
 from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS
-from lightning_multilora.optim import GroupedAdamW
-from lightning_multilora.shadow import shadow_of
 from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels import keep_alive
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
 from lightning_multilora.layer import LoRALayers, inject_multilora
 from lightning_multilora.layout import BatchLayout
 from lightning_multilora.log_dir import log_dir_of
-from lightning_multilora.optim import IMPLEMENTATION_FLAGS
+from lightning_multilora.optim import IMPLEMENTATION_FLAGS, GroupedAdamW
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
 from lightning_multilora.schedules import lr_factor
+from lightning_multilora.shadow import shadow_of
 from lightning_multilora.spec import AdapterSpec, SweepGrid
 import lightning_multilora.strategies  # noqa: E402,F401 - registers strategy="adapter_parallel"
 
@@ -94,8 +93,9 @@ class MultiLoRAMixin:
         """``optimizer``: an optimizer class or its import path, built with ``optimizer_kwargs`` and one param group
         per adapter. On CUDA the default, ``torch.optim.AdamW``, steps as `GroupedAdamW` (one launch for every
         adapter, which also writes the adapters' bf16 shadows that the LoRA kernels read) unless ``optimizer_kwargs``
-        sets ``fused``, ``foreach``, ``amsgrad``, ``capturable`` or ``differentiable``; ``torch.optim.Adam`` (and
-        AdamW with those flags but ``fused``/``foreach``) steps fused.
+        sets ``fused``, ``foreach``, ``amsgrad``, ``capturable`` or ``differentiable``. ``torch.optim.Adam``, and AdamW
+        with ``amsgrad``, ``capturable`` or ``differentiable``, step with ``fused=True`` unless ``optimizer_kwargs``
+        sets ``fused`` or ``foreach``.
 
         ``admission``: an `AdmissionController` (see `lightning_multilora.scheduling`): queued adapters
         start only while its memory model says they fit, largest batch sizes first, a freed slot going to
