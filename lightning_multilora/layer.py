@@ -404,13 +404,13 @@ class LoRALayers(Mapping):
             flat = self._flat.get(name)
             if flat is None or flat.shadow is None:
                 continue
-            if not flat.bound() or not self._holds(name, flat):
+            holds = self._holds(name, flat)
+            if not holds or not flat.bound():
                 # a storage or a parameter replaced behind the flat's back (``p.data = t``, ``load_state_dict(...,
                 # assign=True)``, a deep copy): held flat again over the layers' parameters as they are now
-                replaced = not self._holds(name, flat)
                 self.rebind()
                 flat = self._flat[name]
-                if replaced:
+                if not holds:
                     warnings.warn(f"adapter {name!r}: its layers hold other parameter objects than its flat parameter "
                                   "(load_state_dict(..., assign=True)?); it is held flat anew, and an optimizer built "
                                   "before steps the old parameters: build it again")

@@ -150,7 +150,7 @@ class GroupedAdamW(torch.optim.AdamW):
         hyper_table = _upload(torch.tensor(hyper, dtype=torch.float32), device)
         with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
             triton_adamw.launch(ptr_table, tensors[0][0], numel_table, hyper_table, blk_tensor, blk_index, aligned,
-                                shadows[0].tensor if shadows else None, len(shadows) == len(tensors))
+                                shadows[0].tensor if shadows else None)
         for step in steps:
             step.add_(1)
         for shadow in shadows:

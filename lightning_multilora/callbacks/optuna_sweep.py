@@ -184,11 +184,7 @@ class OptunaSweep(Callback):
                 root.mkdir(parents=True, exist_ok=True)
                 storage = f"sqlite:///{(root / 'optuna.db').resolve()}"
                 self.storage = storage
-            if self.heartbeat_interval is not None:
-                if not isinstance(storage, str):
-                    raise ValueError(f"`heartbeat_interval` opens `storage` as a URL (an RDB) with a heartbeat; got "
-                                     f"{type(storage).__name__} (pass the URL, or a storage object without "
-                                     "heartbeat_interval here)")
+            if self.heartbeat_interval is not None:  # (`storage` is a URL: checked in __init__)
                 with warnings.catch_warnings():  # (Optuna marks the argument experimental)
                     warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
                     storage = optuna.storages.RDBStorage(storage, heartbeat_interval=self.heartbeat_interval,

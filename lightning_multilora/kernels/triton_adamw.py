@@ -32,7 +32,7 @@ HYPER = ("decay", "1-beta1", "beta2", "1-beta2", "step_size", "bc2_sqrt", "eps",
 
 @triton.jit
 def _update(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, s_on, offs, mask, decay, c1, beta2, c2, step_size, bc2_sqrt, eps,
-            sign, SHADOWS: tl.constexpr):
+            sign, HAS_SHADOW: tl.constexpr):
     # (masked-off lanes load nothing defined and store nothing)
     grad = tl.load(g_ptr + offs, mask=mask) * sign
     param = tl.load(p_ptr + offs, mask=mask)
@@ -46,9 +46,7 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, s_on, offs, mask, decay, c1, beta
     tl.store(p_ptr + offs, param, mask=mask)
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
-    if SHADOWS == 1:  # every tensor has one
-        tl.store(s_ptr + offs, param.to(s_ptr.dtype.element_ty), mask=mask)
-    elif SHADOWS == 2:  # some have one
+    if HAS_SHADOW:  # (a launch where every tensor has one took the same time without this branch)
         if s_on:
             tl.store(s_ptr + offs, param.to(s_ptr.dtype.element_ty), mask=mask)
 
@@ -56,11 +54,10 @@ def _update(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, s_on, offs, mask, decay, c1, beta
 @triton.jit
 def _grouped_adamw(
     PTRS, WITNESS, SHADOW_WITNESS, NUMEL, HYPER, BLK_TENSOR, BLK_INDEX,
-    ALIGNED: tl.constexpr, SHADOWS: tl.constexpr, BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr, HAS_SHADOW: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program per (tensor, block): ``PTRS[i] = (p, g, m, v, shadow)`` addresses of tensor ``i`` (fp32, like
-    ``WITNESS``; the shadow in ``SHADOW_WITNESS``' dtype, 0 for none; ``SHADOWS``: 0 no tensor has one, 1 every tensor,
-    2 some), ``NUMEL[i]`` its size, ``HYPER[i]`` its eight
+    ``WITNESS``; the shadow in ``SHADOW_WITNESS``' dtype, 0 for none), ``NUMEL[i]`` its size, ``HYPER[i]`` its eight
     scalars (`HYPER`; ``sign`` is -1 under ``maximize``)."""
     pid = tl.program_id(0)
     t = tl.load(BLK_TENSOR + pid)
@@ -91,17 +88,15 @@ def _grouped_adamw(
     offs = start + tl.arange(0, BLOCK)
     if start + BLOCK <= numel:  # a whole block: no mask, so nothing stops the vector accesses
         _update(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, s_on, offs, None, decay, c1, beta2, c2, step_size, bc2_sqrt, eps,
-                sign, SHADOWS)
+                sign, HAS_SHADOW)
     else:
         _update(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, s_on, offs, offs < numel, decay, c1, beta2, c2, step_size, bc2_sqrt,
-                eps, sign, SHADOWS)
+                eps, sign, HAS_SHADOW)
 
 
-def launch(ptrs, witness, numel, hyper, blk_tensor, blk_index, aligned: bool, shadow_witness=None,
-           every_shadow: bool = False) -> None:
+def launch(ptrs, witness, numel, hyper, blk_tensor, blk_index, aligned: bool, shadow_witness=None) -> None:
     """One launch over ``blk_tensor.numel()`` blocks (see `_grouped_adamw`); ``shadow_witness``: a tensor of the
-    shadows' dtype (None: no tensor has one); ``every_shadow``: every tensor has one."""
-    shadows = 0 if shadow_witness is None else 1 if every_shadow else 2
+    shadows' dtype (None: no tensor has one)."""
     _grouped_adamw[(blk_tensor.numel(),)](ptrs, witness, witness if shadow_witness is None else shadow_witness, numel,
-                                          hyper, blk_tensor, blk_index, ALIGNED=aligned, SHADOWS=shadows, BLOCK=BLOCK,
-                                          num_warps=NUM_WARPS)
+                                          hyper, blk_tensor, blk_index, ALIGNED=aligned,
+                                          HAS_SHADOW=shadow_witness is not None, BLOCK=BLOCK, num_warps=NUM_WARPS)

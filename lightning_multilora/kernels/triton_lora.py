@@ -245,7 +245,6 @@ class WeightCopies:
     witness: Tensor
     copy_grid: tuple[int, int]  # `K._copy_weights`' programs: 2n tensors, blocks of the largest A_i or B_i
     aligned: bool  # every row of every copy starts on a 16-byte boundary
-    kept: bool = False  # the caller's copies (`LoRAWeights.a_copies`): read as they are, never written here
 
 
 def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype, device: torch.device) -> WeightCopies:
@@ -265,7 +264,7 @@ def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype,
             n, host = len(weights.a), [c.data_ptr() for c in copies]
             ptrs = _upload_rows(torch.tensor(host, dtype=torch.int64).reshape(2, n), device)
             entry = (table, WeightCopies(copies, ptrs[0, :n], ptrs[1, :n], copies[0], (0, 0),
-                                         table.ranks8 and not any(p & 15 for p in host), kept=True))
+                                         table.ranks8 and not any(p & 15 for p in host)))
             memo[dtype] = entry
         return entry[1]
     if fresh:

@@ -28,7 +28,8 @@ import yaml
 
 from lightning_multilora.scheduling.executors import LocalExecutor, SimulatedExecutor
 from lightning_multilora.scheduling.runner import RunRecord, ScheduleRunner
-from lightning_multilora.scheduling.task_scheduler import Schedule, Task, TaskScheduler, validate_tasks
+from lightning_multilora.scheduling.task_scheduler import (Schedule, Task, TaskScheduler, validate_tasks,
+                                                           yaml_number_hint)
 
 TASK_FIELDS = ("id", "duration", "gpus", "command", "torchrun")
 FILE_FIELDS = ("gpus", "time_limit_s", "resolution_s", "max_retries", "log_dir", "tasks")
@@ -84,17 +85,8 @@ def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
 def _setting(data: Mapping[str, Any], name: str, default: float, path: Any) -> float:
     value = data.get(name, default)
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
-        raise ValueError(f"{path}: `{name}` must be a number of seconds > 0, got {value!r}{_yaml_hint(value)}")
+        raise ValueError(f"{path}: `{name}` must be a number of seconds > 0, got {value!r}{yaml_number_hint(value)}")
     return float(value)
-
-
-def _yaml_hint(value: Any) -> str:
-    """Why a number may have arrived as text: YAML 1.1 (PyYAML) reads ``1e-3`` as a string, ``1.0e-3`` as a float."""
-    try:
-        float(value)
-    except (TypeError, ValueError):
-        return ""
-    return f" (text: YAML reads exponents without a dot as text; write {float(value)!r})" if isinstance(value, str) else ""
 
 
 def gantt(placements: Mapping[str, Any], num_gpus: int, path: str | Path, title: str = "") -> Path:

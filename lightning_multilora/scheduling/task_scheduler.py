@@ -11,7 +11,18 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
+
+
+def yaml_number_hint(value: Any) -> str:
+    """Why a number may have arrived as text: YAML 1.1 (PyYAML) reads ``1e-3`` as a string, ``1.0e-3`` as a float."""
+    if not isinstance(value, str):
+        return ""
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    return f" (text: YAML reads exponents without a dot as text; write {number!r})"
 
 
 @dataclass(frozen=True)
@@ -45,9 +56,8 @@ class Task:
             raise ValueError(f"task {self.id!r}: `command` must not be empty")
         if not (isinstance(self.duration, (int, float)) and not isinstance(self.duration, bool)
                 and math.isfinite(self.duration) and self.duration > 0):
-            hint = (" (text: YAML reads exponents without a dot as text; write it with one, e.g. 1.0e3)"
-                    if isinstance(self.duration, str) else "")
-            raise ValueError(f"task {self.id!r}: `duration` must be a finite number > 0, got {self.duration!r}{hint}")
+            raise ValueError(f"task {self.id!r}: `duration` must be a finite number > 0, got {self.duration!r}"
+                             f"{yaml_number_hint(self.duration)}")
         if not (isinstance(self.gpus, int) and not isinstance(self.gpus, bool) and self.gpus >= 1):
             raise ValueError(f"task {self.id!r}: `gpus` must be an integer >= 1, got {self.gpus!r}")
         if not isinstance(self.torchrun, bool):
