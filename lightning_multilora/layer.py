@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from lightning_multilora.flat import FlatAdapter, make_flat
 from lightning_multilora.kernels import LoRAWeights, multi_lora, multi_lora_linear, resolve_backend
-from lightning_multilora.shadow import Shadow
+from lightning_multilora.shadow import Shadow, record_copy
 from lightning_multilora.shadow import refresh as _refresh
 from lightning_multilora.layout import BatchLayout
 
@@ -389,14 +389,18 @@ class LoRALayers(Mapping):
         layers may read shadows. ``check=False``: the caller has just refreshed them; only says whether they may be
         read.
 
-        During a CUDA graph capture nothing can be refreshed (a replay runs no Python), so the layers copy their
-        weights inside the graph as without shadows, unless the capture runs inside `refreshed_before_replays`:
-        its caller refreshes the shadows before every replay (`MultiLoRAMixin` does)."""
+        During a CUDA graph capture a replay runs no Python, so the graph copies the adapters' weights into their
+        shadows itself (one launch, at every replay, as the per-call copies did without shadows), unless the capture
+        runs inside `refreshed_before_replays`: its caller refreshes the shadows before every replay
+        (`MultiLoRAMixin` does), and the graph reads them as they are."""
         if not self.shadows:
             return False
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if capturing and not self._refreshed_before_replays:
-            return False
+            attached = [s for s in map(self._attached.get, names) if s is not None]
+            if attached:
+                record_copy(attached)
+            return bool(attached)
         if not check or capturing:
             return any(self._attached.get(name) is not None for name in names)
         shadows = []

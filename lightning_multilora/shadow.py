@@ -131,6 +131,14 @@ def refresh(shadows: Sequence[Shadow], force: bool = False) -> int:
     return len(stale)
 
 
+def record_copy(shadows: Sequence[Shadow]) -> None:
+    """During a CUDA graph capture: record the copy of every shadow of ``shadows`` from its flat parameter (one
+    launch), so that each replay copies them again before the forward reads them, as the per-call copies did. Their
+    freshness is left as it is: the capture runs nothing."""
+    with torch.no_grad():
+        torch._foreach_copy_([s.tensor for s in shadows], [s.flat.detach() for s in shadows])
+
+
 def invalidate_shadows() -> None:
     """Mark every shadow stale: after writing adapter weights in a way torch does not count (through ``.data``, or
     a custom kernel), the next forward copies them again."""
@@ -138,4 +146,4 @@ def invalidate_shadows() -> None:
         s.invalidate()
 
 
-__all__ = ["Shadow", "invalidate_shadows", "refresh", "register_shadow", "shadow_of"]
+__all__ = ["Shadow", "invalidate_shadows", "record_copy", "refresh", "register_shadow", "shadow_of"]

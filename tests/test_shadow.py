@@ -282,24 +282,56 @@ def test_weights_replaced_behind_the_flat_parameter_are_read_as_they_are(triton_
     assert torch.equal(out, _forward(model, layers, shadows=False))
 
 
-def test_a_graph_capture_reads_shadows_only_where_its_caller_refreshes_them_before_replays(triton_backend, monkeypatch):
-    """A replay runs no Python: a capture of ``use(layout)`` copies the weights inside the graph, as without shadows
-    (so every replay reads them as they are), unless it runs inside ``refreshed_before_replays``."""
+def test_a_graph_capture_copies_the_shadows_unless_its_caller_refreshes_them_before_replays(triton_backend,
+                                                                                             monkeypatch):
+    """A replay runs no Python: a capture of ``use(layout)`` records the copy of the weights into the shadows (so
+    every replay reads them as they are, as the per-call copies did), unless it runs inside
+    ``refreshed_before_replays``; neither launches per-call copies."""
     from lightning_multilora.kernels import triton_lora
 
     model, layers = _model_with_adapter()
-    _forward(model, layers)  # (the shadows refreshed: a capture cannot)
+    _forward(model, layers)  # (the device tables made and the shadows refreshed: a capture can do neither)
     launches = []
     copy_launch = triton_lora._copy_weights
     monkeypatch.setattr(triton_lora, "_copy_weights", lambda *a, **k: launches.append(1) or copy_launch(*a, **k))
+    layers.flat_adapter("a").flat.data.mul_(0.5)  # a write no counter sees: the shadow still looks fresh
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)  # (as inside a capture)
-    _forward(model, layers)
-    assert launches
-    launches.clear()
     with layers.refreshed_before_replays():
-        _forward(model, layers)
+        as_left = _forward(model, layers)  # the shadows as the caller left them
+    replayed = _forward(model, layers)  # the shadows copied by the (here: captured and run) graph
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert not launches
+    assert torch.equal(replayed, _forward(model, layers, shadows=False))
+    assert not torch.equal(as_left, replayed)
+
+
+@pytest.mark.gpu
+def test_a_graph_captured_around_use_replays_the_weights_as_they_are():
+    """A CUDA graph of a forward under ``use(layout)``, captured after eager steps that read the shadows, copies
+    the weights into them at each replay: a write after the capture is seen."""
+    model, layers = _model_with_adapter()
+    x = torch.randn(8, 32, device=DEVICE, dtype=torch.float16)
+    layout = BatchLayout(("a",), (0,), (8,), 8)
+
+    def forward():
+        with torch.no_grad(), layers.use(layout):
+            return model(x)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    with torch.no_grad():
+        layers.flat_adapter("a").flat.mul_(0.5)
+    graph.replay()
+    layers.shadows = False
+    assert torch.equal(out, forward())
 
 
 def test_a_closure_refresh_inside_a_step_does_not_hide_the_steps_write(triton_backend):
