@@ -15,9 +15,14 @@ from torch import Tensor, nn
 
 from lightning_multilora.flat import FlatAdapter, make_flat
 from lightning_multilora.kernels import LoRAWeights, multi_lora, multi_lora_linear, resolve_backend
+from lightning_multilora.kernels.weights import DropoutStreams
 from lightning_multilora.shadow import Shadow, record_copy
 from lightning_multilora.shadow import refresh as _refresh
 from lightning_multilora.layout import BatchLayout
+
+
+# Adapters with dropout step counters at once, per model (slots are reused once an adapter is removed)
+DROPOUT_SLOTS = 4096
 
 
 class LayoutContext:
@@ -31,6 +36,17 @@ class LayoutContext:
         self.layout: Optional[BatchLayout] = None
         # the layout's adapters' shadows (`MultiLoRALinear.shadows`) are fresh: the layers may read them
         self.shadows: bool = False
+        # per device, the adapters' dropout step counters (`DropoutStreams.steps`), a slot an adapter
+        self.dropout_steps: dict[torch.device, Tensor] = {}
+
+    def steps_on(self, device: torch.device) -> Tensor:
+        """The dropout step counters on ``device`` (made there from another device's, or zeros)."""
+        steps = self.dropout_steps.get(device)
+        if steps is None:
+            other = next((t for t in self.dropout_steps.values() if not t.is_meta), None)
+            steps = (torch.zeros(DROPOUT_SLOTS, dtype=torch.int64) if other is None else other).to(device)
+            self.dropout_steps[device] = steps
+        return steps
 
     @contextmanager
     def use(self, layout: Optional[BatchLayout], shadows: bool = False) -> Iterator[None]:
@@ -72,6 +88,9 @@ class MultiLoRALinear(nn.Module):
         # per adapter, its A and B in the activation dtype, kept by `LoRALayers` (views of the adapter's `Shadow`):
         # read by the kernels instead of copies of their own while the context says they are fresh
         self.shadows: dict[str, tuple[Tensor, Tensor]] = {}
+        # per adapter, its dropout stream: (its seed in this layer, its slot in the context's step counters), set by
+        # `LoRALayers`; an adapter without one draws its masks from torch's random state
+        self.streams: dict[str, tuple[int, int]] = {}
         self._version = 0  # bumped when adapters change, invalidating the cached LoRAWeights
         self._weights_key: Optional[tuple] = None
         self._weights: Optional[LoRAWeights] = None
@@ -117,7 +136,13 @@ class MultiLoRALinear(nn.Module):
         del self.scaling[name]
         del self.dropout[name]
         self.shadows.pop(name, None)
+        self.streams.pop(name, None)
         self._version += 1
+
+    def _apply(self, fn, *args, **kwargs):
+        # moved or cast (``.to``, ``.cuda``, ``.half``): the cached weights' device state is rebuilt at the next forward
+        self._weights_key = self._weights = self._weights_seen = None
+        return super()._apply(fn, *args, **kwargs)
 
     def forward(self, x: Tensor) -> Tensor:
         layout = self.context.layout
@@ -166,6 +191,11 @@ class MultiLoRALinear(nn.Module):
             copies: tuple[tuple[Tensor, Tensor], ...] = ()
             if shadows and held and all(n in self.shadows for _, n in held):
                 copies = tuple(self.shadows[n] for _, n in held)
+            streams = None
+            if held and all(n in self.streams for _, n in held):
+                streams = DropoutStreams(tuple(self.streams[n][0] for _, n in held),
+                                         tuple(self.streams[n][1] for _, n in held),
+                                         self.context.steps_on(self.lora_A[held[0][1]].device))
             if held:
                 weights = LoRAWeights(
                     a=tuple(self.lora_A[n] for _, n in held),
@@ -177,6 +207,7 @@ class MultiLoRALinear(nn.Module):
                     direct_grads=self.direct_grads,
                     a_copies=tuple(a for a, _ in copies),
                     b_copies=tuple(b for _, b in copies),
+                    streams=streams,
                 )
             self._weights_key, self._weights = key, weights
         self._weights_seen = (layout, tokens_per_row, self._version, self.direct_grads, shadows)
@@ -247,6 +278,9 @@ class LoRALayers(Mapping):
         self._attached: dict[str, Optional[Shadow]] = {}  # per adapter, the shadow its layers' views are of
         self._param_dicts: dict[str, tuple[dict, ...]] = {}  # per adapter, its layers' lora_A/_B parameter dicts
         self._refreshed_before_replays = False
+        self._slots: dict[str, int] = {}  # per adapter, its slot in the dropout step counters
+        self._dropout: dict[str, float] = {}
+        self._advance_index: dict[tuple, tuple[Tensor, Tensor]] = {}  # (slots, device): (index, ones)
 
     def __getitem__(self, key: str) -> MultiLoRALinear:
         return self._layers[key]
@@ -291,17 +325,27 @@ class LoRALayers(Mapping):
         """Add adapter ``name`` to every layer its ``target_modules`` select (all injected layers if None).
 
         Initialisation is drawn from a generator seeded by ``seed`` and the layer's position, so an
-        adapter's initial weights do not depend on which other adapters exist. The adapter's parameters are then
+        adapter's initial weights do not depend on which other adapters exist. So are its dropout masks (with
+        ``dropout > 0``), from ``seed``, the layer and its dropout step (`dropout_steps`): the same whichever adapters
+        share its forwards, and wherever its rows lie in the batch. The adapter's parameters are then
         held flat (see `FlatAdapter`) where they share a device.
         """
         if name in self._targets:
             raise ValueError(f"adapter {name!r} already exists; adapter names must be unique")
         layer_names = self.layers_for(target_modules)
+        used = set(self._slots.values())
+        slot = next((i for i in range(DROPOUT_SLOTS) if i not in used), None)
+        if slot is None:
+            raise RuntimeError(f"at most {DROPOUT_SLOTS} adapters at once on one model; remove one first")
         for index, layer_name in enumerate(self._layers):
             if layer_name not in layer_names:
                 continue
             generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + index)
             self._layers[layer_name].add_adapter(name, rank, alpha, dropout, use_rslora, generator, dtype)
+            self._layers[layer_name].streams[name] = (_stream_seed(seed, index), slot)
+        self._slots[name], self._dropout[name] = slot, float(dropout)
+        for steps in self.context.dropout_steps.values():
+            steps[slot] = 0
         self._targets[name] = layer_names
         self._flat[name] = make_flat(self.parameters_of(name))
         self._sync_shadow(name)
@@ -315,6 +359,8 @@ class LoRALayers(Mapping):
         if flat is not None:
             flat.drop_shadow()
         self._attached.pop(name, None)
+        self._slots.pop(name, None)
+        self._dropout.pop(name, None)
         self._param_dicts.pop(name, None)
 
     def parameters_of(self, name: str) -> list[nn.Parameter]:
@@ -506,10 +552,54 @@ class LoRALayers(Mapping):
     @contextmanager
     def use(self, layout: Optional[BatchLayout], refresh: bool = True) -> Iterator[None]:
         """Context manager: run the model with this batch layout (its adapters' stale shadows copied on entry;
-        ``refresh=False``: the caller has just refreshed them, `refresh_shadows`)."""
+        ``refresh=False``: the caller has just refreshed them, `refresh_shadows`). With gradients on (a training
+        forward), each of the layout's adapters with rows and dropout advances its dropout step: open it once per
+        forward + backward (a recomputation inside takes the same masks)."""
         shadows = layout is not None and self.refresh_shadows(layout.names, check=refresh)
+        if layout is not None and torch.is_grad_enabled():
+            self._advance_dropout(layout)
         with self.context.use(layout, shadows=shadows):
             yield
+
+    def _advance_dropout(self, layout: BatchLayout) -> None:
+        """A training forward: the dropout step of each of the layout's adapters with rows and dropout advances
+        by one (one launch, on the device, so that a CUDA graph of the step advances them at each replay)."""
+        slots = tuple(self._slots[n] for n, s, e in zip(layout.names, layout.starts, layout.ends)
+                      if e > s and self._dropout.get(n, 0.0) > 0 and n in self._slots)
+        if not slots:
+            return
+        self.context.steps_on(self._device_of(next(n for n in layout.names if n in self._slots)))
+        for device, steps in self.context.dropout_steps.items():
+            index = self._advance_index.get((slots, device))
+            if index is None:
+                if len(self._advance_index) >= 64:
+                    self._advance_index.clear()
+                index = self._advance_index[(slots, device)] = (
+                    torch.tensor(slots, dtype=torch.int64, device=device),
+                    torch.ones(len(slots), dtype=torch.int64, device=device))
+            steps.index_add_(0, *index)
+
+    def dropout_steps(self) -> dict[str, int]:
+        """Each adapter's dropout step: how many training forwards (`use` with gradients on) it has had rows in,
+        while it had dropout. Its masks at a step depend on its seed, its step and the layer alone."""
+        table = next((t for t in self.context.dropout_steps.values() if not t.is_meta), None)
+        if table is None:
+            return {name: 0 for name in self._slots}
+        steps = table.tolist()
+        return {name: steps[slot] for name, slot in self._slots.items()}
+
+    def set_dropout_steps(self, steps: Mapping[str, int]) -> None:
+        """Set the dropout steps of the adapters named in ``steps`` (a resumed run's, from `dropout_steps`)."""
+        unknown = sorted(set(steps) - set(self._slots))
+        if unknown:
+            raise KeyError(f"no adapter {unknown}; present: {self.adapter_names}")
+        for name, step in steps.items():
+            self.context.steps_on(self._device_of(name))
+            for table in self.context.dropout_steps.values():
+                table[self._slots[name]] = int(step)
+
+    def _device_of(self, name: str) -> torch.device:
+        return self._layers[self._targets[name][0]].lora_A[name].device
 
 
 def linear_module_names(model: nn.Module) -> list[str]:
@@ -559,3 +649,9 @@ def inject_multilora(
         setattr(parent, child, wrapped)
         layers[name] = wrapped
     return LoRALayers(model, layers, context)
+
+
+def _stream_seed(seed: int, layer_index: int) -> int:
+    """An adapter's dropout seed in the layer at ``layer_index`` (its initialisation's generator takes ``seed *
+    1_000_003 + layer_index``: mixed otherwise, so that its first masks are not its initial weights' draws)."""
+    return (int(seed) * 0x2545F491 + layer_index * 0x6C8E9CF5 + 0x1B873593) % (2**31 - 1)

@@ -888,6 +888,8 @@ class MultiLoRAMixin:
             # what the next admission prefers, and (adapter parallelism) exits not yet shared with the other ranks
             "freed": self._freed_spec.name if self._freed_spec is not None else None,
             "exited_since_sync": list(self._exited_since_sync),
+            # each adapter's dropout step (its masks come from its seed and this step)
+            "dropout_steps": self.lora_layers.dropout_steps(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -932,6 +934,8 @@ class MultiLoRAMixin:
         for rec in self.registry.holding_weights:
             if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
                 self._create_weights(rec)
+        steps = state.get("dropout_steps", {})
+        self.lora_layers.set_dropout_steps({n: s for n, s in steps.items() if n in self.lora_layers.adapter_names})
         saved = set(checkpoint["state_dict"])
         expected = {k for k, _ in self.named_parameters() if any(s in k for s in _LORA_KEYS)}
         missing = expected - saved

@@ -162,7 +162,7 @@ def test_packed_batches_say_they_are_right_padded_and_segment_sums_reuse_their_i
 @pytest.mark.parametrize("dtype, rtol, delta_tol", [("float32", 1e-4, 1e-2), ("bfloat16", 3e-2, 5e-2)])
 def test_a_module_with_cuda_graphs_trains_as_the_eager_module(tmp_path, monkeypatch, dtype, rtol, delta_tol):
     """In bf16 the adapters' shadows are read (no weight copy is launched, eagerly or in the graph): the module
-    refreshes them before each replay."""
+    refreshes them before each replay. "b"'s dropout masks are the eager run's: a replay advances its dropout step."""
     import lightning as L
 
     from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
@@ -175,7 +175,7 @@ def test_a_module_with_cuda_graphs_trains_as_the_eager_module(tmp_path, monkeypa
     results = []
     for graphed in (False, True):
         specs = [AdapterSpec("a", lr=1e-3, batch_size=2, max_steps=8),
-                 AdapterSpec("b", lr=3e-3, rank=16, batch_size=3, max_steps=8, seed=1)]
+                 AdapterSpec("b", lr=3e-3, rank=16, batch_size=3, max_steps=8, seed=1, dropout=0.1)]
         dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, max_length=64, truncate=True,
                                  padding="max_length", max_val_examples=8)
         module = MultiLoRAModule("tiny-llama", adapters=specs, dtype=dtype, gradient_checkpointing=True,

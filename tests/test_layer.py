@@ -111,3 +111,90 @@ def test_an_inputs_gradient_leaves_the_adapters_gradients_alone_on_the_triton_pa
                 torch.autograd.grad(layer(x).sum(), [x, layer.lora_A["a"]])
     finally:
         kernels.set_backend(before)
+
+
+def _train_with_dropout(backend, rows, streams=True, checkpointed=False, steps=2):
+    """Adapter "b"'s outputs over ``steps`` training forwards and its gradients, with the adapters of ``rows`` (name:
+    rows, in order) sharing the batch; each adapter's rows are its own ids whatever its neighbours."""
+    from lightning_multilora import kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (on the CPU, triton: the interpreter, set by conftest)
+    before = kernels.get_backend()
+    kernels.set_backend(backend)
+    try:
+        torch.manual_seed(0)
+        model = build_base_model("tiny-llama").float().to(device)
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        layers = inject_multilora(model, ["q_proj", "v_proj", "down_proj"])
+        for name in rows:
+            layers.add_adapter(name, rank=4, alpha=8, dropout=0.3, seed=ord(name))
+            generator = torch.Generator().manual_seed(ord(name))
+            for layer_name in layers.layers_for(None):
+                b = layers[layer_name].lora_B[name]
+                with torch.no_grad():
+                    b.copy_(torch.randn(b.shape, generator=generator) * 0.1)
+            if not streams:  # masks from torch's random state, as before streams
+                for layer in layers.values():
+                    layer.streams.pop(name, None)
+        model.train()
+        bounds = torch.tensor([0, *rows.values()]).cumsum(0).tolist()
+        layout = BatchLayout(tuple(rows), tuple(bounds[:-1]), tuple(bounds[1:]), bounds[-1])
+        ids = torch.cat([torch.randint(0, 100, (n, 8), generator=torch.Generator().manual_seed(ord(name)))
+                         for name, n in rows.items()]).to(device)
+        i = list(rows).index("b")
+        torch.manual_seed(len(rows))  # another random state for each set of adapters
+        outs = []
+        for _ in range(steps):
+            with layers.use(layout):
+                out = model(input_ids=ids).logits[bounds[i]:bounds[i + 1]]
+                out.square().mean().backward()
+            outs.append(out.detach())
+        return outs, [p.grad for p in layers.parameters_of("b")]
+    finally:
+        kernels.set_backend(before)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_an_adapters_dropout_masks_do_not_depend_on_its_neighbours(backend):
+    """With dropout, an adapter's outputs and gradients over two steps are the same alone as packed between others
+    (its rows elsewhere in the batch, another random state): its masks come from its seed, layer and step. Masks
+    drawn from torch's random state (no streams) differ."""
+    alone = _train_with_dropout(backend, {"b": 2})
+    packed = _train_with_dropout(backend, {"a": 3, "b": 2, "c": 1})
+    for ours, theirs in zip(alone[0] + alone[1], packed[0] + packed[1]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(alone[0][0], alone[0][1])  # each step its own masks
+    shared = _train_with_dropout(backend, {"a": 3, "b": 2, "c": 1}, streams=False)
+    assert not torch.allclose(shared[0][0], packed[0][0])
+
+
+def test_a_checkpointed_forward_recomputes_the_adapters_dropout_masks(triton_backend):
+    """Gradient checkpointing recomputes each layer's forward in backward: the same masks (same seeds, same step),
+    so the gradients are the uncheckpointed run's."""
+    plain = _train_with_dropout("triton", {"a": 3, "b": 2}, steps=1)
+    checkpointed = _train_with_dropout("triton", {"a": 3, "b": 2}, checkpointed=True, steps=1)
+    for ours, theirs in zip(plain[0] + plain[1], checkpointed[0] + checkpointed[1]):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_dropout_steps_count_an_adapters_training_forwards():
+    """An adapter's dropout step advances at each forward with gradients in which it has rows and dropout; a removed
+    adapter's slot goes to the next one added, from step 0; a resumed run sets the steps."""
+    layers = inject_multilora(build_base_model("tiny-llama").float(), ["q_proj"])
+    for name, dropout in (("a", 0.1), ("b", 0.0), ("c", 0.2)):
+        layers.add_adapter(name, rank=2, alpha=4, dropout=dropout)
+    layout = BatchLayout(("a", "b", "c"), (0, 2, 3), (2, 3, 3), 3)  # ("c": no rows)
+    ids = torch.randint(0, 100, (3, 4))
+    with layers.use(layout):
+        layers.model(input_ids=ids)
+    with torch.no_grad(), layers.use(layout):  # an evaluation
+        layers.model(input_ids=ids)
+    assert layers.dropout_steps() == {"a": 1, "b": 0, "c": 0}
+    layers.set_dropout_steps({"a": 7})
+    assert layers.dropout_steps()["a"] == 7
+    layers.remove_adapter("a")
+    layers.add_adapter("d", rank=2, alpha=4, dropout=0.1)
+    assert layers.dropout_steps() == {"b": 0, "c": 0, "d": 0}
+    with pytest.raises(KeyError, match=r"\['zz'\].*present"):
+        layers.set_dropout_steps({"zz": 1})

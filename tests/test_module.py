@@ -138,7 +138,7 @@ def run_resumable(tmp_path, trainer_kwargs, stop_at=None, ckpt=None, callbacks=(
     if callbacks:
         kwargs.update(callbacks=list(callbacks), enable_checkpointing=True)
     trainer = L.Trainer(**kwargs)
-    L.seed_everything(0)  # dropout draws from the global generator; the checkpoint carries its state
+    L.seed_everything(0)  # (dropout masks come from each adapter's seed and step: the checkpoint carries the steps)
     trainer.fit(module, fixed_dm(), ckpt_path=ckpt)
     return trainer, module
 

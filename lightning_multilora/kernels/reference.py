@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_multilora.kernels.weights import LoRAWeights
+from lightning_multilora.kernels.weights import LoRAWeights, stream_seeds
 
 
 def multi_lora_reference(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool) -> Tensor:
@@ -16,6 +16,11 @@ def multi_lora_reference(x: Tensor, base_out: Tensor, weights: LoRAWeights, trai
     is cast to the adapter dtype, ``B(A(dropout(x))) * scaling`` is added to the base output.
     Rows outside every segment keep ``base_out``. Autograd gives the gradients of x, A and B.
     """
+    seeds = None
+    if training and weights.streams is not None and any(p > 0 for p in weights.dropout):
+        streams = weights.streams
+        steps = streams.steps[list(streams.slots)].cpu()
+        seeds = stream_seeds(torch.tensor(streams.seeds, dtype=torch.int64), steps).tolist()
     pieces: list[Tensor] = []
     prev = 0
     for i, (start, end) in enumerate(zip(weights.starts, weights.ends)):
@@ -25,7 +30,7 @@ def multi_lora_reference(x: Tensor, base_out: Tensor, weights: LoRAWeights, trai
             a, b = weights.a[i], weights.b[i]
             xi = x[start:end].to(a.dtype)  # (T_i, d_in)
             if training and weights.dropout[i] > 0:
-                xi = F.dropout(xi, p=weights.dropout[i], training=True)
+                xi = _dropout(xi, weights.dropout[i], None if seeds is None else seeds[i])
             delta = (xi @ a.t()) @ b.t() * weights.scaling[i]  # (T_i, d_out)
             pieces.append(base_out[start:end] + delta.to(base_out.dtype))
         prev = end
@@ -34,3 +39,13 @@ def multi_lora_reference(x: Tensor, base_out: Tensor, weights: LoRAWeights, trai
     if not pieces:
         return base_out
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+
+
+def _dropout(x: Tensor, p: float, seed: int | None) -> Tensor:
+    """``F.dropout`` from torch's random state, or (``seed``: the adapter's stream) with a mask drawn from a generator
+    seeded by it alone: its rows' masks depend on nothing else (the Triton path's masks come from the same seed, by
+    another generator)."""
+    if seed is None:
+        return F.dropout(x, p=p, training=True)
+    keep = torch.rand(x.shape, generator=torch.Generator(x.device).manual_seed(seed), device=x.device) >= p
+    return x * keep / (1.0 - p)

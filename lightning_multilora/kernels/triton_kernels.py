@@ -36,8 +36,10 @@ The four kernels:
   chunks of 32 and more: `triton_lora.GRAD_TRANSPOSE_MIN_TILE`): the program accumulates ``G_i^T = drop_i(M_i)^T L_i``,
   a ``(BLOCK_K, BLOCK_R)`` tile with the wide operand on the left of the product (dB's own layout; dA's is stored
   transposed).
-Dropout masks come from a per-adapter seed and the element's (row, column): the backward regenerates
-the forward's mask instead of storing it.
+Dropout masks come from a per-adapter seed and the element's (row, column), the row counted from the adapter's first
+row (so an adapter's masks do not depend on where its segment lies): the backward regenerates the forward's mask
+instead of storing it. The seeds come from each adapter's stream and step (`_stream_seeds`) or from torch's random
+state.
 
 ``W_ALIGNED`` / ``G_ALIGNED``: every weight (gradient) row starts on a 16-byte boundary (every rank a multiple of
 8, every tensor aligned). Triton cannot know the alignment of a pointer read from a table, so without the hint a
@@ -117,7 +119,8 @@ def _stores_unless_fp32(configs, named_args, **kwargs):
 
 @triton.jit
 def _dropout_scale(values, seed, p, rows, cols, n_cols):
-    """``values * keep / (1 - p)`` with ``keep = rand(seed, row * n_cols + col) >= p`` (fp32)."""
+    """``values * keep / (1 - p)`` with ``keep = rand(seed, row * n_cols + col) >= p`` (fp32); ``rows`` count from
+    the adapter's first row, so that its masks do not depend on where its segment lies in the packed buffer."""
     keep = tl.rand(seed, rows[:, None] * n_cols + cols[None, :]) >= p
     return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
 
@@ -127,7 +130,7 @@ def _dropout_scale(values, seed, p, rows, cols, n_cols):
 @triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET"])
 def _rows_times_weight(
     # pointers
-    IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
+    IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes (ROW_BUCKET, a bucket of the programs (`triton_lora._bucket`), only keys the tuning: a runtime value,
     # so every bucket shares the compiled kernels)
     K, R_CHUNKS, ROW_BUCKET,
@@ -172,7 +175,8 @@ def _rows_times_weight(
         x = tl.load(IN + offs_m[:, None] * stride_in_m + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if HAS_DROPOUT:
-            x = _dropout_scale(x, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m, offs_k, K).to(x.dtype)
+            x = _dropout_scale(x, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m - tl.load(SEG_START + a), offs_k,
+                               K).to(x.dtype)
         wt = tl.load(w + offs_k[:, None] * stride_wk + offs_r[None, :] * stride_wr,
                      mask=mask_k[:, None] & mask_r[None, :], other=0.0)
         acc += tl.dot(x, wt.to(x.dtype), input_precision=DOT_PRECISION)
@@ -186,7 +190,7 @@ def _rows_times_weight(
 
 
 @triton.jit
-def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m,
+def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, N, stride_r_m, stride_y_m,
                   W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, N_PER: tl.constexpr,
@@ -253,7 +257,8 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_
         if SCALE_PRODUCT:
             acc = acc * after
         if HAS_DROPOUT:
-            acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m, offs_n, N)
+            acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m - tl.load(SEG_START + a), offs_n,
+                                 N)
         mask = mask_m[:, None] & mask_n[None, :]
         if ACCUMULATE:
             if PREFETCH:
@@ -268,7 +273,7 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_
 @triton.jit(do_not_specialize=["ROW_BUCKET"])
 def _rank_times_weight(
     # pointers
-    R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
+    R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes (ROW_BUCKET, a bucket of the row blocks, only keys the tuning: how many columns a program
     # should take depends on how many row blocks there are to fill the GPU with)
     N, ROW_BUCKET,
@@ -293,15 +298,15 @@ def _rank_times_weight(
     # NARROW: an adapter whose rank fits a quarter (half) of the tile runs a tile of that width (see the module text);
     # the widths a launch does not compile are constexpr-false conditions, dropped with their calls
     if NARROW >= 2 and r <= BLOCK_R // 4:
-        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
+        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, N, stride_r_m, stride_y_m, W_IS_A,
                       ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 4, False, SCALE_PRODUCT,
                       N_PER, PREFETCH)
     elif NARROW >= 1 and r <= BLOCK_R // 2:
-        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
+        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, N, stride_r_m, stride_y_m, W_IS_A,
                       ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 2, False, SCALE_PRODUCT,
                       N_PER, PREFETCH)
     else:
-        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, N, stride_r_m, stride_y_m, W_IS_A,
+        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, N, stride_r_m, stride_y_m, W_IS_A,
                       ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT,
                       N_PER, PREFETCH)
 
@@ -365,7 +370,8 @@ def _weight_grad(
         full = tl.load(M + offs_t[:, None] * stride_m_m + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
                        other=0.0)
         if HAS_DROPOUT:
-            full = _dropout_scale(full, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_t, offs_k, K).to(full.dtype)
+            full = _dropout_scale(full, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_t - start, offs_k,
+                                  K).to(full.dtype)
         if TRANS_ACC:
             acc += tl.dot(tl.trans(full), low.to(full.dtype), input_precision=DOT_PRECISION)
         else:
@@ -422,3 +428,17 @@ def _copy_weights(A_SRC, B_SRC, A_DST, B_DST, RANKS, SRC_WITNESS, DST_WITNESS, N
         offs = start + j * BLOCK + tl.arange(0, BLOCK)
         mask = offs < size
         tl.store(dst + offs, tl.load(src + offs, mask=mask).to(DST_WITNESS.dtype.element_ty), mask=mask)
+
+
+# Each adapter's dropout seed at a call, from its stream (`weights.DropoutStreams`, `weights.stream_seeds`): one tiny
+# launch per call with dropout, in place of a draw from torch's random state.
+SEEDS_BLOCK = 128
+
+
+@triton.jit(do_not_specialize=["N"])
+def _stream_seeds(SEEDS, SLOTS, STEPS, OUT, N, STEP_MIX, SEED_MOD, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    seed = tl.load(SEEDS + offs, mask=mask, other=0).to(tl.int64)
+    step = tl.load(STEPS + tl.load(SLOTS + offs, mask=mask, other=0), mask=mask, other=0).to(tl.int64)
+    tl.store(OUT + offs, ((seed + step * STEP_MIX) % SEED_MOD).to(tl.int32), mask=mask)

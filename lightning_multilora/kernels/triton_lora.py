@@ -18,7 +18,7 @@ from torch import Tensor
 from lightning_multilora.kernels import triton_kernels as K
 from lightning_multilora.kernels.launch import FastLauncher
 from lightning_multilora.kernels.recompute import active_region
-from lightning_multilora.kernels.weights import LoRAWeights
+from lightning_multilora.kernels.weights import STREAM_SEED_MOD, STREAM_STEP_MIX, LoRAWeights
 
 BLOCK_M = 64  # rows per program in the row-blocked kernels (the schedule's block); other tiles are tuned
 _CACHE_SIZE = 256
@@ -42,6 +42,7 @@ _rows_times_weight = FastLauncher(K._rows_times_weight, K.INTERPRETED)
 _rank_times_weight = FastLauncher(K._rank_times_weight, K.INTERPRETED)
 _weight_grad = FastLauncher(K._weight_grad, K.INTERPRETED)
 _copy_weights = FastLauncher(K._copy_weights, K.INTERPRETED)
+_stream_seeds = FastLauncher(K._stream_seeds, K.INTERPRETED)
 
 
 _data_ptr = Tensor.data_ptr  # mapped over tuples of tensors: the per-call checks run at C speed, not Python's
@@ -389,8 +390,8 @@ class _LoRAShrink(torch.autograd.Function):
         if sched.num_blocks and kept is None:
             _rows_times_weight(
                 _rows_grid(sched, table),
-                (x, call.a_ptrs, call.w_witness, s, sched.blk_adapter, sched.blk_start, sched.seg_end,
-                 table.ranks, table.ones, table.drop_p, call.seeds, x.shape[1], table.r_chunks,
+                (x, call.a_ptrs, call.w_witness, s, sched.blk_adapter, sched.blk_start, sched.seg_start,
+                 sched.seg_end, table.ranks, table.ones, table.drop_p, call.seeds, x.shape[1], table.r_chunks,
                  _row_bucket(sched, table), x.stride(0), s.stride(0)),
                 dict(W_IS_A=True, HAS_DROPOUT=call.has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
                      BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, x.shape[1], x.device)),
@@ -493,8 +494,8 @@ class _LoRAExpand(torch.autograd.Function):
         if sched.num_blocks and not fused:
             _rows_times_weight(
                 _rows_grid(sched, table),
-                (dy, call.b_ptrs, call.w_witness, ds, sched.blk_adapter, sched.blk_start, sched.seg_end,
-                 table.ranks, table.ones, table.drop_p, call.seeds, d_out, table.r_chunks,
+                (dy, call.b_ptrs, call.w_witness, ds, sched.blk_adapter, sched.blk_start, sched.seg_start,
+                 sched.seg_end, table.ranks, table.ones, table.drop_p, call.seeds, d_out, table.r_chunks,
                  _row_bucket(sched, table), dy.stride(0), ds.stride(0)),
                 dict(W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
                      BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
@@ -765,8 +766,8 @@ def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
     sched, table, width = call.sched, call.table, out.shape[1]
     _rank_times_weight(
         lambda meta: (sched.num_blocks, _cdiv(width, meta["N_PER"])),
-        (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
-         table.scaling, table.drop_p, call.seeds, width, sched.bucket, low.stride(0), out.stride(0)),
+        (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
+         table.ranks, table.scaling, table.drop_p, call.seeds, width, sched.bucket, low.stride(0), out.stride(0)),
         dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
              BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, MULTI_CHUNK=table.r_chunks > 1,
              NARROW=narrow_levels(table.block_r),
@@ -905,7 +906,8 @@ def _apply(x: Tensor, base_out: Optional[Tensor], weight: Optional[Tensor], bias
     kept = region.take(key) if region.replaying else None
     if kept is not None and kept[1] is not None:  # a recomputation: the forward's S and launch state
         s, call = kept
-        if call.has_dropout:  # the forward's draw again (the RNG state is restored): later ops see the same stream
+        if call.has_dropout and weights.streams is None:
+            # the forward's draw again (the RNG state is restored): later ops see the same stream
             _draw_seeds(weights, x.device)
     else:
         call = _new_call(x, weights, training, d_out, out_dtype, precision)
@@ -920,9 +922,22 @@ def _apply(x: Tensor, base_out: Optional[Tensor], weight: Optional[Tensor], bias
 
 
 def _draw_seeds(weights: LoRAWeights, device: torch.device) -> Tensor:
-    """Per-adapter dropout seeds, drawn on the device: no host sync, and a checkpoint recomputation (which restores
-    the RNG state) draws the same ones."""
-    return torch.randint(0, 2**31 - 1, (len(weights.a),), dtype=torch.int32, device=device)
+    """Per-adapter dropout seeds on the device (no host sync): each adapter's from its stream at its step
+    (``weights.streams``), else drawn from torch's random state (a checkpoint recomputation, which restores that
+    state, draws the same ones)."""
+    streams = weights.streams
+    if streams is None:
+        return torch.randint(0, 2**31 - 1, (len(weights.a),), dtype=torch.int32, device=device)
+    memo = weights.memo.get("streams")
+    if memo is None or memo[0] != device:
+        memo = weights.memo["streams"] = (device, _upload_rows(torch.tensor([streams.seeds, streams.slots],
+                                                                            dtype=torch.int64), device))
+    tables, n = memo[1], len(weights.a)
+    seeds = torch.empty(n, dtype=torch.int32, device=device)
+    _stream_seeds((_cdiv(n, K.SEEDS_BLOCK),),
+                  (tables[0], tables[1], streams.steps, seeds, n, STREAM_STEP_MIX, STREAM_SEED_MOD),
+                  dict(BLOCK=K.SEEDS_BLOCK))
+    return seeds
 
 
 # The lists of the open `keep_calls` contexts (innermost last)

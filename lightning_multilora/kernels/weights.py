@@ -3,10 +3,38 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
+
+
+# The seed of adapter i's dropout masks at a call: its stream's seed advanced by its step (`stream_seeds`)
+STREAM_STEP_MIX = 0x5851F42D  # (< 2^31: an int32 kernel argument)
+STREAM_SEED_MOD = 2**31 - 1
+
+
+@dataclass(frozen=True, eq=False)
+class DropoutStreams:
+    """Where each adapter's dropout masks come from: its own stream, not the run's shared random state, so that an
+    adapter's masks do not depend on which adapters share its calls (nor on where its rows lie).
+
+    ``seeds[i]``: adapter ``i``'s seed in this layer (its own seed with the layer mixed in); ``steps``: a table of
+    int64 step counters on the weights' device, adapter ``i``'s at ``slots[i]``, which its owner advances once per
+    training forward (`lightning_multilora.layer.LoRALayers.use`). A call masks adapter ``i``'s rows with
+    ``stream_seeds(seeds, steps[slots])[i]``, element ``(t, k)`` of its rows (``t`` counted from its first row) kept
+    or dropped by that seed alone; a recomputation under gradient checkpointing, within the same forward, gets the
+    same masks."""
+
+    seeds: tuple[int, ...]
+    slots: tuple[int, ...]
+    steps: Tensor
+
+
+def stream_seeds(seeds: Tensor, steps: Tensor) -> Tensor:
+    """``(seeds + steps * 0x5851F42D) mod (2^31 - 1)`` in int64, as int32: the seed of each adapter's masks at its
+    step (the Triton path computes the same on the device)."""
+    return ((seeds.to(torch.int64) + steps.to(torch.int64) * STREAM_STEP_MIX) % STREAM_SEED_MOD).to(torch.int32)
 
 
 @dataclass(frozen=True)
@@ -32,6 +60,9 @@ class LoRAWeights:
     copy the weights into the activation dtype before its products, it reads these instead and copies nothing; a
     caller that passes copies older than the weights gets the older weights' products. The reference path reads
     ``a`` and ``b``.
+
+    ``streams``: each adapter's dropout masks from its own `DropoutStreams` entry; without, from seeds drawn from
+    torch's random state at each call (the masks then depend on the other adapters of the call).
     """
 
     a: tuple[Tensor, ...]
@@ -43,6 +74,7 @@ class LoRAWeights:
     direct_grads: bool = False
     a_copies: tuple[Tensor, ...] = ()
     b_copies: tuple[Tensor, ...] = ()
+    streams: Optional[DropoutStreams] = None
     # Per-object memo of derived device state (the Triton path's pointer table, and its copies of the weights
     # in the activation dtype: 2 bytes a parameter), so the calls of a step do not rebuild them.
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
@@ -51,6 +83,8 @@ class LoRAWeights:
         n = len(self.a)
         if not (len(self.b) == len(self.scaling) == len(self.dropout) == len(self.starts) == len(self.ends) == n):
             raise ValueError("LoRAWeights: a, b, scaling, dropout, starts and ends must have one entry per adapter")
+        if self.streams is not None and not (len(self.streams.seeds) == len(self.streams.slots) == n):
+            raise ValueError("LoRAWeights: streams must have one seed and one slot per adapter")
         if self.a_copies or self.b_copies:
             if len(self.a_copies) != n or len(self.b_copies) != n:
                 raise ValueError("LoRAWeights: a_copies and b_copies must have one entry per adapter (or none)")

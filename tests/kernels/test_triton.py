@@ -372,9 +372,9 @@ def test_every_expand_tuning_candidate_gives_the_reference():
     for meta in candidates:
         y = base.clone()
         grid = (sched.num_blocks, triton.cdiv(y.shape[1], meta["N_PER"]))
-        kernel[grid](s, table.b_ptrs, w.a[0], y, sched.blk_adapter, sched.blk_start, sched.seg_end, table.ranks,
-                     table.scaling, table.drop_p, table.ranks, y.shape[1], 4, s.stride(0), y.stride(0), W_IS_A=False,
-                     ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M, BLOCK_R=32,
+        kernel[grid](s, table.b_ptrs, w.a[0], y, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
+                     table.ranks, table.scaling, table.drop_p, table.ranks, y.shape[1], 4, s.stride(0), y.stride(0),
+                     W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M, BLOCK_R=32,
                      MULTI_CHUNK=True, SCALE_PRODUCT=False, W_ALIGNED=False, NARROW=1, **meta)
         assert rel(y, expected) < 1e-5, meta
 
@@ -445,6 +445,31 @@ def test_dropout_mask_is_per_adapter_and_the_backward_reuses_it():
     first, second = slice(w.starts[0], w.ends[0]), slice(w.starts[1], w.ends[1])
     assert not torch.allclose(y[first], y_eval[first])  # adapter 0 drops ...
     torch.testing.assert_close(y[second], y_eval[second])  # ... adapter 1 (p=0) does not
+
+
+def test_stream_seeds_on_the_device_follow_the_adapters_steps_and_mask_rows_from_their_segment_start():
+    """With `DropoutStreams`, a call's seeds are `stream_seeds` of each adapter's seed and step (the Triton launch
+    computes what the torch formula does), and an adapter's rows are masked alike wherever its segment lies."""
+    from dataclasses import replace
+
+    from lightning_multilora.kernels import triton_lora
+    from lightning_multilora.kernels.weights import DropoutStreams, stream_seeds
+
+    steps = torch.tensor([5, 0, 2**32 + 7, 3], dtype=torch.int64, device=DEVICE)  # (beyond int32)
+    x, base, w = problem([8, 4], [40, 24], d_in=48, d_out=32, dtype=torch.float32, dropout=[0.5, 0.3], gaps=False)
+    streams = DropoutStreams((123, 2**31 - 2), (2, 0), steps)
+    w = replace(w, streams=streams)
+    expected = stream_seeds(torch.tensor(streams.seeds), steps[[2, 0]].cpu())
+    assert torch.equal(triton_lora._draw_seeds(w, x.device).cpu(), expected)
+    # adapter 1 alone, its rows first: its output rows are those it got second in the batch
+    y = multi_lora_triton(x, base.clone(), w, True)
+    alone = LoRAWeights(w.a[1:], w.b[1:], w.scaling[1:], w.dropout[1:], (0,), (24,),
+                        streams=DropoutStreams(streams.seeds[1:], streams.slots[1:], steps))
+    rows = slice(w.starts[1], w.ends[1])
+    y_alone = multi_lora_triton(x[rows], base[rows].clone(), alone, True)
+    torch.testing.assert_close(y_alone, y[rows], rtol=1e-5, atol=1e-5)
+    steps[0] += 1  # the next step: other masks
+    assert not torch.allclose(multi_lora_triton(x[rows], base[rows].clone(), alone, True), y_alone)
 
 
 def test_the_layer_runs_the_triton_backend_like_the_reference():
