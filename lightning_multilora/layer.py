@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 import warnings
@@ -38,6 +39,20 @@ class LayoutContext:
         self.shadows: bool = False
         # per device, the adapters' dropout step counters (`DropoutStreams.steps`), a slot an adapter
         self.dropout_steps: dict[torch.device, Tensor] = {}
+        self._dropout_forwards: set[int] = set()  # layers that ran a training forward with dropout in this `use`
+        self._warned_repeat = False
+
+    def saw_dropout_forward(self, layer: nn.Module) -> None:
+        """A layer ran a training forward with dropout: a second one inside the same `use` (outside backward's
+        recomputation) would repeat its masks, since the dropout steps advance as `LoRALayers.use` opens."""
+        if torch._C._current_graph_task_id() != -1:  # a recomputation, inside backward
+            return
+        if id(layer) not in self._dropout_forwards:
+            self._dropout_forwards.add(id(layer))
+        elif not self._warned_repeat:
+            self._warned_repeat = True
+            warnings.warn("a second training forward inside one `LoRALayers.use(layout)` repeats the adapters' dropout "
+                          "masks (their dropout steps advance as `use` opens): open `use` once per forward + backward")
 
     def steps_on(self, device: torch.device) -> Tensor:
         """The dropout step counters on ``device`` (made there from another device's, or zeros)."""
@@ -50,12 +65,12 @@ class LayoutContext:
 
     @contextmanager
     def use(self, layout: Optional[BatchLayout], shadows: bool = False) -> Iterator[None]:
-        previous = self.layout, self.shadows
-        self.layout, self.shadows = layout, shadows
+        previous = self.layout, self.shadows, self._dropout_forwards
+        self.layout, self.shadows, self._dropout_forwards = layout, shadows, set()
         try:
             yield
         finally:
-            self.layout, self.shadows = previous
+            self.layout, self.shadows, self._dropout_forwards = previous
 
 
 class MultiLoRALinear(nn.Module):
@@ -94,6 +109,7 @@ class MultiLoRALinear(nn.Module):
         self._version = 0  # bumped when adapters change, invalidating the cached LoRAWeights
         self._weights_key: Optional[tuple] = None
         self._weights: Optional[LoRAWeights] = None
+        self._dropout_on = False  # the cached weights have adapters with dropout, and their streams
         # (layout object, tokens per row, version, direct_grads, shadows fresh)
         self._weights_seen: Optional[tuple] = None
 
@@ -159,6 +175,8 @@ class MultiLoRALinear(nn.Module):
             return self.base(x)
         x2d = x.reshape(-1, self.in_features)  # (T, d_in): the kernels see tokens, the layout rows
         base = self._modules["base"]
+        if self._dropout_on and self.training and torch.is_grad_enabled():
+            self.context.saw_dropout_forward(self)
         if self._plain_frozen_base(base, x2d):
             out = multi_lora_linear(x2d, base.weight, base.bias, weights, self.training)
         else:
@@ -184,7 +202,8 @@ class MultiLoRALinear(nn.Module):
         if (seen is not None and seen[0] is layout and seen[1] == tokens_per_row and seen[2] == self._version
                 and seen[3] == self.direct_grads and seen[4] == shadows):
             return self._weights  # the same layout object (treated as immutable): no key to build and compare
-        key = (layout.names, layout.starts, layout.ends, tokens_per_row, self._version, self.direct_grads, shadows)
+        key = (layout.names, layout.starts, layout.ends, tokens_per_row, self._version, self.direct_grads, shadows,
+               layout.padding_side)
         if self._weights_key != key:
             held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
             weights = None
@@ -208,8 +227,12 @@ class MultiLoRALinear(nn.Module):
                     a_copies=tuple(a for a, _ in copies),
                     b_copies=tuple(b for _, b in copies),
                     streams=streams,
+                    # (the dropout masks' sequence rows: positions of a left-padded row count from its end)
+                    row_tokens=-tokens_per_row if layout.padding_side == "left" else tokens_per_row,
                 )
             self._weights_key, self._weights = key, weights
+            self._dropout_on = (weights is not None and weights.streams is not None
+                                and any(p > 0 for p in weights.dropout))
         self._weights_seen = (layout, tokens_per_row, self._version, self.direct_grads, shadows)
         return self._weights
 
@@ -280,7 +303,7 @@ class LoRALayers(Mapping):
         self._refreshed_before_replays = False
         self._slots: dict[str, int] = {}  # per adapter, its slot in the dropout step counters
         self._dropout: dict[str, float] = {}
-        self._advance_index: dict[tuple, tuple[Tensor, Tensor]] = {}  # (slots, device): (index, ones)
+        self._advance_index: OrderedDict[tuple, tuple[Tensor, Tensor]] = OrderedDict()  # (slots, device): (index, ones)
 
     def __getitem__(self, key: str) -> MultiLoRALinear:
         return self._layers[key]
@@ -327,7 +350,8 @@ class LoRALayers(Mapping):
         Initialisation is drawn from a generator seeded by ``seed`` and the layer's position, so an
         adapter's initial weights do not depend on which other adapters exist. So are its dropout masks (with
         ``dropout > 0``), from ``seed``, the layer and its dropout step (`dropout_steps`): the same whichever adapters
-        share its forwards, and wherever its rows lie in the batch. The adapter's parameters are then
+        share its forwards, wherever its rows lie in the batch and however long its neighbours pad the rows (two
+        adapters of one seed get the same masks). The adapter's parameters are then
         held flat (see `FlatAdapter`) where they share a device.
         """
         if name in self._targets:
@@ -553,10 +577,11 @@ class LoRALayers(Mapping):
     def use(self, layout: Optional[BatchLayout], refresh: bool = True) -> Iterator[None]:
         """Context manager: run the model with this batch layout (its adapters' stale shadows copied on entry;
         ``refresh=False``: the caller has just refreshed them, `refresh_shadows`). With gradients on (a training
-        forward), each of the layout's adapters with rows and dropout advances its dropout step: open it once per
-        forward + backward (a recomputation inside takes the same masks)."""
+        forward: gradients on, the model in training mode), each of the layout's adapters with rows and dropout advances
+        its dropout step: open it once per forward + backward (a recomputation inside takes the same masks; a second
+        forward is warned of)."""
         shadows = layout is not None and self.refresh_shadows(layout.names, check=refresh)
-        if layout is not None and torch.is_grad_enabled():
+        if layout is not None and torch.is_grad_enabled() and self.model.training:
             self._advance_dropout(layout)
         with self.context.use(layout, shadows=shadows):
             yield
@@ -570,29 +595,40 @@ class LoRALayers(Mapping):
             return
         self.context.steps_on(self._device_of(next(n for n in layout.names if n in self._slots)))
         for device, steps in self.context.dropout_steps.items():
-            index = self._advance_index.get((slots, device))
-            if index is None:
+            key = (slots, device)
+            index = self._advance_index.get(key)
+            if index is None:  # (made by an eager step before any capture of this layout: a capture cannot)
                 if len(self._advance_index) >= 64:
-                    self._advance_index.clear()
-                index = self._advance_index[(slots, device)] = (
-                    torch.tensor(slots, dtype=torch.int64, device=device),
-                    torch.ones(len(slots), dtype=torch.int64, device=device))
+                    self._advance_index.popitem(last=False)  # the least recently used
+                index = self._advance_index[key] = (torch.tensor(slots, dtype=torch.int64, device=device),
+                                                    torch.ones(len(slots), dtype=torch.int64, device=device))
+            else:
+                self._advance_index.move_to_end(key)
             steps.index_add_(0, *index)
 
     def dropout_steps(self) -> dict[str, int]:
-        """Each adapter's dropout step: how many training forwards (`use` with gradients on) it has had rows in,
+        """Each adapter's dropout step: how many training forwards (`use`, see there) it has had rows in,
         while it had dropout. Its masks at a step depend on its seed, its step and the layer alone."""
-        table = next((t for t in self.context.dropout_steps.values() if not t.is_meta), None)
-        if table is None:
-            return {name: 0 for name in self._slots}
-        steps = table.tolist()
-        return {name: steps[slot] for name, slot in self._slots.items()}
+        tables: dict[torch.device, list[int]] = {}  # each adapter's from the table on its own device
+        steps = {}
+        for name, slot in self._slots.items():
+            device = self._device_of(name)
+            if device.type == "meta":
+                steps[name] = 0
+                continue
+            if device not in tables:
+                tables[device] = self.context.steps_on(device).tolist()
+            steps[name] = tables[device][slot]
+        return steps
 
     def set_dropout_steps(self, steps: Mapping[str, int]) -> None:
         """Set the dropout steps of the adapters named in ``steps`` (a resumed run's, from `dropout_steps`)."""
         unknown = sorted(set(steps) - set(self._slots))
         if unknown:
             raise KeyError(f"no adapter {unknown}; present: {self.adapter_names}")
+        bad = {n: s for n, s in steps.items() if not isinstance(s, int) or isinstance(s, bool) or s < 0}
+        if bad:
+            raise ValueError(f"dropout steps must be integers >= 0, got {bad}")
         for name, step in steps.items():
             self.context.steps_on(self._device_of(name))
             for table in self.context.dropout_steps.values():

@@ -934,8 +934,12 @@ class MultiLoRAMixin:
         for rec in self.registry.holding_weights:
             if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
                 self._create_weights(rec)
-        steps = state.get("dropout_steps", {})
-        self.lora_layers.set_dropout_steps({n: s for n, s in steps.items() if n in self.lora_layers.adapter_names})
+        steps = state.get("dropout_steps")
+        if steps is None and any(rec.spec.dropout > 0 for rec in self.registry.holding_weights):
+            rank_zero_warn("this checkpoint carries no dropout steps (it was written by an older version): adapters "
+                           "with dropout draw their masks from step 0 again")
+        self.lora_layers.set_dropout_steps({n: s for n, s in (steps or {}).items()
+                                            if n in self.lora_layers.adapter_names})
         saved = set(checkpoint["state_dict"])
         expected = {k for k, _ in self.named_parameters() if any(s in k for s in _LORA_KEYS)}
         missing = expected - saved

@@ -113,9 +113,10 @@ def test_an_inputs_gradient_leaves_the_adapters_gradients_alone_on_the_triton_pa
         kernels.set_backend(before)
 
 
-def _train_with_dropout(backend, rows, streams=True, checkpointed=False, steps=2):
+def _train_with_dropout(backend, rows, streams=True, checkpointed=False, steps=2, lengths=None):
     """Adapter "b"'s outputs over ``steps`` training forwards and its gradients, with the adapters of ``rows`` (name:
-    rows, in order) sharing the batch; each adapter's rows are its own ids whatever its neighbours."""
+    rows, in order) sharing the batch; each adapter's rows are its own ids whatever its neighbours, ``lengths[name]``
+    tokens long (default 8), right-padded to the longest."""
     from lightning_multilora import kernels
 
     device = "cuda" if torch.cuda.is_available() else "cpu"  # (on the CPU, triton: the interpreter, set by conftest)
@@ -140,14 +141,17 @@ def _train_with_dropout(backend, rows, streams=True, checkpointed=False, steps=2
         model.train()
         bounds = torch.tensor([0, *rows.values()]).cumsum(0).tolist()
         layout = BatchLayout(tuple(rows), tuple(bounds[:-1]), tuple(bounds[1:]), bounds[-1])
-        ids = torch.cat([torch.randint(0, 100, (n, 8), generator=torch.Generator().manual_seed(ord(name)))
-                         for name, n in rows.items()]).to(device)
+        lengths = {name: 8 for name in rows} | dict(lengths or {})
+        longest = max(lengths.values())
+        ids = torch.cat([torch.nn.functional.pad(
+            torch.randint(1, 100, (n, lengths[name]), generator=torch.Generator().manual_seed(ord(name))),
+            (0, longest - lengths[name])) for name, n in rows.items()]).to(device)
         i = list(rows).index("b")
         torch.manual_seed(len(rows))  # another random state for each set of adapters
         outs = []
         for _ in range(steps):
             with layers.use(layout):
-                out = model(input_ids=ids).logits[bounds[i]:bounds[i + 1]]
+                out = model(input_ids=ids).logits[bounds[i]:bounds[i + 1], :lengths["b"]]
                 out.square().mean().backward()
             outs.append(out.detach())
         return outs, [p.grad for p in layers.parameters_of("b")]
@@ -158,12 +162,15 @@ def _train_with_dropout(backend, rows, streams=True, checkpointed=False, steps=2
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_an_adapters_dropout_masks_do_not_depend_on_its_neighbours(backend):
     """With dropout, an adapter's outputs and gradients over two steps are the same alone as packed between others
-    (its rows elsewhere in the batch, another random state): its masks come from its seed, layer and step. Masks
-    drawn from torch's random state (no streams) differ."""
+    (its rows elsewhere in the batch, padded to a neighbour's longer rows, another random state): its masks come from
+    its seed, layer, step and each element's row and position. Masks drawn from torch's random state (no streams)
+    differ."""
     alone = _train_with_dropout(backend, {"b": 2})
     packed = _train_with_dropout(backend, {"a": 3, "b": 2, "c": 1})
-    for ours, theirs in zip(alone[0] + alone[1], packed[0] + packed[1]):
+    longer = _train_with_dropout(backend, {"a": 3, "b": 2}, lengths={"a": 13})  # b's rows padded to 13 tokens
+    for ours, theirs, padded in zip(alone[0] + alone[1], packed[0] + packed[1], longer[0] + longer[1]):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(ours, padded, rtol=1e-4, atol=1e-5)
     assert not torch.allclose(alone[0][0], alone[0][1])  # each step its own masks
     shared = _train_with_dropout(backend, {"a": 3, "b": 2, "c": 1}, streams=False)
     assert not torch.allclose(shared[0][0], packed[0][0])
@@ -198,3 +205,29 @@ def test_dropout_steps_count_an_adapters_training_forwards():
     assert layers.dropout_steps() == {"b": 0, "c": 0, "d": 0}
     with pytest.raises(KeyError, match=r"\['zz'\].*present"):
         layers.set_dropout_steps({"zz": 1})
+
+
+def test_a_second_training_forward_inside_one_use_is_warned_of():
+    """The dropout steps advance as `use` opens: a second training forward inside it would repeat the masks."""
+    layers = inject_multilora(build_base_model("tiny-llama").float(), ["q_proj"])
+    layers.add_adapter("a", rank=2, alpha=4, dropout=0.1)
+    ids = torch.randint(0, 100, (2, 4))
+    with layers.use(BatchLayout.from_sizes(["a"], [2])):
+        layers.model(input_ids=ids)
+        with pytest.warns(UserWarning, match="repeats the adapters' dropout masks"):
+            layers.model(input_ids=ids)
+    layers.model.eval()  # an evaluation with gradients on: no dropout, no step
+    with layers.use(BatchLayout.from_sizes(["a"], [2])):
+        layers.model(input_ids=ids)
+    assert layers.dropout_steps() == {"a": 1}
+
+
+def test_a_training_forward_on_the_meta_device_with_dropout_runs():
+    """Shapes only (a model sized before it is materialized): no masks are drawn from the meta step table."""
+    with torch.device("meta"):
+        model = build_base_model("tiny-llama")
+    layers = inject_multilora(model, ["q_proj"])
+    layers.add_adapter("a", rank=2, alpha=4, dropout=0.1)
+    with layers.use(BatchLayout.from_sizes(["a"], [2])):
+        out = model(input_ids=torch.zeros(2, 5, dtype=torch.long, device="meta")).logits
+    assert out.is_meta and out.shape[:2] == (2, 5) and layers.dropout_steps() == {"a": 0}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -17,7 +19,7 @@ def multi_lora_reference(x: Tensor, base_out: Tensor, weights: LoRAWeights, trai
     Rows outside every segment keep ``base_out``. Autograd gives the gradients of x, A and B.
     """
     seeds = None
-    if training and weights.streams is not None and any(p > 0 for p in weights.dropout):
+    if training and weights.streams is not None and any(p > 0 for p in weights.dropout) and not x.is_meta:
         streams = weights.streams
         steps = streams.steps[list(streams.slots)].cpu()
         seeds = stream_seeds(torch.tensor(streams.seeds, dtype=torch.int64), steps).tolist()
@@ -30,7 +32,7 @@ def multi_lora_reference(x: Tensor, base_out: Tensor, weights: LoRAWeights, trai
             a, b = weights.a[i], weights.b[i]
             xi = x[start:end].to(a.dtype)  # (T_i, d_in)
             if training and weights.dropout[i] > 0:
-                xi = _dropout(xi, weights.dropout[i], None if seeds is None else seeds[i])
+                xi = _dropout(xi, weights.dropout[i], None if seeds is None else seeds[i], weights.row_tokens)
             delta = (xi @ a.t()) @ b.t() * weights.scaling[i]  # (T_i, d_out)
             pieces.append(base_out[start:end] + delta.to(base_out.dtype))
         prev = end
@@ -41,11 +43,21 @@ def multi_lora_reference(x: Tensor, base_out: Tensor, weights: LoRAWeights, trai
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
 
 
-def _dropout(x: Tensor, p: float, seed: int | None) -> Tensor:
-    """``F.dropout`` from torch's random state, or (``seed``: the adapter's stream) with a mask drawn from a generator
-    seeded by it alone: its rows' masks depend on nothing else (the Triton path's masks come from the same seed, by
-    another generator)."""
+def _dropout(x: Tensor, p: float, seed: Optional[int], row_tokens: int) -> Tensor:
+    """``F.dropout`` from torch's random state, or (``seed``: the adapter's stream) with a mask that depends on the
+    seed and each element's (sequence row, position, column) alone (`LoRAWeights.row_tokens`): each row's from a
+    generator seeded by the seed and the row, drawn position by position, so a longer padded length only adds
+    positions. (The Triton path's masks come from the same seed by another generator.)"""
     if seed is None:
         return F.dropout(x, p=p, training=True)
-    keep = torch.rand(x.shape, generator=torch.Generator(x.device).manual_seed(seed), device=x.device) >= p
+    n, width = x.shape
+    length = abs(row_tokens) if row_tokens and n % abs(row_tokens) == 0 else n
+    rows = []
+    for row in range(n // length if length else 0):
+        draws = torch.rand(length, width, generator=torch.Generator().manual_seed((seed + row * _ROW_MIX) % _MOD))
+        rows.append(draws.flip(0) if row_tokens < 0 else draws)
+    keep = (torch.cat(rows) if rows else torch.ones(0, width)).to(x.device) >= p
     return x * keep / (1.0 - p)
+
+
+_ROW_MIX, _MOD = 0x2C1B3C6D, 2**31 - 1

@@ -118,22 +118,32 @@ def _stores_unless_fp32(configs, named_args, **kwargs):
 
 
 @triton.jit
-def _dropout_scale(values, seed, p, rows, cols, n_cols):
-    """``values * keep / (1 - p)`` with ``keep = rand(seed, row * n_cols + col) >= p`` (fp32); ``rows`` count from
-    the adapter's first row, so that its masks do not depend on where its segment lies in the packed buffer."""
-    keep = tl.rand(seed, rows[:, None] * n_cols + cols[None, :]) >= p
+def _dropout_scale(values, seed, p, tokens, cols, n_cols, row_tokens):
+    """``values * keep / (1 - p)`` (fp32), ``keep`` drawn by ``seed`` for the element's (sequence row, position in
+    it, column): ``tokens`` count from the adapter's first token, ``row_tokens`` is the (padded) length of a row,
+    negative when rows are left-padded (positions then count from the row's end). So an adapter's masks depend
+    neither on where its segment lies in the packed buffer nor on the padded length its neighbours set. (A row as
+    long as every token: ``rand(seed, token * n_cols + col)``.)"""
+    length = tl.abs(row_tokens)
+    row = tokens // length
+    pos = tokens % length
+    pos = tl.where(row_tokens < 0, length - 1 - pos, pos)
+    c0 = pos[:, None] * n_cols + cols[None, :]
+    zero = c0 * 0
+    bits, _, _, _ = tl.philox(seed, c0, row[:, None] + zero, zero, zero)
+    keep = tl.uint_to_uniform_float(bits) >= p
     return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
 
 
 @_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "ROW_BUCKET"],
         reset_to_zero=["OUT"], prune_configs_by={"early_config_prune": _stores_unless_fp32})
-@triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET"])
+@triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET", "ROW_TOKENS"])
 def _rows_times_weight(
     # pointers
     IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes (ROW_BUCKET, a bucket of the programs (`triton_lora._bucket`), only keys the tuning: a runtime value,
     # so every bucket shares the compiled kernels)
-    K, R_CHUNKS, ROW_BUCKET,
+    K, R_CHUNKS, ROW_BUCKET, ROW_TOKENS,
     # strides
     stride_in_m, stride_out_m,
     # meta-parameters
@@ -176,7 +186,7 @@ def _rows_times_weight(
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if HAS_DROPOUT:
             x = _dropout_scale(x, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m - tl.load(SEG_START + a), offs_k,
-                               K).to(x.dtype)
+                               K, ROW_TOKENS).to(x.dtype)
         wt = tl.load(w + offs_k[:, None] * stride_wk + offs_r[None, :] * stride_wr,
                      mask=mask_k[:, None] & mask_r[None, :], other=0.0)
         acc += tl.dot(x, wt.to(x.dtype), input_precision=DOT_PRECISION)
@@ -190,8 +200,8 @@ def _rows_times_weight(
 
 
 @triton.jit
-def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, N, stride_r_m, stride_y_m,
-                  W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
+                  stride_y_m, W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, N_PER: tl.constexpr,
                   PREFETCH: tl.constexpr):
@@ -258,7 +268,7 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
             acc = acc * after
         if HAS_DROPOUT:
             acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m - tl.load(SEG_START + a), offs_n,
-                                 N)
+                                 N, ROW_TOKENS)
         mask = mask_m[:, None] & mask_n[None, :]
         if ACCUMULATE:
             if PREFETCH:
@@ -270,13 +280,13 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
 
 @_tuned(_RANK_CONFIGS, key=["N", "BLOCK_M", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
                             "SCALE_PRODUCT", "W_ALIGNED", "NARROW", "ROW_BUCKET"], restore_value=["Y"])
-@triton.jit(do_not_specialize=["ROW_BUCKET"])
+@triton.jit(do_not_specialize=["ROW_BUCKET", "ROW_TOKENS"])
 def _rank_times_weight(
     # pointers
     R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes (ROW_BUCKET, a bucket of the row blocks, only keys the tuning: how many columns a program
     # should take depends on how many row blocks there are to fill the GPU with)
-    N, ROW_BUCKET,
+    N, ROW_BUCKET, ROW_TOKENS,
     # strides
     stride_r_m, stride_y_m,
     # meta-parameters
@@ -298,22 +308,22 @@ def _rank_times_weight(
     # NARROW: an adapter whose rank fits a quarter (half) of the tile runs a tile of that width (see the module text);
     # the widths a launch does not compile are constexpr-false conditions, dropped with their calls
     if NARROW >= 2 and r <= BLOCK_R // 4:
-        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, N, stride_r_m, stride_y_m, W_IS_A,
-                      ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 4, False, SCALE_PRODUCT,
+        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
+                      stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 4, False, SCALE_PRODUCT,
                       N_PER, PREFETCH)
     elif NARROW >= 1 and r <= BLOCK_R // 2:
-        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, N, stride_r_m, stride_y_m, W_IS_A,
-                      ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 2, False, SCALE_PRODUCT,
+        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
+                      stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 2, False, SCALE_PRODUCT,
                       N_PER, PREFETCH)
     else:
-        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, N, stride_r_m, stride_y_m, W_IS_A,
-                      ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT,
+        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
+                      stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT,
                       N_PER, PREFETCH)
 
 
 @_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "ADD_TO_G", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS",
                              "W_ALIGNED", "TRANS_ACC", "ROW_BUCKET", "TOKEN_BUCKET"])
-@triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T", "ROW_BUCKET", "TOKEN_BUCKET"])
+@triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T", "ROW_BUCKET", "TOKEN_BUCKET", "ROW_TOKENS"])
 def _weight_grad(
     # pointers (W_PTRS, W_WITNESS, DS: the B_i and dS of WITH_DS)
     L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS, DS,
@@ -323,7 +333,7 @@ def _weight_grad(
     # that a layout of other row counts, or mixed ones, takes tiles tuned for it and not the first layout's: on the
     # H200, N=32 with 64..2048 tokens an adapter, a forward + backward with tiles tuned on 32 x 256 tokens took
     # 1.005-1.22x (median 1.03x) the time with tiles tuned on its own layout)
-    K, R_CHUNKS, SPLIT_T, ROW_BUCKET, TOKEN_BUCKET,
+    K, R_CHUNKS, SPLIT_T, ROW_BUCKET, TOKEN_BUCKET, ROW_TOKENS,
     # strides
     stride_l_m, stride_m_m, stride_ds_m,
     # meta-parameters (ATOMIC: SPLIT_T > 1; ADD_TO_G: G holds gradients to add to, else it is stored)
@@ -371,7 +381,7 @@ def _weight_grad(
                        other=0.0)
         if HAS_DROPOUT:
             full = _dropout_scale(full, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_t - start, offs_k,
-                                  K).to(full.dtype)
+                                  K, ROW_TOKENS).to(full.dtype)
         if TRANS_ACC:
             acc += tl.dot(tl.trans(full), low.to(full.dtype), input_precision=DOT_PRECISION)
         else:

@@ -20,6 +20,7 @@ from lightning_multilora.kernels.launch import FastLauncher
 from lightning_multilora.kernels.recompute import active_region
 from lightning_multilora.kernels.weights import STREAM_SEED_MOD, STREAM_STEP_MIX, LoRAWeights
 
+_ONE_ROW = 1 << 30  # a dropout row length that makes every adapter's tokens one row
 BLOCK_M = 64  # rows per program in the row-blocked kernels (the schedule's block); other tiles are tuned
 _CACHE_SIZE = 256
 
@@ -342,6 +343,12 @@ class _Call:
     grad_targets: Optional["GradTargets"] = None
 
     @property
+    def row_tokens(self) -> int:
+        """The dropout masks' row length (`LoRAWeights.row_tokens`; without dropout or rows, one row for all: a
+        constant, so that launches without dropout do not vary with it)."""
+        return (self.weights.row_tokens or _ONE_ROW) if self.has_dropout else _ONE_ROW
+
+    @property
     def a_ptrs(self) -> Tensor:  # (n,) the A_i the products read
         return self.table.a_ptrs if self.copies is None else self.copies.a_ptrs
 
@@ -392,7 +399,7 @@ class _LoRAShrink(torch.autograd.Function):
                 _rows_grid(sched, table),
                 (x, call.a_ptrs, call.w_witness, s, sched.blk_adapter, sched.blk_start, sched.seg_start,
                  sched.seg_end, table.ranks, table.ones, table.drop_p, call.seeds, x.shape[1], table.r_chunks,
-                 _row_bucket(sched, table), x.stride(0), s.stride(0)),
+                 _row_bucket(sched, table), call.row_tokens, x.stride(0), s.stride(0)),
                 dict(W_IS_A=True, HAS_DROPOUT=call.has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
                      BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, x.shape[1], x.device)),
                 _zero_if_split(s))
@@ -496,7 +503,7 @@ class _LoRAExpand(torch.autograd.Function):
                 _rows_grid(sched, table),
                 (dy, call.b_ptrs, call.w_witness, ds, sched.blk_adapter, sched.blk_start, sched.seg_start,
                  sched.seg_end, table.ranks, table.ones, table.drop_p, call.seeds, d_out, table.r_chunks,
-                 _row_bucket(sched, table), dy.stride(0), ds.stride(0)),
+                 _row_bucket(sched, table), call.row_tokens, dy.stride(0), ds.stride(0)),
                 dict(W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
                      BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
                      **_rows_meta(sched.num_blocks, d_out, device)),
@@ -767,7 +774,8 @@ def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
     _rank_times_weight(
         lambda meta: (sched.num_blocks, _cdiv(width, meta["N_PER"])),
         (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
-         table.ranks, table.scaling, table.drop_p, call.seeds, width, sched.bucket, low.stride(0), out.stride(0)),
+         table.ranks, table.scaling, table.drop_p, call.seeds, width, sched.bucket, call.row_tokens, low.stride(0),
+         out.stride(0)),
         dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
              BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, MULTI_CHUNK=table.r_chunks > 1,
              NARROW=narrow_levels(table.block_r),
@@ -837,7 +845,7 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
     with_ds = ds is not None
     block_r, r_chunks = _grad_chunks(table.block_r, table.width)
     split = _split_for(n * r_chunks * _cdiv(k, 128), sched.max_tokens, device)
-    tail = (k, r_chunks, split, sched.bucket, sched.token_bucket, low.stride(0), full.stride(0),
+    tail = (k, r_chunks, split, sched.bucket, sched.token_bucket, call.row_tokens, low.stride(0), full.stride(0),
             ds.stride(0) if with_ds else 0)
     w_args = (call.b_ptrs, call.w_witness, ds) if with_ds else (ptrs, witness, low)  # (unused without dS)
     args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, sched.grad_order, table.ranks, table.scaling,

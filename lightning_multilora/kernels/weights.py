@@ -63,6 +63,10 @@ class LoRAWeights:
 
     ``streams``: each adapter's dropout masks from its own `DropoutStreams` entry; without, from seeds drawn from
     torch's random state at each call (the masks then depend on the other adapters of the call).
+    ``row_tokens``: the token rows are sequences of this (padded) length, negative when left-padded (0: one sequence
+    an adapter). A mask element is drawn for its (row, position in the row, column), the positions of a left-padded
+    row counted from its end, so an adapter's masks do not change with the padded length that longer rows of other
+    adapters set.
     """
 
     a: tuple[Tensor, ...]
@@ -75,6 +79,7 @@ class LoRAWeights:
     a_copies: tuple[Tensor, ...] = ()
     b_copies: tuple[Tensor, ...] = ()
     streams: Optional[DropoutStreams] = None
+    row_tokens: int = 0
     # Per-object memo of derived device state (the Triton path's pointer table, and its copies of the weights
     # in the activation dtype: 2 bytes a parameter), so the calls of a step do not rebuild them.
     memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)

@@ -373,7 +373,7 @@ def test_every_expand_tuning_candidate_gives_the_reference():
         y = base.clone()
         grid = (sched.num_blocks, triton.cdiv(y.shape[1], meta["N_PER"]))
         kernel[grid](s, table.b_ptrs, w.a[0], y, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
-                     table.ranks, table.scaling, table.drop_p, table.ranks, y.shape[1], 4, s.stride(0), y.stride(0),
+                     table.ranks, table.scaling, table.drop_p, table.ranks, y.shape[1], 4, 1, s.stride(0), y.stride(0),
                      W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M, BLOCK_R=32,
                      MULTI_CHUNK=True, SCALE_PRODUCT=False, W_ALIGNED=False, NARROW=1, **meta)
         assert rel(y, expected) < 1e-5, meta
@@ -405,7 +405,7 @@ def test_every_weight_gradient_tuning_candidate_gives_the_reference():
         ds = torch.zeros_like(s)
         grid = (triton.cdiv(dy.shape[1], meta["BLOCK_K"]) * split, len(w.a) * 3)
         kernel[grid](s, dy, targets.b_ptrs, targets.a[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks,
-                     table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3, split, 1, 1,
+                     table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3, split, 1, 1, 1,
                      s.stride(0), dy.stride(0), ds.stride(0), G_IS_A=False, HAS_DROPOUT=False, ATOMIC=split > 1,
                      ADD_TO_G=add, DOT_PRECISION="ieee", G_ALIGNED=False, WITH_DS=True, W_ALIGNED=False, BLOCK_R=16,
                      TRANS_ACC=trans, **meta)
