@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
@@ -41,6 +42,15 @@ class LayoutContext:
         self.dropout_steps: dict[torch.device, Tensor] = {}
         self._dropout_forwards: set[int] = set()  # layers that ran a training forward with dropout in this `use`
         self._warned_repeat = False
+
+    def move_steps(self, old: torch.device, new: torch.device) -> None:
+        """Adapters moved from ``old`` to ``new``: the step table of ``new`` becomes ``old``'s (the one their steps,
+        replayed CUDA graphs included, advanced), replacing any older one there (a resume sets the steps before the
+        model moves to its device; Lightning moves it back to the CPU at the end of a fit)."""
+        table = self.dropout_steps.get(old)
+        if table is not None and old != new:
+            moved = torch.zeros(DROPOUT_SLOTS, dtype=torch.int64, device=new) if table.is_meta else table.to(new)
+            self.dropout_steps[new] = moved
 
     def saw_dropout_forward(self, layer: nn.Module) -> None:
         """A layer ran a training forward with dropout: a second one inside the same `use` (outside backward's
@@ -158,7 +168,12 @@ class MultiLoRALinear(nn.Module):
     def _apply(self, fn, *args, **kwargs):
         # moved or cast (``.to``, ``.cuda``, ``.half``): the cached weights' device state is rebuilt at the next forward
         self._weights_key = self._weights = self._weights_seen = None
-        return super()._apply(fn, *args, **kwargs)
+        before = next(iter(self.lora_A.values())).device if len(self.lora_A) else None
+        out = super()._apply(fn, *args, **kwargs)
+        after = next(iter(self.lora_A.values())).device if len(self.lora_A) else None
+        if before is not None and after != before:
+            self.context.move_steps(before, after)
+        return out
 
     def forward(self, x: Tensor) -> Tensor:
         layout = self.context.layout
@@ -604,6 +619,10 @@ class LoRALayers(Mapping):
                                                     torch.ones(len(slots), dtype=torch.int64, device=device))
             else:
                 self._advance_index.move_to_end(key)
+            if steps.is_cuda and torch.cuda.is_current_stream_capturing():
+                from lightning_multilora.kernels.triton_lora import keep_alive
+
+                keep_alive(index)  # (held by the graph's step while the cache may drop it)
             steps.index_add_(0, *index)
 
     def dropout_steps(self) -> dict[str, int]:
@@ -626,7 +645,8 @@ class LoRALayers(Mapping):
         unknown = sorted(set(steps) - set(self._slots))
         if unknown:
             raise KeyError(f"no adapter {unknown}; present: {self.adapter_names}")
-        bad = {n: s for n, s in steps.items() if not isinstance(s, int) or isinstance(s, bool) or s < 0}
+        bad = {n: s for n, s in steps.items()
+               if not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 0}
         if bad:
             raise ValueError(f"dropout steps must be integers >= 0, got {bad}")
         for name, step in steps.items():

@@ -68,7 +68,7 @@ class AdapterSpec:
     dataset: Optional[str] = None
     """Name of a data source in the data module; None: its default source."""
     seed: int = 0
-    """Seed for this adapter's initialisation and data order (its dropout masks come from the run's random stream)."""
+    """Seed for this adapter's initialisation, data order and dropout masks (adapters of one seed share them)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):

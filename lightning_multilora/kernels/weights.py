@@ -22,9 +22,9 @@ class DropoutStreams:
     ``seeds[i]``: adapter ``i``'s seed in this layer (its own seed with the layer mixed in); ``steps``: a table of
     int64 step counters on the weights' device, adapter ``i``'s at ``slots[i]``, which its owner advances once per
     training forward (`lightning_multilora.layer.LoRALayers.use`). A call masks adapter ``i``'s rows with
-    ``stream_seeds(seeds, steps[slots])[i]``, element ``(t, k)`` of its rows (``t`` counted from its first row) kept
-    or dropped by that seed alone; a recomputation under gradient checkpointing, within the same forward, gets the
-    same masks."""
+    ``stream_seeds(seeds, steps[slots])[i]``, each element kept or dropped by that seed and its (sequence row,
+    position, column) alone (`LoRAWeights.row_tokens`); a recomputation under gradient checkpointing, within the same
+    forward, gets the same masks."""
 
     seeds: tuple[int, ...]
     slots: tuple[int, ...]
