@@ -1,7 +1,8 @@
 """Grouped LoRA kernels, forward + backward of one layer's LoRA path, against the alternatives.
 
 Run on the H200 (minutes per shape on a fresh machine, most of them compiling and tuning; ``--ns 32`` for the
-N=32 rows alone, ``--impls ours_direct`` for ours alone, ``--budget-s`` to stop early):
+N=32 rows alone, ``--impls ours_direct`` for ours alone, ``--budget-s`` to stop early, ``--kernel-times`` for
+where ours' time goes, kernel by kernel):
 
     PYTHONPATH=. python benchmarks/kernels.py --out benchmarks/results/kernels_h200.json
 
@@ -169,6 +170,27 @@ def graph_ms(step, target_ms: float = 3.0, max_repeats: int = 20) -> float:
     return one if repeats == 1 else per_step(repeats)
 
 
+def kernel_times(step, steps: int = 5) -> dict[str, float]:
+    """GPU microseconds a step per kernel name (torch.profiler over ``steps`` eager steps after an untimed one),
+    largest first: where a point's time goes (``--kernel-times``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None)
+        if us is None:  # (older torch)
+            us = event.self_cuda_time_total
+        if us > 0:
+            times[event.key[:80]] = times.get(event.key[:80], 0.0) + us / steps
+    return {k: round(v, 1) for k, v in sorted(times.items(), key=lambda kv: -kv[1])}
+
+
 def floor_bytes(x, base, w) -> int:
     t, d_in, d_out = x.shape[0], x.shape[1], base.shape[1]
     act = 2 * t * (3 * d_in + 3 * d_out)  # x, Y r+w, dY, x (dA), dX (bf16)
@@ -196,6 +218,9 @@ def main() -> None:
                              "without them (zero_grad(set_to_none=True)), and ours stores new ones without reading")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting new points after this many seconds and write the rows measured so far")
+    parser.add_argument("--kernel-times", action="store_true",
+                        help="also profile ours' eager steps: each of their rows gets kernels_us, GPU us a step per "
+                             "kernel (the launches of a forward + backward, by name)")
     args = parser.parse_args()
     device = torch.device("cuda")
     lorafusion = None
@@ -289,6 +314,10 @@ def main() -> None:
                                          gbps=round(nbytes / (ms * 1e-3) / 1e9, 1),
                                          floor_ms=round(impl_floor_ms, 4),
                                          pct_of_floor=round(100 * impl_floor_ms / ms, 1), **common))
+                        if args.kernel_times and impl.startswith("ours"):
+                            rows[-1]["kernels_us"] = kernel_times(step)
+                            print(f"  {impl} kernels (us a step): " + ", ".join(
+                                f"{k.split('(')[0][:40]} {v}" for k, v in list(rows[-1]["kernels_us"].items())[:6]))
                         if impl == "ours_shadow":
                             rows[-1].update(shadow_write_ms=round(shadow_write_ms, 4), pct_of_floor_with_shadow_write=
                                             round(100 * impl_floor_ms / (ms + shadow_write_ms), 1))
