@@ -112,3 +112,27 @@ def test_qlora_packed_adapters_equal_each_trained_alone_with_peft_qlora(tmp_path
         assert set(packed) == set(alone), spec.name
         assert_trained_alike(packed, alone, spec.name)  # the same 4-bit base and fp32 compute on both sides
         assert any(alone[k].abs().max() > 0 for k in alone if "lora_B" in k)
+
+
+def test_with_dropout_an_adapter_trains_as_alone_while_neighbours_exit_and_refill(tmp_path, trainer_kwargs):
+    """Adapter "b" with dropout, packed with adapters that exit and are replaced from the queue (other datasets, so
+    other padded lengths), ends as this module trains it alone: its masks come from its seed, layer, step and each
+    element's row and position, not from the run's random state or its neighbours."""
+    b = AdapterSpec("b", rank=4, alpha=8, lr=3e-3, batch_size=2, max_steps=10, dataset="mul", seed=2, dropout=0.3)
+    neighbours = [AdapterSpec("a", rank=2, alpha=4, lr=3e-3, batch_size=1, max_steps=3, dataset="add", seed=1),
+                  AdapterSpec("c", rank=8, alpha=8, lr=2e-3, batch_size=3, max_steps=4, dataset="sub", seed=3,
+                              dropout=0.1),
+                  AdapterSpec("e", rank=3, alpha=6, lr=1e-3, batch_size=2, max_steps=5, dataset="add", seed=5)]
+
+    def trained(specs, out, max_running=None):
+        module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path / out), validate_on_finish=False,
+                                 max_running=max_running)
+        L.Trainer(**trainer_kwargs).fit(module, make_datamodule())
+        assert module.registry["b"].step == 10
+        return load_file(str(tmp_path / out / "b" / "adapter_model.safetensors"))
+
+    alone = trained([b], "alone")
+    packed = trained([b, *neighbours], "packed", max_running=2)
+    assert_trained_alike(packed, alone, "b", rel=1e-5)
+    without = trained([AdapterSpec(**{**b.to_dict(), "dropout": 0.0})], "without")
+    assert any((without[k] - alone[k]).norm() > 1e-3 * alone[k].norm() for k in alone)  # its dropout mattered
