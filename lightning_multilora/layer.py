@@ -144,6 +144,8 @@ class MultiLoRALinear(nn.Module):
             raise ValueError(f"`rank` must be an integer >= 1, got {rank}")
         if alpha <= 0:
             raise ValueError(f"`alpha` must be > 0, got {alpha}")
+        if not (isinstance(dropout, numbers.Real) and not isinstance(dropout, bool) and 0.0 <= dropout < 1.0):
+            raise ValueError(f"`dropout` must be a number in [0, 1), got {dropout!r}")
         device = _weight_device(self.base)
         a = torch.empty(rank, self.in_features, dtype=dtype)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
@@ -646,9 +648,9 @@ class LoRALayers(Mapping):
         if unknown:
             raise KeyError(f"no adapter {unknown}; present: {self.adapter_names}")
         bad = {n: s for n, s in steps.items()
-               if not isinstance(s, numbers.Integral) or isinstance(s, bool) or s < 0}
+               if not isinstance(s, numbers.Integral) or isinstance(s, bool) or not 0 <= s < 2**62}
         if bad:
-            raise ValueError(f"dropout steps must be integers >= 0, got {bad}")
+            raise ValueError(f"dropout steps must be integers in [0, 2**62), got {bad}")
         for name, step in steps.items():
             self.context.steps_on(self._device_of(name))
             for table in self.context.dropout_steps.values():

@@ -205,6 +205,12 @@ def test_dropout_steps_count_an_adapters_training_forwards():
     assert layers.dropout_steps() == {"b": 0, "c": 0, "d": 0}
     with pytest.raises(KeyError, match=r"\['zz'\].*present"):
         layers.set_dropout_steps({"zz": 1})
+    for step in (-1, 1.5, True, 2**70):
+        with pytest.raises(ValueError, match=r"dropout steps must be integers in \[0, 2\*\*62\)"):
+            layers.set_dropout_steps({"b": step})
+    for dropout in (1.0, -0.5, float("nan"), "0.1"):
+        with pytest.raises(ValueError, match=r"`dropout` must be a number in \[0, 1\)"):
+            layers.add_adapter("e", rank=2, alpha=4, dropout=dropout)
 
 
 def test_a_second_training_forward_inside_one_use_is_warned_of():
