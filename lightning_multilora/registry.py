@@ -9,6 +9,9 @@ from typing import Any, Iterator, Optional
 
 from lightning_multilora.spec import AdapterSpec
 
+# `AdapterSpec.hparams` entries the summary table shows where they differ between adapters, with their headers
+_EXTRA_COLUMNS = {"dropout": "dropout", "weight_decay": "wd", "schedule": "schedule", "dataset": "dataset"}
+
 
 class AdapterState(str, enum.Enum):
     QUEUED = "queued"
@@ -156,10 +159,15 @@ class AdapterRegistry:
         return rows
 
     def summary_table(self) -> str:
+        """The ranked table: learning rate, rank, alpha and batch size, then each other hyperparameter of
+        `AdapterSpec.hparams` whose value differs between adapters (two that differ only in dropout are told apart)."""
         rows = self.summary_rows()
-        header = ["#", "adapter", "lr", "rank", "alpha", "bs", "status", "best_val_loss", "steps"]
+        varying = [k for k in _EXTRA_COLUMNS if len({repr(r[k]) for r in rows}) > 1]
+        header = ["#", "adapter", "lr", "rank", "alpha", "bs", *(_EXTRA_COLUMNS[k] for k in varying), "status",
+                  "best_val_loss", "steps"]
         lines = [[str(i + 1), r["adapter"], f"{r['lr']:.2g}", str(r["rank"]), f"{r['alpha']:g}",
-                  str(r["batch_size"]), r["status"],
+                  str(r["batch_size"]), *("-" if r[k] is None else f"{r[k]:g}" if isinstance(r[k], float)
+                                          else str(r[k]) for k in varying), r["status"],
                   f"{r['best_val_loss']:.4f}" if math.isfinite(r["best_val_loss"]) else "-", str(r["steps"])]
                  for i, r in enumerate(rows)]
         widths = [max(len(h), *(len(line[j]) for line in lines)) if lines else len(h) for j, h in enumerate(header)]
