@@ -55,13 +55,14 @@ class SweepReport(Callback):
             lines = ["", "Adapters ranked by best validation loss:", registry.summary_table(), ""]
             exports = sorted({str(Path(r["export_path"]).parent) for r in self.rows if r["export_path"]})
             lines.append(f"PEFT adapters:   {', '.join(exports) if exports else '(none exported)'}")
-            lines.append(f"TensorBoard logs: {log_dir}  (tensorboard --logdir {log_dir})")
+            if _tensorboard_loggers(trainer):
+                lines.append(f"TensorBoard logs: {log_dir}  (tensorboard --logdir {log_dir})")
+            elif self.filename and log_dir:  # (no TensorBoard logger: nothing for TensorBoard to read)
+                lines.append(f"Summary:          {Path(log_dir) / self.filename}")
             print("\n".join(lines), flush=True)
 
     def _write_tensorboard(self, trainer: L.Trainer, registry: AdapterRegistry) -> None:
-        from lightning.pytorch.loggers import TensorBoardLogger
-
-        loggers = [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
+        loggers = _tensorboard_loggers(trainer)
         if not loggers:
             return
         logger = loggers[0]
@@ -77,6 +78,12 @@ class SweepReport(Callback):
         writer.add_figure("sweep/loss_curves", loss_curves_figure(registry), trainer.global_step)
         writer.add_figure("sweep/timeline", timeline_figure(registry, trainer.global_step), trainer.global_step)
         writer.flush()
+
+
+def _tensorboard_loggers(trainer: L.Trainer) -> list:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    return [lg for lg in trainer.loggers if isinstance(lg, TensorBoardLogger)]
 
 
 def loss_curves_figure(registry: AdapterRegistry):

@@ -50,6 +50,22 @@ def test_tensorboard_holds_scalars_exits_hparams_and_pictures(tmp_path, trainer_
         assert "_hparams_/session_start_info" in hp.PluginTagToContent("hparams")
     out = capsys.readouterr().out
     assert "Adapters ranked by best validation loss" in out and "pruned" in out
+    assert f"TensorBoard logs: {trainer.log_dir}" in out
+
+
+def test_without_a_tensorboard_logger_the_report_points_at_its_summary_file(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from lightning_multilora import AdapterSpec
+    from lightning_multilora.registry import AdapterRegistry
+
+    registry = AdapterRegistry()
+    registry.add(AdapterSpec("a"))
+    trainer = SimpleNamespace(loggers=[], is_global_zero=True, log_dir=None, default_root_dir=str(tmp_path))
+    SweepReport().on_fit_end(trainer, SimpleNamespace(registry=registry))
+    out = capsys.readouterr().out
+    assert "TensorBoard" not in out and f"Summary:          {tmp_path / 'sweep_summary.json'}" in out
+    assert (tmp_path / "sweep_summary.json").exists()
 
 
 def test_slots_are_reused_once_free():
