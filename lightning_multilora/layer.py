@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from lightning_multilora.flat import FlatAdapter, make_flat
 from lightning_multilora.kernels import LoRAWeights, multi_lora, multi_lora_linear, resolve_backend
-from lightning_multilora.kernels.weights import DropoutStreams
+from lightning_multilora.kernels.weights import STREAM_SEED_MOD, DropoutStreams
 from lightning_multilora.shadow import Shadow, record_copy
 from lightning_multilora.shadow import refresh as _refresh
 from lightning_multilora.layout import BatchLayout
@@ -319,7 +319,6 @@ class LoRALayers(Mapping):
         self._param_dicts: dict[str, tuple[dict, ...]] = {}  # per adapter, its layers' lora_A/_B parameter dicts
         self._refreshed_before_replays = False
         self._slots: dict[str, int] = {}  # per adapter, its slot in the dropout step counters
-        self._dropout: dict[str, float] = {}
         self._advance_index: OrderedDict[tuple, tuple[Tensor, Tensor]] = OrderedDict()  # (slots, device): (index, ones)
 
     def __getitem__(self, key: str) -> MultiLoRALinear:
@@ -384,7 +383,7 @@ class LoRALayers(Mapping):
             generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + index)
             self._layers[layer_name].add_adapter(name, rank, alpha, dropout, use_rslora, generator, dtype)
             self._layers[layer_name].streams[name] = (_stream_seed(seed, index), slot)
-        self._slots[name], self._dropout[name] = slot, float(dropout)
+        self._slots[name] = slot
         for steps in self.context.dropout_steps.values():
             steps[slot] = 0
         self._targets[name] = layer_names
@@ -401,7 +400,6 @@ class LoRALayers(Mapping):
             flat.drop_shadow()
         self._attached.pop(name, None)
         self._slots.pop(name, None)
-        self._dropout.pop(name, None)
         self._param_dicts.pop(name, None)
 
     def parameters_of(self, name: str) -> list[nn.Parameter]:
@@ -607,7 +605,7 @@ class LoRALayers(Mapping):
         """A training forward: the dropout step of each of the layout's adapters with rows and dropout advances
         by one (one launch, on the device, so that a CUDA graph of the step advances them at each replay)."""
         slots = tuple(self._slots[n] for n, s, e in zip(layout.names, layout.starts, layout.ends)
-                      if e > s and self._dropout.get(n, 0.0) > 0 and n in self._slots)
+                      if e > s and n in self._slots and self._layers[self._targets[n][0]].dropout[n] > 0)
         if not slots:
             return
         self.context.steps_on(self._device_of(next(n for n in layout.names if n in self._slots)))
@@ -712,4 +710,4 @@ def inject_multilora(
 def _stream_seed(seed: int, layer_index: int) -> int:
     """An adapter's dropout seed in the layer at ``layer_index`` (its initialisation's generator takes ``seed *
     1_000_003 + layer_index``: mixed otherwise, so that its first masks are not its initial weights' draws)."""
-    return (int(seed) * 0x2545F491 + layer_index * 0x6C8E9CF5 + 0x1B873593) % (2**31 - 1)
+    return (int(seed) * 0x2545F491 + layer_index * 0x6C8E9CF5 + 0x1B873593) % STREAM_SEED_MOD

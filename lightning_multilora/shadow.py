@@ -124,17 +124,16 @@ def refresh(shadows: Sequence[Shadow], force: bool = False) -> int:
         return 0
     if stale[0].tensor.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("adapter shadows were to be refreshed during a CUDA graph capture; refresh them before it")
-    with torch.no_grad():
-        torch._foreach_copy_([s.tensor for s in stale], [s.flat.detach() for s in stale])
+    record_copy(stale)
     for s in stale:
         s.mark_written()
     return len(stale)
 
 
 def record_copy(shadows: Sequence[Shadow]) -> None:
-    """During a CUDA graph capture: record the copy of every shadow of ``shadows`` from its flat parameter (one
-    launch), so that each replay copies them again before the forward reads them, as the per-call copies did. Their
-    freshness is left as it is: the capture runs nothing."""
+    """Copy every shadow of ``shadows`` from its flat parameter (one launch), leaving their freshness as it is:
+    `refresh` marks them after; during a CUDA graph capture the copy is recorded, so that each replay copies them
+    again before the forward reads them, as the per-call copies did (the capture runs nothing)."""
     with torch.no_grad():
         torch._foreach_copy_([s.tensor for s in shadows], [s.flat.detach() for s in shadows])
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from lightning_multilora.kernels.weights import LoRAWeights, stream_seeds
+from lightning_multilora.kernels.weights import STREAM_SEED_MOD, LoRAWeights, stream_seeds
 
 
 def multi_lora_reference(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool) -> Tensor:
@@ -54,10 +54,11 @@ def _dropout(x: Tensor, p: float, seed: Optional[int], row_tokens: int) -> Tenso
     length = abs(row_tokens) if row_tokens and n % abs(row_tokens) == 0 else n
     rows = []
     for row in range(n // length if length else 0):
-        draws = torch.rand(length, width, generator=torch.Generator().manual_seed((seed + row * _ROW_MIX) % _MOD))
+        generator = torch.Generator().manual_seed((seed + row * _ROW_MIX) % STREAM_SEED_MOD)
+        draws = torch.rand(length, width, generator=generator)
         rows.append(draws.flip(0) if row_tokens < 0 else draws)
     keep = (torch.cat(rows) if rows else torch.ones(0, width)).to(x.device) >= p
     return x * keep / (1.0 - p)
 
 
-_ROW_MIX, _MOD = 0x2C1B3C6D, 2**31 - 1
+_ROW_MIX = 0x2C1B3C6D
