@@ -221,7 +221,14 @@ def main() -> None:
     parser.add_argument("--kernel-times", action="store_true",
                         help="also profile ours' eager steps: each of their rows gets kernels_us, GPU us a step per "
                              "kernel (the launches of a forward + backward, by name)")
+    parser.add_argument("--rank-class-launches", type=int, default=None,
+                        help="launches of the expand and of dX for ranks that differ (triton_lora.RANK_CLASS_LAUNCHES; "
+                             "default: the package's)")
     args = parser.parse_args()
+    if args.rank_class_launches is not None:
+        from lightning_multilora.kernels import triton_lora
+
+        triton_lora.RANK_CLASS_LAUNCHES = args.rank_class_launches
     device = torch.device("cuda")
     lorafusion = None
     if args.lorafusion_src:
@@ -235,6 +242,8 @@ def main() -> None:
                   date=datetime.now(timezone.utc).date().isoformat(), copy_gbps=round(bandwidth, 1),
                   timing="ms: CUDA graph of back-to-back forward+backward steps (~3 ms a replay), per step, each after an L2 flush (subtracted)",
                   grads=args.grads)
+    if args.rank_class_launches is not None:
+        common["rank_class_launches"] = args.rank_class_launches
     rows = []
     start = time.monotonic()
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
@@ -327,10 +336,15 @@ def main() -> None:
                                      gbps=round(bandwidth, 1), pct_of_floor=100.0, **common))
                     print("  ".join(line) + f"  floor {floor_ms:.3f} ms", flush=True)
                     del x, base, w, wd, ws, grad, xg, params, gmm
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(rows, indent=1))
+                    write(args.out, rows)  # after every point: a run stopped early keeps what it measured
+    write(args.out, rows)
     Path(args.out).with_suffix(".tuning.json").write_text(json.dumps(tuning_choices(), indent=1))
     summarize(rows)
+
+
+def write(out: str, rows: list) -> None:
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(rows, indent=1))
 
 
 def tuning_choices() -> dict:

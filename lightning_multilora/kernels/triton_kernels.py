@@ -280,13 +280,14 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
 
 @_tuned(_RANK_CONFIGS, key=["N", "BLOCK_M", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
                             "SCALE_PRODUCT", "W_ALIGNED", "NARROW", "ROW_BUCKET"], restore_value=["Y"])
-@triton.jit(do_not_specialize=["ROW_BUCKET", "ROW_TOKENS"])
+@triton.jit(do_not_specialize=["ROW_BUCKET", "ROW_TOKENS", "BLK_OFFSET"])
 def _rank_times_weight(
     # pointers
     R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes (ROW_BUCKET, a bucket of the row blocks, only keys the tuning: how many columns a program
     # should take depends on how many row blocks there are to fill the GPU with)
     N, ROW_BUCKET, ROW_TOKENS,
+    BLK_OFFSET,  # the launch's first row block (a launch per class of ranks: `triton_lora.rank_classes`)
     # strides
     stride_r_m, stride_y_m,
     # meta-parameters
@@ -295,7 +296,7 @@ def _rank_times_weight(
     SCALE_PRODUCT: tl.constexpr, W_ALIGNED: tl.constexpr, N_PER: tl.constexpr, NARROW: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    pid = tl.program_id(0) + BLK_OFFSET
     pid_n = tl.program_id(1)
     a = tl.load(BLK_ADAPTER + pid)
     m0 = tl.load(BLK_START + pid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from itertools import repeat
 from operator import attrgetter, is_
 from typing import Any, Optional
@@ -95,6 +95,9 @@ class Schedule:
     max_tokens: int
     bucket: int  # the expand/dX and weight-gradient launches' tuning bucket: `_bucket` of num_blocks
     token_bucket: int  # the weight-gradient launches' other one: `_bucket` of max_tokens
+    # ranks that differ: (rank, first row block) of each run of one rank in the row blocks, largest rank first
+    rank_runs: tuple[tuple[int, int], ...] = ()
+    classes: dict = field(default_factory=dict, compare=False)  # `rank_classes`' launches, by rank tile (and switch)
 
 
 def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, device: torch.device,
@@ -129,13 +132,23 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         bounds = [0] + [edge for span in sorted(zip(starts, ends)) for edge in span] + [num_rows]
         covered = all(a == b for a, b in zip(bounds[::2], bounds[1::2]))
         nb, max_tokens = len(adapters), max((e - s for s, e in zip(starts, ends)), default=0)
+        runs = () if ranks is None else tuple(_runs(adapters, ranks))
         host, segs = _upload_rows(host, device), _upload_rows(segs, device)
         return Schedule(host[0, :nb], host[1, :nb], segs[0, :n], segs[1, :n], segs[2, :n], nb, covered,
-                        max_tokens, _bucket(nb), _bucket(max_tokens))
+                        max_tokens, _bucket(nb), _bucket(max_tokens), runs)
 
     if ranks is not None and len(set(ranks)) == 1:
         ranks = None  # one rank: the segment order (and the cached tables of the layout)
     return _schedules.get_or_make((starts, ends, num_rows, str(device), ranks), make)
+
+
+def _runs(adapters: list[int], ranks: tuple[int, ...]) -> Iterator[tuple[int, int]]:
+    """(rank, first block) of each run of blocks whose adapters have one rank."""
+    last = None
+    for pos, a in enumerate(adapters):
+        if ranks[a] != last:
+            last = ranks[a]
+            yield last, pos
 
 
 @dataclass(frozen=True)
@@ -749,6 +762,13 @@ def low_rank_dtype(x: Tensor, d_out: int, sched: Schedule, table: PointerTable, 
 # weight-gradient launches, whose rank chunks are at most 64 already (`GRAD_MAX_TILE`), got slower with fp32 S / dS
 # (r=64 206 -> 272 us, ranks 8..128 239 -> 268) and at most 3% faster with bf16 ones.
 NARROW_RANK_TILES = 2
+# Launches of the expand and of dX for a set of ranks that differ, at most one per rank tile (the tile, its halvings:
+# `rank_classes`), each tuned on its own; 1: one launch with the narrower tiles compiled in (`NARROW_RANK_TILES`). The
+# hope was that one kernel holding the 128-wide path ran every program at that path's occupancy. On the H200, 32
+# adapters of ranks 8..128, a forward + backward (`benchmarks/kernels.py --ranks mixed --rank-class-launches`), the
+# expand + dX launches took, with 1 / 2 / 4 launches: 4096x4096 at 1024 tokens each 299 / 287 / 297 us, at 256 tokens
+# 79 / 80 / 89; 14336x4096 515 / 512 / 516 and 158 / 150 / 160. So 2: about 1% of the whole call, not the gap to r=64.
+RANK_CLASS_LAUNCHES = 2
 
 
 def narrow_levels(block_r: int) -> int:
@@ -767,19 +787,47 @@ def _rows_grid(sched: Schedule, table: PointerTable):
     return lambda meta: (sched.num_blocks * table.r_chunks, meta["SPLIT_K"])
 
 
+def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, int, int, bool], ...]:
+    """The expand / dX launches of a layout: (first row block, end, rank tile, narrower tiles compiled, rank chunks
+    beyond the tile) each. With one rank, one launch over every block. With ranks that differ, up to
+    `RANK_CLASS_LAUNCHES`: the row blocks are listed largest rank first (`schedule`), so the blocks whose ranks fit
+    each halving of the tile are a contiguous run, launched with that tile; the last launch takes every narrower
+    rank, with its `narrow_levels`."""
+    key = (table.block_r, RANK_CLASS_LAUNCHES, NARROW_RANK_TILES)
+    classes = sched.classes.get(key)
+    if classes is not None:
+        return classes
+    tiles = [table.block_r >> k for k in range(max(1, RANK_CLASS_LAUNCHES)) if table.block_r >> k >= 16]
+    bounds: list[list[int]] = []  # [first block, tile index] of each launch
+    for rank, first in sched.rank_runs:
+        index = next((k for k in range(len(tiles) - 1, 0, -1) if rank <= tiles[k]), 0)
+        if not bounds or bounds[-1][1] != index:
+            bounds.append([first, index])
+    if len(bounds) <= 1:  # one rank, or every rank in one class: one launch, as without classes
+        classes = ((0, sched.num_blocks, table.block_r, narrow_levels(table.block_r), table.r_chunks > 1),)
+    else:
+        ends = [b[0] for b in bounds[1:]] + [sched.num_blocks]
+        classes = tuple((first, end, tiles[k], narrow_levels(tiles[k]) if k == len(tiles) - 1 else 0,
+                         k == 0 and table.r_chunks > 1) for (first, k), end in zip(bounds, ends))
+    sched.classes[key] = classes
+    return classes
+
+
 def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: bool, accumulate: bool,
                  has_dropout: bool) -> None:
-    """``OUT[t, :] (+)= c_i (LOW[t, :r_i] @ W_i) [* drop mask]``: the expand (``W_i = B_i^T``) or dX (``W_i = A_i``)."""
+    """``OUT[t, :] (+)= c_i (LOW[t, :r_i] @ W_i) [* drop mask]``: the expand (``W_i = B_i^T``) or dX (``W_i = A_i``),
+    one launch per class of ranks (`rank_classes`)."""
     sched, table, width = call.sched, call.table, out.shape[1]
-    _rank_times_weight(
-        lambda meta: (sched.num_blocks, _cdiv(width, meta["N_PER"])),
-        (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
-         table.ranks, table.scaling, table.drop_p, call.seeds, width, sched.bucket, call.row_tokens, low.stride(0),
-         out.stride(0)),
-        dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
-             BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, MULTI_CHUNK=table.r_chunks > 1,
-             NARROW=narrow_levels(table.block_r),
-             SCALE_PRODUCT=out.dtype == torch.float16, W_ALIGNED=call.w_aligned, **_meta("rank")))
+    for first, end, tile, narrow, multi_chunk in rank_classes(sched, table):
+        _rank_times_weight(
+            lambda meta, blocks=end - first: (blocks, _cdiv(width, meta["N_PER"])),
+            (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
+             table.ranks, table.scaling, table.drop_p, call.seeds, width,
+             sched.bucket if first == 0 and end == sched.num_blocks else _bucket(end - first), call.row_tokens,
+             first, low.stride(0), out.stride(0)),
+            dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
+                 BLOCK_M=BLOCK_M, BLOCK_R=tile, MULTI_CHUNK=multi_chunk, NARROW=narrow,
+                 SCALE_PRODUCT=out.dtype == torch.float16, W_ALIGNED=call.w_aligned, **_meta("rank")))
 
 
 def _row_bucket(sched: Schedule, table: PointerTable) -> int:

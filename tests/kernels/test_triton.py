@@ -204,9 +204,10 @@ def test_low_rank_activations_take_the_activation_dtype_where_every_launch_store
     triton_lora.reset_rank_tiles()
 
 
-def test_the_expand_and_dx_launches_compile_the_narrower_rank_tiles_of_theirs(monkeypatch):
-    """The expand and dX launches pass the kernel how many narrower rank tiles (halvings, none below 16, at most
-    `NARROW_RANK_TILES`) to compile beside their own; with none the results are the same."""
+def test_the_expand_and_dx_launch_once_per_class_of_ranks_with_the_narrower_tiles_of_the_last(monkeypatch):
+    """With ranks that differ, the expand and dX launch once per rank tile that the ranks need (the tile, its
+    halvings; at most `RANK_CLASS_LAUNCHES`), the last with the narrower tiles (halvings, none below 16, at most
+    `NARROW_RANK_TILES`) compiled beside its own; every split gives the same results."""
     from lightning_multilora.kernels import triton_lora
     from lightning_multilora.kernels.triton_lora import narrow_levels
 
@@ -215,21 +216,32 @@ def test_the_expand_and_dx_launches_compile_the_narrower_rank_tiles_of_theirs(mo
     launcher = triton_lora._rank_times_weight
 
     def record(grid, args, meta, *rest):
-        seen.setdefault(meta["W_IS_A"], set()).add((meta["BLOCK_R"], meta["NARROW"]))
+        seen.setdefault(meta["W_IS_A"], []).append((meta["BLOCK_R"], meta["NARROW"]))
         return launcher(grid, args, meta, *rest)
 
     monkeypatch.setattr(triton_lora, "_rank_times_weight", record)
-    x, base, w = problem([100, 5, 40], [33, 70, 64], d_in=48, d_out=72, dtype=torch.float32, seed=32)
+    x, base, w = problem([70, 64, 33, 5, 128], [100, 5, 40, 20, 0], d_in=48, d_out=72, dtype=torch.float32, seed=32)
     grad_out = torch.randn_like(base)
-    triton_lora.reset_rank_tiles()
-    y, grads = run(multi_lora_triton, x, base, w, False, grad_out)
-    assert seen == {False: {(128, 2)}, True: {(128, 2)}}  # the expand, dX
-    monkeypatch.setattr(triton_lora, "NARROW_RANK_TILES", 0)
-    seen.clear()
-    y_one, grads_one = run(multi_lora_triton, x, base, w, False, grad_out)
-    assert seen == {False: {(128, 0)}, True: {(128, 0)}}
-    for a, b in zip([y, *grads], [y_one, *grads_one]):
-        assert rel(a, b) < 1e-5
+    results = {}
+    for launches, narrow, expected in [(1, 2, [(128, 2)]), (1, 0, [(128, 0)]), (2, 2, [(128, 0), (64, 2)]),
+                                       (4, 2, [(128, 0), (64, 0), (16, 0)])]:
+        monkeypatch.setattr(triton_lora, "RANK_CLASS_LAUNCHES", launches)
+        monkeypatch.setattr(triton_lora, "NARROW_RANK_TILES", narrow)
+        triton_lora.reset_rank_tiles()
+        seen.clear()
+        results[launches, narrow] = run(multi_lora_triton, x, base, w, False, grad_out)
+        assert seen == {False: expected, True: expected}, (launches, narrow)  # the expand, dX
+    y, grads = results[1, 2]
+    for other, other_grads in list(results.values())[1:]:
+        for a, b in zip([y, *grads], [other, *other_grads]):
+            assert rel(a, b) < 1e-5
+    # one rank, or ranks of one class: one launch over every row block
+    for ranks, expected in [([64, 64, 64, 64, 64], [(64, 2)]), ([100, 70, 128, 65, 90], [(128, 2)])]:
+        x, base, w = problem(ranks, [100, 5, 40, 20, 3], d_in=48, d_out=72, dtype=torch.float32, seed=33)
+        triton_lora.reset_rank_tiles()
+        seen.clear()
+        run(multi_lora_triton, x, base, w, False, torch.randn_like(base))
+        assert seen == {False: expected, True: expected}
     triton_lora.reset_rank_tiles()
 
 
@@ -371,11 +383,14 @@ def test_every_expand_tuning_candidate_gives_the_reference():
     kernel, candidates = _every_candidate(K._rank_times_weight)
     for meta in candidates:
         y = base.clone()
-        grid = (sched.num_blocks, triton.cdiv(y.shape[1], meta["N_PER"]))
-        kernel[grid](s, table.b_ptrs, w.a[0], y, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
-                     table.ranks, table.scaling, table.drop_p, table.ranks, y.shape[1], 4, 1, s.stride(0), y.stride(0),
-                     W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M, BLOCK_R=32,
-                     MULTI_CHUNK=True, SCALE_PRODUCT=False, W_ALIGNED=False, NARROW=1, **meta)
+        half = sched.num_blocks // 2  # two launches, the second from a block offset (`rank_classes`' launches)
+        for first, blocks in ((0, half), (half, sched.num_blocks - half)):
+            grid = (blocks, triton.cdiv(y.shape[1], meta["N_PER"]))
+            kernel[grid](s, table.b_ptrs, w.a[0], y, sched.blk_adapter, sched.blk_start, sched.seg_start,
+                         sched.seg_end, table.ranks, table.scaling, table.drop_p, table.ranks, y.shape[1], 4, 1, first,
+                         s.stride(0), y.stride(0), W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False,
+                         DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M, BLOCK_R=32, MULTI_CHUNK=True,
+                         SCALE_PRODUCT=False, W_ALIGNED=False, NARROW=1, **meta)
         assert rel(y, expected) < 1e-5, meta
 
 
