@@ -758,11 +758,15 @@ class MultiLoRAMixin:
         # before `on_fit_end`, where callbacks (`SweepReport`) list the exports.
         self._export_held()
 
-    def _export_held(self) -> list[Path]:
-        """Export every adapter whose weights the model holds (its best-validation weights where they are kept);
-        the directories written."""
+    def _held(self) -> list[AdapterRecord]:
+        """The records of the adapters whose weights the model holds."""
+        return [r for r in self.registry.holding_weights if r.name in self.lora_layers.adapter_names]
+
+    def _export_held(self, untrained: bool = True) -> list[Path]:
+        """Export every adapter whose weights the model holds (its best-validation weights where they are kept),
+        without those that have taken no step unless ``untrained``; the directories written."""
         paths, failed, first = [], [], None
-        for rec in [r for r in self.registry.holding_weights if r.name in self.lora_layers.adapter_names]:
+        for rec in [r for r in self._held() if untrained or r.step > 0]:
             try:  # one adapter that cannot be written (a full disk, say) costs no other its export
                 if self.keep_best_weights:
                     self.restore_best_weights(rec.name)
@@ -1057,7 +1061,8 @@ def _grad_norms(groups: Sequence[Sequence[Tensor]], like: Tensor) -> Tensor:
 
 class ExportOnException(L.Callback):
     """Exports the adapters a `MultiLoRAMixin` module holds when fit stops on an exception, Ctrl+C included (Lightning
-    then calls no module hook, only callbacks' ``on_exception``): nothing trained is lost. Added by the module's
+    then calls no module hook, only callbacks' ``on_exception``): nothing trained is lost. Adapters that have taken no
+    step hold their initial weights and are named, not exported. Added by the module's
     ``configure_callbacks``. Its ``setup`` also asks ``Trainer.log_dir`` on every rank and remembers it
     (`log_dir_of`): exports on one rank alone, `SweepReport` and `OptunaSweep` on rank 0 take it from there. (A
     callback's ``setup``, not the module's: a subclass may override that one without calling ``super()``.)"""
@@ -1071,14 +1076,19 @@ class ExportOnException(L.Callback):
         export = getattr(pl_module, "_export_held", None)
         if export is None:
             return
-        try:
-            paths = export()
+        untrained = [r.name for r in pl_module._held() if r.step == 0]
+        try:  # an adapter that has taken no step holds its initial weights: nothing trained to keep
+            paths = export(untrained=False)
         except Exception as err:  # noqa: BLE001 - the run's own exception is the one to raise
             warnings.warn(f"exporting the adapters after {type(exception).__name__} failed: {err}")
             return
+        not_exported = f"; {untrained} had taken no step and are not exported" if untrained else ""
         if paths:
             warnings.warn(f"fit stopped by {type(exception).__name__}: the adapters it held are exported to "
-                          f"{[str(p) for p in paths]}")
+                          f"{[str(p) for p in paths]}{not_exported}")
+        elif untrained:
+            warnings.warn(f"fit stopped by {type(exception).__name__} before any adapter took a step: nothing "
+                          f"to export{not_exported}")
 
 
 class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):

@@ -428,6 +428,24 @@ def test_a_fit_stopped_by_an_exception_exports_the_adapters_it_held(tmp_path, tr
         assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in exported(module, name).items())
 
 
+def test_a_fit_stopped_before_any_step_exports_no_untrained_adapter(tmp_path, trainer_kwargs):
+    """An adapter that has taken no step holds its initial weights: a fit stopped before its first step (an error in
+    the first batch, say) says so and writes no export for it."""
+
+    class Boom(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            raise RuntimeError("boom")
+
+    specs = [AdapterSpec(n, rank=2, batch_size=1, max_steps=50, seed=i) for i, n in enumerate(("x", "y"))]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path), validate_on_finish=False)
+    with pytest.warns(UserWarning, match=r"before any adapter took a step: nothing to export; \['x', 'y'\] had "
+                                         "taken no step"):
+        with pytest.raises(RuntimeError, match="boom"):
+            L.Trainer(**trainer_kwargs, callbacks=[Boom()]).fit(module, small_dm())
+    assert [module.registry[n].export_path for n in ("x", "y")] == [None, None]
+    assert not any(tmp_path.iterdir())
+
+
 def test_the_sweep_report_lists_the_adapters_exported_when_training_stops_early(tmp_path, trainer_kwargs):
     """Adapters still running at the Trainer's own stop (``max_steps``) are exported before the report is written
     (``on_train_end``, before callbacks' ``on_fit_end``), so the report names their exports."""
