@@ -594,20 +594,30 @@ class LoRALayers(Mapping):
         ``refresh=False``: the caller has just refreshed them, `refresh_shadows`). With gradients on (a training
         forward: gradients on, the model in training mode), each of the layout's adapters with rows and dropout advances
         its dropout step: open it once per forward + backward (a recomputation inside takes the same masks; a second
-        forward is warned of)."""
+        forward is warned of). A forward (or backward) that raises inside takes its advance back: a retried batch
+        gets the masks it would have had."""
         shadows = layout is not None and self.refresh_shadows(layout.names, check=refresh)
+        advanced = ()
         if layout is not None and torch.is_grad_enabled() and self.model.training:
-            self._advance_dropout(layout)
+            advanced = self._advance_dropout(layout)
         with self.context.use(layout, shadows=shadows):
-            yield
+            try:
+                yield
+            except BaseException:
+                for steps, (index, ones) in advanced:
+                    if not (steps.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a failed capture: none)
+                        steps.index_add_(0, index, ones, alpha=-1)
+                raise
 
-    def _advance_dropout(self, layout: BatchLayout) -> None:
+    def _advance_dropout(self, layout: BatchLayout) -> list[tuple[Tensor, tuple[Tensor, Tensor]]]:
         """A training forward: the dropout step of each of the layout's adapters with rows and dropout advances
-        by one (one launch, on the device, so that a CUDA graph of the step advances them at each replay)."""
+        by one (one launch, on the device, so that a CUDA graph of the step advances them at each replay). The
+        tables advanced, with the (slots, ones) added."""
         slots = tuple(self._slots[n] for n, s, e in zip(layout.names, layout.starts, layout.ends)
                       if e > s and n in self._slots and self._layers[self._targets[n][0]].dropout[n] > 0)
+        advanced = []
         if not slots:
-            return
+            return advanced
         self.context.steps_on(self._device_of(next(n for n in layout.names if n in self._slots)))
         for device, steps in self.context.dropout_steps.items():
             key = (slots, device)
@@ -624,6 +634,8 @@ class LoRALayers(Mapping):
 
                 keep_alive(index)  # (held by the graph's step while the cache may drop it)
             steps.index_add_(0, *index)
+            advanced.append((steps, index))
+        return advanced
 
     def dropout_steps(self) -> dict[str, int]:
         """Each adapter's dropout step: how many training forwards (`use`, see there) it has had rows in,

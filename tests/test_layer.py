@@ -186,8 +186,8 @@ def test_a_checkpointed_forward_recomputes_the_adapters_dropout_masks(triton_bac
 
 
 def test_dropout_steps_count_an_adapters_training_forwards():
-    """An adapter's dropout step advances at each forward with gradients in which it has rows and dropout; a removed
-    adapter's slot goes to the next one added, from step 0; a resumed run sets the steps."""
+    """An adapter's dropout step advances at each forward with gradients in which it has rows and dropout (not at one
+    that raises); a removed adapter's slot goes to the next one added, from step 0; a resumed run sets the steps."""
     layers = inject_multilora(build_base_model("tiny-llama").float(), ["q_proj"])
     for name, dropout in (("a", 0.1), ("b", 0.0), ("c", 0.2)):
         layers.add_adapter(name, rank=2, alpha=4, dropout=dropout)
@@ -197,6 +197,10 @@ def test_dropout_steps_count_an_adapters_training_forwards():
         layers.model(input_ids=ids)
     with torch.no_grad(), layers.use(layout):  # an evaluation
         layers.model(input_ids=ids)
+    assert layers.dropout_steps() == {"a": 1, "b": 0, "c": 0}
+    with pytest.raises(RuntimeError, match="out of memory"), layers.use(layout):  # a step that fails takes none
+        layers.model(input_ids=ids)
+        raise RuntimeError("out of memory")
     assert layers.dropout_steps() == {"a": 1, "b": 0, "c": 0}
     layers.set_dropout_steps({"a": 7})
     assert layers.dropout_steps()["a"] == 7
