@@ -411,10 +411,27 @@ class MultiLoRAMixin:
             raise RuntimeError("MultiLoRAMixin needs a MultiLoRADataModule passed to `trainer.fit(..., datamodule=)`")
         return dm
 
+    def _cannot_start(self, rec: AdapterRecord, err: ValueError) -> None:
+        """A queued adapter that cannot start fails: before the first step the run stops at once, with the error;
+        later (an adapter added, or a trial asked, mid-run) that adapter fails alone, and the others train on:
+        nothing they learned is lost to a crash."""
+        rec.state, rec.reason = AdapterState.FAILED, str(err)
+        if self._global_step() == 0:
+            raise err
+        rec.ended_at_step = self._global_step()
+        warnings.warn(f"adapter {rec.name!r} could not start: {err}")
+        self._notify_exit(rec)
+
     def _admit(self) -> None:
         """Start queued adapters while slots are free (and, with an admission controller, while they fit)."""
         queued = list(self.registry.queued)
         placement = self._placement()
+        if self.admission is not None and queued:
+            for rec in [r for r in queued if not self.admission.fits([r.spec])]:  # it would wait forever
+                self._cannot_start(rec, ValueError(
+                    f"{self.admission.alone(rec.spec)}, so it can never start (lower its batch_size, or raise the "
+                    "AdmissionController's capacity_bytes or safety_margin)"))
+                queued.remove(rec)
         if self.admission is not None and queued:
             running = [r.spec for r in self.registry.running]
             by_name = {r.name: r for r in queued}
@@ -438,14 +455,7 @@ class MultiLoRAMixin:
                         steps_per_epoch = math.ceil(self._datamodule().num_train_examples(spec.dataset) / spec.batch_size)
                         rec.max_steps = max(1, math.ceil(spec.max_epochs * steps_per_epoch))
             except ValueError as err:
-                rec.state, rec.reason = AdapterState.FAILED, str(err)
-                if self._global_step() == 0:  # nothing trained yet: the run stops at once, with the error
-                    raise
-                # later (an adapter added, or a trial asked, mid-run): that adapter fails alone, and the others train
-                # on; nothing they learned is lost to a crash
-                rec.ended_at_step = self._global_step()
-                warnings.warn(f"adapter {rec.name!r} could not start: {err}")
-                self._notify_exit(rec)
+                self._cannot_start(rec, err)
                 continue
             rec.state, rec.reason = AdapterState.RUNNING, ""
             rec.started_at_step = self._global_step()

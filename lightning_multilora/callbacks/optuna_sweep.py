@@ -288,6 +288,17 @@ class OptunaSweep(Callback):
             name = f"trial-{trial.number}"
             try:
                 spec = AdapterSpec(name=name, **self._spec_kwargs(trial.params))
+            except ValueError as err:
+                study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
+            admission = getattr(pl_module, "admission", None)
+            if admission is not None and not admission.fits([spec]):  # it would wait in the queue forever
+                study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                warnings.warn(f"trial {trial.number} with {trial.params} failed: {admission.alone(spec)}, so it can "
+                              "never start")
+                self.asked += 1
+                continue
+            try:
                 pl_module.add_adapter(spec)
             except ValueError as err:
                 study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
@@ -389,8 +400,11 @@ class OptunaSweep(Callback):
             self.exhausted = True
 
     def has_pending_candidates(self) -> bool:
-        """More trials will be asked: warmup selection waits for them before ranking."""
-        return self.asked < self.n_trials and not self.exhausted
+        """More trials will be asked: warmup selection waits for them before ranking. (A grid used up is seen here,
+        not only at the next ask: the selection would otherwise wait for trials that never come.)"""
+        if self.asked >= self.n_trials or self.exhausted:
+            return False
+        return self.study is None or not self._grid_exhausted(self.study)
 
     def fill_slots(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Called by the module before it builds the optimizer (after a checkpoint is restored)."""

@@ -8,6 +8,7 @@ candidate the model says fits next to the others.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -29,6 +30,11 @@ def fit_predictor(fit: MemoryFit, seq_len: int, params_of: Callable[[AdapterSpec
     """
     if seq_len < 1:
         raise ValueError(f"`seq_len` must be >= 1, got {seq_len}")
+    if beyond is not None and not callable(beyond):
+        hint = (" (an AnalyticMemoryModel: pass `analytic.of_specs(seq_len, targets)`)"
+                if hasattr(beyond, "of_specs") else "")
+        raise TypeError(f"`beyond` must be a function of a list of AdapterSpecs returning bytes, got "
+                        f"{type(beyond).__name__}{hint}")
     max_tokens = max((p.tokens for p in fit.points), default=0)
     max_params = max((p.adapter_params for p in fit.points), default=0)
 
@@ -53,8 +59,8 @@ class AdmissionController:
     """
 
     def __init__(self, predict: Predict, capacity_bytes: float, safety_margin: float = 0.9) -> None:
-        if capacity_bytes <= 0:
-            raise ValueError(f"`capacity_bytes` must be > 0, got {capacity_bytes}")
+        if not 0 < capacity_bytes < math.inf:  # (NaN too: nothing would ever fit)
+            raise ValueError(f"`capacity_bytes` must be a finite number > 0, got {capacity_bytes}")
         self.predict = predict
         self.capacity_bytes = float(capacity_bytes)
         self.safety_margin = check_margin(safety_margin)
@@ -91,11 +97,14 @@ class AdmissionController:
         chosen = self.select([], candidates)
         if not chosen:
             smallest = min(candidates, key=lambda s: s.batch_size)
-            raise ValueError(f"not even one adapter fits: {smallest.name!r} (batch_size={smallest.batch_size}) "
-                             f"needs {self.predict([smallest]) / 2**30:.2f} GiB, the budget is "
-                             f"{self.budget / 2**30:.2f} GiB ({self.safety_margin:.0%} of "
-                             f"{self.capacity_bytes / 2**30:.2f} GiB)")
+            raise ValueError(f"not even one adapter fits: {self.alone(smallest)}")
         return chosen
+
+    def alone(self, spec: AdapterSpec) -> str:
+        """What ``spec`` alone needs against the budget, in words."""
+        return (f"{spec.name!r} (batch_size={spec.batch_size}) alone needs {self.predict([spec]) / 2**30:.2f} GiB, the "
+                f"budget is {self.budget / 2**30:.2f} GiB ({self.safety_margin:.0%} of "
+                f"{self.capacity_bytes / 2**30:.2f} GiB)")
 
 
 def choose_gradient_checkpointing(specs: Sequence[AdapterSpec], with_checkpointing: Predict,

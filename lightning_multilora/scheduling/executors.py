@@ -66,7 +66,8 @@ class SimulatedExecutor:
 
 
 class LocalExecutor:
-    """Each task's ``command`` as a subprocess on its GPU set, output to ``log_dir/<task>.<attempt>.log``.
+    """Each task's ``command`` as a subprocess on its GPU set, output to ``log_dir/<task>.<attempt>.log`` (numbered on
+    past the logs an earlier schedule left there, which are kept).
 
     ``CUDA_VISIBLE_DEVICES`` is the task's GPU ids; a ``torchrun`` task runs as
     ``python -m torch.distributed.run --nproc-per-node <gpus> --standalone <command>``. A non-zero exit
@@ -87,12 +88,19 @@ class LocalExecutor:
 
     def start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
         command = task_command(task)
-        self._attempts[task.id] = self._attempts.get(task.id, 0) + 1
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log_path = self.log_dir / f"{task.id}.{self._attempts[task.id]}.log"
-        log = open(log_path, "w")  # noqa: SIM115 - closed when the task completes
+        attempt = self._attempts.get(task.id, 0) + 1
+        while (self.log_dir / f"{task.id}.{attempt}.log").exists():  # an earlier schedule's logs are kept
+            attempt += 1
+        self._attempts[task.id] = attempt
+        log_path = self.log_dir / f"{task.id}.{attempt}.log"
         env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in gpu_ids),
                "MULTILORA_TASK_ID": task.id}
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(log_path, "x")  # noqa: SIM115 - closed when the task completes
+        except OSError as err:  # a failed attempt, not a crashed schedule that stops the running tasks
+            self._failed_starts.append(Completion(self.now(), task.id, False, f"could not open its log: {err}"))
+            return
         try:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         except OSError as err:  # e.g. the program does not exist: a failed attempt, not a crashed schedule

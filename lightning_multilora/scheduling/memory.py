@@ -20,10 +20,13 @@ import hashlib
 import json
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from lightning_multilora.spec import AdapterSpec
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +146,15 @@ class AnalyticMemoryModel:
         lora_tokens = sum(r * b * seq_len * len(t) for r, b, t in adapters)
         return (self.base_bytes() + sum(self.adapter_bytes(r, t) for r, _, t in adapters)
                 + self.activations(tokens, lora_tokens))
+
+    def of_specs(self, seq_len: int, targets: Sequence[str]) -> Callable[[Sequence[AdapterSpec]], float]:
+        """`predict` as a function of `AdapterSpec`s (what `AdmissionController` and `fit_predictor`'s ``beyond``
+        take): each spec's rank, ``rows_per_step`` and ``target_modules``, ``targets`` where it names none."""
+        if seq_len < 1:
+            raise ValueError(f"`seq_len` must be >= 1, got {seq_len}")
+        default = list(targets)
+        return lambda specs: self.predict([(s.rank, s.rows_per_step, s.target_modules or default) for s in specs],
+                                          seq_len)
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ A task file::
       - {id: llama70b-sweep, duration: 3600, gpus: 4, command: "multilora fit --config a.yaml", torchrun: false}
       - {id: qwen7b-sweep, duration: 900, gpus: 1, command: [multilora, fit, --config, b.yaml]}
 
+A task ``id`` is letters, digits, ``.``, ``_`` and ``-`` (it names the task's logs, ``<log_dir>/logs/<id>.<n>.log``;
+a rerun over the same ``log_dir`` numbers its logs on and keeps the earlier ones).
 ``--plan-only`` prints the plan and stops; ``--simulate`` runs it on a virtual clock; ``--ray ADDRESS``
 hands each task to a Ray cluster (``auto``: the local one; placement groups with GPU bundles); otherwise
 each task runs as a subprocess on its GPUs. ``--inbox DIR``: task files (``*.yaml``, a ``tasks:`` list) dropped into
@@ -67,7 +69,7 @@ def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
     if unknown:
         raise ValueError(f"{path}: unknown fields {sorted(unknown)}; allowed: {', '.join(FILE_FIELDS)}")
     gpus = data.get("gpus")
-    if not (isinstance(gpus, int) and gpus >= 1):
+    if not (isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 1):
         raise ValueError(f"{path}: `gpus` must be an integer >= 1, got {gpus!r}")
     settings = dict(gpus=gpus, time_limit_s=_setting(data, "time_limit_s", 2.0, path),
                     resolution_s=_setting(data, "resolution_s", 1.0, path), max_retries=data.get("max_retries", 2),

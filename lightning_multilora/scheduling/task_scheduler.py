@@ -9,9 +9,13 @@ cumulative bound holds at every instant and tasks do not need contiguous ids.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
+
+
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def yaml_number_hint(value: Any) -> str:
@@ -40,8 +44,9 @@ class Task:
     torchrun: bool = False
 
     def __post_init__(self) -> None:
-        if not self.id or not isinstance(self.id, str):
-            raise ValueError(f"task `id` must be a non-empty string, got {self.id!r}")
+        if not isinstance(self.id, str) or not _ID.fullmatch(self.id):
+            raise ValueError(f"task `id` must be letters, digits, '.', '_' and '-', starting with a letter or digit (it "
+                             f"names the task's log files), got {self.id!r}")
         if isinstance(self.command, str):
             import shlex
 
@@ -62,6 +67,10 @@ class Task:
             raise ValueError(f"task {self.id!r}: `gpus` must be an integer >= 1, got {self.gpus!r}")
         if not isinstance(self.torchrun, bool):
             raise ValueError(f"task {self.id!r}: `torchrun` must be true or false, got {self.torchrun!r}")
+
+
+# The most resolution steps a plan may span (its makespan variable spans twice that, within CP-SAT's int64).
+MAX_TICKS = 2**40
 
 
 @dataclass(frozen=True)
@@ -177,6 +186,10 @@ class TaskScheduler:
         t0 = self._ticks(now)
         horizon = t0 + sum(self._ticks(t.duration) for t in tasks) + sum(
             max(0, self._ticks(p.end) - t0) for p in running.values()) + 1
+        if horizon > MAX_TICKS:  # CP-SAT's integers: the makespan variable spans twice the horizon
+            raise ValueError(f"the tasks' durations add up to {horizon * self.resolution_s:.3g} s, "
+                             f"{horizon:.3g} steps of `resolution_s`={self.resolution_s}: at most {MAX_TICKS:.3g} "
+                             "steps can be planned (shorter durations or a coarser `resolution_s`)")
         intervals, demands, ends, starts = [], [], [], {}
         for task_id, p in running.items():
             start, end = self._ticks(p.start), max(self._ticks(p.end), t0)

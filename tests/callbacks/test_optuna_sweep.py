@@ -191,6 +191,26 @@ def test_the_admission_controller_sets_how_many_trials_run(tmp_path, trainer_kwa
     assert all(r.state == AdapterState.FINISHED for r in module.registry)
 
 
+def test_a_trial_that_can_never_fit_the_memory_budget_fails_and_the_sweep_goes_on(tmp_path, trainer_kwargs):
+    """A trial whose batch alone exceeds the admission budget would wait in the queue forever: the study is told it
+    failed, with the numbers, and the sweep asks the next trial."""
+    import optuna
+
+    from lightning_multilora.scheduling import AdmissionController
+
+    ctrl = AdmissionController(lambda specs: 100 * sum(s.batch_size for s in specs), 500, safety_margin=1.0)
+    space = {"batch_size": {"type": "categorical", "choices": [1, 8]}}
+    sweep = OptunaSweep(space, n_trials=6, base={"max_steps": 2, "rank": 2}, sampler="grid")
+    module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"), admission=ctrl)
+    with pytest.warns(UserWarning, match=r"trial \d+ with \{'batch_size': 8\} failed: .*\(batch_size=8\) alone "
+                                         "needs .* so it can never start"):
+        L.Trainer(**trainer_kwargs, callbacks=[sweep]).fit(module, dm())
+    states = {t.params["batch_size"]: t.state for t in sweep.study.get_trials()}
+    assert states == {1: optuna.trial.TrialState.COMPLETE, 8: optuna.trial.TrialState.FAIL}
+    assert [r.spec.batch_size for r in module.registry] == [1]
+    assert all(r.state == AdapterState.FINISHED for r in module.registry)
+
+
 class _OverfitAtFirstValidation(L.Callback):
     """Stops the first adapter validated with a new loss as EarlyExit's overfitting rule does (best weights kept)."""
 

@@ -54,3 +54,20 @@ def test_selection_rule():
     rule = WarmupSelection(keep_fraction=0.25)
     assert rule.select({"a": 3.0, "b": 1.0, "c": 2.0, "d": float("nan")}, num_candidates=9) == ["b", "c", "a"]
     assert rule.select({"a": 3.0}, num_candidates=2) == ["a"]
+
+
+def test_warmup_selection_ranks_once_a_sweeps_grid_is_used_up_before_its_n_trials(tmp_path, trainer_kwargs):
+    """An Optuna grid with fewer points than ``n_trials``: the sweep has no more candidates once every point is
+    asked, so the selection ranks the warmed-up trials instead of waiting for trials that never come (the run used
+    to stop there, every trial paused after its warmup)."""
+    from lightning_multilora import OptunaSweep
+
+    # two points through two slots: the sweep asks both at once, and learns the grid is used up only at its next ask
+    sweep = OptunaSweep({"rank": {"type": "categorical", "choices": [2, 8]}}, n_trials=4, sampler="grid",
+                        base={"max_steps": 20, "batch_size": 2}, storage=f"sqlite:///{tmp_path / 'optuna.db'}")
+    selection = WarmupSelection(warmup_fraction=0.2, keep_fraction=0.5)
+    module = MultiLoRAModule("tiny-llama", max_running=2, export_dir=str(tmp_path / "out"))
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(400)}, max_val_examples=16)
+    L.Trainer(**trainer_kwargs, callbacks=[sweep, selection]).fit(module, dm)
+    assert selection.decided and len(selection.kept) == 1 and len(module.registry) == 2
+    assert sorted(r.state.value for r in module.registry) == ["finished", "pruned"]

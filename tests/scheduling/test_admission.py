@@ -43,8 +43,9 @@ def test_a_freed_slot_goes_to_the_same_batch_size_first_then_to_whatever_fits():
 def test_bad_budgets_and_empty_queues_are_clear_errors():
     with pytest.raises(ValueError, match=r"safety_margin.*\(0, 1\]"):
         AdmissionController(rows_times(1), 10, safety_margin=1.2)
-    with pytest.raises(ValueError, match="capacity_bytes"):
-        AdmissionController(rows_times(1), 0)
+    for capacity in (0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="`capacity_bytes` must be a finite number > 0"):
+            AdmissionController(rows_times(1), capacity)
     ctrl = AdmissionController(rows_times(100), capacity_bytes=150, safety_margin=1.0)
     with pytest.raises(ValueError, match="queue is empty"):
         ctrl.plan([])
@@ -63,6 +64,22 @@ def test_fit_predictor_and_the_checkpointing_choice():
         choose_gradient_checkpointing([spec("a", 8)], with_ckpt, without, budget_bytes=6)
     with pytest.raises(ValueError, match="seq_len"):
         fit_predictor(fit, 0, lambda s: 1)
+
+
+def test_the_analytic_model_guards_a_fit_through_of_specs():
+    """``beyond`` takes a function of specs: the analytic model's `of_specs` (each spec's targets, the default ones
+    where it names none); the model itself is refused when the predictor is made, not at some later admission."""
+    from lightning_multilora.scheduling.memory import PROJECTIONS, AnalyticMemoryModel, ModelShape
+
+    analytic = AnalyticMemoryModel(ModelShape(num_layers=2, hidden=64, intermediate=128, num_heads=4, num_kv_heads=4,
+                                              vocab_size=100))
+    with pytest.raises(TypeError, match=r"`beyond` must be a function .* pass `analytic.of_specs\(seq_len, targets\)`"):
+        fit_predictor(MemoryFit(0.0, 0.0, 0.0), 4, lambda s: 1, beyond=analytic)
+    guard = analytic.of_specs(4, PROJECTIONS)
+    specs = [spec("a", 2), AdapterSpec("b", rank=8, batch_size=1, target_modules=["q_proj"])]
+    assert guard(specs) == analytic.predict([(2, 2, list(PROJECTIONS)), (8, 1, ["q_proj"])], 4)
+    predict = fit_predictor(MemoryFit(0.0, 0.0, 0.0), 4, lambda s: 1, beyond=guard)  # nothing profiled: all beyond
+    assert predict(specs) == guard(specs) > 0
 
 
 def test_a_fit_admits_by_memory_and_backfills_same_batch_size(tmp_path, trainer_kwargs):
@@ -86,6 +103,34 @@ def test_a_fit_admits_by_memory_and_backfills_same_batch_size(tmp_path, trainer_
     assert seen[:4] == [{"b1", "b3"}, {"b1", "b3"}, {"b3", "b4"}, {"b4", "b0", "b2"}]
     assert all(sum(module.registry[n].spec.batch_size for n in step) <= 4 for step in seen)
     assert all(r.state == AdapterState.FINISHED for r in module.registry)
+
+
+def test_an_adapter_that_can_never_fit_fails_instead_of_waiting_forever(tmp_path, trainer_kwargs):
+    """An adapter whose batch alone exceeds the budget would stay queued forever (the run stepping with nothing to
+    train once the others end): before the first step it is the run's error; added mid-run it fails alone, with
+    the numbers, and the run ends when the others have."""
+    from lightning_multilora.data import GeneratedArithmetic
+
+    ctrl = AdmissionController(rows_times(100), capacity_bytes=400, safety_margin=1.0)
+    dm = lambda: MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, max_val_examples=8)  # noqa: E731
+    module = MultiLoRAModule("tiny-llama", adapters=[spec("small", 1, max_steps=3), spec("big", 8, max_steps=3)],
+                             admission=ctrl, export_dir=str(tmp_path / "a"), validate_on_finish=False)
+    with pytest.raises(ValueError, match=r"'big' \(batch_size=8\) alone needs 0.00 GiB, the budget is 0.00 GiB "
+                                         r"\(100% of 0.00 GiB\), so it can never start"):
+        L.Trainer(**trainer_kwargs).fit(module, dm())
+
+    class AddBig(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                pl_module.add_adapter(spec("big", 8, max_steps=3))
+
+    module = MultiLoRAModule("tiny-llama", adapters=[spec("small", 1, max_steps=3)], admission=ctrl,
+                             export_dir=str(tmp_path / "b"), validate_on_finish=False)
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 50}, callbacks=[AddBig()])
+    with pytest.warns(UserWarning, match="adapter 'big' could not start: .*so it can never start"):
+        trainer.fit(module, dm())
+    assert module.registry["big"].state == AdapterState.FAILED and "can never start" in module.registry["big"].reason
+    assert module.registry["small"].state == AdapterState.FINISHED and trainer.global_step == 3
 
 
 def sweep_specs(n=40, seed=0):

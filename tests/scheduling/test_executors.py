@@ -67,6 +67,13 @@ def test_a_task_that_keeps_failing_is_marked_failed_with_its_log(tmp_path):
     runner.submit(Task("bad", 1.0, 1, [sys.executable, "-c", "raise SystemExit(2)"]))
     record = runner.run()["bad"]
     assert record.state == "failed" and record.attempts == 2 and "exit status 2" in record.detail
+    # a second schedule over the same log folder numbers its logs on: the first one's are kept
+    (tmp_path / "bad.1.log").write_text("kept")
+    runner = ScheduleRunner(TaskScheduler(1), LocalExecutor(tmp_path), max_retries=0)
+    runner.submit(Task("bad", 1.0, 1, [sys.executable, "-c", "raise SystemExit(2)"]))
+    assert runner.run()["bad"].state == "failed"
+    assert sorted(p.name for p in tmp_path.glob("bad.*.log")) == ["bad.1.log", "bad.2.log", "bad.3.log"]
+    assert (tmp_path / "bad.1.log").read_text() == "kept"
 
 
 def test_a_running_schedule_accepts_new_tasks_and_tasks_need_commands(tmp_path):

@@ -80,7 +80,11 @@ def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
     ("gpus: 2\ntasks: [{id: a, duration: 5, torchrun: 'false'}]", "`torchrun` must be true or false, got 'false'"),
     ("gpus: 2\ntasks: [{id: a, duration: 5, gpus: true}]", "`gpus` must be an integer >= 1, got True"),
     ("gpus: 2\ntasks: [{id: a, duration: true}]", "`duration` must be a finite number > 0, got True"),
-    ("gpus: 2\ntasks: [{id: , duration: 5}]", "task `id` must be a non-empty string, got None"),
+    ("gpus: 2\ntasks: [{id: , duration: 5}]", "task `id` must be letters, digits, .* got None"),
+    ("gpus: 2\ntasks: [{id: ../../escaped, duration: 5}]", "task `id` must be letters, digits, '.', '_' and '-', "
+     "starting with a letter or digit \\(it names the task's log files\\), got '../../escaped'"),
+    ("gpus: 2\ntasks: [{id: a/b, duration: 5}]", "task `id` must be .* got 'a/b'"),
+    ("gpus: true\ntasks: [{id: a, duration: 5}]", "`gpus` must be an integer >= 1, got True"),
     ("gpus: 2\ntime_limit_s: fast\ntasks: [{id: a, duration: 5}]", "`time_limit_s` must be a number of seconds > 0"),
     ("gpus: 2\nresolution_s: 0\ntasks: [{id: a, duration: 5}]", "`resolution_s` must be a number of seconds > 0"),
     ("gpus: 2\ntime_limit_s: 1e-9\ntasks: [{id: a, duration: 5}]", "got '1e-9' \\(text: YAML reads exponents without a "

@@ -76,6 +76,8 @@ def test_replanning_keeps_running_tasks_fixed():
 @pytest.mark.parametrize("tasks, message", [
     ([Task("a", 1, 1), Task("a", 2, 1)], "duplicate task id 'a'"),
     ([Task("a", 1, 9)], "needs 9 GPUs but only 4 exist"),
+    ([Task("a", 1e15, 1), Task("b", 1e15, 1)], r"add up to 2e\+15 s, 2e\+15 steps of `resolution_s`=1.0: at most "
+                                               r"1.1e\+12 steps can be planned"),
 ])
 def test_bad_task_sets(tasks, message):
     with pytest.raises(ValueError, match=message):
@@ -85,7 +87,8 @@ def test_bad_task_sets(tasks, message):
 @pytest.mark.parametrize("kwargs, message", [
     ({"id": "x", "duration": -1}, "`duration` must be a finite number > 0"),
     ({"id": "x", "duration": 3, "gpus": 0}, "`gpus` must be an integer >= 1"),
-    ({"id": "", "duration": 3}, "`id` must be a non-empty string"),
+    ({"id": "", "duration": 3}, "`id` must be letters, digits, '.', '_' and '-'"),
+    ({"id": "../x", "duration": 3}, "`id` must be letters, digits, .* got '../x'"),
 ])
 def test_bad_tasks(kwargs, message):
     with pytest.raises(ValueError, match=message):
