@@ -8,7 +8,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from lightning_multilora.scheduling.task_scheduler import Placement, Task, TaskScheduler
+from lightning_multilora.scheduling.task_scheduler import Placement, Schedule, Task, TaskScheduler
+
+
+POLL_S = 0.5  # how often a running schedule with a ``poll`` asks it for new tasks (executor seconds)
 
 
 @dataclass
@@ -24,16 +27,20 @@ class RunRecord:
 
 class ScheduleRunner:
     """Keeps a living plan: tasks arrive (now or later), start when the plan says, and every arrival or
-    completion triggers a replan with the running tasks fixed. A failed task is retried up to
+    completion triggers a replan with the running tasks fixed (between them the plan is followed as it is). A failed task is retried up to
     ``max_retries`` times, then marked failed. ``poll()``, when given, is asked for newly submitted tasks
-    on every turn of the loop (a running schedule accepts new tasks)."""
+    every `POLL_S` while the schedule runs, tasks running or not (a running schedule accepts new tasks)."""
 
     def __init__(self, scheduler: TaskScheduler, executor: Any, max_retries: int = 2,
-                 poll: Optional[Callable[[], list[Task]]] = None) -> None:
+                 poll: Optional[Callable[[], list[Task]]] = None, plan: Optional[Schedule] = None) -> None:
         if max_retries < 0:
             raise ValueError(f"`max_retries` must be >= 0, got {max_retries}")
         self.scheduler, self.executor, self.max_retries = scheduler, executor, max_retries
         self.poll = poll
+        # the plan being followed; ``plan`` (one made from time 0 for exactly the tasks submitted before `run`,
+        # the one a user was shown) is followed as it is until something changes
+        self.plan: Optional[Schedule] = None
+        self._given = plan
         self.pending: dict[str, Task] = {}
         self.running: dict[str, tuple[Task, Placement]] = {}
         self.arrivals: list[tuple[float, int, Task]] = []
@@ -56,15 +63,28 @@ class ScheduleRunner:
     def now(self) -> float:
         return self.executor.now()
 
-    def _replan_and_start(self) -> Optional[float]:
-        """Replan from now; start what the plan starts now; return the next planned start after now."""
+    def _replan_and_start(self, solve: bool = True) -> Optional[float]:
+        """Replan from now (``solve``, or when the plan followed cannot go on: a task it starts now would find its
+        GPUs busy, one before it having run past its estimate); start what the plan starts now; return the next
+        planned start after now."""
         if not self.pending:
             return None
-        running = {tid: Placement(tid, p.start, max(p.end, self.now + self.scheduler.resolution_s), p.gpu_ids)
-                   for tid, (_, p) in self.running.items()}
-        plan = self.scheduler.plan(list(self.pending.values()), running=running, now=self.now)
-        self.replans += 1
+        given, self._given = self._given, None
+        if given is not None and set(given.placements) == set(self.pending) and not self.running:
+            self.plan, solve = given, False
         first_tick = self.scheduler._ticks(self.now) * self.scheduler.resolution_s  # the plan's time origin
+        if not solve and self.plan is not None and set(self.pending) <= set(self.plan.placements):
+            busy = {g for _, p in self.running.values() for g in p.gpu_ids}
+            solve = any(busy & set(self.plan.placements[tid].gpu_ids) for tid in self.pending
+                        if self.plan.placements[tid].start <= first_tick + 1e-9)
+        else:
+            solve = True
+        if solve:
+            running = {tid: Placement(tid, p.start, max(p.end, self.now + self.scheduler.resolution_s), p.gpu_ids)
+                       for tid, (_, p) in self.running.items()}
+            self.plan = self.scheduler.plan(list(self.pending.values()), running=running, now=self.now)
+            self.replans += 1
+        plan = self.plan
         later = []
         for tid, task in list(self.pending.items()):
             p = plan.placements[tid]
@@ -78,6 +98,7 @@ class ScheduleRunner:
         return min(later) if later else None
 
     def run(self) -> dict[str, RunRecord]:
+        changed, next_start = True, None
         while True:
             for task in (self.poll() if self.poll is not None else []):
                 self.submit(task)
@@ -86,16 +107,19 @@ class ScheduleRunner:
             while self.arrivals and self.arrivals[0][0] <= self.now + 1e-9:
                 _, _, task = heapq.heappop(self.arrivals)
                 self.pending[task.id] = task
-            next_start = self._replan_and_start()
+                changed = True
+            if changed or (next_start is not None and next_start <= self.now + 1e-9):
+                next_start, changed = self._replan_and_start(solve=changed), False
             deadlines = [t for t in (next_start, self.arrivals[0][0] if self.arrivals else None) if t is not None]
             if not self.running and not deadlines:
                 if self.poll is None:
                     raise RuntimeError(f"tasks {sorted(self.pending)} can never start")
             deadline = min(deadlines) if deadlines else None
-            if self.poll is not None and not self.running:
-                deadline = self.now + 0.5 if deadline is None else min(deadline, self.now + 0.5)
+            if self.poll is not None:  # new tasks are looked for every half second, running tasks or not
+                deadline = self.now + POLL_S if deadline is None else min(deadline, self.now + POLL_S)
             for done in self.executor.wait(deadline):
                 self._complete(done)
+                changed = True
 
     def _complete(self, done: Any) -> None:
         task, placement = self.running.pop(done.task_id)

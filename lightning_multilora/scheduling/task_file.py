@@ -194,7 +194,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         executor = RayExecutor(address=args.ray)
     else:
         executor = LocalExecutor(Path(settings["log_dir"]) / "logs")
-    runner = ScheduleRunner(scheduler, executor, settings["max_retries"])
+    runner = ScheduleRunner(scheduler, executor, settings["max_retries"], plan=plan)  # the plan shown is the one run
     if args.inbox is not None:
         runner.poll = inbox_poller(args.inbox, settings["gpus"], known=lambda: runner.known_ids(),
                                    need_command=not args.simulate)

@@ -61,3 +61,48 @@ def test_bad_submissions():
         runner.submit(Task("b", 2, 3))
     with pytest.raises(ValueError, match="`max_retries` must be >= 0"):
         ScheduleRunner(TaskScheduler(2), SimulatedExecutor(), max_retries=-1)
+
+
+def test_a_polled_task_starts_on_a_free_gpu_while_another_task_runs():
+    """New tasks are looked for every `POLL_S` whether or not a task runs: one that arrives while a long task holds
+    one of two GPUs starts on the other at once, not when the long task ends; without arrivals or completions
+    nothing is replanned."""
+    from lightning_multilora.scheduling.runner import POLL_S
+
+    executor = SimulatedExecutor()
+    runner = ScheduleRunner(TaskScheduler(2), executor)
+    arrived = []
+
+    def poll():
+        if executor.now() >= 1.0 and not arrived:
+            arrived.append(Task("new", 2, 1))
+            return arrived
+        return []
+
+    runner.poll = poll
+    runner.submit(Task("long", 30, 1))
+    records = runner.run()
+    assert records["new"].start == pytest.approx(1.0, abs=POLL_S) and records["new"].end < 30
+    assert records["long"].end == 30 and set(records["new"].gpu_ids) != set(records["long"].gpu_ids)
+    assert runner.replans == 2  # the first task and the arrival (the completions leave nothing pending)
+
+
+def test_the_runner_follows_the_plan_it_was_given_until_it_cannot():
+    """The plan shown to the user (`multilora schedule` prints it) is the one run: a given plan is followed as it is
+    (here a valid one that a solve would not choose: b after a on one GPU, the other idle). When a task runs past its
+    estimate, the next start finds its GPU busy and the rest is replanned."""
+    from lightning_multilora.scheduling.task_scheduler import Placement, Schedule
+
+    tasks = [Task("a", 2, 1), Task("b", 2, 1)]
+    given = Schedule({"a": Placement("a", 0, 2, (0,)), "b": Placement("b", 2, 4, (0,))}, 4.0, False, 0.0)
+    runner = ScheduleRunner(TaskScheduler(2), SimulatedExecutor(), plan=given)
+    for t in tasks:
+        runner.submit(t)
+    records = runner.run()
+    assert (records["a"].start, records["a"].gpu_ids, records["b"].start, records["b"].gpu_ids) == (0, (0,), 2, (0,))
+    # a runs 5 s, not 2: at 2 s b's GPU is busy, so b is replanned onto the free one
+    runner = ScheduleRunner(TaskScheduler(2), SimulatedExecutor(actual={"a": 5}), plan=given)
+    for t in tasks:
+        runner.submit(t)
+    records = runner.run()
+    assert records["b"].start == 2 and records["b"].gpu_ids == (1,) and no_gpu_shared_at_once(records)
