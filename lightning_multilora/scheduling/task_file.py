@@ -128,6 +128,9 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
         for path in sorted(inbox.glob("*.yaml")):
             try:
                 data = yaml.safe_load(path.read_text()) or {}
+                unknown = sorted(set(data) - {"tasks"}) if isinstance(data, Mapping) else []
+                if unknown:  # (the machine's settings are the running schedule's)
+                    raise ValueError(f"an inbox file holds a `tasks:` list alone; unknown fields {unknown}")
                 new = parse_tasks(data.get("tasks") if isinstance(data, Mapping) else None, str(path))
                 validate_tasks([*tasks, *new], num_gpus)
                 taken = sorted({t.id for t in new} & set(known() if known is not None else ()))

@@ -119,6 +119,8 @@ def test_bad_inbox_files_are_rejected_and_the_schedule_goes_on(tmp_path):
     (inbox / "d.yaml").write_text("tasks: [{id: y, duration: 1")  # broken YAML
     (inbox / "e.yaml").write_text("tasks: [{id: z, duration: 1, command: 123}]")  # (was a TypeError: the run died)
     (inbox / "f.yaml").write_text("tasks: [{id: 7, duration: 1, command: [echo, 1]}]")  # a number read as the id
+    (inbox / "g.yaml").write_text("gpus: 8\ntasks: [{id: w, duration: 1, command: [echo]}]")  # a machine setting
     assert [t.id for t in poll()] == ["ok", "7"]
     assert sorted(p.name for p in inbox.iterdir()) == ["a.yaml.done", "b.yaml.rejected", "c.yaml.rejected",
-                                                       "d.yaml.rejected", "e.yaml.rejected", "f.yaml.done"]
+                                                       "d.yaml.rejected", "e.yaml.rejected", "f.yaml.done",
+                                                       "g.yaml.rejected"]
