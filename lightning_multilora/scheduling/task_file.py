@@ -194,7 +194,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     elif args.ray is not None:
         from lightning_multilora.scheduling.ray_executor import RayExecutor
 
-        executor = RayExecutor(address=args.ray)
+        try:
+            executor = RayExecutor(address=args.ray)
+        except (ConnectionError, RuntimeError, ValueError) as err:  # (before any task started)
+            parser.error(f"--ray {args.ray}: no Ray cluster to run on ({type(err).__name__}: {err}); start one "
+                         "(`ray start --head`) or leave out --ray to run the tasks here")
     else:
         executor = LocalExecutor(Path(settings["log_dir"]) / "logs")
     runner = ScheduleRunner(scheduler, executor, settings["max_retries"], plan=plan)  # the plan shown is the one run

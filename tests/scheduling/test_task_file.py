@@ -124,3 +124,17 @@ def test_bad_inbox_files_are_rejected_and_the_schedule_goes_on(tmp_path):
     assert sorted(p.name for p in inbox.iterdir()) == ["a.yaml.done", "b.yaml.rejected", "c.yaml.rejected",
                                                        "d.yaml.rejected", "e.yaml.rejected", "f.yaml.done",
                                                        "g.yaml.rejected"]
+
+
+def test_ray_without_a_cluster_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    from lightning_multilora.scheduling import ray_executor
+
+    def no_cluster(address=None, **kwargs):
+        raise ConnectionError("Could not find any running Ray instance.")
+
+    monkeypatch.setattr(ray_executor, "RayExecutor", no_cluster)
+    path = write(tmp_path, f"gpus: 1\nlog_dir: {tmp_path}\ntasks: [{{id: a, duration: 1, command: [echo]}}]")
+    with pytest.raises(SystemExit):
+        main([str(path), "--ray", "auto"])
+    assert "--ray auto: no Ray cluster to run on (ConnectionError: Could not find any running Ray instance.)" in \
+        capsys.readouterr().err
