@@ -140,6 +140,8 @@ def test_a_step_that_reads_a_value_on_the_host_runs_eagerly_with_a_warning():
     assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the failed capture's stream given back
     assert torch.equal(graphs("k", step, -x), -x)  # eager from now on: the branch follows the values
     assert torch.equal(graphs("other", lambda v: v + 1, x), x + 1) and graphs.replays == 0
+    # torch's CUDA generator is no longer marked as capturing (random draws failed after a failed capture)
+    assert torch.randn(64, device="cuda").shape == (64,)
 
 
 def test_packed_batches_say_they_are_right_padded_and_segment_sums_reuse_their_index():
