@@ -80,7 +80,10 @@ def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
     if not (isinstance(settings["log_dir"], str) and settings["log_dir"]):
         raise ValueError(f"{path}: `log_dir` must be a directory path, got {settings['log_dir']!r}")
     tasks = parse_tasks(data.get("tasks"), str(path))
-    validate_tasks(tasks, gpus)
+    try:
+        validate_tasks(tasks, gpus)
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from err
     return settings, tasks
 
 

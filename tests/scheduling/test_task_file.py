@@ -95,8 +95,10 @@ def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
     ("gpus: 2\nlog_dir:\ntasks: [{id: a, duration: 5}]", "`log_dir` must be a directory path, got None"),
 ])
 def test_bad_task_files_get_clear_errors(tmp_path, body, message):
-    with pytest.raises(ValueError, match=message):
-        load_task_file(write(tmp_path, body))
+    path = write(tmp_path, body)
+    with pytest.raises(ValueError, match=message) as raised:
+        load_task_file(path)
+    assert str(raised.value).startswith(f"{path}: ")  # which file
 
 
 def test_the_command_line_reports_bad_files_and_missing_commands(tmp_path, capsys):
