@@ -159,7 +159,7 @@ def _end_rng_capture() -> None:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (an empty graph)
-            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=torch.cuda.Stream()):
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
                 pass
     except Exception as err:  # noqa: BLE001 - the step still runs eagerly; random draws may fail
         warnings.warn(f"after the failed capture, torch's CUDA random generator could not be reset ({err}); random "

@@ -243,7 +243,8 @@ class MultiLoRAMixin:
 
     def _notify_exit(self, rec: AdapterRecord) -> None:
         """Tell callbacks with an ``on_adapter_exit(trainer, module, record)`` method, and log the exit."""
-        self._freed_spec = rec.spec  # the next admission prefers its batch size
+        if rec.started_at_step is not None:  # (one that never started freed no slot)
+            self._freed_spec = rec.spec  # the next admission prefers its batch size
         if self._placement() is not None:
             self._exited_since_sync.append(rec.name)
         trainer = self._trainer_or_none()

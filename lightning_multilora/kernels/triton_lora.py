@@ -793,7 +793,8 @@ def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, 
     `RANK_CLASS_LAUNCHES`: the row blocks are listed largest rank first (`schedule`), so the blocks whose ranks fit
     each halving of the tile are a contiguous run, launched with that tile; the last launch takes every narrower
     rank, with its `narrow_levels`."""
-    key = (table.block_r, RANK_CLASS_LAUNCHES, NARROW_RANK_TILES)
+    # (a schedule of one rank is shared by every rank: 128 and 256 have one tile, but 256 takes two chunks)
+    key = (table.block_r, table.r_chunks > 1, RANK_CLASS_LAUNCHES, NARROW_RANK_TILES)
     classes = sched.classes.get(key)
     if classes is not None:
         return classes

@@ -100,7 +100,8 @@ class ScheduleRunner:
     def run(self) -> dict[str, RunRecord]:
         changed, next_start = True, None
         while True:
-            for task in (self.poll() if self.poll is not None else []):
+            polled = self.poll() if self.poll is not None else []
+            for task in polled:
                 self.submit(task)
             if not (self.arrivals or self.pending or self.running):
                 return self.records
@@ -109,7 +110,18 @@ class ScheduleRunner:
                 self.pending[task.id] = task
                 changed = True
             if changed or (next_start is not None and next_start <= self.now + 1e-9):
-                next_start, changed = self._replan_and_start(solve=changed), False
+                try:
+                    next_start = self._replan_and_start(solve=changed)
+                except ValueError as err:  # new tasks no plan can hold (too long): refused, the others go on
+                    fresh = [t.id for t in polled if t.id in self.pending]
+                    if not fresh:
+                        raise
+                    for tid in fresh:
+                        del self.pending[tid]
+                        self.records[tid] = RunRecord(tid, "failed", 0, self.now, self.now, (), f"refused: {err}")
+                    print(f"refused tasks {fresh}: {err}", flush=True)
+                    next_start = self._replan_and_start(solve=True)
+                changed = False
             deadlines = [t for t in (next_start, self.arrivals[0][0] if self.arrivals else None) if t is not None]
             if not self.running and not deadlines:
                 if self.poll is None:

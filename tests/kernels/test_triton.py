@@ -242,6 +242,14 @@ def test_the_expand_and_dx_launch_once_per_class_of_ranks_with_the_narrower_tile
         seen.clear()
         run(multi_lora_triton, x, base, w, False, torch.randn_like(base))
         assert seen == {False: expected, True: expected}
+    # one layout (so one schedule) at rank 128, then at 256: one tile, but 256 takes two chunks of it
+    for rank in (128, 256):
+        x, base, w = problem([rank], [40], d_in=48, d_out=72, dtype=torch.float32, gaps=False, seed=1)
+        grad_out = torch.randn_like(base)
+        y, grads = run(multi_lora_triton, x, base, w, False, grad_out)
+        y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+        for a, b in zip([y, *grads], [y_ref, *grads_ref]):
+            assert rel(a, b) < 1e-5, rank
     triton_lora.reset_rank_tiles()
 
 

@@ -210,3 +210,29 @@ def test_resume_keeps_each_adapters_optimizer_state_whatever_the_admission_order
         b = load_file(tmp_path / "part" / name / "adapter_model.safetensors")
         for key in a:
             torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def test_a_never_fitting_adapter_does_not_take_the_freed_slots_preference():
+    """The slot an exited adapter freed goes first to its batch size; an adapter failed at the same admission for
+    never fitting freed no slot, and must not replace that preference."""
+    freed_seen = []
+
+    class Recording(AdmissionController):
+        def select(self, running, candidates, freed=None):
+            freed_seen.append(None if freed is None else freed.name)
+            return super().select(running, candidates, freed)
+
+    module = MultiLoRAModule("tiny-llama", adapters=[spec("run", 1, max_steps=5)],
+                             admission=Recording(rows_times(100), 500, safety_margin=1.0))
+    from lightning_multilora.data import GeneratedArithmetic
+
+    dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(20)})
+    module._datamodule = lambda: dm  # (no Trainer: the admission alone)
+    module._global_step = lambda: 7  # mid-run: the never-fitting adapter fails alone
+    module._admit()
+    module._freed_spec = spec("exited", 1)
+    for name, batch in (("big", 8), ("q2", 2), ("q1", 1)):
+        module.add_adapter(spec(name, batch, max_steps=5))
+    with pytest.warns(UserWarning, match="'big' could not start"):
+        module._admit()
+    assert freed_seen[-1] == "exited" and module.registry["big"].state == AdapterState.FAILED

@@ -63,23 +63,27 @@ def test_bad_submissions():
         ScheduleRunner(TaskScheduler(2), SimulatedExecutor(), max_retries=-1)
 
 
+def runner_with_a_task_polled_at_1s(task: Task) -> ScheduleRunner:
+    """A runner on 2 GPUs (simulated) whose ``poll`` hands it ``task`` once the clock reaches 1 s."""
+    executor = SimulatedExecutor()
+    sent: list[Task] = []
+
+    def poll() -> list[Task]:
+        if executor.now() >= 1.0 and not sent:
+            sent.append(task)
+            return sent
+        return []
+
+    return ScheduleRunner(TaskScheduler(2), executor, poll=poll)
+
+
 def test_a_polled_task_starts_on_a_free_gpu_while_another_task_runs():
     """New tasks are looked for every `POLL_S` whether or not a task runs: one that arrives while a long task holds
     one of two GPUs starts on the other at once, not when the long task ends; without arrivals or completions
     nothing is replanned."""
     from lightning_multilora.scheduling.runner import POLL_S
 
-    executor = SimulatedExecutor()
-    runner = ScheduleRunner(TaskScheduler(2), executor)
-    arrived = []
-
-    def poll():
-        if executor.now() >= 1.0 and not arrived:
-            arrived.append(Task("new", 2, 1))
-            return arrived
-        return []
-
-    runner.poll = poll
+    runner = runner_with_a_task_polled_at_1s(Task("new", 2, 1))
     runner.submit(Task("long", 30, 1))
     records = runner.run()
     assert records["new"].start == pytest.approx(1.0, abs=POLL_S) and records["new"].end < 30
@@ -106,3 +110,14 @@ def test_the_runner_follows_the_plan_it_was_given_until_it_cannot():
         runner.submit(t)
     records = runner.run()
     assert records["b"].start == 2 and records["b"].gpu_ids == (1,) and no_gpu_shared_at_once(records)
+
+
+def test_a_polled_task_no_plan_can_hold_is_refused_and_the_running_ones_go_on(capsys):
+    """A task dropped in while others run that makes the plan too long for the solver (a typo'd duration) is
+    recorded as failed, said, and the schedule goes on: the running task is not stopped."""
+    runner = runner_with_a_task_polled_at_1s(Task("huge", 2.0e12, 1))
+    runner.submit(Task("running", 5, 1))
+    records = runner.run()
+    assert records["running"].state == "finished" and records["running"].end == 5
+    assert records["huge"].state == "failed" and "at most" in records["huge"].detail
+    assert "refused tasks ['huge']" in capsys.readouterr().out
