@@ -448,7 +448,7 @@ class MultiLoRAMixin:
                 break
             spec = rec.spec
             try:
-                self._datamodule().source_name(spec.dataset)  # a misspelled `dataset` fails here, not at a batch
+                self._datamodule().check(spec)  # a misspelled `dataset`, an unreadable file: here, not at a batch
                 if rec.max_steps is None:
                     if spec.max_steps is not None:
                         rec.max_steps = spec.max_steps

@@ -375,6 +375,30 @@ def test_an_adapter_that_cannot_start_mid_run_fails_alone(tmp_path, trainer_kwar
         L.Trainer(**trainer_kwargs).fit(first, small_dm())
 
 
+def test_an_adapter_whose_data_cannot_serve_it_fails_alone_as_it_starts(tmp_path, trainer_kwargs):
+    """An adapter queued behind others whose source cannot be read (a missing file), or whose objective its source
+    cannot serve (DPO on plain completions), fails as it starts, with the reason; the run goes on (it used to
+    fail at that adapter's first batch, stopping every adapter)."""
+    from lightning_multilora.data import GeneratedArithmetic, JSONLSource
+
+    specs = [AdapterSpec("first", rank=2, batch_size=1, max_steps=3, seed=1),
+             AdapterSpec("missing", rank=2, batch_size=1, max_steps=2, dataset="gone", seed=2),
+             AdapterSpec("dpo", rank=2, batch_size=1, max_steps=2, objective="dpo", seed=3),
+             AdapterSpec("last", rank=2, batch_size=1, max_steps=2, seed=4)]
+    dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(100),
+                                      "gone": JSONLSource(str(tmp_path / "no.jsonl"))}, max_val_examples=8)
+    module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=1, export_dir=str(tmp_path / "out"),
+                             validate_on_finish=False)
+    with pytest.warns(UserWarning) as caught:
+        L.Trainer(**trainer_kwargs).fit(module, dm)
+    states = {r.name: r.state.value for r in module.registry}
+    assert states == {"first": "finished", "missing": "failed", "dpo": "failed", "last": "finished"}
+    assert "data source 'gone' (" in module.registry["missing"].reason and "could not be read" in \
+        module.registry["missing"].reason
+    assert "objective 'dpo' needs preference pairs, and data source 'arith'" in module.registry["dpo"].reason
+    assert sum("could not start" in str(w.message) for w in caught) == 2
+
+
 def test_a_run_left_with_paused_adapters_alone_stops_and_exports_them(tmp_path, trainer_kwargs):
     """Nothing could resume them: the run ends with a warning, and each paused adapter is exported as it is."""
 

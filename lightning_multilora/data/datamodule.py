@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -259,6 +260,10 @@ class MultiLoRADataModule(L.LightningDataModule):
             rejected.append(second)
         if len(chosen) < 2:
             raise ValueError(f"data source {name!r} has fewer than 2 usable examples after truncation")
+        if len(chosen) < len(examples):
+            warnings.warn(f"data source {name!r}: {len(examples) - len(chosen)} of {len(examples)} examples kept no "
+                          f"completion tokens after truncation to {limit} tokens (the prompt filled them) and are "
+                          "left out; raise `max_length` to keep them")
         n_val = min(n_val, len(chosen) - 1)
 
         def split(part: list) -> TokenizedSplit:
@@ -272,6 +277,20 @@ class MultiLoRADataModule(L.LightningDataModule):
 
     def num_train_examples(self, dataset: Optional[str]) -> int:
         return len(self.split(dataset)[0])
+
+    def check(self, spec: "AdapterSpec") -> None:
+        """That ``spec`` can train here: its source exists and reads, and holds what its objective needs (a
+        `ValueError` naming them otherwise; the module checks an adapter as it starts, so that one that cannot
+        fails alone instead of failing the run at its first batch)."""
+        name = self.source_name(spec.dataset)
+        try:
+            train, _ = self.split(name)
+        except OSError as err:
+            raise ValueError(f"data source {name!r} ({self.sources[name].describe()}) could not be read: "
+                             f"{type(err).__name__}: {err}") from err
+        if spec.objective == "dpo" and train.rejected_ids is None:
+            raise ValueError(f"objective 'dpo' needs preference pairs, and data source {name!r} "
+                             f"({self.sources[name].describe()}) has none (a PreferenceSource has them)")
 
     # -- per-adapter streams --------------------------------------------------------------------
 

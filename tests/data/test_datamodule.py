@@ -141,8 +141,10 @@ def test_sequences_longer_than_the_model_maximum_are_errors(tmp_path, trainer_kw
     with pytest.raises(ValueError, match="`max_length` 1024 is longer than the model's maximum sequence length 256"):
         L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(max_length=1024))
     three = ListSource(long.records + [{"prompt": "c", "completion": "d" * 80}])
-    train, val = MultiLoRADataModule(sources={"long": three}, truncate=True, max_length=64).split("long")
-    # the long-prompt example has no completion left after truncation and is dropped; the other is cut
+    # the long-prompt example has no completion left after truncation and is dropped (said); the other is cut
+    with pytest.warns(UserWarning, match="data source 'long': 1 of 3 examples kept no completion tokens after "
+                                         "truncation to 64 tokens"):
+        train, val = MultiLoRADataModule(sources={"long": three}, truncate=True, max_length=64).split("long")
     assert len(train) + len(val) == 2 and max(len(r) for r in train.input_ids + val.input_ids) == 64
 
 
