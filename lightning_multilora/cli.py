@@ -35,6 +35,11 @@ class MultiLoRACLI(LightningCLI):
             "trainer.log_every_n_steps": 10,
         })
 
+    def before_fit(self) -> None:
+        from lightning_multilora.strategies.adapter_parallel import check_resume_path
+
+        check_resume_path(self.config_init[self.subcommand].get("ckpt_path"), self.trainer.strategy)
+
 
 class RawEpilogFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):
     """jsonargparse's help, with the epilog's lines kept as written."""

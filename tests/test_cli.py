@@ -70,6 +70,20 @@ def test_bad_config_values_are_clear_errors(tmp_path, capsys):
     assert "`rank` must be an integer >= 1, got -1" in str(err.value) + capsys.readouterr().err
 
 
+def test_an_adapter_parallel_checkpoint_resumed_in_one_process_is_a_named_error(tmp_path):
+    """Its checkpoint is a folder of one file per process: `multilora fit --ckpt_path` in one process says what it
+    needs (the load failed with a bare IsADirectoryError)."""
+    folder = tmp_path / "epoch=0-step=4.ckpt"
+    folder.mkdir()
+    for rank in (0, 1):
+        (folder / f"rank{rank}.ckpt").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"`ckpt_path` .* is an adapter-parallel checkpoint, one file per process "
+                                         r"\(rank0.ckpt, rank1.ckpt\): it resumes with strategy='adapter_parallel' "
+                                         "over 2 processes"):
+        main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(tmp_path),
+              "--ckpt_path", str(folder)])
+
+
 def test_help_lists_demo_and_schedule_and_the_command_line_gives_no_args_warning(monkeypatch, capsys):
     import warnings
 

@@ -264,6 +264,20 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         return value
 
 
+def check_resume_path(ckpt_path: Any, strategy: Any) -> None:
+    """A checkpoint of `AdapterParallelStrategy` (a folder of one ``rank<r>.ckpt`` per process) given to another
+    strategy: a named error (the loading would fail on the folder)."""
+    from pathlib import Path
+
+    if ckpt_path is None or isinstance(strategy, AdapterParallelStrategy) or not Path(str(ckpt_path)).is_dir():
+        return
+    ranks = sorted(p.name for p in Path(str(ckpt_path)).glob("rank*.ckpt"))
+    if ranks:
+        raise ValueError(f"`ckpt_path` {str(ckpt_path)!r} is an adapter-parallel checkpoint, one file per process "
+                         f"({', '.join(ranks)}): it resumes with strategy='adapter_parallel' over {len(ranks)} "
+                         "processes")
+
+
 def placement_of(pl_module: Any) -> Optional[AdapterParallelStrategy]:
     """The `AdapterParallelStrategy` training ``pl_module``'s adapters, or None in a single process."""
     placement = getattr(pl_module, "_placement", lambda: None)()
