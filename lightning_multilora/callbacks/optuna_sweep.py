@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from pathlib import Path
@@ -136,8 +137,14 @@ class OptunaSweep(Callback):
         if slots is not None and slots < 1:
             raise ValueError(f"`slots` must be >= 1, got {slots}")
         self.search_space = dict(search_space)
-        self.distributions = distributions(self.search_space)
         self.base = dict(base or {})
+        known = {f.name for f in dataclasses.fields(AdapterSpec)} - {"name"}
+        for where, keys in (("search_space", self.search_space), ("base", self.base)):
+            unknown = sorted(set(keys) - known)
+            if unknown:
+                raise ValueError(f"OptunaSweep `{where}` names {unknown}, not AdapterSpec fields; allowed: "
+                                 f"{sorted(known)}")
+        self.distributions = distributions(self.search_space)
         self.n_trials, self.storage, self.study_name, self.sampler_name = n_trials, storage, study_name, sampler
         self.alpha_over_rank, self.slots, self.seed = alpha_over_rank, slots, seed
         self._own_sampler = False
