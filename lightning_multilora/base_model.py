@@ -87,7 +87,12 @@ def build_base_model(
         model.config.name_or_path = base_model
         return model.to(torch_dtype)
     kwargs = dict(config_overrides or {})
-    return AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype, **kwargs)
+    try:
+        return AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype, **kwargs)
+    except (OSError, ValueError) as err:  # (no checkpoint there, and the Hub has no such model or cannot be reached)
+        kind = OSError if isinstance(err, OSError) else ValueError
+        raise kind(f"`base_model` {base_model!r} is no built-in model ({', '.join(TINY_CONFIGS)}), no local "
+                   f"checkpoint directory, and could not be loaded from the Hugging Face Hub: {err}") from err
 
 
 def _refuse_near_miss(base_model: str) -> None:

@@ -28,6 +28,16 @@ def test_a_local_checkpoint_loads_even_where_its_name_is_near_a_built_in(tmp_pat
     torch.testing.assert_close(loaded(ids).logits, built(ids).logits)
 
 
+def test_a_name_that_loads_nothing_names_the_built_in_models(tmp_path):
+    """A directory without a checkpoint (a quick failure: no Hub call), as any name nothing loads: the error lists the
+    built-in models beside the loader's own reason."""
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    with pytest.raises((OSError, ValueError), match=r"`base_model` '.*not-a-model' is no built-in model \(tiny-llama, tiny-qwen2, "
+                                      r"tiny-mistral\), no local checkpoint directory, and could not be loaded"):
+        build_base_model(str(empty))
+
+
 def test_config_overrides_take_effect_and_a_misspelled_field_is_refused():
     model = build_base_model("tiny-llama", {"num_hidden_layers": 1, "rope_theta": 5e5})  # (a legacy name converted)
     assert model.config.num_hidden_layers == 1 and model.config.rope_parameters["rope_theta"] == 5e5
