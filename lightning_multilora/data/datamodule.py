@@ -130,7 +130,8 @@ class MultiLoRADataModule(L.LightningDataModule):
             Default: ``{"arithmetic": GeneratedArithmetic()}``.
         tokenizer: ``"byte"`` (offline byte-level) or a Hugging Face tokenizer path.
         max_length: longest tokenized example (default: the model's maximum positions).
-        truncate: cut examples longer than ``max_length`` instead of raising.
+        truncate: cut examples longer than ``max_length`` instead of raising: a row's end; a preference pair's
+            prompt from its start (keeping its end, next to the answers), then the answers' ends.
         val_fraction: share of each source held out for validation, in (0, 1).
         val_batch_size: rows per adapter in each packed validation batch.
         max_val_examples: cap on each source's validation split (None: no cap).
@@ -252,6 +253,12 @@ class MultiLoRADataModule(L.LightningDataModule):
         for i in order:
             example = examples[i]
             prompt = tok.encode(example.prompt)
+            if pairs and self.truncate and limit is not None:
+                # Preference pairs keep their prompt's end (as TRL's DPO does), leaving the answers at least half
+                # the length: cutting the row's end would leave long-prompt pairs without answer tokens
+                answers = max(len(tok.encode(example.chosen)), len(tok.encode(example.rejected))) + 1
+                room = max(limit - min(answers, limit // 2), 0)
+                prompt = prompt[len(prompt) - room:] if len(prompt) > room else prompt
             first = encode(i, prompt, example.chosen if pairs else example.completion)
             second = encode(i, prompt, example.rejected) if pairs else None
             if first is None or (pairs and second is None):

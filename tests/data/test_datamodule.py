@@ -148,6 +148,32 @@ def test_sequences_longer_than_the_model_maximum_are_errors(tmp_path, trainer_kw
     assert len(train) + len(val) == 2 and max(len(r) for r in train.input_ids + val.input_ids) == 64
 
 
+def test_truncated_preference_pairs_keep_their_prompts_end_and_both_answers():
+    """A pair whose prompt alone fills ``max_length`` keeps the prompt's end and at least half the length for the
+    answers (cutting the row's end left it without answer tokens, and dropped it); both rows share that prompt."""
+    from lightning_multilora.data import PreferenceSource
+    from lightning_multilora.data.datamodule import IGNORE_INDEX
+
+    records = [{"prompt": "p" * 200 + "END", "chosen": "yes" * 10, "rejected": "no"},
+               {"prompt": "short", "chosen": "c" * 100, "rejected": "r"},
+               {"prompt": "q", "chosen": "a", "rejected": "b"}]
+    dm = MultiLoRADataModule(sources={"pairs": PreferenceSource(records=records)}, truncate=True, max_length=64,
+                             val_fraction=0.34)
+    train, val = dm.split("pairs")
+    rows = list(zip(train.input_ids + val.input_ids, train.labels + val.labels,
+                    train.rejected_ids + val.rejected_ids, train.rejected_labels + val.rejected_labels))
+    assert len(rows) == 3  # none dropped
+    tok = dm.tokenizer
+    for ids, labels, rejected_ids, rejected_labels in rows:
+        assert len(ids) <= 64 and len(rejected_ids) <= 64
+        prompt = [t for t, lab in zip(ids, labels) if lab == IGNORE_INDEX]
+        assert prompt == [t for t, lab in zip(rejected_ids, rejected_labels) if lab == IGNORE_INDEX]  # one prompt
+        assert any(lab != IGNORE_INDEX for lab in labels) and any(lab != IGNORE_INDEX for lab in rejected_labels)
+    long_prompt = next(r for r in rows if len([x for x in r[1] if x == IGNORE_INDEX]) > 20)
+    assert tok.decode([t for t, lab in zip(long_prompt[0], long_prompt[1]) if lab == IGNORE_INDEX]).endswith("END")
+    assert len([x for x in long_prompt[1] if x != IGNORE_INDEX]) == 31  # "yes" x10 + EOS: its whole answer
+
+
 def test_duplicate_adapter_names_are_rejected():
     module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a")])
     with pytest.raises(ValueError, match="duplicate adapter name 'a'"):
