@@ -184,10 +184,7 @@ class SweepGrid:
     """Prefix of every generated adapter name."""
 
     def specs(self) -> list[AdapterSpec]:
-        known = {f.name for f in fields(AdapterSpec)} - {"name"}
-        for key in list(self.axes) + list(self.base):
-            if key not in known:
-                raise ValueError(f"SweepGrid field {key!r} is not an AdapterSpec field; allowed: {sorted(known)}")
+        check_spec_fields(list(self.axes) + list(self.base), "SweepGrid")
         for key, values in self.axes.items():
             if not isinstance(values, (list, tuple)) or not values:
                 raise ValueError(f"SweepGrid `axes[{key!r}]` must be a non-empty list of values, got {values!r}")
@@ -217,3 +214,11 @@ def _fmt(value: Any) -> str:
     else:
         text = f"{value:g}" if isinstance(value, float) else str(value)
     return re.sub(r"[^A-Za-z0-9_\-]", "_", text.replace(".", "p"))
+
+
+def check_spec_fields(keys, where: str) -> None:
+    """``keys`` (of a grid or a search space) are `AdapterSpec` fields, its ``name`` apart: else a named error."""
+    known = {f.name for f in fields(AdapterSpec)} - {"name"}
+    unknown = sorted(set(keys) - known)
+    if unknown:
+        raise ValueError(f"{where} names {unknown}: not an AdapterSpec field; allowed: {sorted(known)}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from pathlib import Path
@@ -14,7 +13,7 @@ from typing_extensions import override
 
 from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.registry import AdapterRecord, AdapterState
-from lightning_multilora.spec import AdapterSpec
+from lightning_multilora.spec import AdapterSpec, check_spec_fields
 from lightning_multilora.strategies.adapter_parallel import decide_once, decides_here, placement_of
 
 if TYPE_CHECKING:
@@ -138,12 +137,8 @@ class OptunaSweep(Callback):
             raise ValueError(f"`slots` must be >= 1, got {slots}")
         self.search_space = dict(search_space)
         self.base = dict(base or {})
-        known = {f.name for f in dataclasses.fields(AdapterSpec)} - {"name"}
-        for where, keys in (("search_space", self.search_space), ("base", self.base)):
-            unknown = sorted(set(keys) - known)
-            if unknown:
-                raise ValueError(f"OptunaSweep `{where}` names {unknown}, not AdapterSpec fields; allowed: "
-                                 f"{sorted(known)}")
+        check_spec_fields(self.search_space, "OptunaSweep `search_space`")
+        check_spec_fields(self.base, "OptunaSweep `base`")
         self.distributions = distributions(self.search_space)
         self.n_trials, self.storage, self.study_name, self.sampler_name = n_trials, storage, study_name, sampler
         self.alpha_over_rank, self.slots, self.seed = alpha_over_rank, slots, seed

@@ -231,8 +231,7 @@ class MultiLoRADataModule(L.LightningDataModule):
         tok, limit = self.tokenizer, self.effective_max_length
         pairs = isinstance(examples[0], PreferenceExample)
 
-        def encode(i: int, prompt: list[int], text: str) -> Optional[tuple[list[int], list[int]]]:
-            completion = tok.encode(text)
+        def encode(i: int, prompt: list[int], completion: list[int]) -> Optional[tuple[list[int], list[int]]]:
             ids = prompt + completion + [tok.eos_token_id]
             labels = [IGNORE_INDEX] * len(prompt) + completion + [tok.eos_token_id]
             if limit is not None and len(ids) > limit:
@@ -253,14 +252,15 @@ class MultiLoRADataModule(L.LightningDataModule):
         for i in order:
             example = examples[i]
             prompt = tok.encode(example.prompt)
+            answers = [tok.encode(example.chosen), tok.encode(example.rejected)] if pairs else [
+                tok.encode(example.completion)]
             if pairs and self.truncate and limit is not None:
                 # Preference pairs keep their prompt's end (as TRL's DPO does), leaving the answers at least half
                 # the length: cutting the row's end would leave long-prompt pairs without answer tokens
-                answers = max(len(tok.encode(example.chosen)), len(tok.encode(example.rejected))) + 1
-                room = max(limit - min(answers, limit // 2), 0)
+                room = max(limit - min(max(map(len, answers)) + 1, limit // 2), 0)
                 prompt = prompt[len(prompt) - room:] if len(prompt) > room else prompt
-            first = encode(i, prompt, example.chosen if pairs else example.completion)
-            second = encode(i, prompt, example.rejected) if pairs else None
+            first = encode(i, prompt, answers[0])
+            second = encode(i, prompt, answers[1]) if pairs else None
             if first is None or (pairs and second is None):
                 continue
             chosen.append(first)

@@ -787,9 +787,9 @@ def _rows_grid(sched: Schedule, table: PointerTable):
     return lambda meta: (sched.num_blocks * table.r_chunks, meta["SPLIT_K"])
 
 
-def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, int, int, bool], ...]:
+def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, int, int, bool, int], ...]:
     """The expand / dX launches of a layout: (first row block, end, rank tile, narrower tiles compiled, rank chunks
-    beyond the tile) each. With one rank, one launch over every block. With ranks that differ, up to
+    beyond the tile, tuning bucket of its row blocks) each. With one rank, one launch over every block. With ranks that differ, up to
     `RANK_CLASS_LAUNCHES`: the row blocks are listed largest rank first (`schedule`), so the blocks whose ranks fit
     each halving of the tile are a contiguous run, launched with that tile; the last launch takes every narrower
     rank, with its `narrow_levels`."""
@@ -805,11 +805,12 @@ def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, 
         if not bounds or bounds[-1][1] != index:
             bounds.append([first, index])
     if len(bounds) <= 1:  # one rank, or every rank in one class: one launch, as without classes
-        classes = ((0, sched.num_blocks, table.block_r, narrow_levels(table.block_r), table.r_chunks > 1),)
+        classes = ((0, sched.num_blocks, table.block_r, narrow_levels(table.block_r), table.r_chunks > 1,
+                    sched.bucket),)
     else:
         ends = [b[0] for b in bounds[1:]] + [sched.num_blocks]
         classes = tuple((first, end, tiles[k], narrow_levels(tiles[k]) if k == len(tiles) - 1 else 0,
-                         k == 0 and table.r_chunks > 1) for (first, k), end in zip(bounds, ends))
+                         k == 0 and table.r_chunks > 1, _bucket(end - first)) for (first, k), end in zip(bounds, ends))
     sched.classes[key] = classes
     return classes
 
@@ -819,13 +820,12 @@ def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
     """``OUT[t, :] (+)= c_i (LOW[t, :r_i] @ W_i) [* drop mask]``: the expand (``W_i = B_i^T``) or dX (``W_i = A_i``),
     one launch per class of ranks (`rank_classes`)."""
     sched, table, width = call.sched, call.table, out.shape[1]
-    for first, end, tile, narrow, multi_chunk in rank_classes(sched, table):
+    for first, end, tile, narrow, multi_chunk, bucket in rank_classes(sched, table):
         _rank_times_weight(
             lambda meta, blocks=end - first: (blocks, _cdiv(width, meta["N_PER"])),
             (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
-             table.ranks, table.scaling, table.drop_p, call.seeds, width,
-             sched.bucket if first == 0 and end == sched.num_blocks else _bucket(end - first), call.row_tokens,
-             first, low.stride(0), out.stride(0)),
+             table.ranks, table.scaling, table.drop_p, call.seeds, width, bucket, call.row_tokens, first,
+             low.stride(0), out.stride(0)),
             dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
                  BLOCK_M=BLOCK_M, BLOCK_R=tile, MULTI_CHUNK=multi_chunk, NARROW=narrow,
                  SCALE_PRODUCT=out.dtype == torch.float16, W_ALIGNED=call.w_aligned, **_meta("rank")))

@@ -27,8 +27,8 @@ class RunRecord:
 
 class ScheduleRunner:
     """Keeps a living plan: tasks arrive (now or later), start when the plan says, and every arrival or
-    completion triggers a replan with the running tasks fixed (between them the plan is followed as it is). A failed task is retried up to
-    ``max_retries`` times, then marked failed. ``poll()``, when given, is asked for newly submitted tasks
+    completion triggers a replan with the running tasks fixed (between them the plan is followed as it is). A
+    failed task is retried up to ``max_retries`` times, then marked failed. ``poll()``, when given, is asked for newly submitted tasks
     every `POLL_S` while the schedule runs, tasks running or not (a running schedule accepts new tasks)."""
 
     def __init__(self, scheduler: TaskScheduler, executor: Any, max_retries: int = 2,

@@ -145,10 +145,10 @@ def test_bad_search_space():
         OptunaSweep({"lr": [1e-4, 1e-3]})
     with pytest.raises(ValueError, match="`rank`: .*step"):  # Optuna's own check, under the parameter's name
         OptunaSweep({"rank": {"type": "int", "low": 4, "high": 64, "step": 4, "log": True}})
-    with pytest.raises(ValueError, match=r"OptunaSweep `search_space` names \['lrr'\], not AdapterSpec fields; "
+    with pytest.raises(ValueError, match=r"OptunaSweep `search_space` names \['lrr'\]: not an AdapterSpec field; "
                                          r"allowed: \[.*'lr'"):
         OptunaSweep({"lrr": {"type": "float", "low": 1e-5, "high": 1e-3}})
-    with pytest.raises(ValueError, match=r"OptunaSweep `base` names \['max_step'\], not AdapterSpec fields"):
+    with pytest.raises(ValueError, match=r"OptunaSweep `base` names \['max_step'\]: not an AdapterSpec field"):
         OptunaSweep(SPACE, base={"max_step": 10})
 
 
