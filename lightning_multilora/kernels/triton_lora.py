@@ -789,28 +789,26 @@ def _rows_grid(sched: Schedule, table: PointerTable):
 
 def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, int, int, bool, int], ...]:
     """The expand / dX launches of a layout: (first row block, end, rank tile, narrower tiles compiled, rank chunks
-    beyond the tile, tuning bucket of its row blocks) each. With one rank, one launch over every block. With ranks that differ, up to
-    `RANK_CLASS_LAUNCHES`: the row blocks are listed largest rank first (`schedule`), so the blocks whose ranks fit
-    each halving of the tile are a contiguous run, launched with that tile; the last launch takes every narrower
-    rank, with its `narrow_levels`."""
-    # (a schedule of one rank is shared by every rank: 128 and 256 have one tile, but 256 takes two chunks)
-    key = (table.block_r, table.r_chunks > 1, RANK_CLASS_LAUNCHES, NARROW_RANK_TILES)
+    beyond the tile, tuning bucket of its row blocks) each, up to `RANK_CLASS_LAUNCHES`. The row blocks are listed
+    largest rank first (`schedule`), so the blocks whose ranks fit each halving of the tile are a contiguous run,
+    launched with that tile; the last launch takes every narrower rank, with its `narrow_levels`. Ranks that all
+    fit one class (one rank, say) launch as that class would beside others: an adapter set that shrinks to them
+    mid-run (its widest ranks exited, the tile held: `rank_chunk`) compiles no new kernel."""
+    # (a schedule of one rank is shared by every rank, and has no runs: its rank, rounded up to 16, is the width;
+    # 128 and 256 have one tile, but 256 takes two chunks)
+    key = (table.block_r, table.r_chunks > 1, table.width, RANK_CLASS_LAUNCHES, NARROW_RANK_TILES)
     classes = sched.classes.get(key)
     if classes is not None:
         return classes
     tiles = [table.block_r >> k for k in range(max(1, RANK_CLASS_LAUNCHES)) if table.block_r >> k >= 16]
     bounds: list[list[int]] = []  # [first block, tile index] of each launch
-    for rank, first in sched.rank_runs:
+    for rank, first in sched.rank_runs or ((table.width, 0),)[:sched.num_blocks]:
         index = next((k for k in range(len(tiles) - 1, 0, -1) if rank <= tiles[k]), 0)
         if not bounds or bounds[-1][1] != index:
             bounds.append([first, index])
-    if len(bounds) <= 1:  # one rank, or every rank in one class: one launch, as without classes
-        classes = ((0, sched.num_blocks, table.block_r, narrow_levels(table.block_r), table.r_chunks > 1,
-                    sched.bucket),)
-    else:
-        ends = [b[0] for b in bounds[1:]] + [sched.num_blocks]
-        classes = tuple((first, end, tiles[k], narrow_levels(tiles[k]) if k == len(tiles) - 1 else 0,
-                         k == 0 and table.r_chunks > 1, _bucket(end - first)) for (first, k), end in zip(bounds, ends))
+    ends = [b[0] for b in bounds[1:]] + [sched.num_blocks]
+    classes = tuple((first, end, tiles[k], narrow_levels(tiles[k]) if k == len(tiles) - 1 else 0,
+                     k == 0 and table.r_chunks > 1, _bucket(end - first)) for (first, k), end in zip(bounds, ends))
     sched.classes[key] = classes
     return classes
 

@@ -235,13 +235,23 @@ def test_the_expand_and_dx_launch_once_per_class_of_ranks_with_the_narrower_tile
     for other, other_grads in list(results.values())[1:]:
         for a, b in zip([y, *grads], [other, *other_grads]):
             assert rel(a, b) < 1e-5
-    # one rank, or ranks of one class: one launch over every row block
-    for ranks, expected in [([64, 64, 64, 64, 64], [(64, 2)]), ([100, 70, 128, 65, 90], [(128, 2)])]:
+    # one rank, or ranks of one class: one launch over every row block, as that class launches beside others (so
+    # an adapter set that shrinks to narrower ranks, the tile held, compiles no new variant)
+    monkeypatch.setattr(triton_lora, "RANK_CLASS_LAUNCHES", 2)
+    monkeypatch.setattr(triton_lora, "NARROW_RANK_TILES", 2)
+    chunk = triton_lora.rank_chunk
+    for ranks, held, expected in [([64, 64, 64, 64, 64], 0, [(64, 0)]), ([100, 70, 128, 65, 90], 0, [(128, 0)]),
+                                  ([16, 16, 16, 16, 16], 0, [(16, 0)]), ([16, 16, 16, 16, 16], 128, [(64, 2)]),
+                                  ([16, 33, 16, 2, 16], 128, [(64, 2)])]:
         x, base, w = problem(ranks, [100, 5, 40, 20, 3], d_in=48, d_out=72, dtype=torch.float32, seed=33)
-        triton_lora.reset_rank_tiles()
+        triton_lora.reset_rank_tiles()  # (on a GPU, a tile held from a wider set before: `rank_chunk`)
+        monkeypatch.setattr(triton_lora, "rank_chunk", lambda r, device=None, held=held: max(held, chunk(r, device)))
         seen.clear()
-        run(multi_lora_triton, x, base, w, False, torch.randn_like(base))
-        assert seen == {False: expected, True: expected}
+        y, grads = run(multi_lora_triton, x, base, w, False, grad_out := torch.randn_like(base))
+        assert seen == {False: expected, True: expected}, ranks
+        y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+        for a, b in zip([y, *grads], [y_ref, *grads_ref]):
+            assert rel(a, b) < 1e-5, ranks
     # one layout (so one schedule) at rank 128, then at 256: one tile, but 256 takes two chunks of it
     for rank in (128, 256):
         x, base, w = problem([rank], [40], d_in=48, d_out=72, dtype=torch.float32, gaps=False, seed=1)

@@ -216,3 +216,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if dist.is_initialized():  # a gloo thread still running at the interpreter's exit aborts the process (rarely)
+        dist.destroy_process_group()
