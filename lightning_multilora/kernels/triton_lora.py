@@ -408,14 +408,7 @@ class _LoRAShrink(torch.autograd.Function):
         kept, call.kept_s = call.kept_s, None
         s = kept if kept is not None else _low_rank_buffer(x.shape[0], table, x.device, call.low_dtype)
         if sched.num_blocks and kept is None:
-            _rows_times_weight(
-                _rows_grid(sched, table),
-                (x, call.a_ptrs, call.w_witness, s, sched.blk_adapter, sched.blk_start, sched.seg_start,
-                 sched.seg_end, table.ranks, table.ones, table.drop_p, call.seeds, x.shape[1], table.r_chunks,
-                 _row_bucket(sched, table), call.row_tokens, x.stride(0), s.stride(0)),
-                dict(W_IS_A=True, HAS_DROPOUT=call.has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
-                     BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, x.shape[1], x.device)),
-                _zero_if_split(s))
+            _row_launch(call, x, call.a_ptrs, s, True, call.has_dropout)
         z = torch.empty_strided((x.shape[0], call.d_out), (0, 0), device=x.device, dtype=call.out_dtype)
         ctx.save_for_backward(x, s)
         ctx.call, ctx.num_params = call, len(params)
@@ -512,15 +505,7 @@ class _LoRAExpand(torch.autograd.Function):
         # (dS goes back to autograd as S's gradient: zeroed under anomaly detection too, which checks all of it)
         ds = _low_rank_buffer(rows, table, device, call.low_dtype, zero=fused or torch.is_anomaly_enabled())
         if sched.num_blocks and not fused:
-            _rows_times_weight(
-                _rows_grid(sched, table),
-                (dy, call.b_ptrs, call.w_witness, ds, sched.blk_adapter, sched.blk_start, sched.seg_start,
-                 sched.seg_end, table.ranks, table.ones, table.drop_p, call.seeds, d_out, table.r_chunks,
-                 _row_bucket(sched, table), call.row_tokens, dy.stride(0), ds.stride(0)),
-                dict(W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
-                     BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
-                     **_rows_meta(sched.num_blocks, d_out, device)),
-                _zero_if_split(ds))
+            _row_launch(call, dy, call.b_ptrs, ds, False, False)
         if sched.num_blocks and s is not None and (fused or DB_AFTER_DS):
             # dB here, adding dS too (one pass over dY for both), or right after the dS row launch, while the end of
             # dY that it read is still in L2 (`DB_AFTER_DS`); the shrink's backward then does dA only
@@ -769,6 +754,9 @@ NARROW_RANK_TILES = 2
 # expand + dX launches took, with 1 / 2 / 4 launches: 4096x4096 at 1024 tokens each 299 / 287 / 297 us, at 256 tokens
 # 79 / 80 / 89; 14336x4096 515 / 512 / 516 and 158 / 150 / 160. So 2: about 1% of the whole call, not the gap to r=64.
 RANK_CLASS_LAUNCHES = 2
+# The shrink and dS launch per class of ranks too (`_row_launch`); False: one launch with the whole tile, every row
+# block's product as wide as the widest rank's.
+ROW_RANK_CLASSES = True
 
 
 def narrow_levels(block_r: int) -> int:
@@ -783,8 +771,33 @@ def _zero_if_split(out: Tensor):
     return lambda full: out.zero_() if full is None or full["SPLIT_K"] > 1 else None
 
 
-def _rows_grid(sched: Schedule, table: PointerTable):
-    return lambda meta: (sched.num_blocks * table.r_chunks, meta["SPLIT_K"])
+def _row_launch(call: _Call, full: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: bool, has_dropout: bool) -> None:
+    """``OUT[t, :r_i] = drop_i(FULL[t]) @ W_i``: the shrink (``W_i = A_i^T``) or dS (``W_i = B_i``), one launch per
+    class of ranks (`rank_classes`), as the expand and dX: a row block's product is as wide as its launch's rank
+    tile. Each launch is tuned on its own (K split and tiles, per bucket of its programs: row blocks x rank chunks).
+    A launch that splits K adds into ``OUT`` atomically: with one launch, ``OUT`` is zeroed just before it where it
+    splits (`_zero_if_split`); with several, once before them all where any may split (fp32 ``OUT``:
+    `_stores_unless_fp32`), since a later zeroing would wipe what the earlier launches stored (the tuning, likewise,
+    restores ``OUT`` rather than zeroing it)."""
+    sched, table, k = call.sched, call.table, full.shape[1]
+    classes = (rank_classes(sched, table) if ROW_RANK_CLASSES else
+               ((0, sched.num_blocks, table.block_r, 0, table.r_chunks > 1, 0),))
+    before = _zero_if_split(out)
+    if len(classes) > 1:
+        before = None
+        if out.element_size() == 4:
+            out.zero_()
+    for first, end, tile, _, multi_chunk, _ in classes:
+        chunks = table.r_chunks if multi_chunk else 1
+        programs = (end - first) * chunks
+        _rows_times_weight(
+            lambda meta, programs=programs: (programs, meta["SPLIT_K"]),
+            (full, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
+             table.ranks, table.ones, table.drop_p, call.seeds, k, chunks, _bucket(programs), call.row_tokens, first,
+             full.stride(0), out.stride(0)),
+            dict(W_IS_A=w_is_a, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
+                 BLOCK_M=BLOCK_M, BLOCK_R=tile, **_rows_meta(end - first, k, full.device)),
+            before)
 
 
 def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, int, int, bool, int], ...]:
@@ -827,11 +840,6 @@ def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
             dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
                  BLOCK_M=BLOCK_M, BLOCK_R=tile, MULTI_CHUNK=multi_chunk, NARROW=narrow,
                  SCALE_PRODUCT=out.dtype == torch.float16, W_ALIGNED=call.w_aligned, **_meta("rank")))
-
-
-def _row_bucket(sched: Schedule, table: PointerTable) -> int:
-    """The row kernel's K split (with its tiles) is tuned per bucket of programs (row blocks x rank chunks)."""
-    return _bucket(sched.num_blocks * table.r_chunks)
 
 
 def _bucket(count: int) -> int:

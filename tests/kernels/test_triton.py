@@ -200,26 +200,35 @@ def test_low_rank_activations_take_the_activation_dtype_where_every_launch_store
         monkeypatch.setattr(triton_lora, "_split_k", lambda num_blocks, k, device: 2)
     else:
         monkeypatch.setattr(triton_lora, "LOW_RANK_MIN_WAVES", 10**6)
-    check([3, 40, 17], half, False, torch.float32)  # a row launch that may split K
+    recording = triton_lora._low_rank_buffer
+    monkeypatch.setattr(triton_lora, "_low_rank_buffer", lambda *args, zero=False: recording(*args, zero=zero) if zero
+                        else recording(*args).fill_(float("nan")))  # what an empty buffer may hold
+    check([40, 3, 17], half, False, torch.float32)  # row launches that may split K, one per class of ranks (40; 17)
     triton_lora.reset_rank_tiles()
 
 
-def test_the_expand_and_dx_launch_once_per_class_of_ranks_with_the_narrower_tiles_of_the_last(monkeypatch):
+def test_every_low_rank_product_launches_once_per_class_of_ranks_with_the_narrower_tiles_of_the_last(monkeypatch):
     """With ranks that differ, the expand and dX launch once per rank tile that the ranks need (the tile, its
     halvings; at most `RANK_CLASS_LAUNCHES`), the last with the narrower tiles (halvings, none below 16, at most
-    `NARROW_RANK_TILES`) compiled beside its own; every split gives the same results."""
+    `NARROW_RANK_TILES`) compiled beside its own; the shrink and dS launch likewise, with the same tiles; every
+    split gives the same results."""
     from lightning_multilora.kernels import triton_lora
     from lightning_multilora.kernels.triton_lora import narrow_levels
 
     assert [narrow_levels(t) for t in (16, 32, 64, 128, 256)] == [0, 1, 2, 2, 2]
-    seen = {}
-    launcher = triton_lora._rank_times_weight
+    seen, rows = {}, {}
+    launcher, rows_launcher = triton_lora._rank_times_weight, triton_lora._rows_times_weight
 
     def record(grid, args, meta, *rest):
         seen.setdefault(meta["W_IS_A"], []).append((meta["BLOCK_R"], meta["NARROW"]))
         return launcher(grid, args, meta, *rest)
 
+    def record_rows(grid, args, meta, *rest):  # the shrink and dS: the same classes, no narrower tiles
+        rows.setdefault(meta["W_IS_A"], []).append(meta["BLOCK_R"])
+        return rows_launcher(grid, args, meta, *rest)
+
     monkeypatch.setattr(triton_lora, "_rank_times_weight", record)
+    monkeypatch.setattr(triton_lora, "_rows_times_weight", record_rows)
     x, base, w = problem([70, 64, 33, 5, 128], [100, 5, 40, 20, 0], d_in=48, d_out=72, dtype=torch.float32, seed=32)
     grad_out = torch.randn_like(base)
     results = {}
@@ -229,8 +238,10 @@ def test_the_expand_and_dx_launch_once_per_class_of_ranks_with_the_narrower_tile
         monkeypatch.setattr(triton_lora, "NARROW_RANK_TILES", narrow)
         triton_lora.reset_rank_tiles()
         seen.clear()
+        rows.clear()
         results[launches, narrow] = run(multi_lora_triton, x, base, w, False, grad_out)
         assert seen == {False: expected, True: expected}, (launches, narrow)  # the expand, dX
+        assert rows == {True: [t for t, _ in expected], False: [t for t, _ in expected]}
     y, grads = results[1, 2]
     for other, other_grads in list(results.values())[1:]:
         for a, b in zip([y, *grads], [other, *other_grads]):
@@ -247,8 +258,10 @@ def test_the_expand_and_dx_launch_once_per_class_of_ranks_with_the_narrower_tile
         triton_lora.reset_rank_tiles()  # (on a GPU, a tile held from a wider set before: `rank_chunk`)
         monkeypatch.setattr(triton_lora, "rank_chunk", lambda r, device=None, held=held: max(held, chunk(r, device)))
         seen.clear()
+        rows.clear()
         y, grads = run(multi_lora_triton, x, base, w, False, grad_out := torch.randn_like(base))
         assert seen == {False: expected, True: expected}, ranks
+        assert rows == {True: [t for t, _ in expected], False: [t for t, _ in expected]}
         y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
         for a, b in zip([y, *grads], [y_ref, *grads_ref]):
             assert rel(a, b) < 1e-5, ranks
@@ -657,8 +670,9 @@ def test_a_recomputation_takes_the_low_rank_activations_its_forward_kept(dropout
     x, w1, w2, block, grad_out = two_fused_projections(dropout)
 
     launches, calls = [], []
-    launcher, new_call = TL._rows_times_weight, TL._new_call
-    TL._rows_times_weight = lambda grid, args, meta, *rest: launches.append(meta["W_IS_A"]) or launcher(grid, args, meta, *rest)
+    launcher, new_call = TL._row_launch, TL._new_call
+    TL._row_launch = lambda call, full, w_ptrs, out, w_is_a, *rest: launches.append(w_is_a) or launcher(
+        call, full, w_ptrs, out, w_is_a, *rest)
     TL._new_call = lambda *args: calls.append(args) or new_call(*args)
     try:
         def grads(context_fn):
@@ -673,7 +687,7 @@ def test_a_recomputation_takes_the_low_rank_activations_its_forward_kept(dropout
         plain, shrinks_plain, _ = grads(None)
         kept, shrinks_kept, calls_kept = grads(checkpoint_contexts)
     finally:
-        TL._rows_times_weight, TL._new_call = launcher, new_call
+        TL._row_launch, TL._new_call = launcher, new_call
     assert (shrinks_plain, shrinks_kept) == (0, 0)
     assert calls_kept == 0  # the recomputed call reuses its forward's launch state (tables, copies, seeds)
     for g, g_ref in zip(kept, plain):
@@ -682,12 +696,13 @@ def test_a_recomputation_takes_the_low_rank_activations_its_forward_kept(dropout
     x_ = x.detach().clone().requires_grad_()
     torch.manual_seed(0)
     y = checkpoint(block, x_, use_reentrant=False)
-    TL._rows_times_weight = lambda grid, args, meta, *rest: launches.append(meta["W_IS_A"]) or launcher(grid, args, meta, *rest)
+    TL._row_launch = lambda call, full, w_ptrs, out, w_is_a, *rest: launches.append(w_is_a) or launcher(
+        call, full, w_ptrs, out, w_is_a, *rest)
     try:
         launches.clear()
         torch.autograd.grad(y, [x_, *w1.a], grad_out)
     finally:
-        TL._rows_times_weight = launcher
+        TL._row_launch = launcher
     assert launches.count(True) == 2
 
 
@@ -1002,9 +1017,9 @@ def test_the_db_launch_adds_ds_from_the_dy_it_reads(monkeypatch, chunked, split)
     if INTERPRETED:
         monkeypatch.setattr(triton_lora, "_split_for", lambda num_programs, max_tokens, device: split)
     rows_launches = []
-    launcher = triton_lora._rows_times_weight
-    monkeypatch.setattr(triton_lora, "_rows_times_weight",
-                        lambda grid, args, meta, *rest: rows_launches.append(meta["W_IS_A"]) or launcher(grid, args, meta, *rest))
+    launcher = triton_lora._row_launch
+    monkeypatch.setattr(triton_lora, "_row_launch", lambda call, full, w_ptrs, out, w_is_a, *rest: rows_launches.append(
+        w_is_a) or launcher(call, full, w_ptrs, out, w_is_a, *rest))
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     ranks, tokens = ([1, 7, 100, 16], [70, 0, 5, 130]) if not chunked else ([3, 40, 17], [64, 100, 1])
     x, base, w = problem(ranks, tokens, d_in=96, d_out=200, dtype=dtype, seed=3)
@@ -1034,9 +1049,9 @@ def test_the_db_launch_leaves_ds_to_the_row_kernel_past_the_fused_tile(monkeypat
 
     monkeypatch.setattr(triton_lora, "DB_AFTER_DS", db_after_ds)
     launches = []
-    rows, rank, grad = triton_lora._rows_times_weight, triton_lora._rank_launch, triton_lora._weight_grad_launch
-    monkeypatch.setattr(triton_lora, "_rows_times_weight", lambda grid, args, meta, *rest: launches.append(
-        "shrink" if meta["W_IS_A"] else "dS") or rows(grid, args, meta, *rest))
+    rows, rank, grad = triton_lora._row_launch, triton_lora._rank_launch, triton_lora._weight_grad_launch
+    monkeypatch.setattr(triton_lora, "_row_launch", lambda call, full, w_ptrs, out, w_is_a, *rest: launches.append(
+        "shrink" if w_is_a else "dS") or rows(call, full, w_ptrs, out, w_is_a, *rest))
     monkeypatch.setattr(triton_lora, "_rank_launch", lambda call, low, w_ptrs, out, w_is_a, *rest: launches.append(
         "dX" if w_is_a else "expand") or rank(call, low, w_ptrs, out, w_is_a, *rest))
     monkeypatch.setattr(triton_lora, "_weight_grad_launch", lambda g_is_a, *rest: launches.append(
