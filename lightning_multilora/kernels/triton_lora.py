@@ -754,9 +754,12 @@ NARROW_RANK_TILES = 2
 # expand + dX launches took, with 1 / 2 / 4 launches: 4096x4096 at 1024 tokens each 299 / 287 / 297 us, at 256 tokens
 # 79 / 80 / 89; 14336x4096 515 / 512 / 516 and 158 / 150 / 160. So 2: about 1% of the whole call, not the gap to r=64.
 RANK_CLASS_LAUNCHES = 2
-# The shrink and dS launch per class of ranks too (`_row_launch`); False: one launch with the whole tile, every row
-# block's product as wide as the widest rank's.
-ROW_RANK_CLASSES = True
+# True: the shrink and dS launch per class of ranks too (`_row_launch`); False: once, with the whole tile, every row
+# block's product as wide as the widest rank's. Measured on the H200 (32 adapters of ranks 8..128, 1024 tokens each,
+# 4096x4096, `benchmarks/kernels.py --row-rank-classes`): the two row launches took 177.5 us a step per class and
+# 173.7 us once, a forward + backward 0.663 and 0.655 ms. These launches stream their input (X, dY) and a wider
+# product costs them nothing measurable, so once.
+ROW_RANK_CLASSES = False
 
 
 def narrow_levels(block_r: int) -> int:

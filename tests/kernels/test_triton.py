@@ -203,7 +203,9 @@ def test_low_rank_activations_take_the_activation_dtype_where_every_launch_store
     recording = triton_lora._low_rank_buffer
     monkeypatch.setattr(triton_lora, "_low_rank_buffer", lambda *args, zero=False: recording(*args, zero=zero) if zero
                         else recording(*args).fill_(float("nan")))  # what an empty buffer may hold
-    check([40, 3, 17], half, False, torch.float32)  # row launches that may split K, one per class of ranks (40; 17)
+    for row_classes in (False, True):  # row launches that may split K: one, or one per class of ranks (40; 17)
+        monkeypatch.setattr(triton_lora, "ROW_RANK_CLASSES", row_classes)
+        check([40, 3, 17], half, False, torch.float32)
     triton_lora.reset_rank_tiles()
 
 
@@ -229,6 +231,7 @@ def test_every_low_rank_product_launches_once_per_class_of_ranks_with_the_narrow
 
     monkeypatch.setattr(triton_lora, "_rank_times_weight", record)
     monkeypatch.setattr(triton_lora, "_rows_times_weight", record_rows)
+    monkeypatch.setattr(triton_lora, "ROW_RANK_CLASSES", True)  # (the default: one row launch, below)
     x, base, w = problem([70, 64, 33, 5, 128], [100, 5, 40, 20, 0], d_in=48, d_out=72, dtype=torch.float32, seed=32)
     grad_out = torch.randn_like(base)
     results = {}
@@ -242,6 +245,11 @@ def test_every_low_rank_product_launches_once_per_class_of_ranks_with_the_narrow
         results[launches, narrow] = run(multi_lora_triton, x, base, w, False, grad_out)
         assert seen == {False: expected, True: expected}, (launches, narrow)  # the expand, dX
         assert rows == {True: [t for t, _ in expected], False: [t for t, _ in expected]}
+    monkeypatch.setattr(triton_lora, "ROW_RANK_CLASSES", False)  # one row launch, with the whole tile
+    rows.clear()
+    results["one row launch"] = run(multi_lora_triton, x, base, w, False, grad_out)
+    assert rows == {True: [128], False: [128]}
+    monkeypatch.setattr(triton_lora, "ROW_RANK_CLASSES", True)
     y, grads = results[1, 2]
     for other, other_grads in list(results.values())[1:]:
         for a, b in zip([y, *grads], [other, *other_grads]):
