@@ -1170,6 +1170,12 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
 
     @override
     def forward(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, layout: Optional[BatchLayout] = None):
-        """Logits of the packed batch; ``layout`` says which adapter each row uses (None: base only)."""
+        """Logits of the packed batch; ``layout`` says which adapter each row uses (None: base only). A name that
+        is no adapter of this module raises (its rows would get the base's output)."""
+        if layout is not None:
+            unknown = sorted(set(layout.names) - set(self.lora_layers.adapter_names))
+            if unknown:
+                raise KeyError(f"`layout` names {unknown}: no adapter of this module; adapters: "
+                               f"{self.lora_layers.adapter_names}")
         with self.lora_layers.use(layout):
             return self.model(input_ids=input_ids, attention_mask=attention_mask).logits

@@ -49,6 +49,8 @@ def test_export_round_trip_through_peft_gives_the_same_logits(tmp_path, trainer_
             base_only = ours(ids)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
         assert (got - base_only).abs().max() > 1e-4  # the adapter changes the output
+        with pytest.raises(KeyError, match=r"`layout` names \['typo'\]: no adapter of this module; adapters: \["):
+            ours(ids, layout=BatchLayout.from_sizes([spec.name, "typo"], [2, 1]))  # not the base's output, silently
 
 
 def test_peft_target_modules_are_short_names_when_whole_and_full_names_otherwise():
