@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Mapping, Optional
 
 from lightning_multilora.scheduling.task_scheduler import Task
 
@@ -65,11 +65,21 @@ class SimulatedExecutor:
         return done
 
 
+def visible_gpus(env: Mapping[str, str]) -> Optional[list[str]]:
+    """The GPUs that ``env``'s ``CUDA_VISIBLE_DEVICES`` lets a process use, as it names them (indices or UUIDs);
+    None where it is unset (every GPU of the machine) or empty (none: tasks that use no GPU, their ids mere slots)."""
+    value = env.get("CUDA_VISIBLE_DEVICES", "")
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    return names or None
+
+
 class LocalExecutor:
     """Each task's ``command`` as a subprocess on its GPU set, output to ``log_dir/<task>.<attempt>.log`` (numbered on
     past the logs an earlier schedule left there, which are kept).
 
-    ``CUDA_VISIBLE_DEVICES`` is the task's GPU ids; a ``torchrun`` task runs as
+    ``CUDA_VISIBLE_DEVICES`` is the task's GPU ids: the schedule's GPU ``i`` is the ``i``-th of the
+    ``CUDA_VISIBLE_DEVICES`` this executor was given (in ``env``, else its own environment's; `visible_gpus`), or GPU
+    ``i`` of the machine where that is unset; a ``torchrun`` task runs as
     ``python -m torch.distributed.run --nproc-per-node <gpus> --standalone <command>``. A non-zero exit
     status is a failed attempt (the runner retries it). ``poll_s`` is how often running tasks are checked.
     """
@@ -80,6 +90,7 @@ class LocalExecutor:
         self.poll_s = poll_s
         self._t0 = time.monotonic()
         self._procs: dict[str, tuple[subprocess.Popen, object, Path]] = {}
+        self.visible = visible_gpus({**os.environ, **self.env})
         self._attempts: dict[str, int] = {}
         self._failed_starts: list[Completion] = []
 
@@ -93,8 +104,12 @@ class LocalExecutor:
             attempt += 1
         self._attempts[task.id] = attempt
         log_path = self.log_dir / f"{task.id}.{attempt}.log"
-        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in gpu_ids),
-               "MULTILORA_TASK_ID": task.id}
+        if self.visible is not None and max(gpu_ids, default=-1) >= len(self.visible):
+            self._failed_starts.append(Completion(self.now(), task.id, False, (
+                f"GPUs {list(gpu_ids)} asked for, but CUDA_VISIBLE_DEVICES gives {len(self.visible)}")))
+            return
+        devices = [self.visible[i] if self.visible is not None else str(i) for i in gpu_ids]
+        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": ",".join(devices), "MULTILORA_TASK_ID": task.id}
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = open(log_path, "x")  # noqa: SIM115 - closed when the task completes

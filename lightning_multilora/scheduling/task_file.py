@@ -15,7 +15,8 @@ A task ``id`` is letters, digits, ``.``, ``_`` and ``-`` (it names the task's lo
 a rerun over the same ``log_dir`` numbers its logs on and keeps the earlier ones).
 ``--plan-only`` prints the plan and stops; ``--simulate`` runs it on a virtual clock; ``--ray ADDRESS``
 hands each task to a Ray cluster (``auto``: the local one; placement groups with GPU bundles); otherwise
-each task runs as a subprocess on its GPUs. ``--inbox DIR``: task files (``*.yaml``, a ``tasks:`` list) dropped into
+each task runs as a subprocess on its GPUs (GPU ``i`` is the ``i``-th of ``CUDA_VISIBLE_DEVICES`` where that is
+set; ``gpus`` above what it, or the machine, has is refused). ``--inbox DIR``: task files (``*.yaml``, a ``tasks:`` list) dropped into
 ``DIR`` while the schedule runs are submitted and replanned (then renamed ``*.yaml.done``).
 """
 
@@ -169,6 +170,17 @@ def records_table(records: Mapping[str, RunRecord]) -> str:
     return "\n".join(lines)
 
 
+def _gpus_here(executor: LocalExecutor) -> Optional[tuple[int, str]]:
+    """How many GPUs the local executor can hand out, and what says so: its ``CUDA_VISIBLE_DEVICES``, else the
+    machine's GPUs; None on a machine without (the tasks' GPU ids are then slots only)."""
+    if executor.visible is not None:
+        return len(executor.visible), f"CUDA_VISIBLE_DEVICES={','.join(executor.visible)}"
+    import torch
+
+    count = torch.cuda.device_count()
+    return (count, "this machine") if count else None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="multilora schedule", description=__doc__.split("\n", 1)[0])
     parser.add_argument("task_file", type=Path)
@@ -204,6 +216,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "(`ray start --head`) or leave out --ray to run the tasks here")
     else:
         executor = LocalExecutor(Path(settings["log_dir"]) / "logs")
+        available = _gpus_here(executor)
+        if available is not None and settings["gpus"] > available[0]:
+            parser.error(f"{args.task_file}: `gpus` is {settings['gpus']}, but {available[1]} gives {available[0]}; "
+                         "lower `gpus`, or use --plan-only / --simulate")
     runner = ScheduleRunner(scheduler, executor, settings["max_retries"], plan=plan)  # the plan shown is the one run
     if args.inbox is not None:
         runner.poll = inbox_poller(args.inbox, settings["gpus"], known=lambda: runner.known_ids(),

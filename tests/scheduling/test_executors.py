@@ -104,3 +104,21 @@ def test_a_missing_program_is_a_failed_attempt_and_stop_ends_running_tasks(tmp_p
     executor.start(Task("sleeper", 1.0, 1, [sys.executable, "-c", "import time; time.sleep(60)"]), (0,))
     executor.stop()
     assert executor.wait(0.0) == []  # nothing left running
+
+
+def test_the_schedules_gpus_are_the_visible_ones_in_order(tmp_path):
+    # the runner's GPU i is the i-th of the CUDA_VISIBLE_DEVICES the executor was given, not the machine's GPU i
+    py = sys.executable
+    executor = LocalExecutor(tmp_path / "logs", env={"CUDA_VISIBLE_DEVICES": "5, GPU-7f"})
+    runner = ScheduleRunner(TaskScheduler(2, resolution_s=0.5), executor, max_retries=0)
+    runner.submit(Task("pair", 1.0, 2, [py, "-c", RECORD_GPUS, str(tmp_path / "pair.gpus")]))
+    runner.submit(Task("one", 1.0, 1, [py, "-c", RECORD_GPUS, str(tmp_path / "one.gpus")]))
+    records = runner.run()
+    assert {r.state for r in records.values()} == {"finished"}
+    assert (tmp_path / "pair.gpus").read_text() == "5,GPU-7f"
+    assert (tmp_path / "one.gpus").read_text() == ["5", "GPU-7f"][records["one"].gpu_ids[0]]
+    # a GPU id past them: a failed start (the runner retries or fails the task), no crash
+    narrow = LocalExecutor(tmp_path / "logs", env={"CUDA_VISIBLE_DEVICES": "3"})
+    narrow.start(Task("far", 1.0, 1, [py, "-c", "pass"]), (1,))
+    (completion,) = narrow.wait(None)
+    assert not completion.ok and "GPUs [1] asked for, but CUDA_VISIBLE_DEVICES gives 1" in completion.detail

@@ -140,3 +140,13 @@ def test_ray_without_a_cluster_is_a_clear_error(tmp_path, capsys, monkeypatch):
         main([str(path), "--ray", "auto"])
     assert "--ray auto: no Ray cluster to run on (ConnectionError: Could not find any running Ray instance.)" in \
         capsys.readouterr().err
+
+
+def test_a_real_run_needs_as_many_gpus_as_the_file_names(tmp_path, capsys, monkeypatch):
+    path = write(tmp_path, f"gpus: 3\nlog_dir: {tmp_path}\ntasks: [{{id: a, duration: 1, command: [echo]}}]")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    with pytest.raises(SystemExit):
+        main([str(path)])
+    assert "`gpus` is 3, but CUDA_VISIBLE_DEVICES=4,6 gives 2; lower `gpus`, or use --plan-only / --simulate" in \
+        capsys.readouterr().err
+    assert main([str(path), "--simulate"]) == 0  # a what-if needs no GPUs
