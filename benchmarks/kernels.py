@@ -170,9 +170,10 @@ def graph_ms(step, target_ms: float = 3.0, max_repeats: int = 20) -> float:
     return one if repeats == 1 else per_step(repeats)
 
 
-def kernel_times(step, steps: int = 5) -> dict[str, float]:
+def kernel_times(step, steps: int = 5) -> tuple[dict[str, float], list[tuple[str, float]]]:
     """GPU microseconds a step per kernel name (torch.profiler over ``steps`` eager steps after an untimed one),
-    largest first: where a point's time goes (``--kernel-times``)."""
+    largest first: where a point's time goes (``--kernel-times``); and every launch of a step in launch order,
+    (name, us) averaged over the steps (a launch per class of ranks shows apart: `triton_lora.rank_classes`)."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -188,7 +189,15 @@ def kernel_times(step, steps: int = 5) -> dict[str, float]:
             us = event.self_cuda_time_total
         if us > 0:
             times[event.key[:80]] = times.get(event.key[:80], 0.0) + us / steps
-    return {k: round(v, 1) for k, v in sorted(times.items(), key=lambda kv: -kv[1])}
+    kernels = sorted((e for e in prof.events() if getattr(e, "device_time", 0) > 0 and e.device_type.name == "CUDA"),
+                     key=lambda e: e.time_range.start)
+    per_step = len(kernels) // steps
+    launches = []
+    if per_step * steps == len(kernels):  # (else some step launched differently: no per-launch view)
+        for i in range(per_step):
+            same = kernels[i::per_step]
+            launches.append((same[0].name.split("(")[0][:40], round(sum(e.device_time for e in same) / steps, 1)))
+    return {k: round(v, 1) for k, v in sorted(times.items(), key=lambda kv: -kv[1])}, launches
 
 
 def floor_bytes(x, base, w) -> int:
@@ -220,7 +229,8 @@ def main() -> None:
                         help="stop starting new points after this many seconds and write the rows measured so far")
     parser.add_argument("--kernel-times", action="store_true",
                         help="also profile ours' eager steps: each of their rows gets kernels_us, GPU us a step per "
-                             "kernel (the launches of a forward + backward, by name)")
+                             "kernel (the launches of a forward + backward, by name), and launches_us, each launch "
+                             "of a step in order")
     parser.add_argument("--rank-class-launches", type=int, default=None,
                         help="launches of the expand and of dX for ranks that differ (triton_lora.RANK_CLASS_LAUNCHES; "
                              "default: the package's)")
@@ -331,9 +341,11 @@ def main() -> None:
                                          floor_ms=round(impl_floor_ms, 4),
                                          pct_of_floor=round(100 * impl_floor_ms / ms, 1), **common))
                         if args.kernel_times and impl.startswith("ours"):
-                            rows[-1]["kernels_us"] = kernel_times(step)
+                            rows[-1]["kernels_us"], rows[-1]["launches_us"] = kernel_times(step)
                             print(f"  {impl} kernels (us a step): " + ", ".join(
                                 f"{k.split('(')[0][:40]} {v}" for k, v in list(rows[-1]["kernels_us"].items())[:6]))
+                            print(f"  {impl} launches in order (us): " + ", ".join(
+                                f"{k} {v}" for k, v in rows[-1]["launches_us"]))
                         if impl == "ours_shadow":
                             rows[-1].update(shadow_write_ms=round(shadow_write_ms, 4), pct_of_floor_with_shadow_write=
                                             round(100 * impl_floor_ms / (ms + shadow_write_ms), 1))
