@@ -130,6 +130,7 @@ class MultiLoRAMixin:
         self.admission = admission
         self._freed_spec: Optional[AdapterSpec] = None
         self._resume_checkpoint: Optional[dict[str, Any]] = None  # between on_load_checkpoint and the optimizer
+        self._not_loaded: set[str] = set()  # adapters a resume made, until the checkpoint's weights are loaded
         self._exited_since_sync: list[str] = []  # under adapter parallelism: exits the other ranks learn next
         self.export_dir = export_dir
         self.validate_on_finish = validate_on_finish
@@ -260,8 +261,9 @@ class MultiLoRAMixin:
                 writer.add_text(f"adapters/{rec.name}/exit", f"**{rec.state.value}** at step {rec.step}: {rec.reason}",
                                 trainer.global_step)
 
-    def save_adapter(self, name: str, directory: Optional[Union[str, Path]] = None) -> Path:
-        """Write adapter ``name`` (running) in PEFT format; returns the directory."""
+    def save_adapter(self, name: str, directory: Optional[Union[str, Path]] = None, best: bool = False) -> Path:
+        """Write adapter ``name`` (running) in PEFT format; returns the directory. ``best``: its best-validation
+        weights where they are kept (`keep_best_weights`), the live ones left as they are."""
         rec = self.registry[name]
         if name not in self.lora_layers.adapter_names:
             raise ValueError(f"adapter {name!r} holds no weights ({rec.state.value}); it was exported to "
@@ -273,7 +275,9 @@ class MultiLoRAMixin:
                           "new run its own `export_dir`)")
         base = getattr(getattr(self.lora_layers.model, "config", None), "name_or_path", None)
         layers = self.lora_layers.target_layers(name)
-        path = save_peft_adapter(directory, rec.spec, self.lora_layers.peft_state_dict(name),
+        weights = self._best_weights.get(name) if best else None
+        path = save_peft_adapter(directory, rec.spec, weights if weights is not None else
+                                 self.lora_layers.peft_state_dict(name),
                                  peft_target_modules(layers, self._all_module_names), base or None)
         rec.export_path = str(path)
         return path
@@ -495,9 +499,7 @@ class MultiLoRAMixin:
     def _exit(self, rec: AdapterRecord, state: AdapterState, reason: str) -> None:
         """Export a running or paused adapter (its best-validation weights when they are kept), then free
         its weights, optimizer state and data position."""
-        if self.keep_best_weights:
-            self.restore_best_weights(rec.name)
-        self.save_adapter(rec.name)
+        self.save_adapter(rec.name, best=self.keep_best_weights)
         optimizer = self._raw_optimizer()
         if optimizer is not None:
             for i, group in enumerate(optimizer.param_groups):
@@ -537,6 +539,7 @@ class MultiLoRAMixin:
 
     @override
     def configure_optimizers(self):
+        self._not_loaded = set()  # (Lightning has loaded a resumed checkpoint's weights by now)
         if self._resume_checkpoint is not None and self._placement() is not None:
             # A checkpoint is written by a callback's on_train_batch_end, before the module's: under adapter
             # parallelism the step's exchange and its finished adapters were not settled in it. Settle them now,
@@ -770,18 +773,19 @@ class MultiLoRAMixin:
         self._export_held()
 
     def _held(self) -> list[AdapterRecord]:
-        """The records of the adapters whose weights the model holds."""
-        return [r for r in self.registry.holding_weights if r.name in self.lora_layers.adapter_names]
+        """The records of the adapters whose weights the model holds (not those a resume has made but not yet
+        loaded from its checkpoint: their weights are new)."""
+        return [r for r in self.registry.holding_weights
+                if r.name in self.lora_layers.adapter_names and r.name not in self._not_loaded]
 
     def _export_held(self, untrained: bool = True) -> list[Path]:
-        """Export every adapter whose weights the model holds (its best-validation weights where they are kept),
+        """Export every adapter whose weights the model holds (its best-validation weights where they are kept, the
+        live ones left as they are: a checkpoint written after this holds the weights training goes on from),
         without those that have taken no step unless ``untrained``; the directories written."""
         paths, failed, first = [], [], None
         for rec in [r for r in self._held() if untrained or r.step > 0]:
             try:  # one adapter that cannot be written (a full disk, say) costs no other its export
-                if self.keep_best_weights:
-                    self.restore_best_weights(rec.name)
-                paths.append(self.save_adapter(rec.name))
+                paths.append(self.save_adapter(rec.name, best=self.keep_best_weights))
             except Exception as err:  # noqa: BLE001 - reported below, after the others are written
                 failed.append(f"{rec.name!r} ({type(err).__name__}: {err})")
                 first = first or err
@@ -949,6 +953,9 @@ class MultiLoRAMixin:
         for rec in self.registry.holding_weights:
             if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
                 self._create_weights(rec)
+        # new weights until Lightning loads the checkpoint's into them (after this hook): a resume that fails
+        # before then exports none of them over the trained adapters' exports (`_held`)
+        self._not_loaded = set(self.lora_layers.adapter_names)
         steps = state.get("dropout_steps")
         if steps is None and any(rec.spec.dropout > 0 for rec in self.registry.holding_weights):
             rank_zero_warn("this checkpoint carries no dropout steps (it was written by an older version): adapters "
@@ -959,7 +966,9 @@ class MultiLoRAMixin:
         expected = {k for k, _ in self.named_parameters() if any(s in k for s in _LORA_KEYS)}
         missing = expected - saved
         if missing:
-            raise ValueError(f"checkpoint lacks adapter weights {sorted(missing)[:4]}...")
+            raise ValueError(f"checkpoint lacks adapter weights {sorted(missing)[:4]}...: the adapters' layers differ "
+                             "from the checkpoint's; resume with the `target_modules` (the module's, and each "
+                             "AdapterSpec's) the checkpoint was trained with")
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])

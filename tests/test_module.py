@@ -572,3 +572,44 @@ def test_the_log_dir_is_asked_on_every_rank_even_where_a_subclass_setup_skips_su
     trainer.fit(module, small_dm())
     assert module.seen_stage == "fit" and log_dir._seen[trainer] == trainer.default_root_dir
     assert module.registry["a"].export_path == str(tmp_path / "adapters" / "a")
+
+
+def test_a_resume_that_fails_before_the_weights_load_keeps_the_trained_exports(tmp_path, trainer_kwargs):
+    """A resume made with other target layers fails at the checkpoint's load, naming `target_modules`; its adapters,
+    made new and never loaded, are not exported over the trained ones."""
+    spec = AdapterSpec("a", rank=2, batch_size=2, max_steps=10, lr=1e-2)
+    export_dir = str(tmp_path / "e")
+    module = MultiLoRAModule("tiny-llama", adapters=[spec], export_dir=export_dir, target_modules=["q_proj", "v_proj"],
+                             validate_on_finish=False)
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 4})
+    trainer.fit(module, small_dm())
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    trained = load_file(tmp_path / "e" / "a" / "adapter_model.safetensors")
+    resumed = MultiLoRAModule("tiny-llama", adapters=[spec], export_dir=export_dir, validate_on_finish=False)
+    with pytest.raises(ValueError, match=r"checkpoint lacks adapter weights .* resume with the `target_modules`"):
+        L.Trainer(**trainer_kwargs).fit(resumed, small_dm(), ckpt_path=str(tmp_path / "c.ckpt"))
+    after = load_file(tmp_path / "e" / "a" / "adapter_model.safetensors")
+    assert set(after) == set(trained) and all(torch.equal(after[k], trained[k]) for k in trained)
+
+
+def test_a_checkpoint_written_after_best_weights_are_exported_resumes_as_if_never_stopped(tmp_path, trainer_kwargs):
+    """At the stop, an adapter's export holds its best-validation weights (`EarlyExit(keep_best_weights=True)`); the
+    module keeps the weights it trained to, so that a checkpoint written afterwards resumes from them."""
+    from lightning_multilora import EarlyExit
+
+    def fit(directory, max_steps=-1, ckpt=None):
+        spec = AdapterSpec("r1", rank=4, lr=2e-3, batch_size=2, max_steps=12, seed=1)
+        module = MultiLoRAModule("tiny-llama", adapters=[spec], export_dir=str(directory / "export"))
+        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": max_steps, "val_check_interval": 5},
+                            callbacks=[EarlyExit(tau_gap=1e9, tau_slope=1e9, keep_best_weights=True)])
+        L.seed_everything(0)
+        trainer.fit(module, fixed_dm(), ckpt_path=ckpt)
+        return trainer, module
+
+    _, uninterrupted = fit(tmp_path / "full")
+    trainer, stopped = fit(tmp_path / "part", max_steps=9)  # exported at the stop: step 5's weights (its best)
+    assert stopped.registry["r1"].export_path is not None
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    _, resumed = fit(tmp_path / "part", ckpt=str(tmp_path / "mid.ckpt"))
+    assert [s for s, _ in resumed.registry["r1"].val_losses] == [5, 10, 12]
+    assert resumed.registry["r1"].val_losses == uninterrupted.registry["r1"].val_losses
