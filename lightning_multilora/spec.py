@@ -179,7 +179,7 @@ class SweepGrid:
     base: dict[str, Any] = field(default_factory=dict)
     """Fields shared by every adapter of the grid."""
     alpha_over_rank: Optional[float] = None
-    """If set, alpha = alpha_over_rank * rank for each adapter (ALTO uses 2)."""
+    """If set, alpha = alpha_over_rank * rank for each adapter (ALTO uses 2); not with ``alpha`` in axes or base."""
     prefix: str = ""
     """Prefix of every generated adapter name."""
 
@@ -188,12 +188,20 @@ class SweepGrid:
         for key, values in self.axes.items():
             if not isinstance(values, (list, tuple)) or not values:
                 raise ValueError(f"SweepGrid `axes[{key!r}]` must be a non-empty list of values, got {values!r}")
+        if self.alpha_over_rank is not None and ("alpha" in self.axes or "alpha" in self.base):
+            raise ValueError(f"SweepGrid: `alpha_over_rank` ({self.alpha_over_rank!r}) and `alpha` (in "
+                             f"{'axes' if 'alpha' in self.axes else 'base'}) both set each adapter's alpha; give one")
         keys = list(self.axes)
-        out = []
+        out, made = [], {}
         for values in itertools.product(*(self.axes[k] for k in keys)):
             kwargs = dict(self.base)
             kwargs.update(zip(keys, values))
             name = self.prefix + "-".join(f"{_short(k)}{_fmt(v)}" for k, v in zip(keys, values))
+            if name in made:
+                raise ValueError(f"SweepGrid: the axes' values {made[name]} and {dict(zip(keys, values))} make one "
+                                 f"adapter name, {name!r} (a name keeps 4 significant digits, and letters, digits, '_' and '-'); "
+                                 "give values that differ there")
+            made[name] = dict(zip(keys, values))
             if self.alpha_over_rank is not None:
                 kwargs["alpha"] = float(self.alpha_over_rank * kwargs.get("rank", AdapterSpec.rank))
             out.append(AdapterSpec(name=name, **kwargs))

@@ -104,6 +104,15 @@ def test_grid_is_the_cartesian_product_with_readable_unique_names():
     assert all(s.alpha == 2 * s.rank and s.max_steps == 7 for s in specs)
     with pytest.raises(ValueError, match="not an AdapterSpec field"):
         SweepGrid(axes={"learning_rate": [1e-4]}).specs()
+    # an alpha given beside alpha_over_rank would be replaced (the names would still say the given one)
+    for axes, base, where in [({"alpha": [8, 32], "rank": [8]}, {}, "axes"), ({"rank": [8]}, {"alpha": 64}, "base")]:
+        with pytest.raises(ValueError, match=rf"`alpha_over_rank` \(2\) and `alpha` \(in {where}\) both set"):
+            SweepGrid(axes=axes, base=base, alpha_over_rank=2).specs()
+    assert [s.alpha for s in SweepGrid(axes={"alpha": [8, 32]}).specs()] == [8, 32]
+    # values that make one name: named, not left to the module's duplicate-name error
+    with pytest.raises(ValueError, match=r"the axes' values \{'lr': 0.0001\} and \{'lr': 0.00010001\} make one "
+                                         r"adapter name, 'lr1e-4'"):
+        SweepGrid(axes={"lr": [1e-4, 1.0001e-4]}).specs()
 
 
 @pytest.mark.parametrize("value", ["cosine", 1e-3, []])

@@ -75,7 +75,7 @@ class OptunaSweep(Callback):
         study_name: the study's name in the storage.
         sampler: ``"tpe"``, ``"random"`` or ``"grid"`` (a grid over the categorical choices) for a new study.
         base: AdapterSpec fields shared by every trial (``max_steps``, ``dataset``...).
-        alpha_over_rank: alpha = this * rank unless ``alpha`` is searched (ALTO: 2).
+        alpha_over_rank: alpha = this * rank unless ``alpha`` is searched or given in ``base`` (ALTO: 2).
         slots: trials kept running or queued at once (default: as many as the module's ``admission``
             controller says fit, plus one waiting; else the module's ``max_running``, else 4).
         seed: the sampler's seed (None: Optuna's random one); TPE and random asks are seeded with this and the
@@ -233,7 +233,7 @@ class OptunaSweep(Callback):
     def _spec_kwargs(self, params: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(self.base)
         kwargs.update(params)
-        if "alpha" not in params and self.alpha_over_rank is not None:
+        if "alpha" not in kwargs and self.alpha_over_rank is not None:  # (an alpha given in `base` is kept)
             kwargs["alpha"] = float(self.alpha_over_rank * kwargs.get("rank", AdapterSpec.rank))
         return kwargs
 

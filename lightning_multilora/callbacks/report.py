@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
@@ -48,7 +49,8 @@ class SweepReport(Callback):
         log_dir = log_dir_of(trainer)
         if self.filename and log_dir:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            (Path(log_dir) / self.filename).write_text(json.dumps(self.rows, indent=1, default=str))
+            (Path(log_dir) / self.filename).write_text(json.dumps(_finite(self.rows), indent=1, default=str,
+                                                                  allow_nan=False))
         if self.tensorboard:
             self._write_tensorboard(trainer, registry)
         if self.print_table:
@@ -150,3 +152,15 @@ def timeline_figure(registry: AdapterRegistry, last_step: int):
     ax.invert_yaxis()
     fig.tight_layout()
     return fig
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float as None: the summary is strict JSON (``null``; ``Infinity`` is
+    rejected by ``jq``, JavaScript and other strict parsers), for an adapter never validated, say."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value

@@ -317,3 +317,9 @@ def test_a_trial_finished_by_another_process_keeps_its_slot_and_is_no_longer_rep
     assert states == {0: optuna.trial.TrialState.FAIL, 1: optuna.trial.TrialState.COMPLETE,
                       2: optuna.trial.TrialState.COMPLETE}
     assert module.registry["trial-0"].state == AdapterState.FINISHED
+
+
+def test_an_alpha_given_in_base_is_not_replaced_by_alpha_over_rank():
+    assert OptunaSweep(SPACE, base={"alpha": 64.0})._spec_kwargs({"rank": 8})["alpha"] == 64.0
+    assert OptunaSweep(SPACE)._spec_kwargs({"rank": 8})["alpha"] == 16.0  # alpha_over_rank=2 by default
+    assert OptunaSweep(SPACE)._spec_kwargs({"rank": 8, "alpha": 4.0})["alpha"] == 4.0  # searched
