@@ -10,6 +10,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_multilora.arguments import check_bool, check_int, check_real
 from lightning_multilora.registry import AdapterState
 
 
@@ -60,15 +61,14 @@ class EarlyExit(Callback):
     def __init__(self, ema_alpha: float = 0.1, window: int = 2, patience_div: int = 2, patience_ovf: int = 2,
                  tau_gap: float = 0.1, tau_slope: float = 0.001, keep_best_weights: bool = True,
                  overfit_while_improving: bool = False) -> None:
-        if not (0.0 < ema_alpha <= 1.0):
-            raise ValueError(f"`ema_alpha` must be in (0, 1], got {ema_alpha}")
-        if window < 2:
-            raise ValueError(f"`window` must be >= 2 (a slope needs two points), got {window}")
-        for name, value in (("patience_div", patience_div), ("patience_ovf", patience_ovf)):
-            if value < 1:
-                raise ValueError(f"`{name}` must be >= 1, got {value}")
-        if tau_gap < 0:
-            raise ValueError(f"`tau_gap` must be >= 0, got {tau_gap}")
+        check_real("EarlyExit", "ema_alpha", ema_alpha, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        check_int("EarlyExit", "window", window, 2)  # (a slope needs two points)
+        check_int("EarlyExit", "patience_div", patience_div, 1)
+        check_int("EarlyExit", "patience_ovf", patience_ovf, 1)
+        check_real("EarlyExit", "tau_gap", tau_gap, lambda v: v >= 0, "a number >= 0")
+        check_real("EarlyExit", "tau_slope", tau_slope, lambda v: v >= 0, "a number >= 0")
+        check_bool("EarlyExit", "keep_best_weights", keep_best_weights)
+        check_bool("EarlyExit", "overfit_while_improving", overfit_while_improving)
         self.ema_alpha, self.window = ema_alpha, window
         self.patience_div, self.patience_ovf = patience_div, patience_ovf
         self.tau_gap, self.tau_slope = tau_gap, tau_slope

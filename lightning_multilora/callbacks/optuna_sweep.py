@@ -11,6 +11,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_multilora.arguments import check_int
 from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.registry import AdapterRecord, AdapterState
 from lightning_multilora.spec import AdapterSpec, check_spec_fields
@@ -56,8 +57,11 @@ def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.
                 raise ValueError(f"search space `{name}`: a {kind} parameter needs `low` and `high`")
             cls = optuna.distributions.FloatDistribution if kind == "float" else optuna.distributions.IntDistribution
             step = spec.get("step", None if kind == "float" else 1)
+            log = spec.get("log", False)
+            if not isinstance(log, bool):
+                raise ValueError(f"search space `{name}`: `log` must be True or False, got {log!r}")
             try:
-                out[name] = cls(spec["low"], spec["high"], log=bool(spec.get("log", False)), step=step)
+                out[name] = cls(spec["low"], spec["high"], log=log, step=step)
             except ValueError as err:  # Optuna's own checks (low > high, log with a step, ...)
                 raise ValueError(f"search space `{name}`: {err}") from err
     return out
@@ -112,8 +116,12 @@ class OptunaSweep(Callback):
                  alpha_over_rank: Optional[float] = 2.0, slots: Optional[int] = None,
                  seed: Optional[int] = 0, heartbeat_interval: Optional[int] = None,
                  grace_period: Optional[int] = None) -> None:
-        if n_trials < 1:
-            raise ValueError(f"`n_trials` must be >= 1, got {n_trials}")
+        check_int("OptunaSweep", "n_trials", n_trials, 1)
+        check_int("OptunaSweep", "slots", slots, 1, optional=True)
+        check_int("OptunaSweep", "seed", seed, 0, optional=True)
+        if not isinstance(search_space, dict) or not search_space:
+            raise ValueError(f"OptunaSweep: `search_space` must be a non-empty dict of AdapterSpec field -> "
+                             f"parameter, got {search_space!r}")
         for name, value in (("heartbeat_interval", heartbeat_interval), ("grace_period", grace_period)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"`{name}` must be an integer number of seconds >= 1 or None, got {value!r}")
@@ -133,8 +141,6 @@ class OptunaSweep(Callback):
         self._opened = False  # the study's stale trials checked once this sweep opened it
         if sampler not in ("tpe", "random", "grid"):
             raise ValueError(f"`sampler` can be tpe, random, grid, got {sampler!r}")
-        if slots is not None and slots < 1:
-            raise ValueError(f"`slots` must be >= 1, got {slots}")
         self.search_space = dict(search_space)
         self.base = dict(base or {})
         check_spec_fields(self.search_space, "OptunaSweep `search_space`")

@@ -9,6 +9,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_multilora.arguments import check_int, check_real
 from lightning_multilora.registry import AdapterRegistry, AdapterState
 from lightning_multilora.strategies.adapter_parallel import decide_once
 
@@ -32,12 +33,9 @@ class WarmupSelection(Callback):
     """
 
     def __init__(self, warmup_fraction: float = 0.05, keep_fraction: float = 0.25, min_keep: int = 1) -> None:
-        if not (0.0 < warmup_fraction < 1.0):
-            raise ValueError(f"`warmup_fraction` must be in (0, 1), got {warmup_fraction}")
-        if not (0.0 < keep_fraction <= 1.0):
-            raise ValueError(f"`keep_fraction` must be in (0, 1], got {keep_fraction}")
-        if min_keep < 1:
-            raise ValueError(f"`min_keep` must be >= 1, got {min_keep}")
+        check_real("WarmupSelection", "warmup_fraction", warmup_fraction, lambda v: 0 < v < 1, "a number in (0, 1)")
+        check_real("WarmupSelection", "keep_fraction", keep_fraction, lambda v: 0 < v <= 1, "a number in (0, 1]")
+        check_int("WarmupSelection", "min_keep", min_keep, 1)
         self.warmup_fraction, self.keep_fraction, self.min_keep = warmup_fraction, keep_fraction, min_keep
         self.warmup_losses: dict[str, float] = {}
         self.candidates: list[str] = []

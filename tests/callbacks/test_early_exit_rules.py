@@ -96,9 +96,15 @@ def test_ema_smooths_and_state_round_trips():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"window": 1}, "`window` must be >= 2"),
-    ({"ema_alpha": 0.0}, "`ema_alpha` must be in \\(0, 1\\]"),
-    ({"patience_div": 0}, "`patience_div` must be >= 1"),
+    ({"window": 1}, "`window` must be an integer >= 2, got 1"),
+    ({"window": 2.5}, "`window` must be an integer >= 2, got 2.5"),  # (was a TypeError at the first validation)
+    ({"ema_alpha": 0.0}, "`ema_alpha` must be a number in \\(0, 1\\]"),
+    ({"patience_div": 0}, "`patience_div` must be an integer >= 1"),
+    ({"patience_ovf": float("nan")}, "`patience_ovf` must be an integer >= 1, got nan"),  # (never exited)
+    ({"tau_gap": float("nan")}, "`tau_gap` must be a number >= 0, got nan"),  # (never detected overfitting)
+    ({"tau_slope": float("nan")}, "`tau_slope` must be a number >= 0, got nan"),  # (never detected divergence)
+    ({"tau_slope": "0.1"}, "`tau_slope` must be a number >= 0, got '0.1'"),
+    ({"keep_best_weights": "no"}, "`keep_best_weights` must be True or False"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

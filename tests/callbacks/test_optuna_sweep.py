@@ -150,6 +150,14 @@ def test_bad_search_space():
         OptunaSweep({"lrr": {"type": "float", "low": 1e-5, "high": 1e-3}})
     with pytest.raises(ValueError, match=r"OptunaSweep `base` names \['max_step'\]: not an AdapterSpec field"):
         OptunaSweep(SPACE, base={"max_step": 10})
+    with pytest.raises(ValueError, match="`lr`: `log` must be True or False, got 'no'"):  # (was read as True)
+        OptunaSweep({"lr": {"type": "float", "low": 1e-5, "high": 1e-3, "log": "no"}})
+    with pytest.raises(ValueError, match=r"`search_space` must be a non-empty dict"):
+        OptunaSweep({})
+    # (NaN asked no trial, and fit then said "no adapter to train"; 1.5 failed at the first ask)
+    for name, value in (("n_trials", float("nan")), ("slots", float("nan")), ("seed", 1.5), ("n_trials", 2.5)):
+        with pytest.raises(ValueError, match=rf"OptunaSweep: `{name}` must be an integer >= [01]"):
+            OptunaSweep(SPACE, **{name: value})
 
 
 def test_a_search_space_step_reaches_the_distribution():

@@ -41,9 +41,11 @@ def test_warmup_selection_keeps_the_top_quarter_of_more_candidates_than_slots(tm
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"warmup_fraction": 0.0}, "`warmup_fraction` must be in \\(0, 1\\)"),
-    ({"keep_fraction": 1.5}, "`keep_fraction` must be in \\(0, 1\\]"),
-    ({"min_keep": 0}, "`min_keep` must be >= 1"),
+    ({"warmup_fraction": 0.0}, "`warmup_fraction` must be a number in \\(0, 1\\)"),
+    ({"warmup_fraction": "0.1"}, "`warmup_fraction` must be a number in \\(0, 1\\), got '0.1'"),
+    ({"keep_fraction": 1.5}, "`keep_fraction` must be a number in \\(0, 1\\]"),
+    ({"min_keep": 0}, "`min_keep` must be an integer >= 1"),
+    ({"min_keep": 1.5}, "`min_keep` must be an integer >= 1, got 1.5"),  # (was a TypeError at the ranking)
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):

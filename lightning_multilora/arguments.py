@@ -1,0 +1,28 @@
+"""Checks of constructor arguments: each error names the argument, what it may be and what it got."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+
+def check_int(where: str, name: str, value: Any, low: int, optional: bool = False) -> None:
+    """``value`` is an integer (not a bool) >= ``low`` (or None where ``optional``)."""
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{where}: `{name}` must be an integer >= {low}{' or None' if optional else ''}, got "
+                         f"{value!r}")
+
+
+def check_real(where: str, name: str, value: Any, ok: Callable[[float], bool], allowed: str) -> None:
+    """``value`` is a finite real number (not a bool) for which ``ok`` holds; ``allowed`` says which, in words."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+        raise ValueError(f"{where}: `{name}` must be {allowed}, got {value!r}")
+
+
+def check_bool(where: str, name: str, value: Any, optional: bool = False) -> Optional[bool]:
+    """``value`` is True or False (or None where ``optional``)."""
+    if not (isinstance(value, bool) or (optional and value is None)):
+        raise ValueError(f"{where}: `{name}` must be True or False{' or None' if optional else ''}, got {value!r}")
+    return value
