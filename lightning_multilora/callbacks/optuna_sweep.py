@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import uuid
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -156,6 +157,10 @@ class OptunaSweep(Callback):
                                                                    self.distributions.items()}, name: value}))
         self.study = study
         self.trials: dict[str, dict[str, Any]] = {}  # adapter name -> trial id, number, reported steps, told
+        # Tags this sweep's trials in the study (kept in checkpoints): a sweep resumed from a checkpoint finds the
+        # trials it asked after that checkpoint, still RUNNING there, and takes them up (`_orphans`)
+        self.sweep_id = uuid.uuid4().hex
+        self._orphans: Optional[list[Any]] = None
         self.asked = 0
         self.exhausted = False
 
@@ -290,9 +295,14 @@ class OptunaSweep(Callback):
                 break
             if self._own_sampler and self.sampler_name != "grid":  # (a grid's seed orders its points: kept)
                 study.sampler = self._sampler(self.first_trial + self.asked)
-            with warnings.catch_warnings():  # (the heartbeats are recorded here, outside study.optimize: `_beat`)
-                warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
-                trial = study.ask(self.distributions)
+            orphan = self._next_orphan(study)
+            if orphan is not None:  # asked after the checkpoint this run resumed from: taken up, not asked again
+                trial = optuna.Trial(study, orphan._trial_id)
+            else:
+                with warnings.catch_warnings():  # (heartbeats are recorded here, outside study.optimize: `_beat`)
+                    warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
+                    trial = study.ask(self.distributions)
+                trial.set_user_attr("sweep", self.sweep_id)
             name = f"trial-{trial.number}"
             try:
                 spec = AdapterSpec(name=name, **self._spec_kwargs(trial.params))
@@ -319,6 +329,21 @@ class OptunaSweep(Callback):
             active.append(name)
             specs.append(spec)
         return {"specs": specs, "state": self.state_dict()}
+
+    def _next_orphan(self, study) -> Optional[Any]:
+        """The first of this sweep's trials that the study holds as RUNNING and this sweep does not know: asked after
+        the checkpoint a resumed run started from (a crash lost them). Each is taken up in place of an ask, in
+        order, with its parameters (those the same ask draws again: `_sampler`); so no trial is left RUNNING or
+        asked twice. (One asked after the checkpoint and already told stays as it is; its configuration is asked
+        again.)"""
+        import optuna
+
+        if self._orphans is None:
+            known = {t["number"] for t in self.trials.values()}
+            self._orphans = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+                             if t.user_attrs.get("sweep") == self.sweep_id and t.number not in known]
+            self._orphans.sort(key=lambda t: t.number)
+        return self._orphans.pop(0) if self._orphans else None
 
     def _adopt(self, pl_module: L.LightningModule, decision: dict[str, Any]) -> None:
         """Apply the deciding process's trials and bookkeeping here (a no-op where they were decided): every
@@ -458,7 +483,7 @@ class OptunaSweep(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"trials": {n: dict(t) for n, t in self.trials.items()}, "asked": self.asked,
                 "exhausted": self.exhausted, "storage": self.storage, "study_name": self.study_name,
-                "first_trial": self.first_trial}
+                "first_trial": self.first_trial, "sweep_id": self.sweep_id}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -466,6 +491,7 @@ class OptunaSweep(Callback):
         self.asked = int(state_dict.get("asked", len(self.trials)))
         self.exhausted = bool(state_dict.get("exhausted", False))
         self.first_trial = state_dict.get("first_trial", self.first_trial)
+        self.sweep_id = state_dict.get("sweep_id", self.sweep_id)
         if self.storage is None:
             self.storage = state_dict.get("storage")
 
