@@ -262,17 +262,29 @@ class MultiLoRAMixin:
                                 trainer.global_step)
 
     def save_adapter(self, name: str, directory: Optional[Union[str, Path]] = None, best: bool = False) -> Path:
-        """Write adapter ``name`` (running) in PEFT format; returns the directory. ``best``: its best-validation
+        """Write adapter ``name`` (running) in PEFT format; returns the directory: ``directory``, else its folder
+        under the export root (``<root>/<name>``, or ``<name>-v1``, ``-v2``... where another run's adapter is there,
+        which is kept, as Lightning's ModelCheckpoint versions a taken file name). ``best``: its best-validation
         weights where they are kept (`keep_best_weights`), the live ones left as they are."""
         rec = self.registry[name]
         if name not in self.lora_layers.adapter_names:
             raise ValueError(f"adapter {name!r} holds no weights ({rec.state.value}); it was exported to "
                              f"{rec.export_path}")
-        directory = Path(directory) if directory is not None else self._export_root() / name
-        if (directory / "adapter_config.json").exists() and str(directory) != rec.export_path:
-            warnings.warn(f"adapter {name!r}: {directory} holds an adapter this run did not write (another run's, "
-                          "or one written after the checkpoint this run resumed from); it is overwritten (give each "
-                          "new run its own `export_dir`)")
+        if directory is None:  # its own folder under the export root, as named by its first export there
+            root = self._export_root()
+            own = Path(rec.export_path) if rec.export_path else None
+            directory = own if own is not None and own.parent == root else root / name
+            taken = directory
+            version = 0
+            while (directory / "adapter_config.json").exists() and str(directory) != rec.export_path:
+                version += 1  # another run's adapter (or one written after the checkpoint this run resumed from)
+                directory = root / f"{name}-v{version}"
+            if version:
+                warnings.warn(f"adapter {name!r}: {taken} holds an adapter this run did not write (another run's, or "
+                              f"one written after the checkpoint this run resumed from); it is kept, and this one is "
+                              f"written to {directory} (give each new run its own `export_dir`)")
+        else:
+            directory = Path(directory)
         base = getattr(getattr(self.lora_layers.model, "config", None), "name_or_path", None)
         layers = self.lora_layers.target_layers(name)
         weights = self._best_weights.get(name) if best else None

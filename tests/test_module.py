@@ -507,12 +507,12 @@ def test_an_adapter_that_cannot_be_exported_costs_no_other_its_export(tmp_path, 
         assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in exported(module, name).items())
 
 
-def test_an_export_over_another_runs_adapter_is_warned_of(tmp_path, trainer_kwargs):
-    def fit(seed: int) -> MultiLoRAModule:
+def test_an_export_where_another_runs_adapter_is_goes_beside_it(tmp_path, trainer_kwargs):
+    def fit(seed: int, max_steps: int = -1) -> MultiLoRAModule:
         module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("best", rank=2, batch_size=1, max_steps=2,
                                                                      seed=seed)],
                                  export_dir=str(tmp_path / "adapters"), validate_on_finish=False)
-        L.Trainer(**trainer_kwargs).fit(module, small_dm())
+        L.Trainer(**{**trainer_kwargs, "max_steps": max_steps}).fit(module, small_dm())
         return module
 
     with warnings.catch_warnings(record=True) as quiet:
@@ -520,9 +520,17 @@ def test_an_export_over_another_runs_adapter_is_warned_of(tmp_path, trainer_kwar
         first = exported(fit(1), "best")
     assert not [w for w in quiet if "did not write" in str(w.message)]  # (a run's own export: no warning)
     with pytest.warns(UserWarning, match=r"adapter 'best': .*adapters/best holds an adapter this run did not write "
-                                         r"\(another run's, .*; it is overwritten \(give each new run its own"):
-        second = exported(fit(2), "best")
-    assert any(not torch.equal(second[k], first[k]) for k in first)  # the second run's weights are what is there
+                                         r"\(another run's, .*; it is kept, and this one is written to "
+                                         r".*adapters/best-v1 \(give each new run its own"):
+        second_module = fit(2, max_steps=1)  # stopped while "best" runs: exported, still held
+    assert second_module.registry["best"].export_path == str(tmp_path / "adapters" / "best-v1")
+    second = exported(second_module, "best")
+    assert any(not torch.equal(second[k], first[k]) for k in first)  # the second run's own weights
+    kept = load_file(tmp_path / "adapters" / "best" / "adapter_model.safetensors")
+    assert all(torch.equal(kept[k], first[k]) for k in first)  # the first run's, untouched
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert second_module.save_adapter("best") == tmp_path / "adapters" / "best-v1"  # its own folder from then on
 
 
 def test_a_resume_queues_new_adapters_applies_edits_to_queued_ones_and_warns_of_the_rest(tmp_path, trainer_kwargs):
