@@ -912,7 +912,11 @@ class MultiLoRAMixin:
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if any(s in k for s in _LORA_KEYS)}
+        # the frozen base is left out (its weights come from where the module loads them); the adapters, and any
+        # other state of a module hosting them (a head of its own, say), are kept
+        base = next((f"{n}." for n, m in self.named_modules() if m is self.lora_layers.model), "")
+        checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
+                                    if not k.startswith(base) or any(s in k for s in _LORA_KEYS)}
         checkpoint["multilora"] = {
             "registry": self.registry.state_dict(),
             "best_weights": self._best_weights,

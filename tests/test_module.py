@@ -315,10 +315,14 @@ def test_the_mixin_trains_adapters_of_a_model_that_is_not_a_hugging_face_one(tmp
                                 target_modules=["q_proj"], export_dir=str(tmp_path / "out"), validate_on_finish=False)
 
     module = Sweep()
-    L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    module.scale = torch.nn.Parameter(torch.tensor(2.5))  # a module's own state, beside its frozen base
+    trainer = L.Trainer(**trainer_kwargs)
+    trainer.fit(module, small_dm())
     rec = module.registry["a"]
     assert rec.state == AdapterState.FINISHED and rec.step == 3 and len(rec.train_losses) == 3
     assert set(exported(module, "a")) == {f"base_model.model.q_proj.lora_{x}.weight" for x in "AB"}
+    trainer.save_checkpoint(tmp_path / "c.ckpt")  # without the frozen base, with the module's own state
+    assert set(torch.load(tmp_path / "c.ckpt", weights_only=False)["state_dict"]) == {"scale"}
 
 
 def test_a_data_parallel_strategy_is_refused_naming_the_one_that_works(tmp_path):
