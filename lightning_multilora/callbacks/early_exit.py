@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_multilora.arguments import check_bool, check_int, check_real
@@ -171,3 +172,13 @@ class EarlyExit(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.watches = {n: AdapterWatch(**w) for n, w in state_dict.get("watches", {}).items()}
         self.exits = list(state_dict.get("exits", []))
+
+    @override
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Lightning restores a callback's state by its `state_key`, which holds the rule's settings; one written
+        # with other settings is not restored (silently): said here
+        others = [k for k in checkpoint.get("callbacks", {}) if k.startswith("EarlyExit") and k != self.state_key]
+        if others and self.state_key not in checkpoint.get("callbacks", {}):
+            rank_zero_warn(f"the checkpoint's EarlyExit state was written with other settings ({others[0]}; now "
+                           f"{self.state_key}): it is not restored, and every adapter's loss average and patience "
+                           "counters start over")

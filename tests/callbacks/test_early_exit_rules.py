@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import warnings
 
 import pytest
 
@@ -121,3 +122,16 @@ def test_the_callers_view_of_a_new_best_decides_whether_a_gap_counts():
     rule = EarlyExit(ema_alpha=1.0)
     rule.observe_train_loss("a", 0.5)
     assert [rule.observe_validation("a", v, step=i, new_best=True) for i, v in enumerate([0.9, 0.95, 1.0])] == [None] * 3
+
+
+def test_a_checkpoint_of_other_settings_is_said_not_to_be_restored():
+    """Lightning restores a callback's state by its key, which holds the rule's settings: a resume with other ones
+    starts the averages and counters over, and says so."""
+    written = EarlyExit()
+    checkpoint = {"callbacks": {written.state_key: written.state_dict()}}
+    with pytest.warns(UserWarning, match=r"EarlyExit state was written with other settings .*tau_gap.: 0.1.*now "
+                                         r".*tau_gap.: 0.2.*: it is not restored"):
+        EarlyExit(tau_gap=0.2).on_load_checkpoint(None, None, checkpoint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EarlyExit().on_load_checkpoint(None, None, checkpoint)  # the same settings: restored, nothing to say
