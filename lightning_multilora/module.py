@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 import math
 import warnings
 from pathlib import Path
@@ -264,13 +265,15 @@ class MultiLoRAMixin:
     def save_adapter(self, name: str, directory: Optional[Union[str, Path]] = None, best: bool = False) -> Path:
         """Write adapter ``name`` (running) in PEFT format; returns the directory: ``directory``, else its folder
         under the export root (``<root>/<name>``, or ``<name>-v1``, ``-v2``... where another run's adapter is there,
-        which is kept, as Lightning's ModelCheckpoint versions a taken file name). ``best``: its best-validation
-        weights where they are kept (`keep_best_weights`), the live ones left as they are."""
+        which is kept, as Lightning's ModelCheckpoint versions a taken file name), which becomes the adapter's
+        ``export_path`` (a ``directory`` given is a copy of the caller's: the record keeps its folder). ``best``: its
+        best-validation weights where they are kept (`keep_best_weights`), the live ones left as they are."""
         rec = self.registry[name]
         if name not in self.lora_layers.adapter_names:
             raise ValueError(f"adapter {name!r} holds no weights ({rec.state.value}); it was exported to "
                              f"{rec.export_path}")
-        if directory is None:  # its own folder under the export root, as named by its first export there
+        own_folder = directory is None
+        if own_folder:  # its own folder under the export root, as named by its first export there
             root = self._export_root()
             own = Path(rec.export_path) if rec.export_path else None
             directory = own if own is not None and own.parent == root else root / name
@@ -291,7 +294,8 @@ class MultiLoRAMixin:
         path = save_peft_adapter(directory, rec.spec, weights if weights is not None else
                                  self.lora_layers.peft_state_dict(name),
                                  peft_target_modules(layers, self._all_module_names), base or None)
-        rec.export_path = str(path)
+        if own_folder:
+            rec.export_path = str(path)
         return path
 
     def packing_roster(self) -> list[AdapterSpec]:
@@ -912,11 +916,14 @@ class MultiLoRAMixin:
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        # the frozen base is left out (its weights come from where the module loads them); the adapters, and any
-        # other state of a module hosting them (a head of its own, say), are kept
-        base = next((f"{n}." for n, m in self.named_modules() if m is self.lora_layers.model), "")
+        # the frozen base is left out (its weights come from where the module loads them), under whatever name the
+        # module reaches it; the adapters, and any other state of a module hosting them (a head of its own), are kept
+        model = self.lora_layers.model
+        prefix = next((f"{n}." for n, m in self.named_modules() if m is model), "")
+        base = {_storage_of(t) for t in itertools.chain(model.parameters(), model.buffers())} - {None}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
-                                    if not k.startswith(base) or any(s in k for s in _LORA_KEYS)}
+                                    if any(s in k for s in _LORA_KEYS)
+                                    or not (k.startswith(prefix) or _storage_of(v) in base)}
         checkpoint["multilora"] = {
             "registry": self.registry.state_dict(),
             "best_weights": self._best_weights,
@@ -966,12 +973,12 @@ class MultiLoRAMixin:
         freed = state.get("freed")
         self._freed_spec = self.registry[freed].spec if freed is not None and freed in self.registry else None
         self._exited_since_sync = list(state.get("exited_since_sync", []))
+        # new weights until Lightning loads the checkpoint's into them (after this hook): a resume that fails
+        # before then (making them, or loading) exports none of them over the trained adapters' exports (`_held`)
+        self._not_loaded = {rec.name for rec in self.registry.holding_weights}
         for rec in self.registry.holding_weights:
             if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
                 self._create_weights(rec)
-        # new weights until Lightning loads the checkpoint's into them (after this hook): a resume that fails
-        # before then exports none of them over the trained adapters' exports (`_held`)
-        self._not_loaded = set(self.lora_layers.adapter_names)
         steps = state.get("dropout_steps")
         if steps is None and any(rec.spec.dropout > 0 for rec in self.registry.holding_weights):
             rank_zero_warn("this checkpoint carries no dropout steps (it was written by an older version): adapters "
@@ -988,6 +995,13 @@ class MultiLoRAMixin:
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def _storage_of(tensor: Any) -> Optional[int]:
+    """Where a plain tensor's elements start (a sharded DTensor's, or an empty tensor's: None)."""
+    if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
+        return None
+    return tensor.data_ptr() if tensor.numel() else None
 
 
 def _spec_changes(old: AdapterSpec, new: AdapterSpec) -> str:

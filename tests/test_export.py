@@ -76,5 +76,6 @@ def test_save_adapter_on_demand_mid_fit(tmp_path, trainer_kwargs):
     L.Trainer(**trainer_kwargs, callbacks=[SaveAt()]).fit(module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(50)}))
     assert (saved["path"] / "adapter_model.safetensors").is_file()
     assert (tmp_path / "final" / "x" / "adapter_config.json").is_file()
+    assert module.registry["x"].export_path == str(tmp_path / "final" / "x")  # the snapshot is the caller's copy
     with pytest.raises(ValueError, match="holds no weights"):
         module.save_adapter("x")

@@ -321,6 +321,7 @@ def test_the_mixin_trains_adapters_of_a_model_that_is_not_a_hugging_face_one(tmp
     rec = module.registry["a"]
     assert rec.state == AdapterState.FINISHED and rec.step == 3 and len(rec.train_losses) == 3
     assert set(exported(module, "a")) == {f"base_model.model.q_proj.lora_{x}.weight" for x in "AB"}
+    module.decoder = module.model.q_proj  # the base reached under a second name (a head of its own reads it, say)
     trainer.save_checkpoint(tmp_path / "c.ckpt")  # without the frozen base, with the module's own state
     assert set(torch.load(tmp_path / "c.ckpt", weights_only=False)["state_dict"]) == {"scale"}
 
@@ -535,6 +536,8 @@ def test_an_export_where_another_runs_adapter_is_goes_beside_it(tmp_path, traine
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert second_module.save_adapter("best") == tmp_path / "adapters" / "best-v1"  # its own folder from then on
+        second_module.save_adapter("best", tmp_path / "snapshot")  # a copy where the caller says: not its folder
+        assert second_module.save_adapter("best") == tmp_path / "adapters" / "best-v1"
 
 
 def test_a_resume_queues_new_adapters_applies_edits_to_queued_ones_and_warns_of_the_rest(tmp_path, trainer_kwargs):
@@ -586,19 +589,24 @@ def test_the_log_dir_is_asked_on_every_rank_even_where_a_subclass_setup_skips_su
     assert module.registry["a"].export_path == str(tmp_path / "adapters" / "a")
 
 
-def test_a_resume_that_fails_before_the_weights_load_keeps_the_trained_exports(tmp_path, trainer_kwargs):
-    """A resume made with other target layers fails at the checkpoint's load, naming `target_modules`; its adapters,
-    made new and never loaded, are not exported over the trained ones."""
-    spec = AdapterSpec("a", rank=2, batch_size=2, max_steps=10, lr=1e-2)
+@pytest.mark.parametrize("fails_at", ["load", "make"])
+def test_a_resume_that_fails_before_the_weights_load_keeps_the_trained_exports(tmp_path, trainer_kwargs, fails_at):
+    """A resume made with other target layers fails, at the checkpoint's load (naming `target_modules`) or while
+    it makes the adapters (one's own targets are not among the module's); the adapters it made, new and never
+    loaded, are not exported over the trained ones."""
+    a = AdapterSpec("a", rank=2, batch_size=2, max_steps=10, lr=1e-2)
+    b = AdapterSpec("b", rank=2, batch_size=2, max_steps=10, lr=1e-2, target_modules=["v_proj"])
     export_dir = str(tmp_path / "e")
-    module = MultiLoRAModule("tiny-llama", adapters=[spec], export_dir=export_dir, target_modules=["q_proj", "v_proj"],
+    module = MultiLoRAModule("tiny-llama", adapters=[a, b], export_dir=export_dir, target_modules=["q_proj", "v_proj"],
                              validate_on_finish=False)
     trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 4})
     trainer.fit(module, small_dm())
     trainer.save_checkpoint(tmp_path / "c.ckpt")
     trained = load_file(tmp_path / "e" / "a" / "adapter_model.safetensors")
-    resumed = MultiLoRAModule("tiny-llama", adapters=[spec], export_dir=export_dir, validate_on_finish=False)
-    with pytest.raises(ValueError, match=r"checkpoint lacks adapter weights .* resume with the `target_modules`"):
+    targets = {"load": {}, "make": {"target_modules": ["q_proj"]}}[fails_at]  # ("load": the default targets)
+    resumed = MultiLoRAModule("tiny-llama", adapters=[a], export_dir=export_dir, validate_on_finish=False, **targets)
+    message = {"load": r"checkpoint lacks adapter weights .* resume with the `target_modules`", "make": "v_proj"}
+    with pytest.raises(ValueError, match=message[fails_at]):
         L.Trainer(**trainer_kwargs).fit(resumed, small_dm(), ckpt_path=str(tmp_path / "c.ckpt"))
     after = load_file(tmp_path / "e" / "a" / "adapter_model.safetensors")
     assert set(after) == set(trained) and all(torch.equal(after[k], trained[k]) for k in trained)

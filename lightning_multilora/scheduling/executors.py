@@ -67,10 +67,12 @@ class SimulatedExecutor:
 
 def visible_gpus(env: Mapping[str, str]) -> Optional[list[str]]:
     """The GPUs that ``env``'s ``CUDA_VISIBLE_DEVICES`` lets a process use, as it names them (indices or UUIDs);
-    None where it is unset (every GPU of the machine) or empty (none: tasks that use no GPU, their ids mere slots)."""
-    value = env.get("CUDA_VISIBLE_DEVICES", "")
-    names = [v.strip() for v in value.split(",") if v.strip()]
-    return names or None
+    None where it is unset (every GPU of the machine); empty where it is set empty (no GPU: the tasks get none
+    either, their GPU ids are slots only)."""
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [v.strip() for v in value.split(",") if v.strip()]
 
 
 class LocalExecutor:
@@ -78,8 +80,8 @@ class LocalExecutor:
     past the logs an earlier schedule left there, which are kept).
 
     ``CUDA_VISIBLE_DEVICES`` is the task's GPU ids: the schedule's GPU ``i`` is the ``i``-th of the
-    ``CUDA_VISIBLE_DEVICES`` this executor was given (in ``env``, else its own environment's; `visible_gpus`), or GPU
-    ``i`` of the machine where that is unset; a ``torchrun`` task runs as
+    ``CUDA_VISIBLE_DEVICES`` this executor was given (in ``env``, else its own environment's; `visible_gpus`), GPU
+    ``i`` of the machine where that is unset, and none where it is empty; a ``torchrun`` task runs as
     ``python -m torch.distributed.run --nproc-per-node <gpus> --standalone <command>``. A non-zero exit
     status is a failed attempt (the runner retries it). ``poll_s`` is how often running tasks are checked.
     """
@@ -104,11 +106,14 @@ class LocalExecutor:
             attempt += 1
         self._attempts[task.id] = attempt
         log_path = self.log_dir / f"{task.id}.{attempt}.log"
-        if self.visible is not None and max(gpu_ids, default=-1) >= len(self.visible):
+        if self.visible and max(gpu_ids, default=-1) >= len(self.visible):
             self._failed_starts.append(Completion(self.now(), task.id, False, (
                 f"GPUs {list(gpu_ids)} asked for, but CUDA_VISIBLE_DEVICES gives {len(self.visible)}")))
             return
-        devices = [self.visible[i] if self.visible is not None else str(i) for i in gpu_ids]
+        if self.visible is None:
+            devices = [str(i) for i in gpu_ids]
+        else:  # (none where it hides every GPU)
+            devices = [self.visible[i] for i in gpu_ids if i < len(self.visible)]
         env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": ",".join(devices), "MULTILORA_TASK_ID": task.id}
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)

@@ -172,7 +172,10 @@ def records_table(records: Mapping[str, RunRecord]) -> str:
 
 def _gpus_here(executor: LocalExecutor) -> Optional[tuple[int, str]]:
     """How many GPUs the local executor can hand out, and what says so: its ``CUDA_VISIBLE_DEVICES``, else the
-    machine's GPUs; None on a machine without (the tasks' GPU ids are then slots only)."""
+    machine's GPUs; None on a machine without, or with ``CUDA_VISIBLE_DEVICES`` empty (the tasks' GPU ids are then
+    slots only, and the tasks get no GPU)."""
+    if executor.visible == []:  # every GPU hidden on purpose: tasks that use none
+        return None
     if executor.visible is not None:
         return len(executor.visible), f"CUDA_VISIBLE_DEVICES={','.join(executor.visible)}"
     import torch

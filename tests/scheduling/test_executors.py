@@ -122,3 +122,12 @@ def test_the_schedules_gpus_are_the_visible_ones_in_order(tmp_path):
     narrow.start(Task("far", 1.0, 1, [py, "-c", "pass"]), (1,))
     (completion,) = narrow.wait(None)
     assert not completion.ok and "GPUs [1] asked for, but CUDA_VISIBLE_DEVICES gives 1" in completion.detail
+
+
+def test_an_empty_cuda_visible_devices_gives_the_tasks_no_gpu(tmp_path):
+    py = sys.executable
+    executor = LocalExecutor(tmp_path / "logs", env={"CUDA_VISIBLE_DEVICES": ""})
+    runner = ScheduleRunner(TaskScheduler(2, resolution_s=0.5), executor, max_retries=0)
+    runner.submit(Task("pair", 1.0, 2, [py, "-c", RECORD_GPUS, str(tmp_path / "pair.gpus")]))
+    assert runner.run()["pair"].state == "finished"
+    assert (tmp_path / "pair.gpus").read_text() == ""  # not the machine's GPUs 0 and 1
