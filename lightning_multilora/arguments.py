@@ -3,21 +3,25 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Callable, Optional
 
 
 def check_int(where: str, name: str, value: Any, low: int, optional: bool = False) -> None:
-    """``value`` is an integer (not a bool) >= ``low`` (or None where ``optional``)."""
+    """``value`` is an integer (Python's or numpy's, not a bool) >= ``low`` (or None where ``optional``)."""
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise ValueError(f"{where}: `{name}` must be an integer >= {low}{' or None' if optional else ''}, got "
                          f"{value!r}")
 
 
-def check_real(where: str, name: str, value: Any, ok: Callable[[float], bool], allowed: str) -> None:
-    """``value`` is a finite real number (not a bool) for which ``ok`` holds; ``allowed`` says which, in words."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not ok(value):
+def check_real(where: str, name: str, value: Any, ok: Callable[[float], bool], allowed: str,
+               infinite: bool = False) -> None:
+    """``value`` is a real number (Python's or numpy's, not a bool), not NaN, finite unless ``infinite``, for which
+    ``ok`` holds; ``allowed`` says which, in words."""
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value)
+            or (not infinite and math.isinf(value)) or not ok(value)):
         raise ValueError(f"{where}: `{name}` must be {allowed}, got {value!r}")
 
 

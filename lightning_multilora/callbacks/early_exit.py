@@ -66,13 +66,14 @@ class EarlyExit(Callback):
         check_int("EarlyExit", "window", window, 2)  # (a slope needs two points)
         check_int("EarlyExit", "patience_div", patience_div, 1)
         check_int("EarlyExit", "patience_ovf", patience_ovf, 1)
-        check_real("EarlyExit", "tau_gap", tau_gap, lambda v: v >= 0, "a number >= 0")
-        check_real("EarlyExit", "tau_slope", tau_slope, lambda v: v >= 0, "a number >= 0")
+        # (inf: the rule off)
+        check_real("EarlyExit", "tau_gap", tau_gap, lambda v: v >= 0, "a number >= 0 (inf: never)", infinite=True)
+        check_real("EarlyExit", "tau_slope", tau_slope, lambda v: v >= 0, "a number >= 0 (inf: never)", infinite=True)
         check_bool("EarlyExit", "keep_best_weights", keep_best_weights)
         check_bool("EarlyExit", "overfit_while_improving", overfit_while_improving)
-        self.ema_alpha, self.window = ema_alpha, window
-        self.patience_div, self.patience_ovf = patience_div, patience_ovf
-        self.tau_gap, self.tau_slope = tau_gap, tau_slope
+        self.ema_alpha, self.window = float(ema_alpha), int(window)
+        self.patience_div, self.patience_ovf = int(patience_div), int(patience_ovf)
+        self.tau_gap, self.tau_slope = float(tau_gap), float(tau_slope)
         self.keep_best_weights = keep_best_weights
         self.overfit_while_improving = overfit_while_improving
         self.watches: dict[str, AdapterWatch] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import uuid
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -120,8 +121,8 @@ class OptunaSweep(Callback):
         check_int("OptunaSweep", "n_trials", n_trials, 1)
         check_int("OptunaSweep", "slots", slots, 1, optional=True)
         check_int("OptunaSweep", "seed", seed, 0, optional=True)
-        if not isinstance(search_space, dict) or not search_space:
-            raise ValueError(f"OptunaSweep: `search_space` must be a non-empty dict of AdapterSpec field -> "
+        if not isinstance(search_space, Mapping) or not search_space:
+            raise ValueError(f"OptunaSweep: `search_space` must be a non-empty mapping of AdapterSpec field -> "
                              f"parameter, got {search_space!r}")
         for name, value in (("heartbeat_interval", heartbeat_interval), ("grace_period", grace_period)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -147,8 +148,9 @@ class OptunaSweep(Callback):
         check_spec_fields(self.search_space, "OptunaSweep `search_space`")
         check_spec_fields(self.base, "OptunaSweep `base`")
         self.distributions = distributions(self.search_space)
-        self.n_trials, self.storage, self.study_name, self.sampler_name = n_trials, storage, study_name, sampler
-        self.alpha_over_rank, self.slots, self.seed = alpha_over_rank, slots, seed
+        self.n_trials, self.storage, self.study_name, self.sampler_name = int(n_trials), storage, study_name, sampler
+        self.alpha_over_rank = alpha_over_rank  # (numpy integers as Python's: a seed's arithmetic must not wrap)
+        self.slots, self.seed = (None if v is None else int(v) for v in (slots, seed))
         self._own_sampler = False
         self.first_trial: Optional[int] = None  # trials the study held when this sweep first opened it
         for name, dist in self.distributions.items():  # every value of the space must make a valid AdapterSpec

@@ -36,7 +36,8 @@ class WarmupSelection(Callback):
         check_real("WarmupSelection", "warmup_fraction", warmup_fraction, lambda v: 0 < v < 1, "a number in (0, 1)")
         check_real("WarmupSelection", "keep_fraction", keep_fraction, lambda v: 0 < v <= 1, "a number in (0, 1]")
         check_int("WarmupSelection", "min_keep", min_keep, 1)
-        self.warmup_fraction, self.keep_fraction, self.min_keep = warmup_fraction, keep_fraction, min_keep
+        self.warmup_fraction, self.keep_fraction = float(warmup_fraction), float(keep_fraction)
+        self.min_keep = int(min_keep)
         self.warmup_losses: dict[str, float] = {}
         self.candidates: list[str] = []
         self.kept: list[str] = []

@@ -102,9 +102,9 @@ def test_ema_smooths_and_state_round_trips():
     ({"ema_alpha": 0.0}, "`ema_alpha` must be a number in \\(0, 1\\]"),
     ({"patience_div": 0}, "`patience_div` must be an integer >= 1"),
     ({"patience_ovf": float("nan")}, "`patience_ovf` must be an integer >= 1, got nan"),  # (never exited)
-    ({"tau_gap": float("nan")}, "`tau_gap` must be a number >= 0, got nan"),  # (never detected overfitting)
-    ({"tau_slope": float("nan")}, "`tau_slope` must be a number >= 0, got nan"),  # (never detected divergence)
-    ({"tau_slope": "0.1"}, "`tau_slope` must be a number >= 0, got '0.1'"),
+    ({"tau_gap": float("nan")}, "`tau_gap` must be a number >= 0 \\(inf: never\\), got nan"),  # (never overfit)
+    ({"tau_slope": float("nan")}, "`tau_slope` must be a number >= 0 \\(inf: never\\), got nan"),  # (never diverged)
+    ({"tau_slope": "0.1"}, "`tau_slope` must be a number >= 0 \\(inf: never\\), got '0.1'"),
     ({"keep_best_weights": "no"}, "`keep_best_weights` must be True or False"),
 ])
 def test_bad_arguments(kwargs, message):
@@ -135,3 +135,10 @@ def test_a_checkpoint_of_other_settings_is_said_not_to_be_restored():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         EarlyExit().on_load_checkpoint(None, None, checkpoint)  # the same settings: restored, nothing to say
+
+
+def test_numpy_numbers_and_an_infinite_threshold_are_taken():
+    import numpy as np
+
+    rule = EarlyExit(window=np.int64(3), tau_gap=np.float32(0.25), tau_slope=math.inf)  # inf: never diverged
+    assert (rule.window, rule.tau_gap, rule.tau_slope) == (3, 0.25, math.inf) and type(rule.window) is int

@@ -152,7 +152,7 @@ def test_bad_search_space():
         OptunaSweep(SPACE, base={"max_step": 10})
     with pytest.raises(ValueError, match="`lr`: `log` must be True or False, got 'no'"):  # (was read as True)
         OptunaSweep({"lr": {"type": "float", "low": 1e-5, "high": 1e-3, "log": "no"}})
-    with pytest.raises(ValueError, match=r"`search_space` must be a non-empty dict"):
+    with pytest.raises(ValueError, match=r"`search_space` must be a non-empty mapping"):
         OptunaSweep({})
     # (NaN asked no trial, and fit then said "no adapter to train"; 1.5 failed at the first ask)
     for name, value in (("n_trials", float("nan")), ("slots", float("nan")), ("seed", 1.5), ("n_trials", 2.5)):
