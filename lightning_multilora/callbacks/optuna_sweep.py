@@ -211,6 +211,7 @@ class OptunaSweep(Callback):
                 self.first_trial = len(self.study.get_trials(deepcopy=False))
         if not self._opened:
             self._opened = True
+            self._find_orphans(self.study)  # before the stale trials are failed: they are this sweep's, alive
             self._beat(force=True)  # a resumed sweep's trials are alive, however long it was stopped
         return self.study
 
@@ -239,6 +240,8 @@ class OptunaSweep(Callback):
         for info in self.trials.values():
             if not info["told"] and not info.get("lost"):
                 storage.record_heartbeat(info["trial_id"])
+        for orphan in self._orphans or ():  # taken up as slots free (`_next_orphan`)
+            storage.record_heartbeat(orphan._trial_id)
         with warnings.catch_warnings():  # (Optuna marks it experimental)
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(self.study)
@@ -292,12 +295,12 @@ class OptunaSweep(Callback):
                 return len(active) < slots
         specs = []
         while room() and self.asked < self.n_trials and not self.exhausted:
-            if self._grid_exhausted(study):
+            orphan = self._next_orphan(study)
+            if orphan is None and self._grid_exhausted(study):
                 self.exhausted = True
                 break
             if self._own_sampler and self.sampler_name != "grid":  # (a grid's seed orders its points: kept)
                 study.sampler = self._sampler(self.first_trial + self.asked)
-            orphan = self._next_orphan(study)
             if orphan is not None:  # asked after the checkpoint this run resumed from: taken up, not asked again
                 trial = optuna.Trial(study, orphan._trial_id)
             else:
@@ -338,14 +341,19 @@ class OptunaSweep(Callback):
         order, with its parameters (those the same ask draws again: `_sampler`); so no trial is left RUNNING or
         asked twice. (One asked after the checkpoint and already told stays as it is; its configuration is asked
         again.)"""
+        if self._orphans is None:
+            self._find_orphans(study)
+        return self._orphans.pop(0) if self._orphans else None
+
+    def _find_orphans(self, study) -> None:
+        """`_next_orphan`'s trials, looked up once, when this sweep opens the study (a resume: its own state is the
+        checkpoint's by then)."""
         import optuna
 
-        if self._orphans is None:
-            known = {t["number"] for t in self.trials.values()}
-            self._orphans = [t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
-                             if t.user_attrs.get("sweep") == self.sweep_id and t.number not in known]
-            self._orphans.sort(key=lambda t: t.number)
-        return self._orphans.pop(0) if self._orphans else None
+        known = {t["number"] for t in self.trials.values()}
+        self._orphans = sorted((t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+                                if t.user_attrs.get("sweep") == self.sweep_id and t.number not in known),
+                               key=lambda t: t.number)
 
     def _adopt(self, pl_module: L.LightningModule, decision: dict[str, Any]) -> None:
         """Apply the deciding process's trials and bookkeeping here (a no-op where they were decided): every
@@ -439,7 +447,7 @@ class OptunaSweep(Callback):
         not only at the next ask: the selection would otherwise wait for trials that never come.)"""
         if self.asked >= self.n_trials or self.exhausted:
             return False
-        return self.study is None or not self._grid_exhausted(self.study)
+        return self.study is None or bool(self._orphans) or not self._grid_exhausted(self.study)
 
     def fill_slots(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Called by the module before it builds the optimizer (after a checkpoint is restored)."""

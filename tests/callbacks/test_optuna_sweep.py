@@ -333,35 +333,47 @@ def test_an_alpha_given_in_base_is_not_replaced_by_alpha_over_rank():
     assert OptunaSweep(SPACE)._spec_kwargs({"rank": 8, "alpha": 4.0})["alpha"] == 4.0  # searched
 
 
-def test_a_sweep_resumed_from_a_periodic_checkpoint_takes_up_the_trials_asked_after_it(tmp_path, trainer_kwargs):
+@pytest.mark.parametrize("kind", ["random", "grid", "heartbeat"])
+def test_a_sweep_resumed_from_a_periodic_checkpoint_takes_up_the_trials_asked_after_it(tmp_path, trainer_kwargs, kind):
     """Trials asked after the checkpoint (a run that crashed later) are RUNNING in the study: the resumed sweep takes
-    them up in place of its asks (the same parameters the asks would draw), so none is left RUNNING or asked twice.
-    A second sweep against the study (its own id) takes none of them."""
+    them up in place of its asks, so none is left RUNNING or asked twice, and the study ends as an uninterrupted
+    run's. A grid they complete still takes them; with heartbeats they are this sweep's, kept alive (not failed as
+    stale, however long the run was down)."""
+    import time
+
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    storage = f"sqlite:///{tmp_path / 's.db'}"
+    grid = {"lr": {"type": "categorical", "choices": [1e-3, 3e-3]}, "rank": {"type": "categorical", "choices": [2, 4]}}
 
-    def sweep():
-        return OptunaSweep(SPACE, n_trials=4, storage=storage, base={"max_steps": 6, "batch_size": 2}, slots=2,
-                           sampler="random")
+    def sweep(storage):
+        extra = dict(heartbeat_interval=1, grace_period=2) if kind == "heartbeat" else {}
+        return OptunaSweep(grid if kind == "grid" else SPACE, n_trials=4, storage=storage, slots=2,
+                           base={"max_steps": 6, "batch_size": 2}, sampler="grid" if kind == "grid" else "random",
+                           **extra)
+
+    def fit(storage, callbacks, ckpt=None, **kwargs):
+        module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"), validate_on_finish=False)
+        L.Trainer(**{**trainer_kwargs, **kwargs}, callbacks=[sweep(storage), *callbacks]).fit(module, dm(),
+                                                                                             ckpt_path=ckpt)
+        return optuna.load_study(study_name="multilora", storage=storage)
 
     class Crash(L.Callback):
         def on_train_batch_end(self, trainer, *args):
             if trainer.global_step == 8:
                 raise RuntimeError("node lost")
 
+    storage = f"sqlite:///{tmp_path / 's.db'}"
     save = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6, save_top_k=-1, filename="{step}")
-    module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"), validate_on_finish=False)
     with pytest.raises(RuntimeError, match="node lost"):
-        L.Trainer(**{**trainer_kwargs, "enable_checkpointing": True}, callbacks=[sweep(), Crash(), save]).fit(module,
-                                                                                                             dm())
+        fit(storage, [Crash(), save], enable_checkpointing=True)
     study = optuna.load_study(study_name="multilora", storage=storage)
-    running = [t for t in study.get_trials() if t.state == optuna.trial.TrialState.RUNNING]
-    assert [t.number for t in running] == [2, 3]  # asked at step 6, after its checkpoint was written
-    module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"), validate_on_finish=False)
-    resumed = sweep()
-    L.Trainer(**trainer_kwargs, callbacks=[resumed]).fit(module, dm(), ckpt_path=str(tmp_path / "ck" / "step=6.ckpt"))
-    trials = study.get_trials()
+    running = [t.number for t in study.get_trials() if t.state == optuna.trial.TrialState.RUNNING]
+    assert running == [2, 3]  # asked at step 6, after its checkpoint was written
+    if kind == "heartbeat":
+        time.sleep(3)  # longer than the grace period
+    trials = fit(storage, [], ckpt=str(tmp_path / "ck" / "step=6.ckpt")).get_trials()
     assert len(trials) == 4 and optuna.trial.TrialState.RUNNING not in [t.state for t in trials], trials
-    assert sorted(resumed.trials) == ["trial-0", "trial-1", "trial-2", "trial-3"]
-    assert [t.params for t in trials[2:]] == [t.params for t in running]
+    assert optuna.trial.TrialState.FAIL not in [t.state for t in trials], trials
+    uninterrupted = fit(f"sqlite:///{tmp_path / 'u.db'}", []).get_trials()
+    assert [t.params for t in trials] == [t.params for t in uninterrupted]
+    assert [t.state for t in trials] == [t.state for t in uninterrupted]
