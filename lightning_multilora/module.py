@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -36,6 +37,7 @@ import lightning_multilora.strategies  # noqa: E402,F401 - registers strategy="a
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _LORA_KEYS = (".lora_A.", ".lora_B.")
+_RUN_STAMP = ".multilora_run"  # in an export folder: the id of the run that wrote it (`save_adapter`)
 _EXITS_KEY = "\0exits-of-rank-"  # in the ranks' exchange: a rank's exits since the last one (not an adapter name)
 
 
@@ -132,6 +134,9 @@ class MultiLoRAMixin:
         self._freed_spec: Optional[AdapterSpec] = None
         self._resume_checkpoint: Optional[dict[str, Any]] = None  # between on_load_checkpoint and the optimizer
         self._not_loaded: set[str] = set()  # adapters a resume made, until the checkpoint's weights are loaded
+        # names this run, and the runs resumed from its checkpoints: stamped into every export folder it writes
+        # (`save_adapter`), so that a resumed run writes over its own earlier exports and never another run's
+        self._run_id = uuid.uuid4().hex
         self._exited_since_sync: list[str] = []  # under adapter parallelism: exits the other ranks learn next
         self.export_dir = export_dir
         self.validate_on_finish = validate_on_finish
@@ -279,13 +284,14 @@ class MultiLoRAMixin:
             directory = own if own is not None and own.parent == root else root / name
             taken = directory
             version = 0
-            while (directory / "adapter_config.json").exists() and str(directory) != rec.export_path:
-                version += 1  # another run's adapter (or one written after the checkpoint this run resumed from)
+            while ((directory / "adapter_config.json").exists() and not self._wrote(directory)
+                   and str(directory) != rec.export_path):
+                version += 1  # another run's adapter
                 directory = root / f"{name}-v{version}"
             if version:
-                warnings.warn(f"adapter {name!r}: {taken} holds an adapter this run did not write (another run's, or "
-                              f"one written after the checkpoint this run resumed from); it is kept, and this one is "
-                              f"written to {directory} (give each new run its own `export_dir`)")
+                warnings.warn(f"adapter {name!r}: {taken} holds an adapter this run did not write (another run's); "
+                              f"it is kept, and this one is written to {directory} (give each new run its own "
+                              "`export_dir`)")
         else:
             directory = Path(directory)
         base = getattr(getattr(self.lora_layers.model, "config", None), "name_or_path", None)
@@ -295,8 +301,14 @@ class MultiLoRAMixin:
                                  self.lora_layers.peft_state_dict(name),
                                  peft_target_modules(layers, self._all_module_names), base or None)
         if own_folder:
+            (path / _RUN_STAMP).write_text(self._run_id)
             rec.export_path = str(path)
         return path
+
+    def _wrote(self, directory: Path) -> bool:
+        """Whether this run (or one it resumed from) wrote the export in ``directory``."""
+        stamp = directory / _RUN_STAMP
+        return stamp.is_file() and stamp.read_text().strip() == self._run_id
 
     def packing_roster(self) -> list[AdapterSpec]:
         """Specs of the adapters in the next packed batch (running, in registry order; under adapter
@@ -556,6 +568,9 @@ class MultiLoRAMixin:
     @override
     def configure_optimizers(self):
         self._not_loaded = set()  # (Lightning has loaded a resumed checkpoint's weights by now)
+        placement = self._placement()
+        if placement is not None:  # one run id on every rank (each stamps the exports it writes): rank 0's
+            self._run_id = placement.decide_on_rank_zero(lambda: self._run_id)
         if self._resume_checkpoint is not None and self._placement() is not None:
             # A checkpoint is written by a callback's on_train_batch_end, before the module's: under adapter
             # parallelism the step's exchange and its finished adapters were not settled in it. Settle them now,
@@ -932,6 +947,7 @@ class MultiLoRAMixin:
             "exited_since_sync": list(self._exited_since_sync),
             # each adapter's dropout step (its masks come from its seed and this step)
             "dropout_steps": self.lora_layers.dropout_steps(),
+            "run_id": self._run_id,
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -992,6 +1008,7 @@ class MultiLoRAMixin:
             raise ValueError(f"checkpoint lacks adapter weights {sorted(missing)[:4]}...: the adapters' layers differ "
                              "from the checkpoint's; resume with the `target_modules` (the module's, and each "
                              "AdapterSpec's) the checkpoint was trained with")
+        self._run_id = state.get("run_id", self._run_id)
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])

@@ -525,7 +525,7 @@ def test_an_export_where_another_runs_adapter_is_goes_beside_it(tmp_path, traine
         first = exported(fit(1), "best")
     assert not [w for w in quiet if "did not write" in str(w.message)]  # (a run's own export: no warning)
     with pytest.warns(UserWarning, match=r"adapter 'best': .*adapters/best holds an adapter this run did not write "
-                                         r"\(another run's, .*; it is kept, and this one is written to "
+                                         r"\(another run's\); it is kept, and this one is written to "
                                          r".*adapters/best-v1 \(give each new run its own"):
         second_module = fit(2, max_steps=1)  # stopped while "best" runs: exported, still held
     assert second_module.registry["best"].export_path == str(tmp_path / "adapters" / "best-v1")
@@ -633,3 +633,28 @@ def test_a_checkpoint_written_after_best_weights_are_exported_resumes_as_if_neve
     _, resumed = fit(tmp_path / "part", ckpt=str(tmp_path / "mid.ckpt"))
     assert [s for s, _ in resumed.registry["r1"].val_losses] == [5, 10, 12]
     assert resumed.registry["r1"].val_losses == uninterrupted.registry["r1"].val_losses
+
+
+def test_a_resumed_run_writes_over_its_own_exports_only(tmp_path, trainer_kwargs):
+    """Exports carry their run's id (kept in checkpoints): a run resumed from an earlier checkpoint writes over the
+    exports its crashed run made after that checkpoint (its own lineage: no `-v1`), while a new run beside them does
+    not."""
+    spec = AdapterSpec("a", rank=2, batch_size=2, max_steps=8, lr=1e-2)
+    export_dir = str(tmp_path / "e")
+
+    def fit(max_steps=-1, ckpt=None):
+        module = MultiLoRAModule("tiny-llama", adapters=[spec], export_dir=export_dir, validate_on_finish=False)
+        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": max_steps})
+        trainer.fit(module, small_dm(), ckpt_path=ckpt)
+        return trainer, module
+
+    trainer, _ = fit(max_steps=2)
+    trainer.save_checkpoint(tmp_path / "early.ckpt")  # before any export of "a" is recorded
+    _, stopped = fit(max_steps=5, ckpt=str(tmp_path / "early.ckpt"))  # exports a at step 5 (a stand-in for a crash)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, resumed = fit(ckpt=str(tmp_path / "early.ckpt"))  # the same lineage as the step-5 export
+    assert not [w for w in caught if "did not write" in str(w.message)]
+    assert resumed.registry["a"].export_path == str(tmp_path / "e" / "a")
+    _, other = fit()  # a new run
+    assert other.registry["a"].export_path == str(tmp_path / "e" / "a-v1")
