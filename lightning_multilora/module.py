@@ -1230,6 +1230,12 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         is no adapter of this module raises (its rows would get the base's output)."""
         if layout is not None:
             unknown = sorted(set(layout.names) - set(self.lora_layers.adapter_names))
+            gone = [n for n in unknown if n in self.registry]
+            if gone:  # (an adapter that has exited: its weights are in its export)
+                rec = self.registry[gone[0]]
+                raise KeyError(f"`layout` names {gone[0]!r}, which holds no weights ({rec.state.value}); it was "
+                               f"exported to {rec.export_path} (load it with PEFT); adapters holding weights: "
+                               f"{self.lora_layers.adapter_names}")
             if unknown:
                 raise KeyError(f"`layout` names {unknown}: no adapter of this module; adapters: "
                                f"{self.lora_layers.adapter_names}")

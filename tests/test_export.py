@@ -77,5 +77,9 @@ def test_save_adapter_on_demand_mid_fit(tmp_path, trainer_kwargs):
     assert (saved["path"] / "adapter_model.safetensors").is_file()
     assert (tmp_path / "final" / "x" / "adapter_config.json").is_file()
     assert module.registry["x"].export_path == str(tmp_path / "final" / "x")  # the snapshot is the caller's copy
+    ids = torch.randint(0, 258, (1, 5))
+    with pytest.raises(KeyError, match=r"`layout` names 'x', which holds no weights \(finished\); it was exported to "
+                                       r".*final/x \(load it with PEFT\)"):
+        module(ids, layout=BatchLayout.from_sizes(["x"], [1]))
     with pytest.raises(ValueError, match="holds no weights"):
         module.save_adapter("x")
