@@ -102,8 +102,9 @@ class OptunaSweep(Callback):
     Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values;
     a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one stopped for overfitting
     (its best-validation weights are what it exports), COMPLETE with its best validation loss; a failure
-    FAIL. An exhausted grid ends the sweep cleanly. A resumed run keeps its trials'
-    numbers (no trial lost or duplicated).
+    FAIL. An exhausted grid ends the sweep cleanly. A resumed run keeps its trials' numbers, and takes up the
+    trials its earlier run asked after the checkpoint and left RUNNING (a crash), in place of asking them again; one
+    that earlier run asked after the checkpoint and already told is asked (and trained) again.
 
     Under `AdapterParallelStrategy` the study is used from rank 0 alone: it asks the trials and broadcasts them
     (with its bookkeeping), so every rank queues the same adapters in the same order and places them alike; it
