@@ -234,16 +234,11 @@ def main() -> None:
     parser.add_argument("--rank-class-launches", type=int, default=None,
                         help="launches of the expand and of dX for ranks that differ (triton_lora.RANK_CLASS_LAUNCHES; "
                              "default: the package's)")
-    parser.add_argument("--row-rank-classes", type=int, choices=[0, 1], default=None,
-                        help="1: the shrink and dS launch per class of ranks as well; 0: once, with the whole rank tile "
-                             "(triton_lora.ROW_RANK_CLASSES; default: the package's)")
     args = parser.parse_args()
-    from lightning_multilora.kernels import triton_lora
-
     if args.rank_class_launches is not None:
+        from lightning_multilora.kernels import triton_lora
+
         triton_lora.RANK_CLASS_LAUNCHES = args.rank_class_launches
-    if args.row_rank_classes is not None:
-        triton_lora.ROW_RANK_CLASSES = bool(args.row_rank_classes)
     device = torch.device("cuda")
     lorafusion = None
     if args.lorafusion_src:
@@ -259,8 +254,6 @@ def main() -> None:
                   grads=args.grads)
     if args.rank_class_launches is not None:
         common["rank_class_launches"] = args.rank_class_launches
-    if args.row_rank_classes is not None:
-        common["row_rank_classes"] = args.row_rank_classes
     rows = []
     start = time.monotonic()
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES

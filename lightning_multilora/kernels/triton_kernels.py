@@ -136,22 +136,21 @@ def _dropout_scale(values, seed, p, tokens, cols, n_cols, row_tokens):
 
 
 @_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "ROW_BUCKET"],
-        restore_value=["OUT"], prune_configs_by={"early_config_prune": _stores_unless_fp32})
-@triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET", "ROW_TOKENS", "BLK_OFFSET"])
+        reset_to_zero=["OUT"], prune_configs_by={"early_config_prune": _stores_unless_fp32})
+@triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET", "ROW_TOKENS"])
 def _rows_times_weight(
     # pointers
     IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes (ROW_BUCKET, a bucket of the programs (`triton_lora._bucket`), only keys the tuning: a runtime value,
     # so every bucket shares the compiled kernels)
     K, R_CHUNKS, ROW_BUCKET, ROW_TOKENS,
-    BLK_OFFSET,  # the launch's first row block (a launch per class of ranks: `triton_lora.rank_classes`)
     # strides
     stride_in_m, stride_out_m,
     # meta-parameters
     W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    pid = tl.program_id(0) // R_CHUNKS + BLK_OFFSET
+    pid = tl.program_id(0) // R_CHUNKS
     r0 = (tl.program_id(0) % R_CHUNKS) * BLOCK_R
     split = tl.program_id(1)
     a = tl.load(BLK_ADAPTER + pid)

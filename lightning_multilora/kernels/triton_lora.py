@@ -754,12 +754,10 @@ NARROW_RANK_TILES = 2
 # expand + dX launches took, with 1 / 2 / 4 launches: 4096x4096 at 1024 tokens each 299 / 287 / 297 us, at 256 tokens
 # 79 / 80 / 89; 14336x4096 515 / 512 / 516 and 158 / 150 / 160. So 2: about 1% of the whole call, not the gap to r=64.
 RANK_CLASS_LAUNCHES = 2
-# True: the shrink and dS launch per class of ranks too (`_row_launch`); False: once, with the whole tile, every row
-# block's product as wide as the widest rank's. Measured on the H200 (32 adapters of ranks 8..128, 1024 tokens each,
-# 4096x4096, `benchmarks/kernels.py --row-rank-classes`): the two row launches took 177.5 us a step per class and
-# 173.7 us once, a forward + backward 0.663 and 0.655 ms. These launches stream their input (X, dY) and a wider
-# product costs them nothing measurable, so once.
-ROW_RANK_CLASSES = False
+# Measured and dropped: the shrink and dS launched per class of ranks too, each row block's product as wide as its
+# class's tile (H200, 32 adapters of ranks 8..128, 1024 tokens each, 4096x4096): the two row launches took 177.5 us a
+# step per class and 173.7 us once, a forward + backward 0.663 and 0.655 ms. They stream their input (X, dY); a
+# wider product costs them nothing measurable.
 
 
 def narrow_levels(block_r: int) -> int:
@@ -775,32 +773,19 @@ def _zero_if_split(out: Tensor):
 
 
 def _row_launch(call: _Call, full: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: bool, has_dropout: bool) -> None:
-    """``OUT[t, :r_i] = drop_i(FULL[t]) @ W_i``: the shrink (``W_i = A_i^T``) or dS (``W_i = B_i``), one launch per
-    class of ranks (`rank_classes`), as the expand and dX: a row block's product is as wide as its launch's rank
-    tile. Each launch is tuned on its own (K split and tiles, per bucket of its programs: row blocks x rank chunks).
-    A launch that splits K adds into ``OUT`` atomically: with one launch, ``OUT`` is zeroed just before it where it
-    splits (`_zero_if_split`); with several, once before them all where any may split (fp32 ``OUT``:
-    `_stores_unless_fp32`), since a later zeroing would wipe what the earlier launches stored (the tuning, likewise,
-    restores ``OUT`` rather than zeroing it)."""
+    """``OUT[t, :r_i] = drop_i(FULL[t]) @ W_i``: the shrink (``W_i = A_i^T``) or dS (``W_i = B_i``), one launch over
+    every row block and rank chunk at the whole rank tile; its K split (with its tiles) is tuned per bucket of
+    programs (row blocks x rank chunks). ``OUT`` is zeroed first where the launch splits K (`_zero_if_split`)."""
     sched, table, k = call.sched, call.table, full.shape[1]
-    classes = (rank_classes(sched, table) if ROW_RANK_CLASSES else
-               ((0, sched.num_blocks, table.block_r, 0, table.r_chunks > 1, 0),))
-    before = _zero_if_split(out)
-    if len(classes) > 1:
-        before = None
-        if out.element_size() == 4:
-            out.zero_()
-    for first, end, tile, _, multi_chunk, _ in classes:
-        chunks = table.r_chunks if multi_chunk else 1
-        programs = (end - first) * chunks
-        _rows_times_weight(
-            lambda meta, programs=programs: (programs, meta["SPLIT_K"]),
-            (full, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
-             table.ranks, table.ones, table.drop_p, call.seeds, k, chunks, _bucket(programs), call.row_tokens, first,
-             full.stride(0), out.stride(0)),
-            dict(W_IS_A=w_is_a, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
-                 BLOCK_M=BLOCK_M, BLOCK_R=tile, **_rows_meta(end - first, k, full.device)),
-            before)
+    programs = sched.num_blocks * table.r_chunks
+    _rows_times_weight(
+        lambda meta: (programs, meta["SPLIT_K"]),
+        (full, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
+         table.ranks, table.ones, table.drop_p, call.seeds, k, table.r_chunks, _bucket(programs), call.row_tokens,
+         full.stride(0), out.stride(0)),
+        dict(W_IS_A=w_is_a, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
+             BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, k, full.device)),
+        _zero_if_split(out))
 
 
 def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, int, int, bool, int], ...]:

@@ -203,17 +203,15 @@ def test_low_rank_activations_take_the_activation_dtype_where_every_launch_store
     recording = triton_lora._low_rank_buffer
     monkeypatch.setattr(triton_lora, "_low_rank_buffer", lambda *args, zero=False: recording(*args, zero=zero) if zero
                         else recording(*args).fill_(float("nan")))  # what an empty buffer may hold
-    for row_classes in (False, True):  # row launches that may split K: one, or one per class of ranks (40; 17)
-        monkeypatch.setattr(triton_lora, "ROW_RANK_CLASSES", row_classes)
-        check([40, 3, 17], half, False, torch.float32)
+    check([3, 40, 17], half, False, torch.float32)  # a row launch that may split K
     triton_lora.reset_rank_tiles()
 
 
-def test_every_low_rank_product_launches_once_per_class_of_ranks_with_the_narrower_tiles_of_the_last(monkeypatch):
+def test_the_expand_and_dx_launch_once_per_class_of_ranks_with_the_narrower_tiles_of_the_last(monkeypatch):
     """With ranks that differ, the expand and dX launch once per rank tile that the ranks need (the tile, its
     halvings; at most `RANK_CLASS_LAUNCHES`), the last with the narrower tiles (halvings, none below 16, at most
-    `NARROW_RANK_TILES`) compiled beside its own; the shrink and dS launch likewise, with the same tiles; every
-    split gives the same results."""
+    `NARROW_RANK_TILES`) compiled beside its own; the shrink and dS launch once, with the whole tile; every split
+    gives the same results."""
     from lightning_multilora.kernels import triton_lora
     from lightning_multilora.kernels.triton_lora import narrow_levels
 
@@ -225,13 +223,12 @@ def test_every_low_rank_product_launches_once_per_class_of_ranks_with_the_narrow
         seen.setdefault(meta["W_IS_A"], []).append((meta["BLOCK_R"], meta["NARROW"]))
         return launcher(grid, args, meta, *rest)
 
-    def record_rows(grid, args, meta, *rest):  # the shrink and dS: the same classes, no narrower tiles
+    def record_rows(grid, args, meta, *rest):  # the shrink and dS
         rows.setdefault(meta["W_IS_A"], []).append(meta["BLOCK_R"])
         return rows_launcher(grid, args, meta, *rest)
 
     monkeypatch.setattr(triton_lora, "_rank_times_weight", record)
     monkeypatch.setattr(triton_lora, "_rows_times_weight", record_rows)
-    monkeypatch.setattr(triton_lora, "ROW_RANK_CLASSES", True)  # (the default: one row launch, below)
     x, base, w = problem([70, 64, 33, 5, 128], [100, 5, 40, 20, 0], d_in=48, d_out=72, dtype=torch.float32, seed=32)
     grad_out = torch.randn_like(base)
     results = {}
@@ -244,12 +241,7 @@ def test_every_low_rank_product_launches_once_per_class_of_ranks_with_the_narrow
         rows.clear()
         results[launches, narrow] = run(multi_lora_triton, x, base, w, False, grad_out)
         assert seen == {False: expected, True: expected}, (launches, narrow)  # the expand, dX
-        assert rows == {True: [t for t, _ in expected], False: [t for t, _ in expected]}
-    monkeypatch.setattr(triton_lora, "ROW_RANK_CLASSES", False)  # one row launch, with the whole tile
-    rows.clear()
-    results["one row launch"] = run(multi_lora_triton, x, base, w, False, grad_out)
-    assert rows == {True: [128], False: [128]}
-    monkeypatch.setattr(triton_lora, "ROW_RANK_CLASSES", True)
+        assert rows == {True: [128], False: [128]}  # one row launch each, with the whole tile
     y, grads = results[1, 2]
     for other, other_grads in list(results.values())[1:]:
         for a, b in zip([y, *grads], [other, *other_grads]):
@@ -269,7 +261,8 @@ def test_every_low_rank_product_launches_once_per_class_of_ranks_with_the_narrow
         rows.clear()
         y, grads = run(multi_lora_triton, x, base, w, False, grad_out := torch.randn_like(base))
         assert seen == {False: expected, True: expected}, ranks
-        assert rows == {True: [t for t, _ in expected], False: [t for t, _ in expected]}
+        tile = triton_lora.pointer_table(w, x.device).block_r
+        assert rows == {True: [tile], False: [tile]}
         y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
         for a, b in zip([y, *grads], [y_ref, *grads_ref]):
             assert rel(a, b) < 1e-5, ranks
