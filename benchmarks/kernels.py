@@ -234,11 +234,23 @@ def main() -> None:
     parser.add_argument("--rank-class-launches", type=int, default=None,
                         help="launches of the expand and of dX for ranks that differ (triton_lora.RANK_CLASS_LAUNCHES; "
                              "default: the package's)")
+    parser.add_argument("--hold-w", choices=["tuned", "on", "off"], default="tuned",
+                        help="the expand / dX candidates that hold a weight tile and walk rows (HOLD_W): tuned with "
+                             "the others (default), alone, or left out")
+    parser.add_argument("--wide-rows", type=int, default=None,
+                        help="row blocks a HOLD_W program walks (triton_lora.WIDE_ROWS; default: the package's)")
     args = parser.parse_args()
-    if args.rank_class_launches is not None:
-        from lightning_multilora.kernels import triton_lora
+    from lightning_multilora.kernels import triton_lora
 
+    if args.rank_class_launches is not None:
         triton_lora.RANK_CLASS_LAUNCHES = args.rank_class_launches
+    if args.wide_rows is not None:
+        triton_lora.WIDE_ROWS = args.wide_rows
+    if args.hold_w != "tuned":
+        from lightning_multilora.kernels import triton_kernels
+
+        tuner = triton_kernels._rank_times_weight
+        tuner.configs = [c for c in tuner.configs if c.kwargs["HOLD_W"] == (args.hold_w == "on")]
     device = torch.device("cuda")
     lorafusion = None
     if args.lorafusion_src:
@@ -254,6 +266,8 @@ def main() -> None:
                   grads=args.grads)
     if args.rank_class_launches is not None:
         common["rank_class_launches"] = args.rank_class_launches
+    if args.wide_rows is not None or args.hold_w != "tuned":
+        common.update(wide_rows=args.wide_rows, hold_w=args.hold_w)
     rows = []
     start = time.monotonic()
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES

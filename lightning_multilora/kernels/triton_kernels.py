@@ -22,7 +22,9 @@ The four kernels:
   kernel also holds copies of that loop for tiles of half (and a quarter of) ``BLOCK_R``, and a program whose
   adapter's rank fits one runs it: with ranks 8..128 (a 128 tile) an adapter of rank 8 no longer multiplies and
   holds 128 rank columns (`triton_lora.NARROW_RANK_TILES`). ``PREFETCH``: each step of that loop loads the next
-  block's ``Y`` tile, so a read of ``Y`` is in flight while a block multiplies and stores.
+  block's ``Y`` tile, so a read of ``Y`` is in flight while a block multiplies and stores. ``HOLD_W`` (tuning
+  candidates beside the others): a program instead holds one weight tile of ``BLOCK_N`` columns and walks a tall
+  block of its adapter's rows (`_rank_rows`), so the tile it re-reads per step is the low-rank one.
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = s dS^T drop(X)``)
   or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
@@ -59,7 +61,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Fixed tiles for the interpreter; on the GPU the tiles below are autotuned per shape.
 DEFAULT_META = {
     "rows": dict(BLOCK_K=64),  # SPLIT_K: `triton_lora._split_k`
-    "rank": dict(BLOCK_N=64, N_PER=128, PREFETCH=True),
+    "rank": dict(BLOCK_N=64, N_PER=128, PREFETCH=True, HOLD_W=False),
     "grad": dict(BLOCK_K=64, BLOCK_T=64),
 }
 
@@ -93,12 +95,22 @@ _ROWS_CONFIGS = [triton.Config({"BLOCK_K": k, "SPLIT_K": sp}, num_warps=w, num_s
 # unrolled candidates' shapes (fewer rows, r=16). In `benchmarks/kernels.py --ns 32` (36 points, 34 tuning keys) 12
 # of these were chosen somewhere; the others are kept for other row counts.
 # PREFETCH (Y a column block ahead, `_rank_columns`) in every candidate that pipelines its loop (num_stages > 1).
-_RANK_CONFIGS = [triton.Config({"BLOCK_N": n, "N_PER": per, "PREFETCH": st > 1}, num_warps=w, num_stages=st)
+_RANK_CONFIGS = [triton.Config({"BLOCK_N": n, "N_PER": per, "PREFETCH": st > 1, "HOLD_W": False}, num_warps=w,
+                                num_stages=st)
                  for n, per, w, st in ((128, 16384, 8, 3), (128, 16384, 4, 3), (256, 16384, 8, 3), (64, 16384, 4, 3),
                                        (128, 2048, 4, 3), (128, 2048, 8, 3), (128, 512, 4, 3), (64, 512, 4, 3),
                                        (64, 64, 4, 1), (128, 128, 4, 1), (256, 256, 8, 1), (128, 128, 8, 1),
                                        (64, 64, 4, 2), (128, 128, 8, 3), (64, 256, 4, 1), (128, 256, 4, 1),
                                        (128, 512, 8, 1), (256, 512, 8, 1))]
+# HOLD_W: a program holds one (rank x BLOCK_N) weight tile and walks a tall block of its adapter's rows (the
+# schedule's `wide` blocks, ROWS_PER rows), reading a (BLOCK_M x rank) low-rank tile per step: the tile re-read from
+# L2 per BLOCK_M x BLOCK_N of output is then r x BLOCK_M (the low-rank rows) instead of r x BLOCK_N (the weights),
+# which at rank tiles of 64 and 128 was as many bytes as the output or twice as many. On the H200, 32 adapters x 1024
+# tokens, 4096x4096, the tuner took them for most keys: the expand + dX a forward + backward 245.9 -> 238.6 us at r=64,
+# 283.3 -> 278.0 at ranks 8..128, 340.5 -> 326.8 at r=128 (a step 1-2% faster; `benchmarks/results/kernels_h200.md`).
+_RANK_CONFIGS += [triton.Config({"BLOCK_N": n, "N_PER": n, "PREFETCH": True, "HOLD_W": True}, num_warps=w,
+                                num_stages=st)
+                  for n, w, st in ((128, 4, 3), (128, 8, 3), (256, 8, 3), (256, 8, 2), (64, 4, 3))]
 # (256, 64, 8 warps): on the H200, 32 adapters x 256 tokens at r=16, the dB + dS launch took 34.1 us at K=4096 (38.2
 # with the best of the others) and 106 us at K=14336 (121).
 # (256, 32, 4 warps) and (128, 32, 4): the best of a sweep (BLOCK_T 32-128, BLOCK_K 64-256, 4/8 warps, 2-4 stages) on the
@@ -200,6 +212,39 @@ def _rows_times_weight(
 
 
 @triton.jit
+def _rank_tile(low, wt, y_cur, R, w, y_ptrs, a, offs_m, mask_m, offs_n, mask_n, r, coef, after, DROP_P, SEEDS,
+               SEG_START, ROW_TOKENS, N, stride_r_m, stride_wr, stride_wn, ACCUMULATE: tl.constexpr,
+               HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, BLOCK_R: tl.constexpr,
+               MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, PREFETCH: tl.constexpr):
+    """One (BLOCK_M x BLOCK_N) output tile of `_rank_times_weight`: ``low @ wt`` (the first rank chunk, in the dot
+    dtype, the scaling in one of them) plus the further chunks, ``after`` (fp16), the dropout mask, ``Y`` added
+    (``y_cur``, the tile loaded ahead with ``PREFETCH``), stored."""
+    dot_dtype = wt.dtype
+    acc = tl.dot(low, wt, input_precision=DOT_PRECISION)
+    if MULTI_CHUNK:  # ranks beyond one chunk (compiled only for them: even an empty loop slows the kernel)
+        for r0 in range(BLOCK_R, r, BLOCK_R):
+            offs_c = r0 + tl.arange(0, BLOCK_R)
+            mask_c = offs_c < r
+            more = tl.load(R + offs_m[:, None] * stride_r_m + offs_c[None, :],
+                           mask=mask_m[:, None] & mask_c[None, :], other=0.0)
+            wc = tl.load(w + offs_c[:, None] * stride_wr + offs_n[None, :] * stride_wn,
+                         mask=mask_c[:, None] & mask_n[None, :], other=0.0)
+            acc += tl.dot((more * coef).to(dot_dtype), wc.to(dot_dtype), input_precision=DOT_PRECISION)
+    if SCALE_PRODUCT:
+        acc = acc * after
+    if HAS_DROPOUT:
+        acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m - tl.load(SEG_START + a), offs_n,
+                             N, ROW_TOKENS)
+    mask = mask_m[:, None] & mask_n[None, :]
+    if ACCUMULATE:
+        if PREFETCH:
+            acc += y_cur.to(tl.float32)
+        else:
+            acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
+
+
+@triton.jit
 def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
                   stride_y_m, W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -224,6 +269,7 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
     # SCALE_PRODUCT (fp16 outputs): the tile takes min(s, 1) and the fp32 product max(s, 1), so the fp16 tile is
     # never larger than the unscaled or the scaled one (either may leave fp16's range where the result does not).
     coef = tl.load(COEF + a)
+    after = 1.0
     if SCALE_PRODUCT:
         after = tl.maximum(coef, 1.0)
         coef = tl.minimum(coef, 1.0)
@@ -249,57 +295,114 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
+        y_cur = 0.0
         if ACCUMULATE and PREFETCH:  # this block's Y was loaded a step ago; the next block's goes out now
             y_cur = y_next
             y_next = tl.load(y_ptrs + BLOCK_N, mask=mask_m[:, None] & ((offs_n + BLOCK_N) < n_hi)[None, :], other=0.0)
         wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
                      mask=mask_r[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(low, wt.to(dot_dtype), input_precision=DOT_PRECISION)
-        if MULTI_CHUNK:  # ranks beyond one chunk (compiled only for them: even an empty loop slows the kernel)
-            for r0 in range(BLOCK_R, r, BLOCK_R):
-                offs_c = r0 + tl.arange(0, BLOCK_R)
-                mask_c = offs_c < r
-                more = tl.load(R + offs_m[:, None] * stride_r_m + offs_c[None, :],
-                               mask=mask_m[:, None] & mask_c[None, :], other=0.0)
-                wc = tl.load(w + offs_c[:, None] * stride_wr + offs_n[None, :] * stride_wn,
-                             mask=mask_c[:, None] & mask_n[None, :], other=0.0)
-                acc += tl.dot((more * coef).to(dot_dtype), wc.to(dot_dtype), input_precision=DOT_PRECISION)
+        _rank_tile(low, wt.to(dot_dtype), y_cur, R, w, y_ptrs, a, offs_m, mask_m, offs_n, mask_n, r, coef, after,
+                   DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m, stride_wr, stride_wn, ACCUMULATE, HAS_DROPOUT,
+                   DOT_PRECISION, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT, PREFETCH)
+
+
+@triton.jit
+def _rank_rows(R, w, Y, a, m_lo, m_hi, r, n0, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
+               stride_y_m, W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+               MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, PREFETCH: tl.constexpr):
+    """`_rank_times_weight`'s work (``HOLD_W``) for rows ``[m_lo, m_hi)`` of one adapter and the ``BLOCK_N``
+    columns from ``n0``: the first rank chunk's weight tile is loaded (and scaled) once, the rows walked in
+    ``BLOCK_M`` steps, each reading its low-rank tile (and, with ``PREFETCH``, the next step's ``Y`` tile ahead)."""
+    if W_IS_A:  # W = A: element (j, n) is A[j, n], A row-major (r, N)
+        stride_wr = N
+        stride_wn = 1
+    else:  # W = B^T: element (j, n) is B[n, j], B row-major (N, r)
+        stride_wr = 1
+        stride_wn = r
+    dot_dtype = Y.dtype.element_ty
+    coef = tl.load(COEF + a)
+    after = 1.0
+    if SCALE_PRODUCT:  # (as in `_rank_columns`: the low-rank tile takes min(s, 1), the product max(s, 1))
+        after = tl.maximum(coef, 1.0)
+        coef = tl.minimum(coef, 1.0)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < r
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    wt = tl.load(w + offs_r[:, None] * stride_wr + offs_n[None, :] * stride_wn,
+                 mask=mask_r[:, None] & mask_n[None, :], other=0.0)
+    if not SCALE_PRODUCT:  # scaled once here; fp16 scales each low-rank tile (an unscaled one may leave fp16's range)
+        wt = wt * coef
+    wt = wt.to(dot_dtype)
+    if ACCUMULATE and PREFETCH:  # the first row block's Y tile
+        offs_m = m_lo + tl.arange(0, BLOCK_M)
+        y_next = tl.load(Y + offs_m[:, None] * stride_y_m + offs_n[None, :],
+                         mask=(offs_m < m_hi)[:, None] & mask_n[None, :], other=0.0)
+    for m0 in range(m_lo, m_hi, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mask_m = offs_m < m_hi
+        y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
+        y_cur = 0.0
+        if ACCUMULATE and PREFETCH:  # this block's Y was loaded a step ago; the next block's goes out now
+            y_cur = y_next
+            y_next = tl.load(y_ptrs + BLOCK_M * stride_y_m,
+                             mask=((offs_m + BLOCK_M) < m_hi)[:, None] & mask_n[None, :], other=0.0)
+        low = tl.load(R + offs_m[:, None] * stride_r_m + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
+                      other=0.0)
         if SCALE_PRODUCT:
-            acc = acc * after
-        if HAS_DROPOUT:
-            acc = _dropout_scale(acc, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m - tl.load(SEG_START + a), offs_n,
-                                 N, ROW_TOKENS)
-        mask = mask_m[:, None] & mask_n[None, :]
-        if ACCUMULATE:
-            if PREFETCH:
-                acc += y_cur.to(tl.float32)
-            else:
-                acc += tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, acc.to(dot_dtype), mask=mask)
+            low = low * coef
+        # (further rank chunks: their tiles read each step)
+        _rank_tile(low.to(dot_dtype), wt, y_cur, R, w, y_ptrs, a, offs_m, mask_m, offs_n, mask_n, r, coef, after,
+                   DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m, stride_wr, stride_wn, ACCUMULATE, HAS_DROPOUT,
+                   DOT_PRECISION, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT, PREFETCH)
+
+
+@triton.jit
+def _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
+                  stride_y_m, W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+                  MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, N_PER: tl.constexpr,
+                  PREFETCH: tl.constexpr, HOLD_W: tl.constexpr, ROWS_PER: tl.constexpr):
+    if HOLD_W:
+        _rank_rows(R, w, Y, a, m0, tl.minimum(m0 + ROWS_PER, end), r, pid_n * BLOCK_N, COEF, DROP_P, SEEDS,
+                   SEG_START, ROW_TOKENS, N, stride_r_m, stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION,
+                   BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT, PREFETCH)
+    else:
+        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
+                      stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R,
+                      MULTI_CHUNK, SCALE_PRODUCT, N_PER, PREFETCH)
 
 
 @_tuned(_RANK_CONFIGS, key=["N", "BLOCK_M", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
-                            "SCALE_PRODUCT", "W_ALIGNED", "NARROW", "ROW_BUCKET"], restore_value=["Y"])
-@triton.jit(do_not_specialize=["ROW_BUCKET", "ROW_TOKENS", "BLK_OFFSET"])
+                            "SCALE_PRODUCT", "W_ALIGNED", "NARROW", "ROW_BUCKET", "ROWS_PER"], restore_value=["Y"])
+@triton.jit(do_not_specialize=["ROW_BUCKET", "ROW_TOKENS", "BLK_OFFSET", "WIDE_OFFSET"])
 def _rank_times_weight(
-    # pointers
-    R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
+    # pointers (WIDE_ADAPTER, WIDE_START: the schedule's tall blocks of ROWS_PER rows, the ones HOLD_W walks)
+    R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, WIDE_ADAPTER, WIDE_START, SEG_START, SEG_END, RANKS, COEF,
+    DROP_P, SEEDS,
     # sizes (ROW_BUCKET, a bucket of the row blocks, only keys the tuning: how many columns a program
     # should take depends on how many row blocks there are to fill the GPU with)
     N, ROW_BUCKET, ROW_TOKENS,
     BLK_OFFSET,  # the launch's first row block (a launch per class of ranks: `triton_lora.rank_classes`)
+    WIDE_OFFSET,  # its first tall block
     # strides
     stride_r_m, stride_y_m,
     # meta-parameters
     W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_CHUNK: tl.constexpr,
     SCALE_PRODUCT: tl.constexpr, W_ALIGNED: tl.constexpr, N_PER: tl.constexpr, NARROW: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, HOLD_W: tl.constexpr, ROWS_PER: tl.constexpr,
 ):
-    pid = tl.program_id(0) + BLK_OFFSET
     pid_n = tl.program_id(1)
-    a = tl.load(BLK_ADAPTER + pid)
-    m0 = tl.load(BLK_START + pid)
+    if HOLD_W:
+        pid = tl.program_id(0) + WIDE_OFFSET
+        a = tl.load(WIDE_ADAPTER + pid)
+        m0 = tl.load(WIDE_START + pid)
+    else:
+        pid = tl.program_id(0) + BLK_OFFSET
+        a = tl.load(BLK_ADAPTER + pid)
+        m0 = tl.load(BLK_START + pid)
     end = tl.load(SEG_END + a)
     r = tl.load(RANKS + a)
     w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
@@ -309,17 +412,17 @@ def _rank_times_weight(
     # NARROW: an adapter whose rank fits a quarter (half) of the tile runs a tile of that width (see the module text);
     # the widths a launch does not compile are constexpr-false conditions, dropped with their calls
     if NARROW >= 2 and r <= BLOCK_R // 4:
-        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
-                      stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 4, False, SCALE_PRODUCT,
-                      N_PER, PREFETCH)
+        _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
+                      stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 4, False,
+                      SCALE_PRODUCT, N_PER, PREFETCH, HOLD_W, ROWS_PER)
     elif NARROW >= 1 and r <= BLOCK_R // 2:
-        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
-                      stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 2, False, SCALE_PRODUCT,
-                      N_PER, PREFETCH)
+        _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
+                      stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 2, False,
+                      SCALE_PRODUCT, N_PER, PREFETCH, HOLD_W, ROWS_PER)
     else:
-        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
-                      stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT,
-                      N_PER, PREFETCH)
+        _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
+                      stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R,
+                      MULTI_CHUNK, SCALE_PRODUCT, N_PER, PREFETCH, HOLD_W, ROWS_PER)
 
 
 @_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "ADD_TO_G", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS",

@@ -22,6 +22,11 @@ from lightning_multilora.kernels.weights import STREAM_SEED_MOD, STREAM_STEP_MIX
 
 _ONE_ROW = 1 << 30  # a dropout row length that makes every adapter's tokens one row
 BLOCK_M = 64  # rows per program in the row-blocked kernels (the schedule's block); other tiles are tuned
+# The schedule's tall blocks, WIDE_ROWS x BLOCK_M rows of one adapter (`Schedule.wide_adapter`): the expand / dX
+# candidates that hold a weight tile walk one (``HOLD_W``, `triton_kernels._rank_rows`). (Measured and dropped: the
+# widest class of ranks launched with BLOCK_M 128; on the H200 at r=128 its dX got faster, its expand slower, and
+# ranks 8..128 gained nothing: 0.656 -> 0.659 ms a forward + backward.)
+WIDE_ROWS = 4
 _CACHE_SIZE = 256
 
 
@@ -97,6 +102,11 @@ class Schedule:
     token_bucket: int  # the weight-gradient launches' other one: `_bucket` of max_tokens
     # ranks that differ: (rank, first row block) of each run of one rank in the row blocks, largest rank first
     rank_runs: tuple[tuple[int, int], ...] = ()
+    # the same row blocks, `WIDE_ROWS` times as tall (each adapter's rows from its first, in the same adapter order),
+    # and for each row block that starts an adapter (and for num_blocks) the index of its tall block there
+    wide_adapter: Optional[Tensor] = None
+    wide_start: Optional[Tensor] = None
+    wide_index: dict = field(default_factory=dict, compare=False)
     classes: dict = field(default_factory=dict, compare=False)  # `rank_classes`' launches, by rank tile (and switch)
 
 
@@ -119,27 +129,35 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
     def make() -> Schedule:
         n = len(starts)
         by_rank = range(n) if ranks is None else sorted(range(n), key=lambda i: -ranks[i])
-        adapters, firsts = [], []
+        adapters, firsts, wide_adapters, wide_firsts, wide_index = [], [], [], [], {}
         for i in by_rank:
+            wide_index[len(adapters)] = len(wide_adapters)
             for m in range(starts[i], ends[i], BLOCK_M):
                 adapters.append(i)
                 firsts.append(m)
+            for m in range(starts[i], ends[i], BLOCK_M * WIDE_ROWS):
+                wide_adapters.append(i)
+                wide_firsts.append(m)
+        wide_index[len(adapters)] = len(wide_adapters)
         last_read = {a: -pos for pos, a in enumerate(by_rank)}  # ties: the row launches' last adapters first
         by_tokens = sorted(range(n), key=lambda i: (starts[i] - ends[i], last_read[i]))
-        host = torch.tensor([adapters, firsts], dtype=torch.int32).reshape(2, -1)
+        nb, nw = len(adapters), len(wide_adapters)
+        host = torch.zeros(4, nb, dtype=torch.int32)  # (nw <= nb; each row of the upload starts on 16 bytes)
+        for row, values in enumerate((adapters, firsts, wide_adapters, wide_firsts)):
+            host[row, :len(values)] = torch.tensor(values, dtype=torch.int32)
         segs = torch.tensor([starts, ends, by_tokens], dtype=torch.int32).reshape(3, -1)
         # the segments tile [0, num_rows) exactly: every row is one adapter's
         bounds = [0] + [edge for span in sorted(zip(starts, ends)) for edge in span] + [num_rows]
         covered = all(a == b for a, b in zip(bounds[::2], bounds[1::2]))
-        nb, max_tokens = len(adapters), max((e - s for s, e in zip(starts, ends)), default=0)
+        max_tokens = max((e - s for s, e in zip(starts, ends)), default=0)
         runs = () if ranks is None else tuple(_runs(adapters, ranks))
         host, segs = _upload_rows(host, device), _upload_rows(segs, device)
         return Schedule(host[0, :nb], host[1, :nb], segs[0, :n], segs[1, :n], segs[2, :n], nb, covered,
-                        max_tokens, _bucket(nb), _bucket(max_tokens), runs)
+                        max_tokens, _bucket(nb), _bucket(max_tokens), runs, host[2, :nw], host[3, :nw], wide_index)
 
     if ranks is not None and len(set(ranks)) == 1:
         ranks = None  # one rank: the segment order (and the cached tables of the layout)
-    return _schedules.get_or_make((starts, ends, num_rows, str(device), ranks), make)
+    return _schedules.get_or_make((starts, ends, num_rows, str(device), ranks, WIDE_ROWS), make)
 
 
 def _runs(adapters: list[int], ranks: tuple[int, ...]) -> Iterator[tuple[int, int]]:
@@ -820,13 +838,15 @@ def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
     one launch per class of ranks (`rank_classes`)."""
     sched, table, width = call.sched, call.table, out.shape[1]
     for first, end, tile, narrow, multi_chunk, bucket in rank_classes(sched, table):
+        wide_first, wide_end = sched.wide_index[first], sched.wide_index[end]
         _rank_times_weight(
-            lambda meta, blocks=end - first: (blocks, _cdiv(width, meta["N_PER"])),
-            (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
-             table.ranks, table.scaling, table.drop_p, call.seeds, width, bucket, call.row_tokens, first,
-             low.stride(0), out.stride(0)),
+            lambda meta, blocks=end - first, tall=wide_end - wide_first:
+                (tall, _cdiv(width, meta["BLOCK_N"])) if meta["HOLD_W"] else (blocks, _cdiv(width, meta["N_PER"])),
+            (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.wide_adapter,
+             sched.wide_start, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p, call.seeds,
+             width, bucket, call.row_tokens, first, wide_first, low.stride(0), out.stride(0)),
             dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
-                 BLOCK_M=BLOCK_M, BLOCK_R=tile, MULTI_CHUNK=multi_chunk, NARROW=narrow,
+                 BLOCK_M=BLOCK_M, ROWS_PER=BLOCK_M * WIDE_ROWS, BLOCK_R=tile, MULTI_CHUNK=multi_chunk, NARROW=narrow,
                  SCALE_PRODUCT=out.dtype == torch.float16, W_ALIGNED=call.w_aligned, **_meta("rank")))
 
 

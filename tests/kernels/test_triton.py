@@ -277,6 +277,59 @@ def test_the_expand_and_dx_launch_once_per_class_of_ranks_with_the_narrower_tile
     triton_lora.reset_rank_tiles()
 
 
+@pytest.mark.parametrize("dtype, dropout", [(torch.float32, False), (torch.float32, True), (torch.float16, False)])
+def test_expand_and_dx_programs_that_hold_a_weight_tile_walk_tall_row_blocks(monkeypatch, dtype, dropout):
+    """``HOLD_W``: an expand / dX program holds one weight tile and walks a tall block of its adapter's rows
+    (`WIDE_ROWS` row blocks, the last one cut at the segment's end); every rank class, narrow tiles, ranks of several
+    chunks, dropout masks and fp16's scaling give what the row-block programs give, and the reference's results."""
+    if DEVICE == "cuda":
+        pytest.skip("the interpreter's fixed tiles are forced here; on the GPU the tuner picks (every candidate: "
+                    "test_every_expand_tuning_candidate_gives_the_reference)")
+    from lightning_multilora.kernels import triton_kernels as K
+    from lightning_multilora.kernels import triton_lora
+
+    launcher, seen = triton_lora._rank_times_weight, []
+
+    def record(grid, args, meta, *rest):
+        full = dict(K.DEFAULT_META["rank"], **meta)
+        seen.append((meta["BLOCK_R"], full["HOLD_W"], grid(full)))
+        return launcher(grid, args, meta, *rest)
+
+    monkeypatch.setattr(triton_lora, "_rank_times_weight", record)
+    monkeypatch.setattr(triton_lora, "RANK_CLASS_LAUNCHES", 2)
+    monkeypatch.setattr(triton_lora, "WIDE_ROWS", 2)  # 128-row tall blocks
+    # ranks 128, 100 (the 128 class: 40 and 200 rows, 1 + 4 row blocks, 1 + 2 tall ones), then 64, 5 and 33
+    x, base, w = problem([5, 128, 64, 33, 100], [100, 40, 70, 0, 200], d_in=48, d_out=72, dtype=dtype, seed=34,
+                         dropout=[0.2, 0.0, 0.3, 0.1, 0.5] if dropout else None)
+    grad_out = torch.randn_like(base)
+    results = {}
+    # (the expand's 72 columns: two 64-wide blocks for a HOLD_W program; dX's 48: one)
+    for hold, expected in [(False, [(128, False, (5, 1)), (64, False, (4, 1))] * 2),
+                           (True, [(128, True, (3, 2)), (64, True, (2, 2)), (128, True, (3, 1)), (64, True, (2, 1))])]:
+        monkeypatch.setitem(K.DEFAULT_META, "rank", dict(K.DEFAULT_META["rank"], HOLD_W=hold))
+        triton_lora.reset_rank_tiles()
+        seen.clear()
+        torch.manual_seed(0)
+        results[hold] = run(multi_lora_triton, x, base, w, True, grad_out)
+        assert seen == expected, hold  # the expand, dX
+    for a, b in zip([results[True][0], *results[True][1]], [results[False][0], *results[False][1]]):
+        assert rel(a, b) < (2e-3 if dtype == torch.float16 else 1e-5)
+    if not dropout:
+        y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+        for a, b in zip([results[True][0], *results[True][1]], [y_ref, *grads_ref]):
+            assert rel(a, b) < (2e-3 if dtype == torch.float16 else 1e-5)
+    # ranks of several chunks (16-wide chunks: rank 100 takes 7), each chunk's tile read at each step
+    monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 16)
+    monkeypatch.setattr(triton_lora, "_pointer_tables", triton_lora._LRU())
+    w.memo.clear()
+    torch.manual_seed(0)
+    y, grads = run(multi_lora_triton, x, base, w, True, grad_out)
+    assert triton_lora.pointer_table(w, x.device).r_chunks == 8
+    for a, b in zip([y, *grads], [results[True][0], *results[True][1]]):
+        assert rel(a, b) < (2e-3 if dtype == torch.float16 else 1e-5)
+    triton_lora.reset_rank_tiles()
+
+
 @pytest.mark.parametrize("dropout", [None, [0.0, 0.3, 0.0, 0.5, 0.0, 0.1]])
 def test_ranks_beyond_one_chunk_are_covered_chunk_by_chunk(monkeypatch, dropout):
     # With 16-wide rank chunks, rank 100 takes 7 chunks and rank 1 one: chunks past an adapter's rank do
@@ -397,7 +450,8 @@ def test_adapter_sets_past_the_kernels_limits_get_a_clear_error(monkeypatch):
 
 
 def test_every_expand_tuning_candidate_gives_the_reference():
-    """Each candidate tile of the expand kernel (columns per program ``N_PER`` included), launched directly,
+    """Each candidate tile of the expand kernel (columns per program ``N_PER``, or a held weight tile walking tall
+    row blocks, ``HOLD_W``, included), launched directly,
     with a 32-wide rank tile and its narrower 16 (``NARROW``): ranks of one narrow tile, of one tile and of several
     chunks, a gap row and an adapter without tokens: ``Y = base + s S B^T``."""
     from lightning_multilora.kernels import triton_kernels as K
@@ -413,15 +467,21 @@ def test_every_expand_tuning_candidate_gives_the_reference():
         s[st:en, :a.shape[0]] = x[st:en] @ a.detach().t()
         expected[st:en] += sc * (s[st:en, :a.shape[0]].double() @ b.detach().double().t())
     kernel, candidates = _every_candidate(K._rank_times_weight)
+    assert any(m["HOLD_W"] for m in candidates) and not all(m["HOLD_W"] for m in candidates)
     for meta in candidates:
         y = base.clone()
-        half = sched.num_blocks // 2  # two launches, the second from a block offset (`rank_classes`' launches)
-        for first, blocks in ((0, half), (half, sched.num_blocks - half)):
-            grid = (blocks, triton.cdiv(y.shape[1], meta["N_PER"]))
-            kernel[grid](s, table.b_ptrs, w.a[0], y, sched.blk_adapter, sched.blk_start, sched.seg_start,
-                         sched.seg_end, table.ranks, table.scaling, table.drop_p, table.ranks, y.shape[1], 4, 1, first,
-                         s.stride(0), y.stride(0), W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False,
-                         DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M, BLOCK_R=32, MULTI_CHUNK=True,
+        # two launches, the second from a block offset (`rank_classes`' launches: after an adapter's last block)
+        half, tall = 2, sched.wide_index[2]
+        for first, blocks, wide_first, tall_blocks in ((0, half, 0, tall),
+                                                       (half, sched.num_blocks - half, tall, sched.wide_index[
+                                                           sched.num_blocks] - tall)):
+            grid = ((tall_blocks, triton.cdiv(y.shape[1], meta["BLOCK_N"])) if meta["HOLD_W"] else
+                    (blocks, triton.cdiv(y.shape[1], meta["N_PER"])))
+            kernel[grid](s, table.b_ptrs, w.a[0], y, sched.blk_adapter, sched.blk_start, sched.wide_adapter,
+                         sched.wide_start, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p,
+                         table.ranks, y.shape[1], 4, 1, first, wide_first, s.stride(0), y.stride(0), W_IS_A=False,
+                         ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M,
+                         ROWS_PER=triton_lora.BLOCK_M * triton_lora.WIDE_ROWS, BLOCK_R=32, MULTI_CHUNK=True,
                          SCALE_PRODUCT=False, W_ALIGNED=False, NARROW=1, **meta)
         assert rel(y, expected) < 1e-5, meta
 
@@ -1308,7 +1368,8 @@ def test_every_device_table_starts_on_16_bytes_whatever_the_adapter_count(n):
     table = pointer_table(w, x.device)
     sched = schedule(w.starts, w.ends, x.shape[0], x.device)
     tensors = [table.a_ptrs, table.b_ptrs, table.ranks, table.scaling, table.ones, table.drop_p,
-               sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end, sched.grad_order]
+               sched.blk_adapter, sched.blk_start, sched.wide_adapter, sched.wide_start, sched.seg_start,
+               sched.seg_end, sched.grad_order]
     targets = [_fresh_grads(w, table, x.device), _grads_of_parameters(w, table, x.device)]  # .grad made
     targets.append(_grads_of_parameters(w, table, x.device))  # .grad found
     assert targets[2].a_ptrs is targets[1].a_ptrs  # by address, cached
