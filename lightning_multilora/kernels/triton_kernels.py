@@ -104,8 +104,8 @@ _RANK_CONFIGS = [triton.Config({"BLOCK_N": n, "N_PER": per, "PREFETCH": st > 1, 
                                        (128, 512, 8, 1), (256, 512, 8, 1))]
 # HOLD_W: a program holds one (rank x BLOCK_N) weight tile and walks a tall block of its adapter's rows (the
 # schedule's `wide` blocks, ROWS_PER rows), reading a (BLOCK_M x rank) low-rank tile per step: the tile re-read from
-# L2 per BLOCK_M x BLOCK_N of output is then r x BLOCK_M (the low-rank rows) instead of r x BLOCK_N (the weights),
-# which at rank tiles of 64 and 128 was as many bytes as the output or twice as many. On the H200, 32 adapters x 1024
+# L2 per BLOCK_M x BLOCK_N of output is then r x BLOCK_M elements (the low-rank rows) instead of r x BLOCK_N (the
+# weights), which at rank tiles of 64 and 128 (BLOCK_M 64) were as many elements as the output or twice as many. On the H200, 32 adapters x 1024
 # tokens, 4096x4096, the tuner took them for most keys: the expand + dX a forward + backward 245.9 -> 238.6 us at r=64,
 # 283.3 -> 278.0 at ranks 8..128, 340.5 -> 326.8 at r=128 (a step 1-2% faster; `benchmarks/results/kernels_h200.md`).
 _RANK_CONFIGS += [triton.Config({"BLOCK_N": n, "N_PER": n, "PREFETCH": True, "HOLD_W": True}, num_warps=w,
@@ -312,8 +312,9 @@ def _rank_rows(R, w, Y, a, m_lo, m_hi, r, n0, COEF, DROP_P, SEEDS, SEG_START, RO
                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, PREFETCH: tl.constexpr):
     """`_rank_times_weight`'s work (``HOLD_W``) for rows ``[m_lo, m_hi)`` of one adapter and the ``BLOCK_N``
-    columns from ``n0``: the first rank chunk's weight tile is loaded (and scaled) once, the rows walked in
-    ``BLOCK_M`` steps, each reading its low-rank tile (and, with ``PREFETCH``, the next step's ``Y`` tile ahead)."""
+    columns from ``n0``: the first rank chunk's weight tile is loaded once (and scaled, but for fp16's
+    ``SCALE_PRODUCT``, which scales each low-rank tile), the rows walked in ``BLOCK_M`` steps, each reading its
+    low-rank tile (and, with ``PREFETCH``, the next step's ``Y`` tile ahead)."""
     if W_IS_A:  # W = A: element (j, n) is A[j, n], A row-major (r, N)
         stride_wr = N
         stride_wn = 1

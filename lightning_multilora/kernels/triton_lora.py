@@ -88,7 +88,8 @@ def _upload_rows(host: Tensor, device: torch.device) -> Tensor:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Device tables of one layout: per block its adapter and first row; per adapter its rows."""
+    """Device tables of one layout: per row block (and per tall block) its adapter and first row; per adapter its
+    rows."""
 
     blk_adapter: Tensor  # (num_blocks,) int32
     blk_start: Tensor  # (num_blocks,) int32
@@ -107,6 +108,7 @@ class Schedule:
     wide_adapter: Optional[Tensor] = None
     wide_start: Optional[Tensor] = None
     wide_index: dict = field(default_factory=dict, compare=False)
+    rows_per: int = BLOCK_M  # rows of a tall block (what a HOLD_W program walks: the table's, not today's WIDE_ROWS)
     classes: dict = field(default_factory=dict, compare=False)  # `rank_classes`' launches, by rank tile (and switch)
 
 
@@ -153,7 +155,8 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         runs = () if ranks is None else tuple(_runs(adapters, ranks))
         host, segs = _upload_rows(host, device), _upload_rows(segs, device)
         return Schedule(host[0, :nb], host[1, :nb], segs[0, :n], segs[1, :n], segs[2, :n], nb, covered,
-                        max_tokens, _bucket(nb), _bucket(max_tokens), runs, host[2, :nw], host[3, :nw], wide_index)
+                        max_tokens, _bucket(nb), _bucket(max_tokens), runs, host[2, :nw], host[3, :nw], wide_index,
+                        BLOCK_M * WIDE_ROWS)
 
     if ranks is not None and len(set(ranks)) == 1:
         ranks = None  # one rank: the segment order (and the cached tables of the layout)
@@ -835,7 +838,8 @@ def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, 
 def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: bool, accumulate: bool,
                  has_dropout: bool) -> None:
     """``OUT[t, :] (+)= c_i (LOW[t, :r_i] @ W_i) [* drop mask]``: the expand (``W_i = B_i^T``) or dX (``W_i = A_i``),
-    one launch per class of ranks (`rank_classes`)."""
+    one launch per class of ranks (`rank_classes`), over its row blocks, or, where the tuner picked a ``HOLD_W``
+    tile, over the same adapters' tall blocks (``Schedule.wide_index`` maps the class's bounds)."""
     sched, table, width = call.sched, call.table, out.shape[1]
     for first, end, tile, narrow, multi_chunk, bucket in rank_classes(sched, table):
         wide_first, wide_end = sched.wide_index[first], sched.wide_index[end]
@@ -846,7 +850,7 @@ def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
              sched.wide_start, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p, call.seeds,
              width, bucket, call.row_tokens, first, wide_first, low.stride(0), out.stride(0)),
             dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
-                 BLOCK_M=BLOCK_M, ROWS_PER=BLOCK_M * WIDE_ROWS, BLOCK_R=tile, MULTI_CHUNK=multi_chunk, NARROW=narrow,
+                 BLOCK_M=BLOCK_M, ROWS_PER=sched.rows_per, BLOCK_R=tile, MULTI_CHUNK=multi_chunk, NARROW=narrow,
                  SCALE_PRODUCT=out.dtype == torch.float16, W_ALIGNED=call.w_aligned, **_meta("rank")))
 
 

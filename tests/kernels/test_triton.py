@@ -318,6 +318,13 @@ def test_expand_and_dx_programs_that_hold_a_weight_tile_walk_tall_row_blocks(mon
         y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
         for a, b in zip([results[True][0], *results[True][1]], [y_ref, *grads_ref]):
             assert rel(a, b) < (2e-3 if dtype == torch.float16 else 1e-5)
+    # a call's backward walks its forward's tall blocks, whatever `WIDE_ROWS` says by then
+    xg = x.detach().clone().requires_grad_()
+    torch.manual_seed(0)
+    y = multi_lora_triton(xg, base.detach().clone(), w, True)
+    monkeypatch.setattr(triton_lora, "WIDE_ROWS", 1)
+    (dx,) = torch.autograd.grad(y, xg, grad_out)
+    assert rel(dx, results[True][1][0]) < (2e-3 if dtype == torch.float16 else 1e-5)
     # ranks of several chunks (16-wide chunks: rank 100 takes 7), each chunk's tile read at each step
     monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 16)
     monkeypatch.setattr(triton_lora, "_pointer_tables", triton_lora._LRU())
