@@ -103,8 +103,9 @@ class OptunaSweep(Callback):
     a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one stopped for overfitting
     (its best-validation weights are what it exports), COMPLETE with its best validation loss; a failure
     FAIL. An exhausted grid ends the sweep cleanly. A resumed run keeps its trials' numbers, and takes up the
-    trials its earlier run asked after the checkpoint and left RUNNING (a crash), in place of asking them again; one
-    that earlier run asked after the checkpoint and already told is asked (and trained) again.
+    trials its earlier run asked after the checkpoint and left RUNNING (a crash), in place of asking them again;
+    those it asked after the checkpoint and already told COMPLETE or PRUNED (their adapters exited, and exported,
+    before the crash) count as asked and are not trained again.
 
     Under `AdapterParallelStrategy` the study is used from rank 0 alone: it asks the trials and broadcasts them
     (with its bookkeeping), so every rank queues the same adapters in the same order and places them alike; it
@@ -161,7 +162,7 @@ class OptunaSweep(Callback):
         self.study = study
         self.trials: dict[str, dict[str, Any]] = {}  # adapter name -> trial id, number, reported steps, told
         # Tags this sweep's trials in the study (kept in checkpoints): a sweep resumed from a checkpoint finds the
-        # trials it asked after that checkpoint, still RUNNING there, and takes them up (`_orphans`)
+        # trials it asked after that checkpoint and takes them up, or counts them where they were told (`_orphans`)
         self.sweep_id = uuid.uuid4().hex
         self._orphans: Optional[list[Any]] = None
         self.asked = 0
@@ -242,7 +243,8 @@ class OptunaSweep(Callback):
             if not info["told"] and not info.get("lost"):
                 storage.record_heartbeat(info["trial_id"])
         for orphan in self._orphans or ():  # taken up as slots free (`_next_orphan`)
-            storage.record_heartbeat(orphan._trial_id)
+            if orphan.state == optuna.trial.TrialState.RUNNING:
+                storage.record_heartbeat(orphan._trial_id)
         with warnings.catch_warnings():  # (Optuna marks it experimental)
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(self.study)
@@ -300,6 +302,11 @@ class OptunaSweep(Callback):
             if orphan is None and self._grid_exhausted(study):
                 self.exhausted = True
                 break
+            if orphan is not None and orphan.state.is_finished():  # asked and told after the checkpoint: counted
+                self.trials[f"trial-{orphan.number}"] = {"trial_id": orphan._trial_id, "number": orphan.number,
+                                                         "reported": [], "told": True}
+                self.asked += 1
+                continue
             if self._own_sampler and self.sampler_name != "grid":  # (a grid's seed orders its points: kept)
                 study.sampler = self._sampler(self.first_trial + self.asked)
             if orphan is not None:  # asked after the checkpoint this run resumed from: taken up, not asked again
@@ -337,11 +344,10 @@ class OptunaSweep(Callback):
         return {"specs": specs, "state": self.state_dict()}
 
     def _next_orphan(self, study) -> Optional[Any]:
-        """The first of this sweep's trials that the study holds as RUNNING and this sweep does not know: asked after
-        the checkpoint a resumed run started from (a crash lost them). Each is taken up in place of an ask, in
-        order, with its parameters (those the same ask draws again: `_sampler`); so no trial is left RUNNING or
-        asked twice. (One asked after the checkpoint and already told stays as it is; its configuration is asked
-        again.)"""
+        """The first of this sweep's trials that the study holds and this sweep does not know: asked after the
+        checkpoint a resumed run started from. Each RUNNING one (its adapter lost in a crash) is taken up in place
+        of an ask, in order, with its parameters (those the same ask draws again: `_sampler`); a COMPLETE or PRUNED
+        one (told before the crash) counts as an ask. So no trial is left RUNNING, asked twice or trained twice."""
         if self._orphans is None:
             self._find_orphans(study)
         return self._orphans.pop(0) if self._orphans else None
@@ -352,7 +358,10 @@ class OptunaSweep(Callback):
         import optuna
 
         known = {t["number"] for t in self.trials.values()}
-        self._orphans = sorted((t for t in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        # (not FAIL: another process sharing the study may have failed a RUNNING one as stale while this run was
+        # down, before its adapter trained; its configuration is asked again)
+        states = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        self._orphans = sorted((t for t in study.get_trials(deepcopy=False, states=states)
                                 if t.user_attrs.get("sweep") == self.sweep_id and t.number not in known),
                                key=lambda t: t.number)
 
@@ -448,7 +457,10 @@ class OptunaSweep(Callback):
         not only at the next ask: the selection would otherwise wait for trials that never come.)"""
         if self.asked >= self.n_trials or self.exhausted:
             return False
-        return self.study is None or bool(self._orphans) or not self._grid_exhausted(self.study)
+        import optuna
+
+        running = any(o.state == optuna.trial.TrialState.RUNNING for o in self._orphans or ())
+        return self.study is None or running or not self._grid_exhausted(self.study)
 
     def fill_slots(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Called by the module before it builds the optimizer (after a checkpoint is restored)."""

@@ -333,21 +333,24 @@ def test_an_alpha_given_in_base_is_not_replaced_by_alpha_over_rank():
     assert OptunaSweep(SPACE)._spec_kwargs({"rank": 8, "alpha": 4.0})["alpha"] == 4.0  # searched
 
 
-@pytest.mark.parametrize("kind", ["random", "grid", "heartbeat"])
-def test_a_sweep_resumed_from_a_periodic_checkpoint_takes_up_the_trials_asked_after_it(tmp_path, trainer_kwargs, kind):
+@pytest.mark.parametrize("kind, crash_step", [("random", 8), ("grid", 8), ("heartbeat", 8), ("random", 13)])
+def test_a_sweep_resumed_from_a_periodic_checkpoint_takes_up_the_trials_asked_after_it(tmp_path, trainer_kwargs, kind,
+                                                                                       crash_step):
     """Trials asked after the checkpoint (a run that crashed later) are RUNNING in the study: the resumed sweep takes
     them up in place of its asks, so none is left RUNNING or asked twice, and the study ends as an uninterrupted
     run's. A grid they complete still takes them; with heartbeats they are this sweep's, kept alive (not failed as
-    stale, however long the run was down)."""
+    stale, however long the run was down). Those already told before the crash (at step 12, a crash at 13) count as
+    asked: not trained again."""
     import time
 
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     grid = {"lr": {"type": "categorical", "choices": [1e-3, 3e-3]}, "rank": {"type": "categorical", "choices": [2, 4]}}
+    n_trials = 4 if crash_step == 8 else 5  # (a fifth trial, asked at step 12, is training at 13)
 
     def sweep(storage):
         extra = dict(heartbeat_interval=1, grace_period=2) if kind == "heartbeat" else {}
-        return OptunaSweep(grid if kind == "grid" else SPACE, n_trials=4, storage=storage, slots=2,
+        return OptunaSweep(grid if kind == "grid" else SPACE, n_trials=n_trials, storage=storage, slots=2,
                            base={"max_steps": 6, "batch_size": 2}, sampler="grid" if kind == "grid" else "random",
                            **extra)
 
@@ -359,7 +362,7 @@ def test_a_sweep_resumed_from_a_periodic_checkpoint_takes_up_the_trials_asked_af
 
     class Crash(L.Callback):
         def on_train_batch_end(self, trainer, *args):
-            if trainer.global_step == 8:
+            if trainer.global_step == crash_step:
                 raise RuntimeError("node lost")
 
     storage = f"sqlite:///{tmp_path / 's.db'}"
@@ -368,12 +371,17 @@ def test_a_sweep_resumed_from_a_periodic_checkpoint_takes_up_the_trials_asked_af
         fit(storage, [Crash(), save], enable_checkpointing=True)
     study = optuna.load_study(study_name="multilora", storage=storage)
     running = [t.number for t in study.get_trials() if t.state == optuna.trial.TrialState.RUNNING]
-    assert running == [2, 3]  # asked at step 6, after its checkpoint was written
+    assert running == ([2, 3] if crash_step == 8 else [4])  # asked after the checkpoint of step 6 was written
+    assert len(study.get_trials()) == n_trials
     if kind == "heartbeat":
         time.sleep(3)  # longer than the grace period
+    exports = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir()}
     trials = fit(storage, [], ckpt=str(tmp_path / "ck" / "step=6.ckpt")).get_trials()
-    assert len(trials) == 4 and optuna.trial.TrialState.RUNNING not in [t.state for t in trials], trials
-    assert optuna.trial.TrialState.FAIL not in [t.state for t in trials], trials
+    if crash_step == 13:  # trials 2 and 3 were told at step 12: their exports are left as they were
+        assert {n: t for n, t in exports.items() if n in ("trial-2", "trial-3")} == {
+            p.name: p.stat().st_mtime_ns for p in (tmp_path / "out").iterdir() if p.name in ("trial-2", "trial-3")}
     uninterrupted = fit(f"sqlite:///{tmp_path / 'u.db'}", []).get_trials()
+    assert len(trials) == len(uninterrupted) and optuna.trial.TrialState.RUNNING not in [t.state for t in trials]
+    assert optuna.trial.TrialState.FAIL not in [t.state for t in trials], trials
     assert [t.params for t in trials] == [t.params for t in uninterrupted]
     assert [t.state for t in trials] == [t.state for t in uninterrupted]
