@@ -245,20 +245,14 @@ def _rank_tile(low, wt, y_cur, R, w, y_ptrs, a, offs_m, mask_m, offs_n, mask_n, 
 
 
 @triton.jit
-def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
-                  stride_y_m, W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+def _rank_columns(R, w, Y, a, m0, end, r, pid_n, coef, after, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
+                  stride_y_m, stride_wr, stride_wn, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, N_PER: tl.constexpr,
                   PREFETCH: tl.constexpr):
     """`_rank_times_weight`'s work for one row block and its ``N_PER`` columns, over a rank tile of ``BLOCK_R``."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
     mask_m = offs_m < end
-    if W_IS_A:  # W = A: element (j, n) is A[j, n], A row-major (r, N)
-        stride_wr = N
-        stride_wn = 1
-    else:  # W = B^T: element (j, n) is B[n, j], B row-major (N, r)
-        stride_wr = 1
-        stride_wn = r
     dot_dtype = Y.dtype.element_ty
     # The first rank chunk is loaded once, outside every loop, and scaled as a (BLOCK_M, BLOCK_R) tile rather than
     # on the product: with ranks up to one chunk (the usual case) each column block is then a plain streaming
@@ -266,13 +260,6 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
     # compiled in although it never ran; 331 us with all chunks in the loop and the scaling on the product).
     # A program takes N_PER columns, reusing that tile for all of them (at r=64, 32 x 1024 rows, the fp32 tile re-read
     # per 128 columns was as many L2 bytes as dX's writes), in a loop pipelined over the column blocks.
-    # SCALE_PRODUCT (fp16 outputs): the tile takes min(s, 1) and the fp32 product max(s, 1), so the fp16 tile is
-    # never larger than the unscaled or the scaled one (either may leave fp16's range where the result does not).
-    coef = tl.load(COEF + a)
-    after = 1.0
-    if SCALE_PRODUCT:
-        after = tl.maximum(coef, 1.0)
-        coef = tl.minimum(coef, 1.0)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < r
     low = tl.load(R + offs_m[:, None] * stride_r_m + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
@@ -307,26 +294,15 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
 
 
 @triton.jit
-def _rank_rows(R, w, Y, a, m_lo, m_hi, r, n0, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
-               stride_y_m, W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
+def _rank_rows(R, w, Y, a, m_lo, m_hi, r, n0, coef, after, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
+               stride_y_m, stride_wr, stride_wn, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, PREFETCH: tl.constexpr):
     """`_rank_times_weight`'s work (``HOLD_W``) for rows ``[m_lo, m_hi)`` of one adapter and the ``BLOCK_N``
     columns from ``n0``: the first rank chunk's weight tile is loaded once (and scaled, but for fp16's
     ``SCALE_PRODUCT``, which scales each low-rank tile), the rows walked in ``BLOCK_M`` steps, each reading its
     low-rank tile (and, with ``PREFETCH``, the next step's ``Y`` tile ahead)."""
-    if W_IS_A:  # W = A: element (j, n) is A[j, n], A row-major (r, N)
-        stride_wr = N
-        stride_wn = 1
-    else:  # W = B^T: element (j, n) is B[n, j], B row-major (N, r)
-        stride_wr = 1
-        stride_wn = r
     dot_dtype = Y.dtype.element_ty
-    coef = tl.load(COEF + a)
-    after = 1.0
-    if SCALE_PRODUCT:  # (as in `_rank_columns`: the low-rank tile takes min(s, 1), the product max(s, 1))
-        after = tl.maximum(coef, 1.0)
-        coef = tl.minimum(coef, 1.0)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < r
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -365,14 +341,29 @@ def _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, N_PER: tl.constexpr,
                   PREFETCH: tl.constexpr, HOLD_W: tl.constexpr, ROWS_PER: tl.constexpr):
+    """The weight's strides and the adapter's scaling, then one of the two program shapes (``HOLD_W``)."""
+    if W_IS_A:  # W = A: element (j, n) is A[j, n], A row-major (r, N)
+        stride_wr = N
+        stride_wn = 1
+    else:  # W = B^T: element (j, n) is B[n, j], B row-major (N, r)
+        stride_wr = 1
+        stride_wn = r
+    # SCALE_PRODUCT (fp16 outputs): the low-rank tile takes min(s, 1) and the fp32 product max(s, 1), so the fp16
+    # tile is never larger than the unscaled or the scaled one (either may leave fp16's range where the result does
+    # not)
+    coef = tl.load(COEF + a)
+    after = 1.0
+    if SCALE_PRODUCT:
+        after = tl.maximum(coef, 1.0)
+        coef = tl.minimum(coef, 1.0)
     if HOLD_W:
-        _rank_rows(R, w, Y, a, m0, tl.minimum(m0 + ROWS_PER, end), r, pid_n * BLOCK_N, COEF, DROP_P, SEEDS,
-                   SEG_START, ROW_TOKENS, N, stride_r_m, stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION,
-                   BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT, PREFETCH)
+        _rank_rows(R, w, Y, a, m0, tl.minimum(m0 + ROWS_PER, end), r, pid_n * BLOCK_N, coef, after, DROP_P, SEEDS,
+                   SEG_START, ROW_TOKENS, N, stride_r_m, stride_y_m, stride_wr, stride_wn, ACCUMULATE, HAS_DROPOUT,
+                   DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT, PREFETCH)
     else:
-        _rank_columns(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
-                      stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R,
-                      MULTI_CHUNK, SCALE_PRODUCT, N_PER, PREFETCH)
+        _rank_columns(R, w, Y, a, m0, end, r, pid_n, coef, after, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N,
+                      stride_r_m, stride_y_m, stride_wr, stride_wn, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M,
+                      BLOCK_N, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT, N_PER, PREFETCH)
 
 
 @_tuned(_RANK_CONFIGS, key=["N", "BLOCK_M", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
