@@ -239,6 +239,9 @@ def main() -> None:
                              "the others (default), alone, or left out")
     parser.add_argument("--wide-rows", type=int, default=None,
                         help="row blocks a HOLD_W program walks (triton_lora.WIDE_ROWS; default: the package's)")
+    parser.add_argument("--wide-rows-wide-ranks", type=int, default=None,
+                        help="... for adapters of ranks over triton_lora.WIDE_RANK (triton_lora.WIDE_ROWS_WIDE_RANKS; "
+                             "default: the package's)")
     args = parser.parse_args()
     from lightning_multilora.kernels import triton_lora
 
@@ -246,6 +249,8 @@ def main() -> None:
         triton_lora.RANK_CLASS_LAUNCHES = args.rank_class_launches
     if args.wide_rows is not None:
         triton_lora.WIDE_ROWS = args.wide_rows
+    if args.wide_rows_wide_ranks is not None:
+        triton_lora.WIDE_ROWS_WIDE_RANKS = args.wide_rows_wide_ranks
     if args.hold_w != "tuned":
         from lightning_multilora.kernels import triton_kernels
 
@@ -268,6 +273,8 @@ def main() -> None:
         common["rank_class_launches"] = args.rank_class_launches
     if args.wide_rows is not None or args.hold_w != "tuned":
         common.update(wide_rows=args.wide_rows, hold_w=args.hold_w)
+    if args.wide_rows_wide_ranks is not None:
+        common["wide_rows_wide_ranks"] = args.wide_rows_wide_ranks
     rows = []
     start = time.monotonic()
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES

@@ -103,11 +103,14 @@ _RANK_CONFIGS = [triton.Config({"BLOCK_N": n, "N_PER": per, "PREFETCH": st > 1, 
                                        (64, 64, 4, 2), (128, 128, 8, 3), (64, 256, 4, 1), (128, 256, 4, 1),
                                        (128, 512, 8, 1), (256, 512, 8, 1))]
 # HOLD_W: a program holds one (rank x BLOCK_N) weight tile and walks a tall block of its adapter's rows (the
-# schedule's `wide` blocks, ROWS_PER rows), reading a (BLOCK_M x rank) low-rank tile per step: the tile re-read from
+# schedule's `wide` blocks), reading a (BLOCK_M x rank) low-rank tile per step: the tile re-read from
 # L2 per BLOCK_M x BLOCK_N of output is then r x BLOCK_M elements (the low-rank rows) instead of r x BLOCK_N (the
 # weights), which at rank tiles of 64 and 128 (BLOCK_M 64) were as many elements as the output or twice as many. On the H200, 32 adapters x 1024
 # tokens, 4096x4096, the tuner took them for most keys: the expand + dX a forward + backward 245.9 -> 238.6 us at r=64,
 # 283.3 -> 278.0 at ranks 8..128, 340.5 -> 326.8 at r=128 (a step 1-2% faster; `benchmarks/results/kernels_h200.md`).
+# (Measured and dropped: the tiles stored through device-made tensor descriptors, the copy engine's asynchronous store
+# beside the next step's product. Each program's descriptor cost more than the overlap gained: launched alone, dX at
+# r=128 129.4 -> 140.8 us, the expand 189.6 -> 197.4; the tuner took none of them in a step, session 28.)
 _RANK_CONFIGS += [triton.Config({"BLOCK_N": n, "N_PER": n, "PREFETCH": True, "HOLD_W": True}, num_warps=w,
                                 num_stages=st)
                   for n, w, st in ((128, 4, 3), (128, 8, 3), (256, 8, 3), (256, 8, 2), (64, 4, 3))]
@@ -340,7 +343,7 @@ def _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
                   stride_y_m, W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                   MULTI_CHUNK: tl.constexpr, SCALE_PRODUCT: tl.constexpr, N_PER: tl.constexpr,
-                  PREFETCH: tl.constexpr, HOLD_W: tl.constexpr, ROWS_PER: tl.constexpr):
+                  PREFETCH: tl.constexpr, HOLD_W: tl.constexpr):
     """The weight's strides and the adapter's scaling, then one of the two program shapes (``HOLD_W``)."""
     if W_IS_A:  # W = A: element (j, n) is A[j, n], A row-major (r, N)
         stride_wr = N
@@ -356,8 +359,8 @@ def _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
     if SCALE_PRODUCT:
         after = tl.maximum(coef, 1.0)
         coef = tl.minimum(coef, 1.0)
-    if HOLD_W:
-        _rank_rows(R, w, Y, a, m0, tl.minimum(m0 + ROWS_PER, end), r, pid_n * BLOCK_N, coef, after, DROP_P, SEEDS,
+    if HOLD_W:  # (end: the tall block's)
+        _rank_rows(R, w, Y, a, m0, end, r, pid_n * BLOCK_N, coef, after, DROP_P, SEEDS,
                    SEG_START, ROW_TOKENS, N, stride_r_m, stride_y_m, stride_wr, stride_wn, ACCUMULATE, HAS_DROPOUT,
                    DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R, MULTI_CHUNK, SCALE_PRODUCT, PREFETCH)
     else:
@@ -370,9 +373,9 @@ def _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
                             "SCALE_PRODUCT", "W_ALIGNED", "NARROW", "ROW_BUCKET", "ROWS_PER"], restore_value=["Y"])
 @triton.jit(do_not_specialize=["ROW_BUCKET", "ROW_TOKENS", "BLK_OFFSET", "WIDE_OFFSET"])
 def _rank_times_weight(
-    # pointers (WIDE_ADAPTER, WIDE_START: the schedule's tall blocks of ROWS_PER rows, the ones HOLD_W walks)
-    R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, WIDE_ADAPTER, WIDE_START, SEG_START, SEG_END, RANKS, COEF,
-    DROP_P, SEEDS,
+    # pointers (WIDE_ADAPTER, WIDE_START, WIDE_END: the schedule's tall blocks, the ones HOLD_W walks)
+    R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, WIDE_ADAPTER, WIDE_START, WIDE_END, SEG_START, SEG_END, RANKS,
+    COEF, DROP_P, SEEDS,
     # sizes (ROW_BUCKET, a bucket of the row blocks, only keys the tuning: how many columns a program
     # should take depends on how many row blocks there are to fill the GPU with)
     N, ROW_BUCKET, ROW_TOKENS,
@@ -384,18 +387,20 @@ def _rank_times_weight(
     W_IS_A: tl.constexpr, ACCUMULATE: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_CHUNK: tl.constexpr,
     SCALE_PRODUCT: tl.constexpr, W_ALIGNED: tl.constexpr, N_PER: tl.constexpr, NARROW: tl.constexpr,
-    PREFETCH: tl.constexpr, HOLD_W: tl.constexpr, ROWS_PER: tl.constexpr,
+    PREFETCH: tl.constexpr, HOLD_W: tl.constexpr,
+    ROWS_PER: tl.constexpr,  # the schedule's tallest block (only keys the tuning)
 ):
     pid_n = tl.program_id(1)
     if HOLD_W:
         pid = tl.program_id(0) + WIDE_OFFSET
         a = tl.load(WIDE_ADAPTER + pid)
         m0 = tl.load(WIDE_START + pid)
+        end = tl.load(WIDE_END + pid)
     else:
         pid = tl.program_id(0) + BLK_OFFSET
         a = tl.load(BLK_ADAPTER + pid)
         m0 = tl.load(BLK_START + pid)
-    end = tl.load(SEG_END + a)
+        end = tl.load(SEG_END + a)
     r = tl.load(RANKS + a)
     w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
     if W_ALIGNED:  # 16-byte weight rows: vector loads of the weight tile
@@ -406,15 +411,15 @@ def _rank_times_weight(
     if NARROW >= 2 and r <= BLOCK_R // 4:
         _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
                       stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 4, False,
-                      SCALE_PRODUCT, N_PER, PREFETCH, HOLD_W, ROWS_PER)
+                      SCALE_PRODUCT, N_PER, PREFETCH, HOLD_W)
     elif NARROW >= 1 and r <= BLOCK_R // 2:
         _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
                       stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R // 2, False,
-                      SCALE_PRODUCT, N_PER, PREFETCH, HOLD_W, ROWS_PER)
+                      SCALE_PRODUCT, N_PER, PREFETCH, HOLD_W)
     else:
         _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START, ROW_TOKENS, N, stride_r_m,
                       stride_y_m, W_IS_A, ACCUMULATE, HAS_DROPOUT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_R,
-                      MULTI_CHUNK, SCALE_PRODUCT, N_PER, PREFETCH, HOLD_W, ROWS_PER)
+                      MULTI_CHUNK, SCALE_PRODUCT, N_PER, PREFETCH, HOLD_W)
 
 
 @_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "ADD_TO_G", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS",

@@ -27,6 +27,12 @@ BLOCK_M = 64  # rows per program in the row-blocked kernels (the schedule's bloc
 # widest class of ranks launched with BLOCK_M 128; on the H200 at r=128 its dX got faster, its expand slower, and
 # ranks 8..128 gained nothing: 0.656 -> 0.659 ms a forward + backward.)
 WIDE_ROWS = 4
+# ... and of adapters whose rank is over WIDE_RANK: a wider weight tile to hold, and more to save by re-reading it less.
+# On the H200, 32 adapters x 1024 tokens, 4096x4096, a forward + backward with 4 / 8 / 16 row blocks for them: r=128
+# 0.777 / 0.756 / 0.754 ms (the expand 199 / 185 / 174 us, dX 133 / 123 / 120), ranks 8..128 0.649 / 0.645 / 0.648
+# (`benchmarks/results/kernels_h200_tall_s28.json`). Each tall block carries its end (`Schedule.wide_end`).
+WIDE_RANK = 64
+WIDE_ROWS_WIDE_RANKS = 8
 _CACHE_SIZE = 256
 
 
@@ -103,12 +109,14 @@ class Schedule:
     token_bucket: int  # the weight-gradient launches' other one: `_bucket` of max_tokens
     # ranks that differ: (rank, first row block) of each run of one rank in the row blocks, largest rank first
     rank_runs: tuple[tuple[int, int], ...] = ()
-    # the same row blocks, `WIDE_ROWS` times as tall (each adapter's rows from its first, in the same adapter order),
-    # and for each row block that starts an adapter (and for num_blocks) the index of its tall block there
+    # the same row blocks, `WIDE_ROWS` (`WIDE_ROWS_WIDE_RANKS`) times as tall (each adapter's rows from its first, in
+    # the same adapter order), each with its adapter, first row and end, and for each row block that starts an adapter
+    # (and for num_blocks) the index of its tall block there
     wide_adapter: Optional[Tensor] = None
     wide_start: Optional[Tensor] = None
+    wide_end: Optional[Tensor] = None
     wide_index: dict = field(default_factory=dict, compare=False)
-    rows_per: int = BLOCK_M  # rows of a tall block (what a HOLD_W program walks: the table's, not today's WIDE_ROWS)
+    rows_per: int = BLOCK_M  # rows of the tallest block (keys the HOLD_W launches' tuning)
     classes: dict = field(default_factory=dict, compare=False)  # `rank_classes`' launches, by rank tile (and switch)
 
 
@@ -131,21 +139,22 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
     def make() -> Schedule:
         n = len(starts)
         by_rank = range(n) if ranks is None else sorted(range(n), key=lambda i: -ranks[i])
-        adapters, firsts, wide_adapters, wide_firsts, wide_index = [], [], [], [], {}
+        adapters, firsts, wide_adapters, wide_firsts, wide_ends, wide_index = [], [], [], [], [], {}
         for i in by_rank:
             wide_index[len(adapters)] = len(wide_adapters)
             for m in range(starts[i], ends[i], BLOCK_M):
                 adapters.append(i)
                 firsts.append(m)
-            for m in range(starts[i], ends[i], BLOCK_M * WIDE_ROWS):
+            for m in range(starts[i], ends[i], tall[i]):
                 wide_adapters.append(i)
                 wide_firsts.append(m)
+                wide_ends.append(min(m + tall[i], ends[i]))
         wide_index[len(adapters)] = len(wide_adapters)
         last_read = {a: -pos for pos, a in enumerate(by_rank)}  # ties: the row launches' last adapters first
         by_tokens = sorted(range(n), key=lambda i: (starts[i] - ends[i], last_read[i]))
         nb, nw = len(adapters), len(wide_adapters)
-        host = torch.zeros(4, nb, dtype=torch.int32)  # (nw <= nb; each row of the upload starts on 16 bytes)
-        for row, values in enumerate((adapters, firsts, wide_adapters, wide_firsts)):
+        host = torch.zeros(5, nb, dtype=torch.int32)  # (nw <= nb; each row of the upload starts on 16 bytes)
+        for row, values in enumerate((adapters, firsts, wide_adapters, wide_firsts, wide_ends)):
             host[row, :len(values)] = torch.tensor(values, dtype=torch.int32)
         segs = torch.tensor([starts, ends, by_tokens], dtype=torch.int32).reshape(3, -1)
         # the segments tile [0, num_rows) exactly: every row is one adapter's
@@ -155,12 +164,15 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         runs = () if ranks is None else tuple(_runs(adapters, ranks))
         host, segs = _upload_rows(host, device), _upload_rows(segs, device)
         return Schedule(host[0, :nb], host[1, :nb], segs[0, :n], segs[1, :n], segs[2, :n], nb, covered,
-                        max_tokens, _bucket(nb), _bucket(max_tokens), runs, host[2, :nw], host[3, :nw], wide_index,
-                        BLOCK_M * WIDE_ROWS)
+                        max_tokens, _bucket(nb), _bucket(max_tokens), runs, host[2, :nw], host[3, :nw], host[4, :nw],
+                        wide_index, max(tall, default=BLOCK_M))
 
+    # the tall blocks' rows, per adapter (by rank: `WIDE_RANK`)
+    tall = tuple(BLOCK_M * (WIDE_ROWS_WIDE_RANKS if ranks is not None and ranks[i] > WIDE_RANK else WIDE_ROWS)
+                 for i in range(len(starts)))
     if ranks is not None and len(set(ranks)) == 1:
         ranks = None  # one rank: the segment order (and the cached tables of the layout)
-    return _schedules.get_or_make((starts, ends, num_rows, str(device), ranks, WIDE_ROWS), make)
+    return _schedules.get_or_make((starts, ends, num_rows, str(device), ranks, tall), make)
 
 
 def _runs(adapters: list[int], ranks: tuple[int, ...]) -> Iterator[tuple[int, int]]:
@@ -847,7 +859,7 @@ def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
             lambda meta, blocks=end - first, tall=wide_end - wide_first:
                 (tall, _cdiv(width, meta["BLOCK_N"])) if meta["HOLD_W"] else (blocks, _cdiv(width, meta["N_PER"])),
             (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.wide_adapter,
-             sched.wide_start, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p, call.seeds,
+             sched.wide_start, sched.wide_end, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p, call.seeds,
              width, bucket, call.row_tokens, first, wide_first, low.stride(0), out.stride(0)),
             dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
                  BLOCK_M=BLOCK_M, ROWS_PER=sched.rows_per, BLOCK_R=tile, MULTI_CHUNK=multi_chunk, NARROW=narrow,

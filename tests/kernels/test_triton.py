@@ -280,8 +280,9 @@ def test_the_expand_and_dx_launch_once_per_class_of_ranks_with_the_narrower_tile
 @pytest.mark.parametrize("dtype, dropout", [(torch.float32, False), (torch.float32, True), (torch.float16, False)])
 def test_expand_and_dx_programs_that_hold_a_weight_tile_walk_tall_row_blocks(monkeypatch, dtype, dropout):
     """``HOLD_W``: an expand / dX program holds one weight tile and walks a tall block of its adapter's rows
-    (`WIDE_ROWS` row blocks, the last one cut at the segment's end); every rank class, narrow tiles, ranks of several
-    chunks, dropout masks and fp16's scaling give what the row-block programs give, and the reference's results."""
+    (`WIDE_ROWS` row blocks, more for wide ranks, the last one cut at the segment's end); every rank class, narrow
+    tiles, ranks of several chunks, dropout masks and fp16's scaling give what the row-block programs give, and the
+    reference's results."""
     if DEVICE == "cuda":
         pytest.skip("the interpreter's fixed tiles are forced here; on the GPU the tuner picks (every candidate: "
                     "test_every_expand_tuning_candidate_gives_the_reference)")
@@ -298,7 +299,8 @@ def test_expand_and_dx_programs_that_hold_a_weight_tile_walk_tall_row_blocks(mon
     monkeypatch.setattr(triton_lora, "_rank_times_weight", record)
     monkeypatch.setattr(triton_lora, "RANK_CLASS_LAUNCHES", 2)
     monkeypatch.setattr(triton_lora, "WIDE_ROWS", 2)  # 128-row tall blocks
-    # ranks 128, 100 (the 128 class: 40 and 200 rows, 1 + 4 row blocks, 1 + 2 tall ones), then 64, 5 and 33
+    monkeypatch.setattr(triton_lora, "WIDE_ROWS_WIDE_RANKS", 3)  # 192 for ranks over 64
+    # ranks 128, 100 (the 128 class: 40 and 200 rows, 1 + 4 row blocks, 1 + 2 tall ones: 192 + 8), then 64, 5 and 33
     x, base, w = problem([5, 128, 64, 33, 100], [100, 40, 70, 0, 200], d_in=48, d_out=72, dtype=dtype, seed=34,
                          dropout=[0.2, 0.0, 0.3, 0.1, 0.5] if dropout else None)
     grad_out = torch.randn_like(base)
@@ -434,6 +436,16 @@ def test_the_schedule_lists_the_longest_programs_first():
     assert schedule((0, 10), (10, 300), 300, torch.device("cpu")).token_bucket == 384
     assert [_bucket(n) for n in (0, 1, 2, 3, 4, 5, 7, 257, 384, 385, 512, 513, 12289, 10 ** 6)] == \
         [1, 1, 2, 3, 4, 6, 8, 384, 384, 512, 512, 768, 16384, 16384]
+    # the tall blocks (HOLD_W): WIDE_ROWS row blocks, WIDE_ROWS_WIDE_RANKS for ranks over WIDE_RANK, each cut at its
+    # segment's end; a uniform rank over it too
+    tall = schedule((0, 600), (600, 1000), 1000, torch.device("cpu"), (16, 128))
+    assert list(zip(tall.wide_adapter.tolist(), tall.wide_start.tolist(), tall.wide_end.tolist())) == \
+        [(1, 600, 1000), (0, 0, 256), (0, 256, 512), (0, 512, 600)]
+    assert tall.rows_per == 512 and tall.wide_index == {0: 0, 7: 1, 17: 4}
+    uniform = schedule((0, 600), (600, 1000), 1000, torch.device("cpu"), (100, 100))
+    assert uniform.wide_end.tolist() == [512, 600, 1000] and uniform.rows_per == 512
+    assert schedule((0, 600), (600, 1000), 1000, torch.device("cpu"), (64, 64)).wide_end.tolist() == \
+        [256, 512, 600, 856, 1000]
 
 
 def test_adapter_sets_past_the_kernels_limits_get_a_clear_error(monkeypatch):
@@ -485,10 +497,10 @@ def test_every_expand_tuning_candidate_gives_the_reference():
             grid = ((tall_blocks, triton.cdiv(y.shape[1], meta["BLOCK_N"])) if meta["HOLD_W"] else
                     (blocks, triton.cdiv(y.shape[1], meta["N_PER"])))
             kernel[grid](s, table.b_ptrs, w.a[0], y, sched.blk_adapter, sched.blk_start, sched.wide_adapter,
-                         sched.wide_start, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p,
-                         table.ranks, y.shape[1], 4, 1, first, wide_first, s.stride(0), y.stride(0), W_IS_A=False,
-                         ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M,
-                         ROWS_PER=triton_lora.BLOCK_M * triton_lora.WIDE_ROWS, BLOCK_R=32, MULTI_CHUNK=True,
+                         sched.wide_start, sched.wide_end, sched.seg_start, sched.seg_end, table.ranks, table.scaling,
+                         table.drop_p, table.ranks, y.shape[1], 4, 1, first, wide_first, s.stride(0), y.stride(0),
+                         W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION="ieee",
+                         BLOCK_M=triton_lora.BLOCK_M, ROWS_PER=sched.rows_per, BLOCK_R=32, MULTI_CHUNK=True,
                          SCALE_PRODUCT=False, W_ALIGNED=False, NARROW=1, **meta)
         assert rel(y, expected) < 1e-5, meta
 
@@ -1375,8 +1387,8 @@ def test_every_device_table_starts_on_16_bytes_whatever_the_adapter_count(n):
     table = pointer_table(w, x.device)
     sched = schedule(w.starts, w.ends, x.shape[0], x.device)
     tensors = [table.a_ptrs, table.b_ptrs, table.ranks, table.scaling, table.ones, table.drop_p,
-               sched.blk_adapter, sched.blk_start, sched.wide_adapter, sched.wide_start, sched.seg_start,
-               sched.seg_end, sched.grad_order]
+               sched.blk_adapter, sched.blk_start, sched.wide_adapter, sched.wide_start, sched.wide_end,
+               sched.seg_start, sched.seg_end, sched.grad_order]
     targets = [_fresh_grads(w, table, x.device), _grads_of_parameters(w, table, x.device)]  # .grad made
     targets.append(_grads_of_parameters(w, table, x.device))  # .grad found
     assert targets[2].a_ptrs is targets[1].a_ptrs  # by address, cached
