@@ -165,9 +165,18 @@ def _rows_times_weight(
     W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
-    pid = tl.program_id(0) // R_CHUNKS
-    r0 = (tl.program_id(0) % R_CHUNKS) * BLOCK_R
-    split = tl.program_id(1)
+    _rows_program(tl.program_id(0) // R_CHUNKS, (tl.program_id(0) % R_CHUNKS) * BLOCK_R, tl.program_id(1), IN, W_PTRS,
+                  W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS, K, ROW_TOKENS,
+                  stride_in_m, stride_out_m, W_IS_A, HAS_DROPOUT, DOT_PRECISION, W_ALIGNED, BLOCK_M, BLOCK_K, BLOCK_R,
+                  SPLIT_K)
+
+
+@triton.jit
+def _rows_program(pid, r0, split, IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF,
+                  DROP_P, SEEDS, K, ROW_TOKENS, stride_in_m, stride_out_m, W_IS_A: tl.constexpr,
+                  HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_ALIGNED: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr):
+    """`_rows_times_weight`'s program for row block ``pid``, the rank chunk from ``r0`` and K split ``split``."""
     a = tl.load(BLK_ADAPTER + pid)
     r = tl.load(RANKS + a)
     if r0 >= r:  # a chunk past this adapter's rank
@@ -371,7 +380,7 @@ def _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
 
 @_tuned(_RANK_CONFIGS, key=["N", "BLOCK_M", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
                             "SCALE_PRODUCT", "W_ALIGNED", "NARROW", "ROW_BUCKET", "ROWS_PER"], restore_value=["Y"])
-@triton.jit(do_not_specialize=["ROW_BUCKET", "ROW_TOKENS", "BLK_OFFSET", "WIDE_OFFSET"])
+@triton.jit(do_not_specialize=["ROW_BUCKET", "ROW_TOKENS", "BLK_OFFSET", "WIDE_OFFSET", "ROWS_PER"])
 def _rank_times_weight(
     # pointers (WIDE_ADAPTER, WIDE_START, WIDE_END: the schedule's tall blocks, the ones HOLD_W walks)
     R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, WIDE_ADAPTER, WIDE_START, WIDE_END, SEG_START, SEG_END, RANKS,
@@ -381,6 +390,7 @@ def _rank_times_weight(
     N, ROW_BUCKET, ROW_TOKENS,
     BLK_OFFSET,  # the launch's first row block (a launch per class of ranks: `triton_lora.rank_classes`)
     WIDE_OFFSET,  # its first tall block
+    ROWS_PER,  # the launch's tallest block (only keys the tuning, as ROW_BUCKET does)
     # strides
     stride_r_m, stride_y_m,
     # meta-parameters
@@ -388,7 +398,6 @@ def _rank_times_weight(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, MULTI_CHUNK: tl.constexpr,
     SCALE_PRODUCT: tl.constexpr, W_ALIGNED: tl.constexpr, N_PER: tl.constexpr, NARROW: tl.constexpr,
     PREFETCH: tl.constexpr, HOLD_W: tl.constexpr,
-    ROWS_PER: tl.constexpr,  # the schedule's tallest block (only keys the tuning)
 ):
     pid_n = tl.program_id(1)
     if HOLD_W:
@@ -446,10 +455,23 @@ def _weight_grad(
     # grid (K blocks x SPLIT_T, adapters x R_CHUNKS): the programs of one adapter's rank chunk are adjacent, and the
     # adapters come in ORDER (most rows first), so that the longest programs start first
     k_blocks = tl.cdiv(K, BLOCK_K)
-    pid_k = tl.program_id(0) % k_blocks
-    split = tl.program_id(0) // k_blocks
-    a = tl.load(ORDER + tl.program_id(1) // R_CHUNKS)
-    r0 = (tl.program_id(1) % R_CHUNKS) * BLOCK_R
+    _grad_program(tl.program_id(0) % k_blocks, tl.program_id(0) // k_blocks, tl.program_id(1), L, M, G_PTRS, G_WITNESS,
+                  SEG_START, SEG_END, ORDER, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS, DS, K, R_CHUNKS, SPLIT_T,
+                  ROW_TOKENS, stride_l_m, stride_m_m, stride_ds_m, G_IS_A, HAS_DROPOUT, ATOMIC, ADD_TO_G, DOT_PRECISION,
+                  G_ALIGNED, WITH_DS, W_ALIGNED, TRANS_ACC, BLOCK_T, BLOCK_K, BLOCK_R)
+
+
+@triton.jit
+def _grad_program(pid_k, split, slot, L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS, COEF, DROP_P, SEEDS,
+                  W_PTRS, W_WITNESS, DS, K, R_CHUNKS, SPLIT_T, ROW_TOKENS, stride_l_m, stride_m_m, stride_ds_m,
+                  G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, ADD_TO_G: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr, G_ALIGNED: tl.constexpr, WITH_DS: tl.constexpr,
+                  W_ALIGNED: tl.constexpr, TRANS_ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_R: tl.constexpr):
+    """`_weight_grad`'s program for K block ``pid_k``, row split ``split`` and ``slot`` (the adapter ``ORDER[slot //
+    R_CHUNKS]``, its rank chunk ``slot % R_CHUNKS``)."""
+    a = tl.load(ORDER + slot // R_CHUNKS)
+    r0 = (slot % R_CHUNKS) * BLOCK_R
     r = tl.load(RANKS + a)
     if r0 >= r:  # a chunk past this adapter's rank
         return

@@ -116,7 +116,7 @@ class Schedule:
     wide_start: Optional[Tensor] = None
     wide_end: Optional[Tensor] = None
     wide_index: dict = field(default_factory=dict, compare=False)
-    rows_per: int = BLOCK_M  # rows of the tallest block (keys the HOLD_W launches' tuning)
+    wide_rows: tuple[int, ...] = ()  # each tall block's height (its adapter's; the last one of a segment may be cut)
     classes: dict = field(default_factory=dict, compare=False)  # `rank_classes`' launches, by rank tile (and switch)
 
 
@@ -139,7 +139,7 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
     def make() -> Schedule:
         n = len(starts)
         by_rank = range(n) if ranks is None else sorted(range(n), key=lambda i: -ranks[i])
-        adapters, firsts, wide_adapters, wide_firsts, wide_ends, wide_index = [], [], [], [], [], {}
+        adapters, firsts, wide_adapters, wide_firsts, wide_ends, wide_rows, wide_index = [], [], [], [], [], [], {}
         for i in by_rank:
             wide_index[len(adapters)] = len(wide_adapters)
             for m in range(starts[i], ends[i], BLOCK_M):
@@ -149,6 +149,7 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
                 wide_adapters.append(i)
                 wide_firsts.append(m)
                 wide_ends.append(min(m + tall[i], ends[i]))
+                wide_rows.append(tall[i])
         wide_index[len(adapters)] = len(wide_adapters)
         last_read = {a: -pos for pos, a in enumerate(by_rank)}  # ties: the row launches' last adapters first
         by_tokens = sorted(range(n), key=lambda i: (starts[i] - ends[i], last_read[i]))
@@ -165,13 +166,13 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         host, segs = _upload_rows(host, device), _upload_rows(segs, device)
         return Schedule(host[0, :nb], host[1, :nb], segs[0, :n], segs[1, :n], segs[2, :n], nb, covered,
                         max_tokens, _bucket(nb), _bucket(max_tokens), runs, host[2, :nw], host[3, :nw], host[4, :nw],
-                        wide_index, max(tall, default=BLOCK_M))
+                        wide_index, tuple(wide_rows))
 
     # the tall blocks' rows, per adapter (by rank: `WIDE_RANK`)
     tall = tuple(BLOCK_M * (WIDE_ROWS_WIDE_RANKS if ranks is not None and ranks[i] > WIDE_RANK else WIDE_ROWS)
                  for i in range(len(starts)))
     if ranks is not None and len(set(ranks)) == 1:
-        ranks = None  # one rank: the segment order (and the cached tables of the layout)
+        ranks = None  # one rank: the segment order (the layout's tables, shared by the ranks of one tall height)
     return _schedules.get_or_make((starts, ends, num_rows, str(device), ranks, tall), make)
 
 
@@ -821,15 +822,16 @@ def _row_launch(call: _Call, full: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
         _zero_if_split(out))
 
 
-def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, int, int, bool, int], ...]:
+def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, int, int, bool, int, int], ...]:
     """The expand / dX launches of a layout: (first row block, end, rank tile, narrower tiles compiled, rank chunks
-    beyond the tile, tuning bucket of its row blocks) each, up to `RANK_CLASS_LAUNCHES`. The row blocks are listed
-    largest rank first (`schedule`), so the blocks whose ranks fit each halving of the tile are a contiguous run,
-    launched with that tile; the last launch takes every narrower rank, with its `narrow_levels`. Ranks that all
-    fit one class (one rank, say) launch as that class would beside others: an adapter set that shrinks to them
-    mid-run (its widest ranks exited, the tile held: `rank_chunk`) compiles no new kernel."""
-    # (a schedule of one rank is shared by every rank, and has no runs: its rank, rounded up to 16, is the width;
-    # 128 and 256 have one tile, but 256 takes two chunks)
+    beyond the tile, tuning bucket of its row blocks, rows of its tallest block) each, up to `RANK_CLASS_LAUNCHES`.
+    The row blocks are listed largest rank first (`schedule`), so the blocks whose ranks fit each halving of the tile
+    are a contiguous run, launched with that tile; the last launch takes every narrower rank, with its
+    `narrow_levels`. Ranks that all fit one class (one rank, say) launch as that class would beside others: an adapter
+    set that shrinks to them mid-run (its widest ranks exited, the tile held: `rank_chunk`) compiles no new kernel
+    (the tallest block, which keys the tuning, is the class's own)."""
+    # (a schedule of one rank, shared by the ranks of its tall height, has no runs: its rank, rounded up to 16, is the
+    # width; 128 and 256 have one tile, but 256 takes two chunks)
     key = (table.block_r, table.r_chunks > 1, table.width, RANK_CLASS_LAUNCHES, NARROW_RANK_TILES)
     classes = sched.classes.get(key)
     if classes is not None:
@@ -842,7 +844,9 @@ def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, 
             bounds.append([first, index])
     ends = [b[0] for b in bounds[1:]] + [sched.num_blocks]
     classes = tuple((first, end, tiles[k], narrow_levels(tiles[k]) if k == len(tiles) - 1 else 0,
-                     k == 0 and table.r_chunks > 1, _bucket(end - first)) for (first, k), end in zip(bounds, ends))
+                     k == 0 and table.r_chunks > 1, _bucket(end - first),
+                     max(sched.wide_rows[sched.wide_index[first]:sched.wide_index[end]], default=BLOCK_M))
+                    for (first, k), end in zip(bounds, ends))
     sched.classes[key] = classes
     return classes
 
@@ -853,16 +857,17 @@ def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
     one launch per class of ranks (`rank_classes`), over its row blocks, or, where the tuner picked a ``HOLD_W``
     tile, over the same adapters' tall blocks (``Schedule.wide_index`` maps the class's bounds)."""
     sched, table, width = call.sched, call.table, out.shape[1]
-    for first, end, tile, narrow, multi_chunk, bucket in rank_classes(sched, table):
+    for first, end, tile, narrow, multi_chunk, bucket, rows_per in rank_classes(sched, table):
         wide_first, wide_end = sched.wide_index[first], sched.wide_index[end]
         _rank_times_weight(
             lambda meta, blocks=end - first, tall=wide_end - wide_first:
                 (tall, _cdiv(width, meta["BLOCK_N"])) if meta["HOLD_W"] else (blocks, _cdiv(width, meta["N_PER"])),
             (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.wide_adapter,
-             sched.wide_start, sched.wide_end, sched.seg_start, sched.seg_end, table.ranks, table.scaling, table.drop_p, call.seeds,
-             width, bucket, call.row_tokens, first, wide_first, low.stride(0), out.stride(0)),
+             sched.wide_start, sched.wide_end, sched.seg_start, sched.seg_end, table.ranks, table.scaling,
+             table.drop_p, call.seeds, width, bucket, call.row_tokens, first, wide_first, rows_per, low.stride(0),
+             out.stride(0)),
             dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
-                 BLOCK_M=BLOCK_M, ROWS_PER=sched.rows_per, BLOCK_R=tile, MULTI_CHUNK=multi_chunk, NARROW=narrow,
+                 BLOCK_M=BLOCK_M, BLOCK_R=tile, MULTI_CHUNK=multi_chunk, NARROW=narrow,
                  SCALE_PRODUCT=out.dtype == torch.float16, W_ALIGNED=call.w_aligned, **_meta("rank")))
 
 

@@ -441,9 +441,9 @@ def test_the_schedule_lists_the_longest_programs_first():
     tall = schedule((0, 600), (600, 1000), 1000, torch.device("cpu"), (16, 128))
     assert list(zip(tall.wide_adapter.tolist(), tall.wide_start.tolist(), tall.wide_end.tolist())) == \
         [(1, 600, 1000), (0, 0, 256), (0, 256, 512), (0, 512, 600)]
-    assert tall.rows_per == 512 and tall.wide_index == {0: 0, 7: 1, 17: 4}
+    assert tall.wide_rows == (512, 256, 256, 256) and tall.wide_index == {0: 0, 7: 1, 17: 4}
     uniform = schedule((0, 600), (600, 1000), 1000, torch.device("cpu"), (100, 100))
-    assert uniform.wide_end.tolist() == [512, 600, 1000] and uniform.rows_per == 512
+    assert uniform.wide_end.tolist() == [512, 600, 1000] and uniform.wide_rows == (512,) * 3
     assert schedule((0, 600), (600, 1000), 1000, torch.device("cpu"), (64, 64)).wide_end.tolist() == \
         [256, 512, 600, 856, 1000]
 
@@ -466,6 +466,32 @@ def test_adapter_sets_past_the_kernels_limits_get_a_clear_error(monkeypatch):
     monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 16)  # 16-wide chunks: 16 of them at rank 256
     with pytest.raises(ValueError, match="at most 4095 adapters a call with ranks up to 256 \\(got 4096\\)"):
         pointer_table(weights(4096, 256), torch.device("cpu"))
+
+
+def test_a_rank_class_keys_its_tuning_on_its_own_tallest_block(monkeypatch):
+    """The expand / dX launches key their tuning on the tallest block they walk (``ROWS_PER``), their class's: the
+    narrow class of a set with a wide rank (taller blocks) keeps its key once the wide adapter has exited, or has no
+    tokens, so a shrinking set tunes nothing new."""
+    from lightning_multilora.kernels import triton_kernels as K
+    from lightning_multilora.kernels import triton_lora
+
+    launcher, seen = triton_lora._rank_times_weight, []
+    at = K._rank_times_weight.arg_names.index("ROWS_PER")
+
+    def record(grid, args, meta, *rest):
+        seen.append((meta["BLOCK_R"], args[at]))
+        return launcher(grid, args, meta, *rest)
+
+    monkeypatch.setattr(triton_lora, "_rank_times_weight", record)
+    monkeypatch.setattr(triton_lora, "rank_chunk", lambda ranks, device=None: 128)  # a tile held on a GPU
+    keys = {}
+    for ranks, tokens in (([128, 16], [100, 100]), ([16, 16], [100, 100]), ([16, 128], [100, 0])):
+        seen.clear()
+        x, base, w = problem(ranks, tokens, d_in=16, d_out=24, dtype=torch.float32, seed=3)
+        multi_lora_triton(x, base.clone(), w, False)
+        keys[tuple(ranks), tuple(tokens)] = list(seen)
+    assert keys[(128, 16), (100, 100)] == [(128, 8 * triton_lora.BLOCK_M), (64, 4 * triton_lora.BLOCK_M)]
+    assert keys[(16, 16), (100, 100)] == keys[(16, 128), (100, 0)] == [(64, 4 * triton_lora.BLOCK_M)]
 
 
 def test_every_expand_tuning_candidate_gives_the_reference():
@@ -498,9 +524,9 @@ def test_every_expand_tuning_candidate_gives_the_reference():
                     (blocks, triton.cdiv(y.shape[1], meta["N_PER"])))
             kernel[grid](s, table.b_ptrs, w.a[0], y, sched.blk_adapter, sched.blk_start, sched.wide_adapter,
                          sched.wide_start, sched.wide_end, sched.seg_start, sched.seg_end, table.ranks, table.scaling,
-                         table.drop_p, table.ranks, y.shape[1], 4, 1, first, wide_first, s.stride(0), y.stride(0),
-                         W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False, DOT_PRECISION="ieee",
-                         BLOCK_M=triton_lora.BLOCK_M, ROWS_PER=sched.rows_per, BLOCK_R=32, MULTI_CHUNK=True,
+                         table.drop_p, table.ranks, y.shape[1], 4, 1, first, wide_first, max(sched.wide_rows),
+                         s.stride(0), y.stride(0), W_IS_A=False, ACCUMULATE=True, HAS_DROPOUT=False,
+                         DOT_PRECISION="ieee", BLOCK_M=triton_lora.BLOCK_M, BLOCK_R=32, MULTI_CHUNK=True,
                          SCALE_PRODUCT=False, W_ALIGNED=False, NARROW=1, **meta)
         assert rel(y, expected) < 1e-5, meta
 
