@@ -93,6 +93,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 256])
     parser.add_argument("--d-out", type=int, nargs="+", default=[4096, 14336])
     parser.add_argument("--out", default="benchmarks/results/ds_db_one_launch_h200.json")
+    parser.add_argument("--quick", action="store_true", help="two tiles per variant (the tuner's usual picks)")
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = []
@@ -101,7 +102,7 @@ def main() -> None:
     for d_out in args.d_out:
         for kind in args.ranks:
             for tokens in args.tokens:
-                rows += point(d_out, kind, tokens, args.n, device, common)
+                rows += point(d_out, kind, tokens, args.n, device, common, quick=args.quick)
                 with open(args.out, "w") as f:
                     json.dump(rows, f, indent=1)
 
@@ -112,7 +113,7 @@ def _plain(kernel):
 
 
 def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtype: torch.dtype = torch.bfloat16,
-          bench: bool = True) -> list[dict]:
+          bench: bool = True, quick: bool = False) -> list[dict]:
     """Every variant at one point: rows of its time and its dS / dB error against the first variant's."""
     rng = random.Random(0)
     ranks = [rng.choice([8, 16, 24, 32, 48, 64, 96, 128]) for _ in range(n)] if kind == "mixed" else [int(kind)] * n
@@ -175,13 +176,13 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
         return ds.clone(), [g.clone() for g in grads]
 
     variants = {}
-    for rk, rw, rs in ((64, 4, 4), (128, 8, 3)):
-        for gk, gt, gw, gs in ((128, 64, 4, 3), (64, 64, 4, 3), (256, 32, 4, 3)):
+    for rk, rw, rs in ((64, 4, 4), (128, 8, 3))[:1 if quick else 2]:
+        for gk, gt, gw, gs in ((128, 64, 4, 3), (64, 64, 4, 3), (256, 32, 4, 3))[:2 if quick else 3]:
             variants[("two_launches", rk, gk, gt, f"rows {rw}w{rs}s grad {gw}w{gs}s")] = \
                 two_launches(rk, rw, rs, gk, gt, gw, gs)
     for interleave in (True, False):
         for rk, gk, gt, nw, st in ((64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 64, 64, 4, 3), (128, 128, 64, 8, 3),
-                                   (64, 128, 32, 4, 3)):
+                                   (64, 128, 32, 4, 3))[:2 if quick else 5]:
             variants[("interleaved" if interleave else "apart", rk, gk, gt, f"{nw}w{st}s")] = \
                 one_launch(interleave, rk, gk, gt, nw, st)
     valid = torch.zeros_like(ds, dtype=torch.bool)  # dS holds each adapter's first r_i columns of its rows
