@@ -9,12 +9,13 @@ dB launch (`_weight_grad`, ``dB_i += s_i dY_i^T S_i``). The floor of `benchmarks
 second pass is 15% of it (`benchmarks/results/kernels_h200.md`, session 28). Folding dS into the dB launch (its
 ``WITH_DS``) adds dS atomically, which was 2-4x slower there. This probe tries the other way: one launch whose
 program table lists, adapter by adapter, the dS programs of the adapter's row blocks and the dB programs of its
-column blocks side by side (`_ds_and_db`, each program running one of the two kernels' own bodies,
-`triton_kernels._rows_program` / `_grad_program`), so that the adapters in flight are few and each dY tile the first
-reader brings in is still in L2 for the second. ``apart`` runs the same kernel with every dS program first (the two
-launches in one, the control); ``two_launches`` is today's pair. Every variant's dS and dB are checked against
-the two launches'. Times are `triton.testing.do_bench` medians (L2 flushed before each run), fixed tiles each (no
-autotuning: the best of a few per variant).
+column blocks side by side (`triton_kernels._ds_and_db`, each program running one of the two kernels' own bodies,
+in the order of `triton_lora.ds_db_table`), so that the adapters in flight are few and each dY tile the first reader
+brings in is still in L2 for the second. ``apart`` runs the same kernel with every dS program first (the two launches
+in one); ``two_launches`` is the pair the backward makes without `triton_lora.DS_DB_ONE_LAUNCH`. (The results of
+session 28 came from this probe's own copy of the kernel, at commit 7e79159, with dB K tiles of 64 or 128.) Every
+variant's dS and dB are checked against the two launches'. Times are `triton.testing.do_bench` medians (L2 flushed
+before each run), fixed tiles each (no autotuning: the best of a few per variant).
 """
 
 from __future__ import annotations
@@ -26,64 +27,12 @@ from datetime import datetime, timezone
 
 import torch
 import triton
-import triton.language as tl
 from triton.runtime.autotuner import Autotuner
 from triton.testing import do_bench
 
 from lightning_multilora.kernels import LoRAWeights
 from lightning_multilora.kernels import triton_kernels as K
 from lightning_multilora.kernels import triton_lora as T
-
-
-@triton.jit
-def _ds_and_db(PROGS, DY, B_PTRS, B_WITNESS, DS, S, G_PTRS, G_WITNESS, BLK_ADAPTER, BLK_START, SEG_START, SEG_END,
-               ORDER, RANKS, ONES, COEF, DROP_P, SEEDS, K_DIM, ROWS_R_CHUNKS, GRAD_R_CHUNKS, ROW_TOKENS, stride_dy_m,
-               stride_ds_m, stride_s_m, DOT_PRECISION: tl.constexpr, W_ALIGNED: tl.constexpr,
-               G_ALIGNED: tl.constexpr, ADD_TO_G: tl.constexpr, TRANS_ACC: tl.constexpr, BLOCK_M: tl.constexpr,
-               ROWS_BLOCK_K: tl.constexpr, ROWS_BLOCK_R: tl.constexpr, GRAD_BLOCK_K: tl.constexpr,
-               GRAD_BLOCK_T: tl.constexpr, GRAD_BLOCK_R: tl.constexpr):
-    """Program ``p`` runs ``PROGS[p]``: a code ``c >= 0`` is the dS row launch's program ``c`` (row block ``c //
-    ROWS_R_CHUNKS``, its rank chunk), ``c < 0`` the dB launch's program ``-c - 1`` (K block, then adapter slot)."""
-    code = tl.load(PROGS + tl.program_id(0))
-    if code >= 0:
-        K._rows_program(code // ROWS_R_CHUNKS, (code % ROWS_R_CHUNKS) * ROWS_BLOCK_R, 0, DY, B_PTRS, B_WITNESS, DS,
-                        BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, ONES, DROP_P, SEEDS, K_DIM, ROW_TOKENS,
-                        stride_dy_m, stride_ds_m, False, False, DOT_PRECISION, W_ALIGNED, BLOCK_M, ROWS_BLOCK_K,
-                        ROWS_BLOCK_R, 1)
-    else:
-        c = -code - 1
-        k_blocks = tl.cdiv(K_DIM, GRAD_BLOCK_K)
-        K._grad_program(c % k_blocks, 0, c // k_blocks, S, DY, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS,
-                        COEF, DROP_P, SEEDS, B_PTRS, B_WITNESS, DS, K_DIM, GRAD_R_CHUNKS, 1, ROW_TOKENS, stride_s_m,
-                        stride_dy_m, stride_ds_m, False, False, False, ADD_TO_G, DOT_PRECISION, G_ALIGNED, False,
-                        False, TRANS_ACC, GRAD_BLOCK_T, GRAD_BLOCK_K, GRAD_BLOCK_R)
-
-
-def program_table(sched, table, ranks: list[int], k_dim: int, grad_block_k: int, interleave: bool,
-                  device) -> torch.Tensor:
-    """The launch's program codes: per adapter (in the row blocks' order) its dS programs and its dB programs, merged
-    evenly (``interleave``), or every dS program first, then every dB program in the dB launch's order."""
-    grad_r, grad_chunks = T._grad_chunks(table.block_r, table.width)
-    k_blocks = triton.cdiv(k_dim, grad_block_k)
-    blk_adapter = sched.blk_adapter.tolist()
-    ds_of: dict[int, list[int]] = {}
-    order: list[int] = []
-    for pid, a in enumerate(blk_adapter):
-        if a not in ds_of:
-            ds_of[a] = []
-            order.append(a)
-        ds_of[a] += [pid * table.r_chunks + c for c in range(table.r_chunks) if c * table.block_r < ranks[a]]
-    db_of = {a: [-(((a * grad_chunks + c) * k_blocks + kb) + 1) for c in range(grad_chunks) if c * grad_r < ranks[a]
-                 for kb in range(k_blocks)] for a in order}
-    if not interleave:
-        codes = [c for a in order for c in ds_of[a]] + [c for a in order for c in db_of[a]]
-    else:
-        codes = []
-        for a in order:
-            ds, db = ds_of[a], db_of[a]
-            merged = [(i / len(ds), c) for i, c in enumerate(ds)] + [(i / len(db), c) for i, c in enumerate(db)]
-            codes += [c for _, c in sorted(merged, key=lambda p: p[0])]
-    return torch.tensor(codes, dtype=torch.int32, device=device)
 
 
 def main() -> None:
@@ -131,7 +80,6 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
     grads = [torch.zeros(d_out, r, device=device) for r in ranks]
     g_ptrs = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64, device=device)
     ds = torch.empty(rows_total, table.width, device=device, dtype=dtype)
-    identity = torch.arange(n, dtype=torch.int32, device=device)
     w_aligned = all(r % 8 == 0 for r in ranks)
     grad_r, grad_chunks = T._grad_chunks(table.block_r, table.width)
     trans = grad_r >= T.GRAD_TRANSPOSE_MIN_TILE
@@ -146,24 +94,25 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
                 ds.stride(0), W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION="ieee", W_ALIGNED=w_aligned,
                 BLOCK_M=T.BLOCK_M, BLOCK_R=table.block_r, BLOCK_K=rk, SPLIT_K=1, num_warps=rw, num_stages=rs)
             _plain(K._weight_grad)[(triton.cdiv(d_out, gk), n * grad_chunks)](
-                s, dy, g_ptrs, grads[0], sched.seg_start, sched.seg_end, identity, table.ranks, table.scaling,
+                s, dy, g_ptrs, grads[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks, table.scaling,
                 table.drop_p, table.ranks, g_ptrs, grads[0], ds, d_out, grad_chunks, 1, 1, 1, 1 << 30, s.stride(0),
                 dy.stride(0), 0, G_IS_A=False, HAS_DROPOUT=False, ATOMIC=False, ADD_TO_G=True, DOT_PRECISION="ieee",
                 G_ALIGNED=w_aligned, WITH_DS=False, W_ALIGNED=False, TRANS_ACC=trans, BLOCK_T=gt, BLOCK_K=gk,
                 BLOCK_R=grad_r, num_warps=gw, num_stages=gs)
         return run
 
-    def one_launch(interleave, rk, gk, gt, nw, st):
-        progs = program_table(sched, table, ranks, d_out, gk, interleave, device)
+    progs = T.ds_db_table(sched, table, d_out, device)
+    n_ds = sched.num_blocks * table.r_chunks
 
+    def one_launch(interleave, rk, gk, gt, nw, st):
         def run():
-            _ds_and_db[(progs.numel(),)](
+            _plain(K._ds_and_db)[(progs.numel(),)](
                 progs, dy, table.b_ptrs, b[0], ds, s, g_ptrs, grads[0], sched.blk_adapter, sched.blk_start,
-                sched.seg_start, sched.seg_end, identity, table.ranks, table.ones, table.scaling, table.drop_p,
-                table.ranks, d_out, table.r_chunks, grad_chunks, 1 << 30, dy.stride(0), ds.stride(0), s.stride(0),
-                DOT_PRECISION="ieee", W_ALIGNED=w_aligned, G_ALIGNED=w_aligned, ADD_TO_G=True, TRANS_ACC=trans,
-                BLOCK_M=T.BLOCK_M, ROWS_BLOCK_K=rk, ROWS_BLOCK_R=table.block_r, GRAD_BLOCK_K=gk, GRAD_BLOCK_T=gt,
-                GRAD_BLOCK_R=grad_r, num_warps=nw, num_stages=st)
+                sched.seg_start, sched.seg_end, sched.grad_order, table.ranks, table.ones, table.scaling, table.drop_p,
+                table.ranks, d_out, n_ds, table.r_chunks, grad_chunks, 1, 1, 1 << 30, dy.stride(0), ds.stride(0),
+                s.stride(0), DOT_PRECISION="ieee", W_ALIGNED=w_aligned, G_ALIGNED=w_aligned, ADD_TO_G=True,
+                TRANS_ACC=trans, BLOCK_M=T.BLOCK_M, ROWS_BLOCK_R=table.block_r, GRAD_BLOCK_K=gk, GRAD_BLOCK_R=grad_r,
+                ROWS_BLOCK_K=rk, GRAD_BLOCK_T=gt, INTERLEAVE=interleave, num_warps=nw, num_stages=st)
         return run
 
     def result(run):
@@ -181,8 +130,8 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
             variants[("two_launches", rk, gk, gt, f"rows {rw}w{rs}s grad {gw}w{gs}s")] = \
                 two_launches(rk, rw, rs, gk, gt, gw, gs)
     for interleave in (True, False):
-        for rk, gk, gt, nw, st in ((64, 128, 64, 4, 3), (64, 128, 64, 4, 4), (64, 64, 64, 4, 3), (128, 128, 64, 8, 3),
-                                   (64, 128, 32, 4, 3))[:2 if quick else 5]:
+        for rk, gt, nw, st in ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 32, 4, 3))[:2 if quick else 4]:
+            gk = K.DS_DB_GRAD_BLOCK_K  # (the table's)
             variants[("interleaved" if interleave else "apart", rk, gk, gt, f"{nw}w{st}s")] = \
                 one_launch(interleave, rk, gk, gt, nw, st)
     valid = torch.zeros_like(ds, dtype=torch.bool)  # dS holds each adapter's first r_i columns of its rows

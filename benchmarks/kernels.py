@@ -237,6 +237,8 @@ def main() -> None:
     parser.add_argument("--hold-w", choices=["tuned", "on", "off"], default="tuned",
                         help="the expand / dX candidates that hold a weight tile and walk rows (HOLD_W): tuned with "
                              "the others (default), alone, or left out")
+    parser.add_argument("--ds-db-one-launch", choices=["on", "off"], default=None,
+                        help="dS and dB from one launch (triton_lora.DS_DB_ONE_LAUNCH; default: the package's)")
     parser.add_argument("--wide-rows", type=int, default=None,
                         help="row blocks a HOLD_W program walks (triton_lora.WIDE_ROWS; default: the package's)")
     parser.add_argument("--wide-rows-wide-ranks", type=int, default=None,
@@ -251,6 +253,8 @@ def main() -> None:
         triton_lora.WIDE_ROWS = args.wide_rows
     if args.wide_rows_wide_ranks is not None:
         triton_lora.WIDE_ROWS_WIDE_RANKS = args.wide_rows_wide_ranks
+    if args.ds_db_one_launch is not None:
+        triton_lora.DS_DB_ONE_LAUNCH = args.ds_db_one_launch == "on"
     if args.hold_w != "tuned":
         from lightning_multilora.kernels import triton_kernels
 
@@ -275,6 +279,7 @@ def main() -> None:
         common.update(wide_rows=args.wide_rows, hold_w=args.hold_w)
     if args.wide_rows_wide_ranks is not None:
         common["wide_rows_wide_ranks"] = args.wide_rows_wide_ranks
+    common["ds_db_one_launch"] = triton_lora.DS_DB_ONE_LAUNCH
     rows = []
     start = time.monotonic()
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES

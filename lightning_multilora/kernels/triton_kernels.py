@@ -10,7 +10,7 @@ its own ``A_i (r_i, d_in)`` and ``B_i (d_out, r_i)`` tensors, reached through de
 All accumulation is fp32; matrix products take the activation dtype (bf16 / fp16 / fp32; fp32 products
 are tf32 unless ``torch.backends.cuda.matmul.allow_tf32`` is off, then exact "ieee").
 
-The four kernels:
+The kernels:
 - `_rows_times_weight`: ``OUT[t, :r_i] = c_i * (drop_i(IN[t]) @ W_i)`` where W_i is ``A_i^T`` (shrink,
   ``S = drop(X) A^T``) or ``B_i`` (``dS = dY B``, kept without the scaling); one program per (row block,
   rank chunk), the chunks of one row block adjacent (the second reads its rows from L2); split over K (tuned)
@@ -38,6 +38,9 @@ The four kernels:
   chunks of 32 and more: `triton_lora.GRAD_TRANSPOSE_MIN_TILE`): the program accumulates ``G_i^T = drop_i(M_i)^T L_i``,
   a ``(BLOCK_K, BLOCK_R)`` tile with the wide operand on the left of the product (dB's own layout; dA's is stored
   transposed).
+- `_ds_and_db`: the dS row launch's programs and the dB launch's in one launch (`triton_lora.DS_DB_ONE_LAUNCH`), in
+  an order tuned with the tiles: each adapter's side by side, so that both read its dY tiles from DRAM once between
+  them (L2 keeps them for the second), or every dS program first.
 Dropout masks come from a per-adapter seed and the element's (row, column), the row counted from the adapter's first
 row (so an adapter's masks do not depend on where its segment lies): the backward regenerates the forward's mask
 instead of storing it. The seeds come from each adapter's stream and step (`_stream_seeds`) or from torch's random
@@ -63,6 +66,7 @@ DEFAULT_META = {
     "rows": dict(BLOCK_K=64),  # SPLIT_K: `triton_lora._split_k`
     "rank": dict(BLOCK_N=64, N_PER=128, PREFETCH=True, HOLD_W=False),
     "grad": dict(BLOCK_K=64, BLOCK_T=64),
+    "ds_db": dict(ROWS_BLOCK_K=64, GRAD_BLOCK_T=64, INTERLEAVE=True),
 }
 
 
@@ -533,6 +537,59 @@ def _grad_program(pid_k, split, slot, L, M, G_PTRS, G_WITNESS, SEG_START, SEG_EN
         tl.store(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(g_ptrs, acc.to(G_WITNESS.dtype.element_ty), mask=mask)
+
+
+# The dS + dB launch (`_ds_and_db`): the row kernel's tile over K and the weight-gradient kernel's over rows, warps and
+# stages shared, and the order of the programs (INTERLEAVE), tuned together; the dB programs' K tile is the launch's
+# (DS_DB_GRAD_BLOCK_K: the interleaved table is built for it). On the H200 (`benchmarks/ds_db_one_launch.py`, 32
+# adapters, fixed tiles), against the two launches: 4096-wide dY, 1024 tokens, ranks 8..128 184 -> 169 us, r=64 172
+# -> 143 (interleaved); 256 tokens 78 -> 68 (apart); 14336-wide, 1024 tokens 617 -> 616, 256 tokens 225 -> 212 (apart).
+DS_DB_GRAD_BLOCK_K = 128
+_DS_DB_CONFIGS = [triton.Config({"ROWS_BLOCK_K": rk, "GRAD_BLOCK_T": gt, "INTERLEAVE": il}, num_warps=w, num_stages=st)
+                  for rk, gt, w, st in ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 32, 4, 3))
+                  for il in (True, False)]
+
+
+@_tuned(_DS_DB_CONFIGS, key=["K", "ROWS_BLOCK_R", "GRAD_BLOCK_R", "ADD_TO_G", "W_ALIGNED", "G_ALIGNED", "TRANS_ACC",
+                             "ROW_BUCKET", "TOKEN_BUCKET"])
+@triton.jit(do_not_specialize=["N_DS", "ROWS_R_CHUNKS", "GRAD_R_CHUNKS", "ROW_BUCKET", "TOKEN_BUCKET", "ROW_TOKENS"])
+def _ds_and_db(
+    # pointers (PROGS: the interleaved order's program table; B_PTRS: the B_i, read by dS; G_PTRS: the dB_i)
+    PROGS, DY, B_PTRS, B_WITNESS, DS, S, G_PTRS, G_WITNESS, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, ORDER, RANKS,
+    ONES, COEF, DROP_P, SEEDS,
+    # sizes (N_DS: the dS programs, row blocks x ROWS_R_CHUNKS; ROW_BUCKET, TOKEN_BUCKET only key the tuning)
+    K, N_DS, ROWS_R_CHUNKS, GRAD_R_CHUNKS, ROW_BUCKET, TOKEN_BUCKET, ROW_TOKENS,
+    # strides
+    stride_dy_m, stride_ds_m, stride_s_m,
+    # meta-parameters
+    DOT_PRECISION: tl.constexpr, W_ALIGNED: tl.constexpr, G_ALIGNED: tl.constexpr, ADD_TO_G: tl.constexpr,
+    TRANS_ACC: tl.constexpr, BLOCK_M: tl.constexpr, ROWS_BLOCK_R: tl.constexpr, GRAD_BLOCK_K: tl.constexpr,
+    GRAD_BLOCK_R: tl.constexpr, ROWS_BLOCK_K: tl.constexpr, GRAD_BLOCK_T: tl.constexpr, INTERLEAVE: tl.constexpr,
+):
+    """``dS = dY B`` (the row kernel's programs, each storing its rows' dS: one program per row block and rank chunk)
+    and ``dB_i (+)= s_i dY_i^T S_i`` (the weight-gradient kernel's, one per K block and (adapter, rank chunk) slot of
+    ``ORDER``, no row split) in one launch. A program's code: ``c >= 0`` is dS program ``c``, ``c < 0`` dB program
+    ``-c - 1`` (its slot times the K blocks, plus its K block). ``INTERLEAVE``: the codes come from ``PROGS``, each
+    adapter's dS and dB programs side by side (`triton_lora.ds_db_table`), so that the few adapters in flight read
+    their dY tiles from L2 the second time; otherwise every dS program first, then every dB program (the two
+    launches' orders, with no gap between them)."""
+    pid = tl.program_id(0)
+    if INTERLEAVE:
+        code = tl.load(PROGS + pid)
+    else:
+        code = tl.where(pid < N_DS, pid, N_DS - 1 - pid)
+    if code >= 0:
+        _rows_program(code // ROWS_R_CHUNKS, (code % ROWS_R_CHUNKS) * ROWS_BLOCK_R, 0, DY, B_PTRS, B_WITNESS, DS,
+                      BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, ONES, DROP_P, SEEDS, K, ROW_TOKENS,
+                      stride_dy_m, stride_ds_m, False, False, DOT_PRECISION, W_ALIGNED, BLOCK_M, ROWS_BLOCK_K,
+                      ROWS_BLOCK_R, 1)
+    else:
+        q = -code - 1
+        k_blocks = tl.cdiv(K, GRAD_BLOCK_K)
+        _grad_program(q % k_blocks, 0, q // k_blocks, S, DY, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS, COEF,
+                      DROP_P, SEEDS, B_PTRS, B_WITNESS, DS, K, GRAD_R_CHUNKS, 1, ROW_TOKENS, stride_s_m, stride_dy_m,
+                      stride_ds_m, False, False, False, ADD_TO_G, DOT_PRECISION, G_ALIGNED, False, False, TRANS_ACC,
+                      GRAD_BLOCK_T, GRAD_BLOCK_K, GRAD_BLOCK_R)
 
 
 # One launch copies every A_i and B_i into their activation-dtype copies (`triton_lora.WeightCopies`): program

@@ -53,6 +53,7 @@ _pointer_tables = _LRU()
 _rows_times_weight = FastLauncher(K._rows_times_weight, K.INTERPRETED)
 _rank_times_weight = FastLauncher(K._rank_times_weight, K.INTERPRETED)
 _weight_grad = FastLauncher(K._weight_grad, K.INTERPRETED)
+_ds_and_db = FastLauncher(K._ds_and_db, K.INTERPRETED)
 _copy_weights = FastLauncher(K._copy_weights, K.INTERPRETED)
 _stream_seeds = FastLauncher(K._stream_seeds, K.INTERPRETED)
 
@@ -109,6 +110,9 @@ class Schedule:
     token_bucket: int  # the weight-gradient launches' other one: `_bucket` of max_tokens
     # ranks that differ: (rank, first row block) of each run of one rank in the row blocks, largest rank first
     rank_runs: tuple[tuple[int, int], ...] = ()
+    # (adapter, first row block, row blocks) of each adapter with rows, in the row blocks' order; the grad order
+    by_block: tuple[tuple[int, int, int], ...] = ()
+    grad_host: tuple[int, ...] = ()
     # the same row blocks, `WIDE_ROWS` (`WIDE_ROWS_WIDE_RANKS`) times as tall (each adapter's rows from its first, in
     # the same adapter order), each with its adapter, first row and end, and for each row block that starts an adapter
     # (and for num_blocks) the index of its tall block there
@@ -117,7 +121,7 @@ class Schedule:
     wide_end: Optional[Tensor] = None
     wide_index: dict = field(default_factory=dict, compare=False)
     wide_rows: tuple[int, ...] = ()  # each tall block's height (its adapter's; the last one of a segment may be cut)
-    classes: dict = field(default_factory=dict, compare=False)  # `rank_classes`' launches, by rank tile (and switch)
+    classes: dict = field(default_factory=dict, compare=False)  # `rank_classes`' launches, `ds_db_table`s
 
 
 def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, device: torch.device,
@@ -140,8 +144,10 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         n = len(starts)
         by_rank = range(n) if ranks is None else sorted(range(n), key=lambda i: -ranks[i])
         adapters, firsts, wide_adapters, wide_firsts, wide_ends, wide_rows, wide_index = [], [], [], [], [], [], {}
+        firsts_of = {}
         for i in by_rank:
             wide_index[len(adapters)] = len(wide_adapters)
+            firsts_of[i] = len(adapters)
             for m in range(starts[i], ends[i], BLOCK_M):
                 adapters.append(i)
                 firsts.append(m)
@@ -163,10 +169,12 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         covered = all(a == b for a, b in zip(bounds[::2], bounds[1::2]))
         max_tokens = max((e - s for s, e in zip(starts, ends)), default=0)
         runs = () if ranks is None else tuple(_runs(adapters, ranks))
+        by_block = tuple((i, firsts_of[i], (ends[i] - starts[i] + BLOCK_M - 1) // BLOCK_M) for i in by_rank
+                         if ends[i] > starts[i])
         host, segs = _upload_rows(host, device), _upload_rows(segs, device)
         return Schedule(host[0, :nb], host[1, :nb], segs[0, :n], segs[1, :n], segs[2, :n], nb, covered,
-                        max_tokens, _bucket(nb), _bucket(max_tokens), runs, host[2, :nw], host[3, :nw], host[4, :nw],
-                        wide_index, tuple(wide_rows))
+                        max_tokens, _bucket(nb), _bucket(max_tokens), runs, by_block, tuple(by_tokens), host[2, :nw],
+                        host[3, :nw], host[4, :nw], wide_index, tuple(wide_rows))
 
     # the tall blocks' rows, per adapter (by rank: `WIDE_RANK`)
     tall = tuple(BLOCK_M * (WIDE_ROWS_WIDE_RANKS if ranks is not None and ranks[i] > WIDE_RANK else WIDE_ROWS)
@@ -538,9 +546,14 @@ class _LoRAExpand(torch.autograd.Function):
         fused = sched.num_blocks and call.fuse_ds and s is not None
         # (dS goes back to autograd as S's gradient: zeroed under anomaly detection too, which checks all of it)
         ds = _low_rank_buffer(rows, table, device, call.low_dtype, zero=fused or torch.is_anomaly_enabled())
-        if sched.num_blocks and not fused:
+        one_launch = (sched.num_blocks and s is not None and not fused and DB_AFTER_DS and DS_DB_ONE_LAUNCH
+                      and _rows_store(ds) and _grad_split(call, d_out, device) == 1)
+        if one_launch:  # dS and dB from one launch (`DS_DB_ONE_LAUNCH`)
+            call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True, later_a=True)
+            _ds_db_launch(call, dy, s, ds, call.grad_targets)
+        if sched.num_blocks and not fused and not one_launch:
             _row_launch(call, dy, call.b_ptrs, ds, False, False)
-        if sched.num_blocks and s is not None and (fused or DB_AFTER_DS):
+        if sched.num_blocks and s is not None and (fused or DB_AFTER_DS) and not one_launch:
             # dB here, adding dS too (one pass over dY for both), or right after the dS row launch, while the end of
             # dY that it read is still in L2 (`DB_AFTER_DS`); the shrink's backward then does dA only
             call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True, later_a=True)
@@ -598,6 +611,10 @@ FUSED_DS_MAX_TILE = 16
 # backward took 0.990-0.999x the time (14 of 14 points faster; 4096x4096, 256 tokens: the weight-gradient launches
 # 63.3 -> 61.4 us), the same tuned tiles either way (`benchmarks/results/kernels_h200_ab_s21.json`).
 DB_AFTER_DS = True
+# ... both from one launch (`triton_kernels._ds_and_db`), its programs' order tuned with its tiles: where the row launch
+# stores dS (a half-precision dS: `low_rank_dtype`) and the dB launch splits no rows. Off until measured in a step:
+# launched alone, on the H200 it beat the two launches almost everywhere (`benchmarks/ds_db_one_launch.py`).
+DS_DB_ONE_LAUNCH = False
 # The weight-gradient launches take rank chunks of at most this width, whatever the table's tile: a 128-wide tile
 # computes the full width for every adapter of a mix (its (r, BLOCK_K) fp32 accumulator too), where 64-wide chunks
 # past an adapter's rank return at once. On the H200, 32 adapters x 1024 tokens, ranks 8..128: dA at K=4096 took
@@ -928,7 +945,7 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
     ptrs = targets.a_ptrs if g_is_a else targets.b_ptrs
     with_ds = ds is not None
     block_r, r_chunks = _grad_chunks(table.block_r, table.width)
-    split = _split_for(n * r_chunks * _cdiv(k, 128), sched.max_tokens, device)
+    split = _grad_split(call, k, device)
     tail = (k, r_chunks, split, sched.bucket, sched.token_bucket, call.row_tokens, low.stride(0), full.stride(0),
             ds.stride(0) if with_ds else 0)
     w_args = (call.b_ptrs, call.w_witness, ds) if with_ds else (ptrs, witness, low)  # (unused without dS)
@@ -957,6 +974,73 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
                              *scratch_w, *tail, **meta)
         _tuned_grad_keys.add(tune_key)
     _weight_grad(grid, args, meta)
+
+
+def _rows_store(out: Tensor) -> bool:
+    """Whether the row launch stores into ``out`` (no K split): a half-precision one takes only the candidates that
+    store (`triton_kernels._stores_unless_fp32`), and the interpreter never splits (`_split_k`)."""
+    return out.dtype != torch.float32 or K.INTERPRETED
+
+
+def _grad_split(call: _Call, k: int, device: torch.device) -> int:
+    """The weight-gradient launches' row split (`_split_for`) at width ``k``."""
+    return _split_for(len(call.weights.a) * _grad_chunks(call.table.block_r, call.table.width)[1] * _cdiv(k, 128),
+                      call.sched.max_tokens, device)
+
+
+def ds_db_table(sched: Schedule, table: PointerTable, k: int, device: torch.device) -> Tensor:
+    """The dS + dB launch's interleaved program codes (`triton_kernels._ds_and_db`): adapter by adapter, in the row
+    blocks' order, its dS programs (row blocks x rank chunks) and its dB programs (slots of the grad order x K blocks)
+    merged evenly; the dB programs of adapters without rows (which store their zeros) last. Built once per layout,
+    tile and width."""
+    key = ("ds_db", table.block_r, table.r_chunks, table.width, k, K.DS_DB_GRAD_BLOCK_K)
+    codes = sched.classes.get(key)
+    if codes is None:
+        chunks = _grad_chunks(table.block_r, table.width)[1]
+        k_blocks = _cdiv(k, K.DS_DB_GRAD_BLOCK_K)
+        slot_of = {a: pos * chunks for pos, a in enumerate(sched.grad_host)}
+
+        def db(a: int) -> list[int]:
+            return [-((slot_of[a] + c) * k_blocks + kb) - 1 for c in range(chunks) for kb in range(k_blocks)]
+
+        merged: list[int] = []
+        for a, first, blocks in sched.by_block:
+            ds = list(range(first * table.r_chunks, (first + blocks) * table.r_chunks))
+            dbs = db(a)
+            pairs = [(i / len(ds), 0, c) for i, c in enumerate(ds)] + [(i / len(dbs), 1, c) for i, c in enumerate(dbs)]
+            merged += [c for _, _, c in sorted(pairs)]
+        with_rows = {a for a, _, _ in sched.by_block}
+        merged += [c for a in sched.grad_host if a not in with_rows for c in db(a)]
+        codes = sched.classes[key] = torch.tensor(merged, dtype=torch.int32).to(device)
+    return codes
+
+
+def _ds_db_launch(call: _Call, dy: Tensor, s: Tensor, ds: Tensor, targets: GradTargets) -> None:
+    """``dS = dY B`` into ``ds`` (stored) and ``dB_i (+)= s_i dY_i^T S_i`` into ``targets`` from one launch
+    (`DS_DB_ONE_LAUNCH`): the row launch's and the dB launch's programs, their order tuned (`ds_db_table`)."""
+    weights, table, sched = call.weights, call.table, call.sched
+    n, k, device = len(weights.a), dy.shape[1], dy.device
+    block_r, chunks = _grad_chunks(table.block_r, table.width)
+    witness = targets.b[0] if targets.b else weights.b[0].grad
+    n_ds = sched.num_blocks * table.r_chunks
+    programs = n_ds + n * chunks * _cdiv(k, K.DS_DB_GRAD_BLOCK_K)
+    add_to_g = targets.new is None
+    tail = (sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end, sched.grad_order, table.ranks,
+            table.ones, table.scaling, table.drop_p, call.seeds, k, n_ds, table.r_chunks, chunks, _bucket(n_ds),
+            sched.token_bucket, call.row_tokens, dy.stride(0), ds.stride(0), s.stride(0))
+    args = (ds_db_table(sched, table, k, device), dy, call.b_ptrs, call.w_witness, ds, s, targets.b_ptrs, witness,
+            *tail)
+    meta = dict(DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned, G_ALIGNED=targets.aligned, ADD_TO_G=add_to_g,
+                TRANS_ACC=block_r >= GRAD_TRANSPOSE_MIN_TILE, BLOCK_M=BLOCK_M, ROWS_BLOCK_R=table.block_r,
+                GRAD_BLOCK_K=K.DS_DB_GRAD_BLOCK_K, GRAD_BLOCK_R=block_r, **_meta("ds_db"))
+    tune_key = ("ds_db", k, table.block_r, block_r, add_to_g, call.w_aligned, targets.aligned, meta["TRANS_ACC"],
+                ds.dtype, s.dtype, dy.dtype, witness.dtype, call.precision, _bucket(n_ds), sched.token_bucket)
+    if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
+        # (its trials would add into the gradients several times: they run on scratch ones; dS is stored, not added)
+        scratch = _fresh_grads(weights, table, device)
+        K._ds_and_db[(programs,)](*args[:6], scratch.b_ptrs, scratch.b[0], *tail, **meta)
+        _tuned_grad_keys.add(tune_key)
+    _ds_and_db((programs,), args, meta)
 
 
 def multi_lora_triton(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool) -> Tensor:

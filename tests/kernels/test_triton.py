@@ -1180,6 +1180,63 @@ def test_the_db_launch_leaves_ds_to_the_row_kernel_past_the_fused_tile(monkeypat
     triton_lora.reset_rank_tiles()
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, interleave):
+    """``DS_DB_ONE_LAUNCH``: the expand's backward makes dS and dB in one launch, its programs in the interleaved
+    table's order (each adapter's dS and dB programs side by side) or every dS program first. Ranks of one and of two
+    rank chunks, a gap, an adapter without tokens: new gradients stored (the tokenless adapter's dB zeros), then a
+    second backward adding into them, as the two launches do; the first pass against the float64 reference."""
+    from lightning_multilora.kernels import triton_kernels as K
+    from lightning_multilora.kernels import triton_lora
+
+    launches = []
+    one = triton_lora._ds_db_launch
+    monkeypatch.setattr(triton_lora, "_ds_db_launch", lambda *a: launches.append("dS+dB") or one(*a))
+    monkeypatch.setattr(triton_lora, "_rows_store", lambda out: True)  # (on the GPU too, whatever dS's dtype)
+    monkeypatch.setitem(K.DEFAULT_META, "ds_db", dict(K.DEFAULT_META["ds_db"], INTERLEAVE=interleave))
+    monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 64)  # rank 100: two chunks in every launch
+    flat_like = triton_lora._flat_like
+
+    def nan_filled(*args, zero=True, **kwargs):  # new gradients left empty hold NaN here: an element not stored shows
+        made = flat_like(*args, zero=zero, **kwargs)
+        if not zero:
+            made[0].fill_(float("nan")), made[1].fill_(float("nan"))
+        return made
+
+    monkeypatch.setattr(triton_lora, "_flat_like", nan_filled)
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    x, base, w = problem([24, 100, 8, 40], [130, 70, 0, 65], d_in=40, d_out=136, dtype=dtype, seed=41)
+    grad_out = torch.randn_like(base)
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(triton_lora, "DS_DB_ONE_LAUNCH", on)
+        triton_lora.reset_rank_tiles()
+        launches.clear()
+        first = run_direct(x, base, w, grad_out)
+        direct = with_direct_grads(w)  # (run_direct left .grad set: a second backward adds into it)
+        xg = x.detach().clone().requires_grad_()
+        multi_lora_triton(xg, base.detach().clone(), direct, False).backward(grad_out)
+        results[on] = first, [p.grad.clone() for p in direct.a + direct.b]
+        assert launches == (["dS+dB"] * 2 if on else [])
+    (y, grads), twice = results[True]
+    (y_two, grads_two), twice_two = results[False]
+    assert not grads[1 + 2].any() and not grads[1 + 4 + 2].any()  # (x, A_0..3, B_0..3) the tokenless adapter's
+    for a, b in zip([y, *grads, *twice], [y_two, *grads_two, *twice_two]):
+        assert rel(a, b) < tol
+    y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+    for a, b in zip([y, *grads], [y_ref, *grads_ref]):
+        assert rel(a, b) < tol
+    # the interleaved table holds every program of the launch once: dS's, then each slot's K blocks
+    sched = triton_lora.schedule(w.starts, w.ends, x.shape[0], x.device, tuple(a.shape[0] for a in w.a))
+    table = triton_lora.pointer_table(w, x.device)
+    codes = triton_lora.ds_db_table(sched, table, 136, x.device).tolist()
+    chunks = triton_lora._grad_chunks(table.block_r, table.width)[1]
+    n_db = len(w.a) * chunks * triton.cdiv(136, K.DS_DB_GRAD_BLOCK_K)
+    assert sorted(codes) == sorted([*range(sched.num_blocks * table.r_chunks), *(-q - 1 for q in range(n_db))])
+    triton_lora.reset_rank_tiles()
+
+
 @pytest.mark.parametrize("ranks", [[4, 16], [4, 40]])  # the fused dB + dS launch, and dB after the dS row launch
 def test_direct_gradients_leave_dot_grad_alone_when_only_an_inputs_gradient_is_asked_for(ranks):
     """``torch.autograd.grad(y, [x])`` (or ``backward(inputs=[x])``) accumulates no parameter's gradient with
