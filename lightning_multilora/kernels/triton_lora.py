@@ -1034,7 +1034,8 @@ def _ds_db_launch(call: _Call, dy: Tensor, s: Tensor, ds: Tensor, targets: GradT
                 TRANS_ACC=block_r >= GRAD_TRANSPOSE_MIN_TILE, BLOCK_M=BLOCK_M, ROWS_BLOCK_R=table.block_r,
                 GRAD_BLOCK_K=K.DS_DB_GRAD_BLOCK_K, GRAD_BLOCK_R=block_r, **_meta("ds_db"))
     tune_key = ("ds_db", k, table.block_r, block_r, add_to_g, call.w_aligned, targets.aligned, meta["TRANS_ACC"],
-                ds.dtype, s.dtype, dy.dtype, witness.dtype, call.precision, _bucket(n_ds), sched.token_bucket)
+                ds.dtype, s.dtype, dy.dtype, witness.dtype, call.w_witness.dtype, call.precision, _bucket(n_ds),
+                sched.token_bucket)  # (all the autotuner keys on: a key it has not tuned must not reach real targets)
     if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
         # (its trials would add into the gradients several times: they run on scratch ones; dS is stored, not added)
         scratch = _fresh_grads(weights, table, device)
