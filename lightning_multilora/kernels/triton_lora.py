@@ -993,11 +993,11 @@ def ds_db_table(sched: Schedule, table: PointerTable, k: int, device: torch.devi
     blocks' order, its dS programs (row blocks x rank chunks) and its dB programs (slots of the grad order x K blocks)
     merged evenly; the dB programs of adapters without rows (which store their zeros) last. Built once per layout,
     tile and width."""
-    key = ("ds_db", table.block_r, table.r_chunks, table.width, k, K.DS_DB_GRAD_BLOCK_K)
+    chunks = _grad_chunks(table.block_r, table.width)[1]
+    k_blocks = _cdiv(k, K.DS_DB_GRAD_BLOCK_K)
+    key = ("ds_db", table.r_chunks, chunks, k_blocks)  # (what the codes depend on beside the layout)
     codes = sched.classes.get(key)
     if codes is None:
-        chunks = _grad_chunks(table.block_r, table.width)[1]
-        k_blocks = _cdiv(k, K.DS_DB_GRAD_BLOCK_K)
         slot_of = {a: pos * chunks for pos, a in enumerate(sched.grad_host)}
 
         def db(a: int) -> list[int]:
@@ -1011,7 +1011,7 @@ def ds_db_table(sched: Schedule, table: PointerTable, k: int, device: torch.devi
             merged += [c for _, _, c in sorted(pairs)]
         with_rows = {a for a, _, _ in sched.by_block}
         merged += [c for a in sched.grad_host if a not in with_rows for c in db(a)]
-        codes = sched.classes[key] = torch.tensor(merged, dtype=torch.int32).to(device)
+        codes = sched.classes[key] = _upload(torch.tensor(merged, dtype=torch.int32), device)
     return codes
 
 
