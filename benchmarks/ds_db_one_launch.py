@@ -12,7 +12,9 @@ program table lists, adapter by adapter, the dS programs of the adapter's row bl
 column blocks side by side (`triton_kernels._ds_and_db`, each program running one of the two kernels' own bodies,
 in the order of `triton_lora.ds_db_table`), so that the adapters in flight are few and each dY tile the first reader
 brings in is still in L2 for the second. ``apart`` runs the same kernel with every dS program first (the two launches
-in one); ``two_launches`` is the pair the backward makes without `triton_lora.DS_DB_ONE_LAUNCH`. (The results of
+in one); ``two_launches`` is the pair the backward makes without `triton_lora.DS_DB_ONE_LAUNCH`; at rank tiles up to
+`triton_lora.FUSED_DS_MAX_TILE` (``--ranks 16``) also ``fused_with_ds``, the dB launch adding dS atomically into a
+zeroed fp32 one, which those tiles take today (the zeroing timed with it). (The results of
 session 28 came from this probe's own copy of the kernel, at commit 7e79159, with dB K tiles of 64 or 128.) Every
 variant's dS and dB are checked against the two launches'. Times are `triton.testing.do_bench` medians (L2 flushed
 before each run), fixed tiles each (no autotuning: the best of a few per variant).
@@ -115,37 +117,53 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
                 ROWS_BLOCK_K=rk, GRAD_BLOCK_T=gt, INTERLEAVE=interleave, num_warps=nw, num_stages=st)
         return run
 
-    def result(run):
+    ds32 = torch.zeros(rows_total, table.width, device=device)  # (the fused launch adds dS into a zeroed fp32 one)
+
+    def fused(gk, gt, gw, gs):  # what rank tiles up to FUSED_DS_MAX_TILE take today: dB adding dS atomically
+        def run():
+            ds32.zero_()
+            _plain(K._weight_grad)[(triton.cdiv(d_out, gk), n * grad_chunks)](
+                s, dy, g_ptrs, grads[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks, table.scaling,
+                table.drop_p, table.ranks, table.b_ptrs, b[0], ds32, d_out, grad_chunks, 1, 1, 1, 1 << 30,
+                s.stride(0), dy.stride(0), ds32.stride(0), G_IS_A=False, HAS_DROPOUT=False, ATOMIC=False,
+                ADD_TO_G=True, DOT_PRECISION="ieee", G_ALIGNED=w_aligned, WITH_DS=True, W_ALIGNED=w_aligned,
+                TRANS_ACC=trans, BLOCK_T=gt, BLOCK_K=gk, BLOCK_R=grad_r, num_warps=gw, num_stages=gs)
+        return run
+
+    def result(run, out):
         for g in grads:
             g.zero_()
-        ds.fill_(float("nan"))
+        out.fill_(float("nan"))
         run()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        return ds.clone(), [g.clone() for g in grads]
+        return out.clone(), [g.clone() for g in grads]
 
     variants = {}
     for rk, rw, rs in ((64, 4, 4), (128, 8, 3))[:1 if quick else 2]:
         for gk, gt, gw, gs in ((128, 64, 4, 3), (64, 64, 4, 3), (256, 32, 4, 3))[:2 if quick else 3]:
             variants[("two_launches", rk, gk, gt, f"rows {rw}w{rs}s grad {gw}w{gs}s")] = \
-                two_launches(rk, rw, rs, gk, gt, gw, gs)
+                two_launches(rk, rw, rs, gk, gt, gw, gs), ds
+    if table.block_r <= T.FUSED_DS_MAX_TILE:
+        for gk, gt, gw, gs in ((256, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3))[:2 if quick else 3]:
+            variants[("fused_with_ds", 0, gk, gt, f"{gw}w{gs}s")] = fused(gk, gt, gw, gs), ds32
     for interleave in (True, False):
         for rk, gt, nw, st in ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 32, 4, 3))[:2 if quick else 4]:
             gk = K.DS_DB_GRAD_BLOCK_K  # (the table's)
             variants[("interleaved" if interleave else "apart", rk, gk, gt, f"{nw}w{st}s")] = \
-                one_launch(interleave, rk, gk, gt, nw, st)
+                one_launch(interleave, rk, gk, gt, nw, st), ds
     valid = torch.zeros_like(ds, dtype=torch.bool)  # dS holds each adapter's first r_i columns of its rows
     for st, en, r in zip(starts, ends, ranks):
         valid[st:en, :r] = True
     reference = None
     out = []
-    for (name, rk, gk, gt, launch), run in variants.items():
+    for (name, rk, gk, gt, launch), (run, out_ds) in variants.items():
         try:
-            got_ds, got_g = result(run)
+            got_ds, got_g = result(run, out_ds)
         except Exception as err:  # noqa: BLE001 - a tile that does not fit: reported, not fatal
             print(f"{name} {rk} {gk} {gt} {launch}: {type(err).__name__}: {str(err)[:160]}", flush=True)
             continue
-        got_ds = torch.where(valid, got_ds, 0)
+        got_ds = torch.where(valid, got_ds.float(), 0)
         if reference is None:
             reference = got_ds, got_g
         err_ds = ((got_ds.float() - reference[0].float()).abs().max() / reference[0].float().abs().max()).item()
