@@ -144,13 +144,15 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         n = len(starts)
         by_rank = range(n) if ranks is None else sorted(range(n), key=lambda i: -ranks[i])
         adapters, firsts, wide_adapters, wide_firsts, wide_ends, wide_rows, wide_index = [], [], [], [], [], [], {}
-        firsts_of = {}
+        by_block = []
         for i in by_rank:
             wide_index[len(adapters)] = len(wide_adapters)
-            firsts_of[i] = len(adapters)
+            first = len(adapters)
             for m in range(starts[i], ends[i], BLOCK_M):
                 adapters.append(i)
                 firsts.append(m)
+            if len(adapters) > first:
+                by_block.append((i, first, len(adapters) - first))
             for m in range(starts[i], ends[i], tall[i]):
                 wide_adapters.append(i)
                 wide_firsts.append(m)
@@ -169,11 +171,9 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         covered = all(a == b for a, b in zip(bounds[::2], bounds[1::2]))
         max_tokens = max((e - s for s, e in zip(starts, ends)), default=0)
         runs = () if ranks is None else tuple(_runs(adapters, ranks))
-        by_block = tuple((i, firsts_of[i], (ends[i] - starts[i] + BLOCK_M - 1) // BLOCK_M) for i in by_rank
-                         if ends[i] > starts[i])
         host, segs = _upload_rows(host, device), _upload_rows(segs, device)
         return Schedule(host[0, :nb], host[1, :nb], segs[0, :n], segs[1, :n], segs[2, :n], nb, covered,
-                        max_tokens, _bucket(nb), _bucket(max_tokens), runs, by_block, tuple(by_tokens), host[2, :nw],
+                        max_tokens, _bucket(nb), _bucket(max_tokens), runs, tuple(by_block), tuple(by_tokens), host[2, :nw],
                         host[3, :nw], host[4, :nw], wide_index, tuple(wide_rows))
 
     # the tall blocks' rows, per adapter (by rank: `WIDE_RANK`)
@@ -548,16 +548,17 @@ class _LoRAExpand(torch.autograd.Function):
         ds = _low_rank_buffer(rows, table, device, call.low_dtype, zero=fused or torch.is_anomaly_enabled())
         one_launch = (sched.num_blocks and s is not None and not fused and DB_AFTER_DS and DS_DB_ONE_LAUNCH
                       and _rows_store(ds) and _grad_split(call, d_out, device) == 1)
-        if one_launch:  # dS and dB from one launch (`DS_DB_ONE_LAUNCH`)
-            call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True, later_a=True)
-            _ds_db_launch(call, dy, s, ds, call.grad_targets)
         if sched.num_blocks and not fused and not one_launch:
             _row_launch(call, dy, call.b_ptrs, ds, False, False)
-        if sched.num_blocks and s is not None and (fused or DB_AFTER_DS) and not one_launch:
+        if sched.num_blocks and s is not None and (fused or DB_AFTER_DS):
             # dB here, adding dS too (one pass over dY for both), or right after the dS row launch, while the end of
-            # dY that it read is still in L2 (`DB_AFTER_DS`); the shrink's backward then does dA only
+            # dY that it read is still in L2 (`DB_AFTER_DS`), or with dS in one launch (`DS_DB_ONE_LAUNCH`); the
+            # shrink's backward then does dA only
             call.grad_targets = _grads_of_parameters(call.weights, table, device, empty=True, later_a=True)
-            _weight_grad_launch(False, s, dy, call, call.grad_targets, ds if fused else None)
+            if one_launch:
+                _ds_db_launch(call, dy, s, ds, call.grad_targets)
+            else:
+                _weight_grad_launch(False, s, dy, call, call.grad_targets, ds if fused else None)
         if ctx.needs_input_grad[0]:
             lora_first = ctx.owns_base and _lora_first(sched, None)
             if ctx.owns_base and not lora_first:
