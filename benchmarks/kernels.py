@@ -392,7 +392,7 @@ def tuning_choices() -> dict:
 
     return {name: [dict(key=list(map(str, key)), config=str(config))
                    for key, config in getattr(getattr(triton_kernels, name), "cache", {}).items()]
-            for name in ("_rows_times_weight", "_rank_times_weight", "_weight_grad")}
+            for name in ("_rows_times_weight", "_rank_times_weight", "_weight_grad", "_ds_and_db")}
 
 
 def summarize(rows) -> None:

@@ -613,14 +613,19 @@ FUSED_DS_MAX_TILE = 16
 # 63.3 -> 61.4 us), the same tuned tiles either way (`benchmarks/results/kernels_h200_ab_s21.json`).
 DB_AFTER_DS = True
 # ... both from one launch (`triton_kernels._ds_and_db`), its programs' order tuned with its tiles: where the row launch
-# stores dS (a half-precision dS: `low_rank_dtype`) and the dB launch splits no rows. Off until measured in a step:
-# launched alone, on the H200 it beat the two launches almost everywhere (`benchmarks/ds_db_one_launch.py`).
-DS_DB_ONE_LAUNCH = False
+# stores dS (a half-precision dS: `low_rank_dtype`) and the dB launch splits no rows. On the H200, 32 adapters x 1024
+# tokens, a forward + backward (`benchmarks/kernels.py --ds-db-one-launch on|off`, `ours_shadow`): 4096x4096 ranks
+# 8..128 0.645 -> 0.629 ms, r=64 0.581 -> 0.550, r=128 0.762 -> 0.734; 4096x1024 ranks 8..128 0.390 -> 0.374, r=128
+# 0.463 -> 0.453, 4096x14336 1.415 -> 1.389 / 1.310 -> 1.294, 14336x4096 1.231 -> 1.221 / 1.138 -> 1.113 (4096x1024
+# r=64, and 256 tokens each, take the two launches: a row split, an fp32 dS; `kernels_h200_one_launch_s29.json`).
+DS_DB_ONE_LAUNCH = True
 # The weight-gradient launches take rank chunks of at most this width, whatever the table's tile: a 128-wide tile
 # computes the full width for every adapter of a mix (its (r, BLOCK_K) fp32 accumulator too), where 64-wide chunks
 # past an adapter's rank return at once. On the H200, 32 adapters x 1024 tokens, ranks 8..128: dA at K=4096 took
 # 174 us with the 128 tile, 135 with 64-wide chunks, 142 with 32; dB at K=14336 611, 456, 483. At r=64 the 64 tile
-# beats 32-wide chunks (dA 107 vs 139 us). The expand keeps the full tile (207 us at 128, 241 at 64).
+# beats 32-wide chunks (dA 107 vs 139 us). The expand keeps the full tile (207 us at 128, 241 at 64). At r=128
+# alone 128-wide chunks gained nothing (4096x4096, 1024 tokens: 0.739 -> 0.740 ms a forward + backward; 256 tokens
+# 0.316 -> 0.327).
 GRAD_MAX_TILE = 64
 
 

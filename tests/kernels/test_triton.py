@@ -1139,6 +1139,7 @@ def test_the_db_launch_adds_ds_from_the_dy_it_reads(monkeypatch, chunked, split)
         if g_ref.abs().max() > 0:
             assert rel(g, g_ref) < tol
     monkeypatch.setattr(triton_lora, "FUSED_DS_DB", False)  # the two-launch path agrees
+    monkeypatch.setattr(triton_lora, "DS_DB_ONE_LAUNCH", False)
     rows_launches.clear()
     _, unfused = run_direct(x, base, w, grad_out)
     assert rows_launches == [True, False]
@@ -1154,6 +1155,7 @@ def test_the_db_launch_leaves_ds_to_the_row_kernel_past_the_fused_tile(monkeypat
     from lightning_multilora.kernels import triton_lora
 
     monkeypatch.setattr(triton_lora, "DB_AFTER_DS", db_after_ds)
+    monkeypatch.setattr(triton_lora, "DS_DB_ONE_LAUNCH", False)  # (the two launches; the one: the next test)
     launches = []
     rows, rank, grad = triton_lora._row_launch, triton_lora._rank_launch, triton_lora._weight_grad_launch
     monkeypatch.setattr(triton_lora, "_row_launch", lambda call, full, w_ptrs, out, w_is_a, *rest: launches.append(
@@ -1192,7 +1194,8 @@ def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, 
     launches = []
     one = triton_lora._ds_db_launch
     monkeypatch.setattr(triton_lora, "_ds_db_launch", lambda *a: launches.append("dS+dB") or one(*a))
-    monkeypatch.setattr(triton_lora, "_rows_store", lambda out: True)  # (on the GPU too, whatever dS's dtype)
+    monkeypatch.setattr(triton_lora, "_rows_store", lambda out: True)  # (on the GPU too, whatever dS's dtype and
+    monkeypatch.setattr(triton_lora, "_grad_split", lambda *a: 1)  # the dB row split a problem this small would take)
     monkeypatch.setitem(K.DEFAULT_META, "ds_db", dict(K.DEFAULT_META["ds_db"], INTERLEAVE=interleave))
     monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 64)  # rank 100: two chunks in every launch
     flat_like = triton_lora._flat_like
