@@ -547,7 +547,7 @@ class _LoRAExpand(torch.autograd.Function):
         # (dS goes back to autograd as S's gradient: zeroed under anomaly detection too, which checks all of it)
         ds = _low_rank_buffer(rows, table, device, call.low_dtype, zero=fused or torch.is_anomaly_enabled())
         one_launch = (sched.num_blocks and s is not None and not fused and DB_AFTER_DS and DS_DB_ONE_LAUNCH
-                      and _rows_store(ds) and _grad_split(call, d_out, device) == 1)
+                      and _grad_split(call, d_out, device) == 1)
         if sched.num_blocks and not fused and not one_launch:
             _row_launch(call, dy, call.b_ptrs, ds, False, False)
         if sched.num_blocks and s is not None and (fused or DB_AFTER_DS):
@@ -612,12 +612,15 @@ FUSED_DS_MAX_TILE = 16
 # backward took 0.990-0.999x the time (14 of 14 points faster; 4096x4096, 256 tokens: the weight-gradient launches
 # 63.3 -> 61.4 us), the same tuned tiles either way (`benchmarks/results/kernels_h200_ab_s21.json`).
 DB_AFTER_DS = True
-# ... both from one launch (`triton_kernels._ds_and_db`), its programs' order tuned with its tiles: where the row launch
-# stores dS (a half-precision dS: `low_rank_dtype`) and the dB launch splits no rows. On the H200, 32 adapters x 1024
-# tokens, a forward + backward (`benchmarks/kernels.py --ds-db-one-launch on|off`, `ours_shadow`): 4096x4096 ranks
-# 8..128 0.645 -> 0.629 ms, r=64 0.581 -> 0.550, r=128 0.762 -> 0.734; 4096x1024 ranks 8..128 0.390 -> 0.374, r=128
-# 0.463 -> 0.453, 4096x14336 1.415 -> 1.389 / 1.310 -> 1.294, 14336x4096 1.231 -> 1.221 / 1.138 -> 1.113 (4096x1024
-# r=64, and 256 tokens each, take the two launches: a row split, an fp32 dS; `kernels_h200_one_launch_s29.json`).
+# ... both from one launch (`triton_kernels._ds_and_db`), its programs' order tuned with its tiles: where the dB launch
+# splits no rows. Its dS programs store dS whole, even an fp32 one, which the row launch would split over K to fill
+# the GPU (`low_rank_dtype`): the dB programs fill it here. On the H200, 32 adapters, a forward + backward
+# (`benchmarks/kernels.py --ds-db-one-launch on|off`, `ours_shadow`), ms: 1024 tokens each, 4096x4096 ranks 8..128
+# 0.645 -> 0.629, r=64 0.581 -> 0.550, r=128 0.762 -> 0.734; 4096x1024 ranks 8..128 0.390 -> 0.374, r=128 0.463 ->
+# 0.453; 4096x14336 1.415 -> 1.389, r=64 1.310 -> 1.294; 14336x4096 1.231 -> 1.221, r=64 1.138 -> 1.113 (4096x1024 r=64
+# takes a dB row split: the two launches). 256 tokens each (an fp32 dS): 4096x4096 ranks 8..128 0.232 -> 0.222, r=64
+# 0.217 -> 0.209; 4096x1024 ranks 8..128 0.157 -> 0.152; 4096x14336 0.489 -> 0.476, r=64 0.465 -> 0.449; 14336x4096
+# 0.474 -> 0.461, r=64 0.428 -> 0.420 (`kernels_h200_one_launch_s29.json`, `kernels_h200_one_launch_fp32_s29.json`).
 DS_DB_ONE_LAUNCH = True
 # The weight-gradient launches take rank chunks of at most this width, whatever the table's tile: a 128-wide tile
 # computes the full width for every adapter of a mix (its (r, BLOCK_K) fp32 accumulator too), where 64-wide chunks
@@ -980,12 +983,6 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
                              *scratch_w, *tail, **meta)
         _tuned_grad_keys.add(tune_key)
     _weight_grad(grid, args, meta)
-
-
-def _rows_store(out: Tensor) -> bool:
-    """Whether the row launch stores into ``out`` (no K split): a half-precision one takes only the candidates that
-    store (`triton_kernels._stores_unless_fp32`), and the interpreter never splits (`_split_k`)."""
-    return out.dtype != torch.float32 or K.INTERPRETED
 
 
 def _grad_split(call: _Call, k: int, device: torch.device) -> int:

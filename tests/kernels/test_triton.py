@@ -1194,8 +1194,7 @@ def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, 
     launches = []
     one = triton_lora._ds_db_launch
     monkeypatch.setattr(triton_lora, "_ds_db_launch", lambda *a: launches.append("dS+dB") or one(*a))
-    monkeypatch.setattr(triton_lora, "_rows_store", lambda out: True)  # (on the GPU too, whatever dS's dtype and
-    monkeypatch.setattr(triton_lora, "_grad_split", lambda *a: 1)  # the dB row split a problem this small would take)
+    monkeypatch.setattr(triton_lora, "_grad_split", lambda *a: 1)  # (on the GPU too: a problem this small splits)
     monkeypatch.setitem(K.DEFAULT_META, "ds_db", dict(K.DEFAULT_META["ds_db"], INTERLEAVE=interleave))
     monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 64)  # rank 100: two chunks in every launch
     flat_like = triton_lora._flat_like
