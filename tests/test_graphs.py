@@ -161,10 +161,13 @@ def test_packed_batches_say_they_are_right_padded_and_segment_sums_reuse_their_i
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("rank_b", [16, 40])
 @pytest.mark.parametrize("dtype, rtol, delta_tol", [("float32", 1e-4, 1e-2), ("bfloat16", 3e-2, 5e-2)])
-def test_a_module_with_cuda_graphs_trains_as_the_eager_module(tmp_path, monkeypatch, dtype, rtol, delta_tol):
+def test_a_module_with_cuda_graphs_trains_as_the_eager_module(tmp_path, monkeypatch, dtype, rtol, delta_tol, rank_b):
     """In bf16 the adapters' shadows are read (no weight copy is launched, eagerly or in the graph): the module
-    refreshes them before each replay. "b"'s dropout masks are the eager run's: a replay advances its dropout step."""
+    refreshes them before each replay. "b"'s dropout masks are the eager run's: a replay advances its dropout step.
+    ``rank_b`` 16: dB adds dS (the fused launch); 40: dS and dB from one launch (`DS_DB_ONE_LAUNCH`), which a
+    problem this small takes only with its dB row split left out."""
     import lightning as L
 
     from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
@@ -174,10 +177,15 @@ def test_a_module_with_cuda_graphs_trains_as_the_eager_module(tmp_path, monkeypa
     launches = []
     copy_launch = triton_lora._copy_weights
     monkeypatch.setattr(triton_lora, "_copy_weights", lambda *a, **k: launches.append(1) or copy_launch(*a, **k))
+    one_launches = []
+    if rank_b > triton_lora.FUSED_DS_MAX_TILE:
+        one = triton_lora._ds_db_launch
+        monkeypatch.setattr(triton_lora, "_grad_split", lambda *a: 1)
+        monkeypatch.setattr(triton_lora, "_ds_db_launch", lambda *a: one_launches.append(1) or one(*a))
     results = []
     for graphed in (False, True):
         specs = [AdapterSpec("a", lr=1e-3, batch_size=2, max_steps=8),
-                 AdapterSpec("b", lr=3e-3, rank=16, batch_size=3, max_steps=8, seed=1, dropout=0.1)]
+                 AdapterSpec("b", lr=3e-3, rank=rank_b, batch_size=3, max_steps=8, seed=1, dropout=0.1)]
         dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, max_length=64, truncate=True,
                                  padding="max_length", max_val_examples=8)
         module = MultiLoRAModule("tiny-llama", adapters=specs, dtype=dtype, gradient_checkpointing=True,
@@ -209,6 +217,7 @@ def test_a_module_with_cuda_graphs_trains_as_the_eager_module(tmp_path, monkeypa
     assert eager_deltas.norm() > 0 and (graph_deltas - eager_deltas).norm() / eager_deltas.norm() < delta_tol
     if dtype == "bfloat16":
         assert not launches
+    assert bool(one_launches) == (rank_b > triton_lora.FUSED_DS_MAX_TILE)
 
 
 def test_rows_of_one_sequence_keep_the_causal_attention_path_under_a_capture(monkeypatch):
