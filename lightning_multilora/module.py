@@ -952,6 +952,24 @@ class MultiLoRAMixin:
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
 
+    def _place_resumed(self, placement: Any) -> None:
+        """Under adapter parallelism, on resume: an owner for every adapter holding weights (those of ranks a
+        checkpoint of another size had, placed anew), and this rank's best weights only. Placed adapters are
+        trained whatever the admission budget says of their new rank (nothing trained is dropped), with a
+        warning where it is exceeded."""
+        holding = [rec.spec for rec in self.registry.holding_weights]
+        placement.place(holding)
+        self._best_weights = {n: w for n, w in self._best_weights.items() if placement.owns(n)}
+        if self.admission is None:
+            return
+        for rank in range(placement.world_size):
+            mine = [s for s in holding if placement.owner.get(s.name) == rank]
+            if mine and not self.admission.fits(mine):
+                rank_zero_warn(f"resumed on {placement.world_size} ranks, rank {rank} trains {[s.name for s in mine]}: "
+                               f"{self.admission.predict(mine) / 2**30:.2f} GiB predicted, over the admission budget "
+                               f"of {self.admission.budget / 2**30:.2f} GiB (the checkpoint was written by another "
+                               "number of ranks); they train anyway")
+
     def _merge_given_specs(self, given: list[AdapterSpec]) -> None:
         """After the checkpoint's registry replaced this module's: adapters given now but absent from the checkpoint
         are queued (a sweep extended on resume); one still queued there takes the spec given now; one that has
@@ -992,6 +1010,9 @@ class MultiLoRAMixin:
         # new weights until Lightning loads the checkpoint's into them (after this hook): a resume that fails
         # before then (making them, or loading) exports none of them over the trained adapters' exports (`_held`)
         self._not_loaded = {rec.name for rec in self.registry.holding_weights}
+        placement = self._placement()
+        if placement is not None:  # (a run of another size than wrote it: its adapters' new owners)
+            self._place_resumed(placement)
         for rec in self.registry.holding_weights:
             if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
                 self._create_weights(rec)

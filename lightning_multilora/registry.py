@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any, Iterator, Optional
 
 from lightning_multilora.spec import AdapterSpec
@@ -173,3 +174,15 @@ class AdapterRegistry:
         widths = [max(len(h), *(len(line[j]) for line in lines)) if lines else len(h) for j, h in enumerate(header)]
         fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
         return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
+
+
+def merge_by_owner(states: Sequence[Mapping[str, Any]], owners: Mapping[str, int]) -> dict[str, Any]:
+    """The union of per-rank dicts keyed by adapter name (``states[r]``: rank r's), each key's value from its
+    owner's dict (``owners``: adapter -> rank) where that holds it, else from the lowest rank that does: how the
+    per-adapter parts of an adapter-parallel checkpoint's ranks are merged (`merge_rank_states`)."""
+    merged: dict[str, Any] = {}
+    for rank, state in enumerate(states):
+        for key, value in state.items():
+            if key not in merged or owners.get(key) == rank:
+                merged[key] = value
+    return merged

@@ -79,7 +79,7 @@ def test_an_adapter_parallel_checkpoint_resumed_in_one_process_is_a_named_error(
         (folder / f"rank{rank}.ckpt").write_bytes(b"")
     with pytest.raises(ValueError, match=r"`ckpt_path` .* is an adapter-parallel checkpoint, one file per process "
                                          r"\(rank0.ckpt, rank1.ckpt\): it resumes with strategy='adapter_parallel' "
-                                         "over 2 processes"):
+                                         r"\(over any number of processes"):
         main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(tmp_path),
               "--ckpt_path", str(folder)])
 

@@ -12,7 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_multilora.arguments import check_bool, check_int, check_real
-from lightning_multilora.registry import AdapterState
+from lightning_multilora.registry import AdapterState, merge_by_owner
 
 
 def slope(values: list[float]) -> float:
@@ -142,8 +142,8 @@ class EarlyExit(Callback):
             return
         for rec in list(pl_module.registry.running):
             watch = self.watches.get(rec.name)
-            if not rec.val_losses or watch is None:
-                continue
+            if not rec.val_losses or watch is None or not pl_module._owns(rec.name):
+                continue  # (a curve of another rank's adapter, from a run of another size resumed here: its owner's)
             step, val = rec.val_losses[-1]
             if watch.evaluated_steps and watch.evaluated_steps[-1] == step:
                 continue  # no new validation of this adapter
@@ -173,6 +173,14 @@ class EarlyExit(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.watches = {n: AdapterWatch(**w) for n, w in state_dict.get("watches", {}).items()}
         self.exits = list(state_dict.get("exits", []))
+
+    @staticmethod
+    def merge_rank_states(states: list[dict[str, Any]], owners: dict[str, int]) -> dict[str, Any]:
+        """One state from an adapter-parallel checkpoint's ranks (a run resumed on another number of them): each
+        rank watched the adapters it trained, and listed its own exits (those, by step)."""
+        exits = list({repr(e): e for s in states for e in s.get("exits", [])}.values())
+        return {"watches": merge_by_owner([s.get("watches", {}) for s in states], owners),
+                "exits": sorted(exits, key=lambda e: e.get("step", 0))}
 
     @override
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:

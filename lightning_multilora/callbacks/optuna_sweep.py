@@ -508,6 +508,12 @@ class OptunaSweep(Callback):
                 "exhausted": self.exhausted, "storage": self.storage, "study_name": self.study_name,
                 "first_trial": self.first_trial, "sweep_id": self.sweep_id}
 
+    @staticmethod
+    def merge_rank_states(states: list[dict[str, Any]], owners: dict[str, int]) -> dict[str, Any]:
+        """One state from an adapter-parallel checkpoint's ranks (a run resumed on another number of them): rank
+        0's, which asks, reports and tells for every rank."""
+        return states[0]
+
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.trials = {n: dict(t) for n, t in state_dict.get("trials", {}).items()}

@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_multilora.data.sources import DataSource, GeneratedArithmetic, PreferenceExample
 from lightning_multilora.data.tokenizer import Tokenizer, load_tokenizer
 from lightning_multilora.layout import BatchLayout
+from lightning_multilora.registry import merge_by_owner
 
 if TYPE_CHECKING:
     from lightning_multilora.spec import AdapterSpec
@@ -399,6 +400,12 @@ class MultiLoRADataModule(L.LightningDataModule):
         positions = dict(self._pending_stream_state)
         positions.update({name: s.state_dict() for name, s in self._streams.items()})
         return {"streams": positions}
+
+    @staticmethod
+    def merge_rank_states(states: list[dict[str, Any]], owners: dict[str, int]) -> dict[str, Any]:
+        """One state from an adapter-parallel checkpoint's ranks (a run resumed on another number of them): each
+        adapter's stream position from the rank that trained it."""
+        return {"streams": merge_by_owner([s.get("streams", {}) for s in states], owners)}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

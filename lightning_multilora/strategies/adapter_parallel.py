@@ -22,7 +22,10 @@ error it raised) is broadcast, and every rank applies the same one.
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
@@ -32,6 +35,30 @@ from torch import nn
 from lightning_multilora.spec import AdapterSpec
 
 T = TypeVar("T")
+
+
+def _rank_files(folder: Path, strict: bool = True) -> list[Path]:
+    """``rank0.ckpt``, ``rank1.ckpt``, ... of a checkpoint folder, in rank order; a gap is an error (a rank's file
+    missing: its adapters would be lost), unless not ``strict``."""
+    if not folder.is_dir():
+        return []
+    found = {int(m.group(1)): f for f in folder.iterdir() if (m := re.fullmatch(r"rank(\d+)\.ckpt", f.name))}
+    missing = sorted(set(range(max(found, default=-1) + 1)) - set(found))
+    if missing and strict:
+        raise FileNotFoundError(f"{folder} lacks rank{missing[0]}.ckpt (of rank0..rank{max(found)}.ckpt): every rank's "
+                                "file is needed to resume, each holds its own adapters")
+    return [found[r] for r in sorted(found)]
+
+
+def _check_parts(path: Path, size: int, files: Sequence[Path], parts: Sequence[Mapping[str, Any]],
+                 ranks: Sequence[int]) -> None:
+    """That ``parts`` (the files of ``ranks``) are one checkpoint of ``size`` ranks, written at one step."""
+    for file, part, rank in zip(files, parts, ranks):
+        if (part.get("rank") != rank or part.get("world_size", size) != size
+                or part.get("global_step") != parts[0].get("global_step")):
+            raise ValueError(f"{path} is not one checkpoint of {size} ranks: {file.name} was written by rank "
+                             f"{part.get('rank')} of {part.get('world_size', 'an unknown number')} at step "
+                             f"{part.get('global_step')} (rank0.ckpt: step {parts[0].get('global_step')})")
 
 
 def assign_adapters(specs: Sequence[AdapterSpec], num_ranks: int,
@@ -149,8 +176,6 @@ class AdapterParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """``filepath`` becomes a folder with ``rank<r>.ckpt`` per rank: its adapters, optimizer state and the
         (shared) registry."""
-        from pathlib import Path
-
         path = Path(self.broadcast(str(filepath)))
         if path.is_file():
             self.barrier("adapter_parallel_ckpt")
@@ -158,7 +183,10 @@ class AdapterParallelStrategy(ModelParallelStrategy):
                 path.unlink()
         self.barrier("adapter_parallel_ckpt_ready")
         path.mkdir(parents=True, exist_ok=True)
-        checkpoint = dict(checkpoint, adapter_owner=dict(self.owner), rank=self.global_rank)
+        if self.global_rank == 0:  # a folder written again (``last.ckpt``) by a run of fewer ranks than wrote it
+            for stale in _rank_files(path, strict=False)[self.world_size:]:
+                stale.unlink()
+        checkpoint = dict(checkpoint, adapter_owner=dict(self.owner), rank=self.global_rank, world_size=self.world_size)
         torch.save(checkpoint, path / f"rank{self.global_rank}.ckpt")
         self.barrier("adapter_parallel_ckpt_saved")
 
@@ -173,18 +201,50 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         return True
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """This rank's file of a checkpoint folder written by `save_checkpoint` (same number of ranks)."""
-        from pathlib import Path
+        """This rank's file of a checkpoint folder written by `save_checkpoint`. Written by another number of
+        ranks (or a single-process checkpoint file): every rank's file, merged (`merge_rank_checkpoints`), and
+        the adapters of ranks this run does not have placed anew on the ranks it has (`place`, when the module
+        restores its registry); each adapter keeps its weights, optimizer state and progress."""
+        from lightning_multilora.strategies.rank_checkpoints import merge_rank_checkpoints
 
-        path = Path(self.broadcast(str(checkpoint_path))) / f"rank{self.global_rank}.ckpt"
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist: an adapter-parallel checkpoint is a folder with one "
-                                    f"rank<r>.ckpt per rank, and this run has {self.world_size} ranks")
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-        if checkpoint.get("rank") != self.global_rank:
-            raise ValueError(f"{path} was written by rank {checkpoint.get('rank')}, not {self.global_rank}")
-        self.owner = dict(checkpoint.get("adapter_owner", {}))
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_file():  # a single-process checkpoint: its adapters placed on this run's ranks
+            parts = [torch.load(path, map_location="cpu", weights_only=False)]
+            checkpoint = merge_rank_checkpoints(parts, self.global_rank, self._state_mergers())
+        else:
+            files = _rank_files(path)
+            if not files:
+                raise FileNotFoundError(f"{path} does not exist or holds no rank<r>.ckpt: an adapter-parallel "
+                                        "checkpoint is a folder with one rank<r>.ckpt per rank that wrote it")
+            first = torch.load(files[0], map_location="cpu", weights_only=False)
+            size = first.get("world_size", len(files))  # (older checkpoints: as many ranks as files)
+            if len(files) < size:
+                raise FileNotFoundError(f"{path} lacks rank{len(files)}.ckpt: it was written by {size} ranks, and every "
+                                        "rank's file is needed to resume (each holds its own adapters)")
+            if len(files) > size:
+                warnings.warn(f"{path} holds files of ranks past the {size} that wrote it ({files[size].name}...): "
+                              "left over from an earlier run, ignored", stacklevel=2)
+            if size == self.world_size:
+                rank = self.global_rank
+                checkpoint = first if rank == 0 else torch.load(files[rank], map_location="cpu", weights_only=False)
+                _check_parts(path, size, [files[0], files[rank]], [first, checkpoint], [0, rank])
+            else:
+                parts = [first, *(torch.load(f, map_location="cpu", weights_only=False) for f in files[1:size])]
+                _check_parts(path, size, files[:size], parts, list(range(size)))
+                checkpoint = merge_rank_checkpoints(parts, self.global_rank, self._state_mergers())
+        # adapters owned by ranks this run does not have are placed again by the module
+        self.owner = {n: r for n, r in (checkpoint.get("adapter_owner") or {}).items() if r < self.world_size}
         return checkpoint
+
+    def _state_mergers(self) -> dict[str, Any]:
+        """The ``merge_rank_states`` of the trainer's callbacks (by state key) and datamodule (by class name)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        objects: dict[str, Any] = {}
+        if trainer is not None:
+            objects.update({cb.state_key: cb for cb in trainer.callbacks})
+            if trainer.datamodule is not None:
+                objects[type(trainer.datamodule).__qualname__] = trainer.datamodule
+        return {k: o.merge_rank_states for k, o in objects.items() if callable(getattr(o, "merge_rank_states", None))}
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)  # adapters only
@@ -267,15 +327,13 @@ class AdapterParallelStrategy(ModelParallelStrategy):
 def check_resume_path(ckpt_path: Any, strategy: Any) -> None:
     """A checkpoint of `AdapterParallelStrategy` (a folder of one ``rank<r>.ckpt`` per process) given to another
     strategy: a named error (the loading would fail on the folder)."""
-    from pathlib import Path
-
     if ckpt_path is None or isinstance(strategy, AdapterParallelStrategy) or not Path(str(ckpt_path)).is_dir():
         return
     ranks = sorted(p.name for p in Path(str(ckpt_path)).glob("rank*.ckpt"))
     if ranks:
         raise ValueError(f"`ckpt_path` {str(ckpt_path)!r} is an adapter-parallel checkpoint, one file per process "
-                         f"({', '.join(ranks)}): it resumes with strategy='adapter_parallel' over {len(ranks)} "
-                         "processes")
+                         f"({', '.join(ranks)}): it resumes with strategy='adapter_parallel' (over any number of "
+                         "processes, one included)")
 
 
 def placement_of(pl_module: Any) -> Optional[AdapterParallelStrategy]:

@@ -1,10 +1,14 @@
 """Trains four adapters with `AdapterParallelStrategy` on 2 gloo processes, or in one process (the reference).
 
-    python tests/strategies/ap_run.py OUT_DIR parallel|single|stop|resume|early_exit|early_exit_single|optuna|
+    python tests/strategies/ap_run.py OUT_DIR parallel|single|stop|resume|resume_one|stop_single|resume_two|
+        early_exit|early_exit_single|early_exit_stop_single|early_exit_resume_two|optuna|
         optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|dpo_single|warmup_stop|warmup_resume|optuna_admission|
         optuna_defaults
 
-``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt); ``resume`` finishes from that checkpoint.
+``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt); ``resume`` finishes from that checkpoint,
+``resume_one`` too, on one process (the strategy's, over one rank). ``stop_single`` / ``resume_two``: the same from
+one process without the strategy (a checkpoint file) to 2 ranks; ``early_exit_stop_single`` /
+``early_exit_resume_two`` likewise with the ``early_exit`` rule.
 ``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation.
 ``optuna`` / ``optuna_single``: no fixed adapters; OptunaSweep asks 5 trials (2 slots) from an in-memory TPE study
 that every process creates (2 random startup trials, so later asks depend on what was told before them).
@@ -145,13 +149,13 @@ def main() -> None:
                   enable_model_summary=False, logger=defaults, default_root_dir=str(out / f"root_{mode}"),
                   val_check_interval=3, check_val_every_n_epoch=None)  # checkpointing on: ModelCheckpoint saves at the end
     ckpt_path = None
-    if mode == "stop":
+    if mode in ("stop", "stop_single", "early_exit_stop_single"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         kwargs.update(max_steps=2, callbacks=[ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1)])
-    if mode == "resume":
+    if mode in ("resume", "resume_one", "resume_two", "early_exit_resume_two"):
         (ckpt_path,) = (out / "ckpt").glob("*.ckpt")
-    if mode in ("early_exit", "early_exit_single"):
+    if mode.startswith("early_exit"):
         from lightning_multilora.callbacks import EarlyExit
 
         class ExitA1(EarlyExit):
@@ -162,7 +166,7 @@ def main() -> None:
                 super().observe_validation(name, val_loss, step, new_best)
                 return "overfit" if name == "a1" else None
 
-        kwargs.update(callbacks=[ExitA1()])
+        kwargs.update(callbacks=[*kwargs.get("callbacks", []), ExitA1()])
     held_study = None
     if sweep:
         callbacks, held_study = sweep_callbacks(out, mode)
@@ -186,7 +190,7 @@ def main() -> None:
         shard_size = {"replicated": 1, "hybrid": 2}.get(mode)
         strategy = AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90),
                                            shard_size=shard_size)
-        trainer = L.Trainer(strategy=strategy, devices=4 if mode == "hybrid" else 2, **kwargs)
+        trainer = L.Trainer(strategy=strategy, devices={"hybrid": 4, "resume_one": 1}.get(mode, 2), **kwargs)
     else:
         trainer = L.Trainer(devices=1, **kwargs)
     trainer.fit(module, dm, ckpt_path=ckpt_path)

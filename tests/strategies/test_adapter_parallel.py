@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from lightning_multilora import AdapterSpec
@@ -40,8 +41,6 @@ def test_the_strategy_is_registered_by_name():
 
 
 def test_a_replicated_base_is_cast_to_param_dtype_and_its_adapters_are_not():
-    import torch
-
     from lightning_multilora.base_model import build_base_model
     from lightning_multilora.layer import inject_multilora
 
@@ -103,8 +102,6 @@ def test_two_ranks_train_each_adapter_exactly_like_one_process(parallel_run, sin
 
 
 def test_checkpoints_hold_each_ranks_adapters(parallel_run):
-    import torch
-
     folders = list((parallel_run / "root_parallel").rglob("*.ckpt"))
     assert folders, "the default ModelCheckpoint saved nothing"
     owned = []
@@ -119,8 +116,15 @@ def test_checkpoints_hold_each_ranks_adapters(parallel_run):
 SPEC_NAMES = ("a0", "a1", "a2", "a3")
 
 
-def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_as_if_never_stopped(parallel_run, tmp_path):
-    run(tmp_path, "stop")
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("adapter_parallel_stopped")
+    run(out, "stop")
+    return out
+
+
+def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_as_if_never_stopped(parallel_run, stopped_run):
+    tmp_path = stopped_run
     run(tmp_path, "resume")
     for rank in (0, 1):
         resumed_run = json.loads((tmp_path / f"resume.rank{rank}.json").read_text())
@@ -138,6 +142,50 @@ def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_as_if_never_stopped(
             assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
     with pytest.raises(FileNotFoundError, match="one rank<r>.ckpt per rank"):
         AdapterParallelStrategy().load_checkpoint(tmp_path / "nowhere")
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_one_as_if_never_stopped(parallel_run, stopped_run):
+    """Resumed on one process, a run written by two: rank 1's adapters come back from its file onto rank 0 (their
+    weights, optimizer state, data streams and validation history) and every adapter ends as in the run never
+    stopped."""
+    run(stopped_run, "resume_one")
+    resumed_run = json.loads((stopped_run / "resume_one.rank0.json").read_text())
+    uninterrupted_run = json.loads((parallel_run / "parallel.rank0.json").read_text())
+    saved = torch.load(next((stopped_run / "ckpt").glob("*.ckpt")) / "rank1.ckpt", weights_only=False)
+    moved = {n for n, r in saved["adapter_owner"].items() if r == 1}
+    assert moved and saved["world_size"] == 2
+    assert resumed_run["states"] == uninterrupted_run["states"]
+    for name in SPEC_NAMES:
+        assert [s for s, _ in resumed_run["val"][name]] == [s for s, _ in uninterrupted_run["val"][name]]
+        assert [v for _, v in resumed_run["val"][name]] == pytest.approx(
+            [v for _, v in uninterrupted_run["val"][name]], rel=1e-5)
+        resumed = load_file(stopped_run / "resume_one" / name / "adapter_model.safetensors")
+        uninterrupted = load_file(parallel_run / "parallel" / name / "adapter_model.safetensors")
+        for key in uninterrupted:
+            assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
+
+
+def test_a_single_process_checkpoint_resumes_on_two_ranks_as_if_never_stopped(single_run, tmp_path):
+    """A checkpoint file of one process without the strategy, resumed on two ranks: its adapters placed over both,
+    each ending as in the one process never stopped."""
+    run(tmp_path, "stop_single")
+    assert (tmp_path / "ckpt").is_dir() and all(p.is_file() for p in (tmp_path / "ckpt").glob("*.ckpt"))
+    run(tmp_path, "resume_two")
+    ranks = [json.loads((tmp_path / f"resume_two.rank{r}.json").read_text()) for r in (0, 1)]
+    uninterrupted_run = json.loads((single_run / "single.rank0.json").read_text())
+    assert ranks[0]["owned"] and ranks[1]["owned"] and not set(ranks[0]["owned"]) & set(ranks[1]["owned"])
+    for resumed_run in ranks:
+        assert resumed_run["states"] == uninterrupted_run["states"]
+        for name in SPEC_NAMES:
+            assert [s for s, _ in resumed_run["val"][name]] == [s for s, _ in uninterrupted_run["val"][name]]
+            assert [v for _, v in resumed_run["val"][name]] == pytest.approx(
+                [v for _, v in uninterrupted_run["val"][name]], rel=1e-5)
+    for name in SPEC_NAMES:  # (a3 finished in its step 2 in one process, before the checkpoint: exported there)
+        resumed = load_file(tmp_path / ("stop_single" if name == "a3" else "resume_two") / name
+                            / "adapter_model.safetensors")
+        uninterrupted = load_file(single_run / "single" / name / "adapter_model.safetensors")
+        for key in uninterrupted:
+            assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
 
 
 def test_no_adapter_tensor_enters_a_collective(parallel_run):
@@ -204,6 +252,14 @@ def test_an_early_exit_on_one_rank_reaches_the_other_and_matches_one_process(tmp
         parallel = load_file(tmp_path / "early_exit" / name / "adapter_model.safetensors")
         alone = load_file(tmp_path / "early_exit_single" / name / "adapter_model.safetensors")
         assert_weights_close(parallel, alone)
+    # stopped at step 2 in one process, resumed on two ranks: each adapter judged by its owner alone (the other
+    # rank holds its curve from the checkpoint, and would remove an adapter it does not hold)
+    run(tmp_path, "early_exit_stop_single")
+    run(tmp_path, "early_exit_resume_two")
+    resumed = [json.loads((tmp_path / f"early_exit_resume_two.rank{r}.json").read_text()) for r in (0, 1)]
+    assert resumed[0]["states"] == resumed[1]["states"] == single["states"]
+    assert_weights_close(load_file(tmp_path / "early_exit_resume_two" / "a1" / "adapter_model.safetensors"),
+                         load_file(tmp_path / "early_exit_single" / "a1" / "adapter_model.safetensors"))
 
 
 def test_dpo_on_one_rank_and_sft_on_the_other_train_as_in_one_process(tmp_path):

@@ -1,0 +1,112 @@
+"""One checkpoint from the per-rank files of an adapter-parallel checkpoint: a run resumed on another number of
+processes than wrote it (`AdapterParallelStrategy.load_checkpoint`).
+
+Each rank's file holds its own adapters (weights, optimizer state, best weights, dropout steps, data streams,
+early-exit curves) and the registry as that rank saw it (its own adapters' records current, the others' a step
+behind); what every rank keeps alike (the loops' progress, decisions made on rank 0) is taken from rank 0's file. A
+single-process checkpoint file is one such part, every adapter placed anew. A state that a rank keeps for its own adapters is merged by whoever owned each adapter:
+an object whose state it is (a callback, the datamodule) may define ``merge_rank_states(states, owners)`` (``states``
+in rank order, ``owners`` the adapters' owning ranks) to say how; without it, states that differ between ranks are
+taken from rank 0 with a warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Optional
+
+from lightning_multilora.registry import merge_by_owner
+
+# the module's own entry (`MultiLoRAMixin.on_save_checkpoint`): per-rank parts merged by adapter, the rest rank 0's
+_BY_ADAPTER = ("best_weights", "dropout_steps")
+_RNG = ("torch_rng", "cuda_rng")
+
+
+def merge_rank_checkpoints(parts: Sequence[dict[str, Any]], rank: int,
+                           mergers: Optional[Mapping[str, Callable[..., Any]]] = None) -> dict[str, Any]:
+    """One checkpoint for rank ``rank`` of a run of another size, from ``parts`` (the files of ranks 0..n-1, in
+    order): every adapter's weights and optimizer state, the ranks' per-adapter states merged
+    (`merge_by_owner`), this rank's random state where it had a file (else rank 0's). ``mergers``: for a top-level
+    key (a callback's ``state_key`` under ``"callbacks"``, the datamodule's class name), the ``merge_rank_states``
+    of the object whose state it holds. The adapters' owners (``"adapter_owner"``) are kept as saved: the
+    strategy places them on the ranks it has."""
+    if not parts:
+        raise ValueError("merge_rank_checkpoints needs at least one rank's checkpoint")
+    mergers = dict(mergers or {})
+    owners: dict[str, int] = {}
+    for part in reversed(parts):
+        owners.update(part.get("adapter_owner") or {})
+    merged = dict(parts[0])
+    merged["adapter_owner"] = owners
+    merged["rank"] = rank
+    merged["state_dict"] = merge_by_owner([p.get("state_dict", {}) for p in parts], {})
+    if any("optimizer_states" in p for p in parts):
+        merged["optimizer_states"] = _merge_optimizer_states([p.get("optimizer_states") or [] for p in parts])
+    if any("multilora" in p for p in parts):
+        merged["multilora"] = _merge_module_state([p.get("multilora") or {} for p in parts], owners, rank)
+    callbacks = [p.get("callbacks") or {} for p in parts]
+    merged["callbacks"] = {key: _merge_states(f"callback {key!r}", [c[key] for c in callbacks if key in c],
+                                              owners, mergers.get(key))
+                           for key in dict.fromkeys(k for c in callbacks for k in c)}
+    for key in mergers:
+        if key != "callbacks" and key in merged:  # the datamodule's state, under its class name
+            merged[key] = _merge_states(key, [p[key] for p in parts if key in p], owners, mergers[key])
+    return merged
+
+
+def _merge_states(what: str, states: list[Any], owners: Mapping[str, int], merger: Optional[Callable]) -> Any:
+    if merger is not None:
+        return merger(states, owners)
+    if any(not _same(states[0], s) for s in states[1:]):
+        warnings.warn(f"the checkpoint's ranks saved different states for {what} and it defines no "
+                      "merge_rank_states(states, owners): rank 0's is restored", stacklevel=3)
+    return states[0]
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # (tensors inside: no single truth value)
+        return False
+
+
+def _merge_optimizer_states(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The first optimizer's groups of every rank, one per adapter (the module matches them by name: its
+    ``_match_optimizer_state``), their tensors renumbered; an empty placeholder group (a rank without adapters)
+    dropped; further optimizers rank 0's."""
+    groups: list[dict[str, Any]] = []
+    state: dict[int, Any] = {}
+    count = 0
+    for states in per_rank:
+        if not states:
+            continue
+        saved = states[0]
+        for group in saved["param_groups"]:
+            if group.get("adapter") is None or any(g["adapter"] == group["adapter"] for g in groups):
+                continue
+            ids = list(range(count, count + len(group["params"])))
+            count += len(ids)
+            for old, new in zip(group["params"], ids):
+                if old in saved["state"]:
+                    state[new] = saved["state"][old]
+            groups.append({**group, "params": ids})
+    first = next((s for s in per_rank if s), [])
+    return [{"state": state, "param_groups": groups}, *first[1:]]
+
+
+def _merge_module_state(states: list[dict[str, Any]], owners: Mapping[str, int], rank: int) -> dict[str, Any]:
+    """`MultiLoRAMixin`'s entry: the run's choices from rank 0; registry records, best weights and dropout steps by
+    adapter; the exits not yet shared, from every rank; this rank's random state where it had a file."""
+    merged = dict(states[0])
+    # each adapter's record as its owner left it: the other ranks' copies lack the checkpoint's step, exchanged
+    # after the checkpoint is written
+    records = [{r["spec"]["name"]: r for r in (s.get("registry") or {}).get("records", [])} for s in states]
+    merged["registry"] = {**(states[0].get("registry") or {}), "records": list(merge_by_owner(records, owners).values())}
+    for key in _BY_ADAPTER:
+        merged[key] = merge_by_owner([s.get(key) or {} for s in states], owners)
+    merged["exited_since_sync"] = list(dict.fromkeys(n for s in states for n in s.get("exited_since_sync", [])))
+    own = states[rank] if rank < len(states) else states[0]
+    for key in _RNG:
+        merged[key] = own.get(key)
+    return merged
