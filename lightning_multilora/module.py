@@ -954,21 +954,21 @@ class MultiLoRAMixin:
 
     def _place_resumed(self, placement: Any) -> None:
         """Under adapter parallelism, on resume: an owner for every adapter holding weights (those of ranks a
-        checkpoint of another size had, placed anew), and this rank's best weights only. Placed adapters are
+        checkpoint of another size had, placed anew), and this rank's best weights only. Moved adapters are
         trained whatever the admission budget says of their new rank (nothing trained is dropped), with a
-        warning where it is exceeded."""
-        holding = [rec.spec for rec in self.registry.holding_weights]
-        placement.place(holding)
+        warning where a rank's running adapters exceed it."""
+        placement.place([rec.spec for rec in self.registry.holding_weights])
         self._best_weights = {n: w for n, w in self._best_weights.items() if placement.owns(n)}
-        if self.admission is None:
+        if self.admission is None or getattr(placement, "resized_from", None) is None:
             return
+        running = [rec.spec for rec in self.registry.running]  # (what admission counts)
         for rank in range(placement.world_size):
-            mine = [s for s in holding if placement.owner.get(s.name) == rank]
+            mine = [s for s in running if placement.owner.get(s.name) == rank]
             if mine and not self.admission.fits(mine):
                 rank_zero_warn(f"resumed on {placement.world_size} ranks, rank {rank} trains {[s.name for s in mine]}: "
                                f"{self.admission.predict(mine) / 2**30:.2f} GiB predicted, over the admission budget "
-                               f"of {self.admission.budget / 2**30:.2f} GiB (the checkpoint was written by another "
-                               "number of ranks); they train anyway")
+                               f"of {self.admission.budget / 2**30:.2f} GiB (the checkpoint was written by "
+                               f"{placement.resized_from}); they train anyway")
 
     def _merge_given_specs(self, given: list[AdapterSpec]) -> None:
         """After the checkpoint's registry replaced this module's: adapters given now but absent from the checkpoint

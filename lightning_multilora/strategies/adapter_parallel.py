@@ -50,15 +50,41 @@ def _rank_files(folder: Path, strict: bool = True) -> list[Path]:
     return [found[r] for r in sorted(found)]
 
 
-def _check_parts(path: Path, size: int, files: Sequence[Path], parts: Sequence[Mapping[str, Any]],
-                 ranks: Sequence[int]) -> None:
-    """That ``parts`` (the files of ``ranks``) are one checkpoint of ``size`` ranks, written at one step."""
+def _load(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """A rank file (``mmap``: its tensors left on disk, for a look at its size and step only)."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+
+
+def _written_by(path: Path, files: Sequence[Path]) -> int:
+    """How many ranks wrote the checkpoint folder ``path``: rank 0's file says so; one written before the files
+    said their size, the files from rank 0 on that were written at its step. Files past those: an earlier run's,
+    left in a folder saved again, ignored with a warning."""
+    first = _load(files[0], mmap=True)
+    size = first.get("world_size")
+    if size is None:
+        size = 1
+        while size < len(files) and _load(files[size], mmap=True).get("global_step") == first.get("global_step"):
+            size += 1
+    if len(files) < size:
+        raise FileNotFoundError(f"{path} lacks rank{len(files)}.ckpt: it was written by {size} ranks, and every "
+                                "rank's file is needed to resume (each holds its own adapters)")
+    if len(files) > size:
+        warnings.warn(f"{path} holds files of ranks past the {size} that wrote it ({files[size].name}...): left "
+                      "over from an earlier run, ignored", stacklevel=3)
+    return size
+
+
+def _mismatch(path: Path, size: int, files: Sequence[Path], parts: Sequence[Mapping[str, Any]],
+              ranks: Sequence[int]) -> Optional[str]:
+    """Why ``parts`` (the files of ``ranks``) are not one checkpoint of ``size`` ranks written at one step, or
+    None."""
     for file, part, rank in zip(files, parts, ranks):
         if (part.get("rank") != rank or part.get("world_size", size) != size
                 or part.get("global_step") != parts[0].get("global_step")):
-            raise ValueError(f"{path} is not one checkpoint of {size} ranks: {file.name} was written by rank "
-                             f"{part.get('rank')} of {part.get('world_size', 'an unknown number')} at step "
-                             f"{part.get('global_step')} (rank0.ckpt: step {parts[0].get('global_step')})")
+            return (f"{path} is not one checkpoint of {size} ranks: {file.name} was written by rank {part.get('rank')} "
+                    f"of {part.get('world_size', 'an unknown number')} at step {part.get('global_step')} (rank0.ckpt: "
+                    f"step {parts[0].get('global_step')})")
+    return None
 
 
 def assign_adapters(specs: Sequence[AdapterSpec], num_ranks: int,
@@ -114,6 +140,7 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.shard_size = shard_size
         self.owner: dict[str, int] = {}
+        self.resized_from: Optional[int] = None  # the ranks that wrote the checkpoint resumed, where not this run's
 
     def setup_environment(self) -> None:
         world = self.num_processes * self.num_nodes
@@ -183,12 +210,12 @@ class AdapterParallelStrategy(ModelParallelStrategy):
                 path.unlink()
         self.barrier("adapter_parallel_ckpt_ready")
         path.mkdir(parents=True, exist_ok=True)
-        if self.global_rank == 0:  # a folder written again (``last.ckpt``) by a run of fewer ranks than wrote it
-            for stale in _rank_files(path, strict=False)[self.world_size:]:
-                stale.unlink()
         checkpoint = dict(checkpoint, adapter_owner=dict(self.owner), rank=self.global_rank, world_size=self.world_size)
         torch.save(checkpoint, path / f"rank{self.global_rank}.ckpt")
         self.barrier("adapter_parallel_ckpt_saved")
+        if self.global_rank == 0:  # a folder written again (``last.ckpt``) by a run of fewer ranks than wrote it: the
+            for stale in _rank_files(path, strict=False)[self.world_size:]:  # others' files, once every rank's is new
+                stale.unlink()
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -204,37 +231,52 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         """This rank's file of a checkpoint folder written by `save_checkpoint`. Written by another number of
         ranks (or a single-process checkpoint file): every rank's file, merged (`merge_rank_checkpoints`), and
         the adapters of ranks this run does not have placed anew on the ranks it has (`place`, when the module
-        restores its registry); each adapter keeps its weights, optimizer state and progress."""
+        restores its registry); each adapter keeps its weights, optimizer state and progress. Every rank reads
+        ``rank0.ckpt``'s size and step (the folder is on storage every rank sees)."""
         from lightning_multilora.strategies.rank_checkpoints import merge_rank_checkpoints
 
         path = Path(self.broadcast(str(checkpoint_path)))
+        self.resized_from = None
         if path.is_file():  # a single-process checkpoint: its adapters placed on this run's ranks
-            parts = [torch.load(path, map_location="cpu", weights_only=False)]
-            checkpoint = merge_rank_checkpoints(parts, self.global_rank, self._state_mergers())
+            part = _load(path)
+            if part.get("world_size", 1) > 1:
+                raise ValueError(f"{path} is rank {part.get('rank')}'s file of a checkpoint of {part['world_size']} "
+                                 f"ranks: resume from its folder, {path.parent}")
+            self.resized_from = 1 if self.world_size != 1 else None
+            checkpoint = merge_rank_checkpoints([part], self.global_rank, self._state_mergers())
         else:
             files = _rank_files(path)
             if not files:
                 raise FileNotFoundError(f"{path} does not exist or holds no rank<r>.ckpt: an adapter-parallel "
                                         "checkpoint is a folder with one rank<r>.ckpt per rank that wrote it")
-            first = torch.load(files[0], map_location="cpu", weights_only=False)
-            size = first.get("world_size", len(files))  # (older checkpoints: as many ranks as files)
-            if len(files) < size:
-                raise FileNotFoundError(f"{path} lacks rank{len(files)}.ckpt: it was written by {size} ranks, and every "
-                                        "rank's file is needed to resume (each holds its own adapters)")
-            if len(files) > size:
-                warnings.warn(f"{path} holds files of ranks past the {size} that wrote it ({files[size].name}...): "
-                              "left over from an earlier run, ignored", stacklevel=2)
+            size = _written_by(path, files)
             if size == self.world_size:
                 rank = self.global_rank
-                checkpoint = first if rank == 0 else torch.load(files[rank], map_location="cpu", weights_only=False)
-                _check_parts(path, size, [files[0], files[rank]], [first, checkpoint], [0, rank])
+                checkpoint = _load(files[rank])
+                head = checkpoint if rank == 0 else _load(files[0], mmap=True)
+                self._raise_on_every_rank(_mismatch(path, size, [files[0], files[rank]], [head, checkpoint], [0, rank]))
+                del head
             else:
-                parts = [first, *(torch.load(f, map_location="cpu", weights_only=False) for f in files[1:size])]
-                _check_parts(path, size, files[:size], parts, list(range(size)))
+                self.resized_from = size
+                parts = [_load(f) for f in files[:size]]
+                error = _mismatch(path, size, files[:size], parts, list(range(size)))  # (alike on every rank)
+                if error:
+                    raise ValueError(error)
                 checkpoint = merge_rank_checkpoints(parts, self.global_rank, self._state_mergers())
         # adapters owned by ranks this run does not have are placed again by the module
         self.owner = {n: r for n, r in (checkpoint.get("adapter_owner") or {}).items() if r < self.world_size}
         return checkpoint
+
+    def _raise_on_every_rank(self, error: Optional[str]) -> None:
+        """Raise ``error`` (this rank's, or another's) on every rank, none left waiting in a collective."""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            errors: list[Any] = [None] * self.world_size
+            dist.all_gather_object(errors, error)
+            error = error or next((e for e in errors if e), None)
+        if error:
+            raise ValueError(error)
 
     def _state_mergers(self) -> dict[str, Any]:
         """The ``merge_rank_states`` of the trainer's callbacks (by state key) and datamodule (by class name)."""

@@ -143,15 +143,39 @@ def test_adapters_placed_anew_on_resume_warn_where_a_rank_exceeds_the_admission_
     strategy = AdapterParallelStrategy()
     strategy.owner = {"a": 0}  # b and c: owned by a rank the resumed run lacks (one rank now)
     specs = [AdapterSpec("a", batch_size=2), AdapterSpec("b", batch_size=2), AdapterSpec("c", batch_size=1)]
-    module = SimpleNamespace(registry=SimpleNamespace(holding_weights=[SimpleNamespace(spec=s) for s in specs]),
+    records = [SimpleNamespace(spec=s) for s in specs]
+    module = SimpleNamespace(registry=SimpleNamespace(holding_weights=records, running=list(records)),
                              _best_weights={"a": 1, "b": 2, "gone": 3}, admission=None)
     MultiLoRAMixin._place_resumed(module, strategy)
     assert strategy.owner == {"a": 0, "b": 0, "c": 0} and module._best_weights == {"a": 1, "b": 2}
     module.admission = AdmissionController(lambda s: float(sum(x.batch_size for x in s)) * 2**30, 4 * 2**30, 1.0)
-    with pytest.warns(UserWarning, match=r"rank 0 trains \['a', 'b', 'c'\]: 5.00 GiB predicted, over the admission "
-                                         r"budget of 4.00 GiB"):
-        MultiLoRAMixin._place_resumed(module, strategy)
-    module.registry.holding_weights.pop()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        MultiLoRAMixin._place_resumed(module, strategy)  # a and b: 4 GiB, within it
+        MultiLoRAMixin._place_resumed(module, strategy)  # a resume of the size that wrote it: as admitted then
+    strategy.resized_from = 2
+    with pytest.warns(UserWarning, match=r"rank 0 trains \['a', 'b', 'c'\]: 5.00 GiB predicted, over the admission "
+                                         r"budget of 4.00 GiB \(the checkpoint was written by 2\)"):
+        MultiLoRAMixin._place_resumed(module, strategy)
+    module.registry.running.pop()  # c paused: a and b, 4 GiB, within it (admission counts the running ones)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MultiLoRAMixin._place_resumed(module, strategy)
+
+
+@pytest.mark.filterwarnings("ignore:the checkpoint's ranks saved different states")
+def test_a_rank_file_alone_is_refused_and_an_older_folder_is_sized_by_its_step(tmp_path):
+    folder = tmp_path / "epoch=0-step=4.ckpt"
+    folder.mkdir()
+    first, second = two_ranks()
+    torch.save(second, folder / "rank1.ckpt")
+    strategy = AdapterParallelStrategy()
+    with pytest.raises(ValueError, match=r"rank1.ckpt is rank 1's file of a checkpoint of 2 ranks: resume from its "
+                                         r"folder"):
+        strategy.load_checkpoint(folder / "rank1.ckpt")
+    # written before the files said their size, over a 3-rank run's folder: rank2.ckpt is of another step
+    for rank, part in enumerate([first, second, {**second, "rank": 2, "global_step": 3}]):
+        torch.save({k: v for k, v in part.items() if k != "world_size"}, folder / f"rank{rank}.ckpt")
+    with pytest.warns(UserWarning, match=r"files of ranks past the 2 that wrote it \(rank2.ckpt...\)"):
+        checkpoint = strategy.load_checkpoint(folder)
+    assert sorted(checkpoint["state_dict"]) == ["layer.lora_A.a", "layer.lora_A.b", "layer.lora_A.c"]
+    assert strategy.resized_from == 2 and strategy.owner == {"a": 0}
