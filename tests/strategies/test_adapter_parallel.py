@@ -165,6 +165,22 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_as_if_never_stopped(parallel_r
             assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
 
 
+def test_a_folder_of_mixed_steps_fails_every_rank_with_its_reason(stopped_run, tmp_path):
+    """Rank 1's file of another step (say, a folder saved again that a crash left half-written): both ranks fail
+    at the resume with the reason, rank 0 too, whose own files agree (none is left waiting in a collective)."""
+    import shutil
+
+    (saved,) = (stopped_run / "ckpt").glob("*.ckpt")
+    folder = tmp_path / "ckpt" / saved.name
+    shutil.copytree(saved, folder)
+    state = torch.load(folder / "rank1.ckpt", weights_only=False)
+    torch.save({**state, "global_step": state["global_step"] - 1}, folder / "rank1.ckpt")
+    result = launch(tmp_path, "resume")
+    assert result.returncode != 0
+    reason = "is not one checkpoint of 2 ranks: rank1.ckpt was written by rank 1 of 2 at step 1 (rank0.ckpt: step 2)"
+    assert result.stderr.count(reason) >= 2, result.stderr[-3000:]  # (each rank's traceback names it)
+
+
 def test_a_single_process_checkpoint_resumes_on_two_ranks_as_if_never_stopped(single_run, tmp_path):
     """A checkpoint file of one process without the strategy, resumed on two ranks: its adapters placed over both,
     each ending as in the one process never stopped."""
