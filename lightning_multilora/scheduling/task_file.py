@@ -12,7 +12,8 @@ A task file::
       - {id: qwen7b-sweep, duration: 900, gpus: 1, command: [multilora, fit, --config, b.yaml]}
 
 A task ``id`` is letters, digits, ``.``, ``_`` and ``-`` (it names the task's logs, ``<log_dir>/logs/<id>.<n>.log``;
-a rerun over the same ``log_dir`` numbers its logs on and keeps the earlier ones).
+a rerun over the same ``log_dir`` numbers its logs on and keeps the earlier ones; its Gantt charts likewise:
+``plan.png`` and ``run.png``, then ``plan.1.png`` and ``run.1.png``...).
 ``--plan-only`` prints the plan and stops; ``--simulate`` runs it on a virtual clock; ``--ray ADDRESS``
 hands each task to a Ray cluster (``auto``: the local one; placement groups with GPU bundles); otherwise
 each task runs as a subprocess on its GPUs (GPU ``i`` is the ``i``-th of ``CUDA_VISIBLE_DEVICES`` where that is
@@ -93,6 +94,18 @@ def _setting(data: Mapping[str, Any], name: str, default: float, path: Any) -> f
     if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
         raise ValueError(f"{path}: `{name}` must be a number of seconds > 0, got {value!r}{yaml_number_hint(value)}")
     return float(value)
+
+
+def chart_paths(log_dir: Path) -> tuple[Path, Path]:
+    """This schedule's plan and run charts in ``log_dir``: ``plan.png`` / ``run.png``, or the first ``plan.<n>.png`` /
+    ``run.<n>.png`` that neither an earlier schedule's plan nor its run took (theirs are kept)."""
+    n = 0
+    while True:
+        suffix = f".{n}" if n else ""
+        paths = log_dir / f"plan{suffix}.png", log_dir / f"run{suffix}.png"
+        if not any(p.exists() for p in paths):
+            return paths
+        n += 1
 
 
 def gantt(placements: Mapping[str, Any], num_gpus: int, path: str | Path, title: str = "") -> Path:
@@ -191,7 +204,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--simulate", action="store_true", help="run on a virtual clock (durations as given)")
     parser.add_argument("--ray", default=None, metavar="ADDRESS", help="run the tasks on this Ray cluster ('auto')")
     parser.add_argument("--inbox", type=Path, default=None, help="folder watched for new task files while running")
-    parser.add_argument("--gantt", type=Path, default=None, help="Gantt chart image (default <log_dir>/plan.png)")
+    parser.add_argument("--gantt", type=Path, default=None,
+                        help="Gantt chart image of the plan (default <log_dir>/plan.png, numbered on where taken)")
     args = parser.parse_args(argv)
     try:
         settings, tasks = load_task_file(args.task_file)
@@ -200,8 +214,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     scheduler = TaskScheduler(settings["gpus"], settings["time_limit_s"], settings["resolution_s"])
     plan: Schedule = scheduler.plan(tasks)
     print(plan.table())
-    chart = gantt(plan.placements, settings["gpus"], args.gantt or Path(settings["log_dir"]) / "plan.png",
-                  f"plan: makespan {plan.makespan:.0f} s")
+    plan_path, run_path = chart_paths(Path(settings["log_dir"]))
+    chart = gantt(plan.placements, settings["gpus"], args.gantt or plan_path, f"plan: makespan {plan.makespan:.0f} s")
     print(f"Gantt chart: {chart}")
     if args.plan_only:
         return 0
@@ -235,6 +249,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         if isinstance(executor, LocalExecutor):
             executor.stop()
     print(records_table(records))
-    done = gantt(records, settings["gpus"], Path(settings["log_dir"]) / "run.png", f"run: makespan {runner.makespan:.0f} s")
+    done = gantt(records, settings["gpus"], run_path, f"run: makespan {runner.makespan:.0f} s")
     print(f"makespan {runner.makespan:.1f} s, {runner.replans} replans; Gantt chart of the run: {done}")
     return 0 if all(r.state == "finished" for r in records.values()) else 1

@@ -37,6 +37,9 @@ def test_plan_only_prints_the_plan_and_draws_the_gantt_chart(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "llama70b-a" in out and "makespan" in out and "optimal" in out
     assert (tmp_path / "logs" / "plan.png").stat().st_size > 1000
+    first = (tmp_path / "logs" / "plan.png").read_bytes()
+    assert main([str(path), "--plan-only"]) == 0  # a rerun over the same log_dir keeps the earlier chart
+    assert (tmp_path / "logs" / "plan.png").read_bytes() == first and (tmp_path / "logs" / "plan.1.png").exists()
 
 
 def test_a_simulated_run_through_the_multilora_command(tmp_path, capsys):
@@ -46,6 +49,9 @@ def test_a_simulated_run_through_the_multilora_command(tmp_path, capsys):
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
     assert out.count("finished") == 7 and (tmp_path / "logs" / "run.png").exists()
+    with pytest.raises(SystemExit):
+        cli_main(["schedule", str(path), "--simulate"])
+    assert {p.name for p in (tmp_path / "logs").glob("*.png")} == {"plan.png", "run.png", "plan.1.png", "run.1.png"}
 
 
 def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
