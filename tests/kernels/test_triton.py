@@ -1182,15 +1182,21 @@ def test_the_db_launch_leaves_ds_to_the_row_kernel_past_the_fused_tile(monkeypat
     triton_lora.reset_rank_tiles()
 
 
+@pytest.mark.parametrize("half_ds", [False, True])
 @pytest.mark.parametrize("interleave", [True, False])
-def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, interleave):
+def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, interleave, half_ds):
     """``DS_DB_ONE_LAUNCH``: the expand's backward makes dS and dB in one launch, its programs in the interleaved
     table's order (each adapter's dS and dB programs side by side) or every dS program first. Ranks of one and of two
     rank chunks, a gap, an adapter without tokens: new gradients stored (the tokenless adapter's dB zeros), then a
-    second backward adding into them, as the two launches do; the first pass against the float64 reference."""
+    second backward adding into them, as the two launches do; the first pass against the float64 reference. An fp32
+    dS (what this problem takes on the GPU: few row blocks) and, ``half_ds``, a bf16 one (many)."""
     from lightning_multilora.kernels import triton_kernels as K
     from lightning_multilora.kernels import triton_lora
 
+    if half_ds:  # S and dS in bf16 as a problem of many row blocks takes them (this one would take fp32)
+        if DEVICE != "cuda":
+            pytest.skip("a half-precision dS: bf16, on the GPU")
+        monkeypatch.setattr(triton_lora, "LOW_RANK_MIN_WAVES", 0)
     launches = []
     one = triton_lora._ds_db_launch
     monkeypatch.setattr(triton_lora, "_ds_db_launch", lambda *a: launches.append("dS+dB") or one(*a))
