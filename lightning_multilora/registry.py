@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import enum
 import math
-from dataclasses import dataclass, field
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from lightning_multilora.spec import AdapterSpec

@@ -4,10 +4,10 @@ processes than wrote it (`AdapterParallelStrategy.load_checkpoint`).
 Each rank's file holds its own adapters (weights, optimizer state, best weights, dropout steps, data streams,
 early-exit curves) and the registry as that rank saw it (its own adapters' records current, the others' a step
 behind); what every rank keeps alike (the loops' progress, decisions made on rank 0) is taken from rank 0's file. A
-single-process checkpoint file is one such part, every adapter placed anew. A state that a rank keeps for its own adapters is merged by whoever owned each adapter:
-an object whose state it is (a callback, the datamodule) may define ``merge_rank_states(states, owners)`` (``states``
-in rank order, ``owners`` the adapters' owning ranks) to say how; without it, states that differ between ranks are
-taken from rank 0 with a warning.
+single-process checkpoint file is one such part, every adapter placed anew. A state that a rank keeps for its own
+adapters is merged by whoever owned each adapter: an object whose state it is (a callback, the datamodule) may
+define ``merge_rank_states(states, owners)`` (``states`` in rank order, ``owners`` the adapters' owning ranks) to
+say how; without it, states that differ between ranks are taken from rank 0 with a warning.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def merge_rank_checkpoints(parts: Sequence[dict[str, Any]], rank: int,
                                               owners, mergers.get(key))
                            for key in dict.fromkeys(k for c in callbacks for k in c)}
     for key in mergers:
-        if key != "callbacks" and key in merged:  # the datamodule's state, under its class name
+        if key in merged:  # the datamodule's state, under its class name (a callback's key is under "callbacks")
             merged[key] = _merge_states(key, [p[key] for p in parts if key in p], owners, mergers[key])
     return merged
 
@@ -77,14 +77,15 @@ def _merge_optimizer_states(per_rank: list[list[dict[str, Any]]]) -> list[dict[s
     dropped; further optimizers rank 0's."""
     groups: list[dict[str, Any]] = []
     state: dict[int, Any] = {}
-    count = 0
+    count, seen = 0, set()
     for states in per_rank:
         if not states:
             continue
         saved = states[0]
         for group in saved["param_groups"]:
-            if group.get("adapter") is None or any(g["adapter"] == group["adapter"] for g in groups):
+            if group.get("adapter") is None or group["adapter"] in seen:
                 continue
+            seen.add(group["adapter"])
             ids = list(range(count, count + len(group["params"])))
             count += len(ids)
             for old, new in zip(group["params"], ids):
@@ -102,7 +103,8 @@ def _merge_module_state(states: list[dict[str, Any]], owners: Mapping[str, int],
     # each adapter's record as its owner left it: the other ranks' copies lack the checkpoint's step, exchanged
     # after the checkpoint is written
     records = [{r["spec"]["name"]: r for r in (s.get("registry") or {}).get("records", [])} for s in states]
-    merged["registry"] = {**(states[0].get("registry") or {}), "records": list(merge_by_owner(records, owners).values())}
+    merged["registry"] = {**(states[0].get("registry") or {}),
+                          "records": list(merge_by_owner(records, owners).values())}
     for key in _BY_ADAPTER:
         merged[key] = merge_by_owner([s.get(key) or {} for s in states], owners)
     merged["exited_since_sync"] = list(dict.fromkeys(n for s in states for n in s.get("exited_since_sync", [])))
