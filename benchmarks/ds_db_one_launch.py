@@ -16,7 +16,9 @@ in one); ``two_launches`` is the pair the backward makes without `triton_lora.DS
 `triton_lora.FUSED_DS_MAX_TILE` (``--ranks 16``) also ``fused_with_ds``, the dB launch adding dS atomically into a
 zeroed fp32 one, which those tiles take today (the zeroing timed with it). (The results of
 session 28 came from this probe's own copy of the kernel, at commit 7e79159, with dB K tiles of 64 or 128.) Every
-variant's dS and dB are checked against the two launches'. Times are `triton.testing.do_bench` medians (L2 flushed
+variant's dS and dB are checked against the two launches'. ``--block-m 64 128``: the one launch also with dS programs over
+taller row blocks (``interleaved_m128``, ``apart_m128``: each adapter's weights re-read from L2 per 128 rows, not 64),
+with tiles of fewer bytes a stage beside the tuner's. Times are `triton.testing.do_bench` medians (L2 flushed
 before each run), fixed tiles each (no autotuning: the best of a few per variant).
 """
 
@@ -45,6 +47,9 @@ def main() -> None:
     parser.add_argument("--d-out", type=int, nargs="+", default=[4096, 14336])
     parser.add_argument("--out", default="benchmarks/results/ds_db_one_launch_h200.json")
     parser.add_argument("--quick", action="store_true", help="two tiles per variant (the tuner's usual picks)")
+    parser.add_argument("--block-m", type=int, nargs="+", default=[64],
+                        help="rows of the dS programs' blocks (the schedule's BLOCK_M) for the one launch; heights "
+                             "other than the package's also take tiles with fewer bytes a stage")
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = []
@@ -53,7 +58,8 @@ def main() -> None:
     for d_out in args.d_out:
         for kind in args.ranks:
             for tokens in args.tokens:
-                rows += point(d_out, kind, tokens, args.n, device, common, quick=args.quick)
+                rows += point(d_out, kind, tokens, args.n, device, common, quick=args.quick,
+                              block_ms=args.block_m)
                 with open(args.out, "w") as f:
                     json.dump(rows, f, indent=1)
 
@@ -63,13 +69,19 @@ def _plain(kernel):
     return kernel.fn if isinstance(kernel, Autotuner) else kernel
 
 
-def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtype: torch.dtype = torch.bfloat16,
-          bench: bool = True, quick: bool = False) -> list[dict]:
-    """Every variant at one point: rows of its time and its dS / dB error against the first variant's."""
+def layout(kind: str, tokens: int, n: int) -> tuple[list[int], tuple[int, ...], tuple[int, ...]]:
+    """Ranks (``kind``: a rank, or ``mixed``: 8..128 drawn from a fixed seed) and the segments of ``n`` adapters
+    of ``tokens`` rows each."""
     rng = random.Random(0)
     ranks = [rng.choice([8, 16, 24, 32, 48, 64, 96, 128]) for _ in range(n)] if kind == "mixed" else [int(kind)] * n
-    starts = tuple(i * tokens for i in range(n))
-    ends = tuple((i + 1) * tokens for i in range(n))
+    return ranks, tuple(i * tokens for i in range(n)), tuple((i + 1) * tokens for i in range(n))
+
+
+def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtype: torch.dtype = torch.bfloat16,
+          bench: bool = True, quick: bool = False, block_ms: tuple[int, ...] = (64,)) -> list[dict]:
+    """Every variant at one point: rows of its time and its dS / dB error against the first variant's. The one
+    launch at each of ``block_ms`` (the dS programs' rows)."""
+    ranks, starts, ends = layout(kind, tokens, n)
     rows_total = n * tokens
     b = tuple((torch.randn(d_out, r, device=device) * 0.02).to(dtype) for r in ranks)  # the bf16 shadows
     a = tuple(torch.zeros(r, 16, device=device, dtype=dtype) for r in ranks)  # (unused: the table's A)
@@ -103,17 +115,23 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
                 BLOCK_R=grad_r, num_warps=gw, num_stages=gs)
         return run
 
-    progs = T.ds_db_table(sched, table, d_out, device)
-    n_ds = sched.num_blocks * table.r_chunks
+    def one_launch(interleave, rk, gk, gt, nw, st, block_m=T.BLOCK_M):
+        package_block_m = T.BLOCK_M
+        T.BLOCK_M = block_m  # (the schedule's blocks, and so the program table, at this height)
+        try:
+            at = T.schedule(starts, ends, rows_total, device, tuple(ranks))
+            progs = T.ds_db_table(at, table, d_out, device)
+        finally:
+            T.BLOCK_M = package_block_m
+        n_ds = at.num_blocks * table.r_chunks
 
-    def one_launch(interleave, rk, gk, gt, nw, st):
         def run():
             _plain(K._ds_and_db)[(progs.numel(),)](
-                progs, dy, table.b_ptrs, b[0], ds, s, g_ptrs, grads[0], sched.blk_adapter, sched.blk_start,
-                sched.seg_start, sched.seg_end, sched.grad_order, table.ranks, table.ones, table.scaling, table.drop_p,
+                progs, dy, table.b_ptrs, b[0], ds, s, g_ptrs, grads[0], at.blk_adapter, at.blk_start,
+                at.seg_start, at.seg_end, at.grad_order, table.ranks, table.ones, table.scaling, table.drop_p,
                 table.ranks, d_out, n_ds, table.r_chunks, grad_chunks, 1, 1, 1 << 30, dy.stride(0), ds.stride(0),
                 s.stride(0), DOT_PRECISION="ieee", W_ALIGNED=w_aligned, G_ALIGNED=w_aligned, ADD_TO_G=True,
-                TRANS_ACC=trans, BLOCK_M=T.BLOCK_M, ROWS_BLOCK_R=table.block_r, GRAD_BLOCK_K=gk, GRAD_BLOCK_R=grad_r,
+                TRANS_ACC=trans, BLOCK_M=block_m, ROWS_BLOCK_R=table.block_r, GRAD_BLOCK_K=gk, GRAD_BLOCK_R=grad_r,
                 ROWS_BLOCK_K=rk, GRAD_BLOCK_T=gt, INTERLEAVE=interleave, num_warps=nw, num_stages=st)
         return run
 
@@ -147,11 +165,15 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
     if table.block_r <= T.FUSED_DS_MAX_TILE:
         for gk, gt, gw, gs in ((256, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3))[:2 if quick else 3]:
             variants[("fused_with_ds", 0, gk, gt, f"{gw}w{gs}s")] = fused(gk, gt, gw, gs), ds32
-    for interleave in (True, False):
-        for rk, gt, nw, st in ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 32, 4, 3))[:2 if quick else 4]:
-            gk = K.DS_DB_GRAD_BLOCK_K  # (the table's)
-            variants[("interleaved" if interleave else "apart", rk, gk, gt, f"{nw}w{st}s")] = \
-                one_launch(interleave, rk, gk, gt, nw, st), ds
+    for block_m in block_ms:
+        tiles = ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 32, 4, 3))[:2 if quick else 4]
+        if block_m != T.BLOCK_M:  # (taller dS tiles: fewer bytes a stage, more warps, so that 2-3 fit an SM)
+            tiles += ((32, 64, 8, 3), (32, 32, 4, 3), (64, 32, 8, 3), (32, 64, 8, 4))
+        for interleave in (True, False):
+            for rk, gt, nw, st in tiles:
+                gk = K.DS_DB_GRAD_BLOCK_K  # (the table's)
+                name = ("interleaved" if interleave else "apart") + ("" if block_m == T.BLOCK_M else f"_m{block_m}")
+                variants[(name, rk, gk, gt, f"{nw}w{st}s")] = one_launch(interleave, rk, gk, gt, nw, st, block_m), ds
     valid = torch.zeros_like(ds, dtype=torch.bool)  # dS holds each adapter's first r_i columns of its rows
     for st, en, r in zip(starts, ends, ranks):
         valid[st:en, :r] = True

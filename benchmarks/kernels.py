@@ -241,6 +241,9 @@ def main() -> None:
                         help="dS and dB from one launch (triton_lora.DS_DB_ONE_LAUNCH; default: the package's)")
     parser.add_argument("--wide-rows", type=int, default=None,
                         help="row blocks a HOLD_W program walks (triton_lora.WIDE_ROWS; default: the package's)")
+    parser.add_argument("--block-m", type=int, default=None,
+                        help="rows of the schedule's blocks (triton_lora.BLOCK_M: the row kernels', dS's and the "
+                             "expand / dX's tile height; default: the package's); the tall blocks keep their rows")
     parser.add_argument("--wide-rows-wide-ranks", type=int, default=None,
                         help="... for adapters of ranks over triton_lora.WIDE_RANK (triton_lora.WIDE_ROWS_WIDE_RANKS; "
                              "default: the package's)")
@@ -249,6 +252,11 @@ def main() -> None:
 
     if args.rank_class_launches is not None:
         triton_lora.RANK_CLASS_LAUNCHES = args.rank_class_launches
+    if args.block_m is not None:  # (the tall blocks' rows kept: WIDE_ROWS counts blocks)
+        tall = triton_lora.BLOCK_M * triton_lora.WIDE_ROWS, triton_lora.BLOCK_M * triton_lora.WIDE_ROWS_WIDE_RANKS
+        triton_lora.BLOCK_M = args.block_m
+        triton_lora.WIDE_ROWS = max(1, tall[0] // args.block_m)
+        triton_lora.WIDE_ROWS_WIDE_RANKS = max(1, tall[1] // args.block_m)
     if args.wide_rows is not None:
         triton_lora.WIDE_ROWS = args.wide_rows
     if args.wide_rows_wide_ranks is not None:
@@ -279,6 +287,8 @@ def main() -> None:
         common.update(wide_rows=args.wide_rows, hold_w=args.hold_w)
     if args.wide_rows_wide_ranks is not None:
         common["wide_rows_wide_ranks"] = args.wide_rows_wide_ranks
+    if args.block_m is not None:
+        common["block_m"] = args.block_m
     common["ds_db_one_launch"] = triton_lora.DS_DB_ONE_LAUNCH
     rows = []
     start = time.monotonic()
