@@ -154,7 +154,8 @@ def _dropout_scale(values, seed, p, tokens, cols, n_cols, row_tokens):
     return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
 
 
-@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "ROW_BUCKET"],
+@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "DOT_PRECISION",
+                             "ROW_BUCKET"],
         reset_to_zero=["OUT"], prune_configs_by={"early_config_prune": _stores_unless_fp32})
 @triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET", "ROW_TOKENS"])
 def _rows_times_weight(
@@ -383,7 +384,8 @@ def _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
 
 
 @_tuned(_RANK_CONFIGS, key=["N", "BLOCK_M", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
-                            "SCALE_PRODUCT", "W_ALIGNED", "NARROW", "ROW_BUCKET", "ROWS_PER"], restore_value=["Y"])
+                            "SCALE_PRODUCT", "W_ALIGNED", "NARROW", "DOT_PRECISION", "ROW_BUCKET", "ROWS_PER"],
+        restore_value=["Y"])
 @triton.jit(do_not_specialize=["ROW_BUCKET", "ROW_TOKENS", "BLK_OFFSET", "WIDE_OFFSET", "ROWS_PER"])
 def _rank_times_weight(
     # pointers (WIDE_ADAPTER, WIDE_START, WIDE_END: the schedule's tall blocks, the ones HOLD_W walks)
@@ -436,7 +438,7 @@ def _rank_times_weight(
 
 
 @_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "ADD_TO_G", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS",
-                             "W_ALIGNED", "TRANS_ACC", "ROW_BUCKET", "TOKEN_BUCKET"])
+                             "W_ALIGNED", "TRANS_ACC", "DOT_PRECISION", "ROW_BUCKET", "TOKEN_BUCKET"])
 @triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T", "ROW_BUCKET", "TOKEN_BUCKET", "ROW_TOKENS"])
 def _weight_grad(
     # pointers (W_PTRS, W_WITNESS, DS: the B_i and dS of WITH_DS)
@@ -551,7 +553,7 @@ _DS_DB_CONFIGS = [triton.Config({"ROWS_BLOCK_K": rk, "GRAD_BLOCK_T": gt, "INTERL
 
 
 @_tuned(_DS_DB_CONFIGS, key=["K", "ROWS_BLOCK_R", "GRAD_BLOCK_R", "ADD_TO_G", "W_ALIGNED", "G_ALIGNED", "TRANS_ACC",
-                             "ROW_BUCKET", "TOKEN_BUCKET"])
+                             "DOT_PRECISION", "ROW_BUCKET", "TOKEN_BUCKET"])
 @triton.jit(do_not_specialize=["N_DS", "ROWS_R_CHUNKS", "GRAD_R_CHUNKS", "ROW_BUCKET", "TOKEN_BUCKET", "ROW_TOKENS"])
 def _ds_and_db(
     # pointers (PROGS: the interleaved order's program table; B_PTRS: the B_i, read by dS; G_PTRS: the dB_i)
