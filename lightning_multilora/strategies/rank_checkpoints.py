@@ -46,18 +46,27 @@ def merge_rank_checkpoints(parts: Sequence[dict[str, Any]], rank: int,
     if any("multilora" in p for p in parts):
         merged["multilora"] = _merge_module_state([p.get("multilora") or {} for p in parts], owners, rank)
     callbacks = [p.get("callbacks") or {} for p in parts]
-    merged["callbacks"] = {key: _merge_states(f"callback {key!r}", [c[key] for c in callbacks if key in c],
+    merged["callbacks"] = {key: _merge_states(f"callback {key!r}", [c.get(key, _MISSING) for c in callbacks],
                                               owners, mergers.get(key))
                            for key in dict.fromkeys(k for c in callbacks for k in c)}
     for key in mergers:
         if key in merged:  # the datamodule's state, under its class name (a callback's key is under "callbacks")
-            merged[key] = _merge_states(key, [p[key] for p in parts if key in p], owners, mergers[key])
+            merged[key] = _merge_states(key, [p.get(key, _MISSING) for p in parts], owners, mergers[key])
     return merged
 
 
-def _merge_states(what: str, states: list[Any], owners: Mapping[str, int], merger: Optional[Callable]) -> Any:
+_MISSING = object()  # a rank's file without the state
+
+
+def _merge_states(what: str, per_rank: list[Any], owners: Mapping[str, int], merger: Optional[Callable]) -> Any:
+    """``per_rank``: each rank's state, `_MISSING` where its file has none. A merger sees the states present in rank
+    order, with ``owners`` renumbered to match (an adapter whose owner's file lacks the state: none, so it is taken
+    from the lowest rank that has it)."""
+    present = [rank for rank, state in enumerate(per_rank) if state is not _MISSING]
+    states = [per_rank[rank] for rank in present]
     if merger is not None:
-        return merger(states, owners)
+        index = {rank: i for i, rank in enumerate(present)}
+        return merger(states, {name: index[rank] for name, rank in owners.items() if rank in index})
     if any(not _same(states[0], s) for s in states[1:]):
         warnings.warn(f"the checkpoint's ranks saved different states for {what} and it defines no "
                       "merge_rank_states(states, owners): rank 0's is restored", stacklevel=3)

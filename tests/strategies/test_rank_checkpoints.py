@@ -91,6 +91,24 @@ def test_a_stale_copy_never_wins_over_the_owners():
     assert merge_by_owner(states, {}) == {"a": "owner's", "b": "stale", "c": "only here"}
 
 
+def test_a_state_missing_from_one_ranks_file_leaves_the_others_by_their_owners():
+    """Three ranks, rank 1's file without the EarlyExit and datamodule states (a callback it did not run): the merger
+    sees ranks 0 and 2 only, and rank 2's adapter keeps its owner's state, not rank 0's stale copy."""
+    owners = {"a": 0, "b": 1, "c": 2}
+    parts = [rank_file(r, {n: v}, owners, {"a": 4, "b": 4, "c": 4}) for r, (n, v) in enumerate([("a", 1), ("b", 2),
+                                                                                                ("c", 3)])]
+    parts[0]["callbacks"]["EarlyExit{}"]["watches"]["c"] = {"ema": -1.0}  # rank 0's stale view of c
+    parts[0]["MultiLoRADataModule"]["streams"]["c"] = {"epoch": 0, "position": -1}
+    del parts[1]["callbacks"]["EarlyExit{}"], parts[1]["MultiLoRADataModule"]
+    mergers = {"EarlyExit{}": EarlyExit.merge_rank_states,
+               "MultiLoRADataModule": MultiLoRADataModule.merge_rank_states}
+    with pytest.warns(UserWarning, match="'Differs'"):
+        merged = merge_rank_checkpoints(parts, rank=0, mergers=mergers)
+    assert merged["callbacks"]["EarlyExit{}"]["watches"] == {"a": {"ema": 1.0}, "c": {"ema": 3.0}}
+    assert merged["MultiLoRADataModule"]["streams"] == {"a": {"epoch": 0, "position": 1},
+                                                        "c": {"epoch": 0, "position": 3}}
+
+
 def test_the_strategy_reads_every_ranks_file_when_the_run_has_another_size(tmp_path):
     folder = tmp_path / "epoch=0-step=4.ckpt"
     folder.mkdir()
