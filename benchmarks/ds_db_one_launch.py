@@ -16,9 +16,10 @@ in one); ``two_launches`` is the pair the backward makes without `triton_lora.DS
 `triton_lora.FUSED_DS_MAX_TILE` (``--ranks 16``) also ``fused_with_ds``, the dB launch adding dS atomically into a
 zeroed fp32 one, which those tiles take today (the zeroing timed with it). (The results of
 session 28 came from this probe's own copy of the kernel, at commit 7e79159, with dB K tiles of 64 or 128.) Every
-variant's dS and dB are checked against the two launches'. ``--block-m 64 128``: the one launch also with dS programs over
-taller row blocks (``interleaved_m128``, ``apart_m128``: each adapter's weights re-read from L2 per 128 rows, not 64),
-with tiles of fewer bytes a stage beside the tuner's. Times are `triton.testing.do_bench` medians (L2 flushed
+variant's dS and dB are checked against the two launches'. ``--block-m 64 128``: the one launch also with dS programs
+over taller row blocks (``interleaved_m128``, ``apart_m128``: each adapter's weights re-read from L2 per 128 rows,
+not 64), with tiles of fewer bytes a stage beside the tuner's; ``--grad-block-k 128 256``: dB programs over 256
+columns (``_k256``: S re-read from L2 per 256 columns, not 128). Times are `triton.testing.do_bench` medians (L2 flushed
 before each run), fixed tiles each (no autotuning: the best of a few per variant).
 """
 
@@ -47,6 +48,9 @@ def main() -> None:
     parser.add_argument("--d-out", type=int, nargs="+", default=[4096, 14336])
     parser.add_argument("--out", default="benchmarks/results/ds_db_one_launch_h200.json")
     parser.add_argument("--quick", action="store_true", help="two tiles per variant (the tuner's usual picks)")
+    parser.add_argument("--grad-block-k", type=int, nargs="+", default=[128],
+                        help="columns of the dB programs' K blocks in the one launch (the package's: "
+                             "triton_kernels.DS_DB_GRAD_BLOCK_K); wider ones re-read S from L2 fewer times")
     parser.add_argument("--block-m", type=int, nargs="+", default=[64],
                         help="rows of the dS programs' blocks (the schedule's BLOCK_M) for the one launch; heights "
                              "other than the package's also take tiles with fewer bytes a stage")
@@ -59,7 +63,7 @@ def main() -> None:
         for kind in args.ranks:
             for tokens in args.tokens:
                 rows += point(d_out, kind, tokens, args.n, device, common, quick=args.quick,
-                              block_ms=args.block_m)
+                              block_ms=args.block_m, grad_block_ks=args.grad_block_k)
                 with open(args.out, "w") as f:
                     json.dump(rows, f, indent=1)
 
@@ -78,9 +82,10 @@ def layout(kind: str, tokens: int, n: int) -> tuple[list[int], tuple[int, ...], 
 
 
 def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtype: torch.dtype = torch.bfloat16,
-          bench: bool = True, quick: bool = False, block_ms: tuple[int, ...] = (64,)) -> list[dict]:
+          bench: bool = True, quick: bool = False, block_ms: tuple[int, ...] = (64,),
+          grad_block_ks: tuple[int, ...] = (K.DS_DB_GRAD_BLOCK_K,)) -> list[dict]:
     """Every variant at one point: rows of its time and its dS / dB error against the first variant's. The one
-    launch at each of ``block_ms`` (the dS programs' rows)."""
+    launch at each of ``block_ms`` (the dS programs' rows) and ``grad_block_ks`` (the dB programs' columns)."""
     ranks, starts, ends = layout(kind, tokens, n)
     rows_total = n * tokens
     b = tuple((torch.randn(d_out, r, device=device) * 0.02).to(dtype) for r in ranks)  # the bf16 shadows
@@ -120,7 +125,7 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
         T.BLOCK_M = block_m  # (the schedule's blocks, and so the program table, at this height)
         try:
             at = T.schedule(starts, ends, rows_total, device, tuple(ranks))
-            progs = T.ds_db_table(at, table, d_out, device)
+            progs = T.ds_db_table(at, table, d_out, device, gk)
         finally:
             T.BLOCK_M = package_block_m
         n_ds = at.num_blocks * table.r_chunks
@@ -166,14 +171,17 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
         for gk, gt, gw, gs in ((256, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3))[:2 if quick else 3]:
             variants[("fused_with_ds", 0, gk, gt, f"{gw}w{gs}s")] = fused(gk, gt, gw, gs), ds32
     for block_m in block_ms:
-        tiles = ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 32, 4, 3))[:2 if quick else 4]
-        if block_m != T.BLOCK_M:  # (taller dS tiles: fewer bytes a stage, more warps, so that 2-3 fit an SM)
-            tiles += ((32, 64, 8, 3), (32, 32, 4, 3), (64, 32, 8, 3), (32, 64, 8, 4))
-        for interleave in (True, False):
-            for rk, gt, nw, st in tiles:
-                gk = K.DS_DB_GRAD_BLOCK_K  # (the table's)
-                name = ("interleaved" if interleave else "apart") + ("" if block_m == T.BLOCK_M else f"_m{block_m}")
-                variants[(name, rk, gk, gt, f"{nw}w{st}s")] = one_launch(interleave, rk, gk, gt, nw, st, block_m), ds
+        for gk in grad_block_ks:
+            tiles = ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 32, 4, 3))[:2 if quick else 4]
+            if block_m != T.BLOCK_M or gk != K.DS_DB_GRAD_BLOCK_K:  # (taller or wider tiles: fewer bytes a stage,
+                tiles += ((32, 64, 8, 3), (32, 32, 4, 3), (64, 32, 8, 3), (32, 64, 8, 4))  # more warps: 2-3 an SM)
+            for interleave in (True, False):
+                for rk, gt, nw, st in tiles:
+                    name = (("interleaved" if interleave else "apart")
+                            + ("" if block_m == T.BLOCK_M else f"_m{block_m}")
+                            + ("" if gk == K.DS_DB_GRAD_BLOCK_K else f"_k{gk}"))
+                    variants[(name, rk, gk, gt, f"{nw}w{st}s")] = \
+                        one_launch(interleave, rk, gk, gt, nw, st, block_m), ds
     valid = torch.zeros_like(ds, dtype=torch.bool)  # dS holds each adapter's first r_i columns of its rows
     for st, en, r in zip(starts, ends, ranks):
         valid[st:en, :r] = True
