@@ -83,7 +83,7 @@ def layout(kind: str, tokens: int, n: int) -> tuple[list[int], tuple[int, ...], 
 
 def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtype: torch.dtype = torch.bfloat16,
           bench: bool = True, quick: bool = False, block_ms: tuple[int, ...] = (64,),
-          grad_block_ks: tuple[int, ...] = (K.DS_DB_GRAD_BLOCK_K,)) -> list[dict]:
+          grad_block_ks: tuple[int, ...] = (128,)) -> list[dict]:
     """Every variant at one point: rows of its time and its dS / dB error against the first variant's. The one
     launch at each of ``block_ms`` (the dS programs' rows) and ``grad_block_ks`` (the dB programs' columns)."""
     ranks, starts, ends = layout(kind, tokens, n)

@@ -9,7 +9,8 @@ times in a process of its own (the autotuner's choices then sit in Triton's on-d
 --profile-from-start off --clock-control none --set full`` with the profiled range around one step, and writes per
 launch: duration, DRAM and L2 throughput (% of peak), memory throughput, L2 hit rate, achieved occupancy, registers,
 shared memory a program, issued IPC, grid and block. ``--ncu-log``: the ncu report as text, beside the rows.
-``--parse FILE``: only read an earlier ncu text report (``--page details``) into rows.
+``--parse FILE``: only read an earlier ncu text report (``--page details``) into rows (labelled with the
+``--shape``, ``--ranks``, ``--tokens`` given).
 
 Needs ``ncu`` with access to the counters (the H200 image has it at /usr/local/cuda/bin/ncu; a machine whose
 runtime hides the counters fails at its first kernel). ncu replays each launch several times, restoring memory between
@@ -30,15 +31,18 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-# (metric name in ncu's details page, its unit there or None for any, row field); units that ncu scales (Duration,
-# shared memory) are converted to the field's
+# (metric name in ncu's details page, its unit there (a unit's tail: "byte/s" takes Tbyte/s, Gbyte/s...) or None for
+# any, row field); the units that ncu scales (`_SCALE`) are converted to the field's, an unknown one refused
 _METRICS = (("Duration", None, "duration_us"), ("DRAM Throughput", "%", "dram_pct"),
-            ("L2 Cache Throughput", "%", "l2_pct"), ("Memory Throughput", "Tbyte/s", "memory_tbps"),
+            ("L2 Cache Throughput", "%", "l2_pct"), ("Memory Throughput", "byte/s", "memory_tbps"),
             ("L2 Hit Rate", "%", "l2_hit_pct"), ("Achieved Occupancy", "%", "achieved_occupancy_pct"),
             ("Registers Per Thread", None, "registers"), ("Dynamic Shared Memory Per Block", None, "shared_kb"),
             ("Executed Ipc Active", None, "ipc"), ("Compute (SM) Throughput", "%", "sm_pct"))
-_SCALE = {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6, "byte/block": 1e-3, "Kbyte/block": 1.0, "Mbyte/block": 1e3}
-_LAUNCH = re.compile(r"^  (\S+) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\)", re.MULTILINE)
+_SCALE = {"duration_us": {"ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6},
+          "memory_tbps": {"Tbyte/s": 1.0, "Gbyte/s": 1e-3, "Mbyte/s": 1e-6},
+          "shared_kb": {"byte/block": 1e-3, "Kbyte/block": 1.0, "Mbyte/block": 1e3}}
+# a launch's header line: its name (a C++ kernel's holds spaces), grid and block
+_LAUNCH = re.compile(r"^  (.+?) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\), Context", re.MULTILINE)
 
 
 _SECTION = re.compile(r"^\s+Section: Command line profiler metrics\n((?:\s+.*\n?)*?)(?=^\s+Section:|\Z|^\s*$)",
@@ -57,10 +61,15 @@ def parse_ncu_details(text: str) -> list[dict]:
         row = dict(kernel=head.group(1), grid=[int(head.group(i)) for i in (2, 3, 4)],
                    block=[int(head.group(i)) for i in (5, 6, 7)])
         for metric, unit, field in _METRICS:
-            pattern = re.escape(unit) if unit else r"\S+"
+            pattern = r"\S*" + re.escape(unit) if unit else r"\S+"
             found = re.search(rf"^\s+{re.escape(metric)}\s+({pattern})\s+([\d,.]+)\s*$", body, re.MULTILINE)
             if found:
-                row[field] = float(found.group(2).replace(",", "")) * _SCALE.get(found.group(1), 1.0)
+                scale = 1.0
+                if field in _SCALE:
+                    if found.group(1) not in _SCALE[field]:
+                        raise ValueError(f"ncu gave {metric} in {found.group(1)!r}; known: {sorted(_SCALE[field])}")
+                    scale = _SCALE[field][found.group(1)]
+                row[field] = float(found.group(2).replace(",", "")) * scale
         section = _SECTION.search(body)
         if section:
             row["metrics"] = {m.group(1): [float(m.group(3).replace(",", "")), m.group(2) or ""]

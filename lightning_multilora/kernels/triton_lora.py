@@ -997,13 +997,13 @@ def _grad_split(call: _Call, k: int, device: torch.device) -> int:
 
 
 def ds_db_table(sched: Schedule, table: PointerTable, k: int, device: torch.device,
-                grad_block_k: int = K.DS_DB_GRAD_BLOCK_K) -> Tensor:
+                grad_block_k: Optional[int] = None) -> Tensor:
     """The dS + dB launch's interleaved program codes (`triton_kernels._ds_and_db`): adapter by adapter, in the row
     blocks' order, its dS programs (row blocks x rank chunks) and its dB programs (slots of the grad order x K blocks
-    of ``grad_block_k``) merged evenly; the dB programs of adapters without rows (which store their zeros) last.
-    Built once per layout, tile and width."""
+    of ``grad_block_k``, by default the launch's `triton_kernels.DS_DB_GRAD_BLOCK_K`) merged evenly; the dB programs of
+    adapters without rows (which store their zeros) last. Built once per layout, tile and width."""
     chunks = _grad_chunks(table.block_r, table.width)[1]
-    k_blocks = _cdiv(k, grad_block_k)
+    k_blocks = _cdiv(k, grad_block_k or K.DS_DB_GRAD_BLOCK_K)
     key = ("ds_db", table.r_chunks, chunks, k_blocks)  # (what the codes depend on beside the layout)
     codes = sched.classes.get(key)
     if codes is None:

@@ -6,8 +6,9 @@ early-exit curves) and the registry as that rank saw it (its own adapters' recor
 behind); what every rank keeps alike (the loops' progress, decisions made on rank 0) is taken from rank 0's file. A
 single-process checkpoint file is one such part, every adapter placed anew. A state that a rank keeps for its own
 adapters is merged by whoever owned each adapter: an object whose state it is (a callback, the datamodule) may
-define ``merge_rank_states(states, owners)`` (``states`` in rank order, ``owners`` the adapters' owning ranks) to
-say how; without it, states that differ between ranks are taken from rank 0 with a warning.
+define ``merge_rank_states(states, owners)`` (``states``: the ranks' that saved one, in rank order; ``owners``: each
+adapter's owner as a position in ``states``) to say how; without it, states that differ between ranks are taken from
+the lowest rank that saved one (rank 0, but where its file lacks the state), with a warning.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def merge_rank_checkpoints(parts: Sequence[dict[str, Any]], rank: int,
                                               owners, mergers.get(key))
                            for key in dict.fromkeys(k for c in callbacks for k in c)}
     for key in mergers:
-        if key in merged:  # the datamodule's state, under its class name (a callback's key is under "callbacks")
+        if any(key in p for p in parts):  # the datamodule's state, under its class name
             merged[key] = _merge_states(key, [p.get(key, _MISSING) for p in parts], owners, mergers[key])
     return merged
 
@@ -69,7 +70,7 @@ def _merge_states(what: str, per_rank: list[Any], owners: Mapping[str, int], mer
         return merger(states, {name: index[rank] for name, rank in owners.items() if rank in index})
     if any(not _same(states[0], s) for s in states[1:]):
         warnings.warn(f"the checkpoint's ranks saved different states for {what} and it defines no "
-                      "merge_rank_states(states, owners): rank 0's is restored", stacklevel=3)
+                      f"merge_rank_states(states, owners): rank {present[0]}'s is restored", stacklevel=3)
     return states[0]
 
 

@@ -107,6 +107,15 @@ def test_a_state_missing_from_one_ranks_file_leaves_the_others_by_their_owners()
     assert merged["callbacks"]["EarlyExit{}"]["watches"] == {"a": {"ema": 1.0}, "c": {"ema": 3.0}}
     assert merged["MultiLoRADataModule"]["streams"] == {"a": {"epoch": 0, "position": 1},
                                                         "c": {"epoch": 0, "position": 3}}
+    # rank 0's file without them: the datamodule's state is still merged, a differing state the lowest rank's
+    parts = [rank_file(r, {n: v}, owners, {"a": 4, "b": 4, "c": 4}) for r, (n, v) in enumerate([("a", 1), ("b", 2),
+                                                                                                ("c", 3)])]
+    del parts[0]["MultiLoRADataModule"], parts[0]["callbacks"]["Differs"]
+    with pytest.warns(UserWarning, match="'Differs'.*rank 1's is restored"):
+        merged = merge_rank_checkpoints(parts, rank=0, mergers=mergers)
+    assert merged["MultiLoRADataModule"]["streams"] == {"b": {"epoch": 0, "position": 2},
+                                                        "c": {"epoch": 0, "position": 3}}
+    assert merged["callbacks"]["Differs"] == {"k": 1}
 
 
 def test_the_strategy_reads_every_ranks_file_when_the_run_has_another_size(tmp_path):
