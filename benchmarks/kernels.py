@@ -243,7 +243,8 @@ def main() -> None:
                         help="row blocks a HOLD_W program walks (triton_lora.WIDE_ROWS; default: the package's)")
     parser.add_argument("--block-m", type=int, default=None,
                         help="rows of the schedule's blocks (triton_lora.BLOCK_M: the row kernels', dS's and the "
-                             "expand / dX's tile height; default: the package's); the tall blocks keep their rows")
+                             "expand / dX's tile height; default: the package's); the tall blocks keep their rows, "
+                             "and S / dS take the activation dtype from the same rows (LOW_RANK_MIN_WAVES scaled)")
     parser.add_argument("--wide-rows-wide-ranks", type=int, default=None,
                         help="... for adapters of ranks over triton_lora.WIDE_RANK (triton_lora.WIDE_ROWS_WIDE_RANKS; "
                              "default: the package's)")
@@ -252,8 +253,10 @@ def main() -> None:
 
     if args.rank_class_launches is not None:
         triton_lora.RANK_CLASS_LAUNCHES = args.rank_class_launches
-    if args.block_m is not None:  # (the tall blocks' rows kept: WIDE_ROWS counts blocks)
+    if args.block_m is not None:  # (the tall blocks' rows kept: WIDE_ROWS counts blocks; and the rows from which S
+        # and dS take the activation dtype: LOW_RANK_MIN_WAVES counts row blocks)
         tall = triton_lora.BLOCK_M * triton_lora.WIDE_ROWS, triton_lora.BLOCK_M * triton_lora.WIDE_ROWS_WIDE_RANKS
+        triton_lora.LOW_RANK_MIN_WAVES *= triton_lora.BLOCK_M / args.block_m
         triton_lora.BLOCK_M = args.block_m
         triton_lora.WIDE_ROWS = max(1, tall[0] // args.block_m)
         triton_lora.WIDE_ROWS_WIDE_RANKS = max(1, tall[1] // args.block_m)
@@ -288,7 +291,7 @@ def main() -> None:
     if args.wide_rows_wide_ranks is not None:
         common["wide_rows_wide_ranks"] = args.wide_rows_wide_ranks
     if args.block_m is not None:
-        common["block_m"] = args.block_m
+        common.update(block_m=args.block_m, low_rank_min_waves=triton_lora.LOW_RANK_MIN_WAVES)
     common["ds_db_one_launch"] = triton_lora.DS_DB_ONE_LAUNCH
     rows = []
     start = time.monotonic()

@@ -21,11 +21,11 @@ from lightning_multilora.kernels.recompute import active_region
 from lightning_multilora.kernels.weights import STREAM_SEED_MOD, STREAM_STEP_MIX, LoRAWeights
 
 _ONE_ROW = 1 << 30  # a dropout row length that makes every adapter's tokens one row
-# Rows per program in the row-blocked kernels (the schedule's block); other tiles are tuned. (Measured and dropped:
-# 128 and 256, which re-read each adapter's weights from L2 per 128 / 256 rows instead of 64 (the shrink and dS read
-# as many weight bytes from L2 as activation bytes at r=64): on the H200, 32 adapters x 1024 tokens, 4096x4096, r=64,
-# a forward + backward 0.551 / 0.604 / 0.644 ms, the dS + dB launch 140 / 163 / 188 us with the tiles tuned anew;
-# `benchmarks/results/kernels_h200.md`, session 30.)
+# Rows per program in the row-blocked kernels (the schedule's block); other tiles are tuned. (Tried: 128 and 256, which
+# re-read each adapter's weights from L2 per 128 / 256 rows instead of 64 (the shrink and dS read as many weight bytes
+# from L2 as activation bytes at r=64): on the H200, 32 adapters x 1024 tokens, 4096x4096, r=64, a forward + backward
+# 0.551 / 0.604 / 0.644 ms, but with tiles made for 64 rows and fp32 S / dS at the taller heights (fewer row blocks
+# than `LOW_RANK_MIN_WAVES`); `benchmarks/results/kernels_h200.md`, session 30.)
 BLOCK_M = 64
 # The schedule's tall blocks, WIDE_ROWS x BLOCK_M rows of one adapter (`Schedule.wide_adapter`): the expand / dX
 # candidates that hold a weight tile walk one (``HOLD_W``, `triton_kernels._rank_rows`). (Measured and dropped: the
