@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import math
+import os
 import uuid
 import warnings
 from pathlib import Path
@@ -37,6 +38,9 @@ import lightning_multilora.strategies  # noqa: E402,F401 - registers strategy="a
 
 DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _LORA_KEYS = (".lora_A.", ".lora_B.")
+# a base model's config entries that a checkpoint's adapters depend on (`_base_identity`)
+_BASE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "head_dim")
 _RUN_STAMP = ".multilora_run"  # in an export folder: the id of the run that wrote it (`save_adapter`)
 _EXITS_KEY = "\0exits-of-rank-"  # in the ranks' exchange: a rank's exits since the last one (not an adapter name)
 
@@ -130,6 +134,10 @@ class MultiLoRAMixin:
         self.optimizer_class = resolve_optimizer(optimizer)
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.max_running = max_running
+        missing = [m for m in ("fits", "select", "alone", "predict") if not callable(getattr(admission, m, None))]
+        if admission is not None and missing:
+            raise ValueError(f"`admission` must be an AdmissionController (lightning_multilora.scheduling), or "
+                             f"anything with fits / select / alone / predict; got {admission!r} (no {', '.join(missing)})")
         self.admission = admission
         self._freed_spec: Optional[AdapterSpec] = None
         self._resume_checkpoint: Optional[dict[str, Any]] = None  # between on_load_checkpoint and the optimizer
@@ -565,8 +573,20 @@ class MultiLoRAMixin:
                 fill(trainer, self)
         self._admit()
 
+    def _check_export_root(self) -> None:
+        """The export root can take the adapters' folders, checked as the fit starts (an adapter is exported as it
+        finishes: a root that cannot hold them would otherwise be found after training)."""
+        root = self._export_root()
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise ValueError(f"`export_dir` {str(root)!r} cannot hold the adapters' exports: {err}") from err
+        if not os.access(root, os.W_OK | os.X_OK):
+            raise ValueError(f"`export_dir` {str(root)!r} cannot hold the adapters' exports: not writable")
+
     @override
     def configure_optimizers(self):
+        self._check_export_root()
         self._not_loaded = set()  # (Lightning has loaded a resumed checkpoint's weights by now)
         placement = self._placement()
         if placement is not None:  # one run id on every rank (each stamps the exports it writes): rank 0's
@@ -602,7 +622,11 @@ class MultiLoRAMixin:
                 optimizer_class = GroupedAdamW
             else:  # thousands of small adapter tensors: the fused kernels cut the step's host time by ~4x
                 kwargs["fused"] = True
-        optimizer = optimizer_class(groups, **kwargs)
+        try:
+            optimizer = optimizer_class(groups, **kwargs)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"`optimizer_kwargs` {self.optimizer_kwargs!r} rejected by {optimizer_class.__name__}: "
+                             f"{err}") from err
         if self._resume_checkpoint is not None:
             _match_optimizer_state(self._resume_checkpoint, optimizer, self._flat_optimizer_state)
             self._resume_checkpoint = None
@@ -948,9 +972,20 @@ class MultiLoRAMixin:
             # each adapter's dropout step (its masks come from its seed and this step)
             "dropout_steps": self.lora_layers.dropout_steps(),
             "run_id": self._run_id,
+            "base": self._base_identity(),
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
+
+    def _base_identity(self) -> dict[str, Any]:
+        """What a checkpoint's adapters need of the frozen base to resume on it: its architecture (a Hugging Face
+        config's model type and sizes; else the model's class), not where it was loaded from."""
+        model = self.lora_layers.model
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "to_dict"):
+            return {"class": type(model).__name__}
+        values = config.to_dict()
+        return {k: values[k] for k in _BASE_KEYS if k in values}
 
     def _place_resumed(self, placement: Any) -> None:
         """Under adapter parallelism, on resume: an owner for every adapter holding weights (those of ranks a
@@ -998,6 +1033,13 @@ class MultiLoRAMixin:
         state = checkpoint.get("multilora")
         if state is None:
             raise ValueError("this checkpoint was not written by a MultiLoRAMixin module (no 'multilora' entry)")
+        saved_base, base = state.get("base"), self._base_identity()
+        if saved_base is not None and saved_base != base:  # (older checkpoints carry none)
+            differ = {k: (saved_base.get(k), base.get(k)) for k in {**saved_base, **base}
+                      if saved_base.get(k) != base.get(k)}
+            raise ValueError("this checkpoint's adapters were trained on another base model (checkpoint -> this "
+                             f"module: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in sorted(differ.items()))}); "
+                             "resume with the `base_model` (and `config_overrides`) it was trained with")
         for name in list(self.lora_layers.adapter_names):
             self.lora_layers.remove_adapter(name)
         self.registry.load_state_dict(state["registry"])
@@ -1025,10 +1067,14 @@ class MultiLoRAMixin:
         saved = set(checkpoint["state_dict"])
         expected = {k for k, _ in self.named_parameters() if any(s in k for s in _LORA_KEYS)}
         missing = expected - saved
-        if missing:
-            raise ValueError(f"checkpoint lacks adapter weights {sorted(missing)[:4]}...: the adapters' layers differ "
-                             "from the checkpoint's; resume with the `target_modules` (the module's, and each "
-                             "AdapterSpec's) the checkpoint was trained with")
+        made = set(self.lora_layers.adapter_names)  # (this rank's, under adapter parallelism)
+        extra = {k for k in saved - expected if any(s in k for s in _LORA_KEYS) and k.rsplit(".", 1)[-1] in made}
+        if missing or extra:
+            which = (f"lacks adapter weights {sorted(missing)[:4]}" if missing else
+                     f"holds adapter weights for layers this module no longer targets {sorted(extra)[:4]}")
+            raise ValueError(f"checkpoint {which}...: the adapters' layers differ from the checkpoint's; resume with "
+                             "the `target_modules` (the module's, and each AdapterSpec's) the checkpoint was trained "
+                             "with")
         self._run_id = state.get("run_id", self._run_id)
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():

@@ -589,11 +589,50 @@ def test_the_log_dir_is_asked_on_every_rank_even_where_a_subclass_setup_skips_su
     assert module.registry["a"].export_path == str(tmp_path / "adapters" / "a")
 
 
-@pytest.mark.parametrize("fails_at", ["load", "make"])
+@pytest.mark.parametrize("base, overrides", [("tiny-qwen2", {}), ("tiny-llama", {"num_hidden_layers": 1})])
+def test_a_resume_on_another_base_model_is_refused_and_keeps_the_exports(tmp_path, trainer_kwargs, base, overrides):
+    """A checkpoint records its base's architecture: a resume on another one (another model type, or other sizes)
+    is refused before any weight loads, naming what differs, and the trained exports stay as they were."""
+    a = AdapterSpec("a", rank=2, batch_size=2, max_steps=10, lr=1e-2)
+    export_dir = str(tmp_path / "e")
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 4})
+    trainer.fit(MultiLoRAModule("tiny-llama", adapters=[a], export_dir=export_dir, validate_on_finish=False), small_dm())
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    trained = load_file(tmp_path / "e" / "a" / "adapter_model.safetensors")
+    resumed = MultiLoRAModule(base, adapters=[a], export_dir=export_dir, validate_on_finish=False,
+                              config_overrides=overrides)
+    differs = "model_type 'llama' -> 'qwen2'" if base == "tiny-qwen2" else "num_hidden_layers 2 -> 1"
+    with pytest.raises(ValueError, match=rf"trained on another base model .*{differs}.* resume with the `base_model`"):
+        L.Trainer(**trainer_kwargs).fit(resumed, small_dm(), ckpt_path=str(tmp_path / "c.ckpt"))
+    after = load_file(tmp_path / "e" / "a" / "adapter_model.safetensors")
+    assert set(after) == set(trained) and all(torch.equal(after[k], trained[k]) for k in trained)
+
+
+@pytest.mark.parametrize("bad", ["export_dir", "betas", "unknown_kwarg"])
+def test_an_unusable_export_dir_or_optimizer_kwargs_fail_as_the_fit_starts(tmp_path, trainer_kwargs, bad):
+    """Refused before the first step (an export root that is a file would otherwise fail each adapter's export after
+    it trained), naming the setting."""
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    kwargs = {"export_dir": dict(export_dir=str(taken)), "betas": dict(optimizer_kwargs={"betas": 0.9}),
+              "unknown_kwarg": dict(optimizer_kwargs={"momentum": 0.9})}[bad]
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=2, max_steps=4)],
+                             validate_on_finish=False, **{"export_dir": str(tmp_path / "e"), **kwargs})
+    trainer = L.Trainer(**trainer_kwargs)
+    message = {"export_dir": r"`export_dir` '.*a_file' cannot hold the adapters' exports",
+               "betas": r"`optimizer_kwargs` \{'betas': 0.9\} rejected by AdamW",
+               "unknown_kwarg": r"`optimizer_kwargs` \{'momentum': 0.9\} rejected by AdamW: .*momentum"}[bad]
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(module, small_dm())
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("fails_at", ["load", "narrower", "make"])
 def test_a_resume_that_fails_before_the_weights_load_keeps_the_trained_exports(tmp_path, trainer_kwargs, fails_at):
-    """A resume made with other target layers fails, at the checkpoint's load (naming `target_modules`) or while
-    it makes the adapters (one's own targets are not among the module's); the adapters it made, new and never
-    loaded, are not exported over the trained ones."""
+    """A resume made with other target layers fails, at the checkpoint's load (naming `target_modules`: layers it
+    lacks, or layers it holds that the module no longer targets) or while it makes the adapters (one's own targets
+    are not among the module's); the adapters it made, new and never loaded, are not exported over the trained
+    ones."""
     a = AdapterSpec("a", rank=2, batch_size=2, max_steps=10, lr=1e-2)
     b = AdapterSpec("b", rank=2, batch_size=2, max_steps=10, lr=1e-2, target_modules=["v_proj"])
     export_dir = str(tmp_path / "e")
@@ -603,9 +642,12 @@ def test_a_resume_that_fails_before_the_weights_load_keeps_the_trained_exports(t
     trainer.fit(module, small_dm())
     trainer.save_checkpoint(tmp_path / "c.ckpt")
     trained = load_file(tmp_path / "e" / "a" / "adapter_model.safetensors")
-    targets = {"load": {}, "make": {"target_modules": ["q_proj"]}}[fails_at]  # ("load": the default targets)
+    targets = {"load": {}, "narrower": {"target_modules": ["v_proj"]},  # ("load": the default targets)
+               "make": {"target_modules": ["q_proj"]}}[fails_at]
     resumed = MultiLoRAModule("tiny-llama", adapters=[a], export_dir=export_dir, validate_on_finish=False, **targets)
-    message = {"load": r"checkpoint lacks adapter weights .* resume with the `target_modules`", "make": "v_proj"}
+    message = {"load": r"checkpoint lacks adapter weights .* resume with the `target_modules`",
+               "narrower": r"checkpoint holds adapter weights for layers this module no longer targets "
+                           r"\[.*q_proj.lora_A.a.*resume with the `target_modules`", "make": "v_proj"}
     with pytest.raises(ValueError, match=message[fails_at]):
         L.Trainer(**trainer_kwargs).fit(resumed, small_dm(), ckpt_path=str(tmp_path / "c.ckpt"))
     after = load_file(tmp_path / "e" / "a" / "adapter_model.safetensors")

@@ -236,3 +236,9 @@ def test_a_never_fitting_adapter_does_not_take_the_freed_slots_preference():
     with pytest.warns(UserWarning, match="'big' could not start"):
         module._admit()
     assert freed_seen[-1] == "exited" and module.registry["big"].state == AdapterState.FAILED
+
+
+def test_an_admission_that_is_not_a_controller_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"`admission` must be an AdmissionController .* got 12 \(no fits, select, alone, "
+                                         r"predict\)"):
+        MultiLoRAModule("tiny-llama", adapters=[], admission=12)
