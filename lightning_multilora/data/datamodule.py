@@ -172,6 +172,9 @@ class MultiLoRADataModule(L.LightningDataModule):
             raise ValueError("`padding='max_length'` needs `max_length`")
         if pad_to_multiple_of < 1:
             raise ValueError(f"`pad_to_multiple_of` must be >= 1, got {pad_to_multiple_of}")
+        if max_val_examples is not None and (isinstance(max_val_examples, bool) or not isinstance(max_val_examples, int)
+                                             or max_val_examples < 1):
+            raise ValueError(f"`max_val_examples` must be an integer >= 1 or None (no cap), got {max_val_examples!r}")
         self.padding, self.pad_to_multiple_of = padding, pad_to_multiple_of
         self.tokenizer_name = tokenizer
         self.max_length = max_length

@@ -83,6 +83,18 @@ class GeneratedArithmetic(DataSource):
         return f"GeneratedArithmetic(n={self.num_examples}, seed={self.seed}, ops={','.join(self.operations)})"
 
 
+def _json_line(line: str, where: str) -> dict:
+    """One line of a JSONL file as its record; a line that is not a JSON object is named (``where``: file:line)."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be one JSON "
+                         "object") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where}: each line must be one JSON object, got a {type(record).__name__}")
+    return record
+
+
 def format_record(record: dict, fmt: str, prompt_field: str, completion_field: str, where: str) -> Example:
     """One raw record as an `Example`, by format (``gsm8k``: question/answer with a Q/A template)."""
     if fmt == "gsm8k":
@@ -120,7 +132,7 @@ class JSONLSource(DataSource):
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
-                out.append(format_record(json.loads(line), self.format, self.prompt_field,
+                out.append(format_record(_json_line(line, f"{self.path}:{lineno}"), self.format, self.prompt_field,
                                          self.completion_field, f"{self.path}:{lineno}"))
                 if self.limit is not None and len(out) >= self.limit:
                     break
@@ -206,7 +218,7 @@ class PreferenceSource(DataSource):
             raise FileNotFoundError(f"PreferenceSource: no file at `path` {self.path!r}")
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt", encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh if line.strip()]
+            return [_json_line(line, f"{self.path}:{lineno}") for lineno, line in enumerate(fh, 1) if line.strip()]
 
     def examples(self) -> list[PreferenceExample]:
         out = []

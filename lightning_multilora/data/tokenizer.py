@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Protocol
 
 
@@ -37,7 +38,14 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.name = name_or_path
-        self.inner = AutoTokenizer.from_pretrained(name_or_path)
+        try:
+            self.inner = AutoTokenizer.from_pretrained(name_or_path)
+        except (OSError, ValueError) as err:  # (a missing folder reads as a malformed Hub repo id)
+            what = ("not a tokenizer folder" if Path(name_or_path).expanduser().exists() else
+                    "no such folder, nor a Hub tokenizer that could be loaded")
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ValueError(f"`tokenizer` {name_or_path!r}: {what}; give 'byte', a tokenizer folder (as "
+                             f"save_pretrained writes one), or a Hub name reachable from here ({detail})") from err
         if self.inner.eos_token_id is None:
             raise ValueError(f"tokenizer {name_or_path!r} has no eos token; completions need one to end")
         self.eos_token_id = int(self.inner.eos_token_id)

@@ -17,6 +17,7 @@ from lightning_multilora.data import (
     HFDatasetSource,
     JSONLSource,
     ListSource,
+    PreferenceSource,
 )
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 
@@ -56,6 +57,27 @@ def test_jsonl_gz_and_hf_datasets_sources(tmp_path):
         JSONLSource(str(path)).examples()
     with pytest.raises(ValueError, match="`format` can be"):
         JSONLSource(str(path), format="alpaca")
+
+
+def test_bad_lines_settings_and_tokenizers_are_named(tmp_path):
+    """A JSONL line that is not a JSON object (its file and line named), a validation cap below 1, and a tokenizer
+    path that does not exist are refused with what is allowed."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "completion": "b"}\n\n{prompt: "x"}\n')
+    with pytest.raises(ValueError, match=rf"{path}:3: not valid JSON .* each line must be one JSON object"):
+        JSONLSource(str(path)).examples()
+    path.write_text('["a", "b"]\n')
+    with pytest.raises(ValueError, match=rf"{path}:1: each line must be one JSON object, got a list"):
+        JSONLSource(str(path)).examples()
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text('{"chosen": "a", "rejected": "b"}\nnot json\n')
+    with pytest.raises(ValueError, match=rf"{pairs}:2: not valid JSON"):
+        PreferenceSource(str(pairs), format="hh_rlhf").examples()
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match=r"`max_val_examples` must be an integer >= 1 or None"):
+            MultiLoRADataModule(max_val_examples=bad)
+    with pytest.raises(ValueError, match=r"`tokenizer` '.*nowhere': no such folder.* give 'byte', a tokenizer folder"):
+        MultiLoRADataModule(tokenizer=str(tmp_path / "nowhere")).tokenizer
 
 
 def test_byte_tokenizer_round_trip():
