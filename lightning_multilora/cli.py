@@ -35,10 +35,31 @@ class MultiLoRACLI(LightningCLI):
             "trainer.log_every_n_steps": 10,
         })
 
+    def instantiate_classes(self) -> None:
+        """A value the classes refuse as they are built (an AdapterSpec field out of range, say) ends the command with
+        its own message, as a parse error does, not under jsonargparse's traceback (which wraps it among the
+        type's alternatives)."""
+        try:
+            super().instantiate_classes()
+        except ValueError as err:
+            self.parser.error(config_error(err))
+
     def before_fit(self) -> None:
         from lightning_multilora.strategies.adapter_parallel import check_resume_path
 
         check_resume_path(self.config_init[self.subcommand].get("ckpt_path"), self.trainer.strategy)
+
+
+def config_error(err: ValueError) -> str:
+    """The message of a value refused while the config's classes were built: jsonargparse reports a value that none
+    of a type's alternatives took (a list of AdapterSpecs, or None) with each alternative's error; the ones our
+    classes raised are kept, its own "Expected a <class 'NoneType'>" and the value's dump dropped."""
+    text = str(err)
+    if "Errors:" not in text:
+        return text
+    listed = [line.strip()[2:] for line in text.split("Errors:", 1)[1].splitlines() if line.strip().startswith("- ")]
+    ours = [line for line in listed if not line.startswith("Expected a ")]
+    return "; ".join(ours or listed) or text
 
 
 class RawEpilogFormatter(argparse.RawDescriptionHelpFormatter, DefaultHelpFormatter):

@@ -60,14 +60,19 @@ def test_example_yaml_parses_with_the_cli_parser(tmp_path):
     assert cli.model.max_running == 8 and set(cli.datamodule.sources) == {"arith", "mul"}
 
 
-def test_bad_config_values_are_clear_errors(tmp_path, capsys):
-    with pytest.raises(ValueError, match="`max_steps` must be an integer >= 1, got 0"):
-        main(["fit", "--config", demo_config(), "--model.grid", "{axes: {lr: [1.0e-3]}, base: {max_steps: 0}}",
-              "--trainer.default_root_dir", str(tmp_path)])
-    with pytest.raises((SystemExit, ValueError)) as err:  # a listed adapter is checked as the config is parsed
-        main(["fit", "--config", demo_config(), "--model.adapters", "[{name: a, rank: -1}]",
-              "--trainer.default_root_dir", str(tmp_path)])
-    assert "`rank` must be an integer >= 1, got -1" in str(err.value) + capsys.readouterr().err
+@pytest.mark.parametrize("override, message", [
+    (["--model.grid", "{axes: {lr: [1.0e-3]}, base: {max_steps: 0}}"], "`max_steps` must be an integer >= 1, got 0"),
+    (["--model.adapters", "[{name: a, rank: -1}]"], "`rank` must be an integer >= 1, got -1 for adapter 'a'"),
+    (["--model.adapters", "[{name: a, dropout: 1.5}]"], "`dropout` must be a number in [0, 1), got 1.5"),
+    (["--data.max_val_examples", "0"], "`max_val_examples` must be an integer >= 1 or None"),
+])
+def test_bad_config_values_are_clear_errors(tmp_path, capsys, override, message):
+    """Refused with the class's own message, as a parse error is (usage, then "error: ..."), not under a traceback."""
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", demo_config(), *override, "--trainer.default_root_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and message in err, err
+    assert "Traceback" not in err and "Union subtypes" not in err and "Namespace(" not in err
 
 
 def test_an_adapter_parallel_checkpoint_resumed_in_one_process_is_a_named_error(tmp_path):
