@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -51,12 +52,19 @@ def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.
             raise ValueError(f"search space `{name}`: a {kind} parameter takes {', '.join(PARAM_KEYS[kind])}; "
                              f"got {', '.join(map(repr, unknown))}")
         if kind == "categorical":
-            if not spec.get("choices"):
-                raise ValueError(f"search space `{name}`: a categorical parameter needs non-empty `choices`")
-            out[name] = optuna.distributions.CategoricalDistribution(list(spec["choices"]))
+            choices = spec.get("choices")
+            if not isinstance(choices, (list, tuple)) or not choices:
+                raise ValueError(f"search space `{name}`: a categorical parameter needs `choices`, a non-empty list, "
+                                 f"got {choices!r}")
+            out[name] = optuna.distributions.CategoricalDistribution(list(choices))
         else:
             if "low" not in spec or "high" not in spec:
                 raise ValueError(f"search space `{name}`: a {kind} parameter needs `low` and `high`")
+            number = numbers.Integral if kind == "int" else numbers.Real
+            for key in ("low", "high"):
+                if isinstance(spec[key], bool) or not isinstance(spec[key], number):
+                    what = "an int parameter must be an integer" if kind == "int" else "a float one must be a number"
+                    raise ValueError(f"search space `{name}`: `{key}` of {what}, got {spec[key]!r}")
             cls = optuna.distributions.FloatDistribution if kind == "float" else optuna.distributions.IntDistribution
             step = spec.get("step", None if kind == "float" else 1)
             log = spec.get("log", False)
@@ -67,6 +75,30 @@ def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.
             except ValueError as err:  # Optuna's own checks (low > high, log with a step, ...)
                 raise ValueError(f"search space `{name}`: {err}") from err
     return out
+
+
+def _open_study(storage: Any, study_name: str, sampler: "optuna.samplers.BaseSampler",
+                heartbeat_interval: Optional[int] = None, grace_period: Optional[int] = None) -> "optuna.Study":
+    """The study ``study_name`` in ``storage`` (a URL, opened with a heartbeat where ``heartbeat_interval`` is given,
+    or a storage object), created there if new; an SQLite file's folder is made first. A URL that cannot be opened
+    is a `ValueError` naming `storage`."""
+    import optuna
+    import sqlalchemy.exc
+
+    try:
+        if isinstance(storage, str) and storage.startswith("sqlite:///") and storage != "sqlite:///:memory:":
+            Path(storage[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        if heartbeat_interval is not None:  # (`storage` is a URL: checked in __init__)
+            with warnings.catch_warnings():  # (Optuna marks the argument experimental)
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                storage = optuna.storages.RDBStorage(storage, heartbeat_interval=heartbeat_interval,
+                                                     grace_period=grace_period)
+        return optuna.create_study(storage=storage, study_name=study_name, direction="minimize", sampler=sampler,
+                                   load_if_exists=True)
+    except (OSError, ValueError, sqlalchemy.exc.SQLAlchemyError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ValueError(f"OptunaSweep: `storage` {storage!r} could not be opened ({detail}); give a database URL "
+                         "such as 'sqlite:///runs/optuna.db' or an RDB's (postgresql://..., mysql://...)") from err
 
 
 class OptunaSweep(Callback):
@@ -192,8 +224,6 @@ class OptunaSweep(Callback):
         return optuna.samplers.TPESampler(seed=seed)
 
     def _ensure_study(self, trainer: L.Trainer) -> "optuna.Study":
-        import optuna
-
         if self.study is None:
             storage = self.storage
             if storage is None:
@@ -201,13 +231,8 @@ class OptunaSweep(Callback):
                 root.mkdir(parents=True, exist_ok=True)
                 storage = f"sqlite:///{(root / 'optuna.db').resolve()}"
                 self.storage = storage
-            if self.heartbeat_interval is not None:  # (`storage` is a URL: checked in __init__)
-                with warnings.catch_warnings():  # (Optuna marks the argument experimental)
-                    warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                    storage = optuna.storages.RDBStorage(storage, heartbeat_interval=self.heartbeat_interval,
-                                                         grace_period=self.grace_period)
-            self.study = optuna.create_study(storage=storage, study_name=self.study_name, direction="minimize",
-                                             sampler=self._sampler(), load_if_exists=True)
+            self.study = _open_study(storage, self.study_name, self._sampler(), self.heartbeat_interval,
+                                     self.grace_period)
             self._own_sampler = True  # (a study given by the user keeps its own sampler)
             if self.first_trial is None:  # (a resumed sweep has it from its checkpoint)
                 self.first_trial = len(self.study.get_trials(deepcopy=False))

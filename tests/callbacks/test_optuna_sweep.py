@@ -154,10 +154,30 @@ def test_bad_search_space():
         OptunaSweep({"lr": {"type": "float", "low": 1e-5, "high": 1e-3, "log": "no"}})
     with pytest.raises(ValueError, match=r"`search_space` must be a non-empty mapping"):
         OptunaSweep({})
+    # bounds and choices of the wrong type are named (they failed inside Optuna: "'>' not supported", "not iterable")
+    for space, message in (
+            ({"lr": {"type": "float", "low": None, "high": 1e-3}}, "`low` of a float one must be a number"),
+            ({"lr": {"type": "float", "low": "1e-5", "high": 1e-3}}, "got '1e-5'"),
+            ({"rank": {"type": "int", "low": 2.5, "high": 8}}, "`low` of an int parameter must be an integer, got 2.5"),
+            ({"rank": {"type": "categorical", "choices": 8}}, "needs `choices`, a non-empty list, got 8")):
+        with pytest.raises(ValueError, match=message):
+            OptunaSweep(space)
     # (NaN asked no trial, and fit then said "no adapter to train"; 1.5 failed at the first ask)
     for name, value in (("n_trials", float("nan")), ("slots", float("nan")), ("seed", 1.5), ("n_trials", 2.5)):
         with pytest.raises(ValueError, match=rf"OptunaSweep: `{name}` must be an integer >= [01]"):
             OptunaSweep(SPACE, **{name: value})
+
+
+def test_a_storage_that_cannot_be_opened_is_named_and_an_sqlite_folder_is_made(tmp_path, trainer_kwargs):
+    """A URL Optuna cannot open fails the fit as it starts, naming `storage` (it failed in SQLAlchemy's words); an
+    SQLite file in a folder not made yet gets its folder."""
+    model = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "e"), validate_on_finish=False)
+    with pytest.raises(ValueError, match=r"OptunaSweep: `storage` .notaurl. could not be opened .* a database URL"):
+        L.Trainer(**trainer_kwargs, callbacks=[OptunaSweep(SPACE, n_trials=1, storage="notaurl")]).fit(
+            model, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, max_val_examples=8))
+    sweep = OptunaSweep(SPACE, n_trials=1, storage=f"sqlite:///{tmp_path / 'new' / 'sub' / 's.db'}")
+    study = sweep._ensure_study(None)
+    assert (tmp_path / "new" / "sub" / "s.db").is_file() and study.study_name == "multilora"
 
 
 def test_a_search_space_step_reaches_the_distribution():
