@@ -8,6 +8,7 @@ import math
 import numbers
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional
 
@@ -184,6 +185,12 @@ class SweepGrid:
     """Prefix of every generated adapter name."""
 
     def specs(self) -> list[AdapterSpec]:
+        if not isinstance(self.axes, Mapping) or not self.axes:
+            raise ValueError(f"SweepGrid `axes` must be a non-empty mapping of AdapterSpec field -> list of values, "
+                             f"got {self.axes!r}")
+        ratio = self.alpha_over_rank
+        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not ratio > 0):
+            raise ValueError(f"SweepGrid `alpha_over_rank` must be a number > 0 or None, got {ratio!r}")
         check_spec_fields(list(self.axes) + list(self.base), "SweepGrid")
         for key, values in self.axes.items():
             if not isinstance(values, (list, tuple)) or not values:

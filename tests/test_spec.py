@@ -113,6 +113,12 @@ def test_grid_is_the_cartesian_product_with_readable_unique_names():
     with pytest.raises(ValueError, match=r"the axes' values \{'lr': 0.0001\} and \{'lr': 0.00010001\} make one "
                                          r"adapter name, 'lr1e-4'"):
         SweepGrid(axes={"lr": [1e-4, 1.0001e-4]}).specs()
+    # an empty grid, and a ratio that is not a number (a string of one multiplied the name: alpha 2222.0)
+    with pytest.raises(ValueError, match=r"SweepGrid `axes` must be a non-empty mapping .* got \{\}"):
+        SweepGrid(axes={}).specs()
+    for ratio in ("2", 0, True):
+        with pytest.raises(ValueError, match=r"SweepGrid `alpha_over_rank` must be a number > 0 or None"):
+            SweepGrid(axes={"rank": [8]}, alpha_over_rank=ratio).specs()
 
 
 @pytest.mark.parametrize("value", ["cosine", 1e-3, []])

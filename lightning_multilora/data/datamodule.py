@@ -159,6 +159,9 @@ class MultiLoRADataModule(L.LightningDataModule):
         pad_to_multiple_of: int = 1,
     ) -> None:
         super().__init__()
+        if sources is not None and not sources:  # (None: the generated default; an empty mapping is a mistake)
+            raise ValueError("`sources` must name at least one data source (or be left out for the generated "
+                             "arithmetic default)")
         self.sources: dict[str, DataSource] = dict(sources) if sources else {"arithmetic": GeneratedArithmetic()}
         if not (0.0 < val_fraction < 1.0):
             raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction}")

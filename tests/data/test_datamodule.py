@@ -78,6 +78,8 @@ def test_bad_lines_settings_and_tokenizers_are_named(tmp_path):
             MultiLoRADataModule(max_val_examples=bad)
     with pytest.raises(ValueError, match=r"`tokenizer` '.*nowhere': no such folder.* give 'byte', a tokenizer folder"):
         MultiLoRADataModule(tokenizer=str(tmp_path / "nowhere")).tokenizer
+    with pytest.raises(ValueError, match=r"`sources` must name at least one data source"):  # (fell back to the demo's)
+        MultiLoRADataModule(sources={})
 
 
 def test_byte_tokenizer_round_trip():
