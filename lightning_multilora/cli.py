@@ -42,7 +42,7 @@ class MultiLoRACLI(LightningCLI):
         try:
             super().instantiate_classes()
         except ValueError as err:
-            self.parser.error(config_error(err))
+            self.parser.error(config_error(err), ex=err)
 
     def before_fit(self) -> None:
         from lightning_multilora.strategies.adapter_parallel import check_resume_path

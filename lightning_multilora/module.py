@@ -134,10 +134,10 @@ class MultiLoRAMixin:
         self.optimizer_class = resolve_optimizer(optimizer)
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         self.max_running = max_running
-        missing = [m for m in ("fits", "select", "alone", "predict") if not callable(getattr(admission, m, None))]
+        missing = [m for m in ("fits", "select", "alone") if not callable(getattr(admission, m, None))]
         if admission is not None and missing:
             raise ValueError(f"`admission` must be an AdmissionController (lightning_multilora.scheduling), or "
-                             f"anything with fits / select / alone / predict; got {admission!r} (no {', '.join(missing)})")
+                             f"anything with fits / select / alone; got {admission!r} (no {', '.join(missing)})")
         self.admission = admission
         self._freed_spec: Optional[AdapterSpec] = None
         self._resume_checkpoint: Optional[dict[str, Any]] = None  # between on_load_checkpoint and the optimizer
@@ -625,6 +625,8 @@ class MultiLoRAMixin:
         try:
             optimizer = optimizer_class(groups, **kwargs)
         except (TypeError, ValueError) as err:
+            if not self.optimizer_kwargs:  # (not the user's settings: the error as it is)
+                raise
             raise ValueError(f"`optimizer_kwargs` {self.optimizer_kwargs!r} rejected by {optimizer_class.__name__}: "
                              f"{err}") from err
         if self._resume_checkpoint is not None:
@@ -1033,10 +1035,11 @@ class MultiLoRAMixin:
         state = checkpoint.get("multilora")
         if state is None:
             raise ValueError("this checkpoint was not written by a MultiLoRAMixin module (no 'multilora' entry)")
-        saved_base, base = state.get("base"), self._base_identity()
-        if saved_base is not None and saved_base != base:  # (older checkpoints carry none)
-            differ = {k: (saved_base.get(k), base.get(k)) for k in {**saved_base, **base}
-                      if saved_base.get(k) != base.get(k)}
+        saved_base, base = state.get("base") or {}, self._base_identity()  # (older checkpoints carry none)
+        # entries both sides give (a config that gains one in a newer transformers, head_dim say, is not another base)
+        differ = {k: (saved_base[k], base[k]) for k in saved_base.keys() & base.keys()
+                  if saved_base[k] is not None and base[k] is not None and saved_base[k] != base[k]}
+        if differ:
             raise ValueError("this checkpoint's adapters were trained on another base model (checkpoint -> this "
                              f"module: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in sorted(differ.items()))}); "
                              "resume with the `base_model` (and `config_overrides`) it was trained with")

@@ -589,21 +589,34 @@ def test_the_log_dir_is_asked_on_every_rank_even_where_a_subclass_setup_skips_su
     assert module.registry["a"].export_path == str(tmp_path / "adapters" / "a")
 
 
-@pytest.mark.parametrize("base, overrides", [("tiny-qwen2", {}), ("tiny-llama", {"num_hidden_layers": 1})])
-def test_a_resume_on_another_base_model_is_refused_and_keeps_the_exports(tmp_path, trainer_kwargs, base, overrides):
+@pytest.mark.parametrize("case", ["other_type", "other_size", "older_config"])
+def test_a_resume_on_another_base_model_is_refused_and_keeps_the_exports(tmp_path, trainer_kwargs, case):
     """A checkpoint records its base's architecture: a resume on another one (another model type, or other sizes)
-    is refused before any weight loads, naming what differs, and the trained exports stay as they were."""
-    a = AdapterSpec("a", rank=2, batch_size=2, max_steps=10, lr=1e-2)
+    is refused before any weight loads, naming what differs, and the trained exports stay as they were. An entry
+    one side lacks (a config that gained `head_dim` in a newer transformers) is no difference."""
+    a = AdapterSpec("a", rank=2, batch_size=2, max_steps=6, lr=1e-2)
     export_dir = str(tmp_path / "e")
     trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 4})
-    trainer.fit(MultiLoRAModule("tiny-llama", adapters=[a], export_dir=export_dir, validate_on_finish=False), small_dm())
+    first = MultiLoRAModule("tiny-llama", adapters=[a], export_dir=export_dir, validate_on_finish=False)
+    trainer.fit(first, small_dm())
     trainer.save_checkpoint(tmp_path / "c.ckpt")
     trained = load_file(tmp_path / "e" / "a" / "adapter_model.safetensors")
+    base, overrides = {"other_type": ("tiny-qwen2", {}), "other_size": ("tiny-llama", {"num_hidden_layers": 1}),
+                       "older_config": ("tiny-llama", {})}[case]
+    if case == "older_config":
+        checkpoint = torch.load(tmp_path / "c.ckpt", weights_only=False)
+        del checkpoint["multilora"]["base"]["head_dim"]
+        torch.save(checkpoint, tmp_path / "c.ckpt")
     resumed = MultiLoRAModule(base, adapters=[a], export_dir=export_dir, validate_on_finish=False,
                               config_overrides=overrides)
-    differs = "model_type 'llama' -> 'qwen2'" if base == "tiny-qwen2" else "num_hidden_layers 2 -> 1"
+    ckpt = str(tmp_path / "c.ckpt")
+    if case == "older_config":
+        L.Trainer(**trainer_kwargs).fit(resumed, small_dm(), ckpt_path=ckpt)
+        assert resumed.registry["a"].state.value == "finished"
+        return
+    differs = "model_type 'llama' -> 'qwen2'" if case == "other_type" else "num_hidden_layers 2 -> 1"
     with pytest.raises(ValueError, match=rf"trained on another base model .*{differs}.* resume with the `base_model`"):
-        L.Trainer(**trainer_kwargs).fit(resumed, small_dm(), ckpt_path=str(tmp_path / "c.ckpt"))
+        L.Trainer(**trainer_kwargs).fit(resumed, small_dm(), ckpt_path=ckpt)
     after = load_file(tmp_path / "e" / "a" / "adapter_model.safetensors")
     assert set(after) == set(trained) and all(torch.equal(after[k], trained[k]) for k in trained)
 

@@ -6,7 +6,7 @@ import math
 import numbers
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -34,6 +34,24 @@ PARAM_KEYS = {"float": ("type", "low", "high", "log", "step"), "int": ("type", "
               "categorical": ("type", "choices")}
 
 
+def _bound(name: str, key: str, value: Any, kind: str) -> Any:
+    """A search-space bound as a number: YAML 1.1 reads ``1e-5`` (no dot) as a string, taken here as the number it
+    spells; anything else that is not a number (an integer, for an int parameter) is a named error."""
+    number = value
+    if isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            pass
+    if kind == "int" and isinstance(number, numbers.Real) and not isinstance(number, bool) \
+            and not isinstance(number, numbers.Integral) and float(number).is_integer():
+        number = int(number)  # (1e2 reads as 100.0; Optuna took it as 100)
+    if isinstance(number, bool) or not isinstance(number, numbers.Integral if kind == "int" else numbers.Real):
+        what = "an int parameter must be an integer" if kind == "int" else "a float one must be a number"
+        raise ValueError(f"search space `{name}`: `{key}` of {what}, got {value!r}")
+    return number
+
+
 def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.distributions.BaseDistribution"]:
     """Optuna distributions from ``{"lr": {"type": "float", "low": 1e-5, "high": 5e-4, "log": True}, ...}``
     (``step`` too, for ``float`` and ``int``: Optuna's ``FloatDistribution`` / ``IntDistribution``)."""
@@ -53,18 +71,14 @@ def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.
                              f"got {', '.join(map(repr, unknown))}")
         if kind == "categorical":
             choices = spec.get("choices")
-            if not isinstance(choices, (list, tuple)) or not choices:
+            if isinstance(choices, (str, bytes, Mapping)) or not isinstance(choices, Sequence) or not choices:
                 raise ValueError(f"search space `{name}`: a categorical parameter needs `choices`, a non-empty list, "
                                  f"got {choices!r}")
             out[name] = optuna.distributions.CategoricalDistribution(list(choices))
         else:
             if "low" not in spec or "high" not in spec:
                 raise ValueError(f"search space `{name}`: a {kind} parameter needs `low` and `high`")
-            number = numbers.Integral if kind == "int" else numbers.Real
-            for key in ("low", "high"):
-                if isinstance(spec[key], bool) or not isinstance(spec[key], number):
-                    what = "an int parameter must be an integer" if kind == "int" else "a float one must be a number"
-                    raise ValueError(f"search space `{name}`: `{key}` of {what}, got {spec[key]!r}")
+            spec = {**spec, **{key: _bound(name, key, spec[key], kind) for key in ("low", "high")}}
             cls = optuna.distributions.FloatDistribution if kind == "float" else optuna.distributions.IntDistribution
             step = spec.get("step", None if kind == "float" else 1)
             log = spec.get("log", False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 import random
 import warnings
 from collections.abc import Iterator
@@ -175,7 +176,8 @@ class MultiLoRADataModule(L.LightningDataModule):
             raise ValueError("`padding='max_length'` needs `max_length`")
         if pad_to_multiple_of < 1:
             raise ValueError(f"`pad_to_multiple_of` must be >= 1, got {pad_to_multiple_of}")
-        if max_val_examples is not None and (isinstance(max_val_examples, bool) or not isinstance(max_val_examples, int)
+        if max_val_examples is not None and (isinstance(max_val_examples, bool)
+                                             or not isinstance(max_val_examples, numbers.Integral)
                                              or max_val_examples < 1):
             raise ValueError(f"`max_val_examples` must be an integer >= 1 or None (no cap), got {max_val_examples!r}")
         self.padding, self.pad_to_multiple_of = padding, pad_to_multiple_of

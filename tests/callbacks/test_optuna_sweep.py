@@ -157,7 +157,7 @@ def test_bad_search_space():
     # bounds and choices of the wrong type are named (they failed inside Optuna: "'>' not supported", "not iterable")
     for space, message in (
             ({"lr": {"type": "float", "low": None, "high": 1e-3}}, "`low` of a float one must be a number"),
-            ({"lr": {"type": "float", "low": "1e-5", "high": 1e-3}}, "got '1e-5'"),
+            ({"lr": {"type": "float", "low": "1e-", "high": 1e-3}}, "got '1e-'"),
             ({"rank": {"type": "int", "low": 2.5, "high": 8}}, "`low` of an int parameter must be an integer, got 2.5"),
             ({"rank": {"type": "categorical", "choices": 8}}, "needs `choices`, a non-empty list, got 8")):
         with pytest.raises(ValueError, match=message):
@@ -178,6 +178,15 @@ def test_a_storage_that_cannot_be_opened_is_named_and_an_sqlite_folder_is_made(t
     sweep = OptunaSweep(SPACE, n_trials=1, storage=f"sqlite:///{tmp_path / 'new' / 'sub' / 's.db'}")
     study = sweep._ensure_study(None)
     assert (tmp_path / "new" / "sub" / "s.db").is_file() and study.study_name == "multilora"
+
+
+def test_bounds_read_as_strings_or_whole_floats_are_taken_as_the_numbers_they_spell():
+    """Plain YAML 1.1 (PyYAML) reads ``low: 1e-5`` as the string '1e-5'; an int bound may come as a whole float."""
+    dists = OptunaSweep({"lr": {"type": "float", "low": "1e-5", "high": "5e-4", "log": True},
+                         "rank": {"type": "int", "low": "4", "high": 1e2},  # (1e2: 100.0, whole)
+                         "batch_size": {"type": "categorical", "choices": range(1, 4)}}).distributions
+    assert (dists["lr"].low, dists["lr"].high, dists["rank"].low, dists["rank"].high) == (1e-5, 5e-4, 4, 100)
+    assert dists["batch_size"].choices == (1, 2, 3)
 
 
 def test_a_search_space_step_reaches_the_distribution():

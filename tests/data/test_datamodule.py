@@ -6,6 +6,7 @@ import gzip
 import json
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
 
@@ -76,6 +77,7 @@ def test_bad_lines_settings_and_tokenizers_are_named(tmp_path):
     for bad in (0, -3, 2.5):
         with pytest.raises(ValueError, match=r"`max_val_examples` must be an integer >= 1 or None"):
             MultiLoRADataModule(max_val_examples=bad)
+    assert MultiLoRADataModule(max_val_examples=np.int64(3)).max_val_examples == 3  # (any integer type)
     with pytest.raises(ValueError, match=r"`tokenizer` '.*nowhere': no such folder.* give 'byte', a tokenizer folder"):
         MultiLoRADataModule(tokenizer=str(tmp_path / "nowhere")).tokenizer
     with pytest.raises(ValueError, match=r"`sources` must name at least one data source"):  # (fell back to the demo's)

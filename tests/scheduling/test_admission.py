@@ -239,6 +239,6 @@ def test_a_never_fitting_adapter_does_not_take_the_freed_slots_preference():
 
 
 def test_an_admission_that_is_not_a_controller_is_refused_at_construction():
-    with pytest.raises(ValueError, match=r"`admission` must be an AdmissionController .* got 12 \(no fits, select, alone, "
-                                         r"predict\)"):
+    with pytest.raises(ValueError, match=r"`admission` must be an AdmissionController .* got 12 \(no fits, select, "
+                                         r"alone\)"):
         MultiLoRAModule("tiny-llama", adapters=[], admission=12)
