@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import math
 import os
 import uuid
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -1282,6 +1284,14 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
         self.model = model
+        if isinstance(grid, Mapping):  # (the Python API's spelling of a config's grid: SweepGrid's fields)
+            unknown = sorted(set(grid) - {f.name for f in dataclasses.fields(SweepGrid)})
+            if unknown:
+                raise ValueError(f"`grid` takes SweepGrid's fields {[f.name for f in dataclasses.fields(SweepGrid)]}; "
+                                 f"got {unknown}")
+            grid = SweepGrid(**grid)
+        if grid is not None and not isinstance(grid, SweepGrid):
+            raise ValueError(f"`grid` must be a SweepGrid (or a mapping of its fields), got {type(grid).__name__}")
         specs = list(adapters or []) + (grid.specs() if grid is not None else [])
         self.init_multilora(model, specs, target_modules, optimizer, optimizer_kwargs, max_running, export_dir,
                             validate_on_finish, admission, cuda_graphs)

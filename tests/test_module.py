@@ -713,3 +713,14 @@ def test_a_resumed_run_writes_over_its_own_exports_only(tmp_path, trainer_kwargs
     assert resumed.registry["a"].export_path == str(tmp_path / "e" / "a")
     _, other = fit()  # a new run
     assert other.registry["a"].export_path == str(tmp_path / "e" / "a-v1")
+
+
+def test_a_grid_given_as_a_mapping_of_its_fields_is_a_sweep_grid():
+    """The Python spelling of a config's ``grid:`` (jsonargparse makes the SweepGrid there): it failed with an
+    AttributeError ('dict' object has no attribute 'specs')."""
+    module = MultiLoRAModule("tiny-llama", grid={"axes": {"rank": [2, 4]}, "base": {"max_steps": 3}})
+    assert [rec.spec.rank for rec in module.registry] == [2, 4]
+    with pytest.raises(ValueError, match=r"`grid` takes SweepGrid's fields \['axes', 'base', .*; got \['axis'\]"):
+        MultiLoRAModule("tiny-llama", grid={"axis": {"rank": [2]}})
+    with pytest.raises(ValueError, match=r"`grid` must be a SweepGrid \(or a mapping of its fields\), got list"):
+        MultiLoRAModule("tiny-llama", grid=[{"rank": 2}])
