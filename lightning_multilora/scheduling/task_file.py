@@ -64,7 +64,11 @@ def parse_tasks(entries: Any, where: str) -> list[Task]:
 
 def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
     """The file's settings and its tasks, validated (ids unique, no task wider than the machine)."""
-    data = yaml.safe_load(Path(path).read_text())
+    try:
+        with open(path, encoding="utf-8") as fh:  # (a stream: the parser's message then names the file)
+            data = yaml.safe_load(fh)
+    except yaml.YAMLError as err:
+        raise ValueError(f"{path}: not valid YAML: {err}") from err
     if not isinstance(data, Mapping):
         raise ValueError(f"{path}: a task file is a mapping with {', '.join(FILE_FIELDS)}")
     unknown = set(data) - set(FILE_FIELDS)

@@ -99,6 +99,7 @@ def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
     ("gpus: 2\nmax_retries: -1\ntasks: [{id: a, duration: 5}]", "`max_retries` must be an integer >= 0"),
     ("gpus: 2\nmax_retries: 1.7\ntasks: [{id: a, duration: 5}]", "`max_retries` must be an integer >= 0"),
     ("gpus: 2\nlog_dir:\ntasks: [{id: a, duration: 5}]", "`log_dir` must be a directory path, got None"),
+    ("gpus: 2\ntasks: [{id: a, duration: 5}", "(?s)not valid YAML: .*line 2"),  # (the parser's message named no file)
 ])
 def test_bad_task_files_get_clear_errors(tmp_path, body, message):
     path = write(tmp_path, body)
