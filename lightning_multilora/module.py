@@ -985,6 +985,7 @@ class MultiLoRAMixin:
         """What a checkpoint's adapters need of the frozen base to resume on it: its architecture (a Hugging Face
         config's model type and sizes; else the model's class), not where it was loaded from."""
         model = self.lora_layers.model
+        model = getattr(model, "_orig_mod", model)  # (torch.compile's wrapper: the model it compiled)
         config = getattr(model, "config", None)
         if config is None or not hasattr(config, "to_dict"):
             return {"class": type(model).__name__}

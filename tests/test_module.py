@@ -724,3 +724,21 @@ def test_a_grid_given_as_a_mapping_of_its_fields_is_a_sweep_grid():
         MultiLoRAModule("tiny-llama", grid={"axis": {"rank": [2]}})
     with pytest.raises(ValueError, match=r"`grid` must be a SweepGrid \(or a mapping of its fields\), got list"):
         MultiLoRAModule("tiny-llama", grid=[{"rank": 2}])
+
+
+def test_the_recorded_base_of_a_compiled_model_is_the_model_it_compiled():
+    """torch.compile wraps a model in an OptimizedModule holding it as ``_orig_mod``: a resume with or without the
+    compile is on the same base (a model without a Hugging Face config is known by its class)."""
+    from types import SimpleNamespace
+
+    from lightning_multilora.module import MultiLoRAMixin
+
+    class OptimizedModule(torch.nn.Module):  # (torch._dynamo's wrapper, without compiling anything)
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+    def identity(model):
+        return MultiLoRAMixin._base_identity(SimpleNamespace(lora_layers=SimpleNamespace(model=model)))
+
+    assert identity(OptimizedModule(torch.nn.Linear(2, 2))) == identity(torch.nn.Linear(2, 2)) == {"class": "Linear"}
