@@ -29,6 +29,7 @@ import argparse
 import json
 import random
 from datetime import datetime, timezone
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -81,25 +82,37 @@ def layout(kind: str, tokens: int, n: int) -> tuple[list[int], tuple[int, ...], 
     return ranks, tuple(i * tokens for i in range(n)), tuple((i + 1) * tokens for i in range(n))
 
 
+def grad_problem(kind: str, tokens: int, n: int, width: int, device, dtype: torch.dtype, of_a: bool):
+    """One weight-gradient launch's setup: ``n`` adapters (`layout`), random bf16 shadows of the weight whose
+    gradient is taken (A_i (r, width) where ``of_a``, else B_i (width, r)) and placeholders of the other, the
+    pointer table and schedule, zeroed fp32 gradients in that weight's layout and their pointers."""
+    ranks, starts, ends = layout(kind, tokens, n)
+    shape = (lambda r: (r, width)) if of_a else (lambda r: (width, r))
+    other = (lambda r: (16, r)) if of_a else (lambda r: (r, 16))
+    full = tuple((torch.randn(shape(r), device=device) * 0.02).to(dtype) for r in ranks)
+    empty = tuple(torch.zeros(other(r), device=device, dtype=dtype) for r in ranks)  # (unused: the table's other)
+    a, b = (full, empty) if of_a else (empty, full)
+    w = LoRAWeights(a, b, tuple(2.0 for _ in ranks), tuple(0.0 for _ in ranks), starts, ends)
+    T.reset_rank_tiles()
+    table = T.pointer_table(w, device)
+    grads = [torch.zeros(shape(r), device=device) for r in ranks]
+    return SimpleNamespace(ranks=ranks, starts=starts, ends=ends, rows=n * tokens, a=a, b=b, table=table,
+                           sched=T.schedule(starts, ends, n * tokens, device, tuple(ranks)), grads=grads,
+                           g_ptrs=torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64, device=device),
+                           aligned=all(r % 8 == 0 for r in ranks))
+
+
 def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtype: torch.dtype = torch.bfloat16,
           bench: bool = True, quick: bool = False, block_ms: tuple[int, ...] = (64,),
           grad_block_ks: tuple[int, ...] = (128,)) -> list[dict]:
     """Every variant at one point: rows of its time and its dS / dB error against the first variant's. The one
     launch at each of ``block_ms`` (the dS programs' rows) and ``grad_block_ks`` (the dB programs' columns)."""
-    ranks, starts, ends = layout(kind, tokens, n)
-    rows_total = n * tokens
-    b = tuple((torch.randn(d_out, r, device=device) * 0.02).to(dtype) for r in ranks)  # the bf16 shadows
-    a = tuple(torch.zeros(r, 16, device=device, dtype=dtype) for r in ranks)  # (unused: the table's A)
-    w = LoRAWeights(a, b, tuple(2.0 for _ in ranks), tuple(0.0 for _ in ranks), starts, ends)
-    T.reset_rank_tiles()
-    table = T.pointer_table(w, device)
-    sched = T.schedule(starts, ends, rows_total, device, tuple(ranks))
+    p = grad_problem(kind, tokens, n, d_out, device, dtype, of_a=False)  # (B_i: the bf16 shadows)
+    ranks, starts, ends, rows_total, b, table, sched = p.ranks, p.starts, p.ends, p.rows, p.b, p.table, p.sched
+    grads, g_ptrs, w_aligned = p.grads, p.g_ptrs, p.aligned
     dy = torch.randn(rows_total, d_out, device=device, dtype=dtype)
     s = torch.randn(rows_total, table.width, device=device, dtype=dtype)
-    grads = [torch.zeros(d_out, r, device=device) for r in ranks]
-    g_ptrs = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64, device=device)
     ds = torch.empty(rows_total, table.width, device=device, dtype=dtype)
-    w_aligned = all(r % 8 == 0 for r in ranks)
     grad_r, grad_chunks = T._grad_chunks(table.block_r, table.width)
     trans = grad_r >= T.GRAD_TRANSPOSE_MIN_TILE
     dtype_bytes = rows_total * d_out * dy.element_size()

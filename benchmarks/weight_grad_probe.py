@@ -20,27 +20,17 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from benchmarks.ds_db_one_launch import _plain, layout
-from lightning_multilora.kernels import LoRAWeights
+from benchmarks.ds_db_one_launch import _plain, grad_problem
 from lightning_multilora.kernels import triton_kernels as K
 from lightning_multilora.kernels import triton_lora as T
 
 
 def point(d_in: int, kind: str, tokens: int, n: int, out: list, path: str) -> None:
     device, dtype = torch.device("cuda"), torch.bfloat16
-    ranks, starts, ends = layout(kind, tokens, n)
-    rows = n * tokens
-    a = tuple((torch.randn(r, d_in, device=device) * 0.02).to(dtype) for r in ranks)
-    b = tuple(torch.zeros(16, r, device=device, dtype=dtype) for r in ranks)
-    w = LoRAWeights(a, b, tuple(2.0 for _ in ranks), tuple(0.0 for _ in ranks), starts, ends)
-    T.reset_rank_tiles()
-    table = T.pointer_table(w, device)
-    sched = T.schedule(starts, ends, rows, device, tuple(ranks))
+    p = grad_problem(kind, tokens, n, d_in, device, dtype, of_a=True)
+    rows, table, sched, grads, g_ptrs, aligned = p.rows, p.table, p.sched, p.grads, p.g_ptrs, p.aligned
     x = torch.randn(rows, d_in, device=device, dtype=dtype)
     ds = torch.randn(rows, table.width, device=device, dtype=dtype)
-    grads = [torch.zeros(r, d_in, device=device) for r in ranks]
-    g_ptrs = torch.tensor([g.data_ptr() for g in grads], dtype=torch.int64, device=device)
-    aligned = all(r % 8 == 0 for r in ranks)
     grad_r, chunks = T._grad_chunks(table.block_r, table.width)
     trans = grad_r >= T.GRAD_TRANSPOSE_MIN_TILE
     x_bytes = x.numel() * x.element_size()
