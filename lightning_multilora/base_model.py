@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,14 +80,23 @@ def build_base_model(
     if base_model in TINY_CONFIGS:
         kwargs = dict(TINY_CONFIGS[base_model])
         kwargs.update(config_overrides or {})
-        config = AutoConfig.for_model(**kwargs)
+        with _naming_overrides(config_overrides):
+            config = AutoConfig.for_model(**kwargs)
+            if getattr(config, "num_hidden_layers", 1) < 1:  # (builds and runs, with no layer to adapt)
+                raise ValueError(f"num_hidden_layers must be at least 1, got {config.num_hidden_layers}")
         _refuse_unknown_fields(config, config_overrides or {})
-        with torch.random.fork_rng(devices=[]):
+        with _naming_overrides(config_overrides), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config)
+            if config_overrides:  # a model that builds may still not run (key / value heads that do not divide)
+                with torch.no_grad():
+                    model(torch.zeros(1, 1, dtype=torch.long))
         model.config.name_or_path = base_model
         return model.to(torch_dtype)
     kwargs = dict(config_overrides or {})
+    if kwargs and os.path.isfile(os.path.join(base_model, "config.json")):  # (a checkpoint there: the overrides fail)
+        with _naming_overrides(config_overrides):
+            return AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype, **kwargs)
     try:
         return AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError) as err:  # (no checkpoint there, and the Hub has no such model or cannot be reached)
@@ -95,11 +105,23 @@ def build_base_model(
                    f"checkpoint directory, and could not be loaded from the Hugging Face Hub: {err}") from err
 
 
+@contextmanager
+def _naming_overrides(config_overrides: Optional[dict[str, Any]]):
+    """An error while a config changed by ``config_overrides`` is built, or its model built or run once, names them
+    (transformers' own message, about a rotary dimension or a head count, does not)."""
+    try:
+        yield
+    except Exception as err:  # (transformers' validation errors are no ValueError)
+        if not config_overrides:
+            raise
+        raise ValueError(f"`config_overrides` {dict(config_overrides)!r} make a model that cannot be built or run: "
+                         f"{type(err).__name__}: {err}") from err
+
+
 def _refuse_near_miss(base_model: str) -> None:
     """A name one typo away from a built-in model (``tiny-lama``) is refused at once: ``from_pretrained`` would
     spend ~45 s retrying the Hugging Face Hub before its network error, and name no built-in."""
     import difflib
-    import os
 
     if base_model in TINY_CONFIGS or os.path.exists(base_model) or "/" in base_model:
         return

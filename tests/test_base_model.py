@@ -48,3 +48,21 @@ def test_config_overrides_take_effect_and_a_misspelled_field_is_refused():
     with pytest.warns(UserWarning, match=r"`config_overrides` \['head_dim'\] are no fields of a qwen2 config"):
         model = build_base_model("tiny-qwen2", {"head_dim": 32})
     assert model.model.layers[0].self_attn.q_proj.out_features == 4 * 32
+
+
+@pytest.mark.parametrize("overrides", [{"num_attention_heads": 5}, {"hidden_size": 100}, {"num_key_value_heads": 3},
+                                       {"vocab_size": 0}, {"num_hidden_layers": 0}, {"hidden_size": "big"}])
+def test_config_overrides_that_break_the_model_are_named(overrides):
+    """Overrides that make a config transformers refuses (heads that do not divide the width, an odd rotary
+    dimension), a model that builds but cannot run (key / value heads that do not divide the heads) or one with no
+    layer to adapt: the error names `config_overrides` and what they were (transformers' own message named neither,
+    and some failed only at the first training step)."""
+    with pytest.raises(ValueError, match=r"`config_overrides` \{.*\} make a model that cannot be built or run"):
+        build_base_model("tiny-llama", overrides)
+
+
+def test_config_overrides_that_break_a_checkpoint_are_named(tmp_path):
+    build_base_model("tiny-llama", {"num_hidden_layers": 1}).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"`config_overrides` \{'num_attention_heads': 5\} make a model"):
+        build_base_model(str(tmp_path), {"num_attention_heads": 5})
+    assert build_base_model(str(tmp_path), {"rms_norm_eps": 1e-5}).config.rms_norm_eps == 1e-5
