@@ -577,14 +577,18 @@ class MultiLoRAMixin:
 
     def _check_export_root(self) -> None:
         """The export root can take the adapters' folders, checked as the fit starts (an adapter is exported as it
-        finishes: a root that cannot hold them would otherwise be found after training)."""
+        finishes: a root that cannot hold them would otherwise be found after training). Nothing is made here: the
+        root's nearest existing folder must be one that can be written (a run that exports nothing leaves no folder)."""
         root = self._export_root()
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise ValueError(f"`export_dir` {str(root)!r} cannot hold the adapters' exports: {err}") from err
-        if not os.access(root, os.W_OK | os.X_OK):
-            raise ValueError(f"`export_dir` {str(root)!r} cannot hold the adapters' exports: not writable")
+        existing = root.absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            raise ValueError(f"`export_dir` {str(root)!r} cannot hold the adapters' exports: {str(existing)!r} is "
+                             "a file")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ValueError(f"`export_dir` {str(root)!r} cannot hold the adapters' exports: {str(existing)!r} is not "
+                             "writable")
 
     @override
     def configure_optimizers(self):
