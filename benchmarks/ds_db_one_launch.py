@@ -55,6 +55,9 @@ def main() -> None:
     parser.add_argument("--block-m", type=int, nargs="+", default=[64],
                         help="rows of the dS programs' blocks (the schedule's BLOCK_M) for the one launch; heights "
                              "other than the package's also take tiles with fewer bytes a stage")
+    parser.add_argument("--grad-block-r", type=int, nargs="+", default=[],
+                        help="also dB programs over rank chunks this wide in the one launch (the package's: "
+                             "triton_lora.GRAD_MAX_TILE, 64; at r=128 two chunks a slot read each dY tile twice)")
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = []
@@ -64,7 +67,8 @@ def main() -> None:
         for kind in args.ranks:
             for tokens in args.tokens:
                 rows += point(d_out, kind, tokens, args.n, device, common, quick=args.quick,
-                              block_ms=args.block_m, grad_block_ks=args.grad_block_k)
+                              block_ms=args.block_m, grad_block_ks=args.grad_block_k,
+                              grad_block_rs=args.grad_block_r)
                 with open(args.out, "w") as f:
                     json.dump(rows, f, indent=1)
 
@@ -104,7 +108,7 @@ def grad_problem(kind: str, tokens: int, n: int, width: int, device, dtype: torc
 
 def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtype: torch.dtype = torch.bfloat16,
           bench: bool = True, quick: bool = False, block_ms: tuple[int, ...] = (64,),
-          grad_block_ks: tuple[int, ...] = (128,)) -> list[dict]:
+          grad_block_ks: tuple[int, ...] = (128,), grad_block_rs: tuple[int, ...] = ()) -> list[dict]:
     """Every variant at one point: rows of its time and its dS / dB error against the first variant's. The one
     launch at each of ``block_ms`` (the dS programs' rows) and ``grad_block_ks`` (the dB programs' columns)."""
     p = grad_problem(kind, tokens, n, d_out, device, dtype, of_a=False)  # (B_i: the bf16 shadows)
@@ -133,14 +137,17 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
                 BLOCK_R=grad_r, num_warps=gw, num_stages=gs)
         return run
 
-    def one_launch(interleave, rk, gk, gt, nw, st, block_m=T.BLOCK_M):
-        package_block_m = T.BLOCK_M
+    def one_launch(interleave, rk, gk, gt, nw, st, block_m=T.BLOCK_M, grad_tile=T.GRAD_MAX_TILE):
+        package_block_m, package_tile = T.BLOCK_M, T.GRAD_MAX_TILE
         T.BLOCK_M = block_m  # (the schedule's blocks, and so the program table, at this height)
+        T.GRAD_MAX_TILE = grad_tile  # (the dB programs' rank chunks, and so the table's dB codes)
         try:
             at = T.schedule(starts, ends, rows_total, device, tuple(ranks))
             progs = T.ds_db_table(at, table, d_out, device, gk)
+            grad_r, grad_chunks = T._grad_chunks(table.block_r, table.width)
         finally:
-            T.BLOCK_M = package_block_m
+            T.BLOCK_M, T.GRAD_MAX_TILE = package_block_m, package_tile
+        trans = grad_r >= T.GRAD_TRANSPOSE_MIN_TILE
         n_ds = at.num_blocks * table.r_chunks
 
         def run():
@@ -183,18 +190,24 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
     if table.block_r <= T.FUSED_DS_MAX_TILE:
         for gk, gt, gw, gs in ((256, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3))[:2 if quick else 3]:
             variants[("fused_with_ds", 0, gk, gt, f"{gw}w{gs}s")] = fused(gk, gt, gw, gs), ds32
+    grad_tiles = sorted({grad_r} | {min(table.block_r, t) for t in grad_block_rs})
     for block_m in block_ms:
         for gk in grad_block_ks:
-            tiles = ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 32, 4, 3))[:2 if quick else 4]
-            if block_m != T.BLOCK_M or gk != K.DS_DB_GRAD_BLOCK_K:  # (taller or wider tiles: fewer bytes a stage,
-                tiles += ((32, 64, 8, 3), (32, 32, 4, 3), (64, 32, 8, 3), (32, 64, 8, 4))  # more warps: 2-3 an SM)
-            for interleave in (True, False):
-                for rk, gt, nw, st in tiles:
-                    name = (("interleaved" if interleave else "apart")
-                            + ("" if block_m == T.BLOCK_M else f"_m{block_m}")
-                            + ("" if gk == K.DS_DB_GRAD_BLOCK_K else f"_k{gk}"))
-                    variants[(name, rk, gk, gt, f"{nw}w{st}s")] = \
-                        one_launch(interleave, rk, gk, gt, nw, st, block_m), ds
+            for grad_tile in grad_tiles:
+                package = (block_m, gk, grad_tile) == (T.BLOCK_M, K.DS_DB_GRAD_BLOCK_K, grad_r)
+                tiles = ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 32, 4, 3))[:2 if quick else 4]
+                if not package:  # (taller or wider tiles: fewer bytes a stage, more warps: 2-3 an SM)
+                    tiles += ((32, 64, 8, 3), (32, 32, 4, 3), (64, 32, 8, 3), (32, 64, 8, 4))
+                if grad_tile > T.GRAD_MAX_TILE:  # (a (K, 128) fp32 accumulator: 8 warps, or it spills)
+                    tiles = tuple(t for t in tiles if t[2] == 8) + ((64, 64, 8, 3),)
+                for interleave in (True, False) if package else (True,):  # (apart: the package's tiles only)
+                    for rk, gt, nw, st in tiles:
+                        name = (("interleaved" if interleave else "apart")
+                                + ("" if block_m == T.BLOCK_M else f"_m{block_m}")
+                                + ("" if gk == K.DS_DB_GRAD_BLOCK_K else f"_k{gk}")
+                                + ("" if grad_tile == grad_r else f"_r{grad_tile}"))
+                        variants[(name, rk, gk, gt, f"{nw}w{st}s")] = \
+                            one_launch(interleave, rk, gk, gt, nw, st, block_m, grad_tile), ds
     valid = torch.zeros_like(ds, dtype=torch.bool)  # dS holds each adapter's first r_i columns of its rows
     for st, en, r in zip(starts, ends, ranks):
         valid[st:en, :r] = True
