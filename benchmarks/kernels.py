@@ -248,8 +248,21 @@ def main() -> None:
     parser.add_argument("--wide-rows-wide-ranks", type=int, default=None,
                         help="... for adapters of ranks over triton_lora.WIDE_RANK (triton_lora.WIDE_ROWS_WIDE_RANKS; "
                              "default: the package's)")
+    parser.add_argument("--ds-db-block-m", type=int, default=None,
+                        help="rows of the dS + dB launch's dS blocks (triton_lora.DS_DB_BLOCK_M; default: BLOCK_M)")
+    parser.add_argument("--ds-db-grad-block-k", type=int, default=None,
+                        help="columns of its dB blocks (triton_kernels.DS_DB_GRAD_BLOCK_K; default: the package's)")
+    parser.add_argument("--ds-db-grad-tile", type=int, default=None,
+                        help="its dB programs' widest rank chunk (triton_lora.DS_DB_GRAD_MAX_TILE; default: "
+                             "GRAD_MAX_TILE)")
     args = parser.parse_args()
-    from lightning_multilora.kernels import triton_lora
+    from lightning_multilora.kernels import triton_kernels, triton_lora
+
+    ds_db = dict(ds_db_block_m=args.ds_db_block_m, ds_db_grad_block_k=args.ds_db_grad_block_k,
+                 ds_db_grad_tile=args.ds_db_grad_tile)
+    triton_lora.DS_DB_BLOCK_M = args.ds_db_block_m or triton_lora.DS_DB_BLOCK_M
+    triton_kernels.DS_DB_GRAD_BLOCK_K = args.ds_db_grad_block_k or triton_kernels.DS_DB_GRAD_BLOCK_K
+    triton_lora.DS_DB_GRAD_MAX_TILE = args.ds_db_grad_tile or triton_lora.DS_DB_GRAD_MAX_TILE
 
     if args.rank_class_launches is not None:
         triton_lora.RANK_CLASS_LAUNCHES = args.rank_class_launches
@@ -267,8 +280,6 @@ def main() -> None:
     if args.ds_db_one_launch is not None:
         triton_lora.DS_DB_ONE_LAUNCH = args.ds_db_one_launch == "on"
     if args.hold_w != "tuned":
-        from lightning_multilora.kernels import triton_kernels
-
         tuner = triton_kernels._rank_times_weight
         tuner.configs = [c for c in tuner.configs if c.kwargs["HOLD_W"] == (args.hold_w == "on")]
     device = torch.device("cuda")
@@ -293,6 +304,7 @@ def main() -> None:
     if args.block_m is not None:
         common.update(block_m=args.block_m, low_rank_min_waves=triton_lora.LOW_RANK_MIN_WAVES)
     common["ds_db_one_launch"] = triton_lora.DS_DB_ONE_LAUNCH
+    common.update({k: v for k, v in ds_db.items() if v is not None})
     rows = []
     start = time.monotonic()
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES

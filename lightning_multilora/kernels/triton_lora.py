@@ -130,8 +130,9 @@ class Schedule:
 
 
 def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, device: torch.device,
-             ranks: Optional[tuple[int, ...]] = None) -> Schedule:
-    """The (adapter, block) schedule of a layout, built once per layout and device and cached.
+             ranks: Optional[tuple[int, ...]] = None, block_m: Optional[int] = None) -> Schedule:
+    """The (adapter, block) schedule of a layout, built once per layout, device and block height (``block_m``, by
+    default `BLOCK_M`) and cached.
 
     The longest programs of a launch come first (longest-processing-time-first list scheduling: the GPU starts a
     launch's programs in grid order, each as a slot frees), so that none starts last and runs on alone: with
@@ -153,7 +154,7 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
         for i in by_rank:
             wide_index[len(adapters)] = len(wide_adapters)
             first = len(adapters)
-            for m in range(starts[i], ends[i], BLOCK_M):
+            for m in range(starts[i], ends[i], height):
                 adapters.append(i)
                 firsts.append(m)
             if len(adapters) > first:
@@ -181,12 +182,13 @@ def schedule(starts: tuple[int, ...], ends: tuple[int, ...], num_rows: int, devi
                         max_tokens, _bucket(nb), _bucket(max_tokens), runs, tuple(by_block), tuple(by_tokens), host[2, :nw],
                         host[3, :nw], host[4, :nw], wide_index, tuple(wide_rows))
 
+    height = block_m or BLOCK_M
     # the tall blocks' rows, per adapter (by rank: `WIDE_RANK`)
-    tall = tuple(BLOCK_M * (WIDE_ROWS_WIDE_RANKS if ranks is not None and ranks[i] > WIDE_RANK else WIDE_ROWS)
+    tall = tuple(height * (WIDE_ROWS_WIDE_RANKS if ranks is not None and ranks[i] > WIDE_RANK else WIDE_ROWS)
                  for i in range(len(starts)))
     if ranks is not None and len(set(ranks)) == 1:
         ranks = None  # one rank: the segment order (the layout's tables, shared by the ranks of one tall height)
-    return _schedules.get_or_make((starts, ends, num_rows, str(device), ranks, BLOCK_M, tall), make)
+    return _schedules.get_or_make((starts, ends, num_rows, str(device), ranks, height, tall), make)
 
 
 def _runs(adapters: list[int], ranks: tuple[int, ...]) -> Iterator[tuple[int, int]]:
@@ -627,6 +629,12 @@ DB_AFTER_DS = True
 # 0.217 -> 0.209; 4096x1024 ranks 8..128 0.157 -> 0.152; 4096x14336 0.489 -> 0.476, r=64 0.465 -> 0.449; 14336x4096
 # 0.474 -> 0.461, r=64 0.428 -> 0.420 (`kernels_h200_one_launch_s29.json`, `kernels_h200_one_launch_fp32_s29.json`).
 DS_DB_ONE_LAUNCH = True
+# ... its dS programs' rows (the row blocks of a schedule of this height: each re-reads its adapter's B_i from L2, as
+# many bytes as its dY rows at r=64, twice as many at r=128) and its dB programs' widest rank chunk (`GRAD_MAX_TILE`'s
+# chunks: each chunk's programs read the adapter's dY tiles, twice at r=128). The launch's K tile:
+# `triton_kernels.DS_DB_GRAD_BLOCK_K`. None: `BLOCK_M`, `GRAD_MAX_TILE`.
+DS_DB_BLOCK_M: Optional[int] = None
+DS_DB_GRAD_MAX_TILE: Optional[int] = None
 # The weight-gradient launches take rank chunks of at most this width, whatever the table's tile: a 128-wide tile
 # computes the full width for every adapter of a mix (its (r, BLOCK_K) fp32 accumulator too), where 64-wide chunks
 # past an adapter's rank return at once. On the H200, 32 adapters x 1024 tokens, ranks 8..128: dA at K=4096 took
@@ -637,10 +645,10 @@ DS_DB_ONE_LAUNCH = True
 GRAD_MAX_TILE = 64
 
 
-def _grad_chunks(block_r: int, width: int) -> tuple[int, int]:
+def _grad_chunks(block_r: int, width: int, max_tile: Optional[int] = None) -> tuple[int, int]:
     """The weight-gradient launches' rank chunk and how many cover ``width`` (S's columns), for a table tile
-    ``block_r``."""
-    tile = min(block_r, GRAD_MAX_TILE)
+    ``block_r`` (chunks of at most ``max_tile``, by default `GRAD_MAX_TILE`)."""
+    tile = min(block_r, max_tile or GRAD_MAX_TILE)
     return tile, _cdiv(width, tile)
 # Weight-gradient launches with rank chunks of at least this width accumulate the transpose, G^T = M^T L (the wide
 # tile as the product's left operand, a (BLOCK_K, BLOCK_R) accumulator; `_weight_grad`'s TRANS_ACC); narrower ones
@@ -997,12 +1005,13 @@ def _grad_split(call: _Call, k: int, device: torch.device) -> int:
 
 
 def ds_db_table(sched: Schedule, table: PointerTable, k: int, device: torch.device,
-                grad_block_k: Optional[int] = None) -> Tensor:
+                grad_block_k: Optional[int] = None, grad_tile: Optional[int] = None) -> Tensor:
     """The dS + dB launch's interleaved program codes (`triton_kernels._ds_and_db`): adapter by adapter, in the row
     blocks' order, its dS programs (row blocks x rank chunks) and its dB programs (slots of the grad order x K blocks
-    of ``grad_block_k``, by default the launch's `triton_kernels.DS_DB_GRAD_BLOCK_K`) merged evenly; the dB programs of
-    adapters without rows (which store their zeros) last. Built once per layout, tile and width."""
-    chunks = _grad_chunks(table.block_r, table.width)[1]
+    of ``grad_block_k``, by default the launch's `triton_kernels.DS_DB_GRAD_BLOCK_K`, rank chunks of at most
+    ``grad_tile``, by default `DS_DB_GRAD_MAX_TILE`) merged evenly; the dB programs of adapters without rows (which
+    store their zeros) last. Built once per layout, tile and width."""
+    chunks = _grad_chunks(table.block_r, table.width, grad_tile or DS_DB_GRAD_MAX_TILE)[1]
     k_blocks = _cdiv(k, grad_block_k or K.DS_DB_GRAD_BLOCK_K)
     key = ("ds_db", table.r_chunks, chunks, k_blocks)  # (what the codes depend on beside the layout)
     codes = sched.classes.get(key)
@@ -1029,7 +1038,11 @@ def _ds_db_launch(call: _Call, dy: Tensor, s: Tensor, ds: Tensor, targets: GradT
     (`DS_DB_ONE_LAUNCH`): the row launch's and the dB launch's programs, their order tuned (`ds_db_table`)."""
     weights, table, sched = call.weights, call.table, call.sched
     n, k, device = len(weights.a), dy.shape[1], dy.device
-    block_r, chunks = _grad_chunks(table.block_r, table.width)
+    block_m = DS_DB_BLOCK_M or BLOCK_M
+    if block_m != BLOCK_M:  # (the dS programs' blocks at their own height)
+        sched = schedule(weights.starts, weights.ends, dy.shape[0], device, tuple(a.shape[0] for a in weights.a),
+                         block_m)
+    block_r, chunks = _grad_chunks(table.block_r, table.width, DS_DB_GRAD_MAX_TILE)
     witness = targets.b[0] if targets.b else weights.b[0].grad
     n_ds = sched.num_blocks * table.r_chunks
     programs = n_ds + n * chunks * _cdiv(k, K.DS_DB_GRAD_BLOCK_K)
@@ -1040,11 +1053,12 @@ def _ds_db_launch(call: _Call, dy: Tensor, s: Tensor, ds: Tensor, targets: GradT
     args = (ds_db_table(sched, table, k, device), dy, call.b_ptrs, call.w_witness, ds, s, targets.b_ptrs, witness,
             *tail)
     meta = dict(DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned, G_ALIGNED=targets.aligned, ADD_TO_G=add_to_g,
-                TRANS_ACC=block_r >= GRAD_TRANSPOSE_MIN_TILE, BLOCK_M=BLOCK_M, ROWS_BLOCK_R=table.block_r,
+                TRANS_ACC=block_r >= GRAD_TRANSPOSE_MIN_TILE, BLOCK_M=block_m, ROWS_BLOCK_R=table.block_r,
                 GRAD_BLOCK_K=K.DS_DB_GRAD_BLOCK_K, GRAD_BLOCK_R=block_r, **_meta("ds_db"))
+    # (all the autotuner keys on: a key it has not tuned must not reach real targets)
     tune_key = ("ds_db", k, table.block_r, block_r, add_to_g, call.w_aligned, targets.aligned, meta["TRANS_ACC"],
                 ds.dtype, s.dtype, dy.dtype, witness.dtype, call.w_witness.dtype, call.precision, _bucket(n_ds),
-                sched.token_bucket)  # (all the autotuner keys on: a key it has not tuned must not reach real targets)
+                sched.token_bucket, block_m, K.DS_DB_GRAD_BLOCK_K)
     if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
         # (its trials would add into the gradients several times: they run on scratch ones; dS is stored, not added)
         scratch = _fresh_grads(weights, table, device)

@@ -1182,17 +1182,25 @@ def test_the_db_launch_leaves_ds_to_the_row_kernel_past_the_fused_tile(monkeypat
     triton_lora.reset_rank_tiles()
 
 
-@pytest.mark.parametrize("half_ds", [False, True])
+@pytest.mark.parametrize("half_ds,tall", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("interleave", [True, False])
-def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, interleave, half_ds):
+def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, interleave, half_ds, tall):
     """``DS_DB_ONE_LAUNCH``: the expand's backward makes dS and dB in one launch, its programs in the interleaved
     table's order (each adapter's dS and dB programs side by side) or every dS program first. Ranks of one and of two
     rank chunks, a gap, an adapter without tokens: new gradients stored (the tokenless adapter's dB zeros), then a
     second backward adding into them, as the two launches do; the first pass against the float64 reference. An fp32
-    dS (what this problem takes on the GPU: few row blocks) and, ``half_ds``, a bf16 one (many)."""
+    dS (what this problem takes on the GPU: few row blocks) and, ``half_ds``, a bf16 one (many). ``tall``: dS
+    programs over 128-row blocks of their own schedule (`DS_DB_BLOCK_M`), dB programs over 256 columns and 128-wide
+    rank chunks (`DS_DB_GRAD_MAX_TILE`: rank 100 in one chunk, where the two launches' dB takes two)."""
     from lightning_multilora.kernels import triton_kernels as K
     from lightning_multilora.kernels import triton_lora
 
+    if tall:
+        if not interleave and DEVICE == "cuda":
+            pytest.skip("the tuner offers taller and wider blocks interleaved only")
+        monkeypatch.setattr(triton_lora, "DS_DB_BLOCK_M", 128)
+        monkeypatch.setattr(triton_lora, "DS_DB_GRAD_MAX_TILE", 128)
+        monkeypatch.setattr(K, "DS_DB_GRAD_BLOCK_K", 256)
     if half_ds:  # S and dS in bf16 as a problem of many row blocks takes them (this one would take fp32)
         if DEVICE != "cuda":
             pytest.skip("a half-precision dS: bf16, on the GPU")
@@ -1202,7 +1210,8 @@ def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, 
     monkeypatch.setattr(triton_lora, "_ds_db_launch", lambda *a: launches.append("dS+dB") or one(*a))
     monkeypatch.setattr(triton_lora, "_grad_split", lambda *a: 1)  # (on the GPU too: a problem this small splits)
     monkeypatch.setitem(K.DEFAULT_META, "ds_db", dict(K.DEFAULT_META["ds_db"], INTERLEAVE=interleave))
-    monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 64)  # rank 100: two chunks in every launch
+    if not tall:  # rank 100: two chunks in every launch (tall: one 128-wide chunk in the rows and dB programs)
+        monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 64)
     flat_like = triton_lora._flat_like
 
     def nan_filled(*args, zero=True, **kwargs):  # new gradients left empty hold NaN here: an element not stored shows
@@ -1238,8 +1247,11 @@ def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, 
     # the interleaved table holds every program of the launch once: dS's, then each slot's K blocks
     sched = triton_lora.schedule(w.starts, w.ends, x.shape[0], x.device, tuple(a.shape[0] for a in w.a))
     table = triton_lora.pointer_table(w, x.device)
+    sched = triton_lora.schedule(w.starts, w.ends, x.shape[0], x.device, tuple(a.shape[0] for a in w.a),
+                                 triton_lora.DS_DB_BLOCK_M)
     codes = triton_lora.ds_db_table(sched, table, 136, x.device).tolist()
-    chunks = triton_lora._grad_chunks(table.block_r, table.width)[1]
+    chunks = triton_lora._grad_chunks(table.block_r, table.width, triton_lora.DS_DB_GRAD_MAX_TILE)[1]
+    assert chunks == (1 if tall else 2) and sched.num_blocks == (4 if tall else 7)  # (130, 70, 0, 65 rows)
     n_db = len(w.a) * chunks * triton.cdiv(136, K.DS_DB_GRAD_BLOCK_K)
     assert sorted(codes) == sorted([*range(sched.num_blocks * table.r_chunks), *(-q - 1 for q in range(n_db))])
     triton_lora.reset_rank_tiles()
