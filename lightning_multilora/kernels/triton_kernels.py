@@ -549,10 +549,11 @@ def _grad_program(pid_k, split, slot, L, M, G_PTRS, G_WITNESS, SEG_START, SEG_EN
 DS_DB_GRAD_BLOCK_K = 128
 _DS_DB_TILES = ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (64, 32, 4, 3))
 # Taller dS blocks (`triton_lora.DS_DB_BLOCK_M` over 64), wider dB blocks (`DS_DB_GRAD_BLOCK_K` over 128) or dB rank
-# chunks of 128 (`triton_lora.DS_DB_GRAD_MAX_TILE`) take these instead: fewer bytes a stage (at 128 rows the tiles
-# above take 98-197 KB of shared memory, one or two programs an SM), and 8 warps where an accumulator is
-# (K, 128) fp32 (4 warps spill it: sm_90a compile, session 30).
-_DS_DB_WIDE_TILES = ((64, 64, 4, 3), (32, 64, 8, 3), (32, 32, 4, 3), (64, 32, 8, 3), (32, 64, 8, 4), (64, 64, 8, 3))
+# chunks of 128 (`triton_lora.DS_DB_GRAD_MAX_TILE`) take these too, interleaved: fewer bytes a stage (at 128 rows the
+# tiles above take 98-197 KB of shared memory, one or two programs an SM), and 8 warps only where an accumulator is
+# (K, 128) fp32 (4 warps spill it: sm_90a compile, session 30). (`benchmarks/ds_db_one_launch.py --grad-block-r 128`
+# found its best at 128 rows, 256 columns, 128-wide chunks with (128, 64, 8 warps, 3 stages) from the list above.)
+_DS_DB_WIDE_TILES = ((32, 64, 8, 3), (32, 32, 4, 3), (64, 32, 8, 3), (32, 64, 8, 4), (64, 64, 8, 3))
 _DS_DB_CONFIGS = [triton.Config({"ROWS_BLOCK_K": rk, "GRAD_BLOCK_T": gt, "INTERLEAVE": il}, num_warps=w, num_stages=st)
                   for tiles in (_DS_DB_TILES, _DS_DB_WIDE_TILES) for rk, gt, w, st in tiles
                   for il in (True, False)]
@@ -560,12 +561,11 @@ _DS_DB_CONFIGS = [triton.Config({"ROWS_BLOCK_K": rk, "GRAD_BLOCK_T": gt, "INTERL
 
 def _ds_db_candidates(configs, named_args, **kwargs):
     """The dS + dB launch's candidates for its block sizes: `_DS_DB_TILES` at 64 rows, 128 columns and rank chunks
-    up to 64 (both orders); otherwise `_DS_DB_WIDE_TILES`, interleaved (8 warps for 128-wide rank chunks)."""
+    up to 64 (both orders); otherwise these and `_DS_DB_WIDE_TILES`, interleaved (8 warps for 128-wide rank chunks)."""
     wide = kwargs["BLOCK_M"] > 64 or kwargs["GRAD_BLOCK_K"] > 128 or kwargs["GRAD_BLOCK_R"] > 64
     if not wide:
         return configs[:2 * len(_DS_DB_TILES)]
-    return [c for c in configs[2 * len(_DS_DB_TILES):] if c.kwargs["INTERLEAVE"]
-            and (kwargs["GRAD_BLOCK_R"] <= 64 or c.num_warps == 8)]
+    return [c for c in configs if c.kwargs["INTERLEAVE"] and (kwargs["GRAD_BLOCK_R"] <= 64 or c.num_warps == 8)]
 
 
 @_tuned(_DS_DB_CONFIGS, key=["K", "ROWS_BLOCK_R", "GRAD_BLOCK_R", "ADD_TO_G", "W_ALIGNED", "G_ALIGNED", "TRANS_ACC",
