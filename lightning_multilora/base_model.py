@@ -75,30 +75,35 @@ def build_base_model(
                 model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=config, dtype=torch_dtype)
             model.config.name_or_path = base_model
             return model
-        return AutoModelForCausalLM.from_pretrained(base_model, quantization_config=config, dtype=torch_dtype,
-                                                    **dict(config_overrides or {}))
+        return _from_pretrained(base_model, config_overrides, quantization_config=config, dtype=torch_dtype)
     if base_model in TINY_CONFIGS:
         kwargs = dict(TINY_CONFIGS[base_model])
         kwargs.update(config_overrides or {})
         with _naming_overrides(config_overrides):
             config = AutoConfig.for_model(**kwargs)
-            if getattr(config, "num_hidden_layers", 1) < 1:  # (builds and runs, with no layer to adapt)
-                raise ValueError(f"num_hidden_layers must be at least 1, got {config.num_hidden_layers}")
         _refuse_unknown_fields(config, config_overrides or {})
         with _naming_overrides(config_overrides), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config)
-            if config_overrides:  # a model that builds may still not run (key / value heads that do not divide)
-                with torch.no_grad():
-                    model(torch.zeros(1, 1, dtype=torch.long))
+        _check_runs(model, config_overrides)
         model.config.name_or_path = base_model
         return model.to(torch_dtype)
+    return _from_pretrained(base_model, config_overrides, dtype=torch_dtype)
+
+
+def _from_pretrained(base_model: str, config_overrides: Optional[dict[str, Any]], **load: Any) -> nn.Module:
+    """``from_pretrained`` of a local checkpoint directory or a hub name; with ``config_overrides`` and a checkpoint
+    there, an error they cause names them and the model must run (`_check_runs`)."""
+    from transformers import AutoModelForCausalLM
+
     kwargs = dict(config_overrides or {})
     if kwargs and os.path.isfile(os.path.join(base_model, "config.json")):  # (a checkpoint there: the overrides fail)
         with _naming_overrides(config_overrides):
-            return AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(base_model, **load, **kwargs)
+        _check_runs(model, config_overrides)
+        return model
     try:
-        return AutoModelForCausalLM.from_pretrained(base_model, dtype=torch_dtype, **kwargs)
+        return AutoModelForCausalLM.from_pretrained(base_model, **load, **kwargs)
     except (OSError, ValueError) as err:  # (no checkpoint there, and the Hub has no such model or cannot be reached)
         kind = OSError if isinstance(err, OSError) else ValueError
         raise kind(f"`base_model` {base_model!r} is no built-in model ({', '.join(TINY_CONFIGS)}), no local "
@@ -111,11 +116,26 @@ def _naming_overrides(config_overrides: Optional[dict[str, Any]]):
     (transformers' own message, about a rotary dimension or a head count, does not)."""
     try:
         yield
+    except (OSError, MemoryError, torch.OutOfMemoryError):  # (a file missing, or no room: not the overrides' doing)
+        raise
     except Exception as err:  # (transformers' validation errors are no ValueError)
         if not config_overrides:
             raise
         raise ValueError(f"`config_overrides` {dict(config_overrides)!r} make a model that cannot be built or run: "
                          f"{type(err).__name__}: {err}") from err
+
+
+def _check_runs(model: nn.Module, config_overrides: Optional[dict[str, Any]]) -> None:
+    """A model built with ``config_overrides`` has a layer to adapt and runs one token (one that builds may still
+    not run: key / value heads that do not divide); what fails names them."""
+    if not config_overrides:
+        return
+    with _naming_overrides(config_overrides):
+        layers = getattr(model.config, "num_hidden_layers", 1)
+        if layers < 1:  # (builds and runs, with no layer to adapt)
+            raise ValueError(f"num_hidden_layers must be at least 1, got {layers}")
+        with torch.no_grad():
+            model(torch.zeros(1, 1, dtype=torch.long, device=model.device))
 
 
 def _refuse_near_miss(base_model: str) -> None:

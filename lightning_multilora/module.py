@@ -581,14 +581,21 @@ class MultiLoRAMixin:
         root's nearest existing folder must be one that can be written (a run that exports nothing leaves no folder)."""
         root = self._export_root()
         existing = root.absolute()
-        while not existing.exists() and existing != existing.parent:
-            existing = existing.parent
-        if not existing.is_dir():
-            raise ValueError(f"`export_dir` {str(root)!r} cannot hold the adapters' exports: {str(existing)!r} is "
-                             "a file")
+
+        def refuse(why: str) -> ValueError:
+            return ValueError(f"`export_dir` {str(root)!r} cannot hold the adapters' exports: {why}")
+
+        try:
+            while not (existing.exists() or existing.is_symlink()) and existing != existing.parent:
+                existing = existing.parent
+            if existing.is_symlink() and not existing.exists():
+                raise refuse(f"{str(existing)!r} is a link to nothing ({os.readlink(existing)!r})")
+            if not existing.is_dir():
+                raise refuse(f"{str(existing)!r} is a file")
+        except OSError as err:  # (a folder on the way that cannot be searched)
+            raise refuse(f"{err}") from err
         if not os.access(existing, os.W_OK | os.X_OK):
-            raise ValueError(f"`export_dir` {str(root)!r} cannot hold the adapters' exports: {str(existing)!r} is not "
-                             "writable")
+            raise refuse(f"{str(existing)!r} is not writable")
 
     @override
     def configure_optimizers(self):

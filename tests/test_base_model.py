@@ -61,8 +61,31 @@ def test_config_overrides_that_break_the_model_are_named(overrides):
         build_base_model("tiny-llama", overrides)
 
 
-def test_config_overrides_that_break_a_checkpoint_are_named(tmp_path):
+@pytest.mark.parametrize("overrides", [{"num_attention_heads": 5}, {"num_hidden_layers": 0},
+                                       {"num_key_value_heads": 3}])
+def test_config_overrides_that_break_a_checkpoint_are_named(tmp_path, overrides):
+    """As for a built-in model: a config refused, no layer to adapt, a model that loads but cannot run one token."""
     build_base_model("tiny-llama", {"num_hidden_layers": 1}).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"`config_overrides` \{'num_attention_heads': 5\} make a model"):
-        build_base_model(str(tmp_path), {"num_attention_heads": 5})
+    with pytest.raises(ValueError, match=r"`config_overrides` \{.*\} make a model"):
+        build_base_model(str(tmp_path), overrides)
     assert build_base_model(str(tmp_path), {"rms_norm_eps": 1e-5}).config.rms_norm_eps == 1e-5
+
+
+def test_errors_the_overrides_did_not_cause_are_not_blamed_on_them(tmp_path, monkeypatch):
+    """A checkpoint without its weights raises transformers' OSError with overrides as without; out of memory while
+    building stays out of memory."""
+    build_base_model("tiny-llama", {"num_hidden_layers": 1}).save_pretrained(tmp_path)
+    for weights in tmp_path.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(OSError) as err:
+        build_base_model(str(tmp_path), {"rms_norm_eps": 1e-5})
+    assert "config_overrides" not in str(err.value)
+
+    import transformers
+
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", no_room)
+    with pytest.raises(torch.OutOfMemoryError):
+        build_base_model("tiny-llama", {"rms_norm_eps": 1e-5})

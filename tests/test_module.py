@@ -621,15 +621,18 @@ def test_a_resume_on_another_base_model_is_refused_and_keeps_the_exports(tmp_pat
     assert set(after) == set(trained) and all(torch.equal(after[k], trained[k]) for k in trained)
 
 
-@pytest.mark.parametrize("bad", ["export_dir", "export_dir_under_a_file", "betas", "unknown_kwarg"])
+@pytest.mark.parametrize("bad", ["export_dir", "export_dir_under_a_file", "export_dir_through_a_broken_link",
+                                 "betas", "unknown_kwarg"])
 def test_an_unusable_export_dir_or_optimizer_kwargs_fail_as_the_fit_starts(tmp_path, trainer_kwargs, bad):
     """Refused before the first step (an export root that is a file, or under one, would otherwise fail each
     adapter's export after it trained), naming the setting. The check makes no folder: a fit that exports nothing
     leaves none."""
     taken = tmp_path / "a_file"
     taken.write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "gone")  # (exists() is False for it: the walk must not pass it by)
     kwargs = {"export_dir": dict(export_dir=str(taken)), "betas": dict(optimizer_kwargs={"betas": 0.9}),
               "export_dir_under_a_file": dict(export_dir=str(taken / "sub" / "e")),
+              "export_dir_through_a_broken_link": dict(export_dir=str(tmp_path / "link" / "e")),
               "unknown_kwarg": dict(optimizer_kwargs={"momentum": 0.9})}[bad]
     module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=2, max_steps=4)],
                              validate_on_finish=False, **{"export_dir": str(tmp_path / "e"), **kwargs})
@@ -637,12 +640,15 @@ def test_an_unusable_export_dir_or_optimizer_kwargs_fail_as_the_fit_starts(tmp_p
     message = {"export_dir": r"`export_dir` '.*a_file' cannot hold the adapters' exports",
                "export_dir_under_a_file": r"`export_dir` '.*a_file/sub/e' cannot hold the adapters' exports: "
                                           r"'.*a_file' is a file",
+               "export_dir_through_a_broken_link": r"`export_dir` '.*link/e' cannot hold the adapters' exports: "
+                                                   r"'.*link' is a link to nothing",
                "betas": r"`optimizer_kwargs` \{'betas': 0.9\} rejected by AdamW",
                "unknown_kwarg": r"`optimizer_kwargs` \{'momentum': 0.9\} rejected by AdamW: .*momentum"}[bad]
+    before = sorted(tmp_path.rglob("*"))
     with pytest.raises(ValueError, match=message):
         trainer.fit(module, small_dm())
     assert trainer.global_step == 0
-    assert not (tmp_path / "e").exists()
+    assert sorted(tmp_path.rglob("*")) == before  # (no export folder made, wherever the root was)
 
 
 @pytest.mark.parametrize("fails_at", ["load", "narrower", "make"])
