@@ -260,9 +260,12 @@ def main() -> None:
 
     ds_db = dict(ds_db_block_m=args.ds_db_block_m, ds_db_grad_block_k=args.ds_db_grad_block_k,
                  ds_db_grad_tile=args.ds_db_grad_tile)
-    triton_lora.DS_DB_BLOCK_M = args.ds_db_block_m or triton_lora.DS_DB_BLOCK_M
-    triton_kernels.DS_DB_GRAD_BLOCK_K = args.ds_db_grad_block_k or triton_kernels.DS_DB_GRAD_BLOCK_K
-    triton_lora.DS_DB_GRAD_MAX_TILE = args.ds_db_grad_tile or triton_lora.DS_DB_GRAD_MAX_TILE
+    for module, name, value in ((triton_lora, "DS_DB_BLOCK_M", args.ds_db_block_m),
+                                (triton_kernels, "DS_DB_GRAD_BLOCK_K", args.ds_db_grad_block_k),
+                                (triton_lora, "DS_DB_GRAD_MAX_TILE", args.ds_db_grad_tile)):
+        if value is not None:
+            setattr(module, name, value)
+    triton_lora._check_ds_db_sizes()  # (before the first point: a value no tile takes is named here)
 
     if args.rank_class_launches is not None:
         triton_lora.RANK_CLASS_LAUNCHES = args.rank_class_launches

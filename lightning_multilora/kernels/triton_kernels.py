@@ -564,7 +564,8 @@ def _ds_db_candidates(configs, named_args, **kwargs):
     up to 64 (both orders); otherwise these and `_DS_DB_WIDE_TILES`, interleaved (8 warps for 128-wide rank chunks)."""
     wide = kwargs["BLOCK_M"] > 64 or kwargs["GRAD_BLOCK_K"] > 128 or kwargs["GRAD_BLOCK_R"] > 64
     if not wide:
-        return configs[:2 * len(_DS_DB_TILES)]
+        return [c for c in configs if (c.kwargs["ROWS_BLOCK_K"], c.kwargs["GRAD_BLOCK_T"], c.num_warps, c.num_stages)
+                in _DS_DB_TILES]
     return [c for c in configs if c.kwargs["INTERLEAVE"] and (kwargs["GRAD_BLOCK_R"] <= 64 or c.num_warps == 8)]
 
 

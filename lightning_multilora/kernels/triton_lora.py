@@ -1036,9 +1036,18 @@ def ds_db_table(sched: Schedule, table: PointerTable, k: int, device: torch.devi
     return codes
 
 
+def _check_ds_db_sizes() -> None:
+    """The dS + dB launch's block-size settings are tile sides: powers of two from 16 to 256 (or None: the default)."""
+    for name, value in (("triton_lora.DS_DB_BLOCK_M", DS_DB_BLOCK_M), ("triton_lora.DS_DB_GRAD_MAX_TILE",
+                        DS_DB_GRAD_MAX_TILE), ("triton_kernels.DS_DB_GRAD_BLOCK_K", K.DS_DB_GRAD_BLOCK_K)):
+        if value is not None and (type(value) is not int or value not in (16, 32, 64, 128, 256)):
+            raise ValueError(f"`{name}` can be 16, 32, 64, 128 or 256 (a tile side), got {value!r}")
+
+
 def _ds_db_launch(call: _Call, dy: Tensor, s: Tensor, ds: Tensor, targets: GradTargets) -> None:
     """``dS = dY B`` into ``ds`` (stored) and ``dB_i (+)= s_i dY_i^T S_i`` into ``targets`` from one launch
     (`DS_DB_ONE_LAUNCH`): the row launch's and the dB launch's programs, their order tuned (`ds_db_table`)."""
+    _check_ds_db_sizes()
     weights, table, sched = call.weights, call.table, call.sched
     n, k, device = len(weights.a), dy.shape[1], dy.device
     block_m = DS_DB_BLOCK_M or BLOCK_M

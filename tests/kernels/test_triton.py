@@ -1197,7 +1197,7 @@ def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, 
 
     if tall:
         if not interleave and DEVICE == "cuda":
-            pytest.skip("the tuner offers taller and wider blocks interleaved only")
+            pytest.skip("on the GPU the tuner picks the order (interleaved only for these blocks): the interleaved run")
         monkeypatch.setattr(triton_lora, "DS_DB_BLOCK_M", 128)
         monkeypatch.setattr(triton_lora, "DS_DB_GRAD_MAX_TILE", 128)
         monkeypatch.setattr(K, "DS_DB_GRAD_BLOCK_K", 256)
@@ -1205,9 +1205,11 @@ def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, 
         if DEVICE != "cuda":
             pytest.skip("a half-precision dS: bf16, on the GPU")
         monkeypatch.setattr(triton_lora, "LOW_RANK_MIN_WAVES", 0)
-    launches = []
-    one = triton_lora._ds_db_launch
+    launches, launched = [], []
+    one, run_launch = triton_lora._ds_db_launch, triton_lora._ds_and_db
     monkeypatch.setattr(triton_lora, "_ds_db_launch", lambda *a: launches.append("dS+dB") or one(*a))
+    monkeypatch.setattr(triton_lora, "_ds_and_db", lambda grid, args, meta: launched.append(
+        (grid[0], args[0].tolist(), meta["BLOCK_M"], meta["GRAD_BLOCK_R"])) or run_launch(grid, args, meta))
     monkeypatch.setattr(triton_lora, "_grad_split", lambda *a: 1)  # (on the GPU too: a problem this small splits)
     monkeypatch.setitem(K.DEFAULT_META, "ds_db", dict(K.DEFAULT_META["ds_db"], INTERLEAVE=interleave))
     if not tall:  # rank 100: two chunks in every launch (tall: one 128-wide chunk in the rows and dB programs)
@@ -1245,7 +1247,6 @@ def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, 
     for a, b in zip([y, *grads], [y_ref, *grads_ref]):
         assert rel(a, b) < tol
     # the interleaved table holds every program of the launch once: dS's, then each slot's K blocks
-    sched = triton_lora.schedule(w.starts, w.ends, x.shape[0], x.device, tuple(a.shape[0] for a in w.a))
     table = triton_lora.pointer_table(w, x.device)
     sched = triton_lora.schedule(w.starts, w.ends, x.shape[0], x.device, tuple(a.shape[0] for a in w.a),
                                  triton_lora.DS_DB_BLOCK_M)
@@ -1254,6 +1255,24 @@ def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, 
     assert chunks == (1 if tall else 2) and sched.num_blocks == (4 if tall else 7)  # (130, 70, 0, 65 rows)
     n_db = len(w.a) * chunks * triton.cdiv(136, K.DS_DB_GRAD_BLOCK_K)
     assert sorted(codes) == sorted([*range(sched.num_blocks * table.r_chunks), *(-q - 1 for q in range(n_db))])
+    # ... and is what each one launch ran: its grid, its dS blocks' height, its dB chunks' width
+    block_r = table.block_r if tall else 64
+    assert launched == [(len(codes), codes, 128 if tall else triton_lora.BLOCK_M, block_r)] * 2
+    triton_lora.reset_rank_tiles()
+
+
+@pytest.mark.parametrize("name", ["DS_DB_BLOCK_M", "DS_DB_GRAD_MAX_TILE", "DS_DB_GRAD_BLOCK_K"])
+def test_a_dS_dB_block_size_no_tile_takes_is_named(monkeypatch, name):
+    from lightning_multilora.kernels import triton_kernels as K
+    from lightning_multilora.kernels import triton_lora
+
+    monkeypatch.setattr(triton_lora, "DS_DB_ONE_LAUNCH", True)
+    monkeypatch.setattr(K if name == "DS_DB_GRAD_BLOCK_K" else triton_lora, name, 96)
+    monkeypatch.setattr(triton_lora, "_grad_split", lambda *a: 1)  # (the one launch: no dB row split)
+    triton_lora.reset_rank_tiles()
+    x, base, w = problem([24, 100], [130, 65], d_in=40, d_out=136, dtype=torch.float32, seed=3)
+    with pytest.raises(ValueError, match=rf"`triton_\w+\.{name}` can be 16, 32, 64, 128 or 256 .*got 96"):
+        run_direct(x, base, w, torch.randn_like(base))
     triton_lora.reset_rank_tiles()
 
 
