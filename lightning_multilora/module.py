@@ -43,7 +43,7 @@ _LORA_KEYS = (".lora_A.", ".lora_B.")
 # a base model's config entries that a checkpoint's adapters depend on (`_base_identity`)
 _BASE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim")
-_RUN_STAMP = ".multilora_run"  # in an export folder: the id of the run that wrote it (`save_adapter`)
+_RUN_STAMP = ".multilora_run"  # in an export folder: the id of the run that wrote it and the adapter (`save_adapter`)
 _EXITS_KEY = "\0exits-of-rank-"  # in the ranks' exchange: a rank's exits since the last one (not an adapter name)
 
 
@@ -294,12 +294,15 @@ class MultiLoRAMixin:
             directory = own if own is not None and own.parent == root else root / name
             taken = directory
             version = 0
-            while ((directory / "adapter_config.json").exists() and not self._wrote(directory)
+            while ((directory / "adapter_config.json").exists() and not self._wrote(directory, name)
                    and str(directory) != rec.export_path):
-                version += 1  # another run's adapter
+                version += 1  # another run's adapter, or another adapter's of this run (`a` versioned into `a-v1`)
                 directory = root / f"{name}-v{version}"
             if version:
-                warnings.warn(f"adapter {name!r}: {taken} holds an adapter this run did not write (another run's); "
+                stamp = self._stamp(taken)
+                whose = (f"this run's adapter {stamp[1]!r}" if stamp is not None and stamp[0] == self._run_id
+                         else "another run's")
+                warnings.warn(f"adapter {name!r}: {taken} holds an adapter this run did not write for it ({whose}); "
                               f"it is kept, and this one is written to {directory} (give each new run its own "
                               "`export_dir`)")
         else:
@@ -311,14 +314,24 @@ class MultiLoRAMixin:
                                  self.lora_layers.peft_state_dict(name),
                                  peft_target_modules(layers, self._all_module_names), base or None)
         if own_folder:
-            (path / _RUN_STAMP).write_text(self._run_id)
+            (path / _RUN_STAMP).write_text(f"{self._run_id}\n{name}\n")
             rec.export_path = str(path)
         return path
 
-    def _wrote(self, directory: Path) -> bool:
-        """Whether this run (or one it resumed from) wrote the export in ``directory``."""
+    def _wrote(self, directory: Path, name: str) -> bool:
+        """Whether this run (or one it resumed from) wrote adapter ``name``'s export in ``directory`` (a stamp
+        without a name, from before names were stamped: any adapter of the run)."""
+        stamp = self._stamp(directory)
+        return stamp is not None and stamp[0] == self._run_id and stamp[1] in ("", name)
+
+    @staticmethod
+    def _stamp(directory: Path) -> Optional[tuple[str, str]]:
+        """The run id and the adapter name stamped in an export folder (the name "" in an older stamp), or None."""
         stamp = directory / _RUN_STAMP
-        return stamp.is_file() and stamp.read_text().strip() == self._run_id
+        if not stamp.is_file():
+            return None
+        lines = stamp.read_text().splitlines() + ["", ""]
+        return lines[0].strip(), lines[1].strip()
 
     def packing_roster(self) -> list[AdapterSpec]:
         """Specs of the adapters in the next packed batch (running, in registry order; under adapter

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -525,7 +526,7 @@ def test_an_export_where_another_runs_adapter_is_goes_beside_it(tmp_path, traine
         first = exported(fit(1), "best")
     assert not [w for w in quiet if "did not write" in str(w.message)]  # (a run's own export: no warning)
     with pytest.warns(UserWarning, match=r"adapter 'best': .*adapters/best holds an adapter this run did not write "
-                                         r"\(another run's\); it is kept, and this one is written to "
+                                         r"for it \(another run's\); it is kept, and this one is written to "
                                          r".*adapters/best-v1 \(give each new run its own"):
         second_module = fit(2, max_steps=1)  # stopped while "best" runs: exported, still held
     assert second_module.registry["best"].export_path == str(tmp_path / "adapters" / "best-v1")
@@ -724,6 +725,31 @@ def test_a_resumed_run_writes_over_its_own_exports_only(tmp_path, trainer_kwargs
     assert resumed.registry["a"].export_path == str(tmp_path / "e" / "a")
     _, other = fit()  # a new run
     assert other.registry["a"].export_path == str(tmp_path / "e" / "a-v1")
+
+
+@pytest.mark.parametrize("first", ["a", "a-v1"])
+def test_an_adapter_versioned_past_another_runs_export_keeps_clear_of_this_runs_other_adapters(
+        tmp_path, trainer_kwargs, first):
+    """Another run left ``e/a``: this run's ``a`` goes to ``e/a-v1``, and its adapter named ``a-v1`` must not write
+    over it (nor ``a`` over ``a-v1``'s, whichever exports first): each folder holds the adapter that names it."""
+    import json
+
+    export_dir = str(tmp_path / "e")
+    L.Trainer(**trainer_kwargs).fit(MultiLoRAModule(
+        "tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=2, max_steps=2)], export_dir=export_dir,
+        validate_on_finish=False), small_dm())
+    steps = {"a": 2 if first == "a" else 4, "a-v1": 2 if first == "a-v1" else 4}
+    module = MultiLoRAModule("tiny-llama", adapters=[
+        AdapterSpec("a", rank=4, batch_size=2, max_steps=steps["a"]),
+        AdapterSpec("a-v1", rank=8, batch_size=2, max_steps=steps["a-v1"], seed=1)], export_dir=export_dir,
+        validate_on_finish=False)
+    with pytest.warns(UserWarning, match="holds an adapter this run did not write for it"):
+        L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    paths = {name: module.registry[name].export_path for name in ("a", "a-v1")}
+    assert len(set(paths.values())) == 2 and str(tmp_path / "e" / "a") not in paths.values()
+    for name, rank in (("a", 4), ("a-v1", 8)):
+        assert json.loads((Path(paths[name]) / "adapter_config.json").read_text())["r"] == rank
+    assert json.loads((tmp_path / "e" / "a" / "adapter_config.json").read_text())["r"] == 2  # (the other run's)
 
 
 def test_a_grid_given_as_a_mapping_of_its_fields_is_a_sweep_grid():
