@@ -188,9 +188,7 @@ class SweepGrid:
         if not isinstance(self.axes, Mapping) or not self.axes:
             raise ValueError(f"SweepGrid `axes` must be a non-empty mapping of AdapterSpec field -> list of values, "
                              f"got {self.axes!r}")
-        ratio = self.alpha_over_rank
-        if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not ratio > 0):
-            raise ValueError(f"SweepGrid `alpha_over_rank` must be a number > 0 or None, got {ratio!r}")
+        check_alpha_over_rank("SweepGrid", self.alpha_over_rank)
         check_spec_fields(list(self.axes) + list(self.base), "SweepGrid")
         for key, values in self.axes.items():
             if not isinstance(values, (list, tuple)) or not values:
@@ -229,6 +227,12 @@ def _fmt(value: Any) -> str:
     else:
         text = f"{value:g}" if isinstance(value, float) else str(value)
     return re.sub(r"[^A-Za-z0-9_\-]", "_", text.replace(".", "p"))
+
+
+def check_alpha_over_rank(where: str, ratio: Any) -> None:
+    """``alpha_over_rank`` (alpha = it x rank) is a number > 0 or None: else an error naming it and ``where``."""
+    if ratio is not None and (isinstance(ratio, bool) or not isinstance(ratio, numbers.Real) or not ratio > 0):
+        raise ValueError(f"{where} `alpha_over_rank` must be a number > 0 or None, got {ratio!r}")
 
 
 def check_spec_fields(keys, where: str) -> None:

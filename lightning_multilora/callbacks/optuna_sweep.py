@@ -17,7 +17,7 @@ from typing_extensions import override
 from lightning_multilora.arguments import check_int
 from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.registry import AdapterRecord, AdapterState
-from lightning_multilora.spec import AdapterSpec, check_spec_fields
+from lightning_multilora.spec import AdapterSpec, check_alpha_over_rank, check_spec_fields
 from lightning_multilora.strategies.adapter_parallel import decide_once, decides_here, placement_of
 
 if TYPE_CHECKING:
@@ -169,6 +169,7 @@ class OptunaSweep(Callback):
         check_int("OptunaSweep", "n_trials", n_trials, 1)
         check_int("OptunaSweep", "slots", slots, 1, optional=True)
         check_int("OptunaSweep", "seed", seed, 0, optional=True)
+        check_alpha_over_rank("OptunaSweep", alpha_over_rank)
         if not isinstance(search_space, Mapping) or not search_space:
             raise ValueError(f"OptunaSweep: `search_space` must be a non-empty mapping of AdapterSpec field -> "
                              f"parameter, got {search_space!r}")

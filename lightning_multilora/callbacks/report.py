@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,6 +36,9 @@ class SweepReport(Callback):
 
     def __init__(self, print_table: bool = True, filename: Optional[str] = "sweep_summary.json",
                  tensorboard: bool = True) -> None:
+        if filename is not None and (not isinstance(filename, (str, Path)) or not str(filename).strip()):
+            raise ValueError(f"SweepReport `filename` must be a file name or path (under the log dir unless "
+                             f"absolute) or None, got {filename!r}")
         self.print_table = print_table
         self.filename = filename
         self.tensorboard = tensorboard
@@ -48,9 +52,12 @@ class SweepReport(Callback):
         self.rows = registry.summary_rows()
         log_dir = log_dir_of(trainer)
         if self.filename and log_dir:
-            Path(log_dir).mkdir(parents=True, exist_ok=True)
-            (Path(log_dir) / self.filename).write_text(json.dumps(_finite(self.rows), indent=1, default=str,
-                                                                  allow_nan=False))
+            path = Path(log_dir) / self.filename
+            try:  # (the table, the pictures and the printout still come if the file cannot be written)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(_finite(self.rows), indent=1, default=str, allow_nan=False))
+            except OSError as err:
+                warnings.warn(f"SweepReport could not write `filename` {str(path)!r}: {err}")
         if self.tensorboard:
             self._write_tensorboard(trainer, registry)
         if self.print_table:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import pytest
 from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -72,6 +73,28 @@ def test_without_a_tensorboard_logger_the_report_points_at_its_summary_file(tmp_
 
     (row,) = json.loads((tmp_path / "sweep_summary.json").read_text(), parse_constant=strict)
     assert row["adapter"] == "a" and row["best_val_loss"] is None  # never validated: null, not Infinity
+
+
+def test_a_summary_file_in_a_subfolder_is_written_and_one_that_cannot_be_is_warned_of(tmp_path, capsys):
+    """``filename`` with a folder: made (it failed after training with FileNotFoundError, losing the printout);
+    a path that cannot be written warns and the table is still printed; a filename that is no path is refused."""
+    from types import SimpleNamespace
+
+    from lightning_multilora import AdapterSpec
+    from lightning_multilora.registry import AdapterRegistry
+
+    registry = AdapterRegistry()
+    registry.add(AdapterSpec("a"))
+    trainer = SimpleNamespace(loggers=[], is_global_zero=True, log_dir=None, default_root_dir=str(tmp_path))
+    SweepReport(filename="reports/summary.json").on_fit_end(trainer, SimpleNamespace(registry=registry))
+    assert (tmp_path / "reports" / "summary.json").is_file()
+    (tmp_path / "a_file").write_text("")
+    with pytest.warns(UserWarning, match=r"SweepReport could not write `filename` '.*a_file/summary.json'"):
+        SweepReport(filename="a_file/summary.json").on_fit_end(trainer, SimpleNamespace(registry=registry))
+    assert "Adapters ranked by best validation loss" in capsys.readouterr().out
+    for bad in ("", 3):
+        with pytest.raises(ValueError, match=rf"SweepReport `filename` must be a file name .* got {bad!r}"):
+            SweepReport(filename=bad)
 
 
 def test_slots_are_reused_once_free():

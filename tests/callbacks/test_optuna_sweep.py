@@ -360,6 +360,10 @@ def test_an_alpha_given_in_base_is_not_replaced_by_alpha_over_rank():
     assert OptunaSweep(SPACE, base={"alpha": 64.0})._spec_kwargs({"rank": 8})["alpha"] == 64.0
     assert OptunaSweep(SPACE)._spec_kwargs({"rank": 8})["alpha"] == 16.0  # alpha_over_rank=2 by default
     assert OptunaSweep(SPACE)._spec_kwargs({"rank": 8, "alpha": 4.0})["alpha"] == 4.0  # searched
+    for ratio in ("2", True, -1, 0):  # ("2" made alpha "22222222" at rank 8: a string repeated)
+        with pytest.raises(ValueError, match=rf"OptunaSweep `alpha_over_rank` must be a number > 0 or None, "
+                                             rf"got {ratio!r}"):
+            OptunaSweep(SPACE, alpha_over_rank=ratio)
 
 
 @pytest.mark.parametrize("kind, crash_step", [("random", 8), ("grid", 8), ("heartbeat", 8), ("random", 13)])
