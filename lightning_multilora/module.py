@@ -482,6 +482,12 @@ class MultiLoRAMixin:
         """Start queued adapters while slots are free (and, with an admission controller, while they fit)."""
         queued = list(self.registry.queued)
         placement = self._placement()
+        if self._global_step() == 0:  # before the first step, every queued adapter's data: one that waits for a
+            for rec in queued:  # slot would otherwise fail only when it starts, the run long under way
+                try:
+                    self._datamodule().check(rec.spec)
+                except ValueError as err:
+                    self._cannot_start(rec, err)
         if self.admission is not None and queued:
             for rec in [r for r in queued if not self.admission.fits([r.spec])]:  # it would wait forever
                 self._cannot_start(rec, ValueError(

@@ -355,10 +355,23 @@ def test_trainer_clipping_and_accumulation_are_refused_naming_the_adapter_fields
     assert module.registry["a"].step == 2
 
 
+class AddAt(Callback):
+    """Adds ``specs`` to the run after step ``step`` (adapters that start mid-run)."""
+
+    def __init__(self, step, *specs):
+        self.step, self.specs = step, specs
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            for spec in self.specs:
+                pl_module.add_adapter(spec)
+
+
 def test_an_adapter_that_cannot_start_mid_run_fails_alone(tmp_path, trainer_kwargs):
-    """A misspelled `dataset` on an adapter that starts mid-run (queued, added, or asked of a study) fails that
-    adapter with the error, tells callbacks of its exit, and the others train on and are exported; at the start of
-    a fit (nothing trained yet) the run stops at once with the same error."""
+    """A misspelled `dataset` on an adapter that starts mid-run (added, or asked of a study) fails that adapter
+    with the error, tells callbacks of its exit, and the others train on and are exported; at the start of a fit
+    (nothing trained yet) the run stops at once with the same error, for an adapter given that would wait in the
+    queue too (it failed only when it started, the run long under way)."""
     specs = [AdapterSpec("long", rank=2, batch_size=1, max_steps=5, seed=1),
              AdapterSpec("short", rank=2, batch_size=1, max_steps=2, seed=2),
              AdapterSpec("typo", rank=2, batch_size=1, max_steps=2, dataset="arithm", seed=3)]
@@ -368,41 +381,52 @@ def test_an_adapter_that_cannot_start_mid_run_fails_alone(tmp_path, trainer_kwar
         def on_adapter_exit(self, trainer, pl_module, rec):
             exits.append((rec.name, rec.state))
 
-    module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=2, export_dir=str(tmp_path),
+    module = MultiLoRAModule("tiny-llama", adapters=specs[:2], max_running=2, export_dir=str(tmp_path),
                              validate_on_finish=False)
     with pytest.warns(UserWarning, match="'typo' could not start: .*`dataset` 'arithm' is not a data source"):
-        L.Trainer(**trainer_kwargs, callbacks=[Exits()]).fit(module, small_dm())
+        L.Trainer(**trainer_kwargs, callbacks=[Exits(), AddAt(1, specs[2])]).fit(module, small_dm())
     states = {r.name: r.state for r in module.registry}
     assert states == {"long": AdapterState.FINISHED, "short": AdapterState.FINISHED, "typo": AdapterState.FAILED}
     assert "is not a data source" in module.registry["typo"].reason and ("typo", AdapterState.FAILED) in exits
     assert exported(module, "long") and module.registry["typo"].export_path is None
-    first = MultiLoRAModule("tiny-llama", adapters=specs[2:], export_dir=str(tmp_path / "b"), validate_on_finish=False)
-    with pytest.raises(ValueError, match="`dataset` 'arithm' is not a data source; sources are: \\['arith'\\]"):
-        L.Trainer(**trainer_kwargs).fit(first, small_dm())
+    for given, max_running in ((specs[2:], None), (specs, 2)):  # starting at once, or queued behind two
+        first = MultiLoRAModule("tiny-llama", adapters=given, max_running=max_running,
+                                export_dir=str(tmp_path / "b"), validate_on_finish=False)
+        trainer = L.Trainer(**trainer_kwargs)
+        with pytest.raises(ValueError, match="`dataset` 'arithm' is not a data source; sources are: \\['arith'\\]"):
+            trainer.fit(first, small_dm())
+        assert trainer.global_step == 0
 
 
 def test_an_adapter_whose_data_cannot_serve_it_fails_alone_as_it_starts(tmp_path, trainer_kwargs):
-    """An adapter queued behind others whose source cannot be read (a missing file), or whose objective its source
-    cannot serve (DPO on plain completions), fails as it starts, with the reason; the run goes on (it used to
-    fail at that adapter's first batch, stopping every adapter)."""
+    """An adapter added mid-run whose source cannot be read (a missing file), or whose objective its source cannot
+    serve (DPO on plain completions), fails as it starts, with the reason; the run goes on (it used to fail at that
+    adapter's first batch, stopping every adapter). Given at the start, the run stops before its first step."""
     from lightning_multilora.data import GeneratedArithmetic, JSONLSource
 
     specs = [AdapterSpec("first", rank=2, batch_size=1, max_steps=3, seed=1),
              AdapterSpec("missing", rank=2, batch_size=1, max_steps=2, dataset="gone", seed=2),
              AdapterSpec("dpo", rank=2, batch_size=1, max_steps=2, objective="dpo", seed=3),
              AdapterSpec("last", rank=2, batch_size=1, max_steps=2, seed=4)]
-    dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(100),
-                                      "gone": JSONLSource(str(tmp_path / "no.jsonl"))}, max_val_examples=8)
-    module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=1, export_dir=str(tmp_path / "out"),
+
+    def dm():
+        return MultiLoRADataModule(sources={"arith": GeneratedArithmetic(100),
+                                            "gone": JSONLSource(str(tmp_path / "no.jsonl"))}, max_val_examples=8)
+
+    module = MultiLoRAModule("tiny-llama", adapters=specs[:1], max_running=1, export_dir=str(tmp_path / "out"),
                              validate_on_finish=False)
     with pytest.warns(UserWarning) as caught:
-        L.Trainer(**trainer_kwargs).fit(module, dm)
+        L.Trainer(**trainer_kwargs, callbacks=[AddAt(1, *specs[1:])]).fit(module, dm())
     states = {r.name: r.state.value for r in module.registry}
     assert states == {"first": "finished", "missing": "failed", "dpo": "failed", "last": "finished"}
     assert "data source 'gone' (" in module.registry["missing"].reason and "could not be read" in \
         module.registry["missing"].reason
     assert "objective 'dpo' needs preference pairs, and data source 'arith'" in module.registry["dpo"].reason
     assert sum("could not start" in str(w.message) for w in caught) == 2
+    given = MultiLoRAModule("tiny-llama", adapters=[specs[0], specs[2]], max_running=1,
+                            export_dir=str(tmp_path / "out2"), validate_on_finish=False)
+    with pytest.raises(ValueError, match="objective 'dpo' needs preference pairs"):
+        L.Trainer(**trainer_kwargs).fit(given, dm())
 
 
 def test_a_run_left_with_paused_adapters_alone_stops_and_exports_them(tmp_path, trainer_kwargs):

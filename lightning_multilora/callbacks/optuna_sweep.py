@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
 import uuid
 import warnings
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,7 @@ PARAM_TYPES = ("float", "int", "categorical")
 PRUNED_STATES = (AdapterState.DIVERGED, AdapterState.PRUNED)
 # an overfit exit keeps (and exports) its best-validation weights: a result, as a finished adapter's
 COMPLETE_STATES = (AdapterState.FINISHED, AdapterState.OVERFIT)
+_TRIAL_NAME = re.compile(r"trial-\d+")
 
 
 # The keys a parameter of each type takes (Optuna's distributions' arguments)
@@ -360,19 +362,28 @@ class OptunaSweep(Callback):
             try:
                 spec = AdapterSpec(name=name, **self._spec_kwargs(trial.params))
             except ValueError as err:
-                study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                self._tell(trial.number, state=optuna.trial.TrialState.FAIL)
                 raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
             admission = getattr(pl_module, "admission", None)
             if admission is not None and not admission.fits([spec]):  # it would wait in the queue forever
-                study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                self._tell(trial.number, state=optuna.trial.TrialState.FAIL)
                 warnings.warn(f"trial {trial.number} with {trial.params} failed: {admission.alone(spec)}, so it can "
                               "never start")
+                self.asked += 1
+                continue
+            try:  # its data first: a misspelled `dataset` in `base` or the space fails the trial, not the step
+                pl_module._datamodule().check(spec)
+            except ValueError as err:
+                self._tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                if pl_module._global_step() == 0:  # (the run stops before its first step, as with an adapter given)
+                    raise ValueError(f"trial {trial.number} with {trial.params} cannot train: {err}") from err
+                warnings.warn(f"trial {trial.number} with {trial.params} failed: {err}")
                 self.asked += 1
                 continue
             try:
                 pl_module.add_adapter(spec)
             except ValueError as err:
-                study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                self._tell(trial.number, state=optuna.trial.TrialState.FAIL)
                 raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
             trial.set_user_attr("adapter", name)
             self.trials[name] = {"trial_id": trial._trial_id, "number": trial.number, "reported": [], "told": False}
@@ -454,9 +465,9 @@ class OptunaSweep(Callback):
         if info is None or info["told"] or self.study is None:
             return
         self._report(pl_module)
-        # an overfit exit exports its best-validation weights only when they are kept (EarlyExit's default)
-        value = (rec.last_val_loss if rec.state == AdapterState.OVERFIT and not getattr(pl_module, "keep_best_weights",
-                                                                                          True) else rec.best_val_loss)
+        # the value describes the weights exported: the best-validation ones where they are kept (EarlyExit's
+        # default), else the last ones (the module's own default, without EarlyExit)
+        value = rec.best_val_loss if getattr(pl_module, "keep_best_weights", False) else rec.last_val_loss
         if rec.state in COMPLETE_STATES and math.isfinite(value):
             self._tell(info["number"], values=value)
         elif rec.state in PRUNED_STATES or rec.state in COMPLETE_STATES:
@@ -512,6 +523,10 @@ class OptunaSweep(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not hasattr(pl_module, "registry"):
             raise TypeError("OptunaSweep needs a MultiLoRAMixin module")
+        taken = [r.name for r in pl_module.registry if _TRIAL_NAME.fullmatch(r.name) and r.name not in self.trials]
+        if taken:  # (the sweep names its adapters trial-<number>: one would meet them mid-run)
+            raise ValueError(f"adapter names {taken} are an OptunaSweep's trial names (trial-<number>, the names of "
+                             "the adapters it asks): rename them")
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

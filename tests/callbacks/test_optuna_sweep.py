@@ -36,7 +36,7 @@ def test_trials_fill_slots_and_are_told_complete_in_sqlite(tmp_path, trainer_kwa
     for t in trials:
         rec = module.registry[f"trial-{t.number}"]
         assert rec.state == AdapterState.FINISHED and t.user_attrs["adapter"] == rec.name
-        assert t.value == pytest.approx(rec.best_val_loss)
+        assert t.value == pytest.approx(rec.last_val_loss)  # (no EarlyExit: the export holds the last weights)
         assert rec.spec.lr == t.params["lr"] and rec.spec.rank == t.params["rank"]
         assert rec.spec.alpha == 2 * rec.spec.rank
         assert set(t.intermediate_values) == {step for step, _ in rec.val_losses}
@@ -354,6 +354,51 @@ def test_a_trial_finished_by_another_process_keeps_its_slot_and_is_no_longer_rep
     assert states == {0: optuna.trial.TrialState.FAIL, 1: optuna.trial.TrialState.COMPLETE,
                       2: optuna.trial.TrialState.COMPLETE}
     assert module.registry["trial-0"].state == AdapterState.FINISHED
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_a_finished_trials_value_is_the_validation_loss_of_the_weights_exported(kept):
+    """Best-validation weights kept (EarlyExit's default): its best loss; not kept: the last one, which the exported
+    (final) weights scored (the best was told, describing weights that no file holds)."""
+    from types import SimpleNamespace
+
+    from lightning_multilora import AdapterSpec
+    from lightning_multilora.registry import AdapterRegistry
+
+    sweep = OptunaSweep(SPACE, n_trials=2)
+    sweep.study = optuna.create_study()
+    trial = sweep.study.ask(sweep.distributions)
+    registry = AdapterRegistry()
+    rec = registry.add(AdapterSpec("trial-0", max_steps=10))
+    rec.state, rec.val_losses = AdapterState.FINISHED, [(5, 1.0), (10, 2.0)]
+    rec.best_val_loss, rec.best_val_step, rec.last_val_loss = 1.0, 5, 2.0
+    sweep.trials["trial-0"] = {"trial_id": trial._trial_id, "number": 0, "reported": [], "told": False}
+    sweep._conclude(SimpleNamespace(registry=registry, keep_best_weights=kept), rec)
+    assert sweep.study.trials[0].value == (1.0 if kept else 2.0)
+
+
+def test_a_base_whose_data_cannot_train_fails_its_trial_and_the_run_before_the_first_step(tmp_path, trainer_kwargs):
+    """A misspelled ``dataset`` in ``base``: the run stops at once naming it, and the trial asked is told FAIL (it
+    stayed RUNNING, with no checkpoint to resume it from)."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    sweep = OptunaSweep(SPACE, n_trials=4, storage=storage, slots=2,
+                        base={"max_steps": 4, "batch_size": 2, "dataset": "aa"})
+    with pytest.raises(ValueError, match=r"trial 0 with \{.*\} cannot train: .*'aa'"):
+        fit(tmp_path, trainer_kwargs, sweep)
+    states = [t.state for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()]
+    assert states == [optuna.trial.TrialState.FAIL]
+
+
+def test_an_adapter_named_like_a_trial_is_refused_as_the_fit_starts(tmp_path, trainer_kwargs):
+    """The sweep names its adapters trial-<number>: a given one so named met a trial mid-run (Optuna's
+    "Study.stop" error, the duplicate name buried in its traceback)."""
+    from lightning_multilora import AdapterSpec
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("trial-1", max_steps=2, batch_size=2)],
+                             export_dir=str(tmp_path / "out"))
+    sweep = OptunaSweep(SPACE, n_trials=2, base={"max_steps": 2, "batch_size": 2})
+    with pytest.raises(ValueError, match=r"adapter names \['trial-1'\] are an OptunaSweep's trial names"):
+        L.Trainer(**trainer_kwargs, callbacks=[sweep]).fit(module, dm())
 
 
 def test_an_alpha_given_in_base_is_not_replaced_by_alpha_over_rank():
