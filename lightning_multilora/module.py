@@ -21,6 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_multilora.arguments import check_bool, check_int
 from lightning_multilora.base_model import one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import peft_target_modules, save_peft_adapter
@@ -122,8 +123,9 @@ class MultiLoRAMixin:
         recently replayed are kept): pad batches to few shapes (``MultiLoRADataModule(padding="max_length")``
         or ``pad_to_multiple_of``), or most steps of a varying length run eagerly. Needs torch >= 2.10 with
         gradient checkpointing."""
-        if max_running is not None and max_running < 1:
-            raise ValueError(f"`max_running` must be >= 1 or None, got {max_running}")
+        check_int("MultiLoRAModule", "max_running", max_running, 1, optional=True)
+        check_bool("MultiLoRAModule", "validate_on_finish", validate_on_finish)
+        check_bool("MultiLoRAModule", "cuda_graphs", cuda_graphs)
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold adapter weights only, never the frozen base
         self.lora_layers = inject_multilora(model, target_modules)
@@ -135,6 +137,11 @@ class MultiLoRAMixin:
         self._given: dict[str, AdapterSpec] = {}
         self.optimizer_class = resolve_optimizer(optimizer)
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
+        per_adapter = sorted({"lr", "weight_decay"} & self.optimizer_kwargs.keys())
+        if per_adapter:  # (each adapter's param group sets them: given here they would be ignored)
+            raise ValueError(f"`optimizer_kwargs` {per_adapter} are set per adapter: give them as AdapterSpec "
+                             f"fields ({', '.join(f'{k}=' for k in per_adapter)}), in a grid's `base` or axes, or an "
+                             "OptunaSweep's `base` or search space")
         self.max_running = max_running
         missing = [m for m in ("fits", "select", "alone") if not callable(getattr(admission, m, None))]
         if admission is not None and missing:
@@ -1307,6 +1314,10 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         super().__init__()
         from lightning_multilora.base_model import build_base_model
 
+        check_bool("MultiLoRAModule", "gradient_checkpointing", gradient_checkpointing)
+        check_int("MultiLoRAModule", "base_seed", base_seed, 0)
+        if base_seed >= 2**63:  # (torch's generators take 64-bit seeds)
+            raise ValueError(f"MultiLoRAModule: `base_seed` must be an integer from 0 to 2**63 - 1, got {base_seed!r}")
         if isinstance(base_model, nn.Module):
             model = base_model
         else:

@@ -676,6 +676,28 @@ def test_an_unusable_export_dir_or_optimizer_kwargs_fail_as_the_fit_starts(tmp_p
     assert sorted(tmp_path.rglob("*")) == before  # (no export folder made, wherever the root was)
 
 
+def test_optimizer_kwargs_that_each_adapter_sets_are_refused():
+    """``lr`` and ``weight_decay`` are AdapterSpec fields (each adapter's param group): in ``optimizer_kwargs`` they
+    were silently overridden."""
+    with pytest.raises(ValueError, match=r"`optimizer_kwargs` \['lr', 'weight_decay'\] are set per adapter: give them "
+                                         r"as AdapterSpec fields \(lr=, weight_decay=\)"):
+        MultiLoRAModule("tiny-llama", optimizer_kwargs={"weight_decay": 0.5, "lr": 7.0, "betas": (0.9, 0.99)})
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_running", 2.5, r"`max_running` must be an integer >= 1 or None, got 2.5"),
+    ("validate_on_finish", "no", r"`validate_on_finish` must be True or False, got 'no'"),
+    ("gradient_checkpointing", "no", r"`gradient_checkpointing` must be True or False, got 'no'"),
+    ("cuda_graphs", 1, r"`cuda_graphs` must be True or False, got 1"),
+    ("base_seed", 2**70, r"`base_seed` must be an integer from 0 to 2\*\*63 - 1"),
+    ("base_seed", -1, r"`base_seed` must be an integer >= 0"),
+])
+def test_module_arguments_of_a_wrong_type_are_named(field, value, message):
+    """("no" turned gradient checkpointing on; 2.5 adapters could run)."""
+    with pytest.raises(ValueError, match=rf"MultiLoRAModule: {message}"):
+        MultiLoRAModule("tiny-llama", **{field: value})
+
+
 @pytest.mark.parametrize("fails_at", ["load", "narrower", "make"])
 def test_a_resume_that_fails_before_the_weights_load_keeps_the_trained_exports(tmp_path, trainer_kwargs, fails_at):
     """A resume made with other target layers fails, at the checkpoint's load (naming `target_modules`: layers it

@@ -34,17 +34,18 @@ def test_any_torch_optimizer_by_import_path_with_per_adapter_groups(tmp_path, tr
     assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in per_layer)
 
 
-@pytest.mark.parametrize("optimizer, kwargs", [("torch.optim.AdamW", {"weight_decay": 0.1}),
-                                               ("torch.optim.SGD", {"momentum": 0.9, "weight_decay": 0.01})])
-def test_the_flat_parameter_steps_as_the_per_layer_parameters_would(tmp_path, trainer_kwargs, optimizer, kwargs):
+@pytest.mark.parametrize("optimizer, kwargs, decay", [("torch.optim.AdamW", {}, 0.1),
+                                                      ("torch.optim.SGD", {"momentum": 0.9}, 0.01)])
+def test_the_flat_parameter_steps_as_the_per_layer_parameters_would(tmp_path, trainer_kwargs, optimizer, kwargs,
+                                                                     decay):
     """An elementwise optimizer steps each adapter's one flat parameter; the weights after training are those of
-    the same optimizer stepping every layer's tensors (a subclass, so not known to be elementwise), clipping
-    included."""
+    the same optimizer stepping every layer's tensors (a subclass, so not known to be elementwise), clipping and
+    each adapter's weight decay included."""
     results = {}
     per_tensor = type("PerTensor", (resolve_optimizer(optimizer),), {})
     for label, cls in (("flat", optimizer), ("per_layer", per_tensor)):
-        specs = [AdapterSpec("a", lr=0.02, batch_size=2, max_steps=4, grad_clip=0.05, seed=3),
-                 AdapterSpec("b", rank=4, lr=0.01, batch_size=1, max_steps=3, seed=4)]
+        specs = [AdapterSpec("a", lr=0.02, batch_size=2, max_steps=4, grad_clip=0.05, seed=3, weight_decay=decay),
+                 AdapterSpec("b", rank=4, lr=0.01, batch_size=1, max_steps=3, seed=4, weight_decay=decay)]
         module = MultiLoRAModule("tiny-llama", adapters=specs, optimizer=cls, optimizer_kwargs=kwargs,
                                  export_dir=str(tmp_path / label), validate_on_finish=False)
         counts = []

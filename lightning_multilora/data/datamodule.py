@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import itertools
-import numbers
 import random
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -17,6 +16,7 @@ from lightning.pytorch.utilities.types import EVAL_DATALOADERS, TRAIN_DATALOADER
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
+from lightning_multilora.arguments import check_bool, check_int, check_real
 from lightning_multilora.data.sources import DataSource, GeneratedArithmetic, PreferenceExample
 from lightning_multilora.data.tokenizer import Tokenizer, load_tokenizer
 from lightning_multilora.layout import BatchLayout
@@ -163,23 +163,23 @@ class MultiLoRADataModule(L.LightningDataModule):
         if sources is not None and not sources:  # (None: the generated default; an empty mapping is a mistake)
             raise ValueError("`sources` must name at least one data source (or be left out for the generated "
                              "arithmetic default)")
+        if sources is not None and (not isinstance(sources, Mapping) or not all(
+                isinstance(k, str) and callable(getattr(v, "examples", None)) for k, v in sources.items())):
+            raise ValueError(f"`sources` must map names to data sources (JSONLSource, HFDatasetSource, "
+                             f"PreferenceSource, ListSource, GeneratedArithmetic...), got {sources!r:.120}")
         self.sources: dict[str, DataSource] = dict(sources) if sources else {"arithmetic": GeneratedArithmetic()}
-        if not (0.0 < val_fraction < 1.0):
-            raise ValueError(f"`val_fraction` must be in (0, 1), got {val_fraction}")
-        if val_batch_size < 1:
-            raise ValueError(f"`val_batch_size` must be >= 1, got {val_batch_size}")
-        if max_length is not None and max_length < 2:
-            raise ValueError(f"`max_length` must be >= 2, got {max_length}")
+        where = "MultiLoRADataModule"
+        check_real(where, "val_fraction", val_fraction, lambda v: 0.0 < v < 1.0, "a number in (0, 1)")
+        check_int(where, "val_batch_size", val_batch_size, 1)
+        check_int(where, "max_length", max_length, 2, optional=True)
+        check_bool(where, "truncate", truncate)
+        check_int(where, "split_seed", split_seed, 0)
         if padding not in PADDINGS:
             raise ValueError(f"`padding` can be {', '.join(PADDINGS)}, got {padding!r}")
         if padding == "max_length" and max_length is None:
             raise ValueError("`padding='max_length'` needs `max_length`")
-        if pad_to_multiple_of < 1:
-            raise ValueError(f"`pad_to_multiple_of` must be >= 1, got {pad_to_multiple_of}")
-        if max_val_examples is not None and (isinstance(max_val_examples, bool)
-                                             or not isinstance(max_val_examples, numbers.Integral)
-                                             or max_val_examples < 1):
-            raise ValueError(f"`max_val_examples` must be an integer >= 1 or None (no cap), got {max_val_examples!r}")
+        check_int(where, "pad_to_multiple_of", pad_to_multiple_of, 1)
+        check_int(where, "max_val_examples", max_val_examples, 1, optional=True)
         self.padding, self.pad_to_multiple_of = padding, pad_to_multiple_of
         self.tokenizer_name = tokenizer
         self.max_length = max_length

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from lightning_multilora.arguments import check_int
+
 FORMATS = ("prompt_completion", "question_answer", "gsm8k")
 
 
@@ -95,6 +97,16 @@ def _json_line(line: str, where: str) -> dict:
     return record
 
 
+def _text(record: dict, field: str, where: str) -> str:
+    """A record's text field: a string (a number is taken as its digits); null, a list or a mapping are named."""
+    value = record[field]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"{where}: field {field!r} must be text (a string), got {type(value).__name__} {value!r:.60}")
+
+
 def format_record(record: dict, fmt: str, prompt_field: str, completion_field: str, where: str) -> Example:
     """One raw record as an `Example`, by format (``gsm8k``: question/answer with a Q/A template)."""
     if fmt == "gsm8k":
@@ -106,7 +118,7 @@ def format_record(record: dict, fmt: str, prompt_field: str, completion_field: s
     missing = [f for f in (prompt_field, completion_field) if f not in record]
     if missing:
         raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}")
-    prompt, completion = str(record[prompt_field]), str(record[completion_field])
+    prompt, completion = _text(record, prompt_field, where), _text(record, completion_field, where)
     if fmt in ("gsm8k", "question_answer"):
         return Example(f"Question: {prompt.strip()}\nAnswer:", f" {completion.strip()}")
     return Example(prompt, completion)
@@ -119,6 +131,7 @@ class JSONLSource(DataSource):
                  completion_field: str = "completion", limit: Optional[int] = None) -> None:
         if format not in FORMATS:
             raise ValueError(f"`format` can be {', '.join(FORMATS)}, got {format!r}")
+        check_int("JSONLSource", "limit", limit, 1, optional=True)
         self.path, self.format, self.limit = path, format, limit
         self.prompt_field, self.completion_field = prompt_field, completion_field
 
@@ -151,6 +164,7 @@ class HFDatasetSource(DataSource):
                  data_files: Optional[str] = None) -> None:
         if format not in FORMATS:
             raise ValueError(f"`format` can be {', '.join(FORMATS)}, got {format!r}")
+        check_int("HFDatasetSource", "limit", limit, 1, optional=True)
         self.path, self.name, self.split, self.format, self.limit = path, name, split, format, limit
         self.prompt_field, self.completion_field, self.data_files = prompt_field, completion_field, data_files
 
@@ -208,6 +222,7 @@ class PreferenceSource(DataSource):
             raise ValueError(f"`format` can be {', '.join(PREFERENCE_FORMATS)}, got {format!r}")
         if (path is None) == (records is None):
             raise ValueError("PreferenceSource takes exactly one of `path` and `records`")
+        check_int("PreferenceSource", "limit", limit, 1, optional=True)
         self.path, self.format, self.records, self.limit = path, format, records, limit
 
     def _records(self) -> list[dict]:
@@ -227,10 +242,15 @@ class PreferenceSource(DataSource):
             missing = [f for f in need if f not in record]
             if missing:
                 raise ValueError(f"{self.path or 'records'}[{i}]: record has no field(s) {missing}; it has {sorted(record)}")
+            where = f"{self.path or 'records'}[{i}]"
+            text = {f: _text(record, f, where) for f in need}
             if self.format == "hh_rlhf":
-                out.append(split_hh_rlhf(str(record["chosen"]), str(record["rejected"])))
+                try:
+                    out.append(split_hh_rlhf(text["chosen"], text["rejected"]))
+                except ValueError as err:
+                    raise ValueError(f"{where}: {err}") from err
             else:
-                out.append(PreferenceExample(str(record["prompt"]), str(record["chosen"]), str(record["rejected"])))
+                out.append(PreferenceExample(text["prompt"], text["chosen"], text["rejected"]))
             if self.limit is not None and len(out) >= self.limit:
                 break
         return out

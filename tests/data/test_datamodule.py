@@ -82,6 +82,33 @@ def test_bad_lines_settings_and_tokenizers_are_named(tmp_path):
         MultiLoRADataModule(tokenizer=str(tmp_path / "nowhere")).tokenizer
     with pytest.raises(ValueError, match=r"`sources` must name at least one data source"):  # (fell back to the demo's)
         MultiLoRADataModule(sources={})
+    for field, bad, message in (("max_length", 2.5, "an integer >= 2 or None"), ("val_batch_size", 2.5, "an integer >= 1"),
+                                ("truncate", "no", "True or False"), ("pad_to_multiple_of", 2.5, "an integer >= 1"),
+                                ("val_fraction", 1.0, r"a number in \(0, 1\)"), ("max_length", "64", "an integer")):
+        with pytest.raises(ValueError, match=rf"MultiLoRADataModule: `{field}` must be {message}"):
+            MultiLoRADataModule(**{field: bad})
+    with pytest.raises(ValueError, match=r"`sources` must map names to data sources \(JSONLSource, .*got \{'a': 'x.jsonl'\}"):
+        MultiLoRADataModule(sources={"a": "x.jsonl"})
+
+
+def test_field_values_that_are_not_text_and_limits_below_one_are_named(tmp_path):
+    """A null or a list where text belongs was trained as "None" / "['x']"; a number is taken as its digits. A
+    ``limit`` of 0 or -1 gave "has 1 examples" without naming it."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "completion": 4}\n{"prompt": "b", "completion": null}\n')
+    with pytest.raises(ValueError, match=rf"{path}:2: field 'completion' must be text \(a string\), got NoneType None"):
+        JSONLSource(str(path)).examples()
+    assert JSONLSource(str(path), limit=1).examples()[0].completion == "4"
+    with pytest.raises(ValueError, match=r"records\[0\]: field 'rejected' must be text \(a string\), got list"):
+        PreferenceSource(records=[{"prompt": "p", "chosen": "c", "rejected": ["x"]}]).examples()
+    with pytest.raises(ValueError, match=r"records\[1\]: an hh_rlhf record has no"):
+        PreferenceSource(records=[{"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: c"},
+                                  {"chosen": "x", "rejected": "y"}], format="hh_rlhf").examples()
+    for source in (lambda limit: JSONLSource(str(path), limit=limit), lambda limit: HFDatasetSource("x", limit=limit),
+                   lambda limit: PreferenceSource(records=[], limit=limit)):
+        for bad in (0, -1, 2.5):
+            with pytest.raises(ValueError, match=r"Source: `limit` must be an integer >= 1 or None"):
+                source(bad)
 
 
 def test_byte_tokenizer_round_trip():
