@@ -397,7 +397,7 @@ class OptunaSweep(Callback):
     def _next_orphan(self, study) -> Optional[Any]:
         """The first of this sweep's trials that the study holds and this sweep does not know: asked after the
         checkpoint a resumed run started from. Each RUNNING one (its adapter lost in a crash) is taken up in place
-        of an ask, in order, with its parameters (those the same ask draws again: `_sampler`); a COMPLETE or PRUNED
+        of an ask, in order, with its parameters (those the same ask draws again: `_sampler`); a COMPLETE, PRUNED or (told by it) FAIL
         one (told before the crash) counts as an ask. So no trial is left RUNNING, asked twice or trained twice."""
         if self._orphans is None:
             self._find_orphans(study)
@@ -409,11 +409,14 @@ class OptunaSweep(Callback):
         import optuna
 
         known = {t["number"] for t in self.trials.values()}
-        # (not FAIL: another process sharing the study may have failed a RUNNING one as stale while this run was
-        # down, before its adapter trained; its configuration is asked again)
-        states = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        # (FAIL only where this sweep told it, `_tell`: another process sharing the study may have failed a RUNNING
+        # one as stale while this run was down, before its adapter trained; its configuration is asked again)
+        states = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
+                  optuna.trial.TrialState.FAIL)
         self._orphans = sorted((t for t in study.get_trials(deepcopy=False, states=states)
-                                if t.user_attrs.get("sweep") == self.sweep_id and t.number not in known),
+                                if t.user_attrs.get("sweep") == self.sweep_id and t.number not in known and (
+                                    t.state != optuna.trial.TrialState.FAIL
+                                    or t.user_attrs.get("failed_by") == self.sweep_id)),
                                key=lambda t: t.number)
 
     def _adopt(self, pl_module: L.LightningModule, decision: dict[str, Any]) -> None:
@@ -491,6 +494,10 @@ class OptunaSweep(Callback):
         import optuna
 
         try:
+            if kwargs.get("state") == optuna.trial.TrialState.FAIL:  # (this sweep's own FAIL, told apart from a
+                storage = self.study._storage  # stale trial failed by another process: `_find_orphans`)
+                trial_id = storage.get_trial_id_from_study_id_trial_number(self.study._study_id, number)
+                storage.set_trial_user_attr(trial_id, "failed_by", self.sweep_id)
             # skip_if_finished: under adapter parallelism a trial is told after the checkpoint of the step it
             # exited in; a run resumed from that checkpoint finds it told already
             self.study.tell(number, skip_if_finished=True, **kwargs)

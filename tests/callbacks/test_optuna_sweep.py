@@ -401,6 +401,37 @@ def test_an_adapter_named_like_a_trial_is_refused_as_the_fit_starts(tmp_path, tr
         L.Trainer(**trainer_kwargs, callbacks=[sweep]).fit(module, dm())
 
 
+def test_trials_failed_after_the_checkpoint_are_not_asked_again_on_resume(tmp_path, trainer_kwargs):
+    """Trials this sweep told FAIL after the checkpoint a resume starts from count as asked (their configurations
+    were retrained, and the study held 6 trials of 4); one failed as stale by another process is still asked again
+    (`test_with_a_heartbeat_...`)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    space = {"lr": {"type": "categorical", "choices": [1e-3, 1e30]}}  # (1e30: the trial fails within two steps)
+
+    def fit(storage, callbacks, ckpt=None, **kwargs):
+        sweep = OptunaSweep(space, n_trials=4, storage=storage, slots=1, sampler="random", seed=3,
+                            base={"max_steps": 3, "batch_size": 1, "grad_clip": None})
+        module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"), validate_on_finish=False)
+        L.Trainer(**{**trainer_kwargs, **kwargs}, callbacks=[sweep, *callbacks]).fit(module, dm(), ckpt_path=ckpt)
+        return optuna.load_study(study_name="multilora", storage=storage).get_trials()
+
+    class Crash(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 6:
+                raise RuntimeError("node lost")
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    save = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=1, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="node lost"):
+        fit(storage, [Crash(), save], enable_checkpointing=True)
+    told = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert optuna.trial.TrialState.FAIL in [t.state for t in told[1:]]  # (told after the checkpoint of step 2)
+    resumed = fit(storage, [], ckpt=str(tmp_path / "ck" / "step=2.ckpt"))
+    uninterrupted = fit(f"sqlite:///{tmp_path / 'u.db'}", [])
+    assert [(t.params, t.state) for t in resumed] == [(t.params, t.state) for t in uninterrupted]
+
+
 def test_an_alpha_given_in_base_is_not_replaced_by_alpha_over_rank():
     assert OptunaSweep(SPACE, base={"alpha": 64.0})._spec_kwargs({"rank": 8})["alpha"] == 64.0
     assert OptunaSweep(SPACE)._spec_kwargs({"rank": 8})["alpha"] == 16.0  # alpha_over_rank=2 by default
