@@ -343,7 +343,8 @@ class LoRALayers(Mapping):
             if missing:
                 raise ValueError(
                     f"`target_modules` {missing} are not among the injected layers; injected module names "
-                    f"end in: {sorted({n.rsplit('.', 1)[-1] for n in self._layers})}"
+                    f"end in: {sorted({n.rsplit('.', 1)[-1] for n in self._layers})} (an adapter's targets are "
+                    "names, matched as PEFT matches a list; leave them None for every injected layer)"
                 )
         names = [n for n in self._layers if _matches(n, target_modules)]
         if not names:
@@ -699,7 +700,9 @@ def inject_multilora(
             raise ValueError(f"`target_modules` {unknown} match no module of the model; its linear modules are: "
                              f"{available}")
     if not candidates:
-        raise ValueError(f"`target_modules` {target_modules!r} match no module; linear modules are: {available}")
+        raise ValueError(f"`target_modules` {target_modules!r} match no module; linear modules are: {available} (a "
+                         "string is a regex on the full module name, PEFT's rule, or 'all-linear'; a list matches "
+                         "names, e.g. ['q_proj'])")
     model.requires_grad_(False)
     context = LayoutContext()
     layers: dict[str, MultiLoRALinear] = {}

@@ -974,6 +974,17 @@ class MultiLoRAMixin:
         self._record_val_losses({n: (s / c if c > 0 else math.nan) for n, (s, c) in self._val_sums.items()})
         self._sync_ranks()  # every rank learns every adapter's validation
 
+    @override
+    def on_validation_end(self) -> None:
+        # Callbacks' on_validation_end ran first (an exit, a pause, a checkpoint written): the slots they freed are
+        # filled here, as a run resumed from that checkpoint fills them before its next step (`configure_optimizers`)
+        # — not a step later, at the next step's end, which the resumed run could not repeat.
+        trainer = self._trainer_or_none()
+        if trainer is None or trainer.sanity_checking or trainer.state.fn != "fit" or trainer.should_stop:
+            return
+        self._sync_ranks()
+        self._fill_slots()
+
     def _record_val_losses(self, losses: dict[str, float]) -> None:
         logs = {}
         for name, loss in losses.items():

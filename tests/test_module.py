@@ -71,9 +71,10 @@ def test_add_and_remove_adapters_mid_fit(tmp_path, trainer_kwargs):
         torch.testing.assert_close(exported(module, "new")[key], value, rtol=1e-5, atol=1e-7)
 
 
-def test_exits_at_a_validation_that_empty_every_slot_refill_them_at_the_next_step(tmp_path, trainer_kwargs):
+def test_exits_at_a_validation_that_empty_every_slot_refill_them_before_the_next_step(tmp_path, trainer_kwargs):
     # An exit at validation time (EarlyExit's) can leave no adapter running before the next step; the queued one
-    # must start at that step's end instead of the run failing on an empty batch.
+    # starts at that validation's end (as a run resumed from a checkpoint written there does), not after an idle
+    # step, and the run does not fail on an empty batch.
     class ExitAllAtValidation(L.Callback):
         def on_validation_end(self, trainer, pl_module):
             for rec in list(pl_module.registry.running):
@@ -87,8 +88,41 @@ def test_exits_at_a_validation_that_empty_every_slot_refill_them_at_the_next_ste
     first, second = module.registry["first"], module.registry["second"]
     assert (first.state.value, first.step) == ("pruned", 4)
     assert (second.state.value, second.step) == ("finished", 6)
-    assert second.started_at_step == 5  # one idle step (global step 4 -> 5), then admitted
-    assert trainer.global_step == 11
+    assert second.started_at_step == 4  # admitted at the validation of step 4
+    assert trainer.global_step == 10
+
+
+def test_a_run_resumed_from_a_checkpoint_written_at_a_validation_exit_refills_as_the_uninterrupted_one(
+        tmp_path, trainer_kwargs):
+    """A checkpoint written at validation end (ModelCheckpoint's default when it saves on validation) holds the slot
+    an exit there freed: the resumed run fills it before its next step, and so does the uninterrupted run (it filled
+    it a step later, so the refilled adapter validated at other steps and could be judged differently)."""
+    import glob
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class ExitAtValidation(Callback):
+        def on_validation_end(self, trainer, pl_module):
+            if "first" in [r.name for r in pl_module.registry.running]:
+                pl_module.remove_adapter("first", reason="test: exited at validation")
+
+    def run(where, max_steps=-1, ckpt=None, save=False):
+        specs = [AdapterSpec("first", max_steps=100, rank=2, batch_size=2),
+                 AdapterSpec("second", max_steps=6, seed=1, rank=2, batch_size=2),
+                 AdapterSpec("third", max_steps=9, seed=2, rank=2, batch_size=2)]
+        module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=2, export_dir=str(tmp_path / where / "out"))
+        callbacks = [ExitAtValidation()] + ([ModelCheckpoint(dirpath=tmp_path / where / "ck", every_n_train_steps=None,
+                                                             save_top_k=-1, filename="{step}")] if save else [])
+        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": max_steps, "val_check_interval": 4,
+                               "enable_checkpointing": save}, callbacks=callbacks)
+        trainer.fit(module, small_dm(), ckpt_path=ckpt)
+        return {r.name: (r.state.value, r.step, r.started_at_step, [s for s, _ in r.val_losses]) for r in module.registry}
+
+    full = run("full")
+    run("part", max_steps=6, save=True)
+    (ckpt,) = glob.glob(str(tmp_path / "part" / "ck" / "step=4*.ckpt"))
+    assert run("part", ckpt=ckpt) == full
+    assert full["third"][2] == 4  # started at the validation of step 4, where "first" left
 
 
 def test_queue_respects_max_running_and_backfills(tmp_path, trainer_kwargs):
