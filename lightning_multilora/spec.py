@@ -189,6 +189,11 @@ class SweepGrid:
             raise ValueError(f"SweepGrid `axes` must be a non-empty mapping of AdapterSpec field -> list of values, "
                              f"got {self.axes!r}")
         check_alpha_over_rank("SweepGrid", self.alpha_over_rank)
+        if not isinstance(self.base, Mapping):
+            raise ValueError(f"SweepGrid `base` must be a mapping of AdapterSpec field -> value, got {self.base!r}")
+        if not isinstance(self.prefix, str) or not re.fullmatch(r"[A-Za-z0-9_\-]*", self.prefix):
+            raise ValueError(f"SweepGrid `prefix` must be a string of letters, digits, '_' and '-' (it begins every "
+                             f"adapter name), got {self.prefix!r}")
         check_spec_fields(list(self.axes) + list(self.base), "SweepGrid")
         for key, values in self.axes.items():
             if not isinstance(values, (list, tuple)) or not values:

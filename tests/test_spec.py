@@ -121,6 +121,12 @@ def test_grid_is_the_cartesian_product_with_readable_unique_names():
     for ratio in ("2", 0, True):
         with pytest.raises(ValueError, match=r"SweepGrid `alpha_over_rank` must be a number > 0 or None"):
             SweepGrid(axes={"rank": [8]}, alpha_over_rank=ratio).specs()
+    with pytest.raises(ValueError, match=r"SweepGrid `base` must be a mapping of AdapterSpec field -> value, got None"):
+        SweepGrid(axes={"rank": [8]}, base=None).specs()
+    for prefix in (3, "a/b"):  # (a number failed in a string concatenation; a "/" was blamed on `name`)
+        with pytest.raises(ValueError, match=r"SweepGrid `prefix` must be a string of letters, digits, '_' and '-'"):
+            SweepGrid(axes={"rank": [8]}, prefix=prefix).specs()
+    assert SweepGrid(axes={"rank": [8]}, prefix="run1-").specs()[0].name == "run1-rank8"
 
 
 @pytest.mark.parametrize("value", ["cosine", 1e-3, []])
