@@ -6,6 +6,7 @@ import dataclasses
 import importlib
 import itertools
 import math
+import numbers
 import os
 import uuid
 import warnings
@@ -982,6 +983,8 @@ class MultiLoRAMixin:
         trainer = self._trainer_or_none()
         if trainer is None or trainer.sanity_checking or trainer.state.fn != "fit" or trainer.should_stop:
             return
+        if 0 <= trainer.max_steps <= trainer.global_step:  # (the validation after the last step: nothing would train)
+            return
         self._sync_ranks()
         self._fill_slots()
 
@@ -1326,9 +1329,10 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         from lightning_multilora.base_model import build_base_model
 
         check_bool("MultiLoRAModule", "gradient_checkpointing", gradient_checkpointing)
-        check_int("MultiLoRAModule", "base_seed", base_seed, 0)
-        if base_seed >= 2**63:  # (torch's generators take 64-bit seeds)
-            raise ValueError(f"MultiLoRAModule: `base_seed` must be an integer from 0 to 2**63 - 1, got {base_seed!r}")
+        if isinstance(base_seed, bool) or not isinstance(base_seed, numbers.Integral) or not (
+                -2**63 <= base_seed < 2**63):  # (torch's generators take 64-bit seeds)
+            raise ValueError(f"MultiLoRAModule: `base_seed` must be an integer from -2**63 to 2**63 - 1, got "
+                             f"{base_seed!r}")
         if isinstance(base_model, nn.Module):
             model = base_model
         else:

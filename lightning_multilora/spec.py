@@ -120,7 +120,8 @@ class AdapterSpec:
             _check(self, "target_modules", len(self.target_modules) > 0 and all(
                 isinstance(t, str) and t for t in self.target_modules), "a non-empty list of module names")
             self.target_modules = list(self.target_modules)
-        _check(self, "seed", _int(self.seed) and 0 <= self.seed < 2**32, "an integer from 0 to 2**32 - 1")
+        # (each layer's generator takes seed * 1_000_003 + its index, a 64-bit seed)
+        _check(self, "seed", _int(self.seed) and abs(self.seed) < 2**42, "an integer of magnitude below 2**42")
         _check(self, "dataset", self.dataset is None or isinstance(self.dataset, str), "a data source's name or None")
 
     @property

@@ -125,6 +125,21 @@ def test_a_run_resumed_from_a_checkpoint_written_at_a_validation_exit_refills_as
     assert full["third"][2] == 4  # started at the validation of step 4, where "first" left
 
 
+def test_a_slot_freed_at_the_validation_after_the_last_step_is_not_filled(tmp_path, trainer_kwargs):
+    """The run ends there: an adapter admitted then would never train, and be exported untrained."""
+
+    class ExitAtValidation(Callback):
+        def on_validation_end(self, trainer, pl_module):
+            if "first" in [r.name for r in pl_module.registry.running]:
+                pl_module.remove_adapter("first", reason="test: exited at validation")
+
+    specs = [AdapterSpec("first", max_steps=100, rank=2, batch_size=2), AdapterSpec("second", max_steps=6, rank=2)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=1, export_dir=str(tmp_path / "out"))
+    L.Trainer(**{**trainer_kwargs, "max_steps": 4, "val_check_interval": 4},
+              callbacks=[ExitAtValidation()]).fit(module, small_dm())
+    assert module.registry["second"].state == AdapterState.QUEUED and module.registry["second"].export_path is None
+
+
 def test_queue_respects_max_running_and_backfills(tmp_path, trainer_kwargs):
     specs = [AdapterSpec(f"q{i}", rank=2, batch_size=1, max_steps=3 + i, seed=i) for i in range(5)]
     seen: list[tuple[str, ...]] = []
@@ -723,8 +738,8 @@ def test_optimizer_kwargs_that_each_adapter_sets_are_refused():
     ("validate_on_finish", "no", r"`validate_on_finish` must be True or False, got 'no'"),
     ("gradient_checkpointing", "no", r"`gradient_checkpointing` must be True or False, got 'no'"),
     ("cuda_graphs", 1, r"`cuda_graphs` must be True or False, got 1"),
-    ("base_seed", 2**70, r"`base_seed` must be an integer from 0 to 2\*\*63 - 1"),
-    ("base_seed", -1, r"`base_seed` must be an integer >= 0"),
+    ("base_seed", 2**70, r"`base_seed` must be an integer from -2\*\*63 to 2\*\*63 - 1"),
+    ("base_seed", "0", r"`base_seed` must be an integer from -2\*\*63 to 2\*\*63 - 1"),
 ])
 def test_module_arguments_of_a_wrong_type_are_named(field, value, message):
     """("no" turned gradient checkpointing on; 2.5 adapters could run)."""

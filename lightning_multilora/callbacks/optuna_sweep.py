@@ -371,7 +371,7 @@ class OptunaSweep(Callback):
                 self._tell(trial.number, state=optuna.trial.TrialState.FAIL)
                 warnings.warn(f"trial {trial.number} with {trial.params} failed: {admission.alone(spec)}, so it can "
                               "never start")
-                self.asked += 1
+                self._failed_asking(trial)
                 continue
             try:  # its data first: a misspelled `dataset` in `base` or the space fails the trial, not the step
                 pl_module._datamodule().check(spec)
@@ -380,7 +380,7 @@ class OptunaSweep(Callback):
                 if pl_module._global_step() == 0:  # (the run stops before its first step, as with an adapter given)
                     raise ValueError(f"trial {trial.number} with {trial.params} cannot train: {err}") from err
                 warnings.warn(f"trial {trial.number} with {trial.params} failed: {err}")
-                self.asked += 1
+                self._failed_asking(trial)
                 continue
             try:
                 pl_module.add_adapter(spec)
@@ -395,6 +395,13 @@ class OptunaSweep(Callback):
             active.append(name)
             specs.append(spec)
         return {"specs": specs, "state": self.state_dict()}
+
+    def _failed_asking(self, trial: Any) -> None:
+        """A trial told FAIL as it was asked (it could never start) counts as asked, and is known by number: a
+        resumed sweep must not count it again among the FAIL trials it finds (`_find_orphans`)."""
+        self.trials[f"trial-{trial.number}"] = {"trial_id": trial._trial_id, "number": trial.number, "reported": [],
+                                                "told": True}
+        self.asked += 1
 
     def _next_orphan(self, study) -> Optional[Any]:
         """The first of this sweep's trials that the study holds and this sweep does not know: asked after the
@@ -532,7 +539,8 @@ class OptunaSweep(Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if not hasattr(pl_module, "registry"):
             raise TypeError("OptunaSweep needs a MultiLoRAMixin module")
-        taken = [r.name for r in pl_module.registry if _TRIAL_NAME.fullmatch(r.name) and r.name not in self.trials]
+        given = getattr(pl_module, "_given", {})  # (the adapters given to the module, not a sweep's from a checkpoint)
+        taken = [n for n in given if _TRIAL_NAME.fullmatch(n) and n not in self.trials] if stage == "fit" else []
         if taken:  # (the sweep names its adapters trial-<number>: one would meet them mid-run)
             raise ValueError(f"adapter names {taken} are an OptunaSweep's trial names (trial-<number>, the names of "
                              "the adapters it asks): rename them")

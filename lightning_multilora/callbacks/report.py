@@ -36,9 +36,9 @@ class SweepReport(Callback):
 
     def __init__(self, print_table: bool = True, filename: Optional[str] = "sweep_summary.json",
                  tensorboard: bool = True) -> None:
-        if filename is not None and (not isinstance(filename, (str, Path)) or not str(filename).strip()):
+        if filename is not None and not isinstance(filename, (str, Path)):
             raise ValueError(f"SweepReport `filename` must be a file name or path (under the log dir unless "
-                             f"absolute) or None, got {filename!r}")
+                             f"absolute), or None or '' for no file, got {filename!r}")
         self.print_table = print_table
         self.filename = filename
         self.tensorboard = tensorboard

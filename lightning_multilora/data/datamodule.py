@@ -173,7 +173,7 @@ class MultiLoRADataModule(L.LightningDataModule):
         check_int(where, "val_batch_size", val_batch_size, 1)
         check_int(where, "max_length", max_length, 2, optional=True)
         check_bool(where, "truncate", truncate)
-        check_int(where, "split_seed", split_seed, 0)
+        check_int(where, "split_seed", split_seed, -2**63)
         if padding not in PADDINGS:
             raise ValueError(f"`padding` can be {', '.join(PADDINGS)}, got {padding!r}")
         if padding == "max_length" and max_length is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import numbers
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,11 +99,12 @@ def _json_line(line: str, where: str) -> dict:
 
 
 def _text(record: dict, field: str, where: str) -> str:
-    """A record's text field: a string (a number is taken as its digits); null, a list or a mapping are named."""
+    """A record's text field: a string (a number or a boolean is taken as it prints: ``4``, ``True``); null, a list
+    or a mapping are named."""
     value = record[field]
     if isinstance(value, str):
         return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
+    if isinstance(value, numbers.Number):
         return str(value)
     raise ValueError(f"{where}: field {field!r} must be text (a string), got {type(value).__name__} {value!r:.60}")
 

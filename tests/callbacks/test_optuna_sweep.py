@@ -249,6 +249,9 @@ def test_a_trial_that_can_never_fit_the_memory_budget_fails_and_the_sweep_goes_o
         L.Trainer(**trainer_kwargs, callbacks=[sweep]).fit(module, dm())
     states = {t.params["batch_size"]: t.state for t in sweep.study.get_trials()}
     assert states == {1: optuna.trial.TrialState.COMPLETE, 8: optuna.trial.TrialState.FAIL}
+    failed = next(t.number for t in sweep.study.get_trials() if t.state == optuna.trial.TrialState.FAIL)
+    # known by number, told: a resume does not count it again among the FAIL trials it told (`failed_by`)
+    assert sweep.trials[f"trial-{failed}"]["told"] and sweep.asked == len(sweep.study.get_trials())
     assert [r.spec.batch_size for r in module.registry] == [1]
     assert all(r.state == AdapterState.FINISHED for r in module.registry)
 

@@ -95,10 +95,12 @@ def test_field_values_that_are_not_text_and_limits_below_one_are_named(tmp_path)
     """A null or a list where text belongs was trained as "None" / "['x']"; a number is taken as its digits. A
     ``limit`` of 0 or -1 gave "has 1 examples" without naming it."""
     path = tmp_path / "d.jsonl"
-    path.write_text('{"prompt": "a", "completion": 4}\n{"prompt": "b", "completion": null}\n')
+    path.write_text('{"prompt": "a", "completion": 4}\n{"prompt": true, "completion": null}\n')
     with pytest.raises(ValueError, match=rf"{path}:2: field 'completion' must be text \(a string\), got NoneType None"):
         JSONLSource(str(path)).examples()
     assert JSONLSource(str(path), limit=1).examples()[0].completion == "4"
+    made = ListSource([{"prompt": True, "completion": np.int64(3)}]).examples()[0]
+    assert (made.prompt, made.completion) == ("True", "3")  # (as they print)
     with pytest.raises(ValueError, match=r"records\[0\]: field 'rejected' must be text \(a string\), got list"):
         PreferenceSource(records=[{"prompt": "p", "chosen": "c", "rejected": ["x"]}]).examples()
     with pytest.raises(ValueError, match=r"records\[1\]: an hh_rlhf record has no"):
