@@ -364,28 +364,26 @@ class OptunaSweep(Callback):
             try:
                 spec = AdapterSpec(name=name, **self._spec_kwargs(trial.params))
             except ValueError as err:
-                self._tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                self._fail_asked(trial)
                 raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
             admission = getattr(pl_module, "admission", None)
             if admission is not None and not admission.fits([spec]):  # it would wait in the queue forever
-                self._tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                self._fail_asked(trial)
                 warnings.warn(f"trial {trial.number} with {trial.params} failed: {admission.alone(spec)}, so it can "
                               "never start")
-                self._failed_asking(trial)
                 continue
             try:  # its data first: a misspelled `dataset` in `base` or the space fails the trial, not the step
                 pl_module._datamodule().check(spec)
             except ValueError as err:
-                self._tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                self._fail_asked(trial)
                 if pl_module._global_step() == 0:  # (the run stops before its first step, as with an adapter given)
                     raise ValueError(f"trial {trial.number} with {trial.params} cannot train: {err}") from err
                 warnings.warn(f"trial {trial.number} with {trial.params} failed: {err}")
-                self._failed_asking(trial)
                 continue
             try:
                 pl_module.add_adapter(spec)
             except ValueError as err:
-                self._tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                self._fail_asked(trial)
                 raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
             trial.set_user_attr("adapter", name)
             self.trials[name] = {"trial_id": trial._trial_id, "number": trial.number, "reported": [], "told": False}
@@ -396,9 +394,12 @@ class OptunaSweep(Callback):
             specs.append(spec)
         return {"specs": specs, "state": self.state_dict()}
 
-    def _failed_asking(self, trial: Any) -> None:
-        """A trial told FAIL as it was asked (it could never start) counts as asked, and is known by number: a
-        resumed sweep must not count it again among the FAIL trials it finds (`_find_orphans`)."""
+    def _fail_asked(self, trial: Any) -> None:
+        """Tell a trial FAIL as it is asked (it could never start): it counts as asked, and is known by number (a
+        resumed sweep must not count it again among the FAIL trials it finds, `_find_orphans`)."""
+        import optuna
+
+        self._tell(trial.number, state=optuna.trial.TrialState.FAIL)
         self.trials[f"trial-{trial.number}"] = {"trial_id": trial._trial_id, "number": trial.number, "reported": [],
                                                 "told": True}
         self.asked += 1
@@ -406,8 +407,8 @@ class OptunaSweep(Callback):
     def _next_orphan(self, study) -> Optional[Any]:
         """The first of this sweep's trials that the study holds and this sweep does not know: asked after the
         checkpoint a resumed run started from. Each RUNNING one (its adapter lost in a crash) is taken up in place
-        of an ask, in order, with its parameters (those the same ask draws again: `_sampler`); a COMPLETE, PRUNED or (told by it) FAIL
-        one (told before the crash) counts as an ask. So no trial is left RUNNING, asked twice or trained twice."""
+        of an ask, in order, with its parameters (those the same ask draws again: `_sampler`); a COMPLETE, PRUNED
+        or (told by this sweep) FAIL one (told before the crash) counts as an ask. So no trial is left RUNNING, asked twice or trained twice."""
         if self._orphans is None:
             self._find_orphans(study)
         return self._orphans.pop(0) if self._orphans else None

@@ -1036,12 +1036,21 @@ def ds_db_table(sched: Schedule, table: PointerTable, k: int, device: torch.devi
     return codes
 
 
+_ds_db_sizes_checked: Optional[tuple] = None  # (the settings last found good)
+
+
 def _check_ds_db_sizes() -> None:
-    """The dS + dB launch's block-size settings are tile sides: powers of two from 16 to 256 (or None: the default)."""
-    for name, value in (("triton_lora.DS_DB_BLOCK_M", DS_DB_BLOCK_M), ("triton_lora.DS_DB_GRAD_MAX_TILE",
-                        DS_DB_GRAD_MAX_TILE), ("triton_kernels.DS_DB_GRAD_BLOCK_K", K.DS_DB_GRAD_BLOCK_K)):
+    """The dS + dB launch's block-size settings are tile sides: powers of two from 16 to 256 (or None: the default).
+    Checked again only when they change (this runs at every launch)."""
+    global _ds_db_sizes_checked
+    sizes = (DS_DB_BLOCK_M, DS_DB_GRAD_MAX_TILE, K.DS_DB_GRAD_BLOCK_K)
+    if sizes == _ds_db_sizes_checked:
+        return
+    names = ("triton_lora.DS_DB_BLOCK_M", "triton_lora.DS_DB_GRAD_MAX_TILE", "triton_kernels.DS_DB_GRAD_BLOCK_K")
+    for name, value in zip(names, sizes):
         if value is not None and (type(value) is not int or value not in (16, 32, 64, 128, 256)):
             raise ValueError(f"`{name}` can be 16, 32, 64, 128 or 256 (a tile side), got {value!r}")
+    _ds_db_sizes_checked = sizes
 
 
 def _ds_db_launch(call: _Call, dy: Tensor, s: Tensor, ds: Tensor, targets: GradTargets) -> None:
