@@ -156,6 +156,8 @@ class CPSATAdmission(AdmissionController):
                   + int(round(50 * p / top)) for s, p in zip(candidates, priorities)]
         model.Maximize(sum(v * xi for v, xi in zip(values, x)))
         solver = cp_model.CpSolver()
+        solver.parameters.catch_sigint_signal = False  # (its handler outlives the solve: Ctrl-C then kills the
+        # process outright, past the caller's clean-up)
         solver.parameters.max_time_in_seconds = self.time_limit_s
         solver.parameters.num_search_workers = 1
         status = solver.Solve(model)

@@ -67,12 +67,19 @@ class SimulatedExecutor:
 
 def visible_gpus(env: Mapping[str, str]) -> Optional[list[str]]:
     """The GPUs that ``env``'s ``CUDA_VISIBLE_DEVICES`` lets a process use, as it names them (indices or UUIDs);
-    None where it is unset (every GPU of the machine); empty where it is set empty (no GPU: the tasks get none
-    either, their GPU ids are slots only)."""
+    None where it is unset (every GPU of the machine); empty where it is set empty or starts with a negative index
+    (``-1``: no GPU, the tasks get none either, their GPU ids are slots only). As CUDA does, the list ends at its
+    first negative index."""
     value = env.get("CUDA_VISIBLE_DEVICES")
     if value is None:
         return None
-    return [v.strip() for v in value.split(",") if v.strip()]
+    names = []
+    for name in (v.strip() for v in value.split(",")):
+        if name.startswith("-"):
+            break
+        if name:
+            names.append(name)
+    return names
 
 
 class LocalExecutor:

@@ -142,6 +142,8 @@ class PackingPlanner:
             model.Add(makespan >= e).OnlyEnforceIf(x)
         model.Minimize(makespan)
         solver = cp_model.CpSolver()
+        solver.parameters.catch_sigint_signal = False  # (its handler outlives the solve: Ctrl-C then kills the
+        # process outright, past the caller's clean-up)
         solver.parameters.max_time_in_seconds = self.time_limit_s
         solver.parameters.num_search_workers = 8
         status = solver.Solve(model)

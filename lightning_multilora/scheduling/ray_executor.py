@@ -47,6 +47,11 @@ class RayExecutor:
     def now(self) -> float:
         return time.monotonic() - self._t0
 
+    def capacity(self) -> tuple[int, int]:
+        """The cluster's ``resource`` (GPUs) in all, and on its largest node (a task's bundle takes one node)."""
+        per_node = [node.get("Resources", {}).get(self.resource, 0) for node in self.ray.nodes() if node.get("Alive")]
+        return int(sum(per_node)), int(max(per_node, default=0))
+
     def start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

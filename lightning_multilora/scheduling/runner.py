@@ -86,9 +86,13 @@ class ScheduleRunner:
             self.replans += 1
         plan = self.plan
         later = []
-        for tid, task in list(self.pending.items()):
+        busy = {g for _, p in self.running.values() for g in p.gpu_ids}
+        for tid, task in sorted(self.pending.items(), key=lambda item: plan.placements[item[0]].start):
             p = plan.placements[tid]
-            if p.start <= first_tick + 1e-9:  # planned for the first tick from now: start now
+            # planned for the first tick from now: start now, where its GPUs are free (a plan followed from time 0,
+            # now a little past it, puts the tasks of tick 0 and of tick 1 there: one after another on a GPU)
+            if p.start <= first_tick + 1e-9 and not busy & set(p.gpu_ids):
+                busy |= set(p.gpu_ids)
                 del self.pending[tid]
                 self.attempts[tid] = self.attempts.get(tid, 0) + 1
                 self.running[tid] = (task, Placement(tid, self.now, self.now + task.duration, p.gpu_ids))

@@ -24,6 +24,8 @@ set; ``gpus`` above what it, or the machine, has is refused). ``--inbox DIR``: t
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -211,15 +213,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--gantt", type=Path, default=None,
                         help="Gantt chart image of the plan (default <log_dir>/plan.png, numbered on where taken)")
     args = parser.parse_args(argv)
+    if args.simulate and args.ray is not None:
+        parser.error("--simulate runs the tasks on a virtual clock, --ray on a cluster: give one of them")
+    if args.plan_only and (args.simulate or args.ray is not None or args.inbox is not None):
+        parser.error("--plan-only runs nothing: leave out --simulate, --ray and --inbox")
+    if args.inbox is not None and args.inbox.resolve() == args.task_file.resolve().parent:
+        parser.error(f"--inbox {args.inbox}: the folder holds the task file {args.task_file} (every *.yaml in an "
+                     "inbox is taken as a new task file and renamed): give the inbox a folder of its own")
     try:
         settings, tasks = load_task_file(args.task_file)
     except (OSError, ValueError, yaml.YAMLError) as err:
         parser.error(str(err))
     scheduler = TaskScheduler(settings["gpus"], settings["time_limit_s"], settings["resolution_s"])
-    plan: Schedule = scheduler.plan(tasks)
+    try:
+        plan: Schedule = scheduler.plan(tasks)
+    except ValueError as err:
+        parser.error(f"{args.task_file}: {err}")
     print(plan.table())
     plan_path, run_path = chart_paths(Path(settings["log_dir"]))
-    chart = gantt(plan.placements, settings["gpus"], args.gantt or plan_path, f"plan: makespan {plan.makespan:.0f} s")
+    try:
+        chart = gantt(plan.placements, settings["gpus"], args.gantt or plan_path,
+                      f"plan: makespan {plan.makespan:.0f} s")
+    except (OSError, ValueError) as err:  # (an unwritable folder, a format matplotlib does not write)
+        parser.error(f"the plan's Gantt chart {args.gantt or plan_path}: {err}")
     print(f"Gantt chart: {chart}")
     if args.plan_only:
         return 0
@@ -235,6 +251,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (ConnectionError, RuntimeError, ValueError) as err:  # (before any task started)
             parser.error(f"--ray {args.ray}: no Ray cluster to run on ({type(err).__name__}: {err}); start one "
                          "(`ray start --head`) or leave out --ray to run the tasks here")
+        total, largest = executor.capacity()  # (Ray would wait forever for a placement group that cannot be made)
+        widest = max(t.gpus for t in tasks)
+        if settings["gpus"] > total or widest > largest:
+            parser.error(f"{args.task_file}: `gpus` is {settings['gpus']} and the widest task takes {widest} on one "
+                         f"node, but the Ray cluster has {total} GPUs, at most {largest} on a node; lower them, or "
+                         "use --plan-only / --simulate")
     else:
         executor = LocalExecutor(Path(settings["log_dir"]) / "logs")
         available = _gpus_here(executor)
@@ -247,12 +269,33 @@ def main(argv: Optional[list[str]] = None) -> int:
                                    need_command=not args.simulate)
     for task in tasks:
         runner.submit(task)
+    previous = None
+    if threading.current_thread() is threading.main_thread():  # (a `kill`, or a cluster's job stop: as Ctrl-C)
+        previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         records = runner.run()
+    except KeyboardInterrupt as interrupt:
+        stopped = sorted(runner.running)
+        print(f"interrupted: stopping the running tasks {stopped}; finished so far:", flush=True)
+        print(records_table(runner.records))
+        return 143 if isinstance(interrupt, _Terminated) else 130
     finally:  # an interrupted or failed schedule leaves no task running
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         if isinstance(executor, LocalExecutor):
             executor.stop()
     print(records_table(records))
-    done = gantt(records, settings["gpus"], run_path, f"run: makespan {runner.makespan:.0f} s")
+    try:
+        done = gantt(records, settings["gpus"], run_path, f"run: makespan {runner.makespan:.0f} s")
+    except (OSError, ValueError) as err:  # (the tasks have run: said, not raised)
+        done = f"not written ({err})"
     print(f"makespan {runner.makespan:.1f} s, {runner.replans} replans; Gantt chart of the run: {done}")
     return 0 if all(r.state == "finished" for r in records.values()) else 1
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the schedule runs so that its running tasks are stopped as on Ctrl-C."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise _Terminated()

@@ -211,6 +211,8 @@ class TaskScheduler:
         model.AddMaxEquality(makespan, ends) if ends else model.Add(makespan == t0)
         model.Minimize(makespan)
         solver = cp_model.CpSolver()
+        solver.parameters.catch_sigint_signal = False  # (its handler outlives the solve: Ctrl-C then kills the
+        # process outright, past the caller's clean-up)
         solver.parameters.max_time_in_seconds = time_limit_s if time_limit_s is not None else self.time_limit_s
         solver.parameters.num_search_workers = self.workers
         status = solver.Solve(model)

@@ -131,3 +131,11 @@ def test_an_empty_cuda_visible_devices_gives_the_tasks_no_gpu(tmp_path):
     runner.submit(Task("pair", 1.0, 2, [py, "-c", RECORD_GPUS, str(tmp_path / "pair.gpus")]))
     assert runner.run()["pair"].state == "finished"
     assert (tmp_path / "pair.gpus").read_text() == ""  # not the machine's GPUs 0 and 1
+
+
+@pytest.mark.parametrize("value, visible", [("-1", []), ("0,-1,2", ["0"]), (" 3 , 5 ", ["3", "5"]), ("", []),
+                                            ("GPU-8f2c,MIG-1a", ["GPU-8f2c", "MIG-1a"])])
+def test_cuda_visible_devices_ends_at_its_first_negative_index(value, visible):
+    from lightning_multilora.scheduling.executors import visible_gpus
+
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": value}) == visible

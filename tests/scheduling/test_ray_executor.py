@@ -42,3 +42,7 @@ def test_planned_tasks_run_on_placement_groups_with_their_gpu_counts(cluster, tm
     for name in ("n1", "n2"):  # never alongside the 2-GPU task on a 2-GPU cluster
         r = records[name]
         assert r.end <= wide.start + 1e-6 or wide.end <= r.start + 1e-6
+
+
+def test_the_clusters_capacity_counts_its_gpus_in_all_and_on_one_node(cluster):
+    assert RayExecutor(resource="fake_gpu").capacity() == (2, 2)

@@ -112,6 +112,23 @@ def test_the_runner_follows_the_plan_it_was_given_until_it_cannot():
     assert records["b"].start == 2 and records["b"].gpu_ids == (1,) and no_gpu_shared_at_once(records)
 
 
+@pytest.mark.parametrize("resolution_s", [1.0, 60.0])
+def test_a_plan_followed_from_a_clock_a_little_past_zero_starts_one_task_a_gpu(resolution_s):
+    """A wall clock reads a few milliseconds at the first start: the given plan's tasks of tick 0 and tick 1 both
+    fall on the first tick from now. The second waits for the first on their GPU (it ran both at once)."""
+    duration = resolution_s / 2  # a task that fits in one tick, another after it on the same GPU
+    tasks = [Task("first", duration, 1), Task("second", duration, 1)]
+    scheduler = TaskScheduler(1, resolution_s=resolution_s)
+    executor = SimulatedExecutor(actual={"first": 3 * resolution_s})
+    executor._now = 0.003
+    runner = ScheduleRunner(scheduler, executor, plan=scheduler.plan(tasks))
+    for t in tasks:
+        runner.submit(t)
+    records = runner.run()
+    assert [s[1] for s in executor.started] == ["first", "second"]
+    assert records["second"].start >= records["first"].end and no_gpu_shared_at_once(records)
+
+
 def test_a_polled_task_no_plan_can_hold_is_refused_and_the_running_ones_go_on(capsys):
     """A task dropped in while others run that makes the plan too long for the solver (a typo'd duration) is
     recorded as failed, said, and the schedule goes on: the running task is not stopped."""

@@ -157,3 +157,91 @@ def test_a_real_run_needs_as_many_gpus_as_the_file_names(tmp_path, capsys, monke
     assert "`gpus` is 3, but CUDA_VISIBLE_DEVICES=4,6 gives 2; lower `gpus`, or use --plan-only / --simulate" in \
         capsys.readouterr().err
     assert main([str(path), "--simulate"]) == 0  # a what-if needs no GPUs
+
+
+def test_conflicting_flags_and_an_inbox_holding_the_task_file_are_refused(tmp_path, capsys):
+    path = write(tmp_path, f"gpus: 1\nlog_dir: {tmp_path / 'logs'}\ntasks: [{{id: a, duration: 1, command: [echo]}}]")
+    config = write(tmp_path, "lr: 1.0e-4\n", name="sweep_a.yaml")  # a config a task reads, beside the task file
+    for flags, message in ((["--simulate", "--ray", "auto"], "give one of them"),
+                           (["--plan-only", "--inbox", str(tmp_path / "inbox")], "--plan-only runs nothing"),
+                           (["--inbox", str(tmp_path)], "the folder holds the task file")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(path), *flags])
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert path.exists() and config.exists() and not (tmp_path / "logs").exists()  # nothing renamed, nothing run
+
+
+def test_a_plan_or_chart_that_cannot_be_made_is_a_clear_error(tmp_path, capsys):
+    too_fine = write(tmp_path, f"gpus: 1\nresolution_s: 1.0e-6\nlog_dir: {tmp_path}\n"
+                               "tasks: [{id: a, duration: 2000000, command: [echo]}]")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(too_fine), "--plan-only"])
+    assert exit_info.value.code == 2 and f"{too_fine}: " in capsys.readouterr().err
+    path = write(tmp_path, f"gpus: 1\nlog_dir: {tmp_path}\ntasks: [{{id: a, duration: 1, command: [echo]}}]")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(path), "--plan-only", "--gantt", str(tmp_path / "plan.txt")])
+    assert exit_info.value.code == 2 and "the plan's Gantt chart" in capsys.readouterr().err
+
+
+def test_a_ray_cluster_with_too_few_gpus_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    from lightning_multilora.scheduling import ray_executor
+
+    started = []
+
+    class TwoNodesOfOne:
+        def __init__(self, address=None, **kwargs):
+            pass
+
+        def capacity(self):
+            return 2, 1
+
+        def start(self, task, gpu_ids):
+            started.append(task.id)
+
+    monkeypatch.setattr(ray_executor, "RayExecutor", TwoNodesOfOne)
+    path = write(tmp_path, f"gpus: 2\nlog_dir: {tmp_path}\ntasks: [{{id: a, duration: 1, gpus: 2, command: [echo]}}]")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(path), "--ray", "auto"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "the widest task takes 2 on one node" in err and "at most 1 on a node" in err
+    assert not started
+
+
+RUN_AND_WAIT = ("import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); "
+                "os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(120)")
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
+    """Ctrl-C (after CP-SAT's solves, whose own SIGINT handler killed the process outright) or a `kill`: the running
+    tasks are stopped, not left running in their own sessions."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    py = sys.executable
+    path = write(tmp_path, f"""\
+        gpus: 2
+        log_dir: {tmp_path / 'logs'}
+        tasks:
+          - {{id: a, duration: 100, command: [{py}, -c, "{RUN_AND_WAIT}", {tmp_path / 'a.pid'}]}}
+          - {{id: b, duration: 100, command: [{py}, -c, "{RUN_AND_WAIT}", {tmp_path / 'b.pid'}]}}
+        """)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # (tasks without GPUs; no torch import to count them)
+    command = [py, "-c", f"import sys; from lightning_multilora.scheduling.task_file import main; "
+                         f"sys.exit(main([{str(path)!r}]))"]
+    schedule = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)  # (a signal of its own: not pytest's process group)
+    pids = [tmp_path / "a.pid", tmp_path / "b.pid"]
+    deadline = time.monotonic() + 120
+    while not all(p.exists() for p in pids) and time.monotonic() < deadline and schedule.poll() is None:
+        time.sleep(0.1)
+    assert all(p.exists() for p in pids), schedule.communicate(timeout=30)[0]
+    schedule.send_signal(getattr(signal, sig))
+    out, _ = schedule.communicate(timeout=60)
+    assert schedule.returncode == code, out
+    assert "interrupted: stopping the running tasks ['a', 'b']" in out
+    for pid in (int(p.read_text()) for p in pids):
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
