@@ -6,7 +6,9 @@ into consecutive packs that fit the memory model at ``d`` GPUs, plus the packs P
 forms. One CP-SAT model then picks a set of packs that covers every configuration exactly once and
 schedules them (optional intervals, a cumulative GPU constraint) for minimum makespan: packing, GPU
 counts and timing are decided together. The greedy plan is the solver's starting hint, so the result is
-never worse than it.
+never worse than it (where the solver finds nothing in its time limit, the result is the greedy plan). The
+packs are chosen among these candidates, not among every packing (there are exponentially many): a plan
+marked optimal is the best over the candidates, and a packing outside them can be shorter.
 
 `plora_greedy` is PLoRA's planner as its paper describes it (Algorithms 4 and 5): whenever GPUs are free,
 for each power-of-two ``D`` that fits, grow a pack while the LoRA throughput ``sum(r_k) / T(pack, D)``
@@ -20,11 +22,14 @@ Both take the same cost model: ``memory(specs, d)`` (peak bytes per GPU of a pac
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from lightning_multilora.arguments import check_real
 from lightning_multilora.scheduling.profiler import check_margin
-from lightning_multilora.scheduling.task_scheduler import Placement, Schedule, Task, assign_gpu_ids, lower_bound
+from lightning_multilora.scheduling.task_scheduler import (Placement, Schedule, Task, assign_gpu_ids, check_planner,
+                                                           lower_bound)
 from lightning_multilora.spec import AdapterSpec
 
 CostFn = Callable[[Sequence[AdapterSpec], int], float]
@@ -64,11 +69,11 @@ class PackingPlanner:
 
     def __init__(self, num_gpus: int, memory: CostFn, step_time: CostFn, gpu_bytes: float, load_factor: float = 0.9,
                  time_limit_s: float = 5.0, resolution_s: float = 1.0) -> None:
-        if not (isinstance(num_gpus, int) and num_gpus >= 1):
-            raise ValueError(f"`num_gpus` must be an integer >= 1, got {num_gpus!r}")
-        self.num_gpus, self.memory, self.step_time = num_gpus, memory, step_time
+        check_planner("PackingPlanner", num_gpus, time_limit_s, resolution_s)
+        check_real("PackingPlanner", "gpu_bytes", gpu_bytes, lambda v: v > 0, "a finite number of bytes > 0")
+        self.num_gpus, self.memory, self.step_time = int(num_gpus), memory, step_time
         self.budget = gpu_bytes * check_margin(load_factor)
-        self.time_limit_s, self.resolution_s = time_limit_s, resolution_s
+        self.time_limit_s, self.resolution_s = float(time_limit_s), float(resolution_s)
         self.gpu_options = [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= num_gpus]
 
     def duration(self, specs: Sequence[AdapterSpec], gpus: int) -> float:
@@ -109,7 +114,7 @@ class PackingPlanner:
         if not specs:
             raise ValueError("no configurations to plan")
         packs = self.candidate_packs(specs)
-        greedy_jobs, greedy_placements, _ = plora_greedy(specs, self.num_gpus, self.memory, self.step_time,
+        greedy_jobs, greedy_placements, greedy_makespan = plora_greedy(specs, self.num_gpus, self.memory, self.step_time,
                                                          self.budget, 1.0)
         greedy_start = {}
         for job in greedy_jobs:
@@ -147,6 +152,13 @@ class PackingPlanner:
         solver.parameters.max_time_in_seconds = self.time_limit_s
         solver.parameters.num_search_workers = 8
         status = solver.Solve(model)
+        if status == cp_model.UNKNOWN:  # out of time before a first packing: the greedy plan, as the solver's hint
+            note = (f"CP-SAT found no packing within time_limit_s={self.time_limit_s} s: PLoRA's greedy plan; raise "
+                    "time_limit_s for an optimized one")
+            warnings.warn(note)
+            return greedy_jobs, Schedule(greedy_placements, greedy_makespan, False,
+                                         solver.WallTime(), lower_bound([j.task() for j in greedy_jobs],
+                                                                        self.num_gpus), [note])
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise RuntimeError(f"CP-SAT found no packing ({solver.StatusName(status)}) within {self.time_limit_s} s")
         jobs, rows = [], []
@@ -159,7 +171,9 @@ class PackingPlanner:
         ids = assign_gpu_ids(rows, self.num_gpus)
         placements = {jid: Placement(jid, start, end, ids[jid]) for jid, start, end, _ in rows}
         schedule = Schedule(placements, solver.Value(makespan) * res, status == cp_model.OPTIMAL, solver.WallTime(),
-                            lower_bound([j.task() for j in jobs], self.num_gpus))
+                            lower_bound([j.task() for j in jobs], self.num_gpus),
+                            [f"packs chosen among {len(packs)} candidates (not every packing): 'optimal' is among "
+                             "those"])
         return jobs, schedule
 
 

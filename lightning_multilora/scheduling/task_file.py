@@ -64,11 +64,30 @@ def parse_tasks(entries: Any, where: str) -> list[Task]:
     return tasks
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (it kept the last one, silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"`{key}` is given twice in one mapping",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(stream: Any) -> Any:
+    """A task file's YAML (a string or a stream), each mapping's keys given once."""
+    return yaml.load(stream, Loader=_UniqueKeyLoader)
+
+
 def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
     """The file's settings and its tasks, validated (ids unique, no task wider than the machine)."""
     try:
         with open(path, encoding="utf-8") as fh:  # (a stream: the parser's message then names the file)
-            data = yaml.safe_load(fh)
+            data = read_yaml(fh)
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML: {err}") from err
     if not isinstance(data, Mapping):
@@ -150,7 +169,7 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
         tasks: list[Task] = []
         for path in sorted(inbox.glob("*.yaml")):
             try:
-                data = yaml.safe_load(path.read_text()) or {}
+                data = read_yaml(path.read_text()) or {}
                 unknown = sorted(set(data) - {"tasks"}) if isinstance(data, Mapping) else []
                 if unknown:  # (the machine's settings are the running schedule's)
                     raise ValueError(f"an inbox file holds a `tasks:` list alone; unknown fields {unknown}")

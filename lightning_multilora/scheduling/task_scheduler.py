@@ -9,24 +9,37 @@ cumulative bound holds at every instant and tasks do not need contiguous ids.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
+
+from lightning_multilora.arguments import check_int, check_real
 
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
 def yaml_number_hint(value: Any) -> str:
-    """Why a number may have arrived as text: YAML 1.1 (PyYAML) reads ``1e-3`` as a string, ``1.0e-3`` as a float."""
+    """Why a number may have arrived as text: YAML 1.1 (PyYAML) reads ``1e-3`` and ``1.5e3`` as strings, ``1.0e-3``
+    and ``1.5e+3`` as floats; a quoted number is a string."""
     if not isinstance(value, str):
         return ""
     try:
         number = float(value)
     except ValueError:
         return ""
-    return f" (text: YAML reads exponents without a dot as text; write {number!r})"
+    if not math.isfinite(number):
+        return ""
+    if "e" not in value.lower():
+        return " (text: write the number without quotes)"
+    mantissa, _, exponent = repr(number).partition("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    written = f"{mantissa}e{int(exponent):+03d}" if exponent else mantissa
+    return (f" (text: YAML reads an exponent as a number only with a dot and a signed exponent; write "
+            f"{written})")
 
 
 @dataclass(frozen=True)
@@ -59,14 +72,23 @@ class Task:
                              f"got {self.command!r}")
         if self.command is not None and not self.command:
             raise ValueError(f"task {self.id!r}: `command` must not be empty")
-        if not (isinstance(self.duration, (int, float)) and not isinstance(self.duration, bool)
+        if not (isinstance(self.duration, numbers.Real) and not isinstance(self.duration, bool)
                 and math.isfinite(self.duration) and self.duration > 0):
             raise ValueError(f"task {self.id!r}: `duration` must be a finite number > 0, got {self.duration!r}"
                              f"{yaml_number_hint(self.duration)}")
-        if not (isinstance(self.gpus, int) and not isinstance(self.gpus, bool) and self.gpus >= 1):
+        object.__setattr__(self, "duration", float(self.duration))
+        if not (isinstance(self.gpus, numbers.Integral) and not isinstance(self.gpus, bool) and self.gpus >= 1):
             raise ValueError(f"task {self.id!r}: `gpus` must be an integer >= 1, got {self.gpus!r}")
+        object.__setattr__(self, "gpus", int(self.gpus))  # (numpy's integers too)
         if not isinstance(self.torchrun, bool):
             raise ValueError(f"task {self.id!r}: `torchrun` must be true or false, got {self.torchrun!r}")
+
+
+def check_planner(where: str, num_gpus: Any, time_limit_s: Any, resolution_s: Any) -> None:
+    """A planner's machine and solver settings: an integer GPU count >= 1, finite positive seconds."""
+    check_int(where, "num_gpus", num_gpus, 1)
+    for name, value in (("time_limit_s", time_limit_s), ("resolution_s", resolution_s)):
+        check_real(where, name, value, lambda v: v > 0, "a finite number of seconds > 0")
 
 
 # The most resolution steps a plan may span (its makespan variable spans twice that, within CP-SAT's int64).
@@ -154,13 +176,10 @@ class TaskScheduler:
     """
 
     def __init__(self, num_gpus: int, time_limit_s: float = 1.0, resolution_s: float = 1.0, workers: int = 8) -> None:
-        if not (isinstance(num_gpus, int) and num_gpus >= 1):
-            raise ValueError(f"`num_gpus` must be an integer >= 1, got {num_gpus!r}")
-        if time_limit_s <= 0:
-            raise ValueError(f"`time_limit_s` must be > 0, got {time_limit_s}")
-        if resolution_s <= 0:
-            raise ValueError(f"`resolution_s` must be > 0, got {resolution_s}")
-        self.num_gpus, self.time_limit_s, self.resolution_s, self.workers = num_gpus, time_limit_s, resolution_s, workers
+        check_planner("TaskScheduler", num_gpus, time_limit_s, resolution_s)
+        check_int("TaskScheduler", "workers", workers, 1)
+        self.num_gpus, self.time_limit_s, self.resolution_s = int(num_gpus), float(time_limit_s), float(resolution_s)
+        self.workers = int(workers)
         self.last: Optional[Schedule] = None
         self._warned_greedy = False
 

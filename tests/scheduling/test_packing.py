@@ -73,3 +73,31 @@ def test_configurations_that_cannot_be_planned_get_clear_errors():
         planner.plan([])
     with pytest.raises(ValueError, match="load_factor|safety_margin"):
         PackingPlanner(2, memory, step_time, gpu_bytes=10 * GB, load_factor=0)
+
+
+def test_the_plan_says_its_packs_are_chosen_among_candidates_and_bad_settings_are_named():
+    specs = [AdapterSpec("a", rank=8, batch_size=1, max_steps=100), AdapterSpec("b", rank=8, batch_size=1, max_steps=100)]
+    _, schedule = PackingPlanner(1, memory, step_time, gpu_bytes=80 * GB).plan(specs)
+    assert "candidates (not every packing)" in schedule.table()
+    for kwargs, message in (({"num_gpus": True}, "`num_gpus` must be an integer >= 1"),
+                            ({"resolution_s": 0}, "`resolution_s` must be a finite number of seconds > 0"),
+                            ({"time_limit_s": float("nan")}, "`time_limit_s` must be a finite number of seconds > 0"),
+                            ({"gpu_bytes": -1}, "`gpu_bytes` must be a finite number of bytes > 0")):
+        with pytest.raises(ValueError, match=message):
+            PackingPlanner(**{"num_gpus": 2, "memory": memory, "step_time": step_time, "gpu_bytes": 80 * GB,
+                              **kwargs})
+
+
+def test_a_solve_out_of_time_before_any_packing_gives_the_greedy_plan(monkeypatch):
+    from ortools.sat.python import cp_model
+
+    specs = configs(10, 4)
+    solve = cp_model.CpSolver.Solve  # (solved, then reported as out of time: what a too small limit gives)
+    monkeypatch.setattr(cp_model.CpSolver, "Solve", lambda self, model, *a, **k: solve(self, model) and cp_model.UNKNOWN)
+    planner = PackingPlanner(4, memory, step_time, gpu_bytes=80 * GB, time_limit_s=0.01)
+    with pytest.warns(UserWarning, match="time_limit_s=0.01"):
+        jobs, schedule = planner.plan(specs)
+    greedy_jobs, _, greedy_makespan = plora_greedy(specs, 4, memory, step_time, 80 * GB * 0.9, 1.0)
+    assert [j.specs for j in jobs] == [j.specs for j in greedy_jobs] and not schedule.optimal
+    assert schedule.makespan == pytest.approx(greedy_makespan) and not overlaps(schedule.placements)
+    assert sorted(s.name for job in jobs for s in job.specs) == sorted(s.name for s in specs)

@@ -93,9 +93,9 @@ def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
     ("gpus: true\ntasks: [{id: a, duration: 5}]", "`gpus` must be an integer >= 1, got True"),
     ("gpus: 2\ntime_limit_s: fast\ntasks: [{id: a, duration: 5}]", "`time_limit_s` must be a number of seconds > 0"),
     ("gpus: 2\nresolution_s: 0\ntasks: [{id: a, duration: 5}]", "`resolution_s` must be a number of seconds > 0"),
-    ("gpus: 2\ntime_limit_s: 1e-9\ntasks: [{id: a, duration: 5}]", "got '1e-9' \\(text: YAML reads exponents without a "
-     "dot as text; write 1e-09\\)"),
-    ("gpus: 2\ntasks: [{id: a, duration: 3e2}]", "got '3e2' \\(text: YAML reads exponents without a dot as text"),
+    ("gpus: 2\ntime_limit_s: 1e-9\ntasks: [{id: a, duration: 5}]", "got '1e-9' \\(text: YAML reads an exponent as a "
+     "number only with a dot and a signed exponent; write 1.0e-09\\)"),
+    ("gpus: 2\ntasks: [{id: a, duration: 3e2}]", "got '3e2' \\(text: YAML reads an exponent .*; write 300.0\\)"),
     ("gpus: 2\nmax_retries: -1\ntasks: [{id: a, duration: 5}]", "`max_retries` must be an integer >= 0"),
     ("gpus: 2\nmax_retries: 1.7\ntasks: [{id: a, duration: 5}]", "`max_retries` must be an integer >= 0"),
     ("gpus: 2\nlog_dir:\ntasks: [{id: a, duration: 5}]", "`log_dir` must be a directory path, got None"),
@@ -245,3 +245,12 @@ def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
     for pid in (int(p.read_text()) for p in pids):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_key_given_twice_is_an_error_not_the_last_one_silently(tmp_path):
+    path = write(tmp_path, "gpus: 2\ngpus: 8\ntasks: [{id: a, duration: 1}]")
+    with pytest.raises(ValueError, match=r"not valid YAML: `gpus` is given twice in one mapping"):
+        load_task_file(path)
+    path = write(tmp_path, "gpus: 2\ntasks: [{id: a, duration: 1, duration: 5}]")
+    with pytest.raises(ValueError, match=r"`duration` is given twice"):
+        load_task_file(path)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 import warnings
 
 import pytest
@@ -93,6 +94,43 @@ def test_bad_task_sets(tasks, message):
 def test_bad_tasks(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Task(**kwargs)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((True,), "TaskScheduler: `num_gpus` must be an integer >= 1, got True"),
+    ((2, float("nan")), "`time_limit_s` must be a finite number of seconds > 0, got nan"),
+    ((2, "1"), "`time_limit_s` must be a finite number of seconds > 0, got '1'"),
+    ((2, 1.0, float("inf")), "`resolution_s` must be a finite number of seconds > 0, got inf"),
+    ((2, 1.0, 0), "`resolution_s` must be a finite number of seconds > 0, got 0"),
+    ((2, 1.0, 1.0, 0), "`workers` must be an integer >= 1, got 0"),
+])
+def test_bad_scheduler_settings_are_named(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TaskScheduler(*args)
+
+
+def test_numpy_numbers_are_gpu_counts_and_durations():
+    import numpy as np
+
+    task = Task("a", np.float32(2.5), np.int64(2))
+    assert (task.duration, task.gpus) == (2.5, 2) and type(task.gpus) is int
+    assert TaskScheduler(np.int64(2)).plan([task]).makespan == 3.0
+
+
+@pytest.mark.parametrize("value, hint", [
+    ("1e-05", "write 1.0e-05"), ("1.5e3", "write 1500.0"), ("5", "write the number without quotes"), ("abc", None)])
+def test_the_yaml_number_hint_writes_what_yaml_reads_as_a_number(value, hint):
+    import yaml
+
+    from lightning_multilora.scheduling.task_scheduler import yaml_number_hint
+
+    said = yaml_number_hint(value)
+    if hint is None:
+        assert said == ""
+        return
+    assert hint in said
+    if said.rstrip(")").split("write ")[1][0].isdigit():  # what it says to write is a number to YAML
+        assert yaml.safe_load(said.rstrip(")").split("write ")[1]) == float(value)
 
 
 def test_a_solve_out_of_time_before_any_plan_falls_back_to_list_scheduling(monkeypatch):
