@@ -12,13 +12,18 @@ install: $(STAMP)
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# Without a CUDA GPU, install the CPU build of torch first (an unpinned torch would pull a CUDA build).
+# Without a CUDA GPU, install the CPU build of torch first (PyPI's torch for Linux is a CUDA build of several GB):
+# a local wheel where pip's find-links hold one (no index asked; its dependencies come with the package's), else
+# PyTorch's CPU index.
+TORCH_VERSION ?= 2.13.0
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml | $(BIN)/python
 	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
 		echo "CUDA GPU found: torch comes from the package's dependencies"; \
 	else \
 		echo "No CUDA GPU: installing the CPU torch wheel"; \
-		$(BIN)/python -m pip install --quiet torch==2.13.0; \
+		$(BIN)/python -m pip install --quiet --no-index --no-deps torch==$(TORCH_VERSION)+cpu 2>/dev/null || \
+		$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)+cpu --index-url $(TORCH_CPU_INDEX); \
 	fi
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)

@@ -23,10 +23,11 @@ data = MultiLoRADataModule(
     sources={"arith": GeneratedArithmetic(2000), "mul": GeneratedArithmetic(800, seed=1, operations=("mul",))},
     max_val_examples=64,
 )
+report = SweepReport()
 trainer = L.Trainer(max_steps=-1, val_check_interval=20, check_val_every_n_epoch=None, log_every_n_steps=10,
-                    logger=TensorBoardLogger("runs", name="python_api"), callbacks=[SweepReport()],
+                    logger=TensorBoardLogger("runs", name="python_api"), callbacks=[report],
                     enable_progress_bar=False)
 trainer.fit(model, data)
 
-best = model.registry.summary_rows()[0]
-print(f"best adapter: {best['adapter']} (val loss {best['best_val_loss']:.3f}) at {best['export_path']}")
+best = report.rows[0]  # (ranked by the validation loss of the weights exported: here the last ones, no EarlyExit)
+print(f"best adapter: {best['adapter']} (val loss {best['exported_val_loss']:.3f}) at {best['export_path']}")

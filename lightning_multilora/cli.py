@@ -38,10 +38,10 @@ class MultiLoRACLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """A value the classes refuse as they are built (an AdapterSpec field out of range, say) ends the command with
         its own message, as a parse error does, not under jsonargparse's traceback (which wraps it among the
-        type's alternatives)."""
+        type's alternatives). So does an OSError (a `base_model` that is no checkpoint, a file a source cannot read)."""
         try:
             super().instantiate_classes()
-        except ValueError as err:
+        except (ValueError, OSError) as err:
             self.parser.error(config_error(err), ex=err)
 
     def before_fit(self) -> None:
@@ -50,7 +50,7 @@ class MultiLoRACLI(LightningCLI):
         check_resume_path(self.config_init[self.subcommand].get("ckpt_path"), self.trainer.strategy)
 
 
-def config_error(err: ValueError) -> str:
+def config_error(err: Exception) -> str:
     """The message of a value refused while the config's classes were built: jsonargparse reports a value that none
     of a type's alternatives took (a list of AdapterSpecs, or None) with each alternative's error; the ones our
     classes raised are kept, its own "Expected a <class 'NoneType'>" and the value's dump dropped."""

@@ -293,8 +293,9 @@ class MultiLoRAMixin:
         best-validation weights where they are kept (`keep_best_weights`), the live ones left as they are."""
         rec = self.registry[name]
         if name not in self.lora_layers.adapter_names:
-            raise ValueError(f"adapter {name!r} holds no weights ({rec.state.value}); it was exported to "
-                             f"{rec.export_path}")
+            where = (f"its weights were exported to {rec.export_path}" if rec.export_path else
+                     "it has not started: no weights yet" if rec.state == AdapterState.QUEUED else "it has no export")
+            raise ValueError(f"adapter {name!r} holds no weights ({rec.state.value}); {where}")
         own_folder = directory is None
         if own_folder:  # its own folder under the export root, as named by its first export there
             root = self._export_root()
@@ -918,7 +919,7 @@ class MultiLoRAMixin:
         specs = [specs] if isinstance(specs, (AdapterSpec, str)) else list(specs)
         specs = [self._held_spec(s) for s in specs]
         dm = self._datamodule()
-        sums = {s.name: [0.0, 0.0] for s in specs}
+        sums = {s.name: [0.0, 0.0, 0.0, 0.0] for s in specs}
         was_training = self.training
         self.eval()
         with torch.no_grad():
@@ -927,16 +928,25 @@ class MultiLoRAMixin:
                 if not batch["layout"].names:
                     self._idle_forward()
                     continue
-                with self.lora_layers.use(batch["layout"]):
-                    loss_sum, count = self.adapter_loss_terms(batch)
-                for name, s, c in zip(batch["layout"].names, loss_sum.tolist(), count.tolist()):
-                    sums[name][0] += s
-                    sums[name][1] += c
+                self._add_val_terms(sums, batch)
         self.train(was_training)
-        losses = {n: (s / c if c > 0 else math.nan) for n, (s, c) in sums.items()}
+        losses = {n: (v[0] / v[1] if v[1] > 0 else math.nan) for n, v in sums.items()}
         if record:  # under adapter parallelism a rank measures (and records) its own adapters, `_sync_ranks` the rest
-            self._record_val_losses({n: loss for n, loss in losses.items() if self._owns(n)})
+            self._record_val_losses({n: v for n, v in sums.items() if self._owns(n)})
         return losses
+
+    def _add_val_terms(self, sums: dict[str, list[float]], batch: dict[str, Any]) -> None:
+        """Adds a validation batch's per-adapter loss sum and count to ``sums`` (name -> [loss sum, count, DPO pairs
+        preferred, DPO pairs])."""
+        with self.lora_layers.use(batch["layout"]):
+            loss_sum, count = self.adapter_loss_terms(batch)
+        for name, s, c in zip(batch["layout"].names, loss_sum.tolist(), count.tolist()):
+            acc = sums.setdefault(name, [0.0, 0.0, 0.0, 0.0])
+            acc[0] += s
+            acc[1] += c
+            if name in getattr(self, "_preference_accuracy", {}):  # (a DPO adapter's count is its pairs)
+                acc[2] += float(self._preference_accuracy[name]) * c
+                acc[3] += c
 
     def _held_spec(self, spec: Union[AdapterSpec, str]) -> AdapterSpec:
         """``spec`` (or the spec of the adapter so named), checked to have weights here: an adapter that has left
@@ -961,18 +971,13 @@ class MultiLoRAMixin:
         if not batch["layout"].names:
             self._idle_forward()
             return
-        with self.lora_layers.use(batch["layout"]):
-            loss_sum, count = self.adapter_loss_terms(batch)
-        for name, s, c in zip(batch["layout"].names, loss_sum.tolist(), count.tolist()):
-            acc = self._val_sums.setdefault(name, [0.0, 0.0])
-            acc[0] += s
-            acc[1] += c
+        self._add_val_terms(self._val_sums, batch)
 
     @override
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
             return
-        self._record_val_losses({n: (s / c if c > 0 else math.nan) for n, (s, c) in self._val_sums.items()})
+        self._record_val_losses(self._val_sums)
         self._sync_ranks()  # every rank learns every adapter's validation
 
     @override
@@ -988,14 +993,19 @@ class MultiLoRAMixin:
         self._sync_ranks()
         self._fill_slots()
 
-    def _record_val_losses(self, losses: dict[str, float]) -> None:
+    def _record_val_losses(self, sums: dict[str, list[float]]) -> None:
+        """Records a validation's sums (`_add_val_terms`) in the adapters' histories, and logs them."""
         logs = {}
-        for name, loss in losses.items():
+        for name, (loss_sum, count, preferred, pairs) in sums.items():
             rec = self.registry[name]
             if rec.val_losses and rec.val_losses[-1][0] == rec.step:
                 continue  # already measured at this step
+            loss = loss_sum / count if count > 0 else math.nan
             rec.val_losses.append((rec.step, loss))
             rec.last_val_loss = loss
+            if pairs > 0:
+                rec.last_val_preference_accuracy = preferred / pairs
+                logs[f"adapters/{name}/val_preference_accuracy"] = rec.last_val_preference_accuracy
             if math.isfinite(loss) and loss < rec.best_val_loss:
                 rec.best_val_loss, rec.best_val_step = loss, rec.step
                 if self.keep_best_weights and name in self.lora_layers.adapter_names:

@@ -43,6 +43,9 @@ class AdapterRecord:
     best_val_loss: float = math.inf
     best_val_step: int = -1
     last_val_loss: float = math.nan
+    last_val_preference_accuracy: float = math.nan
+    """A DPO adapter's, at its last validation: the fraction of held-out pairs whose chosen answer it prefers more
+    than the frozen base does (NaN for an SFT adapter)."""
     train_losses: list[tuple[int, float]] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     export_path: Optional[str] = None
@@ -67,7 +70,8 @@ class AdapterRecord:
             "spec": self.spec.to_dict(), "state": self.state.value, "reason": self.reason, "step": self.step,
             "max_steps": self.max_steps, "tokens_seen": self.tokens_seen, "samples_seen": self.samples_seen,
             "best_val_loss": self.best_val_loss, "best_val_step": self.best_val_step,
-            "last_val_loss": self.last_val_loss, "train_losses": list(self.train_losses),
+            "last_val_loss": self.last_val_loss, "last_val_preference_accuracy": self.last_val_preference_accuracy,
+            "train_losses": list(self.train_losses),
             "val_losses": list(self.val_losses), "export_path": self.export_path,
             "started_at_step": self.started_at_step, "ended_at_step": self.ended_at_step,
             "spans": [list(x) for x in self.spans],
@@ -78,7 +82,8 @@ class AdapterRecord:
         rec = cls(spec=AdapterSpec.from_dict(state["spec"]))
         rec.state = AdapterState(state["state"])
         for key in ("reason", "step", "max_steps", "tokens_seen", "samples_seen", "best_val_loss",
-                    "best_val_step", "last_val_loss", "export_path", "started_at_step", "ended_at_step"):
+                    "best_val_step", "last_val_loss", "last_val_preference_accuracy", "export_path", "started_at_step",
+                    "ended_at_step"):
             if key in state:
                 setattr(rec, key, state[key])
         rec.train_losses = [tuple(x) for x in state.get("train_losses", [])]
@@ -149,27 +154,36 @@ class AdapterRegistry:
             rec = AdapterRecord.from_state_dict(rs)
             self._records[rec.name] = rec
 
-    def summary_rows(self) -> list[dict[str, Any]]:
-        """One row per adapter, best validation loss first (adapters never validated last)."""
+    def summary_rows(self, exported: str = "best") -> list[dict[str, Any]]:
+        """One row per adapter, ranked by ``exported_val_loss``, the validation loss of the weights its export holds
+        (``exported``: "best", the best-validation weights, where the module keeps them, `keep_best_weights`;
+        "last", the last ones, where it does not), lowest first (adapters never validated last)."""
+        if exported not in ("best", "last"):
+            raise ValueError(f"`exported` can be 'best' or 'last', got {exported!r}")
         rows = []
         for r in self._records.values():
             row = {"adapter": r.name, **r.spec.hparams(), "status": r.state.value, "reason": r.reason,
-                   "best_val_loss": r.best_val_loss, "steps": r.step, "export_path": r.export_path}
+                   "best_val_loss": r.best_val_loss, "last_val_loss": r.last_val_loss,
+                   "exported_val_loss": r.best_val_loss if exported == "best" else r.last_val_loss,
+                   "steps": r.step, "export_path": r.export_path}
             rows.append(row)
-        rows.sort(key=lambda row: (not math.isfinite(row["best_val_loss"]), row["best_val_loss"]))
+        rows.sort(key=lambda row: (not math.isfinite(row["exported_val_loss"]), row["exported_val_loss"]))
         return rows
 
-    def summary_table(self) -> str:
-        """The ranked table: learning rate, rank, alpha and batch size, then each other hyperparameter of
-        `AdapterSpec.hparams` whose value differs between adapters (two that differ only in dropout are told apart)."""
-        rows = self.summary_rows()
+    def summary_table(self, exported: str = "best") -> str:
+        """The ranked table (`summary_rows`): learning rate, rank, alpha and batch size, then each other
+        hyperparameter of `AdapterSpec.hparams` whose value differs between adapters (two that differ only in
+        dropout are told apart), the status, the best validation loss, and where the exports hold the last weights
+        the last one too."""
+        rows = self.summary_rows(exported)
         varying = [k for k in _EXTRA_COLUMNS if len({repr(r[k]) for r in rows}) > 1]
+        losses = ["best_val_loss"] + (["last_val_loss"] if exported == "last" else [])
         header = ["#", "adapter", "lr", "rank", "alpha", "bs", *(_EXTRA_COLUMNS[k] for k in varying), "status",
-                  "best_val_loss", "steps"]
+                  *losses, "steps"]
         lines = [[str(i + 1), r["adapter"], f"{r['lr']:.2g}", str(r["rank"]), f"{r['alpha']:g}",
                   str(r["batch_size"]), *("-" if r[k] is None else f"{r[k]:g}" if isinstance(r[k], float)
                                           else str(r[k]) for k in varying), r["status"],
-                  f"{r['best_val_loss']:.4f}" if math.isfinite(r["best_val_loss"]) else "-", str(r["steps"])]
+                  *(f"{r[k]:.4f}" if math.isfinite(r[k]) else "-" for k in losses), str(r["steps"])]
                  for i, r in enumerate(rows)]
         widths = [max(len(h), *(len(line[j]) for line in lines)) if lines else len(h) for j, h in enumerate(header)]
         fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
+from lightning_multilora.layout import BatchLayout
 from lightning_multilora.data import GeneratedArithmetic, PreferenceSource
 from lightning_multilora.data.sources import split_hh_rlhf
 from lightning_multilora.registry import AdapterState
@@ -95,6 +96,32 @@ def test_sft_and_dpo_adapters_train_together_and_dpo_learns_the_preferences(tmp_
     assert last < 0.5 * first  # the preference is learned (the last 5 steps: ~0 on 8 random bases)
     assert s.train_losses[-1][1] < s.train_losses[0][1]
     assert p.best_val_loss is not None and p.best_val_loss < math.log(2)
+    # its held-out pairs: the learned style preferred over the base's (the validation at its finish)
+    assert 0.75 <= p.last_val_preference_accuracy <= 1 and math.isnan(s.last_val_preference_accuracy)
+    restored = type(p).from_state_dict(p.state_dict())
+    assert restored.last_val_preference_accuracy == p.last_val_preference_accuracy
+
+
+def test_the_validation_preference_accuracy_is_over_pairs_not_batches(monkeypatch):
+    """A validation of two batches, 3 pairs all preferred then 1 not: 0.75 (a mean of the batches' accuracies would
+    say 0.5); an SFT adapter gets none."""
+    module, _, _ = setup_module_and_batch()
+    terms = iter([(torch.tensor([3.0, 6.0]), torch.tensor([3.0, 12.0]), {"p": torch.tensor(1.0)}),
+                  (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]), {"p": torch.tensor(0.0)})])
+
+    def loss_terms(batch):
+        sums, counts, module._preference_accuracy = next(terms)
+        return sums, counts
+
+    monkeypatch.setattr(module, "adapter_loss_terms", loss_terms)
+    layout = BatchLayout.from_sizes(["p", "s"], [2, 1])
+    sums = {}
+    for _ in range(2):
+        module._add_val_terms(sums, {"layout": layout})
+    module._record_val_losses(sums)
+    p, s = module.registry["p"], module.registry["s"]
+    assert p.last_val_preference_accuracy == 0.75 and p.last_val_loss == 1.0
+    assert math.isnan(s.last_val_preference_accuracy) and s.last_val_loss == 0.5
 
 
 def test_preference_sources_parse_and_reject_bad_records():

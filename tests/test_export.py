@@ -81,5 +81,8 @@ def test_save_adapter_on_demand_mid_fit(tmp_path, trainer_kwargs):
     with pytest.raises(KeyError, match=r"`layout` names 'x', which holds no weights \(finished\); it was exported to "
                                        r".*final/x \(load it with PEFT\)"):
         module(ids, layout=BatchLayout.from_sizes(["x"], [1]))
-    with pytest.raises(ValueError, match="holds no weights"):
+    with pytest.raises(ValueError, match=r"holds no weights \(finished\); its weights were exported to .*final/x"):
         module.save_adapter("x")
+    module.add_adapter(AdapterSpec("later", max_steps=5, batch_size=1))
+    with pytest.raises(ValueError, match=r"'later' holds no weights \(queued\); it has not started: no weights yet"):
+        module.save_adapter("later")

@@ -201,6 +201,13 @@ class OptunaSweep(Callback):
         check_spec_fields(self.search_space, "OptunaSweep `search_space`")
         check_spec_fields(self.base, "OptunaSweep `base`")
         self.distributions = distributions(self.search_space)
+        if sampler == "grid":  # (checked here, not at the first ask: before a run starts)
+            import optuna
+
+            for name, dist in self.distributions.items():
+                if not isinstance(dist, optuna.distributions.CategoricalDistribution):
+                    raise ValueError(f"OptunaSweep: sampler 'grid' needs categorical parameters (a list of "
+                                     f"`choices`); `search_space` {name!r} is {type(dist).__name__}")
         self.n_trials, self.storage, self.study_name, self.sampler_name = int(n_trials), storage, study_name, sampler
         self.alpha_over_rank = alpha_over_rank  # (numpy integers as Python's: a seed's arithmetic must not wrap)
         self.slots, self.seed = (None if v is None else int(v) for v in (slots, seed))
@@ -208,8 +215,12 @@ class OptunaSweep(Callback):
         self.first_trial: Optional[int] = None  # trials the study held when this sweep first opened it
         for name, dist in self.distributions.items():  # every value of the space must make a valid AdapterSpec
             for value in (dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)):
-                AdapterSpec(name="check", **self._spec_kwargs({**{n: _example(d) for n, d in
-                                                                   self.distributions.items()}, name: value}))
+                try:
+                    AdapterSpec(name="check", **self._spec_kwargs({**{n: _example(d) for n, d in
+                                                                       self.distributions.items()}, name: value}))
+                except ValueError as err:  # (it named a made-up adapter "check", not the search space)
+                    raise ValueError(f"OptunaSweep `search_space` {name!r}: its value {value!r} makes no valid "
+                                     f"adapter ({str(err).replace(' for adapter ' + repr('check'), '')})") from err
         self.study = study
         self.trials: dict[str, dict[str, Any]] = {}  # adapter name -> trial id, number, reported steps, told
         # Tags this sweep's trials in the study (kept in checkpoints): a sweep resumed from a checkpoint finds the
@@ -236,8 +247,6 @@ class OptunaSweep(Callback):
         if self.sampler_name == "grid":
             grid = {}
             for name, dist in self.distributions.items():
-                if not isinstance(dist, optuna.distributions.CategoricalDistribution):
-                    raise ValueError(f"sampler 'grid' needs categorical parameters; `{name}` is not")
                 grid[name] = list(dist.choices)
             return optuna.samplers.GridSampler(grid, seed=seed)
         return optuna.samplers.TPESampler(seed=seed)
@@ -557,8 +566,16 @@ class OptunaSweep(Callback):
         self._adopt(pl_module, decide_once(pl_module, lambda: self._tell_remaining(pl_module)))
 
     def _tell_remaining(self, pl_module: L.LightningModule) -> dict[str, Any]:
-        """`_tell_exits`, as a decision that asks nothing (for `_adopt`)."""
+        """`_tell_exits`, as a decision that asks nothing (for `_adopt`); trials whose adapters still train (the
+        Trainer stopped first: its ``max_steps`` or ``max_time``) stay RUNNING, with a warning saying so."""
         self._tell_exits(pl_module)
+        unfinished = [info["number"] for name, info in self.trials.items() if not info["told"] and not info.get("lost")
+                      and name in pl_module.registry and not pl_module.registry[name].state.exited]
+        if unfinished and self.study is not None:
+            warnings.warn(f"trials {sorted(unfinished)} stay RUNNING in study {self.study.study_name!r}: the Trainer "
+                          "stopped (its max_steps or max_time) before their adapters finished; their adapters are "
+                          "exported as they are. Resume from the last checkpoint with a larger Trainer max_steps to "
+                          "finish and tell them")
         return {"specs": [], "state": self.state_dict()}
 
     @override

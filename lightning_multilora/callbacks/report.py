@@ -12,6 +12,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
+from lightning_multilora.arguments import check_bool
 from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.registry import AdapterRegistry, AdapterState
 
@@ -25,9 +26,10 @@ _STATE_COLORS = {
 class SweepReport(Callback):
     """At the end of ``fit``:
 
-    - prints every adapter ranked by best validation loss (hyperparameters, status, steps), the PEFT
-      export directories and the TensorBoard log directory, and writes the rows to
-      ``<log_dir>/sweep_summary.json``;
+    - prints every adapter ranked by the validation loss of the weights its export holds (the best-validation
+      ones where the module keeps them, as with `EarlyExit`; else the last ones), with its hyperparameters,
+      status and steps, the PEFT export directories and the TensorBoard log directory, and writes the rows to
+      ``<log_dir>/sweep_summary.json`` (``best_val_loss``, ``last_val_loss``, ``exported_val_loss``);
     - with a TensorBoard logger: an HParams run per adapter (``<log_dir>/hparams/<name>``: its
       hyperparameters and status against its best validation loss), and two pictures,
       ``sweep/loss_curves`` (every adapter's training and validation losses, exits marked) and
@@ -39,6 +41,8 @@ class SweepReport(Callback):
         if filename is not None and not isinstance(filename, (str, Path)):
             raise ValueError(f"SweepReport `filename` must be a file name or path (under the log dir unless "
                              f"absolute), or None or '' for no file, got {filename!r}")
+        check_bool("SweepReport", "print_table", print_table)
+        check_bool("SweepReport", "tensorboard", tensorboard)
         self.print_table = print_table
         self.filename = filename
         self.tensorboard = tensorboard
@@ -49,7 +53,8 @@ class SweepReport(Callback):
         registry: Optional[AdapterRegistry] = getattr(pl_module, "registry", None)
         if registry is None or not trainer.is_global_zero:
             return
-        self.rows = registry.summary_rows()
+        exported = "best" if getattr(pl_module, "keep_best_weights", False) else "last"
+        self.rows = registry.summary_rows(exported)
         log_dir = log_dir_of(trainer)
         if self.filename and log_dir:
             path = Path(log_dir) / self.filename
@@ -61,7 +66,9 @@ class SweepReport(Callback):
         if self.tensorboard:
             self._write_tensorboard(trainer, registry)
         if self.print_table:
-            lines = ["", "Adapters ranked by best validation loss:", registry.summary_table(), ""]
+            said = ("best validation loss (their exports hold their best-validation weights)" if exported == "best"
+                    else "last validation loss (their exports hold their last weights; EarlyExit keeps the best)")
+            lines = ["", f"Adapters ranked by {said}:", registry.summary_table(exported), ""]
             exports = sorted({str(Path(r["export_path"]).parent) for r in self.rows if r["export_path"]})
             lines.append(f"PEFT adapters:   {', '.join(exports) if exports else '(none exported)'}")
             if _tensorboard_loggers(trainer):

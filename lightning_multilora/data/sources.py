@@ -56,14 +56,14 @@ class GeneratedArithmetic(DataSource):
 
     def __init__(self, num_examples: int = 2000, seed: int = 0, max_operand: int = 20,
                  operations: tuple[str, ...] = ("add", "sub")) -> None:
-        if num_examples < 1:
-            raise ValueError(f"`num_examples` must be >= 1, got {num_examples}")
-        if max_operand < 1:
-            raise ValueError(f"`max_operand` must be >= 1, got {max_operand}")
-        bad = [o for o in operations if o not in self.OPERATIONS]
-        if bad or not operations:
-            raise ValueError(f"`operations` can be {', '.join(self.OPERATIONS)}, got {list(operations)}")
-        self.num_examples, self.seed, self.max_operand = num_examples, seed, max_operand
+        check_int("GeneratedArithmetic", "num_examples", num_examples, 1)
+        check_int("GeneratedArithmetic", "max_operand", max_operand, 1)
+        check_int("GeneratedArithmetic", "seed", seed, -2**63)
+        if isinstance(operations, str) or not all(isinstance(o, str) for o in operations) or not operations or \
+                any(o not in self.OPERATIONS for o in operations):
+            raise ValueError(f"GeneratedArithmetic: `operations` must be a non-empty list of "
+                             f"{', '.join(self.OPERATIONS)}, got {operations!r}")
+        self.num_examples, self.seed, self.max_operand = int(num_examples), int(seed), int(max_operand)
         self.operations = tuple(operations)
 
     def examples(self) -> list[Example]:

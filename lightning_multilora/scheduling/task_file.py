@@ -65,7 +65,8 @@ def parse_tasks(entries: Any, where: str) -> list[Task]:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping (it kept the last one, silently)."""
+    """PyYAML's safe loader, refusing a key given twice in one mapping (it kept the last one, silently); an ``id``
+    written as a plain scalar keeps its text (``007``, ``1.10``, ``12:30``: YAML's numbers 7, 1.1 and 750)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
@@ -75,7 +76,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 raise yaml.constructor.ConstructorError(None, None, f"`{key}` is given twice in one mapping",
                                                         key_node.start_mark)
             seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+        mapping = super().construct_mapping(node, deep=deep)
+        for key_node, value_node in node.value:
+            value = mapping.get("id")
+            if (self.construct_object(key_node) == "id" and isinstance(value_node, yaml.ScalarNode)
+                    and value_node.style is None and isinstance(value, (int, float)) and not isinstance(value, bool)):
+                mapping["id"] = value_node.value  # (a number as written: its text names the task's logs)
+        return mapping
 
 
 def read_yaml(stream: Any) -> Any:

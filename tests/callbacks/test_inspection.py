@@ -91,9 +91,12 @@ def test_a_summary_file_in_a_subfolder_is_written_and_one_that_cannot_be_is_warn
     (tmp_path / "a_file").write_text("")
     with pytest.warns(UserWarning, match=r"SweepReport could not write `filename` '.*a_file/summary.json'"):
         SweepReport(filename="a_file/summary.json").on_fit_end(trainer, SimpleNamespace(registry=registry))
-    assert "Adapters ranked by best validation loss" in capsys.readouterr().out
+    assert "Adapters ranked by last validation loss (their exports hold their last weights" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"SweepReport `filename` must be a file name .* got 3"):
         SweepReport(filename=3)
+    for name in ("print_table", "tensorboard"):  # ("yes" was taken, and "no" printed the table)
+        with pytest.raises(ValueError, match=rf"SweepReport: `{name}` must be True or False, got 'no'"):
+            SweepReport(**{name: "no"})
     (tmp_path / "sweep_summary.json").unlink(missing_ok=True)
     SweepReport(filename="").on_fit_end(trainer, SimpleNamespace(registry=registry))  # ("": no file, as None)
     assert not (tmp_path / "sweep_summary.json").exists()

@@ -96,12 +96,14 @@ def test_kill_and_resume_loses_and_duplicates_no_trial(tmp_path, trainer_kwargs)
     def sweep():
         return OptunaSweep(SPACE, n_trials=5, storage=storage, base={"max_steps": 6, "batch_size": 2}, slots=2)
 
-    trainer, first = fit(tmp_path, trainer_kwargs, sweep(), max_steps=8)  # "killed" after 8 steps
+    with pytest.warns(UserWarning, match=r"stay RUNNING in study 'multilora': the Trainer stopped") as said:
+        trainer, first = fit(tmp_path, trainer_kwargs, sweep(), max_steps=8)  # "killed" after 8 steps
     ckpt = tmp_path / "kill.ckpt"
     trainer.save_checkpoint(ckpt)
     running_at_kill = [t.number for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()
                        if t.state == optuna.trial.TrialState.RUNNING]
     assert running_at_kill  # the kill interrupted live trials
+    assert f"trials {running_at_kill} stay RUNNING" in str([w.message for w in said if "RUNNING" in str(w.message)][0])
     _, resumed = fit(tmp_path, trainer_kwargs, sweep(), ckpt=str(ckpt))
     trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
     assert [t.number for t in trials] == [0, 1, 2, 3, 4]  # none lost, none duplicated
@@ -134,8 +136,15 @@ def test_bad_search_space():
         OptunaSweep({"lr": {"type": "loguniform", "low": 1e-5, "high": 1e-3}})
     with pytest.raises(ValueError, match="needs `low` and `high`"):
         OptunaSweep({"lr": {"type": "float"}})
-    with pytest.raises(ValueError, match="`rank` must be an integer >= 1"):
+    with pytest.raises(ValueError, match="`search_space` 'rank': its value 0 makes no valid adapter .*`rank` must be an "
+                                         "integer >= 1") as raised:
         OptunaSweep({"rank": {"type": "categorical", "choices": [0, 4]}})
+    assert "'check'" not in str(raised.value)
+    with pytest.raises(ValueError, match="`search_space` 'rank': its value 0 makes no valid adapter"):
+        OptunaSweep({"rank": {"type": "int", "low": 0, "high": 8}})
+    with pytest.raises(ValueError, match="sampler 'grid' needs categorical parameters .*`search_space` 'lr' is "
+                                         "FloatDistribution"):  # (at construction: it failed as the fit started)
+        OptunaSweep({"lr": {"type": "float", "low": 1e-5, "high": 1e-3}}, sampler="grid")
     with pytest.raises(ValueError, match="`sampler` can be tpe, random, grid"):
         OptunaSweep(SPACE, sampler="cmaes")
     # misspelled or unknown keys are named with the ones the type takes, not dropped

@@ -30,8 +30,13 @@ def test_generated_arithmetic_is_seeded_and_correct():
         numbers = [int(t.strip("?.")) for t in ex.prompt.split() if t.strip("?.").isdigit()]
         answer = int(ex.completion)
         assert answer in (numbers[0] + numbers[1], numbers[0] - numbers[1], numbers[0] * numbers[1])
-    with pytest.raises(ValueError, match="`operations` can be add, sub, mul"):
-        GeneratedArithmetic(operations=("div",))
+    for kwargs, message in (({"operations": ("div",)}, "`operations` must be a non-empty list of add, sub, mul"),
+                            ({"operations": "mul"}, "`operations` .*got 'mul'"),  # (a string: its letters were the operations)
+                            ({"num_examples": 10.5}, "`num_examples` must be an integer >= 1, got 10.5"),
+                            ({"max_operand": 0}, "`max_operand` must be an integer >= 1, got 0"),
+                            ({"seed": "a"}, "`seed` must be an integer")):
+        with pytest.raises(ValueError, match=rf"GeneratedArithmetic: {message}"):
+            GeneratedArithmetic(**kwargs)
 
 
 def test_gsm8k_formatter_on_the_real_training_split(shared_data):

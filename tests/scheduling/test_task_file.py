@@ -254,3 +254,11 @@ def test_a_key_given_twice_is_an_error_not_the_last_one_silently(tmp_path):
     path = write(tmp_path, "gpus: 2\ntasks: [{id: a, duration: 1, duration: 5}]")
     with pytest.raises(ValueError, match=r"`duration` is given twice"):
         load_task_file(path)
+
+
+def test_a_task_id_that_yaml_reads_as_a_number_keeps_its_text(tmp_path):
+    path = write(tmp_path, "gpus: 1\ntasks: [{id: 007, duration: 1}, {id: 1.10, duration: 1}, {id: 1_000, duration: 1}, "
+                           "{id: 0x1F, duration: 1}, {id: 7, duration: 1}]")
+    assert [t.id for t in load_task_file(path)[1]] == ["007", "1.10", "1_000", "0x1F", "7"]  # (were 7, 1.1, 1000, 31)
+    with pytest.raises(ValueError, match=r"`id` must be letters, digits.* got '12:30'"):  # (was 750, sexagesimal)
+        load_task_file(write(tmp_path, "gpus: 1\ntasks: [{id: 12:30, duration: 1}]"))
