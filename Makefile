@@ -14,7 +14,7 @@ $(BIN)/python:
 
 # Without a CUDA GPU, install the CPU build of torch first (PyPI's torch for Linux is a CUDA build of several GB):
 # a local wheel where pip's find-links hold one (no index asked; its dependencies come with the package's), else
-# PyTorch's CPU index.
+# PyTorch's CPU index (Linux; elsewhere PyPI's torch has no CUDA build).
 TORCH_VERSION ?= 2.13.0
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 $(STAMP): pyproject.toml | $(BIN)/python
@@ -22,8 +22,12 @@ $(STAMP): pyproject.toml | $(BIN)/python
 		echo "CUDA GPU found: torch comes from the package's dependencies"; \
 	else \
 		echo "No CUDA GPU: installing the CPU torch wheel"; \
-		$(BIN)/python -m pip install --quiet --no-index --no-deps torch==$(TORCH_VERSION)+cpu 2>/dev/null || \
-		$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)+cpu --index-url $(TORCH_CPU_INDEX); \
+		if [ "$$(uname -s)" = Linux ]; then \
+			$(BIN)/python -m pip install --quiet --no-index --no-deps torch==$(TORCH_VERSION)+cpu 2>/dev/null || \
+			$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)+cpu --index-url $(TORCH_CPU_INDEX); \
+		else \
+			$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION); \
+		fi; \
 	fi
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	@touch $(STAMP)

@@ -392,7 +392,8 @@ class MultiLoRAMixin:
         if placement is None:
             return
         fields = ("state", "reason", "step", "max_steps", "tokens_seen", "samples_seen", "started_at_step",
-                  "ended_at_step", "export_path", "best_val_loss", "best_val_step", "last_val_loss", "val_losses")
+                  "ended_at_step", "export_path", "best_val_loss", "best_val_step", "last_val_loss",
+                  "last_val_preference_accuracy", "val_losses")
         mine: dict[str, Any] = {r.name: {f: getattr(r, f) for f in fields} for r in self.registry
                                 if placement.owner.get(r.name) == placement.global_rank}
         mine[f"{_EXITS_KEY}{placement.global_rank}"] = list(self._exited_since_sync)

@@ -573,9 +573,9 @@ class OptunaSweep(Callback):
                       and name in pl_module.registry and not pl_module.registry[name].state.exited]
         if unfinished and self.study is not None:
             warnings.warn(f"trials {sorted(unfinished)} stay RUNNING in study {self.study.study_name!r}: the Trainer "
-                          "stopped (its max_steps or max_time) before their adapters finished; their adapters are "
-                          "exported as they are. Resume from the last checkpoint with a larger Trainer max_steps to "
-                          "finish and tell them")
+                          "stopped (its max_steps or max_time) before their adapters finished (those that had started "
+                          "are exported as they are). Resume from the last checkpoint with a larger Trainer max_steps "
+                          "to finish and tell them")
         return {"specs": [], "state": self.state_dict()}
 
     @override

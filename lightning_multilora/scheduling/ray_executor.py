@@ -64,6 +64,16 @@ class RayExecutor:
             command, {"MULTILORA_TASK_ID": task.id}, self.resource)
         self._refs[ref] = (task.id, pg)
 
+    def stop(self) -> None:
+        """Cancel every running task (its worker killed) and free its placement group (an interrupted schedule
+        leaves nothing running on the cluster)."""
+        from ray.util.placement_group import remove_placement_group
+
+        for ref, (_, pg) in list(self._refs.items()):
+            self.ray.cancel(ref, force=True)
+            remove_placement_group(pg)
+        self._refs.clear()
+
     def wait(self, deadline: Optional[float]) -> list[Completion]:
         from ray.util.placement_group import remove_placement_group
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Any, Optional
 
@@ -65,23 +65,29 @@ def parse_tasks(entries: Any, where: str) -> list[Task]:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """PyYAML's safe loader, refusing a key given twice in one mapping (it kept the last one, silently); an ``id``
-    written as a plain scalar keeps its text (``007``, ``1.10``, ``12:30``: YAML's numbers 7, 1.1 and 750)."""
+    """PyYAML's safe loader, refusing a key given twice in one mapping (it kept the last one, silently; a key merged
+    in with ``<<:`` may be given again, as YAML allows); an ``id`` written as a plain scalar keeps its text (``007``,
+    ``1.10``, ``12:30``: YAML's numbers 7, 1.1 and 750)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                raise yaml.constructor.ConstructorError("while constructing a mapping", node.start_mark,
+                                                        "found unhashable key", key_node.start_mark)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"`{key}` is given twice in one mapping",
                                                         key_node.start_mark)
             seen.add(key)
-        mapping = super().construct_mapping(node, deep=deep)
-        for key_node, value_node in node.value:
-            value = mapping.get("id")
-            if (self.construct_object(key_node) == "id" and isinstance(value_node, yaml.ScalarNode)
-                    and value_node.style is None and isinstance(value, (int, float)) and not isinstance(value, bool)):
-                mapping["id"] = value_node.value  # (a number as written: its text names the task's logs)
+        mapping = super().construct_mapping(node, deep=deep)  # (merges first: the pairs given last win)
+        given = [v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == "id"]
+        value = mapping.get("id")
+        if (given and isinstance(given[-1], yaml.ScalarNode) and given[-1].style is None
+                and isinstance(value, (int, float)) and not isinstance(value, bool)):
+            mapping["id"] = given[-1].value  # (a number as written: its text names the task's logs)
         return mapping
 
 
@@ -166,10 +172,12 @@ def gantt(placements: Mapping[str, Any], num_gpus: int, path: str | Path, title:
     return path
 
 
-def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_command: bool = False):
+def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_command: bool = False,
+                 node_gpus: Optional[int] = None):
     """Tasks from task files dropped into ``inbox`` (each read once, then renamed ``.done``); a bad file is
     renamed ``.rejected`` and reported, and the schedule goes on. ``known()`` gives the task ids already in
-    the schedule (a new task may not reuse one). Write files elsewhere and move them in (a rename is atomic)."""
+    the schedule (a new task may not reuse one); ``node_gpus``, the most GPUs one task may take (a Ray cluster's
+    largest node). Write files elsewhere and move them in (a rename is atomic)."""
     inbox.mkdir(parents=True, exist_ok=True)
 
     def poll() -> list[Task]:
@@ -187,6 +195,9 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
                     raise ValueError(f"task ids {taken} are already in the schedule")
                 if need_command and any(t.command is None for t in new):
                     raise ValueError("every task needs a `command` to run")
+                wide = [t.id for t in new if node_gpus is not None and t.gpus > node_gpus]
+                if wide:
+                    raise ValueError(f"tasks {wide} take more GPUs than the largest node has ({node_gpus})")
             except Exception as err:  # (whatever is wrong with a dropped file, the running tasks go on)
                 _rename(path, ".rejected")
                 print(f"rejected {path}: {err}", flush=True)
@@ -243,7 +254,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--simulate runs the tasks on a virtual clock, --ray on a cluster: give one of them")
     if args.plan_only and (args.simulate or args.ray is not None or args.inbox is not None):
         parser.error("--plan-only runs nothing: leave out --simulate, --ray and --inbox")
-    if args.inbox is not None and args.inbox.resolve() == args.task_file.resolve().parent:
+    if args.inbox is not None and args.inbox.resolve() in (args.task_file.resolve().parent,
+                                                           args.task_file.absolute().parent.resolve()):
         parser.error(f"--inbox {args.inbox}: the folder holds the task file {args.task_file} (every *.yaml in an "
                      "inbox is taken as a new task file and renamed): give the inbox a folder of its own")
     try:
@@ -267,6 +279,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if not args.simulate and any(t.command is None for t in tasks):
         parser.error("every task needs a `command` to run (or use --simulate / --plan-only)")
+    node_gpus = None  # (the most GPUs a task may take on one node, where a Ray cluster says)
     if args.simulate:
         executor = SimulatedExecutor()
     elif args.ray is not None:
@@ -278,6 +291,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"--ray {args.ray}: no Ray cluster to run on ({type(err).__name__}: {err}); start one "
                          "(`ray start --head`) or leave out --ray to run the tasks here")
         total, largest = executor.capacity()  # (Ray would wait forever for a placement group that cannot be made)
+        node_gpus = largest
         widest = max(t.gpus for t in tasks)
         if settings["gpus"] > total or widest > largest:
             parser.error(f"{args.task_file}: `gpus` is {settings['gpus']} and the widest task takes {widest} on one "
@@ -292,12 +306,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     runner = ScheduleRunner(scheduler, executor, settings["max_retries"], plan=plan)  # the plan shown is the one run
     if args.inbox is not None:
         runner.poll = inbox_poller(args.inbox, settings["gpus"], known=lambda: runner.known_ids(),
-                                   need_command=not args.simulate)
+                                   need_command=not args.simulate, node_gpus=node_gpus)
     for task in tasks:
         runner.submit(task)
-    previous = None
-    if threading.current_thread() is threading.main_thread():  # (a `kill`, or a cluster's job stop: as Ctrl-C)
-        previous = signal.signal(signal.SIGTERM, _terminated)
+    in_main = threading.current_thread() is threading.main_thread()  # (signal handlers: the main thread's alone)
+    previous = signal.signal(signal.SIGTERM, _terminated) if in_main else None  # (a `kill`, a job stop: as Ctrl-C)
     try:
         records = runner.run()
     except KeyboardInterrupt as interrupt:
@@ -305,11 +318,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"interrupted: stopping the running tasks {stopped}; finished so far:", flush=True)
         print(records_table(runner.records))
         return 143 if isinstance(interrupt, _Terminated) else 130
-    finally:  # an interrupted or failed schedule leaves no task running
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-        if isinstance(executor, LocalExecutor):
-            executor.stop()
+    finally:  # an interrupted or failed schedule leaves no task running: a second Ctrl-C or kill waits for that
+        if in_main:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            interrupt_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if hasattr(executor, "stop"):
+                executor.stop()
+        finally:
+            if in_main:
+                signal.signal(signal.SIGINT, interrupt_handler)
+                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     print(records_table(records))
     try:
         done = gantt(records, settings["gpus"], run_path, f"run: makespan {runner.makespan:.0f} s")

@@ -46,3 +46,16 @@ def test_planned_tasks_run_on_placement_groups_with_their_gpu_counts(cluster, tm
 
 def test_the_clusters_capacity_counts_its_gpus_in_all_and_on_one_node(cluster):
     assert RayExecutor(resource="fake_gpu").capacity() == (2, 2)
+
+
+def test_stop_cancels_the_running_tasks_and_frees_their_placement_groups(cluster):
+    from ray.util.placement_group import placement_group_table
+
+    executor = RayExecutor(resource="fake_gpu")
+    executor.start(Task("long", 60.0, 1, [sys.executable, "-c", "import time; time.sleep(60)"]), (0,))
+    (ref, (_, pg)), = executor._refs.items()
+    executor.stop()
+    assert not executor._refs
+    with pytest.raises(Exception):  # (cancelled: Ray's TaskCancelledError or a killed worker's error)
+        ray.get(ref, timeout=30)
+    assert placement_group_table(pg)["state"] == "REMOVED"

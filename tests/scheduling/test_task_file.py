@@ -169,6 +169,12 @@ def test_conflicting_flags_and_an_inbox_holding_the_task_file_are_refused(tmp_pa
             main([str(path), *flags])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
     assert path.exists() and config.exists() and not (tmp_path / "logs").exists()  # nothing renamed, nothing run
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "tasks.yaml").symlink_to(path)  # (a link in the inbox to a task file beside it: the inbox's too)
+    with pytest.raises(SystemExit):
+        main([str(elsewhere / "tasks.yaml"), "--inbox", str(elsewhere)])
+    assert "the folder holds the task file" in capsys.readouterr().err and (elsewhere / "tasks.yaml").is_symlink()
 
 
 def test_a_plan_or_chart_that_cannot_be_made_is_a_clear_error(tmp_path, capsys):
@@ -204,6 +210,10 @@ def test_a_ray_cluster_with_too_few_gpus_is_refused_before_anything_runs(tmp_pat
         main([str(path), "--ray", "auto"])
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and "the widest task takes 2 on one node" in err and "at most 1 on a node" in err
+    wide = write(tmp_path, f"gpus: 3\nlog_dir: {tmp_path}\ntasks: [{{id: a, duration: 1, gpus: 1, command: [echo]}}]")
+    with pytest.raises(SystemExit):  # more GPUs than the cluster has in all
+        main([str(wide), "--ray", "auto"])
+    assert "`gpus` is 3 and the widest task takes 1 on one node, but the Ray cluster has 2 GPUs" in capsys.readouterr().err
     assert not started
 
 
@@ -262,3 +272,23 @@ def test_a_task_id_that_yaml_reads_as_a_number_keeps_its_text(tmp_path):
     assert [t.id for t in load_task_file(path)[1]] == ["007", "1.10", "1_000", "0x1F", "7"]  # (were 7, 1.1, 1000, 31)
     with pytest.raises(ValueError, match=r"`id` must be letters, digits.* got '12:30'"):  # (was 750, sexagesimal)
         load_task_file(write(tmp_path, "gpus: 1\ntasks: [{id: 12:30, duration: 1}]"))
+
+
+def test_merge_keys_merge_and_an_unhashable_key_is_a_yaml_error(tmp_path):
+    path = write(tmp_path, "gpus: 1\ntasks: [&d {id: a, duration: 5, command: [echo]}, {<<: *d, id: b}, "
+                           "{<<: *d, id: 007, duration: 2}]")
+    assert [(t.id, t.duration, t.command) for t in load_task_file(path)[1]] == [
+        ("a", 5, ("echo",)), ("b", 5, ("echo",)), ("007", 2, ("echo",))]
+    with pytest.raises(ValueError, match="(?s)not valid YAML: .*found unhashable key"):
+        load_task_file(write(tmp_path, "gpus: 1\n? [a, b]\n: 1\n"))
+
+
+def test_an_inbox_task_wider_than_the_largest_node_is_rejected(tmp_path):
+    from lightning_multilora.scheduling.task_file import inbox_poller
+
+    inbox = tmp_path / "inbox"
+    poll = inbox_poller(inbox, 4, need_command=True, node_gpus=2)
+    (inbox / "a.yaml").write_text("tasks: [{id: wide, duration: 1, gpus: 4, command: [echo]}]")
+    (inbox / "b.yaml").write_text("tasks: [{id: ok, duration: 1, gpus: 2, command: [echo]}]")
+    assert [t.id for t in poll()] == ["ok"]
+    assert sorted(p.name for p in inbox.iterdir()) == ["a.yaml.rejected", "b.yaml.done"]

@@ -205,6 +205,7 @@ def main() -> None:
     states = {r.name: (r.state.value, r.step) for r in module.registry}
     started = {r.name: r.started_at_step for r in module.registry}
     val = {r.name: r.val_losses for r in module.registry}
+    preference = {r.name: r.last_val_preference_accuracy for r in module.registry if r.spec.objective == "dpo"}
     sweep_state = {}
     if held_study is not None:
         study = held_study()
@@ -215,6 +216,7 @@ def main() -> None:
                            reasons={r.name: r.reason for r in module.registry})
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps(dict(owned=owned, calls=CALLS, shard_numels=shards, local_numel=local,
                                                                  states=states, started=started, val=val,
+                                                                 preference=preference,
                                                                  **sweep_state)))
 
 

@@ -289,6 +289,9 @@ def test_dpo_on_one_rank_and_sft_on_the_other_train_as_in_one_process(tmp_path):
     assert ranks[0]["val"] == ranks[1]["val"]
     for name in ("d", "s"):
         assert [v for _, v in ranks[0]["val"][name]] == pytest.approx([v for _, v in single["val"][name]], rel=1e-5)
+    # the DPO adapter's held-out preference accuracy: its owner's, on the other rank too (it stayed NaN there)
+    assert ranks[1]["preference"] == ranks[0]["preference"] == single["preference"]
+    assert 0 <= ranks[1]["preference"]["d"] <= 1
     assert_same_exports(tmp_path, "dpo", ["d", "s"])
 
 
