@@ -59,3 +59,15 @@ def test_stop_cancels_the_running_tasks_and_frees_their_placement_groups(cluster
     with pytest.raises(Exception):  # (cancelled: Ray's TaskCancelledError or a killed worker's error)
         ray.get(ref, timeout=30)
     assert placement_group_table(pg)["state"] == "REMOVED"
+
+
+def test_capacity_is_the_gpus_of_the_live_nodes_in_all_and_on_the_largest():
+    from types import SimpleNamespace
+
+    executor = object.__new__(RayExecutor)  # (no cluster: the nodes Ray would list)
+    executor.resource = "GPU"
+    executor.ray = SimpleNamespace(nodes=lambda: [{"Alive": True, "Resources": {"GPU": 4.0, "CPU": 32.0}},
+                                                  {"Alive": True, "Resources": {"GPU": 2.0}},
+                                                  {"Alive": False, "Resources": {"GPU": 8.0}},
+                                                  {"Alive": True, "Resources": {"CPU": 8.0}}])
+    assert executor.capacity() == (6, 4)
