@@ -130,7 +130,8 @@ class MultiLoRADataModule(L.LightningDataModule):
     Args:
         sources: data sources by name; an adapter's ``dataset`` names one (None: the first).
             Default: ``{"arithmetic": GeneratedArithmetic()}``.
-        tokenizer: ``"byte"`` (offline byte-level) or a Hugging Face tokenizer path.
+        tokenizer: ``"byte"`` (offline byte-level) or a Hugging Face tokenizer path. A row is its BOS token where
+            the tokenizer begins a text with one (as ``tokenizer(text)`` does), the prompt, the completion and EOS.
         max_length: longest tokenized example (default: the model's maximum positions).
         truncate: cut examples longer than ``max_length`` instead of raising: a row's end; a preference pair's
             prompt from its start (keeping its end, next to the answers), then the answers' ends.
@@ -140,7 +141,8 @@ class MultiLoRADataModule(L.LightningDataModule):
         split_seed: seed of the train/validation split.
         padding: ``"longest"`` pads each packed batch to its longest row; ``"max_length"`` pads every batch
             to ``max_length``, so a row's arithmetic never depends on which other rows share its batch.
-        pad_to_multiple_of: round the padded length up to a multiple of this (8 suits tensor cores).
+        pad_to_multiple_of: round the padded length up to a multiple of this (8 suits tensor cores), but not past
+            ``max_length`` (or the model's maximum).
 
     The batch is a dict with ``input_ids``, ``attention_mask``, ``labels`` (``(B, T)``, right-padded to
     the longest row) and ``layout`` (a `BatchLayout` in rows, adapters in roster order, ``padding_side="right"``).
@@ -258,6 +260,7 @@ class MultiLoRADataModule(L.LightningDataModule):
             return ids, labels
 
         chosen, rejected = [], []
+        prefix = list(getattr(tok, "prefix_ids", ()))  # (BOS, where the tokenizer begins a text with it)
         for i in order:
             example = examples[i]
             prompt = tok.encode(example.prompt)
@@ -266,10 +269,10 @@ class MultiLoRADataModule(L.LightningDataModule):
             if pairs and self.truncate and limit is not None:
                 # Preference pairs keep their prompt's end (as TRL's DPO does), leaving the answers at least half
                 # the length: cutting the row's end would leave long-prompt pairs without answer tokens
-                room = max(limit - min(max(map(len, answers)) + 1, limit // 2), 0)
+                room = max(limit - len(prefix) - min(max(map(len, answers)) + 1, limit // 2), 0)
                 prompt = prompt[len(prompt) - room:] if len(prompt) > room else prompt
-            first = encode(i, prompt, answers[0])
-            second = encode(i, prompt, answers[1]) if pairs else None
+            first = encode(i, prefix + prompt, answers[0])
+            second = encode(i, prefix + prompt, answers[1]) if pairs else None
             if first is None or (pairs and second is None):
                 continue
             chosen.append(first)
@@ -336,6 +339,8 @@ class MultiLoRADataModule(L.LightningDataModule):
                     "layout": BatchLayout((), (), (), 0)}
         length = self.max_length if self.padding == "max_length" else max(len(r) for r in flat_ids)
         length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
+        if self.effective_max_length is not None:  # (rounded up, never past the longest a row may be)
+            length = min(length, max(self.effective_max_length, max(len(r) for r in flat_ids)))
         input_ids, mask = _right_padded(flat_ids, length, self.tokenizer.pad_token_id)
         labels, _ = _right_padded(flat_labels, length, IGNORE_INDEX)
         return {"input_ids": input_ids, "attention_mask": mask.long(), "labels": labels,
@@ -378,8 +383,10 @@ class MultiLoRADataModule(L.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         limit = getattr(module, "max_sequence_length", None)
         if limit is not None:
+            before = self.max_length if self.max_length is not None else self.model_max_length
             self.model_max_length = int(limit)
-            self.effective_max_length  # validates max_length against the model
+            if self.effective_max_length != before:  # (validates max_length against the model too)
+                self._splits.clear()  # splits read before (`split`) were not held to the model's maximum
         vocab = getattr(module, "vocab_size", None)
         if vocab is not None and self.tokenizer.vocab_size > vocab:
             raise ValueError(

@@ -6,9 +6,10 @@ import gzip
 import json
 import numbers
 import random
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from lightning_multilora.arguments import check_int
 
@@ -86,6 +87,26 @@ class GeneratedArithmetic(DataSource):
         return f"GeneratedArithmetic(n={self.num_examples}, seed={self.seed}, ops={','.join(self.operations)})"
 
 
+def _jsonl_lines(path: Path, shown: str) -> Iterator[tuple[int, str]]:
+    """The non-blank lines of a JSONL file, gzipped or not (told by its first bytes, not its name), with their
+    numbers; text that is not UTF-8 is named with its line, a damaged gzip stream with its file."""
+    with open(path, "rb") as raw:
+        gzipped = raw.read(2) == b"\x1f\x8b"
+    lineno = 0
+    try:
+        with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as fh:
+            for lineno, data in enumerate(fh, 1):
+                try:
+                    line = data.decode("utf-8")
+                except UnicodeDecodeError as err:
+                    raise ValueError(f"{shown}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start} of the "
+                                     "line)") from None
+                if line.strip():
+                    yield lineno, line
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+        raise ValueError(f"{shown}: a damaged gzip file after line {lineno} ({err})") from None
+
+
 def _json_line(line: str, where: str) -> dict:
     """One line of a JSONL file as its record; a line that is not a JSON object is named (``where``: file:line)."""
     try:
@@ -141,16 +162,12 @@ class JSONLSource(DataSource):
         path = Path(self.path)
         if not path.is_file():
             raise FileNotFoundError(f"JSONLSource: no file at `path` {self.path!r}")
-        opener = gzip.open if path.suffix == ".gz" else open
         out = []
-        with opener(path, "rt", encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                out.append(format_record(_json_line(line, f"{self.path}:{lineno}"), self.format, self.prompt_field,
-                                         self.completion_field, f"{self.path}:{lineno}"))
-                if self.limit is not None and len(out) >= self.limit:
-                    break
+        for lineno, line in _jsonl_lines(path, str(self.path)):
+            out.append(format_record(_json_line(line, f"{self.path}:{lineno}"), self.format, self.prompt_field,
+                                     self.completion_field, f"{self.path}:{lineno}"))
+            if self.limit is not None and len(out) >= self.limit:
+                break
         return out
 
     def describe(self) -> str:
@@ -233,9 +250,7 @@ class PreferenceSource(DataSource):
         path = Path(self.path)
         if not path.is_file():
             raise FileNotFoundError(f"PreferenceSource: no file at `path` {self.path!r}")
-        opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rt", encoding="utf-8") as fh:
-            return [_json_line(line, f"{self.path}:{lineno}") for lineno, line in enumerate(fh, 1) if line.strip()]
+        return [_json_line(line, f"{self.path}:{lineno}") for lineno, line in _jsonl_lines(path, str(self.path))]
 
     def examples(self) -> list[PreferenceExample]:
         out = []

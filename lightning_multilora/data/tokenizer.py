@@ -10,6 +10,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     pad_token_id: int
     eos_token_id: int
+    prefix_ids: list[int]  # what begins every row: the BOS token where the tokenizer puts one before a text
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -22,6 +23,7 @@ class ByteTokenizer:
     vocab_size = 258
     pad_token_id = 256
     eos_token_id = 257
+    prefix_ids: list[int] = []
     name = "byte"
 
     def encode(self, text: str) -> list[int]:
@@ -52,6 +54,11 @@ class HFTokenizer:
         pad = self.inner.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
         self.vocab_size = len(self.inner)
+        # A row begins as ``tokenizer(text)`` begins one: with the BOS token where the tokenizer adds it (Llama's
+        # do, Qwen's have none); the prompt and the completion are then encoded without special tokens
+        bos = self.inner.bos_token_id
+        first = self.inner.encode("a", add_special_tokens=True)[:1]
+        self.prefix_ids = [int(bos)] if bos is not None and first == [bos] else []
 
     def encode(self, text: str) -> list[int]:
         return list(self.inner.encode(text, add_special_tokens=False))

@@ -137,6 +137,29 @@ def test_hf_tokenizer_by_path(tmp_path):
     train, val = dm.split("a")
     assert dm.tokenizer.vocab_size <= 200 and len(train) + len(val) == 40
     assert train.labels[0][-1] == dm.tokenizer.eos_token_id
+    assert dm.tokenizer.prefix_ids == [] and train.input_ids[0][0] != dm.tokenizer.inner.convert_tokens_to_ids("<s>")
+    # a tokenizer that begins every text with BOS (Llama's): rows begin with it too, unlearned
+    from tokenizers import processors
+
+    special = ["<unk>", "<pad>", "</s>", "<s>"]
+    inner = Tokenizer(models.BPE(unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel()
+    inner.train_from_iterator([e.prompt + e.completion for e in GeneratedArithmetic(200).examples()],
+                              trainers.BpeTrainer(vocab_size=200, special_tokens=special))
+    bos = inner.token_to_id("<s>")
+    inner.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="</s>", pad_token="<pad>",
+                            bos_token="<s>").save_pretrained(tmp_path / "bos")
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(40)}, tokenizer=str(tmp_path / "bos"))
+    train, _ = dm.split("a")
+    assert dm.tokenizer.prefix_ids == [bos]
+    assert all(r[0] == bos and r.count(bos) == 1 for r in train.input_ids)
+    assert all(labels[0] == IGNORE_INDEX for labels in train.labels)
+    dm = MultiLoRADataModule(sources={"p": PreferenceSource(records=[
+        {"prompt": "Ada has 12 coins and gets 7 more.", "chosen": " 19", "rejected": " 5"}] * 4)},
+        tokenizer=str(tmp_path / "bos"), truncate=True, max_length=8)
+    pairs, _ = dm.split("p")  # (a prompt cut to fit keeps the BOS before its end)
+    assert all(r[0] == bos and len(r) <= 8 for r in pairs.input_ids + pairs.rejected_ids)
 
 
 def test_stream_reshuffles_every_epoch_and_resumes():
@@ -184,6 +207,31 @@ def test_pack_right_pads_rows_of_any_length_exactly():
     assert batch["attention_mask"].dtype == batch["input_ids"].dtype == torch.long
 
 
+def test_a_length_rounded_up_stops_at_the_longest_a_row_may_be():
+    rows = [([[5] * 250], [[5] * 250])]
+    dm = MultiLoRADataModule(max_length=256, pad_to_multiple_of=100)
+    assert dm.pack(["x"], rows)["input_ids"].shape == (1, 256)  # (was 300: past max_length and the model's 256)
+    dm = MultiLoRADataModule(max_length=256, padding="max_length", pad_to_multiple_of=8)
+    assert dm.pack(["x"], [([[5] * 10], [[5] * 10])])["input_ids"].shape == (1, 256)
+    assert MultiLoRADataModule(pad_to_multiple_of=100).pack(["x"], rows)["input_ids"].shape == (1, 300)  # no limit
+
+
+def test_files_that_are_not_utf8_or_damaged_gzip_are_named_and_gzip_is_told_by_its_bytes(tmp_path):
+    good = b'{"prompt": "a", "completion": "b"}\n'
+    (tmp_path / "latin.jsonl").write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "completion": "b"}\n')
+    with pytest.raises(ValueError, match=r"latin.jsonl:3: not UTF-8 text"):
+        JSONLSource(str(tmp_path / "latin.jsonl")).examples()
+    whole = gzip.compress(good * 2000)
+    (tmp_path / "cut.jsonl.gz").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError, match=r"cut.jsonl.gz: a damaged gzip file after line \d+"):
+        JSONLSource(str(tmp_path / "cut.jsonl.gz")).examples()
+    (tmp_path / "named_plain.jsonl").write_bytes(gzip.compress(good * 3))  # gzipped, named .jsonl
+    assert len(JSONLSource(str(tmp_path / "named_plain.jsonl")).examples()) == 3
+    pair = b'{"prompt": "q", "chosen": " y", "rejected": " n"}\n'
+    (tmp_path / "pairs.JSONL.GZ").write_bytes(gzip.compress(pair * 2))
+    assert len(PreferenceSource(str(tmp_path / "pairs.JSONL.GZ")).examples()) == 2
+
+
 def test_empty_dataset_is_a_clear_error():
     dm = MultiLoRADataModule(sources={"empty": ListSource([])})
     with pytest.raises(ValueError, match="data source 'empty' .* has 0 examples"):
@@ -197,6 +245,13 @@ def test_sequences_longer_than_the_model_maximum_are_errors(tmp_path, trainer_kw
     module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", max_steps=1)])  # 256 positions
     with pytest.raises(ValueError, match="example .* is 302 tokens, longer than the maximum sequence length 256"):
         L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"long": long}))
+    # a split read before the fit (it knew no model yet) is read again under the model's maximum (it trained on
+    # 302-token rows in a 256-position model)
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", max_steps=1)])
+    early = MultiLoRADataModule(sources={"long": long})
+    early.split("long")
+    with pytest.raises(ValueError, match="example .* is 302 tokens, longer than the maximum sequence length 256"):
+        L.Trainer(**trainer_kwargs).fit(module, early)
     module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", max_steps=1)])
     with pytest.raises(ValueError, match="`max_length` 1024 is longer than the model's maximum sequence length 256"):
         L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(max_length=1024))
