@@ -3,6 +3,7 @@ SFT + DPO run, preference data parsing."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -124,6 +125,15 @@ def test_the_validation_preference_accuracy_is_over_pairs_not_batches(monkeypatc
     assert math.isnan(s.last_val_preference_accuracy) and s.last_val_loss == 0.5
 
 
+def test_a_preference_files_errors_name_its_line_and_limit_stops_reading(tmp_path):
+    good = json.dumps({"prompt": "q", "chosen": " y", "rejected": " n"})
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(f"{good}\n\n\n{json.dumps({'prompt': 'q', 'chosen': ' y', 'rejectd': ' n'})}\n{{broken\n")
+    with pytest.raises(ValueError, match=r"pairs.jsonl:4: record has no field\(s\) \['rejected'\]"):  # (was [1])
+        PreferenceSource(str(path)).examples()
+    assert len(PreferenceSource(str(path), limit=1).examples()) == 1  # (the bad lines after it are not read)
+
+
 def test_preference_sources_parse_and_reject_bad_records():
     example = split_hh_rlhf("\n\nHuman: hi\n\nAssistant: hello!", "\n\nHuman: hi\n\nAssistant: go away")
     assert example.prompt == "\n\nHuman: hi\n\nAssistant:" and example.chosen == " hello!"
@@ -136,6 +146,8 @@ def test_preference_sources_parse_and_reject_bad_records():
         PreferenceSource()
     with pytest.raises(ValueError, match="dpo_beta"):
         AdapterSpec("x", objective="dpo", dpo_beta=0)
+    with pytest.raises(ValueError, match=r"records\[1\]: a record is a mapping, got a str"):
+        PreferenceSource(records=[PAIRS[0], "pair"]).examples()
     dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(20)})
     with pytest.raises(ValueError, match="objective 'dpo' needs preference pairs"):
         dm.train_batch([AdapterSpec("d", objective="dpo")])

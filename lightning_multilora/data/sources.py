@@ -9,6 +9,7 @@ import random
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Iterable, Mapping
 from typing import Iterator, Optional
 
 from lightning_multilora.arguments import check_int
@@ -207,7 +208,10 @@ class ListSource(DataSource):
     """Examples given in memory (``[{"prompt": ..., "completion": ...}, ...]``)."""
 
     def __init__(self, records: list[dict]) -> None:
-        self.records = records
+        if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
+            raise ValueError(f"ListSource: `records` must be a list of mappings with prompt and completion, got a "
+                             f"{type(records).__name__}")
+        self.records = list(records)
 
     def examples(self) -> list[Example]:
         return [format_record(r, "prompt_completion", "prompt", "completion", f"records[{i}]")
@@ -244,22 +248,27 @@ class PreferenceSource(DataSource):
         check_int("PreferenceSource", "limit", limit, 1, optional=True)
         self.path, self.format, self.records, self.limit = path, format, records, limit
 
-    def _records(self) -> list[dict]:
+    def _records(self) -> Iterator[tuple[str, dict]]:
+        """Each record with where it is (``path:line``, or ``records[i]``), read as they are asked for."""
         if self.records is not None:
-            return list(self.records)
+            for i, record in enumerate(self.records):
+                if not isinstance(record, Mapping):
+                    raise ValueError(f"records[{i}]: a record is a mapping, got a {type(record).__name__}")
+                yield f"records[{i}]", record
+            return
         path = Path(self.path)
         if not path.is_file():
             raise FileNotFoundError(f"PreferenceSource: no file at `path` {self.path!r}")
-        return [_json_line(line, f"{self.path}:{lineno}") for lineno, line in _jsonl_lines(path, str(self.path))]
+        for lineno, line in _jsonl_lines(path, str(self.path)):
+            yield f"{self.path}:{lineno}", _json_line(line, f"{self.path}:{lineno}")
 
     def examples(self) -> list[PreferenceExample]:
         out = []
-        for i, record in enumerate(self._records()):
+        for where, record in self._records():  # (up to `limit`: the lines after it are not read)
             need = ("chosen", "rejected") if self.format == "hh_rlhf" else ("prompt", "chosen", "rejected")
             missing = [f for f in need if f not in record]
             if missing:
-                raise ValueError(f"{self.path or 'records'}[{i}]: record has no field(s) {missing}; it has {sorted(record)}")
-            where = f"{self.path or 'records'}[{i}]"
+                raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}")
             text = {f: _text(record, f, where) for f in need}
             if self.format == "hh_rlhf":
                 try:

@@ -76,7 +76,7 @@ def test_bad_lines_settings_and_tokenizers_are_named(tmp_path):
     with pytest.raises(ValueError, match=rf"{path}:1: each line must be one JSON object, got a list"):
         JSONLSource(str(path)).examples()
     pairs = tmp_path / "p.jsonl"
-    pairs.write_text('{"chosen": "a", "rejected": "b"}\nnot json\n')
+    pairs.write_text('{"chosen": "H\\n\\nAssistant: a", "rejected": "H\\n\\nAssistant: b"}\nnot json\n')
     with pytest.raises(ValueError, match=rf"{pairs}:2: not valid JSON"):
         PreferenceSource(str(pairs), format="hh_rlhf").examples()
     for bad in (0, -3, 2.5):
@@ -230,6 +230,13 @@ def test_files_that_are_not_utf8_or_damaged_gzip_are_named_and_gzip_is_told_by_i
     pair = b'{"prompt": "q", "chosen": " y", "rejected": " n"}\n'
     (tmp_path / "pairs.JSONL.GZ").write_bytes(gzip.compress(pair * 2))
     assert len(PreferenceSource(str(tmp_path / "pairs.JSONL.GZ")).examples()) == 2
+
+
+def test_a_list_source_is_given_a_list():
+    for records in ({"prompt": "a", "completion": "b"}, "abc", 3):
+        with pytest.raises(ValueError, match="ListSource: `records` must be a list of mappings"):
+            ListSource(records)
+    assert len(ListSource(iter([{"prompt": "a", "completion": "b"}])).examples()) == 1
 
 
 def test_empty_dataset_is_a_clear_error():
