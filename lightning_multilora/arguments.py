@@ -7,12 +7,16 @@ import numbers
 from typing import Any, Callable, Optional
 
 
-def check_int(where: str, name: str, value: Any, low: int, optional: bool = False) -> None:
-    """``value`` is an integer (Python's or numpy's, not a bool) >= ``low`` (or None where ``optional``)."""
+def check_int(where: str, name: str, value: Any, low: int, optional: bool = False,
+              high: Optional[int] = None) -> None:
+    """``value`` is an integer (Python's or numpy's, not a bool) >= ``low`` (and <= ``high``, where given), or None
+    where ``optional``."""
     if optional and value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
-        raise ValueError(f"{where}: `{name}` must be an integer >= {low}{' or None' if optional else ''}, got "
+    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
+            or (high is not None and value > high)):
+        bound = f">= {low}" if high is None else f"from {low} to {high}"
+        raise ValueError(f"{where}: `{name}` must be an integer {bound}{' or None' if optional else ''}, got "
                          f"{value!r}")
 
 

@@ -6,7 +6,6 @@ import dataclasses
 import importlib
 import itertools
 import math
-import numbers
 import os
 import uuid
 import warnings
@@ -1340,10 +1339,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         from lightning_multilora.base_model import build_base_model
 
         check_bool("MultiLoRAModule", "gradient_checkpointing", gradient_checkpointing)
-        if isinstance(base_seed, bool) or not isinstance(base_seed, numbers.Integral) or not (
-                -2**63 <= base_seed < 2**63):  # (torch's generators take 64-bit seeds)
-            raise ValueError(f"MultiLoRAModule: `base_seed` must be an integer from -2**63 to 2**63 - 1, got "
-                             f"{base_seed!r}")
+        check_int("MultiLoRAModule", "base_seed", base_seed, -2**63, high=2**63 - 1)  # (torch's seeds: 64-bit)
         if isinstance(base_model, nn.Module):
             model = base_model
         else:

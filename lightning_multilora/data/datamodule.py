@@ -337,10 +337,11 @@ class MultiLoRADataModule(L.LightningDataModule):
             empty = torch.zeros((0, 1), dtype=torch.long)
             return {"input_ids": empty, "attention_mask": empty, "labels": empty.clone(),
                     "layout": BatchLayout((), (), (), 0)}
-        length = self.max_length if self.padding == "max_length" else max(len(r) for r in flat_ids)
+        longest = max(len(r) for r in flat_ids)
+        length = self.max_length if self.padding == "max_length" else longest
         length = -(-length // self.pad_to_multiple_of) * self.pad_to_multiple_of
         if self.effective_max_length is not None:  # (rounded up, never past the longest a row may be)
-            length = min(length, max(self.effective_max_length, max(len(r) for r in flat_ids)))
+            length = min(length, max(self.effective_max_length, longest))
         input_ids, mask = _right_padded(flat_ids, length, self.tokenizer.pad_token_id)
         labels, _ = _right_padded(flat_labels, length, IGNORE_INDEX)
         return {"input_ids": input_ids, "attention_mask": mask.long(), "labels": labels,

@@ -7,10 +7,10 @@ import json
 import numbers
 import random
 import zlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Iterable, Mapping
-from typing import Iterator, Optional
+from typing import Optional
 
 from lightning_multilora.arguments import check_int
 

@@ -14,6 +14,7 @@ from typing import Optional
 
 from lightning_multilora.scheduling.memory import MemoryFit
 from lightning_multilora.scheduling.profiler import check_margin
+from lightning_multilora.scheduling.task_scheduler import cp_solver
 from lightning_multilora.spec import AdapterSpec
 
 Predict = Callable[[Sequence[AdapterSpec]], float]
@@ -155,11 +156,7 @@ class CPSATAdmission(AdmissionController):
         values = [1000 * s.rows_per_step + (100 if freed is not None and s.batch_size == freed.batch_size else 0)
                   + int(round(50 * p / top)) for s, p in zip(candidates, priorities)]
         model.Maximize(sum(v * xi for v, xi in zip(values, x)))
-        solver = cp_model.CpSolver()
-        solver.parameters.catch_sigint_signal = False  # (its handler outlives the solve: Ctrl-C then kills the
-        # process outright, past the caller's clean-up)
-        solver.parameters.max_time_in_seconds = self.time_limit_s
-        solver.parameters.num_search_workers = 1
+        solver = cp_solver(self.time_limit_s, 1)
         status = solver.Solve(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return super().select(running, candidates, freed)

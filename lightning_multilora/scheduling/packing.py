@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from lightning_multilora.arguments import check_real
 from lightning_multilora.scheduling.profiler import check_margin
 from lightning_multilora.scheduling.task_scheduler import (Placement, Schedule, Task, assign_gpu_ids, check_planner,
-                                                           lower_bound)
+                                                           cp_solver, lower_bound)
 from lightning_multilora.spec import AdapterSpec
 
 CostFn = Callable[[Sequence[AdapterSpec], int], float]
@@ -146,11 +146,7 @@ class PackingPlanner:
         for x, e in zip(chosen, ends):
             model.Add(makespan >= e).OnlyEnforceIf(x)
         model.Minimize(makespan)
-        solver = cp_model.CpSolver()
-        solver.parameters.catch_sigint_signal = False  # (its handler outlives the solve: Ctrl-C then kills the
-        # process outright, past the caller's clean-up)
-        solver.parameters.max_time_in_seconds = self.time_limit_s
-        solver.parameters.num_search_workers = 8
+        solver = cp_solver(self.time_limit_s, 8)
         status = solver.Solve(model)
         if status == cp_model.UNKNOWN:  # out of time before a first packing: the greedy plan, as the solver's hint
             note = (f"CP-SAT found no packing within time_limit_s={self.time_limit_s} s: PLoRA's greedy plan; raise "

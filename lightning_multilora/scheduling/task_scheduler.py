@@ -77,11 +77,22 @@ class Task:
             raise ValueError(f"task {self.id!r}: `duration` must be a finite number > 0, got {self.duration!r}"
                              f"{yaml_number_hint(self.duration)}")
         object.__setattr__(self, "duration", float(self.duration))
-        if not (isinstance(self.gpus, numbers.Integral) and not isinstance(self.gpus, bool) and self.gpus >= 1):
-            raise ValueError(f"task {self.id!r}: `gpus` must be an integer >= 1, got {self.gpus!r}")
+        check_int(f"task {self.id!r}", "gpus", self.gpus, 1)
         object.__setattr__(self, "gpus", int(self.gpus))  # (numpy's integers too)
         if not isinstance(self.torchrun, bool):
             raise ValueError(f"task {self.id!r}: `torchrun` must be true or false, got {self.torchrun!r}")
+
+
+def cp_solver(time_limit_s: float, workers: int) -> Any:
+    """A CP-SAT solver with this time limit and these search workers that leaves Ctrl-C to the caller (CP-SAT's own
+    SIGINT handler outlives the solve: Ctrl-C then kills the process outright, past the caller's clean-up)."""
+    from ortools.sat.python import cp_model
+
+    solver = cp_model.CpSolver()
+    solver.parameters.catch_sigint_signal = False
+    solver.parameters.max_time_in_seconds = time_limit_s
+    solver.parameters.num_search_workers = workers
+    return solver
 
 
 def check_planner(where: str, num_gpus: Any, time_limit_s: Any, resolution_s: Any) -> None:
@@ -229,11 +240,7 @@ class TaskScheduler:
         makespan = model.NewIntVar(t0, horizon * 2, "makespan")
         model.AddMaxEquality(makespan, ends) if ends else model.Add(makespan == t0)
         model.Minimize(makespan)
-        solver = cp_model.CpSolver()
-        solver.parameters.catch_sigint_signal = False  # (its handler outlives the solve: Ctrl-C then kills the
-        # process outright, past the caller's clean-up)
-        solver.parameters.max_time_in_seconds = time_limit_s if time_limit_s is not None else self.time_limit_s
-        solver.parameters.num_search_workers = self.workers
+        solver = cp_solver(time_limit_s if time_limit_s is not None else self.time_limit_s, self.workers)
         status = solver.Solve(model)
         notes = []
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
