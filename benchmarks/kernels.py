@@ -255,6 +255,10 @@ def main() -> None:
     parser.add_argument("--ds-db-grad-tile", type=int, default=None,
                         help="its dB programs' widest rank chunk (triton_lora.DS_DB_GRAD_MAX_TILE; default: "
                              "GRAD_MAX_TILE)")
+    parser.add_argument("--low-rank-min-waves", type=float, default=None,
+                        help="row-kernel programs a SM from which S and dS take the activation dtype "
+                             "(triton_lora.LOW_RANK_MIN_WAVES; fewer: fp32, the row launches may split K; default: "
+                             "the package's)")
     args = parser.parse_args()
     from lightning_multilora.kernels import triton_kernels, triton_lora
 
@@ -276,6 +280,8 @@ def main() -> None:
         triton_lora.BLOCK_M = args.block_m
         triton_lora.WIDE_ROWS = max(1, tall[0] // args.block_m)
         triton_lora.WIDE_ROWS_WIDE_RANKS = max(1, tall[1] // args.block_m)
+    if args.low_rank_min_waves is not None:
+        triton_lora.LOW_RANK_MIN_WAVES = args.low_rank_min_waves
     if args.wide_rows is not None:
         triton_lora.WIDE_ROWS = args.wide_rows
     if args.wide_rows_wide_ranks is not None:
@@ -305,7 +311,9 @@ def main() -> None:
     if args.wide_rows_wide_ranks is not None:
         common["wide_rows_wide_ranks"] = args.wide_rows_wide_ranks
     if args.block_m is not None:
-        common.update(block_m=args.block_m, low_rank_min_waves=triton_lora.LOW_RANK_MIN_WAVES)
+        common["block_m"] = args.block_m
+    if args.block_m is not None or args.low_rank_min_waves is not None:
+        common["low_rank_min_waves"] = triton_lora.LOW_RANK_MIN_WAVES
     common["ds_db_one_launch"] = triton_lora.DS_DB_ONE_LAUNCH
     common.update({k: v for k, v in ds_db.items() if v is not None})
     rows = []

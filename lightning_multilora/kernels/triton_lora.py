@@ -798,7 +798,12 @@ def _low_rank_buffer(rows: int, table: PointerTable, device: torch.device, dtype
 # tile by min(s, 1) before its cast: `triton_kernels`' SCALE_PRODUCT).
 LOW_RANK_HALF_DTYPES = (torch.bfloat16,)
 # ... from this many row-kernel programs per SM up (fewer: the row kernel may split K, adding into fp32 atomically).
-LOW_RANK_MIN_WAVES = 2
+# Few row blocks gain from a K split only when very few: on the H200, 4096x4096 at 256 tokens an adapter, a forward +
+# backward with S / dS in bf16 (no split) against fp32 (split tuned), ms: 32 adapters (128 row blocks, about one wave)
+# r=64 0.213 -> 0.199, r=128 0.321 -> 0.283, ranks 8..128 0.236 -> 0.212 (4096x1024 and 14336x4096 alike, 5-10%);
+# 16 adapters r=64 0.117 -> 0.117, 8..128 0.143 -> 0.132; 8 adapters (32 blocks) r=64 0.098 -> 0.102 (the shrink's
+# split 10 -> 16 us), 8..128 0.098 -> 0.093 (`benchmarks/results/kernels_h200.md`, session 34). (It was 2.)
+LOW_RANK_MIN_WAVES = 0.4
 
 
 def low_rank_dtype(x: Tensor, d_out: int, sched: Schedule, table: PointerTable, fuse_ds: bool) -> torch.dtype:
