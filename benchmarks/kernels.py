@@ -40,6 +40,11 @@ with N <= 4 also time LoRAFusion's fused multi-LoRA linear (``lorafusion``) besi
 linear fused in (``ours_linear_direct``), and the frozen linear alone (``frozen_linear``, compute-bound); the
 floor of the two fused rows is ``frozen_linear``'s time plus the LoRA bytes' floor (``floor_ms`` in each row).
 
+The products have a floor too: ``compute_floor_ms`` (the ``floor`` rows) is the LoRA path's flops (`lora_flops`) at
+the bf16 matrix rate measured in the same run (``matmul_tflops``). ``pct_of_serial_floor``: the share of the byte
+floor plus that one, the time of a kernel that moved its bytes and did its products one after the other at the two
+rates; above 100%, some of the two overlapped.
+
 Rows go to ``--out``: op, shape, n_adapters, ranks, tokens, impl, ms, eager_ms, gbps, floor_ms, pct_of_floor; the
 tiles the kernels' autotuning chose, per tuning key, to ``--out`` with the suffix ``.tuning.json``.
 """
@@ -112,6 +117,20 @@ class GroupedMM:
     def __call__(self, x, base):
         s = torch._grouped_mm(x, self.at, offs=self.offs)
         return base + torch._grouped_mm(s, self.bt, offs=self.offs) * self.scale
+
+
+def matmul_tflops(device) -> float:
+    """The bf16 matrix rate measured in the run: an 8192 x 8192 x 8192 product on random data (TFLOP/s)."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn_like(a)
+    ms = do_bench(lambda: a @ b, warmup=25, rep=100)
+    return 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
+
+
+def lora_flops(ranks, tokens, d_in: int, d_out: int) -> int:
+    """The multiply-adds (x2) of one LoRA forward + backward: the shrink and dX (each 2 t r d_in), dA (2 t r d_in),
+    the expand, dS and dB (each 2 t r d_out), summed over the adapters: ``6 sum_i t_i r_i (d_in + d_out)``."""
+    return 6 * sum(t * r for t, r in zip(tokens, ranks)) * (d_in + d_out)
 
 
 def copy_bandwidth(device) -> float:
@@ -299,9 +318,12 @@ def main() -> None:
         lorafusion = load_lorafusion(args.lorafusion_src)
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(device)
-    print(f"{torch.cuda.get_device_name()}: measured copy bandwidth {bandwidth:.0f} GB/s", flush=True)
+    tflops = matmul_tflops(device)
+    print(f"{torch.cuda.get_device_name()}: measured copy bandwidth {bandwidth:.0f} GB/s, bf16 matrix rate "
+          f"{tflops:.0f} TFLOP/s", flush=True)
     common = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   date=datetime.now(timezone.utc).date().isoformat(), copy_gbps=round(bandwidth, 1),
+                  matmul_tflops=round(tflops, 1),
                   timing="ms: CUDA graph of back-to-back forward+backward steps (~3 ms a replay), per step, each after an L2 flush (subtracted)",
                   grads=args.grads)
     if args.rank_class_launches is not None:
@@ -335,6 +357,7 @@ def main() -> None:
                     params = [xg, *w.a, *w.b]
                     nbytes = floor_bytes(x, base, w)
                     floor_ms = nbytes / (bandwidth * 1e9) * 1e3
+                    compute_ms = lora_flops(ranks, tokens, d_in, d_out) / (tflops * 1e12) * 1e3
 
                     def fwd_bwd(fn):
                         def step():  # ours adds into `base` in place (its contract); repeats only grow it
@@ -401,13 +424,16 @@ def main() -> None:
                                 f"{k.split('(')[0][:40]} {v}" for k, v in list(rows[-1]["kernels_us"].items())[:6]))
                             print(f"  {impl} launches in order (us): " + ", ".join(
                                 f"{k} {v}" for k, v in rows[-1]["launches_us"]))
+                        if impl not in fused and impl != "frozen_linear":  # (the LoRA products alone)
+                            rows[-1]["pct_of_serial_floor"] = round(100 * (floor_ms + compute_ms) / ms, 1)
                         if impl == "ours_shadow":
                             rows[-1].update(shadow_write_ms=round(shadow_write_ms, 4), pct_of_floor_with_shadow_write=
                                             round(100 * impl_floor_ms / (ms + shadow_write_ms), 1))
                         line.append(f"{impl} {ms:7.3f} ms ({100 * impl_floor_ms / ms:4.0f}%)")
                     rows.append(dict(op="lora_fwd_bwd", shape=shape, n_adapters=n, ranks=rk, tokens=tk,
                                      total_tokens=x.shape[0], impl="floor", ms=round(floor_ms, 4),
-                                     gbps=round(bandwidth, 1), pct_of_floor=100.0, **common))
+                                     gbps=round(bandwidth, 1), pct_of_floor=100.0,
+                                     compute_floor_ms=round(compute_ms, 4), **common))
                     print("  ".join(line) + f"  floor {floor_ms:.3f} ms", flush=True)
                     del x, base, w, wd, ws, grad, xg, params, gmm
                     write(args.out, rows)  # after every point: a run stopped early keeps what it measured
