@@ -242,13 +242,18 @@ class MultiLoRADataModule(L.LightningDataModule):
         tok, limit = self.tokenizer, self.effective_max_length
         pairs = isinstance(examples[0], PreferenceExample)
 
+        def named(i: int) -> str:
+            """Example ``i`` with where it came from (``file:line``...), where its source says."""
+            where = getattr(examples[i], "source", "")
+            return f"example {i} ({where})" if where else f"example {i}"
+
         def encode(i: int, prompt: list[int], completion: list[int]) -> Optional[tuple[list[int], list[int]]]:
             ids = prompt + completion + [tok.eos_token_id]
             labels = [IGNORE_INDEX] * len(prompt) + completion + [tok.eos_token_id]
             if limit is not None and len(ids) > limit:
                 if not self.truncate:
                     raise ValueError(
-                        f"example {i} of data source {name!r} is {len(ids)} tokens, longer than the maximum "
+                        f"{named(i)} of data source {name!r} is {len(ids)} tokens, longer than the maximum "
                         f"sequence length {limit}; raise `max_length` (up to the model's maximum), or set "
                         "`truncate=True`"
                     )
@@ -256,7 +261,7 @@ class MultiLoRADataModule(L.LightningDataModule):
             if all(x == IGNORE_INDEX for x in labels[1:]):
                 if self.truncate:
                     return None
-                raise ValueError(f"example {i} of data source {name!r} has no completion tokens to learn")
+                raise ValueError(f"{named(i)} of data source {name!r} has no completion tokens to learn")
             return ids, labels
 
         chosen, rejected = [], []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import cmath
+import dataclasses
 import gzip
 import json
 import numbers
@@ -9,28 +11,36 @@ import random
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Optional
 
 from lightning_multilora.arguments import check_int
 
 FORMATS = ("prompt_completion", "question_answer", "gsm8k")
+FORMAT_FIELDS = {"prompt_completion": ("prompt", "completion"), "question_answer": ("question", "answer"),
+                 "gsm8k": ("question", "answer")}  # (the prompt and completion fields a format reads by default)
 
 
 @dataclass(frozen=True)
 class Example:
+    """A prompt and its completion; ``source`` says where it came from (``file:line``, ``records[i]``...), for
+    errors only: examples equal in text are equal wherever they came from."""
+
     prompt: str
     completion: str
+    source: str = dataclasses.field(default="", compare=False)
 
 
 @dataclass(frozen=True)
 class PreferenceExample:
     """A preference pair: one prompt, a chosen and a rejected completion (DPO adapters train on these;
-    SFT adapters on the chosen one)."""
+    SFT adapters on the chosen one); ``source`` as `Example`'s."""
 
     prompt: str
     chosen: str
     rejected: str
+    source: str = dataclasses.field(default="", compare=False)
 
 
 class DataSource:
@@ -120,39 +130,57 @@ def _json_line(line: str, where: str) -> dict:
     return record
 
 
+def _finite(value: numbers.Number) -> bool:
+    """Whether a number is finite: not NaN, not an infinity (JSON's ``NaN``, ``Infinity``, or ``1e400`` read as one)."""
+    if isinstance(value, Decimal):
+        return value.is_finite()
+    if isinstance(value, numbers.Complex) and not isinstance(value, numbers.Integral):
+        try:
+            return cmath.isfinite(complex(value))
+        except OverflowError:  # (a Fraction past a float's range is still a finite number)
+            return True
+    return True
+
+
 def _text(record: dict, field: str, where: str) -> str:
-    """A record's text field: a string (a number or a boolean is taken as it prints: ``4``, ``True``); null, a list
-    or a mapping are named."""
+    """A record's text field: a string (a finite number or a boolean is taken as it prints: ``4``, ``True``); null, a
+    list, a mapping, NaN or an infinity are named."""
     value = record[field]
     if isinstance(value, str):
         return value
     if isinstance(value, numbers.Number):
+        if not _finite(value):
+            raise ValueError(f"{where}: field {field!r} must be text (a string) or a finite number, got "
+                             f"{type(value).__name__} {value!r:.60} (JSON NaN, Infinity, or a number past a float's "
+                             "range such as 1e400)")
         return str(value)
     raise ValueError(f"{where}: field {field!r} must be text (a string), got {type(value).__name__} {value!r:.60}")
 
 
-def format_record(record: dict, fmt: str, prompt_field: str, completion_field: str, where: str) -> Example:
-    """One raw record as an `Example`, by format (``gsm8k``: question/answer with a Q/A template)."""
-    if fmt == "gsm8k":
-        prompt_field, completion_field = "question", "answer"
-    elif fmt == "question_answer":
-        prompt_field, completion_field = "question", "answer"
-    elif fmt != "prompt_completion":
+def format_record(record: dict, fmt: str, prompt_field: Optional[str], completion_field: Optional[str],
+                  where: str) -> Example:
+    """One raw record as an `Example` from ``where``, by format (``question_answer`` and ``gsm8k``: a Q/A template).
+    A field left None is the format's own (`FORMAT_FIELDS`: prompt/completion, or question/answer)."""
+    if fmt not in FORMATS:
         raise ValueError(f"`format` can be {', '.join(FORMATS)}, got {fmt!r}")
+    prompt_field = FORMAT_FIELDS[fmt][0] if prompt_field is None else prompt_field
+    completion_field = FORMAT_FIELDS[fmt][1] if completion_field is None else completion_field
     missing = [f for f in (prompt_field, completion_field) if f not in record]
     if missing:
         raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}")
     prompt, completion = _text(record, prompt_field, where), _text(record, completion_field, where)
     if fmt in ("gsm8k", "question_answer"):
-        return Example(f"Question: {prompt.strip()}\nAnswer:", f" {completion.strip()}")
-    return Example(prompt, completion)
+        return Example(f"Question: {prompt.strip()}\nAnswer:", f" {completion.strip()}", where)
+    return Example(prompt, completion, where)
 
 
 class JSONLSource(DataSource):
-    """A JSON-lines file (optionally ``.gz``) of records; ``format`` says which fields hold what."""
+    """A JSON-lines file (optionally ``.gz``) of records; ``format`` says how they read (``question_answer`` and
+    ``gsm8k``: a Q/A template), ``prompt_field`` / ``completion_field`` which fields hold the text (None: the format's
+    own, ``prompt`` / ``completion`` or ``question`` / ``answer``)."""
 
-    def __init__(self, path: str, format: str = "prompt_completion", prompt_field: str = "prompt",
-                 completion_field: str = "completion", limit: Optional[int] = None) -> None:
+    def __init__(self, path: str, format: str = "prompt_completion", prompt_field: Optional[str] = None,
+                 completion_field: Optional[str] = None, limit: Optional[int] = None) -> None:
         if format not in FORMATS:
             raise ValueError(f"`format` can be {', '.join(FORMATS)}, got {format!r}")
         check_int("JSONLSource", "limit", limit, 1, optional=True)
@@ -175,12 +203,26 @@ class JSONLSource(DataSource):
         return f"JSONLSource({self.path}, {self.format})"
 
 
+def _saved_to_disk(path: str) -> bool:
+    """Whether ``path`` is a folder written by ``datasets``' ``save_to_disk`` (a Dataset's or a DatasetDict's)."""
+    folder = Path(path)
+    return (folder / "dataset_dict.json").is_file() or (
+        (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
+
+
 class HFDatasetSource(DataSource):
-    """A Hugging Face ``datasets`` dataset: ``load_dataset(path, name, split=split)`` (local files work)."""
+    """A Hugging Face ``datasets`` dataset: ``load_dataset(path, name, split=split)`` (local files work), or a folder
+    written by ``save_to_disk`` (read with ``load_from_disk``). ``format``, ``prompt_field`` and ``completion_field``
+    as `JSONLSource`'s.
+
+    From a saved DatasetDict ``split`` picks the split; a saved Dataset is read whole (as ``load_from_disk`` gives
+    it), and a ``split`` other than the default ``"train"`` must be the one it was saved as (``Dataset.split``).
+    Slices (``train[:100]``) are ``load_dataset``'s only; ``limit`` takes the first examples of either.
+    """
 
     def __init__(self, path: str, name: Optional[str] = None, split: str = "train",
-                 format: str = "prompt_completion", prompt_field: str = "prompt",
-                 completion_field: str = "completion", limit: Optional[int] = None,
+                 format: str = "prompt_completion", prompt_field: Optional[str] = None,
+                 completion_field: Optional[str] = None, limit: Optional[int] = None,
                  data_files: Optional[str] = None) -> None:
         if format not in FORMATS:
             raise ValueError(f"`format` can be {', '.join(FORMATS)}, got {format!r}")
@@ -188,10 +230,33 @@ class HFDatasetSource(DataSource):
         self.path, self.name, self.split, self.format, self.limit = path, name, split, format, limit
         self.prompt_field, self.completion_field, self.data_files = prompt_field, completion_field, data_files
 
-    def examples(self) -> list[Example]:
-        from datasets import load_dataset
+    def _load(self) -> Iterable[Mapping]:
+        """The dataset: ``load_from_disk`` for a ``save_to_disk`` folder (``split`` taken from a DatasetDict),
+        ``load_dataset`` otherwise."""
+        from datasets import DatasetDict, load_dataset, load_from_disk
 
-        ds = load_dataset(self.path, self.name, split=self.split, data_files=self.data_files)
+        if not _saved_to_disk(self.path):
+            return load_dataset(self.path, self.name, split=self.split, data_files=self.data_files)
+        if self.name is not None or self.data_files is not None:
+            raise ValueError(f"HFDatasetSource: {self.path!r} is a folder written by `save_to_disk`, which takes no "
+                             f"`name` or `data_files` (got name={self.name!r}, data_files={self.data_files!r})")
+        ds = load_from_disk(self.path)
+        sliced = " (a slice is for `load_dataset`: `limit` takes the first examples)" if "[" in str(self.split) else ""
+        if isinstance(ds, DatasetDict):
+            if self.split not in ds:
+                raise ValueError(f"HFDatasetSource: `split` {self.split!r} is not a split of the DatasetDict saved "
+                                 f"at {self.path!r}; its splits are {sorted(ds)}{sliced}")
+            return ds[self.split]
+        saved = None if ds.split is None else str(ds.split)
+        if self.split not in ("train", saved):
+            allowed = "'train'" + (f" or {saved!r}" if saved else "")
+            raise ValueError(f"HFDatasetSource: `split` {self.split!r} is not in {self.path!r}: it holds one Dataset "
+                             f"({f'saved as split {saved!r}' if saved else 'saved without a split name'}), read whole "
+                             f"with `split` {allowed}{sliced}")
+        return ds
+
+    def examples(self) -> list[Example]:
+        ds = self._load()
         out = []
         for i, record in enumerate(ds):
             out.append(format_record(record, self.format, self.prompt_field, self.completion_field,
@@ -214,7 +279,7 @@ class ListSource(DataSource):
         self.records = list(records)
 
     def examples(self) -> list[Example]:
-        return [format_record(r, "prompt_completion", "prompt", "completion", f"records[{i}]")
+        return [format_record(r, "prompt_completion", None, None, f"records[{i}]")
                 for i, r in enumerate(self.records)]
 
 
@@ -272,11 +337,11 @@ class PreferenceSource(DataSource):
             text = {f: _text(record, f, where) for f in need}
             if self.format == "hh_rlhf":
                 try:
-                    out.append(split_hh_rlhf(text["chosen"], text["rejected"]))
+                    out.append(dataclasses.replace(split_hh_rlhf(text["chosen"], text["rejected"]), source=where))
                 except ValueError as err:
                     raise ValueError(f"{where}: {err}") from err
             else:
-                out.append(PreferenceExample(text["prompt"], text["chosen"], text["rejected"]))
+                out.append(PreferenceExample(text["prompt"], text["chosen"], text["rejected"], where))
             if self.limit is not None and len(out) >= self.limit:
                 break
         return out

@@ -65,6 +65,79 @@ def test_jsonl_gz_and_hf_datasets_sources(tmp_path):
         JSONLSource(str(path), format="alpaca")
 
 
+def test_hf_source_reads_a_save_to_disk_folder(tmp_path):
+    """``load_dataset`` refuses a Dataset folder written by ``save_to_disk``: such folders are read with
+    ``load_from_disk``, ``split`` taken from a DatasetDict (one it lacks named with those it has); a saved Dataset is
+    read whole."""
+    datasets = pytest.importorskip("datasets")
+
+    def rows(tag, n):
+        return datasets.Dataset.from_list([{"question": f"{tag}{i}", "answer": str(i)} for i in range(n)])
+
+    datasets.DatasetDict({"train": rows("tr", 5), "test": rows("te", 3)}).save_to_disk(tmp_path / "dict")
+    rows("one", 4).save_to_disk(tmp_path / "one")
+    datasets.Dataset.from_list([{"prompt": "p", "completion": "c"}] * 2, split="test").save_to_disk(tmp_path / "test")
+    assert len(HFDatasetSource(str(tmp_path / "one"), format="question_answer").examples()) == 4
+    folder = str(tmp_path / "dict")
+    train = HFDatasetSource(folder, format="question_answer").examples()
+    assert [e.prompt for e in train] == [f"Question: tr{i}\nAnswer:" for i in range(5)]
+    test = HFDatasetSource(folder, split="test", format="gsm8k", prompt_field="answer",
+                           completion_field="question", limit=2).examples()
+    assert [(e.prompt, e.completion, e.source) for e in test] == [
+        ("Question: 0\nAnswer:", " te0", f"{folder}[0]"), ("Question: 1\nAnswer:", " te1", f"{folder}[1]")]
+    with pytest.raises(ValueError, match=r"HFDatasetSource: `split` 'validation' is not a split of the DatasetDict "
+                                         r"saved at .*dict'; its splits are \['test', 'train'\]"):
+        HFDatasetSource(folder, split="validation").examples()
+    with pytest.raises(ValueError, match=r"its splits are \['test', 'train'\] \(a slice is for `load_dataset`: "
+                                         r"`limit` takes the first examples\)"):
+        HFDatasetSource(folder, split="train[:2]").examples()
+    with pytest.raises(ValueError, match=r"`split` 'test' is not in .*one': it holds one Dataset \(saved without a "
+                                         r"split name\), read whole with `split` 'train'$"):
+        HFDatasetSource(str(tmp_path / "one"), split="test").examples()
+    for split in ("train", "test"):
+        assert len(HFDatasetSource(str(tmp_path / "test"), split=split).examples()) == 2
+    with pytest.raises(ValueError, match=r"\(saved as split 'test'\), read whole with `split` 'train' or 'test'"):
+        HFDatasetSource(str(tmp_path / "test"), split="validation").examples()
+    with pytest.raises(ValueError, match=r"written by `save_to_disk`, which takes no `name` or `data_files` "
+                                         r"\(got name='main', data_files=None\)"):
+        HFDatasetSource(folder, name="main").examples()
+
+
+def test_prompt_and_completion_fields_are_read_with_every_format(tmp_path):
+    """``prompt_field`` / ``completion_field`` were overwritten with question/answer by the ``gsm8k`` and
+    ``question_answer`` formats; left out (None) they are the format's own fields, given they are read with any
+    format."""
+    path = tmp_path / "qa.jsonl"
+    path.write_text("\n".join(json.dumps({"q": f" q{i} ", "a": f"a{i}", "question": "Q", "answer": "A"})
+                              for i in range(3)))
+    for fmt in ("gsm8k", "question_answer"):
+        got = JSONLSource(str(path), format=fmt, prompt_field="q", completion_field="a").examples()[1]
+        assert (got.prompt, got.completion) == ("Question: q1\nAnswer:", " a1")
+        hf = HFDatasetSource("json", data_files=str(path), format=fmt, prompt_field="q", completion_field="a")
+        assert hf.examples()[2].completion == " a2"
+        assert JSONLSource(str(path), fmt).examples()[0].prompt == "Question: Q\nAnswer:"  # (the format's own)
+        mixed = JSONLSource(str(path), fmt, None, "a").examples()[0]  # (positional; one field given)
+        assert (mixed.prompt, mixed.completion) == ("Question: Q\nAnswer:", " a0")
+    assert JSONLSource(str(path), "prompt_completion", "q", "answer").examples()[0].prompt == " q0 "
+    with pytest.raises(ValueError, match=r"record has no field\(s\) \['prompt', 'completion'\]"):
+        JSONLSource(str(path)).examples()
+    # as a config gives them (LightningCLI builds the data module's sources with jsonargparse)
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser()
+    parser.add_class_arguments(MultiLoRADataModule, "data")
+    config = parser.parse_string(f"""
+data:
+  sources:
+    qa:
+      class_path: lightning_multilora.data.JSONLSource
+      init_args: {{path: {path}, format: gsm8k, prompt_field: q, completion_field: a}}
+    own: {{class_path: lightning_multilora.data.JSONLSource, init_args: {{path: {path}, format: question_answer}}}}
+""")
+    sources = parser.instantiate_classes(config).data.sources
+    assert sources["qa"].examples()[0].completion == " a0" and sources["own"].examples()[0].completion == " A"
+
+
 def test_bad_lines_settings_and_tokenizers_are_named(tmp_path):
     """A JSONL line that is not a JSON object (its file and line named), a validation cap below 1, and a tokenizer
     path that does not exist are refused with what is allowed."""
@@ -116,6 +189,35 @@ def test_field_values_that_are_not_text_and_limits_below_one_are_named(tmp_path)
         for bad in (0, -1, 2.5):
             with pytest.raises(ValueError, match=r"Source: `limit` must be an integer >= 1 or None"):
                 source(bad)
+
+
+def test_text_fields_that_are_nan_or_infinite_are_named(tmp_path):
+    """JSON ``NaN``, ``Infinity`` and a number past a float's range (``1e400``) were trained as the text "nan" /
+    "inf"; they are named with their file and line (finite numbers and booleans are still taken as they print)."""
+    from decimal import Decimal
+    from fractions import Fraction
+
+    path = tmp_path / "d.jsonl"
+    for bad, shown in (("NaN", "nan"), ("Infinity", "inf"), ("-Infinity", "-inf"), ("1e400", "inf"),
+                       ("-1e400", "-inf")):
+        path.write_text(f'{{"prompt": "a", "completion": 2.5}}\n\n{{"prompt": "b", "completion": {bad}}}\n')
+        with pytest.raises(ValueError, match=rf"{path}:3: field 'completion' must be text \(a string\) or a finite "
+                                             rf"number, got float {shown}"):
+            JSONLSource(str(path)).examples()
+        assert JSONLSource(str(path), limit=1).examples()[0].completion == "2.5"
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text('{"prompt": "p", "chosen": 1e308, "rejected": "n"}\n'
+                     '{"prompt": NaN, "chosen": "c", "rejected": "n"}\n')
+    with pytest.raises(ValueError, match=rf"{pairs}:2: field 'prompt' must be text \(a string\) or a finite number"):
+        PreferenceSource(str(pairs)).examples()
+    assert PreferenceSource(str(pairs), limit=1).examples()[0].chosen == "1e+308"
+    for bad in (float("nan"), np.float32("inf"), Decimal("NaN"), Decimal("-Infinity"), complex(1, float("inf"))):
+        with pytest.raises(ValueError, match=r"records\[0\]: field 'prompt' must be text \(a string\) or a finite"):
+            ListSource([{"prompt": bad, "completion": "c"}]).examples()
+    made = ListSource([{"prompt": 10**400, "completion": Decimal("1e400")}, {"prompt": False, "completion": Fraction(
+        10**400, 3)}, {"prompt": np.float64(0.5), "completion": -0.0}]).examples()
+    assert [(e.prompt, e.completion[:6]) for e in made] == [("1" + "0" * 400, "1E+400"), ("False", "100000"),
+                                                            ("0.5", "-0.0")]
 
 
 def test_byte_tokenizer_round_trip():
@@ -268,6 +370,42 @@ def test_sequences_longer_than_the_model_maximum_are_errors(tmp_path, trainer_kw
                                          "truncation to 64 tokens"):
         train, val = MultiLoRADataModule(sources={"long": three}, truncate=True, max_length=64).split("long")
     assert len(train) + len(val) == 2 and max(len(r) for r in train.input_ids + val.input_ids) == 64
+
+
+def test_an_example_too_long_is_named_by_where_it_came_from(tmp_path):
+    """The "too long" error named an example by its index in its source only; it names its file and line (JSONL,
+    preference file), ``records[i]`` or ``path[i]`` too. Where it came from is no part of an example's equality."""
+    from lightning_multilora.data import Example, PreferenceExample
+
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a", "completion": "b"}\n\n{"prompt": "' + "x" * 100 + '", "completion": "y"}\n'
+                    '{"prompt": "c", "completion": "d"}\n')
+    assert [e.source for e in JSONLSource(str(path)).examples()] == [f"{path}:1", f"{path}:3", f"{path}:4"]
+    dm = MultiLoRADataModule(sources={"file": JSONLSource(str(path))}, max_length=32)
+    with pytest.raises(ValueError, match=rf"example 1 \({path}:3\) of data source 'file' is 102 tokens, longer than "
+                                         "the maximum sequence length 32"):
+        dm.split("file")
+    listed = ListSource([{"prompt": "a", "completion": "b"}, {"prompt": "a", "completion": "b" * 40}])
+    with pytest.raises(ValueError, match=r"example 1 \(records\[1\]\) of data source 'list' is 42 tokens"):
+        MultiLoRADataModule(sources={"list": listed}, max_length=32).split("list")
+    pairs = tmp_path / "p.jsonl"
+    pairs.write_text('{"prompt": "q", "chosen": "y", "rejected": "n"}\n'
+                     '{"prompt": "q", "chosen": "y", "rejected": "' + "n" * 40 + '"}\n')
+    with pytest.raises(ValueError, match=rf"example 1 \({pairs}:2\) of data source 'pairs' is 42 tokens"):
+        MultiLoRADataModule(sources={"pairs": PreferenceSource(str(pairs))}, max_length=32).split("pairs")
+    hh = PreferenceSource(records=[{"chosen": "H\n\nAssistant: a", "rejected": "H\n\nAssistant: b"}], format="hh_rlhf")
+    assert hh.examples()[0].source == "records[0]"
+    assert [e.source for e in GeneratedArithmetic(2).examples()] == ["", ""]  # (named by its index alone)
+    # equality, hashing (dedup) and the splits are those of the text alone
+    assert Example("p", "c", f"{path}:1") == Example("p", "c")
+    assert len({Example("p", "c", "a"), Example("p", "c", "b")}) == 1
+    assert PreferenceExample("p", "c", "r", "x:1") == PreferenceExample("p", "c", "r", "y:2")
+    assert hash(PreferenceExample("p", "c", "r", "x:1")) == hash(PreferenceExample("p", "c", "r"))
+    records = [{"prompt": f"p{i}", "completion": f"c{i}"} for i in range(20)]
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    from_file, from_list = (MultiLoRADataModule(sources={"s": s}).split("s") for s in (JSONLSource(str(path)),
+                                                                                       ListSource(records)))
+    assert all(a.input_ids == b.input_ids and a.labels == b.labels for a, b in zip(from_file, from_list))
 
 
 def test_truncated_preference_pairs_keep_their_prompts_end_and_both_answers():
