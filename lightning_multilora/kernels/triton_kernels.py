@@ -15,7 +15,8 @@ The kernels:
   ``S = drop(X) A^T``) or ``B_i`` (``dS = dY B``, kept without the scaling); one program per (row block,
   rank chunk), the chunks of one row block adjacent (the second reads its rows from L2); split over K (tuned)
   into an fp32 ``OUT`` (``S``, ``dS``) that must be zeroed. An ``OUT`` in the activation dtype (many rows:
-  `triton_lora.low_rank_dtype`) takes only the candidates that store (no split).
+  `triton_lora.low_rank_dtype`) takes only the candidates that store (no split). ``TMA_IN`` (off by default:
+  `triton_lora.ROWS_TMA`): the input tiles come through a tensor descriptor, some candidates warp-specialized.
 - `_rank_times_weight`: ``Y[t, :] (+)= c_i * (R[t, :r_i] @ W_i) [* drop mask]`` where W_i is ``B_i^T``
   (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = s drop'(dS A)``); one program per (row block,
   ``N_PER`` columns), a pipelined loop over its column blocks, each over the rank chunks. ``NARROW``: the
@@ -63,7 +64,7 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Fixed tiles for the interpreter; on the GPU the tiles below are autotuned per shape.
 DEFAULT_META = {
-    "rows": dict(BLOCK_K=64),  # SPLIT_K: `triton_lora._split_k`
+    "rows": dict(BLOCK_K=64, WARP_SPEC=False),  # SPLIT_K: `triton_lora._split_k`
     "rank": dict(BLOCK_N=64, N_PER=128, PREFETCH=True, HOLD_W=False),
     "grad": dict(BLOCK_K=64, BLOCK_T=64),
     "ds_db": dict(ROWS_BLOCK_K=64, GRAD_BLOCK_T=64, INTERLEAVE=True),
@@ -88,8 +89,30 @@ def _tuned(configs, key, **kwargs):
 # The row kernel streams its input once: how many programs share a row block (SPLIT_K, each over a slice of
 # K, adding into OUT atomically) decides whether the GPU has enough loads in flight; it depends on the
 # number of row blocks (ROW_BUCKET, `triton_lora._bucket`), so it is tuned per bucket with the tiles.
-_ROWS_CONFIGS = [triton.Config({"BLOCK_K": k, "SPLIT_K": sp}, num_warps=w, num_stages=st)
+_ROWS_CONFIGS = [triton.Config({"BLOCK_K": k, "SPLIT_K": sp, "WARP_SPEC": False}, num_warps=w, num_stages=st)
                  for sp in (1, 2, 4, 8) for k, w, st in ((64, 4, 4), (128, 8, 3), (256, 8, 3))]
+
+
+def _in_block(nargs):
+    """A TMA candidate's hook: the input descriptor's block is the candidate's (BLOCK_M x BLOCK_K) tile."""
+    nargs["IN_DESC"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
+
+
+# Candidates that load the input through a tensor descriptor (TMA_IN, `triton_lora.ROWS_TMA`: the copy engine
+# fetches each (BLOCK_M x BLOCK_K) tile; rows past a segment's end are read and not stored, the tensor's edges come
+# back as zeros), and among them some whose K loop is warp-specialized (WARP_SPEC, ``tl.range(...,
+# warp_specialize=True)``: Triton's Hopper pass gives the loads and the products warp groups of their own, which run
+# at once). Why: at 1024 tokens an adapter the launches take about the time of their bytes at the copy rate plus their
+# products at the matrix rate (`benchmarks/results/kernels_h200.md`, session 34): loads and products overlap little.
+# Compiled for sm_90 with Triton 3.6 (no GPU), the pass splits the loop only with 4 warps and a large operand that
+# comes through a descriptor, and fails (an error, not a fallback) on an early return (hence none under WARP_SPEC), on
+# the dropout draws, on a K split's atomic adds and on dS from fp32 inputs: those candidates are 4-warp, unsplit, and
+# offered only without dropout to bf16 / fp16 inputs (`_stores_unless_fp32`; all of those compiled, r tiles 16-128). Not measured yet: off by default, `benchmarks/kernels.py --rows-tma` turns them on.
+_ROWS_TMA_CONFIGS = ([triton.Config({"BLOCK_K": k, "SPLIT_K": 1, "WARP_SPEC": True}, num_warps=4, num_stages=st,
+                                    pre_hook=_in_block) for k, st in ((64, 4), (128, 3), (256, 2))]
+                     + [triton.Config({"BLOCK_K": k, "SPLIT_K": sp, "WARP_SPEC": False}, num_warps=w, num_stages=st,
+                                      pre_hook=_in_block)
+                        for sp in (1, 2, 4) for k, w, st in ((64, 4, 4), (128, 8, 3), (256, 8, 3))])
 # The expand / dX kernel walks its N_PER columns in BLOCK_N-wide steps, a loop the compiler pipelines (num_stages):
 # the next weight tile (and, for the expand, the next Y tile) is in flight while this one is multiplied and stored,
 # and the low-rank tile is read once per program. On the H200, 32 adapters x 1024 tokens at r=64: dX of 4096 columns
@@ -130,7 +153,12 @@ _GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_st
 
 def _stores_unless_fp32(configs, named_args, **kwargs):
     """The row kernel's candidates for its output: into fp32 any K split (a split adds atomically); into a half-
-    precision ``OUT`` (``S`` / ``dS`` in the activation dtype: `triton_lora.low_rank_dtype`) only those that store."""
+    precision ``OUT`` (``S`` / ``dS`` in the activation dtype: `triton_lora.low_rank_dtype`) only those that store.
+    With an input descriptor (``TMA_IN``) the descriptor's candidates, else the others; warp-specialized ones only
+    without dropout and for 2-byte inputs (`_ROWS_TMA_CONFIGS`)."""
+    split_loop = not kwargs["HAS_DROPOUT"] and named_args["IN"].element_size() == 2  # (`_ROWS_TMA_CONFIGS`)
+    configs = [c for c in configs if (c.pre_hook is _in_block) == bool(kwargs["TMA_IN"])
+               and (split_loop or not c.kwargs["WARP_SPEC"])]
     if named_args["OUT"].element_size() == 4:
         return configs
     return [c for c in configs if c.kwargs["SPLIT_K"] == 1]
@@ -154,13 +182,13 @@ def _dropout_scale(values, seed, p, tokens, cols, n_cols, row_tokens):
     return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
 
 
-@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "DOT_PRECISION",
-                             "ROW_BUCKET"],
+@_tuned(_ROWS_CONFIGS + _ROWS_TMA_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED",
+                                                "DOT_PRECISION", "ROW_BUCKET", "TMA_IN"],
         reset_to_zero=["OUT"], prune_configs_by={"early_config_prune": _stores_unless_fp32})
 @triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET", "ROW_TOKENS"])
 def _rows_times_weight(
     # pointers
-    IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
+    IN, IN_DESC, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes (ROW_BUCKET, a bucket of the programs (`triton_lora._bucket`), only keys the tuning: a runtime value,
     # so every bucket shares the compiled kernels)
     K, R_CHUNKS, ROW_BUCKET, ROW_TOKENS,
@@ -169,23 +197,27 @@ def _rows_times_weight(
     # meta-parameters
     W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+    TMA_IN: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     _rows_program(tl.program_id(0) // R_CHUNKS, (tl.program_id(0) % R_CHUNKS) * BLOCK_R, tl.program_id(1), IN, W_PTRS,
                   W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS, K, ROW_TOKENS,
                   stride_in_m, stride_out_m, W_IS_A, HAS_DROPOUT, DOT_PRECISION, W_ALIGNED, BLOCK_M, BLOCK_K, BLOCK_R,
-                  SPLIT_K)
+                  SPLIT_K, IN_DESC, TMA_IN, WARP_SPEC)
 
 
 @triton.jit
 def _rows_program(pid, r0, split, IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF,
                   DROP_P, SEEDS, K, ROW_TOKENS, stride_in_m, stride_out_m, W_IS_A: tl.constexpr,
                   HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_ALIGNED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr):
-    """`_rows_times_weight`'s program for row block ``pid``, the rank chunk from ``r0`` and K split ``split``."""
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
+                  IN_DESC, TMA_IN: tl.constexpr, WARP_SPEC: tl.constexpr):
+    """`_rows_times_weight`'s program for row block ``pid``, the rank chunk from ``r0`` and K split ``split``;
+    ``TMA_IN``: the input tiles through ``IN_DESC`` (`_ROWS_TMA_CONFIGS`)."""
     a = tl.load(BLK_ADAPTER + pid)
     r = tl.load(RANKS + a)
-    if r0 >= r:  # a chunk past this adapter's rank
-        return
+    if not WARP_SPEC:
+        if r0 >= r:  # a chunk past this adapter's rank
+            return
     m0 = tl.load(BLK_START + pid)
     end = tl.load(SEG_END + a)
     w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
@@ -207,12 +239,17 @@ def _rows_program(pid, r0, split, IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_S
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if WARP_SPEC:  # a chunk past the rank runs no step and stores nothing (Triton's Hopper pass fails on a return)
+        k_hi = tl.where(r0 >= r, k_lo, k_hi)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, warp_specialize=WARP_SPEC):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_hi
-        x = tl.load(IN + offs_m[:, None] * stride_in_m + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if TMA_IN:  # (a split's K range is whole tiles: only the tensor's edge cuts one, and it reads as zeros)
+            x = IN_DESC.load([m0, k0])
+        else:
+            x = tl.load(IN + offs_m[:, None] * stride_in_m + offs_k[None, :],
+                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if HAS_DROPOUT:
             x = _dropout_scale(x, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m - tl.load(SEG_START + a), offs_k,
                                K, ROW_TOKENS).to(x.dtype)
@@ -602,7 +639,7 @@ def _ds_and_db(
         _rows_program(code // ROWS_R_CHUNKS, (code % ROWS_R_CHUNKS) * ROWS_BLOCK_R, 0, DY, B_PTRS, B_WITNESS, DS,
                       BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, ONES, DROP_P, SEEDS, K, ROW_TOKENS,
                       stride_dy_m, stride_ds_m, False, False, DOT_PRECISION, W_ALIGNED, BLOCK_M, ROWS_BLOCK_K,
-                      ROWS_BLOCK_R, 1)
+                      ROWS_BLOCK_R, 1, None, False, False)
     else:
         q = -code - 1
         k_blocks = tl.cdiv(K, GRAD_BLOCK_K)

@@ -853,20 +853,47 @@ def _zero_if_split(out: Tensor):
     return lambda full: out.zero_() if full is None or full["SPLIT_K"] > 1 else None
 
 
+# The shrink and dS launches read their input through a tensor descriptor (TMA), with candidates whose K loop is
+# warp-specialized (`triton_kernels._ROWS_TMA_CONFIGS`). Off until measured (`benchmarks/kernels.py --rows-tma`).
+ROWS_TMA = False
+
+
+def _tma_input(full: Tensor) -> bool:
+    """Whether ``full`` can be read through a tensor descriptor: rows of contiguous elements, the base and the
+    row stride on 16-byte boundaries (the copy engine's rule)."""
+    size = full.element_size()
+    return full.stride(1) == 1 and not full.data_ptr() % 16 and not (full.stride(0) * size) % 16
+
+
 def _row_launch(call: _Call, full: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: bool, has_dropout: bool) -> None:
     """``OUT[t, :r_i] = drop_i(FULL[t]) @ W_i``: the shrink (``W_i = A_i^T``) or dS (``W_i = B_i``), one launch over
     every row block and rank chunk at the whole rank tile; its K split (with its tiles) is tuned per bucket of
-    programs (row blocks x rank chunks). ``OUT`` is zeroed first where the launch splits K (`_zero_if_split`)."""
+    programs (row blocks x rank chunks). ``OUT`` is zeroed first where the launch splits K (`_zero_if_split`).
+    With `ROWS_TMA` (and an input it fits), ``FULL`` is read through a tensor descriptor whose block is the tuned
+    tile (set by the candidate's hook on Triton's path, here on a direct launch)."""
     sched, table, k = call.sched, call.table, full.shape[1]
     programs = sched.num_blocks * table.r_chunks
+    zero = _zero_if_split(out)
+    desc, before = None, zero
+    if ROWS_TMA and _tma_input(full):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        desc = TensorDescriptor(full, list(full.shape), list(full.stride()),
+                                [BLOCK_M, K.DEFAULT_META["rows"]["BLOCK_K"]])
+
+        def before(meta):
+            zero(meta)
+            if meta is not None:
+                desc.block_shape = [BLOCK_M, meta["BLOCK_K"]]
     _rows_times_weight(
         lambda meta: (programs, meta["SPLIT_K"]),
-        (full, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
+        (full, desc, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
          table.ranks, table.ones, table.drop_p, call.seeds, k, table.r_chunks, _bucket(programs), call.row_tokens,
          full.stride(0), out.stride(0)),
         dict(W_IS_A=w_is_a, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
-             BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, k, full.device)),
-        _zero_if_split(out))
+             BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, TMA_IN=desc is not None,
+             **_rows_meta(sched.num_blocks, k, full.device)),
+        before)
 
 
 def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, int, int, bool, int, int], ...]:

@@ -104,6 +104,55 @@ def test_split_reductions_with_atomics_match_the_reference(monkeypatch):
         assert rel(g, g_ref) < 1e-5
 
 
+@pytest.mark.parametrize("dtype, warp_spec", [(torch.float32, False), (torch.float16, True)])
+def test_row_launches_reading_their_input_through_a_tensor_descriptor_match_the_reference(monkeypatch, dtype,
+                                                                                            warp_spec):
+    """`triton_lora.ROWS_TMA`: the shrink and dS read X / dY through a tensor descriptor (rows past a segment read and
+    not stored, the tensor's edges read as zeros), their K loop warp-specialized or not (then a rank chunk past an
+    adapter's rank runs an empty loop instead of returning), split over K or not; an input the copy engine cannot
+    read (a row stride off 16 bytes) takes the pointer loads. With dropout, the descriptor's outputs are the pointer
+    loads' (the same masks)."""
+    if DEVICE == "cuda" and dtype == torch.float32:
+        pytest.skip("fp32 products on the GPU are tf32")
+    from lightning_multilora.kernels import triton_kernels as K
+    from lightning_multilora.kernels import triton_lora
+
+    if INTERPRETED:
+        monkeypatch.setitem(K.DEFAULT_META, "rows", dict(K.DEFAULT_META["rows"], WARP_SPEC=warp_spec))
+    seen = []
+    launcher = triton_lora._rows_times_weight
+
+    def record(grid, args, meta, *rest):
+        seen.append((meta["TMA_IN"], args[1] is not None))
+        return launcher(grid, args, meta, *rest)
+
+    monkeypatch.setattr(triton_lora, "_rows_times_weight", record)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    for split, d_in in ((1, 80), (2, 80), (1, 44)):  # 80: a partial last K tile; 44 fp16: an 88-byte row stride
+        if INTERPRETED:
+            monkeypatch.setattr(triton_lora, "_split_k", lambda num_blocks, k, device: split)
+        x, base, w = problem([1, 7, 100, 16], [70, 0, 5, 130], d_in=d_in, d_out=72, dtype=dtype,
+                             dropout=[0.1, 0.0, 0.3, 0.2], seed=40 + split)
+        grad_out = torch.randn_like(base)
+        tma = (d_in * x.element_size()) % 16 == 0
+        seen.clear()
+        monkeypatch.setattr(triton_lora, "ROWS_TMA", True)
+        y, grads = run(multi_lora_triton, x, base, w, False, grad_out)
+        assert seen == [(tma, tma), (True, True)]  # the shrink (X), dS (dY: 72 columns)
+        y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+        assert rel(y, y_ref) < tol
+        for g, g_ref in zip(grads, grads_ref):
+            assert rel(g, g_ref) < tol if g_ref.abs().max() > 0 else g.abs().max() == 0
+        torch.manual_seed(3)
+        y_drop, grads_drop = run(multi_lora_triton, x, base, w, True, grad_out)
+        monkeypatch.setattr(triton_lora, "ROWS_TMA", False)
+        torch.manual_seed(3)
+        y_ptr, grads_ptr = run(multi_lora_triton, x, base, w, True, grad_out)
+        assert rel(y_drop, y_ptr) < tol
+        for g, g_ptr in zip(grads_drop, grads_ptr):
+            assert rel(g, g_ptr) < tol if g_ptr.abs().max() > 0 else g.abs().max() == 0
+
+
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("split", [1, 2])
 def test_new_weight_gradients_are_stored_without_being_read(monkeypatch, direct, split):
@@ -1477,6 +1526,15 @@ def test_the_fast_launch_key_separates_what_triton_specializes_on():
     assert spec(True) != spec(False) and spec(1) != spec(True) and spec(0) != spec(False)
     assert spec(aligned) == spec(torch.ones(8)) and spec(4096) == spec(4096)  # the same dtype and alignment
     assert len(_specs((aligned, 3, True, "x"))) == 4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    def desc(t):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [8, 16])
+
+    rows = torch.zeros(64, 32)
+    hash(spec(desc(rows)))  # a key part (a descriptor is no hashable value itself)
+    assert spec(desc(rows)) == spec(desc(torch.ones(16, 64)))  # a new descriptor of its kind: the same variant
+    assert spec(desc(rows)) != spec(desc(rows.half())) and spec(desc(rows)) != spec(rows)
 
 
 @pytest.mark.gpu
