@@ -125,10 +125,11 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
     def two_launches(rk, rw, rs, gk, gt, gw, gs):
         def run():
             _plain(K._rows_times_weight)[(sched.num_blocks * table.r_chunks, 1)](
-                dy, table.b_ptrs, b[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
+                dy, None, table.b_ptrs, b[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
                 table.ranks, table.ones, table.drop_p, table.ranks, d_out, table.r_chunks, 1, 1 << 30, dy.stride(0),
                 ds.stride(0), W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION="ieee", W_ALIGNED=w_aligned,
-                BLOCK_M=T.BLOCK_M, BLOCK_R=table.block_r, BLOCK_K=rk, SPLIT_K=1, num_warps=rw, num_stages=rs)
+                BLOCK_M=T.BLOCK_M, BLOCK_R=table.block_r, BLOCK_K=rk, SPLIT_K=1, TMA_IN=False, WARP_SPEC=False,
+                num_warps=rw, num_stages=rs)
             _plain(K._weight_grad)[(triton.cdiv(d_out, gk), n * grad_chunks)](
                 s, dy, g_ptrs, grads[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks, table.scaling,
                 table.drop_p, table.ranks, g_ptrs, grads[0], ds, d_out, grad_chunks, 1, 1, 1, 1 << 30, s.stride(0),
