@@ -281,6 +281,9 @@ def main() -> None:
     parser.add_argument("--rows-tma", action="store_true",
                         help="the shrink and dS read their input through a tensor descriptor, with warp-specialized "
                              "candidates among their tiles (triton_lora.ROWS_TMA)")
+    parser.add_argument("--grad-tma", action="store_true",
+                        help="the weight-gradient launches read both operands through tensor descriptors, with "
+                             "warp-specialized candidates among their tiles (triton_lora.GRAD_TMA)")
     args = parser.parse_args()
     from lightning_multilora.kernels import triton_kernels, triton_lora
 
@@ -305,6 +308,7 @@ def main() -> None:
     if args.low_rank_min_waves is not None:
         triton_lora.LOW_RANK_MIN_WAVES = args.low_rank_min_waves
     triton_lora.ROWS_TMA = triton_lora.ROWS_TMA or args.rows_tma
+    triton_lora.GRAD_TMA = triton_lora.GRAD_TMA or args.grad_tma
     if args.wide_rows is not None:
         triton_lora.WIDE_ROWS = args.wide_rows
     if args.wide_rows_wide_ranks is not None:
@@ -343,6 +347,8 @@ def main() -> None:
     common["ds_db_one_launch"] = triton_lora.DS_DB_ONE_LAUNCH
     if triton_lora.ROWS_TMA:
         common["rows_tma"] = True
+    if triton_lora.GRAD_TMA:
+        common["grad_tma"] = True
     common.update({k: v for k, v in ds_db.items() if v is not None})
     rows = []
     start = time.monotonic()

@@ -29,7 +29,8 @@ The kernels:
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = s dS^T drop(X)``)
   or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
-  runtime value), the adapters taken in ``ORDER`` (`triton_lora.schedule`: most rows first). It adds into what
+  runtime value), the adapters taken in ``ORDER`` (`triton_lora.schedule`: most rows first). ``TMA`` (off by
+  default: `triton_lora.GRAD_TMA`): both operands through tensor descriptors, some candidates warp-specialized. It adds into what
   is there, as autograd's gradient accumulation does (its autotuning trials must therefore run on scratch
   targets: see `triton_lora`), or, into new gradients (``ADD_TO_G`` off: made
   empty by a backward that found none, after ``zero_grad(set_to_none=True)``), stores without reading them: no
@@ -66,7 +67,7 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEFAULT_META = {
     "rows": dict(BLOCK_K=64, WARP_SPEC=False),  # SPLIT_K: `triton_lora._split_k`
     "rank": dict(BLOCK_N=64, N_PER=128, PREFETCH=True, HOLD_W=False),
-    "grad": dict(BLOCK_K=64, BLOCK_T=64),
+    "grad": dict(BLOCK_K=64, BLOCK_T=64, WARP_SPEC=False),
     "ds_db": dict(ROWS_BLOCK_K=64, GRAD_BLOCK_T=64, INTERLEAVE=True),
 }
 
@@ -146,9 +147,39 @@ _RANK_CONFIGS += [triton.Config({"BLOCK_N": n, "N_PER": n, "PREFETCH": True, "HO
 # (256, 32, 4 warps) and (128, 32, 4): the best of a sweep (BLOCK_T 32-128, BLOCK_K 64-256, 4/8 warps, 2-4 stages) on the
 # H200, 32 adapters x 1024 tokens, K=4096: dA at r=64 107.5 us (127.9 with the others), at r=128 274 us (307).
 # (256, 64, 8 warps, 4 stages): dB at K=14336, r=64, 32 x 1024 tokens, 340 us (356 with the best of the others).
-_GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_stages=st)
-                 for k, t, w, st in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 8, 3), (256, 32, 8, 3), (256, 64, 8, 3),
-                                     (256, 32, 4, 3), (128, 32, 4, 3), (256, 64, 8, 4))]
+_GRAD_TILES = ((64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 8, 3), (256, 32, 8, 3), (256, 64, 8, 3), (256, 32, 4, 3),
+               (128, 32, 4, 3), (256, 64, 8, 4))
+_GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t, "WARP_SPEC": False}, num_warps=w, num_stages=st)
+                 for k, t, w, st in _GRAD_TILES]
+
+
+def _grad_blocks(nargs):
+    """A TMA candidate's hook: the descriptors' blocks are the candidate's tiles, (BLOCK_T x BLOCK_K) of the wide
+    operand, (BLOCK_T x BLOCK_R) of the low-rank one."""
+    nargs["M_DESC"].block_shape = [nargs["BLOCK_T"], nargs["BLOCK_K"]]
+    nargs["L_DESC"].block_shape = [nargs["BLOCK_T"], nargs["BLOCK_R"]]
+
+
+# As the row kernel's `_ROWS_TMA_CONFIGS`, for the weight-gradient launches (`triton_lora.GRAD_TMA`): both operands
+# (X or dY, and dS or S) through tensor descriptors, each tile's rows past the adapter's segment (and the low-rank
+# tile's columns past its rank) set to zero after the load (another adapter's NaN must not reach this one's gradient),
+# some candidates warp-specialized. Compiled for sm_90 with Triton 3.6, the Hopper pass split the loop only with both
+# operands through descriptors (with the low-rank one from pointers it did nothing, or failed on the transposed
+# product); so too 4 warps, 2-byte operands, and not with a row split's atomic adds, dropout or dS added in the loop
+# (`_grad_candidates`). Not measured yet: off by default, `benchmarks/kernels.py --grad-tma`.
+_GRAD_TMA_CONFIGS = ([triton.Config({"BLOCK_K": k, "BLOCK_T": t, "WARP_SPEC": True}, num_warps=4, num_stages=st,
+                                    pre_hook=_grad_blocks) for k, t, w, st in _GRAD_TILES if w == 4]
+                     + [triton.Config({"BLOCK_K": k, "BLOCK_T": t, "WARP_SPEC": False}, num_warps=w, num_stages=st,
+                                      pre_hook=_grad_blocks) for k, t, w, st in _GRAD_TILES])
+
+
+def _grad_candidates(configs, named_args, **kwargs):
+    """The weight-gradient kernel's candidates: with descriptors (``TMA``) `_GRAD_TMA_CONFIGS`, the warp-specialized
+    ones only where the loop has no atomic adds and no dropout, over 2-byte operands; else `_GRAD_CONFIGS`."""
+    split_loop = not (kwargs["ATOMIC"] or kwargs["HAS_DROPOUT"] or kwargs["WITH_DS"]) and \
+        named_args["M"].element_size() == 2 and named_args["L"].element_size() == 2
+    return [c for c in configs if (c.pre_hook is _grad_blocks) == bool(kwargs["TMA"])
+            and (split_loop or not c.kwargs["WARP_SPEC"])]
 
 
 def _stores_unless_fp32(configs, named_args, **kwargs):
@@ -474,12 +505,15 @@ def _rank_times_weight(
                       MULTI_CHUNK, SCALE_PRODUCT, N_PER, PREFETCH, HOLD_W)
 
 
-@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "ADD_TO_G", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS",
-                             "W_ALIGNED", "TRANS_ACC", "DOT_PRECISION", "ROW_BUCKET", "TOKEN_BUCKET"])
+@_tuned(_GRAD_CONFIGS + _GRAD_TMA_CONFIGS,
+        key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "ADD_TO_G", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS", "W_ALIGNED",
+             "TRANS_ACC", "DOT_PRECISION", "ROW_BUCKET", "TOKEN_BUCKET", "TMA"],
+        prune_configs_by={"early_config_prune": _grad_candidates})
 @triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T", "ROW_BUCKET", "TOKEN_BUCKET", "ROW_TOKENS"])
 def _weight_grad(
     # pointers (W_PTRS, W_WITNESS, DS: the B_i and dS of WITH_DS)
-    L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS, DS,
+    L, M, L_DESC, M_DESC, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS,
+    DS,
     # sizes (SPLIT_T, the programs sharing one adapter's rows, is a runtime value: a run whose adapter set
     # shrinks meets several, and each would otherwise compile every tuning candidate again; ROW_BUCKET and
     # TOKEN_BUCKET, buckets of the row blocks and of the largest adapter's rows, only key the tuning, so
@@ -493,7 +527,7 @@ def _weight_grad(
     G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, ADD_TO_G: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     G_ALIGNED: tl.constexpr, WITH_DS: tl.constexpr, W_ALIGNED: tl.constexpr, TRANS_ACC: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     # grid (K blocks x SPLIT_T, adapters x R_CHUNKS): the programs of one adapter's rank chunk are adjacent, and the
     # adapters come in ORDER (most rows first), so that the longest programs start first
@@ -501,7 +535,7 @@ def _weight_grad(
     _grad_program(tl.program_id(0) % k_blocks, tl.program_id(0) // k_blocks, tl.program_id(1), L, M, G_PTRS, G_WITNESS,
                   SEG_START, SEG_END, ORDER, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS, DS, K, R_CHUNKS, SPLIT_T,
                   ROW_TOKENS, stride_l_m, stride_m_m, stride_ds_m, G_IS_A, HAS_DROPOUT, ATOMIC, ADD_TO_G, DOT_PRECISION,
-                  G_ALIGNED, WITH_DS, W_ALIGNED, TRANS_ACC, BLOCK_T, BLOCK_K, BLOCK_R)
+                  G_ALIGNED, WITH_DS, W_ALIGNED, TRANS_ACC, BLOCK_T, BLOCK_K, BLOCK_R, L_DESC, M_DESC, TMA, WARP_SPEC)
 
 
 @triton.jit
@@ -510,16 +544,20 @@ def _grad_program(pid_k, split, slot, L, M, G_PTRS, G_WITNESS, SEG_START, SEG_EN
                   G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, ADD_TO_G: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, G_ALIGNED: tl.constexpr, WITH_DS: tl.constexpr,
                   W_ALIGNED: tl.constexpr, TRANS_ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_R: tl.constexpr):
+                  BLOCK_R: tl.constexpr, L_DESC, M_DESC, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
     """`_weight_grad`'s program for K block ``pid_k``, row split ``split`` and ``slot`` (the adapter ``ORDER[slot //
-    R_CHUNKS]``, its rank chunk ``slot % R_CHUNKS``)."""
+    R_CHUNKS]``, its rank chunk ``slot % R_CHUNKS``); ``TMA``: the tiles through ``L_DESC`` and ``M_DESC``
+    (`_GRAD_TMA_CONFIGS`)."""
     a = tl.load(ORDER + slot // R_CHUNKS)
     r0 = (slot % R_CHUNKS) * BLOCK_R
     r = tl.load(RANKS + a)
-    if r0 >= r:  # a chunk past this adapter's rank
-        return
+    if not WARP_SPEC:
+        if r0 >= r:  # a chunk past this adapter's rank
+            return
     start = tl.load(SEG_START + a)
     end = tl.load(SEG_END + a)
+    if WARP_SPEC:  # a chunk past the rank runs no step and stores nothing (Triton's Hopper pass fails on a return)
+        end = tl.where(r0 >= r, start, end)
     g = tl.load(G_PTRS + a).to(G_WITNESS.dtype)  # this adapter's own gradient tensor
     if G_ALIGNED:  # 16-byte gradient rows: vector stores (and atomics)
         g = tl.multiple_of(g, 16)
@@ -538,13 +576,17 @@ def _grad_program(pid_k, split, slot, L, M, G_PTRS, G_WITNESS, SEG_START, SEG_EN
     else:
         acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
     # SPLIT_T programs share one adapter's rows, interleaved by BLOCK_T, and add into G atomically.
-    for t0 in range(start + split * BLOCK_T, end, BLOCK_T * SPLIT_T):
+    for t0 in tl.range(start + split * BLOCK_T, end, BLOCK_T * SPLIT_T, warp_specialize=WARP_SPEC):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < end
-        low = tl.load(L + offs_t[:, None] * stride_l_m + offs_r[None, :], mask=mask_t[:, None] & mask_r[None, :],
-                      other=0.0)
-        full = tl.load(M + offs_t[:, None] * stride_m_m + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
-                       other=0.0)
+        if TMA:  # (rows past the segment are another adapter's, columns past the rank unwritten: zeroed here)
+            low = tl.where(mask_t[:, None] & mask_r[None, :], L_DESC.load([t0, r0]), 0.0)
+            full = tl.where(mask_t[:, None], M_DESC.load([t0, pid_k * BLOCK_K]), 0.0)
+        else:
+            low = tl.load(L + offs_t[:, None] * stride_l_m + offs_r[None, :],
+                          mask=mask_t[:, None] & mask_r[None, :], other=0.0)
+            full = tl.load(M + offs_t[:, None] * stride_m_m + offs_k[None, :],
+                           mask=mask_t[:, None] & mask_k[None, :], other=0.0)
         if HAS_DROPOUT:
             full = _dropout_scale(full, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_t - start, offs_k,
                                   K, ROW_TOKENS).to(full.dtype)
@@ -646,7 +688,7 @@ def _ds_and_db(
         _grad_program(q % k_blocks, 0, q // k_blocks, S, DY, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS, COEF,
                       DROP_P, SEEDS, B_PTRS, B_WITNESS, DS, K, GRAD_R_CHUNKS, 1, ROW_TOKENS, stride_s_m, stride_dy_m,
                       stride_ds_m, False, False, False, ADD_TO_G, DOT_PRECISION, G_ALIGNED, False, False, TRANS_ACC,
-                      GRAD_BLOCK_T, GRAD_BLOCK_K, GRAD_BLOCK_R)
+                      GRAD_BLOCK_T, GRAD_BLOCK_K, GRAD_BLOCK_R, None, None, False, False)
 
 
 # One launch copies every A_i and B_i into their activation-dtype copies (`triton_lora.WeightCopies`): program

@@ -105,28 +105,34 @@ def test_split_reductions_with_atomics_match_the_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype, warp_spec", [(torch.float32, False), (torch.float16, True)])
-def test_row_launches_reading_their_input_through_a_tensor_descriptor_match_the_reference(monkeypatch, dtype,
-                                                                                            warp_spec):
+def test_launches_reading_through_tensor_descriptors_match_the_reference(monkeypatch, dtype, warp_spec):
     """`triton_lora.ROWS_TMA`: the shrink and dS read X / dY through a tensor descriptor (rows past a segment read and
-    not stored, the tensor's edges read as zeros), their K loop warp-specialized or not (then a rank chunk past an
-    adapter's rank runs an empty loop instead of returning), split over K or not; an input the copy engine cannot
-    read (a row stride off 16 bytes) takes the pointer loads. With dropout, the descriptor's outputs are the pointer
-    loads' (the same masks)."""
+    not stored, the tensor's edges read as zeros); `GRAD_TMA`: dA and dB read both operands so (rows past the segment
+    and low-rank columns past the rank zeroed after the load). Their loops warp-specialized or not (then a rank chunk
+    past an adapter's rank runs an empty loop instead of returning), split over K or not; an input the copy engine
+    cannot read (a row stride off 16 bytes) takes the pointer loads. With dropout, the descriptors' outputs are the
+    pointer loads' (the same masks)."""
     if DEVICE == "cuda" and dtype == torch.float32:
         pytest.skip("fp32 products on the GPU are tf32")
     from lightning_multilora.kernels import triton_kernels as K
     from lightning_multilora.kernels import triton_lora
 
     if INTERPRETED:
-        monkeypatch.setitem(K.DEFAULT_META, "rows", dict(K.DEFAULT_META["rows"], WARP_SPEC=warp_spec))
-    seen = []
-    launcher = triton_lora._rows_times_weight
+        for kind in ("rows", "grad"):
+            monkeypatch.setitem(K.DEFAULT_META, kind, dict(K.DEFAULT_META[kind], WARP_SPEC=warp_spec))
+    seen, seen_grad = [], []
+    launcher, grad_launcher = triton_lora._rows_times_weight, triton_lora._weight_grad
 
     def record(grid, args, meta, *rest):
         seen.append((meta["TMA_IN"], args[1] is not None))
         return launcher(grid, args, meta, *rest)
 
+    def record_grad(grid, args, meta, *rest):
+        seen_grad.append((meta["TMA"], args[2] is not None and args[3] is not None))
+        return grad_launcher(grid, args, meta, *rest)
+
     monkeypatch.setattr(triton_lora, "_rows_times_weight", record)
+    monkeypatch.setattr(triton_lora, "_weight_grad", record_grad)
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     for split, d_in in ((1, 80), (2, 80), (1, 44)):  # 80: a partial last K tile; 44 fp16: an 88-byte row stride
         if INTERPRETED:
@@ -136,9 +142,12 @@ def test_row_launches_reading_their_input_through_a_tensor_descriptor_match_the_
         grad_out = torch.randn_like(base)
         tma = (d_in * x.element_size()) % 16 == 0
         seen.clear()
+        seen_grad.clear()
         monkeypatch.setattr(triton_lora, "ROWS_TMA", True)
+        monkeypatch.setattr(triton_lora, "GRAD_TMA", True)
         y, grads = run(multi_lora_triton, x, base, w, False, grad_out)
         assert seen == [(tma, tma), (True, True)]  # the shrink (X), dS (dY: 72 columns)
+        assert sorted(seen_grad) == sorted([(tma, tma), (True, True)])  # dA (X), dB (dY)
         y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
         assert rel(y, y_ref) < tol
         for g, g_ref in zip(grads, grads_ref):
@@ -146,6 +155,7 @@ def test_row_launches_reading_their_input_through_a_tensor_descriptor_match_the_
         torch.manual_seed(3)
         y_drop, grads_drop = run(multi_lora_triton, x, base, w, True, grad_out)
         monkeypatch.setattr(triton_lora, "ROWS_TMA", False)
+        monkeypatch.setattr(triton_lora, "GRAD_TMA", False)
         torch.manual_seed(3)
         y_ptr, grads_ptr = run(multi_lora_triton, x, base, w, True, grad_out)
         assert rel(y_drop, y_ptr) < tol
@@ -605,11 +615,11 @@ def test_every_weight_gradient_tuning_candidate_gives_the_reference():
             prior = [torch.zeros_like(db) for db in targets.b]
         ds = torch.zeros_like(s)
         grid = (triton.cdiv(dy.shape[1], meta["BLOCK_K"]) * split, len(w.a) * 3)
-        kernel[grid](s, dy, targets.b_ptrs, targets.a[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks,
-                     table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3, split, 1, 1, 1,
-                     s.stride(0), dy.stride(0), ds.stride(0), G_IS_A=False, HAS_DROPOUT=False, ATOMIC=split > 1,
-                     ADD_TO_G=add, DOT_PRECISION="ieee", G_ALIGNED=False, WITH_DS=True, W_ALIGNED=False, BLOCK_R=16,
-                     TRANS_ACC=trans, **meta)
+        kernel[grid](s, dy, None, None, targets.b_ptrs, targets.a[0], sched.seg_start, sched.seg_end, sched.grad_order,
+                     table.ranks, table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3,
+                     split, 1, 1, 1, s.stride(0), dy.stride(0), ds.stride(0), G_IS_A=False, HAS_DROPOUT=False,
+                     ATOMIC=split > 1, ADD_TO_G=add, DOT_PRECISION="ieee", G_ALIGNED=False, WITH_DS=True,
+                     W_ALIGNED=False, BLOCK_R=16, TRANS_ACC=trans, TMA=False, **meta)
         for a, b, db, old, sc, st, en in zip(w.a, w.b, targets.b, prior, w.scaling, w.starts, w.ends):
             r = a.shape[0]
             want = sc * (dy[st:en].double().t() @ s[st:en, :r].double())
