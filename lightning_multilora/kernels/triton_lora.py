@@ -861,10 +861,12 @@ GRAD_TMA = False
 
 
 def _tma_input(full: Tensor) -> bool:
-    """Whether ``full`` can be read through a tensor descriptor: rows of contiguous elements, the base and the
-    row stride on 16-byte boundaries (the copy engine's rule)."""
+    """Whether ``full`` can be read through a tensor descriptor: rows of contiguous elements that do not overlap
+    (a broadcast row, stride 0, does not), the base and the row stride on 16-byte boundaries (the copy engine's
+    rule)."""
     size = full.element_size()
-    return full.stride(1) == 1 and not full.data_ptr() % 16 and not (full.stride(0) * size) % 16
+    return (full.stride(1) == 1 and full.stride(0) >= full.shape[1] and not full.data_ptr() % 16
+            and not (full.stride(0) * size) % 16)
 
 
 def _descriptor(full: Tensor, block: list[int]) -> Any:

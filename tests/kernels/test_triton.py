@@ -110,8 +110,8 @@ def test_launches_reading_through_tensor_descriptors_match_the_reference(monkeyp
     not stored, the tensor's edges read as zeros); `GRAD_TMA`: dA and dB read both operands so (rows past the segment
     and low-rank columns past the rank zeroed after the load). Their loops warp-specialized or not (then a rank chunk
     past an adapter's rank runs an empty loop instead of returning), split over K or not; an input the copy engine
-    cannot read (a row stride off 16 bytes) takes the pointer loads. With dropout, the descriptors' outputs are the
-    pointer loads' (the same masks)."""
+    cannot read (a row stride off 16 bytes) takes the pointer loads; rank 200 makes two rank chunks, the second past
+    the other adapters' ranks. With dropout, the descriptors' outputs are the pointer loads' (the same masks)."""
     if DEVICE == "cuda" and dtype == torch.float32:
         pytest.skip("fp32 products on the GPU are tf32")
     from lightning_multilora.kernels import triton_kernels as K
@@ -137,7 +137,7 @@ def test_launches_reading_through_tensor_descriptors_match_the_reference(monkeyp
     for split, d_in in ((1, 80), (2, 80), (1, 44)):  # 80: a partial last K tile; 44 fp16: an 88-byte row stride
         if INTERPRETED:
             monkeypatch.setattr(triton_lora, "_split_k", lambda num_blocks, k, device: split)
-        x, base, w = problem([1, 7, 100, 16], [70, 0, 5, 130], d_in=d_in, d_out=72, dtype=dtype,
+        x, base, w = problem([1, 7, 200, 16], [70, 0, 5, 130], d_in=d_in, d_out=72, dtype=dtype,
                              dropout=[0.1, 0.0, 0.3, 0.2], seed=40 + split)
         grad_out = torch.randn_like(base)
         tma = (d_in * x.element_size()) % 16 == 0
@@ -1523,6 +1523,26 @@ def test_weight_tiles_are_declared_aligned_only_where_every_row_is():
     assert not _grads_of_parameters(w, pointer_table(w, torch.device(DEVICE)), torch.device(DEVICE)).aligned
 
 
+def test_a_candidate_a_compiler_pass_refuses_times_as_never_finishing(monkeypatch):
+    """The autotuner's timing (`triton_kernels._quick_bench`): a candidate whose compilation fails in a pass (Triton's
+    warp-specialization pass raises on loops it cannot split) is timed as infinite, as Triton times one too large for
+    the GPU; any other error still ends the launch."""
+    from lightning_multilora.kernels import triton_kernels as K
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: fn())
+
+    def failing(message):
+        def launch():
+            raise RuntimeError(message)
+        return launch
+
+    assert K._quick_bench(failing("PassManager::run failed"), quantiles=(0.5, 0.2, 0.8)) == [float("inf")] * 3
+    assert K._quick_bench(failing("PassManager::run failed")) == float("inf")
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        K._quick_bench(failing("CUDA error: an illegal memory access was encountered"), quantiles=(0.5,))
+    assert K._quick_bench(lambda: 1.5, quantiles=(0.5,)) == 1.5
+
+
 def test_the_fast_launch_key_separates_what_triton_specializes_on():
     from lightning_multilora.kernels.launch import _specs
 
@@ -1545,6 +1565,10 @@ def test_the_fast_launch_key_separates_what_triton_specializes_on():
     hash(spec(desc(rows)))  # a key part (a descriptor is no hashable value itself)
     assert spec(desc(rows)) == spec(desc(torch.ones(16, 64)))  # a new descriptor of its kind: the same variant
     assert spec(desc(rows)) != spec(desc(rows.half())) and spec(desc(rows)) != spec(rows)
+    from lightning_multilora.kernels.triton_lora import _tma_input
+
+    assert _tma_input(rows) and not _tma_input(rows[:, 1:]) and not _tma_input(rows.t())
+    assert not _tma_input(torch.zeros(32).expand(64, 32))  # a broadcast row (stride 0)
 
 
 @pytest.mark.gpu
