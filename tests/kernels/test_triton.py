@@ -134,7 +134,7 @@ def test_launches_reading_through_tensor_descriptors_match_the_reference(monkeyp
     monkeypatch.setattr(triton_lora, "_rows_times_weight", record)
     monkeypatch.setattr(triton_lora, "_weight_grad", record_grad)
     tol = 1e-5 if dtype == torch.float32 else 5e-3
-    for split, d_in in ((1, 80), (2, 80), (1, 44)):  # 80: a partial last K tile; 44 fp16: an 88-byte row stride
+    for split, d_in in ((2, 80), (1, 44)):  # 80: a partial last K tile; 44 fp16: an 88-byte row stride
         if INTERPRETED:
             monkeypatch.setattr(triton_lora, "_split_k", lambda num_blocks, k, device: split)
         x, base, w = problem([1, 7, 200, 16], [70, 0, 5, 130], d_in=d_in, d_out=72, dtype=dtype,
