@@ -30,8 +30,8 @@ The kernels:
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = s dS^T drop(X)``)
   or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
   runtime value), the adapters taken in ``ORDER`` (`triton_lora.schedule`: most rows first). ``TMA`` (off by
-  default: `triton_lora.GRAD_TMA`): both operands through tensor descriptors, some candidates warp-specialized. It adds into what
-  is there, as autograd's gradient accumulation does (its autotuning trials must therefore run on scratch
+  default: `triton_lora.GRAD_TMA`): both operands through tensor descriptors, some candidates warp-specialized.
+  It adds into what is there, as autograd's gradient accumulation does (its autotuning trials must therefore run on scratch
   targets: see `triton_lora`), or, into new gradients (``ADD_TO_G`` off: made
   empty by a backward that found none, after ``zero_grad(set_to_none=True)``), stores without reading them: no
   zeroing and no read of zeros, each as many bytes as the gradients. ``WITH_DS`` (the ``dB`` launch): each
@@ -115,7 +115,8 @@ def _in_block(nargs):
 # Compiled for sm_90 with Triton 3.6 (no GPU), the pass splits the loop only with 4 warps and a large operand that
 # comes through a descriptor, and fails (an error, not a fallback) on an early return (hence none under WARP_SPEC), on
 # the dropout draws, on a K split's atomic adds and on dS from fp32 inputs: those candidates are 4-warp, unsplit, and
-# offered only without dropout to bf16 / fp16 inputs (`_stores_unless_fp32`; all of those compiled, r tiles 16-128). Not measured yet: off by default, `benchmarks/kernels.py --rows-tma` turns them on.
+# offered only without dropout to bf16 / fp16 inputs (`_row_candidates`; all of those compiled, r tiles 16-128).
+# Not measured yet: off by default, `benchmarks/kernels.py --rows-tma` turns them on.
 _ROWS_TMA_CONFIGS = ([triton.Config({"BLOCK_K": k, "SPLIT_K": 1, "WARP_SPEC": True}, num_warps=4, num_stages=st,
                                     pre_hook=_in_block) for k, st in ((64, 4), (128, 3), (256, 2))]
                      + [triton.Config({"BLOCK_K": k, "SPLIT_K": sp, "WARP_SPEC": False}, num_warps=w, num_stages=st,
@@ -189,7 +190,7 @@ def _grad_candidates(configs, named_args, **kwargs):
             and (split_loop or not c.kwargs["WARP_SPEC"])]
 
 
-def _stores_unless_fp32(configs, named_args, **kwargs):
+def _row_candidates(configs, named_args, **kwargs):
     """The row kernel's candidates for its output: into fp32 any K split (a split adds atomically); into a half-
     precision ``OUT`` (``S`` / ``dS`` in the activation dtype: `triton_lora.low_rank_dtype`) only those that store.
     With an input descriptor (``TMA_IN``) the descriptor's candidates, else the others; warp-specialized ones only
@@ -222,7 +223,7 @@ def _dropout_scale(values, seed, p, tokens, cols, n_cols, row_tokens):
 
 @_tuned(_ROWS_CONFIGS + _ROWS_TMA_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED",
                                                 "DOT_PRECISION", "ROW_BUCKET", "TMA_IN"],
-        reset_to_zero=["OUT"], prune_configs_by={"early_config_prune": _stores_unless_fp32})
+        reset_to_zero=["OUT"], prune_configs_by={"early_config_prune": _row_candidates})
 @triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET", "ROW_TOKENS"])
 def _rows_times_weight(
     # pointers

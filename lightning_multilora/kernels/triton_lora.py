@@ -1042,10 +1042,10 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
         K._weight_grad[grid](low, full, *descs, scratch.a_ptrs if g_is_a else scratch.b_ptrs, scratch.a[0],
                              *args[6:13], *scratch_w, *tail, **meta)
         _tuned_grad_keys.add(tune_key)
-    _weight_grad(grid, args, meta, _grad_blocks(descs, block_r) if tma else None)
+    _weight_grad(grid, args, meta, _set_grad_blocks(descs, block_r) if tma else None)
 
 
-def _grad_blocks(descs: tuple, block_r: int):
+def _set_grad_blocks(descs: tuple, block_r: int):
     """The weight-gradient launch's ``before`` with descriptors: their blocks set to the tuned tiles (a direct
     launch; Triton's path sets them in the candidate's hook)."""
     def before(meta):
