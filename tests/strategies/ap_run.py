@@ -1,14 +1,17 @@
 """Trains four adapters with `AdapterParallelStrategy` on 2 gloo processes, or in one process (the reference).
 
-    python tests/strategies/ap_run.py OUT_DIR parallel|single|stop|resume|resume_one|stop_single|resume_two|
-        early_exit|early_exit_single|early_exit_stop_single|early_exit_resume_two|optuna|
-        optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|dpo_single|warmup_stop|warmup_resume|optuna_admission|
-        optuna_defaults
+    python tests/strategies/ap_run.py OUT_DIR MODE [MODE ...]
 
-``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt); ``resume`` finishes from that checkpoint,
+MODE: parallel|single|stop|resume|resume_one|stop_single|resume_two|early_exit|early_exit_single|
+early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
+dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|replicated|hybrid. Several modes run one after
+the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
+of processes), each from the same seeds and with its own records, as if alone.
+
+``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt_stop); ``resume`` finishes from that checkpoint,
 ``resume_one`` too, on one process (the strategy's, over one rank). ``stop_single`` / ``resume_two``: the same from
-one process without the strategy (a checkpoint file) to 2 ranks; ``early_exit_stop_single`` /
-``early_exit_resume_two`` likewise with the ``early_exit`` rule.
+one process without the strategy (a checkpoint file, OUT_DIR/ckpt_stop_single) to 2 ranks;
+``early_exit_stop_single`` / ``early_exit_resume_two`` likewise with the ``early_exit`` rule (`RESUMES`).
 ``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation.
 ``optuna`` / ``optuna_single``: no fixed adapters; OptunaSweep asks 5 trials (2 slots) from an in-memory TPE study
 that every process creates (2 random startup trials, so later asks depend on what was told before them).
@@ -34,6 +37,7 @@ Run by tests/strategies/test_adapter_parallel.py.
 from __future__ import annotations
 
 import json
+import random
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -56,6 +60,8 @@ PAIRS = [{"prompt": f"Q{i}: is {i} even?", "chosen": " yes" if i % 2 == 0 else "
           "rejected": " no" if i % 2 == 0 else " yes"} for i in range(40)]
 CALLS: list[tuple[str, int, int]] = []  # (collective, largest tensor's numel, ranks in its group)
 STUDY_CALLS: list[list] = []
+RESUMES = {"resume": "stop", "resume_one": "stop", "resume_two": "stop_single",
+           "early_exit_resume_two": "early_exit_stop_single"}  # a resuming mode: the mode whose checkpoint it reads
 SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
          "rank": {"type": "categorical", "choices": [2, 4]}}
 
@@ -97,7 +103,6 @@ def sweep_callbacks(out: Path, mode: str) -> tuple[list, Callable[[], Any]]:
 
     from lightning_multilora.callbacks import OptunaSweep, WarmupSelection
 
-    count_study_calls()
     if mode == "optuna_admission":
         sweep = OptunaSweep(SPACE, n_trials=6, study=optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)),
                             base={"max_steps": 3, "batch_size": 1})
@@ -125,8 +130,11 @@ def study_rows(study) -> list[dict]:
             for t in study.get_trials(deepcopy=False)]
 
 
-def main() -> None:
-    out, mode = Path(sys.argv[1]), sys.argv[2]
+def run_mode(out: Path, mode: str) -> None:
+    CALLS.clear()
+    STUDY_CALLS.clear()
+    random.seed(0)
+    torch.manual_seed(0)
     sweep = mode.startswith(("optuna", "warmup"))  # its adapters come from the study; adapters validate on finish
     admission = None
     if mode in ("admission", "optuna_admission"):
@@ -152,9 +160,10 @@ def main() -> None:
     if mode in ("stop", "stop_single", "early_exit_stop_single"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
-        kwargs.update(max_steps=2, callbacks=[ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=2, save_top_k=-1)])
-    if mode in ("resume", "resume_one", "resume_two", "early_exit_resume_two"):
-        (ckpt_path,) = (out / "ckpt").glob("*.ckpt")
+        kwargs.update(max_steps=2, callbacks=[ModelCheckpoint(dirpath=out / f"ckpt_{mode}", every_n_train_steps=2,
+                                                              save_top_k=-1)])
+    if mode in RESUMES:
+        (ckpt_path,) = (out / f"ckpt_{RESUMES[mode]}").glob("*.ckpt")
     if mode.startswith("early_exit"):
         from lightning_multilora.callbacks import EarlyExit
 
@@ -179,10 +188,6 @@ def main() -> None:
     if mode == "warmup_resume":
         (ckpt_path,) = (out / "wckpt").glob("*.ckpt")
     if not mode.endswith("single"):
-        for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
-                     "all_reduce"):
-            if hasattr(dist, name):
-                record(name)
         from datetime import timedelta
 
         # a short collective timeout: a rank left waiting fails the run in a minute rather than hanging the tests
@@ -218,6 +223,22 @@ def main() -> None:
                                                                  states=states, started=started, val=val,
                                                                  preference=preference,
                                                                  **sweep_state)))
+
+
+def main() -> None:
+    out, modes = Path(sys.argv[1]), sys.argv[2:]
+    processes = {"single" if m.endswith("single") else m if m in ("hybrid", "resume_one") else "two ranks" for m in modes}
+    if len(processes) != 1:
+        sys.exit(f"modes of one invocation run on the same processes; these need {sorted(processes)}: {modes}")
+    if not all(m.endswith("single") for m in modes):
+        for name in ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor", "reduce_scatter_tensor",
+                     "all_reduce"):
+            if hasattr(dist, name):
+                record(name)
+    if any(m.startswith(("optuna", "warmup")) for m in modes):
+        count_study_calls()
+    for mode in modes:
+        run_mode(out, mode)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -54,31 +55,37 @@ def test_a_replicated_base_is_cast_to_param_dtype_and_its_adapters_are_not():
     assert {p.dtype for p in model.parameters() if id(p) not in kept} == {torch.bfloat16}
 
 
-def launch(out: Path, mode: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), str(out), mode], capture_output=True, text=True, timeout=600)
+def launch(out: Path, *modes: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), str(out), *modes], capture_output=True, text=True, timeout=900)
 
 
-def run(out: Path, mode: str) -> None:
-    result = launch(out, mode)
+def run(out: Path, *modes: str) -> None:
+    result = launch(out, *modes)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
+OPTUNA = importlib.util.find_spec("optuna") is not None  # absent on the GPU image; installed by `make test`
+# Resuming modes after the ones they resume from (`ap_run.RESUMES`)
+SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_single", "dpo_single",
+                *(["optuna_single", "warmup_single"] if OPTUNA else [])]
+TWO_RANK_MODES = ["parallel", "stop", "resume", "resume_two", "early_exit", "early_exit_resume_two", "replicated", "dpo",
+                  "admission", *(["optuna_admission", "optuna", "optuna_defaults", "warmup", "warmup_stop",
+                                  "warmup_resume"] if OPTUNA else [])]
+
+
 @pytest.fixture(scope="module")
-def parallel_run(tmp_path_factory):
+def runs(tmp_path_factory):
+    """The runs the tests read, in one folder: the one-process modes in one process, then the two-rank ones in one
+    pair of processes (an import and a process group for all of them, not one a mode: the file's tests took 9.5
+    minutes of the suite's 15 with a pair of processes a mode)."""
     out = tmp_path_factory.mktemp("adapter_parallel")
-    run(out, "parallel")
+    run(out, *SINGLE_MODES)
+    run(out, *TWO_RANK_MODES)
     return out
 
 
-@pytest.fixture(scope="module")
-def single_run(parallel_run):
-    run(parallel_run, "single")
-    return parallel_run
-
-
-def test_two_ranks_train_each_adapter_exactly_like_one_process(parallel_run, single_run):
-    tmp_path = parallel_run
-    ranks = [json.loads((tmp_path / f"parallel.rank{r}.json").read_text()) for r in (0, 1)]
+def test_two_ranks_train_each_adapter_exactly_like_one_process(runs):
+    ranks = [json.loads((runs / f"parallel.rank{r}.json").read_text()) for r in (0, 1)]
     # disjoint owners; every rank saw every adapter finish (rank 0's last adapter ends at step 4, rank 1's at 6:
     # rank 0 kept joining the base's collectives for two steps and nothing hung)
     assert set(ranks[0]["owned"]) | set(ranks[1]["owned"]) == {"a0", "a1", "a2", "a3"}
@@ -86,23 +93,23 @@ def test_two_ranks_train_each_adapter_exactly_like_one_process(parallel_run, sin
     assert ranks[0]["states"] == ranks[1]["states"]
     assert all(state == "finished" for state, _ in ranks[0]["states"].values())
     # validation (every 3 steps, and on finishing) ran on every rank for its own adapters, results shared
-    single = json.loads((tmp_path / "single.rank0.json").read_text())
+    single = json.loads((runs / "single.rank0.json").read_text())
     assert ranks[0]["val"] == ranks[1]["val"]
     for name, history in single["val"].items():
         assert [s for s, _ in ranks[0]["val"][name]] == [s for s, _ in history] and history
         for (_, a), (_, b) in zip(ranks[0]["val"][name], history):
             assert a == pytest.approx(b, rel=1e-5)
     for name in ("a0", "a1", "a2", "a3"):
-        parallel = load_file(tmp_path / "parallel" / name / "adapter_model.safetensors")
-        single = load_file(tmp_path / "single" / name / "adapter_model.safetensors")
+        parallel = load_file(runs / "parallel" / name / "adapter_model.safetensors")
+        single = load_file(runs / "single" / name / "adapter_model.safetensors")
         assert parallel.keys() == single.keys()
         for key in single:
             assert (parallel[key] - single[key]).abs().max() <= 1e-6, (name, key)
         assert any(t.abs().max() > 0 for k, t in single.items() if "lora_B" in k)  # it did train
 
 
-def test_checkpoints_hold_each_ranks_adapters(parallel_run):
-    folders = list((parallel_run / "root_parallel").rglob("*.ckpt"))
+def test_checkpoints_hold_each_ranks_adapters(runs):
+    folders = list((runs / "root_parallel").rglob("*.ckpt"))
     assert folders, "the default ModelCheckpoint saved nothing"
     owned = []
     for rank in (0, 1):
@@ -116,19 +123,10 @@ def test_checkpoints_hold_each_ranks_adapters(parallel_run):
 SPEC_NAMES = ("a0", "a1", "a2", "a3")
 
 
-@pytest.fixture(scope="module")
-def stopped_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("adapter_parallel_stopped")
-    run(out, "stop")
-    return out
-
-
-def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_as_if_never_stopped(parallel_run, stopped_run):
-    tmp_path = stopped_run
-    run(tmp_path, "resume")
+def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_as_if_never_stopped(runs):
     for rank in (0, 1):
-        resumed_run = json.loads((tmp_path / f"resume.rank{rank}.json").read_text())
-        uninterrupted_run = json.loads((parallel_run / f"parallel.rank{rank}.json").read_text())
+        resumed_run = json.loads((runs / f"resume.rank{rank}.json").read_text())
+        uninterrupted_run = json.loads((runs / f"parallel.rank{rank}.json").read_text())
         # a3 reached its 2 steps at the checkpoint's step: settled at the resume, not trained a third step
         assert resumed_run["states"] == uninterrupted_run["states"] and resumed_run["states"]["a3"] == ["finished", 2]
         for name in SPEC_NAMES:  # the same validations, at the same steps
@@ -136,22 +134,22 @@ def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_as_if_never_stopped(
             assert [v for _, v in resumed_run["val"][name]] == pytest.approx(
                 [v for _, v in uninterrupted_run["val"][name]], rel=1e-5)
     for name in SPEC_NAMES:
-        resumed = load_file(tmp_path / "resume" / name / "adapter_model.safetensors")
-        uninterrupted = load_file(parallel_run / "parallel" / name / "adapter_model.safetensors")
+        resumed = load_file(runs / "resume" / name / "adapter_model.safetensors")
+        uninterrupted = load_file(runs / "parallel" / name / "adapter_model.safetensors")
         for key in uninterrupted:
             assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
     with pytest.raises(FileNotFoundError, match="one rank<r>.ckpt per rank"):
-        AdapterParallelStrategy().load_checkpoint(tmp_path / "nowhere")
+        AdapterParallelStrategy().load_checkpoint(runs / "nowhere")
 
 
-def test_a_checkpoint_of_two_ranks_resumes_on_one_as_if_never_stopped(parallel_run, stopped_run):
+def test_a_checkpoint_of_two_ranks_resumes_on_one_as_if_never_stopped(runs):
     """Resumed on one process, a run written by two: rank 1's adapters come back from its file onto rank 0 (their
     weights, optimizer state, data streams and validation history) and every adapter ends as in the run never
     stopped."""
-    run(stopped_run, "resume_one")
-    resumed_run = json.loads((stopped_run / "resume_one.rank0.json").read_text())
-    uninterrupted_run = json.loads((parallel_run / "parallel.rank0.json").read_text())
-    saved = torch.load(next((stopped_run / "ckpt").glob("*.ckpt")) / "rank1.ckpt", weights_only=False)
+    run(runs, "resume_one")
+    resumed_run = json.loads((runs / "resume_one.rank0.json").read_text())
+    uninterrupted_run = json.loads((runs / "parallel.rank0.json").read_text())
+    saved = torch.load(next((runs / "ckpt_stop").glob("*.ckpt")) / "rank1.ckpt", weights_only=False)
     moved = {n for n, r in saved["adapter_owner"].items() if r == 1}
     assert moved and saved["world_size"] == 2
     assert resumed_run["states"] == uninterrupted_run["states"]
@@ -159,19 +157,19 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_as_if_never_stopped(parallel_r
         assert [s for s, _ in resumed_run["val"][name]] == [s for s, _ in uninterrupted_run["val"][name]]
         assert [v for _, v in resumed_run["val"][name]] == pytest.approx(
             [v for _, v in uninterrupted_run["val"][name]], rel=1e-5)
-        resumed = load_file(stopped_run / "resume_one" / name / "adapter_model.safetensors")
-        uninterrupted = load_file(parallel_run / "parallel" / name / "adapter_model.safetensors")
+        resumed = load_file(runs / "resume_one" / name / "adapter_model.safetensors")
+        uninterrupted = load_file(runs / "parallel" / name / "adapter_model.safetensors")
         for key in uninterrupted:
             assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
 
 
-def test_a_folder_of_mixed_steps_fails_every_rank_with_its_reason(stopped_run, tmp_path):
+def test_a_folder_of_mixed_steps_fails_every_rank_with_its_reason(runs, tmp_path):
     """Rank 1's file of another step (say, a folder saved again that a crash left half-written): both ranks fail
     at the resume with the reason, rank 0 too, whose own files agree (none is left waiting in a collective)."""
     import shutil
 
-    (saved,) = (stopped_run / "ckpt").glob("*.ckpt")
-    folder = tmp_path / "ckpt" / saved.name
+    (saved,) = (runs / "ckpt_stop").glob("*.ckpt")
+    folder = tmp_path / "ckpt_stop" / saved.name
     shutil.copytree(saved, folder)
     state = torch.load(folder / "rank1.ckpt", weights_only=False)
     torch.save({**state, "global_step": state["global_step"] - 1}, folder / "rank1.ckpt")
@@ -181,14 +179,13 @@ def test_a_folder_of_mixed_steps_fails_every_rank_with_its_reason(stopped_run, t
     assert result.stderr.count(reason) >= 2, result.stderr[-3000:]  # (each rank's traceback names it)
 
 
-def test_a_single_process_checkpoint_resumes_on_two_ranks_as_if_never_stopped(single_run, tmp_path):
+def test_a_single_process_checkpoint_resumes_on_two_ranks_as_if_never_stopped(runs):
     """A checkpoint file of one process without the strategy, resumed on two ranks: its adapters placed over both,
     each ending as in the one process never stopped."""
-    run(tmp_path, "stop_single")
-    assert (tmp_path / "ckpt").is_dir() and all(p.is_file() for p in (tmp_path / "ckpt").glob("*.ckpt"))
-    run(tmp_path, "resume_two")
-    ranks = [json.loads((tmp_path / f"resume_two.rank{r}.json").read_text()) for r in (0, 1)]
-    uninterrupted_run = json.loads((single_run / "single.rank0.json").read_text())
+    saved = list((runs / "ckpt_stop_single").glob("*.ckpt"))
+    assert saved and all(p.is_file() for p in saved)
+    ranks = [json.loads((runs / f"resume_two.rank{r}.json").read_text()) for r in (0, 1)]
+    uninterrupted_run = json.loads((runs / "single.rank0.json").read_text())
     assert ranks[0]["owned"] and ranks[1]["owned"] and not set(ranks[0]["owned"]) & set(ranks[1]["owned"])
     for resumed_run in ranks:
         assert resumed_run["states"] == uninterrupted_run["states"]
@@ -197,23 +194,22 @@ def test_a_single_process_checkpoint_resumes_on_two_ranks_as_if_never_stopped(si
             assert [v for _, v in resumed_run["val"][name]] == pytest.approx(
                 [v for _, v in uninterrupted_run["val"][name]], rel=1e-5)
     for name in SPEC_NAMES:  # (a3 finished in its step 2 in one process, before the checkpoint: exported there)
-        resumed = load_file(tmp_path / ("stop_single" if name == "a3" else "resume_two") / name
+        resumed = load_file(runs / ("stop_single" if name == "a3" else "resume_two") / name
                             / "adapter_model.safetensors")
-        uninterrupted = load_file(single_run / "single" / name / "adapter_model.safetensors")
+        uninterrupted = load_file(runs / "single" / name / "adapter_model.safetensors")
         for key in uninterrupted:
             assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
 
 
-def test_no_adapter_tensor_enters_a_collective(parallel_run):
+def test_no_adapter_tensor_enters_a_collective(runs):
     from lightning_multilora.base_model import build_base_model
 
-    tmp_path = parallel_run
     model = build_base_model("tiny-llama")
     per_layer = {sum(p.numel() for p in layer.parameters()) for layer in model.model.layers}
     layer_ids = {id(p) for layer in model.model.layers for p in layer.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in layer_ids)
     for rank in (0, 1):
-        calls = json.loads((tmp_path / f"parallel.rank{rank}.json").read_text())["calls"]
+        calls = json.loads((runs / f"parallel.rank{rank}.json").read_text())["calls"]
         assert not [c for c in calls if "reduce_scatter" in c[0]]  # nothing trainable is sharded: no gradient sync
         assert all(numel <= 1 for name, numel, _ in calls if name == "all_reduce")  # Lightning's control flags only
         gathered = {numel for name, numel, _ in calls if name.startswith("all_gather")}
@@ -221,14 +217,15 @@ def test_no_adapter_tensor_enters_a_collective(parallel_run):
 
 
 @pytest.mark.parametrize("mode, ranks", [("replicated", 2), ("hybrid", 4)])
-def test_a_replicated_or_hybrid_sharded_base_trains_each_adapter_like_one_process(single_run, tmp_path, mode, ranks):
+def test_a_replicated_or_hybrid_sharded_base_trains_each_adapter_like_one_process(runs, mode, ranks):
     # shard_size=1: a whole base on each rank, nothing of it communicated; shard_size=2 of 4 ranks: sharded
     # within pairs (FSDP2 hybrid sharding), a layer's gathers are half the size of plain FSDP's over 4 ranks
     from lightning_multilora.base_model import build_base_model
 
-    run(tmp_path, mode)
-    reports = [json.loads((tmp_path / f"{mode}.rank{r}.json").read_text()) for r in range(ranks)]
-    single = json.loads((single_run / "single.rank0.json").read_text())
+    if mode == "hybrid":  # (4 processes: apart from the two-rank modes)
+        run(runs, mode)
+    reports = [json.loads((runs / f"{mode}.rank{r}.json").read_text()) for r in range(ranks)]
+    single = json.loads((runs / "single.rank0.json").read_text())
     assert sorted(n for r in reports for n in r["owned"]) == ["a0", "a1", "a2", "a3"]
     for report in reports:
         assert report["states"] == single["states"]
@@ -248,42 +245,36 @@ def test_a_replicated_or_hybrid_sharded_base_trains_each_adapter_like_one_proces
         assert [r["local_numel"] for r in reports[:2]] == [r["local_numel"] for r in reports[2:]]
         assert sum(r["local_numel"] for r in reports[:2]) == base_numel
     for name in ("a0", "a1", "a2", "a3"):
-        parallel = load_file(tmp_path / mode / name / "adapter_model.safetensors")
-        alone = load_file(single_run / "single" / name / "adapter_model.safetensors")
+        parallel = load_file(runs / mode / name / "adapter_model.safetensors")
+        alone = load_file(runs / "single" / name / "adapter_model.safetensors")
         for key in alone:
             assert (parallel[key] - alone[key]).abs().max() <= 1e-6, (name, key)
     with pytest.raises(ValueError, match="shard_size"):
         AdapterParallelStrategy(shard_size=0)
 
 
-def test_an_early_exit_on_one_rank_reaches_the_other_and_matches_one_process(tmp_path):
-    run(tmp_path, "early_exit")
-    run(tmp_path, "early_exit_single")
-    ranks = [json.loads((tmp_path / f"early_exit.rank{r}.json").read_text()) for r in (0, 1)]
-    single = json.loads((tmp_path / "early_exit_single.rank0.json").read_text())
+def test_an_early_exit_on_one_rank_reaches_the_other_and_matches_one_process(runs):
+    ranks = [json.loads((runs / f"early_exit.rank{r}.json").read_text()) for r in (0, 1)]
+    single = json.loads((runs / "early_exit_single.rank0.json").read_text())
     assert ranks[0]["states"] == ranks[1]["states"] == single["states"]  # the exit reached the other rank
     assert single["states"]["a1"] == ["overfit", 3]  # a1 left at its first validation (step 3 of 6)
     assert sum("a1" in r["owned"] for r in ranks) == 1
     for name in ("a0", "a1", "a2", "a3"):  # the exported (best) weights are the single process's
-        parallel = load_file(tmp_path / "early_exit" / name / "adapter_model.safetensors")
-        alone = load_file(tmp_path / "early_exit_single" / name / "adapter_model.safetensors")
+        parallel = load_file(runs / "early_exit" / name / "adapter_model.safetensors")
+        alone = load_file(runs / "early_exit_single" / name / "adapter_model.safetensors")
         assert_weights_close(parallel, alone)
     # stopped at step 2 in one process, resumed on two ranks: each adapter judged by its owner alone (the other
     # rank holds its curve from the checkpoint, and would remove an adapter it does not hold)
-    run(tmp_path, "early_exit_stop_single")
-    run(tmp_path, "early_exit_resume_two")
-    resumed = [json.loads((tmp_path / f"early_exit_resume_two.rank{r}.json").read_text()) for r in (0, 1)]
+    resumed = [json.loads((runs / f"early_exit_resume_two.rank{r}.json").read_text()) for r in (0, 1)]
     assert resumed[0]["states"] == resumed[1]["states"] == single["states"]
-    assert_weights_close(load_file(tmp_path / "early_exit_resume_two" / "a1" / "adapter_model.safetensors"),
-                         load_file(tmp_path / "early_exit_single" / "a1" / "adapter_model.safetensors"))
+    assert_weights_close(load_file(runs / "early_exit_resume_two" / "a1" / "adapter_model.safetensors"),
+                         load_file(runs / "early_exit_single" / "a1" / "adapter_model.safetensors"))
 
 
-def test_dpo_on_one_rank_and_sft_on_the_other_train_as_in_one_process(tmp_path):
+def test_dpo_on_one_rank_and_sft_on_the_other_train_as_in_one_process(runs):
     """DPO's reference forward is a collective under FSDP: the rank without DPO rows (training SFT, then idle once
     its adapter finished, and in validation) joins it; every adapter ends as in one process."""
-    run(tmp_path, "dpo")
-    run(tmp_path, "dpo_single")
-    ranks, single = load_runs(tmp_path, "dpo")
+    ranks, single = load_runs(runs, "dpo")
     assert ranks[0]["owned"] == ["d"] and ranks[1]["owned"] == ["s"]
     assert ranks[0]["states"] == ranks[1]["states"] == single["states"] == {"d": ["finished", 5], "s": ["finished", 2]}
     assert ranks[0]["val"] == ranks[1]["val"]
@@ -292,12 +283,11 @@ def test_dpo_on_one_rank_and_sft_on_the_other_train_as_in_one_process(tmp_path):
     # the DPO adapter's held-out preference accuracy: its owner's, on the other rank too (it stayed NaN there)
     assert ranks[1]["preference"] == ranks[0]["preference"] == single["preference"]
     assert 0 <= ranks[1]["preference"]["d"] <= 1
-    assert_same_exports(tmp_path, "dpo", ["d", "s"])
+    assert_same_exports(runs, "dpo", ["d", "s"])
 
 
-def test_admission_judges_each_ranks_adapters_against_one_devices_memory(tmp_path):
-    run(tmp_path, "admission")
-    ranks = [json.loads((tmp_path / f"admission.rank{r}.json").read_text()) for r in (0, 1)]
+def test_admission_judges_each_ranks_adapters_against_one_devices_memory(runs):
+    ranks = [json.loads((runs / f"admission.rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["states"] == ranks[1]["states"] and ranks[0]["started"] == ranks[1]["started"]
     assert all(state == "finished" for state, _ in ranks[0]["states"].values())
     # 2 rows a rank: a0 (batch 2) on rank 0 and a1 (batch 2) on rank 1 start together (one device would start a0
@@ -306,10 +296,9 @@ def test_admission_judges_each_ranks_adapters_against_one_devices_memory(tmp_pat
     assert ranks[0]["owned"] == ["a0", "a2", "a3"] and ranks[1]["owned"] == ["a1"]
 
 
-def test_an_optuna_sweep_asks_as_many_trials_as_every_ranks_memory_admits(tmp_path):
+def test_an_optuna_sweep_asks_as_many_trials_as_every_ranks_memory_admits(runs):
     pytest.importorskip("optuna")
-    run(tmp_path, "optuna_admission")
-    ranks = [json.loads((tmp_path / f"optuna_admission.rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((runs / f"optuna_admission.rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["started"] == ranks[1]["started"] and len(ranks[0]["started"]) == 6
     # 2 rows a rank: 4 trials start at once (one device's view of the memory would have asked 3), then 2 more
     assert sorted(ranks[0]["started"].values()) == [0, 0, 0, 0, 3, 3]
@@ -382,11 +371,9 @@ def assert_same_study(parallel: list[dict], single: list[dict]) -> None:
         assert a["value"] == pytest.approx(b["value"], rel=1e-5)
 
 
-def test_an_optuna_sweep_asks_and_tells_from_rank_zero_and_runs_the_trials_of_one_process(tmp_path):
-    pytest.importorskip("optuna")  # absent on the GPU image; installed by `make test`
-    run(tmp_path, "optuna")
-    run(tmp_path, "optuna_single")
-    ranks, single = load_runs(tmp_path, "optuna")
+def test_an_optuna_sweep_asks_and_tells_from_rank_zero_and_runs_the_trials_of_one_process(runs):
+    pytest.importorskip("optuna")
+    ranks, single = load_runs(runs, "optuna")
     # every rank queued the same trials with the same specs and ended with the same registry and sweep state
     assert ranks[0]["specs"] == ranks[1]["specs"] == single["specs"]
     assert ranks[0]["states"] == ranks[1]["states"] == single["states"]
@@ -399,31 +386,27 @@ def test_an_optuna_sweep_asks_and_tells_from_rank_zero_and_runs_the_trials_of_on
     assert ranks[1]["study"] == []
     assert_study_used_from_rank_zero_once_per_result(ranks, ranks[0]["study"])
     assert_same_study(ranks[0]["study"], single["study"])
-    assert_same_exports(tmp_path, "optuna", single["states"])
+    assert_same_exports(runs, "optuna", single["states"])
 
 
-def test_the_default_directories_are_asked_on_every_rank(tmp_path):
+def test_the_default_directories_are_asked_on_every_rank(runs):
     """Without ``export_dir``, a storage or a summary path, all of them go to the log dir, which ``Trainer.log_dir``
     broadcasts from rank 0: asked by one rank alone (an export on the adapter's rank, the study on rank 0) the run
     hung. Every trial finishes and is exported there, the study and the summary beside them."""
     pytest.importorskip("optuna")
-    run(tmp_path, "optuna_defaults")
-    ranks = [json.loads((tmp_path / f"optuna_defaults.rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = [json.loads((runs / f"optuna_defaults.rank{r}.json").read_text()) for r in (0, 1)]
     states = ranks[0]["states"]
     assert len(states) == 3 and all(state == "finished" for state, _ in states.values()) and ranks[1]["states"] == states
-    log_dir = tmp_path / "root_optuna_defaults" / "lightning_logs" / "version_0"
+    log_dir = runs / "root_optuna_defaults" / "lightning_logs" / "version_0"
     assert sorted(p.name for p in (log_dir / "adapters").iterdir()) == sorted(states)
     assert (log_dir / "optuna.db").is_file()
     assert sorted(row["adapter"] for row in json.loads((log_dir / "sweep_summary.json").read_text())) == sorted(states)
     assert [p.name for p in log_dir.parent.iterdir()] == ["version_0"]
 
 
-def test_warmup_selection_decided_on_rank_zero_keeps_what_one_process_keeps(tmp_path):
+def test_warmup_selection_decided_on_rank_zero_keeps_what_one_process_keeps(runs):
     optuna = pytest.importorskip("optuna")
-
-    run(tmp_path, "warmup")
-    run(tmp_path, "warmup_single")
-    ranks, single = load_runs(tmp_path, "warmup")
+    ranks, single = load_runs(runs, "warmup")
     warmup = [r["callbacks"]["WarmupSelection"] for r in (*ranks, single)]
     assert warmup[0] == warmup[1]
     assert warmup[0]["decided"] and len(warmup[0]["candidates"]) == 4 and len(warmup[0]["kept"]) == 2
@@ -434,40 +417,36 @@ def test_warmup_selection_decided_on_rank_zero_keeps_what_one_process_keeps(tmp_
     assert sorted(state for state, _ in single["states"].values()) == ["finished", "finished", "pruned", "pruned"]
     assert ranks[0]["callbacks"]["OptunaSweep"] == ranks[1]["callbacks"]["OptunaSweep"]
     # the study, read back from its SQLite file: pruned trials told PRUNED, kept ones COMPLETE, once each
-    studies = [study_rows(optuna.load_study(study_name="multilora", storage=f"sqlite:///{tmp_path / m}.db"))
+    studies = [study_rows(optuna.load_study(study_name="multilora", storage=f"sqlite:///{runs / m}.db"))
                for m in ("warmup", "warmup_single")]
     assert ranks[1]["study"] is None
     assert_study_used_from_rank_zero_once_per_result(ranks, studies[0])
     assert_same_study(*studies)
     assert {t["adapter"] for t in studies[0] if t["state"] == "PRUNED"} == {
         n for n, (state, _) in single["states"].items() if state == "pruned"}
-    assert_same_exports(tmp_path, "warmup", single["states"])  # pruned adapters too, exported by their owner
+    assert_same_exports(runs, "warmup", single["states"])  # pruned adapters too, exported by their owner
 
 
-def test_a_sweep_stopped_in_its_warmup_and_resumed_ends_as_if_never_stopped(tmp_path):
+def test_a_sweep_stopped_in_its_warmup_and_resumed_ends_as_if_never_stopped(runs):
     """OptunaSweep + WarmupSelection on 2 ranks, checkpointed at step 3 (candidates paused and queued, the study
     half asked) and resumed from that checkpoint and the same SQLite study."""
     optuna = pytest.importorskip("optuna")
-
-    run(tmp_path, "warmup")
-    run(tmp_path, "warmup_stop")
-    stopped = [json.loads((tmp_path / f"warmup_stop.rank{r}.json").read_text()) for r in (0, 1)]
+    stopped = [json.loads((runs / f"warmup_stop.rank{r}.json").read_text()) for r in (0, 1)]
     assert any(state in ("paused", "queued", "running") for state, _ in stopped[0]["states"].values())
-    run(tmp_path, "warmup_resume")
-    full = [json.loads((tmp_path / f"warmup.rank{r}.json").read_text()) for r in (0, 1)]
-    resumed = [json.loads((tmp_path / f"warmup_resume.rank{r}.json").read_text()) for r in (0, 1)]
+    full = [json.loads((runs / f"warmup.rank{r}.json").read_text()) for r in (0, 1)]
+    resumed = [json.loads((runs / f"warmup_resume.rank{r}.json").read_text()) for r in (0, 1)]
     for a, b in zip(resumed, full):
         assert a["states"] == b["states"] and a["reasons"] == b["reasons"] and a["owned"] == b["owned"]
         assert a["callbacks"]["WarmupSelection"]["kept"] == b["callbacks"]["WarmupSelection"]["kept"]
         assert a["callbacks"]["WarmupSelection"]["warmup_losses"] == pytest.approx(
             b["callbacks"]["WarmupSelection"]["warmup_losses"], rel=1e-5)
-    studies = [study_rows(optuna.load_study(study_name="multilora", storage=f"sqlite:///{tmp_path / m}.db"))
+    studies = [study_rows(optuna.load_study(study_name="multilora", storage=f"sqlite:///{runs / m}.db"))
                for m in ("warmup_resumed", "warmup")]
     assert_same_study(*studies)  # no trial asked twice or lost across the restart
     for name, (state, _) in full[0]["states"].items():
-        folder = "warmup_resume" if (tmp_path / "warmup_resume" / name).exists() else "warmup_stop"
-        resumed_weights = load_file(tmp_path / folder / name / "adapter_model.safetensors")
-        uninterrupted = load_file(tmp_path / "warmup" / name / "adapter_model.safetensors")
+        folder = "warmup_resume" if (runs / "warmup_resume" / name).exists() else "warmup_stop"
+        resumed_weights = load_file(runs / folder / name / "adapter_model.safetensors")
+        uninterrupted = load_file(runs / "warmup" / name / "adapter_model.safetensors")
         assert_weights_close(resumed_weights, uninterrupted)
 
 
