@@ -125,17 +125,16 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
     def two_launches(rk, rw, rs, gk, gt, gw, gs):
         def run():
             _plain(K._rows_times_weight)[(sched.num_blocks * table.r_chunks, 1)](
-                dy, None, table.b_ptrs, b[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
+                dy, table.b_ptrs, b[0], ds, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
                 table.ranks, table.ones, table.drop_p, table.ranks, d_out, table.r_chunks, 1, 1 << 30, dy.stride(0),
                 ds.stride(0), W_IS_A=False, HAS_DROPOUT=False, DOT_PRECISION="ieee", W_ALIGNED=w_aligned,
-                BLOCK_M=T.BLOCK_M, BLOCK_R=table.block_r, BLOCK_K=rk, SPLIT_K=1, TMA_IN=False, WARP_SPEC=False,
-                num_warps=rw, num_stages=rs)
+                BLOCK_M=T.BLOCK_M, BLOCK_R=table.block_r, BLOCK_K=rk, SPLIT_K=1, num_warps=rw, num_stages=rs)
             _plain(K._weight_grad)[(triton.cdiv(d_out, gk), n * grad_chunks)](
-                s, dy, None, None, g_ptrs, grads[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks,
-                table.scaling, table.drop_p, table.ranks, g_ptrs, grads[0], ds, d_out, grad_chunks, 1, 1, 1, 1 << 30, s.stride(0),
+                s, dy, g_ptrs, grads[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks, table.scaling,
+                table.drop_p, table.ranks, g_ptrs, grads[0], ds, d_out, grad_chunks, 1, 1, 1, 1 << 30, s.stride(0),
                 dy.stride(0), 0, G_IS_A=False, HAS_DROPOUT=False, ATOMIC=False, ADD_TO_G=True, DOT_PRECISION="ieee",
                 G_ALIGNED=w_aligned, WITH_DS=False, W_ALIGNED=False, TRANS_ACC=trans, BLOCK_T=gt, BLOCK_K=gk,
-                BLOCK_R=grad_r, TMA=False, WARP_SPEC=False, num_warps=gw, num_stages=gs)
+                BLOCK_R=grad_r, num_warps=gw, num_stages=gs)
         return run
 
     def one_launch(interleave, rk, gk, gt, nw, st, block_m=T.BLOCK_M, grad_tile=T.GRAD_MAX_TILE):
@@ -167,12 +166,11 @@ def point(d_out: int, kind: str, tokens: int, n: int, device, common: dict, dtyp
         def run():
             ds32.zero_()
             _plain(K._weight_grad)[(triton.cdiv(d_out, gk), n * grad_chunks)](
-                s, dy, None, None, g_ptrs, grads[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks,
-                table.scaling, table.drop_p, table.ranks, table.b_ptrs, b[0], ds32, d_out, grad_chunks, 1, 1, 1, 1 << 30,
+                s, dy, g_ptrs, grads[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks, table.scaling,
+                table.drop_p, table.ranks, table.b_ptrs, b[0], ds32, d_out, grad_chunks, 1, 1, 1, 1 << 30,
                 s.stride(0), dy.stride(0), ds32.stride(0), G_IS_A=False, HAS_DROPOUT=False, ATOMIC=False,
                 ADD_TO_G=True, DOT_PRECISION="ieee", G_ALIGNED=w_aligned, WITH_DS=True, W_ALIGNED=w_aligned,
-                TRANS_ACC=trans, BLOCK_T=gt, BLOCK_K=gk, BLOCK_R=grad_r, TMA=False, WARP_SPEC=False, num_warps=gw,
-                num_stages=gs)
+                TRANS_ACC=trans, BLOCK_T=gt, BLOCK_K=gk, BLOCK_R=grad_r, num_warps=gw, num_stages=gs)
         return run
 
     def result(run, out):

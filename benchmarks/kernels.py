@@ -278,12 +278,6 @@ def main() -> None:
                         help="row-kernel programs a SM from which S and dS take the activation dtype "
                              "(triton_lora.LOW_RANK_MIN_WAVES; fewer: fp32, the row launches may split K; default: "
                              "the package's)")
-    parser.add_argument("--rows-tma", action="store_true",
-                        help="the shrink and dS read their input through a tensor descriptor, with warp-specialized "
-                             "candidates among their tiles (triton_lora.ROWS_TMA)")
-    parser.add_argument("--grad-tma", action="store_true",
-                        help="the weight-gradient launches read both operands through tensor descriptors, with "
-                             "warp-specialized candidates among their tiles (triton_lora.GRAD_TMA)")
     args = parser.parse_args()
     from lightning_multilora.kernels import triton_kernels, triton_lora
 
@@ -307,8 +301,6 @@ def main() -> None:
         triton_lora.WIDE_ROWS_WIDE_RANKS = max(1, tall[1] // args.block_m)
     if args.low_rank_min_waves is not None:
         triton_lora.LOW_RANK_MIN_WAVES = args.low_rank_min_waves
-    triton_lora.ROWS_TMA = triton_lora.ROWS_TMA or args.rows_tma
-    triton_lora.GRAD_TMA = triton_lora.GRAD_TMA or args.grad_tma
     if args.wide_rows is not None:
         triton_lora.WIDE_ROWS = args.wide_rows
     if args.wide_rows_wide_ranks is not None:
@@ -345,10 +337,6 @@ def main() -> None:
     if args.block_m is not None or args.low_rank_min_waves is not None:
         common["low_rank_min_waves"] = triton_lora.LOW_RANK_MIN_WAVES
     common["ds_db_one_launch"] = triton_lora.DS_DB_ONE_LAUNCH
-    if triton_lora.ROWS_TMA:
-        common["rows_tma"] = True
-    if triton_lora.GRAD_TMA:
-        common["grad_tma"] = True
     common.update({k: v for k, v in ds_db.items() if v is not None})
     rows = []
     start = time.monotonic()

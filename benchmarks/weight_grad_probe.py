@@ -44,12 +44,11 @@ def point(d_in: int, kind: str, tokens: int, n: int, out: list, path: str) -> No
 
                 def run():
                     _plain(K._weight_grad)[(triton.cdiv(d_in, bk) * split, n * chunks)](
-                        ds, x, None, None, g_ptrs, grads[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks,
+                        ds, x, g_ptrs, grads[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks,
                         table.scaling, table.drop_p, table.ranks, g_ptrs, grads[0], ds, d_in, chunks, split, 1, 1,
                         1 << 30, ds.stride(0), x.stride(0), 0, G_IS_A=True, HAS_DROPOUT=False, ATOMIC=split > 1,
                         ADD_TO_G=add, DOT_PRECISION="ieee", G_ALIGNED=aligned, WITH_DS=False, W_ALIGNED=False,
-                        TRANS_ACC=trans, BLOCK_T=bt, BLOCK_K=bk, BLOCK_R=grad_r, TMA=False, WARP_SPEC=False,
-                        num_warps=nw, num_stages=st)
+                        TRANS_ACC=trans, BLOCK_T=bt, BLOCK_K=bk, BLOCK_R=grad_r, num_warps=nw, num_stages=st)
 
                 try:
                     for g in grads:

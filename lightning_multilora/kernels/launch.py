@@ -27,13 +27,9 @@ def _specs(args: tuple) -> tuple:
     value is finer than what Triton specializes it on (1, a multiple of 16, within 32 bits): a new value takes
     Triton's own path once, which finds its compiled kernel. The kernels' int arguments are widths, strides and
     counts fixed per layer shape, and a few per layout (rank chunks, row splits, the tuning buckets of
-    `triton_lora._bucket`), so a run meets few values. A tensor descriptor counts as its tensor (its block, which
-    Triton specializes on, is the tuned tile: set from the launch's meta-parameters by its ``before``). One
-    comprehension: this runs on every launch."""
+    `triton_lora._bucket`), so a run meets few values. One comprehension: this runs on every launch."""
     return tuple([(a.dtype, not a.data_ptr() & 15) if isinstance(a, torch.Tensor) else
-                  a if a.__class__ is int else
-                  (a.__class__, a.base.dtype, not a.base.data_ptr() & 15) if hasattr(a, "block_shape") else
-                  (a.__class__, a) for a in args])
+                  a if a.__class__ is int else (a.__class__, a) for a in args])
 
 
 class FastLauncher:

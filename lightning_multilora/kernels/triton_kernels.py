@@ -15,8 +15,7 @@ The kernels:
   ``S = drop(X) A^T``) or ``B_i`` (``dS = dY B``, kept without the scaling); one program per (row block,
   rank chunk), the chunks of one row block adjacent (the second reads its rows from L2); split over K (tuned)
   into an fp32 ``OUT`` (``S``, ``dS``) that must be zeroed. An ``OUT`` in the activation dtype (many rows:
-  `triton_lora.low_rank_dtype`) takes only the candidates that store (no split). ``TMA_IN`` (off by default:
-  `triton_lora.ROWS_TMA`): the input tiles come through a tensor descriptor, some candidates warp-specialized.
+  `triton_lora.low_rank_dtype`) takes only the candidates that store (no split).
 - `_rank_times_weight`: ``Y[t, :] (+)= c_i * (R[t, :r_i] @ W_i) [* drop mask]`` where W_i is ``B_i^T``
   (expand + add, ``Y = Y_base + s S B^T``) or ``A_i`` (``dX = s drop'(dS A)``); one program per (row block,
   ``N_PER`` columns), a pipelined loop over its column blocks, each over the rank chunks. ``NARROW``: the
@@ -29,9 +28,8 @@ The kernels:
 - `_weight_grad`: per adapter, ``G_i += c_i * L_i^T @ drop_i(M_i)`` over its rows, added into the
   adapter's own gradient tensor (reached through a pointer array) in A's layout (``dA = s dS^T drop(X)``)
   or B's (``dB^T = s S^T dY``); one program per (adapter, rank chunk, K block, row split; the split is a
-  runtime value), the adapters taken in ``ORDER`` (`triton_lora.schedule`: most rows first). ``TMA`` (off by
-  default: `triton_lora.GRAD_TMA`): both operands through tensor descriptors, some candidates warp-specialized.
-  It adds into what is there, as autograd's gradient accumulation does (its autotuning trials must therefore run on scratch
+  runtime value), the adapters taken in ``ORDER`` (`triton_lora.schedule`: most rows first). It adds into what
+  is there, as autograd's gradient accumulation does (its autotuning trials must therefore run on scratch
   targets: see `triton_lora`), or, into new gradients (``ADD_TO_G`` off: made
   empty by a backward that found none, after ``zero_grad(set_to_none=True)``), stores without reading them: no
   zeroing and no read of zeros, each as many bytes as the gradients. ``WITH_DS`` (the ``dB`` launch): each
@@ -65,24 +63,17 @@ import triton.language as tl
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Fixed tiles for the interpreter; on the GPU the tiles below are autotuned per shape.
 DEFAULT_META = {
-    "rows": dict(BLOCK_K=64, WARP_SPEC=False),  # SPLIT_K: `triton_lora._split_k`
+    "rows": dict(BLOCK_K=64),  # SPLIT_K: `triton_lora._split_k`
     "rank": dict(BLOCK_N=64, N_PER=128, PREFETCH=True, HOLD_W=False),
-    "grad": dict(BLOCK_K=64, BLOCK_T=64, WARP_SPEC=False),
+    "grad": dict(BLOCK_K=64, BLOCK_T=64),
     "ds_db": dict(ROWS_BLOCK_K=64, GRAD_BLOCK_T=64, INTERLEAVE=True),
 }
 
 
 def _quick_bench(fn, quantiles=None, **kwargs):
     """Triton's timing with a shorter budget (5 ms warm-up, 25 ms of runs per config, not 25 and 100): these
-    kernels take microseconds, and a run whose adapter set changes meets new row buckets as it goes. A candidate
-    whose compilation fails in a pass (Triton's warp-specialization pass raises on loops it cannot split,
-    `_ROWS_TMA_CONFIGS`) times as never finishing, as one too large for the GPU does, instead of ending the run."""
-    try:
-        return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
-    except RuntimeError as err:
-        if "PassManager::run failed" not in str(err):
-            raise
-        return [float("inf")] * len(quantiles) if quantiles else float("inf")
+    kernels take microseconds, and a run whose adapter set changes meets new row buckets as it goes."""
+    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
 def _tuned(configs, key, **kwargs):
@@ -97,31 +88,8 @@ def _tuned(configs, key, **kwargs):
 # The row kernel streams its input once: how many programs share a row block (SPLIT_K, each over a slice of
 # K, adding into OUT atomically) decides whether the GPU has enough loads in flight; it depends on the
 # number of row blocks (ROW_BUCKET, `triton_lora._bucket`), so it is tuned per bucket with the tiles.
-_ROWS_CONFIGS = [triton.Config({"BLOCK_K": k, "SPLIT_K": sp, "WARP_SPEC": False}, num_warps=w, num_stages=st)
+_ROWS_CONFIGS = [triton.Config({"BLOCK_K": k, "SPLIT_K": sp}, num_warps=w, num_stages=st)
                  for sp in (1, 2, 4, 8) for k, w, st in ((64, 4, 4), (128, 8, 3), (256, 8, 3))]
-
-
-def _in_block(nargs):
-    """A TMA candidate's hook: the input descriptor's block is the candidate's (BLOCK_M x BLOCK_K) tile."""
-    nargs["IN_DESC"].block_shape = [nargs["BLOCK_M"], nargs["BLOCK_K"]]
-
-
-# Candidates that load the input through a tensor descriptor (TMA_IN, `triton_lora.ROWS_TMA`: the copy engine
-# fetches each (BLOCK_M x BLOCK_K) tile; rows past a segment's end are read and not stored, the tensor's edges come
-# back as zeros), and among them some whose K loop is warp-specialized (WARP_SPEC, ``tl.range(...,
-# warp_specialize=True)``: Triton's Hopper pass gives the loads and the products warp groups of their own, which run
-# at once). Why: at 1024 tokens an adapter the launches take about the time of their bytes at the copy rate plus their
-# products at the matrix rate (`benchmarks/results/kernels_h200.md`, session 34): loads and products overlap little.
-# Compiled for sm_90 with Triton 3.6 (no GPU), the pass splits the loop only with 4 warps and a large operand that
-# comes through a descriptor, and fails (an error, not a fallback) on an early return (hence none under WARP_SPEC), on
-# the dropout draws, on a K split's atomic adds and on dS from fp32 inputs: those candidates are 4-warp, unsplit, and
-# offered only without dropout to bf16 / fp16 inputs (`_row_candidates`; all of those compiled, r tiles 16-128).
-# Not measured yet: off by default, `benchmarks/kernels.py --rows-tma` turns them on.
-_ROWS_TMA_CONFIGS = ([triton.Config({"BLOCK_K": k, "SPLIT_K": 1, "WARP_SPEC": True}, num_warps=4, num_stages=st,
-                                    pre_hook=_in_block) for k, st in ((64, 4), (128, 3), (256, 2))]
-                     + [triton.Config({"BLOCK_K": k, "SPLIT_K": sp, "WARP_SPEC": False}, num_warps=w, num_stages=st,
-                                      pre_hook=_in_block)
-                        for sp in (1, 2, 4) for k, w, st in ((64, 4, 4), (128, 8, 3), (256, 8, 3))])
 # The expand / dX kernel walks its N_PER columns in BLOCK_N-wide steps, a loop the compiler pipelines (num_stages):
 # the next weight tile (and, for the expand, the next Y tile) is in flight while this one is multiplied and stored,
 # and the low-rank tile is read once per program. On the H200, 32 adapters x 1024 tokens at r=64: dX of 4096 columns
@@ -155,49 +123,14 @@ _RANK_CONFIGS += [triton.Config({"BLOCK_N": n, "N_PER": n, "PREFETCH": True, "HO
 # (256, 32, 4 warps) and (128, 32, 4): the best of a sweep (BLOCK_T 32-128, BLOCK_K 64-256, 4/8 warps, 2-4 stages) on the
 # H200, 32 adapters x 1024 tokens, K=4096: dA at r=64 107.5 us (127.9 with the others), at r=128 274 us (307).
 # (256, 64, 8 warps, 4 stages): dB at K=14336, r=64, 32 x 1024 tokens, 340 us (356 with the best of the others).
-_GRAD_TILES = ((64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 8, 3), (256, 32, 8, 3), (256, 64, 8, 3), (256, 32, 4, 3),
-               (128, 32, 4, 3), (256, 64, 8, 4))
-_GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t, "WARP_SPEC": False}, num_warps=w, num_stages=st)
-                 for k, t, w, st in _GRAD_TILES]
+_GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_stages=st)
+                 for k, t, w, st in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 32, 8, 3), (256, 32, 8, 3), (256, 64, 8, 3),
+                                     (256, 32, 4, 3), (128, 32, 4, 3), (256, 64, 8, 4))]
 
 
-def _grad_blocks(nargs):
-    """A TMA candidate's hook: the descriptors' blocks are the candidate's tiles, (BLOCK_T x BLOCK_K) of the wide
-    operand, (BLOCK_T x BLOCK_R) of the low-rank one."""
-    nargs["M_DESC"].block_shape = [nargs["BLOCK_T"], nargs["BLOCK_K"]]
-    nargs["L_DESC"].block_shape = [nargs["BLOCK_T"], nargs["BLOCK_R"]]
-
-
-# As the row kernel's `_ROWS_TMA_CONFIGS`, for the weight-gradient launches (`triton_lora.GRAD_TMA`): both operands
-# (X or dY, and dS or S) through tensor descriptors, each tile's rows past the adapter's segment (and the low-rank
-# tile's columns past its rank) set to zero after the load (another adapter's NaN must not reach this one's gradient),
-# some candidates warp-specialized. Compiled for sm_90 with Triton 3.6, the Hopper pass split the loop only with both
-# operands through descriptors (with the low-rank one from pointers it did nothing, or failed on the transposed
-# product); so too 4 warps, 2-byte operands, and not with a row split's atomic adds, dropout or dS added in the loop
-# (`_grad_candidates`). Not measured yet: off by default, `benchmarks/kernels.py --grad-tma`.
-_GRAD_TMA_CONFIGS = ([triton.Config({"BLOCK_K": k, "BLOCK_T": t, "WARP_SPEC": True}, num_warps=4, num_stages=st,
-                                    pre_hook=_grad_blocks) for k, t, w, st in _GRAD_TILES if w == 4]
-                     + [triton.Config({"BLOCK_K": k, "BLOCK_T": t, "WARP_SPEC": False}, num_warps=w, num_stages=st,
-                                      pre_hook=_grad_blocks) for k, t, w, st in _GRAD_TILES])
-
-
-def _grad_candidates(configs, named_args, **kwargs):
-    """The weight-gradient kernel's candidates: with descriptors (``TMA``) `_GRAD_TMA_CONFIGS`, the warp-specialized
-    ones only where the loop has no atomic adds and no dropout, over 2-byte operands; else `_GRAD_CONFIGS`."""
-    split_loop = not (kwargs["ATOMIC"] or kwargs["HAS_DROPOUT"] or kwargs["WITH_DS"]) and \
-        named_args["M"].element_size() == 2 and named_args["L"].element_size() == 2
-    return [c for c in configs if (c.pre_hook is _grad_blocks) == bool(kwargs["TMA"])
-            and (split_loop or not c.kwargs["WARP_SPEC"])]
-
-
-def _row_candidates(configs, named_args, **kwargs):
+def _stores_unless_fp32(configs, named_args, **kwargs):
     """The row kernel's candidates for its output: into fp32 any K split (a split adds atomically); into a half-
-    precision ``OUT`` (``S`` / ``dS`` in the activation dtype: `triton_lora.low_rank_dtype`) only those that store.
-    With an input descriptor (``TMA_IN``) the descriptor's candidates, else the others; warp-specialized ones only
-    without dropout and for 2-byte inputs (`_ROWS_TMA_CONFIGS`)."""
-    split_loop = not kwargs["HAS_DROPOUT"] and named_args["IN"].element_size() == 2  # (`_ROWS_TMA_CONFIGS`)
-    configs = [c for c in configs if (c.pre_hook is _in_block) == bool(kwargs["TMA_IN"])
-               and (split_loop or not c.kwargs["WARP_SPEC"])]
+    precision ``OUT`` (``S`` / ``dS`` in the activation dtype: `triton_lora.low_rank_dtype`) only those that store."""
     if named_args["OUT"].element_size() == 4:
         return configs
     return [c for c in configs if c.kwargs["SPLIT_K"] == 1]
@@ -221,13 +154,13 @@ def _dropout_scale(values, seed, p, tokens, cols, n_cols, row_tokens):
     return tl.where(keep, values.to(tl.float32) / (1.0 - p), 0.0)
 
 
-@_tuned(_ROWS_CONFIGS + _ROWS_TMA_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED",
-                                                "DOT_PRECISION", "ROW_BUCKET", "TMA_IN"],
-        reset_to_zero=["OUT"], prune_configs_by={"early_config_prune": _row_candidates})
+@_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "DOT_PRECISION",
+                             "ROW_BUCKET"],
+        reset_to_zero=["OUT"], prune_configs_by={"early_config_prune": _stores_unless_fp32})
 @triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET", "ROW_TOKENS"])
 def _rows_times_weight(
     # pointers
-    IN, IN_DESC, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
+    IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes (ROW_BUCKET, a bucket of the programs (`triton_lora._bucket`), only keys the tuning: a runtime value,
     # so every bucket shares the compiled kernels)
     K, R_CHUNKS, ROW_BUCKET, ROW_TOKENS,
@@ -236,27 +169,23 @@ def _rows_times_weight(
     # meta-parameters
     W_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_ALIGNED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-    TMA_IN: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     _rows_program(tl.program_id(0) // R_CHUNKS, (tl.program_id(0) % R_CHUNKS) * BLOCK_R, tl.program_id(1), IN, W_PTRS,
                   W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS, K, ROW_TOKENS,
                   stride_in_m, stride_out_m, W_IS_A, HAS_DROPOUT, DOT_PRECISION, W_ALIGNED, BLOCK_M, BLOCK_K, BLOCK_R,
-                  SPLIT_K, IN_DESC, TMA_IN, WARP_SPEC)
+                  SPLIT_K)
 
 
 @triton.jit
 def _rows_program(pid, r0, split, IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF,
                   DROP_P, SEEDS, K, ROW_TOKENS, stride_in_m, stride_out_m, W_IS_A: tl.constexpr,
                   HAS_DROPOUT: tl.constexpr, DOT_PRECISION: tl.constexpr, W_ALIGNED: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr,
-                  IN_DESC, TMA_IN: tl.constexpr, WARP_SPEC: tl.constexpr):
-    """`_rows_times_weight`'s program for row block ``pid``, the rank chunk from ``r0`` and K split ``split``;
-    ``TMA_IN``: the input tiles through ``IN_DESC`` (`_ROWS_TMA_CONFIGS`)."""
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_K: tl.constexpr):
+    """`_rows_times_weight`'s program for row block ``pid``, the rank chunk from ``r0`` and K split ``split``."""
     a = tl.load(BLK_ADAPTER + pid)
     r = tl.load(RANKS + a)
-    if not WARP_SPEC:
-        if r0 >= r:  # a chunk past this adapter's rank
-            return
+    if r0 >= r:  # a chunk past this adapter's rank
+        return
     m0 = tl.load(BLK_START + pid)
     end = tl.load(SEG_END + a)
     w = tl.load(W_PTRS + a).to(W_WITNESS.dtype)
@@ -278,17 +207,12 @@ def _rows_program(pid, r0, split, IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_S
     k_per_split = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
-    if WARP_SPEC:  # a chunk past the rank runs no step and stores nothing (Triton's Hopper pass fails on a return)
-        k_hi = tl.where(r0 >= r, k_lo, k_hi)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in tl.range(k_lo, k_hi, BLOCK_K, warp_specialize=WARP_SPEC):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_hi
-        if TMA_IN:  # (a split's K range is whole tiles: only the tensor's edge cuts one, and it reads as zeros)
-            x = IN_DESC.load([m0, k0])
-        else:
-            x = tl.load(IN + offs_m[:, None] * stride_in_m + offs_k[None, :],
-                        mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(IN + offs_m[:, None] * stride_in_m + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if HAS_DROPOUT:
             x = _dropout_scale(x, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m - tl.load(SEG_START + a), offs_k,
                                K, ROW_TOKENS).to(x.dtype)
@@ -513,15 +437,12 @@ def _rank_times_weight(
                       MULTI_CHUNK, SCALE_PRODUCT, N_PER, PREFETCH, HOLD_W)
 
 
-@_tuned(_GRAD_CONFIGS + _GRAD_TMA_CONFIGS,
-        key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "ADD_TO_G", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS", "W_ALIGNED",
-             "TRANS_ACC", "DOT_PRECISION", "ROW_BUCKET", "TOKEN_BUCKET", "TMA"],
-        prune_configs_by={"early_config_prune": _grad_candidates})
+@_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "ADD_TO_G", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS",
+                             "W_ALIGNED", "TRANS_ACC", "DOT_PRECISION", "ROW_BUCKET", "TOKEN_BUCKET"])
 @triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T", "ROW_BUCKET", "TOKEN_BUCKET", "ROW_TOKENS"])
 def _weight_grad(
     # pointers (W_PTRS, W_WITNESS, DS: the B_i and dS of WITH_DS)
-    L, M, L_DESC, M_DESC, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS,
-    DS,
+    L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS, DS,
     # sizes (SPLIT_T, the programs sharing one adapter's rows, is a runtime value: a run whose adapter set
     # shrinks meets several, and each would otherwise compile every tuning candidate again; ROW_BUCKET and
     # TOKEN_BUCKET, buckets of the row blocks and of the largest adapter's rows, only key the tuning, so
@@ -535,7 +456,7 @@ def _weight_grad(
     G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, ADD_TO_G: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     G_ALIGNED: tl.constexpr, WITH_DS: tl.constexpr, W_ALIGNED: tl.constexpr, TRANS_ACC: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     # grid (K blocks x SPLIT_T, adapters x R_CHUNKS): the programs of one adapter's rank chunk are adjacent, and the
     # adapters come in ORDER (most rows first), so that the longest programs start first
@@ -543,7 +464,7 @@ def _weight_grad(
     _grad_program(tl.program_id(0) % k_blocks, tl.program_id(0) // k_blocks, tl.program_id(1), L, M, G_PTRS, G_WITNESS,
                   SEG_START, SEG_END, ORDER, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS, DS, K, R_CHUNKS, SPLIT_T,
                   ROW_TOKENS, stride_l_m, stride_m_m, stride_ds_m, G_IS_A, HAS_DROPOUT, ATOMIC, ADD_TO_G, DOT_PRECISION,
-                  G_ALIGNED, WITH_DS, W_ALIGNED, TRANS_ACC, BLOCK_T, BLOCK_K, BLOCK_R, L_DESC, M_DESC, TMA, WARP_SPEC)
+                  G_ALIGNED, WITH_DS, W_ALIGNED, TRANS_ACC, BLOCK_T, BLOCK_K, BLOCK_R)
 
 
 @triton.jit
@@ -552,20 +473,16 @@ def _grad_program(pid_k, split, slot, L, M, G_PTRS, G_WITNESS, SEG_START, SEG_EN
                   G_IS_A: tl.constexpr, HAS_DROPOUT: tl.constexpr, ATOMIC: tl.constexpr, ADD_TO_G: tl.constexpr,
                   DOT_PRECISION: tl.constexpr, G_ALIGNED: tl.constexpr, WITH_DS: tl.constexpr,
                   W_ALIGNED: tl.constexpr, TRANS_ACC: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_R: tl.constexpr, L_DESC, M_DESC, TMA: tl.constexpr, WARP_SPEC: tl.constexpr):
+                  BLOCK_R: tl.constexpr):
     """`_weight_grad`'s program for K block ``pid_k``, row split ``split`` and ``slot`` (the adapter ``ORDER[slot //
-    R_CHUNKS]``, its rank chunk ``slot % R_CHUNKS``); ``TMA``: the tiles through ``L_DESC`` and ``M_DESC``
-    (`_GRAD_TMA_CONFIGS`)."""
+    R_CHUNKS]``, its rank chunk ``slot % R_CHUNKS``)."""
     a = tl.load(ORDER + slot // R_CHUNKS)
     r0 = (slot % R_CHUNKS) * BLOCK_R
     r = tl.load(RANKS + a)
-    if not WARP_SPEC:
-        if r0 >= r:  # a chunk past this adapter's rank
-            return
+    if r0 >= r:  # a chunk past this adapter's rank
+        return
     start = tl.load(SEG_START + a)
     end = tl.load(SEG_END + a)
-    if WARP_SPEC:  # a chunk past the rank runs no step and stores nothing (Triton's Hopper pass fails on a return)
-        end = tl.where(r0 >= r, start, end)
     g = tl.load(G_PTRS + a).to(G_WITNESS.dtype)  # this adapter's own gradient tensor
     if G_ALIGNED:  # 16-byte gradient rows: vector stores (and atomics)
         g = tl.multiple_of(g, 16)
@@ -584,17 +501,13 @@ def _grad_program(pid_k, split, slot, L, M, G_PTRS, G_WITNESS, SEG_START, SEG_EN
     else:
         acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
     # SPLIT_T programs share one adapter's rows, interleaved by BLOCK_T, and add into G atomically.
-    for t0 in tl.range(start + split * BLOCK_T, end, BLOCK_T * SPLIT_T, warp_specialize=WARP_SPEC):
+    for t0 in range(start + split * BLOCK_T, end, BLOCK_T * SPLIT_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < end
-        if TMA:  # (rows past the segment are another adapter's, columns past the rank unwritten: zeroed here)
-            low = tl.where(mask_t[:, None] & mask_r[None, :], L_DESC.load([t0, r0]), 0.0)
-            full = tl.where(mask_t[:, None], M_DESC.load([t0, pid_k * BLOCK_K]), 0.0)
-        else:
-            low = tl.load(L + offs_t[:, None] * stride_l_m + offs_r[None, :],
-                          mask=mask_t[:, None] & mask_r[None, :], other=0.0)
-            full = tl.load(M + offs_t[:, None] * stride_m_m + offs_k[None, :],
-                           mask=mask_t[:, None] & mask_k[None, :], other=0.0)
+        low = tl.load(L + offs_t[:, None] * stride_l_m + offs_r[None, :], mask=mask_t[:, None] & mask_r[None, :],
+                      other=0.0)
+        full = tl.load(M + offs_t[:, None] * stride_m_m + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
+                       other=0.0)
         if HAS_DROPOUT:
             full = _dropout_scale(full, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_t - start, offs_k,
                                   K, ROW_TOKENS).to(full.dtype)
@@ -689,14 +602,14 @@ def _ds_and_db(
         _rows_program(code // ROWS_R_CHUNKS, (code % ROWS_R_CHUNKS) * ROWS_BLOCK_R, 0, DY, B_PTRS, B_WITNESS, DS,
                       BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, ONES, DROP_P, SEEDS, K, ROW_TOKENS,
                       stride_dy_m, stride_ds_m, False, False, DOT_PRECISION, W_ALIGNED, BLOCK_M, ROWS_BLOCK_K,
-                      ROWS_BLOCK_R, 1, None, False, False)
+                      ROWS_BLOCK_R, 1)
     else:
         q = -code - 1
         k_blocks = tl.cdiv(K, GRAD_BLOCK_K)
         _grad_program(q % k_blocks, 0, q // k_blocks, S, DY, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS, COEF,
                       DROP_P, SEEDS, B_PTRS, B_WITNESS, DS, K, GRAD_R_CHUNKS, 1, ROW_TOKENS, stride_s_m, stride_dy_m,
                       stride_ds_m, False, False, False, ADD_TO_G, DOT_PRECISION, G_ALIGNED, False, False, TRANS_ACC,
-                      GRAD_BLOCK_T, GRAD_BLOCK_K, GRAD_BLOCK_R, None, None, False, False)
+                      GRAD_BLOCK_T, GRAD_BLOCK_K, GRAD_BLOCK_R)
 
 
 # One launch copies every A_i and B_i into their activation-dtype copies (`triton_lora.WeightCopies`): program

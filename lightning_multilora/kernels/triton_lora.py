@@ -853,55 +853,20 @@ def _zero_if_split(out: Tensor):
     return lambda full: out.zero_() if full is None or full["SPLIT_K"] > 1 else None
 
 
-# The shrink and dS launches read their input through a tensor descriptor (TMA), with candidates whose K loop is
-# warp-specialized (`triton_kernels._ROWS_TMA_CONFIGS`). Off until measured (`benchmarks/kernels.py --rows-tma`).
-ROWS_TMA = False
-# ... and the weight-gradient launches both their operands (`triton_kernels._GRAD_TMA_CONFIGS`; `--grad-tma`).
-GRAD_TMA = False
-
-
-def _tma_input(full: Tensor) -> bool:
-    """Whether ``full`` can be read through a tensor descriptor: rows of contiguous elements that do not overlap
-    (a broadcast row, stride 0, does not), the base and the row stride on 16-byte boundaries (the copy engine's
-    rule)."""
-    size = full.element_size()
-    return (full.stride(1) == 1 and full.stride(0) >= full.shape[1] and not full.data_ptr() % 16
-            and not (full.stride(0) * size) % 16)
-
-
-def _descriptor(full: Tensor, block: list[int]) -> Any:
-    """A tensor descriptor over all of ``full`` (rows x columns) with tiles of ``block``."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(full, list(full.shape), list(full.stride()), block)
-
-
 def _row_launch(call: _Call, full: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: bool, has_dropout: bool) -> None:
     """``OUT[t, :r_i] = drop_i(FULL[t]) @ W_i``: the shrink (``W_i = A_i^T``) or dS (``W_i = B_i``), one launch over
     every row block and rank chunk at the whole rank tile; its K split (with its tiles) is tuned per bucket of
-    programs (row blocks x rank chunks). ``OUT`` is zeroed first where the launch splits K (`_zero_if_split`).
-    With `ROWS_TMA` (and an input it fits), ``FULL`` is read through a tensor descriptor whose block is the tuned
-    tile (set by the candidate's hook on Triton's path, here on a direct launch)."""
+    programs (row blocks x rank chunks). ``OUT`` is zeroed first where the launch splits K (`_zero_if_split`)."""
     sched, table, k = call.sched, call.table, full.shape[1]
     programs = sched.num_blocks * table.r_chunks
-    zero = _zero_if_split(out)
-    desc, before = None, zero
-    if ROWS_TMA and _tma_input(full):
-        desc = _descriptor(full, [BLOCK_M, K.DEFAULT_META["rows"]["BLOCK_K"]])
-
-        def before(meta):
-            zero(meta)
-            if meta is not None:
-                desc.block_shape = [BLOCK_M, meta["BLOCK_K"]]
     _rows_times_weight(
         lambda meta: (programs, meta["SPLIT_K"]),
-        (full, desc, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
+        (full, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
          table.ranks, table.ones, table.drop_p, call.seeds, k, table.r_chunks, _bucket(programs), call.row_tokens,
          full.stride(0), out.stride(0)),
         dict(W_IS_A=w_is_a, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
-             BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, TMA_IN=desc is not None,
-             **_rows_meta(sched.num_blocks, k, full.device)),
-        before)
+             BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, k, full.device)),
+        _zero_if_split(out))
 
 
 def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, int, int, bool, int, int], ...]:
@@ -1014,13 +979,8 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
     tail = (k, r_chunks, split, sched.bucket, sched.token_bucket, call.row_tokens, low.stride(0), full.stride(0),
             ds.stride(0) if with_ds else 0)
     w_args = (call.b_ptrs, call.w_witness, ds) if with_ds else (ptrs, witness, low)  # (unused without dS)
-    descs = (None, None)
-    if GRAD_TMA and _tma_input(full) and _tma_input(low):
-        descs = (_descriptor(low, [K.DEFAULT_META["grad"]["BLOCK_T"], block_r]),
-                 _descriptor(full, [K.DEFAULT_META["grad"]["BLOCK_T"], K.DEFAULT_META["grad"]["BLOCK_K"]]))
-    tma = descs[0] is not None
-    args = (low, full, *descs, ptrs, witness, sched.seg_start, sched.seg_end, sched.grad_order, table.ranks,
-            table.scaling, table.drop_p, seeds, *w_args, *tail)
+    args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, sched.grad_order, table.ranks, table.scaling,
+            table.drop_p, seeds, *w_args, *tail)
     w_aligned = with_ds and call.w_aligned
     # Into new (empty) gradients: stored, or with a row split zeroed first and added into
     new = targets.new[0 if g_is_a else 1] if targets.new is not None else None
@@ -1029,30 +989,21 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
     add_to_g = new is None
     meta = dict(G_IS_A=g_is_a, HAS_DROPOUT=dropout, ATOMIC=split > 1, ADD_TO_G=add_to_g, DOT_PRECISION=call.precision,
                 G_ALIGNED=targets.aligned, WITH_DS=with_ds, W_ALIGNED=w_aligned, BLOCK_R=block_r,
-                TRANS_ACC=block_r >= GRAD_TRANSPOSE_MIN_TILE, TMA=tma, **_meta("grad"))
+                TRANS_ACC=block_r >= GRAD_TRANSPOSE_MIN_TILE,
+                **_meta("grad"))
     grid = lambda m: (_cdiv(k, m["BLOCK_K"]) * split, n * r_chunks)  # noqa: E731
     tune_key = (k, block_r, g_is_a, split > 1, add_to_g, dropout, low.dtype, full.dtype, witness.dtype,
                 meta["DOT_PRECISION"], targets.aligned, with_ds, w_aligned, w_args[1].dtype, sched.bucket,
-                sched.token_bucket, tma)
+                sched.token_bucket)
     if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
         # The launch adds into its targets (and dS), and the autotuner's trials would add several times: let them
         # run on scratch ones first; the real launch below then reuses the chosen tiles.
         scratch = _fresh_grads(weights, table, device)
         scratch_w = (w_args[0], w_args[1], torch.zeros_like(ds)) if with_ds else (ptrs, scratch.a[0], low)
-        K._weight_grad[grid](low, full, *descs, scratch.a_ptrs if g_is_a else scratch.b_ptrs, scratch.a[0],
-                             *args[6:13], *scratch_w, *tail, **meta)
+        K._weight_grad[grid](low, full, scratch.a_ptrs if g_is_a else scratch.b_ptrs, scratch.a[0], *args[4:11],
+                             *scratch_w, *tail, **meta)
         _tuned_grad_keys.add(tune_key)
-    _weight_grad(grid, args, meta, _set_grad_blocks(descs, block_r) if tma else None)
-
-
-def _set_grad_blocks(descs: tuple, block_r: int):
-    """The weight-gradient launch's ``before`` with descriptors: their blocks set to the tuned tiles (a direct
-    launch; Triton's path sets them in the candidate's hook)."""
-    def before(meta):
-        if meta is not None:
-            descs[0].block_shape = [meta["BLOCK_T"], block_r]
-            descs[1].block_shape = [meta["BLOCK_T"], meta["BLOCK_K"]]
-    return before
+    _weight_grad(grid, args, meta)
 
 
 def _grad_split(call: _Call, k: int, device: torch.device) -> int:

@@ -104,65 +104,6 @@ def test_split_reductions_with_atomics_match_the_reference(monkeypatch):
         assert rel(g, g_ref) < 1e-5
 
 
-@pytest.mark.parametrize("dtype, warp_spec", [(torch.float32, False), (torch.float16, True)])
-def test_launches_reading_through_tensor_descriptors_match_the_reference(monkeypatch, dtype, warp_spec):
-    """`triton_lora.ROWS_TMA`: the shrink and dS read X / dY through a tensor descriptor (rows past a segment read and
-    not stored, the tensor's edges read as zeros); `GRAD_TMA`: dA and dB read both operands so (rows past the segment
-    and low-rank columns past the rank zeroed after the load). Their loops warp-specialized or not (then a rank chunk
-    past an adapter's rank runs an empty loop instead of returning), split over K or not; an input the copy engine
-    cannot read (a row stride off 16 bytes) takes the pointer loads; rank 200 makes two rank chunks, the second past
-    the other adapters' ranks. With dropout, the descriptors' outputs are the pointer loads' (the same masks)."""
-    if DEVICE == "cuda" and dtype == torch.float32:
-        pytest.skip("fp32 products on the GPU are tf32")
-    from lightning_multilora.kernels import triton_kernels as K
-    from lightning_multilora.kernels import triton_lora
-
-    if INTERPRETED:
-        for kind in ("rows", "grad"):
-            monkeypatch.setitem(K.DEFAULT_META, kind, dict(K.DEFAULT_META[kind], WARP_SPEC=warp_spec))
-    seen, seen_grad = [], []
-    launcher, grad_launcher = triton_lora._rows_times_weight, triton_lora._weight_grad
-
-    def record(grid, args, meta, *rest):
-        seen.append((meta["TMA_IN"], args[1] is not None))
-        return launcher(grid, args, meta, *rest)
-
-    def record_grad(grid, args, meta, *rest):
-        seen_grad.append((meta["TMA"], args[2] is not None and args[3] is not None))
-        return grad_launcher(grid, args, meta, *rest)
-
-    monkeypatch.setattr(triton_lora, "_rows_times_weight", record)
-    monkeypatch.setattr(triton_lora, "_weight_grad", record_grad)
-    tol = 1e-5 if dtype == torch.float32 else 5e-3
-    for split, d_in in ((2, 80), (1, 44)):  # 80: a partial last K tile; 44 fp16: an 88-byte row stride
-        if INTERPRETED:
-            monkeypatch.setattr(triton_lora, "_split_k", lambda num_blocks, k, device: split)
-        x, base, w = problem([1, 7, 200, 16], [70, 0, 5, 130], d_in=d_in, d_out=72, dtype=dtype,
-                             dropout=[0.1, 0.0, 0.3, 0.2], seed=40 + split)
-        grad_out = torch.randn_like(base)
-        tma = (d_in * x.element_size()) % 16 == 0
-        seen.clear()
-        seen_grad.clear()
-        monkeypatch.setattr(triton_lora, "ROWS_TMA", True)
-        monkeypatch.setattr(triton_lora, "GRAD_TMA", True)
-        y, grads = run(multi_lora_triton, x, base, w, False, grad_out)
-        assert seen == [(tma, tma), (True, True)]  # the shrink (X), dS (dY: 72 columns)
-        assert sorted(seen_grad) == sorted([(tma, tma), (True, True)])  # dA (X), dB (dY)
-        y_ref, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
-        assert rel(y, y_ref) < tol
-        for g, g_ref in zip(grads, grads_ref):
-            assert rel(g, g_ref) < tol if g_ref.abs().max() > 0 else g.abs().max() == 0
-        torch.manual_seed(3)
-        y_drop, grads_drop = run(multi_lora_triton, x, base, w, True, grad_out)
-        monkeypatch.setattr(triton_lora, "ROWS_TMA", False)
-        monkeypatch.setattr(triton_lora, "GRAD_TMA", False)
-        torch.manual_seed(3)
-        y_ptr, grads_ptr = run(multi_lora_triton, x, base, w, True, grad_out)
-        assert rel(y_drop, y_ptr) < tol
-        for g, g_ptr in zip(grads_drop, grads_ptr):
-            assert rel(g, g_ptr) < tol if g_ptr.abs().max() > 0 else g.abs().max() == 0
-
-
 @pytest.mark.parametrize("direct", [False, True])
 @pytest.mark.parametrize("split", [1, 2])
 def test_new_weight_gradients_are_stored_without_being_read(monkeypatch, direct, split):
@@ -615,11 +556,11 @@ def test_every_weight_gradient_tuning_candidate_gives_the_reference():
             prior = [torch.zeros_like(db) for db in targets.b]
         ds = torch.zeros_like(s)
         grid = (triton.cdiv(dy.shape[1], meta["BLOCK_K"]) * split, len(w.a) * 3)
-        kernel[grid](s, dy, None, None, targets.b_ptrs, targets.a[0], sched.seg_start, sched.seg_end, sched.grad_order,
-                     table.ranks, table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3,
-                     split, 1, 1, 1, s.stride(0), dy.stride(0), ds.stride(0), G_IS_A=False, HAS_DROPOUT=False,
-                     ATOMIC=split > 1, ADD_TO_G=add, DOT_PRECISION="ieee", G_ALIGNED=False, WITH_DS=True,
-                     W_ALIGNED=False, BLOCK_R=16, TRANS_ACC=trans, TMA=False, **meta)
+        kernel[grid](s, dy, targets.b_ptrs, targets.a[0], sched.seg_start, sched.seg_end, sched.grad_order, table.ranks,
+                     table.scaling, table.drop_p, table.ranks, table.b_ptrs, w.a[0], ds, dy.shape[1], 3, split, 1, 1, 1,
+                     s.stride(0), dy.stride(0), ds.stride(0), G_IS_A=False, HAS_DROPOUT=False, ATOMIC=split > 1,
+                     ADD_TO_G=add, DOT_PRECISION="ieee", G_ALIGNED=False, WITH_DS=True, W_ALIGNED=False, BLOCK_R=16,
+                     TRANS_ACC=trans, **meta)
         for a, b, db, old, sc, st, en in zip(w.a, w.b, targets.b, prior, w.scaling, w.starts, w.ends):
             r = a.shape[0]
             want = sc * (dy[st:en].double().t() @ s[st:en, :r].double())
@@ -1523,26 +1464,6 @@ def test_weight_tiles_are_declared_aligned_only_where_every_row_is():
     assert not _grads_of_parameters(w, pointer_table(w, torch.device(DEVICE)), torch.device(DEVICE)).aligned
 
 
-def test_a_candidate_a_compiler_pass_refuses_times_as_never_finishing(monkeypatch):
-    """The autotuner's timing (`triton_kernels._quick_bench`): a candidate whose compilation fails in a pass (Triton's
-    warp-specialization pass raises on loops it cannot split) is timed as infinite, as Triton times one too large for
-    the GPU; any other error still ends the launch."""
-    from lightning_multilora.kernels import triton_kernels as K
-
-    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kwargs: fn())
-
-    def failing(message):
-        def launch():
-            raise RuntimeError(message)
-        return launch
-
-    assert K._quick_bench(failing("PassManager::run failed"), quantiles=(0.5, 0.2, 0.8)) == [float("inf")] * 3
-    assert K._quick_bench(failing("PassManager::run failed")) == float("inf")
-    with pytest.raises(RuntimeError, match="illegal memory access"):
-        K._quick_bench(failing("CUDA error: an illegal memory access was encountered"), quantiles=(0.5,))
-    assert K._quick_bench(lambda: 1.5, quantiles=(0.5,)) == 1.5
-
-
 def test_the_fast_launch_key_separates_what_triton_specializes_on():
     from lightning_multilora.kernels.launch import _specs
 
@@ -1556,19 +1477,6 @@ def test_the_fast_launch_key_separates_what_triton_specializes_on():
     assert spec(True) != spec(False) and spec(1) != spec(True) and spec(0) != spec(False)
     assert spec(aligned) == spec(torch.ones(8)) and spec(4096) == spec(4096)  # the same dtype and alignment
     assert len(_specs((aligned, 3, True, "x"))) == 4
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    def desc(t):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [8, 16])
-
-    rows = torch.zeros(64, 32)
-    hash(spec(desc(rows)))  # a key part (a descriptor is no hashable value itself)
-    assert spec(desc(rows)) == spec(desc(torch.ones(16, 64)))  # a new descriptor of its kind: the same variant
-    assert spec(desc(rows)) != spec(desc(rows.half())) and spec(desc(rows)) != spec(rows)
-    from lightning_multilora.kernels.triton_lora import _tma_input
-
-    assert _tma_input(rows) and not _tma_input(rows[:, 1:]) and not _tma_input(rows.t())
-    assert not _tma_input(torch.zeros(32).expand(64, 32))  # a broadcast row (stride 0)
 
 
 @pytest.mark.gpu
