@@ -76,12 +76,36 @@ def _quick_bench(fn, quantiles=None, **kwargs):
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
-def _tuned(configs, key, **kwargs):
-    """Autotuned on the GPU; the choices are cached on disk (Triton's cache), so a new process does not tune
-    the same shapes again."""
+# A launch whose widest operand (``wide`` of `_tuned`: rows x columns) holds at most this many elements takes one
+# candidate, untimed (the interpreter's tiles, `DEFAULT_META`, where a candidate has them): such a launch takes a few
+# microseconds whatever its tiles, while tuning it compiles every candidate (about a second each), once per tuning key.
+# Why: the tiny model of the tests and the demo met about 30 tuning keys, and on a fresh H200 its first steps spent
+# minutes compiling (a two-adapter fp32 run of `tests/test_graphs.py` was still compiling after 6 minutes). A tuning
+# key's first launch decides for the key (its row bucket bounds the rows). 0: tune every launch.
+SMALL_PROBLEM = 1 << 18
+
+
+def _small_or(prune, wide, small):
+    """An ``early_config_prune`` that keeps ``prune``'s candidates (all, without it), or only the one with the tiles
+    ``small`` (else the first) where ``named_args[wide]`` has at most `SMALL_PROBLEM` elements."""
+
+    def candidates(configs, named_args, **kwargs):
+        kept = prune(configs, named_args, **kwargs) if prune is not None else configs
+        if named_args[wide].numel() > SMALL_PROBLEM:
+            return kept
+        return [next((c for c in kept if all(c.kwargs.get(k) == v for k, v in small.items())), kept[0])]
+
+    return candidates
+
+
+def _tuned(configs, key, wide, small, prune=None, **kwargs):
+    """Autotuned on the GPU over ``configs`` (``prune``: the launch's `early_config_prune`), except launches too
+    small for it (`SMALL_PROBLEM`, `_small_or`); the choices are cached on disk (Triton's cache), so a new process
+    does not tune the same shapes again."""
     if INTERPRETED:
         return lambda fn: fn
-    return triton.autotune(configs=configs, key=key, cache_results=True, do_bench=_quick_bench, **kwargs)
+    return triton.autotune(configs=configs, key=key, cache_results=True, do_bench=_quick_bench,
+                           prune_configs_by={"early_config_prune": _small_or(prune, wide, small)}, **kwargs)
 
 
 # Few candidates per kernel: each is compiled once per shape the first time it runs.
@@ -156,7 +180,7 @@ def _dropout_scale(values, seed, p, tokens, cols, n_cols, row_tokens):
 
 @_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "DOT_PRECISION",
                              "ROW_BUCKET"],
-        reset_to_zero=["OUT"], prune_configs_by={"early_config_prune": _stores_unless_fp32})
+        reset_to_zero=["OUT"], prune=_stores_unless_fp32, wide="IN", small=DEFAULT_META["rows"])
 @triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET", "ROW_TOKENS"])
 def _rows_times_weight(
     # pointers
@@ -385,7 +409,7 @@ def _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
 
 @_tuned(_RANK_CONFIGS, key=["N", "BLOCK_M", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
                             "SCALE_PRODUCT", "W_ALIGNED", "NARROW", "DOT_PRECISION", "ROW_BUCKET", "ROWS_PER"],
-        restore_value=["Y"])
+        restore_value=["Y"], wide="Y", small=dict(BLOCK_N=64, N_PER=64, HOLD_W=False))
 @triton.jit(do_not_specialize=["ROW_BUCKET", "ROW_TOKENS", "BLK_OFFSET", "WIDE_OFFSET", "ROWS_PER"])
 def _rank_times_weight(
     # pointers (WIDE_ADAPTER, WIDE_START, WIDE_END: the schedule's tall blocks, the ones HOLD_W walks)
@@ -438,7 +462,8 @@ def _rank_times_weight(
 
 
 @_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "ADD_TO_G", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS",
-                             "W_ALIGNED", "TRANS_ACC", "DOT_PRECISION", "ROW_BUCKET", "TOKEN_BUCKET"])
+                             "W_ALIGNED", "TRANS_ACC", "DOT_PRECISION", "ROW_BUCKET", "TOKEN_BUCKET"],
+        wide="M", small=DEFAULT_META["grad"])
 @triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T", "ROW_BUCKET", "TOKEN_BUCKET", "ROW_TOKENS"])
 def _weight_grad(
     # pointers (W_PTRS, W_WITNESS, DS: the B_i and dS of WITH_DS)
@@ -571,7 +596,7 @@ def _ds_db_candidates(configs, named_args, **kwargs):
 
 @_tuned(_DS_DB_CONFIGS, key=["K", "ROWS_BLOCK_R", "GRAD_BLOCK_R", "ADD_TO_G", "W_ALIGNED", "G_ALIGNED", "TRANS_ACC",
                              "DOT_PRECISION", "ROW_BUCKET", "TOKEN_BUCKET", "BLOCK_M", "GRAD_BLOCK_K"],
-        prune_configs_by={"early_config_prune": _ds_db_candidates})
+        prune=_ds_db_candidates, wide="DY", small=DEFAULT_META["ds_db"])
 @triton.jit(do_not_specialize=["N_DS", "ROWS_R_CHUNKS", "GRAD_R_CHUNKS", "ROW_BUCKET", "TOKEN_BUCKET", "ROW_TOKENS"])
 def _ds_and_db(
     # pointers (PROGS: the interleaved order's program table; B_PTRS: the B_i, read by dS; G_PTRS: the dB_i)

@@ -448,6 +448,30 @@ def test_the_schedule_lists_the_longest_programs_first():
         [256, 512, 600, 856, 1000]
 
 
+def test_a_launch_too_small_to_tune_takes_one_candidate_with_the_interpreters_tiles(monkeypatch):
+    """At most `SMALL_PROBLEM` elements in the launch's widest operand: one candidate (the launch's own pruning first,
+    then the tiles the interpreter runs), which Triton launches untimed; above it, every candidate is tuned."""
+    from lightning_multilora.kernels import triton_kernels as K
+
+    small, large = torch.empty(64, 64), torch.empty(K.SMALL_PROBLEM + 1, 1)
+    half = torch.empty(1, dtype=torch.float16)
+    cases = [(K._stores_unless_fp32, "IN", K.DEFAULT_META["rows"], K._ROWS_CONFIGS, {"OUT": half}, {}),
+             (None, "Y", dict(BLOCK_N=64, N_PER=64, HOLD_W=False), K._RANK_CONFIGS, {}, {}),
+             (None, "M", K.DEFAULT_META["grad"], K._GRAD_CONFIGS, {}, {}),
+             (K._ds_db_candidates, "DY", K.DEFAULT_META["ds_db"], K._DS_DB_CONFIGS, {},
+              dict(BLOCK_M=64, GRAD_BLOCK_K=128, GRAD_BLOCK_R=64))]
+    for prune, wide, tiles, configs, named, meta in cases:
+        pick = K._small_or(prune, wide, tiles)
+        own = prune(configs, named, **meta) if prune else configs
+        assert pick(configs, {wide: large, **named}, **meta) == own and len(own) > 1
+        (chosen,) = pick(configs, {wide: small, **named}, **meta)
+        assert chosen in own and all(chosen.kwargs[k] == v for k, v in tiles.items()), (wide, chosen)
+    rows = K._small_or(K._stores_unless_fp32, "IN", K.DEFAULT_META["rows"])
+    assert rows(K._ROWS_CONFIGS, {"IN": small, "OUT": half})[0].kwargs["SPLIT_K"] == 1  # (a half OUT: no K split)
+    monkeypatch.setattr(K, "SMALL_PROBLEM", 0)
+    assert rows(K._ROWS_CONFIGS, {"IN": small, "OUT": small}) == K._ROWS_CONFIGS
+
+
 def test_adapter_sets_past_the_kernels_limits_get_a_clear_error(monkeypatch):
     from lightning_multilora.kernels import triton_lora
     from lightning_multilora.kernels.triton_lora import pointer_table
