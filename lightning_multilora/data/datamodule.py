@@ -265,6 +265,7 @@ class MultiLoRADataModule(L.LightningDataModule):
             return ids, labels
 
         chosen, rejected = [], []
+        same, empty = [], []  # pairs with one completion for both answers / an empty answer
         prefix = list(getattr(tok, "prefix_ids", ()))  # (BOS, where the tokenizer begins a text with it)
         for i in order:
             example = examples[i]
@@ -282,12 +283,24 @@ class MultiLoRADataModule(L.LightningDataModule):
                 continue
             chosen.append(first)
             rejected.append(second)
+            if pairs and first[1] == second[1]:
+                same.append(i)
+            elif pairs and not (answers[0] and answers[1]):
+                empty.append(i)
         if len(chosen) < 2:
             raise ValueError(f"data source {name!r} has fewer than 2 usable examples after truncation")
         if len(chosen) < len(examples):
             warnings.warn(f"data source {name!r}: {len(examples) - len(chosen)} of {len(examples)} examples kept no "
                           f"completion tokens after truncation to {limit} tokens (the prompt filled them) and are "
                           "left out; raise `max_length` to keep them")
+        if same:
+            warnings.warn(f"data source {name!r}: {len(same)} of {len(chosen)} preference pairs have the same chosen "
+                          f"and rejected completion ({', '.join(named(i) for i in same[:3])}"
+                          f"{', ...' if len(same) > 3 else ''}); DPO learns nothing from them")
+        if empty:
+            warnings.warn(f"data source {name!r}: {len(empty)} of {len(chosen)} preference pairs have an empty chosen "
+                          f"or rejected completion ({', '.join(named(i) for i in empty[:3])}"
+                          f"{', ...' if len(empty) > 3 else ''}); that answer is the end of text alone")
         n_val = min(n_val, len(chosen) - 1)
 
         def split(part: list) -> TokenizedSplit:

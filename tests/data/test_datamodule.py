@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import warnings
 
 import lightning as L
 import numpy as np
@@ -432,6 +433,31 @@ def test_truncated_preference_pairs_keep_their_prompts_end_and_both_answers():
     long_prompt = next(r for r in rows if len([x for x in r[1] if x == IGNORE_INDEX]) > 20)
     assert tok.decode([t for t, lab in zip(long_prompt[0], long_prompt[1]) if lab == IGNORE_INDEX]).endswith("END")
     assert len([x for x in long_prompt[1] if x != IGNORE_INDEX]) == 31  # "yes" x10 + EOS: its whole answer
+
+
+def test_preference_pairs_that_teach_nothing_or_end_at_once_are_named_in_warnings(tmp_path):
+    """A pair with one completion for both answers gives DPO no gradient; an empty answer trains toward an immediate
+    end of text (4 pairs of the HH-RLHF harmless file have an empty chosen answer). Both are kept and named."""
+    from lightning_multilora.data import PreferenceSource
+
+    records = [{"prompt": "q0", "chosen": "a", "rejected": "b"}, {"prompt": "q1", "chosen": "same", "rejected": "same"},
+               {"prompt": "q2", "chosen": "", "rejected": "no"}, {"prompt": "q3", "chosen": "c", "rejected": "d"}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    dm = MultiLoRADataModule(sources={"pairs": PreferenceSource(path=str(path))})
+    with pytest.warns(UserWarning) as caught:
+        train, val = dm.split("pairs")
+    messages = [str(w.message) for w in caught]
+    assert any(f"1 of 4 preference pairs have the same chosen and rejected completion (example 1 ({path}:2))"
+               in m for m in messages), messages
+    assert any(f"1 of 4 preference pairs have an empty chosen or rejected completion (example 2 ({path}:3))"
+               in m for m in messages), messages
+    assert len(train.input_ids) + len(val.input_ids) == 4  # kept
+    records[1]["rejected"], records[2]["chosen"] = "other", "yes"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MultiLoRADataModule(sources={"pairs": PreferenceSource(path=str(path))}).split("pairs")
 
 
 def test_duplicate_adapter_names_are_rejected():
