@@ -82,9 +82,9 @@ def _quick_bench(fn, quantiles=None, **kwargs):
 # (a tiny model meets many: every projection width, rank tile, row bucket and dtype). Why: on a fresh H200 the
 # two-adapter fp32 run of `tests/test_graphs.py` (tiny-llama, 320 tokens, widths 64 and 128) was still compiling its
 # candidates after 6 minutes; with this (at 2^18), the file's seven cases and 17 other GPU tests passed in one
-# 9-minute call. Below the smallest point of
-# `benchmarks/kernels.py` (1 adapter x 256 tokens x 1024 columns, 2^18), so its tuned numbers stand. A tuning key's
-# first launch decides for the key (its row bucket bounds the rows). 0: tune every launch.
+# 9-minute call. Below the smallest point of `benchmarks/kernels.py` (1 adapter x 256 tokens x 1024 columns, 2^18),
+# so its tuned numbers stand. A tuning key's first launch decides for the key (its row bucket bounds the rows). 0: tune
+# every launch.
 SMALL_PROBLEM = 1 << 17
 
 
