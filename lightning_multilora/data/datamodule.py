@@ -295,11 +295,11 @@ class MultiLoRADataModule(L.LightningDataModule):
                           "left out; raise `max_length` to keep them")
         if same:
             warnings.warn(f"data source {name!r}: {len(same)} of {len(chosen)} preference pairs have the same chosen "
-                          f"and rejected completion ({', '.join(named(i) for i in same[:3])}"
+                          f"and rejected completion (after truncation; {', '.join(named(i) for i in sorted(same)[:3])}"
                           f"{', ...' if len(same) > 3 else ''}); DPO learns nothing from them")
         if empty:
             warnings.warn(f"data source {name!r}: {len(empty)} of {len(chosen)} preference pairs have an empty chosen "
-                          f"or rejected completion ({', '.join(named(i) for i in empty[:3])}"
+                          f"or rejected completion ({', '.join(named(i) for i in sorted(empty)[:3])}"
                           f"{', ...' if len(empty) > 3 else ''}); that answer is the end of text alone")
         n_val = min(n_val, len(chosen) - 1)
 

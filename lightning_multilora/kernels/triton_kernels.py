@@ -77,14 +77,16 @@ def _quick_bench(fn, quantiles=None, **kwargs):
 
 
 # A launch whose widest operand (``wide`` of `_tuned`: rows x columns) holds at most this many elements takes one
-# candidate, untimed (the interpreter's tiles, `DEFAULT_META`, where a candidate has them): such a launch takes a few
-# microseconds whatever its tiles, while tuning it compiles every candidate (about a second each), once per tuning key
-# (a tiny model meets many: every projection width, rank tile, row bucket and dtype). Why: on a fresh H200 the
-# two-adapter fp32 run of `tests/test_graphs.py` (tiny-llama, 320 tokens, widths 64 and 128) was still compiling its
-# candidates after 6 minutes; with this (at 2^18), the file's seven cases and 17 other GPU tests passed in one
-# 9-minute call. Below the smallest point of `benchmarks/kernels.py` (1 adapter x 256 tokens x 1024 columns, 2^18),
-# so its tuned numbers stand. A tuning key's first launch decides for the key (its row bucket bounds the rows). 0: tune
-# every launch.
+# candidate (the interpreter's tiles, `DEFAULT_META`, where a candidate has them; Triton 3.6 still times it once,
+# about 30 ms, later versions launch it untimed): such a launch takes a few microseconds whatever its tiles, while
+# tuning it compiles every candidate (about a second each), once per tuning key (a tiny model meets many: every
+# projection width, rank tile, row bucket and dtype). Why: on a fresh H200 the two-adapter fp32 run of
+# `tests/test_graphs.py` (tiny-llama, 320 tokens, widths 64 and 128) was still compiling its candidates after 6
+# minutes; with this (at 2^18), the file's seven cases and 17 other GPU tests passed in one 9-minute call. Below the
+# smallest point of `benchmarks/kernels.py` (1 adapter x 256 tokens x 1024 columns, 2^18), so its tuned numbers stand.
+# A tuning key's first launch decides for the key in this process: its row bucket counts row blocks, which may hold 1
+# to 64 rows, so a small first launch (adapters of a few tokens each) leaves the same key's later launches of up to 64
+# times the elements on the untuned tiles (a speed cost only; a new process decides again). 0: tune every launch.
 SMALL_PROBLEM = 1 << 17
 
 

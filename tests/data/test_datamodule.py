@@ -448,7 +448,7 @@ def test_preference_pairs_that_teach_nothing_or_end_at_once_are_named_in_warning
     with pytest.warns(UserWarning) as caught:
         train, val = dm.split("pairs")
     messages = [str(w.message) for w in caught]
-    assert any(f"1 of 4 preference pairs have the same chosen and rejected completion (example 1 ({path}:2))"
+    assert any(f"1 of 4 preference pairs have the same chosen and rejected completion (after truncation; example 1 ({path}:2))"
                in m for m in messages), messages
     assert any(f"1 of 4 preference pairs have an empty chosen or rejected completion (example 2 ({path}:3))"
                in m for m in messages), messages

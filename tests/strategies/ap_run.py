@@ -235,9 +235,14 @@ def main() -> None:
                      "all_reduce"):
             if hasattr(dist, name):
                 record(name)
+    for i, mode in enumerate(modes):
+        source = RESUMES.get(mode, "warmup_stop" if mode == "warmup_resume" else None)
+        if source in modes[i:]:
+            sys.exit(f"mode {mode!r} resumes the checkpoint of {source!r}: list {source!r} first")
     if any(m.startswith(("optuna", "warmup")) for m in modes):
         count_study_calls()
     for mode in modes:
+        print(f"== ap_run.py mode {mode} ==", file=sys.stderr, flush=True)  # (whose traceback follows)
         run_mode(out, mode)
 
 

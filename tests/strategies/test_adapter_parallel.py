@@ -68,9 +68,11 @@ OPTUNA = importlib.util.find_spec("optuna") is not None  # absent on the GPU ima
 # Resuming modes after the ones they resume from (`ap_run.RESUMES`)
 SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_single", "dpo_single",
                 *(["optuna_single", "warmup_single"] if OPTUNA else [])]
-TWO_RANK_MODES = ["parallel", "stop", "resume", "resume_two", "early_exit", "early_exit_resume_two", "replicated", "dpo",
-                  "admission", *(["optuna_admission", "optuna", "optuna_defaults", "warmup", "warmup_stop",
-                                  "warmup_resume"] if OPTUNA else [])]
+TWO_RANK_MODES = ["parallel", "stop", "resume_two", "early_exit", "early_exit_resume_two", "replicated", "dpo",
+                  "admission", *(["optuna_admission", "optuna", "optuna_defaults", "warmup", "warmup_stop"] if OPTUNA
+                                 else [])]
+# resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
+RESUME_MODES = ["resume", *(["warmup_resume"] if OPTUNA else [])]
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +83,7 @@ def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("adapter_parallel")
     run(out, *SINGLE_MODES)
     run(out, *TWO_RANK_MODES)
+    run(out, *RESUME_MODES)
     return out
 
 
