@@ -450,7 +450,7 @@ def test_the_schedule_lists_the_longest_programs_first():
 
 def test_a_launch_too_small_to_tune_takes_one_candidate_with_the_interpreters_tiles(monkeypatch):
     """At most `SMALL_PROBLEM` elements in the launch's widest operand: one candidate (the launch's own pruning first,
-    then the tiles the interpreter runs), which Triton launches untimed; above it, every candidate is tuned."""
+    then the tiles the interpreter runs), which Triton compiles alone; above it, every candidate is tuned."""
     from lightning_multilora.kernels import triton_kernels as K
 
     small, large = torch.empty(64, 64), torch.empty(K.SMALL_PROBLEM + 1, 1)

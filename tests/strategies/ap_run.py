@@ -19,7 +19,7 @@ that every process creates (2 random startup trials, so later asks depend on wha
 slots to WarmupSelection, which keeps the best 2. ``optuna_bad_target``: every trial names a missing target module.
 ``admission``: an `AdmissionController` whose "memory" is 1 GiB a row per step and 2 GiB a device, so a rank holds
 2 rows at a time (one process: a0 alone, then the others as slots free).
-``warmup_stop`` / ``warmup_resume``: the ``warmup`` sweep stopped after 3 steps (checkpoint in OUT_DIR/wckpt; the
+``warmup_stop`` / ``warmup_resume``: the ``warmup`` sweep stopped after 3 steps (checkpoint in OUT_DIR/ckpt_warmup_stop; the
 study in OUT_DIR/warmup_resumed.db) and resumed from there.
 ``optuna_admission``: OptunaSweep (random sampler, no ``slots``) asks 6 trials of batch 1 while the ``admission``
 controller's 2 "GiB" a device admit them (2 a rank).
@@ -61,7 +61,7 @@ PAIRS = [{"prompt": f"Q{i}: is {i} even?", "chosen": " yes" if i % 2 == 0 else "
 CALLS: list[tuple[str, int, int]] = []  # (collective, largest tensor's numel, ranks in its group)
 STUDY_CALLS: list[list] = []
 RESUMES = {"resume": "stop", "resume_one": "stop", "resume_two": "stop_single",
-           "early_exit_resume_two": "early_exit_stop_single"}  # a resuming mode: the mode whose checkpoint it reads
+           "early_exit_resume_two": "early_exit_stop_single", "warmup_resume": "warmup_stop"}  # a resuming mode: the mode whose checkpoint it reads
 SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
          "rank": {"type": "categorical", "choices": [2, 4]}}
 
@@ -184,9 +184,7 @@ def run_mode(out: Path, mode: str) -> None:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         kwargs.update(max_steps=3, callbacks=[*kwargs["callbacks"], ModelCheckpoint(
-            dirpath=out / "wckpt", every_n_train_steps=3, save_top_k=-1)])
-    if mode == "warmup_resume":
-        (ckpt_path,) = (out / "wckpt").glob("*.ckpt")
+            dirpath=out / f"ckpt_{mode}", every_n_train_steps=3, save_top_k=-1)])
     if not mode.endswith("single"):
         from datetime import timedelta
 
@@ -236,7 +234,7 @@ def main() -> None:
             if hasattr(dist, name):
                 record(name)
     for i, mode in enumerate(modes):
-        source = RESUMES.get(mode, "warmup_stop" if mode == "warmup_resume" else None)
+        source = RESUMES.get(mode)
         if source in modes[i:]:
             sys.exit(f"mode {mode!r} resumes the checkpoint of {source!r}: list {source!r} first")
     if any(m.startswith(("optuna", "warmup")) for m in modes):
