@@ -76,41 +76,47 @@ def _quick_bench(fn, quantiles=None, **kwargs):
     return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
 
 
-# A launch whose widest operand (``wide`` of `_tuned`: rows x columns) holds at most this many elements takes one
-# candidate (the interpreter's tiles, `DEFAULT_META`, where a candidate has them; Triton 3.6 still times it once,
-# about 30 ms, later versions launch it untimed): such a launch takes a few microseconds whatever its tiles, while
-# tuning it compiles every candidate (about a second each), once per tuning key (a tiny model meets many: every
-# projection width, rank tile, row bucket and dtype). Why: on a fresh H200 the two-adapter fp32 run of
-# `tests/test_graphs.py` (tiny-llama, 320 tokens, widths 64 and 128) was still compiling its candidates after 6
-# minutes; with this (at 2^18), the file's seven cases and 17 other GPU tests passed in one 9-minute call. Below the
-# smallest point of `benchmarks/kernels.py` (1 adapter x 256 tokens x 1024 columns, 2^18), so its tuned numbers stand.
-# A tuning key's first launch decides for the key in this process: its row bucket counts row blocks, which may hold 1
-# to 64 rows, so a small first launch (adapters of a few tokens each) leaves the same key's later launches of up to 64
-# times the elements on the untuned tiles (a speed cost only; a new process decides again). 0: tune every launch.
+# A launch whose widest operand holds at most this many elements takes one candidate (the interpreter's tiles,
+# `DEFAULT_META`, where a candidate has them; Triton 3.6 still times it once, about 30 ms, later versions launch it
+# untimed): such a launch takes a few microseconds whatever its tiles, while tuning it compiles every candidate (about
+# a second each), once per tuning key (a tiny model meets many: every projection width, rank tile, row bucket and
+# dtype). Why: on a fresh H200 the two-adapter fp32 run of `tests/test_graphs.py` (tiny-llama, 320 tokens, widths 64
+# and 128) was still compiling its candidates after 6 minutes; with this (at 2^18), the file's seven cases and 17
+# other GPU tests passed in one 9-minute call. Below the smallest point of `benchmarks/kernels.py` (1 adapter x 256
+# tokens x 1024 columns, 2^18), so its tuned numbers stand. The launch says so in its tuning key (`tuning_bucket`): a
+# row block holds 1 to 64 rows, so launches of one row bucket may be small or not. 0: tune every launch.
 SMALL_PROBLEM = 1 << 17
 
 
-def _small_or(prune, wide, small):
-    """An ``early_config_prune`` that keeps ``prune``'s candidates (all, without it), or only the one with the tiles
-    ``small`` (else the first) where ``named_args[wide]`` has at most `SMALL_PROBLEM` elements."""
+def tuning_bucket(bucket: int, wide) -> int:
+    """The ``ROW_BUCKET`` a launch passes (a tuning key of every kernel here): ``bucket``, or 0 (never a bucket:
+    `triton_lora._bucket`) where its widest operand ``wide`` (rows x columns) has at most `SMALL_PROBLEM` elements,
+    so that the one candidate of a small launch (`_small_or`) and the tuned tiles of a larger one of the same bucket
+    are kept apart."""
+    return bucket if wide.numel() > SMALL_PROBLEM else 0
+
+
+def _small_or(prune, small):
+    """An ``early_config_prune`` that keeps ``prune``'s candidates (all, without it), or, for a small launch
+    (``ROW_BUCKET`` 0: `tuning_bucket`), only the one with the tiles ``small`` (else the first)."""
 
     def candidates(configs, named_args, **kwargs):
         kept = prune(configs, named_args, **kwargs) if prune is not None else configs
-        if named_args[wide].numel() > SMALL_PROBLEM:
+        if named_args["ROW_BUCKET"] != 0:
             return kept
         return [next((c for c in kept if all(c.kwargs.get(k) == v for k, v in small.items())), kept[0])]
 
     return candidates
 
 
-def _tuned(configs, key, wide, small, prune=None, **kwargs):
+def _tuned(configs, key, small, prune=None, **kwargs):
     """Autotuned on the GPU over ``configs`` (``prune``: the launch's `early_config_prune`), except launches too
     small for it (`SMALL_PROBLEM`, `_small_or`); the choices are cached on disk (Triton's cache), so a new process
     does not tune the same shapes again."""
     if INTERPRETED:
         return lambda fn: fn
     return triton.autotune(configs=configs, key=key, cache_results=True, do_bench=_quick_bench,
-                           prune_configs_by={"early_config_prune": _small_or(prune, wide, small)}, **kwargs)
+                           prune_configs_by={"early_config_prune": _small_or(prune, small)}, **kwargs)
 
 
 # Few candidates per kernel: each is compiled once per shape the first time it runs.
@@ -185,7 +191,7 @@ def _dropout_scale(values, seed, p, tokens, cols, n_cols, row_tokens):
 
 @_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "DOT_PRECISION",
                              "ROW_BUCKET"],
-        reset_to_zero=["OUT"], prune=_stores_unless_fp32, wide="IN", small=DEFAULT_META["rows"])
+        reset_to_zero=["OUT"], prune=_stores_unless_fp32, small=DEFAULT_META["rows"])
 @triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET", "ROW_TOKENS"])
 def _rows_times_weight(
     # pointers
@@ -414,7 +420,7 @@ def _rank_program(R, w, Y, a, m0, end, r, pid_n, COEF, DROP_P, SEEDS, SEG_START,
 
 @_tuned(_RANK_CONFIGS, key=["N", "BLOCK_M", "BLOCK_R", "W_IS_A", "ACCUMULATE", "HAS_DROPOUT", "MULTI_CHUNK",
                             "SCALE_PRODUCT", "W_ALIGNED", "NARROW", "DOT_PRECISION", "ROW_BUCKET", "ROWS_PER"],
-        restore_value=["Y"], wide="Y", small=dict(BLOCK_N=64, N_PER=64, HOLD_W=False))
+        restore_value=["Y"], small=dict(BLOCK_N=64, N_PER=64, HOLD_W=False))
 @triton.jit(do_not_specialize=["ROW_BUCKET", "ROW_TOKENS", "BLK_OFFSET", "WIDE_OFFSET", "ROWS_PER"])
 def _rank_times_weight(
     # pointers (WIDE_ADAPTER, WIDE_START, WIDE_END: the schedule's tall blocks, the ones HOLD_W walks)
@@ -468,7 +474,7 @@ def _rank_times_weight(
 
 @_tuned(_GRAD_CONFIGS, key=["K", "BLOCK_R", "G_IS_A", "ATOMIC", "ADD_TO_G", "HAS_DROPOUT", "G_ALIGNED", "WITH_DS",
                              "W_ALIGNED", "TRANS_ACC", "DOT_PRECISION", "ROW_BUCKET", "TOKEN_BUCKET"],
-        wide="M", small=DEFAULT_META["grad"])
+        small=DEFAULT_META["grad"])
 @triton.jit(do_not_specialize=["R_CHUNKS", "SPLIT_T", "ROW_BUCKET", "TOKEN_BUCKET", "ROW_TOKENS"])
 def _weight_grad(
     # pointers (W_PTRS, W_WITNESS, DS: the B_i and dS of WITH_DS)
@@ -601,7 +607,7 @@ def _ds_db_candidates(configs, named_args, **kwargs):
 
 @_tuned(_DS_DB_CONFIGS, key=["K", "ROWS_BLOCK_R", "GRAD_BLOCK_R", "ADD_TO_G", "W_ALIGNED", "G_ALIGNED", "TRANS_ACC",
                              "DOT_PRECISION", "ROW_BUCKET", "TOKEN_BUCKET", "BLOCK_M", "GRAD_BLOCK_K"],
-        prune=_ds_db_candidates, wide="DY", small=DEFAULT_META["ds_db"])
+        prune=_ds_db_candidates, small=DEFAULT_META["ds_db"])
 @triton.jit(do_not_specialize=["N_DS", "ROWS_R_CHUNKS", "GRAD_R_CHUNKS", "ROW_BUCKET", "TOKEN_BUCKET", "ROW_TOKENS"])
 def _ds_and_db(
     # pointers (PROGS: the interleaved order's program table; B_PTRS: the B_i, read by dS; G_PTRS: the dB_i)

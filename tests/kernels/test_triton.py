@@ -449,27 +449,53 @@ def test_the_schedule_lists_the_longest_programs_first():
 
 
 def test_a_launch_too_small_to_tune_takes_one_candidate_with_the_interpreters_tiles(monkeypatch):
-    """At most `SMALL_PROBLEM` elements in the launch's widest operand: one candidate (the launch's own pruning first,
-    then the tiles the interpreter runs), which Triton compiles alone; above it, every candidate is tuned."""
+    """A small launch (``ROW_BUCKET`` 0: `tuning_bucket`) gets one candidate (the launch's own pruning first, then the
+    tiles the interpreter runs), which Triton compiles alone; a launch of a row bucket, every candidate."""
     from lightning_multilora.kernels import triton_kernels as K
 
-    small, large = torch.empty(64, 64), torch.empty(K.SMALL_PROBLEM + 1, 1)
     half = torch.empty(1, dtype=torch.float16)
-    cases = [(K._stores_unless_fp32, "IN", K.DEFAULT_META["rows"], K._ROWS_CONFIGS, {"OUT": half}, {}),
-             (None, "Y", dict(BLOCK_N=64, N_PER=64, HOLD_W=False), K._RANK_CONFIGS, {}, {}),
-             (None, "M", K.DEFAULT_META["grad"], K._GRAD_CONFIGS, {}, {}),
-             (K._ds_db_candidates, "DY", K.DEFAULT_META["ds_db"], K._DS_DB_CONFIGS, {},
+    cases = [(K._stores_unless_fp32, K.DEFAULT_META["rows"], K._ROWS_CONFIGS, {"OUT": half}, {}),
+             (None, dict(BLOCK_N=64, N_PER=64, HOLD_W=False), K._RANK_CONFIGS, {}, {}),
+             (None, K.DEFAULT_META["grad"], K._GRAD_CONFIGS, {}, {}),
+             (K._ds_db_candidates, K.DEFAULT_META["ds_db"], K._DS_DB_CONFIGS, {},
               dict(BLOCK_M=64, GRAD_BLOCK_K=128, GRAD_BLOCK_R=64))]
-    for prune, wide, tiles, configs, named, meta in cases:
-        pick = K._small_or(prune, wide, tiles)
+    for prune, tiles, configs, named, meta in cases:
+        pick = K._small_or(prune, tiles)
         own = prune(configs, named, **meta) if prune else configs
-        assert pick(configs, {wide: large, **named}, **meta) == own and len(own) > 1
-        (chosen,) = pick(configs, {wide: small, **named}, **meta)
-        assert chosen in own and all(chosen.kwargs[k] == v for k, v in tiles.items()), (wide, chosen)
-    rows = K._small_or(K._stores_unless_fp32, "IN", K.DEFAULT_META["rows"])
-    assert rows(K._ROWS_CONFIGS, {"IN": small, "OUT": half})[0].kwargs["SPLIT_K"] == 1  # (a half OUT: no K split)
+        assert pick(configs, {"ROW_BUCKET": 1, **named}, **meta) == own and len(own) > 1
+        (chosen,) = pick(configs, {"ROW_BUCKET": 0, **named}, **meta)
+        assert chosen in own and all(chosen.kwargs[k] == v for k, v in tiles.items()), (tiles, chosen)
+    rows = K._small_or(K._stores_unless_fp32, K.DEFAULT_META["rows"])
+    assert rows(K._ROWS_CONFIGS, {"ROW_BUCKET": 0, "OUT": half})[0].kwargs["SPLIT_K"] == 1  # (a half OUT: no split)
+    small, large = torch.empty(64, 64), torch.empty(K.SMALL_PROBLEM + 1, 1)
+    assert (K.tuning_bucket(6, small), K.tuning_bucket(6, large)) == (0, 6)
     monkeypatch.setattr(K, "SMALL_PROBLEM", 0)
-    assert rows(K._ROWS_CONFIGS, {"IN": small, "OUT": small}) == K._ROWS_CONFIGS
+    assert K.tuning_bucket(6, small) == 6
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="counts the interpreter's launches")
+@pytest.mark.parametrize("small_problem", [0, 1 << 17])
+def test_every_launch_says_in_its_tuning_key_whether_it_is_small(monkeypatch, small_problem):
+    """Every tuned launch of a forward and backward passes ``ROW_BUCKET`` 0 where its widest operand is small, and its
+    row bucket otherwise: the tuner keeps a small launch's one candidate apart from the tiles of a larger launch of
+    the same bucket (a row block holds 1 to 64 rows)."""
+    from lightning_multilora.kernels import launch
+    from lightning_multilora.kernels import triton_kernels as K
+
+    monkeypatch.setattr(K, "SMALL_PROBLEM", small_problem)
+    buckets = []
+    real = launch.FastLauncher.__call__
+
+    def record(self, grid, args, meta, before=None):
+        if "ROW_BUCKET" in self.kernel.arg_names:
+            buckets.append(args[self.kernel.arg_names.index("ROW_BUCKET")])
+        return real(self, grid, args, meta, before)
+
+    monkeypatch.setattr(launch.FastLauncher, "__call__", record)
+    x, base, w = problem([4, 16], [9, 30], 32, 48, torch.float32, seed=3)
+    run(multi_lora_triton, x, base, w, True, torch.randn_like(base))
+    assert len(buckets) >= 4  # (shrink, expand, dS, dX, the weight gradients)
+    assert all(b == 0 for b in buckets) if small_problem else all(b > 0 for b in buckets), buckets
 
 
 def test_adapter_sets_past_the_kernels_limits_get_a_clear_error(monkeypatch):
