@@ -71,21 +71,25 @@ DEFAULT_META = {
 
 
 def _quick_bench(fn, quantiles=None, **kwargs):
-    """Triton's timing with a shorter budget (5 ms warm-up, 25 ms of runs per config, not 25 and 100): these
-    kernels take microseconds, and a run whose adapter set changes meets new row buckets as it goes."""
-    return triton.testing.do_bench(fn, warmup=5, rep=25, quantiles=quantiles)
+    """Triton's timing with a short budget (1 ms warm-up, 5 ms of runs per candidate, not 25 and 100; each run
+    follows a 256 MB cache flush, so a launch of microseconds is still timed over about 50 runs): a run whose
+    adapter set changes meets new row buckets as it goes, and tunes each inside its steps (on the H200 the headline
+    sweep's full system spent 88 of its 145 s tuning 145 keys at 5 and 25 ms)."""
+    return triton.testing.do_bench(fn, warmup=1, rep=5, quantiles=quantiles)
 
 
-# A launch whose widest operand holds at most this many elements takes one candidate (the interpreter's tiles,
-# `DEFAULT_META`, where a candidate has them; Triton 3.6 still times it once, about 30 ms, later versions launch it
-# untimed): such a launch takes a few microseconds whatever its tiles, while tuning it compiles every candidate (about
-# a second each), once per tuning key (a tiny model meets many: every projection width, rank tile, row bucket and
-# dtype). Why: on a fresh H200 the two-adapter fp32 run of `tests/test_graphs.py` (tiny-llama, 320 tokens, widths 64
-# and 128) was still compiling its candidates after 6 minutes; with this (at 2^18), the file's seven cases and 17
-# other GPU tests passed in one 9-minute call. Below the smallest point of `benchmarks/kernels.py` (1 adapter x 256
-# tokens x 1024 columns, 2^18), so its tuned numbers stand. The launch says so in its tuning key (`tuning_bucket`): a
-# row block holds 1 to 64 rows, so launches of one row bucket may be small or not. 0: tune every launch.
-SMALL_PROBLEM = 1 << 17
+# A launch whose widest operand holds at most this many elements (8 MB in bf16, a few microseconds of memory traffic,
+# about what a launch costs anyway) takes one candidate (the interpreter's tiles, `DEFAULT_META`, where a candidate
+# has them; Triton 3.6 still times it once, later versions launch it untimed), while tuning it compiles and times
+# every candidate (up to 23), once per tuning key: a run meets many (every projection width, rank tile, row bucket
+# and dtype; a run whose adapters exit and are replaced, a new row bucket every few steps). Why: on a fresh H200 the
+# two-adapter fp32 run of `tests/test_graphs.py` (tiny-llama, 320 tokens) was still compiling candidates after 6
+# minutes; the headline sweep (`benchmarks/sweep.py`, a 512-wide model, 60 adapters) tuned 145 keys inside its full
+# system's timed run at 2^17 (88 of its 145 s), 87 at 2^22 (8 s of 45 with `_quick_bench`'s budget; on the H200,
+# `benchmarks/results/sweep_h200.md`). `benchmarks/kernels.py`'s points of 1 and 4 adapters x 256 tokens
+# (and 1 x 1024) at 4096 columns are below it. The launch says so in its tuning key (`tuning_bucket`): a row block
+# holds 1 to 64 rows, so launches of one row bucket may be small or not. 0: tune every launch.
+SMALL_PROBLEM = 1 << 22
 
 
 def tuning_bucket(bucket: int, wide) -> int:
