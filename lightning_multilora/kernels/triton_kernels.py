@@ -86,9 +86,10 @@ def _quick_bench(fn, quantiles=None, **kwargs):
 # two-adapter fp32 run of `tests/test_graphs.py` (tiny-llama, 320 tokens) was still compiling candidates after 6
 # minutes; the headline sweep (`benchmarks/sweep.py`, a 512-wide model, 60 adapters) tuned 145 keys inside its full
 # system's timed run at 2^17 (88 of its 145 s), 87 at 2^22 (8 s of 45 with `_quick_bench`'s budget; on the H200,
-# `benchmarks/results/sweep_h200.md`). `benchmarks/kernels.py`'s points of 1 and 4 adapters x 256 tokens
-# (and 1 x 1024) at 4096 columns are below it. The launch says so in its tuning key (`tuning_bucket`): a row block
-# holds 1 to 64 rows, so launches of one row bucket may be small or not. 0: tune every launch.
+# `benchmarks/results/sweep_h200.md`). Each launch decides by its own widest operand (tokens x columns), so some
+# launches of `benchmarks/kernels.py`'s points of few adapters are below it (at 4096x1024, up to 16 x 256 tokens). The
+# launch says so in its tuning key (`tuning_bucket`, ``ROW_BUCKET`` 0 in every kernel here): a row block holds 1 to 64
+# rows, so launches of one row bucket may be small or not. 0: tune every launch.
 SMALL_PROBLEM = 1 << 22
 
 
