@@ -88,22 +88,23 @@ def _quick_bench(fn, quantiles=None, **kwargs):
 # system's timed run at 2^17 (88 of its 145 s), 87 at 2^22 (8 s of 45 with `_quick_bench`'s budget; on the H200,
 # `benchmarks/results/sweep_h200.md`). Each launch decides by its own widest operand (tokens x columns), so some
 # launches of `benchmarks/kernels.py`'s points of few adapters are below it (at 4096x1024, up to 16 x 256 tokens). The
-# launch says so in its tuning key (`tuning_bucket`, ``ROW_BUCKET`` 0 in every kernel here): a row block holds 1 to 64
-# rows, so launches of one row bucket may be small or not. 0: tune every launch.
+# launch says so in its tuning key (`tuning_buckets`, ``ROW_BUCKET`` 0 in every kernel here): a row block holds 1 to
+# 64 rows, so launches of one row bucket may be small or not. 0: tune every launch.
 SMALL_PROBLEM = 1 << 22
 
 
-def tuning_bucket(bucket: int, wide) -> int:
-    """The ``ROW_BUCKET`` a launch passes (a tuning key of every kernel here): ``bucket``, or 0 (never a bucket:
-    `triton_lora._bucket`) where its widest operand ``wide`` (rows x columns) has at most `SMALL_PROBLEM` elements,
-    so that the one candidate of a small launch (`_small_or`) and the tuned tiles of a larger one of the same bucket
-    are kept apart."""
-    return bucket if wide.numel() > SMALL_PROBLEM else 0
+def tuning_buckets(wide, *buckets: int) -> tuple[int, ...]:
+    """The buckets a launch passes that only key its tuning (``ROW_BUCKET`` first, then ``TOKEN_BUCKET`` or
+    ``ROWS_PER``): as given, or all 0 (never a bucket: `triton_lora._bucket`) where its widest operand ``wide`` (rows
+    x columns) has at most `SMALL_PROBLEM` elements, so that the one candidate of a small launch (`_small_or`) and the
+    tuned tiles of a larger one of the same bucket are kept apart, and small launches of any layout share one key
+    (Triton 3.6 times even a lone candidate once per key: ~30 ms on the H200)."""
+    return buckets if wide.numel() > SMALL_PROBLEM else (0,) * len(buckets)
 
 
 def _small_or(prune, small):
     """An ``early_config_prune`` that keeps ``prune``'s candidates (all, without it), or, for a small launch
-    (``ROW_BUCKET`` 0: `tuning_bucket`), only the one with the tiles ``small`` (else the first)."""
+    (``ROW_BUCKET`` 0: `tuning_buckets`), only the one with the tiles ``small`` (else the first)."""
 
     def candidates(configs, named_args, **kwargs):
         kept = prune(configs, named_args, **kwargs) if prune is not None else configs
@@ -201,8 +202,8 @@ def _dropout_scale(values, seed, p, tokens, cols, n_cols, row_tokens):
 def _rows_times_weight(
     # pointers
     IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
-    # sizes (ROW_BUCKET, a bucket of the programs (`triton_lora._bucket`), only keys the tuning: a runtime value,
-    # so every bucket shares the compiled kernels)
+    # sizes (ROW_BUCKET, a bucket of the programs (`triton_lora._bucket`; 0: a small launch, `tuning_buckets`), only
+    # keys the tuning: a runtime value, so every bucket shares the compiled kernels)
     K, R_CHUNKS, ROW_BUCKET, ROW_TOKENS,
     # strides
     stride_in_m, stride_out_m,
@@ -431,12 +432,12 @@ def _rank_times_weight(
     # pointers (WIDE_ADAPTER, WIDE_START, WIDE_END: the schedule's tall blocks, the ones HOLD_W walks)
     R, W_PTRS, W_WITNESS, Y, BLK_ADAPTER, BLK_START, WIDE_ADAPTER, WIDE_START, WIDE_END, SEG_START, SEG_END, RANKS,
     COEF, DROP_P, SEEDS,
-    # sizes (ROW_BUCKET, a bucket of the row blocks, only keys the tuning: how many columns a program
-    # should take depends on how many row blocks there are to fill the GPU with)
+    # sizes (ROW_BUCKET, a bucket of the row blocks (0: a small launch, `tuning_buckets`), only keys the tuning: how
+    # many columns a program should take depends on how many row blocks there are to fill the GPU with)
     N, ROW_BUCKET, ROW_TOKENS,
     BLK_OFFSET,  # the launch's first row block (a launch per class of ranks: `triton_lora.rank_classes`)
     WIDE_OFFSET,  # its first tall block
-    ROWS_PER,  # the launch's tallest block (only keys the tuning, as ROW_BUCKET does)
+    ROWS_PER,  # the launch's tallest block (only keys the tuning, as ROW_BUCKET does; 0 with it)
     # strides
     stride_r_m, stride_y_m,
     # meta-parameters
@@ -486,7 +487,8 @@ def _weight_grad(
     L, M, G_PTRS, G_WITNESS, SEG_START, SEG_END, ORDER, RANKS, COEF, DROP_P, SEEDS, W_PTRS, W_WITNESS, DS,
     # sizes (SPLIT_T, the programs sharing one adapter's rows, is a runtime value: a run whose adapter set
     # shrinks meets several, and each would otherwise compile every tuning candidate again; ROW_BUCKET and
-    # TOKEN_BUCKET, buckets of the row blocks and of the largest adapter's rows, only key the tuning, so
+    # TOKEN_BUCKET, buckets of the row blocks and of the largest adapter's rows (both 0 for a small launch:
+    # `tuning_buckets`), only key the tuning, so
     # that a layout of other row counts, or mixed ones, takes tiles tuned for it and not the first layout's: on the
     # H200, N=32 with 64..2048 tokens an adapter, a forward + backward with tiles tuned on 32 x 256 tokens took
     # 1.005-1.22x (median 1.03x) the time with tiles tuned on its own layout)
@@ -618,7 +620,8 @@ def _ds_and_db(
     # pointers (PROGS: the interleaved order's program table; B_PTRS: the B_i, read by dS; G_PTRS: the dB_i)
     PROGS, DY, B_PTRS, B_WITNESS, DS, S, G_PTRS, G_WITNESS, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, ORDER, RANKS,
     ONES, COEF, DROP_P, SEEDS,
-    # sizes (N_DS: the dS programs, row blocks x ROWS_R_CHUNKS; ROW_BUCKET, TOKEN_BUCKET only key the tuning)
+    # sizes (N_DS: the dS programs, row blocks x ROWS_R_CHUNKS; ROW_BUCKET, TOKEN_BUCKET only key the tuning: 0 for a
+    # small launch, `tuning_buckets`)
     K, N_DS, ROWS_R_CHUNKS, GRAD_R_CHUNKS, ROW_BUCKET, TOKEN_BUCKET, ROW_TOKENS,
     # strides
     stride_dy_m, stride_ds_m, stride_s_m,

@@ -111,7 +111,7 @@ class Schedule:
     num_blocks: int
     covers_all_rows: bool
     max_tokens: int
-    bucket: int  # the weight-gradient launches' tuning bucket: `_bucket` of num_blocks (`triton_kernels.tuning_bucket`)
+    bucket: int  # the weight-gradient launches' tuning bucket: `_bucket` of num_blocks (`K.tuning_buckets`)
     token_bucket: int  # the weight-gradient launches' other one: `_bucket` of max_tokens
     # ranks that differ: (rank, first row block) of each run of one rank in the row blocks, largest rank first
     rank_runs: tuple[tuple[int, int], ...] = ()
@@ -863,7 +863,7 @@ def _row_launch(call: _Call, full: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
         lambda meta: (programs, meta["SPLIT_K"]),
         (full, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
          table.ranks, table.ones, table.drop_p, call.seeds, k, table.r_chunks,
-         K.tuning_bucket(_bucket(programs), full), call.row_tokens, full.stride(0), out.stride(0)),
+         *K.tuning_buckets(full, _bucket(programs)), call.row_tokens, full.stride(0), out.stride(0)),
         dict(W_IS_A=w_is_a, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
              BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, k, full.device)),
         _zero_if_split(out))
@@ -906,12 +906,13 @@ def _rank_launch(call: _Call, low: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
     sched, table, width = call.sched, call.table, out.shape[1]
     for first, end, tile, narrow, multi_chunk, bucket, rows_per in rank_classes(sched, table):
         wide_first, wide_end = sched.wide_index[first], sched.wide_index[end]
+        bucket, rows_per = K.tuning_buckets(out, bucket, rows_per)
         _rank_times_weight(
             lambda meta, blocks=end - first, tall=wide_end - wide_first:
                 (tall, _cdiv(width, meta["BLOCK_N"])) if meta["HOLD_W"] else (blocks, _cdiv(width, meta["N_PER"])),
             (low, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.wide_adapter,
              sched.wide_start, sched.wide_end, sched.seg_start, sched.seg_end, table.ranks, table.scaling,
-             table.drop_p, call.seeds, width, K.tuning_bucket(bucket, out), call.row_tokens, first, wide_first,
+             table.drop_p, call.seeds, width, bucket, call.row_tokens, first, wide_first,
              rows_per, low.stride(0), out.stride(0)),
             dict(W_IS_A=w_is_a, ACCUMULATE=accumulate, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision,
                  BLOCK_M=BLOCK_M, BLOCK_R=tile, MULTI_CHUNK=multi_chunk, NARROW=narrow,
@@ -976,8 +977,8 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
     with_ds = ds is not None
     block_r, r_chunks = _grad_chunks(table.block_r, table.width)
     split = _grad_split(call, k, device)
-    bucket = K.tuning_bucket(sched.bucket, full)
-    tail = (k, r_chunks, split, bucket, sched.token_bucket, call.row_tokens, low.stride(0), full.stride(0),
+    bucket, token_bucket = K.tuning_buckets(full, sched.bucket, sched.token_bucket)
+    tail = (k, r_chunks, split, bucket, token_bucket, call.row_tokens, low.stride(0), full.stride(0),
             ds.stride(0) if with_ds else 0)
     w_args = (call.b_ptrs, call.w_witness, ds) if with_ds else (ptrs, witness, low)  # (unused without dS)
     args = (low, full, ptrs, witness, sched.seg_start, sched.seg_end, sched.grad_order, table.ranks, table.scaling,
@@ -994,8 +995,7 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
                 **_meta("grad"))
     grid = lambda m: (_cdiv(k, m["BLOCK_K"]) * split, n * r_chunks)  # noqa: E731
     tune_key = (k, block_r, g_is_a, split > 1, add_to_g, dropout, low.dtype, full.dtype, witness.dtype,
-                meta["DOT_PRECISION"], targets.aligned, with_ds, w_aligned, w_args[1].dtype, bucket,
-                sched.token_bucket)
+                meta["DOT_PRECISION"], targets.aligned, with_ds, w_aligned, w_args[1].dtype, bucket, token_bucket)
     if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
         # The launch adds into its targets (and dS), and the autotuner's trials would add several times: let them
         # run on scratch ones first; the real launch below then reuses the chosen tiles.
@@ -1074,10 +1074,10 @@ def _ds_db_launch(call: _Call, dy: Tensor, s: Tensor, ds: Tensor, targets: GradT
     n_ds = sched.num_blocks * table.r_chunks
     programs = n_ds + n * chunks * _cdiv(k, K.DS_DB_GRAD_BLOCK_K)
     add_to_g = targets.new is None
-    bucket = K.tuning_bucket(_bucket(n_ds), dy)
+    bucket, token_bucket = K.tuning_buckets(dy, _bucket(n_ds), sched.token_bucket)
     tail = (sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end, sched.grad_order, table.ranks,
             table.ones, table.scaling, table.drop_p, call.seeds, k, n_ds, table.r_chunks, chunks, bucket,
-            sched.token_bucket, call.row_tokens, dy.stride(0), ds.stride(0), s.stride(0))
+            token_bucket, call.row_tokens, dy.stride(0), ds.stride(0), s.stride(0))
     args = (ds_db_table(sched, table, k, device), dy, call.b_ptrs, call.w_witness, ds, s, targets.b_ptrs, witness,
             *tail)
     meta = dict(DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned, G_ALIGNED=targets.aligned, ADD_TO_G=add_to_g,
@@ -1086,7 +1086,7 @@ def _ds_db_launch(call: _Call, dy: Tensor, s: Tensor, ds: Tensor, targets: GradT
     # (all the autotuner keys on: a key it has not tuned must not reach real targets)
     tune_key = ("ds_db", k, table.block_r, block_r, add_to_g, call.w_aligned, targets.aligned, meta["TRANS_ACC"],
                 ds.dtype, s.dtype, dy.dtype, witness.dtype, call.w_witness.dtype, call.precision, bucket,
-                sched.token_bucket, block_m, K.DS_DB_GRAD_BLOCK_K)
+                token_bucket, block_m, K.DS_DB_GRAD_BLOCK_K)
     if not K.INTERPRETED and tune_key not in _tuned_grad_keys:
         # (its trials would add into the gradients several times: they run on scratch ones; dS is stored, not added)
         scratch = _fresh_grads(weights, table, device)

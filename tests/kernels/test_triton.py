@@ -449,7 +449,7 @@ def test_the_schedule_lists_the_longest_programs_first():
 
 
 def test_a_launch_too_small_to_tune_takes_one_candidate_with_the_interpreters_tiles(monkeypatch):
-    """A small launch (``ROW_BUCKET`` 0: `tuning_bucket`) gets one candidate (the launch's own pruning first, then the
+    """A small launch (``ROW_BUCKET`` 0: `tuning_buckets`) gets one candidate (the launch's own pruning first, then the
     tiles the interpreter runs), which Triton compiles alone; a launch of a row bucket, every candidate."""
     from lightning_multilora.kernels import triton_kernels as K
 
@@ -468,35 +468,44 @@ def test_a_launch_too_small_to_tune_takes_one_candidate_with_the_interpreters_ti
     rows = K._small_or(K._stores_unless_fp32, K.DEFAULT_META["rows"])
     assert rows(K._ROWS_CONFIGS, {"ROW_BUCKET": 0, "OUT": half})[0].kwargs["SPLIT_K"] == 1  # (a half OUT: no split)
     small, large = torch.empty(64, 64), torch.empty(K.SMALL_PROBLEM + 1, 1)
-    assert (K.tuning_bucket(6, small), K.tuning_bucket(6, large)) == (0, 6)
+    assert (K.tuning_buckets(small, 6, 256), K.tuning_buckets(large, 6, 256)) == ((0, 0), (6, 256))
     monkeypatch.setattr(K, "SMALL_PROBLEM", 0)
-    assert K.tuning_bucket(6, small) == 6
+    assert K.tuning_buckets(small, 6) == (6,)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="counts the interpreter's launches")
-@pytest.mark.parametrize("small_problem", [0, None])
+@pytest.mark.parametrize("small_problem", [0, 33 * 40, None])
 def test_every_launch_says_in_its_tuning_key_whether_it_is_small(monkeypatch, small_problem):
     """Every tuned launch of a forward and backward passes ``ROW_BUCKET`` 0 where its widest operand is small, and its
     row bucket otherwise: the tuner keeps a small launch's one candidate apart from the tiles of a larger launch of
-    the same bucket (a row block holds 1 to 64 rows)."""
+    the same bucket (a row block holds 1 to 64 rows). A small launch's other buckets (``TOKEN_BUCKET``, ``ROWS_PER``)
+    are 0 too: small launches of any layout share one key. Each launch decides by its own widest operand: with the
+    threshold between the two widths' operands (33 x 32 and 33 x 48 elements), the launches that read or write a
+    48-wide operand (the expand, dS, dB) are tuned, and those whose widest is 32 wide (the shrink, dX, dA) are not."""
     from lightning_multilora.kernels import launch
     from lightning_multilora.kernels import triton_kernels as K
 
     if small_problem is not None:
         monkeypatch.setattr(K, "SMALL_PROBLEM", small_problem)
-    buckets = []
+    launches = []
     real = launch.FastLauncher.__call__
 
     def record(self, grid, args, meta, before=None):
-        if "ROW_BUCKET" in self.kernel.arg_names:
-            buckets.append(args[self.kernel.arg_names.index("ROW_BUCKET")])
+        names = self.kernel.arg_names
+        if "ROW_BUCKET" in names:
+            others = [args[names.index(n)] for n in ("TOKEN_BUCKET", "ROWS_PER") if n in names]
+            reads_x = meta.get("G_IS_A", meta.get("W_IS_A", False))  # (the shrink, dA) or writes dX: 32 wide
+            launches.append((not reads_x, args[names.index("ROW_BUCKET")], others))
         return real(self, grid, args, meta, before)
 
     monkeypatch.setattr(launch.FastLauncher, "__call__", record)
-    x, base, w = problem([4, 16], [9, 30], 32, 48, torch.float32, seed=3)
+    x, base, w = problem([4, 16], [9, 24], 32, 48, torch.float32, seed=3, gaps=False)  # (33 rows)
     run(multi_lora_triton, x, base, w, True, torch.randn_like(base))
-    assert len(buckets) >= 4  # (shrink, expand, dS, dX, the weight gradients)
-    assert all(b > 0 for b in buckets) if small_problem == 0 else all(b == 0 for b in buckets), buckets
+    assert len(launches) >= 5 and {wide for wide, _, _ in launches} == {True, False}  # (shrink, expand, dS, dX, dA, dB)
+    for wide, bucket, others in launches:
+        tuned = small_problem == 0 or (small_problem == 33 * 40 and wide)
+        assert (bucket > 0 and all(v > 0 for v in others)) if tuned else (bucket == 0 and others in ([], [0])), \
+            (wide, bucket, others)
 
 
 def test_adapter_sets_past_the_kernels_limits_get_a_clear_error(monkeypatch):
@@ -535,6 +544,7 @@ def test_a_rank_class_keys_its_tuning_on_its_own_tallest_block(monkeypatch):
 
     monkeypatch.setattr(triton_lora, "_rank_times_weight", record)
     monkeypatch.setattr(triton_lora, "rank_chunk", lambda ranks, device=None: 128)  # a tile held on a GPU
+    monkeypatch.setattr(K, "SMALL_PROBLEM", 0)  # (launches as large as the GPU tunes: a small one keys on 0)
     keys = {}
     for ranks, tokens in (([128, 16], [100, 100]), ([16, 16], [100, 100]), ([16, 128], [100, 0])):
         seen.clear()
