@@ -6,6 +6,12 @@ where ours' time goes, kernel by kernel):
 
     PYTHONPATH=. python benchmarks/kernels.py --out benchmarks/results/kernels_h200.json
 
+The whole grid (with LoRAFusion beside ours, below) takes longer than one 10-minute device call: run it in parts,
+each adding the points the last one did not reach:
+
+    PYTHONPATH=. python benchmarks/kernels.py --lorafusion-src .lorafusion --shapes 0 1 --budget-s 480 --resume \
+        --out benchmarks/results/kernels_h200.json
+
 For each Llama-8B projection shape, N adapters, ranks and tokens per adapter, times one call's forward
 and backward (gradients of x, every A and every B; bf16 activations, fp32 adapters) of:
 
@@ -246,6 +252,10 @@ def main() -> None:
                              "without them (zero_grad(set_to_none=True)), and ours stores new ones without reading")
     parser.add_argument("--budget-s", type=float, default=None,
                         help="stop starting new points after this many seconds and write the rows measured so far")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the rows already in --out and measure only the points it does not finish (a "
+                             "point is finished once its floor row is written): a grid split over several runs, "
+                             "each under --budget-s")
     parser.add_argument("--kernel-times", action="store_true",
                         help="also profile ours' eager steps: each of their rows gets kernels_us, GPU us a step per "
                              "kernel (the launches of a forward + backward, by name), and launches_us, each launch "
@@ -338,13 +348,17 @@ def main() -> None:
         common["low_rank_min_waves"] = triton_lora.LOW_RANK_MIN_WAVES
     common["ds_db_one_launch"] = triton_lora.DS_DB_ONE_LAUNCH
     common.update({k: v for k, v in ds_db.items() if v is not None})
-    rows = []
+    rows = json.loads(Path(args.out).read_text()) if args.resume and Path(args.out).exists() else []
+    finished = {(r["shape"], r["n_adapters"], r["ranks"], r["tokens"]) for r in rows if r["impl"] == "floor"}
+    rows = [r for r in rows if (r["shape"], r["n_adapters"], r["ranks"], r["tokens"]) in finished]
     start = time.monotonic()
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
     for d_in, d_out in shapes:
         for n in args.ns:
             for rk in args.ranks:
                 for tk in args.tokens:
+                    if (f"{d_in}x{d_out}", n, rk, tk) in finished:
+                        continue
                     if args.budget_s is not None and time.monotonic() - start > args.budget_s:
                         print(f"budget of {args.budget_s:.0f} s reached: skipping {d_in}x{d_out} N={n} r={rk} t={tk}")
                         continue
@@ -438,7 +452,12 @@ def main() -> None:
                     del x, base, w, wd, ws, grad, xg, params, gmm
                     write(args.out, rows)  # after every point: a run stopped early keeps what it measured
     write(args.out, rows)
-    Path(args.out).with_suffix(".tuning.json").write_text(json.dumps(tuning_choices(), indent=1))
+    tuning_file = Path(args.out).with_suffix(".tuning.json")
+    choices = tuning_choices()
+    if args.resume and tuning_file.exists():  # (the earlier runs' choices first)
+        earlier = json.loads(tuning_file.read_text())
+        choices = {name: earlier.get(name, []) + entries for name, entries in choices.items()}
+    tuning_file.write_text(json.dumps(choices, indent=1))
     summarize(rows)
 
 
