@@ -12,6 +12,11 @@ each adding the points the last one did not reach:
     PYTHONPATH=. python benchmarks/kernels.py --lorafusion-src .lorafusion --shapes 0 1 --budget-s 480 --resume \
         --out benchmarks/results/kernels_h200.json
 
+``--report`` measures nothing and prints a results file as markdown (the N=32 tables, the goals over the whole grid,
+LoRAFusion beside ours); it runs without a GPU:
+
+    python benchmarks/kernels.py --report --out benchmarks/results/kernels_h200.json
+
 For each Llama-8B projection shape, N adapters, ranks and tokens per adapter, times one call's forward
 and backward (gradients of x, every A and every B; bf16 activations, fp32 adapters) of:
 
@@ -256,6 +261,9 @@ def main() -> None:
                         help="keep the rows already in --out and measure only the points it does not finish (a "
                              "point is finished once its floor row is written): a grid split over several runs, "
                              "each under --budget-s")
+    parser.add_argument("--report", action="store_true",
+                        help="measure nothing: print --out's rows as markdown (the N=32 tables, the goals, LoRAFusion "
+                             "beside ours); runs without a GPU")
     parser.add_argument("--kernel-times", action="store_true",
                         help="also profile ours' eager steps: each of their rows gets kernels_us, GPU us a step per "
                              "kernel (the launches of a forward + backward, by name), and launches_us, each launch "
@@ -289,6 +297,9 @@ def main() -> None:
                              "(triton_lora.LOW_RANK_MIN_WAVES; fewer: fp32, the row launches may split K; default: "
                              "the package's)")
     args = parser.parse_args()
+    if args.report:
+        print(report(json.loads(Path(args.out).read_text())))
+        return
     from lightning_multilora.kernels import triton_kernels, triton_lora
 
     ds_db = dict(ds_db_block_m=args.ds_db_block_m, ds_db_grad_block_k=args.ds_db_grad_block_k,
@@ -509,6 +520,86 @@ def summarize(rows) -> None:
     if fused:
         wins = sum(v["ours_linear_direct"]["ms"] <= v["lorafusion"]["ms"] for v in fused)
         print(f"ours_linear_direct faster than LoRAFusion at {wins}/{len(fused)} points")
+
+
+def _points(rows) -> dict:
+    by_key: dict = {}
+    for r in rows:
+        by_key.setdefault((r["shape"], r["n_adapters"], r["ranks"], r["tokens"]), {})[r["impl"]] = r
+    return by_key
+
+
+def _ms(v: dict, impl: str) -> str:
+    return f"{v[impl]['ms']:.3f}" if impl in v else "-"
+
+
+def report(rows) -> str:
+    """``rows`` (a `--out` file's) as markdown: per tokens kind, the N=32 points of ours (``ours_shadow``, what
+    `MultiLoRAModule` runs on CUDA, and ``ours_direct``) beside ``grouped_mm`` and the loop; the issue's goals over the
+    whole grid; LoRAFusion beside ours with the frozen linear fused in."""
+    by_key = _points(rows)
+    ours = [i for i in ("ours_shadow", "ours_direct", "ours") if any(i in v for v in by_key.values())]
+    out = []
+    first = next(iter(rows), {})
+    out.append(f"{first.get('gpu', '?')}, torch {first.get('torch', '?')}, triton {first.get('triton', '?')}, "
+               f"{first.get('date', '?')}; copy bandwidth {first.get('copy_gbps', '?')} GB/s; "
+               f"{len(by_key)} points.")
+    for tokens in sorted({k[3] for k in by_key}, key=str):
+        keys = sorted(k for k in by_key if k[1] == 32 and k[3] == tokens)
+        if not keys:
+            continue
+        out.append(f"\n### N = 32 adapters x {tokens} tokens\n")
+        head = ["shape", "ranks"] + [c for i in ours for c in (f"{i} ms", "% of floor")] + [
+            "grouped_mm ms", "loop ms", f"{ours[0]} vs loop"]
+        out.append("| " + " | ".join(head) + " |")
+        out.append("|---|---|" + "---:|" * (len(head) - 2))
+        for k in keys:
+            v = by_key[k]
+            cells = [k[0], str(k[2])]
+            for i in ours:
+                cells += [_ms(v, i), f"{v[i]['pct_of_floor']}%" if i in v else "-"]
+            speed = f"{v['loop']['ms'] / v[ours[0]]['ms']:.1f}x" if "loop" in v and ours[0] in v else "-"
+            cells += [_ms(v, "grouped_mm"), _ms(v, "loop"), speed]
+            out.append("| " + " | ".join(cells) + " |")
+    if ours:
+        impl = ours[0]
+        out.append(f"\n### Goals ({impl})\n")
+        n32 = {k: v for k, v in by_key.items() if k[1] == 32 and impl in v}
+        pct = sorted(v[impl]["pct_of_floor"] for v in n32.values())
+        if pct:
+            met = sum(p >= 70 for p in pct)
+            out.append(f"- >= 70% of the floor at N=32: {met} of {len(pct)} points ({pct[0]}..{pct[-1]}%, median "
+                       f"{pct[len(pct) // 2]}%); by ranks:")
+            for kind in sorted({k[2] for k in n32}, key=str):
+                p = sorted(v[impl]["pct_of_floor"] for k, v in n32.items() if k[2] == kind)
+                out.append(f"  - {kind}: {p[0]}..{p[-1]}% (median {p[len(p) // 2]}%), {sum(x >= 70 for x in p)} of "
+                           f"{len(p)} at or above 70%")
+        speed = sorted(v["loop"]["ms"] / v[impl]["ms"] for v in n32.values() if "loop" in v)
+        if speed:
+            out.append(f"- the per-adapter loop at N=32: {speed[0]:.1f}x..{speed[-1]:.1f}x "
+                       f"({sum(x >= 3 for x in speed)} of {len(speed)} points at 3x or more)")
+        versus = {k: v for k, v in by_key.items() if impl in v and "grouped_mm" in v}
+        losses = sorted(k for k, v in versus.items() if v[impl]["ms"] > v["grouped_mm"]["ms"])
+        out.append(f"- faster than `torch._grouped_mm` at {len(versus) - len(losses)} of {len(versus)} points"
+                   + (", slower (ours / grouped_mm) at:" if losses else ""))
+        out += [f"  - {k[0]} N={k[1]} r={k[2]} t={k[3]}: {by_key[k][impl]['ms'] / by_key[k]['grouped_mm']['ms']:.2f}x"
+                for k in losses]
+    fused = {k: v for k, v in by_key.items() if "lorafusion" in v and "ours_linear_direct" in v}
+    unrun = sum("ours_linear_direct" in v and "lorafusion" not in v for v in by_key.values())
+    if fused:
+        wins = sum(v["ours_linear_direct"]["ms"] <= v["lorafusion"]["ms"] for v in fused.values())
+        out.append(f"- faster than LoRAFusion (the frozen linear fused in, N <= 4) at {wins} of {len(fused)} points"
+                   + (f"; {unrun} more points it could not run (no row)" if unrun else ""))
+        out.append("\n### LoRAFusion beside ours, the frozen linear fused in\n")
+        out.append("| shape | N | ranks | tokens | frozen linear ms | LoRAFusion ms | ours (linear fused) ms | "
+                   "LoRAFusion / ours |")
+        out.append("|---|---:|---|---|---:|---:|---:|---:|")
+        for k in sorted(fused, key=str):
+            v = fused[k]
+            ratio = v["lorafusion"]["ms"] / v["ours_linear_direct"]["ms"]
+            out.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {_ms(v, 'frozen_linear')} | {_ms(v, 'lorafusion')} | "
+                       f"{_ms(v, 'ours_linear_direct')} | {ratio:.2f} |")
+    return "\n".join(out)
 
 
 if __name__ == "__main__":
