@@ -298,6 +298,8 @@ def main() -> None:
                              "the package's)")
     args = parser.parse_args()
     if args.report:
+        if not Path(args.out).is_file():
+            parser.error(f"--report prints the rows of --out, a results file: there is none at {args.out}")
         print(report(json.loads(Path(args.out).read_text())))
         return
     from lightning_multilora.kernels import triton_kernels, triton_lora
@@ -360,8 +362,8 @@ def main() -> None:
     common["ds_db_one_launch"] = triton_lora.DS_DB_ONE_LAUNCH
     common.update({k: v for k, v in ds_db.items() if v is not None})
     rows = json.loads(Path(args.out).read_text()) if args.resume and Path(args.out).exists() else []
-    finished = {(r["shape"], r["n_adapters"], r["ranks"], r["tokens"]) for r in rows if r["impl"] == "floor"}
-    rows = [r for r in rows if (r["shape"], r["n_adapters"], r["ranks"], r["tokens"]) in finished]
+    finished = {_point(r) for r in rows if r["impl"] == "floor"}
+    rows = [r for r in rows if _point(r) in finished]
     start = time.monotonic()
     shapes = [SHAPES[i] for i in args.shapes] if args.shapes else SHAPES
     for d_in, d_out in shapes:
@@ -490,9 +492,7 @@ def tuning_choices() -> dict:
 def summarize(rows) -> None:
     """Per implementation of ours and per rank kind: wins against grouped_mm and LoRAFusion, N=32 floor shares and
     speed-ups over the loop."""
-    by_key = {}
-    for r in rows:
-        by_key.setdefault((r["shape"], r["n_adapters"], r["ranks"], r["tokens"]), {})[r["impl"]] = r
+    by_key = _points(rows)
     print()
     for impl in ("ours_shadow", "ours_direct", "ours"):
         for kind in sorted({k[2] for k in by_key}):
@@ -522,10 +522,16 @@ def summarize(rows) -> None:
         print(f"ours_linear_direct faster than LoRAFusion at {wins}/{len(fused)} points")
 
 
+def _point(row: dict) -> tuple:
+    """A row's point of the grid: (shape, N, ranks, tokens)."""
+    return row["shape"], row["n_adapters"], row["ranks"], row["tokens"]
+
+
 def _points(rows) -> dict:
+    """Each point's rows by implementation."""
     by_key: dict = {}
     for r in rows:
-        by_key.setdefault((r["shape"], r["n_adapters"], r["ranks"], r["tokens"]), {})[r["impl"]] = r
+        by_key.setdefault(_point(r), {})[r["impl"]] = r
     return by_key
 
 
