@@ -115,15 +115,25 @@ class MemoryProfiler:
         return fit
 
 
-def cuda_step_measure(step: Callable[[int, int], None], device: Any = None) -> Measure:
+def cuda_step_measure(step: Callable[[int, int], None], device: Any = None, warmup_steps: int = 1) -> Measure:
     """A `Measure` from ``step(n, b)`` (one training step of ``n`` adapters at batch ``b``, adding and
-    removing them itself): the step's ``torch.cuda.max_memory_reserved``, None on out-of-memory."""
+    removing them itself): the step's ``torch.cuda.max_memory_reserved``, None on out-of-memory.
+
+    ``warmup_steps`` steps run first, unmeasured: a shape's first step also autotunes the grouped kernels
+    (whose timing buffers, 256 MB and more, would count as the step's peak) and compiles, once per shape,
+    so the peak of a training run's steady state is the peak of the step after them."""
     import torch
 
+    if warmup_steps < 0:
+        raise ValueError(f"`warmup_steps` must be >= 0, got {warmup_steps}")
+
     def measure(n: int, b: int) -> Optional[float]:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
         try:
+            for _ in range(warmup_steps):
+                step(n, b)
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
             step(n, b)
             torch.cuda.synchronize(device)
         except torch.cuda.OutOfMemoryError:

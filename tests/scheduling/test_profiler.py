@@ -109,3 +109,34 @@ def test_cuda_step_measure_reads_real_peaks_of_a_training_step():
     measure = cuda_step_measure(step)
     small, large = measure(1, 1), measure(8, 4)
     assert 0 < small < large
+
+
+def test_cuda_step_measure_reads_the_peak_of_the_step_after_its_warmup(monkeypatch):
+    import torch
+
+    from lightning_multilora.scheduling.profiler import cuda_step_measure
+
+    peak = {"bytes": 0}
+    steps: list[tuple[int, int]] = []
+
+    def step(n: int, b: int) -> None:
+        first = (n, b) not in steps
+        steps.append((n, b))
+        if b > 100:
+            raise torch.cuda.OutOfMemoryError("out of memory")
+        # a shape's first step also autotunes: a large timing buffer on top of the step's own peak
+        peak["bytes"] = max(peak["bytes"], 1000 * n * b + (10**6 if first else 0))
+
+    def reset(device=None) -> None:
+        peak["bytes"] = 0
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", reset)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: peak["bytes"])
+    measure = cuda_step_measure(step)
+    assert measure(2, 4) == 8000 and steps == [(2, 4), (2, 4)]
+    assert measure(1, 101) is None
+    assert cuda_step_measure(step, warmup_steps=0)(3, 1) == 10**6 + 3000  # no warm-up: the tuning counts
+    with pytest.raises(ValueError, match="warmup_steps"):
+        cuda_step_measure(step, warmup_steps=-1)
