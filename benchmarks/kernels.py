@@ -2,7 +2,7 @@
 
 Run on the H200 (minutes per shape on a fresh machine, most of them compiling and tuning; ``--ns 32`` for the
 N=32 rows alone, ``--impls ours_direct`` for ours alone, ``--budget-s`` to stop early, ``--kernel-times`` for
-where ours' time goes, kernel by kernel):
+where each implementation's time goes, kernel by kernel):
 
     PYTHONPATH=. python benchmarks/kernels.py --out benchmarks/results/kernels_h200.json
 
@@ -265,9 +265,9 @@ def main() -> None:
                         help="measure nothing: print --out's rows as markdown (the N=32 tables, the goals, LoRAFusion "
                              "beside ours); runs without a GPU")
     parser.add_argument("--kernel-times", action="store_true",
-                        help="also profile ours' eager steps: each of their rows gets kernels_us, GPU us a step per "
-                             "kernel (the launches of a forward + backward, by name), and launches_us, each launch "
-                             "of a step in order")
+                        help="also profile each implementation's eager steps (the loop's too): each row gets "
+                             "kernels_us, GPU us a step per kernel (the launches of a forward + backward, by name), "
+                             "and launches_us, each launch of a step in order")
     parser.add_argument("--rank-class-launches", type=int, default=None,
                         help="launches of the expand and of dX for ranks that differ (triton_lora.RANK_CLASS_LAUNCHES; "
                              "default: the package's)")
@@ -445,7 +445,7 @@ def main() -> None:
                                          gbps=round(nbytes / (ms * 1e-3) / 1e9, 1),
                                          floor_ms=round(impl_floor_ms, 4),
                                          pct_of_floor=round(100 * impl_floor_ms / ms, 1), **common))
-                        if args.kernel_times and impl.startswith("ours"):
+                        if args.kernel_times:
                             rows[-1]["kernels_us"], rows[-1]["launches_us"] = kernel_times(step)
                             print(f"  {impl} kernels (us a step): " + ", ".join(
                                 f"{k.split('(')[0][:40]} {v}" for k, v in list(rows[-1]["kernels_us"].items())[:6]))

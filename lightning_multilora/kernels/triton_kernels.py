@@ -88,8 +88,9 @@ def _quick_bench(fn, quantiles=None, **kwargs):
 # system's timed run at 2^17 (88 of its 145 s), 87 at 2^22 (8 s of 45 with `_quick_bench`'s budget; on the H200,
 # `benchmarks/results/sweep_h200.md`). Each launch decides by its own widest operand (tokens x columns), so some
 # launches of `benchmarks/kernels.py`'s points of few adapters are below it (at 4096x1024, up to 16 x 256 tokens). The
-# launch says so in its tuning key (`tuning_buckets`, ``ROW_BUCKET`` 0 in every kernel here): a row block holds 1 to
-# 64 rows, so launches of one row bucket may be small or not. 0: tune every launch.
+# launch says so in its tuning key (`tuning_buckets`, ``ROW_BUCKET`` 0 in every kernel here, or the negated K split of
+# a row launch, `small_rows_bucket`): a row block holds 1 to 64 rows, so launches of one row bucket may be small or
+# not. 0: tune every launch.
 SMALL_PROBLEM = 1 << 22
 
 
@@ -104,13 +105,15 @@ def tuning_buckets(wide, *buckets: int) -> tuple[int, ...]:
 
 def _small_or(prune, small):
     """An ``early_config_prune`` that keeps ``prune``'s candidates (all, without it), or, for a small launch
-    (``ROW_BUCKET`` 0: `tuning_buckets`), only the one with the tiles ``small`` (else the first)."""
+    (``ROW_BUCKET`` 0 or below: `tuning_buckets`, `small_rows_bucket`), only the one with the tiles ``small`` (a
+    dict, or a function of the launch's arguments giving one; else the first)."""
 
     def candidates(configs, named_args, **kwargs):
         kept = prune(configs, named_args, **kwargs) if prune is not None else configs
-        if named_args["ROW_BUCKET"] != 0:
+        if named_args["ROW_BUCKET"] > 0:
             return kept
-        return [next((c for c in kept if all(c.kwargs.get(k) == v for k, v in small.items())), kept[0])]
+        tiles = small(named_args) if callable(small) else small
+        return [next((c for c in kept if all(c.kwargs.get(k) == v for k, v in tiles.items())), kept[0])]
 
     return candidates
 
@@ -169,6 +172,30 @@ _GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_st
                                      (256, 32, 4, 3), (128, 32, 4, 3), (256, 64, 8, 4))]
 
 
+# A small row launch (`SMALL_PROBLEM`) of few programs still walks all of K in each: one adapter of 256 tokens at
+# K=14336 is 4 row blocks, 4 programs of 224 steps each (on the H200 the shrink took 53 us for 9 MB, `_grouped_mm`'s
+# 38). Its K split is then chosen without tuning: as many programs as fill the SMs once, in powers of two up to the
+# largest of `_ROWS_CONFIGS`, each over at least `SMALL_SPLIT_MIN_K` of K, and only into fp32 (the split adds
+# atomically); the launch passes it, negated, as its ROW_BUCKET (`small_rows_bucket`), so each split has its key.
+# On the H200 (`benchmarks/results/kernels_h200.md`, session 38), a forward + backward of that adapter at r=64 took
+# 0.128 -> 0.072 ms (`_grouped_mm`: 0.120), and over 46 points of 1 and 4 adapters a median 0.87x the time (0.42x-1.02x).
+SMALL_SPLIT_MIN_K = 256
+
+
+def small_rows_bucket(programs: int, k: int, sms: int, out_fp32: bool) -> int:
+    """The ROW_BUCKET of a small row launch: ``-split`` (see above), 0 where it does not split."""
+    split = 1
+    max_split = max(c.kwargs["SPLIT_K"] for c in _ROWS_CONFIGS)
+    while out_fp32 and split < max_split and 2 * split * programs <= sms and k >= 2 * split * SMALL_SPLIT_MIN_K:
+        split *= 2
+    return -split if split > 1 else 0
+
+
+def _small_rows_tiles(named_args) -> dict:
+    """The tiles of a small row launch: the interpreter's, and the K split its ROW_BUCKET names."""
+    return dict(DEFAULT_META["rows"], SPLIT_K=max(1, -named_args["ROW_BUCKET"]))
+
+
 def _stores_unless_fp32(configs, named_args, **kwargs):
     """The row kernel's candidates for its output: into fp32 any K split (a split adds atomically); into a half-
     precision ``OUT`` (``S`` / ``dS`` in the activation dtype: `triton_lora.low_rank_dtype`) only those that store."""
@@ -197,13 +224,13 @@ def _dropout_scale(values, seed, p, tokens, cols, n_cols, row_tokens):
 
 @_tuned(_ROWS_CONFIGS, key=["K", "BLOCK_M", "BLOCK_R", "W_IS_A", "HAS_DROPOUT", "W_ALIGNED", "DOT_PRECISION",
                              "ROW_BUCKET"],
-        reset_to_zero=["OUT"], prune=_stores_unless_fp32, small=DEFAULT_META["rows"])
+        reset_to_zero=["OUT"], prune=_stores_unless_fp32, small=_small_rows_tiles)
 @triton.jit(do_not_specialize=["R_CHUNKS", "ROW_BUCKET", "ROW_TOKENS"])
 def _rows_times_weight(
     # pointers
     IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
-    # sizes (ROW_BUCKET, a bucket of the programs (`triton_lora._bucket`; 0: a small launch, `tuning_buckets`), only
-    # keys the tuning: a runtime value, so every bucket shares the compiled kernels)
+    # sizes (ROW_BUCKET, a bucket of the programs (`triton_lora._bucket`; 0 or -split: a small launch, `tuning_buckets`,
+    # `small_rows_bucket`), only keys the tuning: a runtime value, so every bucket shares the compiled kernels)
     K, R_CHUNKS, ROW_BUCKET, ROW_TOKENS,
     # strides
     stride_in_m, stride_out_m,

@@ -856,14 +856,18 @@ def _zero_if_split(out: Tensor):
 def _row_launch(call: _Call, full: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: bool, has_dropout: bool) -> None:
     """``OUT[t, :r_i] = drop_i(FULL[t]) @ W_i``: the shrink (``W_i = A_i^T``) or dS (``W_i = B_i``), one launch over
     every row block and rank chunk at the whole rank tile; its K split (with its tiles) is tuned per bucket of
-    programs (row blocks x rank chunks). ``OUT`` is zeroed first where the launch splits K (`_zero_if_split`)."""
+    programs (row blocks x rank chunks), or set by rule for a small launch (`K.small_rows_bucket`). ``OUT`` is
+    zeroed first where the launch splits K (`_zero_if_split`)."""
     sched, table, k = call.sched, call.table, full.shape[1]
     programs = sched.num_blocks * table.r_chunks
+    bucket, = K.tuning_buckets(full, _bucket(programs))
+    if bucket == 0 and not K.INTERPRETED:  # a small launch: its K split by rule (`K.small_rows_bucket`)
+        bucket = K.small_rows_bucket(programs, k, _sm_count(full.device), out.dtype == torch.float32)
     _rows_times_weight(
         lambda meta: (programs, meta["SPLIT_K"]),
         (full, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
          table.ranks, table.ones, table.drop_p, call.seeds, k, table.r_chunks,
-         *K.tuning_buckets(full, _bucket(programs)), call.row_tokens, full.stride(0), out.stride(0)),
+         bucket, call.row_tokens, full.stride(0), out.stride(0)),
         dict(W_IS_A=w_is_a, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
              BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, k, full.device)),
         _zero_if_split(out))

@@ -465,12 +465,31 @@ def test_a_launch_too_small_to_tune_takes_one_candidate_with_the_interpreters_ti
         assert pick(configs, {"ROW_BUCKET": 1, **named}, **meta) == own and len(own) > 1
         (chosen,) = pick(configs, {"ROW_BUCKET": 0, **named}, **meta)
         assert chosen in own and all(chosen.kwargs[k] == v for k, v in tiles.items()), (tiles, chosen)
-    rows = K._small_or(K._stores_unless_fp32, K.DEFAULT_META["rows"])
+    rows = K._small_or(K._stores_unless_fp32, K._small_rows_tiles)  # (the row kernel's own rule)
     assert rows(K._ROWS_CONFIGS, {"ROW_BUCKET": 0, "OUT": half})[0].kwargs["SPLIT_K"] == 1  # (a half OUT: no split)
+    full = torch.empty(1, dtype=torch.float32)
+    for bucket, split in ((0, 1), (-2, 2), (-8, 8)):  # a small launch's split is the one its bucket names
+        (chosen,) = rows(K._ROWS_CONFIGS, {"ROW_BUCKET": bucket, "OUT": full})
+        assert chosen.kwargs == dict(BLOCK_K=K.DEFAULT_META["rows"]["BLOCK_K"], SPLIT_K=split), (bucket, chosen)
+    assert rows(K._ROWS_CONFIGS, {"ROW_BUCKET": -8, "OUT": half})[0].kwargs["SPLIT_K"] == 1
     small, large = torch.empty(64, 64), torch.empty(K.SMALL_PROBLEM + 1, 1)
     assert (K.tuning_buckets(small, 6, 256), K.tuning_buckets(large, 6, 256)) == ((0, 0), (6, 256))
     monkeypatch.setattr(K, "SMALL_PROBLEM", 0)
     assert K.tuning_buckets(small, 6) == (6,)
+
+
+def test_a_small_row_launch_of_few_programs_splits_k_to_fill_the_gpu_once():
+    """`small_rows_bucket`: one adapter of 256 tokens at K=14336 (4 row blocks) on 132 SMs splits K 8 ways (the
+    largest candidate), 40 programs 2 ways (80 of 132 SMs; 4 ways would be 160); nothing splits into a half-precision
+    output, over a short K, or with a wave of programs already."""
+    from lightning_multilora.kernels import triton_kernels as K
+
+    assert K.small_rows_bucket(4, 14336, 132, True) == K.small_rows_bucket(16, 4096, 132, True) == -8
+    assert K.small_rows_bucket(40, 4096, 132, True) == -2
+    assert K.small_rows_bucket(4, 14336, 132, False) == 0  # bf16 S / dS: stored, never added
+    assert K.small_rows_bucket(4, 2 * K.SMALL_SPLIT_MIN_K, 132, True) == -2  # each split over >= SMALL_SPLIT_MIN_K
+    assert K.small_rows_bucket(4, K.SMALL_SPLIT_MIN_K, 132, True) == 0
+    assert K.small_rows_bucket(100, 14336, 132, True) == 0
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="counts the interpreter's launches")
