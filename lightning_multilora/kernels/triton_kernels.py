@@ -99,7 +99,8 @@ def tuning_buckets(wide, *buckets: int) -> tuple[int, ...]:
     ``ROWS_PER``): as given, or all 0 (never a bucket: `triton_lora._bucket`) where its widest operand ``wide`` (rows
     x columns) has at most `SMALL_PROBLEM` elements, so that the one candidate of a small launch (`_small_or`) and the
     tuned tiles of a larger one of the same bucket are kept apart, and small launches of any layout share one key
-    (Triton 3.6 times even a lone candidate once per key: ~30 ms on the H200)."""
+    (Triton 3.6 times even a lone candidate once per key: ~30 ms on the H200). A small row launch on the GPU then
+    names its K split in place of the 0 (`small_rows_bucket`)."""
     return buckets if wide.numel() > SMALL_PROBLEM else (0,) * len(buckets)
 
 
@@ -176,7 +177,8 @@ _GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_st
 # K=14336 is 4 row blocks, 4 programs of 224 steps each (on the H200 the shrink took 53 us for 9 MB, `_grouped_mm`'s
 # 38). Its K split is then chosen without tuning: as many programs as fill the SMs once, in powers of two up to the
 # largest of `_ROWS_CONFIGS`, each over at least `SMALL_SPLIT_MIN_K` of K, and only into fp32 (the split adds
-# atomically); the launch passes it, negated, as its ROW_BUCKET (`small_rows_bucket`), so each split has its key.
+# atomically, so such a launch's S / dS, bitwise the same from run to run before, may now differ in the last bits);
+# the launch passes it, negated, as its ROW_BUCKET (`small_rows_bucket`), so each split has its key.
 # On the H200 (`benchmarks/results/kernels_h200.md`, session 38), a forward + backward of that adapter at r=64 took
 # 0.128 -> 0.072 ms (`_grouped_mm`: 0.120), and over 46 points of 1 and 4 adapters a median 0.87x the time (0.42x-1.02x).
 SMALL_SPLIT_MIN_K = 256

@@ -860,9 +860,7 @@ def _row_launch(call: _Call, full: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
     zeroed first where the launch splits K (`_zero_if_split`)."""
     sched, table, k = call.sched, call.table, full.shape[1]
     programs = sched.num_blocks * table.r_chunks
-    bucket, = K.tuning_buckets(full, _bucket(programs))
-    if bucket == 0 and not K.INTERPRETED:  # a small launch: its K split by rule (`K.small_rows_bucket`)
-        bucket = K.small_rows_bucket(programs, k, _sm_count(full.device), out.dtype == torch.float32)
+    bucket = _row_bucket(full, out, programs, None if K.INTERPRETED else _sm_count(full.device))
     _rows_times_weight(
         lambda meta: (programs, meta["SPLIT_K"]),
         (full, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
@@ -871,6 +869,16 @@ def _row_launch(call: _Call, full: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
         dict(W_IS_A=w_is_a, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
              BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, k, full.device)),
         _zero_if_split(out))
+
+
+def _row_bucket(full: Tensor, out: Tensor, programs: int, sms: Optional[int]) -> int:
+    """A row launch's ``ROW_BUCKET``: its programs' bucket, or for a small launch (`K.tuning_buckets`) 0, or on a
+    GPU of ``sms`` SMs (None: the interpreter, which takes `_rows_meta`'s split) its K split negated
+    (`K.small_rows_bucket`)."""
+    bucket, = K.tuning_buckets(full, _bucket(programs))
+    if bucket == 0 and sms is not None:
+        bucket = K.small_rows_bucket(programs, full.shape[1], sms, out.dtype == torch.float32)
+    return bucket
 
 
 def rank_classes(sched: Schedule, table: PointerTable) -> tuple[tuple[int, int, int, int, bool, int, int], ...]:

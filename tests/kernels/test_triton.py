@@ -483,6 +483,7 @@ def test_a_small_row_launch_of_few_programs_splits_k_to_fill_the_gpu_once():
     largest candidate), 40 programs 2 ways (80 of 132 SMs; 4 ways would be 160); nothing splits into a half-precision
     output, over a short K, or with a wave of programs already."""
     from lightning_multilora.kernels import triton_kernels as K
+    from lightning_multilora.kernels import triton_lora
 
     assert K.small_rows_bucket(4, 14336, 132, True) == K.small_rows_bucket(16, 4096, 132, True) == -8
     assert K.small_rows_bucket(40, 4096, 132, True) == -2
@@ -490,13 +491,19 @@ def test_a_small_row_launch_of_few_programs_splits_k_to_fill_the_gpu_once():
     assert K.small_rows_bucket(4, 2 * K.SMALL_SPLIT_MIN_K, 132, True) == -2  # each split over >= SMALL_SPLIT_MIN_K
     assert K.small_rows_bucket(4, K.SMALL_SPLIT_MIN_K, 132, True) == 0
     assert K.small_rows_bucket(100, 14336, 132, True) == 0
+    # the row launch's bucket: a small fp32 launch on a GPU names its split; in bf16, in the interpreter, or large, not
+    x, fp32, bf16 = torch.empty(256, 14336), torch.empty(256, 64), torch.empty(256, 64, dtype=torch.bfloat16)
+    assert triton_lora._row_bucket(x, fp32, 4, 132) == -8
+    assert triton_lora._row_bucket(x, bf16, 4, 132) == triton_lora._row_bucket(x, fp32, 4, None) == 0
+    large = torch.empty(K.SMALL_PROBLEM // 1024 + 1, 1024)
+    assert triton_lora._row_bucket(large, fp32, 4, 132) == triton_lora._bucket(4) > 0
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="counts the interpreter's launches")
 @pytest.mark.parametrize("small_problem", [0, 33 * 40, None])
 def test_every_launch_says_in_its_tuning_key_whether_it_is_small(monkeypatch, small_problem):
-    """Every tuned launch of a forward and backward passes ``ROW_BUCKET`` 0 where its widest operand is small, and its
-    row bucket otherwise: the tuner keeps a small launch's one candidate apart from the tiles of a larger launch of
+    """Every tuned launch of a forward and backward passes ``ROW_BUCKET`` 0 where its widest operand is small (in the
+    interpreter: on a GPU a small row launch names its K split there, `small_rows_bucket`), and its row bucket otherwise: the tuner keeps a small launch's one candidate apart from the tiles of a larger launch of
     the same bucket (a row block holds 1 to 64 rows). A small launch's other buckets (``TOKEN_BUCKET``, ``ROWS_PER``)
     are 0 too: small launches of any layout share one key. Each launch decides by its own widest operand: with the
     threshold between the two widths' operands (33 x 32 and 33 x 48 elements), the launches that read or write a
