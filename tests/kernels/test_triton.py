@@ -502,10 +502,11 @@ def test_a_small_row_launch_of_few_programs_splits_k_to_fill_the_gpu_once():
 @pytest.mark.skipif(not INTERPRETED, reason="counts the interpreter's launches")
 @pytest.mark.parametrize("small_problem", [0, 33 * 40, None])
 def test_every_launch_says_in_its_tuning_key_whether_it_is_small(monkeypatch, small_problem):
-    """Every tuned launch of a forward and backward passes ``ROW_BUCKET`` 0 where its widest operand is small (in the
-    interpreter: on a GPU a small row launch names its K split there, `small_rows_bucket`), and its row bucket otherwise: the tuner keeps a small launch's one candidate apart from the tiles of a larger launch of
-    the same bucket (a row block holds 1 to 64 rows). A small launch's other buckets (``TOKEN_BUCKET``, ``ROWS_PER``)
-    are 0 too: small launches of any layout share one key. Each launch decides by its own widest operand: with the
+    """Every tuned launch of a forward and backward passes ``ROW_BUCKET`` 0 where its widest operand is small (in
+    the interpreter: on a GPU a small row launch names its K split there, `small_rows_bucket`), and its row bucket
+    otherwise: the tuner keeps a small launch's one candidate apart from the tiles of a larger launch of the same
+    bucket (a row block holds 1 to 64 rows). A small launch's other buckets (``TOKEN_BUCKET``, ``ROWS_PER``) are 0
+    too: small launches of any layout share one key. Each launch decides by its own widest operand: with the
     threshold between the two widths' operands (33 x 32 and 33 x 48 elements), the launches that read or write a
     48-wide operand (the expand, dS, dB) are tuned, and those whose widest is 32 wide (the shrink, dX, dA) are not."""
     from lightning_multilora.kernels import launch
