@@ -2,7 +2,7 @@
 
 `MemoryProfiler` takes a ``measure(n_adapters, batch_size) -> peak bytes | None`` function (``None``: out
 of memory) so the search and the fit are the same on a GPU (`cuda_step_measure`, one real training
-step) and in tests. Phase 1 binary-searches the largest total batch ``B_max`` one adapter can take
+step after a warm-up step) and in tests. Phase 1 binary-searches the largest total batch ``B_max`` one adapter can take
 within the safety margin; phase 2 measures the grid ``(N, b)``, ``b`` in ``batch_sizes``,
 ``N * b <= B_max`` and fits `MemoryFit`.
 """
