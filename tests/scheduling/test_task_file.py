@@ -239,8 +239,10 @@ def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
           - {{id: b, duration: 100, command: [{py}, -c, "{RUN_AND_WAIT}", {tmp_path / 'b.pid'}]}}
         """)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # (tasks without GPUs; no torch import to count them)
-    command = [py, "-c", f"import sys; from lightning_multilora.scheduling.task_file import main; "
-                         f"sys.exit(main([{str(path)!r}]))"]
+    # Ctrl-C as at a terminal: a process started with SIGINT ignored (a test run in a shell's background job, where
+    # the shell ignores it) keeps ignoring it, as Python does, and so would the schedule
+    command = [py, "-c", f"import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                         f"from lightning_multilora.scheduling.task_file import main; sys.exit(main([{str(path)!r}]))"]
     schedule = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # (a signal of its own: not pytest's process group)
     pids = [tmp_path / "a.pid", tmp_path / "b.pid"]
