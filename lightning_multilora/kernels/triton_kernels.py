@@ -182,13 +182,13 @@ _GRAD_CONFIGS = [triton.Config({"BLOCK_K": k, "BLOCK_T": t}, num_warps=w, num_st
 # On the H200 (`benchmarks/results/kernels_h200.md`, session 38), a forward + backward of that adapter at r=64 took
 # 0.128 -> 0.072 ms (`_grouped_mm`: 0.120), and over 46 points of 1 and 4 adapters a median 0.87x the time (0.42x-1.02x).
 SMALL_SPLIT_MIN_K = 256
+_MAX_SPLIT_K = max(c.kwargs["SPLIT_K"] for c in _ROWS_CONFIGS)
 
 
 def small_rows_bucket(programs: int, k: int, sms: int, out_fp32: bool) -> int:
     """The ROW_BUCKET of a small row launch: ``-split`` (see above), 0 where it does not split."""
     split = 1
-    max_split = max(c.kwargs["SPLIT_K"] for c in _ROWS_CONFIGS)
-    while out_fp32 and split < max_split and 2 * split * programs <= sms and k >= 2 * split * SMALL_SPLIT_MIN_K:
+    while out_fp32 and split < _MAX_SPLIT_K and 2 * split * programs <= sms and k >= 2 * split * SMALL_SPLIT_MIN_K:
         split *= 2
     return -split if split > 1 else 0
 
