@@ -554,7 +554,8 @@ class _LoRAExpand(torch.autograd.Function):
         # (dS goes back to autograd as S's gradient: zeroed under anomaly detection too, which checks all of it)
         ds = _low_rank_buffer(rows, table, device, call.low_dtype, zero=fused or torch.is_anomaly_enabled())
         one_launch = (sched.num_blocks and s is not None and not fused and DB_AFTER_DS and DS_DB_ONE_LAUNCH
-                      and _grad_split(call, d_out, device) == 1)
+                      and ds_db_one_launch(_grad_split(call, d_out, device), d_out, sched.num_blocks * table.r_chunks,
+                                           None if K.INTERPRETED else _sm_count(device)))
         if sched.num_blocks and not fused and not one_launch:
             _row_launch(call, dy, call.b_ptrs, ds, False, False)
         if sched.num_blocks and s is not None and (fused or DB_AFTER_DS):
@@ -629,6 +630,19 @@ DB_AFTER_DS = True
 # 0.217 -> 0.209; 4096x1024 ranks 8..128 0.157 -> 0.152; 4096x14336 0.489 -> 0.476, r=64 0.465 -> 0.449; 14336x4096
 # 0.474 -> 0.461, r=64 0.428 -> 0.420 (`kernels_h200_one_launch_s29.json`, `kernels_h200_one_launch_fp32_s29.json`).
 DS_DB_ONE_LAUNCH = True
+# Its dS programs each walk all of K: where K is wider than this and they are fewer than a quarter of the SMs, the
+# two launches are faster (the dS row launch then splits K, `K.small_rows_bucket`). On the H200, one adapter of
+# 64..2048 tokens at r=64, 4096x14336 (dY 14336 wide, 4 dS programs): a forward + backward 75.9 -> 50.0 us apart; at
+# 4096x1024 (dY 1024 wide) one launch stayed the faster (30.3 vs 37.6 us apart); at 16 adapters x 256 tokens,
+# 4096x14336 (64 dS programs) too (243.3 vs 258.3 us apart), and at 32 x 256 (128, above).
+DS_DB_ONE_LAUNCH_MAX_K = 4096
+
+
+def ds_db_one_launch(grad_split: int, k: int, ds_programs: int, sms: Optional[int]) -> bool:
+    """Whether dS and dB (of width ``k``) come from one launch (`DS_DB_ONE_LAUNCH`): where the dB launch splits no
+    rows (``grad_split``, `_grad_split`), and ``k`` is at most `DS_DB_ONE_LAUNCH_MAX_K` or the ``ds_programs`` (row
+    blocks x rank chunks) fill a quarter of the GPU's ``sms`` (None: the interpreter, always)."""
+    return grad_split == 1 and (sms is None or k <= DS_DB_ONE_LAUNCH_MAX_K or 4 * ds_programs >= sms)
 # ... its dS programs' rows (the row blocks of a schedule of this height: each re-reads its adapter's B_i from L2, as
 # many bytes as its dY rows at r=64, twice as many at r=128) and its dB programs' widest rank chunk (`GRAD_MAX_TILE`'s
 # chunks: each chunk's programs read the adapter's dY tiles, twice at r=128). The launch's K tile:
@@ -960,12 +974,11 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[index]
 
 
-def _split_for(num_programs: int, max_tokens: int, device: torch.device) -> int:
-    """Row splits so that small problems still fill the GPU (each split adds into G atomically)."""
-    if device.type != "cuda":
-        return 1
+def _split_for(num_programs: int, max_tokens: int, sms: Optional[int], min_rows: int = 64) -> int:
+    """Row splits so that small problems still fill the GPU of ``sms`` SMs (None: the interpreter, one) twice over,
+    each program keeping more than ``min_rows`` of the largest adapter's rows (each split adds into G atomically)."""
     split = 1
-    while num_programs * split < 2 * _sm_count(device) and max_tokens > split * 128:
+    while sms is not None and num_programs * split < 2 * sms and max_tokens > 2 * split * min_rows:
         split *= 2
     return split
 
@@ -1019,10 +1032,31 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
     _weight_grad(grid, args, meta)
 
 
+# A weight-gradient launch split over rows adds each program's (rank chunk x K block) fp32 tile into G atomically: a
+# split of s adds s times G, and atomics run far below the copy rate, the more so the wider the chunk. So each program
+# of a split keeps more than this many rows of the largest adapter: (rank chunk up to, rows), the last for wider ones.
+# On the H200 (`benchmarks/grad_split.py`, `benchmarks/results/kernels_h200.md`, session 39; before, 64 rows at every
+# chunk), 74 points of 1 to 32 adapters, 256 / 1024 / 64..2048 tokens each, the four Llama-8B shapes, a forward +
+# backward (with `ds_db_one_launch`) took a median 0.95x the time (0.62x-1.01x): one adapter of 256 tokens at r=64,
+# 4096x1024, 48.4 -> 32.8 us; 4 x 1024 tokens, ranks 8..128, 109.6 -> 89.9. A 64-wide chunk's split at 128 rows a
+# program cost more than it gained (14336x4096, one adapter x 256 tokens: dA 20.3 -> 8.8 us unsplit); 512 rows beat
+# 256 at 1024 tokens (4096x1024: 61.8 -> 52.2 us), while a 32-wide chunk did better at 128 than at 256 (one adapter
+# of rank 24 x 1024 tokens, 4096x4096: 51.5 vs 53.1 us).
+GRAD_SPLIT_MIN_ROWS = ((16, 64), (32, 128), (64, 512))
+
+
 def _grad_split(call: _Call, k: int, device: torch.device) -> int:
-    """The weight-gradient launches' row split (`_split_for`) at width ``k``."""
-    return _split_for(len(call.weights.a) * _grad_chunks(call.table.block_r, call.table.width)[1] * _cdiv(k, 128),
-                      call.sched.max_tokens, device)
+    """The weight-gradient launches' row split (`_split_for`) at width ``k``: programs of more than
+    `GRAD_SPLIT_MIN_ROWS` rows for their rank chunk."""
+    block_r, chunks = _grad_chunks(call.table.block_r, call.table.width)
+    return _split_for(len(call.weights.a) * chunks * _cdiv(k, 128), call.sched.max_tokens,
+                      _sm_count(device) if device.type == "cuda" else None, grad_split_min_rows(block_r))
+
+
+def grad_split_min_rows(block_r: int) -> int:
+    """The fewest rows a program of a weight-gradient row split keeps at rank chunk ``block_r``
+    (`GRAD_SPLIT_MIN_ROWS`)."""
+    return next((rows for chunk, rows in GRAD_SPLIT_MIN_ROWS if block_r <= chunk), GRAD_SPLIT_MIN_ROWS[-1][1])
 
 
 def ds_db_table(sched: Schedule, table: PointerTable, k: int, device: torch.device,

@@ -93,7 +93,7 @@ def test_split_reductions_with_atomics_match_the_reference(monkeypatch):
     from lightning_multilora.kernels import triton_lora
 
     monkeypatch.setattr(triton_lora, "_split_k", lambda num_blocks, k, device: 4)
-    monkeypatch.setattr(triton_lora, "_split_for", lambda num_programs, max_tokens, device: 2)
+    monkeypatch.setattr(triton_lora, "_split_for", lambda *args: 2)
     x, base, w = problem([3, 16, 9], [130, 1, 64], d_in=300, d_out=72, dtype=torch.float32,
                          dropout=[0.0, 0.0, 0.0])
     grad_out = torch.randn_like(base)
@@ -124,7 +124,7 @@ def test_new_weight_gradients_are_stored_without_being_read(monkeypatch, direct,
         return out
 
     monkeypatch.setattr(triton_lora, "_flat_like", nan_filled)
-    monkeypatch.setattr(triton_lora, "_split_for", lambda num_programs, max_tokens, device: split)
+    monkeypatch.setattr(triton_lora, "_split_for", lambda *args: split)
     for ranks, tokens in (([3, 16, 9], [130, 0, 64]), ([4, 8], [0, 0])):
         x, base, w = problem(ranks, tokens, d_in=72, d_out=40, dtype=torch.float32, seed=12)
         grad_out = torch.randn_like(base)
@@ -1209,7 +1209,7 @@ def test_the_db_launch_adds_ds_from_the_dy_it_reads(monkeypatch, chunked, split)
         monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 16)
         monkeypatch.setattr(triton_lora, "_pointer_tables", triton_lora._LRU())
     if INTERPRETED:
-        monkeypatch.setattr(triton_lora, "_split_for", lambda num_programs, max_tokens, device: split)
+        monkeypatch.setattr(triton_lora, "_split_for", lambda *args: split)
     rows_launches = []
     launcher = triton_lora._row_launch
     monkeypatch.setattr(triton_lora, "_row_launch", lambda call, full, w_ptrs, out, w_is_a, *rest: rows_launches.append(
@@ -1347,6 +1347,63 @@ def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, 
     block_r = table.block_r if tall else 64
     assert launched == [(len(codes), codes, 128 if tall else triton_lora.BLOCK_M, block_r)] * 2
     triton_lora.reset_rank_tiles()
+
+
+def test_ds_and_db_come_apart_where_few_ds_programs_would_walk_a_wide_k(monkeypatch):
+    """`ds_db_one_launch`: one launch where the dB launch splits no rows and dY is at most `DS_DB_ONE_LAUNCH_MAX_K`
+    wide, or its dS programs fill a quarter of the SMs (one adapter x 256 tokens at 14336 columns: 4 programs, apart;
+    16 adapters: 64 programs, one launch); the interpreter always takes it. The expand's backward asks it with dY's
+    width and the dS programs, and, told no, makes dS with the row launch: the reference's gradients either way."""
+    from lightning_multilora.kernels import triton_lora
+
+    one = triton_lora.ds_db_one_launch
+    assert not one(1, 14336, 4, 132) and one(1, 14336, 64, 132) and one(1, 4096, 4, 132) and one(1, 14336, 4, None)
+    assert not one(2, 1024, 64, 132)
+    monkeypatch.setattr(triton_lora, "DS_DB_ONE_LAUNCH", True)
+    monkeypatch.setattr(triton_lora, "_grad_split", lambda *a: 1)
+    launches, asked = [], []
+    ds_db = triton_lora._ds_db_launch
+    monkeypatch.setattr(triton_lora, "_ds_db_launch", lambda *a: launches.append(1) or ds_db(*a))
+    triton_lora.reset_rank_tiles()
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    x, base, w = problem([24, 100, 8], [130, 70, 65], d_in=40, d_out=136, dtype=dtype, seed=5)
+    grad_out = torch.randn_like(base)
+    _, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+    for answer in (True, False):
+        monkeypatch.setattr(triton_lora, "ds_db_one_launch", lambda *a, yes=answer: asked.append(a) or yes)
+        launches.clear(), asked.clear()
+        y, grads = run_direct(x, base, w, grad_out)
+        assert len(launches) == answer
+        table = triton_lora.pointer_table(w, x.device)
+        sched = triton_lora.schedule(w.starts, w.ends, x.shape[0], x.device)
+        sms = None if INTERPRETED else triton_lora._sm_count(x.device)
+        assert asked == [(1, 136, sched.num_blocks * table.r_chunks, sms)]
+        for g, g_ref in zip(grads, grads_ref):
+            assert rel(g, g_ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+    triton_lora.reset_rank_tiles()
+
+
+def test_weight_gradient_row_splits_keep_more_rows_a_program_the_wider_their_rank_chunk(monkeypatch):
+    """`_grad_split`: a row split adds each program's fp32 tile atomically, so its programs keep more than
+    `GRAD_SPLIT_MIN_ROWS` rows for their rank chunk: on 132 SMs one adapter of 256 tokens at r=64 (K=14336: 112
+    programs of 128 columns) splits no rows, at r=16 two ways; 1024 tokens at 4096 columns (32 programs), r=16 eight
+    ways, r=32 four, r=64 one, and 2048 tokens at r=64 two. Without SMs (the interpreter) never."""
+    from types import SimpleNamespace
+
+    from lightning_multilora.kernels import triton_lora
+
+    assert [triton_lora.grad_split_min_rows(r) for r in (8, 16, 32, 64)] == [64, 64, 128, 512]
+    monkeypatch.setattr(triton_lora, "_sm_count", lambda device: 132)
+
+    def split(rank, tokens, k, device="cuda"):
+        tile = triton_lora.rank_chunk([rank])
+        call = SimpleNamespace(weights=SimpleNamespace(a=[None]), table=SimpleNamespace(block_r=tile, width=tile),
+                               sched=SimpleNamespace(max_tokens=tokens))
+        return triton_lora._grad_split(call, k, torch.device(device))
+
+    assert (split(64, 256, 14336), split(16, 256, 14336)) == (1, 2)
+    assert [split(r, 1024, 4096) for r in (16, 32, 64)] == [8, 4, 1]
+    assert split(64, 2048, 4096) == 2 and split(16, 1024, 4096, "cpu") == 1
 
 
 @pytest.mark.parametrize("name", ["DS_DB_BLOCK_M", "DS_DB_GRAD_MAX_TILE", "DS_DB_GRAD_BLOCK_K"])
@@ -1501,12 +1558,12 @@ def test_a_narrower_adapter_set_and_other_row_splits_compile_no_new_kernel(monke
     x, base, w = problem([64, 16, 32], [300, 200, 100], d_in=512, d_out=256, dtype=torch.bfloat16, seed=11)
     grad_out = torch.randn_like(base)
     for split in (1, 2):  # the plain and the atomic weight-gradient variants
-        monkeypatch.setattr(triton_lora, "_split_for", lambda num_programs, max_tokens, device, s=split: s)
+        monkeypatch.setattr(triton_lora, "_split_for", lambda *args, s=split: s)
         run(multi_lora_triton, x, base, w, False, grad_out)
     compiled = _compiled_variants()
     x, base, w = problem([16], [50], d_in=512, d_out=256, dtype=torch.bfloat16, seed=12)
     grad_out = torch.randn_like(base)
-    monkeypatch.setattr(triton_lora, "_split_for", lambda num_programs, max_tokens, device: 8)
+    monkeypatch.setattr(triton_lora, "_split_for", lambda *args: 8)
     y, grads = run(multi_lora_triton, x, base, w, False, grad_out)
     assert triton_lora.pointer_table(w, x.device).block_r == 64
     assert _compiled_variants() == compiled
