@@ -631,18 +631,13 @@ DB_AFTER_DS = True
 # 0.474 -> 0.461, r=64 0.428 -> 0.420 (`kernels_h200_one_launch_s29.json`, `kernels_h200_one_launch_fp32_s29.json`).
 DS_DB_ONE_LAUNCH = True
 # Its dS programs each walk all of K: where K is wider than this and they are fewer than a quarter of the SMs, the
-# two launches are faster (the dS row launch then splits K, `K.small_rows_bucket`). On the H200, one adapter of
-# 64..2048 tokens at r=64, 4096x14336 (dY 14336 wide, 4 dS programs): a forward + backward 75.9 -> 50.0 us apart; at
-# 4096x1024 (dY 1024 wide) one launch stayed the faster (30.3 vs 37.6 us apart); at 16 adapters x 256 tokens,
-# 4096x14336 (64 dS programs) too (243.3 vs 258.3 us apart), and at 32 x 256 (128, above).
+# two launches are faster (the dS row launch then splits K, `K.small_rows_bucket`): `ds_db_one_launch`. On the H200
+# (`benchmarks/results/kernels_h200_grad_split_s39.json`, ours_shadow), one adapter of 128 tokens at r=64, 4096x14336
+# (dY 14336 wide, 2 dS programs): a forward + backward 76.2 -> 49.9 us apart (75.9 -> 50.0 with no other change, in
+# a run whose log was not kept); at 16 adapters x 256 tokens there (64 dS programs) one launch stayed the faster
+# (243.3 vs 258.3 us apart), as at 32 x 256 (128, above); at 4096x1024 (dY 1024 wide), one adapter of rank 48 x 128
+# tokens, too (30.3 vs 37.6 us apart, the same unlogged run).
 DS_DB_ONE_LAUNCH_MAX_K = 4096
-
-
-def ds_db_one_launch(grad_split: int, k: int, ds_programs: int, sms: Optional[int]) -> bool:
-    """Whether dS and dB (of width ``k``) come from one launch (`DS_DB_ONE_LAUNCH`): where the dB launch splits no
-    rows (``grad_split``, `_grad_split`), and ``k`` is at most `DS_DB_ONE_LAUNCH_MAX_K` or the ``ds_programs`` (row
-    blocks x rank chunks) fill a quarter of the GPU's ``sms`` (None: the interpreter, always)."""
-    return grad_split == 1 and (sms is None or k <= DS_DB_ONE_LAUNCH_MAX_K or 4 * ds_programs >= sms)
 # ... its dS programs' rows (the row blocks of a schedule of this height: each re-reads its adapter's B_i from L2, as
 # many bytes as its dY rows at r=64, twice as many at r=128) and its dB programs' widest rank chunk (`GRAD_MAX_TILE`'s
 # chunks: each chunk's programs read the adapter's dY tiles, twice at r=128). The launch's K tile:
@@ -652,6 +647,15 @@ def ds_db_one_launch(grad_split: int, k: int, ds_programs: int, sms: Optional[in
 # 0.627 to 0.632 and r=128 x 256 tokens from 0.308 to 0.323; left at the package's.
 DS_DB_BLOCK_M: Optional[int] = None
 DS_DB_GRAD_MAX_TILE: Optional[int] = None
+
+
+def ds_db_one_launch(grad_split: int, k: int, ds_programs: int, sms: Optional[int]) -> bool:
+    """Whether dS and dB (of width ``k``) come from one launch (`DS_DB_ONE_LAUNCH`): where the dB launch splits no
+    rows (``grad_split``, `_grad_split`), and ``k`` is at most `DS_DB_ONE_LAUNCH_MAX_K` or the ``ds_programs`` (row
+    blocks x rank chunks) fill a quarter of the GPU's ``sms`` (None: the interpreter, always)."""
+    return grad_split == 1 and (sms is None or k <= DS_DB_ONE_LAUNCH_MAX_K or 4 * ds_programs >= sms)
+
+
 # The weight-gradient launches take rank chunks of at most this width, whatever the table's tile: a 128-wide tile
 # computes the full width for every adapter of a mix (its (r, BLOCK_K) fp32 accumulator too), where 64-wide chunks
 # past an adapter's rank return at once. On the H200, 32 adapters x 1024 tokens, ranks 8..128: dA at K=4096 took
@@ -1035,9 +1039,10 @@ def _weight_grad_launch(g_is_a: bool, low: Tensor, full: Tensor, call: _Call, ta
 # A weight-gradient launch split over rows adds each program's (rank chunk x K block) fp32 tile into G atomically: a
 # split of s adds s times G, and atomics run far below the copy rate, the more so the wider the chunk. So each program
 # of a split keeps more than this many rows of the largest adapter: (rank chunk up to, rows), the last for wider ones.
-# On the H200 (`benchmarks/grad_split.py`, `benchmarks/results/kernels_h200.md`, session 39; before, 64 rows at every
-# chunk), 74 points of 1 to 32 adapters, 256 / 1024 / 64..2048 tokens each, the four Llama-8B shapes, a forward +
-# backward (with `ds_db_one_launch`) took a median 0.95x the time (0.62x-1.01x): one adapter of 256 tokens at r=64,
+# On the H200 (`benchmarks/results/kernels_h200.md`, session 39; before, 64 rows at every chunk), over 74 points of 1
+# to 32 adapters, 256 / 1024 / 64..2048 tokens each, the four Llama-8B shapes, a forward + backward (with
+# `ds_db_one_launch`) takes a median 0.95x the time (0.62x-1.01x; composed per point from three runs of other rules
+# that make the same choices there, not yet one run: `benchmarks/grad_split.py`): one adapter of 256 tokens at r=64,
 # 4096x1024, 48.4 -> 32.8 us; 4 x 1024 tokens, ranks 8..128, 109.6 -> 89.9. A 64-wide chunk's split at 128 rows a
 # program cost more than it gained (14336x4096, one adapter x 256 tokens: dA 20.3 -> 8.8 us unsplit); 512 rows beat
 # 256 at 1024 tokens (4096x1024: 61.8 -> 52.2 us), while a 32-wide chunk did better at 128 than at 256 (one adapter

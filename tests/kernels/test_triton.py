@@ -1349,16 +1349,21 @@ def test_ds_and_db_from_one_launch_give_the_two_launches_gradients(monkeypatch, 
     triton_lora.reset_rank_tiles()
 
 
-def test_ds_and_db_come_apart_where_few_ds_programs_would_walk_a_wide_k(monkeypatch):
+@pytest.mark.parametrize("chunked", [False, True])
+def test_ds_and_db_come_apart_where_few_ds_programs_would_walk_a_wide_k(monkeypatch, chunked):
     """`ds_db_one_launch`: one launch where the dB launch splits no rows and dY is at most `DS_DB_ONE_LAUNCH_MAX_K`
     wide, or its dS programs fill a quarter of the SMs (one adapter x 256 tokens at 14336 columns: 4 programs, apart;
-    16 adapters: 64 programs, one launch); the interpreter always takes it. The expand's backward asks it with dY's
-    width and the dS programs, and, told no, makes dS with the row launch: the reference's gradients either way."""
+    16 adapters: 64 programs, one launch; 33 of 132 SMs, one launch, 32 not); the interpreter always takes it. The
+    expand's backward asks it with dY's width and the dS programs (row blocks x rank chunks: two chunks, ``chunked``),
+    and, told no, makes dS with the row launch: the reference's gradients either way."""
     from lightning_multilora.kernels import triton_lora
 
     one = triton_lora.ds_db_one_launch
     assert not one(1, 14336, 4, 132) and one(1, 14336, 64, 132) and one(1, 4096, 4, 132) and one(1, 14336, 4, None)
-    assert not one(2, 1024, 64, 132)
+    assert one(1, 14336, 33, 132) and not one(1, 14336, 32, 132) and not one(2, 1024, 64, 132)
+    if chunked:  # (rank 100 in two 64-wide chunks)
+        monkeypatch.setattr(triton_lora, "MAX_RANK_CHUNK", 64)
+        monkeypatch.setattr(triton_lora, "_pointer_tables", triton_lora._LRU())
     monkeypatch.setattr(triton_lora, "DS_DB_ONE_LAUNCH", True)
     monkeypatch.setattr(triton_lora, "_grad_split", lambda *a: 1)
     launches, asked = [], []
@@ -1377,6 +1382,7 @@ def test_ds_and_db_come_apart_where_few_ds_programs_would_walk_a_wide_k(monkeypa
         table = triton_lora.pointer_table(w, x.device)
         sched = triton_lora.schedule(w.starts, w.ends, x.shape[0], x.device)
         sms = None if INTERPRETED else triton_lora._sm_count(x.device)
+        assert table.r_chunks == (2 if chunked else 1)
         assert asked == [(1, 136, sched.num_blocks * table.r_chunks, sms)]
         for g, g_ref in zip(grads, grads_ref):
             assert rel(g, g_ref) < (1e-5 if dtype == torch.float32 else 1e-2)
