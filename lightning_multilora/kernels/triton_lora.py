@@ -1059,8 +1059,8 @@ def _grad_split(call: _Call, k: int, device: torch.device) -> int:
 
 
 def grad_split_min_rows(block_r: int) -> int:
-    """The fewest rows a program of a weight-gradient row split keeps at rank chunk ``block_r``
-    (`GRAD_SPLIT_MIN_ROWS`)."""
+    """The rows of the largest adapter that a program of a weight-gradient row split keeps more than, at rank chunk
+    ``block_r`` (`GRAD_SPLIT_MIN_ROWS`)."""
     return next((rows for chunk, rows in GRAD_SPLIT_MIN_ROWS if block_r <= chunk), GRAD_SPLIT_MIN_ROWS[-1][1])
 
 
