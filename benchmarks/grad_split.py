@@ -1,6 +1,7 @@
 """Weight-gradient row splits and the dS + dB launch choice, before session 39 and now, side by side (ours_shadow).
 
-Run on the H200 (about 5 minutes; ``--budget-s`` stops early, the points done are written after each one):
+Run on the H200 (on a fresh machine, most of it compiling, 240 s measured its first 16 points; ``--budget-s`` stops
+early, the points done are written after each one):
 
     PYTHONPATH=. python benchmarks/grad_split.py --out benchmarks/results/kernels_h200_grad_split.json
 
