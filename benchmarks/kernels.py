@@ -296,6 +296,9 @@ def main() -> None:
                         help="row-kernel programs a SM from which S and dS take the activation dtype "
                              "(triton_lora.LOW_RANK_MIN_WAVES; fewer: fp32, the row launches may split K; default: "
                              "the package's)")
+    parser.add_argument("--small-split-min-k", type=int, default=None,
+                        help="columns of K each split of a small row launch walks at least "
+                             "(triton_kernels.SMALL_SPLIT_MIN_K; one larger than K: no split; default: the package's)")
     args = parser.parse_args()
     if args.report:
         if not Path(args.out).is_file():
@@ -315,6 +318,10 @@ def main() -> None:
 
     if args.rank_class_launches is not None:
         triton_lora.RANK_CLASS_LAUNCHES = args.rank_class_launches
+    if args.small_split_min_k is not None:
+        if args.small_split_min_k < 1:
+            parser.error(f"--small-split-min-k must be 1 or more, got {args.small_split_min_k}")
+        triton_kernels.SMALL_SPLIT_MIN_K = args.small_split_min_k
     if args.block_m is not None:  # (the tall blocks' rows kept: WIDE_ROWS counts blocks; and the rows from which S
         # and dS take the activation dtype: LOW_RANK_MIN_WAVES counts row blocks)
         tall = triton_lora.BLOCK_M * triton_lora.WIDE_ROWS, triton_lora.BLOCK_M * triton_lora.WIDE_ROWS_WIDE_RANKS
@@ -359,6 +366,8 @@ def main() -> None:
         common["block_m"] = args.block_m
     if args.block_m is not None or args.low_rank_min_waves is not None:
         common["low_rank_min_waves"] = triton_lora.LOW_RANK_MIN_WAVES
+    if args.small_split_min_k is not None:
+        common["small_split_min_k"] = args.small_split_min_k
     common["ds_db_one_launch"] = triton_lora.DS_DB_ONE_LAUNCH
     common.update({k: v for k, v in ds_db.items() if v is not None})
     rows = json.loads(Path(args.out).read_text()) if args.resume and Path(args.out).exists() else []
