@@ -30,11 +30,11 @@ import time
 import torch
 import triton
 
-from benchmarks.kernels import SHAPES, graph_ms, make, ranks_for, tokens_for
+from benchmarks.kernels import SHAPES, graph_ms, make, ranks_for, shadow_step, tokens_for
 from lightning_multilora.kernels import LoRAWeights, multi_lora_reference
 from lightning_multilora.kernels import triton_kernels as K
 from lightning_multilora.kernels import triton_lora as TL
-from lightning_multilora.kernels.triton_lora import multi_lora_triton, reset_rank_tiles
+from lightning_multilora.kernels.triton_lora import reset_rank_tiles
 
 VARIANTS = {"before": (((64, 64),), lambda grad_split, k, ds_programs, sms: grad_split == 1),
             "package": (TL.GRAD_SPLIT_MIN_ROWS, TL.ds_db_one_launch)}
@@ -76,18 +76,11 @@ def main() -> None:
         reset_rank_tiles()
         x, base, w = make(d_in, d_out, ranks, tokens, device)
         grad = torch.randn_like(base)
-        xg = x.clone().requires_grad_()
-        shadow = LoRAWeights(w.a, w.b, w.scaling, w.dropout, w.starts, w.ends, direct_grads=True,
-                             a_copies=tuple(a.detach().to(x.dtype) for a in w.a),
-                             b_copies=tuple(b.detach().to(x.dtype) for b in w.b))
+        step = shadow_step(x, base, w, grad)
         ref = LoRAWeights(tuple(a.detach().clone().requires_grad_() for a in w.a),
                           tuple(b.detach().clone().requires_grad_() for b in w.b), w.scaling, w.dropout, w.starts,
                           w.ends)
         torch.autograd.backward(multi_lora_reference(x.float(), base.float(), ref, True), grad.float())
-
-        def step():
-            xg.grad = None
-            torch.autograd.backward(multi_lora_triton(xg, base.detach(), shadow, True), grad)
 
         line, times = f"{d_in}x{d_out} N={n} r={rk} t={tk}:", {}
         for name in VARIANTS:

@@ -108,6 +108,21 @@ def make(d_in, d_out, ranks, tokens, device):
     return x, base, w
 
 
+def shadow_step(x, base, w: LoRAWeights, grad):
+    """``ours_shadow``'s forward + backward of a point made by `make` (the adapters' bf16 shadows copied once, as the
+    optimizer keeps them; dX stored, adapter gradients added into)."""
+    xg = x.clone().requires_grad_()
+    shadow = LoRAWeights(w.a, w.b, w.scaling, w.dropout, w.starts, w.ends, direct_grads=True,
+                         a_copies=tuple(a.detach().to(x.dtype) for a in w.a),
+                         b_copies=tuple(b.detach().to(x.dtype) for b in w.b))
+
+    def step():
+        xg.grad = None
+        torch.autograd.backward(multi_lora_triton(xg, base.detach(), shadow, True), grad)
+
+    return step
+
+
 class GroupedMM:
     """torch._grouped_mm over stacked, rank-padded bf16 copies of the weights (kept stacked, as a
     grouped-mm implementation would hold them)."""

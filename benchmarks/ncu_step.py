@@ -82,9 +82,8 @@ def _step(args):
     """ours_shadow's forward + backward for the point (`benchmarks/kernels.py`'s tensors and seeds)."""
     import torch
 
-    from benchmarks.kernels import make, ranks_for, tokens_for
-    from lightning_multilora.kernels import LoRAWeights
-    from lightning_multilora.kernels.triton_lora import multi_lora_triton, reset_rank_tiles
+    from benchmarks.kernels import make, ranks_for, shadow_step, tokens_for
+    from lightning_multilora.kernels.triton_lora import reset_rank_tiles
 
     d_in, d_out = args.shape
     rng = random.Random(f"{d_in}-{d_out}-{args.n}-{args.ranks}-{args.tokens}")
@@ -92,17 +91,7 @@ def _step(args):
     torch.manual_seed(0)
     x, base, w = make(d_in, d_out, ranks_for(args.ranks, args.n, rng), tokens_for(args.tokens, args.n, rng),
                       torch.device("cuda"))
-    grad = torch.randn_like(base)
-    xg = x.clone().requires_grad_()
-    shadows = LoRAWeights(w.a, w.b, w.scaling, w.dropout, w.starts, w.ends, direct_grads=True,
-                          a_copies=tuple(a.detach().to(x.dtype) for a in w.a),
-                          b_copies=tuple(b.detach().to(x.dtype) for b in w.b))
-
-    def step():
-        xg.grad = None
-        torch.autograd.backward(multi_lora_triton(xg, base.detach(), shadows, True), grad)
-
-    return step
+    return shadow_step(x, base, w, torch.randn_like(base))
 
 
 def _child(args) -> None:
