@@ -14,10 +14,11 @@ package tunes them (this process's own timings: Triton's disk cache of choices i
 (`benchmarks.kernels.graph_ms`: CUDA graph, cold L2), and then, one tuning key at a time, the step is timed with each
 of that key's candidates (the ``--top`` fastest alone) and the fastest kept (``--passes`` rounds over the keys).
 
-Rows go to ``--out`` (after every point), one per point: ms with the tiles chosen alone (``ms_alone``) and in the step
-(``ms_in_context``), the slowest step seen with one key's choice changed (``ms_worst_single``), the share of the
-copy-bandwidth floor of both, and per key the kernel, its candidates, the choice alone and in the step, each with the
-step's time (``keys``); GPU, versions and date beside them.
+Rows go to ``--out`` (after every point), one per point: ms with the tiles chosen alone (``ms_alone``; timed again
+after the search, ``ms_alone_again``: the timing's own spread) and in the step (``ms_in_context``), the slowest step
+seen with one key's choice changed (``ms_worst_single``), the share of the copy-bandwidth floor of both, and per key
+(each pass) the kernel, its candidates, the choice alone and in the step, the step's time with each tried and each
+candidate's time alone (``keys``); GPU, versions and date beside them.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def main() -> None:
                     print(f"{r['shape']} N={n} r={rk} t={tk}: alone {r['ms_alone'] * 1e3:.1f} us "
                           f"({r['pct_of_floor_alone']:.0f}%), in the step {r['ms_in_context'] * 1e3:.1f} us "
                           f"({r['pct_of_floor_in_context']:.0f}%), worst single change "
-                          f"{r['ms_worst_single'] * 1e3:.1f} us; {r['keys_changed']} of {len(r['keys'])} keys changed",
+                          f"{r['ms_worst_single'] * 1e3:.1f} us; {r['keys_changed']} of {r['keys_tuned']} keys changed",
                           flush=True)
                     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
                     Path(args.out).write_text(json.dumps(dict(common, rows=rows), indent=1))
@@ -150,6 +151,7 @@ def point(rec: Recorder, d_in, d_out, ranks, tokens, args, bandwidth, device) ->
     alone_times(rec, step)
     floor_ms = floor_bytes(x, base, w) / (bandwidth * 1e6)
     ms_alone = graph_ms(step)
+    package = {nk: getattr(K, nk[0]).cache[nk[1]] for nk in rec.candidates}  # (the tiles chosen alone)
     best, worst, keys = ms_alone, ms_alone, []
     for _ in range(args.passes):
         for (name, key), configs in rec.candidates.items():
@@ -170,14 +172,20 @@ def point(rec: Recorder, d_in, d_out, ranks, tokens, args, bandwidth, device) ->
             tuner.cache[key] = next(c for c in configs if str(c) == choice)
             best = tried[choice]
             keys.append(dict(kernel=name, key=list(map(str, key)), candidates=len(configs),
-                             alone=str(kept), in_context=choice, step_ms={c: round(t, 4) for c, t in tried.items()},
+                             alone=str(package[(name, key)]), in_context=choice,
+                             step_ms={c: round(t, 4) for c, t in tried.items()},
                              alone_ms={str(c): round(median_ms(t), 4) for c, t in timings.items()}))
+    changed = sum(getattr(K, name).cache[key] is not config for (name, key), config in package.items())
     ms_in_context = graph_ms(step)  # (the choices together, timed again)
+    for (name, key), config in package.items():  # (the choices alone again: the timing's own spread)
+        getattr(K, name).cache[key] = config
+    ms_alone_again = graph_ms(step)
     del x, base, w, grad, step
-    return dict(ms_alone=round(ms_alone, 4), ms_in_context=round(ms_in_context, 4), ms_worst_single=round(worst, 4),
+    return dict(ms_alone=round(ms_alone, 4), ms_alone_again=round(ms_alone_again, 4),
+                ms_in_context=round(ms_in_context, 4), ms_worst_single=round(worst, 4),
                 floor_ms=round(floor_ms, 4), pct_of_floor_alone=round(100 * floor_ms / ms_alone, 1),
                 pct_of_floor_in_context=round(100 * floor_ms / ms_in_context, 1),
-                keys_changed=sum(k["alone"] != k["in_context"] for k in keys), keys=keys)
+                keys_changed=changed, keys_tuned=sum(len(c) > 1 for c in rec.candidates.values()), keys=keys)
 
 
 if __name__ == "__main__":
