@@ -313,7 +313,7 @@ def main() -> None:
                              "the package's)")
     parser.add_argument("--small-split-min-k", type=int, default=None,
                         help="columns of K each split of a small row launch walks at least "
-                             "(triton_kernels.SMALL_SPLIT_MIN_K; one larger than K: no split; default: the package's)")
+                             "(triton_kernels.SMALL_SPLIT_MIN_K; over half of K: no split; default: the package's)")
     args = parser.parse_args()
     if args.report:
         if not Path(args.out).is_file():

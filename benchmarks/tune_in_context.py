@@ -6,8 +6,8 @@ Run on the H200 (``--budget-s`` stops early; the points done are written after e
         --out benchmarks/results/tune_in_context_h200.json
 
 The package tunes each launch alone (Triton's autotuner: every candidate timed by `triton_kernels._quick_bench`, a
-cold L2 before each run) and keeps the fastest per tuning key. Two processes choose differently at close to half of
-the keys (session 40: 47 of 121 between two runs of the same 18 points), and the step's time then differs by up to
+cold L2 before each run) and keeps the fastest per tuning key. Two processes choose differently at many of the keys
+(session 40: 47 of 121 between two runs of the same 18 points), and the step's time then differs by up to
 20% (`benchmarks/results/kernels_h200.md`). This measures what choosing in the step would give: for each point of
 `benchmarks/kernels.py`'s grid asked for (its seeds, so the same ranks and tokens), the launches are tuned as the
 package tunes them (this process's own timings: Triton's disk cache of choices is not read), the step is timed
@@ -35,6 +35,7 @@ import triton
 from benchmarks.kernels import (SHAPES, copy_bandwidth, floor_bytes, graph_ms, make, ranks_for, shadow_step,
                                tokens_for)
 from lightning_multilora.kernels import triton_kernels as K
+from lightning_multilora.kernels import triton_lora as TL
 from lightning_multilora.kernels.triton_lora import reset_rank_tiles
 
 TUNED = ("_rows_times_weight", "_rank_times_weight", "_weight_grad", "_ds_and_db")
@@ -66,6 +67,7 @@ class Recorder:
             self._pending[name].clear()
         self.candidates.clear()
         self.alone.clear()
+        relaunch()
 
     def collect(self) -> None:
         """Pair the keys the step added to each cache (in the order met) with the candidate lists logged."""
@@ -78,6 +80,15 @@ class Recorder:
                 self.candidates[(name, key)] = configs
 
 
+def relaunch() -> None:
+    """Make the next launches read the autotuners' choices again: the package's launchers keep each variant's compiled
+    kernel and tiles after its first launch (`launch.FastLauncher`), and a weight-gradient key tunes on scratch
+    gradients once (`triton_lora._tuned_grad_keys`)."""
+    for name in TUNED:
+        getattr(TL, name)._variants.clear()
+    TL._tuned_grad_keys.clear()
+
+
 def alone_times(rec: Recorder, step) -> None:
     """Time every candidate of every key alone, as the autotuner does, but for each key (Triton keeps only the last
     key's timings): each key's cache entry removed in turn and the step run once, so the tuner times that key again."""
@@ -87,11 +98,13 @@ def alone_times(rec: Recorder, step) -> None:
             continue
         chosen = tuner.cache.pop(key)
         before = len(rec._pending[name])
+        relaunch()
         step()
         torch.cuda.synchronize()
         del rec._pending[name][before:]  # (the re-pruning: same list)
         rec.alone[(name, key)] = dict(getattr(tuner, "configs_timings", {}))
         tuner.cache[key] = chosen  # (the first tuning's choice stays the package's)
+    relaunch()
 
 
 def median_ms(timing) -> float:
@@ -144,6 +157,8 @@ def point(rec: Recorder, d_in, d_out, ranks, tokens, args, bandwidth, device) ->
     rec.clear()
     x, base, w = make(d_in, d_out, ranks, tokens, device)
     grad = torch.randn_like(base)
+    for p in (*w.a, *w.b):  # (gradients added into, as every timed step does: the keys tuned are the steps' keys)
+        p.grad = torch.zeros_like(p)
     step = shadow_step(x, base, w, grad)
     step()  # (tunes every key, as the package would)
     torch.cuda.synchronize()
@@ -152,7 +167,7 @@ def point(rec: Recorder, d_in, d_out, ranks, tokens, args, bandwidth, device) ->
     floor_ms = floor_bytes(x, base, w) / (bandwidth * 1e6)
     ms_alone = graph_ms(step)
     package = {nk: getattr(K, nk[0]).cache[nk[1]] for nk in rec.candidates}  # (the tiles chosen alone)
-    best, worst, keys = ms_alone, ms_alone, []
+    worst, keys = ms_alone, []
     for _ in range(args.passes):
         for (name, key), configs in rec.candidates.items():
             if len(configs) < 2:
@@ -160,17 +175,17 @@ def point(rec: Recorder, d_in, d_out, ranks, tokens, args, bandwidth, device) ->
             tuner = getattr(K, name)
             timings = rec.alone.get((name, key), {})
             ranked = sorted(configs, key=lambda c: median_ms(timings[c]) if c in timings else float("inf"))
-            kept = tuner.cache[key]
-            tried = {str(kept): best}
-            for cand in ranked[: args.top]:
+            tried = {}
+            for cand in (tuner.cache[key], *ranked[: args.top]):  # (the choice kept timed again beside the others)
                 if str(cand) in tried:
                     continue
                 tuner.cache[key] = cand
+                relaunch()
                 tried[str(cand)] = graph_ms(step)
                 worst = max(worst, tried[str(cand)])
             choice = min(tried, key=tried.get)
             tuner.cache[key] = next(c for c in configs if str(c) == choice)
-            best = tried[choice]
+            relaunch()
             keys.append(dict(kernel=name, key=list(map(str, key)), candidates=len(configs),
                              alone=str(package[(name, key)]), in_context=choice,
                              step_ms={c: round(t, 4) for c, t in tried.items()},
@@ -179,6 +194,7 @@ def point(rec: Recorder, d_in, d_out, ranks, tokens, args, bandwidth, device) ->
     ms_in_context = graph_ms(step)  # (the choices together, timed again)
     for (name, key), config in package.items():  # (the choices alone again: the timing's own spread)
         getattr(K, name).cache[key] = config
+    relaunch()
     ms_alone_again = graph_ms(step)
     del x, base, w, grad, step
     return dict(ms_alone=round(ms_alone, 4), ms_alone_again=round(ms_alone_again, 4),
