@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import time
 from pathlib import Path
@@ -39,6 +40,10 @@ from lightning_multilora.kernels import triton_lora as TL
 from lightning_multilora.kernels.triton_lora import reset_rank_tiles
 
 TUNED = ("_rows_times_weight", "_rank_times_weight", "_weight_grad", "_ds_and_db")
+# A candidate that cannot run at a key (more shared memory than the GPU has: the autotuner timed it as inf) raises
+# these when forced on the step
+CANNOT_RUN = tuple(getattr(triton.runtime.errors, n) for n in ("OutOfResources", "PTXASError")
+                   if hasattr(triton.runtime.errors, n))
 
 
 class Recorder:
@@ -111,6 +116,11 @@ def median_ms(timing) -> float:
     return timing[0] if isinstance(timing, (list, tuple)) else timing
 
 
+def ms_or_none(value: float):
+    """Rounded for the rows, None where not finite (JSON has no infinity)."""
+    return round(value, 4) if math.isfinite(value) else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--shapes", type=int, nargs="+", default=[0, 1], help="indices into benchmarks.kernels.SHAPES")
@@ -174,22 +184,28 @@ def point(rec: Recorder, d_in, d_out, ranks, tokens, args, bandwidth, device) ->
                 continue
             tuner = getattr(K, name)
             timings = rec.alone.get((name, key), {})
-            ranked = sorted(configs, key=lambda c: median_ms(timings[c]) if c in timings else float("inf"))
-            tried = {}
-            for cand in (tuner.cache[key], *ranked[: args.top]):  # (the choice kept timed again beside the others)
+            ranked = sorted((c for c in configs if c in timings and math.isfinite(median_ms(timings[c]))),
+                            key=lambda c: median_ms(timings[c]))  # (those that ran alone, fastest first)
+            kept, tried = tuner.cache[key], {}
+            for cand in (kept, *ranked[: args.top]):  # (the choice kept timed again beside the others)
                 if str(cand) in tried:
                     continue
                 tuner.cache[key] = cand
                 relaunch()
-                tried[str(cand)] = graph_ms(step)
-                worst = max(worst, tried[str(cand)])
+                try:
+                    tried[str(cand)] = graph_ms(step)
+                except CANNOT_RUN:  # (raised in graph_ms' eager warm-up, before any capture)
+                    tried[str(cand)] = float("inf")
+                    torch.cuda.synchronize()
+                if math.isfinite(tried[str(cand)]):
+                    worst = max(worst, tried[str(cand)])
             choice = min(tried, key=tried.get)
             tuner.cache[key] = next(c for c in configs if str(c) == choice)
             relaunch()
             keys.append(dict(kernel=name, key=list(map(str, key)), candidates=len(configs),
                              alone=str(package[(name, key)]), in_context=choice,
-                             step_ms={c: round(t, 4) for c, t in tried.items()},
-                             alone_ms={str(c): round(median_ms(t), 4) for c, t in timings.items()}))
+                             step_ms={c: ms_or_none(t) for c, t in tried.items()},
+                             alone_ms={str(c): ms_or_none(median_ms(t)) for c, t in timings.items()}))
     changed = sum(getattr(K, name).cache[key] is not config for (name, key), config in package.items())
     ms_in_context = graph_ms(step)  # (the choices together, timed again)
     for (name, key), config in package.items():  # (the choices alone again: the timing's own spread)
