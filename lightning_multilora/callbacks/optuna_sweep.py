@@ -80,9 +80,12 @@ def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.
         else:
             if "low" not in spec or "high" not in spec:
                 raise ValueError(f"search space `{name}`: a {kind} parameter needs `low` and `high`")
-            spec = {**spec, **{key: _bound(name, key, spec[key], kind) for key in ("low", "high")}}
+            spec = {**spec, **{key: _bound(name, key, spec[key], kind) for key in ("low", "high", "step")
+                               if key in spec and not (key == "step" and spec[key] is None and kind == "float")}}
             cls = optuna.distributions.FloatDistribution if kind == "float" else optuna.distributions.IntDistribution
             step = spec.get("step", None if kind == "float" else 1)
+            if step is not None and step <= 0:
+                raise ValueError(f"search space `{name}`: `step` must be greater than 0, got {step!r}")
             log = spec.get("log", False)
             if not isinstance(log, bool):
                 raise ValueError(f"search space `{name}`: `log` must be True or False, got {log!r}")
@@ -115,6 +118,17 @@ def _open_study(storage: Any, study_name: str, sampler: "optuna.samplers.BaseSam
         detail = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ValueError(f"OptunaSweep: `storage` {storage!r} could not be opened ({detail}); give a database URL "
                          "such as 'sqlite:///runs/optuna.db' or an RDB's (postgresql://..., mysql://...)") from err
+
+
+def _check_minimizes(study: "optuna.Study", field: str) -> None:
+    """A sweep tells its study each trial's validation loss, one number to minimize: a study of other directions
+    (found in `storage`, or given) is a named error before any adapter trains."""
+    import optuna
+
+    if list(study.directions) != [optuna.study.StudyDirection.MINIMIZE]:
+        names = [d.name.lower() for d in study.directions]
+        raise ValueError(f"OptunaSweep: {field} is a study of direction(s) {names}; a sweep minimizes one value, the "
+                         f"validation loss: give a study made with direction='minimize' (or another `study_name`)")
 
 
 class OptunaSweep(Callback):
@@ -221,6 +235,8 @@ class OptunaSweep(Callback):
                 except ValueError as err:  # (it named a made-up adapter "check", not the search space)
                     raise ValueError(f"OptunaSweep `search_space` {name!r}: its value {value!r} makes no valid "
                                      f"adapter ({str(err).replace(' for adapter ' + repr('check'), '')})") from err
+        if study is not None:
+            _check_minimizes(study, "`study`")
         self.study = study
         self.trials: dict[str, dict[str, Any]] = {}  # adapter name -> trial id, number, reported steps, told
         # Tags this sweep's trials in the study (kept in checkpoints): a sweep resumed from a checkpoint finds the
@@ -261,6 +277,7 @@ class OptunaSweep(Callback):
                 self.storage = storage
             self.study = _open_study(storage, self.study_name, self._sampler(), self.heartbeat_interval,
                                      self.grace_period)
+            _check_minimizes(self.study, f"`study_name` {self.study_name!r} in `storage` {storage!r}")
             self._own_sampler = True  # (a study given by the user keeps its own sampler)
             if self.first_trial is None:  # (a resumed sweep has it from its checkpoint)
                 self.first_trial = len(self.study.get_trials(deepcopy=False))
@@ -305,8 +322,10 @@ class OptunaSweep(Callback):
     def _spec_kwargs(self, params: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(self.base)
         kwargs.update(params)
-        if "alpha" not in kwargs and self.alpha_over_rank is not None:  # (an alpha given in `base` is kept)
-            kwargs["alpha"] = float(self.alpha_over_rank * kwargs.get("rank", AdapterSpec.rank))
+        rank = kwargs.get("rank", AdapterSpec.rank)
+        if "alpha" not in kwargs and self.alpha_over_rank is not None and isinstance(rank, numbers.Integral) \
+                and not isinstance(rank, bool):  # (an alpha given in `base` is kept; a bad rank is AdapterSpec's error)
+            kwargs["alpha"] = float(self.alpha_over_rank * rank)
         return kwargs
 
     def _grid_exhausted(self, study) -> bool:

@@ -48,7 +48,8 @@ class WarmupSelection(Callback):
 
     def select(self, warmup_losses: dict[str, float], num_candidates: int) -> list[str]:
         """Names to keep: the lowest warmup losses, ``max(min_keep, ceil(keep_fraction * K))`` of them."""
-        keep = max(self.min_keep, math.ceil(self.keep_fraction * num_candidates))
+        # (rounded first: 0.07 x 100 is 7.000000000000001 in floats, which ceil made 8)
+        keep = max(self.min_keep, math.ceil(round(self.keep_fraction * num_candidates, 9)))
         finite = sorted((loss, name) for name, loss in warmup_losses.items() if math.isfinite(loss))
         return [name for _, name in finite[:keep]]
 

@@ -5,8 +5,9 @@ the configurations, ordered by batch size then length (homogeneous packs suit th
 into consecutive packs that fit the memory model at ``d`` GPUs, plus the packs PLoRA's greedy planner
 forms. One CP-SAT model then picks a set of packs that covers every configuration exactly once and
 schedules them (optional intervals, a cumulative GPU constraint) for minimum makespan: packing, GPU
-counts and timing are decided together. The greedy plan is the solver's starting hint, so the result is
-never worse than it (where the solver finds nothing in its time limit, the result is the greedy plan). The
+counts and timing are decided together, on a grid of ``resolution_s`` (the jobs keep their own durations). The
+greedy plan is the solver's starting hint, and the result is never worse than it (where the solver finds nothing in
+its time limit, or the grid's rounding leaves its packing longer, the result is the greedy plan). The
 packs are chosen among these candidates, not among every packing (there are exponentially many): a plan
 marked optimal is the best over the candidates, and a packing outside them can be shorter.
 
@@ -158,18 +159,24 @@ class PackingPlanner:
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise RuntimeError(f"CP-SAT found no packing ({solver.StatusName(status)}) within {self.time_limit_s} s")
         jobs, rows = [], []
-        for k, ((pack, d), size) in enumerate(zip(packs, sizes)):
-            if solver.Value(chosen[k]):
-                job = Job(f"job{len(jobs)}", pack, d, size * res)
+        for k, (pack, d) in enumerate(packs):
+            if solver.Value(chosen[k]):  # (its own duration: the solver's, rounded up to the grid, holds it)
+                job = Job(f"job{len(jobs)}", pack, d, self.duration(pack, d))
                 jobs.append(job)
                 start = solver.Value(starts[k]) * res
                 rows.append((job.id, start, start + job.duration, d))
+        length = max(end for _, _, end, _ in rows)
+        if greedy_makespan < length:  # (the grid's rounding can cost more than the packing gained)
+            note = (f"PLoRA's greedy plan: {greedy_makespan:.6g} s, shorter than the best packing found on the "
+                    f"{res:g} s grid ({length:.6g} s); a finer resolution_s may find a shorter one")
+            return greedy_jobs, Schedule(greedy_placements, greedy_makespan, False, solver.WallTime(),
+                                         lower_bound([j.task() for j in greedy_jobs], self.num_gpus), [note])
         ids = assign_gpu_ids(rows, self.num_gpus)
         placements = {jid: Placement(jid, start, end, ids[jid]) for jid, start, end, _ in rows}
-        schedule = Schedule(placements, solver.Value(makespan) * res, status == cp_model.OPTIMAL, solver.WallTime(),
+        schedule = Schedule(placements, length, status == cp_model.OPTIMAL, solver.WallTime(),
                             lower_bound([j.task() for j in jobs], self.num_gpus),
                             [f"packs chosen among {len(packs)} candidates (not every packing): 'optimal' is among "
-                             "those"])
+                             f"those, on the {res:g} s grid"])
         return jobs, schedule
 
 

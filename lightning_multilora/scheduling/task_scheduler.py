@@ -214,7 +214,7 @@ class TaskScheduler:
         hint = hint if hint is not None else self.last
         model = cp_model.CpModel()
         t0 = self._ticks(now)
-        horizon = t0 + sum(self._ticks(t.duration) for t in tasks) + sum(
+        horizon = t0 + sum(max(1, self._ticks(t.duration)) for t in tasks) + sum(  # (each at least a tick, as below)
             max(0, self._ticks(p.end) - t0) for p in running.values()) + 1
         if horizon > MAX_TICKS:  # CP-SAT's integers: the makespan variable spans twice the horizon
             raise ValueError(f"the tasks' durations add up to {horizon * self.resolution_s:.3g} s, "

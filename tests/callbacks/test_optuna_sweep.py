@@ -207,6 +207,35 @@ def test_a_search_space_step_reaches_the_distribution():
     assert space["lr"] == optuna.distributions.FloatDistribution(0.1, 0.5, step=0.1)
 
 
+def test_a_step_is_a_number_and_an_integer_for_an_int_parameter():
+    """A step went to Optuna as given: an int step of 2.5 (or True) was truncated to 2 (1), 0.5 divided by zero, and
+    YAML 1.1's '5e-2' failed in a comparison; a zero step is named too."""
+    from lightning_multilora.callbacks.optuna_sweep import distributions
+
+    assert distributions({"dropout": {"type": "float", "low": 0.0, "high": 0.3, "step": "5e-2"}})["dropout"].step == 0.05
+    assert distributions({"rank": {"type": "int", "low": 2, "high": 16, "step": 2.0}})["rank"].step == 2
+    for step in (2.5, 0.5, True, None):
+        with pytest.raises(ValueError, match=rf"`rank`: `step` of an int parameter must be an integer, got {step}"):
+            distributions({"rank": {"type": "int", "low": 2, "high": 16, "step": step}})
+    for kind, step in (("int", 0), ("float", -0.1)):
+        with pytest.raises(ValueError, match=rf"`x`: `step` must be greater than 0, got {step}"):
+            distributions({"x": {"type": kind, "low": 0, "high": 1, "step": step}})
+
+
+def test_a_study_that_does_not_minimize_one_value_is_named_before_any_adapter_trains(tmp_path):
+    """The sweep tells each trial's validation loss: a study maximizing (given, or found in `storage` under
+    `study_name`) steered towards the worst adapters, and a multi-objective one failed after the first had trained."""
+    with pytest.raises(ValueError, match=r"OptunaSweep: `study` is a study of direction\(s\) \['maximize'\]"):
+        OptunaSweep(SPACE, study=optuna.create_study(direction="maximize"))
+    with pytest.raises(ValueError, match=r"direction\(s\) \['minimize', 'minimize'\]"):
+        OptunaSweep(SPACE, study=optuna.create_study(directions=["minimize", "minimize"]))
+    url = f"sqlite:///{tmp_path / 's.db'}"
+    optuna.create_study(storage=url, study_name="accuracy", direction="maximize")
+    with pytest.raises(ValueError, match=r"`study_name` 'accuracy' in `storage` .* direction\(s\) \['maximize'\]"):
+        OptunaSweep(SPACE, storage=url, study_name="accuracy")._ensure_study(None)
+    assert OptunaSweep(SPACE, storage=url)._ensure_study(None).direction == optuna.study.StudyDirection.MINIMIZE
+
+
 def test_two_runs_feed_one_study_through_its_storage(tmp_path, trainer_kwargs):
     # Two sweeps (as two processes would) share an SQLite study: trial numbers and adapter names never collide.
     storage = f"sqlite:///{tmp_path / 'shared.db'}"

@@ -56,6 +56,10 @@ def test_selection_rule():
     rule = WarmupSelection(keep_fraction=0.25)
     assert rule.select({"a": 3.0, "b": 1.0, "c": 2.0, "d": float("nan")}, num_candidates=9) == ["b", "c", "a"]
     assert rule.select({"a": 3.0}, num_candidates=2) == ["a"]
+    # ceil of the exact product: 0.07 x 100 is 7.000000000000001 in floats, which kept 8
+    losses = {f"t{i}": float(i) for i in range(100)}
+    for fraction, kept in ((0.07, 7), (0.14, 14), (0.28, 28), (0.55, 55), (0.071, 8)):
+        assert len(WarmupSelection(keep_fraction=fraction, min_keep=1).select(losses, num_candidates=100)) == kept
 
 
 def test_warmup_selection_ranks_once_a_sweeps_grid_is_used_up_before_its_n_trials(tmp_path, trainer_kwargs):

@@ -88,6 +88,21 @@ def test_the_plan_says_its_packs_are_chosen_among_candidates_and_bad_settings_ar
                               **kwargs})
 
 
+def test_jobs_keep_their_own_durations_and_the_plan_is_never_longer_than_the_greedy_one():
+    """Durations rounded up to `resolution_s` made three 1.5 s jobs that cannot share a GPU 2 s each: a 6 s plan,
+    marked optimal, where PLoRA's greedy one takes 4.5 s."""
+    specs = [AdapterSpec(f"c{i}", rank=8, max_steps=100) for i in range(3)]
+    memory, step_time = (lambda ss, d: 60e9 * len(ss) / d), (lambda ss, d: 0.015)  # (one a GPU, 1.5 s each)
+    _, _, greedy = plora_greedy(specs, 1, memory, step_time, 80e9, 0.9)
+    jobs, schedule = PackingPlanner(1, memory, step_time, gpu_bytes=80e9, resolution_s=1.0).plan(specs)
+    assert greedy == pytest.approx(4.5) and schedule.makespan == pytest.approx(4.5) and not schedule.optimal
+    assert "greedy plan" in schedule.notes[0] and "finer resolution_s" in schedule.notes[0]
+    jobs, schedule = PackingPlanner(1, memory, step_time, gpu_bytes=80e9, resolution_s=0.5).plan(specs)
+    assert schedule.optimal and schedule.makespan == pytest.approx(4.5)
+    assert [j.duration for j in jobs] == pytest.approx([1.5] * 3)
+    assert max(p.end for p in schedule.placements.values()) == pytest.approx(schedule.makespan)
+
+
 def test_a_solve_out_of_time_before_any_packing_gives_the_greedy_plan(monkeypatch):
     from ortools.sat.python import cp_model
 

@@ -48,6 +48,14 @@ def test_plans_are_optimal_on_small_instances(seed):
     check_valid(schedule, tasks, gpus)
 
 
+def test_tasks_shorter_than_a_tick_take_one_each():
+    """The horizon counted them as 0 ticks while each interval takes at least 1: three 1e-8 s tasks on one GPU at
+    `resolution_s`=60 were INFEASIBLE."""
+    tasks = [Task(f"t{i}", 1e-8, 1) for i in range(3)]
+    schedule = TaskScheduler(1, resolution_s=60).plan(tasks)
+    assert sorted(p.start for p in schedule.placements.values()) == [0, 60, 120]
+
+
 def test_alto_mix_beats_or_matches_longest_first_list_scheduling():
     tasks = ([Task(f"70b-{i}", d, 4) for i, d in enumerate([500, 420])] +
              [Task(f"32b-{i}", d, 2) for i, d in enumerate([300, 260, 240])] +
