@@ -471,17 +471,20 @@ class LoRALayers(Mapping):
         return shadow
 
     def refresh_shadows(self, names: Sequence[str], check: bool = True) -> bool:
-        """Before a forward of adapters ``names``: their stale shadows copied again (one launch). Returns whether the
-        layers may read shadows. ``check=False``: the caller has just refreshed them; only says whether they may be
+        """Before a forward of adapters ``names``: their parameters checked (`_held_flat`), their stale shadows copied
+        again (one launch). Returns whether the layers may read shadows. ``check=False``: the caller has just refreshed them; only says whether they may be
         read.
 
         During a CUDA graph capture a replay runs no Python, so the graph copies the adapters' weights into their
         shadows itself (one launch, at every replay, as the per-call copies did without shadows), unless the capture
         runs inside `refreshed_before_replays`: its caller refreshes the shadows before every replay
         (`MultiLoRAMixin` does), and the graph reads them as they are."""
-        if not self.shadows:
-            return False
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if not self.shadows:
+            if check and not capturing:  # (no shadow to copy: the layers' parameters are checked all the same)
+                for name in names:
+                    self._held_flat(name)
+            return False
         if capturing and not self._refreshed_before_replays:
             attached = [s for s in map(self._attached.get, names) if s is not None]
             if attached:
@@ -491,19 +494,9 @@ class LoRALayers(Mapping):
             return any(self._attached.get(name) is not None for name in names)
         shadows = []
         for name in names:
-            flat = self._flat.get(name)
+            flat = self._held_flat(name)
             if flat is None or flat.shadow is None:
                 continue
-            holds = self._holds(name, flat)
-            if not holds or not flat.bound():
-                # a storage or a parameter replaced behind the flat's back (``p.data = t``, ``load_state_dict(...,
-                # assign=True)``, a deep copy): held flat again over the layers' parameters as they are now
-                self.rebind()
-                flat = self._flat[name]
-                if not holds:
-                    warnings.warn(f"adapter {name!r}: its layers hold other parameter objects than its flat parameter "
-                                  "(load_state_dict(..., assign=True)?); it is held flat anew, and an optimizer built "
-                                  "before steps the old parameters: build it again")
             shadow = flat.shadow
             if shadow is not None and self._attached.get(name) is not shadow:  # renewed by a rebind
                 shadow = self._sync_shadow(name)
@@ -512,6 +505,23 @@ class LoRALayers(Mapping):
         if shadows:
             _refresh(shadows)
         return bool(shadows)
+
+    def _held_flat(self, name: str) -> Optional[FlatAdapter]:
+        """Adapter ``name``'s flat parameter (None where it has none), held flat again first where a storage or a
+        parameter was replaced behind its back (``p.data = t``, ``load_state_dict(..., assign=True)``, a deep copy):
+        else the layers, the optimizer and the export would read different tensors."""
+        flat = self._flat.get(name)
+        if flat is None:
+            return None
+        holds = self._holds(name, flat)
+        if not holds or not flat.bound():
+            self.rebind()  # (over the layers' parameters as they are now; the layers drop their cached weights)
+            flat = self._flat[name]
+            if not holds:
+                warnings.warn(f"adapter {name!r}: its layers hold other parameter objects than its flat parameter "
+                              "(load_state_dict(..., assign=True)?); it is held flat anew, and an optimizer built "
+                              "before steps the old parameters: build it again")
+        return flat
 
     def _holds(self, name: str, flat: FlatAdapter) -> bool:
         """The layers' ``lora_A`` / ``lora_B`` of adapter ``name`` are still ``flat``'s parameters (plain dict reads:

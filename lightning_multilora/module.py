@@ -63,6 +63,22 @@ def resolve_optimizer(optimizer: Union[str, type]) -> type:
     return cls
 
 
+def _optimizer_choice(optimizer_class: type, optimizer_kwargs: dict[str, Any],
+                      on_cuda: bool) -> tuple[type, dict[str, Any]]:
+    """The optimizer a run builds, and its arguments: on a GPU, AdamW as `GroupedAdamW` (one launch for every adapter,
+    which also writes the adapters' bf16 shadows that the LoRA kernels read; torch's would leave them to a copy
+    before each forward), and Adam, or AdamW with ``amsgrad`` / ``capturable``, fused (thousands of small adapter
+    tensors: the fused kernels cut the step's host time by ~4x), unless ``optimizer_kwargs`` sets ``fused`` or
+    ``foreach``; ``differentiable`` keeps torch's default (its fused step refuses it)."""
+    kwargs = dict(optimizer_kwargs)
+    if on_cuda and optimizer_class in (torch.optim.Adam, torch.optim.AdamW) and not (
+            {"fused", "foreach"} & kwargs.keys()) and not kwargs.get("differentiable"):
+        if optimizer_class is torch.optim.AdamW and not any(kwargs.get(k) for k in ("amsgrad", "capturable")):
+            return GroupedAdamW, kwargs
+        kwargs["fused"] = True
+    return optimizer_class, kwargs
+
+
 class MultiLoRAMixin:
     """Trains many LoRA adapters of one frozen base model in one LightningModule.
 
@@ -104,8 +120,8 @@ class MultiLoRAMixin:
         per adapter. On CUDA the default, ``torch.optim.AdamW``, steps as `GroupedAdamW` (one launch for every
         adapter, which also writes the adapters' bf16 shadows that the LoRA kernels read) unless ``optimizer_kwargs``
         sets ``fused``, ``foreach``, ``amsgrad``, ``capturable`` or ``differentiable``. ``torch.optim.Adam``, and AdamW
-        with ``amsgrad``, ``capturable`` or ``differentiable``, step with ``fused=True`` unless ``optimizer_kwargs``
-        sets ``fused`` or ``foreach``.
+        with ``amsgrad`` or ``capturable``, step with ``fused=True`` unless ``optimizer_kwargs`` sets ``fused`` or
+        ``foreach`` (``differentiable``: torch's default step, its fused one refuses it).
 
         ``admission``: an `AdmissionController` (see `lightning_multilora.scheduling`): queued adapters
         start only while its memory model says they fit, largest batch sizes first, a freed slot going to
@@ -651,18 +667,8 @@ class MultiLoRAMixin:
                              "run trains nothing (new AdapterSpecs given to the module are queued on resume)")
         if not groups:
             raise ValueError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
-        kwargs = dict(self.optimizer_kwargs)
-        optimizer_class = self.optimizer_class
-        on_cuda = any(p.is_cuda for g in groups for p in g["params"])
-        if on_cuda and optimizer_class in (torch.optim.Adam, torch.optim.AdamW) and not (
-                {"fused", "foreach"} & kwargs.keys()):
-            if optimizer_class is torch.optim.AdamW and not any(
-                    kwargs.get(k) for k in ("amsgrad", "capturable", "differentiable")):
-                # one launch for every adapter, which also writes the adapters' bf16 shadows that the LoRA kernels
-                # read (torch's would leave them to a copy before each forward): `GroupedAdamW`
-                optimizer_class = GroupedAdamW
-            else:  # thousands of small adapter tensors: the fused kernels cut the step's host time by ~4x
-                kwargs["fused"] = True
+        optimizer_class, kwargs = _optimizer_choice(self.optimizer_class, self.optimizer_kwargs,
+                                                    any(p.is_cuda for g in groups for p in g["params"]))
         try:
             optimizer = optimizer_class(groups, **kwargs)
         except (TypeError, ValueError) as err:
@@ -910,6 +916,12 @@ class MultiLoRAMixin:
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})`: each adapter "
                              "takes `AdapterSpec.batch_size` sequences a step; leave `accumulate_grad_batches` at 1")
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            # (its factor sits in the gradients until the optimizer's step: every adapter's norm, clipping and
+            # finiteness check would read it, and an overflow that the scaler skips would fail the adapters)
+            raise ValueError(f"`Trainer(precision={trainer.precision!r})` scales the loss by one factor for every "
+                             "adapter, which the adapters' own gradient clipping and failure checks cannot see "
+                             "through; use precision='bf16-mixed' (or '32-true' on a GPU without bf16)")
 
     def evaluate(self, specs: Union[Sequence[Union[AdapterSpec, str]], AdapterSpec, str],
                  record: bool = False) -> dict[str, float]:

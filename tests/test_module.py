@@ -404,6 +404,20 @@ def test_trainer_clipping_and_accumulation_are_refused_naming_the_adapter_fields
     assert module.registry["a"].step == 2
 
 
+def test_a_loss_scaler_is_refused_naming_bf16(tmp_path, trainer_kwargs):
+    """fp16 with a gradient scaler (`precision="16-mixed"` on a GPU): the scaler's factor sat in the gradients the
+    adapters' norms, clipping and failure checks read, and an overflow it would skip failed every adapter (then the
+    scaler's step found no gradients). Built here as Lightning builds it on CUDA, with the CPU's scaler."""
+    from lightning.pytorch.plugins import MixedPrecision
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=1, max_steps=2)],
+                             export_dir=str(tmp_path / "export"))
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(ValueError, match=r"`Trainer\(precision='16-mixed'\)` scales the loss .*'bf16-mixed'"):
+        L.Trainer(**trainer_kwargs, plugins=[plugin]).fit(module, small_dm())
+    assert module.registry["a"].step == 0
+
+
 class AddAt(Callback):
     """Adds ``specs`` to the run after step ``step`` (adapters that start mid-run)."""
 
@@ -731,6 +745,25 @@ def test_optimizer_kwargs_that_each_adapter_sets_are_refused():
     with pytest.raises(ValueError, match=r"`optimizer_kwargs` \['lr', 'weight_decay'\] are set per adapter: give them "
                                          r"as AdapterSpec fields \(lr=, weight_decay=\)"):
         MultiLoRAModule("tiny-llama", optimizer_kwargs={"weight_decay": 0.5, "lr": 7.0, "betas": (0.9, 0.99)})
+
+
+def test_the_optimizer_chosen_on_a_gpu_is_one_torch_can_build():
+    """On CUDA, Adam (or AdamW with amsgrad / capturable / differentiable) was made fused, which torch refuses with
+    ``differentiable``; AdamW plain steps grouped; the user's ``fused`` / ``foreach`` and the CPU are left alone."""
+    from lightning_multilora.module import _optimizer_choice
+    from lightning_multilora.optim import GroupedAdamW
+
+    adam, adamw = torch.optim.Adam, torch.optim.AdamW
+    assert _optimizer_choice(adamw, {}, True) == (GroupedAdamW, {})
+    assert _optimizer_choice(adamw, {"amsgrad": True}, True) == (adamw, {"amsgrad": True, "fused": True})
+    assert _optimizer_choice(adam, {}, True) == (adam, {"fused": True})
+    for cls in (adam, adamw):
+        chosen, kwargs = _optimizer_choice(cls, {"differentiable": True}, True)
+        assert (chosen, kwargs) == (cls, {"differentiable": True})
+        with pytest.raises(RuntimeError, match="differentiable"):  # (what the fused choice met)
+            cls([torch.nn.Parameter(torch.zeros(2))], differentiable=True, fused=True)
+    assert _optimizer_choice(adam, {"foreach": False}, True) == (adam, {"foreach": False})
+    assert _optimizer_choice(adamw, {}, False) == (adamw, {})
 
 
 @pytest.mark.parametrize("field, value, message", [

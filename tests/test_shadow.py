@@ -282,6 +282,40 @@ def test_weights_replaced_behind_the_flat_parameter_are_read_as_they_are(triton_
     assert torch.equal(out, _forward(model, layers, shadows=False))
 
 
+@pytest.mark.parametrize("replace", ["data", "assign"])
+def test_weights_replaced_behind_the_flat_parameter_are_read_without_shadows_too(replace):
+    """An fp32 adapter keeps no shadow, and the check for replaced weights ran only for adapters with one: after
+    ``load_state_dict(assign=True)`` the layers kept their cached weights (the old parameters, which the optimizer
+    stepped too) while the export read the new ones."""
+    model, layers = _model_with_adapter(torch.float32)
+    assert layers.flat_adapter("a").shadow is None
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    layout = BatchLayout(("a",), (0,), (8,), 8)
+
+    def forward():
+        with torch.no_grad(), layers.use(layout):
+            return model(x)
+
+    before = forward()
+    new = {k: torch.randn_like(v) for k, v in model.state_dict().items() if "lora_" in k}
+    if replace == "data":
+        for name, p in model.named_parameters():
+            if name in new:
+                p.data = new[name]
+        out = forward()
+    else:
+        model.load_state_dict(new, strict=False, assign=True)
+        with pytest.warns(UserWarning, match="an optimizer built before steps the old parameters"):
+            out = forward()
+    flat = layers.flat_adapter("a")
+    assert flat.bound() and all(p is q for p, q in zip(flat.params, layers.parameters_of("a")))
+    fresh, fresh_layers = _model_with_adapter(torch.float32)
+    fresh.load_state_dict(new, strict=False)
+    with torch.no_grad(), fresh_layers.use(layout):
+        expected = fresh(x)
+    assert not torch.allclose(out, before) and torch.allclose(out, expected)
+
+
 def test_a_graph_capture_copies_the_shadows_unless_its_caller_refreshes_them_before_replays(triton_backend,
                                                                                              monkeypatch):
     """A replay runs no Python: a capture of ``use(layout)`` records the copy of the weights into the shadows (so
