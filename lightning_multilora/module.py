@@ -245,9 +245,15 @@ class MultiLoRAMixin:
 
     def remove_adapter(self, name: str, reason: str = "removed", state: AdapterState = AdapterState.PRUNED) -> None:
         """Stop an adapter now: a running one is exported first, then its weights and optimizer state
-        are freed; a queued one never starts."""
+        are freed; a queued one never starts. Under adapter parallelism, call it on every rank (as a callback's
+        hooks run): the rank that holds the adapter exports and frees it, the others mark it ended."""
         rec = self.registry[name]
-        if rec.state in (AdapterState.RUNNING, AdapterState.PAUSED):
+        if rec.state in (AdapterState.RUNNING, AdapterState.PAUSED) and not self._owns(name):
+            rec.state, rec.reason, rec.ended_at_step = state, reason, self._global_step()  # (held on another rank)
+            rec.close_span(rec.ended_at_step)
+            self._best_weights.pop(rec.name, None)
+            self._notify_exit(rec)
+        elif rec.state in (AdapterState.RUNNING, AdapterState.PAUSED):
             self._exit(rec, state, reason)
         elif rec.state == AdapterState.QUEUED:
             rec.state, rec.reason = state, reason
@@ -927,7 +933,8 @@ class MultiLoRAMixin:
                  record: bool = False) -> dict[str, float]:
         """Validation loss of each adapter (specs or names; running or paused: their weights are the model's) over
         its whole validation split, packed, outside the loop. ``record`` adds them to the adapters' histories (and
-        best weights) as a regular validation does."""
+        best weights) as a regular validation does. Under adapter parallelism, call it on every rank: each measures
+        the adapters it holds, and every rank returns them all."""
         specs = [specs] if isinstance(specs, (AdapterSpec, str)) else list(specs)
         specs = [self._held_spec(s) for s in specs]
         dm = self._datamodule()
@@ -942,6 +949,10 @@ class MultiLoRAMixin:
                     continue
                 self._add_val_terms(sums, batch)
         self.train(was_training)
+        placement = self._placement()
+        if placement is not None:  # each rank measured its own adapters: every rank returns them all
+            sums.update({n: v for n, v in placement.exchange({n: v for n, v in sums.items()
+                                                              if self._owns(n)}).items() if n in sums})
         losses = {n: (v[0] / v[1] if v[1] > 0 else math.nan) for n, v in sums.items()}
         if record:  # under adapter parallelism a rank measures (and records) its own adapters, `_sync_ranks` the rest
             self._record_val_losses({n: v for n, v in sums.items() if self._owns(n)})

@@ -4,7 +4,7 @@
 
 MODE: parallel|single|stop|resume|resume_one|stop_single|resume_two|early_exit|early_exit_single|
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
-dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|replicated|hybrid. Several modes run one after
+dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|replicated|hybrid|remove|remove_single. Several modes run one after
 the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
 of processes), each from the same seeds and with its own records, as if alone.
 
@@ -26,6 +26,8 @@ controller's 2 "GiB" a device admit them (2 a rank).
 ``dpo`` / ``dpo_single``: a DPO adapter (5 steps) and an SFT one (2 steps): on 2 ranks, one each.
 ``optuna_defaults``: OptunaSweep (3 random trials) and SweepReport with no directory given: the study, the exports
 and the summary go to the TensorBoard logger's directory.
+``remove`` / ``remove_single``: a callback written as for one process (run on every rank) evaluates a0 and a1 after
+step 2 (`MultiLoRAModule.evaluate`) and removes a1 (`remove_adapter`).
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -176,6 +178,15 @@ def run_mode(out: Path, mode: str) -> None:
                 return "overfit" if name == "a1" else None
 
         kwargs.update(callbacks=[*kwargs.get("callbacks", []), ExitA1()])
+    evaluated: dict[str, float] = {}
+    if mode.startswith("remove"):
+        class EvaluateAndRemoveA1(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if trainer.global_step == 2 and pl_module.registry["a1"].state.value == "running":
+                    evaluated.update(pl_module.evaluate(["a0", "a1"]))
+                    pl_module.remove_adapter("a1", reason="removed by a callback at step 2")
+
+        kwargs.update(callbacks=[*kwargs.get("callbacks", []), EvaluateAndRemoveA1()])
     held_study = None
     if sweep:
         callbacks, held_study = sweep_callbacks(out, mode)
@@ -219,7 +230,7 @@ def run_mode(out: Path, mode: str) -> None:
                            reasons={r.name: r.reason for r in module.registry})
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps(dict(owned=owned, calls=CALLS, shard_numels=shards, local_numel=local,
                                                                  states=states, started=started, val=val,
-                                                                 preference=preference,
+                                                                 preference=preference, evaluated=evaluated,
                                                                  **sweep_state)))
 
 

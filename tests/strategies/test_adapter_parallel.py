@@ -67,8 +67,9 @@ def run(out: Path, *modes: str) -> None:
 OPTUNA = importlib.util.find_spec("optuna") is not None  # absent on the GPU image; installed by `make test`
 # Resuming modes after the ones they resume from (`ap_run.RESUMES`)
 SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_single", "dpo_single",
+                "remove_single",
                 *(["optuna_single", "warmup_single"] if OPTUNA else [])]
-TWO_RANK_MODES = ["parallel", "stop", "resume_two", "early_exit", "early_exit_resume_two", "replicated", "dpo",
+TWO_RANK_MODES = ["parallel", "stop", "resume_two", "early_exit", "early_exit_resume_two", "replicated", "dpo", "remove",
                   "admission", *(["optuna_admission", "optuna", "optuna_defaults", "warmup", "warmup_stop"] if OPTUNA
                                  else [])]
 # resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
@@ -272,6 +273,21 @@ def test_an_early_exit_on_one_rank_reaches_the_other_and_matches_one_process(run
     assert resumed[0]["states"] == resumed[1]["states"] == single["states"]
     assert_weights_close(load_file(runs / "early_exit_resume_two" / "a1" / "adapter_model.safetensors"),
                          load_file(runs / "early_exit_single" / "a1" / "adapter_model.safetensors"))
+
+
+def test_a_callback_written_for_one_process_evaluates_and_removes_adapters_on_two_ranks(runs):
+    """On every rank, after step 2: `evaluate` gave NaN for the adapters another rank holds, and `remove_adapter`
+    failed on the rank that did not hold a1 (it has no weights to export)."""
+    ranks = [json.loads((runs / f"remove.rank{r}.json").read_text()) for r in (0, 1)]
+    single = json.loads((runs / "remove_single.rank0.json").read_text())
+    assert single["states"]["a1"] == ["pruned", 2]
+    assert ranks[0]["states"] == ranks[1]["states"] == single["states"]
+    for r in ranks:
+        assert r["evaluated"].keys() == {"a0", "a1"}
+        for name, loss in single["evaluated"].items():
+            assert r["evaluated"][name] == pytest.approx(loss, rel=1e-4)
+    assert_weights_close(load_file(runs / "remove" / "a1" / "adapter_model.safetensors"),
+                         load_file(runs / "remove_single" / "a1" / "adapter_model.safetensors"))
 
 
 def test_dpo_on_one_rank_and_sft_on_the_other_train_as_in_one_process(runs):
