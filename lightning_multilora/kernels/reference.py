@@ -18,6 +18,8 @@ def multi_lora_reference(x: Tensor, base_out: Tensor, weights: LoRAWeights, trai
     is cast to the adapter dtype, ``B(A(dropout(x))) * scaling`` is added to the base output.
     Rows outside every segment keep ``base_out``. Autograd gives the gradients of x, A and B.
     """
+    if weights.a and weights.ends[-1] > x.shape[0]:
+        raise ValueError(f"the adapters' rows end at {weights.ends[-1]}, past x's {x.shape[0]} rows")
     seeds = None
     if training and weights.streams is not None and any(p > 0 for p in weights.dropout) and not x.is_meta:
         streams = weights.streams

@@ -1173,7 +1173,11 @@ def _apply(x: Tensor, base_out: Optional[Tensor], weight: Optional[Tensor], bias
     if weights.a[0].shape[1] != x.shape[1] or weights.b[0].shape[0] != d_out:
         raise ValueError(f"adapter shapes A {tuple(weights.a[0].shape)}, B {tuple(weights.b[0].shape)} do not fit "
                          f"x {tuple(x.shape)} and an output of width {d_out}")
+    if weights.ends[-1] > x.shape[0]:
+        raise ValueError(f"the adapters' rows end at {weights.ends[-1]}, past x's {x.shape[0]} rows")
     x = x if x.stride(-1) == 1 else x.contiguous()
+    if base_out is not None and (base_out.stride(-1) != 1 or base_out.stride(0) < base_out.shape[1]):
+        base_out = base_out.contiguous()  # (the expand writes rows of unit-stride columns, in place: its own copy)
     out_dtype = x.dtype if base_out is None else base_out.dtype
     precision = _precision(x)
     region = active_region() if torch.is_grad_enabled() else None  # a region checkpointed with `checkpoint_contexts`
@@ -1248,7 +1252,8 @@ def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_d
               precision: str) -> _Call:
     params = weights.a + weights.b
     direct = (weights.direct_grads and torch.is_grad_enabled() and all(map(_requires_grad, params))
-              and all(map(_is_leaf, params)))
+              and all(map(_is_leaf, params)) and len(set(map(id, params))) == len(params))  # (a tensor shared by two
+    # adapters gets its gradient summed by autograd: direct gradients would keep one adapter's, or race on the GPU)
     if direct:
         params = params[:1]  # the one autograd input that makes backward run; the gradients go to `.grad`
     device = x.device

@@ -88,6 +88,16 @@ class LoRAWeights:
         n = len(self.a)
         if not (len(self.b) == len(self.scaling) == len(self.dropout) == len(self.starts) == len(self.ends) == n):
             raise ValueError("LoRAWeights: a, b, scaling, dropout, starts and ends must have one entry per adapter")
+        prev = 0
+        for i, (start, end) in enumerate(zip(self.starts, self.ends)):  # (the kernels read and write these rows)
+            if not prev <= start <= end:
+                raise ValueError(f"LoRAWeights: adapter {i}'s rows [{start}, {end}) must start at or after the "
+                                 f"previous adapter's end ({prev}) and end at or after their start: segments are "
+                                 "sorted and disjoint")
+            prev = end
+        bad_p = [p for p in self.dropout if not 0 <= p < 1]
+        if bad_p:
+            raise ValueError(f"LoRAWeights: dropout probabilities must be in [0, 1), got {bad_p}")
         if self.streams is not None and not (len(self.streams.seeds) == len(self.streams.slots) == n):
             raise ValueError("LoRAWeights: streams must have one seed and one slot per adapter")
         if self.a_copies or self.b_copies:

@@ -667,6 +667,47 @@ def test_rows_outside_every_segment_keep_the_base_output():
     assert torch.equal(y[~owned.to(y.device)], base[~owned.to(y.device)])
 
 
+def test_a_base_output_of_any_layout_gets_the_lora_term():
+    """The expand wrote ``base_out`` in place as rows of unit-stride columns: a column-major or a broadcast one came
+    out wrong (rows overwriting each other)."""
+    x, base, w = problem([4, 5], [10, 20], d_in=32, d_out=16, dtype=torch.float32, seed=3)
+    expected = multi_lora_reference(x, base.clone(), w, False)
+    for layout in (base.t().contiguous().t(), base[:1].expand_as(base)):
+        want = multi_lora_reference(x, layout.clone(), w, False) if layout.stride(0) == 0 else expected
+        assert rel(multi_lora_triton(x, layout, w, False), want) < 1e-5
+
+
+def test_segments_out_of_range_out_of_order_or_overlapping_and_bad_dropout_are_named():
+    """The kernels read and write each adapter's rows: rows past x crashed the process (memory outside the tensor),
+    overlapping or unsorted segments gave wrong results; a dropout of 1 gave NaN in the reference and 0 here."""
+    x, base, w = problem([4, 5], [10, 20], d_in=32, d_out=16, dtype=torch.float32, seed=3, gaps=False)
+    past = LoRAWeights(w.a, w.b, w.scaling, w.dropout, (0, 10), (10, 31))
+    for fn in (multi_lora_triton, multi_lora_reference):
+        with pytest.raises(ValueError, match="the adapters' rows end at 31, past x's 30 rows"):
+            fn(x, base.clone(), past, False)
+    for starts, ends in (((10, 0), (30, 10)), ((0, 5), (10, 30)), ((0, 12), (10, 11))):
+        with pytest.raises(ValueError, match=r"LoRAWeights: adapter 1's rows .* sorted and disjoint"):
+            LoRAWeights(w.a, w.b, w.scaling, w.dropout, starts, ends)
+    for p in (1.0, -0.1):
+        with pytest.raises(ValueError, match=r"dropout probabilities must be in \[0, 1\)"):
+            LoRAWeights(w.a, w.b, w.scaling, (0.0, p), w.starts, w.ends)
+
+
+def test_a_weight_shared_by_two_adapters_gets_both_gradients_with_direct_grads():
+    """Direct gradients gave each adapter its own new gradient and kept the last one's (and would race on the GPU
+    adding into one): a tensor shared by two adapters now takes autograd's sum."""
+    x, base, w = problem([4, 4], [10, 20], d_in=32, d_out=16, dtype=torch.float32, seed=3)
+    a = w.a[0].detach().clone().requires_grad_()
+    tied = LoRAWeights((a, a), w.b, w.scaling, w.dropout, w.starts, w.ends, direct_grads=True)
+    a_ref = a.detach().clone().requires_grad_()
+    ref = LoRAWeights((a_ref, a_ref), tuple(b.detach().clone().requires_grad_() for b in w.b), w.scaling, w.dropout,
+                      w.starts, w.ends)
+    grad = torch.randn_like(base)
+    torch.autograd.backward(multi_lora_triton(x, base.clone(), tied, True), grad)
+    torch.autograd.backward(multi_lora_reference(x, base.clone(), ref, True), grad)
+    assert rel(a.grad, a_ref.grad) < 1e-5
+
+
 def test_dropout_mask_is_per_adapter_and_the_backward_reuses_it():
     # y - base is linear in A, B and X for a fixed mask, so <grad, param> = <grad_out, y - base> holds
     # exactly only if the backward applies the forward's mask.
