@@ -1147,7 +1147,8 @@ def _ds_db_launch(call: _Call, dy: Tensor, s: Tensor, ds: Tensor, targets: GradT
 
 
 def multi_lora_triton(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool) -> Tensor:
-    """The Triton path of `multi_lora`: same contract, ``base_out`` is updated in place and returned."""
+    """The Triton path of `multi_lora`: same contract, ``base_out`` is updated in place and returned (one whose rows
+    are not of unit-stride columns, or overlap, is copied first: the copy is returned)."""
     if x.dim() != 2 or base_out.dim() != 2 or x.shape[0] != base_out.shape[0]:
         raise ValueError(f"expected x (T, d_in) and base_out (T, d_out), got {tuple(x.shape)}, {tuple(base_out.shape)}")
     if len(weights.a) == 0:
