@@ -472,8 +472,8 @@ class LoRALayers(Mapping):
 
     def refresh_shadows(self, names: Sequence[str], check: bool = True) -> bool:
         """Before a forward of adapters ``names``: their parameters checked (`_held_flat`), their stale shadows copied
-        again (one launch). Returns whether the layers may read shadows. ``check=False``: the caller has just refreshed them; only says whether they may be
-        read.
+        again (one launch). Returns whether the layers may read shadows. ``check=False``: the caller has just
+        refreshed them; only says whether they may be read.
 
         During a CUDA graph capture a replay runs no Python, so the graph copies the adapters' weights into their
         shadows itself (one launch, at every replay, as the per-call copies did without shadows), unless the capture

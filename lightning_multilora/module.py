@@ -248,12 +248,7 @@ class MultiLoRAMixin:
         are freed; a queued one never starts. Under adapter parallelism, call it on every rank (as a callback's
         hooks run): the rank that holds the adapter exports and frees it, the others mark it ended."""
         rec = self.registry[name]
-        if rec.state in (AdapterState.RUNNING, AdapterState.PAUSED) and not self._owns(name):
-            rec.state, rec.reason, rec.ended_at_step = state, reason, self._global_step()  # (held on another rank)
-            rec.close_span(rec.ended_at_step)
-            self._best_weights.pop(rec.name, None)
-            self._notify_exit(rec)
-        elif rec.state in (AdapterState.RUNNING, AdapterState.PAUSED):
+        if rec.state in (AdapterState.RUNNING, AdapterState.PAUSED):
             self._exit(rec, state, reason)
         elif rec.state == AdapterState.QUEUED:
             rec.state, rec.reason = state, reason
@@ -586,18 +581,20 @@ class MultiLoRAMixin:
 
     def _exit(self, rec: AdapterRecord, state: AdapterState, reason: str) -> None:
         """Export a running or paused adapter (its best-validation weights when they are kept), then free
-        its weights, optimizer state and data position."""
-        self.save_adapter(rec.name, best=self.keep_best_weights)
-        optimizer = self._raw_optimizer()
-        if optimizer is not None:
-            for i, group in enumerate(optimizer.param_groups):
-                if group.get("adapter") == rec.name:
-                    for p in group["params"]:
-                        optimizer.state.pop(p, None)
-                    del optimizer.param_groups[i]
-                    break
-        self.lora_layers.remove_adapter(rec.name)
-        self._step_graphs.clear()  # the graphs that read its weights would otherwise keep them alive
+        its weights, optimizer state and data position. Under adapter parallelism a rank that does not hold it only
+        marks it ended (its owner exports it)."""
+        if self._owns(rec.name):
+            self.save_adapter(rec.name, best=self.keep_best_weights)
+            optimizer = self._raw_optimizer()
+            if optimizer is not None:
+                for i, group in enumerate(optimizer.param_groups):
+                    if group.get("adapter") == rec.name:
+                        for p in group["params"]:
+                            optimizer.state.pop(p, None)
+                        del optimizer.param_groups[i]
+                        break
+            self.lora_layers.remove_adapter(rec.name)
+            self._step_graphs.clear()  # the graphs that read its weights would otherwise keep them alive
         rec.state, rec.reason, rec.ended_at_step = state, reason, self._global_step()
         rec.close_span(rec.ended_at_step)
         self._best_weights.pop(rec.name, None)
