@@ -46,6 +46,7 @@ _BASE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_laye
               "num_key_value_heads", "head_dim")
 _RUN_STAMP = ".multilora_run"  # in an export folder: the id of the run that wrote it and the adapter (`save_adapter`)
 _EXITS_KEY = "\0exits-of-rank-"  # in the ranks' exchange: a rank's exits since the last one (not an adapter name)
+_LOGS_KEY = "\0logs-of-rank-"  # and its adapters' logged values since the last one
 
 
 def resolve_optimizer(optimizer: Union[str, type]) -> type:
@@ -177,6 +178,10 @@ class MultiLoRAMixin:
         self._best_weights: dict[str, dict[str, Tensor]] = {}
         self._val_sums: dict[str, list[float]] = {}
         self._step_logs: dict[str, dict[str, float]] = {}  # this step's per-adapter scalars, until they are logged
+        # under adapter parallelism: values written to this rank's loggers that rank 0's write at the next exchange,
+        # and how many of each adapter's training losses the other ranks have
+        self._staged_metrics: list[tuple[dict[str, float], int]] = []
+        self._train_losses_shared: dict[str, int] = {}
         self._step_graphs = StepGraphs(warmup=2, max_graphs=4, enabled=cuda_graphs)
         for spec in adapters:
             self.add_adapter(spec)
@@ -295,6 +300,14 @@ class MultiLoRAMixin:
             hook = getattr(callback, "on_adapter_exit", None)
             if hook is not None:
                 hook(trainer, self, rec)
+        self._log_exit(rec)
+
+    def _log_exit(self, rec: AdapterRecord) -> None:
+        """The exit's state and reason, as text, to the loggers that take text (TensorBoard's): by the adapter's
+        rank, and under adapter parallelism by every other rank once it learns of the exit (rank 0 writes)."""
+        trainer = self._trainer_or_none()
+        if trainer is None:
+            return
         for logger in trainer.loggers:
             writer = getattr(logger, "experiment", None)
             if hasattr(writer, "add_text"):
@@ -401,37 +414,79 @@ class MultiLoRAMixin:
                 placement.parallelize(self.lora_layers.model, params)
                 self._parallelized = True
 
-    def _sync_ranks(self) -> None:
-        """Share this rank's adapters' progress and exits with the others, so every rank's registry (and so
-        admission and the end of training) stays the same."""
+    def _sync_ranks(self, step_logs: Optional[dict[str, dict[str, float]]] = None) -> None:
+        """Share this rank's adapters' progress (training losses included) and exits with the others, so every
+        rank's registry (and so admission, the end of training and `SweepReport`'s curves) stays the same; and the
+        values its loggers were given (`log_adapter_metrics`), which every other rank's loggers then write (rank
+        0's: Lightning's loggers write there alone). ``step_logs`` (adapter -> this step's values) gets the other
+        ranks' adapters' added, so that every rank logs every adapter's."""
         placement = self._placement()
         if placement is None:
             return
         fields = ("state", "reason", "step", "max_steps", "tokens_seen", "samples_seen", "started_at_step",
                   "ended_at_step", "export_path", "best_val_loss", "best_val_step", "last_val_loss",
                   "last_val_preference_accuracy", "val_losses")
-        mine: dict[str, Any] = {r.name: {f: getattr(r, f) for f in fields} for r in self.registry
-                                if placement.owner.get(r.name) == placement.global_rank}
+        mine: dict[str, Any] = {}
+        for rec in self.registry:
+            if placement.owner.get(rec.name) == placement.global_rank:
+                mine[rec.name] = {f: getattr(rec, f) for f in fields}
+                mine[rec.name]["train_losses"] = rec.train_losses[self._train_losses_shared.get(rec.name, 0):]
+                self._train_losses_shared[rec.name] = len(rec.train_losses)
         mine[f"{_EXITS_KEY}{placement.global_rank}"] = list(self._exited_since_sync)
+        mine[f"{_LOGS_KEY}{placement.global_rank}"] = (step_logs or {}, self._staged_metrics)
+        self._staged_metrics = []
         for name, update in placement.exchange(mine).items():
             if name.startswith(_EXITS_KEY):
                 self._exited_since_sync.extend(update)  # every rank's exits since the last exchange
+                continue
+            if name.startswith(_LOGS_KEY):
+                if name != f"{_LOGS_KEY}{placement.global_rank}":
+                    self._take_logs(update, step_logs)
                 continue
             if placement.owns(name) or name not in self.registry:
                 continue
             rec = self.registry[name]
             was_exited = rec.state.exited
+            last = rec.train_losses[-1][0] if rec.train_losses else None
+            rec.train_losses.extend(e for e in update.pop("train_losses") if last is None or e[0] > last)
             for f, value in update.items():
                 setattr(rec, f, value)
             if rec.state.exited and not was_exited:
                 rec.close_span(rec.ended_at_step if rec.ended_at_step is not None else self._global_step())
                 self._exited_since_sync.append(name)
+                self._log_exit(rec)
         # The freed slot's batch size guides the next admission: the same exit on every rank (the union of every
         # rank's exits since the last exchange), the last in registry order.
         exited = set(self._exited_since_sync)
         if exited:
             self._freed_spec = [r.spec for r in self.registry if r.name in exited][-1]
         self._exited_since_sync = []
+
+    def _take_logs(self, update: tuple[dict, list], step_logs: Optional[dict[str, dict[str, float]]]) -> None:
+        """Another rank's logged values from the exchange: its step's per-adapter values into ``step_logs``, and
+        those its loggers were given written to this rank's."""
+        theirs, staged = update
+        if step_logs is not None:
+            step_logs.update(theirs)
+        trainer = self._trainer_or_none()
+        if trainer is not None:
+            for metrics, step in staged:
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=step)
+
+    def log_adapter_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
+        """Write ``metrics`` (for this rank's adapters) to the trainer's loggers at ``step`` (default: the global
+        step), as ``logger.log_metrics`` does. Under adapter parallelism, where Lightning's loggers write on rank 0
+        alone, rank 0 writes another rank's values at the next exchange of the ranks' progress (every step's end,
+        every validation's): a callback logging per-adapter values calls this rather than the loggers."""
+        trainer = self._trainer_or_none()
+        if trainer is None or not trainer.loggers or not metrics:
+            return
+        step = trainer.global_step if step is None else step
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+        if self._placement() is not None:
+            self._staged_metrics.append((dict(metrics), step))
 
     def align_batches(self, batches: list) -> list:
         """Under adapter parallelism, pad this rank's batches with empty ones to the largest count of any rank:
@@ -840,8 +895,10 @@ class MultiLoRAMixin:
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        # Callbacks' on_train_batch_end ran first: adapters they removed, paused or queued are settled here.
-        self._sync_ranks()
+        # Callbacks' on_train_batch_end ran first: adapters they removed, paused or queued are settled here. Every
+        # rank gets every adapter's values of the step (each rank computed its own adapters').
+        stash, self._step_logs = self._step_logs, {}
+        self._sync_ranks(step_logs=stash)
         if self._placement() is not None:
             self._finish_together()
         self._fill_slots()
@@ -854,7 +911,6 @@ class MultiLoRAMixin:
             self.trainer.should_stop = True
         # an adapter's values when a logger writes them, and its last ones when it stops (exit, warmup pause)
         writes = self._logger_writes_this_step()
-        stash, self._step_logs = self._step_logs, {}
         logs = {k: v for name, values in stash.items()
                 if writes or name not in self.registry or self.registry[name].state != AdapterState.RUNNING
                 for k, v in values.items()}
@@ -1031,10 +1087,7 @@ class MultiLoRAMixin:
                 if self.keep_best_weights and name in self.lora_layers.adapter_names:
                     self._best_weights[name] = {k: v.to("cpu") for k, v in self.lora_layers.peft_state_dict(name).items()}
             logs[f"adapters/{name}/val_loss"] = loss
-        trainer = self._trainer_or_none()
-        if logs and trainer is not None:
-            for logger in trainer.loggers:
-                logger.log_metrics(logs, step=trainer.global_step)
+        self.log_adapter_metrics(logs)
 
     # -- checkpoints ----------------------------------------------------------------------------
 

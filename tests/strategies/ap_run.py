@@ -12,7 +12,8 @@ of processes), each from the same seeds and with its own records, as if alone.
 ``resume_one`` too, on one process (the strategy's, over one rank). ``stop_single`` / ``resume_two``: the same from
 one process without the strategy (a checkpoint file, OUT_DIR/ckpt_stop_single) to 2 ranks;
 ``early_exit_stop_single`` / ``early_exit_resume_two`` likewise with the ``early_exit`` rule (`RESUMES`).
-``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation.
+``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation; both log
+every step to a CSV and a TensorBoard logger (OUT_DIR/logs_<mode>/csv|tb/version_0).
 ``optuna`` / ``optuna_single``: no fixed adapters; OptunaSweep asks 5 trials (2 slots) from an in-memory TPE study
 that every process creates (2 random startup trials, so later asks depend on what was told before them).
 ``warmup`` / ``warmup_single``: OptunaSweep (random sampler, SQLite OUT_DIR/<mode>.db) feeds 4 candidates through 2
@@ -166,6 +167,11 @@ def run_mode(out: Path, mode: str) -> None:
                                                               save_top_k=-1)])
     if mode in RESUMES:
         (ckpt_path,) = (out / f"ckpt_{RESUMES[mode]}").glob("*.ckpt")
+    if mode in ("early_exit", "early_exit_single"):  # every adapter's values to rank 0's loggers
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+        kwargs.update(logger=[CSVLogger(out / f"logs_{mode}", name="csv", version=0),
+                              TensorBoardLogger(out / f"logs_{mode}", name="tb", version=0)], log_every_n_steps=1)
     if mode.startswith("early_exit"):
         from lightning_multilora.callbacks import EarlyExit
 
@@ -219,6 +225,7 @@ def run_mode(out: Path, mode: str) -> None:
     states = {r.name: (r.state.value, r.step) for r in module.registry}
     started = {r.name: r.started_at_step for r in module.registry}
     val = {r.name: r.val_losses for r in module.registry}
+    train = {r.name: r.train_losses for r in module.registry}
     preference = {r.name: r.last_val_preference_accuracy for r in module.registry if r.spec.objective == "dpo"}
     sweep_state = {}
     if held_study is not None:
@@ -229,7 +236,7 @@ def run_mode(out: Path, mode: str) -> None:
                            specs={r.name: r.spec.to_dict() for r in module.registry},
                            reasons={r.name: r.reason for r in module.registry})
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps(dict(owned=owned, calls=CALLS, shard_numels=shards, local_numel=local,
-                                                                 states=states, started=started, val=val,
+                                                                 states=states, started=started, val=val, train=train,
                                                                  preference=preference, evaluated=evaluated,
                                                                  **sweep_state)))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 import subprocess
@@ -103,6 +104,11 @@ def test_two_ranks_train_each_adapter_exactly_like_one_process(runs):
         assert [s for s, _ in ranks[0]["val"][name]] == [s for s, _ in history] and history
         for (_, a), (_, b) in zip(ranks[0]["val"][name], history):
             assert a == pytest.approx(b, rel=1e-5)
+    # every adapter's training losses reached every rank (SweepReport's curves on rank 0)
+    assert ranks[0]["train"] == ranks[1]["train"]
+    for name, history in single["train"].items():
+        assert [s for s, _ in ranks[0]["train"][name]] == [s for s, _ in history] == list(range(1, len(history) + 1))
+        assert [v for _, v in ranks[0]["train"][name]] == pytest.approx([v for _, v in history], rel=1e-5)
     for name in ("a0", "a1", "a2", "a3"):
         parallel = load_file(runs / "parallel" / name / "adapter_model.safetensors")
         single = load_file(runs / "single" / name / "adapter_model.safetensors")
@@ -273,6 +279,40 @@ def test_an_early_exit_on_one_rank_reaches_the_other_and_matches_one_process(run
     assert resumed[0]["states"] == resumed[1]["states"] == single["states"]
     assert_weights_close(load_file(runs / "early_exit_resume_two" / "a1" / "adapter_model.safetensors"),
                          load_file(runs / "early_exit_single" / "a1" / "adapter_model.safetensors"))
+
+
+def _logged(folder: Path) -> tuple[dict[tuple[int, str], float], dict[str, list[str]]]:
+    """A run's CSV metrics, (step, key) -> value, and its TensorBoard texts, tag -> texts."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    metrics = {}
+    with open(folder / "csv" / "version_0" / "metrics.csv") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if key not in ("step", "epoch") and value != "":
+                    metrics[(int(row["step"]), key)] = float(value)
+    events = EventAccumulator(str(folder / "tb" / "version_0"), size_guidance={"tensors": 0})
+    events.Reload()
+    texts = {tag: [e.tensor_proto.string_val[0].decode() for e in events.Tensors(tag)]
+             for tag in events.Tags()["tensors"]}
+    return metrics, texts
+
+
+def test_every_ranks_adapters_reach_rank_zeros_loggers(runs):
+    """Lightning's loggers write on rank 0 alone: the values of the adapters another rank trains (each step's
+    training loss, gradient norm, learning rate and tokens; validation losses; EarlyExit's smoothed loss; the exit's
+    text) reach them through the ranks' exchange, and the two-rank run logs what one process logs."""
+    parallel, texts = _logged(runs / "logs_early_exit")
+    single, single_texts = _logged(runs / "logs_early_exit_single")
+    assert parallel.keys() == single.keys()
+    for key, value in single.items():
+        assert parallel[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    for name in ("a0", "a1", "a2", "a3"):
+        for what in ("train_loss", "grad_norm", "lr", "tokens_seen", "val_loss", "train_loss_ema"):
+            assert any(k == f"adapters/{name}/{what}" for _, k in single), (name, what)
+    assert texts == single_texts and any("overfit" in t for t in texts["adapters/a1/exit/text_summary"])
+    ranks = [json.loads((runs / f"early_exit.rank{r}.json").read_text()) for r in (0, 1)]
+    assert {"a0", "a1", "a2", "a3"} - set(ranks[0]["owned"])  # (rank 0 wrote adapters it did not train)
 
 
 def test_a_callback_written_for_one_process_evaluates_and_removes_adapters_on_two_ranks(runs):
