@@ -182,6 +182,7 @@ class MultiLoRAMixin:
         # and how many of each adapter's training losses the other ranks have
         self._staged_metrics: list[tuple[dict[str, float], int]] = []
         self._train_losses_shared: dict[str, int] = {}
+        self._exit_texts_pending: set[str] = set()
         self._step_graphs = StepGraphs(warmup=2, max_graphs=4, enabled=cuda_graphs)
         for spec in adapters:
             self.add_adapter(spec)
@@ -300,11 +301,16 @@ class MultiLoRAMixin:
             hook = getattr(callback, "on_adapter_exit", None)
             if hook is not None:
                 hook(trainer, self, rec)
-        self._log_exit(rec)
+        placement = self._placement()
+        if placement is None or placement.owner.get(rec.name) in (None, placement.global_rank):
+            self._log_exit(rec)
+        else:  # (ended here too, by a callback run on every rank: the text waits for its owner's record)
+            self._exit_texts_pending.add(rec.name)
 
     def _log_exit(self, rec: AdapterRecord) -> None:
         """The exit's state and reason, as text, to the loggers that take text (TensorBoard's): by the adapter's
-        rank, and under adapter parallelism by every other rank once it learns of the exit (rank 0 writes)."""
+        rank, and under adapter parallelism by every other rank once the owner's record of it arrives (rank 0
+        writes)."""
         trainer = self._trainer_or_none()
         if trainer is None:
             return
@@ -312,7 +318,7 @@ class MultiLoRAMixin:
             writer = getattr(logger, "experiment", None)
             if hasattr(writer, "add_text"):
                 writer.add_text(f"adapters/{rec.name}/exit", f"**{rec.state.value}** at step {rec.step}: {rec.reason}",
-                                trainer.global_step)
+                                self._global_step())
 
     def save_adapter(self, name: str, directory: Optional[Union[str, Path]] = None, best: bool = False) -> Path:
         """Write adapter ``name`` (running) in PEFT format; returns the directory: ``directory``, else its folder
@@ -454,6 +460,8 @@ class MultiLoRAMixin:
             if rec.state.exited and not was_exited:
                 rec.close_span(rec.ended_at_step if rec.ended_at_step is not None else self._global_step())
                 self._exited_since_sync.append(name)
+            if rec.state.exited and (not was_exited or name in self._exit_texts_pending):
+                self._exit_texts_pending.discard(name)
                 self._log_exit(rec)
         # The freed slot's batch size guides the next admission: the same exit on every rank (the union of every
         # rank's exits since the last exchange), the last in registry order.
@@ -482,7 +490,7 @@ class MultiLoRAMixin:
         trainer = self._trainer_or_none()
         if trainer is None or not trainer.loggers or not metrics:
             return
-        step = trainer.global_step if step is None else step
+        step = self._global_step() if step is None else step
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         if self._placement() is not None:
@@ -931,8 +939,11 @@ class MultiLoRAMixin:
 
     @override
     def on_train_end(self) -> None:
-        # Nothing trained is lost: adapters still running (or paused) when training stops are exported as they are,
-        # before `on_fit_end`, where callbacks (`SweepReport`) list the exports.
+        # Values and exits of the run's last validation or of callbacks' `on_train_end` (after the last step's
+        # exchange) reach every rank (rank 0's loggers, its registry) before `on_fit_end`. Nothing trained is lost:
+        # adapters still running (or paused) when training stops are exported as they are, before `on_fit_end`, where
+        # callbacks (`SweepReport`) list the exports.
+        self._sync_ranks()
         self._export_held()
 
     def _held(self) -> list[AdapterRecord]:
@@ -1189,6 +1200,8 @@ class MultiLoRAMixin:
         freed = state.get("freed")
         self._freed_spec = self.registry[freed].spec if freed is not None and freed in self.registry else None
         self._exited_since_sync = list(state.get("exited_since_sync", []))
+        # (every rank sends its adapters' whole curves at the next exchange: receivers keep what they lack)
+        self._train_losses_shared, self._staged_metrics, self._exit_texts_pending = {}, [], set()
         # new weights until Lightning loads the checkpoint's into them (after this hook): a resume that fails
         # before then (making them, or loading) exports none of them over the trained adapters' exports (`_held`)
         self._not_loaded = {rec.name for rec in self.registry.holding_weights}

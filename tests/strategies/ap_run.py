@@ -4,7 +4,8 @@
 
 MODE: parallel|single|stop|resume|resume_one|stop_single|resume_two|early_exit|early_exit_single|
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
-dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|replicated|hybrid|remove|remove_single. Several modes run one after
+dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|replicated|hybrid|remove|remove_single|end_eval|
+end_eval_single|refit. Several modes run one after
 the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
 of processes), each from the same seeds and with its own records, as if alone.
 
@@ -12,8 +13,7 @@ of processes), each from the same seeds and with its own records, as if alone.
 ``resume_one`` too, on one process (the strategy's, over one rank). ``stop_single`` / ``resume_two``: the same from
 one process without the strategy (a checkpoint file, OUT_DIR/ckpt_stop_single) to 2 ranks;
 ``early_exit_stop_single`` / ``early_exit_resume_two`` likewise with the ``early_exit`` rule (`RESUMES`).
-``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation; both log
-every step to a CSV and a TensorBoard logger (OUT_DIR/logs_<mode>/csv|tb/version_0).
+``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation.
 ``optuna`` / ``optuna_single``: no fixed adapters; OptunaSweep asks 5 trials (2 slots) from an in-memory TPE study
 that every process creates (2 random startup trials, so later asks depend on what was told before them).
 ``warmup`` / ``warmup_single``: OptunaSweep (random sampler, SQLite OUT_DIR/<mode>.db) feeds 4 candidates through 2
@@ -28,7 +28,11 @@ controller's 2 "GiB" a device admit them (2 a rank).
 ``optuna_defaults``: OptunaSweep (3 random trials) and SweepReport with no directory given: the study, the exports
 and the summary go to the TensorBoard logger's directory.
 ``remove`` / ``remove_single``: a callback written as for one process (run on every rank) evaluates a0 and a1 after
-step 2 (`MultiLoRAModule.evaluate`) and removes a1 (`remove_adapter`).
+step 2 (`MultiLoRAModule.evaluate`) and removes a1 (`remove_adapter`). ``end_eval`` / ``end_eval_single``: 2 steps, then
+a callback's ``on_train_end`` evaluates the adapters still running, recording the losses (`evaluate(record=True)`).
+The ``early_exit``, ``remove`` and ``end_eval`` modes log every step to a CSV and a TensorBoard logger
+(OUT_DIR/logs_<mode>/csv|tb/version_0). ``refit``: 4 steps (checkpoints every 2), then the same module object fits
+again from the step-2 checkpoint to the end.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -42,6 +46,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
 
@@ -167,7 +172,9 @@ def run_mode(out: Path, mode: str) -> None:
                                                               save_top_k=-1)])
     if mode in RESUMES:
         (ckpt_path,) = (out / f"ckpt_{RESUMES[mode]}").glob("*.ckpt")
-    if mode in ("early_exit", "early_exit_single"):  # every adapter's values to rank 0's loggers
+    if mode.startswith(("early_exit", "remove", "end_eval")) and mode not in ("early_exit_stop_single",
+                                                                              "early_exit_resume_two"):
+        # every adapter's values (and exit texts) to rank 0's loggers
         from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
         kwargs.update(logger=[CSVLogger(out / f"logs_{mode}", name="csv", version=0),
@@ -193,6 +200,17 @@ def run_mode(out: Path, mode: str) -> None:
                     pl_module.remove_adapter("a1", reason="removed by a callback at step 2")
 
         kwargs.update(callbacks=[*kwargs.get("callbacks", []), EvaluateAndRemoveA1()])
+    if mode.startswith("end_eval"):
+        class EvaluateAtTheEnd(L.Callback):
+            def on_train_end(self, trainer, pl_module):
+                evaluated.update(pl_module.evaluate([r.name for r in pl_module.registry.running], record=True))
+
+        kwargs.update(max_steps=2, callbacks=[*kwargs.get("callbacks", []), EvaluateAtTheEnd()])
+    if mode == "refit":
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        kwargs.update(max_steps=4, callbacks=[ModelCheckpoint(dirpath=out / "ckpt_refit", every_n_train_steps=2,
+                                                              save_top_k=-1)])
     held_study = None
     if sweep:
         callbacks, held_study = sweep_callbacks(out, mode)
@@ -203,8 +221,6 @@ def run_mode(out: Path, mode: str) -> None:
         kwargs.update(max_steps=3, callbacks=[*kwargs["callbacks"], ModelCheckpoint(
             dirpath=out / f"ckpt_{mode}", every_n_train_steps=3, save_top_k=-1)])
     if not mode.endswith("single"):
-        from datetime import timedelta
-
         # a short collective timeout: a rank left waiting fails the run in a minute rather than hanging the tests
         # "replicated": a whole base on each of 2 ranks; "hybrid": 4 ranks, the base sharded within pairs
         shard_size = {"replicated": 1, "hybrid": 2}.get(mode)
@@ -214,6 +230,11 @@ def run_mode(out: Path, mode: str) -> None:
     else:
         trainer = L.Trainer(devices=1, **kwargs)
     trainer.fit(module, dm, ckpt_path=ckpt_path)
+    if mode == "refit":  # the same module object resumed in place from its step-2 checkpoint, and run to the end
+        (ckpt_path,) = (out / "ckpt_refit").glob("*step=2*.ckpt")
+        trainer = L.Trainer(strategy=AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90)),
+                            devices=2, **dict(kwargs, max_steps=-1, callbacks=[]))
+        trainer.fit(module, dm, ckpt_path=ckpt_path)
     rank = trainer.global_rank
     shards, local = [], 0
     if not mode.endswith("single"):

@@ -68,10 +68,10 @@ def run(out: Path, *modes: str) -> None:
 OPTUNA = importlib.util.find_spec("optuna") is not None  # absent on the GPU image; installed by `make test`
 # Resuming modes after the ones they resume from (`ap_run.RESUMES`)
 SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_single", "dpo_single",
-                "remove_single",
+                "remove_single", "end_eval_single",
                 *(["optuna_single", "warmup_single"] if OPTUNA else [])]
 TWO_RANK_MODES = ["parallel", "stop", "resume_two", "early_exit", "early_exit_resume_two", "replicated", "dpo", "remove",
-                  "admission", *(["optuna_admission", "optuna", "optuna_defaults", "warmup", "warmup_stop"] if OPTUNA
+                  "end_eval", "refit", "admission", *(["optuna_admission", "optuna", "optuna_defaults", "warmup", "warmup_stop"] if OPTUNA
                                  else [])]
 # resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
 RESUME_MODES = ["resume", *(["warmup_resume"] if OPTUNA else [])]
@@ -298,21 +298,44 @@ def _logged(folder: Path) -> tuple[dict[tuple[int, str], float], dict[str, list[
     return metrics, texts
 
 
-def test_every_ranks_adapters_reach_rank_zeros_loggers(runs):
+@pytest.mark.parametrize("mode", ["early_exit", "remove", "end_eval"])
+def test_every_ranks_adapters_reach_rank_zeros_loggers(runs, mode):
     """Lightning's loggers write on rank 0 alone: the values of the adapters another rank trains (each step's
-    training loss, gradient norm, learning rate and tokens; validation losses; EarlyExit's smoothed loss; the exit's
-    text) reach them through the ranks' exchange, and the two-rank run logs what one process logs."""
-    parallel, texts = _logged(runs / "logs_early_exit")
-    single, single_texts = _logged(runs / "logs_early_exit_single")
+    training loss, gradient norm, learning rate and tokens; validation losses, those of an evaluation in a callback's
+    ``on_train_end`` too; EarlyExit's smoothed loss; exit texts, a removal's by a callback run on every rank too)
+    reach them through the ranks' exchange, and the two-rank run logs what one process logs, at the same steps."""
+    parallel, texts = _logged(runs / f"logs_{mode}")
+    single, single_texts = _logged(runs / f"logs_{mode}_single")
     assert parallel.keys() == single.keys()
     for key, value in single.items():
         assert parallel[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    logged = {"train_loss", "grad_norm", "lr", "tokens_seen", "val_loss"} | ({"train_loss_ema"} if mode == "early_exit"
+                                                                             else set())
     for name in ("a0", "a1", "a2", "a3"):
-        for what in ("train_loss", "grad_norm", "lr", "tokens_seen", "val_loss", "train_loss_ema"):
-            assert any(k == f"adapters/{name}/{what}" for _, k in single), (name, what)
-    assert texts == single_texts and any("overfit" in t for t in texts["adapters/a1/exit/text_summary"])
-    ranks = [json.loads((runs / f"early_exit.rank{r}.json").read_text()) for r in (0, 1)]
+        removed = (mode, name) == ("remove", "a1")  # (removed at step 2, before any validation)
+        assert {k.split("/")[-1] for _, k in single if k.startswith(f"adapters/{name}/")} == \
+            logged - ({"val_loss"} if removed else set()), name
+    assert texts == single_texts
+    exit_text = {"early_exit": "overfit", "remove": "removed by a callback", "end_eval": None}[mode]
+    if exit_text is not None:
+        assert any(exit_text in t for t in texts["adapters/a1/exit/text_summary"])
+    if mode == "end_eval":  # (a1 and a2 still running after 2 steps: evaluated at the end, logged at step 2)
+        assert {(2, "adapters/a1/val_loss"), (2, "adapters/a2/val_loss")} <= parallel.keys()
+    ranks = [json.loads((runs / f"{mode}.rank{r}.json").read_text()) for r in (0, 1)]
     assert {"a0", "a1", "a2", "a3"} - set(ranks[0]["owned"])  # (rank 0 wrote adapters it did not train)
+    assert ranks[0]["val"] == ranks[1]["val"]
+
+
+def test_a_module_resumed_in_place_keeps_every_adapters_curve_on_every_rank(runs):
+    """The same module object fit again from an earlier checkpoint: each rank sends its adapters' curves anew, and
+    every rank ends with every adapter's whole training curve, as a run never stopped has it."""
+    ranks = [json.loads((runs / f"refit.rank{r}.json").read_text()) for r in (0, 1)]
+    never_stopped = json.loads((runs / "parallel.rank0.json").read_text())
+    assert ranks[0]["train"] == ranks[1]["train"]
+    assert ranks[0]["states"] == never_stopped["states"]
+    for name, history in never_stopped["train"].items():
+        assert [s for s, _ in ranks[0]["train"][name]] == [s for s, _ in history]
+        assert [v for _, v in ranks[0]["train"][name]] == pytest.approx([v for _, v in history], rel=1e-5)
 
 
 def test_a_callback_written_for_one_process_evaluates_and_removes_adapters_on_two_ranks(runs):
