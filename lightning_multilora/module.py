@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import itertools
@@ -205,7 +206,8 @@ class MultiLoRAMixin:
         out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **self._no_cache())
         row_sum, row_count = _row_token_loss(out.logits, batch["labels"])
         sums, counts = segment_sum(row_sum, layout), segment_sum(row_count.to(row_sum.dtype), layout)
-        dpo = [i for i, n in enumerate(layout.names) if n in self.registry and self.registry[n].spec.objective == "dpo"]
+        dpo = [i for i, n in enumerate(layout.names) if n in self.registry and self.registry[n].spec.objective == "dpo"
+               and layout.ends[i] > layout.starts[i]]  # (an adapter without rows this step has no pairs)
         self._preference_accuracy = {}
         if not self._reference_forward_needed(bool(dpo)):
             return sums, counts
@@ -213,7 +215,8 @@ class MultiLoRAMixin:
             self._idle_forward(reference=False)
             return sums, counts
         rows = torch.cat([torch.arange(layout.starts[i], layout.ends[i]) for i in dpo]).to(row_sum.device)
-        with torch.no_grad(), self.lora_layers.use(None):  # the reference: the base alone, once for all
+        # the reference: the frozen base alone, once for all, deterministic (its dropout off, as in evaluation)
+        with torch.no_grad(), self.lora_layers.use(None), _evaluating(self.model):
             ref = self.model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
                              **self._no_cache())
             ref_sum, _ = _row_token_loss(ref.logits, batch["labels"][rows])
@@ -1285,6 +1288,18 @@ def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Op
                               f"does not fit its parameters now ({len(ids)}): it starts fresh", stacklevel=2)
             matched["param_groups"].append({**{k: v for k, v in group.items() if k != "params"}, "params": ids})
     checkpoint["optimizer_states"] = [matched, *states[1:]]
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module):
+    """``model`` in evaluation mode (dropout off) inside, each of its modules' mode restored after."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
 
 
 def _row_token_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

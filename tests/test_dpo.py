@@ -103,6 +103,49 @@ def test_sft_and_dpo_adapters_train_together_and_dpo_learns_the_preferences(tmp_
     assert restored.last_val_preference_accuracy == p.last_val_preference_accuracy
 
 
+def test_the_reference_is_the_frozen_base_without_dropout_and_an_adapter_without_rows_is_left_out():
+    """A base with dropout, training: the policy forward keeps it (it is the one forward of every adapter, SFT ones
+    too), the reference forward runs without it (the frozen base, deterministic: with it, a new adapter's margins were
+    random), and the modules' modes are restored after. A DPO adapter with no rows this step (a custom batch, a data
+    position past a shrunk split) is left out of the reference forward instead of failing it."""
+    specs = [AdapterSpec("p", rank=4, objective="dpo", batch_size=3, seed=1),
+             AdapterSpec("e", rank=4, objective="dpo", batch_size=2, seed=2),
+             AdapterSpec("s", rank=2, batch_size=2, seed=3, dataset="arith")]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, config_overrides={"attention_dropout": 0.5})
+    dm = MultiLoRADataModule(sources={"pairs": PreferenceSource(records=PAIRS), "arith": GeneratedArithmetic(40)},
+                             max_length=96)
+    for rec in module.registry:
+        module._create_weights(rec)
+        rec.state = AdapterState.RUNNING
+    module.train()
+    module.model.model.layers[0].mlp.eval()  # (a module kept in evaluation mode stays so)
+    batch = dm.train_batch([specs[0], specs[2]])
+    batch["layout"] = layout = BatchLayout.from_sizes(["p", "e", "s"], [6, 0, 2])
+    attention = module.model.model.layers[1].self_attn
+    seen = []
+    hook = module.model.register_forward_pre_hook(lambda m, args, kwargs: seen.append(
+        (kwargs["input_ids"].shape[0], attention.training)), with_kwargs=True)
+    with module.lora_layers.use(layout):
+        sums, counts = module.adapter_loss_terms(batch)
+    hook.remove()
+    assert seen == [(8, True), (6, False)]  # the policy forward in training mode, the reference (p's rows) not
+    assert attention.training and not module.model.model.layers[0].mlp.training  # (restored)
+    with torch.no_grad(), module.lora_layers.use(None):
+        module.eval()
+        reference = sequence_logp(module.model, batch["input_ids"][:6], batch["attention_mask"][:6],
+                                  batch["labels"][:6])
+        module.train()
+    with torch.no_grad(), module.lora_layers.use(layout):  # B = 0: the policy is the base, here with its dropout
+        torch.manual_seed(1)
+        policy = sequence_logp(module.model, batch["input_ids"], batch["attention_mask"], batch["labels"])[:6]
+        torch.manual_seed(1)
+        sums, counts = module.adapter_loss_terms(batch)
+    margin = (policy[:3] - reference[:3]) - (policy[3:] - reference[3:])
+    expected = sum(-math.log(1 / (1 + math.exp(-0.1 * m))) for m in margin.tolist()) / 3
+    assert (sums[0] / counts[0]).item() == pytest.approx(expected, rel=1e-4)
+    assert "e" not in module._preference_accuracy and counts[1].item() == 0
+
+
 def test_the_validation_preference_accuracy_is_over_pairs_not_batches(monkeypatch):
     """A validation of two batches, 3 pairs all preferred then 1 not: 0.75 (a mean of the batches' accuracies would
     say 0.5); an SFT adapter gets none."""

@@ -95,7 +95,7 @@ class AdapterStream:
         return -(-self.num_examples // self.batch_size)
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "position": self.position, "num_examples": self.num_examples}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position, self._perm = int(state["epoch"]), int(state["position"]), None
@@ -236,9 +236,6 @@ class MultiLoRADataModule(L.LightningDataModule):
             )
         order = list(range(len(examples)))
         random.Random(self.split_seed).shuffle(order)
-        n_val = min(max(1, round(len(examples) * self.val_fraction)), len(examples) - 1)
-        if self.max_val_examples is not None:
-            n_val = min(n_val, self.max_val_examples)
         tok, limit = self.tokenizer, self.effective_max_length
         pairs = isinstance(examples[0], PreferenceExample)
 
@@ -301,7 +298,10 @@ class MultiLoRADataModule(L.LightningDataModule):
             warnings.warn(f"data source {name!r}: {len(empty)} of {len(chosen)} preference pairs have an empty chosen "
                           f"or rejected completion ({', '.join(named(i) for i in sorted(empty)[:3])}"
                           f"{', ...' if len(empty) > 3 else ''}); that answer is the end of text alone")
-        n_val = min(n_val, len(chosen) - 1)
+        # the validation share of the examples kept (those truncation left out count in neither split)
+        n_val = min(max(1, round(len(chosen) * self.val_fraction)), len(chosen) - 1)
+        if self.max_val_examples is not None:
+            n_val = min(n_val, self.max_val_examples)
 
         def split(part: list) -> TokenizedSplit:
             rows = [chosen[k] for k in part]
@@ -335,7 +335,17 @@ class MultiLoRADataModule(L.LightningDataModule):
         if spec.name not in self._streams:
             stream = AdapterStream(self.num_train_examples(spec.dataset), spec.batch_size, spec.seed)
             if spec.name in self._pending_stream_state:
-                stream.load_state_dict(self._pending_stream_state.pop(spec.name))
+                state = self._pending_stream_state.pop(spec.name)
+                saved = state.get("num_examples")  # (absent from older checkpoints)
+                if (saved is not None and saved != stream.num_examples) or int(state["position"]) >= stream.num_examples:
+                    warnings.warn(
+                        f"adapter {spec.name!r}: its training split of data source "
+                        f"{self.source_name(spec.dataset)!r} has {stream.num_examples} examples now and had "
+                        f"{saved if saved is not None else 'fewer than its saved position'} when the checkpoint was "
+                        f"written (the data, `limit`, `max_length`, `truncate` or `val_fraction` changed): its data "
+                        f"position cannot be kept, so it starts epoch {state['epoch']} from its beginning")
+                    state = dict(state, position=0)
+                stream.load_state_dict(state)
             self._streams[spec.name] = stream
         return self._streams[spec.name]
 

@@ -279,6 +279,10 @@ class ListSource(DataSource):
         self.records = list(records)
 
     def examples(self) -> list[Example]:
+        for i, r in enumerate(self.records):
+            if not isinstance(r, Mapping):
+                raise ValueError(f"ListSource: records[{i}] must be a mapping with prompt and completion, got a "
+                                 f"{type(r).__name__}")
         return [format_record(r, "prompt_completion", None, None, f"records[{i}]")
                 for i, r in enumerate(self.records)]
 

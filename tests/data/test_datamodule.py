@@ -340,6 +340,9 @@ def test_a_list_source_is_given_a_list():
         with pytest.raises(ValueError, match="ListSource: `records` must be a list of mappings"):
             ListSource(records)
     assert len(ListSource(iter([{"prompt": "a", "completion": "b"}])).examples()) == 1
+    for bad in (None, "prompt completion", ["a", "b"]):
+        with pytest.raises(ValueError, match=r"ListSource: records\[1\] must be a mapping"):
+            ListSource([{"prompt": "a", "completion": "b"}, bad]).examples()
 
 
 def test_empty_dataset_is_a_clear_error():
@@ -371,6 +374,35 @@ def test_sequences_longer_than_the_model_maximum_are_errors(tmp_path, trainer_kw
                                          "truncation to 64 tokens"):
         train, val = MultiLoRADataModule(sources={"long": three}, truncate=True, max_length=64).split("long")
     assert len(train) + len(val) == 2 and max(len(r) for r in train.input_ids + val.input_ids) == 64
+
+
+def test_the_validation_share_is_of_the_examples_truncation_keeps():
+    # 90 examples whose prompt fills the row (dropped by truncation) and 10 that fit: 10% of the 10 kept validate
+    records = [{"prompt": "p" * 200, "completion": "x"}] * 90 + [{"prompt": "q", "completion": "y"}] * 10
+    with pytest.warns(UserWarning, match="90 of 100 examples kept no completion tokens"):
+        train, val = MultiLoRADataModule(sources={"d": ListSource(records)}, truncate=True, max_length=64,
+                                         val_fraction=0.1).split("d")
+    assert (len(train), len(val)) == (9, 1)
+
+
+def test_a_data_position_from_a_split_of_another_size_restarts_its_epoch():
+    """A checkpoint's stream position in a training split that has since changed size (the data or its settings
+    changed) cannot be kept: said, and the adapter starts its epoch anew; an unchanged split resumes where it was."""
+    specs = [AdapterSpec("a", batch_size=4, seed=1), AdapterSpec("b", batch_size=4, seed=2)]
+    dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(40)}, val_fraction=0.25)
+    n = dm.num_train_examples(None)
+    dm.load_state_dict({"streams": {"a": {"epoch": 2, "position": 8, "num_examples": n + 5},
+                                    "b": {"epoch": 2, "position": 8, "num_examples": n}}})
+    with pytest.warns(UserWarning, match=rf"adapter 'a': .* has {n} examples now and had {n + 5} .* starts epoch 2"):
+        a = dm.stream(specs[0])
+    assert (a.epoch, a.position) == (2, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        b = dm.stream(specs[1])
+    assert (b.epoch, b.position) == (2, 8) and b.state_dict()["num_examples"] == n
+    dm.load_state_dict({"streams": {"a": {"epoch": 0, "position": n + 3}}})  # (an older checkpoint: no size)
+    with pytest.warns(UserWarning, match="fewer than its saved position"):
+        assert dm.stream(specs[0]).position == 0
 
 
 def test_an_example_too_long_is_named_by_where_it_came_from(tmp_path):
