@@ -87,7 +87,10 @@ def main(args: Optional[list[str]] = None) -> None:
         args = ["fit", "--config", demo_config(), *args[1:]]
     if from_command_line:  # (LightningCLI warns when given both ``args`` and a command line)
         sys.argv[1:] = args
+    # (no --optimizer / --lr_scheduler: LightningCLI's would replace the module's per-adapter optimizer groups and
+    # schedules, `--model.optimizer`, `--model.optimizer_kwargs` and each adapter's `lr` / `lr_schedule`, silently)
     MultiLoRACLI(MultiLoRAModule, MultiLoRADataModule, subclass_mode_model=False, subclass_mode_data=False,
+                 auto_configure_optimizers=False,
                  save_config_kwargs={"overwrite": True}, args=None if from_command_line else args,
                  parser_kwargs={"epilog": COMMANDS, "formatter_class": RawEpilogFormatter})
 

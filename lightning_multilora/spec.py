@@ -81,7 +81,10 @@ class AdapterSpec:
                              "pick another name")
         for f in fields(self):  # numpy (and other) scalars, as a search or a grid may give them: Python numbers
             value = getattr(self, f.name)
-            if isinstance(value, numbers.Number) and not isinstance(value, (int, float)) and hasattr(value, "item"):
+            numpy_scalar = type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0  # (np.float64
+            # is a float, np.bool_ no Number: kept, neither YAML nor a weights-only checkpoint load takes them)
+            if hasattr(value, "item") and (numpy_scalar or (isinstance(value, numbers.Number)
+                                                            and not isinstance(value, (int, float)))):
                 setattr(self, f.name, value.item())
         _check(self, "rank", _int(self.rank) and self.rank >= 1, "an integer >= 1")
         _check(self, "alpha", _num(self.alpha) and 0 < self.alpha < math.inf, "a finite number > 0")

@@ -66,6 +66,9 @@ def test_example_yaml_parses_with_the_cli_parser(tmp_path):
     (["--model.adapters", "[{name: a, dropout: 1.5}]"], "`dropout` must be a number in [0, 1), got 1.5"),
     (["--data.max_val_examples", "0"], "`max_val_examples` must be an integer >= 1 or None"),
     (["--model.base_model", "./nonexistent/ckpt"], "`base_model` './nonexistent/ckpt' is no built-in model"),
+    # (LightningCLI's own optimizer and scheduler would replace the module's per-adapter ones, silently)
+    (["--optimizer", "SGD", "--optimizer.lr", "0.5"], "unrecognized arguments: --optimizer SGD"),
+    (["--lr_scheduler", "StepLR", "--lr_scheduler.step_size", "1"], "unrecognized arguments: --lr_scheduler"),
 ])
 def test_bad_config_values_are_clear_errors(tmp_path, capsys, override, message):
     """Refused with the class's own message, as a parse error is (usage, then "error: ..."), not under a traceback."""

@@ -6,6 +6,7 @@ import math
 import warnings
 
 import pytest
+import torch
 
 from lightning_multilora import AdapterSpec, SweepGrid
 
@@ -48,6 +49,18 @@ def test_numpy_scalars_are_taken_as_python_numbers():
     assert spec.lr == pytest.approx(1e-3) and spec.to_dict()["alpha"] == 8.0
     with pytest.raises(ValueError, match="`rank` must be an integer >= 1, got 0"):
         AdapterSpec("x", rank=np.int64(0))
+    # np.float64 is a float and np.bool_ no Number: Python's too, or YAML and weights-only checkpoint loads refuse them
+    spec = AdapterSpec("y", lr=np.float64(2e-3), use_rslora=np.bool_(True), weight_decay=np.float64(0.0))
+    assert (type(spec.lr), type(spec.use_rslora), type(spec.weight_decay)) == (float, bool, float)
+    import io
+
+    import yaml
+
+    yaml.safe_dump(spec.to_dict())
+    buffer = io.BytesIO()
+    torch.save(spec.to_dict(), buffer)
+    buffer.seek(0)
+    assert AdapterSpec.from_dict(torch.load(buffer, weights_only=True)) == spec
 
 
 @pytest.mark.parametrize("name", ["", "a.b", "a b", "a/b", None, "best\n", "x" * 201])
