@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Optional
 
+from lightning_multilora.arguments import check_real
 from lightning_multilora.scheduling.memory import MemoryFit
 from lightning_multilora.scheduling.profiler import check_margin
 from lightning_multilora.scheduling.task_scheduler import cp_solver
@@ -127,14 +128,17 @@ class CPSATAdmission(AdmissionController):
     which queued candidates to admit is a knapsack: maximize ``sum x_i * value_i`` subject to the fit's
     prediction of running + chosen staying within the budget. ``value_i`` counts the rows admitted (the
     packed step's throughput), a bonus for the freed slot's batch size (homogeneous packs) and
-    ``priority(spec)`` (e.g. the Optuna study's most promising candidates; default 0), in that order of
-    weight. Use it wherever an `AdmissionController` goes (the module, `OptunaSweep`).
+    ``priority(spec)`` (e.g. the Optuna study's most promising candidates; default 0), in that strict order of
+    weight (a row more outweighs any bonuses and priorities). ``beyond``: as `fit_predictor`'s (the analytic
+    model's prediction past the profiled points); the chosen set is checked against it. Use it wherever an
+    `AdmissionController` goes (the module, `OptunaSweep`).
     """
 
     def __init__(self, fit: MemoryFit, seq_len: int, params_of: Callable[[AdapterSpec], int], capacity_bytes: float,
                  safety_margin: float = 0.9, priority: Optional[Callable[[AdapterSpec], float]] = None,
-                 time_limit_s: float = 0.5) -> None:
-        super().__init__(fit_predictor(fit, seq_len, params_of), capacity_bytes, safety_margin)
+                 time_limit_s: float = 0.5, beyond: Optional[Predict] = None) -> None:
+        check_real("CPSATAdmission", "time_limit_s", time_limit_s, lambda v: v > 0, "a finite number of seconds > 0")
+        super().__init__(fit_predictor(fit, seq_len, params_of, beyond), capacity_bytes, safety_margin)
         self.fit, self.seq_len, self.params_of = fit, seq_len, params_of
         self.priority = priority or (lambda spec: 0.0)
         self.time_limit_s = time_limit_s
@@ -153,7 +157,11 @@ class CPSATAdmission(AdmissionController):
         model.Add(sum(int(round(c / scale)) * xi for c, xi in zip(costs, x)) <= int(room / scale))
         priorities = [self.priority(s) for s in candidates]
         top = max((abs(p) for p in priorities), default=0.0) or 1.0
-        values = [1000 * s.rows_per_step + (100 if freed is not None and s.batch_size == freed.batch_size else 0)
+        # rows, then the freed slot's batch size, then priority, each outweighing all of the next ones together
+        n = len(candidates)
+        bonus = 100 * n + 1  # (priorities of all candidates span at most 100 * n)
+        row = n * bonus + 100 * n + 1
+        values = [row * s.rows_per_step + (bonus if freed is not None and s.batch_size == freed.batch_size else 0)
                   + int(round(50 * p / top)) for s, p in zip(candidates, priorities)]
         model.Maximize(sum(v * xi for v, xi in zip(values, x)))
         solver = cp_solver(self.time_limit_s, 1)

@@ -20,6 +20,7 @@ import hashlib
 import json
 import functools
 import logging
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -201,6 +202,15 @@ class MemoryFit:
         x = np.array([[1.0, p.tokens, p.adapter_params] for p in points]) * w[:, None]
         y = np.array([p.peak_bytes for p in points]) * w
         if np.linalg.matrix_rank(x) < 3:
+            tokens = np.array([p.tokens for p in points], dtype=float)
+            params = np.array([p.adapter_params for p in points], dtype=float)
+            if np.ptp(tokens) == 0:
+                raise ValueError(f"fitting M = k0 + k1*B*L + k2*P needs points of different tokens (B*L): all "
+                                 f"{len(points)} have {int(tokens[0])} (profile other batch sizes)")
+            if np.ptp(params) == 0:
+                warnings.warn(f"every memory point has the same adapter parameters (P = {int(params[0])}): the fit is "
+                              "ALTO's k0 + k1*B*L, for that adapter set; it costs other adapters' parameters nothing "
+                              "(profile different numbers of adapters to measure k2)")
             # every point has the same tokens-to-parameters ratio: fall back to ALTO's k0 + k1*B*L
             k01, *_ = np.linalg.lstsq(x[:, :2], y, rcond=None)
             k = (k01[0], k01[1], 0.0)

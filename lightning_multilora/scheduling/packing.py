@@ -158,20 +158,22 @@ class PackingPlanner:
                                                                         self.num_gpus), [note])
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise RuntimeError(f"CP-SAT found no packing ({solver.StatusName(status)}) within {self.time_limit_s} s")
-        jobs, rows = [], []
+        jobs, rows, grid_ends = [], [], {}
         for k, (pack, d) in enumerate(packs):
             if solver.Value(chosen[k]):  # (its own duration: the solver's, rounded up to the grid, holds it)
                 job = Job(f"job{len(jobs)}", pack, d, self.duration(pack, d))
                 jobs.append(job)
                 start = solver.Value(starts[k]) * res
                 rows.append((job.id, start, start + job.duration, d))
+                grid_ends[job.id] = start + sizes[k] * res
         length = max(end for _, _, end, _ in rows)
         if greedy_makespan < length:  # (the grid's rounding can cost more than the packing gained)
             note = (f"PLoRA's greedy plan: {greedy_makespan:.6g} s, shorter than the best packing found on the "
                     f"{res:g} s grid ({length:.6g} s); a finer resolution_s may find a shorter one")
             return greedy_jobs, Schedule(greedy_placements, greedy_makespan, False, solver.WallTime(),
                                          lower_bound([j.task() for j in greedy_jobs], self.num_gpus), [note])
-        ids = assign_gpu_ids(rows, self.num_gpus)
+        # GPU ids by the model's grid (a job a hair longer than its ticks would hold its GPUs past the next's start)
+        ids = assign_gpu_ids([(jid, start, grid_ends[jid], d) for jid, start, _, d in rows], self.num_gpus)
         placements = {jid: Placement(jid, start, end, ids[jid]) for jid, start, end, _ in rows}
         schedule = Schedule(placements, length, status == cp_model.OPTIMAL, solver.WallTime(),
                             lower_bound([j.task() for j in jobs], self.num_gpus),

@@ -206,6 +206,10 @@ class TaskScheduler:
         """
         from ortools.sat.python import cp_model
 
+        if time_limit_s is not None:
+            check_real("TaskScheduler.plan", "time_limit_s", time_limit_s, lambda v: v > 0,
+                       "a finite number of seconds > 0 (or None: the scheduler's)")
+            time_limit_s = float(time_limit_s)
         running = dict(running or {})
         validate_tasks(list(tasks), self.num_gpus)
         overlap = {t.id for t in tasks} & set(running)
@@ -263,7 +267,11 @@ class TaskScheduler:
         rows = [(tid, p.start, p.end, len(p.gpu_ids)) for tid, p in running.items()]
         rows += [(t.id, start_of[t.id] * res, (start_of[t.id] + max(1, self._ticks(t.duration))) * res, t.gpus)
                  for t in tasks]
-        ids = assign_gpu_ids(rows, self.num_gpus, {tid: p.gpu_ids for tid, p in running.items()})
+        # GPU ids by the model's own grid: a running task's end as the model rounded it (an end a hair past a tick,
+        # 180.00000003 s at 60 s ticks, is tick 3 there; in seconds it held its GPU past the task planned at 180)
+        on_grid = [(tid, start, max(self._ticks(end), t0) * res if tid in running else end, gpus)
+                   for tid, start, end, gpus in rows]
+        ids = assign_gpu_ids(on_grid, self.num_gpus, {tid: p.gpu_ids for tid, p in running.items()})
         placements = {tid: Placement(tid, start, end, ids[tid]) for tid, start, end, _ in rows}
         schedule = Schedule(placements, span * res, status == cp_model.OPTIMAL, solver.WallTime(),
                             lower_bound(tasks, self.num_gpus, now), notes)

@@ -160,6 +160,22 @@ def test_cpsat_admission_fills_the_budget_at_least_as_well_as_greedy():
     assert exact.select(running, []) == []
 
 
+def test_cpsat_admission_puts_rows_before_the_freed_batch_size_before_priority_and_takes_the_guard():
+    from lightning_multilora.scheduling import CPSATAdmission
+
+    fit = MemoryFit(k0=0.0, k1=1.0, k2=0.0)  # a byte a token: room for 22 rows of one token
+    small = [AdapterSpec(f"s{i}", batch_size=1) for i in range(21)]
+    wide = AdapterSpec("wide", batch_size=22)
+    exact = CPSATAdmission(fit, 1, lambda s: 0, 22.0, 1.0, priority=lambda s: 1.0 if s.name != "wide" else -1.0)
+    assert exact.select([], [*small, wide], freed=small[0]) == [wide]  # 22 rows beat 21 with every bonus
+    # the analytic guard past the profiled points (none here: every set is beyond), as AdmissionController's
+    guarded = CPSATAdmission(fit, 1, lambda s: 0, 22.0, 1.0, beyond=lambda specs: 2.0 * sum(s.batch_size
+                                                                                             for s in specs))
+    assert sum(s.batch_size for s in guarded.select([], small)) == 11
+    with pytest.raises(ValueError, match="CPSATAdmission: `time_limit_s` must be a finite number of seconds > 0"):
+        CPSATAdmission(fit, 1, lambda s: 0, 22.0, time_limit_s=float("nan"))
+
+
 def test_the_simulated_sweep_compares_admission_policies():
     from lightning_multilora.scheduling import CPSATAdmission, simulate_sweep
 

@@ -76,8 +76,12 @@ def test_the_fit_recovers_a_linear_law_and_fits_the_measured_peaks():
 
 def test_a_fit_with_a_fixed_adapter_set_falls_back_to_altos_line():
     points = [MemoryPoint(4, b, 256, 4000, 1e9 + 100 * b * 1024) for b in (1, 2, 4)]
-    fit = MemoryFit.fit(points)  # P is the same at every point (rank-deficient): ALTO's k0 + k1*B*L
+    with pytest.warns(UserWarning, match="same adapter parameters .P = 4000.: the fit is ALTO's k0 "):
+        fit = MemoryFit.fit(points)  # P is the same at every point (rank-deficient): ALTO's k0 + k1*B*L
     assert max(fit.relative_errors(points)) < 1e-9
+    same_tokens = [MemoryPoint(1, 2, 256, 4000 * r, 1e9 + 5000 * r) for r in (1, 2, 4)]  # (ranks differ)
+    with pytest.raises(ValueError, match=r"points of different tokens \(B\*L\): all 3 have 512"):
+        MemoryFit.fit(same_tokens)
 
 
 def test_the_cache_returns_a_fit_only_for_its_own_signature(tmp_path, caplog):

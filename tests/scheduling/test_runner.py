@@ -33,6 +33,17 @@ def test_early_completions_shorten_the_run_and_replanning_fills_the_gap():
     assert no_gpu_shared_at_once(records) and runner.replans >= 2
 
 
+def test_a_task_far_past_its_estimate_brings_few_replans():
+    """A 60 s estimate that runs an hour, another task waiting for its GPU: the runner assumed it would end a tick
+    from now at every replan, so replanned every tick (3542 solves); now it waits ever longer between them."""
+    runner = ScheduleRunner(TaskScheduler(1, time_limit_s=0.2), SimulatedExecutor(actual={"slow": 3600}))
+    runner.submit(Task("slow", 60, 1))
+    runner.submit(Task("next", 60, 1), at=1)
+    records = runner.run()
+    assert records["next"].start == pytest.approx(3600) and records["next"].state == "finished"
+    assert runner.replans <= 15
+
+
 def test_a_task_arriving_mid_run_is_planned_in():
     runner = ScheduleRunner(TaskScheduler(2), SimulatedExecutor())
     runner.submit(Task("long", 10, 1))

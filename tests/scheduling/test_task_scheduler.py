@@ -48,6 +48,15 @@ def test_plans_are_optimal_on_small_instances(seed):
     check_valid(schedule, tasks, gpus)
 
 
+def test_a_running_end_a_hair_past_a_tick_is_that_tick_and_bad_time_limits_are_named():
+    scheduler = TaskScheduler(1, resolution_s=60)
+    plan = scheduler.plan([Task("b", 10, 1)], running={"a": Placement("a", 0, 180.00000003, (0,))}, now=100)
+    assert plan.placements["b"].start == pytest.approx(180) and plan.placements["b"].gpu_ids == (0,)
+    for bad in (-1, float("nan"), "1"):
+        with pytest.raises(ValueError, match="TaskScheduler.plan: `time_limit_s` must be a finite number of seconds"):
+            scheduler.plan([Task("b", 10, 1)], time_limit_s=bad)
+
+
 def test_tasks_shorter_than_a_tick_take_one_each():
     """The horizon counted them as 0 ticks while each interval takes at least 1: three 1e-8 s tasks on one GPU at
     `resolution_s`=60 were INFEASIBLE."""
