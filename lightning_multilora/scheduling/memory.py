@@ -97,8 +97,11 @@ class AnalyticMemoryModel:
     Activations per token and layer follow Korthikanti et al. (the formula PLoRA's appendix sums per
     module): without checkpointing every layer keeps ``act_per_token_layer`` bytes per token; with it,
     each layer keeps its input and one layer's worth is live during recomputation. LoRA adds ``r`` values
-    per target per token (PLoRA's ``b * s * r``). The fp32 logits of the loss are counted for every token,
-    or for ``loss_chunk_tokens`` when the loss is computed chunk by chunk.
+    per target per token (PLoRA's ``b * s * r``). The loss: where it is computed over all tokens at once (the module's
+    own, ``loss_chunk_tokens`` None), the model's logits (``activation_bytes``), their fp32 log-softmax, kept for the
+    backward, and in the backward its gradient and the logits' fp32 one, per token and vocabulary entry (the module's
+    loss peaked at 14 bytes per token and entry in bf16, its backward included); where it is computed chunk by
+    chunk (`benchmarks/packed_step.py`'s, recomputed in the backward), fp32 logits of ``loss_chunk_tokens``.
     """
 
     shape: ModelShape
@@ -137,8 +140,10 @@ class AnalyticMemoryModel:
         # every layer's S stays until backward, with checkpointing too (`kernels.recompute` keeps it for the
         # recomputation)
         lora = lora_rank_tokens * 4.0 * layers
-        logit_tokens = tokens if self.loss_chunk_tokens is None else min(tokens, self.loss_chunk_tokens)
-        logits = logit_tokens * self.shape.vocab_size * 4.0
+        if self.loss_chunk_tokens is None:
+            logits = tokens * self.shape.vocab_size * (self.activation_bytes + 3 * 4.0)
+        else:
+            logits = min(tokens, self.loss_chunk_tokens) * self.shape.vocab_size * 4.0
         return tokens * per_token + lora + logits
 
     def predict(self, adapters: Sequence[tuple[int, int, Sequence[str]]], seq_len: int) -> float:

@@ -146,3 +146,29 @@ def test_a_fit_refuses_non_positive_peaks():
     points = [MemoryPoint(1, b, 256, 1000, 1e9 * b) for b in (1, 2, 4)]
     with pytest.raises(ValueError, match="positive"):
         MemoryFit.fit(points + [MemoryPoint(2, 1, 256, 2000, 0.0)])
+
+
+@pytest.mark.gpu
+def test_the_modules_loss_takes_the_bytes_per_token_and_vocabulary_entry_the_model_counts():
+    """The module's loss over bf16 logits (`_row_token_loss`, forward and backward) at its peak, against what the
+    analytic model counts for a loss over all tokens at once: the logits, their fp32 log-softmax and the backward's
+    fp32 gradients (it counted 4 bytes, a third of what the loss took)."""
+    import torch
+
+    from lightning_multilora.module import _row_token_loss
+
+    rows, length, vocab = 8, 512, 32000
+    logits = torch.randn(rows, length, vocab, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.randint(0, vocab, (rows, length), device="cuda")
+    labels[:, : length // 4] = -100
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    _row_token_loss(logits, labels)[0].sum().backward()
+    torch.cuda.synchronize()
+    taken = (torch.cuda.max_memory_allocated() - before + logits.numel() * 2) / (rows * length * vocab)
+    model = AnalyticMemoryModel(ModelShape(num_layers=1, hidden=64, intermediate=64, num_heads=1, num_kv_heads=1,
+                                           vocab_size=vocab))
+    counted = model.activations(rows * length) / (rows * length * vocab)  # (the tiny layers' share: 0.06 bytes)
+    assert taken == pytest.approx(counted, rel=0.15)
+
