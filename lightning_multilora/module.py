@@ -1402,8 +1402,8 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
             A ``torch.nn.Module`` is accepted from Python.
         adapters: adapter specs, trained in this order of admission.
         grid: a `SweepGrid` whose adapters are added after ``adapters``.
-        target_modules: the projections every adapter may use (PEFT names); an adapter's own
-            ``target_modules`` picks a subset.
+        target_modules: the projections every adapter may use (PEFT names, "all-linear" or a regex, as PEFT takes
+            them); an adapter's own ``target_modules`` picks a subset.
         optimizer: optimizer class or import path; one param group per adapter.
         optimizer_kwargs: extra arguments of the optimizer (``betas``, ``eps``...).
         max_running: adapters trained at once (None: all); the rest wait in the queue.
@@ -1422,7 +1422,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         base_model: str = "tiny-llama",
         adapters: Optional[list[AdapterSpec]] = None,
         grid: Optional[SweepGrid] = None,
-        target_modules: list[str] = list(DEFAULT_TARGETS),
+        target_modules: Union[str, list[str]] = list(DEFAULT_TARGETS),
         optimizer: str = "torch.optim.AdamW",
         optimizer_kwargs: Optional[dict[str, Any]] = None,
         max_running: Optional[int] = None,

@@ -93,6 +93,16 @@ def test_an_adapter_parallel_checkpoint_resumed_in_one_process_is_a_named_error(
               "--ckpt_path", str(folder)])
 
 
+@pytest.mark.parametrize("targets", ["all-linear", r".*\.self_attn\.(q|v)_proj"])
+def test_the_modules_targets_may_be_a_string_as_in_python(targets, capsys):
+    """``--model.target_modules all-linear`` (or a regex), as the Python API and PEFT take them; the parser wanted a
+    list."""
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", demo_config(), "--model.target_modules", targets, "--print_config"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "target_modules: " + targets in out.replace("'", "")
+
+
 def test_help_lists_demo_and_schedule_and_the_command_line_gives_no_args_warning(monkeypatch, capsys):
     import warnings
 
