@@ -123,6 +123,9 @@ class EarlyExit(Callback):
         if not hasattr(pl_module, "registry"):
             raise TypeError("EarlyExit needs a MultiLoRAMixin module")
         pl_module.keep_best_weights = self.keep_best_weights
+        if stage == "fit":  # a callback object given to another fit judges its adapters afresh (a sweep's adapters of
+            # the same names, trial-0..., met the last fit's curves); a resumed fit's state is loaded after this
+            self.watches, self.exits = {}, []
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,

@@ -222,6 +222,9 @@ class OptunaSweep(Callback):
                 if not isinstance(dist, optuna.distributions.CategoricalDistribution):
                     raise ValueError(f"OptunaSweep: sampler 'grid' needs categorical parameters (a list of "
                                      f"`choices`); `search_space` {name!r} is {type(dist).__name__}")
+        if not isinstance(study_name, str) or not study_name:
+            raise ValueError(f"OptunaSweep: `study_name` must be a non-empty string (a resumed sweep finds its study "
+                             f"by it), got {study_name!r}")
         self.n_trials, self.storage, self.study_name, self.sampler_name = int(n_trials), storage, study_name, sampler
         self.alpha_over_rank = alpha_over_rank  # (numpy integers as Python's: a seed's arithmetic must not wrap)
         self.slots, self.seed = (None if v is None else int(v) for v in (slots, seed))
@@ -512,6 +515,10 @@ class OptunaSweep(Callback):
         if rec.state in COMPLETE_STATES and math.isfinite(value):
             self._tell(info["number"], values=value)
         elif rec.state in PRUNED_STATES or rec.state in COMPLETE_STATES:
+            if rec.state in COMPLETE_STATES:  # (FAIL is kept for trials lost or failed)
+                warnings.warn(f"trial {info['number']} ({rec.name!r}) {rec.state.value} with no finite validation "
+                              f"loss ({value}; never validated: `validate_on_finish=False` and no validation in its "
+                              "run?): told PRUNED, without a value")
             self._tell(info["number"], state=optuna.trial.TrialState.PRUNED)
         else:
             self._tell(info["number"], state=optuna.trial.TrialState.FAIL)
@@ -632,6 +639,11 @@ class OptunaSweep(Callback):
         self.sweep_id = state_dict.get("sweep_id", self.sweep_id)
         if self.storage is None:
             self.storage = state_dict.get("storage")
+        saved = state_dict.get("study_name")
+        if saved is not None and self.study is None and saved != self.study_name:
+            raise ValueError(f"OptunaSweep: this checkpoint's sweep ran study {saved!r}, and `study_name` is "
+                             f"{self.study_name!r}: resume with study_name={saved!r} (its trials are told by number "
+                             "in that study)")
 
 
 def _example(dist) -> Union[float, int, Any]:

@@ -43,6 +43,11 @@ class WarmupSelection(Callback):
         self.kept: list[str] = []
         self.decided = False
 
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":  # another fit selects afresh (a resumed one's state is loaded after this)
+            self.warmup_losses, self.candidates, self.kept, self.decided = {}, [], [], False
+
     def warmup_steps(self, max_steps: int) -> int:
         return max(1, round(self.warmup_fraction * max_steps))
 

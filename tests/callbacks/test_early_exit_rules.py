@@ -142,3 +142,22 @@ def test_numpy_numbers_and_an_infinite_threshold_are_taken():
 
     rule = EarlyExit(window=np.int64(3), tau_gap=np.float32(0.25), tau_slope=math.inf)  # inf: never diverged
     assert (rule.window, rule.tau_gap, rule.tau_slope) == (3, 0.25, math.inf) and type(rule.window) is int
+
+
+def test_a_callback_given_to_another_fit_starts_every_adapters_watch_afresh():
+    """A sweep's second fit with the same EarlyExit names its adapters as the first did (trial-0, ...): their watches
+    held the first fit's curves (a healthy adapter exited "diverged" at its second validation). Another stage (a
+    validation run) keeps them; a resumed fit loads its checkpoint's after this."""
+    from types import SimpleNamespace
+
+    rule = EarlyExit(window=3)
+    for step, (train, val) in enumerate([(3.0, 3.1), (2.0, 2.1), (1.0, 1.1)]):
+        rule.observe_train_loss("a", train)
+        rule.observe_validation("a", val, step)
+    rule.exits.append({"adapter": "a", "state": "overfit", "step": 3, "reason": "..."})
+    module = SimpleNamespace(registry=[])
+    rule.setup(None, module, "validate")
+    assert "a" in rule.watches and rule.exits
+    rule.setup(None, module, "fit")
+    assert rule.watches == {} and rule.exits == [] and module.keep_best_weights is True
+

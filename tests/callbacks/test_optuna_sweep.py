@@ -535,3 +535,24 @@ def test_a_sweep_resumed_from_a_periodic_checkpoint_takes_up_the_trials_asked_af
     assert optuna.trial.TrialState.FAIL not in [t.state for t in trials], trials
     assert [t.params for t in trials] == [t.params for t in uninterrupted]
     assert [t.state for t in trials] == [t.state for t in uninterrupted]
+
+
+def test_a_finished_trial_never_validated_is_said_and_the_study_name_is_checked(tmp_path, trainer_kwargs):
+    """No validation in the adapters' runs (none on finishing either): no value for the study, told PRUNED (FAIL is
+    for trials lost or failed), and now said. ``study_name`` names the study a resumed sweep tells its trials in: a
+    missing or empty one, or another than the checkpoint's, is refused."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    sweep = OptunaSweep(SPACE, n_trials=2, storage=storage, base={"max_steps": 2, "batch_size": 2}, slots=2)
+    module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"), validate_on_finish=False)
+    with pytest.warns(UserWarning, match=r"trial 0 \('trial-0'\) finished with no finite validation loss"):
+        L.Trainer(**dict(trainer_kwargs, val_check_interval=50), callbacks=[sweep]).fit(module, dm())
+    trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.PRUNED] * 2
+    assert all(r.state == AdapterState.FINISHED for r in module.registry)
+    for bad in (None, "", 3):
+        with pytest.raises(ValueError, match="OptunaSweep: `study_name` must be a non-empty string"):
+            OptunaSweep(SPACE, n_trials=2, study_name=bad)
+    other = OptunaSweep(SPACE, n_trials=2, storage=storage, study_name="another")
+    with pytest.raises(ValueError, match="this checkpoint's sweep ran study 'multilora', and `study_name` is 'another'"):
+        other.load_state_dict(sweep.state_dict())
+

@@ -40,6 +40,20 @@ def test_warmup_selection_keeps_the_top_quarter_of_more_candidates_than_slots(tm
     assert not module.lora_layers.adapter_names and not module.trainer.optimizers[0].state
 
 
+def test_a_selection_given_to_another_fit_selects_afresh(tmp_path, trainer_kwargs):
+    """The same callback object in a second fit (a new sweep, its adapters' names the last one's): it used to count
+    the selection as made and kept every candidate."""
+    selection = WarmupSelection(warmup_fraction=0.25, keep_fraction=0.5)
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(200)}, max_val_examples=8)
+    for run in range(2):
+        specs = [AdapterSpec(f"c{i}", lr=lr, max_steps=8, batch_size=2) for i, lr in enumerate([1e-4, 1e-2, 3e-2, 1e-3])]
+        module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path / f"out{run}"))
+        L.Trainer(**trainer_kwargs, callbacks=[selection]).fit(module, dm)
+        states = sorted(r.state.value for r in module.registry)
+        assert states == ["finished", "finished", "pruned", "pruned"], (run, states)
+        assert len(selection.kept) == 2 and set(selection.warmup_losses) == {s.name for s in specs}
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"warmup_fraction": 0.0}, "`warmup_fraction` must be a number in \\(0, 1\\)"),
     ({"warmup_fraction": "0.1"}, "`warmup_fraction` must be a number in \\(0, 1\\), got '0.1'"),
