@@ -870,8 +870,13 @@ class MultiLoRAMixin:
                                       or any(r.spec.objective == "dpo" for r in self.registry)):
             return None  # a sharded base's forward is a collective; so is the question of a DPO reference forward
         layout: BatchLayout = batch["layout"]
+        if any(p.grad is None for group in params for p in group):
+            # the step makes the gradient (a new or resumed adapter's): eagerly, since a replay runs no Python and
+            # would never make it (an adapter paused and resumed again and again met its captured step with no
+            # gradient, and stopped learning while its steps went on)
+            return None
         # (and each one's shadow: a graph captured reading shadows must not replay once they are gone or renewed)
-        bound = tuple((p.data_ptr(), 0 if p.grad is None else p.grad.data_ptr(),
+        bound = tuple((p.data_ptr(), p.grad.data_ptr(),
                        0 if (s := shadow_of(p)) is None or not self.lora_layers.shadows else s.tensor.data_ptr())
                       for group in params for p in group)
         device_type = batch["input_ids"].device.type
@@ -1006,16 +1011,13 @@ class MultiLoRAMixin:
         specs = [self._held_spec(s) for s in specs]
         dm = self._datamodule()
         sums = {s.name: [0.0, 0.0, 0.0, 0.0] for s in specs}
-        was_training = self.training
-        self.eval()
-        with torch.no_grad():
+        with torch.no_grad(), _evaluating(self):  # (each submodule's own mode restored after)
             for batch in self.align_batches(list(dm.val_batches([s for s in specs if self._owns(s.name)]))):
                 batch = move_data_to_device(batch, self.device)
                 if not batch["layout"].names:
                     self._idle_forward()
                     continue
                 self._add_val_terms(sums, batch)
-        self.train(was_training)
         placement = self._placement()
         if placement is not None:  # each rank measured its own adapters: every rank returns them all
             sums.update({n: v for n, v in placement.exchange({n: v for n, v in sums.items()

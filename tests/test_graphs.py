@@ -278,3 +278,29 @@ def test_one_sequence_per_row_nests_and_restores_transformers_functions():
     release.set()
     thread.join(10)
     assert (masking_utils.find_packed_sequence_indices, masking_utils._ignore_causal_mask_sdpa) == originals
+
+
+def test_a_step_whose_adapter_has_no_gradient_yet_runs_eagerly():
+    """A replay runs no Python, so a captured step never makes a gradient: a step where an adapter has none (new, or
+    resumed after a pause, which drops it) must run eagerly. Keyed with a 0 for it, the step of an adapter paused and
+    resumed again and again was captured, then replayed with no gradient: the adapter stopped learning."""
+    from types import SimpleNamespace
+
+    from lightning_multilora import AdapterSpec, MultiLoRAModule
+    from lightning_multilora.layout import BatchLayout
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2), AdapterSpec("b", rank=2)],
+                             cuda_graphs=True)
+    records = list(module.registry)
+    for rec in records:
+        module._create_weights(rec)
+    params = [module.lora_layers.step_parameters(r.name) for r in records]
+    batch = {"input_ids": SimpleNamespace(is_cuda=True, device=torch.device("cuda")),  # (the key, not a step)
+             "layout": BatchLayout.from_sizes(["a", "b"], [1, 1], padding_side="right")}
+    for group in params:
+        for p in group:
+            p.grad = torch.zeros_like(p)
+    assert module._graph_key(batch, records, params) is not None
+    params[1][0].grad = None  # b paused and resumed
+    assert module._graph_key(batch, records, params) is None
+

@@ -241,3 +241,26 @@ def test_a_training_forward_on_the_meta_device_with_dropout_runs():
     with layers.use(BatchLayout.from_sizes(["a"], [2])):
         out = model(input_ids=torch.zeros(2, 5, dtype=torch.long, device="meta")).logits
     assert out.is_meta and out.shape[:2] == (2, 5) and layers.dropout_steps() == {"a": 0}
+
+
+def test_peft_weights_of_another_rank_or_targets_are_refused_not_broadcast():
+    """``copy_`` broadcasts: a rank-1 adapter's weights loaded into a rank-4 one filled every row with copies (its
+    update 4x too large), and weights of layers the adapter does not target were dropped, silently."""
+    model = build_base_model("tiny-llama")
+    layers = inject_multilora(model, ["q_proj", "v_proj"])
+    layers.add_adapter("a", rank=4, alpha=8, seed=1, target_modules=["q_proj"])
+    layers.add_adapter("one", rank=1, alpha=8, seed=2, target_modules=["q_proj"])
+    layers.add_adapter("qv", rank=4, alpha=8, seed=3)
+    good = layers.peft_state_dict("a")
+    layers.load_peft_state_dict("a", {k: v + 1 for k, v in good.items()})
+    assert all(torch.equal(v, good[k] + 1) for k, v in layers.peft_state_dict("a").items())
+    before = layers.peft_state_dict("a")
+    with pytest.raises(ValueError, match=r"weights for adapter 'a' do not fit it: other shapes: .*lora_A.weight "
+                                         r"\(1, 64\) \(adapter 'a''s is \(4, 64\)\)"):
+        layers.load_peft_state_dict("a", layers.peft_state_dict("one"))
+    with pytest.raises(ValueError, match=r"not targeted by it \[.*v_proj.lora_A.weight"):
+        layers.load_peft_state_dict("a", layers.peft_state_dict("qv"))
+    with pytest.raises(ValueError, match=r"missing \[.*q_proj.lora_B.weight"):
+        layers.load_peft_state_dict("a", {k: v for k, v in good.items() if "lora_A" in k})
+    assert all(torch.equal(v, before[k]) for k, v in layers.peft_state_dict("a").items())  # nothing loaded
+

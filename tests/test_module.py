@@ -524,6 +524,11 @@ def test_evaluate_takes_held_adapters_by_spec_or_name_and_refuses_the_others(tmp
         module.evaluate(["done", "on"])
     with pytest.raises(ValueError, match=r"'nope' is not an adapter of this module; adapters: \['done', 'on'\]"):
         module.evaluate([AdapterSpec("nope")])
+    # each submodule's mode is its own after an evaluation (one kept in evaluation mode stays so)
+    module.train()
+    module.model.model.norm.eval()
+    module.evaluate("on")
+    assert module.training and module.model.model.layers[0].training and not module.model.model.norm.training
 
 
 def test_a_fit_stopped_by_an_exception_exports_the_adapters_it_held(tmp_path, trainer_kwargs):
