@@ -337,7 +337,8 @@ class MultiLoRADataModule(L.LightningDataModule):
             if spec.name in self._pending_stream_state:
                 state = self._pending_stream_state.pop(spec.name)
                 saved = state.get("num_examples")  # (absent from older checkpoints)
-                if (saved is not None and saved != stream.num_examples) or int(state["position"]) >= stream.num_examples:
+                if ((saved is not None and saved != stream.num_examples)
+                        or int(state["position"]) >= stream.num_examples):
                     warnings.warn(
                         f"adapter {spec.name!r}: its training split of data source "
                         f"{self.source_name(spec.dataset)!r} has {stream.num_examples} examples now and had "

@@ -553,6 +553,7 @@ def test_a_finished_trial_never_validated_is_said_and_the_study_name_is_checked(
         with pytest.raises(ValueError, match="OptunaSweep: `study_name` must be a non-empty string"):
             OptunaSweep(SPACE, n_trials=2, study_name=bad)
     other = OptunaSweep(SPACE, n_trials=2, storage=storage, study_name="another")
-    with pytest.raises(ValueError, match="this checkpoint's sweep ran study 'multilora', and `study_name` is 'another'"):
+    with pytest.raises(ValueError,
+                       match="this checkpoint's sweep ran study 'multilora', and `study_name` is 'another'"):
         other.load_state_dict(sweep.state_dict())
 

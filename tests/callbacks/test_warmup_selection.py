@@ -46,7 +46,8 @@ def test_a_selection_given_to_another_fit_selects_afresh(tmp_path, trainer_kwarg
     selection = WarmupSelection(warmup_fraction=0.25, keep_fraction=0.5)
     dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(200)}, max_val_examples=8)
     for run in range(2):
-        specs = [AdapterSpec(f"c{i}", lr=lr, max_steps=8, batch_size=2) for i, lr in enumerate([1e-4, 1e-2, 3e-2, 1e-3])]
+        specs = [AdapterSpec(f"c{i}", lr=lr, max_steps=8, batch_size=2)
+                 for i, lr in enumerate([1e-4, 1e-2, 3e-2, 1e-3])]
         module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path / f"out{run}"))
         L.Trainer(**trainer_kwargs, callbacks=[selection]).fit(module, dm)
         states = sorted(r.state.value for r in module.registry)

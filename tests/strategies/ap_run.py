@@ -232,8 +232,8 @@ def run_mode(out: Path, mode: str) -> None:
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     if mode == "refit":  # the same module object resumed in place from its step-2 checkpoint, and run to the end
         (ckpt_path,) = (out / "ckpt_refit").glob("*step=2*.ckpt")
-        trainer = L.Trainer(strategy=AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90)),
-                            devices=2, **dict(kwargs, max_steps=-1, callbacks=[]))
+        again = AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90))
+        trainer = L.Trainer(strategy=again, devices=2, **dict(kwargs, max_steps=-1, callbacks=[]))
         trainer.fit(module, dm, ckpt_path=ckpt_path)
     rank = trainer.global_rank
     shards, local = [], 0

@@ -71,8 +71,8 @@ SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_s
                 "remove_single", "end_eval_single",
                 *(["optuna_single", "warmup_single"] if OPTUNA else [])]
 TWO_RANK_MODES = ["parallel", "stop", "resume_two", "early_exit", "early_exit_resume_two", "replicated", "dpo", "remove",
-                  "end_eval", "refit", "admission", *(["optuna_admission", "optuna", "optuna_defaults", "warmup", "warmup_stop"] if OPTUNA
-                                 else [])]
+                  "end_eval", "refit", "admission",
+                  *(["optuna_admission", "optuna", "optuna_defaults", "warmup", "warmup_stop"] if OPTUNA else [])]
 # resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
 RESUME_MODES = ["resume", *(["warmup_resume"] if OPTUNA else [])]
 
