@@ -396,6 +396,7 @@ class OptunaSweep(Callback):
                 spec = AdapterSpec(name=name, **self._spec_kwargs(trial.params))
             except ValueError as err:
                 self._fail_asked(trial)
+                self._fail_unstarted_if_first_step(pl_module)
                 raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
             admission = getattr(pl_module, "admission", None)
             if admission is not None and not admission.fits([spec]):  # it would wait in the queue forever
@@ -408,6 +409,7 @@ class OptunaSweep(Callback):
             except ValueError as err:
                 self._fail_asked(trial)
                 if pl_module._global_step() == 0:  # (the run stops before its first step, as with an adapter given)
+                    self._fail_unstarted_if_first_step(pl_module)
                     raise ValueError(f"trial {trial.number} with {trial.params} cannot train: {err}") from err
                 warnings.warn(f"trial {trial.number} with {trial.params} failed: {err}")
                 continue
@@ -415,6 +417,7 @@ class OptunaSweep(Callback):
                 pl_module.add_adapter(spec)
             except ValueError as err:
                 self._fail_asked(trial)
+                self._fail_unstarted_if_first_step(pl_module)
                 raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
             trial.set_user_attr("adapter", name)
             self.trials[name] = {"trial_id": trial._trial_id, "number": trial.number, "reported": [], "told": False}
@@ -434,6 +437,18 @@ class OptunaSweep(Callback):
         self.trials[f"trial-{trial.number}"] = {"trial_id": trial._trial_id, "number": trial.number, "reported": [],
                                                 "told": True}
         self.asked += 1
+
+    def _fail_unstarted_if_first_step(self, pl_module: L.LightningModule) -> None:
+        """Before the run stops at its first step (an error raised while asking): the trials asked before it never
+        trained and no checkpoint holds them, so they are told FAIL too (they stayed RUNNING)."""
+        import optuna
+
+        if pl_module._global_step() != 0:
+            return  # (later, a checkpoint holds them: a resumed sweep takes them up)
+        for info in self.trials.values():
+            if not info["told"]:
+                self._tell(info["number"], state=optuna.trial.TrialState.FAIL)
+                info["told"] = True
 
     def _next_orphan(self, study) -> Optional[Any]:
         """The first of this sweep's trials that the study holds and this sweep does not know: asked after the

@@ -428,6 +428,17 @@ def test_a_base_whose_data_cannot_train_fails_its_trial_and_the_run_before_the_f
         fit(tmp_path, trainer_kwargs, sweep)
     states = [t.state for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()]
     assert states == [optuna.trial.TrialState.FAIL]
+    # a trial asked before the one that cannot train (same ask): it never trained either, and no checkpoint holds it
+    storage = f"sqlite:///{tmp_path / 'two.db'}"
+    space = {"dataset": {"type": "categorical", "choices": ["a", "zz"]}}
+    study = optuna.create_study(study_name="multilora", storage=storage)
+    study.enqueue_trial({"dataset": "a"})
+    study.enqueue_trial({"dataset": "zz"})
+    sweep = OptunaSweep(space, n_trials=4, storage=storage, slots=2, sampler="random", base={"max_steps": 4})
+    with pytest.raises(ValueError, match=r"trial 1 with \{'dataset': 'zz'\} cannot train"):
+        fit(tmp_path, trainer_kwargs, sweep)
+    states = [t.state for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()]
+    assert states == [optuna.trial.TrialState.FAIL] * 2
 
 
 def test_an_adapter_named_like_a_trial_is_refused_as_the_fit_starts(tmp_path, trainer_kwargs):
