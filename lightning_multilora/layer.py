@@ -596,23 +596,19 @@ class LoRALayers(Mapping):
         """Load adapter ``name``'s weights from PEFT's key names (`peft_state_dict`'s): every layer it targets, each
         weight of its own shape (a ValueError names what is missing, of another shape, or for layers it does not
         target; nothing is loaded then)."""
-        expected = {f"{prefix}{layer_name}.lora_{ab}.weight": (layer_name, ab)
+        expected = {f"{prefix}{layer_name}.lora_{ab}.weight": getattr(self._layers[layer_name], f"lora_{ab}")[name]
                     for layer_name in self._targets[name] for ab in "AB"}
         missing = sorted(k for k in expected if k not in state)
         extra = sorted(k for k in state if k not in expected and re.search(r"\.lora_[AB]\.weight$", k))
-        shapes = [f"{k} {tuple(state[k].shape)} (adapter {name!r}'s is "
-                  f"{tuple(getattr(self._layers[ln], f'lora_{ab}')[name].shape)})"
-                  for k, (ln, ab) in expected.items()
-                  if k in state and tuple(state[k].shape) != tuple(getattr(self._layers[ln], f"lora_{ab}")[name].shape)]
-        if missing or extra or shapes:
-            raise ValueError(f"weights for adapter {name!r} do not fit it: "
-                             + "; ".join(part for part in (f"missing {missing}" if missing else "",
-                                                           f"not targeted by it {extra}" if extra else "",
-                                                           f"other shapes: {', '.join(shapes)}" if shapes else "")
-                                         if part))
+        shapes = [f"{k} {tuple(state[k].shape)} (adapter {name!r}'s is {tuple(p.shape)})"
+                  for k, p in expected.items() if k in state and state[k].shape != p.shape]
+        problems = [what for what, found in ((f"missing {missing}", missing), (f"not targeted by it {extra}", extra),
+                                             (f"other shapes: {', '.join(shapes)}", shapes)) if found]
+        if problems:
+            raise ValueError(f"weights for adapter {name!r} do not fit it: {'; '.join(problems)}")
         with torch.no_grad():
-            for key, (layer_name, ab) in expected.items():
-                getattr(self._layers[layer_name], f"lora_{ab}")[name].copy_(state[key])
+            for key, p in expected.items():
+                p.copy_(state[key])
 
     @contextmanager
     def use(self, layout: Optional[BatchLayout], refresh: bool = True) -> Iterator[None]:

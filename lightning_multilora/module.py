@@ -479,11 +479,8 @@ class MultiLoRAMixin:
         theirs, staged = update
         if step_logs is not None:
             step_logs.update(theirs)
-        trainer = self._trainer_or_none()
-        if trainer is not None:
-            for metrics, step in staged:
-                for logger in trainer.loggers:
-                    logger.log_metrics(metrics, step=step)
+        for metrics, step in staged:
+            self._write_metrics(metrics, step)
 
     def log_adapter_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
         """Write ``metrics`` (for this rank's adapters) to the trainer's loggers at ``step`` (default: the global
@@ -494,10 +491,14 @@ class MultiLoRAMixin:
         if trainer is None or not trainer.loggers or not metrics:
             return
         step = self._global_step() if step is None else step
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
+        self._write_metrics(metrics, step)
         if self._placement() is not None:
             self._staged_metrics.append((dict(metrics), step))
+
+    def _write_metrics(self, metrics: dict[str, float], step: int) -> None:
+        trainer = self._trainer_or_none()
+        for logger in trainer.loggers if trainer is not None else ():
+            logger.log_metrics(metrics, step=step)
 
     def align_batches(self, batches: list) -> list:
         """Under adapter parallelism, pad this rank's batches with empty ones to the largest count of any rank:

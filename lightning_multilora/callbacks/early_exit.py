@@ -136,13 +136,8 @@ class EarlyExit(Callback):
             if rec.train_losses and rec.train_losses[-1][0] == rec.step:
                 logs[f"adapters/{name}/train_loss_ema"] = self.observe_train_loss(name, rec.train_losses[-1][1])
         if logs and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
-            logs = {k: v for k, v in logs.items() if math.isfinite(v)}
-            log = getattr(pl_module, "log_adapter_metrics", None)  # (rank 0 writes every rank's adapters')
-            if log is not None:
-                log(logs, trainer.global_step)
-            else:
-                for logger in trainer.loggers:
-                    logger.log_metrics(logs, step=trainer.global_step)
+            # (through the module: under adapter parallelism rank 0 writes every rank's adapters')
+            pl_module.log_adapter_metrics({k: v for k, v in logs.items() if math.isfinite(v)}, trainer.global_step)
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

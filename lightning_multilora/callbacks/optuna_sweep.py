@@ -343,7 +343,14 @@ class OptunaSweep(Callback):
 
     def _fill(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Queue asked trials for the free slots; under adapter parallelism rank 0 asks, every rank queues."""
-        self._adopt(pl_module, decide_once(pl_module, lambda: self._ask(trainer, pl_module)))
+        def ask() -> dict[str, Any]:
+            try:
+                return self._ask(trainer, pl_module)
+            except ValueError:  # (a trial that cannot train: the run stops)
+                self._fail_unstarted_if_first_step(pl_module)
+                raise
+
+        self._adopt(pl_module, decide_once(pl_module, ask))
 
     def _ask(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
         """On the deciding process: tell the exits not told yet, then ask trials while there is room (queueing
@@ -396,7 +403,6 @@ class OptunaSweep(Callback):
                 spec = AdapterSpec(name=name, **self._spec_kwargs(trial.params))
             except ValueError as err:
                 self._fail_asked(trial)
-                self._fail_unstarted_if_first_step(pl_module)
                 raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
             admission = getattr(pl_module, "admission", None)
             if admission is not None and not admission.fits([spec]):  # it would wait in the queue forever
@@ -409,15 +415,13 @@ class OptunaSweep(Callback):
             except ValueError as err:
                 self._fail_asked(trial)
                 if pl_module._global_step() == 0:  # (the run stops before its first step, as with an adapter given)
-                    self._fail_unstarted_if_first_step(pl_module)
-                    raise ValueError(f"trial {trial.number} with {trial.params} cannot train: {err}") from err
+                        raise ValueError(f"trial {trial.number} with {trial.params} cannot train: {err}") from err
                 warnings.warn(f"trial {trial.number} with {trial.params} failed: {err}")
                 continue
             try:
                 pl_module.add_adapter(spec)
             except ValueError as err:
                 self._fail_asked(trial)
-                self._fail_unstarted_if_first_step(pl_module)
                 raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
             trial.set_user_attr("adapter", name)
             self.trials[name] = {"trial_id": trial._trial_id, "number": trial.number, "reported": [], "told": False}
@@ -439,8 +443,8 @@ class OptunaSweep(Callback):
         self.asked += 1
 
     def _fail_unstarted_if_first_step(self, pl_module: L.LightningModule) -> None:
-        """Before the run stops at its first step (an error raised while asking): the trials asked before it never
-        trained and no checkpoint holds them, so they are told FAIL too (they stayed RUNNING)."""
+        """Before the run stops at its first step (an error raised while asking): the trials asked before the one
+        that failed never trained and no checkpoint holds them, so they are told FAIL too (they stayed RUNNING)."""
         import optuna
 
         if pl_module._global_step() != 0:
