@@ -95,7 +95,7 @@ class StepGraphs:
         from lightning_multilora.kernels import keep_calls
 
         statics = tuple(t.clone() for t in inputs)
-        graph = torch.cuda.CUDAGraph()
+        graph = _Graph()
         pool = torch.cuda.graph_pool_handle()  # (named: a failed capture's memory is released by it)
         # A stream of its own (from torch's pool of streams), not the default capture stream all graphs share
         stream, current = torch.cuda.Stream(), torch.cuda.current_stream()
@@ -116,8 +116,9 @@ class StepGraphs:
                 err = err.__context__
             reason = f"{type(err).__name__}: {err}".splitlines()[0]
         if reason is not None:  # (out of the except block: its traceback held the failed step's tensors)
+            ended = graph.ended  # (the capture ended, and the step raised: the graph gives its pool back itself)
             del graph, statics, calls
-            _release_pool(pool)
+            _release_pool(pool, ended)
             _end_rng_capture()
             self._failed[key[0]] = reason
             self.enabled = False
@@ -134,13 +135,16 @@ class StepGraphs:
         return outputs
 
 
-def _release_pool(pool: Any) -> None:
-    """Give back the memory a failed capture took: its pool stays open for allocations, and held, otherwise
-    (the capture's end failed before closing it). Best effort: torch's own calls, where it has them."""
+def _release_pool(pool: Any, ended: bool) -> None:
+    """Give back the memory a failed capture took. Where the capture ended (the step raised, say on a table it
+    would have made), the deleted graph has released its pool, and torch frees it here. Where its end failed (the
+    step invalidated the capture), the pool stays open for allocations, and held: released here, best effort with
+    torch's own calls where it has them. (Released twice, torch's allocator fails an internal assert at every later
+    ``empty_cache``, Lightning's at the end of the fit included: seen on the H200, torch 2.11.)"""
     gc.collect()
     torch.cuda.synchronize()
     device = torch.cuda.current_device()
-    for name in ("_cuda_endAllocateToPool", "_cuda_releasePool"):
+    for name in () if ended else ("_cuda_endAllocateToPool", "_cuda_releasePool"):
         release = getattr(torch._C, name, None)
         if release is not None:
             try:
@@ -164,6 +168,16 @@ def _end_rng_capture() -> None:
     except Exception as err:  # noqa: BLE001 - the step still runs eagerly; random draws may fail
         warnings.warn(f"after the failed capture, torch's CUDA random generator could not be reset ({err}); random "
                       "draws on the device may fail in this process")
+
+
+class _Graph(torch.cuda.CUDAGraph):
+    """A CUDA graph that says whether its capture ended."""
+
+    ended = False
+
+    def capture_end(self) -> None:
+        super().capture_end()
+        self.ended = True
 
 
 class _Captured:

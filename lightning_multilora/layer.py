@@ -25,6 +25,9 @@ from lightning_multilora.layout import BatchLayout
 
 # Adapters with dropout step counters at once, per model (slots are reused once an adapter is removed)
 DROPOUT_SLOTS = 4096
+# Layouts whose LoRAWeights (with the device tables made for them) a layer keeps, per set of adapters
+KEPT_LAYOUTS = 8
+_UNSEEN = object()
 
 
 class LayoutContext:
@@ -117,7 +120,10 @@ class MultiLoRALinear(nn.Module):
         # `LoRALayers`; an adapter without one draws its masks from torch's random state
         self.streams: dict[str, tuple[int, int]] = {}
         self._version = 0  # bumped when adapters change, invalidating the cached LoRAWeights
-        self._weights_key: Optional[tuple] = None
+        # the LoRAWeights of the last `KEPT_LAYOUTS` layouts, the most recent last (each keeps the device tables the
+        # kernels made for it: a layout met again, as after an epoch's last short batch, or captured in a CUDA graph
+        # after other layouts ran, finds them)
+        self._kept: OrderedDict[tuple, Optional[LoRAWeights]] = OrderedDict()
         self._weights: Optional[LoRAWeights] = None
         self._dropout_on = False  # the cached weights have adapters with dropout, and their streams
         # (layout object, tokens per row, version, direct_grads, shadows fresh)
@@ -169,7 +175,8 @@ class MultiLoRALinear(nn.Module):
 
     def _apply(self, fn, *args, **kwargs):
         # moved or cast (``.to``, ``.cuda``, ``.half``): the cached weights' device state is rebuilt at the next forward
-        self._weights_key = self._weights = self._weights_seen = None
+        self._weights = self._weights_seen = None
+        self._kept.clear()
         before = next(iter(self.lora_A.values())).device if len(self.lora_A) else None
         out = super()._apply(fn, *args, **kwargs)
         after = next(iter(self.lora_A.values())).device if len(self.lora_A) else None
@@ -221,7 +228,10 @@ class MultiLoRALinear(nn.Module):
             return self._weights  # the same layout object (treated as immutable): no key to build and compare
         key = (layout.names, layout.starts, layout.ends, tokens_per_row, self._version, self.direct_grads, shadows,
                layout.padding_side)
-        if self._weights_key != key:
+        weights = self._kept.get(key, _UNSEEN)
+        if weights is _UNSEEN:
+            if any(k[4] != self._version for k in self._kept):
+                self._kept.clear()  # (adapters added or removed: the old weights would hold removed ones)
             held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
             weights = None
             copies: tuple[tuple[Tensor, Tensor], ...] = ()
@@ -247,9 +257,14 @@ class MultiLoRALinear(nn.Module):
                     # (the dropout masks' sequence rows: positions of a left-padded row count from its end)
                     row_tokens=-tokens_per_row if layout.padding_side == "left" else tokens_per_row,
                 )
-            self._weights_key, self._weights = key, weights
-            self._dropout_on = (weights is not None and weights.streams is not None
-                                and any(p > 0 for p in weights.dropout))
+            self._kept[key] = weights
+            if len(self._kept) > KEPT_LAYOUTS:
+                self._kept.popitem(last=False)
+        else:
+            self._kept.move_to_end(key)
+        self._weights = weights
+        self._dropout_on = (weights is not None and weights.streams is not None
+                            and any(p > 0 for p in weights.dropout))
         self._weights_seen = (layout, tokens_per_row, self._version, self.direct_grads, shadows)
         return self._weights
 

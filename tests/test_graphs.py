@@ -122,6 +122,61 @@ def test_replayed_steps_train_as_the_eager_steps_do(dtype):
 
 
 @pytest.mark.gpu
+def test_a_layout_met_again_after_another_is_captured_with_the_tables_of_its_eager_step():
+    """The layers keep the kernels' device tables (pointer arrays, dropout streams) of recent layouts: a step whose
+    layout last ran before another (an epoch's short last batch, say) is captured with them. (Keeping one layout,
+    the capture made a table, failed, and turned the graphs off for the run.)"""
+    from lightning_multilora.base_model import one_sequence_per_row
+    from lightning_multilora.layout import BatchLayout
+
+    model, layers = _tiny_llama(seed=1, dtype=torch.float32)
+    layers.add_adapter("c", rank=8, alpha=16, dropout=0.1, seed=2)  # (a dropout stream's table too)
+    graphs = StepGraphs(warmup=1)
+    ids = torch.randint(128, (4, 16), device="cuda")
+    full, short = BatchLayout.from_sizes(["a", "b", "c"], [1, 2, 1]), BatchLayout.from_sizes(["a", "b", "c"], [1, 1, 1])
+
+    def step(ids, layout):
+        for name in ("a", "b", "c"):
+            layers.prepare_grads(name)
+        with layers.use(layout), one_sequence_per_row():
+            logits = model(input_ids=ids[:layout.num_rows], use_cache=False).logits
+            loss = nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(),
+                                               ids[:layout.num_rows, 1:].flatten())
+            loss.backward()
+        return loss.detach()
+
+    for layout in (full, short, full, full):  # full: eager, then captured and replayed; short: eager
+        graphs((layout.starts, layout.ends), lambda x, layout=layout: step(x, layout), ids)
+    assert not graphs.failures and graphs.captures == 1 and graphs.replays == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fails", ["reads a value on the host", "raises"])
+def test_a_capture_that_fails_gives_its_memory_back_and_leaves_the_allocator_sound(fails):
+    """A step that invalidates the capture (a host read) and one that raises inside it (the capture ends): the
+    pool is given back once (given back twice, torch's allocator failed an assert at every later ``empty_cache``,
+    Lightning's at the end of the fit included)."""
+    graphs = StepGraphs(warmup=1)
+    weight = torch.ones(4, device="cuda")
+
+    def step(x):
+        y = (x * weight).sum() * x  # (memory from the capture's pool)
+        if fails == "raises" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a table to make")
+        return y if fails == "raises" or y.sum().item() > 0 else x
+
+    x = torch.ones(4, device="cuda")
+    graphs("k", step, x)
+    before = torch.cuda.memory_allocated()
+    with pytest.warns(UserWarning, match="could not be captured"):
+        out = graphs("k", step, x)
+    assert torch.equal(out, 4 * x) and "k" in graphs.failures
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_allocated() <= before + 4096
+    assert torch.cuda.memory_reserved() >= torch.cuda.memory_allocated()  # (the allocator's books still add up)
+
+
+@pytest.mark.gpu
 def test_a_step_that_reads_a_value_on_the_host_runs_eagerly_with_a_warning():
     graphs = StepGraphs(warmup=1)
     weight = torch.ones(4, device="cuda")
@@ -186,7 +241,7 @@ def test_a_module_with_cuda_graphs_trains_as_the_eager_module(tmp_path, monkeypa
     for graphed in (False, True):
         specs = [AdapterSpec("a", lr=1e-3, batch_size=2, max_steps=8),
                  AdapterSpec("b", lr=3e-3, rank=rank_b, batch_size=3, max_steps=8, seed=1, dropout=0.1)]
-        dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, max_length=64, truncate=True,
+        dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, max_length=96, truncate=True,
                                  padding="max_length", max_val_examples=8)
         module = MultiLoRAModule("tiny-llama", adapters=specs, dtype=dtype, gradient_checkpointing=True,
                                  cuda_graphs=graphed, export_dir=str(tmp_path / str(graphed)), validate_on_finish=False)

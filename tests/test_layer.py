@@ -83,6 +83,40 @@ def test_each_row_uses_its_own_adapter_and_unassigned_rows_the_base():
             layer(x[:4])
 
 
+def test_a_layer_keeps_the_weights_of_recent_layouts_while_its_adapters_stay():
+    """A layout met again (an epoch's short last batch between full ones) reuses the weights, with the device tables
+    the kernels made for them; a removed adapter drops them all (they would hold its parameters)."""
+    from lightning_multilora import layer as layer_module
+
+    layer = MultiLoRALinear(nn.Linear(16, 12))
+    for name in ("a", "b"):
+        layer.add_adapter(name, rank=2, alpha=2)
+    x = torch.randn(4, 3, 16)
+    layouts = [BatchLayout(("a", "b"), (0, 2), (2, 4), 4), BatchLayout(("a", "b"), (0, 1), (1, 3), 3)]
+    made = {}
+    for i, layout in enumerate(layouts * 2):  # (equal layouts, new objects: compared by value)
+        layout = BatchLayout(layout.names, layout.starts, layout.ends, layout.num_rows)
+        with layer.context.use(layout):
+            layer(x[:layout.num_rows])
+        made.setdefault(i % 2, []).append(layer._weights)
+    assert made[0][0] is made[0][1] and made[1][0] is made[1][1] and made[0][0] is not made[1][0]
+    others = ([BatchLayout(("a", "b"), (0, k), (k, 4), 4) for k in (0, 1, 3, 4)]
+              + [BatchLayout(("a",), (0,), (k,), 4) for k in (1, 2, 3, 4)])
+    assert len(others) >= layer_module.KEPT_LAYOUTS - 1
+    for layout in others[:layer_module.KEPT_LAYOUTS - 1]:  # the least recent (the first layout) forgotten
+        with layer.context.use(layout):
+            layer(x)
+    with layer.context.use(layouts[0]):
+        layer(x)
+    assert layer._weights is not made[0][0] and len(layer._kept) == layer_module.KEPT_LAYOUTS
+    removed = layer.lora_A["b"]
+    layer.remove_adapter("b")
+    with layer.context.use(BatchLayout(("a",), (0,), (4,), 4)):
+        layer(x)
+    assert len(layer._kept) == 1  # (none holds the removed adapter's weights)
+    assert all(removed is not t for w in layer._kept.values() if w is not None for t in w.a)
+
+
 @pytest.mark.parametrize("rank", [4, 40])  # (rank tiles: dB launched with dS, and after the dS row launch)
 def test_an_inputs_gradient_leaves_the_adapters_gradients_alone_on_the_triton_path(rank):
     """``torch.autograd.grad`` w.r.t. the input (saliency, a gradient penalty, adversarial embeddings) adds nothing

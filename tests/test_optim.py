@@ -247,7 +247,7 @@ def test_the_module_trains_with_grouped_adamw_as_with_torch_fused(tmp_path):
         for optimizer, kwargs in (("torch.optim.AdamW", {}), ("torch.optim.AdamW", {"fused": True})):
             specs = [AdapterSpec("a", lr=1e-3, batch_size=2, max_steps=6, weight_decay=0.1),
                      AdapterSpec("b", lr=3e-3, rank=16, batch_size=3, max_steps=4, seed=1)]
-            dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(100)}, max_length=64, truncate=True)
+            dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(100)}, max_length=96, truncate=True)
             module = MultiLoRAModule("tiny-llama", adapters=specs, dtype="float32", optimizer=optimizer,
                                      optimizer_kwargs=kwargs, export_dir=str(tmp_path / str(len(kwargs))),
                                      validate_on_finish=False)

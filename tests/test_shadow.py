@@ -198,7 +198,7 @@ def test_the_module_trains_bf16_adapters_from_shadows_as_from_copies(tmp_path, m
     for shadows in (True, False):
         specs = [AdapterSpec("a", lr=1e-3, batch_size=2, max_steps=6, weight_decay=0.1),
                  AdapterSpec("b", lr=3e-3, rank=16, batch_size=3, max_steps=4, seed=1)]
-        dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(100)}, max_length=64, truncate=True)
+        dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(100)}, max_length=96, truncate=True)
         module = MultiLoRAModule("tiny-llama", adapters=specs, dtype="bfloat16", export_dir=str(tmp_path / str(shadows)),
                                  validate_on_finish=False)
         module.lora_layers.shadows = shadows
