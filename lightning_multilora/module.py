@@ -276,7 +276,8 @@ class MultiLoRAMixin:
             self.lora_layers.drop_grads(name)  # the optimizer would step it with its last gradients at every step it waits
 
     def resume_adapter(self, name: str) -> None:
-        """Train a paused adapter again, from where it stopped (it takes a slot, beyond `max_running` if need be)."""
+        """Train a paused adapter again, from where it stopped (it takes a slot, beyond `max_running` if need be;
+        `startable` says whether one is free)."""
         rec = self.registry[name]
         if rec.state != AdapterState.PAUSED:
             raise ValueError(f"only a paused adapter can be resumed; {name!r} is {rec.state.value}")
@@ -570,6 +571,26 @@ class MultiLoRAMixin:
         rec.ended_at_step = self._global_step()
         warnings.warn(f"adapter {rec.name!r} could not start: {err}")
         self._notify_exit(rec)
+
+    def startable(self, specs: Sequence[AdapterSpec]) -> list[AdapterSpec]:
+        """Of ``specs``, in their order, those that could start (or resume) now beside the running adapters and the
+        ones before them: within `max_running` and, with an ``admission`` controller, its memory budget (each rank's,
+        under adapter parallelism). With no adapter running, the first is always among them."""
+        running = [r.spec for r in self.registry.running]
+        placement = self._placement()
+        chosen: list[AdapterSpec] = []
+        for spec in specs:
+            if self.max_running is not None and len(running) + len(chosen) >= self.max_running:
+                break
+            if self.admission is not None and (running or chosen):
+                if placement is not None and hasattr(placement, "select_admitted"):
+                    fits = bool(placement.select_admitted(self.admission, running + chosen, [spec]))
+                else:
+                    fits = self.admission.fits(running + chosen + [spec])
+                if not fits:
+                    continue
+            chosen.append(spec)
+        return chosen
 
     def _admit(self) -> None:
         """Start queued adapters while slots are free (and, with an admission controller, while they fit)."""

@@ -21,8 +21,9 @@ class WarmupSelection(Callback):
     completes its warmup is validated and paused: it keeps its weights and optimizer state but frees its
     slot, so queued candidates rotate in and every candidate gets the same warmup. When no candidate is
     left warming up (or queued), the warmed-up ones are ranked by their warmup validation loss; the top
-    ``keep_fraction`` of all candidates (at least ``min_keep``) resume from where they stopped, the rest
-    are pruned (exported, then their weights and optimizer states freed). Candidates that exit during
+    ``keep_fraction`` of all candidates (at least ``min_keep``) resume from where they stopped, best first, as slots
+    free (the module's `max_running` and ``admission`` hold for them as for its queue: kept adapters beyond them wait,
+    paused, in `waiting`), the rest are pruned (exported, then their weights and optimizer states freed). Candidates that exit during
     warmup (diverged, failed) count among the K but cannot be kept. While a callback such as
     `OptunaSweep` still has candidates to ask (``has_pending_candidates()``), the ranking waits for them.
 
@@ -41,12 +42,13 @@ class WarmupSelection(Callback):
         self.warmup_losses: dict[str, float] = {}
         self.candidates: list[str] = []
         self.kept: list[str] = []
+        self.waiting: list[str] = []  # kept adapters to resume as slots free, best first
         self.decided = False
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":  # another fit selects afresh (a resumed one's state is loaded after this)
-            self.warmup_losses, self.candidates, self.kept, self.decided = {}, [], [], False
+            self.warmup_losses, self.candidates, self.kept, self.waiting, self.decided = {}, [], [], [], False
 
     def warmup_steps(self, max_steps: int) -> int:
         return max(1, round(self.warmup_fraction * max_steps))
@@ -109,26 +111,42 @@ class WarmupSelection(Callback):
         return {"ranking": ranking, "kept": kept, "pruned": pruned}
 
     def _apply(self, pl_module: L.LightningModule, selection: dict[str, Any]) -> None:
-        """Resume the kept adapters (every rank), prune the others (their owner exports and frees them; the
-        other ranks learn it at the next exchange)."""
+        """Prune the adapters not kept (their owner exports and frees them; the other ranks learn it at the next
+        exchange), then resume the kept ones that have room (every rank)."""
         self.kept = list(selection["kept"])
         for name in selection["ranking"]:
-            if name in self.kept:
-                pl_module.resume_adapter(name)
-            elif pl_module._owns(name):
+            if name not in self.kept and pl_module._owns(name):
                 pl_module.remove_adapter(name, state=AdapterState.PRUNED, reason=selection["pruned"][name])
+        self.waiting = list(self.kept)
         self.decided = True
+        self._resume_waiting(pl_module)
+
+    def fill_slots(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Resume the kept adapters still waiting, as slots free (the module asks before it admits from its queue,
+        and before it ends a run with nothing running)."""
+        if self.waiting:
+            self._resume_waiting(pl_module)
+
+    def _resume_waiting(self, pl_module: L.LightningModule) -> None:
+        registry = pl_module.registry
+        self.waiting = [n for n in self.waiting if n in registry and registry[n].state == AdapterState.PAUSED]
+        for spec in pl_module.startable([registry[n].spec for n in self.waiting]):
+            pl_module.resume_adapter(spec.name)
+            self.waiting.remove(spec.name)
+        for name in self.waiting:
+            registry[name].reason = "kept by the warmup selection, waiting for a slot"
 
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"warmup_losses": dict(self.warmup_losses), "candidates": list(self.candidates),
-                "kept": list(self.kept), "decided": self.decided}
+                "kept": list(self.kept), "waiting": list(self.waiting), "decided": self.decided}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.warmup_losses = dict(state_dict.get("warmup_losses", {}))
         self.candidates = list(state_dict.get("candidates", []))
         self.kept = list(state_dict.get("kept", []))
+        self.waiting = list(state_dict.get("waiting", []))
         self.decided = bool(state_dict.get("decided", False))
 
 

@@ -40,6 +40,35 @@ def test_warmup_selection_keeps_the_top_quarter_of_more_candidates_than_slots(tm
     assert not module.lora_layers.adapter_names and not module.trainer.optimizers[0].state
 
 
+def test_kept_adapters_beyond_max_running_wait_for_a_slot_and_all_train(tmp_path, trainer_kwargs):
+    """More kept than `max_running` allows: the best resume at once, the others wait paused (in `waiting`, saved
+    with the callback's state) and resume as the first finish; every kept adapter trains to its end."""
+    grid = SweepGrid(axes={"lr": [1e-4, 1e-3, 5e-3, 2e-2, 5e-2, 1e-1]}, base={"max_steps": 12, "batch_size": 2,
+                                                                               "rank": 2})
+    module = MultiLoRAModule("tiny-llama", grid=grid, max_running=2, export_dir=str(tmp_path / "out"))
+    selection = WarmupSelection(warmup_fraction=0.25, keep_fraction=0.5)
+    running, saved = [], []
+
+    class Watch(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            running.append(len(pl_module.registry.running))
+            if selection.waiting and not saved:
+                saved.append(selection.state_dict())
+
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(200)}, max_val_examples=8)
+    L.Trainer(**trainer_kwargs, callbacks=[selection, Watch()]).fit(module, dm)
+
+    assert len(selection.kept) == 3 and max(running) == 2
+    assert saved and saved[0]["waiting"] == selection.kept[2:]  # the third waited, the best two trained first
+    for name in selection.kept:
+        assert module.registry[name].state == AdapterState.FINISHED and module.registry[name].step == 12
+    firsts = [module.registry[n].spans[-1][0] for n in selection.kept]
+    assert firsts[2] > max(firsts[:2])  # resumed after the first two
+    restored = WarmupSelection()
+    restored.load_state_dict(saved[0])
+    assert restored.waiting == saved[0]["waiting"] and restored.decided
+
+
 def test_a_selection_given_to_another_fit_selects_afresh(tmp_path, trainer_kwargs):
     """The same callback object in a second fit (a new sweep, its adapters' names the last one's): it used to count
     the selection as made and kept every candidate."""
