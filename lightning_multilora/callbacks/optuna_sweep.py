@@ -97,7 +97,8 @@ def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.
 
 
 def _open_study(storage: Any, study_name: str, sampler: "optuna.samplers.BaseSampler",
-                heartbeat_interval: Optional[int] = None, grace_period: Optional[int] = None) -> "optuna.Study":
+                heartbeat_interval: Optional[int] = None, grace_period: Optional[int] = None,
+                pruner: Optional["optuna.pruners.BasePruner"] = None) -> "optuna.Study":
     """The study ``study_name`` in ``storage`` (a URL, opened with a heartbeat where ``heartbeat_interval`` is given,
     or a storage object), created there if new; an SQLite file's folder is made first. A URL that cannot be opened
     is a `ValueError` naming `storage`."""
@@ -113,6 +114,7 @@ def _open_study(storage: Any, study_name: str, sampler: "optuna.samplers.BaseSam
                 storage = optuna.storages.RDBStorage(storage, heartbeat_interval=heartbeat_interval,
                                                      grace_period=grace_period)
         return optuna.create_study(storage=storage, study_name=study_name, direction="minimize", sampler=sampler,
+                                   pruner=pruner if pruner is not None else optuna.pruners.NopPruner(),
                                    load_if_exists=True)
     except (OSError, ValueError, sqlalchemy.exc.SQLAlchemyError) as err:
         detail = str(err).splitlines()[0] if str(err) else type(err).__name__
@@ -160,6 +162,11 @@ class OptunaSweep(Callback):
         grace_period: seconds without a heartbeat after which a running trial counts as stale (default: Optuna's,
             twice ``heartbeat_interval``). Make it longer than a step and a validation: another process sharing the
             study would fail the trials of a sweep that does not beat for that long.
+        pruner: the pruner of the study this sweep makes: ``"median"``, ``"percentile"`` (the 25th), ``"hyperband"``,
+            ``"successive_halving"`` (Optuna's, with their defaults) or an ``optuna.pruners.BasePruner``; None: none.
+            A ``study`` given keeps its own (Optuna's default: a ``MedianPruner``). After each validation the sweep
+            asks it of every trial whose adapter reported a new value (``trial.should_prune()``, as Optuna's
+            Lightning callback does); a trial it prunes is exported and told PRUNED.
 
     Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values;
     a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one stopped for overfitting,
@@ -183,7 +190,7 @@ class OptunaSweep(Callback):
                  study_name: str = "multilora", sampler: str = "tpe", base: Optional[dict[str, Any]] = None,
                  alpha_over_rank: Optional[float] = 2.0, slots: Optional[int] = None,
                  seed: Optional[int] = 0, heartbeat_interval: Optional[int] = None,
-                 grace_period: Optional[int] = None) -> None:
+                 grace_period: Optional[int] = None, pruner: Optional[Any] = None) -> None:
         check_int("OptunaSweep", "n_trials", n_trials, 1)
         check_int("OptunaSweep", "slots", slots, 1, optional=True)
         check_int("OptunaSweep", "seed", seed, 0, optional=True)
@@ -208,6 +215,10 @@ class OptunaSweep(Callback):
         self.heartbeat_interval, self.grace_period = heartbeat_interval, grace_period
         self._last_beat = -math.inf
         self._opened = False  # the study's stale trials checked once this sweep opened it
+        if study is not None and pruner is not None:
+            raise ValueError("`pruner` is for the study the sweep makes; a `study` given keeps its own (make it with "
+                             "optuna.create_study(..., pruner=...))")
+        self.pruner = _pruner(pruner)
         if sampler not in ("tpe", "random", "grid"):
             raise ValueError(f"`sampler` can be tpe, random, grid, got {sampler!r}")
         self.search_space = dict(search_space)
@@ -279,7 +290,7 @@ class OptunaSweep(Callback):
                 storage = f"sqlite:///{(root / 'optuna.db').resolve()}"
                 self.storage = storage
             self.study = _open_study(storage, self.study_name, self._sampler(), self.heartbeat_interval,
-                                     self.grace_period)
+                                     self.grace_period, self.pruner)
             _check_minimizes(self.study, f"`study_name` {self.study_name!r} in `storage` {storage!r}")
             self._own_sampler = True  # (a study given by the user keeps its own sampler)
             if self.first_trial is None:  # (a resumed sweep has it from its checkpoint)
@@ -487,11 +498,14 @@ class OptunaSweep(Callback):
             if spec.name not in pl_module.registry:
                 pl_module.add_adapter(spec)
 
-    def _report(self, pl_module: L.LightningModule) -> None:
+    def _report(self, pl_module: L.LightningModule, prune: bool = False) -> dict[str, str]:
+        """Report the trials' new validation losses; with ``prune``, ask the study's pruner of each trial that
+        reported one and whose adapter still trains (or waits, paused). Returns those it prunes, with why."""
         import optuna
 
+        pruned: dict[str, str] = {}
         if self.study is None or not decides_here(pl_module):
-            return  # under adapter parallelism rank 0 reports, for every rank
+            return pruned  # under adapter parallelism rank 0 reports, for every rank
         for name, info in self.trials.items():
             if info["told"] or info.get("lost"):
                 continue
@@ -506,6 +520,13 @@ class OptunaSweep(Callback):
                     info["reported"].append(step)
             except optuna.exceptions.UpdateFinishedTrialError:
                 self._lost(info, name)
+                continue
+            state = pl_module.registry[name].state
+            if prune and state in (AdapterState.RUNNING, AdapterState.PAUSED) and trial.should_prune():
+                step, loss = new[-1]
+                pruned[name] = (f"pruned by the study's {type(self.study.pruner).__name__} at step {step} (validation "
+                                f"loss {loss:.4f})")
+        return pruned
 
     def on_adapter_exit(self, trainer: L.Trainer, pl_module: L.LightningModule, rec: AdapterRecord) -> None:
         """Tell the study how an adapter's trial ended (called by the module when an adapter leaves; under
@@ -633,7 +654,11 @@ class OptunaSweep(Callback):
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
-            self._report(pl_module)
+            # rank 0 asks the pruner (under adapter parallelism); each adapter's owner exports and frees it
+            pruned = decide_once(pl_module, lambda: self._report(pl_module, prune=True))
+            for name, reason in pruned.items():
+                if pl_module._owns(name) and not pl_module.registry[name].state.exited:
+                    pl_module.remove_adapter(name, state=AdapterState.PRUNED, reason=reason)
         if decides_here(pl_module):
             self._beat()
 
@@ -663,6 +688,27 @@ class OptunaSweep(Callback):
             raise ValueError(f"OptunaSweep: this checkpoint's sweep ran study {saved!r}, and `study_name` is "
                              f"{self.study_name!r}: resume with study_name={saved!r} (its trials are told by number "
                              "in that study)")
+
+
+PRUNERS = ("median", "percentile", "hyperband", "successive_halving")
+
+
+def _pruner(pruner: Any) -> Optional["optuna.pruners.BasePruner"]:
+    """`OptunaSweep`'s ``pruner``: None, one of `PRUNERS` by name, or an Optuna pruner."""
+    if pruner is None:
+        return None
+    import optuna
+
+    if isinstance(pruner, optuna.pruners.BasePruner):
+        return pruner
+    made = {"median": lambda: optuna.pruners.MedianPruner(),
+            "percentile": lambda: optuna.pruners.PercentilePruner(25.0),
+            "hyperband": lambda: optuna.pruners.HyperbandPruner(),
+            "successive_halving": lambda: optuna.pruners.SuccessiveHalvingPruner()}
+    if not isinstance(pruner, str) or pruner not in made:
+        raise ValueError(f"OptunaSweep: `pruner` can be None, {', '.join(PRUNERS)} or an optuna.pruners.BasePruner, "
+                         f"got {pruner!r}")
+    return made[pruner]()
 
 
 def _example(dist) -> Union[float, int, Any]:

@@ -568,3 +568,46 @@ def test_a_finished_trial_never_validated_is_said_and_the_study_name_is_checked(
                        match="this checkpoint's sweep ran study 'multilora', and `study_name` is 'another'"):
         other.load_state_dict(sweep.state_dict())
 
+
+
+class _PruneAfter(optuna.pruners.BasePruner):
+    """Prunes every trial whose last reported step is at least ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def prune(self, study, trial) -> bool:
+        return trial.last_step is not None and trial.last_step >= self.step
+
+
+def test_the_studys_pruner_is_asked_after_each_validation_and_its_trials_are_told_pruned(tmp_path, trainer_kwargs):
+    """A study given with a pruner (as Optuna's Lightning callback consults it): its pruned trials' adapters are
+    exported and told PRUNED with their last value; a sweep's own study prunes nothing unless given a `pruner`."""
+    study = optuna.create_study(direction="minimize", pruner=_PruneAfter(6),
+                                storage=f"sqlite:///{tmp_path / 'study.db'}")
+    sweep = OptunaSweep(SPACE, n_trials=3, study=study, base={"max_steps": 12, "batch_size": 2}, slots=2)
+    _, module = fit(tmp_path, trainer_kwargs, sweep)
+    trials = study.get_trials()
+    assert len(trials) == 3 and all(t.state == optuna.trial.TrialState.PRUNED for t in trials)
+    for t in trials:
+        rec = module.registry[f"trial-{t.number}"]
+        assert rec.state == AdapterState.PRUNED and rec.step == 6 and "_PruneAfter at step 6" in rec.reason
+        assert rec.export_path is not None  # what it trained is kept
+        assert t.value == pytest.approx(t.intermediate_values[6])
+
+    own = OptunaSweep(SPACE, n_trials=1, base={"max_steps": 6, "batch_size": 2},
+                      storage=f"sqlite:///{tmp_path / 'own.db'}")
+    _, module = fit(tmp_path / "own", trainer_kwargs, own)
+    assert isinstance(own.study.pruner, optuna.pruners.NopPruner)
+    assert module.registry["trial-0"].state == AdapterState.FINISHED
+    assert isinstance(OptunaSweep(SPACE, pruner="median").pruner, optuna.pruners.MedianPruner)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(pruner="mean"), "`pruner` can be None, median, percentile, hyperband, successive_halving"),
+    (dict(pruner="median", study="given"), "`pruner` is for the study the sweep makes")])
+def test_a_bad_pruner_is_named(kwargs, message):
+    if kwargs.get("study") == "given":
+        kwargs["study"] = optuna.create_study(direction="minimize")
+    with pytest.raises(ValueError, match=message):
+        OptunaSweep(SPACE, **kwargs)
