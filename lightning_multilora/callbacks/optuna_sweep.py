@@ -620,6 +620,8 @@ class OptunaSweep(Callback):
         if taken:  # (the sweep names its adapters trial-<number>: one would meet them mid-run)
             raise ValueError(f"adapter names {taken} are an OptunaSweep's trial names (trial-<number>, the names of "
                              "the adapters it asks): rename them")
+        if stage == "fit":  # another fit (resumed from a checkpoint, whose state is loaded after this) looks the
+            self._opened, self._orphans = False, None  # study over again for the trials asked after that checkpoint
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -611,3 +611,24 @@ def test_a_bad_pruner_is_named(kwargs, message):
         kwargs["study"] = optuna.create_study(direction="minimize")
     with pytest.raises(ValueError, match=message):
         OptunaSweep(SPACE, **kwargs)
+
+
+def test_one_sweep_object_resumed_in_the_process_that_crashed_takes_up_its_trials(tmp_path, trainer_kwargs):
+    """The same OptunaSweep given to the resumed fit (a notebook, a retry loop): it looks for the trials asked after
+    the checkpoint again (it had looked once, at the first fit) and asks no more than ``n_trials``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Crash(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 8:
+                raise RuntimeError("node lost")
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    sweep = OptunaSweep(SPACE, n_trials=4, storage=storage, slots=2, base={"max_steps": 6, "batch_size": 2},
+                        sampler="random")
+    save = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="node lost"):
+        fit(tmp_path, dict(trainer_kwargs, enable_checkpointing=True), sweep, callbacks=[Crash(), save])
+    fit(tmp_path, trainer_kwargs, sweep, ckpt=str(tmp_path / "ck" / "step=6.ckpt"))
+    trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert len(trials) == 4 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
