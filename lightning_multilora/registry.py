@@ -105,6 +105,13 @@ class AdapterRegistry:
         self._records[spec.name] = rec
         return rec
 
+    def add_record(self, rec: AdapterRecord) -> AdapterRecord:
+        """Add a record as it is (an adapter that ran elsewhere: a trial told before a resumed run, say)."""
+        if rec.name in self._records:
+            raise ValueError(f"duplicate adapter name {rec.name!r}; adapter names must be unique")
+        self._records[rec.name] = rec
+        return rec
+
     def __getitem__(self, name: str) -> AdapterRecord:
         if name not in self._records:
             raise KeyError(f"no adapter {name!r}; adapters are: {list(self._records)}")

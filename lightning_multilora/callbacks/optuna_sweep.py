@@ -389,7 +389,8 @@ class OptunaSweep(Callback):
 
             def room() -> bool:
                 return len(active) < slots
-        specs = []
+        specs: list[AdapterSpec] = []
+        told: list[dict[str, Any]] = []  # records of the trials told after the checkpoint this run resumed from
         while room() and self.asked < self.n_trials and not self.exhausted:
             orphan = self._next_orphan(study)
             if orphan is None and self._grid_exhausted(study):
@@ -399,6 +400,7 @@ class OptunaSweep(Callback):
                 self.trials[f"trial-{orphan.number}"] = {"trial_id": orphan._trial_id, "number": orphan.number,
                                                          "reported": [], "told": True}
                 self.asked += 1
+                told.append(self._told_record(pl_module, orphan))
                 continue
             if self._own_sampler and self.sampler_name != "grid":  # (a grid's seed orders its points: kept)
                 study.sampler = self._sampler(self.first_trial + self.asked)
@@ -441,7 +443,29 @@ class OptunaSweep(Callback):
             self.asked += 1
             active.append(name)
             specs.append(spec)
-        return {"specs": specs, "state": self.state_dict()}
+        return {"specs": specs, "state": self.state_dict(), "told": told}
+
+    def _told_record(self, pl_module: L.LightningModule, trial: Any) -> dict[str, Any]:
+        """The registry record (its state dict) of a trial told before the run resumed, from what the study holds:
+        its adapter trained, exported and exited after the checkpoint, so the registry restored lacks it, and the
+        run's report would (`SweepReport`)."""
+        import optuna
+
+        name = f"trial-{trial.number}"
+        rec = AdapterRecord(AdapterSpec(name=name, **self._spec_kwargs(trial.params)))
+        rec.state = {optuna.trial.TrialState.COMPLETE: AdapterState.FINISHED,
+                     optuna.trial.TrialState.PRUNED: AdapterState.PRUNED}.get(trial.state, AdapterState.FAILED)
+        rec.reason = (f"told {trial.state.name} in study {self.study.study_name!r} after the checkpoint this run "
+                      "resumed from (it trained and exported before the run stopped)")
+        rec.val_losses = sorted((int(k), float(v)) for k, v in trial.intermediate_values.items())
+        if rec.val_losses:
+            rec.step, rec.last_val_loss = rec.val_losses[-1]
+            rec.best_val_step, rec.best_val_loss = min(rec.val_losses, key=lambda sv: sv[1])
+        if trial.value is not None:  # (the validation loss of the weights its export holds)
+            rec.best_val_loss = min(rec.best_val_loss, trial.value)
+        path = pl_module._export_root() / name
+        rec.export_path = str(path) if path.is_dir() else None
+        return rec.state_dict()
 
     def _fail_asked(self, trial: Any) -> None:
         """Tell a trial FAIL as it is asked (it could never start): it counts as asked, and is known by number (a
@@ -494,6 +518,9 @@ class OptunaSweep(Callback):
         """Apply the deciding process's trials and bookkeeping here (a no-op where they were decided): every
         rank's registry and sweep state stay the same, checkpoints included."""
         self.load_state_dict(decision["state"])
+        for state in decision.get("told", ()):
+            if state["spec"]["name"] not in pl_module.registry:
+                pl_module.registry.add_record(AdapterRecord.from_state_dict(state))
         for spec in decision["specs"]:
             if spec.name not in pl_module.registry:
                 pl_module.add_adapter(spec)

@@ -632,3 +632,36 @@ def test_one_sweep_object_resumed_in_the_process_that_crashed_takes_up_its_trial
     fit(tmp_path, trainer_kwargs, sweep, ckpt=str(tmp_path / "ck" / "step=6.ckpt"))
     trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
     assert len(trials) == 4 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+
+
+def test_trials_told_after_the_checkpoint_are_in_the_resumed_runs_registry_and_report(tmp_path, trainer_kwargs):
+    """Trials 2 and 3 finish (exported, told COMPLETE) at step 12, the run dies at 13, and resumes from the
+    checkpoint of step 6: they are not trained again, and the resumed run's registry and report still show them."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_multilora import SweepReport
+
+    class Crash(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 13:
+                raise RuntimeError("node lost")
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+
+    def sweep():
+        return OptunaSweep(SPACE, n_trials=5, storage=storage, slots=2, base={"max_steps": 6, "batch_size": 2},
+                           sampler="random")
+
+    save = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="node lost"):
+        fit(tmp_path, dict(trainer_kwargs, enable_checkpointing=True), sweep(), callbacks=[Crash(), save])
+    report = SweepReport(print_table=False)
+    _, module = fit(tmp_path, trainer_kwargs, sweep(), callbacks=[report], ckpt=str(tmp_path / "ck" / "step=6.ckpt"))
+    study = optuna.load_study(study_name="multilora", storage=storage)
+    assert [r["adapter"] for r in sorted(report.rows, key=lambda r: r["adapter"])] == [f"trial-{i}" for i in range(5)]
+    for number in (2, 3):
+        trial, rec = study.trials[number], module.registry[f"trial-{number}"]
+        assert rec.state == AdapterState.FINISHED and "after the checkpoint" in rec.reason
+        assert rec.spec.lr == trial.params["lr"] and rec.spec.rank == trial.params["rank"]
+        assert rec.last_val_loss == pytest.approx(trial.value) and rec.step == 6
+        assert rec.export_path == str(tmp_path / "out" / f"trial-{number}")
