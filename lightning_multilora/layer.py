@@ -15,12 +15,14 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
+from lightning_multilora.arguments import check_bool, check_int, check_real
 from lightning_multilora.flat import FlatAdapter, make_flat
 from lightning_multilora.kernels import LoRAWeights, multi_lora, multi_lora_linear, resolve_backend
 from lightning_multilora.kernels.weights import STREAM_SEED_MOD, DropoutStreams
 from lightning_multilora.shadow import Shadow, record_copy
 from lightning_multilora.shadow import refresh as _refresh
 from lightning_multilora.layout import BatchLayout
+from lightning_multilora.spec import check_adapter_name
 
 
 # Adapters with dropout step counters at once, per model (slots are reused once an adapter is removed)
@@ -144,14 +146,9 @@ class MultiLoRALinear(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         """Add an adapter with PEFT's initialisation: A kaiming-uniform (a=sqrt(5)), B zero."""
+        _check_adapter_args("MultiLoRALinear.add_adapter", name, rank, alpha, dropout, use_rslora, dtype)
         if name in self.lora_A:
             raise ValueError(f"adapter {name!r} already exists in this layer; names must be unique")
-        if rank < 1:
-            raise ValueError(f"`rank` must be an integer >= 1, got {rank}")
-        if alpha <= 0:
-            raise ValueError(f"`alpha` must be > 0, got {alpha}")
-        if not (isinstance(dropout, numbers.Real) and not isinstance(dropout, bool) and 0.0 <= dropout < 1.0):
-            raise ValueError(f"`dropout` must be a number in [0, 1), got {dropout!r}")
         device = _weight_device(self.base)
         a = torch.empty(rank, self.in_features, dtype=dtype)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
@@ -272,6 +269,20 @@ class MultiLoRALinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, adapters={self.adapter_names}"
 
 
+def _check_adapter_args(where: str, name: Any, rank: Any, alpha: Any, dropout: Any, use_rslora: Any,
+                        dtype: Any) -> None:
+    """An adapter's arguments, each error naming the argument, what it may be and what it got (before any layer
+    is touched)."""
+    check_adapter_name(name, f"{where}: ")
+    check_int(where, "rank", rank, 1)
+    check_real(where, "alpha", alpha, lambda v: v > 0, "a number > 0")
+    check_real(where, "dropout", dropout, lambda v: 0 <= v < 1, "a number in [0, 1)")
+    check_bool(where, "use_rslora", use_rslora)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"{where}: `dtype` must be a floating torch.dtype (torch.float32, torch.bfloat16, ...), got "
+                         f"{dtype!r}")
+
+
 def _compute_dtype(base: nn.Module) -> Optional[torch.dtype]:
     """The dtype a base layer computes in: its weight's, or a quantized layer's ``compute_dtype`` (None: unknown)."""
     weight = getattr(base, "weight", None)
@@ -386,6 +397,8 @@ class LoRALayers(Mapping):
         adapters of one seed get the same masks). The adapter's parameters are then
         held flat (see `FlatAdapter`) where they share a device.
         """
+        _check_adapter_args("LoRALayers.add_adapter", name, rank, alpha, dropout, use_rslora, dtype)
+        check_int("LoRALayers.add_adapter", "seed", seed, -(2**42) + 1, high=2**42 - 1)
         if name in self._targets:
             raise ValueError(f"adapter {name!r} already exists; adapter names must be unique")
         layer_names = self.layers_for(target_modules)

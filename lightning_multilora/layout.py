@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -29,6 +30,17 @@ class BatchLayout:
     padding_side: Optional[str] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
+        if isinstance(self.names, str) or not all(isinstance(n, str) for n in self.names):
+            raise ValueError(f"BatchLayout: `names` must be a sequence of adapter names (strings), got {self.names!r}")
+        for what in ("starts", "ends"):
+            values = getattr(self, what)
+            if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in values):
+                raise ValueError(f"BatchLayout: `{what}` must be a sequence of row indices (integers), got {values!r}")
+        if isinstance(self.num_rows, bool) or not isinstance(self.num_rows, numbers.Integral) or self.num_rows < 0:
+            raise ValueError(f"BatchLayout: `num_rows` must be an integer >= 0, got {self.num_rows!r}")
+        # tuples of Python ints, whatever sequences were given (the layers key their caches on them)
+        self.names, self.starts, self.ends = tuple(self.names), tuple(map(int, self.starts)), tuple(map(int, self.ends))
+        self.num_rows = int(self.num_rows)
         if self.padding_side not in PADDING_SIDES:
             raise ValueError(f"BatchLayout: `padding_side` can be None, 'right' or 'left', got {self.padding_side!r}")
         if not (len(self.names) == len(self.starts) == len(self.ends)):

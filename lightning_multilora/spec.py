@@ -25,6 +25,16 @@ def _reserved_names() -> frozenset:
     return frozenset(dir(torch.nn.ParameterDict()))
 
 
+def check_adapter_name(name: Any, where: str = "") -> None:
+    """An adapter's name: 1 to 200 letters, digits, '_' or '-', and no name torch.nn.Module takes (adapters are
+    ParameterDict keys). ``where`` prefixes the error (the call it was given to)."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        raise ValueError(f"{where}`name` must be 1 to 200 letters, digits, '_' or '-', got {name!r}")
+    if name in _reserved_names():
+        raise ValueError(f"{where}`name` {name!r} is taken by torch.nn.Module (adapters are ParameterDict keys); "
+                         "pick another name")
+
+
 @dataclass
 class AdapterSpec:
     """One adapter of a sweep: LoRA shape, optimisation hyperparameters, data and length.
@@ -72,13 +82,7 @@ class AdapterSpec:
     """Seed for this adapter's initialisation, data order and dropout masks (adapters of one seed share them)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
-            raise ValueError(
-                f"`name` must be 1 to 200 letters, digits, '_' or '-', got {self.name!r}"
-            )
-        if self.name in _reserved_names():
-            raise ValueError(f"`name` {self.name!r} is taken by torch.nn.Module (adapters are ParameterDict keys); "
-                             "pick another name")
+        check_adapter_name(self.name)
         for f in fields(self):  # numpy (and other) scalars, as a search or a grid may give them: Python numbers
             value = getattr(self, f.name)
             numpy_scalar = type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0  # (np.float64

@@ -298,3 +298,34 @@ def test_peft_weights_of_another_rank_or_targets_are_refused_not_broadcast():
         layers.load_peft_state_dict("a", {k: v for k, v in good.items() if "lora_A" in k})
     assert all(torch.equal(v, before[k]) for k, v in layers.peft_state_dict("a").items())  # nothing loaded
 
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(rank=2.5), "`rank` must be an integer >= 1, got 2.5"), (dict(rank=True), "`rank` must be an integer"),
+    (dict(name=3), "`name` must be 1 to 200 letters"), (dict(name="a.b"), "`name` must be 1 to 200 letters"),
+    (dict(alpha="x"), "`alpha` must be a number > 0, got 'x'"), (dict(alpha=float("nan")), "`alpha` must be"),
+    (dict(dropout=1.0), "`dropout` must be a number in \\[0, 1\\)"), (dict(use_rslora="yes"), "`use_rslora` must be"),
+    (dict(seed=1.5), "`seed` must be an integer"), (dict(dtype="float32"), "`dtype` must be a floating torch.dtype")])
+def test_an_adapters_bad_argument_is_named_before_any_layer_changes(kwargs, message):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    layers = inject_multilora(model, ["0", "1"])
+    args = dict(dict(name="a", rank=2, alpha=4), **kwargs)
+    with pytest.raises(ValueError, match=f"LoRALayers.add_adapter: {message}"):
+        layers.add_adapter(**args)
+    assert not layers.adapter_names and all(not layer.lora_A for layer in layers.values())
+    if "seed" not in kwargs:  # (one layer's adapter takes a generator, not a seed)
+        with pytest.raises(ValueError, match=f"MultiLoRALinear.add_adapter: {message}"):
+            MultiLoRALinear(nn.Linear(8, 8)).add_adapter(**args)
+
+
+@pytest.mark.parametrize("args, message", [
+    ((("a", "b"), (0, 1), (1, 2), 2.0), "`num_rows` must be an integer >= 0, got 2.0"),
+    ((("a",), (0.5,), (1,), 2), "`starts` must be a sequence of row indices"),
+    (("a", (0,), (1,), 1), "`names` must be a sequence of adapter names")])
+def test_a_bad_layout_is_named_and_a_good_one_holds_tuples_of_ints(args, message):
+    import numpy as np
+
+    with pytest.raises(ValueError, match=f"BatchLayout: {message}"):
+        BatchLayout(*args)
+    layout = BatchLayout(["a"], [np.int64(0)], [1], np.int64(2))
+    assert layout == BatchLayout(("a",), (0,), (1,), 2) and type(layout.starts[0]) is int and hash(layout.starts)
