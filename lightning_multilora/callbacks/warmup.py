@@ -23,9 +23,9 @@ class WarmupSelection(Callback):
     left warming up (or queued), the warmed-up ones are ranked by their warmup validation loss; the top
     ``keep_fraction`` of all candidates (at least ``min_keep``) resume from where they stopped, best first, as slots
     free (the module's `max_running` and ``admission`` hold for them as for its queue: kept adapters beyond them wait,
-    paused, in `waiting`), the rest are pruned (exported, then their weights and optimizer states freed). Candidates that exit during
-    warmup (diverged, failed) count among the K but cannot be kept. While a callback such as
-    `OptunaSweep` still has candidates to ask (``has_pending_candidates()``), the ranking waits for them.
+    paused, in `waiting`), the rest are pruned (exported, then their weights and optimizer states freed).
+    Candidates that exit during warmup (diverged, failed) count among the K but cannot be kept. While a callback such
+    as `OptunaSweep` still has candidates to ask (``has_pending_candidates()``), the ranking waits for them.
 
     Under `AdapterParallelStrategy` the ranks first share their adapters' progress, then rank 0 decides which
     adapters have warmed up and, later, which are kept; every rank applies its decisions. All ranks validate
