@@ -124,6 +124,19 @@ class _ValBatches(IterableDataset):
         return iter(align(list(batches))) if align is not None else batches
 
 
+def continuation(tok: Tokenizer, prompt: str, prompt_ids: list[int], completion: str) -> list[int]:
+    """The tokens of ``completion`` as they follow ``prompt`` (whose tokens are ``prompt_ids``): those of the joint
+    text after the prompt's, where the joint text's tokens begin with the prompt's own; else the completion's alone.
+    (A SentencePiece tokenizer begins a text encoded alone with a word boundary: a completion without a leading space,
+    encoded alone, got a space the text does not have, and the adapter learned to answer with it.)"""
+    if not completion:
+        return []
+    joint = tok.encode(prompt + completion)
+    if len(joint) > len(prompt_ids) and joint[:len(prompt_ids)] == prompt_ids:
+        return joint[len(prompt_ids):]
+    return tok.encode(completion)
+
+
 class MultiLoRADataModule(L.LightningDataModule):
     """Packs each running adapter's micro-batch (its own source, its own batch size) into one batch.
 
@@ -267,8 +280,8 @@ class MultiLoRADataModule(L.LightningDataModule):
         for i in order:
             example = examples[i]
             prompt = tok.encode(example.prompt)
-            answers = [tok.encode(example.chosen), tok.encode(example.rejected)] if pairs else [
-                tok.encode(example.completion)]
+            answers = [continuation(tok, example.prompt, prompt, text)
+                       for text in ((example.chosen, example.rejected) if pairs else (example.completion,))]
             if pairs and self.truncate and limit is not None:
                 # Preference pairs keep their prompt's end (as TRL's DPO does), leaving the answers at least half
                 # the length: cutting the row's end would leave long-prompt pairs without answer tokens

@@ -504,3 +504,36 @@ def test_unknown_adapter_target_is_rejected_when_added():
     module = MultiLoRAModule("tiny-llama", target_modules=["q_proj", "v_proj"])
     with pytest.raises(ValueError, match="not among the injected layers"):
         module.add_adapter(AdapterSpec("a", target_modules=["gate_proj"]))
+
+
+def test_a_completion_is_tokenized_as_it_follows_its_prompt(tmp_path):
+    """A SentencePiece tokenizer (Llama 2's, Mistral's, Gemma's kind) begins a text encoded alone with a word
+    boundary: a completion without a leading space, encoded alone, got a space the text does not have. The rows
+    hold the joint text's tokens (decoded: the prompt and completion as written); with a leading space they are the
+    completion's own tokens, as before."""
+    from tokenizers import SentencePieceBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    inner = SentencePieceBPETokenizer(replacement="▁", add_prefix_space=True)
+    inner.train_from_iterator([e.prompt + e.completion for e in GeneratedArithmetic(200).examples()], vocab_size=300,
+                              min_frequency=1, special_tokens=["<unk>", "<pad>", "</s>"])
+    PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="</s>", pad_token="<pad>",
+                            unk_token="<unk>").save_pretrained(tmp_path)
+    records = [{"prompt": f"Q: Gus has {i} cards and gets {i + 3} more. How many?\nA:", "completion": f"{2 * i + 3}"}
+               for i in range(8)]
+    spaced = [dict(r, completion=" " + r["completion"]) for r in records]
+    dm = MultiLoRADataModule(sources={"bare": ListSource(records), "spaced": ListSource(spaced)},
+                             tokenizer=str(tmp_path), val_fraction=0.25)
+    tok = dm.tokenizer
+    for name, given in (("bare", records), ("spaced", spaced)):
+        train, _ = dm.split(name)
+        texts = {r["prompt"] + r["completion"] for r in given}
+        for ids, labels in zip(train.input_ids, train.labels):
+            assert tok.decode(ids[:-1]) in texts  # (the end of text last)
+            completion = [t for t, label in zip(ids[:-1], labels[:-1]) if label != IGNORE_INDEX]
+            text = tok.decode(ids[:-1])
+            if name == "spaced":
+                assert completion == tok.encode(text[text.index("A:") + 2:])
+            else:
+                assert tok.decode(completion) == text[text.index("A:") + 2:]
+                assert completion != tok.encode(text[text.index("A:") + 2:])  # (alone: with a leading "▁")
