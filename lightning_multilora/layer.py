@@ -27,8 +27,10 @@ from lightning_multilora.spec import check_adapter_name
 
 # Adapters with dropout step counters at once, per model (slots are reused once an adapter is removed)
 DROPOUT_SLOTS = 4096
-# Layouts whose LoRAWeights (with the device tables made for them) a layer keeps, per set of adapters
-KEPT_LAYOUTS = 8
+# Layouts whose LoRAWeights (with the device tables made for them: a few small tensors each, the weights' copies
+# being the adapter set's) a layer keeps, per set of adapters: enough for the validation layouts that may run
+# between a training layout's eager steps and its CUDA graph capture
+KEPT_LAYOUTS = 32
 _UNSEEN = object()
 
 
@@ -169,6 +171,8 @@ class MultiLoRALinear(nn.Module):
         self.shadows.pop(name, None)
         self.streams.pop(name, None)
         self._version += 1
+        self._kept.clear()  # (they hold its parameters)
+        self._weights = self._weights_seen = None
 
     def _apply(self, fn, *args, **kwargs):
         # moved or cast (``.to``, ``.cuda``, ``.half``): the cached weights' device state is rebuilt at the next forward

@@ -83,11 +83,12 @@ def test_each_row_uses_its_own_adapter_and_unassigned_rows_the_base():
             layer(x[:4])
 
 
-def test_a_layer_keeps_the_weights_of_recent_layouts_while_its_adapters_stay():
+def test_a_layer_keeps_the_weights_of_recent_layouts_while_its_adapters_stay(monkeypatch):
     """A layout met again (an epoch's short last batch between full ones) reuses the weights, with the device tables
     the kernels made for them; a removed adapter drops them all (they would hold its parameters)."""
     from lightning_multilora import layer as layer_module
 
+    monkeypatch.setattr(layer_module, "KEPT_LAYOUTS", 6)
     layer = MultiLoRALinear(nn.Linear(16, 12))
     for name in ("a", "b"):
         layer.add_adapter(name, rank=2, alpha=2)
@@ -111,10 +112,10 @@ def test_a_layer_keeps_the_weights_of_recent_layouts_while_its_adapters_stay():
     assert layer._weights is not made[0][0] and len(layer._kept) == layer_module.KEPT_LAYOUTS
     removed = layer.lora_A["b"]
     layer.remove_adapter("b")
+    assert not layer._kept and layer._weights is None  # (none holds the removed adapter's weights)
     with layer.context.use(BatchLayout(("a",), (0,), (4,), 4)):
         layer(x)
-    assert len(layer._kept) == 1  # (none holds the removed adapter's weights)
-    assert all(removed is not t for w in layer._kept.values() if w is not None for t in w.a)
+    assert len(layer._kept) == 1 and all(removed is not t for w in layer._kept.values() if w is not None for t in w.a)
 
 
 @pytest.mark.parametrize("rank", [4, 40])  # (rank tiles: dB launched with dS, and after the dS row launch)

@@ -400,7 +400,8 @@ class OptunaSweep(Callback):
                 self.trials[f"trial-{orphan.number}"] = {"trial_id": orphan._trial_id, "number": orphan.number,
                                                          "reported": [], "told": True}
                 self.asked += 1
-                told.append(self._told_record(pl_module, orphan))
+                if orphan.user_attrs.get("adapter"):  # (one that never became an adapter is in no registry)
+                    told.append(self._told_record(pl_module, orphan))
                 continue
             if self._own_sampler and self.sampler_name != "grid":  # (a grid's seed orders its points: kept)
                 study.sampler = self._sampler(self.first_trial + self.asked)
@@ -437,7 +438,10 @@ class OptunaSweep(Callback):
                 self._fail_asked(trial)
                 raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
             trial.set_user_attr("adapter", name)
-            self.trials[name] = {"trial_id": trial._trial_id, "number": trial.number, "reported": [], "told": False}
+            # (a trial taken up keeps the values its crashed run reported: Optuna keeps one a step, and warns)
+            reported = sorted(orphan.intermediate_values) if orphan is not None else []
+            self.trials[name] = {"trial_id": trial._trial_id, "number": trial.number, "reported": reported,
+                                 "told": False}
             if self._beats():
                 self.study._storage.record_heartbeat(trial._trial_id)
             self.asked += 1
@@ -453,18 +457,20 @@ class OptunaSweep(Callback):
 
         name = f"trial-{trial.number}"
         rec = AdapterRecord(AdapterSpec(name=name, **self._spec_kwargs(trial.params)))
-        rec.state = {optuna.trial.TrialState.COMPLETE: AdapterState.FINISHED,
-                     optuna.trial.TrialState.PRUNED: AdapterState.PRUNED}.get(trial.state, AdapterState.FAILED)
-        rec.reason = (f"told {trial.state.name} in study {self.study.study_name!r} after the checkpoint this run "
-                      "resumed from (it trained and exported before the run stopped)")
+        ended = trial.user_attrs.get("adapter_exit") or {}  # (`_conclude`; absent where it was told otherwise)
+        rec.state = AdapterState(ended["state"]) if "state" in ended else {
+            optuna.trial.TrialState.COMPLETE: AdapterState.FINISHED,
+            optuna.trial.TrialState.PRUNED: AdapterState.PRUNED}.get(trial.state, AdapterState.FAILED)
+        rec.reason = (f"{ended.get('reason') or rec.state.value} (told {trial.state.name} in study "
+                      f"{self.study.study_name!r} after the checkpoint this run resumed from)")
         rec.val_losses = sorted((int(k), float(v)) for k, v in trial.intermediate_values.items())
         if rec.val_losses:
             rec.step, rec.last_val_loss = rec.val_losses[-1]
             rec.best_val_step, rec.best_val_loss = min(rec.val_losses, key=lambda sv: sv[1])
         if trial.value is not None:  # (the validation loss of the weights its export holds)
             rec.best_val_loss = min(rec.best_val_loss, trial.value)
-        path = pl_module._export_root() / name
-        rec.export_path = str(path) if path.is_dir() else None
+        rec.step = int(ended.get("step", rec.step))
+        rec.export_path = ended.get("export_path")
         return rec.state_dict()
 
     def _fail_asked(self, trial: Any) -> None:
@@ -526,8 +532,10 @@ class OptunaSweep(Callback):
                 pl_module.add_adapter(spec)
 
     def _report(self, pl_module: L.LightningModule, prune: bool = False) -> dict[str, str]:
-        """Report the trials' new validation losses; with ``prune``, ask the study's pruner of each trial that
-        reported one and whose adapter still trains (or waits, paused). Returns those it prunes, with why."""
+        """Report the trials' new validation losses; with ``prune``, ask the study's pruner of each trial whose
+        adapter still trains (or waits, paused) and reported a value it has not been asked about (whichever call
+        reported it: an exit in an earlier callback reports every trial's values). Returns those it prunes, with
+        why."""
         import optuna
 
         pruned: dict[str, str] = {}
@@ -536,9 +544,12 @@ class OptunaSweep(Callback):
         for name, info in self.trials.items():
             if info["told"] or info.get("lost"):
                 continue
-            new = [(step, loss) for step, loss in pl_module.registry[name].val_losses
+            rec = pl_module.registry[name]
+            new = [(step, loss) for step, loss in rec.val_losses
                    if step not in info["reported"] and math.isfinite(loss)]
-            if not new:
+            ask = (prune and rec.state in (AdapterState.RUNNING, AdapterState.PAUSED)
+                   and not isinstance(self.study.pruner, optuna.pruners.NopPruner))  # (a storage read spared)
+            if not new and not (ask and max(info["reported"], default=-1) > info.get("pruner_step", -1)):
                 continue  # a Trial handle reads the storage: ~1 ms each, for every trial at every step otherwise
             trial = optuna.trial.Trial(self.study, info["trial_id"])
             try:
@@ -548,11 +559,13 @@ class OptunaSweep(Callback):
             except optuna.exceptions.UpdateFinishedTrialError:
                 self._lost(info, name)
                 continue
-            state = pl_module.registry[name].state
-            if prune and state in (AdapterState.RUNNING, AdapterState.PAUSED) and trial.should_prune():
-                step, loss = new[-1]
-                pruned[name] = (f"pruned by the study's {type(self.study.pruner).__name__} at step {step} (validation "
-                                f"loss {loss:.4f})")
+            last = max(info["reported"], default=-1)
+            if ask and last > info.get("pruner_step", -1):
+                info["pruner_step"] = last  # (asked once a value)
+                if trial.should_prune():
+                    loss = dict(rec.val_losses).get(last, math.nan)
+                    pruned[name] = (f"pruned by the study's {type(self.study.pruner).__name__} at step {last} "
+                                    f"(validation loss {loss:.4f})")
         return pruned
 
     def on_adapter_exit(self, trainer: L.Trainer, pl_module: L.LightningModule, rec: AdapterRecord) -> None:
@@ -576,6 +589,11 @@ class OptunaSweep(Callback):
         if info is None or info["told"] or self.study is None:
             return
         self._report(pl_module)
+        try:  # how its adapter ended, for a run resumed from an earlier checkpoint (`_told_record`)
+            self.study._storage.set_trial_user_attr(info["trial_id"], "adapter_exit", {
+                "state": rec.state.value, "reason": rec.reason, "step": rec.step, "export_path": rec.export_path})
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # finished by another process meanwhile (`_lost`)
         # the value describes the weights exported: the best-validation ones where they are kept (EarlyExit's
         # default), else the last ones (the module's own default, without EarlyExit)
         value = rec.best_val_loss if getattr(pl_module, "keep_best_weights", False) else rec.last_val_loss
@@ -688,6 +706,8 @@ class OptunaSweep(Callback):
             for name, reason in pruned.items():
                 if pl_module._owns(name) and not pl_module.registry[name].state.exited:
                     pl_module.remove_adapter(name, state=AdapterState.PRUNED, reason=reason)
+            if pruned:  # (the same on every rank: rank 0's) the owners' exits reach every rank now, to be told
+                pl_module._sync_ranks()
         if decides_here(pl_module):
             self._beat()
 

@@ -216,6 +216,9 @@ class PointerTable:
     one_rank: bool  # every adapter has the same rank
     ranks8: bool  # every rank is a multiple of 8: rows of A_i, B_i (and of flat copies of them) stay 16-byte aligned
     params_aligned: bool  # every A_i and B_i starts on a 16-byte boundary
+    # what the calls of this adapter set share whatever their layout: the weights' flat copies (`weight_copies`), so
+    # that a layer keeping the weights of several layouts (`MultiLoRALinear`) keeps one copy of its adapters
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 # Measured on the H200 (4096x4096, 32 adapters of ranks 8..128, 1024 tokens each): with 64-wide chunks the
@@ -313,8 +316,8 @@ class WeightCopies:
 
 def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype, device: torch.device) -> WeightCopies:
     """The adapters' weights in ``dtype``: the caller's copies where ``weights`` has them in that dtype
-    (`LoRAWeights.a_copies`, read as they are), else buffers made once per adapter set and dtype (memoized on
-    ``weights``), refreshed on every forward call (one launch, `K._copy_weights`: the weights may have changed in
+    (`LoRAWeights.a_copies`, read as they are), else buffers made once per adapter set and dtype (memoized on its
+    ``table``, which the adapter set's calls in every layout share), refreshed on every forward call (one launch, `K._copy_weights`: the weights may have changed in
     any way since the last call). A backward reads the values of its call's forward: the weights do not change
     between a forward and its backward, and each call keeps its buffers alive (`_Call.copies`). For the same reason a
     recomputation under gradient checkpointing (a forward run inside backward) reads them as its forward left
@@ -332,14 +335,16 @@ def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype,
             memo[dtype] = entry
         return entry[1]
     if fresh:
-        # Normal tensors even when the first call runs under inference_mode (a validation before training):
-        # inference tensors could not be refreshed in place by a later training forward.
-        with torch.inference_mode(False):
-            flat_a, _, ptrs_a, ptrs_b, views_a, views_b = _flat_like(weights, table, device, dtype, zero=False)
-        most = max(max(a.numel() for a in weights.a), max(b.numel() for b in weights.b))
-        grid = (2 * len(weights.a), _cdiv(most, K.COPY_META["BLOCK"] * K.COPY_META["PER"]))
-        entry = (table, WeightCopies(views_a + views_b, ptrs_a, ptrs_b, flat_a, grid, table.ranks8))
-        memo[dtype] = entry
+        shared = table.memo.setdefault("weight_copies", {})  # (the same adapters in another layout: one copy)
+        if dtype not in shared:
+            # Normal tensors even when the first call runs under inference_mode (a validation before training):
+            # inference tensors could not be refreshed in place by a later training forward.
+            with torch.inference_mode(False):
+                flat_a, _, ptrs_a, ptrs_b, views_a, views_b = _flat_like(weights, table, device, dtype, zero=False)
+            most = max(max(a.numel() for a in weights.a), max(b.numel() for b in weights.b))
+            grid = (2 * len(weights.a), _cdiv(most, K.COPY_META["BLOCK"] * K.COPY_META["PER"]))
+            shared[dtype] = WeightCopies(views_a + views_b, ptrs_a, ptrs_b, flat_a, grid, table.ranks8)
+        entry = memo[dtype] = (table, shared[dtype])
     copies = entry[1]
     if fresh or torch._C._current_graph_task_id() == -1:  # -1: not inside a backward (no recomputation)
         # one launch through the pointer tables (torch._foreach_copy_ took 1.2x its time: see `K.COPY_META`)

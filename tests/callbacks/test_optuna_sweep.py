@@ -665,3 +665,69 @@ def test_trials_told_after_the_checkpoint_are_in_the_resumed_runs_registry_and_r
         assert rec.spec.lr == trial.params["lr"] and rec.spec.rank == trial.params["rank"]
         assert rec.last_val_loss == pytest.approx(trial.value) and rec.step == 6
         assert rec.export_path == str(tmp_path / "out" / f"trial-{number}")
+
+
+class _RecordingPruner(optuna.pruners.BasePruner):
+    """Prunes every trial validated at step 3; records what it was asked."""
+
+    def __init__(self) -> None:
+        self.asked = []
+
+    def prune(self, study, trial) -> bool:
+        self.asked.append((trial.number, trial.last_step))
+        return trial.last_step == 3
+
+
+@pytest.mark.parametrize("exit_first", [False, True])
+def test_the_pruner_is_asked_of_every_new_value_whichever_callback_reported_it(tmp_path, trainer_kwargs, exit_first):
+    """An adapter that exits in an earlier callback's validation hook (EarlyExit listed first) makes the sweep report
+    every trial's values then, without asking the pruner: it is asked of them in the sweep's own hook all the same."""
+    from lightning_multilora.registry import AdapterState as S
+
+    class ExitAtValidation(L.Callback):
+        def on_validation_end(self, trainer, pl_module):
+            if trainer.global_step == 3 and pl_module.registry["trial-0"].state == S.RUNNING:
+                pl_module.remove_adapter("trial-0", reason="overfit (a stand-in)", state=S.OVERFIT)
+
+    pruner = _RecordingPruner()
+    study = optuna.create_study(direction="minimize", pruner=pruner, storage=f"sqlite:///{tmp_path / 's.db'}")
+    sweep = OptunaSweep(SPACE, n_trials=2, study=study, base={"max_steps": 9, "batch_size": 2}, slots=2)
+    module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"))
+    callbacks = [ExitAtValidation(), sweep] if exit_first else [sweep, ExitAtValidation()]
+    L.Trainer(**dict(trainer_kwargs, val_check_interval=3), callbacks=callbacks).fit(module, dm())
+    assert (module.registry["trial-1"].state, module.registry["trial-1"].step) == (S.PRUNED, 3)
+    assert pruner.asked.count((1, 3)) == 1  # (once a value)
+
+
+def test_a_resumed_sweeps_registry_holds_no_trial_that_never_became_an_adapter(tmp_path, trainer_kwargs):
+    """Trials told FAIL as they were asked (they could never fit) after the checkpoint are counted, not recorded:
+    the resumed registry is the uninterrupted run's."""
+    import warnings
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_multilora.scheduling import AdmissionController
+
+    class Crash(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 11:
+                raise RuntimeError("node lost")
+
+    def run(root, callbacks, ckpt=None, **kwargs):
+        sweep = OptunaSweep(SPACE, n_trials=6, storage=f"sqlite:///{root / 's.db'}", slots=2,
+                            base={"max_steps": 6, "batch_size": 2}, sampler="random", seed=5)
+        never_rank_4 = AdmissionController(lambda specs: float(sum(8 if s.rank == 4 else 1 for s in specs)) * 2**30,
+                                           6 * 2**30, safety_margin=1.0)
+        module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(root / "out"), admission=never_rank_4)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "trial .* can never start")
+            L.Trainer(**dict(trainer_kwargs, val_check_interval=3, **kwargs), callbacks=[sweep, *callbacks]).fit(
+                module, dm(), ckpt_path=ckpt)
+        return module
+
+    reference = run(tmp_path / "ref", [])
+    save = ModelCheckpoint(dirpath=tmp_path / "x" / "ck", every_n_train_steps=6, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="node lost"):
+        run(tmp_path / "x", [Crash(), save], enable_checkpointing=True)
+    resumed = run(tmp_path / "x", [], ckpt=str(tmp_path / "x" / "ck" / "step=6.ckpt"))
+    assert {r.name: r.state for r in resumed.registry} == {r.name: r.state for r in reference.registry}

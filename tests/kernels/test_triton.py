@@ -1905,3 +1905,23 @@ def test_fp16_keeps_the_scaling_where_nothing_overflows(scaling):
     grads64 = torch.autograd.grad(y64, [x64, *w64.a, *w64.b], grad_out.double())
     for g, g64 in zip(grads, grads64):
         assert torch.isfinite(g).all() and rel(g, g64) < 1e-2
+
+
+def test_the_weight_copies_of_one_adapter_set_are_shared_by_its_layouts():
+    """The flat activation-dtype copies of fp32 adapters are the adapter set's, whatever the layout: a layer that keeps
+    the weights of several layouts (`MultiLoRALinear`) holds one copy, not one a layout."""
+    import dataclasses
+
+    from lightning_multilora.kernels.triton_lora import pointer_table, weight_copies
+
+    x, base, w = problem([8, 16], [5, 7], d_in=32, d_out=24, dtype=torch.float16, seed=3)
+    other = dataclasses.replace(w, starts=(0, 2), ends=(2, 9), memo={})  # the same adapters, another layout
+    device = torch.device(DEVICE)
+    copies = weight_copies(w, pointer_table(w, device), torch.float16, device)
+    assert pointer_table(other, device) is pointer_table(w, device)
+    assert weight_copies(other, pointer_table(other, device), torch.float16, device) is copies
+    assert torch.equal(copies.views[0], w.a[0].detach().half())
+    y1, _ = run(multi_lora_triton, x, base, w, False, torch.randn_like(base))
+    y2, _ = run(multi_lora_triton, x, base, other, False, torch.randn_like(base))  # (each refreshes the copies)
+    y_ref = multi_lora_reference(x.double(), base.double(), as64(w), False)
+    assert rel(y1, y_ref) <= 1e-2 and y2.shape == y1.shape

@@ -4,7 +4,7 @@
 
 MODE: parallel|single|stop|resume|resume_one|stop_single|resume_two|early_exit|early_exit_single|
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
-dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|replicated|hybrid|remove|remove_single|end_eval|
+dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|remove_single|end_eval|
 end_eval_single|refit. Several modes run one after
 the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
 of processes), each from the same seeds and with its own records, as if alone.
@@ -25,6 +25,7 @@ study in OUT_DIR/warmup_resumed.db) and resumed from there.
 ``optuna_admission``: OptunaSweep (random sampler, no ``slots``) asks 6 trials of batch 1 while the ``admission``
 controller's 2 "GiB" a device admit them (2 a rank).
 ``dpo`` / ``dpo_single``: a DPO adapter (5 steps) and an SFT one (2 steps): on 2 ranks, one each.
+``optuna_prune``: a study whose pruner prunes both trials at the run's last validation (Trainer max_steps=3).
 ``optuna_defaults``: OptunaSweep (3 random trials) and SweepReport with no directory given: the study, the exports
 and the summary go to the TensorBoard logger's directory.
 ``remove`` / ``remove_single``: a callback written as for one process (run on every rank) evaluates a0 and a1 after
@@ -120,6 +121,14 @@ def sweep_callbacks(out: Path, mode: str) -> tuple[list, Callable[[], Any]]:
 
         sweep = OptunaSweep(SPACE, n_trials=3, sampler="random", seed=1, base={"max_steps": 3, "batch_size": 1}, slots=2)
         return [sweep, SweepReport(print_table=False)], lambda: sweep.study
+    if mode == "optuna_prune":  # the study's pruner prunes both trials at the run's last validation (step 3)
+        class PruneFrom3(optuna.pruners.BasePruner):
+            def prune(self, study, trial):
+                return trial.last_step is not None and trial.last_step >= 3
+
+        study = optuna.create_study(pruner=PruneFrom3(), sampler=optuna.samplers.RandomSampler(seed=0))
+        return [OptunaSweep(SPACE, n_trials=2, study=study, base={"max_steps": 20, "batch_size": 1}, slots=2)], \
+            lambda: study
     if mode.startswith("warmup"):
         db = out / ("warmup_resumed" if mode in ("warmup_stop", "warmup_resume") else mode)
         sweep = OptunaSweep(SPACE, n_trials=4, storage=f"sqlite:///{db}.db", sampler="random", seed=3,
@@ -215,6 +224,8 @@ def run_mode(out: Path, mode: str) -> None:
     if sweep:
         callbacks, held_study = sweep_callbacks(out, mode)
         kwargs.update(callbacks=callbacks)
+    if mode == "optuna_prune":
+        kwargs.update(max_steps=3)  # (the run's last step: its validation is the last, no later exchange)
     if mode == "warmup_stop":
         from lightning.pytorch.callbacks import ModelCheckpoint
 

@@ -72,7 +72,8 @@ SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_s
                 *(["optuna_single", "warmup_single"] if OPTUNA else [])]
 TWO_RANK_MODES = ["parallel", "stop", "resume_two", "early_exit", "early_exit_resume_two", "replicated", "dpo", "remove",
                   "end_eval", "refit", "admission",
-                  *(["optuna_admission", "optuna", "optuna_defaults", "warmup", "warmup_stop"] if OPTUNA else [])]
+                  *(["optuna_admission", "optuna", "optuna_defaults", "optuna_prune", "warmup", "warmup_stop"]
+                    if OPTUNA else [])]
 # resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
 RESUME_MODES = ["resume", *(["warmup_resume"] if OPTUNA else [])]
 
@@ -469,6 +470,16 @@ def test_an_optuna_sweep_asks_and_tells_from_rank_zero_and_runs_the_trials_of_on
     assert_study_used_from_rank_zero_once_per_result(ranks, ranks[0]["study"])
     assert_same_study(ranks[0]["study"], single["study"])
     assert_same_exports(runs, "optuna", single["states"])
+
+
+def test_trials_the_studys_pruner_prunes_at_the_last_validation_are_told_from_every_rank(runs):
+    """Each owner prunes its trial; the exits reach rank 0 at once, which tells both PRUNED (rank 1's stayed RUNNING:
+    the run ended before another exchange)."""
+    pytest.importorskip("optuna")
+    ranks = [json.loads((runs / f"optuna_prune.rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["states"] == ranks[1]["states"] == {"trial-0": ["pruned", 3], "trial-1": ["pruned", 3]}
+    assert ranks[0]["owned"] and ranks[1]["owned"]  # (one trial a rank)
+    assert [row["state"] for row in ranks[0]["study"]] == ["PRUNED", "PRUNED"]
 
 
 def test_the_default_directories_are_asked_on_every_rank(runs):
