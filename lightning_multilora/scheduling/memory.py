@@ -96,8 +96,9 @@ class AnalyticMemoryModel:
 
     Activations per token and layer follow Korthikanti et al. (the formula PLoRA's appendix sums per
     module): without checkpointing every layer keeps ``act_per_token_layer`` bytes per token; with it,
-    each layer keeps its input and one layer's worth is live during recomputation. LoRA adds ``r`` values
-    per target per token (PLoRA's ``b * s * r``). The loss: where it is computed over all tokens at once (the module's
+    each layer keeps its input and one layer's worth is live during recomputation. LoRA adds, per targeted
+    projection and token of the batch, as many values as the widest rank there, rounded up to 16 (the kernels'
+    ``S``; PLoRA's ``b * s * r`` per adapter). The loss: where it is computed over all tokens at once (the module's
     own, ``loss_chunk_tokens`` None), the model's logits (``activation_bytes``), their fp32 log-softmax, kept for the
     backward, and in the backward its gradient and the logits' fp32 one, per token and vocabulary entry (the module's
     loss peaked at 14 bytes per token and entry in bf16, its backward included); where it is computed chunk by
@@ -129,8 +130,8 @@ class AnalyticMemoryModel:
         return self.shape.adapter_params(rank, targets) * per_param
 
     def activations(self, tokens: int, lora_rank_tokens: float = 0.0) -> float:
-        """Activation bytes of a step over ``tokens`` tokens; ``lora_rank_tokens`` = sum over adapters of
-        ``rank * tokens * len(targets)`` (the low-rank intermediates kept for backward)."""
+        """Activation bytes of a step over ``tokens`` tokens; ``lora_rank_tokens``: the elements of the low-rank
+        intermediates ``S`` one layer keeps for backward (`predict` counts them as the GPU kernels make them)."""
         h = self.shape.hidden
         layers = self.shape.num_layers
         if self.gradient_checkpointing:
@@ -149,7 +150,14 @@ class AnalyticMemoryModel:
     def predict(self, adapters: Sequence[tuple[int, int, Sequence[str]]], seq_len: int) -> float:
         """Peak bytes for adapters given as ``(rank, batch_size, targets)`` at ``seq_len`` tokens per row."""
         tokens = sum(b for _, b, _ in adapters) * seq_len
-        lora_tokens = sum(r * b * seq_len * len(t) for r, b, t in adapters)
+        widest: dict[str, int] = {}
+        for rank, _, targets in adapters:
+            for target in targets:
+                widest[target] = max(widest.get(target, 0), rank)
+        # The kernels keep one S a targeted projection and layer: a row for every token of the batch (any adapter's),
+        # as wide as the projection's widest rank rounded up to 16 (PLoRA counts rank x tokens for each adapter: at
+        # ranks 8..128 that was half of it, at r=2 an eighth)
+        lora_tokens = tokens * sum(16 * -(-rank // 16) for rank in widest.values())
         return (self.base_bytes() + sum(self.adapter_bytes(r, t) for r, _, t in adapters)
                 + self.activations(tokens, lora_tokens))
 

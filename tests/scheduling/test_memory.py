@@ -59,6 +59,19 @@ def test_the_analytic_model_grows_with_adapters_batch_and_rank_and_checkpointing
     assert AnalyticMemoryModel(SHAPE, activation_bytes=4.0).adapter_bytes(16) == params * 4 * 4
 
 
+def test_the_analytic_model_counts_the_low_rank_intermediates_as_the_kernels_keep_them():
+    """One S a targeted projection and layer: every token of the batch, as wide as the widest rank there rounded up
+    to 16 (a rank-8 adapter beside a rank-100 one keeps 112 columns too; another adapter's tokens are rows of it)."""
+    model = AnalyticMemoryModel(SHAPE)
+    adapters = [(8, 1, ["q_proj"]), (100, 2, ["q_proj", "v_proj"])]
+    tokens = 3 * 10
+    expected = (model.base_bytes() + model.adapter_bytes(8, ["q_proj"]) + model.adapter_bytes(100, ["q_proj", "v_proj"])
+                + model.activations(tokens, tokens * (112 + 112)))
+    assert model.predict(adapters, 10) == pytest.approx(expected)
+    rank_2 = model.base_bytes() + model.adapter_bytes(2, ["q_proj"]) + model.activations(10, 10 * 16)
+    assert model.predict([(2, 1, ["q_proj"])], 10) == pytest.approx(rank_2)  # (16 columns for a rank of 2)
+
+
 def test_the_fit_recovers_a_linear_law_and_fits_the_measured_peaks():
     law = lambda tokens, params: 15e9 + 3e5 * tokens + 16 * params  # noqa: E731
     synthetic = [MemoryPoint(n, b, 512, n * 1000, law(n * b * 512, n * 1000)) for n, b in [(1, 1), (2, 4), (8, 1), (4, 2)]]
