@@ -29,9 +29,13 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: Any) -> torch.dtype:
+    """A base's dtype by name (``"bfloat16"``), or the torch dtype itself (``torch.bfloat16``, as Hugging Face takes
+    it)."""
+    if isinstance(name, torch.dtype) and name in DTYPES.values():
+        return name
     if name not in DTYPES:
-        raise ValueError(f"`dtype` can be {', '.join(DTYPES)}, got {name!r}")
+        raise ValueError(f"`dtype` can be {', '.join(DTYPES)} (or the torch dtype), got {name!r}")
     return DTYPES[name]
 
 

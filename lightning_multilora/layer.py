@@ -6,7 +6,7 @@ import math
 import numbers
 import re
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 import warnings
 from operator import is_, itemgetter
@@ -369,6 +369,9 @@ class LoRALayers(Mapping):
         if target_modules is None:
             return list(self._layers)
         if not isinstance(target_modules, str):
+            if not isinstance(target_modules, Iterable) or not all(isinstance(t, str) for t in target_modules):
+                raise ValueError(f"`target_modules` must be a list of module names, a regex string or None, got "
+                                 f"{target_modules!r}")
             missing = [t for t in target_modules if not any(_matches(n, [t]) for n in self._layers)]
             if missing:
                 raise ValueError(
@@ -626,16 +629,23 @@ class LoRALayers(Mapping):
 
     def load_peft_state_dict(self, name: str, state: Mapping[str, Tensor], prefix: str = "base_model.model.") -> None:
         """Load adapter ``name``'s weights from PEFT's key names (`peft_state_dict`'s): every layer it targets, each
-        weight of its own shape (a ValueError names what is missing, of another shape, or for layers it does not
-        target; nothing is loaded then)."""
+        weight of its own shape (a ValueError names what is missing, of another shape, for layers it does not
+        target, not a tensor, or LoRA weights a plain LoRA adapter has no place for, such as DoRA's magnitudes or
+        LoRA biases; nothing is loaded then)."""
         expected = {f"{prefix}{layer_name}.lora_{ab}.weight": getattr(self._layers[layer_name], f"lora_{ab}")[name]
                     for layer_name in self._targets[name] for ab in "AB"}
         missing = sorted(k for k in expected if k not in state)
-        extra = sorted(k for k in state if k not in expected and re.search(r"\.lora_[AB]\.weight$", k))
+        lora = [k for k in state if k not in expected and ".lora_" in k]
+        extra = sorted(k for k in lora if re.search(r"\.lora_[AB]\.weight$", k))
+        unsupported = sorted(k for k in lora if k not in extra)
+        not_tensors = sorted(k for k in expected if k in state and not isinstance(state[k], Tensor))
         shapes = [f"{k} {tuple(state[k].shape)} (adapter {name!r}'s is {tuple(p.shape)})"
-                  for k, p in expected.items() if k in state and state[k].shape != p.shape]
-        problems = [what for what, found in ((f"missing {missing}", missing), (f"not targeted by it {extra}", extra),
-                                             (f"other shapes: {', '.join(shapes)}", shapes)) if found]
+                  for k, p in expected.items() if k in state and k not in not_tensors and state[k].shape != p.shape]
+        problems = [what for what, found in (
+            (f"missing {missing}", missing), (f"not targeted by it {extra}", extra),
+            (f"not plain LoRA weights (DoRA magnitudes, LoRA biases, embeddings: not supported) {unsupported}",
+             unsupported), (f"not tensors {not_tensors}", not_tensors),
+            (f"other shapes: {', '.join(shapes)}", shapes)) if found]
         if problems:
             raise ValueError(f"weights for adapter {name!r} do not fit it: {'; '.join(problems)}")
         with torch.no_grad():
@@ -740,6 +750,9 @@ def inject_multilora(
     listing the model's linear modules.
     """
     if not isinstance(target_modules, str):
+        if not isinstance(target_modules, Iterable) or not all(isinstance(t, str) for t in target_modules):
+            raise ValueError(f"`target_modules` must be a list of module names, a regex string or 'all-linear', got "
+                             f"{target_modules!r}")
         target_modules = list(target_modules)
         if not target_modules:
             raise ValueError("`target_modules` must name at least one module")

@@ -342,11 +342,15 @@ class MultiLoRAMixin:
             directory = own if own is not None and own.parent == root else root / name
             taken = directory
             version = 0
-            while ((directory / "adapter_config.json").exists() and not self._wrote(directory, name)
-                   and str(directory) != rec.export_path):
+            while ((directory.exists() and not directory.is_dir())  # (a file of that name)
+                   or ((directory / "adapter_config.json").exists() and not self._wrote(directory, name)
+                       and str(directory) != rec.export_path)):
                 version += 1  # another run's adapter, or another adapter's of this run (`a` versioned into `a-v1`)
                 directory = root / f"{name}-v{version}"
-            if version:
+            if version and not taken.is_dir():
+                warnings.warn(f"adapter {name!r}: {taken} is a file; it is kept, and this adapter is written to "
+                              f"{directory}")
+            elif version:
                 stamp = self._stamp(taken)
                 whose = (f"this run's adapter {stamp[1]!r}" if stamp is not None and stamp[0] == self._run_id
                          else "another run's")
@@ -1461,12 +1465,20 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
-        from lightning_multilora.base_model import build_base_model
+        from lightning_multilora.base_model import build_base_model, resolve_dtype
 
         check_bool("MultiLoRAModule", "gradient_checkpointing", gradient_checkpointing)
         check_int("MultiLoRAModule", "base_seed", base_seed, -2**63, high=2**63 - 1)  # (torch's seeds: 64-bit)
         if isinstance(base_model, nn.Module):
+            given = [f"`{n}`" for n, v in (("config_overrides", config_overrides), ("quantization", quantization))
+                     if v is not None]
+            if given:  # (they build a model: one given is used as it is)
+                verb = "apply" if len(given) > 1 else "applies"
+                raise ValueError(f"{' and '.join(given)} {verb} to a base the module builds (a built-in name or a "
+                                 f"checkpoint path); `base_model` is a module given as it is: build it so instead")
             model = base_model
+            if resolve_dtype(dtype) != torch.float32:  # (the default leaves a given module's dtype as it is)
+                model = model.to(resolve_dtype(dtype))
         else:
             model = build_base_model(base_model, config_overrides, dtype, base_seed, quantization)
         model.train()  # from_pretrained returns eval mode; Lightning trains modules as they are

@@ -297,6 +297,15 @@ def test_peft_weights_of_another_rank_or_targets_are_refused_not_broadcast():
         layers.load_peft_state_dict("a", layers.peft_state_dict("qv"))
     with pytest.raises(ValueError, match=r"missing \[.*q_proj.lora_B.weight"):
         layers.load_peft_state_dict("a", {k: v for k, v in good.items() if "lora_A" in k})
+    # DoRA's magnitudes and LoRA biases (PEFT's use_dora / lora_bias) have no place here: ignored, outputs were wrong
+    dora = {k.replace("lora_A.weight", "lora_magnitude_vector"): torch.ones(64) for k in good if "lora_A" in k}
+    with pytest.raises(ValueError, match=r"not plain LoRA weights .*lora_magnitude_vector"):
+        layers.load_peft_state_dict("a", {**good, **dora})
+    with pytest.raises(ValueError, match=r"not plain LoRA weights .*lora_B.bias"):
+        layers.load_peft_state_dict("a", {**good, **{k.replace("weight", "bias"): torch.zeros(64) for k in good
+                                                     if "lora_B" in k}})
+    with pytest.raises(ValueError, match=r"not tensors \["):
+        layers.load_peft_state_dict("a", {k: v.tolist() for k, v in good.items()})
     assert all(torch.equal(v, before[k]) for k, v in layers.peft_state_dict("a").items())  # nothing loaded
 
 
@@ -330,3 +339,15 @@ def test_a_bad_layout_is_named_and_a_good_one_holds_tuples_of_ints(args, message
         BatchLayout(*args)
     layout = BatchLayout(["a"], [np.int64(0)], [1], np.int64(2))
     assert layout == BatchLayout(("a",), (0,), (1,), 2) and type(layout.starts[0]) is int and hash(layout.starts)
+
+
+@pytest.mark.parametrize("targets", [None, ["q_proj", 3], 3])
+def test_target_modules_that_are_not_names_are_named(targets):
+    with pytest.raises(ValueError, match=r"`target_modules` must be a list of module names, a regex string or "
+                                         r"'all-linear', got"):
+        inject_multilora(build_base_model("tiny-llama"), targets)
+    layers = inject_multilora(build_base_model("tiny-llama"), ["q_proj"])
+    if targets is not None:
+        with pytest.raises(ValueError, match=r"`target_modules` must be a list of module names, a regex string or "
+                                             r"None, got"):
+            layers.add_adapter("a", rank=2, alpha=4, target_modules=targets)

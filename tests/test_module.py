@@ -633,6 +633,37 @@ def test_an_export_where_another_runs_adapter_is_goes_beside_it(tmp_path, traine
         assert second_module.save_adapter("best") == tmp_path / "adapters" / "best-v1"
 
 
+def test_a_file_where_an_adapters_export_folder_goes_is_kept_and_the_export_goes_beside_it(tmp_path, trainer_kwargs):
+    """(It raised FileExistsError as the adapter exited, and the export retried at the error failed alike.)"""
+    (tmp_path / "adapters").mkdir()
+    (tmp_path / "adapters" / "best").write_text("notes")
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("best", rank=2, batch_size=1, max_steps=2)],
+                             export_dir=str(tmp_path / "adapters"), validate_on_finish=False)
+    with pytest.warns(UserWarning, match=r"adapters/best is a file; it is kept, and this adapter is written to "
+                                         r".*adapters/best-v1"):
+        L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    assert (tmp_path / "adapters" / "best").read_text() == "notes"
+    assert module.registry["best"].export_path == str(tmp_path / "adapters" / "best-v1")
+
+
+def test_a_module_given_as_the_base_refuses_build_options_and_takes_a_dtype():
+    from lightning_multilora.base_model import build_base_model
+
+    for kwargs, named in ((dict(quantization="nf4"), "`quantization` applies"),
+                          (dict(config_overrides={"num_hidden_layers": 1}, quantization="nf4"),
+                           "`config_overrides` and `quantization` apply")):
+        with pytest.raises(ValueError, match=f"{named} to a base the module builds"):
+            MultiLoRAModule(build_base_model("tiny-llama"), **kwargs)
+    given = build_base_model("tiny-llama")
+    assert MultiLoRAModule(given).model is given and next(given.parameters()).dtype == torch.float32
+    assert next(MultiLoRAModule(build_base_model("tiny-llama"), dtype="bfloat16").model.parameters()).dtype \
+        == torch.bfloat16
+    assert next(MultiLoRAModule("tiny-llama", dtype=torch.float16).model.parameters()).dtype == torch.float16
+    with pytest.raises(ValueError, match=r"`dtype` can be float32, bfloat16, float16 \(or the torch dtype\), got "
+                                         r"torch.float64"):
+        MultiLoRAModule("tiny-llama", dtype=torch.float64)
+
+
 def test_a_resume_queues_new_adapters_applies_edits_to_queued_ones_and_warns_of_the_rest(tmp_path, trainer_kwargs):
     """The checkpoint's registry is the run's; an adapter given now and not in it is queued, a queued one takes the
     spec given now, a started one keeps its own (the change is named in a warning). A finished run resumed with
