@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib import resources
+from pathlib import Path
 from typing import Optional
 
 from jsonargparse import DefaultHelpFormatter
@@ -23,6 +24,12 @@ from lightning_multilora.module import MultiLoRAModule
 class MultiLoRACLI(LightningCLI):
     """Adds the sweep report and step-based validation defaults (the training stream is endless:
     a run ends when every adapter has finished)."""
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit`` alone: a run's adapters come and go within it (LightningCLI's validate ran idle forwards and
+        reported nothing; test and predict have no step here). Validation losses are the run's, per adapter."""
+        return {"fit": LightningCLI.subcommands()["fit"]}
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(SweepReport, "report")
@@ -47,7 +54,14 @@ class MultiLoRACLI(LightningCLI):
     def before_fit(self) -> None:
         from lightning_multilora.strategies.adapter_parallel import check_resume_path
 
-        check_resume_path(self.config_init[self.subcommand].get("ckpt_path"), self.trainer.strategy)
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        check_resume_path(ckpt_path, self.trainer.strategy)
+        log_dir = self.trainer.log_dir  # (a logger's next version: new; without a logger, the root directory)
+        previous = [n for n in PREVIOUS_RUN_FILES if log_dir and (Path(log_dir) / n).exists()]
+        if previous and ckpt_path is None:  # (its study would be continued, its config and summary written over)
+            self.parser.error(f"the log directory {log_dir} holds another run's {', '.join(previous)}: give this run "
+                              "its own (--trainer.default_root_dir, or a logger that versions its runs), or resume "
+                              "that run with --ckpt_path")
 
 
 def config_error(err: Exception) -> str:
@@ -70,7 +84,10 @@ def demo_config() -> str:
     return str(resources.files("lightning_multilora") / "configs" / "demo.yaml")
 
 
-COMMANDS = """commands beside LightningCLI's (fit, validate, ...):
+# What a run leaves in its log directory (besides the logger's files), which another run there would write over
+PREVIOUS_RUN_FILES = ("config.yaml", "sweep_summary.json", "optuna.db")
+
+COMMANDS = """commands beside fit:
   demo [--trainer.max_steps 50]  the packaged default sweep (configs/demo.yaml): fit with its config
   schedule TASKS.yaml            plan tasks on the GPUs (CP-SAT), print a table and a Gantt chart, run them
                                  (`multilora schedule --help`)"""

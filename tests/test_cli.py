@@ -93,6 +93,27 @@ def test_an_adapter_parallel_checkpoint_resumed_in_one_process_is_a_named_error(
               "--ckpt_path", str(folder)])
 
 
+@pytest.mark.parametrize("name", ["config.yaml", "sweep_summary.json", "optuna.db"])
+def test_a_run_into_another_runs_log_directory_is_refused_unless_it_resumes_it(tmp_path, capsys, name):
+    """Without a logger the log directory is the root: a second run there continued the first's study and wrote over
+    its config and summary, silently."""
+    (tmp_path / name).write_text("")
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(tmp_path), "--trainer.logger",
+              "false"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"the log directory {tmp_path} holds another run's {name}" in err, err
+    assert "Traceback" not in err
+
+
+def test_fit_is_the_one_lightning_subcommand(capsys):
+    """(validate ran idle forwards and reported nothing; test and predict ended in a traceback.)"""
+    for command in ("validate", "test", "predict"):
+        with pytest.raises(SystemExit) as done:
+            main([command, "--config", demo_config()])
+        assert done.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("targets", ["all-linear", r".*\.self_attn\.(q|v)_proj"])
 def test_the_modules_targets_may_be_a_string_as_in_python(targets, capsys):
     """``--model.target_modules all-linear`` (or a regex), as the Python API and PEFT take them; the parser wanted a
