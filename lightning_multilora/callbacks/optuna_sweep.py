@@ -133,6 +133,25 @@ def _check_minimizes(study: "optuna.Study", field: str) -> None:
                          f"validation loss: give a study made with direction='minimize' (or another `study_name`)")
 
 
+def _check_choices(study: "optuna.Study", distributions: Mapping[str, Any]) -> None:
+    """A categorical parameter of the search space whose choices differ from those of the study's trials is a named
+    error (Optuna refuses it at the first ask: "CategoricalDistribution does not support dynamic value space")."""
+    import optuna
+
+    categorical = optuna.distributions.CategoricalDistribution
+    seen: dict[str, Any] = {}
+    for trial in study.get_trials(deepcopy=False):
+        for name, dist in trial.distributions.items():
+            seen.setdefault(name, dist)
+    for name, dist in seen.items():
+        mine = distributions.get(name)
+        if isinstance(mine, categorical) and isinstance(dist, categorical) and mine.choices != dist.choices:
+            raise ValueError(f"OptunaSweep `search_space` {name!r}: choices {list(mine.choices)}, and study "
+                             f"{study.study_name!r} holds trials of choices {list(dist.choices)} (Optuna keeps a "
+                             "categorical parameter's choices): give the study's choices, or another `study_name` "
+                             "(or `storage`)")
+
+
 class OptunaSweep(Callback):
     """Fills free adapter slots with trials asked from an Optuna study (ask/tell), many trials per run.
 
@@ -297,6 +316,7 @@ class OptunaSweep(Callback):
                 self.first_trial = len(self.study.get_trials(deepcopy=False))
         if not self._opened:
             self._opened = True
+            _check_choices(self.study, self.distributions)
             self._find_orphans(self.study)  # before the stale trials are failed: they are this sweep's, alive
             self._beat(force=True)  # a resumed sweep's trials are alive, however long it was stopped
         return self.study

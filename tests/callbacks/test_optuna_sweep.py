@@ -731,3 +731,15 @@ def test_a_resumed_sweeps_registry_holds_no_trial_that_never_became_an_adapter(t
         run(tmp_path / "x", [Crash(), save], enable_checkpointing=True)
     resumed = run(tmp_path / "x", [], ckpt=str(tmp_path / "x" / "ck" / "step=6.ckpt"))
     assert {r.name: r.state for r in resumed.registry} == {r.name: r.state for r in reference.registry}
+
+
+def test_other_choices_of_a_categorical_parameter_over_an_existing_study_are_named(tmp_path, trainer_kwargs):
+    """(Optuna's own error named neither the parameter nor the study, deep in the first ask.)"""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    fit(tmp_path / "one", trainer_kwargs, OptunaSweep(SPACE, n_trials=1, storage=storage,
+                                                      base={"max_steps": 3, "batch_size": 2}))
+    other = dict(SPACE, rank={"type": "categorical", "choices": [2, 8]})
+    with pytest.raises(ValueError, match=r"`search_space` 'rank': choices \[2, 8\], and study 'multilora' holds "
+                                         r"trials of choices \[2, 4\]"):
+        fit(tmp_path / "two", trainer_kwargs, OptunaSweep(other, n_trials=1, storage=storage,
+                                                          base={"max_steps": 3, "batch_size": 2}))
