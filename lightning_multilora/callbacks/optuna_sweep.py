@@ -705,10 +705,16 @@ class OptunaSweep(Callback):
         unfinished = [info["number"] for name, info in self.trials.items() if not info["told"] and not info.get("lost")
                       and name in pl_module.registry and not pl_module.registry[name].state.exited]
         if unfinished and self.study is not None:
+            trainer = getattr(pl_module, "_trainer", None)
+            saved = [p for cb in getattr(trainer, "checkpoint_callbacks", []) or []
+                     for p in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")) if p]
+            how = (f"Resume from the last checkpoint ({saved[0]}; the steps after it are trained again) with a larger "
+                   "Trainer max_steps to finish and tell them" if saved else
+                   "No checkpoint of this run was saved, so none can resume them (a ModelCheckpoint saves at each "
+                   "validation, `val_check_interval`)")
             warnings.warn(f"trials {sorted(unfinished)} stay RUNNING in study {self.study.study_name!r}: the Trainer "
                           "stopped (its max_steps or max_time) before their adapters finished (those that had started "
-                          "are exported as they are). Resume from the last checkpoint with a larger Trainer max_steps "
-                          "to finish and tell them")
+                          f"are exported as they are). {how}")
         return {"specs": [], "state": self.state_dict()}
 
     @override
