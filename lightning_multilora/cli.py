@@ -56,6 +56,23 @@ class MultiLoRACLI(LightningCLI):
 
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         check_resume_path(ckpt_path, self.trainer.strategy)
+        # What the fit would find wrong only once under way (the base loaded, a log version made), found now and
+        # said as a parse error is: a checkpoint that is not there, a tokenizer that does not load, an adapter's
+        # unknown `dataset`, nothing to train
+        path = str(ckpt_path) if ckpt_path is not None else None
+        if path is not None and path not in ("last", "best", "hpc", "registry") and "://" not in path \
+                and not Path(path).exists():
+            self.parser.error(f"`ckpt_path` {path!r}: no such checkpoint file or folder")
+        try:
+            self.datamodule.tokenizer
+            for rec in self.model.registry:
+                self.datamodule.source_name(rec.spec.dataset)
+        except (ValueError, OSError) as err:
+            self.parser.error(str(err))
+        providers = [cb for cb in self.trainer.callbacks if hasattr(cb, "has_pending_candidates")]
+        if ckpt_path is None and not len(self.model.registry) and not providers:
+            self.parser.error("no adapter to train: give `model.adapters`, `model.grid`, or a callback that asks them "
+                              "(lightning_multilora.callbacks.OptunaSweep)")
         log_dir = self.trainer.log_dir  # (a logger's next version: new; without a logger, the root directory)
         previous = [n for n in PREVIOUS_RUN_FILES if log_dir and (Path(log_dir) / n).exists()]
         if previous and ckpt_path is None:  # (its study would be continued, its config and summary written over)
