@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 import warnings
 from operator import is_, itemgetter
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -123,14 +123,13 @@ class MultiLoRALinear(nn.Module):
         # per adapter, its dropout stream: (its seed in this layer, its slot in the context's step counters), set by
         # `LoRALayers`; an adapter without one draws its masks from torch's random state
         self.streams: dict[str, tuple[int, int]] = {}
-        self._version = 0  # bumped when adapters change, invalidating the cached LoRAWeights
         # the LoRAWeights of the last `KEPT_LAYOUTS` layouts, the most recent last (each keeps the device tables the
         # kernels made for it: a layout met again, as after an epoch's last short batch, or captured in a CUDA graph
         # after other layouts ran, finds them)
         self._kept: OrderedDict[tuple, Optional[LoRAWeights]] = OrderedDict()
         self._weights: Optional[LoRAWeights] = None
         self._dropout_on = False  # the cached weights have adapters with dropout, and their streams
-        # (layout object, tokens per row, version, direct_grads, shadows fresh)
+        # (layout object, tokens per row, direct_grads, shadows fresh)
         self._weights_seen: Optional[tuple] = None
 
     @property
@@ -159,7 +158,7 @@ class MultiLoRALinear(nn.Module):
         self.lora_B[name] = nn.Parameter(b.to(device))
         self.scaling[name] = alpha / math.sqrt(rank) if use_rslora else alpha / rank
         self.dropout[name] = float(dropout)
-        self._version += 1
+        self.forget_weights()
 
     def remove_adapter(self, name: str) -> None:
         if name not in self.lora_A:
@@ -170,14 +169,17 @@ class MultiLoRALinear(nn.Module):
         del self.dropout[name]
         self.shadows.pop(name, None)
         self.streams.pop(name, None)
-        self._version += 1
-        self._kept.clear()  # (they hold its parameters)
+        self.forget_weights()
+
+    def forget_weights(self) -> None:
+        """Drop the cached LoRAWeights of every layout: the adapters, their parameters or their shadows changed (the
+        cache would hold removed ones); the next forward builds them anew."""
+        self._kept.clear()
         self._weights = self._weights_seen = None
 
     def _apply(self, fn, *args, **kwargs):
         # moved or cast (``.to``, ``.cuda``, ``.half``): the cached weights' device state is rebuilt at the next forward
-        self._weights = self._weights_seen = None
-        self._kept.clear()
+        self.forget_weights()
         before = next(iter(self.lora_A.values())).device if len(self.lora_A) else None
         out = super()._apply(fn, *args, **kwargs)
         after = next(iter(self.lora_A.values())).device if len(self.lora_A) else None
@@ -224,15 +226,12 @@ class MultiLoRALinear(nn.Module):
         (forward, recomputation and backward of a step, and steps with the same shapes)."""
         seen = self._weights_seen
         shadows = self.context.shadows
-        if (seen is not None and seen[0] is layout and seen[1] == tokens_per_row and seen[2] == self._version
-                and seen[3] == self.direct_grads and seen[4] == shadows):
+        if (seen is not None and seen[0] is layout and seen[1] == tokens_per_row and seen[2] == self.direct_grads
+                and seen[3] == shadows):
             return self._weights  # the same layout object (treated as immutable): no key to build and compare
-        key = (layout.names, layout.starts, layout.ends, tokens_per_row, self._version, self.direct_grads, shadows,
-               layout.padding_side)
+        key = (layout.names, layout.starts, layout.ends, tokens_per_row, self.direct_grads, shadows, layout.padding_side)
         weights = self._kept.get(key, _UNSEEN)
         if weights is _UNSEEN:
-            if any(k[4] != self._version for k in self._kept):
-                self._kept.clear()  # (adapters added or removed: the old weights would hold removed ones)
             held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
             weights = None
             copies: tuple[tuple[Tensor, Tensor], ...] = ()
@@ -266,7 +265,7 @@ class MultiLoRALinear(nn.Module):
         self._weights = weights
         self._dropout_on = (weights is not None and weights.streams is not None
                             and any(p > 0 for p in weights.dropout))
-        self._weights_seen = (layout, tokens_per_row, self._version, self.direct_grads, shadows)
+        self._weights_seen = (layout, tokens_per_row, self.direct_grads, shadows)
         return self._weights
 
     def extra_repr(self) -> str:
@@ -285,6 +284,13 @@ def _check_adapter_args(where: str, name: Any, rank: Any, alpha: Any, dropout: A
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"{where}: `dtype` must be a floating torch.dtype (torch.float32, torch.bfloat16, ...), got "
                          f"{dtype!r}")
+
+
+def _check_target_names(target_modules: Any, otherwise: str) -> None:
+    """``target_modules`` that are not a string: module names, or a named error (``otherwise``: what else it takes)."""
+    if not isinstance(target_modules, Iterable) or not all(isinstance(t, str) for t in target_modules):
+        raise ValueError(f"`target_modules` must be a list of module names, a regex string or {otherwise}, got "
+                         f"{target_modules!r}")
 
 
 def _compute_dtype(base: nn.Module) -> Optional[torch.dtype]:
@@ -369,9 +375,7 @@ class LoRALayers(Mapping):
         if target_modules is None:
             return list(self._layers)
         if not isinstance(target_modules, str):
-            if not isinstance(target_modules, Iterable) or not all(isinstance(t, str) for t in target_modules):
-                raise ValueError(f"`target_modules` must be a list of module names, a regex string or None, got "
-                                 f"{target_modules!r}")
+            _check_target_names(target_modules, "None")
             missing = [t for t in target_modules if not any(_matches(n, [t]) for n in self._layers)]
             if missing:
                 raise ValueError(
@@ -469,7 +473,7 @@ class LoRALayers(Mapping):
                 self._flat[name] = make_flat(params)
             self._sync_shadow(name)
         for layer in self._layers.values():
-            layer._version += 1
+            layer.forget_weights()
 
     def _shadow_dtype(self, name: str) -> Optional[torch.dtype]:
         """The dtype adapter ``name``'s shadow should have (None: it should have none)."""
@@ -501,7 +505,7 @@ class LoRALayers(Mapping):
                 layer.shadows.pop(name, None)
             else:  # (the views are in `parameters_of`'s order: A and B of each layer)
                 layer.shadows[name] = (shadow.views[2 * i], shadow.views[2 * i + 1])
-            layer._version += 1
+            layer.forget_weights()
         self._attached[name] = shadow
         return shadow
 
@@ -750,9 +754,7 @@ def inject_multilora(
     listing the model's linear modules.
     """
     if not isinstance(target_modules, str):
-        if not isinstance(target_modules, Iterable) or not all(isinstance(t, str) for t in target_modules):
-            raise ValueError(f"`target_modules` must be a list of module names, a regex string or 'all-linear', got "
-                             f"{target_modules!r}")
+        _check_target_names(target_modules, "'all-linear'")
         target_modules = list(target_modules)
         if not target_modules:
             raise ValueError("`target_modules` must name at least one module")

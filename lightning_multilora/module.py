@@ -581,20 +581,23 @@ class MultiLoRAMixin:
         ones before them: within `max_running` and, with an ``admission`` controller, its memory budget (each rank's,
         under adapter parallelism). With no adapter running, the first is always among them."""
         running = [r.spec for r in self.registry.running]
-        placement = self._placement()
         chosen: list[AdapterSpec] = []
         for spec in specs:
             if self.max_running is not None and len(running) + len(chosen) >= self.max_running:
                 break
-            if self.admission is not None and (running or chosen):
-                if placement is not None and hasattr(placement, "select_admitted"):
-                    fits = bool(placement.select_admitted(self.admission, running + chosen, [spec]))
-                else:
-                    fits = self.admission.fits(running + chosen + [spec])
-                if not fits:
-                    continue
+            if self.admission is not None and (running or chosen) and not self.admitted(running + chosen, [spec]):
+                continue
             chosen.append(spec)
         return chosen
+
+    def admitted(self, running: Sequence[AdapterSpec], candidates: Sequence[AdapterSpec],
+                 freed: Optional[AdapterSpec] = None) -> list[AdapterSpec]:
+        """The ``admission`` controller's choice of ``candidates`` to start beside ``running`` (under adapter
+        parallelism each rank's adapters against its memory: `AdapterParallelStrategy.select_admitted`)."""
+        placement = self._placement()
+        if placement is not None and hasattr(placement, "select_admitted"):
+            return placement.select_admitted(self.admission, running, candidates, freed)
+        return self.admission.select(running, candidates, freed)
 
     def _admit(self) -> None:
         """Start queued adapters while slots are free (and, with an admission controller, while they fit)."""
@@ -615,11 +618,7 @@ class MultiLoRAMixin:
         if self.admission is not None and queued:
             running = [r.spec for r in self.registry.running]
             by_name = {r.name: r for r in queued}
-            if placement is not None and hasattr(placement, "select_admitted"):  # each rank's adapters, its memory
-                chosen = placement.select_admitted(self.admission, running, [r.spec for r in queued],
-                                                   self._freed_spec)
-            else:
-                chosen = self.admission.select(running, [r.spec for r in queued], self._freed_spec)
+            chosen = self.admitted(running, [r.spec for r in queued], self._freed_spec)
             queued = [by_name[s.name] for s in chosen]
         self._freed_spec = None
         for rec in queued:
@@ -1477,8 +1476,8 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
                 raise ValueError(f"{' and '.join(given)} {verb} to a base the module builds (a built-in name or a "
                                  f"checkpoint path); `base_model` is a module given as it is: build it so instead")
             model = base_model
-            if resolve_dtype(dtype) != torch.float32:  # (the default leaves a given module's dtype as it is)
-                model = model.to(resolve_dtype(dtype))
+            if (torch_dtype := resolve_dtype(dtype)) != torch.float32:  # (the default leaves a module's dtype be)
+                model = model.to(torch_dtype)
         else:
             model = build_base_model(base_model, config_overrides, dtype, base_seed, quantization)
         model.train()  # from_pretrained returns eval mode; Lightning trains modules as they are

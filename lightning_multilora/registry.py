@@ -99,11 +99,7 @@ class AdapterRegistry:
         self._records: dict[str, AdapterRecord] = {}
 
     def add(self, spec: AdapterSpec) -> AdapterRecord:
-        if spec.name in self._records:
-            raise ValueError(f"duplicate adapter name {spec.name!r}; adapter names must be unique")
-        rec = AdapterRecord(spec)
-        self._records[spec.name] = rec
-        return rec
+        return self.add_record(AdapterRecord(spec))
 
     def add_record(self, rec: AdapterRecord) -> AdapterRecord:
         """Add a record as it is (an adapter that ran elsewhere: a trial told before a resumed run, say)."""

@@ -395,15 +395,10 @@ class OptunaSweep(Callback):
         active = [n for n, t in self.trials.items() if not t["told"] and registry[n].state in
                   (AdapterState.RUNNING, AdapterState.QUEUED)]
         if self.slots is None and getattr(pl_module, "admission", None) is not None:
-            # the module's memory model decides: ask trials until one would have to wait in the queue
-            placement = placement_of(pl_module)
-
+            # the module's memory model decides (every rank's): ask trials until one would have to wait in the queue
             def room() -> bool:
-                running = [r.spec for r in registry.running]
                 queued = [r.spec for r in registry.queued]
-                if placement is not None and hasattr(placement, "select_admitted"):  # every rank's memory
-                    return len(placement.select_admitted(pl_module.admission, running, queued)) == len(queued)
-                return len(pl_module.admission.select(running, queued)) == len(queued)
+                return len(pl_module.admitted([r.spec for r in registry.running], queued)) == len(queued)
         else:
             slots = self.slots or getattr(pl_module, "max_running", None) or 4
 

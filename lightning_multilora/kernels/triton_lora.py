@@ -318,10 +318,10 @@ def weight_copies(weights: LoRAWeights, table: PointerTable, dtype: torch.dtype,
     """The adapters' weights in ``dtype``: the caller's copies where ``weights`` has them in that dtype
     (`LoRAWeights.a_copies`, read as they are), else buffers made once per adapter set and dtype (memoized on its
     ``table``, which the adapter set's calls in every layout share), refreshed on every forward call (one launch,
-    `K._copy_weights`: the weights may have changed in any way since the last call). A backward reads the values of its call's forward: the weights do not change
-    between a forward and its backward, and each call keeps its buffers alive (`_Call.copies`). For the same reason a
-    recomputation under gradient checkpointing (a forward run inside backward) reads them as its forward left
-    them, without a copy."""
+    `K._copy_weights`: the weights may have changed in any way since the last call). A backward reads the values of
+    its call's forward: the weights do not change between a forward and its backward, and each call keeps its buffers
+    alive (`_Call.copies`). For the same reason a recomputation under gradient checkpointing (a forward run inside
+    backward) reads them as its forward left them, without a copy."""
     memo = weights.memo.setdefault("weight_copies", {})
     entry = memo.get(dtype)
     fresh = entry is None or entry[0] is not table
