@@ -229,7 +229,8 @@ class MultiLoRALinear(nn.Module):
         if (seen is not None and seen[0] is layout and seen[1] == tokens_per_row and seen[2] == self.direct_grads
                 and seen[3] == shadows):
             return self._weights  # the same layout object (treated as immutable): no key to build and compare
-        key = (layout.names, layout.starts, layout.ends, tokens_per_row, self.direct_grads, shadows, layout.padding_side)
+        key = (layout.names, layout.starts, layout.ends, tokens_per_row, self.direct_grads, shadows,
+               layout.padding_side)
         weights = self._kept.get(key, _UNSEEN)
         if weights is _UNSEEN:
             held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
