@@ -49,7 +49,7 @@ from benchmarks.early_exit_gsm8k import GRID, pretrain_base, split_gsm8k
 from lightning_multilora import (AdapterSpec, EarlyExit, MultiLoRADataModule, MultiLoRAModule, OptunaSweep,
                                  SweepGrid, WarmupSelection, inject_multilora)
 from lightning_multilora.data import AdapterStream, ListSource
-from lightning_multilora.module import DEFAULT_TARGETS
+from lightning_multilora.module import LLAMA_TARGETS
 from lightning_multilora.scheduling import AdmissionController, AnalyticMemoryModel, ModelShape
 
 H200_BASE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
@@ -115,7 +115,7 @@ def lora_init(spec: AdapterSpec, base_dir: Path) -> dict[str, torch.Tensor]:
     both sides start from the same point. Not timed: PEFT would draw its own."""
     from transformers import AutoModelForCausalLM
 
-    layers = inject_multilora(AutoModelForCausalLM.from_pretrained(base_dir), DEFAULT_TARGETS)
+    layers = inject_multilora(AutoModelForCausalLM.from_pretrained(base_dir), LLAMA_TARGETS)
     layers.add_adapter(spec.name, spec.rank, spec.alpha, spec.dropout, spec.use_rslora, None, spec.seed)
     return layers.peft_state_dict(spec.name)
 
@@ -142,7 +142,7 @@ def train_with_peft(spec: AdapterSpec, base_dir: Path, dm: MultiLoRADataModule, 
     start = time.perf_counter()
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=getattr(torch, args.dtype)).to(device)
     model = get_peft_model(base, LoraConfig(r=spec.rank, lora_alpha=spec.alpha, lora_dropout=spec.dropout,
-                                            target_modules=list(DEFAULT_TARGETS), task_type="CAUSAL_LM"))
+                                            target_modules=list(LLAMA_TARGETS), task_type="CAUSAL_LM"))
     set_peft_model_state_dict(model, init)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
@@ -274,7 +274,7 @@ def full_system(base_dir: Path, dm: MultiLoRADataModule, args, root: Path) -> di
                                  gradient_checkpointing=False)
     capacity = (args.memory_gib * 2**30 if args.memory_gib else torch.cuda.get_device_properties(0).total_memory)
     admission = AdmissionController(
-        lambda specs: memory.predict([(s.rank, s.batch_size, DEFAULT_TARGETS) for s in specs], args.max_length),
+        lambda specs: memory.predict([(s.rank, s.batch_size, LLAMA_TARGETS) for s in specs], args.max_length),
         capacity, safety_margin=0.9)
     module = MultiLoRAModule(str(base_dir), dtype=args.dtype, admission=admission, export_dir=str(root / "adapters"))
     study = OptunaSweep({k: {"type": "categorical", "choices": v} for k, v in GRID.items()}, n_trials=60,

@@ -7,6 +7,12 @@ import numbers
 from typing import Any, Callable, Optional
 
 
+class UsageError(ValueError):
+    """A setting or an input the run found wrong once under way (a data file that does not read, a storage URL that
+    does not open, an adapter that cannot start before the first step): the ``multilora`` command ends with its
+    message, as with a parse error, instead of a traceback. From Python it is a `ValueError` like the others."""
+
+
 def check_int(where: str, name: str, value: Any, low: int, optional: bool = False,
               high: Optional[int] = None) -> None:
     """``value`` is an integer (Python's or numpy's, not a bool) >= ``low`` (and <= ``high``, where given), or None

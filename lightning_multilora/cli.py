@@ -16,6 +16,7 @@ from typing import Optional
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_multilora.arguments import UsageError
 from lightning_multilora.callbacks.report import SweepReport
 from lightning_multilora.data.datamodule import MultiLoRADataModule
 from lightning_multilora.module import MultiLoRAModule
@@ -79,6 +80,15 @@ class MultiLoRACLI(LightningCLI):
             self.parser.error(f"the log directory {log_dir} holds another run's {', '.join(previous)}: give this run "
                               "its own (--trainer.default_root_dir, or a logger that versions its runs), or resume "
                               "that run with --ckpt_path")
+
+    def fit(self, model: MultiLoRAModule, **kwargs) -> None:
+        """``Trainer.fit``; a `UsageError` it raises (a data file that does not read, a storage URL that does not
+        open...) ends the command with its message, as a parse error does. Adapters trained before it are exported
+        (`ExportOnException`)."""
+        try:
+            self.trainer.fit(model, **kwargs)
+        except UsageError as err:
+            self.parser.error(str(err))
 
 
 def config_error(err: Exception) -> str:

@@ -33,8 +33,10 @@ def save_peft_adapter(
     state_dict: Mapping[str, Tensor],
     target_modules: Sequence[str],
     base_model_name_or_path: Optional[str] = None,
+    fan_in_fan_out: bool = False,
 ) -> Path:
-    """Write one adapter so that ``PeftModel.from_pretrained(base, directory)`` loads it."""
+    """Write one adapter so that ``PeftModel.from_pretrained(base, directory)`` loads it (``fan_in_fan_out``: its
+    layers hold their weights as (in, out), as GPT-2's Conv1D do)."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
@@ -45,6 +47,7 @@ def save_peft_adapter(
         lora_alpha=spec.alpha,
         lora_dropout=spec.dropout,
         use_rslora=spec.use_rslora,
+        fan_in_fan_out=fan_in_fan_out,
         target_modules=list(target_modules),
         bias="none",
         task_type="CAUSAL_LM",

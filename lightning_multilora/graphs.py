@@ -41,8 +41,10 @@ class StepGraphs:
       (kernel tuning, device tables), which the capture must find full. ``max_graphs``: graphs kept, the least
       recently replayed dropped first (each holds the memory of its step's intermediates).
     - Not on CUDA, or ``enabled=False``: every call is eager. A capture that fails (a host sync, an operation
-      that cannot be captured) warns with the reason, and every call runs eagerly from then on (``enabled``
-      turns False; `failures` keeps the reason).
+      that cannot be captured, a cache the warmup left empty) warns with the reason, and its key starts over: its
+      next ``warmup`` calls run eagerly (filling what the capture missed), then it is captured again. A second
+      failed capture turns the graphs off: every call runs eagerly from then on (``enabled`` turns False).
+      `failures` keeps the reasons.
     - Gradient checkpointing under a capture needs torch >= 2.10 (its RNG state is read and restored).
     """
 
@@ -55,6 +57,7 @@ class StepGraphs:
         self._graphs: OrderedDict[Hashable, _Captured] = OrderedDict()
         self._calls: dict[Hashable, int] = {}
         self._failed: dict[Hashable, str] = {}
+        self._retried = False  # (one failed capture is retried after another warmup; a second turns the graphs off)
         self.replays = 0  # calls answered by a replay
         self.captures = 0
 
@@ -63,7 +66,7 @@ class StepGraphs:
 
     @property
     def failures(self) -> dict[Hashable, str]:
-        """The key whose capture failed, with the reason (since then every call runs eagerly)."""
+        """The keys whose capture failed, with the reasons."""
         return dict(self._failed)
 
     def clear(self) -> None:
@@ -121,10 +124,14 @@ class StepGraphs:
             _release_pool(pool, ended)
             _end_rng_capture()
             self._failed[key[0]] = reason
-            self.enabled = False
-            self.clear()
-            warnings.warn(f"a CUDA graph of this step could not be captured ({reason}); steps run eagerly from now on",
-                          stacklevel=3)
+            if self._retried:
+                self.enabled = False
+                self.clear()
+                then = "steps run eagerly from now on"
+            else:  # (its eager calls fill what the capture found missing: a table made in it, say)
+                self._retried = True
+                then = f"it runs eagerly and is captured again after {self.warmup} more call(s)"
+            warnings.warn(f"a CUDA graph of this step could not be captured ({reason}); {then}", stacklevel=3)
             return fn(*inputs)
         self._graphs[key] = _Captured(graph, statics, outputs, calls, stream)
         self.captures += 1

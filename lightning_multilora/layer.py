@@ -106,12 +106,15 @@ class MultiLoRALinear(nn.Module):
 
     def __init__(self, base: nn.Module, context: Optional[LayoutContext] = None) -> None:
         super().__init__()
-        if not hasattr(base, "in_features") or not hasattr(base, "out_features"):
-            raise TypeError(f"MultiLoRALinear wraps a linear layer with in_features/out_features, got {type(base)}")
+        shape = linear_shape(base)
+        if shape is None:
+            raise TypeError(f"MultiLoRALinear wraps a linear layer (in_features/out_features, or a transformers Conv1D "
+                            f"as GPT-2 has), got {type(base)}")
         self.base = base
         self.base.requires_grad_(False)
-        self.in_features: int = base.in_features
-        self.out_features: int = base.out_features
+        self.in_features, self.out_features = shape
+        # a Conv1D (GPT-2's) holds its weight as (in, out): PEFT's ``fan_in_fan_out``; the adapters' shapes are the same
+        self.fan_in_fan_out: bool = not hasattr(base, "in_features")
         self.context = context if context is not None else LayoutContext()
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
@@ -192,12 +195,16 @@ class MultiLoRALinear(nn.Module):
         if layout is None:
             return self.base(x)
         shape = x.shape
-        if shape[0] != layout.num_rows:
+        if x.dim() == 2 and layout.num_rows and shape[0] % layout.num_rows == 0:
+            tokens_per_row = shape[0] // layout.num_rows  # (rows x tokens, d_in): flattened, as OPT's fc1 / fc2 take it
+        elif x.dim() > 2 and shape[0] == layout.num_rows:
+            tokens_per_row = math.prod(shape[1:-1])
+        else:
             raise RuntimeError(
                 f"the batch has {shape[0]} rows but the layout describes {layout.num_rows}; "
                 "set the layout of the batch being run"
             )
-        weights = self._weights_for(layout, math.prod(shape[1:-1]))  # tokens per row
+        weights = self._weights_for(layout, tokens_per_row)
         if weights is None:
             return self.base(x)
         x2d = x.reshape(-1, self.in_features)  # (T, d_in): the kernels see tokens, the layout rows
@@ -312,12 +319,22 @@ def _weight_device(module: nn.Module) -> torch.device:
 LINEAR_TYPES: tuple[type, ...] = (nn.Linear,)
 
 
+def linear_shape(module: nn.Module) -> Optional[tuple[int, int]]:
+    """``(in_features, out_features)`` of a linear layer: an ``nn.Linear`` (bitsandbytes' 4-/8-bit layers subclass
+    it), anything else with those attributes and a weight, or a transformers ``Conv1D`` (GPT-2's projections: weight
+    ``(in, out)``, PEFT adapts them too); None for anything else."""
+    if isinstance(module, LINEAR_TYPES) or (hasattr(module, "in_features") and hasattr(module, "out_features")
+                                            and hasattr(module, "weight")):
+        return int(module.in_features), int(module.out_features)
+    weight = getattr(module, "weight", None)
+    if (type(module).__name__ == "Conv1D" and isinstance(getattr(module, "nf", None), int)
+            and isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[1] == module.nf):
+        return int(weight.shape[0]), int(module.nf)
+    return None
+
+
 def _is_linear(module: nn.Module) -> bool:
-    if isinstance(module, LINEAR_TYPES):
-        return True
-    # bitsandbytes' Linear4bit / Linear8bitLt subclass nn.Linear; anything else with the shape attributes
-    # and a weight is accepted too.
-    return hasattr(module, "in_features") and hasattr(module, "out_features") and hasattr(module, "weight")
+    return linear_shape(module) is not None
 
 
 def _matches(name: str, targets: Union[str, Sequence[str]]) -> Optional[str]:
@@ -760,8 +777,10 @@ def inject_multilora(
         if not target_modules:
             raise ValueError("`target_modules` must name at least one module")
     candidates = [n for n, m in model.named_modules() if n and _matches(n, target_modules)]
-    if target_modules == "all-linear":
-        candidates = [n for n in candidates if _is_linear(dict(model.named_modules())[n])]
+    if target_modules == "all-linear":  # (PEFT's: every linear layer but the output head, whatever its name)
+        head = _output_embeddings(model)
+        modules = dict(model.named_modules())
+        candidates = [n for n in candidates if _is_linear(modules[n]) and modules[n] is not head]
     available = linear_module_names(model)
     if not isinstance(target_modules, str):
         unknown = [t for t in target_modules if not any(_matches(n, [t]) for n in candidates)]
@@ -789,6 +808,16 @@ def inject_multilora(
         setattr(parent, child, wrapped)
         layers[name] = wrapped
     return LoRALayers(model, layers, context)
+
+
+def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:
+    """A Hugging Face model's output head (``lm_head``, GPT-NeoX's ``embed_out``...), or None."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):
+        return None
+    return head if isinstance(head, nn.Module) else None
 
 
 def _stream_seed(seed: int, layer_index: int) -> int:

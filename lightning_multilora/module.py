@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_multilora.arguments import check_bool, check_int
+from lightning_multilora.arguments import UsageError, check_bool, check_int
 from lightning_multilora.base_model import one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import peft_target_modules, save_peft_adapter
@@ -40,7 +40,8 @@ from lightning_multilora.shadow import shadow_of
 from lightning_multilora.spec import AdapterSpec, SweepGrid
 import lightning_multilora.strategies  # noqa: E402,F401 - registers strategy="adapter_parallel"
 
-DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# What the modules' default target_modules, "all-linear", adapts in a Llama-family model (Qwen2, Mistral...)
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _LORA_KEYS = (".lora_A.", ".lora_B.")
 # a base model's config entries that a checkpoint's adapters depend on (`_base_identity`)
 _BASE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -109,7 +110,7 @@ class MultiLoRAMixin:
         self,
         model: nn.Module,
         adapters: Sequence[AdapterSpec] = (),
-        target_modules: Union[str, Sequence[str]] = tuple(DEFAULT_TARGETS),
+        target_modules: Union[str, Sequence[str]] = "all-linear",
         optimizer: Union[str, type] = "torch.optim.AdamW",
         optimizer_kwargs: Optional[dict[str, Any]] = None,
         max_running: Optional[int] = None,
@@ -364,7 +365,8 @@ class MultiLoRAMixin:
         weights = self._best_weights.get(name) if best else None
         path = save_peft_adapter(directory, rec.spec, weights if weights is not None else
                                  self.lora_layers.peft_state_dict(name),
-                                 peft_target_modules(layers, self._all_module_names), base or None)
+                                 peft_target_modules(layers, self._all_module_names), base or None,
+                                 fan_in_fan_out=any(self.lora_layers[n].fan_in_fan_out for n in layers))
         if own_folder:
             (path / _RUN_STAMP).write_text(f"{self._run_id}\n{name}\n")
             rec.export_path = str(path)
@@ -571,7 +573,7 @@ class MultiLoRAMixin:
         nothing they learned is lost to a crash."""
         rec.state, rec.reason = AdapterState.FAILED, str(err)
         if self._global_step() == 0:
-            raise err
+            raise err if isinstance(err, UsageError) else UsageError(str(err)) from err
         rec.ended_at_step = self._global_step()
         warnings.warn(f"adapter {rec.name!r} could not start: {err}")
         self._notify_exit(rec)
@@ -1001,6 +1003,31 @@ class MultiLoRAMixin:
                                f"{[str(p) for p in paths]}") from first
         return paths
 
+    def export_after_exception(self, exception: BaseException) -> list[Path]:
+        """Export the adapters the model holds after fit stopped on ``exception`` (`ExportOnException`, or a callback
+        whose ``on_exception`` runs first and lists the exports, as `SweepReport` does), once per exception: the
+        directories written. Adapters that have taken no step hold their initial weights and are named in the warning,
+        not exported; an export that fails is a warning (the run's own exception is the one raised)."""
+        done = getattr(self, "_exported_after", None)
+        if done is not None and done[0] == id(exception):
+            return done[1]
+        untrained = [r.name for r in self._held() if r.step == 0]
+        paths: list[Path] = []
+        try:
+            paths = self._export_held(untrained=False)
+        except Exception as err:  # noqa: BLE001 - the run's own exception is the one to raise
+            warnings.warn(f"exporting the adapters after {type(exception).__name__} failed: {err}")
+        else:
+            not_exported = f"; {untrained} had taken no step and are not exported" if untrained else ""
+            if paths:
+                warnings.warn(f"fit stopped by {type(exception).__name__}: the adapters it held are exported to "
+                              f"{[str(p) for p in paths]}{not_exported}")
+            elif untrained:
+                warnings.warn(f"fit stopped by {type(exception).__name__} before any adapter took a step: nothing "
+                              f"to export{not_exported}")
+        self._exported_after = (id(exception), paths)
+        return paths
+
     def configure_callbacks(self) -> list[L.Callback]:
         self._refuse_trainer_options()  # (Lightning calls this before it checks the Trainer's options itself)
         return [ExportOnException()]
@@ -1390,34 +1417,22 @@ def _grad_norms(groups: Sequence[Sequence[Tensor]], like: Tensor) -> Tensor:
 
 class ExportOnException(L.Callback):
     """Exports the adapters a `MultiLoRAMixin` module holds when fit stops on an exception, Ctrl+C included (Lightning
-    then calls no module hook, only callbacks' ``on_exception``): nothing trained is lost. Adapters that have taken no
-    step hold their initial weights and are named, not exported. Added by the module's
-    ``configure_callbacks``. Its ``setup`` also asks ``Trainer.log_dir`` on every rank and remembers it
-    (`log_dir_of`): exports on one rank alone, `SweepReport` and `OptunaSweep` on rank 0 take it from there. (A
-    callback's ``setup``, not the module's: a subclass may override that one without calling ``super()``.)"""
+    then calls no module hook, only callbacks' ``on_exception``): nothing trained is lost
+    (`MultiLoRAMixin.export_after_exception`). Added by the module's ``configure_callbacks``. Its ``setup`` also asks
+    ``Trainer.log_dir`` on every rank and remembers it (`log_dir_of`): exports on one rank alone, `SweepReport` and
+    `OptunaSweep` on rank 0 take it from there. (A callback's ``setup``, not the module's: a subclass may override
+    that one without calling ``super()``.)"""
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         log_dir_of(trainer)
+        pl_module._exported_after = None
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        export = getattr(pl_module, "_export_held", None)
-        if export is None:
-            return
-        untrained = [r.name for r in pl_module._held() if r.step == 0]
-        try:  # an adapter that has taken no step holds its initial weights: nothing trained to keep
-            paths = export(untrained=False)
-        except Exception as err:  # noqa: BLE001 - the run's own exception is the one to raise
-            warnings.warn(f"exporting the adapters after {type(exception).__name__} failed: {err}")
-            return
-        not_exported = f"; {untrained} had taken no step and are not exported" if untrained else ""
-        if paths:
-            warnings.warn(f"fit stopped by {type(exception).__name__}: the adapters it held are exported to "
-                          f"{[str(p) for p in paths]}{not_exported}")
-        elif untrained:
-            warnings.warn(f"fit stopped by {type(exception).__name__} before any adapter took a step: nothing "
-                          f"to export{not_exported}")
+        export = getattr(pl_module, "export_after_exception", None)
+        if export is not None:
+            export(exception)
 
 
 class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
@@ -1430,7 +1445,8 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         adapters: adapter specs, trained in this order of admission.
         grid: a `SweepGrid` whose adapters are added after ``adapters``.
         target_modules: the projections every adapter may use (PEFT names, "all-linear" or a regex, as PEFT takes
-            them); an adapter's own ``target_modules`` picks a subset.
+            them); an adapter's own ``target_modules`` picks a subset. Default "all-linear": every linear layer
+            (GPT-2's Conv1D too) but the output head, as PEFT's (in a Llama-family model, `LLAMA_TARGETS`).
         optimizer: optimizer class or import path; one param group per adapter.
         optimizer_kwargs: extra arguments of the optimizer (``betas``, ``eps``...).
         max_running: adapters trained at once (None: all); the rest wait in the queue.
@@ -1449,7 +1465,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         base_model: str = "tiny-llama",
         adapters: Optional[list[AdapterSpec]] = None,
         grid: Optional[SweepGrid] = None,
-        target_modules: Union[str, list[str]] = list(DEFAULT_TARGETS),
+        target_modules: Union[str, list[str]] = "all-linear",
         optimizer: str = "torch.optim.AdamW",
         optimizer_kwargs: Optional[dict[str, Any]] = None,
         max_running: Optional[int] = None,

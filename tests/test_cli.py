@@ -119,6 +119,31 @@ def test_what_the_fit_would_refuse_under_way_is_a_usage_error_first(tmp_path, ca
     assert done.value.code == 2 and message in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize("case", ["bad json", "bad storage"])
+def test_what_the_fit_finds_wrong_under_way_ends_as_a_usage_error(tmp_path, capsys, case):
+    """A data file that does not read (as its adapter starts) or a study storage that does not open (at the fit's
+    start): each was named, under a traceback of some 25 frames."""
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "a", "completion": " b"}\nnot json\n')
+    args = ["fit", "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.max_steps", "2",
+            "--trainer.accelerator", "cpu", "--model.base_model", "tiny-llama"]
+    if case == "bad json":
+        args += ["--model.adapters", "[{name: a, rank: 2, max_steps: 2}]", "--data.sources",
+                 json.dumps({"d": {"class_path": "lightning_multilora.data.JSONLSource",
+                                   "init_args": {"path": str(data)}}})]
+        message = f"{data}:2: not valid JSON"
+    else:
+        args += ["--trainer.callbacks", json.dumps([{
+            "class_path": "lightning_multilora.callbacks.OptunaSweep",
+            "init_args": {"storage": "nosuchdb://x/y", "n_trials": 1, "base": {"max_steps": 2},
+                          "search_space": {"lr": {"type": "float", "low": 1e-4, "high": 1e-2}}}}])]
+        message = "`storage` 'nosuchdb://x/y' could not be opened"
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and message in err and "Traceback" not in err, err
+
+
 def test_a_fit_with_nothing_to_train_says_so_first(tmp_path, capsys):
     with pytest.raises(SystemExit) as done:
         main(["fit", "--trainer.default_root_dir", str(tmp_path)])

@@ -15,13 +15,33 @@ from lightning_multilora.base_model import build_base_model
 from lightning_multilora.data import GeneratedArithmetic
 
 
-@pytest.mark.parametrize("base", ["tiny-llama", "tiny-qwen2"])
+# Other families, built tiny from their configs: GPT-2's projections are Conv1D (weight (in, out), PEFT's
+# fan_in_fan_out), OPT flattens the tokens before fc1 / fc2, GPT-NeoX's output head is `embed_out` (not `lm_head`)
+OTHER_FAMILIES = {
+    "gpt2": dict(n_layer=2, n_embd=64, n_head=4),
+    "opt": dict(hidden_size=64, num_hidden_layers=2, ffn_dim=128, num_attention_heads=4, word_embed_proj_dim=64),
+    "gpt_neox": dict(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4),
+}
+SUBSETS = {"gpt2": ["c_attn", "c_fc"], "opt": ["q_proj", "fc2"], "gpt_neox": ["query_key_value", "dense_4h_to_h"]}
+
+
+def _saved_base(base: str, directory) -> None:
+    if base in OTHER_FAMILIES:
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(base, vocab_size=258, **OTHER_FAMILIES[base])
+        AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    else:
+        build_base_model(base).save_pretrained(directory)
+
+
+@pytest.mark.parametrize("base", ["tiny-llama", "tiny-qwen2", *OTHER_FAMILIES])
 def test_export_round_trip_through_peft_gives_the_same_logits(tmp_path, trainer_kwargs, base):
     # The base goes through the real loading path: save_pretrained into a directory, loaded back by path.
-    build_base_model(base).save_pretrained(tmp_path / "base")
+    _saved_base(base, tmp_path / "base")
     specs = [AdapterSpec("plain", rank=4, alpha=8, batch_size=2, max_steps=6, lr=5e-3),
              AdapterSpec("rs", rank=3, alpha=5, use_rslora=True, batch_size=1, max_steps=6, lr=5e-3, seed=1,
-                         target_modules=["q_proj", "v_proj", "down_proj"], dropout=0.1)]
+                         target_modules=SUBSETS.get(base, ["q_proj", "v_proj", "down_proj"]), dropout=0.1)]
     module = MultiLoRAModule(str(tmp_path / "base"), adapters=specs, export_dir=str(tmp_path / "out"),
                              validate_on_finish=False)
     dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(100)})
@@ -33,6 +53,7 @@ def test_export_round_trip_through_peft_gives_the_same_logits(tmp_path, trainer_
         config = json.loads((out_dir / "adapter_config.json").read_text())
         assert config["r"] == spec.rank and config["lora_alpha"] == spec.alpha
         assert config["use_rslora"] == spec.use_rslora and config["peft_type"] == "LORA"
+        assert config["fan_in_fan_out"] == (base == "gpt2")
 
         peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), out_dir)
         peft_model.eval()
@@ -48,6 +69,14 @@ def test_export_round_trip_through_peft_gives_the_same_logits(tmp_path, trainer_
             got = ours(ids, layout=BatchLayout.from_sizes([spec.name], [3]))
             base_only = ours(ids)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+        if spec.target_modules is None:  # "all-linear" (the default) adapts the layers PEFT's does
+            from peft import LoraConfig, get_peft_model
+
+            config = LoraConfig(target_modules="all-linear", fan_in_fan_out=base == "gpt2")
+            peft_all = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), config)
+            peft_layers = [n.removeprefix("base_model.model.").removesuffix(".lora_A")
+                           for n, _ in peft_all.named_modules() if n.endswith(".lora_A")]
+            assert sorted(ours.lora_layers.target_layers(spec.name)) == sorted(peft_layers)
         assert (got - base_only).abs().max() > 1e-4  # the adapter changes the output
         with pytest.raises(KeyError, match=r"`layout` names \['typo'\]: no adapter of this module; adapters: \["):
             ours(ids, layout=BatchLayout.from_sizes([spec.name, "typo"], [2, 1]))  # not the base's output, silently

@@ -177,6 +177,35 @@ def test_a_capture_that_fails_gives_its_memory_back_and_leaves_the_allocator_sou
 
 
 @pytest.mark.gpu
+def test_a_capture_that_failed_once_is_retried_after_another_warmup():
+    """A capture that failed on something its eager calls make (a table built in the capture, say) is taken again
+    after the key's next warmup: the graphs stay on (one such failure turned them off for the run)."""
+    graphs = StepGraphs(warmup=1)
+    made: list = []
+
+    def step(x):
+        if not made:  # a device table made on the first call that finds none (made outside a capture, it is kept)
+            table = torch.arange(4, device="cuda", dtype=x.dtype)
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("a table made in the capture")
+            made.append(table)
+        return x * made[0]
+
+    x = torch.ones(4, device="cuda")
+    made.append(torch.zeros(4, device="cuda"))  # (the first warmup finds a stale table; the capture drops it)
+    graphs("k", step, x)
+    made.clear()
+    with pytest.warns(UserWarning, match="captured again after 1 more call"):
+        out = graphs("k", step, x)  # the capture fails; the eager fallback makes the table
+    assert torch.equal(out, torch.arange(4.0, device="cuda")) and graphs.enabled and graphs.captures == 0
+    graphs("k", step, x)  # warmup again
+    out = graphs("k", step, 2 * x)  # captured and replayed
+    assert graphs.captures == 1 and graphs.replays == 1 and graphs.enabled
+    assert torch.equal(out, 2 * torch.arange(4.0, device="cuda"))
+    assert torch.equal(graphs("k", step, 3 * x), 3 * torch.arange(4.0, device="cuda")) and graphs.replays == 2
+
+
+@pytest.mark.gpu
 def test_a_step_that_reads_a_value_on_the_host_runs_eagerly_with_a_warning():
     graphs = StepGraphs(warmup=1)
     weight = torch.ones(4, device="cuda")
@@ -188,11 +217,15 @@ def test_a_step_that_reads_a_value_on_the_host_runs_eagerly_with_a_warning():
     x = torch.ones(4, device="cuda")
     graphs("k", step, x)
     before = torch.cuda.memory_allocated()
-    with pytest.warns(UserWarning, match="could not be captured"):
+    with pytest.warns(UserWarning, match=r"could not be captured .*; it runs eagerly and is captured again after 1"):
         out = graphs("k", step, x)
     assert torch.cuda.memory_allocated() <= before + 4096  # the failed capture's pool and input copies given back
-    assert torch.equal(out, x * 2) and "k" in graphs.failures and len(graphs) == 0 and not graphs.enabled
+    assert torch.equal(out, x * 2) and "k" in graphs.failures and len(graphs) == 0 and graphs.enabled
     assert torch.cuda.current_stream() == torch.cuda.default_stream()  # the failed capture's stream given back
+    assert torch.equal(graphs("k", step, x), x * 2)  # its warmup again, eager
+    with pytest.warns(UserWarning, match="could not be captured .*; steps run eagerly from now on"):
+        out = graphs("k", step, x)  # the second failure turns the graphs off
+    assert torch.equal(out, x * 2) and not graphs.enabled and len(graphs) == 0
     assert torch.equal(graphs("k", step, -x), -x)  # eager from now on: the branch follows the values
     assert torch.equal(graphs("other", lambda v: v + 1, x), x + 1) and graphs.replays == 0
     # torch's CUDA generator is no longer marked as capturing (random draws failed after a failed capture)

@@ -12,7 +12,7 @@ from transformers import get_scheduler
 from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule, inject_multilora
 from lightning_multilora.base_model import build_base_model
 from lightning_multilora.data import AdapterStream, GeneratedArithmetic
-from lightning_multilora.module import DEFAULT_TARGETS
+from lightning_multilora.module import LLAMA_TARGETS
 
 SPECS = [
     AdapterSpec("a", rank=2, alpha=4, lr=3e-3, batch_size=1, max_steps=20, dataset="add", seed=1),
@@ -37,9 +37,9 @@ def train_alone_with_peft(spec: AdapterSpec, dm: MultiLoRADataModule, device: st
                           quantization=None) -> dict[str, torch.Tensor]:
     """The baseline: PEFT LoRA (QLoRA with ``quantization``), torch AdamW, transformers' schedule, the
     adapter's own batches."""
-    targets = spec.target_modules or DEFAULT_TARGETS
+    targets = spec.target_modules or LLAMA_TARGETS
     init_base = build_base_model("tiny-llama")
-    layers = inject_multilora(init_base, DEFAULT_TARGETS)
+    layers = inject_multilora(init_base, LLAMA_TARGETS)
     layers.add_adapter(spec.name, spec.rank, spec.alpha, spec.dropout, spec.use_rslora, targets, spec.seed)
     init = layers.peft_state_dict(spec.name)
 

@@ -15,7 +15,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_multilora.arguments import check_int
+from lightning_multilora.arguments import UsageError, check_int
 from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.registry import AdapterRecord, AdapterState
 from lightning_multilora.spec import AdapterSpec, check_alpha_over_rank, check_spec_fields
@@ -101,7 +101,7 @@ def _open_study(storage: Any, study_name: str, sampler: "optuna.samplers.BaseSam
                 pruner: Optional["optuna.pruners.BasePruner"] = None) -> "optuna.Study":
     """The study ``study_name`` in ``storage`` (a URL, opened with a heartbeat where ``heartbeat_interval`` is given,
     or a storage object), created there if new; an SQLite file's folder is made first. A URL that cannot be opened
-    is a `ValueError` naming `storage`."""
+    is a `UsageError` (a `ValueError`) naming `storage`."""
     import optuna
     import sqlalchemy.exc
 
@@ -118,7 +118,7 @@ def _open_study(storage: Any, study_name: str, sampler: "optuna.samplers.BaseSam
                                    load_if_exists=True)
     except (OSError, ValueError, sqlalchemy.exc.SQLAlchemyError) as err:
         detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ValueError(f"OptunaSweep: `storage` {storage!r} could not be opened ({detail}); give a database URL "
+        raise UsageError(f"OptunaSweep: `storage` {storage!r} could not be opened ({detail}); give a database URL "
                          "such as 'sqlite:///runs/optuna.db' or an RDB's (postgresql://..., mysql://...)") from err
 
 

@@ -24,7 +24,7 @@ _STATE_COLORS = {
 
 
 class SweepReport(Callback):
-    """At the end of ``fit``:
+    """At the end of ``fit`` (and where it stops on an exception, Ctrl+C included, after the module's exports):
 
     - prints every adapter ranked by the validation loss of the weights its export holds (the best-validation
       ones where the module keeps them, as with `EarlyExit`; else the last ones), with its hyperparameters,
@@ -34,6 +34,8 @@ class SweepReport(Callback):
       hyperparameters and status against its best validation loss), and two pictures,
       ``sweep/loss_curves`` (every adapter's training and validation losses, exits marked) and
       ``sweep/timeline`` (each adapter's lifetime on the slot it held).
+
+    One report a run: a second SweepReport among the Trainer's callbacks stays silent (the CLI adds one).
     """
 
     def __init__(self, print_table: bool = True, filename: Optional[str] = "sweep_summary.json",
@@ -49,9 +51,34 @@ class SweepReport(Callback):
         self.rows: list[dict] = []
 
     @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        reports = [cb for cb in trainer.callbacks if isinstance(cb, SweepReport)]
+        self._silent = reports[0] is not self  # (the CLI adds one: a config that lists another would print twice)
+        if self._silent and trainer.is_global_zero:
+            warnings.warn("a second SweepReport among the Trainer's callbacks is left silent; the first reports")
+
+    @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._report(trainer, pl_module)
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """A fit stopped by an exception (Ctrl+C included) is reported too, after the module has exported the
+        adapters it held (`MultiLoRAMixin.export_after_exception`), under a line that says where it stopped: the
+        adapters' states are those they had then (on rank 0, which under adapter parallelism knows the other ranks'
+        adapters as of the last validation)."""
+        export = getattr(pl_module, "export_after_exception", None)
+        try:
+            if export is not None:
+                export(exception)
+            self._report(trainer, pl_module, stopped=f"fit stopped by {type(exception).__name__} at step "
+                                                     f"{trainer.global_step}")
+        except Exception as err:  # noqa: BLE001 - the run's own exception is the one to raise
+            warnings.warn(f"SweepReport after {type(exception).__name__} failed: {type(err).__name__}: {err}")
+
+    def _report(self, trainer: L.Trainer, pl_module: L.LightningModule, stopped: Optional[str] = None) -> None:
         registry: Optional[AdapterRegistry] = getattr(pl_module, "registry", None)
-        if registry is None or not trainer.is_global_zero:
+        if registry is None or not trainer.is_global_zero or getattr(self, "_silent", False):
             return
         exported = "best" if getattr(pl_module, "keep_best_weights", False) else "last"
         self.rows = registry.summary_rows(exported)
@@ -69,6 +96,8 @@ class SweepReport(Callback):
             said = ("best validation loss (their exports hold their best-validation weights)" if exported == "best"
                     else "last validation loss (their exports hold their last weights; EarlyExit keeps the best)")
             lines = ["", f"Adapters ranked by {said}:", registry.summary_table(exported), ""]
+            if stopped:
+                lines[1:1] = [f"{stopped}: the adapters as they were then (those that had taken a step exported)"]
             exports = sorted({str(Path(r["export_path"]).parent) for r in self.rows if r["export_path"]})
             lines.append(f"PEFT adapters:   {', '.join(exports) if exports else '(none exported)'}")
             if _tensorboard_loggers(trainer):

@@ -16,7 +16,7 @@ from lightning.pytorch.utilities.types import EVAL_DATALOADERS, TRAIN_DATALOADER
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_multilora.arguments import check_bool, check_int, check_real
+from lightning_multilora.arguments import UsageError, check_bool, check_int, check_real
 from lightning_multilora.data.sources import DataSource, GeneratedArithmetic, PreferenceExample
 from lightning_multilora.data.tokenizer import Tokenizer, load_tokenizer
 from lightning_multilora.layout import BatchLayout
@@ -227,7 +227,7 @@ class MultiLoRADataModule(L.LightningDataModule):
     @property
     def effective_max_length(self) -> Optional[int]:
         if self.max_length is not None and self.model_max_length is not None and self.max_length > self.model_max_length:
-            raise ValueError(
+            raise UsageError(
                 f"`max_length` {self.max_length} is longer than the model's maximum sequence length "
                 f"{self.model_max_length}"
             )
@@ -432,7 +432,7 @@ class MultiLoRADataModule(L.LightningDataModule):
                 self._splits.clear()  # splits read before (`split`) were not held to the model's maximum
         vocab = getattr(module, "vocab_size", None)
         if vocab is not None and self.tokenizer.vocab_size > vocab:
-            raise ValueError(
+            raise UsageError(
                 f"tokenizer {self.tokenizer_name!r} has {self.tokenizer.vocab_size} tokens but the model's "
                 f"vocabulary has {vocab}; use a model with vocab_size >= {self.tokenizer.vocab_size}"
             )

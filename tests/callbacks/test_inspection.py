@@ -105,3 +105,35 @@ def test_a_summary_file_in_a_subfolder_is_written_and_one_that_cannot_be_is_warn
 def test_slots_are_reused_once_free():
     slots = slot_assignment([("a", 0, 10), ("b", 0, 5), ("c", 5, 12), ("d", 10, 20), ("e", 6, 8)])
     assert slots == {"b": 0, "a": 1, "c": 0, "e": 2, "d": 1}
+
+
+def test_a_fit_stopped_by_ctrl_c_is_reported_with_its_exports_once(tmp_path, trainer_kwargs, capsys):
+    """Ctrl+C mid-fit: the adapters are exported (the module's callback) and the report still comes, listing those
+    exports under a line that says where the fit stopped (it came only from ``on_fit_end``, which an exception
+    skips). A second SweepReport (a config's beside the CLI's) stays silent instead of printing the table twice."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_multilora import AdapterSpec
+
+    class CtrlC(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:
+                raise KeyboardInterrupt
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec(n, rank=2, batch_size=1, max_steps=50, seed=i)
+                                                     for i, n in enumerate(("x", "y"))], validate_on_finish=False)
+    reports = [SweepReport(tensorboard=False), SweepReport(tensorboard=False, filename="second.json")]
+    trainer = L.Trainer(**trainer_kwargs, callbacks=[CtrlC(), *reports])
+    with pytest.warns(UserWarning, match="a second SweepReport among the Trainer's callbacks is left silent"), \
+            pytest.raises(SystemExit):  # (Lightning's answer to Ctrl+C: `exit(1)` after the callbacks)
+        trainer.fit(module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(300)}, max_val_examples=8))
+    assert trainer.interrupted
+    out = capsys.readouterr().out
+    assert out.count("Adapters ranked by") == 1 and "fit stopped by KeyboardInterrupt at step 3" in out, out
+    rows = {row["adapter"]: row for row in reports[0].rows}
+    assert set(rows) == {"x", "y"} and not reports[1].rows
+    for row in rows.values():
+        assert row["status"] == "running" and row["steps"] == 3, row
+        assert (Path(row["export_path"]) / "adapter_model.safetensors").is_file()
+    assert (Path(trainer.log_dir) / "sweep_summary.json").is_file()
+    assert not (Path(trainer.log_dir) / "second.json").exists()
