@@ -2,6 +2,7 @@
 
 from lightning_multilora.data.datamodule import AdapterStream, MultiLoRADataModule, TokenizedSplit
 from lightning_multilora.data.sources import (
+    ChatExample,
     DataSource,
     Example,
     GeneratedArithmetic,
@@ -14,6 +15,7 @@ from lightning_multilora.data.sources import (
 from lightning_multilora.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
-    "AdapterStream", "ByteTokenizer", "DataSource", "Example", "GeneratedArithmetic", "HFDatasetSource",
-    "HFTokenizer", "JSONLSource", "ListSource", "PreferenceExample", "PreferenceSource", "MultiLoRADataModule", "TokenizedSplit", "load_tokenizer",
+    "AdapterStream", "ByteTokenizer", "ChatExample", "DataSource", "Example", "GeneratedArithmetic",
+    "HFDatasetSource", "HFTokenizer", "JSONLSource", "ListSource", "PreferenceExample", "PreferenceSource",
+    "MultiLoRADataModule", "TokenizedSplit", "load_tokenizer",
 ]

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_multilora.arguments import UsageError, check_bool, check_int, check_real
-from lightning_multilora.data.sources import DataSource, GeneratedArithmetic, PreferenceExample
+from lightning_multilora.data.sources import ChatExample, DataSource, Example, GeneratedArithmetic, PreferenceExample
 from lightning_multilora.data.tokenizer import Tokenizer, load_tokenizer
 from lightning_multilora.layout import BatchLayout
 from lightning_multilora.registry import merge_by_owner
@@ -135,6 +135,30 @@ def continuation(tok: Tokenizer, prompt: str, prompt_ids: list[int], completion:
     if len(joint) > len(prompt_ids) and joint[:len(prompt_ids)] == prompt_ids:
         return joint[len(prompt_ids):]
     return tok.encode(completion)
+
+
+def render_chat(tok: Tokenizer, example: ChatExample) -> Example:
+    """A conversation as prompt and completion text, by the tokenizer's chat template: the prompt is the messages
+    before the last with the template's generation prompt (``<|im_start|>assistant\\n``...), the completion what the
+    whole conversation's rendering adds to it (the assistant's message and the template's end of turn). A BOS the
+    template writes is left to the row's own (`Tokenizer.prefix_ids`), which would double it."""
+    chat_text = getattr(tok, "chat_text", None)
+    if chat_text is None:
+        raise ValueError(f"{example.source}: format 'messages' needs a Hugging Face tokenizer with a chat template "
+                         f"(`tokenizer`), not {getattr(tok, 'name', type(tok).__name__)!r}")
+    messages = [{"role": role, "content": content} for role, content in example.messages]
+    prompt = chat_text(messages[:-1], add_generation_prompt=True)
+    whole = chat_text(messages, add_generation_prompt=False)
+    if not whole.startswith(prompt):
+        raise ValueError(f"{example.source}: the tokenizer's chat template does not render the conversation as its "
+                         "prompt (the messages before the last, with the generation prompt) followed by the last "
+                         "message, so the completion to learn cannot be told apart; format the examples as prompt "
+                         "and completion")
+    completion = whole[len(prompt):]
+    bos = getattr(getattr(tok, "inner", None), "bos_token", None)
+    if getattr(tok, "prefix_ids", None) and bos and prompt.startswith(bos):
+        prompt = prompt[len(bos):]
+    return Example(prompt, completion, example.source)
 
 
 class MultiLoRADataModule(L.LightningDataModule):
@@ -257,9 +281,13 @@ class MultiLoRADataModule(L.LightningDataModule):
             where = getattr(examples[i], "source", "")
             return f"example {i} ({where})" if where else f"example {i}"
 
-        def encode(i: int, prompt: list[int], completion: list[int]) -> Optional[tuple[list[int], list[int]]]:
-            ids = prompt + completion + [tok.eos_token_id]
-            labels = [IGNORE_INDEX] * len(prompt) + completion + [tok.eos_token_id]
+        def encode(i: int, prompt: list[int], completion: list[int],
+                   chat: bool = False) -> Optional[tuple[list[int], list[int]]]:
+            # EOS ends the row; a chat template's turn that holds it already (its end of turn) is left as rendered
+            if not (chat and tok.eos_token_id in completion):
+                completion = completion + [tok.eos_token_id]
+            ids = prompt + completion
+            labels = [IGNORE_INDEX] * len(prompt) + completion
             if limit is not None and len(ids) > limit:
                 if not self.truncate:
                     raise ValueError(
@@ -279,6 +307,9 @@ class MultiLoRADataModule(L.LightningDataModule):
         prefix = list(getattr(tok, "prefix_ids", ()))  # (BOS, where the tokenizer begins a text with it)
         for i in order:
             example = examples[i]
+            chat = isinstance(example, ChatExample)
+            if chat:
+                example = render_chat(tok, example)
             prompt = tok.encode(example.prompt)
             answers = [continuation(tok, example.prompt, prompt, text)
                        for text in ((example.chosen, example.rejected) if pairs else (example.completion,))]
@@ -287,7 +318,7 @@ class MultiLoRADataModule(L.LightningDataModule):
                 # the length: cutting the row's end would leave long-prompt pairs without answer tokens
                 room = max(limit - len(prefix) - min(max(map(len, answers)) + 1, limit // 2), 0)
                 prompt = prompt[len(prompt) - room:] if len(prompt) > room else prompt
-            first = encode(i, prefix + prompt, answers[0])
+            first = encode(i, prefix + prompt, answers[0], chat)
             second = encode(i, prefix + prompt, answers[1]) if pairs else None
             if first is None or (pairs and second is None):
                 continue

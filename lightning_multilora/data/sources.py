@@ -17,9 +17,11 @@ from typing import Optional
 
 from lightning_multilora.arguments import check_int
 
-FORMATS = ("prompt_completion", "question_answer", "gsm8k")
+FORMATS = ("prompt_completion", "question_answer", "gsm8k", "messages")
+# (the prompt and completion fields a format reads by default; "messages": one field, the conversation)
 FORMAT_FIELDS = {"prompt_completion": ("prompt", "completion"), "question_answer": ("question", "answer"),
-                 "gsm8k": ("question", "answer")}  # (the prompt and completion fields a format reads by default)
+                 "gsm8k": ("question", "answer"), "messages": ("messages", None)}
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,16 @@ class Example:
 
     prompt: str
     completion: str
+    source: str = dataclasses.field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class ChatExample:
+    """A conversation, as TRL's conversational datasets hold it (``[{"role": ..., "content": ...}, ...]``), kept as
+    (role, content) pairs: its last message, the assistant's, is the completion to learn, the messages before it the
+    prompt. The tokenizer's chat template renders both (`MultiLoRADataModule`); ``source`` as `Example`'s."""
+
+    messages: tuple[tuple[str, str], ...]
     source: str = dataclasses.field(default="", compare=False)
 
 
@@ -163,6 +175,12 @@ def format_record(record: dict, fmt: str, prompt_field: Optional[str], completio
     A field left None is the format's own (`FORMAT_FIELDS`: prompt/completion, or question/answer)."""
     if fmt not in FORMATS:
         raise ValueError(f"`format` can be {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "messages":
+        if completion_field is not None:
+            raise ValueError(f"{where}: format 'messages' reads one field, the conversation (`prompt_field`, default "
+                             f"'messages'; its last message is the completion): leave `completion_field` None, got "
+                             f"{completion_field!r}")
+        return _chat_record(record, prompt_field or "messages", where)
     prompt_field = FORMAT_FIELDS[fmt][0] if prompt_field is None else prompt_field
     completion_field = FORMAT_FIELDS[fmt][1] if completion_field is None else completion_field
     missing = [f for f in (prompt_field, completion_field) if f not in record]
@@ -174,10 +192,39 @@ def format_record(record: dict, fmt: str, prompt_field: Optional[str], completio
     return Example(prompt, completion, where)
 
 
+def _chat_record(record: dict, field: str, where: str) -> ChatExample:
+    """A record's conversation (field ``field``): a list of messages, each a mapping of a ``role`` (`ROLES`) and a
+    text ``content``, at least one before the last, which is the assistant's."""
+    if field not in record:
+        raise ValueError(f"{where}: record has no field {field!r} (format 'messages'); it has {sorted(record)}")
+    value = record[field]
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ValueError(f"{where}: field {field!r} must be a list of messages ({{'role': ..., 'content': ...}}), got "
+                         f"{type(value).__name__} {value!r:.60}")
+    messages = []
+    for k, message in enumerate(value):
+        at = f"{where}: message {k} of {field!r}"
+        if not isinstance(message, Mapping):
+            raise ValueError(f"{at} must be a mapping with 'role' and 'content', got {type(message).__name__}")
+        if set(message) != {"role", "content"}:
+            raise ValueError(f"{at} must hold 'role' and 'content' (text) only, got keys {sorted(message)}")
+        if message["role"] not in ROLES:
+            raise ValueError(f"{at}: `role` can be {', '.join(ROLES)}, got {message['role']!r}")
+        if not isinstance(message["content"], str):
+            raise ValueError(f"{at}: `content` must be text (a string), got {type(message['content']).__name__} "
+                             f"{message['content']!r:.60}")
+        messages.append((message["role"], message["content"]))
+    if len(messages) < 2 or messages[-1][0] != "assistant":
+        raise ValueError(f"{where}: field {field!r} must end with the assistant's message (the completion to learn) "
+                         f"after at least one other; got roles {[r for r, _ in messages]}")
+    return ChatExample(tuple(messages), where)
+
+
 class JSONLSource(DataSource):
     """A JSON-lines file (optionally ``.gz``) of records; ``format`` says how they read (``question_answer`` and
-    ``gsm8k``: a Q/A template), ``prompt_field`` / ``completion_field`` which fields hold the text (None: the format's
-    own, ``prompt`` / ``completion`` or ``question`` / ``answer``)."""
+    ``gsm8k``: a Q/A template; ``messages``: a conversation, rendered by the tokenizer's chat template, whose last
+    message, the assistant's, is learned), ``prompt_field`` / ``completion_field`` which fields hold the text (None: the
+    format's own, ``prompt`` / ``completion``, ``question`` / ``answer``, or ``messages`` alone)."""
 
     def __init__(self, path: str, format: str = "prompt_completion", prompt_field: Optional[str] = None,
                  completion_field: Optional[str] = None, limit: Optional[int] = None) -> None:
@@ -270,20 +317,23 @@ class HFDatasetSource(DataSource):
 
 
 class ListSource(DataSource):
-    """Examples given in memory (``[{"prompt": ..., "completion": ...}, ...]``)."""
+    """Examples given in memory (``[{"prompt": ..., "completion": ...}, ...]``, or with ``format="messages"``
+    conversations: ``[{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}, ...]``)."""
 
-    def __init__(self, records: list[dict]) -> None:
+    def __init__(self, records: list[dict], format: str = "prompt_completion") -> None:
         if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
             raise ValueError(f"ListSource: `records` must be a list of mappings with prompt and completion, got a "
                              f"{type(records).__name__}")
-        self.records = list(records)
+        if format not in FORMATS:
+            raise ValueError(f"ListSource: `format` can be {', '.join(FORMATS)}, got {format!r}")
+        self.records, self.format = list(records), format
 
     def examples(self) -> list[Example]:
         for i, r in enumerate(self.records):
             if not isinstance(r, Mapping):
                 raise ValueError(f"ListSource: records[{i}] must be a mapping with prompt and completion, got a "
                                  f"{type(r).__name__}")
-        return [format_record(r, "prompt_completion", None, None, f"records[{i}]")
+        return [format_record(r, self.format, None, None, f"records[{i}]")
                 for i, r in enumerate(self.records)]
 
 

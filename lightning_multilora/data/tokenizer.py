@@ -66,6 +66,14 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.inner.decode(ids)
 
+    def chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        """``messages`` rendered by the tokenizer's chat template, as text (a `ValueError` where it has none)."""
+        if not getattr(self.inner, "chat_template", None):
+            raise ValueError(f"tokenizer {self.name!r} has no chat template, which format 'messages' needs (its "
+                             "tokenizer_config.json `chat_template`); give an instruct model's tokenizer, or "
+                             "format the examples as prompt and completion")
+        return self.inner.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:
     """``"byte"`` for the built-in byte tokenizer, else a Hugging Face tokenizer directory or name."""

@@ -537,3 +537,61 @@ def test_a_completion_is_tokenized_as_it_follows_its_prompt(tmp_path):
             else:
                 assert tok.decode(completion) == text[text.index("A:") + 2:]
                 assert completion != tok.encode(text[text.index("A:") + 2:])  # (alone: with a leading "▁")
+
+
+CHATML = ("{% for m in messages %}{{ bos_token if loop.first else '' }}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+          "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _chat_tokenizer(directory, bos: bool) -> None:
+    """A byte-level BPE tokenizer with a ChatML template (Qwen's shape: <|im_end|> is EOS), saved as a model's is;
+    with ``bos``, every text begins with <s> and the template writes it too (Llama 3's shape)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "<s>"]
+    inner = Tokenizer(models.BPE(unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    inner.decoder = decoders.ByteLevel()
+    inner.train_from_iterator([e.prompt + e.completion for e in GeneratedArithmetic(200).examples()],
+                              trainers.BpeTrainer(vocab_size=400, special_tokens=special,
+                                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if bos:
+        inner.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 4)])
+    PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|im_end|>", pad_token="<pad>",
+                            bos_token="<s>" if bos else None, chat_template=CHATML).save_pretrained(directory)
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_conversations_are_rendered_by_the_chat_template_and_the_last_answer_learned(tmp_path, bos):
+    """format='messages' (TRL's conversational records): the tokenizer's chat template renders the conversation; the
+    loss is on the assistant's last message and the template's end of turn (EOS here, so none is added); a BOS the
+    template writes is not doubled by the row's own."""
+    _chat_tokenizer(tmp_path / "tok", bos)
+    records = [{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"{a} + 2?"},
+                             {"role": "assistant", "content": f"{a + 2}"}]} for a in range(6)]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    dm = MultiLoRADataModule(sources={"c": JSONLSource(str(path), format="messages")}, tokenizer=str(tmp_path / "tok"),
+                             val_fraction=0.2)
+    train, val = dm.split("c")
+    inner = dm.tokenizer.inner
+    for ids, labels in zip(train.input_ids + val.input_ids, train.labels + val.labels):
+        text = inner.decode(ids)
+        a = int(text.split("<|im_start|>user\n")[1].split(" + 2?")[0])
+        assert text == inner.apply_chat_template(records[a]["messages"], tokenize=False)  # as the template renders it
+        assert ids.count(inner.convert_tokens_to_ids("<s>")) == (1 if bos else 0)
+        learned = inner.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX])
+        assert learned == f"{a + 2}<|im_end|>\n"  # the answer and the end of turn, nothing of the prompt
+    # the same from memory, and the refusals, each naming its record
+    in_memory = MultiLoRADataModule(sources={"c": ListSource(records, format="messages")},
+                                    tokenizer=str(tmp_path / "tok"), val_fraction=0.2)
+    assert in_memory.split("c")[0].input_ids == train.input_ids
+    with pytest.raises(ValueError, match=r"records\[0\]: field 'messages' must end with the assistant's message"):
+        ListSource([{"messages": records[0]["messages"][:2]}], format="messages").examples()
+    with pytest.raises(ValueError, match=r"records\[0\]: message 1 of 'messages': `role` can be system, user, "
+                                         r"assistant, tool, got 'human'"):
+        ListSource([{"messages": [{"role": "user", "content": "a"}, {"role": "human", "content": "b"}]}],
+                   format="messages").examples()
+    with pytest.raises(ValueError, match="format 'messages' needs a Hugging Face tokenizer with a chat template"):
+        MultiLoRADataModule(sources={"c": ListSource(records, format="messages")}).split("c")
