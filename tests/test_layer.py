@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -351,3 +352,52 @@ def test_target_modules_that_are_not_names_are_named(targets):
         with pytest.raises(ValueError, match=r"`target_modules` must be a list of module names, a regex string or "
                                              r"None, got"):
             layers.add_adapter("a", rank=2, alpha=4, target_modules=targets)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "opt"])
+def test_conv1d_and_flattened_token_layers_run_the_kernels_as_the_reference(family):
+    """GPT-2's Conv1D projections (weight (in, out)) and OPT's fc1 / fc2, which take the tokens flattened to (rows x
+    tokens, d): the Triton path (the interpreter on the CPU, fp32; bf16 on a GPU) gives the reference's logits and
+    gradients, and each adapter's rows differ from the base's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_multilora import kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    sizes = {"gpt2": dict(n_layer=1, n_embd=32, n_head=2),
+             "opt": dict(hidden_size=32, num_hidden_layers=1, ffn_dim=64, num_attention_heads=2,
+                         word_embed_proj_dim=32)}[family]
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, vocab_size=64, **sizes))
+    ids = torch.randint(0, 64, (3, 5), generator=torch.Generator().manual_seed(1)).to(device)
+    layout = BatchLayout(("a", "b"), (0, 1), (1, 3), 3)
+    results = {}
+    before = kernels.get_backend()
+    try:
+        for backend in ("reference", "triton"):
+            kernels.set_backend(backend)
+            torch.manual_seed(2)  # (the same B for both)
+            model = copy.deepcopy(base).to(device, dtype)
+            layers = inject_multilora(model, "all-linear")
+            for name in ("a", "b"):
+                layers.add_adapter(name, rank=3 if name == "a" else 5, alpha=8, seed=ord(name))
+                for layer_name in layers.layers_for(None):
+                    with torch.no_grad():
+                        layers[layer_name].lora_B[name].normal_(0, 0.2)
+            with layers.use(layout):
+                logits = model(input_ids=ids).logits.float()
+                logits.square().mean().backward()
+            with torch.no_grad():
+                plain = model(input_ids=ids).logits.float()
+            results[backend] = (logits.detach(), plain, [p.grad.float() for n in ("a", "b")
+                                                         for p in layers.parameters_of(n)])
+    finally:
+        kernels.set_backend(before)
+    assert any(isinstance(m, MultiLoRALinear) and m.fan_in_fan_out for m in model.modules()) == (family == "gpt2")
+    (ref, plain, ref_grads), (got, _, grads) = results["reference"], results["triton"]
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, ref, **tol)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, **tol)
+    assert (ref[0] - plain[0]).abs().max() > 1e-3 and (ref[1:] - plain[1:]).abs().max() > 1e-3

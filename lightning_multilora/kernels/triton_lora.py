@@ -1153,11 +1153,20 @@ def _ds_db_launch(call: _Call, dy: Tensor, s: Tensor, ds: Tensor, targets: GradT
 
 def multi_lora_triton(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool) -> Tensor:
     """The Triton path of `multi_lora`: same contract, ``base_out`` is updated in place and returned (one whose rows
-    are not of unit-stride columns, or overlap, is copied first: the copy is returned)."""
+    are not of unit-stride columns, or overlap, or a view of part of a tensor, is copied first: the copy is
+    returned)."""
     if x.dim() != 2 or base_out.dim() != 2 or x.shape[0] != base_out.shape[0]:
         raise ValueError(f"expected x (T, d_in) and base_out (T, d_out), got {tuple(x.shape)}, {tuple(base_out.shape)}")
     if len(weights.a) == 0:
         return base_out
+    whole = base_out._base
+    if whole is not None:
+        # A view (GPT-2's Conv1D returns its product through ``.view``): updated in place by this Function, autograd
+        # would hand the view the Function's first gradient (x's), not base_out's. The product itself where the view
+        # is all of it, else a copy.
+        same = (whole.shape == base_out.shape and whole.stride() == base_out.stride()
+                and whole.storage_offset() == base_out.storage_offset())
+        base_out = whole if same else base_out.clone()
     return _apply(x, base_out, None, None, weights, training, base_out.shape[1])
 
 
