@@ -102,8 +102,9 @@ def _from_pretrained(base_model: str, config_overrides: Optional[dict[str, Any]]
 
     kwargs = dict(config_overrides or {})
     if kwargs and os.path.isfile(os.path.join(base_model, "config.json")):  # (a checkpoint there: the overrides fail)
+        config = _overridden_config(base_model, kwargs)
         with _naming_overrides(config_overrides):
-            model = AutoModelForCausalLM.from_pretrained(base_model, **load, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(base_model, config=config, **load)
         _check_runs(model, config_overrides)
         return model
     try:
@@ -112,6 +113,33 @@ def _from_pretrained(base_model: str, config_overrides: Optional[dict[str, Any]]
         kind = OSError if isinstance(err, OSError) else ValueError
         raise kind(f"`base_model` {base_model!r} is no built-in model ({', '.join(TINY_CONFIGS)}), no local "
                    f"checkpoint directory, and could not be loaded from the Hugging Face Hub: {err}") from err
+
+
+def _overridden_config(path: str, overrides: dict[str, Any]) -> Any:
+    """The config of the checkpoint at ``path`` with ``overrides``, built as a built-in model's is (its class's own
+    ``__init__``, which converts legacy names: ``rope_theta`` into ``rope_parameters``). Given to ``from_pretrained``
+    as keyword arguments, transformers 5 handed names its config no longer has to the model's ``__init__``. A legacy
+    name's share of a parameter group (``rope_parameters``) is merged into the checkpoint's group, which keeps the
+    rest (a rope scaling type and its factors)."""
+    from transformers import AutoConfig
+
+    raw = AutoConfig.from_pretrained(path).to_dict()
+    merged = {**raw, **{key: value for key, value in overrides.items() if key in raw}}
+    legacy = {key: value for key, value in overrides.items() if key not in raw}
+    if legacy:  # what they change in a default config of the kind: a parameter group's items, or themselves
+        with _naming_overrides(overrides):
+            plain = AutoConfig.for_model(raw["model_type"]).to_dict()
+            changed = AutoConfig.for_model(raw["model_type"], **legacy).to_dict()
+        for key, value in changed.items():
+            before = plain.get(key)
+            if key in legacy:  # (no field: stored as given)
+                merged[key] = value
+            elif isinstance(value, dict) and isinstance(raw.get(key), dict) and value != before:
+                merged[key] = {**raw[key], **{k: v for k, v in value.items() if (before or {}).get(k) != v}}
+    with _naming_overrides(overrides):
+        config = AutoConfig.for_model(**merged)
+    _refuse_unknown_fields(config, overrides)
+    return config
 
 
 @contextmanager

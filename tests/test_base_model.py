@@ -71,6 +71,18 @@ def test_config_overrides_that_break_a_checkpoint_are_named(tmp_path, overrides)
     assert build_base_model(str(tmp_path), {"rms_norm_eps": 1e-5}).config.rms_norm_eps == 1e-5
 
 
+def test_a_checkpoints_config_takes_legacy_names_and_keeps_the_rest(tmp_path):
+    """``rope_theta`` on a checkpoint (transformers 5 keeps it in ``rope_parameters``) reached the model's
+    ``__init__`` and failed; it is now merged into the checkpoint's group, whose scaling type and factor stay."""
+    rope = {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}
+    build_base_model("tiny-llama", {"num_hidden_layers": 1, "rope_parameters": rope}).save_pretrained(tmp_path)
+    model = build_base_model(str(tmp_path), {"rope_theta": 5e5, "max_position_embeddings": 512})
+    assert model.config.rope_parameters == {**rope, "rope_theta": 5e5}
+    assert model.config.max_position_embeddings == 512 and model.config.num_hidden_layers == 1
+    with pytest.raises(ValueError, match=r"'hidden_sizee' \(did you mean 'hidden_size'\?\)"):
+        build_base_model(str(tmp_path), {"hidden_sizee": 32})
+
+
 def test_errors_the_overrides_did_not_cause_are_not_blamed_on_them(tmp_path, monkeypatch):
     """A checkpoint without its weights raises transformers' OSError with overrides as without; out of memory while
     building stays out of memory."""
