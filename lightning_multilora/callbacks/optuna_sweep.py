@@ -122,6 +122,32 @@ def _open_study(storage: Any, study_name: str, sampler: "optuna.samplers.BaseSam
                          "such as 'sqlite:///runs/optuna.db' or an RDB's (postgresql://..., mysql://...)") from err
 
 
+def _validation_interval(pl_module: L.LightningModule) -> Optional[int]:
+    """The Trainer's validation interval in steps, where it is one (``val_check_interval`` an integer > 1, as the
+    CLI sets it), else None (`_study_step`)."""
+    trainer = getattr(pl_module, "_trainer", None)
+    interval = getattr(trainer, "val_check_interval", None)
+    return interval if isinstance(interval, int) and not isinstance(interval, bool) and interval > 1 else None
+
+
+def _study_step(rec: AdapterRecord, step: int, interval: Optional[int]) -> int:
+    """The step at which a validation of ``rec`` at its ``step`` is reported to its trial. A periodic validation (at a
+    global step that is a multiple of ``interval``) is reported at ``step`` rounded down to a multiple of it: a trial
+    started between two validations (a slot refilled after an adapter finished at a step off the interval, or one
+    resumed after a warmup pause) then reports at the steps the others did, which pruners comparing trials step by
+    step (median, percentile) need; it never met them otherwise, and was never pruned. Other validations (an
+    adapter's last, at its ``max_steps``) are reported at their own step."""
+    if interval is None:
+        return step
+    done = 0
+    for start, end in rec.spans:  # (one adapter step a global step while it holds a slot)
+        if end is None or step - done <= end - start:
+            periodic = (start + step - done) % interval == 0
+            return step // interval * interval if periodic else step
+        done += end - start
+    return step
+
+
 def _check_minimizes(study: "optuna.Study", field: str) -> None:
     """A sweep tells its study each trial's validation loss, one number to minimize: a study of other directions
     (found in `storage`, or given) is a named error before any adapter trains."""
@@ -162,14 +188,15 @@ class OptunaSweep(Callback):
         storage: any Optuna storage URL (an RDB for several processes); default an SQLite file
             ``optuna.db`` in the run's log directory.
         study_name: the study's name in the storage.
-        sampler: ``"tpe"``, ``"random"`` or ``"grid"`` (a grid over the categorical choices) for a new study.
+        sampler: ``"tpe"``, ``"random"`` or ``"grid"`` (a grid over the categorical choices) for a new study (a
+            ``study`` given keeps its own: any Optuna sampler, CMA-ES or a ``GridSampler`` among them).
         base: AdapterSpec fields shared by every trial (``max_steps``, ``dataset``...).
         alpha_over_rank: alpha = this * rank unless ``alpha`` is searched or given in ``base`` (ALTO: 2).
         slots: trials kept running or queued at once (default: as many as the module's ``admission``
             controller says fit, plus one waiting; else the module's ``max_running``, else 4).
         seed: the sampler's seed (None: Optuna's random one); TPE and random asks are seeded with this and the
-            number of the ask over the study, so a resumed run asks what the uninterrupted one did, and a second run
-            on the same study asks new configurations.
+            number of trials the study holds at the ask (any process's), so a resumed run asks what the uninterrupted
+            one did, and a second run on the same study, or another process sharing it, asks new configurations.
         heartbeat_interval: seconds; with a storage URL, the study is opened with Optuna's heartbeat
             (``RDBStorage(url, heartbeat_interval=..., grace_period=...)``). The sweep records a heartbeat for each
             of its running trials at most this often, and then fails the study's trials whose heartbeat is older
@@ -187,7 +214,9 @@ class OptunaSweep(Callback):
             asks it of every trial whose adapter reported a new value (``trial.should_prune()``, as Optuna's
             Lightning callback does); a trial it prunes is exported and told PRUNED.
 
-    Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values;
+    Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values (at its
+    steps, those of periodic validations rounded down to the Trainer's integer ``val_check_interval``: trials started
+    between two validations report at the steps the others did, as step-by-step pruners need);
     a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one stopped for overfitting,
     COMPLETE with the validation loss of the weights it exports (its best where best weights are kept, EarlyExit's
     default; else its last); a failure FAIL (a trial whose data cannot train, a misspelled ``dataset``, too: before
@@ -237,6 +266,9 @@ class OptunaSweep(Callback):
         if study is not None and pruner is not None:
             raise ValueError("`pruner` is for the study the sweep makes; a `study` given keeps its own (make it with "
                              "optuna.create_study(..., pruner=...))")
+        if study is not None and sampler != "tpe":  # (its default: a study given keeps its own sampler)
+            raise ValueError(f"`sampler` {sampler!r} is for the study the sweep makes; a `study` given keeps its own "
+                             "(make it with optuna.create_study(..., sampler=...))")
         self.pruner = _pruner(pruner)
         if sampler not in ("tpe", "random", "grid"):
             raise ValueError(f"`sampler` can be tpe, random, grid, got {sampler!r}")
@@ -281,13 +313,26 @@ class OptunaSweep(Callback):
 
     # -- study ----------------------------------------------------------------------------------
 
+    def _ask_number(self, study) -> int:
+        """The number of this ask over the study: the trials it holds now, another process's included (alone, a run
+        and its resumed run count alike; two processes sharing a study, started with the same seed, count each
+        other's trials and so ask different configurations). Where another sweep's trials are running this very
+        moment, its id is mixed in too (two sweeps that open the study together would otherwise count alike)."""
+        trials = study.get_trials(deepcopy=False)
+        number = len(trials)
+        import optuna
+
+        if any(t.state == optuna.trial.TrialState.RUNNING and t.user_attrs.get("sweep") not in (None, self.sweep_id)
+               for t in trials):
+            number += int(self.sweep_id[:8], 16)
+        return number
+
     def _sampler(self, ask: int = 0):
-        """The sampler of the study this sweep makes, for its ask number ``ask`` counted over the study (the trials
-        it held when this sweep first opened it, plus this sweep's asks so far, both kept in checkpoints): its seed
-        is ``seed``'s and that number's. An ask therefore draws as the same ask of an uninterrupted run does after a
-        resume from a checkpoint, and a second run against the study (a script run again) asks new configurations,
-        not the first run's again. (A grid keeps one sampler: its seed shuffles the grid's points,
-        which it numbers in that order, and it asks the points no trial has.)"""
+        """The sampler of the study this sweep makes, for its ask number ``ask`` counted over the study
+        (`_ask_number`): its seed is ``seed``'s and that number's. An ask therefore draws as the same ask of an
+        uninterrupted run does after a resume from a checkpoint, and a second run against the study (a script run
+        again) asks new configurations, not the first run's again. (A grid keeps one sampler: its seed shuffles the
+        grid's points, which it numbers in that order, and it asks the points no trial has.)"""
         import optuna
 
         seed = None if self.seed is None else (self.seed * 1_000_003 + ask) % 2**32
@@ -363,14 +408,71 @@ class OptunaSweep(Callback):
         return kwargs
 
     def _grid_exhausted(self, study) -> bool:
-        """Every grid point has a trial (running ones included: Optuna's own check counts finished trials
-        only, and would hand out running points again)."""
+        """Every point of the study's grid (this sweep's, or a ``GridSampler`` of the ``study`` given, whatever its
+        search space) has a trial, running ones included: Optuna's own check counts finished trials only, and would
+        hand out running points again. Trials that are not the grid's (a study's earlier random ones, enqueued ones)
+        take no point."""
         import optuna
 
-        if not isinstance(study.sampler, optuna.samplers.GridSampler):
+        sampler = study.sampler
+        if not isinstance(sampler, optuna.samplers.GridSampler):
             return False
-        size = math.prod(len(d.choices) for d in self.distributions.values())
-        return len(study.get_trials(deepcopy=False)) >= size
+        taken = {t.system_attrs["grid_id"] for t in study.get_trials(deepcopy=False)
+                 if "grid_id" in t.system_attrs and t.state in (optuna.trial.TrialState.RUNNING,
+                                                                optuna.trial.TrialState.COMPLETE,
+                                                                optuna.trial.TrialState.PRUNED,
+                                                                optuna.trial.TrialState.FAIL)
+                 and sampler._same_search_space(t.system_attrs.get("search_space", {}))}
+        return len(taken) >= len(sampler._all_grids)
+
+    def _ask_trial(self, study) -> "optuna.Trial":
+        """``study.ask`` over the search space. One that fails (an enqueued value outside a parameter's choices or
+        range, a parameter the study's earlier trials drew from another kind of distribution) fails its trial,
+        which Optuna left RUNNING, and names the parameter."""
+        import optuna
+
+        running = (optuna.trial.TrialState.RUNNING,)
+        with warnings.catch_warnings():  # (heartbeats are recorded here, outside study.optimize: `_beat`)
+            warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
+            before = {t.number for t in study.get_trials(deepcopy=False, states=running)}
+            try:
+                return study.ask(self.distributions)
+            except (ValueError, TypeError) as err:
+                made = [t for t in study.get_trials(deepcopy=False, states=running) if t.number not in before]
+                for t in made:
+                    study.tell(t.number, state=optuna.trial.TrialState.FAIL)
+                names = self._refused_parameters(study, made[0] if made else None)
+                which = f"trial {made[0].number}" if made else "a trial"
+                raise ValueError(f"OptunaSweep: the study could not ask {which}"
+                                 f"{f' (parameter {names[0]!r})' if len(names) == 1 else ''}: {err}; it is told FAIL. "
+                                 "An enqueued trial must hold values of the search space, and a parameter the study's "
+                                 "earlier trials drew must keep its kind of distribution (search space: "
+                                 f"{sorted(self.distributions)})") from err
+
+    def _refused_parameters(self, study, trial: Optional["optuna.trial.FrozenTrial"]) -> list[str]:
+        """The parameters of the search space a failed ask stumbled on: a value enqueued in ``trial`` that its
+        distribution does not hold, or a distribution of another kind than the study's earlier trials drew."""
+        from optuna.distributions import check_distribution_compatibility
+
+        names = []
+        fixed = trial.system_attrs.get("fixed_params", {}) if trial is not None else {}
+        for name, dist in self.distributions.items():
+            if name in fixed:
+                try:
+                    if not dist._contains(dist.to_internal_repr(fixed[name])):
+                        names.append(name)
+                        continue
+                except (ValueError, TypeError):
+                    names.append(name)
+                    continue
+            for earlier in study.get_trials(deepcopy=False):
+                if name in earlier.distributions:
+                    try:
+                        check_distribution_compatibility(earlier.distributions[name], dist)
+                    except ValueError:
+                        names.append(name)
+                    break
+        return names
 
     def _fill(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Queue asked trials for the free slots; under adapter parallelism rank 0 asks, every rank queues."""
@@ -419,13 +521,11 @@ class OptunaSweep(Callback):
                     told.append(self._told_record(pl_module, orphan))
                 continue
             if self._own_sampler and self.sampler_name != "grid":  # (a grid's seed orders its points: kept)
-                study.sampler = self._sampler(self.first_trial + self.asked)
+                study.sampler = self._sampler(self._ask_number(study))
             if orphan is not None:  # asked after the checkpoint this run resumed from: taken up, not asked again
                 trial = optuna.Trial(study, orphan._trial_id)
             else:
-                with warnings.catch_warnings():  # (heartbeats are recorded here, outside study.optimize: `_beat`)
-                    warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
-                    trial = study.ask(self.distributions)
+                trial = self._ask_trial(study)
                 trial.set_user_attr("sweep", self.sweep_id)
             name = f"trial-{trial.number}"
             try:
@@ -556,12 +656,13 @@ class OptunaSweep(Callback):
         pruned: dict[str, str] = {}
         if self.study is None or not decides_here(pl_module):
             return pruned  # under adapter parallelism rank 0 reports, for every rank
+        interval = _validation_interval(pl_module)
         for name, info in self.trials.items():
             if info["told"] or info.get("lost"):
                 continue
             rec = pl_module.registry[name]
-            new = [(step, loss) for step, loss in rec.val_losses
-                   if step not in info["reported"] and math.isfinite(loss)]
+            seen = info.setdefault("seen", list(info["reported"]))  # (adapter steps; "reported": the study's steps)
+            new = [(step, loss) for step, loss in rec.val_losses if step not in seen and math.isfinite(loss)]
             ask = (prune and rec.state in (AdapterState.RUNNING, AdapterState.PAUSED)
                    and not isinstance(self.study.pruner, optuna.pruners.NopPruner))  # (a storage read spared)
             if not new and not (ask and max(info["reported"], default=-1) > info.get("pruner_step", -1)):
@@ -569,8 +670,11 @@ class OptunaSweep(Callback):
             trial = optuna.trial.Trial(self.study, info["trial_id"])
             try:
                 for step, loss in new:
-                    trial.report(loss, step)
-                    info["reported"].append(step)
+                    seen.append(step)
+                    key = _study_step(rec, step, interval)
+                    if key not in info["reported"]:  # (a second validation in one interval: the last, at max_steps)
+                        trial.report(loss, key)
+                        info["reported"].append(key)
             except optuna.exceptions.UpdateFinishedTrialError:
                 self._lost(info, name)
                 continue
@@ -578,8 +682,8 @@ class OptunaSweep(Callback):
             if ask and last > info.get("pruner_step", -1):
                 info["pruner_step"] = last  # (asked once a value)
                 if trial.should_prune():
-                    loss = dict(rec.val_losses).get(last, math.nan)
-                    pruned[name] = (f"pruned by the study's {type(self.study.pruner).__name__} at step {last} "
+                    step, loss = max((s, v) for s, v in rec.val_losses if s in seen)
+                    pruned[name] = (f"pruned by the study's {type(self.study.pruner).__name__} at step {step} "
                                     f"(validation loss {loss:.4f})")
         return pruned
 

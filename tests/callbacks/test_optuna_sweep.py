@@ -21,7 +21,7 @@ def dm() -> MultiLoRADataModule:
 
 def fit(tmp_path, trainer_kwargs, sweep, callbacks=(), ckpt=None, **kwargs):
     module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"))
-    trainer = L.Trainer(**dict(trainer_kwargs, val_check_interval=3, **kwargs), callbacks=[sweep, *callbacks])
+    trainer = L.Trainer(**dict(trainer_kwargs, **{"val_check_interval": 3, **kwargs}), callbacks=[sweep, *callbacks])
     trainer.fit(module, dm(), ckpt_path=ckpt)
     return trainer, module
 
@@ -66,8 +66,7 @@ def test_trial_handles_are_opened_only_to_report_new_validations(tmp_path, train
 def test_enqueued_trials_go_first_and_warmup_pruning_is_told_pruned(tmp_path, trainer_kwargs):
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="q")
     study.enqueue_trial({"lr": 5e-3, "rank": 4})
-    sweep = OptunaSweep(SPACE, n_trials=4, study=study, base={"max_steps": 20, "batch_size": 2}, slots=2,
-                        sampler="random")
+    sweep = OptunaSweep(SPACE, n_trials=4, study=study, base={"max_steps": 20, "batch_size": 2}, slots=2)
     _, module = fit(tmp_path, trainer_kwargs, sweep, callbacks=[WarmupSelection(warmup_fraction=0.1)])
     trials = study.get_trials()
     assert trials[0].params == {"lr": 5e-3, "rank": 4}
@@ -607,7 +606,8 @@ def test_the_studys_pruner_is_asked_after_each_validation_and_its_trials_are_tol
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(pruner="mean"), "`pruner` can be None, median, percentile, hyperband, successive_halving"),
-    (dict(pruner="median", study="given"), "`pruner` is for the study the sweep makes")])
+    (dict(pruner="median", study="given"), "`pruner` is for the study the sweep makes"),
+    (dict(sampler="random", study="given"), "`sampler` 'random' is for the study the sweep makes")])
 def test_a_bad_pruner_is_named(kwargs, message):
     if kwargs.get("study") == "given":
         kwargs["study"] = optuna.create_study(direction="minimize")
@@ -745,3 +745,84 @@ def test_other_choices_of_a_categorical_parameter_over_an_existing_study_are_nam
                                          r"trials of choices \[2, 4\]"):
         fit(tmp_path / "two", trainer_kwargs, OptunaSweep(other, n_trials=1, storage=storage,
                                                           base={"max_steps": 3, "batch_size": 2}))
+
+
+def test_trials_started_between_validations_report_where_the_others_did_and_are_pruned(tmp_path, trainer_kwargs):
+    """Validation every 4 steps, adapters of 10: the trials refilled at step 10 validate at their steps 2 and 6. A
+    median pruner compares trials step by step, so it never met them and they trained to the end; their periodic
+    validations are now reported at steps 0 and 4 (rounded down to the interval), and the bad ones are pruned."""
+    space = {"lr": {"type": "float", "low": 1e-5, "high": 1e-1, "log": True}, "rank": {"type": "categorical",
+                                                                                      "choices": [2, 4]}}
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}",
+                                pruner=optuna.pruners.MedianPruner(n_startup_trials=2))
+    for lr in (1e-2, 1e-2, 1e-5, 1e-5):
+        study.enqueue_trial({"lr": lr, "rank": 2})
+    sweep = OptunaSweep(space, n_trials=4, study=study, slots=2, base={"max_steps": 10, "batch_size": 1})
+    _, module = fit(tmp_path, trainer_kwargs, sweep, val_check_interval=4)
+    states = {t.number: t.state for t in study.get_trials()}
+    assert states == {0: optuna.trial.TrialState.COMPLETE, 1: optuna.trial.TrialState.COMPLETE,
+                      2: optuna.trial.TrialState.PRUNED, 3: optuna.trial.TrialState.PRUNED}, states
+    for number in (2, 3):
+        rec = module.registry[f"trial-{number}"]
+        assert rec.spans[0][0] == 10 and rec.step == 6 and "MedianPruner at step 6" in rec.reason
+        assert sorted(study.trials[number].intermediate_values) == [0, 4]
+        assert study.trials[number].intermediate_values[4] == pytest.approx(dict(rec.val_losses)[6])
+    assert sorted(study.trials[0].intermediate_values) == [4, 8, 10]  # (its last validation, at max_steps: its own)
+
+
+def test_a_grid_over_a_study_with_other_trials_asks_every_point(tmp_path, trainer_kwargs):
+    """A grid sweep on a study that holds earlier random trials: they take no grid point (it counted them as the
+    grid's, and ended early, or trained nothing)."""
+    grid = {"lr": {"type": "categorical", "choices": [1e-3, 3e-3]}, "rank": {"type": "categorical", "choices": [2, 4]}}
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    fit(tmp_path / "random", trainer_kwargs,
+        OptunaSweep(grid, n_trials=3, storage=storage, sampler="random", slots=3, base={"max_steps": 2}))
+    sweep = OptunaSweep(grid, n_trials=4, storage=storage, sampler="grid", slots=2, base={"max_steps": 2})
+    fit(tmp_path / "grid", trainer_kwargs, sweep)
+    asked = sorted((t.params["lr"], t.params["rank"]) for t in sweep.study.get_trials()[3:])
+    assert asked == [(1e-3, 2), (1e-3, 4), (3e-3, 2), (3e-3, 4)]
+
+
+def test_a_grid_sampler_of_the_users_study_bounds_the_sweep_whatever_the_space(tmp_path, trainer_kwargs):
+    """A `GridSampler` given in the study, over float and int parameters (its size was read from the search space:
+    an AttributeError) and with fewer points than slots (a point was trained twice)."""
+    space = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
+             "rank": {"type": "int", "low": 2, "high": 4}}
+    study = optuna.create_study(sampler=optuna.samplers.GridSampler({"lr": [1e-3, 3e-3, 5e-3], "rank": [2]}))
+    sweep = OptunaSweep(space, n_trials=6, study=study, slots=4, base={"max_steps": 2})
+    _, module = fit(tmp_path, trainer_kwargs, sweep)
+    assert sorted(t.params["lr"] for t in study.get_trials()) == [1e-3, 3e-3, 5e-3] and sweep.exhausted
+    assert len(module.registry) == 3
+
+
+def test_an_ask_the_study_refuses_fails_its_trial_and_names_the_parameter(tmp_path, trainer_kwargs):
+    """An enqueued value outside the choices: Optuna's bare "'3' not in (2, 4)" stopped the fit and left the trial
+    RUNNING for ever."""
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}")
+    study.enqueue_trial({"lr": 1e-3, "rank": 3})
+    sweep = OptunaSweep(SPACE, n_trials=2, study=study, slots=1, base={"max_steps": 2})
+    with pytest.raises(ValueError, match=r"could not ask trial 0 \(parameter 'rank'\): .*it is told FAIL"):
+        fit(tmp_path, trainer_kwargs, sweep)
+    assert [t.state for t in study.get_trials()] == [optuna.trial.TrialState.FAIL]
+    # a parameter the study's earlier trials drew from another kind of distribution: "Cannot set different
+    # distribution kind to the same parameter name." named none
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'kinds.db'}")
+    study.optimize(lambda t: t.suggest_int("rank", 2, 4) + t.suggest_float("lr", 1e-4, 1e-2, log=True), n_trials=1)
+    sweep = OptunaSweep(SPACE, n_trials=2, study=study, slots=1, base={"max_steps": 2})
+    with pytest.raises(ValueError, match=r"could not ask trial 1 \(parameter 'rank'\): Cannot set different"):
+        fit(tmp_path / "kinds", trainer_kwargs, sweep)
+    assert study.get_trials()[1].state == optuna.trial.TrialState.FAIL
+
+
+def test_sweeps_sharing_a_study_count_each_others_trials_in_their_seeds(tmp_path):
+    """The seed of an ask is the sweep's and the number of trials the study holds then (another process's too), and
+    while another sweep's trials run, that sweep's id too: two processes started with the same seed asked the same
+    configurations (5 distinct of 8)."""
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}")
+    mine, other = OptunaSweep(SPACE, seed=0), OptunaSweep(SPACE, seed=0)
+    assert mine._ask_number(study) == other._ask_number(study) == 0
+    trial = study.ask()
+    trial.set_user_attr("sweep", other.sweep_id)  # the other sweep's trial, running
+    assert mine._ask_number(study) != other._ask_number(study)
+    study.tell(trial, 1.0)
+    assert mine._ask_number(study) == other._ask_number(study) == 1

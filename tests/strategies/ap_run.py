@@ -257,6 +257,7 @@ def run_mode(out: Path, mode: str) -> None:
     states = {r.name: (r.state.value, r.step) for r in module.registry}
     started = {r.name: r.started_at_step for r in module.registry}
     val = {r.name: r.val_losses for r in module.registry}
+    spans = {r.name: r.spans for r in module.registry}
     train = {r.name: r.train_losses for r in module.registry}
     preference = {r.name: r.last_val_preference_accuracy for r in module.registry if r.spec.objective == "dpo"}
     sweep_state = {}
@@ -268,7 +269,8 @@ def run_mode(out: Path, mode: str) -> None:
                            specs={r.name: r.spec.to_dict() for r in module.registry},
                            reasons={r.name: r.reason for r in module.registry})
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps(dict(owned=owned, calls=CALLS, shard_numels=shards, local_numel=local,
-                                                                 states=states, started=started, val=val, train=train,
+                                                                 states=states, started=started, val=val, spans=spans,
+                                                                 train=train,
                                                                  preference=preference, evaluated=evaluated,
                                                                  **sweep_state)))
 
