@@ -495,7 +495,7 @@ class MultiLoRAMixin:
         alone, rank 0 writes another rank's values at the next exchange of the ranks' progress (every step's end,
         every validation's): a callback logging per-adapter values calls this rather than the loggers."""
         trainer = self._trainer_or_none()
-        if trainer is None or not trainer.loggers or not metrics:
+        if trainer is None or not metrics:
             return
         step = self._global_step() if step is None else step
         self._write_metrics(metrics, step)
@@ -503,9 +503,23 @@ class MultiLoRAMixin:
             self._staged_metrics.append((dict(metrics), step))
 
     def _write_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """To the loggers (straight: through ``self.log`` Lightning kept an adapter's last values after it ended and
+        wrote them again at every logging step), and those a callback monitors to ``trainer.callback_metrics``."""
         trainer = self._trainer_or_none()
-        for logger in trainer.loggers if trainer is not None else ():
+        if trainer is None:
+            return
+        self._monitor(metrics)
+        for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
+
+    def _monitor(self, metrics: dict[str, float]) -> None:
+        """Put the values a callback monitors (``ModelCheckpoint(monitor="adapters/<name>/val_loss")``,
+        ``EarlyStopping``...) in ``trainer.callback_metrics``, where Lightning's callbacks read them (the module
+        writes its values to the loggers itself, and ``self.log`` would cost ~0.3 ms a value a step)."""
+        trainer = self._trainer_or_none()
+        monitored = {getattr(cb, "monitor", None) for cb in trainer.callbacks} if trainer is not None else ()
+        for key in monitored & metrics.keys() if monitored else ():
+            trainer.callback_metrics[key] = torch.tensor(float(metrics[key]))
 
     def align_batches(self, batches: list) -> list:
         """Under adapter parallelism, pad this rank's batches with empty ones to the largest count of any rank:
@@ -796,7 +810,15 @@ class MultiLoRAMixin:
         return state
 
     @override
+    def on_train_start(self) -> None:
+        if self.trainer.lr_scheduler_configs:  # (a subclass's configure_optimizers returned one)
+            raise ValueError("a learning-rate scheduler from `configure_optimizers` would never be stepped (the module "
+                             "sets each adapter's rate every step): give each adapter its own schedule, "
+                             "`AdapterSpec(lr_schedule='cosine' | 'linear' | 'constant', warmup_steps=...)`")
+
+    @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        self._stepped = True
         layout: BatchLayout = batch["layout"]
         if not layout.names:
             # Nothing runs this step: every running adapter exited after the last step's settling (e.g. at a
@@ -938,6 +960,10 @@ class MultiLoRAMixin:
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not getattr(self, "_stepped", True):  # (the run would never end: no adapter steps, none finishes)
+            raise RuntimeError(f"{type(self).__name__}.training_step did not call super().training_step(batch, "
+                               "batch_idx), which trains the adapters (forward, backward and their optimizer steps)")
+        self._stepped = False
         # Callbacks' on_train_batch_end ran first: adapters they removed, paused or queued are settled here. Every
         # rank gets every adapter's values of the step (each rank computed its own adapters').
         stash, self._step_logs = self._step_logs, {}
@@ -957,8 +983,10 @@ class MultiLoRAMixin:
         logs = {k: v for name, values in stash.items()
                 if writes or name not in self.registry or self.registry[name].state != AdapterState.RUNNING
                 for k, v in values.items()}
-        if logs and self.trainer.loggers:
-            self.log_dict(logs, on_step=True, on_epoch=False, batch_size=1)
+        self._monitor({k: v for values in stash.values() for k, v in values.items()})
+        if logs and self.trainer.loggers:  # (at the step Lightning writes a value logged here at)
+            loop = self.trainer.fit_loop.epoch_loop
+            self._write_metrics(logs, getattr(loop, "_batches_that_stepped", self._global_step()))
         if self.trainer.progress_bar_callback is not None:
             exited = sum(v for k, v in counts.items() if AdapterState(k).exited)
             self.log_dict({"running": float(counts["running"]), "queued": float(counts["queued"] + counts["paused"]),
@@ -1046,6 +1074,32 @@ class MultiLoRAMixin:
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})`: each adapter "
                              "takes `AdapterSpec.batch_size` sequences a step; leave `accumulate_grad_batches` at 1")
+        if trainer.overfit_batches:
+            raise ValueError(f"`Trainer(overfit_batches={trainer.overfit_batches})` would not repeat batches: each "
+                             "adapter draws its own from its source every step; to overfit, give the source a few "
+                             "examples (`ListSource`, or a source's `limit`)")
+        limit = trainer.limit_val_batches
+        if not (limit == 0 or (isinstance(limit, float) and limit >= 1.0)):  # (an int: batches; 0: none)
+            raise ValueError(f"`Trainer(limit_val_batches={limit!r})` would validate part of each adapter's split, "
+                             "and an adapter's last validation (as it ends) the whole of it, compared as one loss; "
+                             "cap the split instead, `MultiLoRADataModule(max_val_examples=...)` (or 0 for no "
+                             "validation during the run)")
+        from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
+
+        for callback in trainer.callbacks:
+            if isinstance(callback, GradientAccumulationScheduler):
+                raise ValueError("`GradientAccumulationScheduler` would accumulate every adapter's gradients at once: "
+                                 "each adapter takes `AdapterSpec.batch_size` sequences a step; leave it out")
+            if isinstance(callback, StochasticWeightAveraging):
+                raise ValueError("`StochasticWeightAveraging` averages one model's weights from an epoch on, and the "
+                                 "run is one endless epoch whose adapters come and go; leave it out (`EarlyExit` "
+                                 "exports each adapter's best-validation weights)")
+        if isinstance(trainer.val_check_interval, float):  # (a share of an epoch; steps or a duration run)
+            warnings.warn(f"`Trainer(val_check_interval={trainer.val_check_interval!r})`: the run is one endless "
+                          "epoch, so no validation runs during it (each adapter is validated as it ends); give an "
+                          "integer number of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None, "
+                          "for the validation losses that EarlyExit, WarmupSelection and OptunaSweep's pruner read",
+                          stacklevel=2)
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             # (its factor sits in the gradients until the optimizer's step: every adapter's norm, clipping and
             # finiteness check would read it, and an overflow that the scaler skips would fail the adapters)

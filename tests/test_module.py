@@ -273,11 +273,11 @@ def test_per_adapter_metrics_are_logged_to_tensorboard(tmp_path, trainer_kwargs)
     for name in ("x", "y"):
         for metric in ("train_loss", "val_loss", "lr", "grad_norm", "tokens_seen"):
             assert f"adapters/{name}/{metric}" in tags
-    # the steps a logger writes (every log_every_n_steps and at the stop, x's 12th step), with each adapter's last
-    # values among them (y's 8th step, written at the next write)
-    for name in ("x", "y"):
+    # the steps a logger writes (every log_every_n_steps and at the stop, x's 12th step), and each adapter's last
+    # values as it ends (y's 8th step), once: y's were written again at every later write (9 and 11)
+    for name, steps in (("x", [4, 9, 11]), ("y", [4, 7])):
         written = events.Scalars(f"adapters/{name}/train_loss")
-        assert [e.step for e in written] == [4, 9, 11]
+        assert [e.step for e in written] == steps
         assert written[-1].value == pytest.approx(module.registry[name].train_losses[-1][1])
     assert module.registry["x"].export_path.startswith(trainer.log_dir)
 
@@ -943,3 +943,77 @@ def test_the_recorded_base_of_a_compiled_model_is_the_model_it_compiled():
         return MultiLoRAMixin._base_identity(SimpleNamespace(lora_layers=SimpleNamespace(model=model)))
 
     assert identity(OptimizedModule(torch.nn.Linear(2, 2))) == identity(torch.nn.Linear(2, 2)) == {"class": "Linear"}
+
+
+@pytest.mark.parametrize("option, message", [
+    (dict(overfit_batches=2), r"`Trainer\(overfit_batches=2\)` would not repeat batches"),
+    (dict(limit_val_batches=1), r"`Trainer\(limit_val_batches=1\)` would validate part of each adapter's split"),
+    (dict(callbacks="swa"), r"`StochasticWeightAveraging` averages one model's weights"),
+    (dict(callbacks="gas"), r"`GradientAccumulationScheduler` would accumulate every adapter's gradients"),
+])
+def test_trainer_tools_that_cannot_act_per_adapter_are_refused(tmp_path, trainer_kwargs, option, message):
+    """(overfit_batches had no effect; SWA never started in the one endless epoch, or crashed once it did; the
+    accumulation scheduler got Lightning's "switch to automatic optimization".)"""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
+
+    made = {"swa": lambda: [StochasticWeightAveraging(swa_lrs=1e-3)],
+            "gas": lambda: [GradientAccumulationScheduler({0: 2})]}
+    option = {k: made[v]() if k == "callbacks" else v for k, v in option.items()}
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
+    with pytest.raises(ValueError, match=message):
+        L.Trainer(**{**trainer_kwargs, **option}).fit(module, small_dm())
+
+
+def test_a_run_without_periodic_validation_is_warned_of_and_a_user_scheduler_refused(tmp_path, trainer_kwargs):
+    """Lightning's default val_check_interval (1.0 of an epoch that never ends) validated nothing during the run,
+    silently; a scheduler returned by a subclass's configure_optimizers was never stepped, silently."""
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
+    with pytest.warns(UserWarning, match=r"val_check_interval=1.0\)`: the run is one endless epoch"):
+        L.Trainer(**{**trainer_kwargs, "val_check_interval": 1.0, "check_val_every_n_epoch": 1}).fit(module,
+                                                                                                   small_dm())
+
+    class Scheduled(MultiLoRAModule):
+        def configure_optimizers(self):
+            optimizer = super().configure_optimizers()
+            return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1)}
+
+    module = Scheduled("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
+    with pytest.raises(ValueError, match=r"learning-rate scheduler from `configure_optimizers` would never be "
+                                         r"stepped.*AdapterSpec\(lr_schedule="):
+        L.Trainer(**trainer_kwargs).fit(module, small_dm())
+
+
+def test_a_training_step_that_does_not_call_the_modules_is_named(tmp_path, trainer_kwargs):
+    """(The run never ended: no adapter took a step, and the global step never advanced.)"""
+    class Mine(MultiLoRAModule):
+        def training_step(self, batch, batch_idx):
+            return torch.zeros(())
+
+    module = Mine("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
+    with pytest.raises(RuntimeError, match=r"Mine.training_step did not call super\(\).training_step"):
+        L.Trainer(**trainer_kwargs).fit(module, small_dm())
+
+
+def test_loggers_get_each_adapters_values_while_it_runs_and_monitors_find_them(tmp_path, trainer_kwargs):
+    """An adapter that ended kept its last values in Lightning's results, written again at every logging step (flat
+    made-up curves); the validation losses reached the loggers only, so ModelCheckpoint / EarlyStopping could not
+    monitor them."""
+    import csv
+
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    specs = [AdapterSpec("long", rank=2, max_steps=12, lr=5e-3), AdapterSpec("short", rank=2, max_steps=6, seed=1)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="adapters/long/val_loss", save_top_k=1)
+    stopping = EarlyStopping(monitor="adapters/long/val_loss", patience=100)
+    trainer = L.Trainer(**{**trainer_kwargs, "logger": CSVLogger(tmp_path), "log_every_n_steps": 1,
+                           "val_check_interval": 4, "enable_checkpointing": True}, callbacks=[checkpoint, stopping])
+    trainer.fit(module, small_dm())
+    rows = list(csv.DictReader(open(next(tmp_path.rglob("metrics.csv")))))
+    short = [int(r["step"]) for r in rows if r.get("adapters/short/train_loss")]
+    long = [int(r["step"]) for r in rows if r.get("adapters/long/train_loss")]
+    assert len(short) == len(set(short)) == 6 and len(long) == 12, (short, long)
+    best = min(loss for _, loss in module.registry["long"].val_losses)
+    assert checkpoint.best_model_score is not None and float(checkpoint.best_model_score) == pytest.approx(best)
+    assert float(stopping.best_score) == pytest.approx(best)
