@@ -1064,6 +1064,14 @@ class MultiLoRAMixin:
         """The Trainer's clipping and accumulation would act on all adapters at once; each adapter has its own. Said
         here, in the module's terms (Lightning's own error says to switch to automatic optimization)."""
         trainer = self.trainer
+        if trainer.state.fn in ("test", "predict"):
+            raise ValueError(f"`trainer.{trainer.state.fn.value}` has no step here: measure the adapters the module holds with "
+                             "`trainer.validate` or `module.evaluate(names)`, and generate with an adapter's export "
+                             "(`PeftModel.from_pretrained(base, export_path)`)")
+        if trainer.state.fn == "validate" and not self._held():
+            warnings.warn("`trainer.validate` measures the adapters the module holds (running or paused), and it holds "
+                          "none: an adapter that ended was exported and released (its losses are in "
+                          "`module.registry`; load its export with PEFT to measure it again)", stacklevel=2)
         if trainer.state.fn != "fit":
             return
         clip = trainer.gradient_clip_val
@@ -1174,6 +1182,12 @@ class MultiLoRAMixin:
     @override
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
+            return
+        if self.trainer.state.fn == "validate":  # (outside a fit: returned by trainer.validate, not recorded)
+            for name, (loss_sum, count, preferred, pairs) in self._val_sums.items():
+                self.log(f"adapters/{name}/val_loss", loss_sum / count if count else math.nan, batch_size=1)
+                if pairs:
+                    self.log(f"adapters/{name}/val_preference_accuracy", preferred / pairs, batch_size=1)
             return
         self._record_val_losses(self._val_sums)
         self._sync_ranks()  # every rank learns every adapter's validation

@@ -1017,3 +1017,21 @@ def test_loggers_get_each_adapters_values_while_it_runs_and_monitors_find_them(t
     best = min(loss for _, loss in module.registry["long"].val_losses)
     assert checkpoint.best_model_score is not None and float(checkpoint.best_model_score) == pytest.approx(best)
     assert float(stopping.best_score) == pytest.approx(best)
+
+
+def test_trainer_validate_returns_the_held_adapters_losses_and_test_is_named(tmp_path, trainer_kwargs):
+    """After a fit that left adapters running, ``trainer.validate`` returned ``[{}]`` (each adapter counted as
+    measured at its step); it now returns each held adapter's loss over its split, as `evaluate` measures it, without
+    recording it. ``trainer.test`` / ``predict`` name what to use."""
+    specs = [AdapterSpec("a", rank=2, max_steps=20), AdapterSpec("b", rank=2, max_steps=20, seed=1)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False)
+    dm = small_dm()
+    L.Trainer(**{**trainer_kwargs, "max_steps": 3}).fit(module, dm)
+    before = {n: list(module.registry[n].val_losses) for n in ("a", "b")}
+    (results,) = L.Trainer(**trainer_kwargs).validate(module, dm)
+    expected = module.evaluate(["a", "b"])
+    assert results == pytest.approx({f"adapters/{n}/val_loss": expected[n] for n in ("a", "b")}, rel=1e-5)
+    assert {n: module.registry[n].val_losses for n in ("a", "b")} == before
+    for call in ("test", "predict"):
+        with pytest.raises(ValueError, match=rf"`trainer.{call}` has no step here: .*module.evaluate"):
+            getattr(L.Trainer(**trainer_kwargs), call)(module, dm)
