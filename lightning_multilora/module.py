@@ -1065,8 +1065,9 @@ class MultiLoRAMixin:
         here, in the module's terms (Lightning's own error says to switch to automatic optimization)."""
         trainer = self.trainer
         if trainer.state.fn in ("test", "predict"):
-            raise ValueError(f"`trainer.{trainer.state.fn.value}` has no step here: measure the adapters the module holds with "
-                             "`trainer.validate` or `module.evaluate(names)`, and generate with an adapter's export "
+            raise ValueError(f"`trainer.{trainer.state.fn.value}` has no step here: measure the adapters the module "
+                             "holds with `trainer.validate` or `module.evaluate(names)`, and generate with an adapter's "
+                             "export "
                              "(`PeftModel.from_pretrained(base, export_path)`)")
         if trainer.state.fn == "validate" and not self._held():
             warnings.warn("`trainer.validate` measures the adapters the module holds (running or paused), and it holds "
