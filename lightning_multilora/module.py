@@ -1142,6 +1142,45 @@ class MultiLoRAMixin:
             self._record_val_losses({n: v for n, v in sums.items() if self._owns(n)})
         return losses
 
+    def generate(self, adapters: Sequence[Optional[str]], input_ids: Tensor, attention_mask: Optional[Tensor] = None,
+                 **kwargs: Any) -> Tensor:
+        """Generate for a batch whose row ``i`` continues with adapter ``adapters[i]`` (None: the frozen base alone),
+        every row in one ``generate`` of the base model (greedy unless ``kwargs`` say otherwise; ``kwargs`` are
+        ``transformers``' ``generate`` arguments): several adapters compared on the same prompts in one pass, as if
+        each were loaded alone. Prompts of different lengths are padded on the left, with their ``attention_mask``.
+        The adapters are those the module holds (running or paused, as `evaluate` takes them). Returns the token
+        ids ``generate`` returns, in the rows' order. One process: under adapter parallelism the base is sharded;
+        generate with the exports there (`PeftModel.from_pretrained`)."""
+        names = list(adapters)
+        if input_ids.dim() != 2 or len(names) != input_ids.shape[0]:
+            raise ValueError(f"`adapters` names one adapter (or None) a row of `input_ids` (rows, tokens): got "
+                             f"{len(names)} for input_ids of shape {tuple(input_ids.shape)}")
+        if self._placement() is not None:
+            raise ValueError("`generate` runs in one process; under adapter parallelism load an adapter's export with "
+                             "PEFT (`PeftModel.from_pretrained(base, export_path)`) to generate with it")
+        for name in dict.fromkeys(n for n in names if n is not None):
+            self._held_spec(name)
+        order = sorted(range(len(names)), key=lambda i: (names[i] is None, names[i] or "", i))  # rows per adapter
+        inverse = torch.empty(len(order), dtype=torch.long)
+        inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+        runs: list[list[Any]] = []  # [name, start, end] of each adapter's rows, in the sorted order
+        for row, i in enumerate(order):
+            if names[i] is None:
+                break
+            if runs and runs[-1][0] == names[i]:
+                runs[-1][2] = row + 1
+            else:
+                runs.append([names[i], row, row + 1])
+        layout = BatchLayout(tuple(r[0] for r in runs), tuple(r[1] for r in runs), tuple(r[2] for r in runs),
+                             len(order), padding_side="left" if attention_mask is not None else "right")
+        index = torch.tensor(order, dtype=torch.long, device=input_ids.device)
+        inputs = {"input_ids": input_ids[index].to(self.device)}
+        if attention_mask is not None:
+            inputs["attention_mask"] = attention_mask[index.to(attention_mask.device)].to(self.device)
+        with torch.no_grad(), _evaluating(self), self.lora_layers.use(layout):
+            out = self.lora_layers.model.generate(**inputs, **{"do_sample": False, **kwargs})
+        return out[inverse.to(out.device)]
+
     def _add_val_terms(self, sums: dict[str, list[float]], batch: dict[str, Any]) -> None:
         """Adds a validation batch's per-adapter loss sum and count to ``sums`` (name -> [loss sum, count, DPO pairs
         preferred, DPO pairs])."""

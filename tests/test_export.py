@@ -115,3 +115,34 @@ def test_save_adapter_on_demand_mid_fit(tmp_path, trainer_kwargs):
     module.add_adapter(AdapterSpec("later", max_steps=5, batch_size=1))
     with pytest.raises(ValueError, match=r"'later' holds no weights \(queued\); it has not started: no weights yet"):
         module.save_adapter("later")
+
+
+def test_generate_runs_several_adapters_in_one_batch_as_peft_runs_each(tmp_path, trainer_kwargs):
+    """``module.generate``: rows of two adapters and of the base, packed in one ``generate`` (prompts of two lengths,
+    padded on the left), give each row the tokens PEFT's model of that adapter (or the base alone) generates."""
+    build_base_model("tiny-llama").save_pretrained(tmp_path / "base")
+    specs = [AdapterSpec("a", rank=4, alpha=8, max_steps=8, lr=2e-2), AdapterSpec("b", rank=2, alpha=4, max_steps=8,
+                                                                                  lr=2e-2, seed=1)]
+    module = MultiLoRAModule(str(tmp_path / "base"), adapters=specs, export_dir=str(tmp_path / "out"))
+    L.Trainer(**{**trainer_kwargs, "max_steps": 4}).fit(module,
+                                                        MultiLoRADataModule(sources={"a": GeneratedArithmetic(100)}))
+    paths = {n: module.save_adapter(n, directory=tmp_path / "now" / n) for n in ("a", "b")}
+    prompts = [torch.randint(1, 250, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 7, 5, 7)]
+    width = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = torch.stack([torch.cat([torch.zeros(width - len(p), dtype=torch.long), torch.ones(len(p), dtype=torch.long)])
+                        for p in prompts])
+    rows = ["b", "a", None, "a"]
+    out = module.generate(rows, ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
+    assert out.shape == (4, width + 6)
+    for i, name in enumerate(rows):
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        model = PeftModel.from_pretrained(base, paths[name]) if name is not None else base
+        model.eval()
+        with torch.no_grad():
+            alone = model.generate(input_ids=prompts[i][None], attention_mask=torch.ones(1, len(prompts[i]),
+                                   dtype=torch.long), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert out[i, width:].tolist() == alone[0, len(prompts[i]):].tolist(), (i, name)
+    assert out[0].tolist() != out[2].tolist()  # one prompt: adapter b changes what the base says
+    with pytest.raises(ValueError, match=r"`adapters` names one adapter \(or None\) a row"):
+        module.generate(["a"], ids)
