@@ -867,6 +867,8 @@ class MultiLoRAMixin:
         optimizer.step()
         self._after_step(records)
         self._step_logs = logs  # logged in on_train_batch_end, where it is known whether a logger writes them
+        # (monitored now: callbacks' on_train_batch_end, a ModelCheckpoint's among them, run before the module's)
+        self._monitor({k: v for values in logs.values() for k, v in values.items()})
         return total.clone()  # (a replayed graph's output is overwritten by its next replay)
 
     def _forward_backward(self, batch: dict[str, Any], records: Sequence[AdapterRecord],

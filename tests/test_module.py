@@ -1017,6 +1017,17 @@ def test_loggers_get_each_adapters_values_while_it_runs_and_monitors_find_them(t
     best = min(loss for _, loss in module.registry["long"].val_losses)
     assert checkpoint.best_model_score is not None and float(checkpoint.best_model_score) == pytest.approx(best)
     assert float(stopping.best_score) == pytest.approx(best)
+    # a training value is the step's own when a callback checks it (callbacks' on_train_batch_end run first)
+    seen = []
+
+    class Reads(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append(float(trainer.callback_metrics["adapters/x/train_loss"]))
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("x", rank=2, max_steps=3)])
+    monitor = ModelCheckpoint(dirpath=tmp_path / "t", monitor="adapters/x/train_loss")
+    L.Trainer(**{**trainer_kwargs, "enable_checkpointing": True}, callbacks=[monitor, Reads()]).fit(module, small_dm())
+    assert seen == pytest.approx([loss for _, loss in module.registry["x"].train_losses])
 
 
 def test_trainer_validate_returns_the_held_adapters_losses_and_test_is_named(tmp_path, trainer_kwargs):
