@@ -214,7 +214,9 @@ class OptunaSweep(Callback):
             asks it of every trial whose adapter reported a new value (``trial.should_prune()``, as Optuna's
             Lightning callback does); a trial it prunes is exported and told PRUNED.
 
-    Each adapter is named ``trial-<number>``; its validation losses are reported as intermediate values (at its
+    Each adapter is named ``trial-<number>`` (the trial's user attribute ``adapter``; ``adapter_spec`` holds every
+    field it trains with, ``adapter_exit`` how it ended and its export); its validation losses are reported as
+    intermediate values (at its
     steps, those of periodic validations rounded down to the Trainer's integer ``val_check_interval``: trials started
     between two validations report at the steps the others did, as step-by-step pruners need);
     a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one stopped for overfitting,
@@ -553,6 +555,8 @@ class OptunaSweep(Callback):
                 self._fail_asked(trial)
                 raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
             trial.set_user_attr("adapter", name)
+            # every field it trains with, those `base` and `alpha_over_rank` set too (the params hold the searched ones)
+            trial.set_user_attr("adapter_spec", {k: v for k, v in spec.to_dict().items() if k != "name"})
             # (a trial taken up keeps the values its crashed run reported: Optuna keeps one a step, and warns)
             reported = sorted(orphan.intermediate_values) if orphan is not None else []
             self.trials[name] = {"trial_id": trial._trial_id, "number": trial.number, "reported": reported,

@@ -40,6 +40,8 @@ def test_trials_fill_slots_and_are_told_complete_in_sqlite(tmp_path, trainer_kwa
         assert rec.spec.lr == t.params["lr"] and rec.spec.rank == t.params["rank"]
         assert rec.spec.alpha == 2 * rec.spec.rank
         assert set(t.intermediate_values) == {step for step, _ in rec.val_losses}
+        assert t.user_attrs["adapter_spec"] == {k: v for k, v in rec.spec.to_dict().items() if k != "name"}
+        assert t.user_attrs["adapter_spec"]["alpha"] == 2 * t.params["rank"]  # (derived: in no param)
     assert {r.name for r in module.registry} == {f"trial-{i}" for i in range(5)}
 
 
