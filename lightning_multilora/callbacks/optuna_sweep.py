@@ -216,17 +216,16 @@ class OptunaSweep(Callback):
 
     Each adapter is named ``trial-<number>`` (the trial's user attribute ``adapter``; ``adapter_spec`` holds every
     field it trains with, ``adapter_exit`` how it ended and its export); its validation losses are reported as
-    intermediate values (at its
-    steps, those of periodic validations rounded down to the Trainer's integer ``val_check_interval``: trials started
-    between two validations report at the steps the others did, as step-by-step pruners need);
-    a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one stopped for overfitting,
-    COMPLETE with the validation loss of the weights it exports (its best where best weights are kept, EarlyExit's
-    default; else its last); a failure FAIL (a trial whose data cannot train, a misspelled ``dataset``, too: before
-    the first step it also stops the run). An exhausted grid ends the sweep cleanly. A resumed run keeps its
-    trials' numbers, and takes up the trials its earlier run asked after the checkpoint and left RUNNING (a crash),
-    in place of asking them again; those it asked after the checkpoint and already told COMPLETE, PRUNED or FAIL
-    (their adapters exited, and exported, before the crash) count as asked and are not trained again. Adapters
-    given to the module may not take trial names.
+    intermediate values (at its steps, those of periodic validations rounded down to the Trainer's integer
+    ``val_check_interval``: trials started between two validations report at the steps the others did, as
+    step-by-step pruners need); a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one
+    stopped for overfitting, COMPLETE with the validation loss of the weights it exports (its best where best
+    weights are kept, EarlyExit's default; else its last); a failure FAIL (a trial whose data cannot train, a
+    misspelled ``dataset``, too: before the first step it also stops the run). An exhausted grid ends the sweep
+    cleanly. A resumed run keeps its trials' numbers, and takes up the trials its earlier run asked after the
+    checkpoint and left RUNNING (a crash), in place of asking them again; those it asked after the checkpoint and
+    already told COMPLETE, PRUNED or FAIL (their adapters exited, and exported, before the crash) count as asked and
+    are not trained again. Adapters given to the module may not take trial names.
 
     Under `AdapterParallelStrategy` the study is used from rank 0 alone: it asks the trials and broadcasts them
     (with its bookkeeping), so every rank queues the same adapters in the same order and places them alike; it
