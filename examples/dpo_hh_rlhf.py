@@ -7,11 +7,12 @@ development checkout, ``../shared/data/hh_rlhf_harmless/pairs.jsonl.gz``, the de
 
 The adapter validates when it finishes (`validate_on_finish`): its loss and preference accuracy on the held-out
 pairs (the fraction whose chosen answer it prefers more than the frozen base does) land in its record and in the
-logs (``adapters/harmless/val_preference_accuracy``). With the tiny random Llama (byte tokenizer, 256 tokens, rank
-32, 800 steps of 8 pairs; 4 min on a 2-core CPU) the held-out accuracy stays at chance: 0.476 on 460 pairs (one
-standard error 0.023), the held-out DPO loss 2.20 against log 2 = 0.69 at the start, for a random base has no
-language to generalise from (it fits the training pairs). A pretrained base (``MultiLoRAModule("path/to/checkpoint")``)
-is what learns the preference; the point here is the whole DPO path on real pairs.
+TensorBoard logs under ``runs/dpo_hh_rlhf`` (``adapters/harmless/val_preference_accuracy``). With the tiny random
+Llama (byte tokenizer, 256 tokens, rank 32, 800 steps of 8 pairs; 4 min on a 2-core CPU) the held-out accuracy stays
+at chance: 0.476 on 460 pairs (one standard error 0.023), the held-out DPO loss 2.20 against log 2 = 0.69 at the
+start, for a random base has no language to generalise from (it fits the training pairs). A pretrained base
+(``MultiLoRAModule("path/to/checkpoint")``) is what learns the preference; the point here is the whole DPO path on
+real pairs.
 """
 
 import sys
@@ -31,8 +32,8 @@ dm = MultiLoRADataModule(sources={"hh": PreferenceSource(str(path), format="hh_r
 spec = AdapterSpec("harmless", rank=32, alpha=64, lr=3e-3, batch_size=8, max_steps=800, objective="dpo", dpo_beta=0.5)
 module = MultiLoRAModule("tiny-llama", adapters=[spec], config_overrides={"max_position_embeddings": 256},
                          export_dir="runs/dpo_hh_rlhf")
-L.Trainer(accelerator="cpu", devices=1, max_steps=-1, max_epochs=-1, limit_val_batches=0, logger=False,
-          enable_checkpointing=False, enable_progress_bar=False).fit(module, dm)
+L.Trainer(accelerator="cpu", devices=1, max_steps=-1, max_epochs=-1, limit_val_batches=0,
+          default_root_dir="runs/dpo_hh_rlhf", enable_checkpointing=False, enable_progress_bar=False).fit(module, dm)
 
 record = module.registry["harmless"]
 pairs = len(dm.split("hh")[1].input_ids)

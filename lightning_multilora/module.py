@@ -147,6 +147,7 @@ class MultiLoRAMixin:
         check_bool("MultiLoRAModule", "cuda_graphs", cuda_graphs)
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold adapter weights only, never the frozen base
+        model.train()  # (from_pretrained returns eval mode: the base's dropout off, and Lightning warns at the start)
         self.lora_layers = inject_multilora(model, target_modules)
         self._all_module_names = [n for n, _ in model.named_modules()]
         self.default_target_modules = target_modules
