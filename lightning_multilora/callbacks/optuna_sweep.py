@@ -789,6 +789,23 @@ class OptunaSweep(Callback):
                              "the adapters it asks): rename them")
         if stage == "fit":  # another fit (resumed from a checkpoint, whose state is loaded after this) looks the
             self._opened, self._orphans = False, None  # study over again for the trials asked after that checkpoint
+            self._check_datasets(trainer)
+
+    def _check_datasets(self, trainer: L.Trainer) -> None:
+        """Every ``dataset`` the sweep may ask (``base``'s, or the search space's choices) names a source of the
+        data module, said as the fit starts (a misspelled choice failed only the trials that drew it, as they were
+        asked)."""
+        dm = getattr(trainer, "datamodule", None)
+        if dm is None or not hasattr(dm, "source_name"):
+            return
+        dist = self.distributions.get("dataset")
+        names = list(getattr(dist, "choices", ())) + ([self.base["dataset"]] if "dataset" in self.base else [])
+        for name in names:
+            try:
+                dm.source_name(name)
+            except ValueError as err:
+                raise UsageError(f"OptunaSweep {'`search_space` dataset' if dist is not None else '`base`'}: {err}") \
+                    from err
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

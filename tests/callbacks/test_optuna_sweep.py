@@ -422,26 +422,47 @@ def test_a_finished_trials_value_is_the_validation_loss_of_the_weights_exported(
 
 
 def test_a_base_whose_data_cannot_train_fails_its_trial_and_the_run_before_the_first_step(tmp_path, trainer_kwargs):
-    """A misspelled ``dataset`` in ``base``: the run stops at once naming it, and the trial asked is told FAIL (it
-    stayed RUNNING, with no checkpoint to resume it from)."""
+    """A source that cannot train (one example: none left to validate on) in ``base``: the run stops at once naming
+    it, and the trial asked is told FAIL (it stayed RUNNING, with no checkpoint to resume it from). A ``dataset``
+    that names no source is said as the fit starts, before any trial is asked."""
+    from lightning_multilora.data import ListSource
+
+    def data() -> MultiLoRADataModule:
+        return MultiLoRADataModule(sources={"a": GeneratedArithmetic(300),
+                                            "one": ListSource([{"prompt": "1+1=", "completion": "2"}])},
+                                   max_val_examples=16)
+
+    def run(sweep, root):
+        module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(root / "out"))
+        L.Trainer(**dict(trainer_kwargs, val_check_interval=3), callbacks=[sweep]).fit(module, data())
+
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     sweep = OptunaSweep(SPACE, n_trials=4, storage=storage, slots=2,
-                        base={"max_steps": 4, "batch_size": 2, "dataset": "aa"})
-    with pytest.raises(ValueError, match=r"trial 0 with \{.*\} cannot train: .*'aa'"):
-        fit(tmp_path, trainer_kwargs, sweep)
+                        base={"max_steps": 4, "batch_size": 2, "dataset": "one"})
+    with pytest.raises(ValueError, match=r"trial 0 with \{.*\} cannot train: .*'one'"):
+        run(sweep, tmp_path)
     states = [t.state for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()]
     assert states == [optuna.trial.TrialState.FAIL]
     # a trial asked before the one that cannot train (same ask): it never trained either, and no checkpoint holds it
     storage = f"sqlite:///{tmp_path / 'two.db'}"
-    space = {"dataset": {"type": "categorical", "choices": ["a", "zz"]}}
+    space = {"dataset": {"type": "categorical", "choices": ["a", "one"]}}
     study = optuna.create_study(study_name="multilora", storage=storage)
     study.enqueue_trial({"dataset": "a"})
-    study.enqueue_trial({"dataset": "zz"})
+    study.enqueue_trial({"dataset": "one"})
     sweep = OptunaSweep(space, n_trials=4, storage=storage, slots=2, sampler="random", base={"max_steps": 4})
-    with pytest.raises(ValueError, match=r"trial 1 with \{'dataset': 'zz'\} cannot train"):
-        fit(tmp_path, trainer_kwargs, sweep)
+    with pytest.raises(ValueError, match=r"trial 1 with \{'dataset': 'one'\} cannot train"):
+        run(sweep, tmp_path / "two")
     states = [t.state for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()]
     assert states == [optuna.trial.TrialState.FAIL] * 2
+    # misspelled: named before anything is asked
+    for kwargs, where in ((dict(base={"max_steps": 4, "dataset": "aa"}), "`base`"),
+                          (dict(search_space={"dataset": {"type": "categorical", "choices": ["a", "zz"]}}),
+                           "`search_space` dataset")):
+        storage = f"sqlite:///{tmp_path / 'three.db'}"
+        sweep = OptunaSweep(**{"search_space": SPACE, **kwargs}, n_trials=2, storage=storage, slots=1)
+        with pytest.raises(ValueError, match=rf"OptunaSweep {where}: adapter `dataset` '(aa|zz)' is not a data "):
+            run(sweep, tmp_path / "three")
+        assert not optuna.get_all_study_summaries(storage)  # (not even opened)
 
 
 def test_an_adapter_named_like_a_trial_is_refused_as_the_fit_starts(tmp_path, trainer_kwargs):
