@@ -70,6 +70,13 @@ def build_base_model(
     torch_dtype = resolve_dtype(dtype)
     _refuse_near_miss(base_model)
     if quantization is not None:
+        if not torch.cuda.is_available():
+            import warnings
+
+            warnings.warn("a 4-bit base on the CPU: bitsandbytes repacks its weights in place there and unpacks them "
+                          "lossily whenever the model's state_dict is taken (a checkpoint): the base then drifts "
+                          "(seen with bitsandbytes 0.50 on CPUs with AVX512-BF16); QLoRA is meant for CUDA GPUs",
+                          stacklevel=2)
         config = quantization_config(quantization, torch_dtype)
         if base_model in TINY_CONFIGS:
             import tempfile

@@ -71,8 +71,12 @@ class SweepReport(Callback):
         try:
             if export is not None:
                 export(exception)
-            self._report(trainer, pl_module, stopped=f"fit stopped by {type(exception).__name__} at step "
-                                                     f"{trainer.global_step}")
+            stopped = f"fit stopped by {type(exception).__name__} at step {trainer.global_step}"
+            if trainer.world_size > 1:  # (no exchange after an exception: rank 0 knows its own exports only)
+                stopped += (" (each process exports its own adapters, those of the others only where they got the "
+                            "interrupt too, as a terminal's Ctrl+C reaches them all; their export paths are not "
+                            "listed here)")
+            self._report(trainer, pl_module, stopped=stopped)
         except Exception as err:  # noqa: BLE001 - the run's own exception is the one to raise
             warnings.warn(f"SweepReport after {type(exception).__name__} failed: {type(err).__name__}: {err}")
 

@@ -163,6 +163,11 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         size = self.base_shard_size
+        quantized = [n for n, m in model.named_modules() if type(m).__name__ in ("Linear4bit", "Linear8bitLt")]
+        if size > 1 and quantized:  # (seen on the CPU: after a forward, each rank decodes its shard wrongly)
+            raise ValueError(f"a bitsandbytes-quantized base ({quantized[0]}, ...) cannot be sharded here: its packed "
+                             "weights and their quantization state are one per whole tensor; give "
+                             "`AdapterParallelStrategy(shard_size=1)`, every rank holding the whole 4-bit base")
         if size == 1:
             if self.param_dtype is not None:
                 ignored = {id(p) for p in adapter_params}

@@ -558,3 +558,19 @@ def test_an_error_in_rank_zeros_decision_fails_every_rank_with_its_message(tmp_p
     assert "ValueError: trial 0 with" in result.stderr and missing in result.stderr  # rank 0
     assert "ValueError: rank 0 failed to decide for every rank: ValueError: trial 0 with" in result.stderr  # rank 1
     assert "timed out" not in result.stderr.lower()
+
+
+def test_a_4bit_base_is_refused_sharded_and_named_what_works():
+    """(Sharded over two processes, a bitsandbytes 4-bit base decoded its shards wrongly after its first forward,
+    silently: every later loss off; whole on each rank it trains as in one process.)"""
+    pytest.importorskip("bitsandbytes")
+    from lightning_multilora.base_model import build_base_model
+    from lightning_multilora.strategies.adapter_parallel import AdapterParallelStrategy
+
+    if torch.cuda.is_available():
+        model = build_base_model("tiny-llama", quantization="nf4")
+    else:  # (bitsandbytes on the CPU: said, with what it does to the base there)
+        with pytest.warns(UserWarning, match="a 4-bit base on the CPU: bitsandbytes repacks its weights in place"):
+            model = build_base_model("tiny-llama", quantization="nf4")
+    with pytest.raises(ValueError, match=r"bitsandbytes-quantized base .* cannot be sharded here.*shard_size=1"):
+        AdapterParallelStrategy(shard_size=2).parallelize(model, [])
