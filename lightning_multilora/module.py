@@ -1314,13 +1314,15 @@ class MultiLoRAMixin:
         self._best_weights = {n: w for n, w in self._best_weights.items() if placement.owns(n)}
         if self.admission is None or getattr(placement, "resized_from", None) is None:
             return
+        from lightning_multilora.scheduling.admission import size_text
+
         running = [rec.spec for rec in self.registry.running]  # (what admission counts)
         for rank in range(placement.world_size):
             mine = [s for s in running if placement.owner.get(s.name) == rank]
             if mine and not self.admission.fits(mine):
                 rank_zero_warn(f"resumed on {placement.world_size} ranks, rank {rank} trains {[s.name for s in mine]}: "
-                               f"{self.admission.predict(mine) / 2**30:.2f} GiB predicted, over the admission budget "
-                               f"of {self.admission.budget / 2**30:.2f} GiB (the checkpoint was written by "
+                               f"{size_text(self.admission.predict(mine))} predicted, over the admission budget "
+                               f"of {size_text(self.admission.budget)} (the checkpoint was written by "
                                f"{placement.resized_from}); they train anyway")
 
     def _merge_given_specs(self, given: list[AdapterSpec]) -> None:

@@ -21,6 +21,14 @@ from lightning_multilora.spec import AdapterSpec
 Predict = Callable[[Sequence[AdapterSpec]], float]
 
 
+def size_text(num_bytes: float) -> str:
+    """Bytes in words at a scale that shows them: GiB with two decimals from 1 GiB, else MiB, else KiB."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.2f} {unit}"
+    return f"{num_bytes / 2**10:.1f} KiB"
+
+
 def fit_predictor(fit: MemoryFit, seq_len: int, params_of: Callable[[AdapterSpec], int],
                   beyond: Optional[Predict] = None) -> Predict:
     """Peak bytes of a set of adapters from a `MemoryFit`: tokens ``sum(b) * seq_len``, their parameters.
@@ -104,9 +112,8 @@ class AdmissionController:
 
     def alone(self, spec: AdapterSpec) -> str:
         """What ``spec`` alone needs against the budget, in words."""
-        return (f"{spec.name!r} (batch_size={spec.batch_size}) alone needs {self.predict([spec]) / 2**30:.2f} GiB, the "
-                f"budget is {self.budget / 2**30:.2f} GiB ({self.safety_margin:.0%} of "
-                f"{self.capacity_bytes / 2**30:.2f} GiB)")
+        return (f"{spec.name!r} (batch_size={spec.batch_size}) alone needs {size_text(self.predict([spec]))}, the "
+                f"budget is {size_text(self.budget)} ({self.safety_margin:.0%} of {size_text(self.capacity_bytes)})")
 
 
 def choose_gradient_checkpointing(specs: Sequence[AdapterSpec], with_checkpointing: Predict,
@@ -117,7 +124,7 @@ def choose_gradient_checkpointing(specs: Sequence[AdapterSpec], with_checkpointi
         return False
     if with_checkpointing(specs) > budget_bytes:
         raise ValueError(f"{len(specs)} adapters do not fit even with gradient checkpointing "
-                         f"({with_checkpointing(specs) / 2**30:.2f} GiB > {budget_bytes / 2**30:.2f} GiB)")
+                         f"({size_text(with_checkpointing(specs))} > {size_text(budget_bytes)})")
     return True
 
 

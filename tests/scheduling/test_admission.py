@@ -115,8 +115,8 @@ def test_an_adapter_that_can_never_fit_fails_instead_of_waiting_forever(tmp_path
     dm = lambda: MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, max_val_examples=8)  # noqa: E731
     module = MultiLoRAModule("tiny-llama", adapters=[spec("small", 1, max_steps=3), spec("big", 8, max_steps=3)],
                              admission=ctrl, export_dir=str(tmp_path / "a"), validate_on_finish=False)
-    with pytest.raises(ValueError, match=r"'big' \(batch_size=8\) alone needs 0.00 GiB, the budget is 0.00 GiB "
-                                         r"\(100% of 0.00 GiB\), so it can never start"):
+    with pytest.raises(ValueError, match=r"'big' \(batch_size=8\) alone needs 0.8 KiB, the budget is 0.4 KiB "
+                                         r"\(100% of 0.4 KiB\), so it can never start"):
         L.Trainer(**trainer_kwargs).fit(module, dm())
 
     class AddBig(Callback):
