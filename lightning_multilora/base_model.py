@@ -141,8 +141,10 @@ def _overridden_config(path: str, overrides: dict[str, Any]) -> Any:
             before = plain.get(key)
             if key in legacy:  # (no field: stored as given)
                 merged[key] = value
-            elif isinstance(value, dict) and isinstance(raw.get(key), dict) and value != before:
-                merged[key] = {**raw[key], **{k: v for k, v in value.items() if (before or {}).get(k) != v}}
+            elif (isinstance(value, dict) and isinstance(raw.get(key), dict)
+                  and (value != before or legacy.keys() & value.keys())):  # (a value equal to the default's too)
+                merged[key] = {**raw[key], **{k: v for k, v in value.items()
+                                              if k in legacy or (before or {}).get(k) != v}}
     with _naming_overrides(overrides):
         config = AutoConfig.for_model(**merged)
     _refuse_unknown_fields(config, overrides)

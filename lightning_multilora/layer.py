@@ -49,6 +49,10 @@ class LayoutContext:
         self.dropout_steps: dict[torch.device, Tensor] = {}
         self._dropout_forwards: set[int] = set()  # layers that ran a training forward with dropout in this `use`
         self._warned_repeat = False
+        # tokens per row of the last input a layer took as (rows, tokens, d) in this `use`: a layer given the tokens
+        # flattened, (rows x tokens, d), as OPT's fc1 / fc2 are, must take that many (a mixture-of-experts layer's
+        # share of the tokens is no whole batch, even where its count divides by the rows)
+        self.tokens_per_row: Optional[int] = None
 
     def move_steps(self, old: torch.device, new: torch.device) -> None:
         """Adapters moved from ``old`` to ``new``: the step table of ``new`` becomes ``old``'s (the one their steps,
@@ -82,12 +86,12 @@ class LayoutContext:
 
     @contextmanager
     def use(self, layout: Optional[BatchLayout], shadows: bool = False) -> Iterator[None]:
-        previous = self.layout, self.shadows, self._dropout_forwards
-        self.layout, self.shadows, self._dropout_forwards = layout, shadows, set()
+        previous = self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row
+        self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row = layout, shadows, set(), None
         try:
             yield
         finally:
-            self.layout, self.shadows, self._dropout_forwards = previous
+            self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row = previous
 
 
 class MultiLoRALinear(nn.Module):
@@ -195,10 +199,11 @@ class MultiLoRALinear(nn.Module):
         if layout is None:
             return self.base(x)
         shape = x.shape
-        if x.dim() == 2 and layout.num_rows and shape[0] % layout.num_rows == 0:
-            tokens_per_row = shape[0] // layout.num_rows  # (rows x tokens, d_in): flattened, as OPT's fc1 / fc2 take it
-        elif x.dim() > 2 and shape[0] == layout.num_rows:
-            tokens_per_row = math.prod(shape[1:-1])
+        rows, seen = layout.num_rows, self.context.tokens_per_row
+        if x.dim() == 2 and rows and (shape[0] == rows * seen if seen else shape[0] % rows == 0):
+            tokens_per_row = shape[0] // rows  # (rows x tokens, d_in): flattened, as OPT's fc1 / fc2 take it
+        elif x.dim() > 2 and shape[0] == rows:
+            tokens_per_row = self.context.tokens_per_row = math.prod(shape[1:-1])
         else:
             raise RuntimeError(
                 f"the batch has {shape[0]} rows but the layout describes {layout.num_rows}; "

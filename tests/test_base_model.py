@@ -79,6 +79,11 @@ def test_a_checkpoints_config_takes_legacy_names_and_keeps_the_rest(tmp_path):
     model = build_base_model(str(tmp_path), {"rope_theta": 5e5, "max_position_embeddings": 512})
     assert model.config.rope_parameters == {**rope, "rope_theta": 5e5}
     assert model.config.max_position_embeddings == 512 and model.config.num_hidden_layers == 1
+    # a value equal to the config class's default is taken too (it was dropped as "unchanged", silently)
+    assert build_base_model(str(tmp_path), {"rope_theta": 10000.0}).config.rope_parameters["rope_theta"] == 10000.0
+    build_base_model("tiny-llama", {"num_hidden_layers": 1, "rope_parameters": {**rope, "rope_theta": 5e5}}
+                     ).save_pretrained(tmp_path / "b")
+    assert build_base_model(str(tmp_path / "b"), {"rope_theta": 10000.0}).config.rope_parameters == rope
     with pytest.raises(ValueError, match=r"'hidden_sizee' \(did you mean 'hidden_size'\?\)"):
         build_base_model(str(tmp_path), {"hidden_sizee": 32})
 

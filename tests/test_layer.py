@@ -11,6 +11,7 @@ from torch import nn
 
 from lightning_multilora import BatchLayout, MultiLoRALinear, inject_multilora
 from lightning_multilora.base_model import build_base_model
+from lightning_multilora.layer import LayoutContext
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -401,3 +402,19 @@ def test_conv1d_and_flattened_token_layers_run_the_kernels_as_the_reference(fami
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, **tol)
     assert (ref[0] - plain[0]).abs().max() > 1e-3 and (ref[1:] - plain[1:]).abs().max() > 1e-3
+
+
+def test_flattened_tokens_must_be_the_whole_batch_seen_in_three_dimensions():
+    """A layer given tokens flattened (OPT's fc1) takes rows x tokens of them, the tokens the model's other layers
+    took per row; a share of them (a mixture-of-experts layer's routed tokens) whose count merely divides by the rows
+    is refused, not spread over the adapters as if it were the batch."""
+    context = LayoutContext()
+    attn, expert = MultiLoRALinear(nn.Linear(8, 8), context), MultiLoRALinear(nn.Linear(8, 8), context)
+    for layer in (attn, expert):
+        layer.add_adapter("a", rank=2, alpha=2)
+        layer.add_adapter("b", rank=2, alpha=2)
+    with context.use(BatchLayout(("a", "b"), (0, 1), (1, 2), 2)):
+        attn(torch.randn(2, 3, 8))
+        assert expert(torch.randn(6, 8)).shape == (6, 8)  # the whole batch, flattened
+        with pytest.raises(RuntimeError, match="the batch has 4 rows but the layout describes 2"):
+            expert(torch.randn(4, 8))  # 4 of its 6 tokens

@@ -432,18 +432,18 @@ class OptunaSweep(Callback):
         which Optuna left RUNNING, and names the parameter."""
         import optuna
 
-        running = (optuna.trial.TrialState.RUNNING,)
         with warnings.catch_warnings():  # (heartbeats are recorded here, outside study.optimize: `_beat`)
             warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
-            before = {t.number for t in study.get_trials(deepcopy=False, states=running)}
-            try:
-                return study.ask(self.distributions)
+            trial = study.ask()  # (then its parameters, as `study.ask(distributions)` draws them: this trial's alone
+            try:  # is told FAIL where one is refused, not another process's asked meanwhile)
+                for name, dist in self.distributions.items():
+                    trial._suggest(name, dist)
+                return trial
             except (ValueError, TypeError) as err:
-                made = [t for t in study.get_trials(deepcopy=False, states=running) if t.number not in before]
-                for t in made:
-                    study.tell(t.number, state=optuna.trial.TrialState.FAIL)
-                names = self._refused_parameters(study, made[0] if made else None)
-                which = f"trial {made[0].number}" if made else "a trial"
+                study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+                made = [study._storage.get_trial(trial._trial_id)]
+                names = self._refused_parameters(study, made[0])
+                which = f"trial {trial.number}"
                 raise ValueError(f"OptunaSweep: the study could not ask {which}"
                                  f"{f' (parameter {names[0]!r})' if len(names) == 1 else ''}: {err}; it is told FAIL. "
                                  "An enqueued trial must hold values of the search space, and a parameter the study's "
@@ -685,7 +685,7 @@ class OptunaSweep(Callback):
             if ask and last > info.get("pruner_step", -1):
                 info["pruner_step"] = last  # (asked once a value)
                 if trial.should_prune():
-                    step, loss = max((s, v) for s, v in rec.val_losses if s in seen)
+                    step, loss = max(((s, v) for s, v in rec.val_losses if s in seen), default=(last, math.nan))
                     pruned[name] = (f"pruned by the study's {type(self.study.pruner).__name__} at step {step} "
                                     f"(validation loss {loss:.4f})")
         return pruned
