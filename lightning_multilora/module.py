@@ -986,7 +986,8 @@ class MultiLoRAMixin:
         logs = {k: v for name, values in stash.items()
                 if writes or name not in self.registry or self.registry[name].state != AdapterState.RUNNING
                 for k, v in values.items()}
-        self._monitor({k: v for values in stash.values() for k, v in values.items()})
+        if self._placement() is not None:  # (the other ranks' values; this rank's were monitored in training_step)
+            self._monitor({k: v for values in stash.values() for k, v in values.items()})
         if logs and self.trainer.loggers:  # (at the step Lightning writes a value logged here at)
             loop = self.trainer.fit_loop.epoch_loop
             self._write_metrics(logs, getattr(loop, "_batches_that_stepped", self._global_step()))
@@ -1164,8 +1165,6 @@ class MultiLoRAMixin:
         for name in dict.fromkeys(n for n in names if n is not None):
             self._held_spec(name)
         order = sorted(range(len(names)), key=lambda i: (names[i] is None, names[i] or "", i))  # rows per adapter
-        inverse = torch.empty(len(order), dtype=torch.long)
-        inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
         runs: list[list[Any]] = []  # [name, start, end] of each adapter's rows, in the sorted order
         for row, i in enumerate(order):
             if names[i] is None:
@@ -1177,6 +1176,7 @@ class MultiLoRAMixin:
         layout = BatchLayout(tuple(r[0] for r in runs), tuple(r[1] for r in runs), tuple(r[2] for r in runs),
                              len(order), padding_side="left" if attention_mask is not None else "right")
         index = torch.tensor(order, dtype=torch.long, device=input_ids.device)
+        inverse = torch.argsort(index)
         inputs = {"input_ids": input_ids[index].to(self.device)}
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask[index.to(attention_mask.device)].to(self.device)
@@ -1609,7 +1609,6 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
                 model = model.to(torch_dtype)
         else:
             model = build_base_model(base_model, config_overrides, dtype, base_seed, quantization)
-        model.train()  # from_pretrained returns eval mode; Lightning trains modules as they are
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
         self.model = model

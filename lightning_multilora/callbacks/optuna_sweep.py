@@ -292,7 +292,6 @@ class OptunaSweep(Callback):
         self.alpha_over_rank = alpha_over_rank  # (numpy integers as Python's: a seed's arithmetic must not wrap)
         self.slots, self.seed = (None if v is None else int(v) for v in (slots, seed))
         self._own_sampler = False
-        self.first_trial: Optional[int] = None  # trials the study held when this sweep first opened it
         for name, dist in self.distributions.items():  # every value of the space must make a valid AdapterSpec
             for value in (dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)):
                 try:
@@ -319,10 +318,10 @@ class OptunaSweep(Callback):
         and its resumed run count alike; two processes sharing a study, started with the same seed, count each
         other's trials and so ask different configurations). Where another sweep's trials are running this very
         moment, its id is mixed in too (two sweeps that open the study together would otherwise count alike)."""
-        trials = study.get_trials(deepcopy=False)
-        number = len(trials)
         import optuna
 
+        trials = study.get_trials(deepcopy=False)
+        number = len(trials)
         if any(t.state == optuna.trial.TrialState.RUNNING and t.user_attrs.get("sweep") not in (None, self.sweep_id)
                for t in trials):
             number += int(self.sweep_id[:8], 16)
@@ -358,8 +357,6 @@ class OptunaSweep(Callback):
                                      self.grace_period, self.pruner)
             _check_minimizes(self.study, f"`study_name` {self.study_name!r} in `storage` {storage!r}")
             self._own_sampler = True  # (a study given by the user keeps its own sampler)
-            if self.first_trial is None:  # (a resumed sweep has it from its checkpoint)
-                self.first_trial = len(self.study.get_trials(deepcopy=False))
         if not self._opened:
             self._opened = True
             _check_choices(self.study, self.distributions)
@@ -441,22 +438,20 @@ class OptunaSweep(Callback):
                 return trial
             except (ValueError, TypeError) as err:
                 study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
-                made = [study._storage.get_trial(trial._trial_id)]
-                names = self._refused_parameters(study, made[0])
-                which = f"trial {trial.number}"
-                raise ValueError(f"OptunaSweep: the study could not ask {which}"
+                names = self._refused_parameters(study, study._storage.get_trial(trial._trial_id))
+                raise ValueError(f"OptunaSweep: the study could not ask trial {trial.number}"
                                  f"{f' (parameter {names[0]!r})' if len(names) == 1 else ''}: {err}; it is told FAIL. "
                                  "An enqueued trial must hold values of the search space, and a parameter the study's "
                                  "earlier trials drew must keep its kind of distribution (search space: "
                                  f"{sorted(self.distributions)})") from err
 
-    def _refused_parameters(self, study, trial: Optional["optuna.trial.FrozenTrial"]) -> list[str]:
+    def _refused_parameters(self, study, trial: "optuna.trial.FrozenTrial") -> list[str]:
         """The parameters of the search space a failed ask stumbled on: a value enqueued in ``trial`` that its
         distribution does not hold, or a distribution of another kind than the study's earlier trials drew."""
         from optuna.distributions import check_distribution_compatibility
 
         names = []
-        fixed = trial.system_attrs.get("fixed_params", {}) if trial is not None else {}
+        fixed = trial.system_attrs.get("fixed_params", {})
         for name, dist in self.distributions.items():
             if name in fixed:
                 try:
@@ -860,7 +855,7 @@ class OptunaSweep(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"trials": {n: dict(t) for n, t in self.trials.items()}, "asked": self.asked,
                 "exhausted": self.exhausted, "storage": self.storage, "study_name": self.study_name,
-                "first_trial": self.first_trial, "sweep_id": self.sweep_id}
+                "sweep_id": self.sweep_id}
 
     @staticmethod
     def merge_rank_states(states: list[dict[str, Any]], owners: dict[str, int]) -> dict[str, Any]:
@@ -873,7 +868,6 @@ class OptunaSweep(Callback):
         self.trials = {n: dict(t) for n, t in state_dict.get("trials", {}).items()}
         self.asked = int(state_dict.get("asked", len(self.trials)))
         self.exhausted = bool(state_dict.get("exhausted", False))
-        self.first_trial = state_dict.get("first_trial", self.first_trial)
         self.sweep_id = state_dict.get("sweep_id", self.sweep_id)
         if self.storage is None:
             self.storage = state_dict.get("storage")

@@ -180,7 +180,7 @@ def format_record(record: dict, fmt: str, prompt_field: Optional[str], completio
             raise ValueError(f"{where}: format 'messages' reads one field, the conversation (`prompt_field`, default "
                              f"'messages'; its last message is the completion): leave `completion_field` None, got "
                              f"{completion_field!r}")
-        return _chat_record(record, prompt_field or "messages", where)
+        return _chat_record(record, prompt_field or FORMAT_FIELDS[fmt][0], where)
     prompt_field = FORMAT_FIELDS[fmt][0] if prompt_field is None else prompt_field
     completion_field = FORMAT_FIELDS[fmt][1] if completion_field is None else completion_field
     missing = [f for f in (prompt_field, completion_field) if f not in record]
