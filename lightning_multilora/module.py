@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import itertools
 import math
@@ -103,6 +104,12 @@ class MultiLoRAMixin:
 
     registry: AdapterRegistry
     lora_layers: LoRALayers
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("configure_optimizers")
+        if own is not None:
+            cls.configure_optimizers = _needs_super_optimizer(own)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -790,6 +797,7 @@ class MultiLoRAMixin:
         if self._resume_checkpoint is not None:
             _match_optimizer_state(self._resume_checkpoint, optimizer, self._flat_optimizer_state)
             self._resume_checkpoint = None
+        self._optimizer_built = True
         return optimizer
 
     def _flat_optimizer_state(self, name: str, per_layer: list[Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
@@ -837,6 +845,8 @@ class MultiLoRAMixin:
         # parameters and graph key are taken (a replaced storage is held flat again here)
         self.lora_layers.refresh_shadows(layout.names)
         params = [self.lora_layers.step_parameters(r.name) for r in records]  # one flat tensor per adapter
+        scaler = getattr(self, "_loss_scaler", None)
+        self._step_scales = None if scaler is None else self._scales_of(records, scaler, batch["input_ids"].device)
         losses, norms, total = self._run_forward_backward(batch, records, params)
         tokens = segment_sum(batch["attention_mask"].sum(dim=1), layout)
         stats = torch.stack([losses.detach().float(), norms.float(), tokens.float()]).tolist()  # one sync
@@ -845,14 +855,33 @@ class MultiLoRAMixin:
         groups = {g.get("adapter"): g for g in optim.param_groups}
         for i, rec in enumerate(records):
             loss, norm, n_tok = stats[0][i], stats[1][i], stats[2][i]
+            prefix = f"adapters/{rec.name}/"
+            scale = rec.loss_scale if scaler is not None else None
+            if scale is not None:
+                norm = norm / scale
+                if math.isfinite(loss) and not math.isfinite(norm) and scale > 1.0:
+                    # the scaled gradient overflowed: the step is skipped, the adapter's scale backs off
+                    self.lora_layers.drop_grads(rec.name)
+                    rec.loss_scale, rec.scale_growth = scale * scaler["backoff"], 0
+                    rec.skipped_steps += 1
+                    logs[rec.name] = {prefix + "loss_scale": rec.loss_scale}
+                    continue
             if not (math.isfinite(loss) and math.isfinite(norm)):
                 self.lora_layers.drop_grads(rec.name)
                 what = "loss" if not math.isfinite(loss) else "gradient norm"
                 rec.state = AdapterState.FAILED
                 rec.reason = f"non-finite {what} ({loss if what == 'loss' else norm}) at step {rec.step}"
+                if scale is not None and what != "loss":
+                    rec.reason += f" at loss scale {scale:g}"
                 continue
             spec = rec.spec
-            if spec.grad_clip is not None and norm > spec.grad_clip:
+            if scale is not None:  # unscaled (and clipped) in one multiply
+                clip = spec.grad_clip / (norm + 1e-6) if spec.grad_clip is not None and norm > spec.grad_clip else 1.0
+                torch._foreach_mul_([p.grad for p in params[i] if p.grad is not None], clip / scale)
+                rec.scale_growth += 1
+                if rec.scale_growth >= scaler["interval"]:
+                    rec.loss_scale, rec.scale_growth = scale * scaler["growth"], 0
+            elif spec.grad_clip is not None and norm > spec.grad_clip:
                 torch.nn.utils.clip_grads_with_norm_(params[i], spec.grad_clip, norms[i])
             lr = spec.lr * lr_factor(spec.lr_schedule, rec.step, rec.max_steps, spec.warmup_steps)
             groups[rec.name]["lr"] = lr
@@ -860,9 +889,10 @@ class MultiLoRAMixin:
             rec.tokens_seen += int(n_tok)
             rec.samples_seen += (layout.ends[i] - layout.starts[i]) * spec.batch_size // spec.rows_per_step
             rec.train_losses.append((rec.step, loss))
-            prefix = f"adapters/{rec.name}/"
             logs[rec.name] = {prefix + "train_loss": loss, prefix + "grad_norm": norm, prefix + "lr": lr,
                               prefix + "tokens_seen": float(rec.tokens_seen)}
+            if rec.loss_scale is not None:
+                logs[rec.name][prefix + "loss_scale"] = rec.loss_scale
             if rec.name in getattr(self, "_preference_accuracy", {}):
                 logs[rec.name][prefix + "preference_accuracy"] = float(self._preference_accuracy[rec.name])
         optimizer.step()
@@ -882,13 +912,32 @@ class MultiLoRAMixin:
             losses = loss_sum / count.clamp(min=1)  # (N,) mean over each adapter's target tokens
             finite = torch.isfinite(losses)
             total = torch.where(finite, losses, torch.zeros_like(losses)).sum()
+            scales = getattr(self, "_step_scales", None)  # fp16: each adapter's loss scale (`_take_loss_scaler`)
+            scaled = total if scales is None else torch.where(finite, losses * scales, torch.zeros_like(losses)).sum()
             # Zeroed in place, not dropped: the gradients keep their storage, so the LoRA backward adds into the
             # same tensors every step (no new buffers and device pointer tables per layer per step). Done once the
             # forward is queued: the device runs it meanwhile (before it, the device would wait for this host work).
             self.lora_layers.prepare_grads(*(rec.name for rec in records))
-            if total.requires_grad:
-                self.manual_backward(total)
+            if scaled.requires_grad:
+                self.manual_backward(scaled)
         return losses.detach(), _grad_norms(params, losses), total.detach()
+
+    def _scales_of(self, records: Sequence[AdapterRecord], scaler: dict[str, Any], device: torch.device) -> Tensor:
+        """``(N,)`` on ``device``: the adapters' loss scales (an adapter starting at the scaler's initial one), in one
+        tensor per adapter set, written in place (a captured step reads the same tensor at every replay)."""
+        for rec in records:
+            if rec.loss_scale is None:
+                rec.loss_scale = scaler["init"]
+        buffers = self.__dict__.setdefault("_scale_buffers", {})  # (the 32 most recent sets, the last last)
+        key = (tuple(r.name for r in records), str(device))
+        buffer = buffers.pop(key, None)
+        if buffer is None:
+            buffer = keep_alive(torch.empty(len(records), dtype=torch.float32, device=device))
+            if len(buffers) >= 32:
+                del buffers[next(iter(buffers))]
+        buffers[key] = buffer
+        buffer.copy_(torch.tensor([r.loss_scale for r in records], dtype=torch.float32))
+        return buffer
 
     def _run_forward_backward(self, batch: dict[str, Any], records: Sequence[AdapterRecord],
                               params: Sequence[Sequence[Tensor]]) -> tuple[Tensor, Tensor, Tensor]:
@@ -933,7 +982,8 @@ class MultiLoRAMixin:
                       for group in params for p in group)
         device_type = batch["input_ids"].device.type
         autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
-        return layout.names, layout.starts, layout.ends, layout.num_rows, bound, self.training, autocast
+        scaled = getattr(self, "_step_scales", None) is not None
+        return layout.names, layout.starts, layout.ends, layout.num_rows, bound, self.training, autocast, scaled
 
     def _after_step(self, records: Sequence[AdapterRecord]) -> None:
         for rec in records:
@@ -1113,12 +1163,31 @@ class MultiLoRAMixin:
                           "integer number of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None, "
                           "for the validation losses that EarlyExit, WarmupSelection and OptunaSweep's pruner read",
                           stacklevel=2)
-        if getattr(trainer.precision_plugin, "scaler", None) is not None:
-            # (its factor sits in the gradients until the optimizer's step: every adapter's norm, clipping and
-            # finiteness check would read it, and an overflow that the scaler skips would fail the adapters)
-            raise ValueError(f"`Trainer(precision={trainer.precision!r})` scales the loss by one factor for every "
-                             "adapter, which the adapters' own gradient clipping and failure checks cannot see "
-                             "through; use precision='bf16-mixed' (or '32-true' on a GPU without bf16)")
+        self._take_loss_scaler()
+
+    def _take_loss_scaler(self) -> None:
+        """fp16 mixed precision's loss scaler (Lightning's ``precision="16-mixed"``: one factor for the whole loss,
+        and an overflow anywhere skips every adapter's step) taken over by the module: each adapter scales its own
+        loss, by a factor of its own that starts at the scaler's ``init_scale``, is multiplied by its
+        ``backoff_factor`` where the adapter's gradient overflows (that adapter skips the step) and by its
+        ``growth_factor`` after ``growth_interval`` steps without. The rows of a packed batch are each one adapter's,
+        so an overflow in one adapter's gradients reaches no other's. The scaler goes back to the plugin when the
+        fit ends."""
+        plugin = self.trainer.precision_plugin
+        scaler = getattr(plugin, "scaler", None)
+        self._loss_scaler = None
+        if scaler is None:
+            return
+        if scaler.is_enabled():
+            self._loss_scaler = {"init": float(scaler.get_scale()), "growth": float(scaler.get_growth_factor()),
+                                 "backoff": float(scaler.get_backoff_factor()),
+                                 "interval": int(scaler.get_growth_interval())}
+        plugin.scaler, self._taken_scaler = None, (plugin, scaler)
+
+    def _give_back_loss_scaler(self) -> None:
+        taken, self._taken_scaler = getattr(self, "_taken_scaler", None), None
+        if taken is not None:
+            taken[0].scaler = taken[1]
 
     def evaluate(self, specs: Union[Sequence[Union[AdapterSpec, str]], AdapterSpec, str],
                  record: bool = False) -> dict[str, float]:
@@ -1153,7 +1222,8 @@ class MultiLoRAMixin:
         ``transformers``' ``generate`` arguments): several adapters compared on the same prompts in one pass, as if
         each were loaded alone. Prompts of different lengths are padded on the left, with their ``attention_mask``.
         The adapters are those the module holds (running or paused, as `evaluate` takes them). Returns the token
-        ids ``generate`` returns, in the rows' order. One process: under adapter parallelism the base is sharded;
+        ids ``generate`` returns, in the rows' order (``num_return_sequences`` consecutive rows a prompt, with beam
+        search or sampling). One process: under adapter parallelism the base is sharded;
         generate with the exports there (`PeftModel.from_pretrained`)."""
         names = list(adapters)
         if input_ids.dim() != 2 or len(names) != input_ids.shape[0]:
@@ -1164,7 +1234,8 @@ class MultiLoRAMixin:
                              "PEFT (`PeftModel.from_pretrained(base, export_path)`) to generate with it")
         for name in dict.fromkeys(n for n in names if n is not None):
             self._held_spec(name)
-        order = sorted(range(len(names)), key=lambda i: (names[i] is None, names[i] or "", i))  # rows per adapter
+        first = {n: i for i, n in reversed(list(enumerate(names)))}
+        order = sorted(range(len(names)), key=lambda i: (names[i] is None, first[names[i]], i))  # rows per adapter
         runs: list[list[Any]] = []  # [name, start, end] of each adapter's rows, in the sorted order
         for row, i in enumerate(order):
             if names[i] is None:
@@ -1180,9 +1251,39 @@ class MultiLoRAMixin:
         inputs = {"input_ids": input_ids[index].to(self.device)}
         if attention_mask is not None:
             inputs["attention_mask"] = attention_mask[index.to(attention_mask.device)].to(self.device)
-        with torch.no_grad(), _evaluating(self), self.lora_layers.use(layout):
-            out = self.lora_layers.model.generate(**inputs, **{"do_sample": False, **kwargs})
-        return out[inverse.to(out.device)]
+        model = self.lora_layers.model
+        context = self.lora_layers.context
+        config = kwargs.get("generation_config") or model.generation_config
+        if order != sorted(order) and kwargs.get("return_dict_in_generate", config.return_dict_in_generate):
+            raise ValueError("`generate` with `return_dict_in_generate=True` takes rows grouped by adapter (each "
+                             "adapter's rows together, the base's last), as its scores and beam indices follow "
+                             f"the rows' order; got adapters {names}")
+
+        def rows_per_prompt(_module: nn.Module, args: tuple, model_kwargs: dict) -> None:
+            # beam search and num_return_sequences run each prompt's copies as consecutive rows
+            ids = model_kwargs.get("input_ids", args[0] if args else None)
+            ids = model_kwargs.get("inputs_embeds") if ids is None else ids
+            rows = layout.num_rows if ids is None else ids.shape[0]
+            context.layout = layout_of(rows // layout.num_rows) if rows % layout.num_rows == 0 else layout
+
+        layouts: dict[int, BatchLayout] = {1: layout}
+
+        def layout_of(copies: int) -> BatchLayout:
+            if copies not in layouts:
+                layouts[copies] = BatchLayout(layout.names, tuple(s * copies for s in layout.starts),
+                                              tuple(e * copies for e in layout.ends), layout.num_rows * copies,
+                                              padding_side=layout.padding_side)
+            return layouts[copies]
+
+        hook = model.register_forward_pre_hook(rows_per_prompt, with_kwargs=True)
+        try:
+            with torch.no_grad(), _evaluating(self), self.lora_layers.use(layout):
+                out = model.generate(**inputs, **{"do_sample": False, **kwargs})
+        finally:
+            hook.remove()
+        if order == sorted(order):  # (rows already grouped by adapter, the base's last: as generate returned them)
+            return out
+        return out.view(len(names), -1, out.shape[-1])[inverse.to(out.device)].reshape(out.shape)
 
     def _add_val_terms(self, sums: dict[str, list[float]], batch: dict[str, Any]) -> None:
         """Adds a validation batch's per-adapter loss sum and count to ``sums`` (name -> [loss sum, count, DPO pairs
@@ -1404,6 +1505,31 @@ class MultiLoRAMixin:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
+def _needs_super_optimizer(configure_optimizers: Any) -> Any:
+    """A subclass's ``configure_optimizers``, checked to build the adapters' optimizer through the module's: that
+    starts the adapters (their weights are made there) and gives each its own param group, whose rate its schedule
+    sets every step."""
+
+    @functools.wraps(configure_optimizers)
+    def checked(self: MultiLoRAMixin) -> Any:
+        self._optimizer_built = False
+        why = (f"{type(self).__name__}.configure_optimizers must return (or wrap) super().configure_optimizers(): "
+               "it starts the adapters and builds one optimizer with a param group per adapter; choose the optimizer "
+               "with the module's `optimizer` and `optimizer_kwargs` (e.g. optimizer='torch.optim.SGD', "
+               "optimizer_kwargs={'momentum': 0.9})")
+        try:
+            out = configure_optimizers(self)
+        except ValueError as err:
+            if not self._optimizer_built and "empty parameter list" in str(err):
+                raise ValueError(why) from err
+            raise
+        if not self._optimizer_built:
+            raise ValueError(why)
+        return out
+
+    return checked
+
+
 def _storage_of(tensor: Any) -> Optional[int]:
     """Where a plain tensor's elements start (a sharded DTensor's, or an empty tensor's: None)."""
     if type(tensor) is not torch.Tensor and type(tensor) is not torch.nn.Parameter:
@@ -1546,6 +1672,11 @@ class ExportOnException(L.Callback):
         export = getattr(pl_module, "export_after_exception", None)
         if export is not None:
             export(exception)
+        getattr(pl_module, "_give_back_loss_scaler", lambda: None)()
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        getattr(pl_module, "_give_back_loss_scaler", lambda: None)()
 
 
 class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):

@@ -53,6 +53,12 @@ class AdapterRecord:
     ended_at_step: Optional[int] = None
     spans: list[list[Optional[int]]] = field(default_factory=list)
     """Global-step intervals ``[start, end)`` in which the adapter held a slot (end None while it does)."""
+    loss_scale: Optional[float] = None
+    """fp16 with a loss scaler (``precision="16-mixed"``): the adapter's own factor (None otherwise)."""
+    scale_growth: int = 0
+    """Steps taken at ``loss_scale`` since it last changed (it grows after the scaler's ``growth_interval``)."""
+    skipped_steps: int = 0
+    """Steps whose scaled gradient overflowed: not taken (``loss_scale`` backed off)."""
 
     def open_span(self, step: int) -> None:
         self.spans.append([step, None])
@@ -74,7 +80,8 @@ class AdapterRecord:
             "train_losses": list(self.train_losses),
             "val_losses": list(self.val_losses), "export_path": self.export_path,
             "started_at_step": self.started_at_step, "ended_at_step": self.ended_at_step,
-            "spans": [list(x) for x in self.spans],
+            "spans": [list(x) for x in self.spans], "loss_scale": self.loss_scale, "scale_growth": self.scale_growth,
+            "skipped_steps": self.skipped_steps,
         }
 
     @classmethod
@@ -83,7 +90,7 @@ class AdapterRecord:
         rec.state = AdapterState(state["state"])
         for key in ("reason", "step", "max_steps", "tokens_seen", "samples_seen", "best_val_loss",
                     "best_val_step", "last_val_loss", "last_val_preference_accuracy", "export_path", "started_at_step",
-                    "ended_at_step"):
+                    "ended_at_step", "loss_scale", "scale_growth", "skipped_steps"):
             if key in state:
                 setattr(rec, key, state[key])
         rec.train_losses = [tuple(x) for x in state.get("train_losses", [])]

@@ -135,14 +135,29 @@ def test_generate_runs_several_adapters_in_one_batch_as_peft_runs_each(tmp_path,
     rows = ["b", "a", None, "a"]
     out = module.generate(rows, ids, attention_mask=mask, max_new_tokens=6, pad_token_id=0)
     assert out.shape == (4, width + 6)
-    for i, name in enumerate(rows):
+    def alone(name, prompt, **kwargs):  # PEFT's model of the adapter (or the base), generating for one prompt
         base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
         model = PeftModel.from_pretrained(base, paths[name]) if name is not None else base
         model.eval()
         with torch.no_grad():
-            alone = model.generate(input_ids=prompts[i][None], attention_mask=torch.ones(1, len(prompts[i]),
-                                   dtype=torch.long), max_new_tokens=6, do_sample=False, pad_token_id=0)
-        assert out[i, width:].tolist() == alone[0, len(prompts[i]):].tolist(), (i, name)
+            out = model.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 do_sample=False, pad_token_id=0, **kwargs)
+        return out[:, len(prompt):].tolist()
+
+    for i, name in enumerate(rows):
+        assert [out[i, width:].tolist()] == alone(name, prompts[i], max_new_tokens=6), (i, name)
     assert out[0].tolist() != out[2].tolist()  # one prompt: adapter b changes what the base says
+    # beam search: each prompt's beams are rows of its adapter; num_return_sequences rows a prompt, in the rows' order
+    beams = module.generate(rows, ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, num_beams=3,
+                            num_return_sequences=2)
+    assert beams.shape == (8, width + 4)
+    for i, name in enumerate(rows):
+        assert beams[2 * i:2 * i + 2, width:].tolist() == alone(name, prompts[i], max_new_tokens=4, num_beams=3,
+                                                                num_return_sequences=2), (i, name)
+    with pytest.raises(ValueError, match=r"`return_dict_in_generate=True` takes rows grouped by adapter"):
+        module.generate(rows, ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True)
+    grouped = module.generate(["a", "a", "b", None], ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
+                              return_dict_in_generate=True, output_scores=True)
+    assert grouped.sequences.shape == (4, width + 2) and len(grouped.scores) == 2
     with pytest.raises(ValueError, match=r"`adapters` names one adapter \(or None\) a row"):
         module.generate(["a"], ids)

@@ -404,18 +404,78 @@ def test_trainer_clipping_and_accumulation_are_refused_naming_the_adapter_fields
     assert module.registry["a"].step == 2
 
 
-def test_a_loss_scaler_is_refused_naming_bf16(tmp_path, trainer_kwargs):
-    """fp16 with a gradient scaler (`precision="16-mixed"` on a GPU): the scaler's factor sat in the gradients the
-    adapters' norms, clipping and failure checks read, and an overflow it would skip failed every adapter (then the
-    scaler's step found no gradients). Built here as Lightning builds it on CUDA, with the CPU's scaler."""
+def _fp16(scaler):
+    """fp16 mixed precision as Lightning builds it on CUDA (``precision="16-mixed"``), with the CPU's scaler."""
     from lightning.pytorch.plugins import MixedPrecision
 
-    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=1, max_steps=2)],
-                             export_dir=str(tmp_path / "export"))
-    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
-    with pytest.raises(ValueError, match=r"`Trainer\(precision='16-mixed'\)` scales the loss .*'bf16-mixed'"):
-        L.Trainer(**trainer_kwargs, plugins=[plugin]).fit(module, small_dm())
-    assert module.registry["a"].step == 0
+    return MixedPrecision("16-mixed", "cpu", scaler=scaler)
+
+
+def test_fp16_scales_each_adapters_loss_on_its_own(tmp_path, trainer_kwargs):
+    """fp16 with a loss scaler: Lightning's one factor sat in the gradients that the adapters' norms, clipping and
+    failure checks read, and an overflow anywhere skipped every adapter's step (so it was refused). The module takes
+    the scaler over: an adapter's overflow skips its step alone and backs its own scale off; the others step, their
+    gradients unscaled, as without a scaler; the scaler goes back to the plugin after the fit."""
+    def fit(scaler, *callbacks):
+        torch.manual_seed(0)
+        specs = [AdapterSpec("a", rank=2, batch_size=2, max_steps=6, lr=0.5, grad_clip=0.05),
+                 AdapterSpec("b", rank=4, batch_size=2, max_steps=6, lr=0.5, seed=1)]
+        module = MultiLoRAModule("tiny-llama", adapters=specs, optimizer="torch.optim.SGD",  # (AdamW: scale-free)
+                                 export_dir=str(tmp_path / f"export{len(list(tmp_path.iterdir()))}"))
+        plugin = _fp16(scaler)
+        L.Trainer(**{**trainer_kwargs, "max_steps": 30}, plugins=[plugin], callbacks=list(callbacks)).fit(module,
+                                                                                                       small_dm())
+        assert plugin.scaler is scaler
+        return module, {n: load_file(Path(module.registry[n].export_path) / "adapter_model.safetensors")
+                        for n in ("a", "b")}
+
+    plain, plain_weights = fit(torch.amp.GradScaler("cpu", enabled=False))  # fp16, nothing scaled
+    assert all(r.loss_scale is None for r in plain.registry)
+    scaled, scaled_weights = fit(torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=3))
+    for name in ("a", "b"):
+        rec = scaled.registry[name]
+        assert (rec.step, rec.skipped_steps, rec.loss_scale) == (6, 0, 2.0 ** 10), name  # grown twice in 6 steps
+        for key, value in plain_weights[name].items():
+            assert (scaled_weights[name][key] - value).norm() <= 1e-2 * value.norm(), (name, key)
+        # the unscaled norms, as without a scaler (clipping read them: adapter a's were clipped to 0.05)
+        assert [loss for _, loss in rec.train_losses] == pytest.approx(
+            [loss for _, loss in plain.registry[name].train_losses], rel=1e-2)
+
+    class Overflow(Callback):  # adapter b's scale set far past what fp16 holds, after its second step
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 2:
+                pl_module.registry["b"].loss_scale = 2.0 ** 40
+
+    module, _ = fit(torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=100), Overflow())
+    a, b = module.registry["a"], module.registry["b"]
+    assert (a.state, a.step, a.skipped_steps, a.loss_scale) == (AdapterState.FINISHED, 6, 0, 2.0 ** 8)
+    # b skipped steps until its scale was back where its fp16 gradients fit, then took its remaining 4
+    assert (b.state, b.step) == (AdapterState.FINISHED, 6) and b.skipped_steps >= 20
+    assert b.loss_scale == 2.0 ** (40 - b.skipped_steps) and [s for s, _ in b.train_losses] == [1, 2, 3, 4, 5, 6]
+    assert b.spans == [[0, 6 + b.skipped_steps]]
+
+
+def test_fp16_fails_an_adapter_whose_gradient_overflows_unscaled(tmp_path, trainer_kwargs):
+    """An adapter whose gradient overflows at a loss scale of 1 or less fails (it would back off forever); its loss
+    is finite. The other adapter finishes."""
+    import torch.nn.functional as F
+
+    class Huge(MultiLoRAModule):  # adapter b's loss times 1e30: finite in float32, its fp16 gradients infinite
+        def adapter_loss_terms(self, batch):
+            loss_sum, count = super().adapter_loss_terms(batch)
+            names = batch["layout"].names
+            if "b" in names:
+                loss_sum = loss_sum * (1 + (1e30 - 1) * F.one_hot(torch.tensor(names.index("b")), len(names)))
+            return loss_sum, count
+
+    module = Huge("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=1, max_steps=4),
+                                          AdapterSpec("b", rank=2, batch_size=1, max_steps=4)],
+                  export_dir=str(tmp_path / "export"))
+    L.Trainer(**trainer_kwargs, plugins=[_fp16(torch.amp.GradScaler("cpu", init_scale=4.0))]).fit(module, small_dm())
+    a, b = module.registry["a"], module.registry["b"]
+    assert a.state == AdapterState.FINISHED and a.step == 4
+    assert b.state == AdapterState.FAILED and (b.step, b.skipped_steps) == (0, 2)
+    assert "non-finite gradient norm (nan) at step 0 at loss scale 1" in b.reason
 
 
 class AddAt(Callback):
@@ -992,6 +1052,32 @@ def test_a_training_step_that_does_not_call_the_modules_is_named(tmp_path, train
     module = Mine("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
     with pytest.raises(RuntimeError, match=r"Mine.training_step did not call super\(\).training_step"):
         L.Trainer(**trainer_kwargs).fit(module, small_dm())
+
+
+def test_a_configure_optimizers_that_does_not_call_the_modules_is_named(tmp_path, trainer_kwargs):
+    """An override building its own optimizer never started the adapters: torch's "optimizer got an empty parameter
+    list" (only the adapters train), or, over the frozen base's parameters, no adapter stepping."""
+    class Trainable(MultiLoRAModule):
+        def configure_optimizers(self):
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+    class Everything(MultiLoRAModule):
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    for cls in (Trainable, Everything):
+        module = cls("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
+        with pytest.raises(ValueError, match=rf"{cls.__name__}.configure_optimizers must return \(or wrap\) "
+                                             r"super\(\).configure_optimizers\(\).*`optimizer` and `optimizer_kwargs`"):
+            L.Trainer(**trainer_kwargs).fit(module, small_dm())
+
+    class Wrapped(Trainable):  # (a subclass of a subclass, calling its parent's that calls the module's)
+        def configure_optimizers(self):
+            return MultiLoRAModule.configure_optimizers(self)
+
+    module = Wrapped("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
+    L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    assert module.registry["a"].step == 2
 
 
 def test_loggers_get_each_adapters_values_while_it_runs_and_monitors_find_them(tmp_path, trainer_kwargs):
