@@ -202,6 +202,11 @@ class MultiLoRADataModule(L.LightningDataModule):
         if sources is not None and not sources:  # (None: the generated default; an empty mapping is a mistake)
             raise ValueError("`sources` must name at least one data source (or be left out for the generated "
                              "arithmetic default)")
+        classes = [k for k, v in sources.items() if isinstance(v, type)] if isinstance(sources, Mapping) else []
+        if classes:
+            cls = sources[classes[0]]
+            raise ValueError(f"`sources[{classes[0]!r}]` is the class {cls.__name__}, not a source: give an instance, "
+                             f"{cls.__name__}(...)")
         if sources is not None and (not isinstance(sources, Mapping) or not all(
                 isinstance(k, str) and callable(getattr(v, "examples", None)) for k, v in sources.items())):
             raise ValueError(f"`sources` must map names to data sources (JSONLSource, HFDatasetSource, "
@@ -218,6 +223,9 @@ class MultiLoRADataModule(L.LightningDataModule):
         if padding == "max_length" and max_length is None:
             raise ValueError("`padding='max_length'` needs `max_length`")
         check_int(where, "pad_to_multiple_of", pad_to_multiple_of, 1)
+        if not isinstance(tokenizer, str) or not tokenizer:
+            raise ValueError(f"MultiLoRADataModule: `tokenizer` must be 'byte' (bytes, the built-in tiny models' "
+                             f"vocabulary) or a tokenizer's folder or hub name, got {tokenizer!r}")
         check_int(where, "max_val_examples", max_val_examples, 1, optional=True)
         self.padding, self.pad_to_multiple_of = padding, pad_to_multiple_of
         self.tokenizer_name = tokenizer
@@ -292,10 +300,10 @@ class MultiLoRADataModule(L.LightningDataModule):
                 if not self.truncate:
                     raise ValueError(
                         f"{named(i)} of data source {name!r} is {len(ids)} tokens, longer than the maximum "
-                        f"sequence length {limit}; raise `max_length` (up to the model's maximum), or set "
-                        "`truncate=True`"
+                        f"sequence length {limit}; {longer}, or set `truncate=True`"
                     )
                 ids, labels = ids[:limit], labels[:limit]
+                cut.add(i)
             if all(x == IGNORE_INDEX for x in labels[1:]):
                 if self.truncate:
                     return None
@@ -304,6 +312,11 @@ class MultiLoRADataModule(L.LightningDataModule):
 
         chosen, rejected = [], []
         same, empty = [], []  # pairs with one completion for both answers / an empty answer
+        cut: set[int] = set()  # examples whose row (a pair's either) was cut at the limit
+        kept: list[int] = []
+        model_max = self.model_max_length
+        longer = ("raise `max_length` (up to the model's maximum)" if model_max is None or limit is None
+                  or limit < model_max else f"{limit} tokens is the model's maximum: shorten the examples")
         prefix = list(getattr(tok, "prefix_ids", ()))  # (BOS, where the tokenizer begins a text with it)
         for i in order:
             example = examples[i]
@@ -324,16 +337,23 @@ class MultiLoRADataModule(L.LightningDataModule):
                 continue
             chosen.append(first)
             rejected.append(second)
+            kept.append(i)
             if pairs and first[1] == second[1]:
                 same.append(i)
             elif pairs and not (answers[0] and answers[1]):
                 empty.append(i)
         if len(chosen) < 2:
-            raise ValueError(f"data source {name!r} has fewer than 2 usable examples after truncation")
+            raise ValueError(f"data source {name!r}: {len(chosen)} of its {len(examples)} examples keep completion "
+                             f"tokens after truncation to {limit} tokens (`max_length`; the prompts fill the rest), "
+                             f"and it needs at least 2 (one for training, one for validation); {longer}")
         if len(chosen) < len(examples):
             warnings.warn(f"data source {name!r}: {len(examples) - len(chosen)} of {len(examples)} examples kept no "
                           f"completion tokens after truncation to {limit} tokens (the prompt filled them) and are "
-                          "left out; raise `max_length` to keep them")
+                          f"left out; {longer} to keep them")
+        kept_cut = len(cut.intersection(kept))
+        if kept_cut:
+            warnings.warn(f"data source {name!r}: {kept_cut} of the {len(chosen)} examples kept were cut at {limit} "
+                          f"tokens inside their completion (its end and EOS are not learned); {longer}", stacklevel=2)
         if same:
             warnings.warn(f"data source {name!r}: {len(same)} of {len(chosen)} preference pairs have the same chosen "
                           f"and rejected completion (after truncation; {', '.join(named(i) for i in sorted(same)[:3])}"
@@ -461,12 +481,30 @@ class MultiLoRADataModule(L.LightningDataModule):
             self.model_max_length = int(limit)
             if self.effective_max_length != before:  # (validates max_length against the model too)
                 self._splits.clear()  # splits read before (`split`) were not held to the model's maximum
+        if stage == "fit":
+            self._keep_streams_of(module)
         vocab = getattr(module, "vocab_size", None)
         if vocab is not None and self.tokenizer.vocab_size > vocab:
             raise UsageError(
                 f"tokenizer {self.tokenizer_name!r} has {self.tokenizer.vocab_size} tokens but the model's "
                 f"vocabulary has {vocab}; use a model with vocab_size >= {self.tokenizer.vocab_size}"
             )
+        if vocab is not None and self.tokenizer_name == "byte" and vocab != self.tokenizer.vocab_size:
+            warnings.warn(f"MultiLoRADataModule(tokenizer='byte'): the data is read as bytes (the default, the built-in "
+                          f"tiny models' {self.tokenizer.vocab_size}-token vocabulary), and the model's vocabulary has "
+                          f"{vocab} tokens: give the model's own tokenizer (`tokenizer=` its checkpoint folder or hub "
+                          "name)", stacklevel=2)
+
+    def _keep_streams_of(self, module: Any) -> None:
+        """A fit starts: data positions are kept for the adapters the module goes on training (those that have taken
+        steps and not ended: a second fit of the same module), rebuilt on the current splits; any other adapter of the
+        same name (a new module's) starts its data from the beginning. A checkpoint's positions load after this."""
+        registry = getattr(module, "registry", None)
+        going_on = {r.name for r in registry if r.step > 0 and not r.state.exited} if registry is not None else set()
+        pending = {n: s for n, s in self._pending_stream_state.items() if n in going_on}
+        pending.update({n: s.state_dict() for n, s in self._streams.items() if n in going_on})
+        self._streams.clear()
+        self._pending_stream_state = pending
 
     @override
     def train_dataloader(self) -> TRAIN_DATALOADERS:

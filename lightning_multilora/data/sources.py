@@ -8,12 +8,13 @@ import gzip
 import json
 import numbers
 import random
+import warnings
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_multilora.arguments import check_int
 
@@ -89,11 +90,20 @@ class GeneratedArithmetic(DataSource):
                              f"{', '.join(self.OPERATIONS)}, got {operations!r}")
         self.num_examples, self.seed, self.max_operand = int(num_examples), int(seed), int(max_operand)
         self.operations = tuple(operations)
+        m = self.max_operand
+        distinct = len(_NAMES) * len(_ITEMS) * sum(m * (m + 1) // 2 if op == "sub" else m * m
+                                                   for op in set(self.operations))
+        if self.num_examples > distinct:
+            raise ValueError(f"GeneratedArithmetic: `num_examples` {self.num_examples} is more than the {distinct} "
+                             f"distinct problems of max_operand={m} and operations {list(self.operations)}; raise "
+                             "`max_operand` (or add operations)")
 
     def examples(self) -> list[Example]:
+        """Distinct problems (a problem drawn again is drawn anew: a validation example is never also a training
+        one)."""
         rng = random.Random(self.seed)
-        out = []
-        for _ in range(self.num_examples):
+        out, seen = [], set()
+        while len(out) < self.num_examples:
             who, item, op = rng.choice(_NAMES), rng.choice(_ITEMS), rng.choice(self.operations)
             a, b = rng.randint(1, self.max_operand), rng.randint(1, self.max_operand)
             if op == "add":
@@ -103,7 +113,9 @@ class GeneratedArithmetic(DataSource):
                 q, ans = f"{who} has {a} {item} and gives away {b}. How many {item} are left?", a - b
             else:
                 q, ans = f"{who} has {a} bags with {b} {item} each. How many {item} in all?", a * b
-            out.append(Example(f"Q: {q}\nA:", f" {ans}"))
+            if q not in seen:
+                seen.add(q)
+                out.append(Example(f"Q: {q}\nA:", f" {ans}"))
         return out
 
     def describe(self) -> str:
@@ -120,7 +132,7 @@ def _jsonl_lines(path: Path, shown: str) -> Iterator[tuple[int, str]]:
         with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as fh:
             for lineno, data in enumerate(fh, 1):
                 try:
-                    line = data.decode("utf-8")
+                    line = data.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a byte-order mark is no text)
                 except UnicodeDecodeError as err:
                     raise ValueError(f"{shown}:{lineno}: not UTF-8 text ({err.reason} at byte {err.start} of the "
                                      "line)") from None
@@ -186,6 +198,11 @@ def format_record(record: dict, fmt: str, prompt_field: Optional[str], completio
     missing = [f for f in (prompt_field, completion_field) if f not in record]
     if missing:
         raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}")
+    if fmt == "prompt_completion" and isinstance(record[prompt_field], list):
+        if not isinstance(record[completion_field], list):
+            raise ValueError(f"{where}: field {prompt_field!r} is a list of messages and {completion_field!r} is "
+                             f"not: a conversational record has a list of messages in both")
+        return _conversational(record, prompt_field, completion_field, where)
     prompt, completion = _text(record, prompt_field, where), _text(record, completion_field, where)
     if fmt in ("gsm8k", "question_answer"):
         return Example(f"Question: {prompt.strip()}\nAnswer:", f" {completion.strip()}", where)
@@ -196,8 +213,22 @@ def _chat_record(record: dict, field: str, where: str) -> ChatExample:
     """A record's conversation (field ``field``): a list of messages, each a mapping of a ``role`` (`ROLES`) and a
     text ``content``, at least one before the last, which is the assistant's."""
     if field not in record:
-        raise ValueError(f"{where}: record has no field {field!r} (format 'messages'); it has {sorted(record)}")
-    value = record[field]
+        hint = ""
+        if all(isinstance(record.get(f), list) for f in FORMAT_FIELDS["prompt_completion"]):
+            hint = (" (its prompt and completion are lists of messages, TRL's conversational prompt-completion: "
+                    "read them with the default format, 'prompt_completion')")
+        raise ValueError(f"{where}: record has no field {field!r} (format 'messages'); it has {sorted(record)}{hint}")
+    messages = _messages(record[field], field, where)
+    if len(messages) < 2 or messages[-1][0] != "assistant":
+        raise ValueError(f"{where}: field {field!r} must end with the assistant's message (the completion to learn) "
+                         f"after at least one other; got roles {[r for r, _ in messages]}")
+    return ChatExample(tuple(messages), where)
+
+
+def _messages(value: Any, field: str, where: str) -> list[tuple[str, str]]:
+    """A field's list of messages as (role, content) pairs. A key other than ``role`` and ``content`` is refused
+    unless it is None (a table of conversations, as ``datasets`` reads one, gives every message every key that any
+    message of the data has: ``name``, ``tool_calls``...)."""
     if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise ValueError(f"{where}: field {field!r} must be a list of messages ({{'role': ..., 'content': ...}}), got "
                          f"{type(value).__name__} {value!r:.60}")
@@ -206,30 +237,44 @@ def _chat_record(record: dict, field: str, where: str) -> ChatExample:
         at = f"{where}: message {k} of {field!r}"
         if not isinstance(message, Mapping):
             raise ValueError(f"{at} must be a mapping with 'role' and 'content', got {type(message).__name__}")
-        if set(message) != {"role", "content"}:
-            raise ValueError(f"{at} must hold 'role' and 'content' (text) only, got keys {sorted(message)}")
+        if not {"role", "content"} <= set(message):
+            raise ValueError(f"{at} must hold 'role' and 'content' (text), got keys {sorted(message)}")
+        extra = sorted(k for k, v in message.items() if k not in ("role", "content") and v is not None)
+        if extra:
+            raise ValueError(f"{at} holds {extra} besides 'role' and 'content': a message is read as its role and "
+                             "text only (tool calls and names are not rendered); leave those keys out (or None)")
         if message["role"] not in ROLES:
             raise ValueError(f"{at}: `role` can be {', '.join(ROLES)}, got {message['role']!r}")
         if not isinstance(message["content"], str):
             raise ValueError(f"{at}: `content` must be text (a string), got {type(message['content']).__name__} "
                              f"{message['content']!r:.60}")
         messages.append((message["role"], message["content"]))
-    if len(messages) < 2 or messages[-1][0] != "assistant":
-        raise ValueError(f"{where}: field {field!r} must end with the assistant's message (the completion to learn) "
-                         f"after at least one other; got roles {[r for r, _ in messages]}")
-    return ChatExample(tuple(messages), where)
+    return messages
+
+
+def _conversational(record: dict, prompt_field: str, completion_field: str, where: str) -> ChatExample:
+    """TRL's conversational prompt-completion record: the prompt a list of messages, the completion a list of one,
+    the assistant's (learned, after the prompt rendered by the chat template)."""
+    prompt = _messages(record[prompt_field], prompt_field, where)
+    completion = _messages(record[completion_field], completion_field, where)
+    if not prompt or len(completion) != 1 or completion[0][0] != "assistant":
+        raise ValueError(f"{where}: a conversational record's {prompt_field!r} must hold at least one message and "
+                         f"its {completion_field!r} one, the assistant's; got roles {[r for r, _ in prompt]} and "
+                         f"{[r for r, _ in completion]}")
+    return ChatExample(tuple(prompt + completion), where)
 
 
 class JSONLSource(DataSource):
     """A JSON-lines file (optionally ``.gz``) of records; ``format`` says how they read (``question_answer`` and
     ``gsm8k``: a Q/A template; ``messages``: a conversation, rendered by the tokenizer's chat template, whose last
-    message, the assistant's, is learned), ``prompt_field`` / ``completion_field`` which fields hold the text (None: the
-    format's own, ``prompt`` / ``completion``, ``question`` / ``answer``, or ``messages`` alone)."""
+    message, the assistant's, is learned; ``prompt_completion`` with lists of messages in both fields is TRL's
+    conversational prompt-completion, rendered so too), ``prompt_field`` / ``completion_field`` which fields hold the
+    text (None: the format's own, ``prompt`` / ``completion``, ``question`` / ``answer``, or ``messages`` alone)."""
 
     def __init__(self, path: str, format: str = "prompt_completion", prompt_field: Optional[str] = None,
                  completion_field: Optional[str] = None, limit: Optional[int] = None) -> None:
         if format not in FORMATS:
-            raise ValueError(f"`format` can be {', '.join(FORMATS)}, got {format!r}")
+            raise ValueError(f"JSONLSource: `format` can be {', '.join(FORMATS)}, got {format!r}")
         check_int("JSONLSource", "limit", limit, 1, optional=True)
         self.path, self.format, self.limit = path, format, limit
         self.prompt_field, self.completion_field = prompt_field, completion_field
@@ -272,7 +317,7 @@ class HFDatasetSource(DataSource):
                  completion_field: Optional[str] = None, limit: Optional[int] = None,
                  data_files: Optional[str] = None) -> None:
         if format not in FORMATS:
-            raise ValueError(f"`format` can be {', '.join(FORMATS)}, got {format!r}")
+            raise ValueError(f"HFDatasetSource: `format` can be {', '.join(FORMATS)}, got {format!r}")
         check_int("HFDatasetSource", "limit", limit, 1, optional=True)
         self.path, self.name, self.split, self.format, self.limit = path, name, split, format, limit
         self.prompt_field, self.completion_field, self.data_files = prompt_field, completion_field, data_files
@@ -304,6 +349,19 @@ class HFDatasetSource(DataSource):
 
     def examples(self) -> list[Example]:
         ds = self._load()
+        features = getattr(ds, "features", None) or {}
+        fields = ((self.prompt_field or FORMAT_FIELDS[self.format][0],) if self.format == "messages" else
+                  (self.prompt_field or FORMAT_FIELDS[self.format][0],
+                   self.completion_field or FORMAT_FIELDS[self.format][1]))
+        numeric = {f: features[f].dtype for f in fields
+                   if f in features and str(getattr(features[f], "dtype", "string")).startswith(
+                       ("int", "uint", "float", "bool"))}
+        if numeric:
+            warnings.warn(f"HFDatasetSource({self.path}): the loader read text field(s) as numbers "
+                          f"({', '.join(f'{f!r}: {t}' for f, t in numeric.items())}): their values are taken as they "
+                          "print ('26'), and what the file held around them (a leading space, leading zeros) is "
+                          "lost; give the fields as text (a JSONL file of strings, read by JSONLSource)",
+                          stacklevel=2)
         out = []
         for i, record in enumerate(ds):
             out.append(format_record(record, self.format, self.prompt_field, self.completion_field,
@@ -361,7 +419,7 @@ class PreferenceSource(DataSource):
     def __init__(self, path: Optional[str] = None, format: str = "prompt_chosen_rejected",
                  records: Optional[list[dict]] = None, limit: Optional[int] = None) -> None:
         if format not in PREFERENCE_FORMATS:
-            raise ValueError(f"`format` can be {', '.join(PREFERENCE_FORMATS)}, got {format!r}")
+            raise ValueError(f"PreferenceSource: `format` can be {', '.join(PREFERENCE_FORMATS)}, got {format!r}")
         if (path is None) == (records is None):
             raise ValueError("PreferenceSource takes exactly one of `path` and `records`")
         check_int("PreferenceSource", "limit", limit, 1, optional=True)

@@ -38,6 +38,13 @@ def test_generated_arithmetic_is_seeded_and_correct():
                             ({"seed": "a"}, "`seed` must be an integer")):
         with pytest.raises(ValueError, match=rf"GeneratedArithmetic: {message}"):
             GeneratedArithmetic(**kwargs)
+    # distinct problems: no validation example is also a training one (6 of the demo's 64 were)
+    examples = GeneratedArithmetic(3000).examples()
+    assert len({e.prompt for e in examples}) == 3000
+    assert len({e.prompt for e in GeneratedArithmetic(240, max_operand=2, operations=("add",)).examples()}) == 320 - 80
+    with pytest.raises(ValueError, match=r"`num_examples` 321 is more than the 320 distinct problems of max_operand=2 "
+                                         r"and operations \['add'\]; raise `max_operand`"):
+        GeneratedArithmetic(321, max_operand=2, operations=("add",))
 
 
 def test_gsm8k_formatter_on_the_real_training_split(shared_data):
@@ -335,6 +342,45 @@ def test_files_that_are_not_utf8_or_damaged_gzip_are_named_and_gzip_is_told_by_i
     assert len(PreferenceSource(str(tmp_path / "pairs.JSONL.GZ")).examples()) == 2
 
 
+def test_a_source_class_a_missing_tokenizer_a_bom_and_numbers_read_from_text_are_named(tmp_path):
+    with pytest.raises(ValueError, match=r"`sources\['a'\]` is the class GeneratedArithmetic, not a source: give an "
+                                         r"instance, GeneratedArithmetic\(...\)"):
+        MultiLoRADataModule(sources={"a": GeneratedArithmetic})
+    with pytest.raises(ValueError, match=r"`tokenizer` must be 'byte' .* or a tokenizer's folder or hub name, got None"):
+        MultiLoRADataModule(tokenizer=None)
+    bom = tmp_path / "bom.jsonl"  # (as some Windows editors save UTF-8)
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "Q:", "completion": " 1"}\n{"prompt": "R:", "completion": " 2"}\n')
+    assert [e.completion for e in JSONLSource(str(bom)).examples()] == [" 1", " 2"]
+    csv = tmp_path / "d.csv"  # a completion " 26" that `datasets` reads as the number 26
+    csv.write_text("prompt,completion\nQ:, 26\nR:, 3\n")
+    with pytest.warns(UserWarning, match=r"HFDatasetSource\(csv\): the loader read text field\(s\) as numbers "
+                                         r"\('completion': int64\).*a leading space"):
+        assert [e.completion for e in HFDatasetSource("csv", data_files=str(csv)).examples()] == ["26", "3"]
+
+
+def test_a_fit_starts_new_adapters_data_from_the_beginning_and_goes_on_with_a_modules_own(trainer_kwargs):
+    """A data module reused for a second fit (a notebook's next sweep) carried an adapter's position, of a run cut by
+    `max_steps`, to the new module's adapter of the same name; a second fit of the same module goes on from it."""
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(100)})
+    for _ in range(2):
+        module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=4, max_steps=10)])
+        L.Trainer(**{**trainer_kwargs, "max_steps": 3}).fit(module, dm)
+        assert dm.state_dict()["streams"]["a"]["position"] == 12
+    L.Trainer(**{**trainer_kwargs, "max_steps": 2}).fit(module, dm)
+    assert module.registry["a"].step == 5 and dm.state_dict()["streams"]["a"]["position"] == 20
+
+
+def test_the_byte_tokenizer_on_a_model_of_another_vocabulary_is_warned_of(tmp_path, trainer_kwargs):
+    """The default tokenizer ('byte') trained a checkpoint with its own vocabulary on byte ids, silently."""
+    from lightning_multilora.base_model import build_base_model
+
+    build_base_model("tiny-llama", config_overrides={"vocab_size": 400}).save_pretrained(tmp_path / "base")
+    module = MultiLoRAModule(str(tmp_path / "base"), adapters=[AdapterSpec("a", rank=2, max_steps=1)])
+    with pytest.warns(UserWarning, match=r"tokenizer='byte'\): the data is read as bytes .* and the model's "
+                                         r"vocabulary has 400 tokens: give the model's own tokenizer"):
+        L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(20)}))
+
+
 def test_a_list_source_is_given_a_list():
     for records in ({"prompt": "a", "completion": "b"}, "abc", 3):
         with pytest.raises(ValueError, match="ListSource: `records` must be a list of mappings"):
@@ -370,10 +416,18 @@ def test_sequences_longer_than_the_model_maximum_are_errors(tmp_path, trainer_kw
         L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(max_length=1024))
     three = ListSource(long.records + [{"prompt": "c", "completion": "d" * 80}])
     # the long-prompt example has no completion left after truncation and is dropped (said); the other is cut
-    with pytest.warns(UserWarning, match="data source 'long': 1 of 3 examples kept no completion tokens after "
-                                         "truncation to 64 tokens"):
+    with pytest.warns(UserWarning) as caught:
         train, val = MultiLoRADataModule(sources={"long": three}, truncate=True, max_length=64).split("long")
     assert len(train) + len(val) == 2 and max(len(r) for r in train.input_ids + val.input_ids) == 64
+    said = [str(w.message) for w in caught]
+    assert any("data source 'long': 1 of 3 examples kept no completion tokens after truncation to 64 tokens" in m
+               for m in said)
+    assert any("data source 'long': 1 of the 2 examples kept were cut at 64 tokens inside their completion (its end "
+               "and EOS are not learned)" in m for m in said)  # (the 80-token answer; the other one fits)
+    with pytest.raises(ValueError, match=r"data source 'long': 1 of its 2 examples keep completion tokens after "
+                                         r"truncation to 64 tokens \(`max_length`; the prompts fill the rest\), and "
+                                         r"it needs at least 2"):
+        MultiLoRADataModule(sources={"long": long}, truncate=True, max_length=64).split("long")
 
 
 def test_the_validation_share_is_of_the_examples_truncation_keeps():
@@ -595,3 +649,21 @@ def test_conversations_are_rendered_by_the_chat_template_and_the_last_answer_lea
                    format="messages").examples()
     with pytest.raises(ValueError, match="format 'messages' needs a Hugging Face tokenizer with a chat template"):
         MultiLoRADataModule(sources={"c": ListSource(records, format="messages")}).split("c")
+    # TRL's conversational prompt-completion records (the default format): the same rows
+    split = [{"prompt": r["messages"][:2], "completion": r["messages"][2:]} for r in records]
+    conversational = MultiLoRADataModule(sources={"c": ListSource(split)}, tokenizer=str(tmp_path / "tok"),
+                                         val_fraction=0.2)
+    assert conversational.split("c")[0].input_ids == train.input_ids
+    with pytest.raises(ValueError, match=r"records\[0\]: a conversational record's 'prompt' must hold at least one "
+                                         r"message and its 'completion' one, the assistant's; got roles \['system'\] "
+                                         r"and \['user', 'assistant'\]"):
+        ListSource([{"prompt": r["messages"][:1], "completion": r["messages"][1:]} for r in records]).examples()
+    with pytest.raises(ValueError, match=r"record has no field 'messages' \(format 'messages'\).*TRL's "
+                                         r"conversational prompt-completion: read them with the default format"):
+        ListSource(split, format="messages").examples()
+    # a table of conversations (``datasets``) gives every message every key any message has: None ones are no keys
+    padded = [{"messages": [{**m, "name": None} for m in r["messages"]]} for r in records]
+    assert ListSource(padded, format="messages").examples() == ListSource(records, format="messages").examples()
+    named = [{"messages": [{**records[0]["messages"][0], "name": "sys"}, *records[0]["messages"][1:]]}]
+    with pytest.raises(ValueError, match=r"message 0 of 'messages' holds \['name'\] besides 'role' and 'content'"):
+        ListSource(named, format="messages").examples()
