@@ -8,7 +8,6 @@ candidate the model says fits next to the others.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -69,8 +68,8 @@ class AdmissionController:
     """
 
     def __init__(self, predict: Predict, capacity_bytes: float, safety_margin: float = 0.9) -> None:
-        if not 0 < capacity_bytes < math.inf:  # (NaN too: nothing would ever fit)
-            raise ValueError(f"`capacity_bytes` must be a finite number > 0, got {capacity_bytes}")
+        check_real("AdmissionController", "capacity_bytes", capacity_bytes, lambda v: v > 0,
+                   "a finite number of bytes > 0")
         self.predict = predict
         self.capacity_bytes = float(capacity_bytes)
         self.safety_margin = check_margin(safety_margin)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
+from lightning_multilora.arguments import check_real
 from lightning_multilora.scheduling.task_scheduler import Task
 
 
@@ -82,6 +83,16 @@ def visible_gpus(env: Mapping[str, str]) -> Optional[list[str]]:
     return names
 
 
+def next_log_path(log_dir: Path, task_id: str, attempts: dict[str, int]) -> Path:
+    """``log_dir/<task>.<attempt>.log`` of a task's next attempt (``attempts`` counts them), numbered on past the
+    logs an earlier schedule left there (which are kept)."""
+    attempt = attempts.get(task_id, 0) + 1
+    while (log_dir / f"{task_id}.{attempt}.log").exists():
+        attempt += 1
+    attempts[task_id] = attempt
+    return log_dir / f"{task_id}.{attempt}.log"
+
+
 class LocalExecutor:
     """Each task's ``command`` as a subprocess on its GPU set, output to ``log_dir/<task>.<attempt>.log`` (numbered on
     past the logs an earlier schedule left there, which are kept).
@@ -94,6 +105,7 @@ class LocalExecutor:
     """
 
     def __init__(self, log_dir: str | Path, env: Optional[dict[str, str]] = None, poll_s: float = 0.05) -> None:
+        check_real("LocalExecutor", "poll_s", poll_s, lambda v: v > 0, "a number of seconds > 0")
         self.log_dir = Path(log_dir)
         self.env = dict(env or {})
         self.poll_s = poll_s
@@ -108,11 +120,7 @@ class LocalExecutor:
 
     def start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
         command = task_command(task)
-        attempt = self._attempts.get(task.id, 0) + 1
-        while (self.log_dir / f"{task.id}.{attempt}.log").exists():  # an earlier schedule's logs are kept
-            attempt += 1
-        self._attempts[task.id] = attempt
-        log_path = self.log_dir / f"{task.id}.{attempt}.log"
+        log_path = next_log_path(self.log_dir, task.id, self._attempts)
         if self.visible and max(gpu_ids, default=-1) >= len(self.visible):
             self._failed_starts.append(Completion(self.now(), task.id, False, (
                 f"GPUs {list(gpu_ids)} asked for, but CUDA_VISIBLE_DEVICES gives {len(self.visible)}")))

@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
+from lightning_multilora.arguments import check_int
+
 if TYPE_CHECKING:
     from lightning_multilora.spec import AdapterSpec
 
@@ -48,8 +50,8 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ModelShape.{name} must be >= 1, got {getattr(self, name)}")
+            check_int("ModelShape", name, getattr(self, name), 1)
+        check_int("ModelShape", "head_dim", self.head_dim, 1, optional=True)
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -161,14 +163,47 @@ class AnalyticMemoryModel:
         return (self.base_bytes() + sum(self.adapter_bytes(r, t) for r, _, t in adapters)
                 + self.activations(tokens, lora_tokens))
 
-    def of_specs(self, seq_len: int, targets: Sequence[str]) -> Callable[[Sequence[AdapterSpec]], float]:
+    def of_specs(self, seq_len: int, targets: Sequence[str] | str = "all-linear") -> Callable[
+            [Sequence[AdapterSpec]], float]:
         """`predict` as a function of `AdapterSpec`s (what `AdmissionController` and `fit_predictor`'s ``beyond``
-        take): each spec's rank, ``rows_per_step`` and ``target_modules``, ``targets`` where it names none."""
-        if seq_len < 1:
-            raise ValueError(f"`seq_len` must be >= 1, got {seq_len}")
-        default = list(targets)
-        return lambda specs: self.predict([(s.rank, s.rows_per_step, s.target_modules or default) for s in specs],
-                                          seq_len)
+        take): each spec's rank, ``rows_per_step`` and ``target_modules``, ``targets`` where it names none. Targets
+        are read as the module reads them (`projections`): names, ``"all-linear"`` or a regex."""
+        check_int("AnalyticMemoryModel.of_specs", "seq_len", seq_len, 1)
+        default = projections(targets, "`targets`")
+        return lambda specs: self.predict([(s.rank, s.rows_per_step, projections(
+            s.target_modules, f"adapter {s.name!r}'s `target_modules`") if s.target_modules else default)
+            for s in specs], seq_len)
+
+
+_LAYER_NAMES = {p: f"model.layers.0.{'self_attn' if p in PROJECTIONS[:4] else 'mlp'}.{p}" for p in PROJECTIONS}
+
+
+def projections(targets: Sequence[str] | str, what: str = "`targets`") -> tuple[str, ...]:
+    """The projections of a Llama-style layer that ``targets`` names, as the module and PEFT read it: a list of
+    names, ``"all-linear"`` (all seven), a name, or a regex matched against a layer's full module name
+    (``model.layers.0.self_attn.q_proj``)."""
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            return PROJECTIONS
+        if targets in PROJECTIONS:
+            return (targets,)
+        import re
+
+        try:
+            found = tuple(p for p in PROJECTIONS if re.fullmatch(targets, _LAYER_NAMES[p]))
+        except re.error as err:
+            raise ValueError(f"{what} {targets!r} is no projection name, 'all-linear' or regex ({err})") from None
+        if not found:
+            raise ValueError(f"{what} {targets!r} matches no projection of a Llama-style layer: give some of "
+                             f"{', '.join(PROJECTIONS)}, 'all-linear', or a regex matching e.g. "
+                             f"{_LAYER_NAMES['q_proj']!r}")
+        return found
+    names = tuple(targets)
+    unknown = [n for n in names if n not in PROJECTIONS and n != "all-linear"]
+    if unknown or not names:
+        raise ValueError(f"{what}: a target module can be {', '.join(PROJECTIONS)} (or 'all-linear'), got "
+                         f"{unknown or list(names)}")
+    return PROJECTIONS if "all-linear" in names else names
 
 
 @dataclass(frozen=True)
@@ -268,7 +303,11 @@ class MemoryFitCache:
         if not path.exists():
             log.info("no memory profile for %s: profiling", dict(signature))
             return None
-        fit = MemoryFit.from_dict(json.loads(path.read_text()))
+        try:
+            fit = MemoryFit.from_dict(json.loads(path.read_text()))
+        except (ValueError, KeyError, TypeError) as err:  # (a file cut short by a killed run, say)
+            log.warning("memory profile %s does not read (%s: %s): profiling again", path, type(err).__name__, err)
+            return None
         if fit.signature != json.loads(json.dumps(dict(signature), default=str)):
             log.warning("memory profile %s was made for %s, not %s: profiling again", path, fit.signature,
                         dict(signature))
@@ -279,5 +318,7 @@ class MemoryFitCache:
         self.directory.mkdir(parents=True, exist_ok=True)
         path = self.path(fit.signature)
         fit.signature = json.loads(json.dumps(fit.signature, default=str))
-        path.write_text(json.dumps(fit.to_dict(), indent=1))
+        partial = path.with_name(path.name + ".partial")  # (renamed whole into place: never read half written)
+        partial.write_text(json.dumps(fit.to_dict(), indent=1))
+        partial.replace(path)
         return path

@@ -12,34 +12,46 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from pathlib import Path
 from typing import Any, Optional
 
-from lightning_multilora.scheduling.executors import Completion, task_command
+from lightning_multilora.arguments import check_real
+from lightning_multilora.scheduling.executors import Completion, next_log_path, task_command
 from lightning_multilora.scheduling.task_scheduler import Task
 
 
 def _run_command(command: list[str], env: dict[str, str], resource: str) -> tuple[int, str]:
-    """Runs inside the Ray worker; returns the exit status and the output's tail."""
+    """Runs inside the Ray worker; returns the exit status and the output (stdout and stderr as they came)."""
     if resource != "GPU":  # a custom resource: say which "devices" Ray granted, as it does for GPUs
         import ray
 
         granted = ray.get_runtime_context().get_assigned_resources()
         env = {**env, "MULTILORA_ASSIGNED": str(granted.get(resource, 0))}
-    result = subprocess.run(command, env={**os.environ, **env}, capture_output=True, text=True)
-    return result.returncode, (result.stdout + result.stderr)[-2000:]
+    try:
+        result = subprocess.run(command, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, errors="replace")
+    except OSError as err:  # e.g. the program does not exist on that node
+        return 127, f"could not start {command}: {err}\n"
+    return result.returncode, result.stdout
 
 
 class RayExecutor:
-    """Runs tasks on a Ray cluster (``ray.init(address)`` unless Ray is already initialised)."""
+    """Runs tasks on a Ray cluster (``ray.init(address)`` unless Ray is already initialised). Each attempt's output
+    is written, as it ends, to ``log_dir/<task>.<attempt>.log`` on this machine (as `LocalExecutor` writes it;
+    ``log_dir`` None: kept nowhere, a failure's last lines in its record)."""
 
-    def __init__(self, address: Optional[str] = None, resource: str = "GPU", poll_s: float = 0.05) -> None:
+    def __init__(self, address: Optional[str] = None, resource: str = "GPU", poll_s: float = 0.05,
+                 log_dir: Optional[str | Path] = None) -> None:
         import ray
 
+        check_real("RayExecutor", "poll_s", poll_s, lambda v: v > 0, "a number of seconds > 0")
         if not ray.is_initialized():
             ray.init(address=address)
         self.ray = ray
         self.resource = resource
         self.poll_s = poll_s
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self._attempts: dict[str, int] = {}
         self._t0 = time.monotonic()
         self._remote = ray.remote(_run_command)
         self._refs: dict[Any, tuple[str, Any]] = {}  # object ref -> (task id, placement group)
@@ -64,6 +76,18 @@ class RayExecutor:
             command, {"MULTILORA_TASK_ID": task.id}, self.resource)
         self._refs[ref] = (task.id, pg)
 
+    def _keep_log(self, task_id: str, output: str) -> str:
+        """Writes an attempt's output to its log; what a failure's record says of it (the log, or the last lines)."""
+        if self.log_dir is None:
+            return f": {output[-300:]}"
+        path = next_log_path(self.log_dir, task_id, self._attempts)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text(output, encoding="utf-8")
+        except OSError as err:  # (the task has run: said in its record, the schedule goes on)
+            return f", log not written ({err}): {output[-300:]}"
+        return f", log {path}"
+
     def stop(self) -> None:
         """Cancel every running task (its worker killed) and free its placement group (an interrupted schedule
         leaves nothing running on the cluster)."""
@@ -87,8 +111,10 @@ class RayExecutor:
             for ref in ready:
                 task_id, pg = self._refs.pop(ref)
                 try:
-                    code, tail = self.ray.get(ref)
-                    ok, detail = code == 0, "" if code == 0 else f"exit status {code}: {tail[-300:]}"
+                    code, output = self.ray.get(ref)
+                    ok, detail = code == 0, "" if code == 0 else f"exit status {code}"
+                    kept = self._keep_log(task_id, output)
+                    detail += "" if ok else kept
                 except Exception as err:  # noqa: BLE001 - a crashed worker is a failed attempt
                     ok, detail = False, f"{type(err).__name__}: {err}"
                 remove_placement_group(pg)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from lightning_multilora.arguments import check_int, check_real
 from lightning_multilora.scheduling.task_scheduler import Placement, Schedule, Task, TaskScheduler
 
 
@@ -33,8 +34,7 @@ class ScheduleRunner:
 
     def __init__(self, scheduler: TaskScheduler, executor: Any, max_retries: int = 2,
                  poll: Optional[Callable[[], list[Task]]] = None, plan: Optional[Schedule] = None) -> None:
-        if max_retries < 0:
-            raise ValueError(f"`max_retries` must be >= 0, got {max_retries}")
+        check_int("ScheduleRunner", "max_retries", max_retries, 0)
         self.scheduler, self.executor, self.max_retries = scheduler, executor, max_retries
         self.poll = poll
         # the plan being followed; ``plan`` (one made from time 0 for exactly the tasks submitted before `run`,
@@ -57,6 +57,8 @@ class ScheduleRunner:
             raise ValueError(f"duplicate task id {task.id!r}; task ids must be unique")
         if task.gpus > self.scheduler.num_gpus:
             raise ValueError(f"task {task.id!r} needs {task.gpus} GPUs but only {self.scheduler.num_gpus} exist")
+        if at is not None:
+            check_real("ScheduleRunner.submit", "at", at, lambda v: True, "a time in seconds (the executor's clock)")
         heapq.heappush(self.arrivals, (self.now if at is None else at, len(self.arrivals), task))
 
     @property
@@ -127,14 +129,7 @@ class ScheduleRunner:
                 try:
                     next_start = self._replan_and_start(solve=changed)
                 except ValueError as err:  # new tasks no plan can hold (too long): refused, the others go on
-                    fresh = [t.id for t in polled if t.id in self.pending]
-                    if not fresh:
-                        raise
-                    for tid in fresh:
-                        del self.pending[tid]
-                        self.records[tid] = RunRecord(tid, "failed", 0, self.now, self.now, (), f"refused: {err}")
-                    print(f"refused tasks {fresh}: {err}", flush=True)
-                    next_start = self._replan_and_start(solve=True)
+                    next_start = self._refuse_until_planned(polled, err)
                 changed = False
             deadlines = [t for t in (next_start, self.arrivals[0][0] if self.arrivals else None) if t is not None]
             if not self.running and not deadlines:
@@ -146,6 +141,21 @@ class ScheduleRunner:
             for done in self.executor.wait(deadline):
                 self._complete(done)
                 changed = True
+
+    def _refuse_until_planned(self, polled: list[Task], err: ValueError) -> Optional[float]:
+        """The plan failed on tasks just polled: refuse them longest first, one at a time, until it holds the rest
+        (a task too long to plan is refused, not those that came with it)."""
+        fresh = sorted((t for t in polled if t.id in self.pending), key=lambda t: -t.duration)
+        while fresh:
+            task = fresh.pop(0)
+            del self.pending[task.id]
+            self.records[task.id] = RunRecord(task.id, "failed", 0, self.now, self.now, (), f"refused: {err}")
+            print(f"refused task {task.id!r}: {err}", flush=True)
+            try:
+                return self._replan_and_start(solve=True)
+            except ValueError as again:
+                err = again
+        raise err
 
     def _complete(self, done: Any) -> None:
         task, placement = self.running.pop(done.task_id)

@@ -67,7 +67,7 @@ def parse_tasks(entries: Any, where: str) -> list[Task]:
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (it kept the last one, silently; a key merged
     in with ``<<:`` may be given again, as YAML allows); an ``id`` written as a plain scalar keeps its text (``007``,
-    ``1.10``, ``12:30``: YAML's numbers 7, 1.1 and 750)."""
+    ``1.10``, ``12:30``, ``off``, ``2024-01-01``: YAML's numbers 7, 1.1 and 750, False and a date)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
@@ -86,8 +86,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         given = [v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == "id"]
         value = mapping.get("id")
         if (given and isinstance(given[-1], yaml.ScalarNode) and given[-1].style is None
-                and isinstance(value, (int, float)) and not isinstance(value, bool)):
-            mapping["id"] = given[-1].value  # (a number as written: its text names the task's logs)
+                and not isinstance(value, str) and value is not None):
+            mapping["id"] = given[-1].value  # (a number, boolean or date as written: its text names the task's logs)
         return mapping
 
 
@@ -103,6 +103,8 @@ def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
             data = read_yaml(fh)
     except yaml.YAMLError as err:
         raise ValueError(f"{path}: not valid YAML: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: a task file is UTF-8 text ({err.reason} at byte {err.start})") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"{path}: a task file is a mapping with {', '.join(FILE_FIELDS)}")
     unknown = set(data) - set(FILE_FIELDS)
@@ -166,6 +168,11 @@ def gantt(placements: Mapping[str, Any], num_gpus: int, path: str | Path, title:
     ax.set_title(title)
     fig.tight_layout()
     path = Path(path)
+    if path.is_dir():
+        plt.close(fig)
+        raise ValueError(f"{path} is a folder: give the chart's file (e.g. {path / 'plan.png'})")
+    if not path.suffix:  # (matplotlib writes its default format's suffix onto a name without one)
+        path = path.with_suffix(".png")
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -184,7 +191,7 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
         tasks: list[Task] = []
         for path in sorted(inbox.glob("*.yaml")):
             try:
-                data = read_yaml(path.read_text()) or {}
+                data = read_yaml(path.read_text(encoding="utf-8")) or {}
                 unknown = sorted(set(data) - {"tasks"}) if isinstance(data, Mapping) else []
                 if unknown:  # (the machine's settings are the running schedule's)
                     raise ValueError(f"an inbox file holds a `tasks:` list alone; unknown fields {unknown}")
@@ -241,7 +248,8 @@ def _gpus_here(executor: LocalExecutor) -> Optional[tuple[int, str]]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="multilora schedule", description=__doc__.split("\n", 1)[0])
+    parser = argparse.ArgumentParser(prog="multilora schedule", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("task_file", type=Path)
     parser.add_argument("--plan-only", action="store_true", help="print the plan and the Gantt chart, run nothing")
     parser.add_argument("--simulate", action="store_true", help="run on a virtual clock (durations as given)")
@@ -258,6 +266,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                            args.task_file.absolute().parent.resolve()):
         parser.error(f"--inbox {args.inbox}: the folder holds the task file {args.task_file} (every *.yaml in an "
                      "inbox is taken as a new task file and renamed): give the inbox a folder of its own")
+    if args.inbox is not None and args.inbox.exists() and not args.inbox.is_dir():
+        parser.error(f"--inbox {args.inbox}: not a folder (a file of that name exists): give a folder, made if absent")
     try:
         settings, tasks = load_task_file(args.task_file)
     except (OSError, ValueError, yaml.YAMLError) as err:
@@ -286,7 +296,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         from lightning_multilora.scheduling.ray_executor import RayExecutor
 
         try:
-            executor = RayExecutor(address=args.ray)
+            executor = RayExecutor(address=args.ray, log_dir=Path(settings["log_dir"]) / "logs")
         except (ConnectionError, RuntimeError, ValueError) as err:  # (before any task started)
             parser.error(f"--ray {args.ray}: no Ray cluster to run on ({type(err).__name__}: {err}); start one "
                          "(`ray start --head`) or leave out --ray to run the tasks here")

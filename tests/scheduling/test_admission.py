@@ -44,8 +44,11 @@ def test_bad_budgets_and_empty_queues_are_clear_errors():
     with pytest.raises(ValueError, match=r"safety_margin.*\(0, 1\]"):
         AdmissionController(rows_times(1), 10, safety_margin=1.2)
     for capacity in (0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="`capacity_bytes` must be a finite number > 0"):
+        with pytest.raises(ValueError, match="AdmissionController: `capacity_bytes` must be a finite number of "
+                                             "bytes > 0"):
             AdmissionController(rows_times(1), capacity)
+    with pytest.raises(ValueError, match=r"`capacity_bytes` must be .*, got '80e9'"):  # (was a bare TypeError)
+        AdmissionController(rows_times(1), "80e9")
     ctrl = AdmissionController(rows_times(100), capacity_bytes=150, safety_margin=1.0)
     with pytest.raises(ValueError, match="queue is empty"):
         ctrl.plan([])
@@ -80,6 +83,15 @@ def test_the_analytic_model_guards_a_fit_through_of_specs():
     assert guard(specs) == analytic.predict([(2, 2, list(PROJECTIONS)), (8, 1, ["q_proj"])], 4)
     predict = fit_predictor(MemoryFit(0.0, 0.0, 0.0), 4, lambda s: 1, beyond=guard)  # nothing profiled: all beyond
     assert predict(specs) == guard(specs) > 0
+    # targets as the module takes them (its default "all-linear", a name, a regex), checked when the guard is made
+    assert analytic.of_specs(4)(specs) == guard(specs)
+    named = [AdapterSpec("c", rank=4, batch_size=1, target_modules="all-linear"), AdapterSpec("d", rank=4, batch_size=1)]
+    assert analytic.of_specs(4, r".*\.(q|v)_proj")(named) == analytic.predict(
+        [(4, 1, PROJECTIONS), (4, 1, ("q_proj", "v_proj"))], 4)
+    for targets, message in (("attn", r"`targets` 'attn' matches no projection of a Llama-style layer"),
+                             (["a"], r"a target module can be q_proj, .*got \['a'\]")):
+        with pytest.raises(ValueError, match=message):
+            analytic.of_specs(4, targets)
 
 
 def test_a_fit_admits_by_memory_and_backfills_same_batch_size(tmp_path, trainer_kwargs):

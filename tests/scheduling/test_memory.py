@@ -34,8 +34,9 @@ def test_model_shape_counts_llama_8b_parameters():
     assert abs(SHAPE.base_params / 8.03e9 - 1) < 0.005
     with pytest.raises(ValueError, match="target module can be q_proj"):
         SHAPE.projection("mlp")
-    with pytest.raises(ValueError, match="ModelShape.hidden"):
-        ModelShape(2, 0, 8, 2, 2, 10)
+    for value in (0, 2.5, "2"):  # (a string: a bare TypeError; 2.5 was taken)
+        with pytest.raises(ValueError, match=rf"ModelShape: `hidden` must be an integer >= 1, got {value!r}"):
+            ModelShape(2, value, 8, 2, 2, 10)
 
 
 def test_the_analytic_model_is_within_12_percent_of_the_measured_peaks():
@@ -114,6 +115,14 @@ def test_the_cache_returns_a_fit_only_for_its_own_signature(tmp_path, caplog):
     with caplog.at_level(logging.WARNING):
         assert cache.load(signature) is None
     assert "profiling again" in caplog.text
+    # a file cut short (a run killed as it wrote, before saves were renamed into place whole): profiled again
+    path.write_text(path.read_text()[:40])
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert cache.load(signature) is None
+    assert "does not read (JSONDecodeError" in caplog.text
+    assert cache.save(fit) == path and cache.load(signature).k1 == fit.k1
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]  # (no partial file left)
 
 
 GRID = json.loads((Path(__file__).parent / "fixtures" / "h200_llama8b_grid_seq1024.json").read_text())

@@ -28,14 +28,24 @@ def test_planned_tasks_run_on_placement_groups_with_their_gpu_counts(cluster, tm
     tasks = [Task("wide", 1.0, 2, [py, "-c", REPORT, str(tmp_path / "wide")]),
              Task("n1", 1.0, 1, [py, "-c", REPORT, str(tmp_path / "n1")]),
              Task("n2", 1.0, 1, [py, "-c", REPORT, str(tmp_path / "n2")]),
-             Task("bad", 1.0, 1, [py, "-c", "raise SystemExit(4)"])]
-    runner = ScheduleRunner(TaskScheduler(2, resolution_s=0.5), RayExecutor(resource="fake_gpu"), max_retries=1)
+             Task("bad", 1.0, 1, [py, "-c", "import sys; print('starting'); sys.exit('it broke')"])]
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "bad.1.log").write_text("an earlier schedule's")
+    runner = ScheduleRunner(TaskScheduler(2, resolution_s=0.5),
+                            RayExecutor(resource="fake_gpu", log_dir=tmp_path / "logs"), max_retries=1)
     for task in tasks:
         runner.submit(task)
     records = runner.run()
     assert {t: records[t].state for t in ("wide", "n1", "n2")} == {"wide": "finished", "n1": "finished",
                                                                    "n2": "finished"}
-    assert records["bad"].state == "failed" and records["bad"].attempts == 2 and "exit status 4" in records["bad"].detail
+    bad = records["bad"]
+    # each attempt's whole output in a log of its own (numbered past an earlier schedule's), as LocalExecutor keeps
+    assert bad.state == "failed" and bad.attempts == 2
+    assert bad.detail == f"exit status 1, log {tmp_path / 'logs' / 'bad.3.log'}"
+    assert (tmp_path / "logs" / "bad.1.log").read_text() == "an earlier schedule's"
+    for attempt in (2, 3):
+        assert (tmp_path / "logs" / f"bad.{attempt}.log").read_text() == "starting\nit broke\n"
+    assert (tmp_path / "logs" / "wide.1.log").is_file()
     assert (tmp_path / "wide").read_text() == "wide 2.0"  # Ray granted the task both "GPUs"
     assert (tmp_path / "n1").read_text() == "n1 1.0"
     wide = records["wide"]

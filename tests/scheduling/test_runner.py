@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -70,18 +71,22 @@ def test_bad_submissions():
         runner.submit(Task("a", 2, 1))
     with pytest.raises(ValueError, match="needs 3 GPUs but only 2 exist"):
         runner.submit(Task("b", 2, 3))
-    with pytest.raises(ValueError, match="`max_retries` must be >= 0"):
-        ScheduleRunner(TaskScheduler(2), SimulatedExecutor(), max_retries=-1)
+    for value in (-1, 1.5, "2", None):  # (a string or None: a bare TypeError; 1.5 was taken)
+        with pytest.raises(ValueError, match=rf"ScheduleRunner: `max_retries` must be an integer >= 0, got "
+                                             rf"{re.escape(repr(value))}"):
+            ScheduleRunner(TaskScheduler(2), SimulatedExecutor(), max_retries=value)
+    with pytest.raises(ValueError, match=r"ScheduleRunner.submit: `at` must be a time in seconds .*got 'soon'"):
+        runner.submit(Task("c", 2, 1), at="soon")  # (was taken; the next submit crashed inside heapq)
 
 
-def runner_with_a_task_polled_at_1s(task: Task) -> ScheduleRunner:
-    """A runner on 2 GPUs (simulated) whose ``poll`` hands it ``task`` once the clock reaches 1 s."""
+def runner_with_a_task_polled_at_1s(*tasks: Task) -> ScheduleRunner:
+    """A runner on 2 GPUs (simulated) whose ``poll`` hands it ``tasks`` once the clock reaches 1 s."""
     executor = SimulatedExecutor()
     sent: list[Task] = []
 
     def poll() -> list[Task]:
         if executor.now() >= 1.0 and not sent:
-            sent.append(task)
+            sent.extend(tasks)
             return sent
         return []
 
@@ -142,10 +147,12 @@ def test_a_plan_followed_from_a_clock_a_little_past_zero_starts_one_task_a_gpu(r
 
 def test_a_polled_task_no_plan_can_hold_is_refused_and_the_running_ones_go_on(capsys):
     """A task dropped in while others run that makes the plan too long for the solver (a typo'd duration) is
-    recorded as failed, said, and the schedule goes on: the running task is not stopped."""
-    runner = runner_with_a_task_polled_at_1s(Task("huge", 2.0e12, 1))
+    recorded as failed, said, and the schedule goes on: the running task is not stopped, a task that came with it
+    runs."""
+    runner = runner_with_a_task_polled_at_1s(Task("good", 3, 1), Task("huge", 2.0e12, 1))  # (polled together)
     runner.submit(Task("running", 5, 1))
     records = runner.run()
     assert records["running"].state == "finished" and records["running"].end == 5
     assert records["huge"].state == "failed" and "at most" in records["huge"].detail
-    assert "refused tasks ['huge']" in capsys.readouterr().out
+    assert records["good"].state == "finished"  # (refused with the one too long, it was)
+    assert "refused task 'huge'" in capsys.readouterr().out

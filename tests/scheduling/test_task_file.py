@@ -164,7 +164,8 @@ def test_conflicting_flags_and_an_inbox_holding_the_task_file_are_refused(tmp_pa
     config = write(tmp_path, "lr: 1.0e-4\n", name="sweep_a.yaml")  # a config a task reads, beside the task file
     for flags, message in ((["--simulate", "--ray", "auto"], "give one of them"),
                            (["--plan-only", "--inbox", str(tmp_path / "inbox")], "--plan-only runs nothing"),
-                           (["--inbox", str(tmp_path)], "the folder holds the task file")):
+                           (["--inbox", str(tmp_path)], "the folder holds the task file"),
+                           (["--inbox", str(config)], "not a folder (a file of that name exists)")):
         with pytest.raises(SystemExit) as exit_info:
             main([str(path), *flags])
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
@@ -187,6 +188,12 @@ def test_a_plan_or_chart_that_cannot_be_made_is_a_clear_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([str(path), "--plan-only", "--gantt", str(tmp_path / "plan.txt")])
     assert exit_info.value.code == 2 and "the plan's Gantt chart" in capsys.readouterr().err
+    (tmp_path / "charts").mkdir()
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(path), "--plan-only", "--gantt", str(tmp_path / "charts")])
+    assert exit_info.value.code == 2 and "charts is a folder: give the chart's file" in capsys.readouterr().err
+    assert main([str(path), "--plan-only", "--gantt", str(tmp_path / "myplan")]) == 0  # (no suffix: a PNG)
+    assert f"Gantt chart: {tmp_path / 'myplan.png'}\n" in capsys.readouterr().out and (tmp_path / "myplan.png").is_file()
 
 
 def test_a_ray_cluster_with_too_few_gpus_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
@@ -274,6 +281,12 @@ def test_a_task_id_that_yaml_reads_as_a_number_keeps_its_text(tmp_path):
     assert [t.id for t in load_task_file(path)[1]] == ["007", "1.10", "1_000", "0x1F", "7"]  # (were 7, 1.1, 1000, 31)
     with pytest.raises(ValueError, match=r"`id` must be letters, digits.* got '12:30'"):  # (was 750, sexagesimal)
         load_task_file(write(tmp_path, "gpus: 1\ntasks: [{id: 12:30, duration: 1}]"))
+    path = write(tmp_path, "gpus: 1\ntasks: [{id: off, duration: 1}, {id: 2024-01-01, duration: 1}, {id: 'no', "
+                           "duration: 1}]")  # (were False and a date)
+    assert [t.id for t in load_task_file(path)[1]] == ["off", "2024-01-01", "no"]
+    (tmp_path / "latin1.yaml").write_bytes("gpus: 1\ntasks: [{id: caf\xe9, duration: 1}]".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.yaml: a task file is UTF-8 text \(invalid continuation byte"):
+        load_task_file(tmp_path / "latin1.yaml")
 
 
 def test_merge_keys_merge_and_an_unhashable_key_is_a_yaml_error(tmp_path):
