@@ -1659,13 +1659,17 @@ class ExportOnException(L.Callback):
     then calls no module hook, only callbacks' ``on_exception``): nothing trained is lost
     (`MultiLoRAMixin.export_after_exception`). Added by the module's ``configure_callbacks``. Its ``setup`` also asks
     ``Trainer.log_dir`` on every rank and remembers it (`log_dir_of`): exports on one rank alone, `SweepReport` and
-    `OptunaSweep` on rank 0 take it from there. (A callback's ``setup``, not the module's: a subclass may override
+    `OptunaSweep` on rank 0 take it from there; and has another strategy than adapter parallelism refuse its
+    checkpoint folders by name (`guard_folder_checkpoints`). (A callback's ``setup``, not the module's: a subclass may override
     that one without calling ``super()``.)"""
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from lightning_multilora.strategies.adapter_parallel import guard_folder_checkpoints
+
         log_dir_of(trainer)
         pl_module._exported_after = None
+        guard_folder_checkpoints(trainer.strategy)  # (before a checkpoint loads)
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:

@@ -91,6 +91,18 @@ def test_an_adapter_parallel_checkpoint_resumed_in_one_process_is_a_named_error(
                                          r"\(over any number of processes"):
         main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(tmp_path),
               "--ckpt_path", str(folder)])
+    # from Python too (the load's bare IsADirectoryError), the strategy's checkpoint IO otherwise unchanged
+    import lightning as L
+
+    from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=1)])
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_progress_bar=False,
+                        default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=r"`ckpt_path` .* is an adapter-parallel checkpoint, one file per process"):
+        trainer.fit(module, MultiLoRADataModule(), ckpt_path=str(folder))
+    trainer.save_checkpoint(tmp_path / "one.ckpt")
+    assert (tmp_path / "one.ckpt").is_file()
 
 
 @pytest.mark.parametrize("name", ["config.yaml", "sweep_summary.json", "optuna.db"])

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
+from lightning.pytorch.plugins import CheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
@@ -381,6 +382,36 @@ def check_resume_path(ckpt_path: Any, strategy: Any) -> None:
         raise ValueError(f"`ckpt_path` {str(ckpt_path)!r} is an adapter-parallel checkpoint, one file per process "
                          f"({', '.join(ranks)}): it resumes with strategy='adapter_parallel' (over any number of "
                          "processes, one included)")
+
+
+def guard_folder_checkpoints(strategy: Any) -> None:
+    """Under another strategy than `AdapterParallelStrategy`, a resume from an adapter-parallel checkpoint folder
+    (from Python: `trainer.fit(ckpt_path=folder)`) is the named error of `check_resume_path`, not the load's bare
+    IsADirectoryError: the strategy's checkpoint IO checks the path it loads (no Lightning hook sees the path
+    before). Once per strategy."""
+    if isinstance(strategy, AdapterParallelStrategy) or isinstance(strategy.checkpoint_io, _FolderCheck):
+        return
+    strategy.checkpoint_io = _FolderCheck(strategy.checkpoint_io)
+
+
+class _FolderCheck(CheckpointIO):
+    """A strategy's checkpoint IO (``inner``), refusing an adapter-parallel checkpoint folder by name."""
+
+    def __init__(self, inner: CheckpointIO) -> None:
+        self.inner = inner
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
+        self.inner.save_checkpoint(checkpoint, path, storage_options=storage_options)
+
+    def load_checkpoint(self, path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        check_resume_path(path, None)
+        return self.inner.load_checkpoint(path, *args, **kwargs)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.inner.remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        self.inner.teardown()
 
 
 def placement_of(pl_module: Any) -> Optional[AdapterParallelStrategy]:
