@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 
@@ -404,11 +405,11 @@ def test_trainer_clipping_and_accumulation_are_refused_naming_the_adapter_fields
     assert module.registry["a"].step == 2
 
 
-def _fp16(scaler):
-    """fp16 mixed precision as Lightning builds it on CUDA (``precision="16-mixed"``), with the CPU's scaler."""
+def _fp16(scaler, device="cpu"):
+    """fp16 mixed precision as Lightning builds it on CUDA (``precision="16-mixed"``), with ``scaler``."""
     from lightning.pytorch.plugins import MixedPrecision
 
-    return MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    return MixedPrecision("16-mixed", device, scaler=scaler)
 
 
 def test_fp16_scales_each_adapters_loss_on_its_own(tmp_path, trainer_kwargs):
@@ -453,6 +454,31 @@ def test_fp16_scales_each_adapters_loss_on_its_own(tmp_path, trainer_kwargs):
     assert (b.state, b.step) == (AdapterState.FINISHED, 6) and b.skipped_steps >= 20
     assert b.loss_scale == 2.0 ** (40 - b.skipped_steps) and [s for s, _ in b.train_losses] == [1, 2, 3, 4, 5, 6]
     assert b.spans == [[0, 6 + b.skipped_steps]]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_fp16_on_cuda_scales_each_adapters_loss_on_its_own(tmp_path, trainer_kwargs, cuda_graphs):
+    """The CUDA path of fp16 loss scaling: the Triton kernels in fp16, `GroupedAdamW` stepping with one adapter's
+    gradient dropped for a skipped step, and (``cuda_graphs``) the captured step reading the scales' tensor."""
+    class Overflow(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 4:
+                pl_module.registry["b"].loss_scale = 2.0 ** 40
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=4, batch_size=2, max_steps=10, lr=1e-3),
+                                                     AdapterSpec("b", rank=8, batch_size=2, max_steps=10, lr=1e-3)],
+                             cuda_graphs=cuda_graphs, export_dir=str(tmp_path / "export"))
+    plugin = _fp16(torch.amp.GradScaler("cuda", init_scale=2.0 ** 8, growth_interval=1000), "cuda")
+    L.Trainer(**{**trainer_kwargs, "accelerator": "gpu", "max_steps": 80}, plugins=[plugin],
+              callbacks=[Overflow()]).fit(module, small_dm())
+    a, b = module.registry["a"], module.registry["b"]
+    assert (a.state, a.step, a.skipped_steps, a.loss_scale) == (AdapterState.FINISHED, 10, 0, 2.0 ** 8)
+    assert (b.state, b.step) == (AdapterState.FINISHED, 10) and b.skipped_steps >= 10
+    assert b.loss_scale == 2.0 ** (40 - b.skipped_steps)
+    assert all(math.isfinite(loss) for r in (a, b) for _, loss in r.train_losses)
+    assert a.train_losses[-1][1] < a.train_losses[0][1]
+    assert plugin.scaler is not None
 
 
 def test_fp16_fails_an_adapter_whose_gradient_overflows_unscaled(tmp_path, trainer_kwargs):
