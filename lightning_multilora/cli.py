@@ -94,12 +94,16 @@ class MultiLoRACLI(LightningCLI):
 def config_error(err: Exception) -> str:
     """The message of a value refused while the config's classes were built: jsonargparse reports a value that none
     of a type's alternatives took (a list of AdapterSpecs, or None) with each alternative's error; the ones our
-    classes raised are kept, its own "Expected a <class 'NoneType'>" and the value's dump dropped."""
+    classes raised are kept, its own "Expected a <class 'NoneType'>", "Not a valid subclass of ..." (with the forms a
+    class may take) and the value's dump dropped."""
     text = str(err)
     if "Errors:" not in text:
         return text
-    listed = [line.strip()[2:] for line in text.split("Errors:", 1)[1].splitlines() if line.strip().startswith("- ")]
-    ours = [line for line in listed if not line.startswith("Expected a ")]
+    lines = text.split("Errors:", 1)[1].splitlines()
+    indent = min((len(line) - len(line.lstrip()) for line in lines if line.strip().startswith("- ")), default=0)
+    listed = [line.strip()[2:] for line in lines  # (the alternatives' own, not the lines nested in them)
+              if line.strip().startswith("- ") and len(line) - len(line.lstrip()) == indent]
+    ours = [line for line in listed if not line.startswith(("Expected a ", "Not a valid subclass of "))]
     return "; ".join(ours or listed) or text
 
 

@@ -371,6 +371,10 @@ class MultiLoRAMixin:
         base = getattr(getattr(self.lora_layers.model, "config", None), "name_or_path", None)
         layers = self.lora_layers.target_layers(name)
         weights = self._best_weights.get(name) if best else None
+        if best and weights is None and rec.best_val_step not in (-1, rec.step) and own_folder:
+            warnings.warn(f"adapter {name!r}: its best-validation weights (step {rec.best_val_step}, validation loss "
+                          f"{rec.best_val_loss:.4f}) were not kept (the module kept none before this run, or a resume "
+                          f"without them): its weights of step {rec.step} are exported", stacklevel=2)
         path = save_peft_adapter(directory, rec.spec, weights if weights is not None else
                                  self.lora_layers.peft_state_dict(name),
                                  peft_target_modules(layers, self._all_module_names), base or None,
@@ -378,6 +382,13 @@ class MultiLoRAMixin:
         if own_folder:
             (path / _RUN_STAMP).write_text(f"{self._run_id}\n{name}\n")
             rec.export_path = str(path)
+            if weights is not None:
+                rec.exported_step, rec.exported_val_loss = rec.best_val_step, rec.best_val_loss
+            else:
+                measured = [loss for step, loss in rec.val_losses if step == rec.step]
+                end = getattr(self, "_end_losses", {}).get(name)  # (measured as training stopped)
+                measured += [end[1]] if end is not None and end[0] == rec.step else []
+                rec.exported_step, rec.exported_val_loss = rec.step, measured[-1] if measured else math.nan
         return path
 
     def _wrote(self, directory: Path, name: str) -> bool:
@@ -449,7 +460,8 @@ class MultiLoRAMixin:
             return
         fields = ("state", "reason", "step", "max_steps", "tokens_seen", "samples_seen", "started_at_step",
                   "ended_at_step", "export_path", "best_val_loss", "best_val_step", "last_val_loss",
-                  "last_val_preference_accuracy", "val_losses")
+                  "last_val_preference_accuracy", "val_losses", "exported_step", "exported_val_loss", "loss_scale",
+                  "scale_growth", "skipped_steps")
         mine: dict[str, Any] = {}
         for rec in self.registry:
             if placement.owner.get(rec.name) == placement.global_rank:
@@ -528,6 +540,34 @@ class MultiLoRAMixin:
         monitored = {getattr(cb, "monitor", None) for cb in trainer.callbacks} if trainer is not None else ()
         for key in monitored & metrics.keys() if monitored else ():
             trainer.callback_metrics[key] = torch.tensor(float(metrics[key]))
+
+    def _settle_monitors(self) -> None:
+        """Before the callbacks' ``on_validation_end``: what a Lightning callback monitoring one adapter reads while
+        that adapter is not training. ``EarlyStopping``: nothing (it skips the validation; an ended adapter's last
+        value read again and again stopped the whole run); ``ModelCheckpoint``: an adapter that has no value yet
+        (queued) ranks last (its ``mode``'s worst), where Lightning would fail the fit on the missing key."""
+        from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+        trainer = self._trainer_or_none()
+        # (a key an EarlyStopping skips gets no value: a ModelCheckpoint monitoring it too finds none, as Lightning says)
+        skipped = set()
+        callbacks = list(trainer.callbacks) if trainer is not None else []
+        for callback in sorted(callbacks, key=lambda cb: not isinstance(cb, EarlyStopping)):  # (theirs first)
+            name = _monitored_adapter(callback)
+            if name is None:
+                continue
+            rec = self.registry[name] if name in self.registry else None
+            key = callback.monitor
+            if isinstance(callback, EarlyStopping) and (rec is None or rec.state != AdapterState.RUNNING):
+                trainer.callback_metrics.pop(key, None)
+                skipped.add(key)
+                callback.strict = False  # (skips a validation without the value: the adapter's, when it runs)
+                if rec is not None and rec.state.exited and not getattr(callback, "_multilora_told", False):
+                    callback._multilora_told = True
+                    rank_zero_warn(f"EarlyStopping(monitor={key!r}): adapter {name!r} has ended ({rec.state.value}); "
+                                   "it stops nothing from here (EarlyExit stops each adapter on its own curve)")
+            elif isinstance(callback, ModelCheckpoint) and key not in trainer.callback_metrics and key not in skipped:
+                trainer.callback_metrics[key] = torch.tensor(math.inf if callback.mode == "min" else -math.inf)
 
     def align_batches(self, batches: list) -> list:
         """Under adapter parallelism, pad this rank's batches with empty ones to the largest count of any rank:
@@ -685,8 +725,8 @@ class MultiLoRAMixin:
 
     def _param_group(self, spec: AdapterSpec) -> dict[str, Any]:
         params = self.lora_layers.optimizer_parameters(spec.name, self.optimizer_class in ELEMENTWISE_OPTIMIZERS)
-        return {"params": params, "lr": spec.lr,
-                "weight_decay": spec.weight_decay, "adapter": spec.name}
+        return {"params": params, "lr": spec.lr, "weight_decay": spec.weight_decay, "adapter": spec.name,
+                "name": f"adapters/{spec.name}"}  # (LearningRateMonitor's series: its group's name)
 
     def _raw_optimizer(self) -> Optional[torch.optim.Optimizer]:
         trainer = self._trainer_or_none()
@@ -891,7 +931,7 @@ class MultiLoRAMixin:
             rec.train_losses.append((rec.step, loss))
             logs[rec.name] = {prefix + "train_loss": loss, prefix + "grad_norm": norm, prefix + "lr": lr,
                               prefix + "tokens_seen": float(rec.tokens_seen)}
-            if rec.loss_scale is not None:
+            if scale is not None:
                 logs[rec.name][prefix + "loss_scale"] = rec.loss_scale
             if rec.name in getattr(self, "_preference_accuracy", {}):
                 logs[rec.name][prefix + "preference_accuracy"] = float(self._preference_accuracy[rec.name])
@@ -913,6 +953,8 @@ class MultiLoRAMixin:
             finite = torch.isfinite(losses)
             total = torch.where(finite, losses, torch.zeros_like(losses)).sum()
             scales = getattr(self, "_step_scales", None)  # fp16: each adapter's loss scale (`_take_loss_scaler`)
+            if scales is not None:
+                keep_alive(scales)  # (a graph being captured reads it at every replay)
             scaled = total if scales is None else torch.where(finite, losses * scales, torch.zeros_like(losses)).sum()
             # Zeroed in place, not dropped: the gradients keep their storage, so the LoRA backward adds into the
             # same tensors every step (no new buffers and device pointer tables per layer per step). Done once the
@@ -930,13 +972,15 @@ class MultiLoRAMixin:
                 rec.loss_scale = scaler["init"]
         buffers = self.__dict__.setdefault("_scale_buffers", {})  # (the 32 most recent sets, the last last)
         key = (tuple(r.name for r in records), str(device))
-        buffer = buffers.pop(key, None)
+        buffer, values = buffers.pop(key, (None, None))
         if buffer is None:
-            buffer = keep_alive(torch.empty(len(records), dtype=torch.float32, device=device))
-            if len(buffers) >= 32:
+            buffer = torch.empty(len(records), dtype=torch.float32, device=device)
+            if len(buffers) >= 32:  # (a graph that read an evicted one keys on its address: never replayed again)
                 del buffers[next(iter(buffers))]
-        buffers[key] = buffer
-        buffer.copy_(torch.tensor([r.loss_scale for r in records], dtype=torch.float32))
+        scales = [r.loss_scale for r in records]
+        if scales != values:  # (copied when they change, seldom: a copy from the host waits for the device)
+            buffer.copy_(torch.tensor(scales, dtype=torch.float32))
+        buffers[key] = (buffer, scales)
         return buffer
 
     def _run_forward_backward(self, batch: dict[str, Any], records: Sequence[AdapterRecord],
@@ -982,7 +1026,8 @@ class MultiLoRAMixin:
                       for group in params for p in group)
         device_type = batch["input_ids"].device.type
         autocast = torch.is_autocast_enabled(device_type) and torch.get_autocast_dtype(device_type)
-        scaled = getattr(self, "_step_scales", None) is not None
+        scales = getattr(self, "_step_scales", None)
+        scaled = scales.data_ptr() if scales is not None else None
         return layout.names, layout.starts, layout.ends, layout.num_rows, bound, self.training, autocast, scaled
 
     def _after_step(self, records: Sequence[AdapterRecord]) -> None:
@@ -1061,7 +1106,27 @@ class MultiLoRAMixin:
         # adapters still running (or paused) when training stops are exported as they are, before `on_fit_end`, where
         # callbacks (`SweepReport`) list the exports.
         self._sync_ranks()
-        self._export_held()
+        self._validate_held()
+        try:
+            self._export_held()
+        finally:
+            self._end_losses = {}
+
+    def _validate_held(self) -> None:
+        """Training stopped (the Trainer's ``max_steps`` or ``max_time``) with adapters held whose exports will hold
+        their last weights, and that have stepped since their last validation: those weights are measured (not
+        recorded: the run's history stays the one a resumed run goes on from), so that the loss reported for an
+        export is its weights' (every rank, under adapter parallelism: a collective, on the registry's view)."""
+        self._end_losses = {}
+        trainer = self._trainer_or_none()
+        if not self.validate_on_finish or trainer is None or trainer.limit_val_batches == 0:
+            return
+        stale = [r.spec for r in self.registry.holding_weights if r.step > 0
+                 and not (self.keep_best_weights and r.best_val_step >= 0)  # (its best weights are exported)
+                 and not (r.val_losses and r.val_losses[-1][0] == r.step)]
+        if stale:
+            self._end_losses = {n: (step, loss) for n, loss in self.evaluate(stale).items()
+                                for step in [self.registry[n].step]}
 
     def _held(self) -> list[AdapterRecord]:
         """The records of the adapters whose weights the model holds (not those a resume has made but not yet
@@ -1157,6 +1222,13 @@ class MultiLoRAMixin:
                 raise ValueError("`StochasticWeightAveraging` averages one model's weights from an epoch on, and the "
                                  "run is one endless epoch whose adapters come and go; leave it out (`EarlyExit` "
                                  "exports each adapter's best-validation weights)")
+        fills = any(callable(getattr(cb, "fill_slots", None)) for cb in trainer.callbacks)
+        for callback in trainer.callbacks:
+            name = _monitored_adapter(callback)
+            if name is not None and name not in self.registry and not fills:  # (a sweep adds its trials later)
+                raise ValueError(f"`{type(callback).__name__}(monitor={callback.monitor!r})` monitors adapter "
+                                 f"{name!r}, which the module does not have; its adapters are "
+                                 f"{[r.name for r in self.registry]}")
         if isinstance(trainer.val_check_interval, float):  # (a share of an epoch; steps or a duration run)
             warnings.warn(f"`Trainer(val_check_interval={trainer.val_check_interval!r})`: the run is one endless "
                           "epoch, so no validation runs during it (each adapter is validated as it ends); give an "
@@ -1175,6 +1247,9 @@ class MultiLoRAMixin:
         fit ends."""
         plugin = self.trainer.precision_plugin
         scaler = getattr(plugin, "scaler", None)
+        taken = getattr(self, "_taken_scaler", None)
+        if scaler is None and taken is not None and taken[0] is plugin:  # (an earlier fit's, never given back)
+            scaler = taken[1]
         self._loss_scaler = None
         if scaler is None:
             return
@@ -1335,6 +1410,7 @@ class MultiLoRAMixin:
             return
         self._record_val_losses(self._val_sums)
         self._sync_ranks()  # every rank learns every adapter's validation
+        self._settle_monitors()
 
     @override
     def on_validation_end(self) -> None:
@@ -1505,6 +1581,14 @@ class MultiLoRAMixin:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
+def _monitored_adapter(callback: Any) -> Optional[str]:
+    """The adapter whose value (``adapters/<name>/<value>``) a callback monitors, or None."""
+    key = getattr(callback, "monitor", None)
+    if not isinstance(key, str) or not key.startswith("adapters/") or key.count("/") < 2:
+        return None
+    return key[len("adapters/"):].rsplit("/", 1)[0]
+
+
 def _needs_super_optimizer(configure_optimizers: Any) -> Any:
     """A subclass's ``configure_optimizers``, checked to build the adapters' optimizer through the module's: that
     starts the adapters (their weights are made there) and gives each its own param group, whose rate its schedule
@@ -1566,7 +1650,7 @@ def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Op
         if old is not None and len(old["params"]) != len(ids) and len(ids) == 1 and to_flat is not None:
             flat_state = to_flat(name, [saved["state"].get(i) for i in old["params"]])
         if old is not None:  # what it learns from the checkpoint, how it steps from the optimizer built now
-            old = {**old, **{k: group[k] for k in IMPLEMENTATION_FLAGS if k in group}}
+            old = {**old, **{k: group[k] for k in (*IMPLEMENTATION_FLAGS, "name") if k in group}}
         if old is not None and len(old["params"]) == len(ids):
             matched["param_groups"].append({**old, "params": ids})
             for old_id, new_id in zip(old["params"], ids):
@@ -1673,10 +1757,12 @@ class ExportOnException(L.Callback):
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        export = getattr(pl_module, "export_after_exception", None)
-        if export is not None:
-            export(exception)
-        getattr(pl_module, "_give_back_loss_scaler", lambda: None)()
+        try:
+            export = getattr(pl_module, "export_after_exception", None)
+            if export is not None:
+                export(exception)
+        finally:
+            getattr(pl_module, "_give_back_loss_scaler", lambda: None)()
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

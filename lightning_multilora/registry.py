@@ -53,6 +53,10 @@ class AdapterRecord:
     ended_at_step: Optional[int] = None
     spans: list[list[Optional[int]]] = field(default_factory=list)
     """Global-step intervals ``[start, end)`` in which the adapter held a slot (end None while it does)."""
+    exported_step: Optional[int] = None
+    """The step whose weights its own export (``export_path``) holds: its best validation's, or its last step's."""
+    exported_val_loss: float = math.nan
+    """The validation loss of the weights its export holds (NaN: not measured at that step)."""
     loss_scale: Optional[float] = None
     """fp16 with a loss scaler (``precision="16-mixed"``): the adapter's own factor (None otherwise)."""
     scale_growth: int = 0
@@ -80,7 +84,8 @@ class AdapterRecord:
             "train_losses": list(self.train_losses),
             "val_losses": list(self.val_losses), "export_path": self.export_path,
             "started_at_step": self.started_at_step, "ended_at_step": self.ended_at_step,
-            "spans": [list(x) for x in self.spans], "loss_scale": self.loss_scale, "scale_growth": self.scale_growth,
+            "spans": [list(x) for x in self.spans], "exported_step": self.exported_step,
+            "exported_val_loss": self.exported_val_loss, "loss_scale": self.loss_scale, "scale_growth": self.scale_growth,
             "skipped_steps": self.skipped_steps,
         }
 
@@ -90,7 +95,8 @@ class AdapterRecord:
         rec.state = AdapterState(state["state"])
         for key in ("reason", "step", "max_steps", "tokens_seen", "samples_seen", "best_val_loss",
                     "best_val_step", "last_val_loss", "last_val_preference_accuracy", "export_path", "started_at_step",
-                    "ended_at_step", "loss_scale", "scale_growth", "skipped_steps"):
+                    "ended_at_step", "exported_step", "exported_val_loss", "loss_scale", "scale_growth",
+                    "skipped_steps"):
             if key in state:
                 setattr(rec, key, state[key])
         rec.train_losses = [tuple(x) for x in state.get("train_losses", [])]
@@ -166,15 +172,17 @@ class AdapterRegistry:
 
     def summary_rows(self, exported: str = "best") -> list[dict[str, Any]]:
         """One row per adapter, ranked by ``exported_val_loss``, the validation loss of the weights its export holds
-        (``exported``: "best", the best-validation weights, where the module keeps them, `keep_best_weights`;
-        "last", the last ones, where it does not), lowest first (adapters never validated last)."""
+        (as measured where it was exported, `AdapterRecord.exported_val_loss`; an adapter not exported: ``exported``
+        says which, "best", the best-validation weights, where the module keeps them, `keep_best_weights`; "last",
+        the last ones, where it does not), lowest first (adapters never validated last)."""
         if exported not in ("best", "last"):
             raise ValueError(f"`exported` can be 'best' or 'last', got {exported!r}")
         rows = []
         for r in self._records.values():
             row = {"adapter": r.name, **r.spec.hparams(), "status": r.state.value, "reason": r.reason,
                    "best_val_loss": r.best_val_loss, "last_val_loss": r.last_val_loss,
-                   "exported_val_loss": r.best_val_loss if exported == "best" else r.last_val_loss,
+                   "exported_val_loss": (r.exported_val_loss if r.exported_step is not None else
+                                         r.best_val_loss if exported == "best" else r.last_val_loss),
                    "steps": r.step, "export_path": r.export_path}
             rows.append(row)
         rows.sort(key=lambda row: (not math.isfinite(row["exported_val_loss"]), row["exported_val_loss"]))

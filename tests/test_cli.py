@@ -69,6 +69,9 @@ def test_example_yaml_parses_with_the_cli_parser(tmp_path):
     # (LightningCLI's own optimizer and scheduler would replace the module's per-adapter ones, silently)
     (["--optimizer", "SGD", "--optimizer.lr", "0.5"], "unrecognized arguments: --optimizer SGD"),
     (["--lr_scheduler", "StepLR", "--lr_scheduler.step_size", "1"], "unrecognized arguments: --lr_scheduler"),
+    # (a callback's own message alone: jsonargparse's forms of a subclass were appended)
+    (["--trainer.callbacks", "[{class_path: lightning_multilora.callbacks.EarlyExit, init_args: {window: 1}}]"],
+     "error: EarlyExit: `window` must be an integer >= 2, got 1\n"),
 ])
 def test_bad_config_values_are_clear_errors(tmp_path, capsys, override, message):
     """Refused with the class's own message, as a parse error is (usage, then "error: ..."), not under a traceback."""

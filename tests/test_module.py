@@ -447,8 +447,15 @@ def test_fp16_scales_each_adapters_loss_on_its_own(tmp_path, trainer_kwargs):
             if trainer.global_step == 2:
                 pl_module.registry["b"].loss_scale = 2.0 ** 40
 
-    module, _ = fit(torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=100), Overflow())
+    from lightning_multilora.callbacks import EarlyExit
+
+    early_exit = EarlyExit(ema_alpha=0.5)
+    module, _ = fit(torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=100), Overflow(), early_exit)
     a, b = module.registry["a"], module.registry["b"]
+    ema = b.train_losses[0][1]  # EarlyExit's average reads each step taken once (not a skipped step's last loss again)
+    for _, loss in b.train_losses[1:]:
+        ema = 0.5 * loss + 0.5 * ema
+    assert early_exit.watches["b"].ema == pytest.approx(ema)
     assert (a.state, a.step, a.skipped_steps, a.loss_scale) == (AdapterState.FINISHED, 6, 0, 2.0 ** 8)
     # b skipped steps until its scale was back where its fp16 gradients fit, then took its remaining 4
     assert (b.state, b.step) == (AdapterState.FINISHED, 6) and b.skipped_steps >= 20
@@ -1104,6 +1111,44 @@ def test_a_configure_optimizers_that_does_not_call_the_modules_is_named(tmp_path
     module = Wrapped("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
     L.Trainer(**trainer_kwargs).fit(module, small_dm())
     assert module.registry["a"].step == 2
+
+
+def test_lightnings_monitors_of_one_adapter_wait_for_it_and_let_go_when_it_ends(tmp_path, trainer_kwargs):
+    """EarlyStopping on an adapter that had finished read its last value again at every validation and stopped the
+    run (the other adapters cut short); ModelCheckpoint and EarlyStopping on a queued adapter failed the fit (no such
+    key); a monitored adapter the module does not have is named up front. LearningRateMonitor's series are the
+    adapters' (its param groups' names), not slots that several adapters take in turn."""
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    def specs():
+        return [AdapterSpec("short", rank=2, max_steps=4), AdapterSpec("long", rank=2, max_steps=16),
+                AdapterSpec("later", rank=2, max_steps=4)]
+
+    stopping = EarlyStopping(monitor="adapters/short/val_loss", patience=1)
+    waiting = EarlyStopping(monitor="adapters/long/val_loss", patience=100)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="adapters/later/val_loss", save_top_k=1)
+    module = MultiLoRAModule("tiny-llama", adapters=specs(), max_running=1, export_dir=str(tmp_path / "out"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(**{**trainer_kwargs, "val_check_interval": 2, "enable_checkpointing": True, "log_every_n_steps": 1,
+                     "logger": CSVLogger(tmp_path, name="csv")},
+                  callbacks=[stopping, waiting, checkpoint, LearningRateMonitor()]).fit(module, small_dm())
+    assert any("EarlyStopping(monitor='adapters/short/val_loss'): adapter 'short' has ended (finished); it stops "
+               "nothing from here" in str(w.message) for w in caught)
+    assert all(r.state == AdapterState.FINISHED for r in module.registry)  # (long ran its 16 steps)
+    assert module.registry["long"].step == 16 and checkpoint.best_model_path
+    assert checkpoint.best_model_score.isfinite()  # (the queued adapter's placeholder never ranked best)
+    import csv
+
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as fh:
+        columns = next(csv.reader(fh))
+    assert {"lr-AdamW/adapters/short", "lr-AdamW/adapters/long", "lr-AdamW/adapters/later"} <= set(columns)
+    module = MultiLoRAModule("tiny-llama", adapters=specs())
+    with pytest.raises(ValueError, match=r"`EarlyStopping\(monitor='adapters/shrot/val_loss'\)` monitors adapter "
+                                         r"'shrot', which the module does not have; its adapters are \['short'"):
+        L.Trainer(**trainer_kwargs, callbacks=[EarlyStopping(monitor="adapters/shrot/val_loss")]).fit(module,
+                                                                                                    small_dm())
 
 
 def test_loggers_get_each_adapters_values_while_it_runs_and_monitors_find_them(tmp_path, trainer_kwargs):

@@ -49,14 +49,15 @@ class EarlyExit(Callback):
       consecutive evaluations: the adapter exits as ``diverged``. The count resets when either slope
       drops to ``tau_slope`` or below.
     - *overfitting*: ``g = (val - ema_train) / ema_train > tau_gap`` for ``patience_ovf`` consecutive
-      evaluations whose validation loss is not a new best: the adapter's best-validation weights are restored
-      and exported, and it exits as ``overfit``. An evaluation at a new best resets the count: a validation
+      evaluations whose validation loss is not a new best: the adapter's best-validation weights are exported
+      (``keep_best_weights``; otherwise its last ones), and it exits as ``overfit``. An evaluation at a new best resets the count: a validation
       loss that still falls is not overfitting, whatever the gap (early in the first epoch a gap comes from
       which examples the smoothed training loss happened to see). ``overfit_while_improving=True`` counts those
       evaluations too, ALTO's rule as written.
 
-    Every adapter keeps its best-validation weights; they are what is exported when it leaves
-    (finished included). Defaults are ALTO's: window 2, patience 2, tau_gap 0.1, tau_slope 0.001.
+    With ``keep_best_weights`` (the default) every adapter keeps its best-validation weights; they are what is
+    exported when it leaves (finished included). The rules judge at validations: with none
+    (``Trainer(limit_val_batches=0)``) they stop nothing, which is warned of. Defaults are ALTO's: window 2, patience 2, tau_gap 0.1, tau_slope 0.001.
     """
 
     def __init__(self, ema_alpha: float = 0.1, window: int = 2, patience_div: int = 2, patience_ovf: int = 2,
@@ -123,9 +124,15 @@ class EarlyExit(Callback):
         if not hasattr(pl_module, "registry"):
             raise TypeError("EarlyExit needs a MultiLoRAMixin module")
         pl_module.keep_best_weights = self.keep_best_weights
+        if stage == "fit" and trainer is not None and trainer.limit_val_batches == 0:
+            rank_zero_warn("EarlyExit judges each adapter at its validations, and `Trainer(limit_val_batches=0)` runs "
+                           "none: it stops no adapter (validate every few steps, e.g. val_check_interval=50 with "
+                           "check_val_every_n_epoch=None, and cap each split with "
+                           "`MultiLoRADataModule(max_val_examples=...)`)")
         if stage == "fit":  # a callback object given to another fit judges its adapters afresh (a sweep's adapters of
             # the same names, trial-0..., met the last fit's curves); a resumed fit's state is loaded after this
             self.watches, self.exits = {}, []
+        self._observed: dict[str, int] = {}  # adapter -> the step of the training loss last observed
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -133,7 +140,9 @@ class EarlyExit(Callback):
         logs = {}
         for name in batch["layout"].names:
             rec = pl_module.registry[name]
-            if rec.train_losses and rec.train_losses[-1][0] == rec.step:
+            # (an adapter that stepped: not one whose fp16 step overflowed and was skipped, its last loss again)
+            if rec.train_losses and rec.train_losses[-1][0] == rec.step and self._observed.get(name) != rec.step:
+                self._observed[name] = rec.step
                 logs[f"adapters/{name}/train_loss_ema"] = self.observe_train_loss(name, rec.train_losses[-1][1])
         if logs and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
             # (through the module: under adapter parallelism rank 0 writes every rank's adapters')
@@ -157,8 +166,11 @@ class EarlyExit(Callback):
                 pl_module.remove_adapter(rec.name, reason=reason, state=AdapterState.DIVERGED)
             elif decision == "overfit":
                 gap = (val - watch.ema) / watch.ema
+                kept = (f"best weights (step {rec.best_val_step}) kept" if pl_module.keep_best_weights
+                        and rec.name in getattr(pl_module, "_best_weights", {}) else
+                        f"its last weights exported (best validation at step {rec.best_val_step}, not kept)")
                 reason = (f"validation {val:.4f} above smoothed training {watch.ema:.4f} by {gap:.1%} for "
-                          f"{watch.overfit_count} evaluations; best weights (step {rec.best_val_step}) kept")
+                          f"{watch.overfit_count} evaluations; {kept}")
                 pl_module.remove_adapter(rec.name, reason=reason, state=AdapterState.OVERFIT)
             if decision is not None:
                 self.exits.append({"adapter": rec.name, "state": decision, "step": rec.step, "reason": reason})

@@ -104,9 +104,11 @@ class SweepReport(Callback):
                 lines[1:1] = [f"{stopped}: the adapters as they were then (those that had taken a step exported)"]
             exports = sorted({str(Path(r["export_path"]).parent) for r in self.rows if r["export_path"]})
             lines.append(f"PEFT adapters:   {', '.join(exports) if exports else '(none exported)'}")
-            if _tensorboard_loggers(trainer):
-                lines.append(f"TensorBoard logs: {log_dir}  (tensorboard --logdir {log_dir})")
-            elif self.filename and log_dir:  # (no TensorBoard logger: nothing for TensorBoard to read)
+            boards = _tensorboard_loggers(trainer)
+            if boards:  # (its own folder: with another logger first, the run's log directory is that one's)
+                board = boards[0].log_dir
+                lines.append(f"TensorBoard logs: {board}  (tensorboard --logdir {board})")
+            if self.filename and log_dir and not (boards and Path(boards[0].log_dir) == Path(log_dir)):
                 lines.append(f"Summary:          {Path(log_dir) / self.filename}")
             print("\n".join(lines), flush=True)
 

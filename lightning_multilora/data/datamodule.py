@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import warnings
 from collections.abc import Iterator, Mapping
@@ -223,6 +224,7 @@ class MultiLoRADataModule(L.LightningDataModule):
         if padding == "max_length" and max_length is None:
             raise ValueError("`padding='max_length'` needs `max_length`")
         check_int(where, "pad_to_multiple_of", pad_to_multiple_of, 1)
+        tokenizer = os.fspath(tokenizer) if isinstance(tokenizer, os.PathLike) else tokenizer
         if not isinstance(tokenizer, str) or not tokenizer:
             raise ValueError(f"MultiLoRADataModule: `tokenizer` must be 'byte' (bytes, the built-in tiny models' "
                              f"vocabulary) or a tokenizer's folder or hub name, got {tokenizer!r}")

@@ -175,13 +175,14 @@ class AnalyticMemoryModel:
             for s in specs], seq_len)
 
 
-_LAYER_NAMES = {p: f"model.layers.0.{'self_attn' if p in PROJECTIONS[:4] else 'mlp'}.{p}" for p in PROJECTIONS}
+def _layer_names(p: str, layers: int = 128) -> list[str]:
+    return [f"model.layers.{i}.{'self_attn' if p in PROJECTIONS[:4] else 'mlp'}.{p}" for i in range(layers)]
 
 
 def projections(targets: Sequence[str] | str, what: str = "`targets`") -> tuple[str, ...]:
     """The projections of a Llama-style layer that ``targets`` names, as the module and PEFT read it: a list of
-    names, ``"all-linear"`` (all seven), a name, or a regex matched against a layer's full module name
-    (``model.layers.0.self_attn.q_proj``)."""
+    names, ``"all-linear"`` (all seven), a name, or a regex matched against the layers' full module names
+    (``model.layers.0.self_attn.q_proj``; a projection that it matches in any layer is counted in all)."""
     if isinstance(targets, str):
         if targets == "all-linear":
             return PROJECTIONS
@@ -190,13 +191,14 @@ def projections(targets: Sequence[str] | str, what: str = "`targets`") -> tuple[
         import re
 
         try:
-            found = tuple(p for p in PROJECTIONS if re.fullmatch(targets, _LAYER_NAMES[p]))
+            pattern = re.compile(targets)
+            found = tuple(p for p in PROJECTIONS if any(pattern.fullmatch(n) for n in _layer_names(p)))
         except re.error as err:
             raise ValueError(f"{what} {targets!r} is no projection name, 'all-linear' or regex ({err})") from None
         if not found:
             raise ValueError(f"{what} {targets!r} matches no projection of a Llama-style layer: give some of "
                              f"{', '.join(PROJECTIONS)}, 'all-linear', or a regex matching e.g. "
-                             f"{_LAYER_NAMES['q_proj']!r}")
+                             f"{_layer_names('q_proj', 1)[0]!r}")
         return found
     names = tuple(targets)
     unknown = [n for n in names if n not in PROJECTIONS and n != "all-linear"]

@@ -20,6 +20,9 @@ from lightning_multilora.scheduling.executors import Completion, next_log_path, 
 from lightning_multilora.scheduling.task_scheduler import Task
 
 
+OUTPUT_CHARS = 8 << 20  # the most of a task's output kept in its log (its end)
+
+
 def _run_command(command: list[str], env: dict[str, str], resource: str) -> tuple[int, str]:
     """Runs inside the Ray worker; returns the exit status and the output (stdout and stderr as they came)."""
     if resource != "GPU":  # a custom resource: say which "devices" Ray granted, as it does for GPUs
@@ -32,7 +35,10 @@ def _run_command(command: list[str], env: dict[str, str], resource: str) -> tupl
                                 text=True, errors="replace")
     except OSError as err:  # e.g. the program does not exist on that node
         return 127, f"could not start {command}: {err}\n"
-    return result.returncode, result.stdout
+    output = result.stdout
+    if len(output) > OUTPUT_CHARS:  # (through Ray's object store to the driver, which writes the log)
+        output = f"[the first {len(output) - OUTPUT_CHARS} characters left out]\n" + output[-OUTPUT_CHARS:]
+    return result.returncode, output
 
 
 class RayExecutor:

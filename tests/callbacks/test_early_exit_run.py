@@ -60,3 +60,37 @@ def test_divergence_and_overfitting_exit_in_a_real_run(tmp_path, trainer_kwargs)
     for rec in (sane, hot, small):
         measured = val_loss_of_export(rec.export_path, rec.spec, dm)
         assert math.isclose(measured, rec.best_val_loss, rel_tol=1e-5), rec.name
+
+
+def test_a_run_stopped_by_the_trainer_reports_the_loss_of_the_weights_it_exports(tmp_path, trainer_kwargs):
+    """Adapters still training when the Trainer's max_steps stopped the run were exported with their last weights,
+    reported with the loss of an older validation; they are validated first. Without best weights kept (an EarlyExit
+    with keep_best_weights=False), an overfit exit says its last weights were exported, and the report agrees."""
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(200)}, max_val_examples=16)
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=4, max_steps=30, lr=1e-2)],
+                             export_dir=str(tmp_path / "out"))
+    L.Trainer(**{**trainer_kwargs, "max_steps": 7, "val_check_interval": 5}).fit(module, dm)
+    rec = module.registry["a"]
+    # measured, not recorded: the history a resumed run goes on from is the uninterrupted run's
+    assert [s for s, _ in rec.val_losses] == [5] and (rec.exported_step, rec.step) == (7, 7)
+    exported = val_loss_of_export(rec.export_path, rec.spec, dm)
+    assert rec.exported_val_loss == pytest.approx(exported, rel=1e-4) and rec.exported_val_loss != rec.val_losses[0][1]
+    (row,) = module.registry.summary_rows("last")
+    assert row["exported_val_loss"] == rec.exported_val_loss
+
+    with pytest.warns(UserWarning, match=r"`Trainer\(limit_val_batches=0\)` runs none: it stops no adapter"):
+        L.Trainer(**{**trainer_kwargs, "max_steps": 1, "limit_val_batches": 0}, callbacks=[EarlyExit()]).fit(
+            MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("b", rank=2, max_steps=1)],
+                            export_dir=str(tmp_path / "out2")), dm)
+
+
+def test_an_overfit_exit_without_best_weights_kept_says_its_last_weights_were_exported(tmp_path, trainer_kwargs):
+    early = EarlyExit(keep_best_weights=False, tau_gap=0.0, patience_ovf=1, ema_alpha=1.0)
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=4, max_steps=60, lr=3e-2)],
+                             export_dir=str(tmp_path / "out"))
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(40)}, max_val_examples=8)
+    L.Trainer(**{**trainer_kwargs, "max_steps": 60, "val_check_interval": 5}, callbacks=[early]).fit(module, dm)
+    rec = module.registry["a"]
+    assert rec.state == AdapterState.OVERFIT, rec.reason
+    assert "its last weights exported" in rec.reason and "kept)" in rec.reason
+    assert rec.exported_step == rec.step and rec.exported_val_loss == rec.val_losses[-1][1]

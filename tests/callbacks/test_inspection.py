@@ -54,6 +54,27 @@ def test_tensorboard_holds_scalars_exits_hparams_and_pictures(tmp_path, trainer_
     assert f"TensorBoard logs: {trainer.log_dir}" in out
 
 
+def test_with_another_logger_first_the_report_points_at_tensorboards_folder_and_the_summary(tmp_path, capsys):
+    """The TensorBoard line named the run's log directory, the first logger's (a CSV logger's), where TensorBoard
+    finds nothing; the summary file's line was left out."""
+    from types import SimpleNamespace
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from lightning_multilora import AdapterSpec
+    from lightning_multilora.registry import AdapterRegistry
+
+    registry = AdapterRegistry()
+    registry.add(AdapterSpec("a"))
+    csv, tb = CSVLogger(str(tmp_path), name="csv"), TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = SimpleNamespace(loggers=[csv, tb], is_global_zero=True, log_dir=csv.log_dir,
+                              default_root_dir=str(tmp_path))
+    SweepReport(tensorboard=False).on_fit_end(trainer, SimpleNamespace(registry=registry))
+    out = capsys.readouterr().out
+    assert f"TensorBoard logs: {tb.log_dir}  (tensorboard --logdir {tb.log_dir})" in out
+    assert f"Summary:          {Path(csv.log_dir) / 'sweep_summary.json'}" in out
+
+
 def test_without_a_tensorboard_logger_the_report_points_at_its_summary_file(tmp_path, capsys):
     from types import SimpleNamespace
 

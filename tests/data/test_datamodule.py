@@ -348,6 +348,9 @@ def test_a_source_class_a_missing_tokenizer_a_bom_and_numbers_read_from_text_are
         MultiLoRADataModule(sources={"a": GeneratedArithmetic})
     with pytest.raises(ValueError, match=r"`tokenizer` must be 'byte' .* or a tokenizer's folder or hub name, got None"):
         MultiLoRADataModule(tokenizer=None)
+    from pathlib import Path
+
+    assert MultiLoRADataModule(tokenizer=Path("byte")).tokenizer_name == "byte"  # (a path: as its text)
     bom = tmp_path / "bom.jsonl"  # (as some Windows editors save UTF-8)
     bom.write_bytes(b"\xef\xbb\xbf" + b'{"prompt": "Q:", "completion": " 1"}\n{"prompt": "R:", "completion": " 2"}\n')
     assert [e.completion for e in JSONLSource(str(bom)).examples()] == [" 1", " 2"]
