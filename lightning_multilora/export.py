@@ -34,9 +34,11 @@ def save_peft_adapter(
     target_modules: Sequence[str],
     base_model_name_or_path: Optional[str] = None,
     fan_in_fan_out: bool = False,
+    task_type: Optional[str] = "CAUSAL_LM",
 ) -> Path:
     """Write one adapter so that ``PeftModel.from_pretrained(base, directory)`` loads it (``fan_in_fan_out``: its
-    layers hold their weights as (in, out), as GPT-2's Conv1D do)."""
+    layers hold their weights as (in, out), as GPT-2's Conv1D do; ``task_type`` None for a base that is no Hugging
+    Face causal LM, which PEFT then loads as a plain module)."""
     from peft import LoraConfig
     from safetensors.torch import save_file
 
@@ -50,7 +52,7 @@ def save_peft_adapter(
         fan_in_fan_out=fan_in_fan_out,
         target_modules=list(target_modules),
         bias="none",
-        task_type="CAUSAL_LM",
+        task_type=task_type,
         base_model_name_or_path=base_model_name_or_path,
     )
     config.save_pretrained(str(directory))

@@ -200,8 +200,10 @@ class MultiLoRALinear(nn.Module):
             return self.base(x)
         shape = x.shape
         rows, seen = layout.num_rows, self.context.tokens_per_row
-        if x.dim() == 2 and rows and (shape[0] == rows * seen if seen else shape[0] % rows == 0):
-            tokens_per_row = shape[0] // rows  # (rows x tokens, d_in): flattened, as OPT's fc1 / fc2 take it
+        if x.dim() == 2 and rows and (shape[0] in (rows * seen, rows) if seen else shape[0] % rows == 0):
+            # (rows x tokens, d_in): flattened, as OPT's fc1 / fc2 take it; or (rows, d_in): one a row, as a head
+            # on pooled features takes it
+            tokens_per_row = shape[0] // rows
         elif x.dim() > 2 and shape[0] == rows:
             tokens_per_row = self.context.tokens_per_row = math.prod(shape[1:-1])
         else:
@@ -607,7 +609,10 @@ class LoRALayers(Mapping):
 
     def step_parameters(self, name: str) -> list[nn.Parameter]:
         """The tensors that hold adapter ``name``'s gradients for a step: its flat parameter (one tensor for every
-        layer), or its per-layer parameters where it is not held flat. Norms and clipping work on these."""
+        layer), or its per-layer parameters where it is not held flat. Norms and clipping work on these. The flat
+        parameter's gradient is the one the layers' gradients are views of only after `prepare_grads` (call it
+        before each backward: without it the backward fills the per-layer ``.grad`` alone, and an optimizer over
+        these tensors finds no gradient)."""
         flat = self.flat_adapter(name)
         return [flat.flat] if flat is not None else self.parameters_of(name)
 
@@ -673,6 +678,11 @@ class LoRALayers(Mapping):
             (f"not plain LoRA weights (DoRA magnitudes, LoRA biases, embeddings: not supported) {unsupported}",
              unsupported), (f"not tensors {not_tensors}", not_tensors),
             (f"other shapes: {', '.join(shapes)}", shapes)) if found]
+        named = sorted({m.group(1) for k in state for m in [re.search(r"\.lora_[AB]\.([^.]+)\.weight$", k)] if m})
+        if problems and named:  # (a live PeftModel's state_dict: its keys carry the adapter's name)
+            problems.insert(0, f"its keys carry PEFT adapter names {named} (a live model's `state_dict()`): give "
+                               "`peft.get_peft_model_state_dict(model, adapter_name=...)` or the saved "
+                               "adapter_model.safetensors, whose keys have none")
         if problems:
             raise ValueError(f"weights for adapter {name!r} do not fit it: {'; '.join(problems)}")
         with torch.no_grad():
@@ -686,7 +696,12 @@ class LoRALayers(Mapping):
         forward: gradients on, the model in training mode), each of the layout's adapters with rows and dropout advances
         its dropout step: open it once per forward + backward (a recomputation inside takes the same masks; a second
         forward is warned of). A forward (or backward) that raises inside takes its advance back: a retried batch
-        gets the masks it would have had."""
+        gets the masks it would have had. A name that is no adapter here is an error (its rows would get the base's
+        output, silently), as PEFT's mixed batch says of an adapter it does not have."""
+        unknown = [n for n in layout.names if n not in self._targets] if layout is not None else []
+        if unknown:
+            raise ValueError(f"the layout names {unknown}, which are no adapters of these layers; adapters: "
+                             f"{self.adapter_names} (rows of the base alone are left out of every segment)")
         shadows = layout is not None and self.refresh_shadows(layout.names, check=refresh)
         advanced = ()
         if layout is not None and torch.is_grad_enabled() and self.model.training:
@@ -781,11 +796,25 @@ def inject_multilora(
         target_modules = list(target_modules)
         if not target_modules:
             raise ValueError("`target_modules` must name at least one module")
+    injected = next((n for n, m in model.named_modules() if isinstance(m, MultiLoRALinear)), None)
+    if injected is not None:  # (else "all-linear" or a regex would wrap the wrapped layers' bases again)
+        raise ValueError(f"the model already holds MultiLoRALinear layers ({injected!r}...); inject once per model "
+                         "(add adapters to the `LoRALayers` the first injection returned)")
+    modules = dict(model.named_modules())
+    # the projections nn.MultiheadAttention reads as weights (its forward never calls them): LoRA there would do
+    # nothing, and the attention would find no `weight`
+    attention = {f"{n}.{c}" if n else c for n, m in modules.items() if isinstance(m, nn.MultiheadAttention)
+                 for c, _ in m.named_children()}
     candidates = [n for n, m in model.named_modules() if n and _matches(n, target_modules)]
     if target_modules == "all-linear":  # (PEFT's: every linear layer but the output head, whatever its name)
         head = _output_embeddings(model)
-        modules = dict(model.named_modules())
-        candidates = [n for n in candidates if _is_linear(modules[n]) and modules[n] is not head]
+        candidates = [n for n in candidates if _is_linear(modules[n]) and modules[n] is not head
+                      and n not in attention]
+    held = [n for n in candidates if n in attention]
+    if held:
+        raise ValueError(f"`target_modules` selects {held[0]!r}, a projection of nn.MultiheadAttention, which reads its "
+                         "weights itself and never calls it: an adapter there would change nothing; leave it out "
+                         "(\"all-linear\" does)")
     available = linear_module_names(model)
     if not isinstance(target_modules, str):
         unknown = [t for t in target_modules if not any(_matches(n, [t]) for n in candidates)]
@@ -799,11 +828,8 @@ def inject_multilora(
     model.requires_grad_(False)
     context = LayoutContext()
     layers: dict[str, MultiLoRALinear] = {}
-    modules = dict(model.named_modules())
     for name in candidates:
         module = modules[name]
-        if isinstance(module, MultiLoRALinear):
-            raise ValueError(f"module {name!r} is already a MultiLoRALinear; inject once per model")
         if not _is_linear(module):
             raise ValueError(f"`target_modules` selects {name!r}, a {type(module).__name__}, which is not a linear "
                              f"layer; linear modules are: {available}")

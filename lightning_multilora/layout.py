@@ -57,17 +57,29 @@ class BatchLayout:
             prev = end
 
     @classmethod
-    def from_sizes(cls, names: Sequence[str], sizes: Sequence[int],
-                   padding_side: Optional[str] = None) -> "BatchLayout":
-        """Consecutive segments: adapter ``names[i]`` gets the next ``sizes[i]`` rows."""
+    def from_sizes(cls, names: Sequence[str], sizes: Sequence[int], padding_side: Optional[str] = None,
+                   num_rows: Optional[int] = None) -> "BatchLayout":
+        """Consecutive segments: adapter ``names[i]`` gets the next ``sizes[i]`` rows; ``num_rows`` (default their
+        sum) may leave rows after them to the base alone (PEFT's ``"__base__"`` rows)."""
+        if isinstance(names, str):
+            raise ValueError(f"BatchLayout.from_sizes: `names` must be a sequence of adapter names, got the string "
+                             f"{names!r} (a list of one name: [{names!r}])")
+        names, sizes = list(names), list(sizes)
+        if len(names) != len(sizes):
+            raise ValueError(f"BatchLayout.from_sizes: `names` and `sizes` must have the same length, got "
+                             f"{len(names)} names and {len(sizes)} sizes")
         starts, ends, offset = [], [], 0
         for size in sizes:
-            if size < 0:
-                raise ValueError(f"BatchLayout.from_sizes: sizes must be >= 0, got {list(sizes)}")
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral) or size < 0:
+                raise ValueError(f"BatchLayout.from_sizes: `sizes` must be integers >= 0, got {sizes}")
             starts.append(offset)
             offset += size
             ends.append(offset)
-        return cls(tuple(names), tuple(starts), tuple(ends), offset, padding_side)
+        if num_rows is not None and (isinstance(num_rows, bool) or not isinstance(num_rows, numbers.Integral)
+                                     or num_rows < offset):
+            raise ValueError(f"BatchLayout.from_sizes: `num_rows` must be an integer >= the sizes' sum {offset}, got "
+                             f"{num_rows!r}")
+        return cls(tuple(names), tuple(starts), tuple(ends), offset if num_rows is None else num_rows, padding_side)
 
     @property
     def sizes(self) -> tuple[int, ...]:

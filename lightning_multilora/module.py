@@ -203,7 +203,8 @@ class MultiLoRAMixin:
         """Per adapter of ``batch["layout"]``: (sum of its loss terms, their count); the loss is their ratio.
 
         SFT adapters: causal-LM cross-entropy on the completion tokens (labels ``!= -100``) of
-        ``self.model(input_ids, attention_mask).logits``. DPO adapters (their rows: chosen then rejected):
+        the model's logits (the model `init_multilora` was given: ``model(input_ids, attention_mask)``, its
+        ``.logits`` or the tensor it returns). DPO adapters (their rows: chosen then rejected):
         ``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` per pair, with sequence log-probabilities
         of the completion; the reference ``ref`` is the base with adapters off, one forward under no_grad
         over every DPO adapter's rows of the batch.
@@ -212,8 +213,9 @@ class MultiLoRAMixin:
         rank (the base's forward is a collective there): see how ``_reference_forward_needed`` pairs them.
         """
         layout: BatchLayout = batch["layout"]
-        out = self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **self._no_cache())
-        row_sum, row_count = _row_token_loss(out.logits, batch["labels"])
+        model = self.lora_layers.model
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **self._no_cache())
+        row_sum, row_count = _row_token_loss(_logits(out), batch["labels"])
         sums, counts = segment_sum(row_sum, layout), segment_sum(row_count.to(row_sum.dtype), layout)
         dpo = [i for i, n in enumerate(layout.names) if n in self.registry and self.registry[n].spec.objective == "dpo"
                and layout.ends[i] > layout.starts[i]]  # (an adapter without rows this step has no pairs)
@@ -225,10 +227,10 @@ class MultiLoRAMixin:
             return sums, counts
         rows = torch.cat([torch.arange(layout.starts[i], layout.ends[i]) for i in dpo]).to(row_sum.device)
         # the reference: the frozen base alone, once for all, deterministic (its dropout off, as in evaluation)
-        with torch.no_grad(), self.lora_layers.use(None), _evaluating(self.model):
-            ref = self.model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
-                             **self._no_cache())
-            ref_sum, _ = _row_token_loss(ref.logits, batch["labels"][rows])
+        with torch.no_grad(), self.lora_layers.use(None), _evaluating(model):
+            ref = model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
+                        **self._no_cache())
+            ref_sum, _ = _row_token_loss(_logits(ref), batch["labels"][rows])
         ref_logp = torch.zeros_like(row_sum)
         ref_logp[rows] = -ref_sum.to(row_sum.dtype)
         policy_logp = -row_sum
@@ -244,9 +246,21 @@ class MultiLoRAMixin:
             self._preference_accuracy[layout.names[i]] = (margin.detach() > 0).float().mean()
         return torch.stack(sums), torch.stack(counts)
 
+    def _loss_terms(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """`adapter_loss_terms`, checked: one sum and one count per adapter of the layout."""
+        terms = self.adapter_loss_terms(batch)
+        n = len(batch["layout"].names)
+        if not (isinstance(terms, tuple) and len(terms) == 2 and all(
+                torch.is_tensor(t) and tuple(t.shape) == (n,) for t in terms)):
+            got = ([tuple(t.shape) if torch.is_tensor(t) else type(t).__name__ for t in terms]
+                   if isinstance(terms, (tuple, list)) else type(terms).__name__)
+            raise ValueError(f"{type(self).__name__}.adapter_loss_terms must return (loss sums, counts), two tensors "
+                             f"of shape ({n},), one value per adapter of batch['layout'].names; got {got}")
+        return terms
+
     def _no_cache(self) -> dict[str, Any]:
         """``use_cache=False`` for a Hugging Face model (training keeps no key/value cache), nothing for others."""
-        return {"use_cache": False} if hasattr(getattr(self.model, "config", None), "use_cache") else {}
+        return {"use_cache": False} if hasattr(getattr(self.lora_layers.model, "config", None), "use_cache") else {}
 
     # -- adapter lifecycle ----------------------------------------------------------------------
 
@@ -378,7 +392,8 @@ class MultiLoRAMixin:
         path = save_peft_adapter(directory, rec.spec, weights if weights is not None else
                                  self.lora_layers.peft_state_dict(name),
                                  peft_target_modules(layers, self._all_module_names), base or None,
-                                 fan_in_fan_out=any(self.lora_layers[n].fan_in_fan_out for n in layers))
+                                 fan_in_fan_out=any(self.lora_layers[n].fan_in_fan_out for n in layers),
+                                 task_type="CAUSAL_LM" if _generates(self.lora_layers.model) else None)
         if own_folder:
             (path / _RUN_STAMP).write_text(f"{self._run_id}\n{name}\n")
             rec.export_path = str(path)
@@ -948,7 +963,7 @@ class MultiLoRAMixin:
         sum of the finite per-adapter losses, each adapter's gradient norm (over ``params``, its step
         parameters): ``(losses, norms, total)``."""
         with self.lora_layers.use(batch["layout"], refresh=False):  # (`training_step` refreshed the shadows)
-            loss_sum, count = self.adapter_loss_terms(batch)
+            loss_sum, count = self._loss_terms(batch)
             losses = loss_sum / count.clamp(min=1)  # (N,) mean over each adapter's target tokens
             finite = torch.isfinite(losses)
             total = torch.where(finite, losses, torch.zeros_like(losses)).sum()
@@ -1364,7 +1379,7 @@ class MultiLoRAMixin:
         """Adds a validation batch's per-adapter loss sum and count to ``sums`` (name -> [loss sum, count, DPO pairs
         preferred, DPO pairs])."""
         with self.lora_layers.use(batch["layout"]):
-            loss_sum, count = self.adapter_loss_terms(batch)
+            loss_sum, count = self._loss_terms(batch)
         for name, s, c in zip(batch["layout"].names, loss_sum.tolist(), count.tolist()):
             acc = sums.setdefault(name, [0.0, 0.0, 0.0, 0.0])
             acc[0] += s
@@ -1579,6 +1594,21 @@ class MultiLoRAMixin:
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+def _logits(out: Any) -> Tensor:
+    """A model's logits: a Hugging Face output's ``.logits``, or the tensor a plain module returns."""
+    return out if torch.is_tensor(out) else out.logits
+
+
+def _generates(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face model that generates (PEFT's causal-LM wrapper calls its generation
+    hooks; a plain module has none)."""
+    can = getattr(model, "can_generate", None)
+    try:
+        return bool(can()) if callable(can) else False
+    except Exception:  # noqa: BLE001 - a model whose check fails is taken as plain
+        return False
 
 
 def _monitored_adapter(callback: Any) -> Optional[str]:

@@ -10,7 +10,7 @@ import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 SCHEDULES = ("constant", "linear", "cosine")
 OBJECTIVES = ("sft", "dpo")
@@ -33,6 +33,9 @@ def check_adapter_name(name: Any, where: str = "") -> None:
     if name in _reserved_names():
         raise ValueError(f"{where}`name` {name!r} is taken by torch.nn.Module (adapters are ParameterDict keys); "
                          "pick another name")
+
+
+_REGEX_CHARS = "*+?[](){}|^$\\"  # (a regex's; a dotted name, "self_attn.q_proj", is a name)
 
 
 @dataclass
@@ -69,8 +72,9 @@ class AdapterSpec:
     """Linear warmup steps from 0 to ``lr``, >= 0."""
     grad_clip: Optional[float] = 1.0
     """Max global L2 norm of this adapter's gradient, > 0, or None for no clipping."""
-    target_modules: Optional[list[str]] = None
-    """Module names to adapt (PEFT style). None: the module's default targets."""
+    target_modules: Optional[Union[str, list[str]]] = None
+    """Modules to adapt, among the module's targets (PEFT style): a list of names (``["q_proj", "v_proj"]``), one name,
+    ``"all-linear"`` or a regex on the full module name. None: the module's default targets."""
     objective: str = "sft"
     """Training objective: ``sft`` (completion-only cross-entropy) or ``dpo`` (preference pairs; the
     reference is the base with adapters off)."""
@@ -121,11 +125,15 @@ class AdapterSpec:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"`objective` can be {', '.join(OBJECTIVES)}, got {self.objective!r}")
         _check(self, "dpo_beta", _num(self.dpo_beta) and 0 < self.dpo_beta < math.inf, "a finite number > 0")
-        if self.target_modules is not None:
-            if isinstance(self.target_modules, str):
+        if isinstance(self.target_modules, str):  # "all-linear" and a regex as they are; a plain name, listed
+            _check(self, "target_modules", bool(self.target_modules),
+                   "a non-empty list of module names, one name, 'all-linear' or a regex")
+            if self.target_modules != "all-linear" and not set(self.target_modules) & set(_REGEX_CHARS):
                 self.target_modules = [self.target_modules]
-            _check(self, "target_modules", len(self.target_modules) > 0 and all(
-                isinstance(t, str) and t for t in self.target_modules), "a non-empty list of module names")
+        elif self.target_modules is not None:
+            _check(self, "target_modules", isinstance(self.target_modules, (list, tuple)) and len(
+                self.target_modules) > 0 and all(isinstance(t, str) and t for t in self.target_modules),
+                   "a non-empty list of module names, one name, 'all-linear' or a regex")
             self.target_modules = list(self.target_modules)
         # (each layer's generator takes seed * 1_000_003 + its index, a 64-bit seed)
         _check(self, "seed", _int(self.seed) and abs(self.seed) < 2**42, "an integer of magnitude below 2**42")

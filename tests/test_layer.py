@@ -407,7 +407,7 @@ def test_conv1d_and_flattened_token_layers_run_the_kernels_as_the_reference(fami
 def test_flattened_tokens_must_be_the_whole_batch_seen_in_three_dimensions():
     """A layer given tokens flattened (OPT's fc1) takes rows x tokens of them, the tokens the model's other layers
     took per row; a share of them (a mixture-of-experts layer's routed tokens) whose count merely divides by the rows
-    is refused, not spread over the adapters as if it were the batch."""
+    is refused, not spread over the adapters as if it were the batch. One a row (pooled features) is taken as such."""
     context = LayoutContext()
     attn, expert = MultiLoRALinear(nn.Linear(8, 8), context), MultiLoRALinear(nn.Linear(8, 8), context)
     for layer in (attn, expert):
@@ -418,3 +418,56 @@ def test_flattened_tokens_must_be_the_whole_batch_seen_in_three_dimensions():
         assert expert(torch.randn(6, 8)).shape == (6, 8)  # the whole batch, flattened
         with pytest.raises(RuntimeError, match="the batch has 4 rows but the layout describes 2"):
             expert(torch.randn(4, 8))  # 4 of its 6 tokens
+    # a head on pooled features, one a row, after the (rows, tokens, d) layers: each row its adapter's (it was refused)
+    pooled = torch.randn(2, 8)
+    with torch.no_grad():  # (B nonzero: the adapters change the output)
+        for p in expert.parameters():
+            if p.requires_grad:
+                p.normal_()
+    with context.use(BatchLayout(("a", "b"), (0, 1), (1, 2), 2)):
+        alone = expert(pooled)
+    assert not torch.allclose(alone, expert.base(pooled))
+    with context.use(BatchLayout(("a", "b"), (0, 1), (1, 2), 2)):
+        attn(torch.randn(2, 3, 8))
+        torch.testing.assert_close(expert(pooled), alone)
+
+
+def test_a_second_injection_and_multihead_attentions_projection_are_refused():
+    """A second injection with "all-linear" (or a regex) wrapped the first one's base layers again (nested layers, a
+    second layout context); nn.MultiheadAttention reads its out_proj's weight itself: wrapped, every forward failed
+    (no `weight`), and an adapter there would change nothing."""
+    model = build_base_model("tiny-llama")
+    inject_multilora(model, ["q_proj"])
+    for targets in ("all-linear", r".*\.v_proj", ["v_proj"]):
+        with pytest.raises(ValueError, match=r"already holds MultiLoRALinear layers .*inject once per model"):
+            inject_multilora(model, targets)
+    encoder = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, batch_first=True)
+    layers = inject_multilora(encoder, "all-linear")
+    assert sorted(layers) == ["linear1", "linear2"]  # (not self_attn.out_proj)
+    layers.add_adapter("a", rank=2, alpha=4)
+    with layers.use(BatchLayout.from_sizes(["a"], [2])):
+        assert encoder(torch.randn(2, 3, 8)).shape == (2, 3, 8)
+    with pytest.raises(ValueError, match=r"selects 'self_attn.out_proj', a projection of nn.MultiheadAttention"):
+        inject_multilora(nn.TransformerEncoderLayer(d_model=8, nhead=2, batch_first=True), ["out_proj"])
+
+
+def test_a_layout_naming_no_adapter_and_peft_keys_with_adapter_names_are_named():
+    """A typo'd name in a layout ran its rows on the base alone, silently (PEFT refuses it); a live PeftModel's
+    state_dict (keys carrying the adapter's name) was called DoRA magnitudes or LoRA biases."""
+    layers = inject_multilora(build_base_model("tiny-llama"), ["q_proj"])
+    layers.add_adapter("alpha", rank=2, alpha=4)
+    with pytest.raises(ValueError, match=r"the layout names \['alhpa'\], which are no adapters of these layers; "
+                                         r"adapters: \['alpha'\]"):
+        with layers.use(BatchLayout.from_sizes(["alhpa"], [1])):
+            pass
+    live = {k.replace(".weight", ".alpha.weight"): v for k, v in layers.peft_state_dict("alpha").items()}
+    with pytest.raises(ValueError, match=r"its keys carry PEFT adapter names \['alpha'\] .*get_peft_model_state_dict"):
+        layers.load_peft_state_dict("alpha", live)
+    # from_sizes: names as a string, lengths that differ, and rows left to the base
+    with pytest.raises(ValueError, match=r"`names` must be a sequence of adapter names, got the string 'ab'"):
+        BatchLayout.from_sizes("ab", [1, 1])
+    with pytest.raises(ValueError, match=r"`names` and `sizes` must have the same length, got 1 names and 2 sizes"):
+        BatchLayout.from_sizes(["a"], [1, 1])
+    assert BatchLayout.from_sizes(["a"], [2], num_rows=3) == BatchLayout(("a",), (0,), (2,), 3)
+    with pytest.raises(ValueError, match=r"`num_rows` must be an integer >= the sizes' sum 2, got 1"):
+        BatchLayout.from_sizes(["a"], [2], num_rows=1)

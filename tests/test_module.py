@@ -375,6 +375,35 @@ def test_the_mixin_trains_adapters_of_a_model_that_is_not_a_hugging_face_one(tmp
     module.decoder = module.model.q_proj  # the base reached under a second name (a head of its own reads it, say)
     trainer.save_checkpoint(tmp_path / "c.ckpt")  # without the frozen base, with the module's own state
     assert set(torch.load(tmp_path / "c.ckpt", weights_only=False)["state_dict"]) == {"scale"}
+    # PEFT loads the export into the plain model (a causal-LM task type called its generation hooks: it failed)
+    from peft import PeftModel
+
+    plain = PlainLM()
+    loaded = PeftModel.from_pretrained(plain, rec.export_path)
+    assert loaded.peft_config["default"].task_type is None
+    ids = torch.randint(0, 258, (1, 5))
+    for key, value in exported(module, "a").items():
+        torch.testing.assert_close(loaded.state_dict()[key.replace(".weight", ".default.weight")], value)
+    assert loaded(ids).logits.shape == (1, 5, 258)
+
+    class Own(MultiLoRAMixin, L.LightningModule):  # the base under a name of its own; a loss of the wrong shape
+        def __init__(self, wrong=False):
+            super().__init__()
+            self.lm, self.wrong = PlainLM(), wrong
+            self.init_multilora(self.lm, adapters=[AdapterSpec("a", lr=1e-2, max_steps=2)], target_modules=["q_proj"],
+                                export_dir=str(tmp_path / f"own{wrong}"), validate_on_finish=False)
+
+        def adapter_loss_terms(self, batch):
+            loss_sum, count = super().adapter_loss_terms(batch)
+            return (loss_sum.sum(), count.sum()) if self.wrong else (loss_sum, count)
+
+    own = Own()
+    L.Trainer(**trainer_kwargs).fit(own, small_dm())  # (the loss read `self.model`: an AttributeError)
+    assert own.registry["a"].step == 2
+    with pytest.raises(ValueError, match=r"Own.adapter_loss_terms must return \(loss sums, counts\), two tensors of "
+                                         r"shape \(1,\), one value per adapter of batch\['layout'\].names; got "
+                                         r"\[\(\), \(\)\]"):
+        L.Trainer(**trainer_kwargs).fit(Own(wrong=True), small_dm())
 
 
 def test_a_data_parallel_strategy_is_refused_naming_the_one_that_works(tmp_path):

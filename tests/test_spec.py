@@ -108,6 +108,20 @@ def test_round_trip_through_a_dict():
         AdapterSpec.from_dict({"name": "x", "rnak": 3})
 
 
+def test_target_modules_take_what_the_modules_take():
+    """A string was always one name: "all-linear" and a regex (PEFT's forms, which the module takes) were refused as
+    no injected layer's; a number failed with a bare TypeError."""
+    assert AdapterSpec("x", target_modules="all-linear").target_modules == "all-linear"
+    assert AdapterSpec("x", target_modules=r".*\.(q|v)_proj").target_modules == r".*\.(q|v)_proj"
+    assert AdapterSpec("x", target_modules="self_attn.q_proj").target_modules == ["self_attn.q_proj"]  # a name
+    for value in (3, "", [], ["q_proj", 3]):
+        with pytest.raises(ValueError, match=r"`target_modules` must be a non-empty list of module names, one name, "
+                                             r"'all-linear' or a regex"):
+            AdapterSpec("x", target_modules=value)
+    spec = AdapterSpec("x", target_modules="all-linear")
+    assert AdapterSpec.from_dict(spec.to_dict()) == spec
+
+
 def test_grid_is_the_cartesian_product_with_readable_unique_names():
     grid = SweepGrid(axes={"lr": [1e-5, 2.5e-4], "rank": [16, 32], "batch_size": [1, 8]}, base={"max_steps": 7},
                      alpha_over_rank=2)

@@ -101,6 +101,10 @@ def resolve_backend(x: Tensor) -> str:
         raise ValueError(f"`backend` can be {', '.join(BACKENDS)}, got {_backend!r}")
     if _backend == "auto":
         return "triton" if x.is_cuda and _triton_available() else "reference"
+    if _backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"the 'triton' backend runs on CUDA tensors (got a {x.device.type} one), or on the CPU under "
+                         "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported); use 'reference' "
+                         "or 'auto' here")
     return _backend
 
 

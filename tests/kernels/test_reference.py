@@ -66,6 +66,16 @@ def test_dispatch_and_backend_switch():
         assert kernels.get_backend() == "reference"
     finally:
         kernels.set_backend("auto")
+    pytest.importorskip("triton")
+    kernels.set_backend("triton")  # on CPU tensors outside Triton's interpreter: named, not an assertion deep inside
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.delenv("TRITON_INTERPRET", raising=False)
+            with pytest.raises(ValueError, match=r"the 'triton' backend runs on CUDA tensors \(got a cpu one\), or "
+                                                 r"on the CPU under Triton's interpreter"):
+                multi_lora(x, base, w, False)
+    finally:
+        kernels.set_backend("auto")
 
 
 def test_mismatched_weights_are_rejected():
