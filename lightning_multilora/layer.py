@@ -812,8 +812,8 @@ def inject_multilora(
                       and n not in attention]
     held = [n for n in candidates if n in attention]
     if held:
-        raise ValueError(f"`target_modules` selects {held[0]!r}, a projection of nn.MultiheadAttention, which reads its "
-                         "weights itself and never calls it: an adapter there would change nothing; leave it out "
+        raise ValueError(f"`target_modules` selects {held[0]!r}, a projection of nn.MultiheadAttention, which reads "
+                         "its weights itself and never calls it: an adapter there would change nothing; leave it out "
                          "(\"all-linear\" does)")
     available = linear_module_names(model)
     if not isinstance(target_modules, str):

@@ -557,32 +557,45 @@ class MultiLoRAMixin:
             trainer.callback_metrics[key] = torch.tensor(float(metrics[key]))
 
     def _settle_monitors(self) -> None:
-        """Before the callbacks' ``on_validation_end``: what a Lightning callback monitoring one adapter reads while
-        that adapter is not training. ``EarlyStopping``: nothing (it skips the validation; an ended adapter's last
-        value read again and again stopped the whole run); ``ModelCheckpoint``: an adapter that has no value yet
-        (queued) ranks last (its ``mode``'s worst), where Lightning would fail the fit on the missing key."""
-        from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+        """Before the callbacks' ``on_validation_end``: an ``EarlyStopping`` monitoring one adapter that is not training
+        (queued, paused or ended) finds no value and skips the validation (an ended adapter's last value, read again
+        and again, stopped the whole run; a queued one's missing key failed the fit). `_restore_monitors` puts the
+        values back for a ``ModelCheckpoint``, which runs after every other callback."""
+        from lightning.pytorch.callbacks import EarlyStopping
 
         trainer = self._trainer_or_none()
-        # (a key an EarlyStopping skips gets no value: a ModelCheckpoint monitoring it too finds none, as Lightning says)
-        skipped = set()
-        callbacks = list(trainer.callbacks) if trainer is not None else []
-        for callback in sorted(callbacks, key=lambda cb: not isinstance(cb, EarlyStopping)):  # (theirs first)
+        self._popped_monitors = {}
+        for callback in trainer.callbacks if trainer is not None else ():
             name = _monitored_adapter(callback)
-            if name is None:
+            if name is None or not isinstance(callback, EarlyStopping):
                 continue
             rec = self.registry[name] if name in self.registry else None
+            if rec is not None and rec.state == AdapterState.RUNNING:
+                continue
             key = callback.monitor
-            if isinstance(callback, EarlyStopping) and (rec is None or rec.state != AdapterState.RUNNING):
-                trainer.callback_metrics.pop(key, None)
-                skipped.add(key)
-                callback.strict = False  # (skips a validation without the value: the adapter's, when it runs)
-                if rec is not None and rec.state.exited and not getattr(callback, "_multilora_told", False):
-                    callback._multilora_told = True
-                    rank_zero_warn(f"EarlyStopping(monitor={key!r}): adapter {name!r} has ended ({rec.state.value}); "
-                                   "it stops nothing from here (EarlyExit stops each adapter on its own curve)")
-            elif isinstance(callback, ModelCheckpoint) and key not in trainer.callback_metrics and key not in skipped:
-                trainer.callback_metrics[key] = torch.tensor(math.inf if callback.mode == "min" else -math.inf)
+            if key in trainer.callback_metrics:
+                self._popped_monitors[key] = trainer.callback_metrics.pop(key)
+            callback.strict = False  # (skips a validation without the value: the adapter's, when it runs)
+            if rec is not None and rec.state.exited and not getattr(callback, "_multilora_told", False):
+                callback._multilora_told = True
+                rank_zero_warn(f"EarlyStopping(monitor={key!r}): adapter {name!r} has ended ({rec.state.value}); it "
+                               "stops nothing from here (EarlyExit stops each adapter on its own curve)")
+
+    def _restore_monitors(self) -> None:
+        """After the other callbacks' ``on_validation_end``, before a ``ModelCheckpoint``'s: the values
+        `_settle_monitors` took back, and for an adapter without one yet (queued) its ``mode``'s worst, so that it
+        ranks last (Lightning fails the fit on a monitored key that is missing)."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        trainer = self._trainer_or_none()
+        popped = getattr(self, "_popped_monitors", {})
+        for callback in trainer.callbacks if trainer is not None else ():
+            if not isinstance(callback, ModelCheckpoint) or _monitored_adapter(callback) is None:
+                continue
+            key = callback.monitor
+            if key not in trainer.callback_metrics:
+                trainer.callback_metrics[key] = popped.get(key, torch.tensor(
+                    math.inf if callback.mode == "min" else -math.inf))
 
     def align_batches(self, batches: list) -> list:
         """Under adapter parallelism, pad this rank's batches with empty ones to the largest count of any rank:
@@ -1122,10 +1135,16 @@ class MultiLoRAMixin:
         # callbacks (`SweepReport`) list the exports.
         self._sync_ranks()
         self._validate_held()
+        failed = None
         try:
             self._export_held()
+        except RuntimeError as err:  # (every rank goes through the exchange below first: none waits for it)
+            failed = err
         finally:
             self._end_losses = {}
+        self._sync_ranks()  # the exports' paths and losses reach every rank (rank 0's report)
+        if failed is not None:
+            raise failed
 
     def _validate_held(self) -> None:
         """Training stopped (the Trainer's ``max_steps`` or ``max_time``) with adapters held whose exports will hold
@@ -1241,9 +1260,9 @@ class MultiLoRAMixin:
         for callback in trainer.callbacks:
             name = _monitored_adapter(callback)
             if name is not None and name not in self.registry and not fills:  # (a sweep adds its trials later)
-                raise ValueError(f"`{type(callback).__name__}(monitor={callback.monitor!r})` monitors adapter "
-                                 f"{name!r}, which the module does not have; its adapters are "
-                                 f"{[r.name for r in self.registry]}")
+                rank_zero_warn(f"`{type(callback).__name__}(monitor={callback.monitor!r})` monitors adapter {name!r}, "
+                               f"which the module does not have (yet); its adapters are "
+                               f"{[r.name for r in self.registry]}")
         if isinstance(trainer.val_check_interval, float):  # (a share of an epoch; steps or a duration run)
             warnings.warn(f"`Trainer(val_check_interval={trainer.val_check_interval!r})`: the run is one endless "
                           "epoch, so no validation runs during it (each adapter is validated as it ends); give an "
@@ -1774,8 +1793,8 @@ class ExportOnException(L.Callback):
     (`MultiLoRAMixin.export_after_exception`). Added by the module's ``configure_callbacks``. Its ``setup`` also asks
     ``Trainer.log_dir`` on every rank and remembers it (`log_dir_of`): exports on one rank alone, `SweepReport` and
     `OptunaSweep` on rank 0 take it from there; and has another strategy than adapter parallelism refuse its
-    checkpoint folders by name (`guard_folder_checkpoints`). (A callback's ``setup``, not the module's: a subclass may override
-    that one without calling ``super()``.)"""
+    checkpoint folders by name (`guard_folder_checkpoints`). (A callback's ``setup``, not the module's: a subclass
+    may override that one without calling ``super()``.)"""
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -1793,6 +1812,11 @@ class ExportOnException(L.Callback):
                 export(exception)
         finally:
             getattr(pl_module, "_give_back_loss_scaler", lambda: None)()
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # (a model's callback: after the Trainer's own, EarlyStopping's among them; ModelCheckpoint runs last)
+        getattr(pl_module, "_restore_monitors", lambda: None)()
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -11,7 +11,8 @@ from typing import Any, Iterator, Optional
 from lightning_multilora.spec import AdapterSpec
 
 # `AdapterSpec.hparams` entries the summary table shows where they differ between adapters, with their headers
-_EXTRA_COLUMNS = {"dropout": "dropout", "weight_decay": "wd", "schedule": "schedule", "dataset": "dataset"}
+_EXTRA_COLUMNS = {"dropout": "dropout", "weight_decay": "wd", "schedule": "schedule", "dataset": "dataset",
+                  "objective": "objective", "dpo_beta": "beta"}
 
 
 class AdapterState(str, enum.Enum):
@@ -85,7 +86,8 @@ class AdapterRecord:
             "val_losses": list(self.val_losses), "export_path": self.export_path,
             "started_at_step": self.started_at_step, "ended_at_step": self.ended_at_step,
             "spans": [list(x) for x in self.spans], "exported_step": self.exported_step,
-            "exported_val_loss": self.exported_val_loss, "loss_scale": self.loss_scale, "scale_growth": self.scale_growth,
+            "exported_val_loss": self.exported_val_loss, "loss_scale": self.loss_scale,
+            "scale_growth": self.scale_growth,
             "skipped_steps": self.skipped_steps,
         }
 
@@ -103,6 +105,17 @@ class AdapterRecord:
         rec.val_losses = [tuple(x) for x in state.get("val_losses", [])]
         rec.spans = [list(x) for x in state.get("spans", [])]
         return rec
+
+
+def _exported_loss(r: AdapterRecord, exported: str) -> float:
+    """The validation loss of the weights adapter ``r``'s export holds: as measured at the step they are of; else
+    (not measured there: no validation at its last step) the best loss where the export holds the best weights, the
+    last one otherwise (of an earlier step)."""
+    if r.exported_step is not None:
+        if math.isfinite(r.exported_val_loss):
+            return r.exported_val_loss
+        return r.best_val_loss if r.exported_step == r.best_val_step else r.last_val_loss
+    return r.best_val_loss if exported == "best" else r.last_val_loss
 
 
 class AdapterRegistry:
@@ -174,30 +187,35 @@ class AdapterRegistry:
         """One row per adapter, ranked by ``exported_val_loss``, the validation loss of the weights its export holds
         (as measured where it was exported, `AdapterRecord.exported_val_loss`; an adapter not exported: ``exported``
         says which, "best", the best-validation weights, where the module keeps them, `keep_best_weights`; "last",
-        the last ones, where it does not), lowest first (adapters never validated last)."""
+        the last ones, where it does not), lowest first (adapters never validated last), within each objective
+        (SFT's, then DPO's: their losses are not comparable; a DPO row has its last ``val_preference_accuracy``)."""
         if exported not in ("best", "last"):
             raise ValueError(f"`exported` can be 'best' or 'last', got {exported!r}")
         rows = []
         for r in self._records.values():
             row = {"adapter": r.name, **r.spec.hparams(), "status": r.state.value, "reason": r.reason,
                    "best_val_loss": r.best_val_loss, "last_val_loss": r.last_val_loss,
-                   "exported_val_loss": (r.exported_val_loss if r.exported_step is not None else
-                                         r.best_val_loss if exported == "best" else r.last_val_loss),
-                   "steps": r.step, "export_path": r.export_path}
+                   "exported_val_loss": _exported_loss(r, exported), "exported_step": r.exported_step,
+                   "steps": r.step, "export_path": r.export_path,
+                   "val_preference_accuracy": r.last_val_preference_accuracy}
             rows.append(row)
-        rows.sort(key=lambda row: (not math.isfinite(row["exported_val_loss"]), row["exported_val_loss"]))
+        order = {"sft": 0, "dpo": 1}
+        rows.sort(key=lambda row: (order.get(row["objective"], 2), not math.isfinite(row["exported_val_loss"]),
+                                   row["exported_val_loss"]))
         return rows
 
     def summary_table(self, exported: str = "best") -> str:
         """The ranked table (`summary_rows`): learning rate, rank, alpha and batch size, then each other
         hyperparameter of `AdapterSpec.hparams` whose value differs between adapters (two that differ only in
         dropout are told apart), the status, the best validation loss, and where the exports hold the last weights
-        the last one too."""
+        the last one too; with DPO adapters, their last validation's preference accuracy (``pref_acc``)."""
         rows = self.summary_rows(exported)
         varying = [k for k in _EXTRA_COLUMNS if len({repr(r[k]) for r in rows}) > 1]
         losses = ["best_val_loss"] + (["last_val_loss"] if exported == "last" else [])
+        if any(r["objective"] == "dpo" for r in rows):  # (the share of held-out pairs preferred, at the last one)
+            losses.append("val_preference_accuracy")
         header = ["#", "adapter", "lr", "rank", "alpha", "bs", *(_EXTRA_COLUMNS[k] for k in varying), "status",
-                  *losses, "steps"]
+                  *({"val_preference_accuracy": "pref_acc"}.get(k, k) for k in losses), "steps"]
         lines = [[str(i + 1), r["adapter"], f"{r['lr']:.2g}", str(r["rank"]), f"{r['alpha']:g}",
                   str(r["batch_size"]), *("-" if r[k] is None else f"{r[k]:g}" if isinstance(r[k], float)
                                           else str(r[k]) for k in varying), r["status"],

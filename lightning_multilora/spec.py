@@ -165,7 +165,8 @@ class AdapterSpec:
         return {
             "rank": self.rank, "alpha": self.alpha, "lr": self.lr, "batch_size": self.batch_size,
             "dropout": self.dropout, "weight_decay": self.weight_decay, "schedule": self.lr_schedule,
-            "dataset": self.dataset,
+            "dataset": self.dataset, "objective": self.objective,
+            "dpo_beta": self.dpo_beta if self.objective == "dpo" else None,
         }
 
 

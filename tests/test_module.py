@@ -1157,25 +1157,31 @@ def test_lightnings_monitors_of_one_adapter_wait_for_it_and_let_go_when_it_ends(
     stopping = EarlyStopping(monitor="adapters/short/val_loss", patience=1)
     waiting = EarlyStopping(monitor="adapters/long/val_loss", patience=100)
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="adapters/later/val_loss", save_top_k=1)
+    # the usual pairs, one key each: an ended adapter's (EarlyStopping let go of it), a queued one's
+    ended = ModelCheckpoint(dirpath=tmp_path / "ended", monitor="adapters/short/val_loss", save_top_k=1)
+    queued = EarlyStopping(monitor="adapters/later/val_loss", patience=100)
     module = MultiLoRAModule("tiny-llama", adapters=specs(), max_running=1, export_dir=str(tmp_path / "out"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         L.Trainer(**{**trainer_kwargs, "val_check_interval": 2, "enable_checkpointing": True, "log_every_n_steps": 1,
                      "logger": CSVLogger(tmp_path, name="csv")},
-                  callbacks=[stopping, waiting, checkpoint, LearningRateMonitor()]).fit(module, small_dm())
+                  callbacks=[stopping, waiting, checkpoint, ended, queued, LearningRateMonitor()]).fit(module,
+                                                                                                     small_dm())
     assert any("EarlyStopping(monitor='adapters/short/val_loss'): adapter 'short' has ended (finished); it stops "
                "nothing from here" in str(w.message) for w in caught)
     assert all(r.state == AdapterState.FINISHED for r in module.registry)  # (long ran its 16 steps)
     assert module.registry["long"].step == 16 and checkpoint.best_model_path
     assert checkpoint.best_model_score.isfinite()  # (the queued adapter's placeholder never ranked best)
+    assert ended.best_model_score == min(loss for _, loss in module.registry["short"].val_losses)
     import csv
 
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as fh:
         columns = next(csv.reader(fh))
     assert {"lr-AdamW/adapters/short", "lr-AdamW/adapters/long", "lr-AdamW/adapters/later"} <= set(columns)
     module = MultiLoRAModule("tiny-llama", adapters=specs())
-    with pytest.raises(ValueError, match=r"`EarlyStopping\(monitor='adapters/shrot/val_loss'\)` monitors adapter "
-                                         r"'shrot', which the module does not have; its adapters are \['short'"):
+    with pytest.warns(UserWarning, match=r"`EarlyStopping\(monitor='adapters/shrot/val_loss'\)` monitors adapter "
+                                         r"'shrot', which the module does not have \(yet\); its adapters are "
+                                         r"\['short'"):
         L.Trainer(**trainer_kwargs, callbacks=[EarlyStopping(monitor="adapters/shrot/val_loss")]).fit(module,
                                                                                                     small_dm())
 

@@ -42,3 +42,29 @@ def test_the_summary_ranks_by_the_validation_loss_of_the_weights_exported():
     assert first.split()[1] == "steady" and first.split()[-3:-1] == ["1.5000", "1.6000"]
     with pytest.raises(ValueError, match="`exported` can be 'best' or 'last', got 'final'"):
         registry.summary_rows("final")
+
+
+def test_sft_and_dpo_adapters_rank_apart_and_an_unmeasured_export_falls_back_to_its_last_loss():
+    """A DPO loss (log 2 at the start) ranked above every SFT one in one list, with no column telling them or their
+    betas apart; an export whose weights were not measured at their step (no validation there) had no loss to rank
+    by."""
+    import math
+
+    registry = AdapterRegistry()
+    registry.add(AdapterSpec("sft", rank=4))
+    registry.add(AdapterSpec("dpo-a", rank=4, objective="dpo", dpo_beta=0.1))
+    registry.add(AdapterSpec("dpo-b", rank=4, objective="dpo", dpo_beta=2.0))
+    for name, loss, accuracy in (("sft", 3.0, math.nan), ("dpo-a", 0.6, 0.7), ("dpo-b", 0.01, 0.65)):
+        rec = registry[name]
+        rec.best_val_loss = rec.last_val_loss = loss
+        rec.last_val_preference_accuracy = accuracy
+        rec.best_val_step = 4
+        rec.exported_step, rec.exported_val_loss = 6, math.nan  # (last weights, not measured at step 6)
+    rows = registry.summary_rows("last")
+    assert [r["adapter"] for r in rows] == ["sft", "dpo-b", "dpo-a"]
+    assert [r["exported_val_loss"] for r in rows] == [3.0, 0.01, 0.6]
+    assert [r["dpo_beta"] for r in rows] == [None, 2.0, 0.1] and rows[2]["val_preference_accuracy"] == 0.7
+    header, _, first, second, _ = registry.summary_table("last").splitlines()
+    assert header.split()[6:8] == ["objective", "beta"] and header.split()[-2] == "pref_acc"
+    assert first.split()[6:8] == ["sft", "-"] and second.split()[6:8] == ["dpo", "2"]
+    assert first.split()[-2] == "-" and second.split()[-2] == "0.6500"

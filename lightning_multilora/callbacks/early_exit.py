@@ -50,14 +50,15 @@ class EarlyExit(Callback):
       drops to ``tau_slope`` or below.
     - *overfitting*: ``g = (val - ema_train) / ema_train > tau_gap`` for ``patience_ovf`` consecutive
       evaluations whose validation loss is not a new best: the adapter's best-validation weights are exported
-      (``keep_best_weights``; otherwise its last ones), and it exits as ``overfit``. An evaluation at a new best resets the count: a validation
-      loss that still falls is not overfitting, whatever the gap (early in the first epoch a gap comes from
-      which examples the smoothed training loss happened to see). ``overfit_while_improving=True`` counts those
-      evaluations too, ALTO's rule as written.
+      (``keep_best_weights``; otherwise its last ones), and it exits as ``overfit``. An evaluation at a new best
+      resets the count: a validation loss that still falls is not overfitting, whatever the gap (early in the first
+      epoch a gap comes from which examples the smoothed training loss happened to see).
+      ``overfit_while_improving=True`` counts those evaluations too, ALTO's rule as written.
 
     With ``keep_best_weights`` (the default) every adapter keeps its best-validation weights; they are what is
     exported when it leaves (finished included). The rules judge at validations: with none
-    (``Trainer(limit_val_batches=0)``) they stop nothing, which is warned of. Defaults are ALTO's: window 2, patience 2, tau_gap 0.1, tau_slope 0.001.
+    (``Trainer(limit_val_batches=0)``) they stop nothing, which is warned of. Defaults are ALTO's: window 2,
+    patience 2, tau_gap 0.1, tau_slope 0.001.
     """
 
     def __init__(self, ema_alpha: float = 0.1, window: int = 2, patience_div: int = 2, patience_ovf: int = 2,

@@ -21,7 +21,8 @@ class WarmupSelection(Callback):
     completes its warmup is validated and paused: it keeps its weights and optimizer state but frees its
     slot, so queued candidates rotate in and every candidate gets the same warmup. When no candidate is
     left warming up (or queued), the warmed-up ones are ranked by their warmup validation loss; the top
-    ``keep_fraction`` of all candidates (at least ``min_keep``) resume from where they stopped, best first, as slots
+    ``keep_fraction`` of the candidates (at least ``min_keep``; of each objective and data source apart, where they
+    differ: their losses do not compare) resume from where they stopped, best first, as slots
     free (the module's `max_running` and ``admission`` hold for them as for its queue: kept adapters beyond them wait,
     paused, in `waiting`), the rest are pruned (exported, then their weights and optimizer states freed).
     Candidates that exit during warmup (diverged, failed) count among the K but cannot be kept. While a callback such
@@ -103,11 +104,26 @@ class WarmupSelection(Callback):
         if still_warming or registry.queued or more_coming:
             return None
         waiting = {r.name: self.warmup_losses[r.name] for r in registry.paused if r.name in self.warmup_losses}
-        kept = self.select(waiting, len(self.candidates))
-        ranking = sorted(waiting, key=lambda n: waiting[n])
-        pruned = {name: (f"warmup selection: validation loss {waiting[name]:.4f} ranked {place} of {len(ranking)}; "
-                         f"kept the top {len(kept)} of {len(self.candidates)} candidates")
-                  for place, name in enumerate(ranking, start=1) if name not in kept}
+        # Losses compare within one objective on one data source (a DPO loss starts at log 2, an SFT one far above):
+        # each such group keeps its own top fraction
+        groups: dict[tuple, list[str]] = {}
+        for name in self.candidates:
+            spec = registry[name].spec if name in registry else None
+            groups.setdefault((spec.objective, spec.dataset) if spec is not None else (None, None), []).append(name)
+        ranking, kept, pruned, places = [], [], {}, {}
+        for key, members in groups.items():
+            losses = {n: waiting[n] for n in members if n in waiting}
+            chosen = self.select(losses, len(members))
+            order = sorted(losses, key=lambda n: losses[n])
+            where = (f" among the {key[0]} adapters on {key[1] or 'the first source'}" if len(groups) > 1 else "")
+            for place, name in enumerate(order, start=1):
+                places[name] = place
+                if name not in chosen:
+                    pruned[name] = (f"warmup selection: validation loss {losses[name]:.4f} ranked {place} of "
+                                    f"{len(order)}{where}; kept the top {len(chosen)} of {len(members)} candidates")
+            ranking += order
+            kept += chosen
+        kept.sort(key=lambda n: places[n])  # (resumed best first, each group's in turn)
         return {"ranking": ranking, "kept": kept, "pruned": pruned}
 
     def _apply(self, pl_module: L.LightningModule, selection: dict[str, Any]) -> None:

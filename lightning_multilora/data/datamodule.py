@@ -174,7 +174,8 @@ class MultiLoRADataModule(L.LightningDataModule):
         truncate: cut examples longer than ``max_length`` instead of raising: a row's end; a preference pair's
             prompt from its start (keeping its end, next to the answers), then the answers' ends.
         val_fraction: share of each source held out for validation, in (0, 1).
-        val_batch_size: rows per adapter in each packed validation batch.
+        val_batch_size: examples per adapter in each packed validation batch: rows, or pairs for a DPO adapter
+            (two rows each, and their reference forward besides).
         max_val_examples: cap on each source's validation split (None: no cap).
         split_seed: seed of the train/validation split.
         padding: ``"longest"`` pads each packed batch to its longest row; ``"max_length"`` pads every batch
@@ -492,9 +493,9 @@ class MultiLoRADataModule(L.LightningDataModule):
                 f"vocabulary has {vocab}; use a model with vocab_size >= {self.tokenizer.vocab_size}"
             )
         if vocab is not None and self.tokenizer_name == "byte" and vocab != self.tokenizer.vocab_size:
-            warnings.warn(f"MultiLoRADataModule(tokenizer='byte'): the data is read as bytes (the default, the built-in "
-                          f"tiny models' {self.tokenizer.vocab_size}-token vocabulary), and the model's vocabulary has "
-                          f"{vocab} tokens: give the model's own tokenizer (`tokenizer=` its checkpoint folder or hub "
+            warnings.warn(f"MultiLoRADataModule(tokenizer='byte'): the data is read as bytes (the default, the "
+                          f"built-in tiny models' {self.tokenizer.vocab_size}-token vocabulary), and the model's "
+                          f"vocabulary has {vocab} tokens: give the model's own tokenizer (`tokenizer=` its checkpoint folder or hub "
                           "name)", stacklevel=2)
 
     def _keep_streams_of(self, module: Any) -> None:

@@ -391,7 +391,10 @@ def guard_folder_checkpoints(strategy: Any) -> None:
     before). Once per strategy."""
     if isinstance(strategy, AdapterParallelStrategy) or isinstance(strategy.checkpoint_io, _FolderCheck):
         return
-    strategy.checkpoint_io = _FolderCheck(strategy.checkpoint_io)
+    try:
+        strategy.checkpoint_io = _FolderCheck(strategy.checkpoint_io)
+    except TypeError:  # (a strategy that takes its own kind of checkpoint IO only, XLA's: left as it is)
+        pass
 
 
 class _FolderCheck(CheckpointIO):

@@ -201,6 +201,14 @@ def test_bounds_read_as_strings_or_whole_floats_are_taken_as_the_numbers_they_sp
     assert dists["batch_size"].choices == (1, 2, 3)
 
 
+def test_a_search_space_over_the_losses_scale_is_warned_of():
+    """A trial's value is its validation loss: over dpo_beta (a larger beta, a smaller DPO loss for the same
+    preferences) or the objective, the study favours a scale, not an adapter."""
+    with pytest.warns(UserWarning, match=r"`search_space` \['dpo_beta'\]: a trial's value is its validation loss, "
+                                         r"whose scale these change"):
+        OptunaSweep({"dpo_beta": {"type": "float", "low": 0.05, "high": 1.0}}, base={"objective": "dpo"})
+
+
 def test_a_search_space_step_reaches_the_distribution():
     from lightning_multilora.callbacks.optuna_sweep import distributions
 

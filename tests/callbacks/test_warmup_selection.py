@@ -106,6 +106,28 @@ def test_selection_rule():
         assert len(WarmupSelection(keep_fraction=fraction, min_keep=1).select(losses, num_candidates=100)) == kept
 
 
+def test_candidates_of_another_objective_or_source_are_ranked_apart():
+    """A DPO adapter that had learned nothing (its loss log 2) was kept over SFT adapters that had learned, their
+    losses near 5: the ranking mixed losses that do not compare."""
+    from types import SimpleNamespace
+
+    from lightning_multilora.registry import AdapterRegistry
+
+    registry = AdapterRegistry()
+    losses = {"sft-good": 5.45, "sft-bad": 6.55, "dpo-good": 0.42, "dpo-bad": 0.693, "gsm-a": 2.0, "gsm-b": 1.0}
+    for name in losses:
+        spec = AdapterSpec(name, objective="dpo" if name.startswith("dpo") else "sft",
+                           dataset="gsm8k" if name.startswith("gsm") else None)
+        registry.add(spec).state = AdapterState.PAUSED
+    selection = WarmupSelection(keep_fraction=0.5)
+    selection.candidates, selection.warmup_losses = list(losses), dict(losses)
+    decision = selection._selection(SimpleNamespace(callbacks=[]), registry)
+    assert sorted(decision["kept"]) == ["dpo-good", "gsm-b", "sft-good"]
+    assert decision["kept"][:1] == ["sft-good"]  # (each group's best first, in turn)
+    said = decision["pruned"]["dpo-bad"]
+    assert "ranked 2 of 2 among the dpo adapters on the first source; kept the top 1 of 2" in said
+
+
 def test_warmup_selection_ranks_once_a_sweeps_grid_is_used_up_before_its_n_trials(tmp_path, trainer_kwargs):
     """An Optuna grid with fewer points than ``n_trials``: the sweep has no more candidates once every point is
     asked, so the selection ranks the warmed-up trials instead of waiting for trials that never come (the run used

@@ -346,7 +346,8 @@ def test_a_source_class_a_missing_tokenizer_a_bom_and_numbers_read_from_text_are
     with pytest.raises(ValueError, match=r"`sources\['a'\]` is the class GeneratedArithmetic, not a source: give an "
                                          r"instance, GeneratedArithmetic\(...\)"):
         MultiLoRADataModule(sources={"a": GeneratedArithmetic})
-    with pytest.raises(ValueError, match=r"`tokenizer` must be 'byte' .* or a tokenizer's folder or hub name, got None"):
+    with pytest.raises(ValueError, match=r"`tokenizer` must be 'byte' .* or a tokenizer's folder or hub name, got "
+                                         r"None"):
         MultiLoRADataModule(tokenizer=None)
     from pathlib import Path
 

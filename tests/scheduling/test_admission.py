@@ -85,7 +85,8 @@ def test_the_analytic_model_guards_a_fit_through_of_specs():
     assert predict(specs) == guard(specs) > 0
     # targets as the module takes them (its default "all-linear", a name, a regex), checked when the guard is made
     assert analytic.of_specs(4)(specs) == guard(specs)
-    named = [AdapterSpec("c", rank=4, batch_size=1, target_modules="all-linear"), AdapterSpec("d", rank=4, batch_size=1)]
+    named = [AdapterSpec("c", rank=4, batch_size=1, target_modules="all-linear"),
+             AdapterSpec("d", rank=4, batch_size=1)]
     assert analytic.of_specs(4, r".*\.(q|v)_proj")(named) == analytic.predict(
         [(4, 1, PROJECTIONS), (4, 1, ("q_proj", "v_proj"))], 4)
     assert analytic.of_specs(4, r".*layers\.1[0-9]\.mlp\..*")(named[1:]) == analytic.predict(

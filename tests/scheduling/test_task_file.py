@@ -193,7 +193,8 @@ def test_a_plan_or_chart_that_cannot_be_made_is_a_clear_error(tmp_path, capsys):
         main([str(path), "--plan-only", "--gantt", str(tmp_path / "charts")])
     assert exit_info.value.code == 2 and "charts is a folder: give the chart's file" in capsys.readouterr().err
     assert main([str(path), "--plan-only", "--gantt", str(tmp_path / "myplan")]) == 0  # (no suffix: a PNG)
-    assert f"Gantt chart: {tmp_path / 'myplan.png'}\n" in capsys.readouterr().out and (tmp_path / "myplan.png").is_file()
+    assert f"Gantt chart: {tmp_path / 'myplan.png'}\n" in capsys.readouterr().out
+    assert (tmp_path / "myplan.png").is_file()
 
 
 def test_a_ray_cluster_with_too_few_gpus_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
