@@ -260,6 +260,7 @@ def run_mode(out: Path, mode: str) -> None:
     spans = {r.name: r.spans for r in module.registry}
     train = {r.name: r.train_losses for r in module.registry}
     preference = {r.name: r.last_val_preference_accuracy for r in module.registry if r.spec.objective == "dpo"}
+    exported = {r.name: (r.export_path, r.exported_step) for r in module.registry}
     sweep_state = {}
     if held_study is not None:
         study = held_study()
@@ -272,6 +273,7 @@ def run_mode(out: Path, mode: str) -> None:
                                                                  states=states, started=started, val=val, spans=spans,
                                                                  train=train,
                                                                  preference=preference, evaluated=evaluated,
+                                                                 exported=exported,
                                                                  **sweep_state)))
 
 

@@ -135,6 +135,13 @@ SPEC_NAMES = ("a0", "a1", "a2", "a3")
 
 
 def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_as_if_never_stopped(runs):
+    # the stop at the Trainer's max_steps=2 exported the adapters held, each on its owner: every rank knows where
+    # and of which step (rank 0's report read neither for the other rank's adapters)
+    stopped = [json.loads((runs / f"stop.rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert stopped[0]["exported"] == stopped[1]["exported"]
+    held = [n for n, (state, _) in stopped[0]["states"].items() if state == "running"]
+    assert held and all(stopped[0]["exported"][n][1] == 2 and stopped[0]["exported"][n][0] for n in held)
+    assert {n for n in held if n in stopped[1]["owned"]}  # (one of them the other rank's)
     for rank in (0, 1):
         resumed_run = json.loads((runs / f"resume.rank{rank}.json").read_text())
         uninterrupted_run = json.loads((runs / f"parallel.rank{rank}.json").read_text())
