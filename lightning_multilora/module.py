@@ -403,7 +403,9 @@ class MultiLoRAMixin:
                 measured = [loss for step, loss in rec.val_losses if step == rec.step]
                 end = getattr(self, "_end_losses", {}).get(name)  # (measured as training stopped)
                 measured += [end[1]] if end is not None and end[0] == rec.step else []
-                rec.exported_step, rec.exported_val_loss = rec.step, measured[-1] if measured else math.nan
+                loss = measured[-1] if measured else math.nan  # (NaN: not measured; a non-finite measure, inf)
+                rec.exported_step, rec.exported_val_loss = rec.step, (loss if math.isfinite(loss) or not measured
+                                                                       else math.inf)
         return path
 
     def _wrote(self, directory: Path, name: str) -> bool:
@@ -588,8 +590,10 @@ class MultiLoRAMixin:
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         trainer = self._trainer_or_none()
-        popped = getattr(self, "_popped_monitors", {})
-        for callback in trainer.callbacks if trainer is not None else ():
+        if trainer is None or trainer.state.fn != "fit" or trainer.sanity_checking:
+            return
+        popped, self._popped_monitors = getattr(self, "_popped_monitors", {}), {}
+        for callback in trainer.callbacks:
             if not isinstance(callback, ModelCheckpoint) or _monitored_adapter(callback) is None:
                 continue
             key = callback.monitor
@@ -1138,7 +1142,7 @@ class MultiLoRAMixin:
         failed = None
         try:
             self._export_held()
-        except RuntimeError as err:  # (every rank goes through the exchange below first: none waits for it)
+        except Exception as err:  # noqa: BLE001 - (every rank goes through the exchange below first: none waits)
             failed = err
         finally:
             self._end_losses = {}
@@ -1180,8 +1184,10 @@ class MultiLoRAMixin:
                 failed.append(f"{rec.name!r} ({type(err).__name__}: {err})")
                 first = first or err
         if failed:
-            raise RuntimeError(f"exporting {', '.join(failed)} failed; the other adapters were exported to "
-                               f"{[str(p) for p in paths]}") from first
+            err = RuntimeError(f"exporting {', '.join(failed)} failed; the other adapters were exported to "
+                               f"{[str(p) for p in paths]}")
+            self._exported_after = (id(err), paths)  # (the exception's export: done, not repeated)
+            raise err from first
         return paths
 
     def export_after_exception(self, exception: BaseException) -> list[Path]:
@@ -1803,6 +1809,15 @@ class ExportOnException(L.Callback):
         log_dir_of(trainer)
         pl_module._exported_after = None
         guard_folder_checkpoints(trainer.strategy)  # (before a checkpoint loads)
+        # Its on_validation_end puts back the monitored values `_settle_monitors` took for EarlyStopping: after every
+        # other callback's (a module's own EarlyStopping comes after it in Lightning's order), before the checkpoints'
+        from lightning.pytorch.callbacks import Checkpoint
+
+        callbacks = trainer.callbacks
+        if self in callbacks:
+            callbacks.remove(self)
+            first = next((i for i, cb in enumerate(callbacks) if isinstance(cb, Checkpoint)), len(callbacks))
+            callbacks.insert(first, self)
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:

@@ -112,7 +112,7 @@ def _exported_loss(r: AdapterRecord, exported: str) -> float:
     (not measured there: no validation at its last step) the best loss where the export holds the best weights, the
     last one otherwise (of an earlier step)."""
     if r.exported_step is not None:
-        if math.isfinite(r.exported_val_loss):
+        if not math.isnan(r.exported_val_loss):  # (measured; inf where the measure was not finite)
             return r.exported_val_loss
         return r.best_val_loss if r.exported_step == r.best_val_step else r.last_val_loss
     return r.best_val_loss if exported == "best" else r.last_val_loss

@@ -720,7 +720,8 @@ def test_an_adapter_that_cannot_be_exported_costs_no_other_its_export(tmp_path, 
     module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path), validate_on_finish=False)
     with pytest.raises(RuntimeError, match=r"exporting 'x' \(OSError: .*No space left.*\) failed; the other adapters "
                                            r"were exported to \[.*/y', .*/z'\]"):
-        with pytest.warns(UserWarning, match="exporting the adapters after RuntimeError failed"):
+        with warnings.catch_warnings():  # (the exception's own export is that one: not tried again)
+            warnings.filterwarnings("error", message="exporting the adapters after")
             L.Trainer(**{**trainer_kwargs, "max_steps": 2}).fit(module, small_dm())
     assert module.registry["x"].export_path is None
     for name in ("y", "z"):
@@ -1116,6 +1117,31 @@ def test_a_training_step_that_does_not_call_the_modules_is_named(tmp_path, train
         L.Trainer(**trainer_kwargs).fit(module, small_dm())
 
 
+def test_an_export_that_fails_as_training_stops_is_not_repeated_for_the_others(tmp_path, trainer_kwargs, monkeypatch):
+    """One adapter's export failing at the end of training raised; the exception's own export then wrote every
+    adapter again (the others' exported losses lost with it)."""
+    import lightning_multilora.module as module_file
+
+    calls, save = [], module_file.save_peft_adapter
+
+    def failing(directory, spec, *args, **kwargs):
+        calls.append(spec.name)
+        if spec.name == "b":
+            raise OSError("disk full")
+        return save(directory, spec, *args, **kwargs)
+
+    monkeypatch.setattr(module_file, "save_peft_adapter", failing)
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=10),
+                                                     AdapterSpec("b", rank=2, max_steps=10)],
+                             export_dir=str(tmp_path / "out"))
+    with pytest.raises(RuntimeError, match=r"exporting 'b' \(OSError: disk full\) failed; the other adapters were "
+                                           r"exported to"):
+        L.Trainer(**{**trainer_kwargs, "max_steps": 3, "val_check_interval": 2}).fit(module, small_dm())
+    assert calls == ["a", "b"]
+    a = module.registry["a"]
+    assert a.exported_step == 3 and math.isfinite(a.exported_val_loss)
+
+
 def test_a_configure_optimizers_that_does_not_call_the_modules_is_named(tmp_path, trainer_kwargs):
     """An override building its own optimizer never started the adapters: torch's "optimizer got an empty parameter
     list" (only the adapters train), or, over the frozen base's parameters, no adapter stepping."""
@@ -1178,6 +1204,14 @@ def test_lightnings_monitors_of_one_adapter_wait_for_it_and_let_go_when_it_ends(
     with open(tmp_path / "csv" / "version_0" / "metrics.csv") as fh:
         columns = next(csv.reader(fh))
     assert {"lr-AdamW/adapters/short", "lr-AdamW/adapters/long", "lr-AdamW/adapters/later"} <= set(columns)
+    class Own(MultiLoRAModule):  # the pair from the module (Lightning puts it after the Trainer's callbacks)
+        def configure_callbacks(self):
+            return [*super().configure_callbacks(), EarlyStopping(monitor="adapters/later/val_loss", patience=100),
+                    ModelCheckpoint(dirpath=tmp_path / "own", monitor="adapters/later/val_loss", save_top_k=1)]
+
+    module = Own("tiny-llama", adapters=specs(), max_running=1, export_dir=str(tmp_path / "out2"))
+    L.Trainer(**{**trainer_kwargs, "val_check_interval": 2, "enable_checkpointing": True}).fit(module, small_dm())
+    assert all(r.state == AdapterState.FINISHED for r in module.registry)  # (it stopped at step 2, on inf)
     module = MultiLoRAModule("tiny-llama", adapters=specs())
     with pytest.warns(UserWarning, match=r"`EarlyStopping\(monitor='adapters/shrot/val_loss'\)` monitors adapter "
                                          r"'shrot', which the module does not have \(yet\); its adapters are "

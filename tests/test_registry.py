@@ -64,6 +64,9 @@ def test_sft_and_dpo_adapters_rank_apart_and_an_unmeasured_export_falls_back_to_
     assert [r["adapter"] for r in rows] == ["sft", "dpo-b", "dpo-a"]
     assert [r["exported_val_loss"] for r in rows] == [3.0, 0.01, 0.6]
     assert [r["dpo_beta"] for r in rows] == [None, 2.0, 0.1] and rows[2]["val_preference_accuracy"] == 0.7
+    registry["sft"].exported_val_loss = math.inf  # (measured at its step, and not finite: not the older loss)
+    assert registry.summary_rows("last")[0]["exported_val_loss"] == math.inf
+    registry["sft"].exported_val_loss = math.nan
     header, _, first, second, _ = registry.summary_table("last").splitlines()
     assert header.split()[6:8] == ["objective", "beta"] and header.split()[-2] == "pref_acc"
     assert first.split()[6:8] == ["sft", "-"] and second.split()[6:8] == ["dpo", "2"]

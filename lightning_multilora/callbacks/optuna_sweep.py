@@ -300,12 +300,15 @@ class OptunaSweep(Callback):
                 except ValueError as err:  # (it named a made-up adapter "check", not the search space)
                     raise ValueError(f"OptunaSweep `search_space` {name!r}: its value {value!r} makes no valid "
                                      f"adapter ({str(err).replace(' for adapter ' + repr('check'), '')})") from err
-        scale = sorted({"objective", "dpo_beta"} & set(self.distributions))
+        scale = sorted({"objective", "dataset", "dpo_beta"} & set(self.distributions))
+        if scale == ["dpo_beta"] and self.base.get("objective", "sft") != "dpo":
+            scale = []  # (an SFT adapter has no beta)
         if scale:  # (each trial's value is its validation loss)
             warnings.warn(f"OptunaSweep `search_space` {scale}: a trial's value is its validation loss, whose scale "
-                          "these change (SFT's cross-entropy against DPO's loss; a larger dpo_beta makes the same "
-                          "preferences' DPO loss smaller): the study then favours them for the scale, not the "
-                          "adapter; compare DPO adapters of one beta, on their val_preference_accuracy as well",
+                          "these change (SFT's cross-entropy against DPO's loss; another data source's loss; a larger "
+                          "dpo_beta makes the same preferences' DPO loss smaller): the study then favours them for the "
+                          "scale, not the adapter; compare DPO adapters of one beta, on their val_preference_accuracy "
+                          "as well",
                           stacklevel=2)
         if study is not None:
             _check_minimizes(study, "`study`")

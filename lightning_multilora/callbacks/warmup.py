@@ -106,16 +106,23 @@ class WarmupSelection(Callback):
         waiting = {r.name: self.warmup_losses[r.name] for r in registry.paused if r.name in self.warmup_losses}
         # Losses compare within one objective on one data source (a DPO loss starts at log 2, an SFT one far above):
         # each such group keeps its own top fraction
+        # (and, for DPO, one beta: a larger one makes the same preferences' loss smaller)
+        source = getattr(getattr(trainer, "datamodule", None), "source_name", lambda d: d)
         groups: dict[tuple, list[str]] = {}
         for name in self.candidates:
             spec = registry[name].spec if name in registry else None
-            groups.setdefault((spec.objective, spec.dataset) if spec is not None else (None, None), []).append(name)
+            key = ((spec.objective, source(spec.dataset), spec.dpo_beta if spec.objective == "dpo" else None)
+                   if spec is not None else (None, None, None))
+            groups.setdefault(key, []).append(name)
         ranking, kept, pruned, places = [], [], {}, {}
         for key, members in groups.items():
             losses = {n: waiting[n] for n in members if n in waiting}
             chosen = self.select(losses, len(members))
-            order = sorted(losses, key=lambda n: losses[n])
-            where = (f" among the {key[0]} adapters on {key[1] or 'the first source'}" if len(groups) > 1 else "")
+            order = sorted(losses, key=lambda n: (not math.isfinite(losses[n]), losses[n], n))  # (as `select` ranks)
+            where = ""
+            if len(groups) > 1:
+                beta = f" (beta {key[2]:g})" if key[2] is not None else ""
+                where = f" among the {key[0]} adapters{beta} on {key[1] or 'the first source'}"
             for place, name in enumerate(order, start=1):
                 places[name] = place
                 if name not in chosen:
@@ -123,7 +130,7 @@ class WarmupSelection(Callback):
                                     f"{len(order)}{where}; kept the top {len(chosen)} of {len(members)} candidates")
             ranking += order
             kept += chosen
-        kept.sort(key=lambda n: places[n])  # (resumed best first, each group's in turn)
+        kept.sort(key=lambda n: places[n])  # (resumed best first, each group's in turn; stable: groups in order)
         return {"ranking": ranking, "kept": kept, "pruned": pruned}
 
     def _apply(self, pl_module: L.LightningModule, selection: dict[str, Any]) -> None:

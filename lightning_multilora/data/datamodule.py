@@ -495,8 +495,8 @@ class MultiLoRADataModule(L.LightningDataModule):
         if vocab is not None and self.tokenizer_name == "byte" and vocab != self.tokenizer.vocab_size:
             warnings.warn(f"MultiLoRADataModule(tokenizer='byte'): the data is read as bytes (the default, the "
                           f"built-in tiny models' {self.tokenizer.vocab_size}-token vocabulary), and the model's "
-                          f"vocabulary has {vocab} tokens: give the model's own tokenizer (`tokenizer=` its checkpoint folder or hub "
-                          "name)", stacklevel=2)
+                          f"vocabulary has {vocab} tokens: give the model's own tokenizer (`tokenizer=` its checkpoint "
+                          "folder or hub name)", stacklevel=2)
 
     def _keep_streams_of(self, module: Any) -> None:
         """A fit starts: data positions are kept for the adapters the module goes on training (those that have taken
