@@ -549,6 +549,18 @@ class MultiLoRAMixin:
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
+    def _monitor_step(self, logs: dict[str, dict[str, float]]) -> None:
+        """This step's per-adapter values that a callback monitors, in ``callback_metrics`` before the callbacks'
+        ``on_train_batch_end``. Under adapter parallelism every rank's at once, where a callback monitors one
+        (a ModelCheckpoint on another rank's adapter's ``train_loss`` saw it a step late; its owner entered the
+        checkpoint's collective alone and the ranks hung): the same decision on every rank (their callbacks)."""
+        trainer = self._trainer_or_none()
+        placement = self._placement()
+        if placement is not None and trainer is not None and any(
+                _monitored_adapter(cb) is not None for cb in trainer.callbacks):
+            logs = placement.exchange(dict(logs))
+        self._monitor({k: v for values in logs.values() for k, v in values.items()})
+
     def _monitor(self, metrics: dict[str, float]) -> None:
         """Put the values a callback monitors (``ModelCheckpoint(monitor="adapters/<name>/val_loss")``,
         ``EarlyStopping``...) in ``trainer.callback_metrics``, where Lightning's callbacks read them (the module
@@ -910,6 +922,7 @@ class MultiLoRAMixin:
             # A step with no gradients (a no-op) so that the global step advances (with the other ranks'): the
             # checkpoint and validation decisions that follow it must be the same on every rank.
             self.optimizers().step()
+            self._monitor_step({})
             return torch.zeros((), device=self.device)
         records = [self.registry[n] for n in layout.names]
         optimizer = self.optimizers()
@@ -971,7 +984,7 @@ class MultiLoRAMixin:
         self._after_step(records)
         self._step_logs = logs  # logged in on_train_batch_end, where it is known whether a logger writes them
         # (monitored now: callbacks' on_train_batch_end, a ModelCheckpoint's among them, run before the module's)
-        self._monitor({k: v for values in logs.values() for k, v in values.items()})
+        self._monitor_step(logs)
         return total.clone()  # (a replayed graph's output is overwritten by its next replay)
 
     def _forward_backward(self, batch: dict[str, Any], records: Sequence[AdapterRecord],
@@ -1421,7 +1434,9 @@ class MultiLoRAMixin:
             raise ValueError(f"`specs`: {name!r} is not an adapter of this module; adapters: "
                              f"{[r.name for r in self.registry]}")
         rec = self.registry[name]
-        if self._owns(name) and name not in self.lora_layers.adapter_names:
+        # (judged on the registry every rank shares first: under adapter parallelism every rank raises, none waits)
+        if rec.state not in (AdapterState.RUNNING, AdapterState.PAUSED) or (
+                self._owns(name) and name not in self.lora_layers.adapter_names):
             where = f"; its weights were exported to {rec.export_path}" if rec.export_path else ""
             raise ValueError(f"`specs`: evaluate takes adapters whose weights the model holds (running or paused); "
                              f"{name!r} is {rec.state.value}{where}")
@@ -1443,7 +1458,9 @@ class MultiLoRAMixin:
         if self.trainer.sanity_checking:
             return
         if self.trainer.state.fn == "validate":  # (outside a fit: returned by trainer.validate, not recorded)
-            for name, (loss_sum, count, preferred, pairs) in self._val_sums.items():
+            placement = self._placement()  # (every rank returns every rank's adapters, rank 0 among them)
+            sums = placement.exchange(dict(self._val_sums)) if placement is not None else self._val_sums
+            for name, (loss_sum, count, preferred, pairs) in sorted(sums.items()):
                 self.log(f"adapters/{name}/val_loss", loss_sum / count if count else math.nan, batch_size=1)
                 if pairs:
                     self.log(f"adapters/{name}/val_preference_accuracy", preferred / pairs, batch_size=1)

@@ -21,8 +21,8 @@ class WarmupSelection(Callback):
     completes its warmup is validated and paused: it keeps its weights and optimizer state but frees its
     slot, so queued candidates rotate in and every candidate gets the same warmup. When no candidate is
     left warming up (or queued), the warmed-up ones are ranked by their warmup validation loss; the top
-    ``keep_fraction`` of the candidates (at least ``min_keep``; of each objective and data source apart, where they
-    differ: their losses do not compare) resume from where they stopped, best first, as slots
+    ``keep_fraction`` of the candidates (at least ``min_keep``; of each objective, data source and DPO beta apart,
+    where they differ: their losses do not compare) resume from where they stopped, best first, as slots
     free (the module's `max_running` and ``admission`` hold for them as for its queue: kept adapters beyond them wait,
     paused, in `waiting`), the rest are pruned (exported, then their weights and optimizer states freed).
     Candidates that exit during warmup (diverged, failed) count among the K but cannot be kept. While a callback such

@@ -214,7 +214,11 @@ def run_mode(out: Path, mode: str) -> None:
             def on_train_end(self, trainer, pl_module):
                 evaluated.update(pl_module.evaluate([r.name for r in pl_module.registry.running], record=True))
 
-        kwargs.update(max_steps=2, callbacks=[*kwargs.get("callbacks", []), EvaluateAtTheEnd()])
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        # and a checkpoint on rank 1's adapter's training loss, every step (its owner alone had the value: it hung)
+        kwargs.update(max_steps=2, callbacks=[*kwargs.get("callbacks", []), EvaluateAtTheEnd(), ModelCheckpoint(
+            dirpath=out / f"ckpt_{mode}", monitor="adapters/a1/train_loss", every_n_train_steps=1, save_top_k=1)])
     if mode == "refit":
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -247,6 +251,14 @@ def run_mode(out: Path, mode: str) -> None:
         trainer = L.Trainer(strategy=again, devices=2, **dict(kwargs, max_steps=-1, callbacks=[]))
         trainer.fit(module, dm, ckpt_path=ckpt_path)
     rank = trainer.global_rank
+    if mode.startswith("end_eval"):  # after the fit: what trainer.validate returns, and an ended adapter evaluated
+        validated = sorted(trainer.validate(module, dm, verbose=False)[0])
+        try:
+            module.evaluate(["a3"])
+        except ValueError as err:
+            refused = str(err)
+        evaluated["validated"], evaluated["refused"] = validated, refused
+        evaluated["best"] = Path(trainer.checkpoint_callback.best_model_path).name
     shards, local = [], 0
     if not mode.endswith("single"):
         from torch.distributed.tensor import DTensor

@@ -332,6 +332,15 @@ def test_every_ranks_adapters_reach_rank_zeros_loggers(runs, mode):
     ranks = [json.loads((runs / f"{mode}.rank{r}.json").read_text()) for r in (0, 1)]
     assert {"a0", "a1", "a2", "a3"} - set(ranks[0]["owned"])  # (rank 0 wrote adapters it did not train)
     assert ranks[0]["val"] == ranks[1]["val"]
+    if mode == "end_eval":
+        alone = json.loads((runs / "end_eval_single.rank0.json").read_text())["evaluated"]
+        for rank in ranks:
+            # trainer.validate returns every rank's held adapters (each rank had its own alone); an ended adapter
+            # evaluated is refused on every rank (its owner alone refused, the other waited in a collective); the
+            # checkpoint on rank 1's adapter's training loss was written every step (the ranks hung at step 1)
+            assert rank["evaluated"]["validated"] == alone["validated"] == [f"adapters/a{i}/val_loss" for i in range(3)]
+            assert "'a3' is finished" in rank["evaluated"]["refused"]
+            assert rank["evaluated"]["best"] == alone["best"] and "step=" in rank["evaluated"]["best"]
 
 
 def test_a_module_resumed_in_place_keeps_every_adapters_curve_on_every_rank(runs):
