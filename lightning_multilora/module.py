@@ -399,13 +399,13 @@ class MultiLoRAMixin:
             rec.export_path = str(path)
             if weights is not None:
                 rec.exported_step, rec.exported_val_loss = rec.best_val_step, rec.best_val_loss
-            else:
-                measured = [loss for step, loss in rec.val_losses if step == rec.step]
-                end = getattr(self, "_end_losses", {}).get(name)  # (measured as training stopped)
-                measured += [end[1]] if end is not None and end[0] == rec.step else []
-                loss = measured[-1] if measured else math.nan  # (NaN: not measured; a non-finite measure, inf)
-                rec.exported_step, rec.exported_val_loss = rec.step, (loss if math.isfinite(loss) or not measured
-                                                                       else math.inf)
+            else:  # (measured at its step: by a validation, or as training stopped, `_validate_held`)
+                end = getattr(self, "_end_losses", {}).get(name)
+                loss = next((v for s, v in reversed(rec.val_losses) if s == rec.step),
+                            end[1] if end is not None and end[0] == rec.step else None)
+                # (NaN: not measured; a measure that is not finite: inf)
+                rec.exported_step = rec.step
+                rec.exported_val_loss = math.nan if loss is None else loss if math.isfinite(loss) else math.inf
         return path
 
     def _wrote(self, directory: Path, name: str) -> bool:
@@ -1126,8 +1126,6 @@ class MultiLoRAMixin:
         logs = {k: v for name, values in stash.items()
                 if writes or name not in self.registry or self.registry[name].state != AdapterState.RUNNING
                 for k, v in values.items()}
-        if self._placement() is not None:  # (the other ranks' values; this rank's were monitored in training_step)
-            self._monitor({k: v for values in stash.values() for k, v in values.items()})
         if logs and self.trainer.loggers:  # (at the step Lightning writes a value logged here at)
             loop = self.trainer.fit_loop.epoch_loop
             self._write_metrics(logs, getattr(loop, "_batches_that_stepped", self._global_step()))

@@ -175,37 +175,46 @@ class AnalyticMemoryModel:
             for s in specs], seq_len)
 
 
-def _layer_names(p: str, layers: int = 128) -> list[str]:
-    return [f"model.layers.{i}.{'self_attn' if p in PROJECTIONS[:4] else 'mlp'}.{p}" for i in range(layers)]
+# the full module names a target is matched against: a Llama-style model's 128 first layers (a regex may name some)
+_LAYER_NAMES = {p: tuple(f"model.layers.{i}.{'self_attn' if p in PROJECTIONS[:4] else 'mlp'}.{p}" for i in range(128))
+                for p in PROJECTIONS}
+
+
+@functools.lru_cache(maxsize=256)
+def _matched(targets: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The projections ``targets`` matches in some layer, by the module's own rule (`layer._matches`: PEFT's). Cached:
+    admission asks for every candidate set it weighs."""
+    from lightning_multilora.layer import _matches
+
+    if isinstance(targets, tuple) and "all-linear" in targets:  # (an AdapterSpec's list may hold it)
+        return PROJECTIONS
+    return tuple(p for p in PROJECTIONS if any(_matches(n, targets) for n in _LAYER_NAMES[p]))
 
 
 def projections(targets: Sequence[str] | str, what: str = "`targets`") -> tuple[str, ...]:
     """The projections of a Llama-style layer that ``targets`` names, as the module and PEFT read it: a list of
-    names, ``"all-linear"`` (all seven), a name, or a regex matched against the layers' full module names
-    (``model.layers.0.self_attn.q_proj``; a projection that it matches in any layer is counted in all)."""
-    if isinstance(targets, str):
-        if targets == "all-linear":
-            return PROJECTIONS
-        if targets in PROJECTIONS:
-            return (targets,)
-        import re
+    names (or their last parts, ``self_attn.q_proj``), ``"all-linear"`` (all seven), or a regex matched against the
+    layers' full module names (``model.layers.0.self_attn.q_proj``; a projection it matches in any layer counts in
+    all)."""
+    import re
 
-        try:
-            pattern = re.compile(targets)
-            found = tuple(p for p in PROJECTIONS if any(pattern.fullmatch(n) for n in _layer_names(p)))
-        except re.error as err:
-            raise ValueError(f"{what} {targets!r} is no projection name, 'all-linear' or regex ({err})") from None
-        if not found:
-            raise ValueError(f"{what} {targets!r} matches no projection of a Llama-style layer: give some of "
-                             f"{', '.join(PROJECTIONS)}, 'all-linear', or a regex matching e.g. "
-                             f"{_layer_names('q_proj', 1)[0]!r}")
-        return found
-    names = tuple(targets)
-    unknown = [n for n in names if n not in PROJECTIONS and n != "all-linear"]
-    if unknown or not names:
-        raise ValueError(f"{what}: a target module can be {', '.join(PROJECTIONS)} (or 'all-linear'), got "
-                         f"{unknown or list(names)}")
-    return PROJECTIONS if "all-linear" in names else names
+    key = targets if isinstance(targets, str) else tuple(targets)
+    try:
+        found = _matched(key) if key else ()
+        if isinstance(key, str) and not found:  # (one name, as an AdapterSpec reads a string without a regex's signs)
+            found = _matched((key,))
+    except re.error as err:
+        raise ValueError(f"{what} {targets!r} is no projection name, 'all-linear' or regex ({err})") from None
+    if isinstance(key, tuple):
+        unknown = [t for t in key if not _matched((t,))]
+        if unknown or not key:
+            raise ValueError(f"{what}: a target module can be {', '.join(PROJECTIONS)} (or 'all-linear'), got "
+                             f"{unknown or list(key)}")
+    elif not found:
+        raise ValueError(f"{what} {targets!r} matches no projection of a Llama-style layer: give some of "
+                         f"{', '.join(PROJECTIONS)}, 'all-linear', or a regex matching e.g. "
+                         f"{_LAYER_NAMES['q_proj'][0]!r}")
+    return found
 
 
 @dataclass(frozen=True)

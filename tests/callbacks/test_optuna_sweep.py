@@ -204,9 +204,17 @@ def test_bounds_read_as_strings_or_whole_floats_are_taken_as_the_numbers_they_sp
 def test_a_search_space_over_the_losses_scale_is_warned_of():
     """A trial's value is its validation loss: over dpo_beta (a larger beta, a smaller DPO loss for the same
     preferences) or the objective, the study favours a scale, not an adapter."""
-    with pytest.warns(UserWarning, match=r"`search_space` \['dpo_beta'\]: a trial's value is its validation loss, "
-                                         r"whose scale these change"):
-        OptunaSweep({"dpo_beta": {"type": "float", "low": 0.05, "high": 1.0}}, base={"objective": "dpo"})
+    import warnings
+
+    space = {"dpo_beta": {"type": "float", "low": 0.05, "high": 1.0}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        OptunaSweep(space, base={"objective": "dpo"})
+        OptunaSweep(space)  # (SFT adapters: their beta is unused, their losses compare)
+        OptunaSweep({"dataset": {"type": "categorical", "choices": ["a", "b"]}})
+    said = [str(w.message) for w in caught if "whose scale these change" in str(w.message)]
+    assert [m.split(":")[0] for m in said] == ["OptunaSweep `search_space` ['dpo_beta']",
+                                               "OptunaSweep `search_space` ['dataset']"]
 
 
 def test_a_search_space_step_reaches_the_distribution():

@@ -89,6 +89,7 @@ def test_the_analytic_model_guards_a_fit_through_of_specs():
              AdapterSpec("d", rank=4, batch_size=1)]
     assert analytic.of_specs(4, r".*\.(q|v)_proj")(named) == analytic.predict(
         [(4, 1, PROJECTIONS), (4, 1, ("q_proj", "v_proj"))], 4)
+    assert analytic.of_specs(4, ["self_attn.q_proj"])(named[1:]) == analytic.predict([(4, 1, ("q_proj",))], 4)
     assert analytic.of_specs(4, r".*layers\.1[0-9]\.mlp\..*")(named[1:]) == analytic.predict(
         [(4, 1, ("gate_proj", "up_proj", "down_proj"))], 4)  # (a regex of later layers: their projections)
     for targets, message in (("attn", r"`targets` 'attn' matches no projection of a Llama-style layer"),
