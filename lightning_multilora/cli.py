@@ -8,18 +8,30 @@
 from __future__ import annotations
 
 import argparse
+import re
+import signal
 import sys
 from importlib import resources
 from pathlib import Path
 from typing import Optional
 
 from jsonargparse import DefaultHelpFormatter
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_multilora.arguments import UsageError
 from lightning_multilora.callbacks.report import SweepReport
 from lightning_multilora.data.datamodule import MultiLoRADataModule
 from lightning_multilora.module import MultiLoRAModule
+from lightning_multilora.spec import peft_hints
+
+
+class _Parser(LightningArgumentParser):
+    """Lightning's parser; an AdapterSpec field spelt as PEFT spells it (``r``, ``lora_alpha``...) is answered with
+    this package's name for it, as `AdapterSpec` itself answers from Python."""
+
+    def error(self, message: str, ex: Optional[Exception] = None):
+        refused = set(re.findall(r"Option '([A-Za-z_]+)' is not accepted", message))
+        return super().error(message + peft_hints(refused), ex)
 
 
 class MultiLoRACLI(LightningCLI):
@@ -84,11 +96,16 @@ class MultiLoRACLI(LightningCLI):
     def fit(self, model: MultiLoRAModule, **kwargs) -> None:
         """``Trainer.fit``; a `UsageError` it raises (a data file that does not read, a storage URL that does not
         open...) ends the command with its message, as a parse error does. Adapters trained before it are exported
-        (`ExportOnException`)."""
+        (`ExportOnException`). A SIGTERM ends it with status 143 (Lightning's exception for it is a
+        ``SystemExit`` of status 0: a run stopped for pre-emption looked done to a scheduler)."""
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
         try:
             self.trainer.fit(model, **kwargs)
         except UsageError as err:
             self.parser.error(str(err))
+        except SIGTERMException as err:
+            raise SystemExit(128 + signal.SIGTERM) from err
 
 
 def config_error(err: Exception) -> str:
@@ -138,7 +155,7 @@ def main(args: Optional[list[str]] = None) -> None:
     # (no --optimizer / --lr_scheduler: LightningCLI's would replace the module's per-adapter optimizer groups and
     # schedules, `--model.optimizer`, `--model.optimizer_kwargs` and each adapter's `lr` / `lr_schedule`, silently)
     MultiLoRACLI(MultiLoRAModule, MultiLoRADataModule, subclass_mode_model=False, subclass_mode_data=False,
-                 auto_configure_optimizers=False,
+                 auto_configure_optimizers=False, parser_class=_Parser,
                  save_config_kwargs={"overwrite": True}, args=None if from_command_line else args,
                  parser_kwargs={"epilog": COMMANDS, "formatter_class": RawEpilogFormatter})
 

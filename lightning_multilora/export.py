@@ -1,9 +1,14 @@
-"""Export adapters in PEFT's format: ``adapter_config.json`` + ``adapter_model.safetensors``."""
+"""Adapters in PEFT's format, ``adapter_config.json`` + ``adapter_model.safetensors``: exported, and read back to
+start an adapter from (`AdapterSpec.init_from`)."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import tempfile
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from torch import Tensor
 
@@ -54,8 +59,98 @@ def save_peft_adapter(
         bias="none",
         task_type=task_type,
         base_model_name_or_path=base_model_name_or_path,
+        inference_mode=True,  # (as PEFT's own save_pretrained writes it)
     )
-    config.save_pretrained(str(directory))
+    # each file written beside its place and moved there (an interrupt leaves the folder's earlier file, or none)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-    save_file(tensors, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    partial = directory / f".adapter_model.safetensors.{os.getpid()}.partial"
+    try:
+        save_file(tensors, str(partial), metadata={"format": "pt"})
+        os.replace(partial, directory / "adapter_model.safetensors")
+    finally:
+        partial.unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".config-") as scratch:
+        config.save_pretrained(scratch)
+        os.replace(Path(scratch) / "adapter_config.json", directory / "adapter_config.json")
     return directory
+
+
+PEFT_PREFIX = "base_model.model."
+_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def init_from_layers(spec: AdapterSpec) -> list[str]:
+    """The layers (full module names) whose weights ``spec.init_from``'s PEFT folder holds, after checking that the
+    folder is a plain LoRA adapter of the spec's ``rank``, ``alpha`` and ``use_rslora`` (a ValueError names what
+    differs). Reads the weight file's keys, not its tensors (safetensors)."""
+    _init_from_config(spec)
+    path = _weight_file(spec)
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+    else:
+        keys = list(_load_bin(path))
+    pattern = re.compile(rf"{re.escape(PEFT_PREFIX)}(.+)\.lora_A\.weight")
+    layers = sorted({m.group(1) for k in keys for m in [pattern.fullmatch(k)] if m})
+    if not layers:
+        raise ValueError(f"adapter {spec.name!r}: `init_from` {spec.init_from!r}: {path.name} holds no LoRA weights "
+                         f"under PEFT's saved names ('{PEFT_PREFIX}<module>.lora_A.weight'); its keys begin "
+                         f"{sorted(keys)[:3]}")
+    return layers
+
+
+def init_from_weights(spec: AdapterSpec) -> dict[str, Tensor]:
+    """The tensors of ``spec.init_from``'s weight file, under PEFT's saved names."""
+    path = _weight_file(spec)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return _load_bin(path)
+
+
+def _init_from_config(spec: AdapterSpec) -> dict[str, Any]:
+    folder = Path(spec.init_from)
+    where = f"adapter {spec.name!r}: `init_from` {spec.init_from!r}"
+    if not folder.is_dir():
+        raise ValueError(f"{where} is no folder (a PEFT adapter folder, as `save_pretrained` or an export writes it)")
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(f"{where} has no adapter_config.json (a PEFT adapter folder holds one)") from None
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{where}: its adapter_config.json cannot be read: {err}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{where}: its adapter_config.json holds no JSON object")
+    differ = [f"{ours}={theirs_value!r} there, {getattr(spec, ours)!r} in the spec" for ours, theirs_value in (
+        ("rank", config.get("r")), ("alpha", config.get("lora_alpha")),
+        ("use_rslora", config.get("use_rslora", False))) if theirs_value != getattr(spec, ours)]
+    unsupported = [f"{key}={config[key]!r}" for key, plain in (
+        ("peft_type", "LORA"), ("use_dora", False), ("bias", "none"), ("rank_pattern", {}), ("alpha_pattern", {}),
+        ("modules_to_save", None), ("lora_bias", False), ("target_parameters", None),
+        ("trainable_token_indices", None)) if config.get(key, plain) not in (
+        plain, None, [], {})]
+    if unsupported:
+        raise ValueError(f"{where} is not a plain LoRA adapter ({', '.join(unsupported)}): these adapters are plain "
+                         "LoRA (no DoRA, biases, per-layer ranks or saved modules)")
+    if differ:
+        raise ValueError(f"{where} differs from the spec: {'; '.join(differ)} (the spec's `rank`, `alpha` and "
+                         "`use_rslora` must be the folder's `r`, `lora_alpha` and `use_rslora`)")
+    return config
+
+
+def _weight_file(spec: AdapterSpec) -> Path:
+    folder = Path(spec.init_from)
+    for name in _WEIGHT_FILES:
+        if (folder / name).is_file():
+            return folder / name
+    raise ValueError(f"adapter {spec.name!r}: `init_from` {spec.init_from!r} holds neither "
+                     f"{' nor '.join(_WEIGHT_FILES)}")
+
+
+def _load_bin(path: Path) -> dict[str, Tensor]:
+    import torch
+
+    return torch.load(str(path), map_location="cpu", weights_only=True)

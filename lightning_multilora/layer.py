@@ -413,6 +413,14 @@ class LoRALayers(Mapping):
             raise ValueError(f"`target_modules` {target_modules!r} match none of the injected layers")
         return names
 
+    def unwrapped_matches(self, target_modules: Union[str, Sequence[str]]) -> list[str]:
+        """The model's linear modules that ``target_modules`` select but that were not injected (an adapter's
+        targets choose among the injected layers: these it cannot have)."""
+        wrapped = set(self._layers)
+        attention = {n for n, m in self.model.named_modules() if isinstance(m, nn.MultiheadAttention)}  # (skipped)
+        return [n for n, m in self.model.named_modules() if n and n not in wrapped and n.rpartition(".")[0] not in
+                wrapped | attention and _is_linear(m) and _matches(n, target_modules) and not n.endswith("lm_head")]
+
     def add_adapter(
         self,
         name: str,
@@ -662,21 +670,23 @@ class LoRALayers(Mapping):
     def load_peft_state_dict(self, name: str, state: Mapping[str, Tensor], prefix: str = "base_model.model.") -> None:
         """Load adapter ``name``'s weights from PEFT's key names (`peft_state_dict`'s): every layer it targets, each
         weight of its own shape (a ValueError names what is missing, of another shape, for layers it does not
-        target, not a tensor, or LoRA weights a plain LoRA adapter has no place for, such as DoRA's magnitudes or
-        LoRA biases; nothing is loaded then)."""
+        target, not a tensor, or weights a plain LoRA adapter has no place for, such as DoRA's magnitudes, LoRA
+        biases, the base biases PEFT saves with ``bias="all"`` or ``"lora_only"`` and ``modules_to_save`` copies;
+        nothing is loaded then)."""
         expected = {f"{prefix}{layer_name}.lora_{ab}.weight": getattr(self._layers[layer_name], f"lora_{ab}")[name]
                     for layer_name in self._targets[name] for ab in "AB"}
         missing = sorted(k for k in expected if k not in state)
-        lora = [k for k in state if k not in expected and ".lora_" in k]
-        extra = sorted(k for k in lora if re.search(r"\.lora_[AB]\.weight$", k))
-        unsupported = sorted(k for k in lora if k not in extra)
+        others = [k for k in state if k not in expected]
+        extra = sorted(k for k in others if re.search(r"\.lora_[AB]\.weight$", k))
+        unsupported = sorted(k for k in others if k not in extra)
         not_tensors = sorted(k for k in expected if k in state and not isinstance(state[k], Tensor))
         shapes = [f"{k} {tuple(state[k].shape)} (adapter {name!r}'s is {tuple(p.shape)})"
                   for k, p in expected.items() if k in state and k not in not_tensors and state[k].shape != p.shape]
         problems = [what for what, found in (
             (f"missing {missing}", missing), (f"not targeted by it {extra}", extra),
-            (f"not plain LoRA weights (DoRA magnitudes, LoRA biases, embeddings: not supported) {unsupported}",
-             unsupported), (f"not tensors {not_tensors}", not_tensors),
+            (f"not plain LoRA weights (DoRA magnitudes, LoRA biases, embeddings, the base biases of PEFT's "
+             f"bias='all' or 'lora_only', modules_to_save copies: not supported) {unsupported}", unsupported),
+            (f"not tensors {not_tensors}", not_tensors),
             (f"other shapes: {', '.join(shapes)}", shapes)) if found]
         named = sorted({m.group(1) for k in state for m in [re.search(r"\.lora_[AB]\.([^.]+)\.weight$", k)] if m})
         if problems and named:  # (a live PeftModel's state_dict: its keys carry the adapter's name)
@@ -800,6 +810,13 @@ def inject_multilora(
     if injected is not None:  # (else "all-linear" or a regex would wrap the wrapped layers' bases again)
         raise ValueError(f"the model already holds MultiLoRALinear layers ({injected!r}...); inject once per model "
                          "(add adapters to the `LoRALayers` the first injection returned)")
+    tuner = next(((n, m) for n, m in model.named_modules() if type(m).__module__.split(".")[0] == "peft"), None)
+    if tuner is not None:  # (its LoRA layers look linear: they would be wrapped, or their adapter trained again)
+        raise ValueError(
+            f"the model holds PEFT modules ({repr(tuner[0]) if tuner[0] else 'the model'} is a "
+            f"{type(tuner[1]).__name__}): give the plain base (`peft_model.unload()`: the base without its adapters, "
+            "or `merge_and_unload()` to train on top of the merged weights); to continue a saved PEFT adapter, "
+            "name its folder in `AdapterSpec(init_from=...)`")
     modules = dict(model.named_modules())
     # the projections nn.MultiheadAttention reads as weights (its forward never calls them): LoRA there would do
     # nothing, and the attention would find no `weight`

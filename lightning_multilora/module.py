@@ -9,6 +9,7 @@ import importlib
 import itertools
 import math
 import os
+import re
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from typing_extensions import override
 from lightning_multilora.arguments import UsageError, check_bool, check_int
 from lightning_multilora.base_model import one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
-from lightning_multilora.export import peft_target_modules, save_peft_adapter
+from lightning_multilora.export import init_from_layers, init_from_weights, peft_target_modules, save_peft_adapter
 from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS
 from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels import keep_alive
@@ -268,7 +269,7 @@ class MultiLoRAMixin:
         """Queue an adapter; it starts at the next step that has a free slot (at once before fit)."""
         if not isinstance(spec, AdapterSpec):
             raise TypeError(f"add_adapter takes an AdapterSpec, got {type(spec).__name__}")
-        self.lora_layers.layers_for(spec.target_modules or self.default_target_modules)  # validates targets
+        self._targets_of(spec, queued=True)  # validates targets (and an `init_from` folder) before it is queued
         rec = self.registry.add(spec)
         trainer = self._trainer_or_none()
         if trainer is None or trainer.state.status != "running":
@@ -389,13 +390,15 @@ class MultiLoRAMixin:
             warnings.warn(f"adapter {name!r}: its best-validation weights (step {rec.best_val_step}, validation loss "
                           f"{rec.best_val_loss:.4f}) were not kept (the module kept none before this run, or a resume "
                           f"without them): its weights of step {rec.step} are exported", stacklevel=2)
+        if own_folder:  # stamped first: a folder an interrupt leaves half-written is still known as this run's
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / _RUN_STAMP).write_text(f"{self._run_id}\n{name}\n")
         path = save_peft_adapter(directory, rec.spec, weights if weights is not None else
                                  self.lora_layers.peft_state_dict(name),
                                  peft_target_modules(layers, self._all_module_names), base or None,
                                  fan_in_fan_out=any(self.lora_layers[n].fan_in_fan_out for n in layers),
                                  task_type="CAUSAL_LM" if _generates(self.lora_layers.model) else None)
         if own_folder:
-            (path / _RUN_STAMP).write_text(f"{self._run_id}\n{name}\n")
             rec.export_path = str(path)
             if weights is not None:
                 rec.exported_step, rec.exported_val_loss = rec.best_val_step, rec.best_val_loss
@@ -735,6 +738,8 @@ class MultiLoRAMixin:
             spec = rec.spec
             try:
                 self._datamodule().check(spec)  # a misspelled `dataset`, an unreadable file: here, not at a batch
+                if spec.init_from:
+                    self._targets_of(spec)  # (its folder read again, on every rank: moved since it was queued?)
                 if rec.max_steps is None:
                     if spec.max_steps is not None:
                         rec.max_steps = spec.max_steps
@@ -761,11 +766,65 @@ class MultiLoRAMixin:
                     optimizer.param_groups.remove(group)
                 optimizer.add_param_group(self._param_group(spec))
 
-    def _create_weights(self, rec: AdapterRecord) -> None:
+    def _create_weights(self, rec: AdapterRecord, checkpoint: Optional[dict] = None) -> None:
+        """Adapter ``rec``'s weights: a fresh initialisation, or its `AdapterSpec.init_from` folder's; with
+        ``checkpoint`` (a resume, which loads the weights next) fresh ones in the checkpoint's layers."""
         self._step_graphs.clear()  # a new layout anyway; the graphs' memory is freed now rather than later
         spec = rec.spec
-        self.lora_layers.add_adapter(spec.name, spec.rank, spec.alpha, spec.dropout, spec.use_rslora,
-                                     spec.target_modules or self.default_target_modules, spec.seed)
+        # (a resume's adapter from an `init_from` folder: the layers the checkpoint holds, the folder not needed)
+        targets = (self._checkpoint_layers(checkpoint, spec.name) if checkpoint is not None and spec.init_from
+                   else self._targets_of(spec))
+        self.lora_layers.add_adapter(spec.name, spec.rank, spec.alpha, spec.dropout, spec.use_rslora, targets,
+                                     spec.seed)
+        if spec.init_from and checkpoint is None:
+            try:
+                self.lora_layers.load_peft_state_dict(spec.name, init_from_weights(spec))
+            except ValueError as err:
+                self.lora_layers.remove_adapter(spec.name)
+                raise ValueError(f"adapter {spec.name!r}: `init_from` {spec.init_from!r}: {err}") from None
+
+    def _targets_of(self, spec: AdapterSpec, queued: bool = False) -> Any:
+        """The target modules of ``spec``'s adapter, checked against the injected layers: its own, or the layers its
+        `init_from` folder holds, or the module's default. ``queued``: the adapter is being queued, and an `init_from`
+        folder that is not there is checked at its admission instead (a resume, whose checkpoint holds the weights,
+        does not need it)."""
+        if spec.init_from and queued and not Path(spec.init_from).exists():
+            return spec.target_modules or self.default_target_modules
+        if spec.init_from and spec.target_modules is None:
+            layers = init_from_layers(spec)
+            outside = sorted(set(layers) - set(self.lora_layers))
+            if outside:
+                raise ValueError(f"adapter {spec.name!r}: `init_from` {spec.init_from!r} holds weights for layers "
+                                 f"this module does not wrap {outside[:4]}; give the module `target_modules` that "
+                                 f"take them (it wraps {len(self.lora_layers)} layers, e.g. "
+                                 f"{list(self.lora_layers)[:2]})")
+            return "|".join(re.escape(n) for n in layers)  # (exactly those: a full name matches its suffixes too)
+        targets = spec.target_modules or self.default_target_modules
+        chosen = self.lora_layers.layers_for(targets)
+        regex = queued and isinstance(spec.target_modules, str) and spec.target_modules != "all-linear"
+        outside = self.lora_layers.unwrapped_matches(targets) if regex else []
+        if outside:  # (a list naming a module that is not wrapped is an error; a regex matches what it finds)
+            rank_zero_warn(f"adapter {spec.name!r}: its `target_modules` {targets!r} also match linear modules the "
+                           f"module does not wrap ({outside[:3]}...: {len(outside)}), which it cannot adapt; it gets "
+                           f"{len(chosen)} layers (an adapter's targets choose among the module's `target_modules`, "
+                           f"{self.default_target_modules!r})")
+        if spec.init_from:
+            held = init_from_layers(spec)
+            if set(held) != set(chosen):
+                raise ValueError(
+                    f"adapter {spec.name!r}: `init_from` {spec.init_from!r} holds weights for other layers than its "
+                    f"`target_modules` {targets!r} select: only there {sorted(set(held) - set(chosen))[:4]}, only "
+                    f"targeted {sorted(set(chosen) - set(held))[:4]} (leave `target_modules` None to take the "
+                    "folder's layers)")
+        return targets
+
+    def _checkpoint_layers(self, checkpoint: dict, name: str) -> str:
+        """The layers a checkpoint holds adapter ``name``'s weights in, as a regex of their names (the layers of an
+        `init_from` folder, read when it started: a resume does not need the folder)."""
+        full = {m: n for n, m in self.named_modules()}
+        saved = checkpoint["state_dict"]
+        return "|".join(re.escape(layer) for layer in self.lora_layers
+                        if f"{full[self.lora_layers[layer]]}.lora_A.{name}" in saved)
 
     def _param_group(self, spec: AdapterSpec) -> dict[str, Any]:
         params = self.lora_layers.optimizer_parameters(spec.name, self.optimizer_class in ELEMENTWISE_OPTIMIZERS)
@@ -864,9 +923,11 @@ class MultiLoRAMixin:
             # this rank holds no adapter yet: an empty group keeps the optimizer valid until one arrives
             groups = [{"params": [nn.Parameter(torch.zeros(0, device=self.device))], "lr": 0.0, "adapter": None}]
         if not groups and len(self.registry) and all(r.state.exited for r in self.registry):
-            raise ValueError(f"nothing to train: every adapter has already ended "
-                             f"({', '.join(f'{r.name}: {r.state.value}' for r in self.registry)}); resuming a finished "
-                             "run trains nothing (new AdapterSpecs given to the module are queued on resume)")
+            ended = ', '.join(f'{r.name}: {r.state.value}' for r in self.registry)
+            raise ValueError(f"nothing to train: every adapter has already ended ({ended}); " + (
+                "resuming a finished run trains nothing (new AdapterSpecs given to the module are queued on resume)"
+                if self._resume_checkpoint is not None else
+                "add new ones (`module.add_adapter(AdapterSpec(...))`) to train more with this module"))
         if not groups:
             raise ValueError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
         optimizer_class, kwargs = _optimizer_choice(self.optimizer_class, self.optimizer_kwargs,
@@ -878,11 +939,28 @@ class MultiLoRAMixin:
                 raise
             raise ValueError(f"`optimizer_kwargs` {self.optimizer_kwargs!r} rejected by {optimizer_class.__name__}: "
                              f"{err}") from err
+        carried, self._carried_optimizer = getattr(self, "_carried_optimizer", None), None
         if self._resume_checkpoint is not None:
-            _match_optimizer_state(self._resume_checkpoint, optimizer, self._flat_optimizer_state)
+            saved = self._resume_checkpoint.get("multilora", {}).get("optimizer_classes")
+            _match_optimizer_state(self._resume_checkpoint, optimizer, self._flat_optimizer_state, saved)
             self._resume_checkpoint = None
+        elif carried is not None:  # another fit of this module: its adapters go on with their optimizer states
+            _match_optimizer_state(carried, optimizer, self._flat_optimizer_state, carried["optimizer_classes"])
+            optimizer.load_state_dict(carried["optimizer_states"][0])
         self._optimizer_built = True
         return optimizer
+
+    def _carry_optimizer_state(self) -> None:
+        """The fit ends (or stops): its optimizer's state is kept for a later fit of this module, whose adapters
+        then go on as a resume from a checkpoint does (a new optimizer restarted every adapter's AdamW moments and
+        step counts, silently)."""
+        trainer = self._trainer_or_none()
+        optimizer = self._raw_optimizer() if trainer is not None and trainer.state.fn == "fit" else None
+        if optimizer is not None and any(g.get("adapter") is not None for g in optimizer.param_groups):
+            state = optimizer.state_dict()  # (after an exception, on the GPU still: copied, so as not to pin it there)
+            state["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
+                              for i, s in state["state"].items()}
+            self._carried_optimizer = {"optimizer_states": [state], "optimizer_classes": _optimizer_classes(optimizer)}
 
     def _flat_optimizer_state(self, name: str, per_layer: list[Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
         """A saved optimizer state of adapter ``name``'s per-layer parameters (a checkpoint written before adapters
@@ -908,6 +986,14 @@ class MultiLoRAMixin:
             raise ValueError("a learning-rate scheduler from `configure_optimizers` would never be stepped (the module "
                              "sets each adapter's rate every step): give each adapter its own schedule, "
                              "`AdapterSpec(lr_schedule='cosine' | 'linear' | 'constant', warmup_steps=...)`")
+        dropout = _base_dropout(self.lora_layers.model)
+        if dropout and (self.max_running is None or self.max_running > 1) and len(self.registry) > 1:
+            rank_zero_warn(
+                f"the frozen base applies dropout in training ({dropout}): its masks come from one random stream that "
+                "the adapters sharing a step draw from, so each adapter's training depends on which adapters share "
+                "its steps (it no longer trains exactly as it would alone). Set the base's dropout to 0 for isolated "
+                "runs (`config_overrides`, e.g. {'attention_dropout': 0.0}, or the model's config), or keep it for "
+                "its regularisation")
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
@@ -1113,7 +1199,10 @@ class MultiLoRAMixin:
         self._sync_ranks(step_logs=stash)
         if self._placement() is not None:
             self._finish_together()
-        self._fill_slots()
+        if not (0 <= self.trainer.max_steps <= self.trainer.global_step or self.trainer.should_stop):
+            self._fill_slots()  # (after the last step nothing would train: an adapter admitted then exported untrained)
+            if self.registry.paused and not self.registry.running and not self.registry.queued:
+                self._fill_slots()  # (a provider may act on what another settled in this pass: a selection now due)
         counts = self.registry.counts()
         if not self.registry.running and not self.registry.queued:
             if self.registry.paused:  # nothing could resume them: the run ends, and `on_train_end` exports them
@@ -1155,8 +1244,9 @@ class MultiLoRAMixin:
             self._export_held()
         except Exception as err:  # noqa: BLE001 - (every rank goes through the exchange below first: none waits)
             failed = err
-        finally:
-            self._end_losses = {}
+        # (kept where Ctrl+C interrupts the exports: the exception's re-export holds the weights just measured; an
+        # entry is of its adapter's step, so one kept is never taken for a later step's)
+        self._end_losses = {}
         self._sync_ranks()  # the exports' paths and losses reach every rank (rank 0's report)
         if failed is not None:
             raise failed
@@ -1209,6 +1299,9 @@ class MultiLoRAMixin:
         done = getattr(self, "_exported_after", None)
         if done is not None and done[0] == id(exception):
             return done[1]
+        trainer = self._trainer_or_none()
+        if trainer is not None and trainer.state.fn != "fit":  # (a validate that failed: the fit's exports stand)
+            return []
         untrained = [r.name for r in self._held() if r.step == 0]
         paths: list[Path] = []
         try:
@@ -1228,6 +1321,11 @@ class MultiLoRAMixin:
 
     def configure_callbacks(self) -> list[L.Callback]:
         self._refuse_trainer_options()  # (Lightning calls this before it checks the Trainer's options itself)
+        trainer = self._trainer_or_none()
+        if getattr(self, "_best_kept_by_callback", False) and trainer is not None and trainer.state.fn == "fit":
+            # an earlier fit's EarlyExit turned on best-weight exports: this fit's own callbacks decide (an EarlyExit
+            # among them turns it on again in its setup, which runs after this)
+            self.keep_best_weights = self._best_kept_by_callback = False
         return [ExportOnException()]
 
     def _refuse_trainer_options(self) -> None:
@@ -1239,10 +1337,6 @@ class MultiLoRAMixin:
                              "holds with `trainer.validate` or `module.evaluate(names)`, and generate with an adapter's "
                              "export "
                              "(`PeftModel.from_pretrained(base, export_path)`)")
-        if trainer.state.fn == "validate" and not self._held():
-            warnings.warn("`trainer.validate` measures the adapters the module holds (running or paused), and it holds "
-                          "none: an adapter that ended was exported and released (its losses are in "
-                          "`module.registry`; load its export with PEFT to measure it again)", stacklevel=2)
         if trainer.state.fn != "fit":
             return
         clip = trainer.gradient_clip_val
@@ -1258,7 +1352,11 @@ class MultiLoRAMixin:
                              "adapter draws its own from its source every step; to overfit, give the source a few "
                              "examples (`ListSource`, or a source's `limit`)")
         limit = trainer.limit_val_batches
-        if not (limit == 0 or (isinstance(limit, float) and limit >= 1.0)):  # (an int: batches; 0: none)
+        if trainer.fast_dev_run:  # (Lightning's smoke run sets the limit itself: its losses are of a few batches)
+            rank_zero_warn(f"`Trainer(fast_dev_run={trainer.fast_dev_run!r})`: a smoke run of {trainer.max_steps} "
+                           f"step(s); its validations see {limit} batch(es) of the adapters' splits, so their losses "
+                           "are not the splits' (the exports are written as in any run)")
+        elif not (limit == 0 or (isinstance(limit, float) and limit >= 1.0)):  # (an int: batches; 0: none)
             raise ValueError(f"`Trainer(limit_val_batches={limit!r})` would validate part of each adapter's split, "
                              "and an adapter's last validation (as it ends) the whole of it, compared as one loss; "
                              "cap the split instead, `MultiLoRADataModule(max_val_examples=...)` (or 0 for no "
@@ -1280,12 +1378,18 @@ class MultiLoRAMixin:
                 rank_zero_warn(f"`{type(callback).__name__}(monitor={callback.monitor!r})` monitors adapter {name!r}, "
                                f"which the module does not have (yet); its adapters are "
                                f"{[r.name for r in self.registry]}")
-        if isinstance(trainer.val_check_interval, float):  # (a share of an epoch; steps or a duration run)
-            warnings.warn(f"`Trainer(val_check_interval={trainer.val_check_interval!r})`: the run is one endless "
-                          "epoch, so no validation runs during it (each adapter is validated as it ends); give an "
-                          "integer number of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None, "
-                          "for the validation losses that EarlyExit, WarmupSelection and OptunaSweep's pruner read",
-                          stacklevel=2)
+        interval, limit_train = trainer.val_check_interval, trainer.limit_train_batches
+        endless = isinstance(limit_train, float) and limit_train == 1.0  # (an int is a number of batches)
+        if isinstance(interval, float) and interval != 1.0 and endless and not trainer.fast_dev_run:
+            raise ValueError(f"`Trainer(val_check_interval={interval!r})` is a share of an epoch, and the run is one "
+                             "endless epoch (the adapters draw their batches as long as they train): give an integer "
+                             "number of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None")
+        if isinstance(interval, float) and endless and trainer.check_val_every_n_epoch is not None \
+                and not trainer.fast_dev_run:  # (an epoch of `limit_train_batches` ends: its validations run)
+            warnings.warn(f"`Trainer(val_check_interval={interval!r})`: the run is one endless epoch, so no "
+                          "validation runs during it (each adapter is validated as it ends); give an integer number "
+                          "of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None, for the validation "
+                          "losses that EarlyExit, WarmupSelection and OptunaSweep's pruner read", stacklevel=2)
         self._take_loss_scaler()
 
     def _take_loss_scaler(self) -> None:
@@ -1443,6 +1547,15 @@ class MultiLoRAMixin:
     @override
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}
+        if self.trainer.state.fn == "validate" and not list(self.registry.holding_weights):  # (every rank's; after
+            # a `ckpt_path` given has loaded)
+            ended = [r.name for r in self.registry if r.state.exited]
+            why = (f"the adapters that ended ({ended[:4]}) were exported and released (their losses are in "
+                   "`module.registry`; load an export with PEFT to measure it again)" if ended else
+                   f"its adapters have not started ({[r.name for r in self.registry][:4]}: they start in `fit`)"
+                   if len(self.registry) else "it has no adapter")
+            rank_zero_warn("`trainer.validate` measures the adapters the module holds (running or paused), and it "
+                           f"holds none: {why}")
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
@@ -1502,6 +1615,17 @@ class MultiLoRAMixin:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``; the adapters a checkpoint's registry made hold their weights after it (a
+        `load_from_checkpoint` module's among them), and the frozen base's keys, which no checkpoint holds, are not
+        listed as missing (Lightning listed every base weight)."""
+        result = super().load_state_dict(state_dict, strict=strict, assign=assign)
+        self._not_loaded = set()
+        model = self.lora_layers.model
+        prefix = next((f"{n}." for n, m in self.named_modules() if m is model), "")  # (as `on_save_checkpoint`)
+        return type(result)([k for k in result.missing_keys if any(s in k for s in _LORA_KEYS)
+                             or not k.startswith(prefix)], result.unexpected_keys)
+
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # the frozen base is left out (its weights come from where the module loads them), under whatever name the
@@ -1522,6 +1646,8 @@ class MultiLoRAMixin:
             "dropout_steps": self.lora_layers.dropout_steps(),
             "run_id": self._run_id,
             "base": self._base_identity(),
+            "optimizer_classes": _optimizer_classes(self._raw_optimizer()),
+            "max_running": self.max_running,
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -1574,6 +1700,20 @@ class MultiLoRAMixin:
                 rec.spec = spec
             else:
                 kept.append(f"{spec.name!r} ({rec.state.value}; {_spec_changes(rec.spec, spec)})")
+        trainer = self._trainer_or_none()
+        providers = trainer is not None and any(hasattr(cb, "has_pending_candidates") for cb in trainer.callbacks)
+        names = {spec.name for spec in given}
+        dropped = [r.name for r in self.registry.queued if r.name not in names]
+        if given and dropped and not providers:  # (a provider's queued candidates are none of the user's to give)
+            rank_zero_warn(f"adapters queued in the checkpoint and not given now still start: {dropped} (a resume "
+                           "keeps the checkpoint's adapters; `module.remove_adapter(name)` after the resume starts, "
+                           "say in a callback's `on_train_start`, drops one)")
+        running = [r.name for r in self.registry.running]
+        saved_cap = getattr(self, "_saved_max_running", self.max_running)  # (a run over its own cap: resume_adapter)
+        if self.max_running is not None and len(running) > self.max_running and saved_cap != self.max_running:
+            rank_zero_warn(f"the checkpoint has {len(running)} adapters running ({running}), over "
+                           f"`max_running`={self.max_running}: they go on (none is stopped to fit the cap); queued "
+                           "ones start once fewer than it run")
         if added:
             rank_zero_warn(f"adapters not in the checkpoint are queued: {added}")
         if kept:
@@ -1593,9 +1733,13 @@ class MultiLoRAMixin:
             raise ValueError("this checkpoint's adapters were trained on another base model (checkpoint -> this "
                              f"module: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in sorted(differ.items()))}); "
                              "resume with the `base_model` (and `config_overrides`) it was trained with")
+        trainer = self._trainer_or_none()
+        for callback in (trainer.callbacks if trainer is not None else []):  # (before Lightning matches their states)
+            getattr(callback, "adopt_checkpoint_state", lambda checkpoint: None)(checkpoint)
         for name in list(self.lora_layers.adapter_names):
             self.lora_layers.remove_adapter(name)
         self.registry.load_state_dict(state["registry"])
+        self._saved_max_running = state.get("max_running", self.max_running)
         self._merge_given_specs(list(self._given.values()))
         self._best_weights = dict(state.get("best_weights", {}))
         self._resume_checkpoint = checkpoint  # its optimizer state is matched to the new groups by adapter name
@@ -1612,7 +1756,7 @@ class MultiLoRAMixin:
             self._place_resumed(placement)
         for rec in self.registry.holding_weights:
             if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
-                self._create_weights(rec)
+                self._create_weights(rec, checkpoint)
         steps = state.get("dropout_steps")
         if steps is None and any(rec.spec.dropout > 0 for rec in self.registry.holding_weights):
             rank_zero_warn("this checkpoint carries no dropout steps (it was written by an older version): adapters "
@@ -1634,6 +1778,24 @@ class MultiLoRAMixin:
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
+
+
+_FUNCTIONAL_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")  # (applied by F.dropout)
+
+
+def _base_dropout(model: nn.Module) -> str:
+    """The dropout a training forward of ``model`` applies, in words ("" for none): its dropout modules with p > 0
+    and the attention dropout its config sets (attention kernels apply it as an argument, not a module)."""
+    modules: dict[float, list[str]] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            modules.setdefault(float(module.p), []).append(name.rsplit(".", 1)[-1])
+    config = getattr(model, "config", None)
+    found = [f"config.{key}={getattr(config, key)}" for key in _FUNCTIONAL_DROPOUT
+             if isinstance(getattr(config, key, None), (int, float)) and getattr(config, key) > 0]
+    found += [f"{len(names)} dropout modules of p={p} ({', '.join(sorted(set(names))[:3])})"
+              for p, names in modules.items()]
+    return "; ".join(found)
 
 
 def _logits(out: Any) -> Tensor:
@@ -1696,8 +1858,17 @@ def _spec_changes(old: AdapterSpec, new: AdapterSpec) -> str:
     return ", ".join(f"{k} {before[k]!r} -> {after[k]!r}" for k in after if before.get(k) != after[k])
 
 
+def _optimizer_classes(optimizer: Optional[torch.optim.Optimizer]) -> Optional[list[str]]:
+    """The names of an optimizer's classes, its bases that are optimizers too (GroupedAdamW's: AdamW...), whose
+    states are alike: another optimizer's state shares none of them."""
+    if optimizer is None:
+        return None
+    return [c.__qualname__ for c in type(optimizer).__mro__
+            if issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer]
+
+
 def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Optimizer,
-                           to_flat: Optional[Any] = None) -> None:
+                           to_flat: Optional[Any] = None, saved_classes: Optional[list[str]] = None) -> None:
     """Rewrite the checkpoint's optimizer state for ``optimizer``'s groups, matched by adapter name: Lightning
     then loads it by position. The groups can differ from the saved ones: a checkpoint is written before the
     module settles its step (slots refilled after an exit, adapters finished under adapter parallelism), so an
@@ -1709,6 +1880,19 @@ def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Op
         return
     saved = states[0]
     by_name = {g.get("adapter"): g for g in saved["param_groups"] if g.get("adapter") is not None}
+    own = {"params", "adapter", "name", "lr", "initial_lr", "weight_decay", *IMPLEMENTATION_FLAGS}  # (per adapter)
+    pairs = [(by_name[g["adapter"]], g) for g in optimizer.param_groups if g.get("adapter") in by_name]
+    now = _optimizer_classes(optimizer)
+    if saved_classes and not set(saved_classes) & set(now):  # (a checkpoint written before they were saved: kept)
+        warnings.warn(f"the checkpoint's optimizer state is {saved_classes[0]}'s, and the optimizer now is "
+                      f"{now[0]}: every adapter's optimizer state starts fresh", stacklevel=2)
+        checkpoint["optimizer_states"] = [optimizer.state_dict(), *states[1:]]
+        return
+    changed = sorted({f"{k}: {old[k]!r} -> {new[k]!r}" for old, new in pairs for k in set(new) - own
+                      if k in old and old[k] != new[k]})
+    if changed:
+        warnings.warn(f"the optimizer's settings differ from the checkpoint's ({'; '.join(changed)}): the adapters go "
+                      "on with the checkpoint's, as a resumed optimizer does (`load_state_dict`)", stacklevel=2)
     matched: dict[str, Any] = {"state": {}, "param_groups": []}
     index = 0
     for group in optimizer.param_groups:
@@ -1821,8 +2005,13 @@ class ExportOnException(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning_multilora.strategies.adapter_parallel import guard_folder_checkpoints
 
-        log_dir_of(trainer)
+        log_dir = log_dir_of(trainer)
         pl_module._exported_after = None
+        # another run's report and study in this run's log directory, seen before this run writes either (said in
+        # on_fit_start, where a resume, which goes on with them, is known)
+        self._previous = [n for n in ("sweep_summary.json", "optuna.db") if stage == "fit" and log_dir
+                          and (Path(log_dir) / n).exists()
+                          and str(Path(log_dir).resolve()) not in getattr(pl_module, "_log_dirs", set())]
         guard_folder_checkpoints(trainer.strategy)  # (before a checkpoint loads)
         # Its on_validation_end puts back the monitored values `_settle_monitors` took for EarlyStopping: after every
         # other callback's (a module's own EarlyStopping comes after it in Lightning's order), before the checkpoints'
@@ -1835,6 +2024,17 @@ class ExportOnException(L.Callback):
             callbacks.insert(first, self)
 
     @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        log_dir = log_dir_of(trainer)
+        if getattr(self, "_previous", None) and trainer.ckpt_path is None:
+            rank_zero_warn(f"the log directory {log_dir} holds another run's {', '.join(self._previous)}: this run's "
+                           "report replaces the summary, and an OptunaSweep without a `storage` goes on with that "
+                           "study (give each run its own `default_root_dir`, or a logger that versions its runs; "
+                           "`multilora fit` refuses this)")
+        if log_dir and hasattr(pl_module, "registry"):  # (a later fit of this module into it: its own files)
+            pl_module._log_dirs = getattr(pl_module, "_log_dirs", set()) | {str(Path(log_dir).resolve())}
+
+    @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         try:
             export = getattr(pl_module, "export_after_exception", None)
@@ -1842,6 +2042,7 @@ class ExportOnException(L.Callback):
                 export(exception)
         finally:
             getattr(pl_module, "_give_back_loss_scaler", lambda: None)()
+            getattr(pl_module, "_carry_optimizer_state", lambda: None)()
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -1851,6 +2052,7 @@ class ExportOnException(L.Callback):
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         getattr(pl_module, "_give_back_loss_scaler", lambda: None)()
+        getattr(pl_module, "_carry_optimizer_state", lambda: None)()
 
 
 class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):

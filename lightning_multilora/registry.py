@@ -108,13 +108,13 @@ class AdapterRecord:
 
 
 def _exported_loss(r: AdapterRecord, exported: str) -> float:
-    """The validation loss of the weights adapter ``r``'s export holds: as measured at the step they are of; else
-    (not measured there: no validation at its last step) the best loss where the export holds the best weights, the
-    last one otherwise (of an earlier step)."""
+    """The validation loss of the weights adapter ``r``'s export holds: as measured at the step they are of (NaN
+    where none was: weights exported after Ctrl+C or an error, between validations; an earlier step's loss is
+    another weights'). An adapter not exported: ``exported``'s loss, the best or the last."""
     if r.exported_step is not None:
         if not math.isnan(r.exported_val_loss):  # (measured; inf where the measure was not finite)
             return r.exported_val_loss
-        return r.best_val_loss if r.exported_step == r.best_val_step else r.last_val_loss
+        return next((v for s, v in reversed(r.val_losses) if s == r.exported_step), math.nan)
     return r.best_val_loss if exported == "best" else r.last_val_loss
 
 

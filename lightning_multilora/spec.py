@@ -6,6 +6,7 @@ import functools
 import itertools
 import math
 import numbers
+import os
 import re
 import warnings
 from collections.abc import Mapping
@@ -84,6 +85,11 @@ class AdapterSpec:
     """Name of a data source in the data module; None: its default source."""
     seed: int = 0
     """Seed for this adapter's initialisation, data order and dropout masks (adapters of one seed share them)."""
+    init_from: Optional[str] = None
+    """A PEFT adapter folder (``adapter_config.json`` and ``adapter_model.safetensors`` or ``.bin``, as
+    ``save_pretrained`` or an export writes it) whose weights this adapter starts from instead of a fresh
+    initialisation: to continue training it. Its ``r``, ``lora_alpha`` and ``use_rslora`` must be this spec's; with
+    ``target_modules`` None the adapter targets the folder's layers. The optimizer state starts afresh."""
 
     def __post_init__(self) -> None:
         check_adapter_name(self.name)
@@ -138,6 +144,10 @@ class AdapterSpec:
         # (each layer's generator takes seed * 1_000_003 + its index, a 64-bit seed)
         _check(self, "seed", _int(self.seed) and abs(self.seed) < 2**42, "an integer of magnitude below 2**42")
         _check(self, "dataset", self.dataset is None or isinstance(self.dataset, str), "a data source's name or None")
+        if isinstance(self.init_from, os.PathLike):
+            self.init_from = os.fspath(self.init_from)
+        _check(self, "init_from", self.init_from is None or (isinstance(self.init_from, str) and bool(self.init_from)),
+               "a PEFT adapter folder's path or None")
 
     @property
     def rows_per_step(self) -> int:
@@ -157,7 +167,8 @@ class AdapterSpec:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown AdapterSpec fields {sorted(unknown)}; allowed: {sorted(known)}")
+            raise ValueError(f"unknown AdapterSpec fields {sorted(unknown)}; allowed: {sorted(known)}"
+                             f"{peft_hints(unknown)}")
         return cls(**data)
 
     def hparams(self) -> dict[str, Any]:
@@ -168,6 +179,42 @@ class AdapterSpec:
             "dataset": self.dataset, "objective": self.objective,
             "dpo_beta": self.dpo_beta if self.objective == "dpo" else None,
         }
+
+
+_dataclass_init = AdapterSpec.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args: Any, **kwargs: Any) -> None:
+    # (the dataclass's own __init__ says only "unexpected keyword argument": name the fields, and PEFT's spellings)
+    unknown = set(kwargs) - _FIELD_NAMES
+    if unknown:
+        raise TypeError(f"AdapterSpec got unknown fields {sorted(unknown)}; allowed: {sorted(_FIELD_NAMES)}"
+                        f"{peft_hints(unknown)}")
+    _dataclass_init(self, *args, **kwargs)
+
+
+AdapterSpec.__init__ = _init  # type: ignore[method-assign]
+_FIELD_NAMES = frozenset(f.name for f in fields(AdapterSpec))
+
+# PEFT's LoraConfig and transformers' TrainingArguments spellings: this package's field, or why there is none
+_PEFT_NAMES = {
+    "r": "`rank`", "lora_alpha": "`alpha`", "lora_dropout": "`dropout`", "learning_rate": "`lr`",
+    "per_device_train_batch_size": "`batch_size`", "num_train_epochs": "`max_epochs`",
+    "lr_scheduler_type": "`lr_schedule`", "warmup_ratio": "`warmup_steps` (a count)", "max_grad_norm": "`grad_clip`",
+    "layers_to_transform": "a regex in `target_modules` (e.g. r'.*layers\\.(0|1)\\..*(q|v)_proj')",
+    "exclude_modules": "a regex in `target_modules`", "init_lora_weights": "`init_from` (a PEFT adapter folder) or "
+    "`seed` (PEFT's default initialisation, seeded per adapter)",
+    "use_dora": None, "bias": None, "modules_to_save": None, "rank_pattern": None, "alpha_pattern": None,
+    "lora_config": None, "peft_config": None,
+}
+
+
+def peft_hints(unknown) -> str:
+    """A hint for fields spelt as PEFT or transformers spell them ("" for none)."""
+    hints = [f"{k} -> {_PEFT_NAMES[k]}" if _PEFT_NAMES[k] else f"{k}: not supported (plain LoRA adapters only)"
+             for k in sorted(unknown) if k in _PEFT_NAMES]
+    return f" (PEFT's names: {'; '.join(hints)})" if hints else ""
 
 
 def _num(value: Any) -> bool:
@@ -262,4 +309,5 @@ def check_spec_fields(keys, where: str) -> None:
     known = {f.name for f in fields(AdapterSpec)} - {"name"}
     unknown = sorted(set(keys) - known)
     if unknown:
-        raise ValueError(f"{where} names {unknown}: not an AdapterSpec field; allowed: {sorted(known)}")
+        raise ValueError(f"{where} names {unknown}: not an AdapterSpec field; allowed: {sorted(known)}"
+                         f"{peft_hints(unknown)}")

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.callbacks import Callback
 
 from lightning_multilora.cli import demo_config, main
 
@@ -206,3 +209,43 @@ def test_python_api_example_and_peft_loading_example(tmp_path):
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert load.returncode == 0, load.stderr[-3000:]
     assert load.stdout.startswith("Q: Ada has 7 apples")
+
+
+class TermAtStep2(Callback):
+    """Sends this process a SIGTERM at step 2, as a cluster's pre-emption does."""
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_fit_ended_by_sigterm_exits_with_143_after_exporting(tmp_path):
+    """Lightning's exception for a SIGTERM is a ``SystemExit`` of status 0: a pre-empted run looked done to a
+    scheduler (this package's own executor among them)."""
+    # (Lightning takes SIGTERM only where no handler is set: an earlier test's may be)
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        _fit_until_sigterm(tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _fit_until_sigterm(tmp_path):
+    args = ["fit", "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.accelerator", "cpu",
+            "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--model.base_model", "tiny-llama",
+            "--model.adapters", "[{name: a, rank: 2, max_steps: 20, batch_size: 2}]",
+            "--trainer.callbacks", json.dumps([{"class_path": f"{__name__}.TermAtStep2"}])]
+    with pytest.warns(UserWarning, match=r"fit stopped by SIGTERMException: the adapters it held are exported"):
+        with pytest.raises(SystemExit) as done:
+            main(args)
+    assert done.value.code == 143
+    assert (tmp_path / "run" / "adapters" / "a" / "adapter_model.safetensors").is_file()
+
+
+def test_an_adapter_field_spelt_as_peft_spells_it_is_answered_with_ours(tmp_path, capsys):
+    """The command line refused ``r`` with "Option 'r' is not accepted" and no word of ``rank``."""
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", demo_config(), "--model.adapters", "[{name: a, r: 8, lora_alpha: 16}]",
+              "--trainer.default_root_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "Option 'r' is not accepted" in err and "(PEFT's names: r -> `rank`)" in err, err

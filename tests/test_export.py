@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import lightning as L
 import pytest
@@ -13,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from lightning_multilora import AdapterSpec, BatchLayout, MultiLoRADataModule, MultiLoRAModule
 from lightning_multilora.base_model import build_base_model
 from lightning_multilora.data import GeneratedArithmetic
+from lightning_multilora.registry import AdapterState
 
 
 # Other families, built tiny from their configs: GPT-2's projections are Conv1D (weight (in, out), PEFT's
@@ -161,3 +163,97 @@ def test_generate_runs_several_adapters_in_one_batch_as_peft_runs_each(tmp_path,
     assert grouped.sequences.shape == (4, width + 2) and len(grouped.scores) == 2
     with pytest.raises(ValueError, match=r"`adapters` names one adapter \(or None\) a row"):
         module.generate(["a"], ids)
+
+
+def _peft_saved_adapter(directory, base_dir, **config) -> dict[str, torch.Tensor]:
+    """A PEFT adapter of random weights (B not zero), saved with PEFT's own ``save_pretrained``; its saved tensors."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir), LoraConfig(**config))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    peft_model.save_pretrained(directory)
+    return load_file(str(directory / "adapter_model.safetensors"))
+
+
+def test_an_adapter_starts_from_a_peft_folder_and_continues_it(tmp_path, trainer_kwargs):
+    """``AdapterSpec(init_from=folder)`` starts an adapter from a PEFT-saved adapter's weights (its layers, where the
+    spec names none): trained for a step at a negligible rate it exports the same weights, and the module's outputs
+    with it are PEFT's. A spec that differs from the folder is refused as it is given (a folder that is not there, as
+    the adapter starts: a resume does not need it)."""
+    build_base_model("tiny-llama").save_pretrained(tmp_path / "base")
+    saved = _peft_saved_adapter(tmp_path / "peft", tmp_path / "base", r=4, lora_alpha=32, use_rslora=True,
+                                target_modules=["q_proj", "v_proj"])
+    spec = AdapterSpec("cont", rank=4, alpha=32, use_rslora=True, max_steps=1, lr=1e-20, batch_size=2,
+                       init_from=str(tmp_path / "peft"))
+    module = MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], export_dir=str(tmp_path / "out"),
+                             validate_on_finish=False)  # (the module's own targets: all-linear)
+    L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(50)}))
+    from safetensors.torch import load_file
+
+    exported = load_file(str(tmp_path / "out" / "cont" / "adapter_model.safetensors"))
+    assert sorted(exported) == sorted(saved)
+    for key, value in saved.items():
+        torch.testing.assert_close(exported[key], value, atol=1e-12, rtol=0)
+    config = json.loads((tmp_path / "out" / "cont" / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"] and config["inference_mode"] is True
+    ids = torch.randint(0, 258, (2, 9), generator=torch.Generator().manual_seed(0))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "peft")
+    ours = MultiLoRAModule(str(tmp_path / "base"), adapters=[AdapterSpec("p", rank=4, alpha=32, use_rslora=True,
+                                                                         init_from=str(tmp_path / "peft"))])
+    ours._create_weights(ours.registry["p"])
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids, layout=BatchLayout.from_sizes(["p"], [2])),
+                                   peft_model.eval()(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+    for changes, message in [
+        (dict(rank=8), r"differs from the spec: rank=4 there, 8 in the spec"),
+        (dict(alpha=16.0, use_rslora=False), r"alpha=32 there, 16.0 in the spec; use_rslora=True there, False"),
+        (dict(target_modules=["q_proj"]), r"holds weights for other layers than its `target_modules` \['q_proj'\] "
+                                          r"select: only there \['model.layers.0.self_attn.v_proj'"),
+        (dict(init_from=str(tmp_path / "base")), r"`init_from` '.*base' has no adapter_config.json"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            MultiLoRAModule(str(tmp_path / "base"), adapters=[replace(spec, **changes)])
+    _peft_saved_adapter(tmp_path / "dora", tmp_path / "base", r=4, lora_alpha=32, use_dora=True)
+    with pytest.raises(ValueError, match=r"is not a plain LoRA adapter \(use_dora=True\)"):
+        MultiLoRAModule(str(tmp_path / "base"), adapters=[replace(spec, init_from=str(tmp_path / "dora"))])
+    with pytest.raises(ValueError, match=r"holds weights for layers this module does not wrap \[.*q_proj"):
+        MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], target_modules=["k_proj"])
+
+
+@pytest.mark.parametrize("targets", [None, ["v_proj"]])
+def test_a_resumed_adapter_keeps_its_peft_folders_layers_without_the_folder(tmp_path, trainer_kwargs, targets):
+    """A resume makes the adapter's layers from the checkpoint (which then loads its weights): the `init_from`
+    folder, read when it started, may be gone, and the same spec (the same config) resumes."""
+    import shutil
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    build_base_model("tiny-llama").save_pretrained(tmp_path / "base")
+    _peft_saved_adapter(tmp_path / "peft", tmp_path / "base", r=2, lora_alpha=4, target_modules=["v_proj"])
+    spec = AdapterSpec("cont", rank=2, alpha=4, max_steps=4, batch_size=2, init_from=str(tmp_path / "peft"),
+                       target_modules=targets)
+    dm = lambda: MultiLoRADataModule(sources={"a": GeneratedArithmetic(50)})  # noqa: E731
+    kwargs = {**trainer_kwargs, "enable_checkpointing": True}
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1)
+    first = MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], export_dir=str(tmp_path / "out"),
+                            validate_on_finish=False)
+    L.Trainer(**{**kwargs, "max_steps": 2}, callbacks=[checkpoint]).fit(first, dm())
+    shutil.rmtree(tmp_path / "peft")
+    again = MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], export_dir=str(tmp_path / "out"),
+                            validate_on_finish=False)
+    L.Trainer(**kwargs).fit(again, dm(), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=2.ckpt"))
+    assert again.registry["cont"].step == 4 and again.registry["cont"].state == AdapterState.FINISHED
+    from safetensors.torch import load_file
+
+    keys = load_file(str(tmp_path / "out" / "cont" / "adapter_model.safetensors"))
+    assert sorted(keys) == [f"base_model.model.model.layers.{i}.self_attn.v_proj.lora_{ab}.weight"
+                            for i in range(2) for ab in "AB"]
+    # a new adapter whose folder is not there: named as it would start, before any step
+    with pytest.raises(ValueError, match=r"`init_from` '.*peft' is no folder"):
+        L.Trainer(**trainer_kwargs).fit(MultiLoRAModule(str(tmp_path / "base"), adapters=[replace(spec, name="new")]),
+                                        dm())

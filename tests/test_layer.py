@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -306,6 +307,10 @@ def test_peft_weights_of_another_rank_or_targets_are_refused_not_broadcast():
     with pytest.raises(ValueError, match=r"not plain LoRA weights .*lora_B.bias"):
         layers.load_peft_state_dict("a", {**good, **{k.replace("weight", "bias"): torch.zeros(64) for k in good
                                                      if "lora_B" in k}})
+    # PEFT's bias="all" / "lora_only" save the base's biases, modules_to_save a copy of the module: dropped, silently
+    for other in ("base_model.model.model.layers.0.self_attn.q_proj.bias", "base_model.model.lm_head.weight"):
+        with pytest.raises(ValueError, match=rf"not plain LoRA weights .*bias='all'.*\['{re.escape(other)}'\]"):
+            layers.load_peft_state_dict("a", {**good, other: torch.zeros(64)})
     with pytest.raises(ValueError, match=r"not tensors \["):
         layers.load_peft_state_dict("a", {k: v.tolist() for k, v in good.items()})
     assert all(torch.equal(v, before[k]) for k, v in layers.peft_state_dict("a").items())  # nothing loaded
@@ -471,3 +476,20 @@ def test_a_layout_naming_no_adapter_and_peft_keys_with_adapter_names_are_named()
     assert BatchLayout.from_sizes(["a"], [2], num_rows=3) == BatchLayout(("a",), (0,), (2,), 3)
     with pytest.raises(ValueError, match=r"`num_rows` must be an integer >= the sizes' sum 2, got 1"):
         BatchLayout.from_sizes(["a"], [2], num_rows=1)
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "all-linear"])
+def test_a_model_holding_peft_layers_is_refused(targets):
+    """A PeftModel given as the base: its LoRA layers looked linear, so its adapter was wrapped and trained again
+    under doubled key names (PEFT then loaded the export with its B zero), or "all-linear" wrapped PEFT's own
+    lora_A / lora_B and failed on a missing ``weight``."""
+    from peft import LoraConfig, get_peft_model
+
+    peft_model = get_peft_model(build_base_model("tiny-llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"the model holds PEFT modules \(the model is a PeftModel\): .*unload\(\)"
+                                         r".*AdapterSpec\(init_from=...\)"):
+        inject_multilora(peft_model, targets)
+    with pytest.raises(ValueError, match=r"the model holds PEFT modules \('model.layers.0.self_attn.q_proj' is a "):
+        inject_multilora(peft_model.base_model.model, targets)
+    layers = inject_multilora(peft_model.unload(), targets)  # the plain base
+    assert len(layers) >= 4

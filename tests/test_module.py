@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from pathlib import Path
 
@@ -816,8 +817,12 @@ def test_a_resume_queues_new_adapters_applies_edits_to_queued_ones_and_warns_of_
         ("a", "finished", 3), ("b", "finished", 2), ("c", "finished", 3), ("d", "finished", 1)]
     assert reg["a"].spec.lr == 1e-3 and reg["b"].spec.max_steps == 2
     trainer.save_checkpoint(tmp_path / "end.ckpt")
-    with pytest.raises(ValueError, match=r"nothing to train: every adapter has already ended \(a: finished, "):
+    with pytest.raises(ValueError, match=r"nothing to train: every adapter has already ended \(a: finished, .*\); "
+                                         r"resuming a finished run trains nothing"):
         fit(edited, ckpt=str(tmp_path / "end.ckpt"))
+    with pytest.raises(ValueError, match=r"every adapter has already ended \(a: finished, .*\); add new ones "
+                                         r"\(`module.add_adapter"):  # (a second fit of a module that is done)
+        L.Trainer(**trainer_kwargs).fit(module, small_dm())
 
 
 def test_the_log_dir_is_asked_on_every_rank_even_where_a_subclass_setup_skips_super(tmp_path, trainer_kwargs):
@@ -1094,6 +1099,17 @@ def test_a_run_without_periodic_validation_is_warned_of_and_a_user_scheduler_ref
     with pytest.warns(UserWarning, match=r"val_check_interval=1.0\)`: the run is one endless epoch"):
         L.Trainer(**{**trainer_kwargs, "val_check_interval": 1.0, "check_val_every_n_epoch": 1}).fit(module,
                                                                                                    small_dm())
+    # an epoch of `limit_train_batches` ends, and validates: nothing to say; another share of an epoch is refused
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=4)])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        L.Trainer(**{**trainer_kwargs, "val_check_interval": 1.0, "check_val_every_n_epoch": 1,
+                     "limit_train_batches": 2}).fit(module, small_dm())
+    assert not [w for w in seen if "endless" in str(w.message)] and [s for s, _ in module.registry["a"].val_losses]
+    with pytest.raises(ValueError, match=r"`Trainer\(val_check_interval=0.5\)` is a share of an epoch, and the run "
+                                         r"is one endless epoch"):
+        L.Trainer(**{**trainer_kwargs, "val_check_interval": 0.5, "check_val_every_n_epoch": 1}).fit(
+            MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)]), small_dm())
 
     class Scheduled(MultiLoRAModule):
         def configure_optimizers(self):
@@ -1272,3 +1288,253 @@ def test_trainer_validate_returns_the_held_adapters_losses_and_test_is_named(tmp
     for call in ("test", "predict"):
         with pytest.raises(ValueError, match=rf"`trainer.{call}` has no step here: .*module.evaluate"):
             getattr(L.Trainer(**trainer_kwargs), call)(module, dm)
+
+
+def test_a_base_that_applies_dropout_is_warned_of(trainer_kwargs):
+    """The base's dropout draws from one random stream for the whole packed batch: adapters sharing a step then
+    change each other's masks (an adapter no longer trains as it would alone), which nothing said."""
+    specs = [AdapterSpec("a", rank=2, max_steps=1), AdapterSpec("b", rank=2, max_steps=1, seed=1)]
+    for overrides, expected in [({"attention_dropout": 0.1}, [r"config.attention_dropout=0.1"]), ({}, [])]:
+        module = MultiLoRAModule("tiny-llama", adapters=specs, config_overrides=overrides or None,
+                                 validate_on_finish=False)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            L.Trainer(**trainer_kwargs).fit(module, small_dm())
+        found = [str(w.message) for w in seen if "applies dropout" in str(w.message)]
+        assert len(found) == len(expected) and all(re.search(e, f) for e, f in zip(expected, found))
+        if expected:
+            assert "no longer trains exactly as it would alone" in found[0] and "config_overrides" in found[0]
+
+
+def test_an_adapters_regex_that_matches_layers_the_module_does_not_wrap_is_warned_of():
+    """A regex adapted only the part of what it matched that the module wraps, silently (a list naming an unwrapped
+    module is an error)."""
+    with pytest.warns(UserWarning, match=r"adapter 'a': its `target_modules` '.\*\\\\.\(q\|k\)_proj' also match linear "
+                                         r"modules the module does not wrap \(\['model.layers.0.self_attn.k_proj'.*"
+                                         r"it gets 2 layers"):
+        MultiLoRAModule("tiny-llama", target_modules=["q_proj", "v_proj"],
+                        adapters=[AdapterSpec("a", target_modules=r".*\.(q|k)_proj")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MultiLoRAModule("tiny-llama", target_modules=["q_proj", "v_proj"],
+                        adapters=[AdapterSpec("b", target_modules=r".*\.q_proj"),
+                                  AdapterSpec("c", target_modules="all-linear")])
+
+
+class _InterruptAt(Callback):
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_an_interrupted_first_export_is_finished_in_its_own_folder(tmp_path, trainer_kwargs, monkeypatch):
+    """Ctrl+C while an adapter's first export was being written left its folder with a config and no weights, and
+    the exception's re-export took that folder for another run's (its stamp came last): it warned so and wrote to
+    ``<name>-v1``. The stamp comes first now, and each file is moved into place whole."""
+    import safetensors.torch
+
+    real, calls = safetensors.torch.save_file, []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", interrupted_once)
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2, batch_size=1)],
+                             validate_on_finish=False)
+    with warnings.catch_warnings(record=True) as seen, pytest.raises(SystemExit):
+        warnings.simplefilter("always")
+        L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    assert not [w for w in seen if "did not write" in str(w.message)]
+    folder = Path(trainer_kwargs["default_root_dir"]) / "adapters"
+    assert sorted(p.name for p in folder.iterdir()) == ["a"]
+    assert sorted(p.name for p in (folder / "a").iterdir()) == [".multilora_run", "adapter_config.json",
+                                                                "adapter_model.safetensors"]
+    assert module.registry["a"].export_path == str(folder / "a") and len(calls) == 2
+
+
+def test_an_export_after_ctrl_c_between_validations_has_no_earlier_steps_loss(trainer_kwargs):
+    """After Ctrl+C the summary gave the exported weights (of the step the fit stopped at) the loss of an earlier
+    validation's weights."""
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=50, batch_size=1)])
+    trainer = L.Trainer(**{**trainer_kwargs, "val_check_interval": 2}, callbacks=[_InterruptAt(3)])
+    with pytest.warns(UserWarning, match="fit stopped by KeyboardInterrupt"), pytest.raises(SystemExit):
+        trainer.fit(module, small_dm())
+    rec = module.registry["a"]
+    assert rec.exported_step == 3 and [s for s, _ in rec.val_losses] == [2]
+    (row,) = module.registry.summary_rows("last")
+    assert math.isnan(row["exported_val_loss"]) and row["last_val_loss"] == rec.val_losses[0][1]
+
+
+def test_no_adapter_is_admitted_after_the_trainers_last_step(trainer_kwargs):
+    """A slot freed at the Trainer's last step was filled from the queue: the adapter was exported untrained (its B
+    zero), reported running with no step, and an Optuna trial spent on it."""
+    module = MultiLoRAModule("tiny-llama", max_running=1, validate_on_finish=False,
+                             adapters=[AdapterSpec("a", rank=2, max_steps=3), AdapterSpec("b", rank=2, max_steps=3)])
+    L.Trainer(**{**trainer_kwargs, "max_steps": 3}).fit(module, small_dm())
+    assert module.registry["a"].state == AdapterState.FINISHED
+    assert module.registry["b"].state == AdapterState.QUEUED and module.registry["b"].export_path is None
+
+
+def test_an_error_in_validate_leaves_the_fits_exports_and_report(tmp_path, trainer_kwargs):
+    """An exception in ``trainer.validate`` (or the refused ``trainer.test``) was handled as a stopped fit: the held
+    adapters re-exported into that Trainer's log directory, their measured export losses reset, and SweepReport's
+    summary overwritten by a "fit stopped" one."""
+    from lightning_multilora import SweepReport
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=20)])
+    L.Trainer(**{**trainer_kwargs, "max_steps": 3}, callbacks=[SweepReport(tensorboard=False)]).fit(module, small_dm())
+    rec = module.registry["a"]
+    path, loss, summary = rec.export_path, rec.exported_val_loss, (tmp_path / "sweep_summary.json").read_text()
+    assert math.isfinite(loss)
+
+    class Fails(Callback):
+        def on_validation_batch_end(self, *args):
+            raise RuntimeError("boom")
+
+    other = {**trainer_kwargs, "default_root_dir": str(tmp_path / "other")}
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with pytest.raises(RuntimeError, match="boom"):
+            L.Trainer(**other, callbacks=[Fails(), SweepReport(tensorboard=False)]).validate(module, small_dm())
+        with pytest.raises(ValueError, match="`trainer.test` has no step here"):
+            L.Trainer(**other, callbacks=[SweepReport(tensorboard=False)]).test(module, small_dm())
+    assert not [w for w in seen if "fit stopped" in str(w.message)]
+    assert (rec.export_path, rec.exported_val_loss) == (path, loss) and not (tmp_path / "other").exists()
+    assert (tmp_path / "sweep_summary.json").read_text() == summary
+
+
+def test_fast_dev_run_runs_with_a_warning(trainer_kwargs):
+    """``Trainer(fast_dev_run=True)`` was refused for a ``limit_val_batches`` the user never set (Lightning's)."""
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=5)])
+    kwargs = {k: v for k, v in trainer_kwargs.items() if k not in ("max_steps", "val_check_interval")}
+    with pytest.warns(UserWarning, match=r"`Trainer\(fast_dev_run=True\)`: a smoke run of 1 step\(s\); its "
+                                         r"validations see 1 batch"):
+        L.Trainer(**kwargs, fast_dev_run=True).fit(module, small_dm())
+    assert module.registry["a"].step == 1
+
+
+def test_an_earlier_fits_early_exit_does_not_keep_best_weights_in_a_later_fit(trainer_kwargs):
+    """EarlyExit turned the module's best-weight exports on for good: a later fit without it still exported best
+    weights and reported "best"."""
+    from lightning_multilora import EarlyExit
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
+    L.Trainer(**trainer_kwargs, callbacks=[EarlyExit()]).fit(module, small_dm())
+    assert module.keep_best_weights
+    module.add_adapter(AdapterSpec("b", rank=2, max_steps=2))
+    L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    assert not module.keep_best_weights
+    module.add_adapter(AdapterSpec("c", rank=2, max_steps=2))
+    L.Trainer(**trainer_kwargs, callbacks=[EarlyExit()]).fit(module, small_dm())
+    assert module.keep_best_weights
+
+
+def test_a_second_fit_of_the_module_goes_on_with_its_optimizer_state(tmp_path, trainer_kwargs):
+    """A fit stopped by the Trainer's ``max_steps`` and fitted again (a new Trainer) went on with the adapters' steps,
+    schedules and data, but a new optimizer: AdamW's moments and step counts restarted, silently. Two fits of 3 steps
+    now end where one of 6 does."""
+    from safetensors.torch import load_file
+
+    def run(stops: list[int], out: str) -> dict:
+        module = MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / out),
+                                 adapters=[AdapterSpec("a", rank=2, max_steps=6, lr=1e-2),
+                                           AdapterSpec("b", rank=2, max_steps=6, lr=3e-3, seed=1)])
+        dm = small_dm()
+        for stop in stops:
+            L.Trainer(**{**trainer_kwargs, "max_steps": stop}).fit(module, dm)
+        return {n: load_file(str(tmp_path / out / n / "adapter_model.safetensors")) for n in ("a", "b")}
+
+    once, twice = run([-1], "once"), run([3, -1], "twice")
+    for name in ("a", "b"):
+        for key, value in once[name].items():
+            torch.testing.assert_close(twice[name][key], value, atol=1e-6, rtol=1e-5)
+
+
+def test_a_resume_with_another_optimizer_or_its_settings_says_what_it_keeps(tmp_path, trainer_kwargs):
+    """A resume with another optimizer class (AdamW -> SGD with momentum) failed at its first step with a bare
+    ``KeyError: 'momentum'`` (the groups were the checkpoint's AdamW ones); other settings of the same optimizer were
+    left for the checkpoint's, silently."""
+    specs = [AdapterSpec("a", rank=2, max_steps=6)]
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False), small_dm())
+    trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    for kwargs, message in [
+        (dict(optimizer="torch.optim.SGD", optimizer_kwargs={"momentum": 0.9}),
+         r"the checkpoint's optimizer state is AdamW's, and the optimizer now is SGD: every adapter's optimizer "
+         r"state starts fresh"),
+        (dict(optimizer_kwargs={"betas": (0.8, 0.99)}),
+         r"the optimizer's settings differ from the checkpoint's \(betas: \(0.9, 0.999\) -> \(0.8, 0.99\)\): the "
+         r"adapters go on with the checkpoint's"),
+    ]:
+        module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False, **kwargs)
+        with pytest.warns(UserWarning, match=message):
+            L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path=str(tmp_path / "stop.ckpt"))
+        assert module.registry["a"].state == AdapterState.FINISHED and module.registry["a"].step == 6
+
+
+def test_a_resume_names_queued_adapters_no_longer_given_and_running_ones_over_the_cap(tmp_path, trainer_kwargs):
+    """A checkpoint's queued adapter left out of the adapters given now still trained, and a lower `max_running`
+    left the checkpoint's running adapters over it; neither was said."""
+    specs = [AdapterSpec(n, rank=2, max_steps=4, seed=i) for i, n in enumerate("abc")]
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(MultiLoRAModule("tiny-llama", adapters=specs, max_running=2, validate_on_finish=False), small_dm())
+    trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    module = MultiLoRAModule("tiny-llama", adapters=specs[:2], max_running=1, validate_on_finish=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path=str(tmp_path / "stop.ckpt"))
+    said = " | ".join(str(w.message) for w in seen)
+    assert "adapters queued in the checkpoint and not given now still start: ['c']" in said
+    assert "the checkpoint has 2 adapters running (['a', 'b']), over `max_running`=1: they go on" in said
+    assert all(module.registry[n].state == AdapterState.FINISHED for n in "abc")
+
+
+def test_validate_says_why_it_measures_nothing_and_a_loaded_checkpoint_is_held(tmp_path, trainer_kwargs):
+    """``trainer.validate`` before any fit said the adapters "ended and were exported" (they were queued); with a
+    module from ``load_from_checkpoint`` (or a ``ckpt_path``) it said the module held none, then measured both; and
+    ``load_from_checkpoint`` listed every frozen base weight as missing from the checkpoint."""
+    specs = [AdapterSpec("a", rank=2, max_steps=6), AdapterSpec("b", rank=2, max_steps=6, seed=1)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False)
+    with pytest.warns(UserWarning, match=r"holds none: its adapters have not started \(\['a', 'b'\]: they start in "):
+        L.Trainer(**trainer_kwargs).validate(module, small_dm())
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(module, small_dm())
+    trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    expected = module.evaluate(["a", "b"])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loaded = MultiLoRAModule.load_from_checkpoint(tmp_path / "stop.ckpt")
+        (from_loaded,) = L.Trainer(**trainer_kwargs).validate(loaded, small_dm())
+        (from_path,) = L.Trainer(**trainer_kwargs).validate(MultiLoRAModule("tiny-llama"), small_dm(),
+                                                            ckpt_path=str(tmp_path / "stop.ckpt"))
+    said = [str(w.message) for w in seen]
+    assert not [m for m in said if "holds none" in m or "not in the checkpoint" in m], said
+    for results in (from_loaded, from_path):
+        assert results == pytest.approx({f"adapters/{n}/val_loss": expected[n] for n in "ab"}, rel=1e-5)
+
+
+def test_a_fit_into_another_runs_log_directory_is_warned_of(tmp_path, trainer_kwargs):
+    """``multilora fit`` refuses a log directory holding another run's summary or study; from Python the new run's
+    report replaced the other's and a default OptunaSweep went on with its study, silently. The same module fitted
+    again, or a resume, writes its own."""
+    from lightning_multilora import SweepReport
+
+    def fit(module, **kwargs):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            L.Trainer(**trainer_kwargs, callbacks=[SweepReport(tensorboard=False, print_table=False)]).fit(
+                module, small_dm(), **kwargs)
+        return [str(w.message) for w in seen if "holds another run's" in str(w.message)]
+
+    first = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)], validate_on_finish=False)
+    assert fit(first) == []
+    first.add_adapter(AdapterSpec("b", rank=2, max_steps=2))
+    assert fit(first) == []  # (its own summary)
+    (said,) = fit(MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("c", rank=2, max_steps=2)]))
+    assert f"the log directory {tmp_path} holds another run's sweep_summary.json: this run's report replaces" in said

@@ -44,10 +44,11 @@ def test_the_summary_ranks_by_the_validation_loss_of_the_weights_exported():
         registry.summary_rows("final")
 
 
-def test_sft_and_dpo_adapters_rank_apart_and_an_unmeasured_export_falls_back_to_its_last_loss():
+def test_sft_and_dpo_adapters_rank_apart_and_an_unmeasured_export_has_no_loss():
     """A DPO loss (log 2 at the start) ranked above every SFT one in one list, with no column telling them or their
-    betas apart; an export whose weights were not measured at their step (no validation there) had no loss to rank
-    by."""
+    betas apart. An export whose weights were not measured at their step (Ctrl+C between validations) reported an
+    earlier step's loss as its weights': it has the loss its history holds at that step, else none (NaN, ranked
+    after the measured ones)."""
     import math
 
     registry = AdapterRegistry()
@@ -59,10 +60,14 @@ def test_sft_and_dpo_adapters_rank_apart_and_an_unmeasured_export_falls_back_to_
         rec.best_val_loss = rec.last_val_loss = loss
         rec.last_val_preference_accuracy = accuracy
         rec.best_val_step = 4
-        rec.exported_step, rec.exported_val_loss = 6, math.nan  # (last weights, not measured at step 6)
+        rec.exported_step, rec.exported_val_loss = 6, math.nan  # (last weights, not measured as they were exported)
+        rec.val_losses = [(4, loss), (6, loss)] if name != "dpo-b" else [(4, loss)]
+    rows = registry.summary_rows("last")
+    assert [r["adapter"] for r in rows] == ["sft", "dpo-a", "dpo-b"]
+    assert [r["exported_val_loss"] for r in rows][:2] == [3.0, 0.6] and math.isnan(rows[2]["exported_val_loss"])
+    registry["dpo-b"].val_losses.append((6, 0.01))
     rows = registry.summary_rows("last")
     assert [r["adapter"] for r in rows] == ["sft", "dpo-b", "dpo-a"]
-    assert [r["exported_val_loss"] for r in rows] == [3.0, 0.01, 0.6]
     assert [r["dpo_beta"] for r in rows] == [None, 2.0, 0.1] and rows[2]["val_preference_accuracy"] == 0.7
     registry["sft"].exported_val_loss = math.inf  # (measured at its step, and not finite: not the older loss)
     assert registry.summary_rows("last")[0]["exported_val_loss"] == math.inf

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +107,22 @@ def test_round_trip_through_a_dict():
     assert AdapterSpec.from_dict(spec.to_dict()) == spec
     with pytest.raises(ValueError, match="unknown AdapterSpec fields"):
         AdapterSpec.from_dict({"name": "x", "rnak": 3})
+    with pytest.raises(ValueError, match=r"\['lora_alpha'\].*allowed: .*'alpha'.*PEFT's names: lora_alpha -> `alpha`"):
+        AdapterSpec.from_dict({"name": "x", "lora_alpha": 3})
+
+
+def test_peft_spellings_are_named_with_this_packages_field():
+    """A PEFT user's ``LoraConfig`` keywords gave the dataclass's bare "unexpected keyword argument"."""
+    with pytest.raises(TypeError, match=r"unknown fields \['lora_alpha', 'r', 'use_dora'\]; allowed: \[.*'rank'.*\] "
+                                        r"\(PEFT's names: lora_alpha -> `alpha`; r -> `rank`; use_dora: not supported"):
+        AdapterSpec("x", r=8, lora_alpha=16, use_dora=True)
+    with pytest.raises(TypeError, match=r"unknown fields \['rnak'\]; allowed: .*'init_from'.*'weight_decay'\]$"):
+        AdapterSpec("x", rnak=3)
+    assert AdapterSpec("x", 4).rank == 4  # positional fields as before
+    assert AdapterSpec("x", init_from=Path("runs") / "a").init_from == str(Path("runs") / "a")
+    for bad in ("", 3):
+        with pytest.raises(ValueError, match=r"`init_from` must be a PEFT adapter folder's path or None"):
+            AdapterSpec("x", init_from=bad)
 
 
 def test_target_modules_take_what_the_modules_take():

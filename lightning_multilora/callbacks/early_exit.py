@@ -125,6 +125,7 @@ class EarlyExit(Callback):
         if not hasattr(pl_module, "registry"):
             raise TypeError("EarlyExit needs a MultiLoRAMixin module")
         pl_module.keep_best_weights = self.keep_best_weights
+        pl_module._best_kept_by_callback = True  # (a later fit without an EarlyExit turns it off again)
         if stage == "fit" and trainer is not None and trainer.limit_val_batches == 0:
             rank_zero_warn("EarlyExit judges each adapter at its validations, and `Trainer(limit_val_batches=0)` runs "
                            "none: it stops no adapter (validate every few steps, e.g. val_check_interval=50 with "
@@ -198,12 +199,15 @@ class EarlyExit(Callback):
         return {"watches": merge_by_owner([s.get("watches", {}) for s in states], owners),
                 "exits": sorted(exits, key=lambda e: e.get("step", 0))}
 
-    @override
-    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
-        # Lightning restores a callback's state by its `state_key`, which holds the rule's settings; one written
-        # with other settings is not restored (silently): said here
-        others = [k for k in checkpoint.get("callbacks", {}) if k.startswith("EarlyExit") and k != self.state_key]
-        if others and self.state_key not in checkpoint.get("callbacks", {}):
-            rank_zero_warn(f"the checkpoint's EarlyExit state was written with other settings ({others[0]}; now "
-                           f"{self.state_key}): it is not restored, and every adapter's loss average and patience "
-                           "counters start over")
+    def adopt_checkpoint_state(self, checkpoint: dict[str, Any]) -> None:
+        """Lightning restores a callback's state by its `state_key`, which holds the rule's settings: one written
+        with other settings was not restored, and every adapter's loss average and patience counters started over
+        (under Lightning's "Please add the following callbacks"). The module calls this as it loads a checkpoint,
+        before Lightning matches the callbacks' states: such a state is taken under this callback's key, and the
+        change said."""
+        states = checkpoint.get("callbacks", {})
+        others = [k for k in states if isinstance(k, str) and k.startswith("EarlyExit") and k != self.state_key]
+        if len(others) == 1 and self.state_key not in states:
+            states[self.state_key] = states.pop(others[0])
+            rank_zero_warn(f"the checkpoint's EarlyExit ran with other settings ({others[0]}; now {self.state_key}): "
+                           "every adapter's loss average and patience counters go on under the new ones")

@@ -122,6 +122,36 @@ def _open_study(storage: Any, study_name: str, sampler: "optuna.samplers.BaseSam
                          "such as 'sqlite:///runs/optuna.db' or an RDB's (postgresql://..., mysql://...)") from err
 
 
+def _resumed_storage(storage: str, ckpt_path: Optional[str], study_name: str, sweep_id: Optional[str]) -> str:
+    """The study file a resumed sweep goes on with, where its checkpoint named the run folder's own (``optuna.db``,
+    by absolute path): there if it is; else the ``optuna.db`` nearest above the checkpoint whose study holds this
+    sweep's trials (the run folder moved, with a warning); else a `UsageError` (a new, empty study there would take
+    the trials' numbers again)."""
+    import optuna
+
+    prefix = "sqlite:///"
+    if not storage.startswith(prefix) or Path(storage[len(prefix):]).is_file():
+        return storage
+
+    def holds_this_sweep(path: Path) -> bool:
+        try:
+            trials = optuna.load_study(study_name=study_name, storage=f"{prefix}{path}").get_trials(deepcopy=False)
+        except (KeyError, ValueError, OSError):  # (no such study there, or no database)
+            return False
+        return any(t.user_attrs.get("sweep") == sweep_id for t in trials)
+
+    here = Path(ckpt_path).resolve().parent if ckpt_path and Path(ckpt_path).exists() else None
+    found = next((p / "optuna.db" for p in ([here, *here.parents][:4] if here else [])
+                  if (p / "optuna.db").is_file() and holds_this_sweep(p / "optuna.db")), None)
+    if found is None:
+        raise UsageError(f"OptunaSweep: the study this checkpoint's sweep ran, in {storage[len(prefix):]}, is not "
+                         "there (its run folder moved, or the file was removed), nor in an optuna.db above the "
+                         "checkpoint holding its trials: give its place, `storage='sqlite:///<path>/optuna.db'`")
+    warnings.warn(f"OptunaSweep: the study this checkpoint's sweep ran is not at {storage[len(prefix):]} (the run "
+                  f"folder moved?): going on with {found}, the optuna.db above the checkpoint")
+    return f"{prefix}{found}"
+
+
 def _validation_interval(pl_module: L.LightningModule) -> Optional[int]:
     """The Trainer's validation interval in steps, where it is one (``val_check_interval`` an integer > 1, as the
     CLI sets it), else None (`_study_step`)."""
@@ -357,6 +387,9 @@ class OptunaSweep(Callback):
 
     def _ensure_study(self, trainer: L.Trainer) -> "optuna.Study":
         if self.study is None:
+            if getattr(self, "_storage_from_checkpoint", False):
+                self.storage = _resumed_storage(self.storage, getattr(trainer, "ckpt_path", None), self.study_name,
+                                                self.sweep_id)
             storage = self.storage
             if storage is None:
                 root = Path(log_dir_of(trainer))
@@ -822,9 +855,22 @@ class OptunaSweep(Callback):
         # by rank 0, its bookkeeping shared (every rank calls this hook, so the broadcast is matched).
         self._adopt(pl_module, decide_once(pl_module, lambda: self._tell_remaining(pl_module)))
 
-    def _tell_remaining(self, pl_module: L.LightningModule) -> dict[str, Any]:
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """A fit stopped by Ctrl+C or an error: the exits so far are told, and the trials left RUNNING named, as
+        after a ``max_steps`` stop (rank 0, without the other ranks: they may not be in this hook)."""
+        if trainer.state.fn != "fit" or self.study is None or not decides_here(pl_module):
+            return
+        try:
+            self._tell_remaining(pl_module, stopped_by=type(exception).__name__)
+        except Exception as err:  # noqa: BLE001 - the run's own exception is the one to raise
+            warnings.warn(f"OptunaSweep could not tell the study how its trials stand after "
+                          f"{type(exception).__name__}: {err}")
+
+    def _tell_remaining(self, pl_module: L.LightningModule, stopped_by: Optional[str] = None) -> dict[str, Any]:
         """`_tell_exits`, as a decision that asks nothing (for `_adopt`); trials whose adapters still train (the
-        Trainer stopped first: its ``max_steps`` or ``max_time``) stay RUNNING, with a warning saying so."""
+        Trainer stopped first: its ``max_steps`` or ``max_time``, or ``stopped_by`` an exception) stay RUNNING, with a
+        warning saying so."""
         self._tell_exits(pl_module)
         unfinished = [info["number"] for name, info in self.trials.items() if not info["told"] and not info.get("lost")
                       and name in pl_module.registry and not pl_module.registry[name].state.exited]
@@ -832,13 +878,17 @@ class OptunaSweep(Callback):
             trainer = getattr(pl_module, "_trainer", None)
             saved = [p for cb in getattr(trainer, "checkpoint_callbacks", []) or []
                      for p in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")) if p]
-            how = (f"Resume from the last checkpoint ({saved[0]}; the steps after it are trained again) with a larger "
-                   "Trainer max_steps to finish and tell them" if saved else
+            larger = "" if stopped_by else " with a larger Trainer max_steps"
+            how = (f"Resume from the last checkpoint ({saved[0]}; the steps after it are trained again){larger} to "
+                   "finish and tell them" if saved else
                    "No checkpoint of this run was saved, so none can resume them (a ModelCheckpoint saves at each "
                    "validation, `val_check_interval`)")
-            warnings.warn(f"trials {sorted(unfinished)} stay RUNNING in study {self.study.study_name!r}: the Trainer "
-                          "stopped (its max_steps or max_time) before their adapters finished (those that had started "
-                          f"are exported as they are). {how}")
+            stop = (f"the fit stopped by {stopped_by}" if stopped_by else
+                    "the Trainer stopped (its max_steps or max_time)")
+            how += (" (with `heartbeat_interval`, a later sweep on the study would fail them once this run is not "
+                    "resumed)" if stopped_by and not self._beats() else "")
+            warnings.warn(f"trials {sorted(unfinished)} stay RUNNING in study {self.study.study_name!r}: {stop} before "
+                          f"their adapters finished (those that had started are exported as they are). {how}")
         return {"specs": [], "state": self.state_dict()}
 
     @override
@@ -881,6 +931,7 @@ class OptunaSweep(Callback):
         self.sweep_id = state_dict.get("sweep_id", self.sweep_id)
         if self.storage is None:
             self.storage = state_dict.get("storage")
+            self._storage_from_checkpoint = self.storage is not None
         saved = state_dict.get("study_name")
         if saved is not None and self.study is None and saved != self.study_name:
             raise ValueError(f"OptunaSweep: this checkpoint's sweep ran study {saved!r}, and `study_name` is "

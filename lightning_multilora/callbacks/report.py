@@ -67,6 +67,8 @@ class SweepReport(Callback):
         adapters it held (`MultiLoRAMixin.export_after_exception`), under a line that says where it stopped: the
         adapters' states are those they had then (on rank 0, which under adapter parallelism knows the other ranks'
         adapters as of the last validation)."""
+        if trainer.state.fn != "fit":  # (a validate, or a refused test / predict: the fit's report stands)
+            return
         export = getattr(pl_module, "export_after_exception", None)
         try:
             if export is not None:

@@ -138,7 +138,7 @@ class WarmupSelection(Callback):
         exchange), then resume the kept ones that have room (every rank)."""
         self.kept = list(selection["kept"])
         for name in selection["ranking"]:
-            if name not in self.kept and pl_module._owns(name):
+            if name not in self.kept and pl_module._owns(name) and not pl_module.registry[name].state.exited:
                 pl_module.remove_adapter(name, state=AdapterState.PRUNED, reason=selection["pruned"][name])
         self.waiting = list(self.kept)
         self.decided = True
@@ -146,7 +146,14 @@ class WarmupSelection(Callback):
 
     def fill_slots(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Resume the kept adapters still waiting, as slots free (the module asks before it admits from its queue,
-        and before it ends a run with nothing running)."""
+        and before it ends a run with nothing running). Not decided yet: the selection, where it can be made now
+        (the last candidate may be known only here: a resumed sweep's trials told after its checkpoint are counted
+        as its provider fills the slots, after this step's `on_train_batch_end` waited for them)."""
+        if not self.decided and self.candidates:
+            selection = decide_once(pl_module, lambda: self._selection(trainer, pl_module.registry))
+            if selection is not None:
+                self._apply(pl_module, selection)
+                _sync(pl_module)  # the owners' prunes reach every rank before the module looks at its registry
         if self.waiting:
             self._resume_waiting(pl_module)
 

@@ -124,17 +124,25 @@ def test_the_callers_view_of_a_new_best_decides_whether_a_gap_counts():
     assert [rule.observe_validation("a", v, step=i, new_best=True) for i, v in enumerate([0.9, 0.95, 1.0])] == [None] * 3
 
 
-def test_a_checkpoint_of_other_settings_is_said_not_to_be_restored():
+def test_a_checkpoint_of_other_settings_is_restored_under_the_new_ones_and_said():
     """Lightning restores a callback's state by its key, which holds the rule's settings: a resume with other ones
-    starts the averages and counters over, and says so."""
+    started the averages and counters over (under Lightning's "Please add the following callbacks"). The module hands
+    the callback the checkpoint first: the state is taken under its key, and the change said."""
     written = EarlyExit()
+    written.observe_train_loss("a", 2.0)
+    checkpoint = {"callbacks": {written.state_key: written.state_dict(), "Other": {}}}
+    resumed = EarlyExit(tau_gap=0.2)
+    with pytest.warns(UserWarning, match=r"EarlyExit ran with other settings .*tau_gap.: 0.1.*now .*tau_gap.: 0.2.*: "
+                                         r"every adapter's loss average and patience counters go on"):
+        resumed.adopt_checkpoint_state(checkpoint)
+    assert set(checkpoint["callbacks"]) == {resumed.state_key, "Other"}
+    resumed.load_state_dict(checkpoint["callbacks"][resumed.state_key])
+    assert resumed.watches["a"].ema == 2.0
     checkpoint = {"callbacks": {written.state_key: written.state_dict()}}
-    with pytest.warns(UserWarning, match=r"EarlyExit state was written with other settings .*tau_gap.: 0.1.*now "
-                                         r".*tau_gap.: 0.2.*: it is not restored"):
-        EarlyExit(tau_gap=0.2).on_load_checkpoint(None, None, checkpoint)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        EarlyExit().on_load_checkpoint(None, None, checkpoint)  # the same settings: restored, nothing to say
+        EarlyExit().adopt_checkpoint_state(checkpoint)  # the same settings: as it is, nothing to say
+    assert list(checkpoint["callbacks"]) == [written.state_key]
 
 
 def test_numpy_numbers_and_an_infinite_threshold_are_taken():

@@ -865,3 +865,49 @@ def test_sweeps_sharing_a_study_count_each_others_trials_in_their_seeds(tmp_path
     assert mine._ask_number(study) != other._ask_number(study)
     study.tell(trial, 1.0)
     assert mine._ask_number(study) == other._ask_number(study) == 1
+
+
+def test_a_sweep_whose_run_folder_moved_resumes_with_the_study_beside_its_checkpoint(tmp_path, trainer_kwargs):
+    """The run folder's own study is kept in the checkpoint by absolute path: after the folder moved, the resume made
+    an empty study at the old place, asked trial 0 again and failed on a duplicate adapter name. It goes on with the
+    optuna.db above the checkpoint now (warned), or names the missing study."""
+    import shutil
+
+    def sweep():
+        return OptunaSweep(SPACE, n_trials=3, base={"max_steps": 4, "batch_size": 2}, slots=2)
+
+    trainer, _ = fit(tmp_path / "a", {**trainer_kwargs, "default_root_dir": str(tmp_path / "a")}, sweep(), max_steps=3)
+    trainer.save_checkpoint(tmp_path / "a" / "ck" / "stop.ckpt")
+    shutil.move(tmp_path / "a", tmp_path / "b")
+    kwargs = {**trainer_kwargs, "default_root_dir": str(tmp_path / "b")}
+    with pytest.warns(UserWarning, match=r"the study this checkpoint's sweep ran is not at .*a/optuna.db \(the run "
+                                         r"folder moved\?\): going on with .*b/optuna.db"):
+        _, resumed = fit(tmp_path / "b", kwargs, sweep(), ckpt=str(tmp_path / "b" / "ck" / "stop.ckpt"))
+    assert not (tmp_path / "a").exists()
+    trials = optuna.load_study(study_name="multilora", storage=f"sqlite:///{tmp_path / 'b' / 'optuna.db'}").get_trials()
+    assert [t.number for t in trials] == [0, 1, 2] and all(t.state.is_finished() for t in trials)
+    (tmp_path / "b" / "optuna.db").unlink()
+    with pytest.raises(ValueError, match=r"the study this checkpoint's sweep ran, in .*a/optuna.db, is not there .*"
+                                         r"give its place, `storage="):
+        fit(tmp_path / "b", kwargs, sweep(), ckpt=str(tmp_path / "b" / "ck" / "stop.ckpt"))
+    assert not (tmp_path / "a").exists()
+
+
+def test_a_fit_stopped_by_ctrl_c_tells_the_exits_and_names_the_trials_left_running(tmp_path, trainer_kwargs):
+    """After Ctrl+C the trials still training stayed RUNNING without the word a ``max_steps`` stop gives (and without
+    a heartbeat nothing would ever fail them)."""
+    from lightning.pytorch.callbacks import Callback
+
+    class CtrlC(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 4:
+                raise KeyboardInterrupt
+
+    sweep = OptunaSweep(SPACE, n_trials=4, base={"max_steps": 3, "batch_size": 2}, slots=1,
+                        storage=f"sqlite:///{tmp_path / 'study.db'}")
+    with pytest.warns(UserWarning, match=r"trials \[1\] stay RUNNING in study 'multilora': the fit stopped by "
+                                         r"KeyboardInterrupt before their adapters finished .*No checkpoint of this "
+                                         r"run .*with `heartbeat_interval`, a later sweep"), pytest.raises(SystemExit):
+        fit(tmp_path, trainer_kwargs, sweep, callbacks=[CtrlC()])
+    trials = optuna.load_study(study_name="multilora", storage=f"sqlite:///{tmp_path / 'study.db'}").get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "RUNNING"]
