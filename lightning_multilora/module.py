@@ -909,6 +909,11 @@ class MultiLoRAMixin:
         placement = self._placement()
         if placement is not None:  # one run id on every rank (each stamps the exports it writes): rank 0's
             self._run_id = placement.decide_on_rank_zero(lambda: self._run_id)
+        owners = getattr(self, "_carried_owners", None)
+        if placement is not None and self._resume_checkpoint is None and owners and not placement.owner:
+            # another fit of this module under adapter parallelism: each rank holds the weights it trained, so the
+            # adapters keep their owners (the new strategy knew none: every rank idled, holding its adapters)
+            placement.owner = {n: r for n, r in owners.items() if r < placement.world_size}
         if self._resume_checkpoint is not None and self._placement() is not None:
             # A checkpoint is written by a callback's on_train_batch_end, before the module's: under adapter
             # parallelism the step's exchange and its finished adapters were not settled in it. Settle them now,
@@ -956,6 +961,9 @@ class MultiLoRAMixin:
         step counts, silently)."""
         trainer = self._trainer_or_none()
         optimizer = self._raw_optimizer() if trainer is not None and trainer.state.fn == "fit" else None
+        placement = self._placement() if trainer is not None and trainer.state.fn == "fit" else None
+        if placement is not None:
+            self._carried_owners = dict(placement.owner)
         if optimizer is not None and any(g.get("adapter") is not None for g in optimizer.param_groups):
             state = optimizer.state_dict()  # (after an exception, on the GPU still: copied, so as not to pin it there)
             state["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
@@ -1884,15 +1892,15 @@ def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Op
     pairs = [(by_name[g["adapter"]], g) for g in optimizer.param_groups if g.get("adapter") in by_name]
     now = _optimizer_classes(optimizer)
     if saved_classes and not set(saved_classes) & set(now):  # (a checkpoint written before they were saved: kept)
-        warnings.warn(f"the checkpoint's optimizer state is {saved_classes[0]}'s, and the optimizer now is "
-                      f"{now[0]}: every adapter's optimizer state starts fresh", stacklevel=2)
+        rank_zero_warn(f"the checkpoint's optimizer state is {saved_classes[0]}'s, and the optimizer now is "
+                       f"{now[0]}: every adapter's optimizer state starts fresh")
         checkpoint["optimizer_states"] = [optimizer.state_dict(), *states[1:]]
         return
     changed = sorted({f"{k}: {old[k]!r} -> {new[k]!r}" for old, new in pairs for k in set(new) - own
                       if k in old and old[k] != new[k]})
     if changed:
-        warnings.warn(f"the optimizer's settings differ from the checkpoint's ({'; '.join(changed)}): the adapters go "
-                      "on with the checkpoint's, as a resumed optimizer does (`load_state_dict`)", stacklevel=2)
+        rank_zero_warn(f"the optimizer's settings differ from the checkpoint's ({'; '.join(changed)}): the adapters "
+                       "go on with the checkpoint's, as a resumed optimizer does (`load_state_dict`)")
     matched: dict[str, Any] = {"state": {}, "param_groups": []}
     index = 0
     for group in optimizer.param_groups:

@@ -150,6 +150,8 @@ class WarmupSelection(Callback):
         (the last candidate may be known only here: a resumed sweep's trials told after its checkpoint are counted
         as its provider fills the slots, after this step's `on_train_batch_end` waited for them)."""
         if not self.decided and self.candidates:
+            # (the candidates first: a resumed sweep's trials told after its checkpoint came in this fill)
+            self.candidates += decide_once(pl_module, lambda: self._warmed_up(pl_module.registry)["candidates"])
             selection = decide_once(pl_module, lambda: self._selection(trainer, pl_module.registry))
             if selection is not None:
                 self._apply(pl_module, selection)

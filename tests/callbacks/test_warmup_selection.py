@@ -163,32 +163,40 @@ class _LastCandidateKnownAtTheFill(Callback):
     """A candidate provider whose last word comes as the module fills the slots: pending until its ``fill_slots``
     (a resumed sweep counts the trials told after its checkpoint there), then none."""
 
-    def __init__(self):
-        self.pending = True
+    def __init__(self, told: bool = False):
+        self.pending, self.told = True, told
 
     def has_pending_candidates(self) -> bool:
         return self.pending
 
     def fill_slots(self, trainer, pl_module) -> None:
-        if all(r.state == AdapterState.PAUSED for r in pl_module.registry):
+        if self.pending and all(r.state == AdapterState.PAUSED for r in pl_module.registry):
             self.pending = False
+            if self.told:  # (a trial told after the resumed checkpoint: in the registry, ended, as it ended before)
+                pl_module.registry.add(AdapterSpec("told", rank=2)).state = AdapterState.PRUNED
 
 
-@pytest.mark.parametrize("provider_first", [True, False])
-def test_a_selection_due_once_the_provider_fills_the_slots_is_made_then(trainer_kwargs, provider_first):
+@pytest.mark.parametrize("provider_first, told", [(True, False), (False, False), (True, True)])
+def test_a_selection_due_once_the_provider_fills_the_slots_is_made_then(trainer_kwargs, provider_first, told):
     """The selection waited for a provider's pending candidates at the step's end; the provider, filling the slots
     after it, had none, and the module ended the run with every candidate paused (a resumed sweep: its export of a
-    finished trial overwritten by warmup weights). The selection is made at the fill now, whatever the order."""
+    finished trial overwritten by warmup weights). The selection is made at the fill now, whatever the order, and
+    counts a candidate the fill brought (a trial told after the checkpoint: the top half of 3 keeps 2)."""
     module = MultiLoRAModule("tiny-llama", max_running=2, validate_on_finish=False,
                              adapters=[AdapterSpec(n, rank=2, max_steps=12, lr=lr, seed=i)
                                        for i, (n, lr) in enumerate((("a", 1e-2), ("b", 1e-4)))])
-    selection, provider = WarmupSelection(warmup_fraction=0.25, keep_fraction=0.5), _LastCandidateKnownAtTheFill()
+    selection = WarmupSelection(warmup_fraction=0.25, keep_fraction=0.5)
+    provider = _LastCandidateKnownAtTheFill(told)
     callbacks = [provider, selection] if provider_first else [selection, provider]
     dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(200)}, max_val_examples=8)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         L.Trainer(**trainer_kwargs, callbacks=callbacks).fit(module, dm)
     assert not [w for w in seen if "nothing is left to run" in str(w.message)]
-    assert selection.decided and len(selection.kept) == 1
-    kept, pruned = module.registry[selection.kept[0]], module.registry[({"a", "b"} - set(selection.kept)).pop()]
-    assert (kept.state, kept.step) == (AdapterState.FINISHED, 12) and pruned.state == AdapterState.PRUNED
+    assert selection.decided and len(selection.kept) == (2 if told else 1)
+    for name in ("a", "b"):
+        rec = module.registry[name]
+        if name in selection.kept:
+            assert (rec.state, rec.step) == (AdapterState.FINISHED, 12)
+        else:
+            assert rec.state == AdapterState.PRUNED

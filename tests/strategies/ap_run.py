@@ -5,7 +5,7 @@
 MODE: parallel|single|stop|resume|resume_one|stop_single|resume_two|early_exit|early_exit_single|
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
 dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|
-remove_single|end_eval|end_eval_single|refit. Several modes run one after
+remove_single|end_eval|end_eval_single|refit|refit_on. Several modes run one after
 the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
 of processes), each from the same seeds and with its own records, as if alone.
 
@@ -33,7 +33,8 @@ step 2 (`MultiLoRAModule.evaluate`) and removes a1 (`remove_adapter`). ``end_eva
 a callback's ``on_train_end`` evaluates the adapters still running, recording the losses (`evaluate(record=True)`).
 The ``early_exit``, ``remove`` and ``end_eval`` modes log every step to a CSV and a TensorBoard logger
 (OUT_DIR/logs_<mode>/csv|tb/version_0). ``refit``: 4 steps (checkpoints every 2), then the same module object fits
-again from the step-2 checkpoint to the end.
+again from the step-2 checkpoint to the end. ``refit_on``: 2 steps, then the same module object fits again (a new
+Trainer and strategy, no checkpoint) to the end.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -219,6 +220,8 @@ def run_mode(out: Path, mode: str) -> None:
         # and a checkpoint on rank 1's adapter's training loss, every step (its owner alone had the value: it hung)
         kwargs.update(max_steps=2, callbacks=[*kwargs.get("callbacks", []), EvaluateAtTheEnd(), ModelCheckpoint(
             dirpath=out / f"ckpt_{mode}", monitor="adapters/a1/train_loss", every_n_train_steps=1, save_top_k=1)])
+    if mode == "refit_on":
+        kwargs.update(max_steps=2)
     if mode == "refit":
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -250,6 +253,10 @@ def run_mode(out: Path, mode: str) -> None:
         again = AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90))
         trainer = L.Trainer(strategy=again, devices=2, **dict(kwargs, max_steps=-1, callbacks=[]))
         trainer.fit(module, dm, ckpt_path=ckpt_path)
+    if mode == "refit_on":  # the same module object fitted again: each rank holds the adapters it trained
+        again = AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90))
+        trainer = L.Trainer(strategy=again, devices=2, **dict(kwargs, max_steps=-1))
+        trainer.fit(module, dm)
     rank = trainer.global_rank
     if mode.startswith("end_eval"):  # after the fit: what trainer.validate returns, and an ended adapter evaluated
         validated = sorted(trainer.validate(module, dm, verbose=False)[0])

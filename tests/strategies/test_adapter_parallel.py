@@ -71,7 +71,7 @@ SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_s
                 "remove_single", "end_eval_single",
                 *(["optuna_single", "warmup_single"] if OPTUNA else [])]
 TWO_RANK_MODES = ["parallel", "stop", "resume_two", "early_exit", "early_exit_resume_two", "replicated", "dpo", "remove",
-                  "end_eval", "refit", "admission",
+                  "end_eval", "refit", "refit_on", "admission",
                   *(["optuna_admission", "optuna", "optuna_defaults", "optuna_prune", "warmup", "warmup_stop"]
                     if OPTUNA else [])]
 # resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
@@ -353,6 +353,20 @@ def test_a_module_resumed_in_place_keeps_every_adapters_curve_on_every_rank(runs
     for name, history in never_stopped["train"].items():
         assert [s for s, _ in ranks[0]["train"][name]] == [s for s, _ in history]
         assert [v for _, v in ranks[0]["train"][name]] == pytest.approx([v for _, v in history], rel=1e-5)
+
+
+def test_a_module_fitted_again_goes_on_where_it_stopped_on_two_ranks(runs):
+    """A second fit of the same module object (a new Trainer, a new strategy) knew no adapter's owner: every rank
+    idled, holding the adapters it had trained, and a run without max_steps never ended. They keep their owners, and
+    their optimizer states: the adapters end as a run never stopped does."""
+    ranks = [json.loads((runs / f"refit_on.rank{r}.json").read_text()) for r in (0, 1)]
+    never_stopped = json.loads((runs / "parallel.rank0.json").read_text())
+    assert ranks[0]["states"] == ranks[1]["states"] == never_stopped["states"]
+    for name in never_stopped["states"]:
+        again = load_file(runs / "refit_on" / name / "adapter_model.safetensors")
+        uninterrupted = load_file(runs / "parallel" / name / "adapter_model.safetensors")
+        for key, value in uninterrupted.items():
+            torch.testing.assert_close(again[key], value, atol=1e-6, rtol=1e-5)
 
 
 def test_a_callback_written_for_one_process_evaluates_and_removes_adapters_on_two_ranks(runs):
