@@ -2036,9 +2036,9 @@ class ExportOnException(L.Callback):
         log_dir = log_dir_of(trainer)
         if getattr(self, "_previous", None) and trainer.ckpt_path is None:
             rank_zero_warn(f"the log directory {log_dir} holds another run's {', '.join(self._previous)}: this run's "
-                           "report replaces the summary, and an OptunaSweep without a `storage` goes on with that "
-                           "study (give each run its own `default_root_dir`, or a logger that versions its runs; "
-                           "`multilora fit` refuses this)")
+                           "report is written beside that summary, and an OptunaSweep without a `storage` goes on "
+                           "with that study (give each run its own `default_root_dir`, or a logger that versions its "
+                           "runs; `multilora fit` refuses this)")
         if log_dir and hasattr(pl_module, "registry"):  # (a later fit of this module into it: its own files)
             pl_module._log_dirs = getattr(pl_module, "_log_dirs", set()) | {str(Path(log_dir).resolve())}
 

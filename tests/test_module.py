@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import warnings
@@ -1536,5 +1537,9 @@ def test_a_fit_into_another_runs_log_directory_is_warned_of(tmp_path, trainer_kw
     assert fit(first) == []
     first.add_adapter(AdapterSpec("b", rank=2, max_steps=2))
     assert fit(first) == []  # (its own summary)
+    before = (tmp_path / "sweep_summary.json").read_text()
     (said,) = fit(MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("c", rank=2, max_steps=2)]))
-    assert f"the log directory {tmp_path} holds another run's sweep_summary.json: this run's report replaces" in said
+    assert f"the log directory {tmp_path} holds another run's sweep_summary.json: this run's report is written " \
+           "beside that summary" in said
+    assert (tmp_path / "sweep_summary.json").read_text() == before  # kept; this run's beside it
+    assert [row["adapter"] for row in json.loads((tmp_path / "sweep_summary-v1.json").read_text())] == ["c"]

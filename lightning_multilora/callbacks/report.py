@@ -56,6 +56,18 @@ class SweepReport(Callback):
         self._silent = reports[0] is not self  # (the CLI adds one: a config that lists another would print twice)
         if self._silent and trainer.is_global_zero:
             warnings.warn("a second SweepReport among the Trainer's callbacks is left silent; the first reports")
+        # another run's summary in this run's log directory (not one this module wrote in an earlier fit): kept,
+        # unless this fit resumes (known in on_fit_start)
+        log_dir = log_dir_of(trainer)
+        path = Path(log_dir) / self.filename if self.filename and log_dir else None
+        self._foreign = (stage == "fit" and path is not None and path.exists()
+                         and str(Path(log_dir).resolve()) not in getattr(pl_module, "_log_dirs", set()))
+        self._path: Optional[Path] = None  # (this fit's summary file, once chosen)
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.ckpt_path is not None:
+            self._foreign = False
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -90,7 +102,15 @@ class SweepReport(Callback):
         self.rows = registry.summary_rows(exported)
         log_dir = log_dir_of(trainer)
         if self.filename and log_dir:
-            path = Path(log_dir) / self.filename
+            path = getattr(self, "_path", None) or Path(log_dir) / self.filename
+            if getattr(self, "_foreign", False):  # another run's: kept, and this one written beside it
+                taken, version = path, 1
+                while path.exists():
+                    path = taken.with_name(f"{taken.stem}-v{version}{taken.suffix}")
+                    version += 1
+                self._foreign = False
+                warnings.warn(f"SweepReport: {taken} is another run's summary; it is kept, and this run's is {path}")
+            self._path = path
             try:  # (the table, the pictures and the printout still come if the file cannot be written)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(_finite(self.rows), indent=1, default=str, allow_nan=False))
@@ -111,7 +131,7 @@ class SweepReport(Callback):
                 board = boards[0].log_dir
                 lines.append(f"TensorBoard logs: {board}  (tensorboard --logdir {board})")
             if self.filename and log_dir and not (boards and Path(boards[0].log_dir) == Path(log_dir)):
-                lines.append(f"Summary:          {Path(log_dir) / self.filename}")
+                lines.append(f"Summary:          {getattr(self, '_path', None) or Path(log_dir) / self.filename}")
             print("\n".join(lines), flush=True)
 
     def _write_tensorboard(self, trainer: L.Trainer, registry: AdapterRegistry) -> None:
