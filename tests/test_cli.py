@@ -219,18 +219,18 @@ class TermAtStep2(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def test_a_fit_ended_by_sigterm_exits_with_143_after_exporting(tmp_path):
+@pytest.fixture
+def default_sigterm():
+    """SIGTERM's default handler for the test (Lightning takes SIGTERM only where no handler is set: an earlier
+    test's may be), the one before restored after."""
+    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, before)
+
+
+def test_a_fit_ended_by_sigterm_exits_with_143_after_exporting(tmp_path, default_sigterm):
     """Lightning's exception for a SIGTERM is a ``SystemExit`` of status 0: a pre-empted run looked done to a
     scheduler (this package's own executor among them)."""
-    # (Lightning takes SIGTERM only where no handler is set: an earlier test's may be)
-    before = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    try:
-        _fit_until_sigterm(tmp_path)
-    finally:
-        signal.signal(signal.SIGTERM, before)
-
-
-def _fit_until_sigterm(tmp_path):
     args = ["fit", "--trainer.default_root_dir", str(tmp_path / "run"), "--trainer.accelerator", "cpu",
             "--trainer.logger", "false", "--trainer.enable_progress_bar", "false", "--model.base_model", "tiny-llama",
             "--model.adapters", "[{name: a, rank: 2, max_steps: 20, batch_size: 2}]",
