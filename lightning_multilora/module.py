@@ -738,8 +738,8 @@ class MultiLoRAMixin:
             spec = rec.spec
             try:
                 self._datamodule().check(spec)  # a misspelled `dataset`, an unreadable file: here, not at a batch
-                if spec.init_from:
-                    self._targets_of(spec)  # (its folder read again, on every rank: moved since it was queued?)
+                # (an `init_from` folder read again, on every rank: moved since it was queued?)
+                targets = self._targets_of(spec)
                 if rec.max_steps is None:
                     if spec.max_steps is not None:
                         rec.max_steps = spec.max_steps
@@ -756,7 +756,7 @@ class MultiLoRAMixin:
                 placement.place([r.spec for r in self.registry.running])
                 if not placement.owns(rec.name):
                     continue  # another rank trains it
-            self._create_weights(rec)
+            self._create_weights(rec, targets=targets)
             optimizer = self._raw_optimizer()
             if optimizer is not None:
                 # a placeholder group (a rank that started with no adapter) goes once a real one arrives
@@ -766,14 +766,17 @@ class MultiLoRAMixin:
                     optimizer.param_groups.remove(group)
                 optimizer.add_param_group(self._param_group(spec))
 
-    def _create_weights(self, rec: AdapterRecord, checkpoint: Optional[dict] = None) -> None:
+    def _create_weights(self, rec: AdapterRecord, checkpoint: Optional[dict] = None, targets: Any = None) -> None:
         """Adapter ``rec``'s weights: a fresh initialisation, or its `AdapterSpec.init_from` folder's; with
-        ``checkpoint`` (a resume, which loads the weights next) fresh ones in the checkpoint's layers."""
+        ``checkpoint`` (a resume, which loads the weights next) fresh ones in the checkpoint's layers. ``targets``:
+        its `_targets_of`, where the caller has them."""
         self._step_graphs.clear()  # a new layout anyway; the graphs' memory is freed now rather than later
         spec = rec.spec
         # (a resume's adapter from an `init_from` folder: the layers the checkpoint holds, the folder not needed)
-        targets = (self._checkpoint_layers(checkpoint, spec.name) if checkpoint is not None and spec.init_from
-                   else self._targets_of(spec))
+        if checkpoint is not None and spec.init_from:
+            targets = self._checkpoint_layers(checkpoint, spec.name)
+        elif targets is None:
+            targets = self._targets_of(spec)
         self.lora_layers.add_adapter(spec.name, spec.rank, spec.alpha, spec.dropout, spec.use_rslora, targets,
                                      spec.seed)
         if spec.init_from and checkpoint is None:
@@ -960,8 +963,9 @@ class MultiLoRAMixin:
         then go on as a resume from a checkpoint does (a new optimizer restarted every adapter's AdamW moments and
         step counts, silently)."""
         trainer = self._trainer_or_none()
-        optimizer = self._raw_optimizer() if trainer is not None and trainer.state.fn == "fit" else None
-        placement = self._placement() if trainer is not None and trainer.state.fn == "fit" else None
+        if trainer is None or trainer.state.fn != "fit":
+            return
+        optimizer, placement = self._raw_optimizer(), self._placement()
         if placement is not None:
             self._carried_owners = dict(placement.owner)
         if optimizer is not None and any(g.get("adapter") is not None for g in optimizer.param_groups):
@@ -1623,14 +1627,18 @@ class MultiLoRAMixin:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
+    def _base_prefix(self) -> str:
+        """The frozen base's prefix in this module's state dict ("model.", or "" where the module is the base)."""
+        model = self.lora_layers.model
+        return next((f"{n}." for n, m in self.named_modules() if m is model), "")
+
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict``; the adapters a checkpoint's registry made hold their weights after it (a
         `load_from_checkpoint` module's among them), and the frozen base's keys, which no checkpoint holds, are not
         listed as missing (Lightning listed every base weight)."""
         result = super().load_state_dict(state_dict, strict=strict, assign=assign)
         self._not_loaded = set()
-        model = self.lora_layers.model
-        prefix = next((f"{n}." for n, m in self.named_modules() if m is model), "")  # (as `on_save_checkpoint`)
+        prefix = self._base_prefix()
         return type(result)([k for k in result.missing_keys if any(s in k for s in _LORA_KEYS)
                              or not k.startswith(prefix)], result.unexpected_keys)
 
@@ -1639,7 +1647,7 @@ class MultiLoRAMixin:
         # the frozen base is left out (its weights come from where the module loads them), under whatever name the
         # module reaches it; the adapters, and any other state of a module hosting them (a head of its own), are kept
         model = self.lora_layers.model
-        prefix = next((f"{n}." for n, m in self.named_modules() if m is model), "")
+        prefix = self._base_prefix()
         base = {_storage_of(t) for t in itertools.chain(model.parameters(), model.buffers())} - {None}
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items()
                                     if any(s in k for s in _LORA_KEYS)
@@ -2013,13 +2021,8 @@ class ExportOnException(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning_multilora.strategies.adapter_parallel import guard_folder_checkpoints
 
-        log_dir = log_dir_of(trainer)
+        log_dir_of(trainer)
         pl_module._exported_after = None
-        # another run's report and study in this run's log directory, seen before this run writes either (said in
-        # on_fit_start, where a resume, which goes on with them, is known)
-        self._previous = [n for n in ("sweep_summary.json", "optuna.db") if stage == "fit" and log_dir
-                          and (Path(log_dir) / n).exists()
-                          and str(Path(log_dir).resolve()) not in getattr(pl_module, "_log_dirs", set())]
         guard_folder_checkpoints(trainer.strategy)  # (before a checkpoint loads)
         # Its on_validation_end puts back the monitored values `_settle_monitors` took for EarlyStopping: after every
         # other callback's (a module's own EarlyStopping comes after it in Lightning's order), before the checkpoints'
@@ -2034,12 +2037,7 @@ class ExportOnException(L.Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         log_dir = log_dir_of(trainer)
-        if getattr(self, "_previous", None) and trainer.ckpt_path is None:
-            rank_zero_warn(f"the log directory {log_dir} holds another run's {', '.join(self._previous)}: this run's "
-                           "report is written beside that summary, and an OptunaSweep without a `storage` goes on "
-                           "with that study (give each run its own `default_root_dir`, or a logger that versions its "
-                           "runs; `multilora fit` refuses this)")
-        if log_dir and hasattr(pl_module, "registry"):  # (a later fit of this module into it: its own files)
+        if log_dir and hasattr(pl_module, "registry"):  # (a later fit's SweepReport finds its own summary there)
             pl_module._log_dirs = getattr(pl_module, "_log_dirs", set()) | {str(Path(log_dir).resolve())}
 
     @override

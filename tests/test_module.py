@@ -1534,7 +1534,7 @@ def test_a_fit_into_another_runs_log_directory_is_warned_of(tmp_path, trainer_kw
             warnings.simplefilter("always")
             L.Trainer(**trainer_kwargs, callbacks=[SweepReport(tensorboard=False, print_table=False)]).fit(
                 module, small_dm(), **kwargs)
-        return [str(w.message) for w in seen if "holds another run's" in str(w.message)]
+        return [str(w.message) for w in seen if "another run's" in str(w.message)]
 
     first = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)], validate_on_finish=False)
     assert fit(first) == []
@@ -1542,7 +1542,7 @@ def test_a_fit_into_another_runs_log_directory_is_warned_of(tmp_path, trainer_kw
     assert fit(first) == []  # (its own summary)
     before = (tmp_path / "sweep_summary.json").read_text()
     (said,) = fit(MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("c", rank=2, max_steps=2)]))
-    assert f"the log directory {tmp_path} holds another run's sweep_summary.json: this run's report is written " \
-           "beside that summary" in said
+    assert said == (f"SweepReport: {tmp_path / 'sweep_summary.json'} is another run's summary; it is kept, and this "
+                    f"run's is {tmp_path / 'sweep_summary-v1.json'}")
     assert (tmp_path / "sweep_summary.json").read_text() == before  # kept; this run's beside it
     assert [row["adapter"] for row in json.loads((tmp_path / "sweep_summary-v1.json").read_text())] == ["c"]

@@ -390,15 +390,23 @@ class OptunaSweep(Callback):
             if getattr(self, "_storage_from_checkpoint", False):
                 self.storage = _resumed_storage(self.storage, getattr(trainer, "ckpt_path", None), self.study_name,
                                                 self.sweep_id)
-            storage = self.storage
+            storage, default = self.storage, None
             if storage is None:
                 root = Path(log_dir_of(trainer))
                 root.mkdir(parents=True, exist_ok=True)
-                storage = f"sqlite:///{(root / 'optuna.db').resolve()}"
-                self.storage = storage
+                default = (root / "optuna.db").resolve()
+                storage = self.storage = f"sqlite:///{default}"
+                default = default if default.exists() else None  # (another run's, where it is there already)
             self.study = _open_study(storage, self.study_name, self._sampler(), self.heartbeat_interval,
                                      self.grace_period, self.pruner)
             _check_minimizes(self.study, f"`study_name` {self.study_name!r} in `storage` {storage!r}")
+            others = default and [t for t in self.study.get_trials(deepcopy=False)
+                                  if t.user_attrs.get("sweep") != self.sweep_id]
+            if others:  # (a study given in `storage` is shared on purpose; the run folder's own was not)
+                warnings.warn(f"OptunaSweep: the log directory's {default} holds another run's {len(others)} trials "
+                              f"in study {self.study_name!r}; this sweep goes on with that study (give each run its "
+                              "own `default_root_dir` or a logger that versions its runs, or name a `storage`; "
+                              "`multilora fit` refuses this)")
             self._own_sampler = True  # (a study given by the user keeps its own sampler)
         if not self._opened:
             self._opened = True

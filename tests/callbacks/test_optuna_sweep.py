@@ -911,3 +911,25 @@ def test_a_fit_stopped_by_ctrl_c_tells_the_exits_and_names_the_trials_left_runni
         fit(tmp_path, trainer_kwargs, sweep, callbacks=[CtrlC()])
     trials = optuna.load_study(study_name="multilora", storage=f"sqlite:///{tmp_path / 'study.db'}").get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE", "RUNNING"]
+
+
+def test_a_sweep_into_a_log_directory_holding_another_runs_study_says_so(tmp_path, trainer_kwargs):
+    """The run folder's own study (no `storage` given) of another run was gone on with, silently (`multilora fit`
+    refuses such a folder); a `storage` named is shared on purpose, and says nothing."""
+    import warnings
+
+    def sweep(**kwargs):
+        return OptunaSweep(SPACE, n_trials=1, base={"max_steps": 2, "batch_size": 1}, slots=1, **kwargs)
+
+    def said(make):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fit(tmp_path, trainer_kwargs, make())
+        return [str(w.message) for w in seen if str(w.message).startswith("OptunaSweep: the log directory's")]
+
+    assert said(sweep) == []
+    (message,) = said(sweep)
+    assert message.startswith(f"OptunaSweep: the log directory's {(tmp_path / 'optuna.db').resolve()} holds another "
+                              "run's 1 trials in study 'multilora'; this sweep goes on with that study")
+    storage = f"sqlite:///{tmp_path / 'shared.db'}"
+    assert said(lambda: sweep(storage=storage)) == [] and said(lambda: sweep(storage=storage)) == []
