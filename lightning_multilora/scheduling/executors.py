@@ -120,7 +120,6 @@ class LocalExecutor:
 
     def start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
         command = task_command(task)
-        log_path = next_log_path(self.log_dir, task.id, self._attempts)
         if self.visible and max(gpu_ids, default=-1) >= len(self.visible):
             self._failed_starts.append(Completion(self.now(), task.id, False, (
                 f"GPUs {list(gpu_ids)} asked for, but CUDA_VISIBLE_DEVICES gives {len(self.visible)}")))
@@ -130,7 +129,8 @@ class LocalExecutor:
         else:  # (none where it hides every GPU)
             devices = [self.visible[i] for i in gpu_ids if i < len(self.visible)]
         env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": ",".join(devices), "MULTILORA_TASK_ID": task.id}
-        try:
+        try:  # (the log's name too: a name the file system refuses, ENAMETOOLONG, stopped the whole schedule)
+            log_path = next_log_path(self.log_dir, task.id, self._attempts)
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log = open(log_path, "x")  # noqa: SIM115 - closed when the task completes
         except OSError as err:  # a failed attempt, not a crashed schedule that stops the running tasks

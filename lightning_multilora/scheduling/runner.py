@@ -9,10 +9,14 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from lightning_multilora.arguments import check_int, check_real
+from lightning_multilora.scheduling.executors import Completion
 from lightning_multilora.scheduling.task_scheduler import Placement, Schedule, Task, TaskScheduler
 
 
 POLL_S = 0.5  # how often a running schedule with a ``poll`` asks it for new tasks (executor seconds)
+# the most a replan solves (or the scheduler's own `time_limit_s`, where lower): the GPUs freed by the completion that
+# brought it idle meanwhile, and the plan is made again at the next completion anyway (17 replans of a 5 s limit: 85 s)
+REPLAN_TIME_LIMIT_S = 1.0
 
 
 @dataclass
@@ -29,14 +33,26 @@ class RunRecord:
 class ScheduleRunner:
     """Keeps a living plan: tasks arrive (now or later), start when the plan says, and every arrival or
     completion triggers a replan with the running tasks fixed (between them the plan is followed as it is). A
-    failed task is retried up to ``max_retries`` times, then marked failed. ``poll()``, when given, is asked for newly submitted tasks
-    every `POLL_S` while the schedule runs, tasks running or not (a running schedule accepts new tasks)."""
+    failed task is retried up to ``max_retries`` times, then marked failed (an executor's `OSError` on starting it, a
+    log that cannot be made, is a failed attempt too: the running tasks go on). ``poll()``, when given, is asked for
+    newly submitted tasks every ``poll_s`` (executor seconds; None: at each event alone, for a virtual clock that jumps
+    from one to the next) while the schedule runs, tasks running or not (a running schedule accepts new tasks). A
+    replan solves for ``replan_time_limit_s`` at most (default: `REPLAN_TIME_LIMIT_S`, or the scheduler's limit where
+    lower; a first plan, the scheduler's); what the plan followed starts now starts before it (GPUs do not wait)."""
 
     def __init__(self, scheduler: TaskScheduler, executor: Any, max_retries: int = 2,
-                 poll: Optional[Callable[[], list[Task]]] = None, plan: Optional[Schedule] = None) -> None:
+                 poll: Optional[Callable[[], list[Task]]] = None, plan: Optional[Schedule] = None,
+                 poll_s: Optional[float] = POLL_S, replan_time_limit_s: Optional[float] = None) -> None:
         check_int("ScheduleRunner", "max_retries", max_retries, 0)
+        if poll_s is not None:
+            check_real("ScheduleRunner", "poll_s", poll_s, lambda v: v > 0,
+                       "a number of seconds > 0 (or None: at each event, for a virtual clock)")
+        if replan_time_limit_s is None:
+            replan_time_limit_s = min(REPLAN_TIME_LIMIT_S, scheduler.time_limit_s)
+        check_real("ScheduleRunner", "replan_time_limit_s", replan_time_limit_s, lambda v: v > 0,
+                   "a number of seconds > 0 (or None: the default)")
         self.scheduler, self.executor, self.max_retries = scheduler, executor, max_retries
-        self.poll = poll
+        self.poll, self.poll_s, self.replan_time_limit_s = poll, poll_s, float(replan_time_limit_s)
         # the plan being followed; ``plan`` (one made from time 0 for exactly the tasks submitted before `run`,
         # the one a user was shown) is followed as it is until something changes
         self.plan: Optional[Schedule] = None
@@ -47,6 +63,7 @@ class ScheduleRunner:
         self.attempts: dict[str, int] = {}
         self.records: dict[str, RunRecord] = {}
         self.replans = 0
+        self._failed_starts: list[Completion] = []  # starts the executor raised on, completed as failed attempts
 
     def known_ids(self) -> set[str]:
         """Ids of every task submitted so far (waiting, running or ended)."""
@@ -68,7 +85,7 @@ class ScheduleRunner:
     def _replan_and_start(self, solve: bool = True) -> Optional[float]:
         """Replan from now (``solve``, or when the plan followed cannot go on: a task it starts now would find its
         GPUs busy, one before it having run past its estimate); start what the plan starts now; return the next
-        planned start after now."""
+        planned start after now. Before a solve, what the plan followed starts now (on free GPUs) starts at once."""
         if not self.pending:
             return None
         given, self._given = self._given, None
@@ -82,26 +99,43 @@ class ScheduleRunner:
         else:
             solve = True
         if solve:
+            if self.plan is not None:  # (running then, fixed in the solve: the new plan keeps them where they are)
+                self._start_due(self.plan, first_tick)
+            if not self.pending:
+                return None
             running = {tid: Placement(tid, p.start, self._assumed_end(p), p.gpu_ids)
                        for tid, (_, p) in self.running.items()}
-            self.plan = self.scheduler.plan(list(self.pending.values()), running=running, now=self.now)
+            limit = self.replan_time_limit_s if self.plan is not None else None  # (a first plan: the scheduler's)
+            self.plan = self.scheduler.plan(list(self.pending.values()), running=running, now=self.now,
+                                            time_limit_s=limit)
             self.replans += 1
-        plan = self.plan
+            first_tick = self.scheduler._ticks(self.now) * self.scheduler.resolution_s  # (the solve took a while)
+        return self._start_due(self.plan, first_tick)
+
+    def _start_due(self, plan: Schedule, first_tick: float) -> Optional[float]:
+        """Start the pending tasks that ``plan`` starts by ``first_tick``, where their GPUs are free; the next start
+        it plans for the others (tasks it does not hold wait for a replan)."""
         later = []
         busy = {g for _, p in self.running.values() for g in p.gpu_ids}
-        for tid, task in sorted(self.pending.items(), key=lambda item: plan.placements[item[0]].start):
+        due = sorted((tid for tid in self.pending if tid in plan.placements), key=lambda t: plan.placements[t].start)
+        for tid in due:
             p = plan.placements[tid]
             # planned for the first tick from now: start now, where its GPUs are free (a plan followed from time 0,
             # now a little past it, puts the tasks of tick 0 and of tick 1 there: one after another on a GPU)
             if p.start <= first_tick + 1e-9 and not busy & set(p.gpu_ids):
                 busy |= set(p.gpu_ids)
-                del self.pending[tid]
-                self.attempts[tid] = self.attempts.get(tid, 0) + 1
-                self.running[tid] = (task, Placement(tid, self.now, self.now + task.duration, p.gpu_ids))
-                self.executor.start(task, p.gpu_ids)
+                self._start(self.pending.pop(tid), p.gpu_ids)
             else:
                 later.append(p.start)
         return min(later) if later else None
+
+    def _start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
+        self.attempts[task.id] = self.attempts.get(task.id, 0) + 1
+        self.running[task.id] = (task, Placement(task.id, self.now, self.now + task.duration, gpu_ids))
+        try:
+            self.executor.start(task, gpu_ids)
+        except OSError as err:  # (a log path the file system refuses...): this task's failed attempt, not a crash
+            self._failed_starts.append(Completion(self.now, task.id, False, f"could not start: {err}"))
 
     def _assumed_end(self, p: Placement) -> float:
         """When a running task is taken to end, for a replan: its estimate, at least a tick from now; past its
@@ -131,13 +165,19 @@ class ScheduleRunner:
                 except ValueError as err:  # new tasks no plan can hold (too long): refused, the others go on
                     next_start = self._refuse_until_planned(polled, err)
                 changed = False
+            if self._failed_starts:  # retried (replanned) or failed at once, as an executor's own failed starts
+                failed, self._failed_starts = self._failed_starts, []
+                for done in failed:
+                    self._complete(done)
+                changed = True
+                continue
             deadlines = [t for t in (next_start, self.arrivals[0][0] if self.arrivals else None) if t is not None]
-            if not self.running and not deadlines:
-                if self.poll is None:
-                    raise RuntimeError(f"tasks {sorted(self.pending)} can never start")
+            polling = self.poll is not None and self.poll_s is not None
+            if not self.running and not deadlines and not polling:
+                raise RuntimeError(f"tasks {sorted(self.pending)} can never start")
             deadline = min(deadlines) if deadlines else None
-            if self.poll is not None:  # new tasks are looked for every half second, running tasks or not
-                deadline = self.now + POLL_S if deadline is None else min(deadline, self.now + POLL_S)
+            if polling:  # new tasks are looked for every `poll_s`, running tasks or not
+                deadline = self.now + self.poll_s if deadline is None else min(deadline, self.now + self.poll_s)
             for done in self.executor.wait(deadline):
                 self._complete(done)
                 changed = True

@@ -3,27 +3,34 @@
 A task file::
 
     gpus: 8                 # GPUs of this machine
-    time_limit_s: 5         # CP-SAT limit per solve (default 2)
+    time_limit_s: 5         # CP-SAT limit per plan (default 2; a replan while running: 1 s at most)
     resolution_s: 1         # plan grid in seconds (default 1)
     max_retries: 2          # attempts after a failure (default 2)
     log_dir: runs/schedule  # task logs and the Gantt chart (default runs/schedule)
     tasks:
-      - {id: llama70b-sweep, duration: 3600, gpus: 4, command: "multilora fit --config a.yaml", torchrun: false}
-      - {id: qwen7b-sweep, duration: 900, gpus: 1, command: [multilora, fit, --config, b.yaml]}
+      - {id: llama70b-sweep, duration: 3600, gpus: 4, command: "multilora fit --config a.yaml"}
+      - {id: qwen7b-sweep, duration: 900, gpus: 1, command: [multilora, fit, --config, b.yaml, --seed_everything, 007]}
+      - {id: own-ddp, duration: 600, gpus: 2, command: [train.py, --lr, 1.0e-3], torchrun: true}
 
-A task ``id`` is letters, digits, ``.``, ``_`` and ``-`` (it names the task's logs, ``<log_dir>/logs/<id>.<n>.log``;
-a rerun over the same ``log_dir`` numbers its logs on and keeps the earlier ones; its Gantt charts likewise:
-``plan.png`` and ``run.png``, then ``plan.1.png`` and ``run.1.png``...).
+A task ``id`` is at most 200 letters, digits, ``.``, ``_`` and ``-`` (it names the task's logs,
+``<log_dir>/logs/<id>.<n>.log``; a rerun over the same ``log_dir`` numbers its logs on and keeps the earlier ones; its
+Gantt charts likewise: ``plan.png`` and ``run.png``, then ``plan.1.png`` and ``run.1.png``...). A ``command`` list's
+items reach the process as written (``007``, ``1.10``, ``false``: not YAML's 7, 1.1 and False). ``torchrun: true``
+runs the command as ``torchrun --nproc-per-node <gpus> <command>``: it then starts with a Python script, ``-m module``
+or ``--no-python program`` (refused otherwise: torchrun would run ``python multilora``); ``multilora fit`` needs no
+torchrun (Lightning starts a process per GPU), or runs as ``-m lightning_multilora.cli fit ...``.
 ``--plan-only`` prints the plan and stops; ``--simulate`` runs it on a virtual clock; ``--ray ADDRESS``
 hands each task to a Ray cluster (``auto``: the local one; placement groups with GPU bundles); otherwise
 each task runs as a subprocess on its GPUs (GPU ``i`` is the ``i``-th of ``CUDA_VISIBLE_DEVICES`` where that is
-set; ``gpus`` above what it, or the machine, has is refused). ``--inbox DIR``: task files (``*.yaml``, a ``tasks:`` list) dropped into
-``DIR`` while the schedule runs are submitted and replanned (then renamed ``*.yaml.done``).
+set; ``gpus`` above what it, or the machine, has is refused, before any chart is drawn). ``--inbox DIR``: task files
+(``*.yaml`` or ``*.yml``, a ``tasks:`` list) dropped into ``DIR`` while the schedule runs are submitted and replanned
+(then renamed ``<name>.done``; other files are said once and left alone).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import threading
 from collections.abc import Hashable, Mapping
@@ -32,12 +39,13 @@ from typing import Any, Optional
 
 import yaml
 
-from lightning_multilora.scheduling.executors import LocalExecutor, SimulatedExecutor
-from lightning_multilora.scheduling.runner import RunRecord, ScheduleRunner
+from lightning_multilora.scheduling.executors import LocalExecutor, SimulatedExecutor, visible_gpus
+from lightning_multilora.scheduling.runner import POLL_S, RunRecord, ScheduleRunner
 from lightning_multilora.scheduling.task_scheduler import (Schedule, Task, TaskScheduler, validate_tasks,
                                                            yaml_number_hint)
 
 TASK_FIELDS = ("id", "duration", "gpus", "command", "torchrun")
+INBOX_SUFFIXES = (".yaml", ".yml")  # an inbox's task files (any case); ``.done`` and ``.rejected`` ones stay put
 FILE_FIELDS = ("gpus", "time_limit_s", "resolution_s", "max_retries", "log_dir", "tasks")
 
 
@@ -67,7 +75,9 @@ def parse_tasks(entries: Any, where: str) -> list[Task]:
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (it kept the last one, silently; a key merged
     in with ``<<:`` may be given again, as YAML allows); an ``id`` written as a plain scalar keeps its text (``007``,
-    ``1.10``, ``12:30``, ``off``, ``2024-01-01``: YAML's numbers 7, 1.1 and 750, False and a date)."""
+    ``1.10``, ``12:30``, ``off``, ``2024-01-01``: YAML's numbers 7, 1.1 and 750, False and a date), and so does every
+    scalar of a ``command`` list: ``[train.py, --lr, 1.10, --steps, 1_000, --flag, false]`` reaches the process as
+    written (YAML's 1.1, 1000 and False turned back into text were other arguments, or refused)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
@@ -88,6 +98,10 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         if (given and isinstance(given[-1], yaml.ScalarNode) and given[-1].style is None
                 and not isinstance(value, str) and value is not None):
             mapping["id"] = given[-1].value  # (a number, boolean or date as written: its text names the task's logs)
+        commands = [v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == "command"]
+        if commands and isinstance(commands[-1], yaml.SequenceNode):  # (a nested list or mapping: Task names it)
+            mapping["command"] = [item.value if isinstance(item, yaml.ScalarNode)
+                                  else self.construct_object(item, deep=True) for item in commands[-1].value]
         return mapping
 
 
@@ -184,12 +198,19 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
     """Tasks from task files dropped into ``inbox`` (each read once, then renamed ``.done``); a bad file is
     renamed ``.rejected`` and reported, and the schedule goes on. ``known()`` gives the task ids already in
     the schedule (a new task may not reuse one); ``node_gpus``, the most GPUs one task may take (a Ray cluster's
-    largest node). Write files elsewhere and move them in (a rename is atomic)."""
+    largest node). Write files elsewhere and move them in (a rename is atomic). A file of another name is said once
+    (a ``.yml`` was ignored, silently) and left alone; hidden ones (an editor's) are not said."""
     inbox.mkdir(parents=True, exist_ok=True)
+    said: set[str] = set()
 
     def poll() -> list[Task]:
         tasks: list[Task] = []
-        for path in sorted(inbox.glob("*.yaml")):
+        for path in sorted(inbox.iterdir()):
+            if path.suffix.lower() not in INBOX_SUFFIXES:
+                if not (path.name.endswith((".done", ".rejected")) or path.name.startswith(".") or path.name in said):
+                    said.add(path.name)
+                    print(f"skipped {path}: an inbox's task files end in {' or '.join(INBOX_SUFFIXES)}", flush=True)
+                continue
             try:
                 data = read_yaml(path.read_text(encoding="utf-8")) or {}
                 unknown = sorted(set(data) - {"tasks"}) if isinstance(data, Mapping) else []
@@ -233,14 +254,14 @@ def records_table(records: Mapping[str, RunRecord]) -> str:
     return "\n".join(lines)
 
 
-def _gpus_here(executor: LocalExecutor) -> Optional[tuple[int, str]]:
-    """How many GPUs the local executor can hand out, and what says so: its ``CUDA_VISIBLE_DEVICES``, else the
-    machine's GPUs; None on a machine without, or with ``CUDA_VISIBLE_DEVICES`` empty (the tasks' GPU ids are then
-    slots only, and the tasks get no GPU)."""
-    if executor.visible == []:  # every GPU hidden on purpose: tasks that use none
+def _gpus_here(visible: Optional[list[str]]) -> Optional[tuple[int, str]]:
+    """How many GPUs a local executor can hand out, and what says so: ``visible`` (its ``CUDA_VISIBLE_DEVICES``,
+    `visible_gpus`), else the machine's GPUs; None on a machine without, or with ``CUDA_VISIBLE_DEVICES`` empty (the
+    tasks' GPU ids are then slots only, and the tasks get no GPU)."""
+    if visible == []:  # every GPU hidden on purpose: tasks that use none
         return None
-    if executor.visible is not None:
-        return len(executor.visible), f"CUDA_VISIBLE_DEVICES={','.join(executor.visible)}"
+    if visible is not None:
+        return len(visible), f"CUDA_VISIBLE_DEVICES={','.join(visible)}"
     import torch
 
     count = torch.cuda.device_count()
@@ -264,20 +285,30 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--plan-only runs nothing: leave out --simulate, --ray and --inbox")
     if args.inbox is not None and args.inbox.resolve() in (args.task_file.resolve().parent,
                                                            args.task_file.absolute().parent.resolve()):
-        parser.error(f"--inbox {args.inbox}: the folder holds the task file {args.task_file} (every *.yaml in an "
-                     "inbox is taken as a new task file and renamed): give the inbox a folder of its own")
+        parser.error(f"--inbox {args.inbox}: the folder holds the task file {args.task_file} (every *.yaml or *.yml "
+                     "in an inbox is taken as a new task file and renamed): give the inbox a folder of its own")
     if args.inbox is not None and args.inbox.exists() and not args.inbox.is_dir():
         parser.error(f"--inbox {args.inbox}: not a folder (a file of that name exists): give a folder, made if absent")
     try:
         settings, tasks = load_task_file(args.task_file)
     except (OSError, ValueError, yaml.YAMLError) as err:
         parser.error(str(err))
+    if not (args.plan_only or args.simulate) and any(t.command is None for t in tasks):
+        parser.error("every task needs a `command` to run (or use --simulate / --plan-only)")
     scheduler = TaskScheduler(settings["gpus"], settings["time_limit_s"], settings["resolution_s"])
     try:
         plan: Schedule = scheduler.plan(tasks)
     except ValueError as err:
         parser.error(f"{args.task_file}: {err}")
     print(plan.table())
+    # a run this machine or the cluster cannot hold is refused here, before any chart is drawn (a refused schedule
+    # left a plan.<n>.png behind, and took the next number from the schedule run after it)
+    executor, node_gpus = _ray_executor(args, settings, tasks, parser) if args.ray is not None else (None, None)
+    if not (args.plan_only or args.simulate or args.ray is not None):
+        available = _gpus_here(visible_gpus(os.environ))
+        if available is not None and settings["gpus"] > available[0]:
+            parser.error(f"{args.task_file}: `gpus` is {settings['gpus']}, but {available[1]} gives {available[0]}; "
+                         "lower `gpus`, or use --plan-only / --simulate")
     plan_path, run_path = chart_paths(Path(settings["log_dir"]))
     try:
         chart = gantt(plan.placements, settings["gpus"], args.gantt or plan_path,
@@ -287,33 +318,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"Gantt chart: {chart}")
     if args.plan_only:
         return 0
-    if not args.simulate and any(t.command is None for t in tasks):
-        parser.error("every task needs a `command` to run (or use --simulate / --plan-only)")
-    node_gpus = None  # (the most GPUs a task may take on one node, where a Ray cluster says)
-    if args.simulate:
-        executor = SimulatedExecutor()
-    elif args.ray is not None:
-        from lightning_multilora.scheduling.ray_executor import RayExecutor
-
-        try:
-            executor = RayExecutor(address=args.ray, log_dir=Path(settings["log_dir"]) / "logs")
-        except (ConnectionError, RuntimeError, ValueError) as err:  # (before any task started)
-            parser.error(f"--ray {args.ray}: no Ray cluster to run on ({type(err).__name__}: {err}); start one "
-                         "(`ray start --head`) or leave out --ray to run the tasks here")
-        total, largest = executor.capacity()  # (Ray would wait forever for a placement group that cannot be made)
-        node_gpus = largest
-        widest = max(t.gpus for t in tasks)
-        if settings["gpus"] > total or widest > largest:
-            parser.error(f"{args.task_file}: `gpus` is {settings['gpus']} and the widest task takes {widest} on one "
-                         f"node, but the Ray cluster has {total} GPUs, at most {largest} on a node; lower them, or "
-                         "use --plan-only / --simulate")
-    else:
-        executor = LocalExecutor(Path(settings["log_dir"]) / "logs")
-        available = _gpus_here(executor)
-        if available is not None and settings["gpus"] > available[0]:
-            parser.error(f"{args.task_file}: `gpus` is {settings['gpus']}, but {available[1]} gives {available[0]}; "
-                         "lower `gpus`, or use --plan-only / --simulate")
-    runner = ScheduleRunner(scheduler, executor, settings["max_retries"], plan=plan)  # the plan shown is the one run
+    if executor is None:  # (a local executor's clock starts when it is made: after the chart)
+        executor = SimulatedExecutor() if args.simulate else LocalExecutor(Path(settings["log_dir"]) / "logs")
+    # the plan shown is the one run; a simulation looks in the inbox at each event, its clock jumping from one to the
+    # next (every 0.5 s of its clock, a 2,000,000 s task took 41 s)
+    runner = ScheduleRunner(scheduler, executor, settings["max_retries"], plan=plan,
+                            poll_s=None if args.simulate else POLL_S)
     if args.inbox is not None:
         runner.poll = inbox_poller(args.inbox, settings["gpus"], known=lambda: runner.known_ids(),
                                    need_command=not args.simulate, node_gpus=node_gpus)
@@ -346,6 +356,27 @@ def main(argv: Optional[list[str]] = None) -> int:
         done = f"not written ({err})"
     print(f"makespan {runner.makespan:.1f} s, {runner.replans} replans; Gantt chart of the run: {done}")
     return 0 if all(r.state == "finished" for r in records.values()) else 1
+
+
+def _ray_executor(args: argparse.Namespace, settings: dict[str, Any], tasks: list[Task],
+                  parser: argparse.ArgumentParser) -> tuple[Any, int]:
+    """A `RayExecutor` on ``--ray``'s cluster, and the most GPUs its largest node gives a task; a parser error where
+    there is no cluster, or it has fewer GPUs than the file asks for (Ray would wait forever for a placement group
+    that cannot be made)."""
+    from lightning_multilora.scheduling.ray_executor import RayExecutor
+
+    try:
+        executor = RayExecutor(address=args.ray, log_dir=Path(settings["log_dir"]) / "logs")
+    except (ConnectionError, RuntimeError, ValueError) as err:  # (before any task started)
+        parser.error(f"--ray {args.ray}: no Ray cluster to run on ({type(err).__name__}: {err}); start one "
+                     "(`ray start --head`) or leave out --ray to run the tasks here")
+    total, largest = executor.capacity()
+    widest = max(t.gpus for t in tasks)
+    if settings["gpus"] > total or widest > largest:
+        parser.error(f"{args.task_file}: `gpus` is {settings['gpus']} and the widest task takes {widest} on one "
+                     f"node, but the Ray cluster has {total} GPUs, at most {largest} on a node; lower them, or "
+                     "use --plan-only / --simulate")
+    return executor, largest
 
 
 class _Terminated(KeyboardInterrupt):

@@ -139,3 +139,17 @@ def test_cuda_visible_devices_ends_at_its_first_negative_index(value, visible):
     from lightning_multilora.scheduling.executors import visible_gpus
 
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": value}) == visible
+
+
+def test_a_log_name_the_file_system_refuses_is_a_failed_start(tmp_path, monkeypatch):
+    """`next_log_path` raising OSError (a name too long, ENAMETOOLONG) escaped `start`: the schedule crashed."""
+    from lightning_multilora.scheduling import executors
+
+    def too_long(log_dir, task_id, attempts):
+        raise OSError(36, "File name too long", str(log_dir / f"{task_id}.1.log"))
+
+    monkeypatch.setattr(executors, "next_log_path", too_long)
+    executor = LocalExecutor(tmp_path / "logs")
+    executor.start(Task("a", 1.0, 1, [sys.executable, "-c", "pass"]), (0,))
+    (completion,) = executor.wait(None)
+    assert not completion.ok and "could not open its log: [Errno 36] File name too long" in completion.detail

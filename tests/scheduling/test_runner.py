@@ -156,3 +156,74 @@ def test_a_polled_task_no_plan_can_hold_is_refused_and_the_running_ones_go_on(ca
     assert records["huge"].state == "failed" and "at most" in records["huge"].detail
     assert records["good"].state == "finished"  # (refused with the one too long, it was)
     assert "refused task 'huge'" in capsys.readouterr().out
+
+
+def test_an_oserror_starting_a_task_is_a_failed_attempt_and_the_others_go_on():
+    """An executor raising OSError on a start (a log name the file system refuses: ENAMETOOLONG) crashed the runner,
+    stopping the tasks already running; it is that task's failed attempt, retried, then failed."""
+
+    class RefusingExecutor(SimulatedExecutor):
+        def start(self, task, gpu_ids):
+            if task.id == "refused":
+                raise OSError(36, "File name too long")
+            super().start(task, gpu_ids)
+
+    runner = ScheduleRunner(TaskScheduler(2), RefusingExecutor(), max_retries=1)
+    for t in (Task("long", 10, 1), Task("refused", 2, 1), Task("after", 2, 1)):
+        runner.submit(t)
+    records = runner.run()
+    assert (records["long"].state, records["long"].end) == ("finished", 10)
+    assert records["after"].state == "finished"
+    refused = records["refused"]
+    assert (refused.state, refused.attempts) == ("failed", 2) and "File name too long" in refused.detail
+
+
+def test_replans_solve_briefly_and_the_plans_starts_do_not_wait_for_them():
+    """A replan solved for the scheduler's whole `time_limit_s` (5 s per completion, GPUs idle): it solves for 1 s at
+    most. What the plan followed starts at a completion starts before the replan's solve."""
+    events = []
+
+    class Recording(SimulatedExecutor):
+        def start(self, task, gpu_ids):
+            events.append(("start", task.id))
+            super().start(task, gpu_ids)
+
+    scheduler = TaskScheduler(1, time_limit_s=30)
+    solve = scheduler.plan
+
+    def plan(*args, **kwargs):
+        events.append(("plan", kwargs.get("time_limit_s")))
+        return solve(*args, **kwargs)
+
+    scheduler.plan = plan
+    runner = ScheduleRunner(scheduler, Recording())
+    for t in (Task("a", 2, 1), Task("b", 2, 1), Task("c", 2, 1)):
+        runner.submit(t)
+    records = runner.run()
+    # the first plan solves for the scheduler's limit (optimal at once here), the replan for 1 s
+    assert runner.replan_time_limit_s == 1.0
+    assert [e for e in events if e[0] == "plan"] == [("plan", None), ("plan", 1.0)]
+    first, second, third = sorted(records.values(), key=lambda r: r.start)
+    assert (first.start, second.start, third.start) == (0, 2, 4)
+    assert events.index(("start", second.task_id)) < events.index(("plan", 1.0))  # at the first end, before the solve
+    assert ScheduleRunner(TaskScheduler(1, time_limit_s=0.3), SimulatedExecutor()).replan_time_limit_s == 0.3
+    with pytest.raises(ValueError, match=r"`replan_time_limit_s` must be a number of seconds > 0"):
+        ScheduleRunner(TaskScheduler(1), SimulatedExecutor(), replan_time_limit_s=0)
+
+
+def test_a_virtual_clock_polls_at_each_event_not_every_half_second():
+    """``poll_s=None``: a simulation asks ``poll`` at each event, jumping from one to the next (every `POLL_S` of its
+    clock, a 2,000,000 s task made 4,000,000 polls)."""
+    calls = []
+
+    def poll():
+        calls.append(1)
+        return [Task("late", 5, 1)] if len(calls) == 1 else []
+
+    runner = ScheduleRunner(TaskScheduler(1), SimulatedExecutor(), poll=poll, poll_s=None)
+    runner.submit(Task("long", 2e6, 1))
+    records = runner.run()
+    assert records["late"].state == records["long"].state == "finished" and runner.makespan == 2e6 + 5
+    assert len(calls) <= 5
+    with pytest.raises(ValueError, match=r"`poll_s` must be a number of seconds > 0 \(or None"):
+        ScheduleRunner(TaskScheduler(1), SimulatedExecutor(), poll_s=0)

@@ -308,3 +308,120 @@ def test_an_inbox_task_wider_than_the_largest_node_is_rejected(tmp_path):
     (inbox / "b.yaml").write_text("tasks: [{id: ok, duration: 1, gpus: 2, command: [echo]}]")
     assert [t.id for t in poll()] == ["ok"]
     assert sorted(p.name for p in inbox.iterdir()) == ["a.yaml.rejected", "b.yaml.done"]
+
+
+def test_a_command_lists_scalars_reach_the_process_as_written(tmp_path):
+    """YAML read ``1.10``, ``007``, ``1:30``, ``0x10``, ``1_000`` and ``2.50`` as numbers, whose text went to the
+    process as '1.1', '7', '90', '16', '1000' and '2.5'; ``false`` was refused as a bool. The list's scalars keep their
+    text, also in a list shared through an anchor or a merge key; a nested list is refused, naming its item."""
+    path = write(tmp_path, """\
+        gpus: 1
+        tasks:
+          - {id: argv, duration: 1, command: [echo, 1.10, 007, 1:30, 0x10, 1_000, 2.50, false, null, 'no', 2024-01-01]}
+          - &d {id: a, duration: 1, command: &c [echo, 1.0, off]}
+          - {<<: *d, id: b}
+          - {id: c, duration: 1, command: *c}
+        """)
+    commands = {t.id: t.command for t in load_task_file(path)[1]}
+    assert commands["argv"] == ("echo", "1.10", "007", "1:30", "0x10", "1_000", "2.50", "false", "null", "no",
+                                "2024-01-01")
+    assert commands["a"] == commands["b"] == commands["c"] == ("echo", "1.0", "off")
+    nested = write(tmp_path, "gpus: 1\ntasks: [{id: a, duration: 1, command: [echo, [1, 2]]}]")
+    with pytest.raises(ValueError, match=r"`command` item #1 must be a string \(or a number\), got \[1, 2\] \(list\)"):
+        load_task_file(nested)
+
+
+def test_an_id_too_long_for_a_log_file_name_is_refused_when_the_file_is_loaded(tmp_path):
+    """A 252-character id passed the checks, then the log's name (ENAMETOOLONG) crashed the running schedule."""
+    path = write(tmp_path, f"gpus: 1\ntasks: [{{id: ok, duration: 1}}, {{id: {'x' * 252}, duration: 1}}]")
+    with pytest.raises(ValueError, match=r"task `id` must be at most 200 characters \(it names the task's log files"
+                                         r".*got 252") as raised:
+        load_task_file(path)
+    assert str(raised.value).startswith(f"{path}: ")
+    longest = write(tmp_path, f"gpus: 1\ntasks: [{{id: {'y' * 200}, duration: 1}}]")
+    assert [len(t.id) for t in load_task_file(longest)[1]] == [200]
+
+
+def test_a_torchrun_task_must_run_a_python_script_or_module(tmp_path):
+    """torchrun runs its first argument with Python: ``multilora fit`` under it failed in the task's log alone
+    ("can't open file '.../multilora'"). Refused when the file is loaded, naming the field; the module docstring's
+    example file loads."""
+    import re
+
+    from lightning_multilora.scheduling import task_file
+
+    path = write(tmp_path, "gpus: 2\ntasks: [{id: a, duration: 1, gpus: 2, torchrun: true, "
+                           "command: multilora fit --config a.yaml}]")
+    with pytest.raises(ValueError, match=r"task 'a': a `torchrun` task's `command` must start with a Python script "
+                                         r"\(`train.py ...`\), `-m module ...` or `--no-python program ...`, got "
+                                         r"'multilora'"):
+        load_task_file(path)
+    path = write(tmp_path, "gpus: 2\ntasks: [{id: a, duration: 1, torchrun: true, command: [train.py, --lr, 1.10]}, "
+                           "{id: b, duration: 1, torchrun: true, command: -m lightning_multilora.cli fit}, "
+                           "{id: c, duration: 1, torchrun: true, command: --no-python multilora fit}]")
+    assert [t.command[0] for t in load_task_file(path)[1]] == ["train.py", "-m", "--no-python"]
+    example = re.search(r"A task file::\n\n(.*?)\n\n", task_file.__doc__, re.S).group(1)
+    settings, tasks = load_task_file(write(tmp_path, example))
+    assert any(t.torchrun for t in tasks) and tasks[1].command[-1] == "007"
+
+
+def test_an_inbox_reads_yml_files_and_says_once_which_files_it_skips(tmp_path, capsys):
+    from lightning_multilora.scheduling.task_file import inbox_poller
+
+    inbox = tmp_path / "inbox"
+    poll = inbox_poller(inbox, 1)
+    (inbox / "a.yml").write_text("tasks: [{id: yml, duration: 1}]")
+    (inbox / "b.YAML").write_text("tasks: [{id: upper, duration: 1}]")
+    (inbox / "notes.txt").write_text("not a task file")
+    (inbox / ".c.yaml.swp").write_text("an editor's")
+    assert sorted(t.id for t in poll()) == ["upper", "yml"]
+    assert poll() == []
+    out = capsys.readouterr().out
+    assert out.count("skipped") == 1 and f"skipped {inbox / 'notes.txt'}: an inbox's task files end in .yaml or .yml" \
+        in out
+    assert sorted(p.name for p in inbox.iterdir()) == [".c.yaml.swp", "a.yml.done", "b.YAML.done", "notes.txt"]
+
+
+def test_a_refused_schedule_draws_no_chart(tmp_path, capsys, monkeypatch):
+    """A schedule refused after planning (no `command` with --ray, more GPUs than CUDA_VISIBLE_DEVICES gives) wrote the
+    plan's Gantt chart first, and the next run's took the next number."""
+    logs = tmp_path / "logs"
+    no_command = write(tmp_path, f"gpus: 1\nlog_dir: {logs}\ntasks: [{{id: a, duration: 1}}]")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(no_command), "--ray", "auto"])
+    assert exit_info.value.code == 2 and "every task needs a `command`" in capsys.readouterr().err
+    too_wide = write(tmp_path, f"gpus: 3\nlog_dir: {logs}\ntasks: [{{id: a, duration: 1, command: [echo]}}]")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(too_wide)])
+    assert exit_info.value.code == 2 and "`gpus` is 3, but CUDA_VISIBLE_DEVICES=4,6 gives 2" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.png"))
+    assert main([str(too_wide), "--plan-only"]) == 0 and (logs / "plan.png").exists()  # (the first chart: plan.png)
+
+
+def test_a_simulation_with_an_inbox_jumps_to_the_next_event(tmp_path, monkeypatch, capsys):
+    """``--simulate --inbox`` polled every 0.5 s of the virtual clock: a 2,000,000 s task, 4,000,000 polls (41 s). The
+    inbox is looked in at each event; a file dropped in before the run is still taken."""
+    from lightning_multilora.scheduling import task_file
+
+    calls = []
+    make_poller = task_file.inbox_poller
+
+    def counted(*args, **kwargs):
+        poll = make_poller(*args, **kwargs)
+
+        def count() -> list:
+            calls.append(1)
+            if len(calls) > 100:
+                raise RuntimeError("the inbox was polled more than 100 times")
+            return poll()
+        return count
+
+    monkeypatch.setattr(task_file, "inbox_poller", counted)
+    inbox = tmp_path / "inbox"
+    inbox.mkdir()
+    (inbox / "new.yaml").write_text("tasks: [{id: late, duration: 10}]")
+    path = write(tmp_path, f"gpus: 1\nlog_dir: {tmp_path / 'logs'}\ntasks: [{{id: a, duration: 2000000}}]")
+    assert main([str(path), "--simulate", "--inbox", str(inbox)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("finished") == 2 and "makespan 2000010.0 s" in out and len(calls) <= 5

@@ -197,3 +197,43 @@ def test_the_fallback_plan_fills_gpus_a_wide_task_waits_for(monkeypatch):
         check_valid(plan, tasks, gpus)
         assert all(plan.placements[t.id].start >= now for t in tasks)
         assert all(plan.placements[k] == p for k, p in running.items())
+
+
+def brute_force_best(tasks: list[Task], gpus: int) -> tuple[int, int]:
+    """The least (makespan, sum of starts) over all integer start times (small instances only)."""
+    horizon = int(sum(t.duration for t in tasks))
+    best = (horizon + 1, 0)
+    for starts in itertools.product(range(horizon), repeat=len(tasks)):
+        key = (max(s + t.duration for s, t in zip(starts, tasks)), sum(starts))
+        if key < best and all(sum(t.gpus for s, t in zip(starts, tasks) if s <= time < s + t.duration) <= gpus
+                              for time in range(int(key[0]))):
+            best = key
+    return best
+
+
+def test_among_plans_of_the_best_makespan_tasks_start_earliest():
+    """The makespan alone left tasks anywhere that ends by then (5 of 8 GPUs idle at time 0, tasks waiting): a second
+    solve keeps the makespan and starts the tasks as early as it allows (least sum of starts, by brute force)."""
+    for seed in range(40):
+        rng = random.Random(seed)
+        gpus = rng.choice([2, 3])
+        tasks = [Task(f"t{i}", rng.randint(1, 4), rng.randint(1, gpus)) for i in range(4)]
+        schedule = TaskScheduler(gpus).plan(tasks)
+        got = (schedule.makespan, sum(p.start for p in schedule.placements.values()))
+        assert got == brute_force_best(tasks, gpus), seed
+        check_valid(schedule, tasks, gpus)
+
+
+def test_a_command_from_python_keeps_its_numbers_and_names_a_bad_item():
+    assert Task("a", 1, command=["train.py", 3, 2.5]).command == ("train.py", "3", "2.5")
+    with pytest.raises(ValueError, match=re.escape("task 'a': `command` item #2 must be a string (or a number), got "
+                                                   "False (bool): write it as text ('false')")):
+        Task("a", 1, command=["multilora", "--flag", False])
+    with pytest.raises(ValueError, match=re.escape("`command` item #1 must be a string (or a number), got None")):
+        Task("a", 1, command=["echo", None])
+
+
+def test_a_task_id_is_at_most_200_characters():
+    assert Task("x" * 200, 1).id == "x" * 200
+    with pytest.raises(ValueError, match=r"task `id` must be at most 200 characters .* got 201: 'xxxx"):
+        Task("x" * 201, 1)
