@@ -11,6 +11,7 @@ import argparse
 import re
 import signal
 import sys
+import warnings
 from importlib import resources
 from pathlib import Path
 from typing import Optional
@@ -26,12 +27,39 @@ from lightning_multilora.spec import peft_hints
 
 
 class _Parser(LightningArgumentParser):
-    """Lightning's parser; an AdapterSpec field spelt as PEFT spells it (``r``, ``lora_alpha``...) is answered with
-    this package's name for it, as `AdapterSpec` itself answers from Python."""
+    """Lightning's parser; a field a class does not take (a typo in a config's adapter) is named with the fields it
+    does take and the closest one, and an AdapterSpec field spelt as PEFT spells it (``r``, ``lora_alpha``...) is
+    answered with this package's name for it, as `AdapterSpec` itself answers from Python. Its usage line is one
+    line (the whole of Lightning's, some 80, buried the error; ``--help`` has them)."""
 
     def error(self, message: str, ex: Optional[Exception] = None):
-        refused = set(re.findall(r"Option '([A-Za-z_]+)' is not accepted", message))
-        return super().error(message + peft_hints(refused), ex)
+        refused = sorted(set(re.findall(r"Option '([A-Za-z_]\w*)' is not accepted", message)))
+        return super().error((_refused_fields(message, refused) or message) + peft_hints(refused), ex)
+
+    def print_usage(self, file=None) -> None:
+        (file or sys.stdout).write(f"usage: {self.prog} [-h] [-c CONFIG] [--KEY VALUE ...]\n")
+
+
+def _refused_fields(message: str, refused: list[str]) -> Optional[str]:
+    """jsonargparse's error for fields a class refuses (``Option 'rnak' is not accepted``, under the union's other
+    alternatives and the value's dump) as one sentence: the key, the fields refused with the closest accepted one,
+    and the ones the class takes. None where the message is not that."""
+    import difflib
+    import inspect
+
+    key, where = re.match(r'Parser key "([^"]+)"', message), re.search(r"class_path '([\w.]+)'", message)
+    if not (refused and key and where):
+        return None
+    try:
+        from jsonargparse.typing import import_object
+
+        cls = import_object(where[1])
+        fields = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
+    except Exception:  # (a class it cannot import or read: its own message then)
+        return None
+    named = [f"{name!r}" + "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(
+        name, fields, n=1) if not peft_hints([name])) for name in refused]  # (PEFT's spellings: their own hint)
+    return f"`{key[1]}`: {cls.__name__} takes no {', '.join(named)}; it takes {', '.join(fields)}"
 
 
 class MultiLoRACLI(LightningCLI):
@@ -78,20 +106,75 @@ class MultiLoRACLI(LightningCLI):
             self.parser.error(f"`ckpt_path` {path!r}: no such checkpoint file or folder")
         try:
             self.datamodule.tokenizer
-            for rec in self.model.registry:
-                self.datamodule.source_name(rec.spec.dataset)
+            for rec in self.model.registry:  # (its data source, and its `init_from` folder where it is not a resume:
+                self.datamodule.check_source(rec.spec)  # a resumed adapter's weights are in the checkpoint)
+                if ckpt_path is None:
+                    self.model.check_targets(rec.spec)
+            with warnings.catch_warnings():  # (its warnings are the fit's own, said once, as it starts)
+                warnings.simplefilter("ignore")
+                self.model._refuse_trainer_options(self.trainer, "fit")
         except (ValueError, OSError) as err:
             self.parser.error(str(err))
+        missing = [f"data source {name!r}: {what}" for name, source in self.datamodule.sources.items()
+                   for what in [getattr(source, "missing", lambda: None)()] if what]
+        if missing:
+            self.parser.error("; ".join(missing))
         providers = [cb for cb in self.trainer.callbacks if hasattr(cb, "has_pending_candidates")]
         if ckpt_path is None and not len(self.model.registry) and not providers:
             self.parser.error("no adapter to train: give `model.adapters`, `model.grid`, or a callback that asks them "
                               "(lightning_multilora.callbacks.OptunaSweep)")
-        log_dir = self.trainer.log_dir  # (a logger's next version: new; without a logger, the root directory)
-        previous = [n for n in PREVIOUS_RUN_FILES if log_dir and (Path(log_dir) / n).exists()]
-        if previous and ckpt_path is None:  # (its study would be continued, its config and summary written over)
-            self.parser.error(f"the log directory {log_dir} holds another run's {', '.join(previous)}: give this run "
-                              "its own (--trainer.default_root_dir, or a logger that versions its runs), or resume "
-                              "that run with --ckpt_path")
+        self._claimed = self._claim_log_dir(path)
+
+    def _claim_log_dir(self, ckpt_path: Optional[str]) -> Optional[Path]:
+        """The run's log directory, taken for it: a file naming the run (`CLAIM`) made there at once, so that runs
+        started together (a schedule's tasks sharing ``default_root_dir``) cannot take the same logger version, as
+        they did when each listed the versions before any wrote one (the one that loses takes the next version; a
+        logger without versions is refused). A directory holding another run's files (`PREVIOUS_RUN_FILES`) is
+        refused unless this run resumes that one: a checkpoint of another run is refused too. Process 0 alone takes
+        it (the others of a multi-process run follow its directory). Returns the claim made (None: none)."""
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        if rank_zero_only.rank != 0:
+            return None
+        logger = self.trainer.logger
+        for _ in range(10_000):
+            log_dir = self.trainer.log_dir  # (a logger's next version: new; without a logger, the root directory)
+            if not log_dir:
+                return None
+            folder = Path(log_dir)
+            previous = [n for n in PREVIOUS_RUN_FILES if (folder / n).exists()]
+            run_id = _checkpoint_run_id(ckpt_path) if ckpt_path is not None else self.model._run_id
+            claimed = _read_claim(folder)
+            if ckpt_path is not None and claimed is not None and run_id is not None and claimed != run_id:
+                self.parser.error(f"the log directory {log_dir} holds run {claimed}'s files, and `ckpt_path` "
+                                  f"{ckpt_path!r} is a checkpoint of another run ({run_id}): resume a run into its "
+                                  "own log directory, or give this one another (--trainer.default_root_dir)")
+            if not previous or ckpt_path is not None:
+                try:
+                    folder.mkdir(parents=True, exist_ok=True)
+                    with open(folder / CLAIM, "x" if ckpt_path is None else "w", encoding="utf-8") as fh:
+                        fh.write(f"{run_id or ''}\n")
+                    return folder / CLAIM
+                except FileExistsError:  # another run took it between the listing and now
+                    pass
+            versioned = isinstance(getattr(logger, "_version", None), (int, type(None))) and \
+                isinstance(getattr(logger, "version", None), int)
+            if not versioned:
+                break
+            logger._version = logger.version + 1  # (the next version: another run has this one)
+        self.parser.error(f"the log directory {log_dir} holds another run's "
+                          f"{', '.join(previous) or CLAIM}: give this run its own (--trainer.default_root_dir, or a "
+                          "logger that versions its runs), or resume that run with --ckpt_path")
+
+    def _release_log_dir(self) -> None:
+        """A fit refused before any adapter took a step leaves its log directory as it found it: its claim, its
+        config and the study it opened there are removed (they would refuse the corrected command)."""
+        claim = getattr(self, "_claimed", None)
+        if claim is None or any(r.step for r in self.model.registry):
+            return
+        if self.config_init[self.subcommand].get("ckpt_path") is None:
+            for name in ("config.yaml", "optuna.db", CLAIM):
+                (claim.parent / name).unlink(missing_ok=True)
 
     def fit(self, model: MultiLoRAModule, **kwargs) -> None:
         """``Trainer.fit``; a `UsageError` it raises (a data file that does not read, a storage URL that does not
@@ -103,6 +186,7 @@ class MultiLoRACLI(LightningCLI):
         try:
             self.trainer.fit(model, **kwargs)
         except UsageError as err:
+            self._release_log_dir()
             self.parser.error(str(err))
         except SIGTERMException as err:
             raise SystemExit(128 + signal.SIGTERM) from err
@@ -133,7 +217,29 @@ def demo_config() -> str:
 
 
 # What a run leaves in its log directory (besides the logger's files), which another run there would write over
-PREVIOUS_RUN_FILES = ("config.yaml", "sweep_summary.json", "optuna.db")
+CLAIM = ".multilora_log"  # the run that took the directory (its id), made as it starts (`MultiLoRACLI._claim_log_dir`)
+PREVIOUS_RUN_FILES = ("config.yaml", "sweep_summary.json", "optuna.db", CLAIM)
+
+
+def _read_claim(folder: Path) -> Optional[str]:
+    try:
+        return (folder / CLAIM).read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
+
+
+def _checkpoint_run_id(path: str) -> Optional[str]:
+    """The id of the run that wrote checkpoint ``path`` (None where it cannot be read here: a folder of an
+    adapter-parallel run, "last", a URL)."""
+    if not Path(path).is_file():
+        return None
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception:  # (Lightning says what is wrong with it as it loads it)
+        return None
+    return (checkpoint.get("multilora") or {}).get("run_id") if isinstance(checkpoint, dict) else None
 
 COMMANDS = """commands beside fit:
   demo [--trainer.max_steps 50]  the packaged default sweep (configs/demo.yaml): fit with its config

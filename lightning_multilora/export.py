@@ -83,22 +83,34 @@ def init_from_layers(spec: AdapterSpec) -> list[str]:
     """The layers (full module names) whose weights ``spec.init_from``'s PEFT folder holds, after checking that the
     folder is a plain LoRA adapter of the spec's ``rank``, ``alpha`` and ``use_rslora`` (a ValueError names what
     differs). Reads the weight file's keys, not its tensors (safetensors)."""
-    _init_from_config(spec)
+    return sorted({m.group(1) for k in init_from_shapes(spec) for m in [_LORA_A.fullmatch(k)] if m})
+
+
+_LORA_A = re.compile(rf"{re.escape(PEFT_PREFIX)}(.+)\.lora_A\.weight")
+
+
+def init_from_shapes(spec: AdapterSpec) -> dict[str, Optional[tuple[int, ...]]]:
+    """The keys of ``spec.init_from``'s weight file and their tensors' shapes (None: not a tensor), after checking
+    the folder's config (`init_from_config`) and that it holds LoRA weights under PEFT's saved names. A safetensors
+    file's shapes are read from its header, its tensors left on disk."""
+    init_from_config(spec)
     path = _weight_file(spec)
     if path.suffix == ".safetensors":
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            keys = list(f.keys())
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        except Exception as err:  # (safetensors raises its own SafetensorError on a damaged file)
+            raise ValueError(f"adapter {spec.name!r}: `init_from` {spec.init_from!r}: {path.name} cannot be read: "
+                             f"{err}") from None
     else:
-        keys = list(_load_bin(path))
-    pattern = re.compile(rf"{re.escape(PEFT_PREFIX)}(.+)\.lora_A\.weight")
-    layers = sorted({m.group(1) for k in keys for m in [pattern.fullmatch(k)] if m})
-    if not layers:
+        shapes = {k: tuple(v.shape) if isinstance(v, Tensor) else None for k, v in _load_bin(path).items()}
+    if not any(_LORA_A.fullmatch(k) for k in shapes):
         raise ValueError(f"adapter {spec.name!r}: `init_from` {spec.init_from!r}: {path.name} holds no LoRA weights "
                          f"under PEFT's saved names ('{PEFT_PREFIX}<module>.lora_A.weight'); its keys begin "
-                         f"{sorted(keys)[:3]}")
-    return layers
+                         f"{sorted(shapes)[:3]}")
+    return shapes
 
 
 def init_from_weights(spec: AdapterSpec) -> dict[str, Tensor]:
@@ -111,7 +123,9 @@ def init_from_weights(spec: AdapterSpec) -> dict[str, Tensor]:
     return _load_bin(path)
 
 
-def _init_from_config(spec: AdapterSpec) -> dict[str, Any]:
+def init_from_config(spec: AdapterSpec) -> dict[str, Any]:
+    """``spec.init_from``'s ``adapter_config.json``, after checking that it is a plain LoRA adapter of the spec's
+    ``rank``, ``alpha`` and ``use_rslora`` (a ValueError names what differs)."""
     folder = Path(spec.init_from)
     where = f"adapter {spec.name!r}: `init_from` {spec.init_from!r}"
     if not folder.is_dir():
@@ -153,4 +167,7 @@ def _weight_file(spec: AdapterSpec) -> Path:
 def _load_bin(path: Path) -> dict[str, Tensor]:
     import torch
 
-    return torch.load(str(path), map_location="cpu", weights_only=True)
+    try:
+        return torch.load(str(path), map_location="cpu", weights_only=True)
+    except Exception as err:  # (pickle's and torch's own errors on a damaged or foreign file)
+        raise ValueError(f"{path} cannot be read as a PEFT weight file: {err}") from None

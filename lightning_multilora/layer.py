@@ -675,29 +675,23 @@ class LoRALayers(Mapping):
         nothing is loaded then)."""
         expected = {f"{prefix}{layer_name}.lora_{ab}.weight": getattr(self._layers[layer_name], f"lora_{ab}")[name]
                     for layer_name in self._targets[name] for ab in "AB"}
-        missing = sorted(k for k in expected if k not in state)
-        others = [k for k in state if k not in expected]
-        extra = sorted(k for k in others if re.search(r"\.lora_[AB]\.weight$", k))
-        unsupported = sorted(k for k in others if k not in extra)
-        not_tensors = sorted(k for k in expected if k in state and not isinstance(state[k], Tensor))
-        shapes = [f"{k} {tuple(state[k].shape)} (adapter {name!r}'s is {tuple(p.shape)})"
-                  for k, p in expected.items() if k in state and k not in not_tensors and state[k].shape != p.shape]
-        problems = [what for what, found in (
-            (f"missing {missing}", missing), (f"not targeted by it {extra}", extra),
-            (f"not plain LoRA weights (DoRA magnitudes, LoRA biases, embeddings, the base biases of PEFT's "
-             f"bias='all' or 'lora_only', modules_to_save copies: not supported) {unsupported}", unsupported),
-            (f"not tensors {not_tensors}", not_tensors),
-            (f"other shapes: {', '.join(shapes)}", shapes)) if found]
-        named = sorted({m.group(1) for k in state for m in [re.search(r"\.lora_[AB]\.([^.]+)\.weight$", k)] if m})
-        if problems and named:  # (a live PeftModel's state_dict: its keys carry the adapter's name)
-            problems.insert(0, f"its keys carry PEFT adapter names {named} (a live model's `state_dict()`): give "
-                               "`peft.get_peft_model_state_dict(model, adapter_name=...)` or the saved "
-                               "adapter_model.safetensors, whose keys have none")
-        if problems:
-            raise ValueError(f"weights for adapter {name!r} do not fit it: {'; '.join(problems)}")
+        _check_peft_shapes(name, {k: tuple(p.shape) for k, p in expected.items()},
+                           {k: tuple(v.shape) if isinstance(v, Tensor) else None for k, v in state.items()})
         with torch.no_grad():
             for key, p in expected.items():
                 p.copy_(state[key])
+
+    def check_peft_shapes(self, name: str, rank: int, target_modules: Optional[Union[str, Sequence[str]]],
+                          shapes: Mapping[str, Optional[tuple[int, ...]]], prefix: str = "base_model.model.") -> None:
+        """The check of `load_peft_state_dict`, before adapter ``name`` (of ``rank``, on ``target_modules``) is
+        made: would weights of these ``shapes`` (key: shape, None where no tensor) load into it? A ValueError as
+        that method gives where not."""
+        expected = {}
+        for layer_name in self.layers_for(target_modules):
+            layer = self._layers[layer_name]
+            expected[f"{prefix}{layer_name}.lora_A.weight"] = (rank, layer.in_features)
+            expected[f"{prefix}{layer_name}.lora_B.weight"] = (layer.out_features, rank)
+        _check_peft_shapes(name, expected, shapes)
 
     @contextmanager
     def use(self, layout: Optional[BatchLayout], refresh: bool = True) -> Iterator[None]:
@@ -872,3 +866,29 @@ def _stream_seed(seed: int, layer_index: int) -> int:
     """An adapter's dropout seed in the layer at ``layer_index`` (its initialisation's generator takes ``seed *
     1_000_003 + layer_index``: mixed otherwise, so that its first masks are not its initial weights' draws)."""
     return (int(seed) * 0x2545F491 + layer_index * 0x6C8E9CF5 + 0x1B873593) % STREAM_SEED_MOD
+
+
+def _check_peft_shapes(name: str, expected: Mapping[str, tuple[int, ...]],
+                       found: Mapping[str, Optional[tuple[int, ...]]]) -> None:
+    """`LoRALayers.load_peft_state_dict`'s check: ``found`` (PEFT's key names: a tensor's shape, None for what is no
+    tensor) against adapter ``name``'s ``expected`` weights; a ValueError names every difference."""
+    missing = sorted(k for k in expected if k not in found)
+    others = [k for k in found if k not in expected]
+    extra = sorted(k for k in others if re.search(r"\.lora_[AB]\.weight$", k))
+    unsupported = sorted(k for k in others if k not in extra)
+    not_tensors = sorted(k for k in expected if k in found and found[k] is None)
+    shapes = [f"{k} {found[k]} (adapter {name!r}'s is {shape})"
+              for k, shape in expected.items() if k in found and k not in not_tensors and found[k] != shape]
+    problems = [what for what, found_any in (
+        (f"missing {missing}", missing), (f"not targeted by it {extra}", extra),
+        (f"not plain LoRA weights (DoRA magnitudes, LoRA biases, embeddings, the base biases of PEFT's "
+         f"bias='all' or 'lora_only', modules_to_save copies: not supported) {unsupported}", unsupported),
+        (f"not tensors {not_tensors}", not_tensors),
+        (f"other shapes: {', '.join(shapes)}", shapes)) if found_any]
+    named = sorted({m.group(1) for k in found for m in [re.search(r"\.lora_[AB]\.([^.]+)\.weight$", k)] if m})
+    if problems and named:  # (a live PeftModel's state_dict: its keys carry the adapter's name)
+        problems.insert(0, f"its keys carry PEFT adapter names {named} (a live model's `state_dict()`): give "
+                           "`peft.get_peft_model_state_dict(model, adapter_name=...)` or the saved "
+                           "adapter_model.safetensors, whose keys have none")
+    if problems:
+        raise ValueError(f"weights for adapter {name!r} do not fit it: {'; '.join(problems)}")

@@ -27,7 +27,8 @@ from typing_extensions import override
 from lightning_multilora.arguments import UsageError, check_bool, check_int
 from lightning_multilora.base_model import one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
-from lightning_multilora.export import init_from_layers, init_from_weights, peft_target_modules, save_peft_adapter
+from lightning_multilora.export import (init_from_layers, init_from_shapes, init_from_weights, peft_target_modules,
+                                        save_peft_adapter)
 from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS
 from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels import keep_alive
@@ -269,7 +270,7 @@ class MultiLoRAMixin:
         """Queue an adapter; it starts at the next step that has a free slot (at once before fit)."""
         if not isinstance(spec, AdapterSpec):
             raise TypeError(f"add_adapter takes an AdapterSpec, got {type(spec).__name__}")
-        self._targets_of(spec, queued=True)  # validates targets (and an `init_from` folder) before it is queued
+        self._targets_of(spec, queued=True)  # validates its targets before it is queued
         rec = self.registry.add(spec)
         trainer = self._trainer_or_none()
         if trainer is None or trainer.state.status != "running":
@@ -457,12 +458,8 @@ class MultiLoRAMixin:
         processes are refused."""
         placement = self._placement()
         trainer = self._trainer_or_none()
-        if placement is None and trainer is not None and trainer.world_size > 1:
-            raise ValueError(
-                f"`strategy`: MultiLoRAModule trains in one process, or over several with strategy='adapter_parallel' "
-                f"(AdapterParallelStrategy); got {type(trainer.strategy).__name__} over {trainer.world_size} "
-                "processes. A data-parallel strategy would give every process every adapter, and adapters start "
-                "and stop during a run, so they cannot be registered with it up front.")
+        if trainer is not None:
+            _refuse_strategy(trainer)
         if placement is not None and hasattr(placement, "parallelize"):
             if not getattr(self, "_parallelized", False):
                 params = [p for n in self.lora_layers.adapter_names for p in self.lora_layers.parameters_of(n)]
@@ -714,10 +711,10 @@ class MultiLoRAMixin:
         """Start queued adapters while slots are free (and, with an admission controller, while they fit)."""
         queued = list(self.registry.queued)
         placement = self._placement()
-        if self._global_step() == 0:  # before the first step, every queued adapter's data: one that waits for a
-            for rec in queued:  # slot would otherwise fail only when it starts, the run long under way
-                try:
-                    self._datamodule().check(rec.spec)
+        if self._global_step() == 0:  # before the first step, every queued adapter's data and `init_from` folder:
+            for rec in queued:  # one that waits for a slot would otherwise fail only when it starts, the run long
+                try:  # under way
+                    self.check_startable(rec.spec)
                 except ValueError as err:
                     self._cannot_start(rec, err)
         if self.admission is not None and queued:
@@ -736,10 +733,8 @@ class MultiLoRAMixin:
             if self.max_running is not None and len(self.registry.running) >= self.max_running:
                 break
             spec = rec.spec
-            try:
-                self._datamodule().check(spec)  # a misspelled `dataset`, an unreadable file: here, not at a batch
-                # (an `init_from` folder read again, on every rank: moved since it was queued?)
-                targets = self._targets_of(spec)
+            try:  # a misspelled `dataset`, an unreadable file, an `init_from` folder that does not fit: here, on
+                targets = self.check_startable(spec)  # every rank, not at a batch or in one rank's weights
                 if rec.max_steps is None:
                     if spec.max_steps is not None:
                         rec.max_steps = spec.max_steps
@@ -786,14 +781,34 @@ class MultiLoRAMixin:
                 self.lora_layers.remove_adapter(spec.name)
                 raise ValueError(f"adapter {spec.name!r}: `init_from` {spec.init_from!r}: {err}") from None
 
+    def check_startable(self, spec: AdapterSpec) -> Any:
+        """Could ``spec``'s adapter start now? Its data (`MultiLoRADataModule.check`) and its targets and
+        `init_from` folder (`check_targets`) are checked; a ValueError says what is wrong. Returns its target
+        modules (`_targets_of`)."""
+        self._datamodule().check(spec)
+        return self.check_targets(spec)
+
+    def check_targets(self, spec: AdapterSpec) -> Any:
+        """``spec``'s target modules (`_targets_of`), checked against the injected layers, and its `init_from`
+        folder: a plain LoRA adapter of its rank and alpha, with weights that fit the layers it targets (a
+        ValueError says what is wrong). Reads no data."""
+        targets = self._targets_of(spec)
+        if spec.init_from:
+            shapes = init_from_shapes(spec)
+            try:
+                self.lora_layers.check_peft_shapes(spec.name, spec.rank, targets, shapes)
+            except ValueError as err:
+                raise ValueError(f"adapter {spec.name!r}: `init_from` {spec.init_from!r}: {err}") from None
+        return targets
+
     def _targets_of(self, spec: AdapterSpec, queued: bool = False) -> Any:
         """The target modules of ``spec``'s adapter, checked against the injected layers: its own, or the layers its
-        `init_from` folder holds, or the module's default. ``queued``: the adapter is being queued, and an `init_from`
-        folder that is not there is checked at its admission instead (a resume, whose checkpoint holds the weights,
-        does not need it)."""
-        if spec.init_from and queued and not Path(spec.init_from).exists():
-            return spec.target_modules or self.default_target_modules
+        `init_from` folder holds, or the module's default. ``queued``: the adapter is being queued, and its
+        `init_from` folder is read at the start of the fit or at its admission instead (`check_startable`): a resume,
+        whose checkpoint holds the weights, does not need the folder, which may be gone or hold another adapter."""
         if spec.init_from and spec.target_modules is None:
+            if queued:
+                return None  # (the folder's layers, read when it starts)
             layers = init_from_layers(spec)
             outside = sorted(set(layers) - set(self.lora_layers))
             if outside:
@@ -811,7 +826,7 @@ class MultiLoRAMixin:
                            f"module does not wrap ({outside[:3]}...: {len(outside)}), which it cannot adapt; it gets "
                            f"{len(chosen)} layers (an adapter's targets choose among the module's `target_modules`, "
                            f"{self.default_target_modules!r})")
-        if spec.init_from:
+        if spec.init_from and not queued:
             held = init_from_layers(spec)
             if set(held) != set(chosen):
                 raise ValueError(
@@ -831,8 +846,17 @@ class MultiLoRAMixin:
 
     def _param_group(self, spec: AdapterSpec) -> dict[str, Any]:
         params = self.lora_layers.optimizer_parameters(spec.name, self.optimizer_class in ELEMENTWISE_OPTIMIZERS)
-        return {"params": params, "lr": spec.lr, "weight_decay": spec.weight_decay, "adapter": spec.name,
-                "name": f"adapters/{spec.name}"}  # (LearningRateMonitor's series: its group's name)
+        return {"params": params, "lr": self._next_lr(self.registry[spec.name]), "weight_decay": spec.weight_decay,
+                "adapter": spec.name, "name": f"adapters/{spec.name}"}  # (LearningRateMonitor's series: its name)
+
+    @staticmethod
+    def _next_lr(rec: AdapterRecord) -> float:
+        """The learning rate of adapter ``rec``'s next step (its schedule at ``rec.step``), which its group holds
+        between steps: a `LearningRateMonitor` reads the groups as a batch starts."""
+        spec = rec.spec
+        if rec.max_steps is None:
+            return spec.lr
+        return spec.lr * lr_factor(spec.lr_schedule, rec.step, rec.max_steps, spec.warmup_steps)
 
     def _raw_optimizer(self) -> Optional[torch.optim.Optimizer]:
         trainer = self._trainer_or_none()
@@ -932,12 +956,12 @@ class MultiLoRAMixin:
             groups = [{"params": [nn.Parameter(torch.zeros(0, device=self.device))], "lr": 0.0, "adapter": None}]
         if not groups and len(self.registry) and all(r.state.exited for r in self.registry):
             ended = ', '.join(f'{r.name}: {r.state.value}' for r in self.registry)
-            raise ValueError(f"nothing to train: every adapter has already ended ({ended}); " + (
+            raise UsageError(f"nothing to train: every adapter has already ended ({ended}); " + (
                 "resuming a finished run trains nothing (new AdapterSpecs given to the module are queued on resume)"
                 if self._resume_checkpoint is not None else
                 "add new ones (`module.add_adapter(AdapterSpec(...))`) to train more with this module"))
         if not groups:
-            raise ValueError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
+            raise UsageError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
         optimizer_class, kwargs = _optimizer_choice(self.optimizer_class, self.optimizer_kwargs,
                                                     any(p.is_cuda for g in groups for p in g["params"]))
         try:
@@ -1036,6 +1060,7 @@ class MultiLoRAMixin:
         logs: dict[str, dict[str, float]] = {}  # per adapter
         optim = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
         groups = {g.get("adapter"): g for g in optim.param_groups}
+        stepped = []
         for i, rec in enumerate(records):
             loss, norm, n_tok = stats[0][i], stats[1][i], stats[2][i]
             prefix = f"adapters/{rec.name}/"
@@ -1066,8 +1091,8 @@ class MultiLoRAMixin:
                     rec.loss_scale, rec.scale_growth = scale * scaler["growth"], 0
             elif spec.grad_clip is not None and norm > spec.grad_clip:
                 torch.nn.utils.clip_grads_with_norm_(params[i], spec.grad_clip, norms[i])
-            lr = spec.lr * lr_factor(spec.lr_schedule, rec.step, rec.max_steps, spec.warmup_steps)
-            groups[rec.name]["lr"] = lr
+            lr = groups[rec.name]["lr"] = self._next_lr(rec)
+            stepped.append(rec)
             rec.step += 1
             rec.tokens_seen += int(n_tok)
             rec.samples_seen += (layout.ends[i] - layout.starts[i]) * spec.batch_size // spec.rows_per_step
@@ -1079,6 +1104,8 @@ class MultiLoRAMixin:
             if rec.name in getattr(self, "_preference_accuracy", {}):
                 logs[rec.name][prefix + "preference_accuracy"] = float(self._preference_accuracy[rec.name])
         optimizer.step()
+        for rec in stepped:  # (what the next step takes, as the monitor reads it before that step)
+            groups[rec.name]["lr"] = self._next_lr(rec)
         self._after_step(records)
         self._step_logs = logs  # logged in on_train_batch_end, where it is known whether a logger writes them
         # (monitored now: callbacks' on_train_batch_end, a ModelCheckpoint's among them, run before the module's)
@@ -1333,6 +1360,8 @@ class MultiLoRAMixin:
 
     def configure_callbacks(self) -> list[L.Callback]:
         self._refuse_trainer_options()  # (Lightning calls this before it checks the Trainer's options itself)
+        if self.trainer.state.fn == "fit":
+            self._take_loss_scaler()
         trainer = self._trainer_or_none()
         if getattr(self, "_best_kept_by_callback", False) and trainer is not None and trainer.state.fn == "fit":
             # an earlier fit's EarlyExit turned on best-weight exports: this fit's own callbacks decide (an EarlyExit
@@ -1340,27 +1369,30 @@ class MultiLoRAMixin:
             self.keep_best_weights = self._best_kept_by_callback = False
         return [ExportOnException()]
 
-    def _refuse_trainer_options(self) -> None:
+    def _refuse_trainer_options(self, trainer: Optional[L.Trainer] = None, fn: Optional[str] = None) -> None:
         """The Trainer's clipping and accumulation would act on all adapters at once; each adapter has its own. Said
-        here, in the module's terms (Lightning's own error says to switch to automatic optimization)."""
-        trainer = self.trainer
-        if trainer.state.fn in ("test", "predict"):
-            raise ValueError(f"`trainer.{trainer.state.fn.value}` has no step here: measure the adapters the module "
+        here, in the module's terms (Lightning's own error says to switch to automatic optimization). ``trainer`` and
+        ``fn`` (its entry point): the ones about to run, where they are not yet attached (the CLI's check)."""
+        trainer = trainer if trainer is not None else self.trainer
+        fn = fn if fn is not None else trainer.state.fn
+        if fn in ("test", "predict"):
+            raise UsageError(f"`trainer.{getattr(fn, 'value', fn)}` has no step here: measure the adapters the module "
                              "holds with `trainer.validate` or `module.evaluate(names)`, and generate with an adapter's "
                              "export "
                              "(`PeftModel.from_pretrained(base, export_path)`)")
-        if trainer.state.fn != "fit":
+        if fn != "fit":
             return
+        _refuse_strategy(trainer)
         clip = trainer.gradient_clip_val
         if clip is not None and clip > 0:
-            raise ValueError(f"`Trainer(gradient_clip_val={clip})`: each adapter clips its own gradients, by its "
+            raise UsageError(f"`Trainer(gradient_clip_val={clip})`: each adapter clips its own gradients, by its "
                              "`AdapterSpec.grad_clip` (a norm > 0, default 1.0, or None for no clipping); leave "
                              "`gradient_clip_val` unset")
         if trainer.accumulate_grad_batches != 1:
-            raise ValueError(f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})`: each adapter "
+            raise UsageError(f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})`: each adapter "
                              "takes `AdapterSpec.batch_size` sequences a step; leave `accumulate_grad_batches` at 1")
         if trainer.overfit_batches:
-            raise ValueError(f"`Trainer(overfit_batches={trainer.overfit_batches})` would not repeat batches: each "
+            raise UsageError(f"`Trainer(overfit_batches={trainer.overfit_batches})` would not repeat batches: each "
                              "adapter draws its own from its source every step; to overfit, give the source a few "
                              "examples (`ListSource`, or a source's `limit`)")
         limit = trainer.limit_val_batches
@@ -1369,18 +1401,18 @@ class MultiLoRAMixin:
                            f"step(s); its validations see {limit} batch(es) of the adapters' splits, so their losses "
                            "are not the splits' (the exports are written as in any run)")
         elif not (limit == 0 or (isinstance(limit, float) and limit >= 1.0)):  # (an int: batches; 0: none)
-            raise ValueError(f"`Trainer(limit_val_batches={limit!r})` would validate part of each adapter's split, "
+            raise UsageError(f"`Trainer(limit_val_batches={limit!r})` would validate part of each adapter's split, "
                              "and an adapter's last validation (as it ends) the whole of it, compared as one loss; "
-                             "cap the split instead, `MultiLoRADataModule(max_val_examples=...)` (or 0 for no "
-                             "validation during the run)")
+                             "cap the split instead, `MultiLoRADataModule(max_val_examples=...)` (or "
+                             "`limit_val_batches=0` for no validation during the run)")
         from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
 
         for callback in trainer.callbacks:
             if isinstance(callback, GradientAccumulationScheduler):
-                raise ValueError("`GradientAccumulationScheduler` would accumulate every adapter's gradients at once: "
+                raise UsageError("`GradientAccumulationScheduler` would accumulate every adapter's gradients at once: "
                                  "each adapter takes `AdapterSpec.batch_size` sequences a step; leave it out")
             if isinstance(callback, StochasticWeightAveraging):
-                raise ValueError("`StochasticWeightAveraging` averages one model's weights from an epoch on, and the "
+                raise UsageError("`StochasticWeightAveraging` averages one model's weights from an epoch on, and the "
                                  "run is one endless epoch whose adapters come and go; leave it out (`EarlyExit` "
                                  "exports each adapter's best-validation weights)")
         fills = any(callable(getattr(cb, "fill_slots", None)) for cb in trainer.callbacks)
@@ -1393,7 +1425,7 @@ class MultiLoRAMixin:
         interval, limit_train = trainer.val_check_interval, trainer.limit_train_batches
         endless = isinstance(limit_train, float) and limit_train == 1.0  # (an int is a number of batches)
         if isinstance(interval, float) and interval != 1.0 and endless and not trainer.fast_dev_run:
-            raise ValueError(f"`Trainer(val_check_interval={interval!r})` is a share of an epoch, and the run is one "
+            raise UsageError(f"`Trainer(val_check_interval={interval!r})` is a share of an epoch, and the run is one "
                              "endless epoch (the adapters draw their batches as long as they train): give an integer "
                              "number of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None")
         if isinstance(interval, float) and endless and trainer.check_val_every_n_epoch is not None \
@@ -1402,7 +1434,6 @@ class MultiLoRAMixin:
                           "validation runs during it (each adapter is validated as it ends); give an integer number "
                           "of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None, for the validation "
                           "losses that EarlyExit, WarmupSelection and OptunaSweep's pruner read", stacklevel=2)
-        self._take_loss_scaler()
 
     def _take_loss_scaler(self) -> None:
         """fp16 mixed precision's loss scaler (Lightning's ``precision="16-mixed"``: one factor for the whole loss,
@@ -2008,6 +2039,21 @@ def _grad_norms(groups: Sequence[Sequence[Tensor]], like: Tensor) -> Tensor:
     return squares.sqrt()
 
 
+def _refuse_strategy(trainer: L.Trainer) -> None:
+    """A strategy of several processes other than `AdapterParallelStrategy` (or a data-parallel one at all: DDP
+    over one process failed in PyTorch's words) is refused in ours."""
+    from lightning.pytorch.strategies import ParallelStrategy
+
+    strategy = trainer.strategy
+    ours = hasattr(strategy, "owns") and hasattr(strategy, "place")
+    if not ours and (trainer.world_size > 1 or isinstance(strategy, ParallelStrategy)):
+        raise UsageError(
+            f"`strategy`: MultiLoRAModule trains in one process, or over several with strategy='adapter_parallel' "
+            f"(AdapterParallelStrategy); got {type(strategy).__name__} over {trainer.world_size} "
+            f"process{'es' if trainer.world_size > 1 else ''}. A data-parallel strategy would give every process "
+            "every adapter, and adapters start and stop during a run, so they cannot be registered with it up front.")
+
+
 class ExportOnException(L.Callback):
     """Exports the adapters a `MultiLoRAMixin` module holds when fit stops on an exception, Ctrl+C included (Lightning
     then calls no module hook, only callbacks' ``on_exception``): nothing trained is lost
@@ -2152,11 +2198,13 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         if layout is not None:
             unknown = sorted(set(layout.names) - set(self.lora_layers.adapter_names))
             gone = [n for n in unknown if n in self.registry]
-            if gone:  # (an adapter that has exited: its weights are in its export)
+            if gone:  # (an adapter that has exited: its weights are in its export; a queued one has none yet)
                 rec = self.registry[gone[0]]
-                raise KeyError(f"`layout` names {gone[0]!r}, which holds no weights ({rec.state.value}); it was "
-                               f"exported to {rec.export_path} (load it with PEFT); adapters holding weights: "
-                               f"{self.lora_layers.adapter_names}")
+                where = (f"it was exported to {rec.export_path} (load it with PEFT)" if rec.export_path else
+                         "it has not started: no weights yet (they are made as it starts, in `fit`)"
+                         if rec.state == AdapterState.QUEUED else "it has no export")
+                raise KeyError(f"`layout` names {gone[0]!r}, which holds no weights ({rec.state.value}); {where}; "
+                               f"adapters holding weights: {self.lora_layers.adapter_names}")
             if unknown:
                 raise KeyError(f"`layout` names {unknown}: no adapter of this module; adapters: "
                                f"{self.lora_layers.adapter_names}")

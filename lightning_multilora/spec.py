@@ -78,7 +78,7 @@ class AdapterSpec:
     ``"all-linear"`` or a regex on the full module name. None: the module's default targets."""
     objective: str = "sft"
     """Training objective: ``sft`` (completion-only cross-entropy) or ``dpo`` (preference pairs; the
-    reference is the base with adapters off)."""
+    reference is the base with adapters off, also for an adapter with ``init_from``)."""
     dpo_beta: float = 0.1
     """DPO's beta (> 0): how far the adapter may move from the reference."""
     dataset: Optional[str] = None
@@ -89,7 +89,9 @@ class AdapterSpec:
     """A PEFT adapter folder (``adapter_config.json`` and ``adapter_model.safetensors`` or ``.bin``, as
     ``save_pretrained`` or an export writes it) whose weights this adapter starts from instead of a fresh
     initialisation: to continue training it. Its ``r``, ``lora_alpha`` and ``use_rslora`` must be this spec's; with
-    ``target_modules`` None the adapter targets the folder's layers. The optimizer state starts afresh."""
+    ``target_modules`` None the adapter targets the folder's layers. The optimizer state starts afresh. The folder is
+    read as the fit starts and as the adapter starts (a resume takes the weights from its checkpoint). With
+    ``objective="dpo"`` the reference stays the base without adapters, not the folder's adapter."""
 
     def __post_init__(self) -> None:
         check_adapter_name(self.name)
@@ -119,8 +121,7 @@ class AdapterSpec:
             _check(self, "max_steps", _int(self.max_steps) and self.max_steps >= 1, "an integer >= 1")
         if self.max_epochs is not None:
             _check(self, "max_epochs", _num(self.max_epochs) and 0 < self.max_epochs < math.inf, "a finite number > 0")
-        if self.lr_schedule not in SCHEDULES:
-            raise ValueError(f"`lr_schedule` can be {', '.join(SCHEDULES)}, got {self.lr_schedule!r}")
+        _check(self, "lr_schedule", self.lr_schedule in SCHEDULES, f"one of {', '.join(SCHEDULES)}")
         _check(self, "warmup_steps", _int(self.warmup_steps) and self.warmup_steps >= 0, "an integer >= 0")
         if self.max_steps is not None and self.warmup_steps >= self.max_steps:
             warnings.warn(f"adapter {self.name!r}: warmup_steps={self.warmup_steps} >= max_steps={self.max_steps}, "
@@ -128,8 +129,7 @@ class AdapterSpec:
                           f"{(self.max_steps - 1) / self.warmup_steps:.2g} x lr)", stacklevel=3)
         _check(self, "grad_clip", self.grad_clip is None or (_num(self.grad_clip) and 0 < self.grad_clip < math.inf),
                "a finite number > 0 or None")
-        if self.objective not in OBJECTIVES:
-            raise ValueError(f"`objective` can be {', '.join(OBJECTIVES)}, got {self.objective!r}")
+        _check(self, "objective", self.objective in OBJECTIVES, f"one of {', '.join(OBJECTIVES)}")
         _check(self, "dpo_beta", _num(self.dpo_beta) and 0 < self.dpo_beta < math.inf, "a finite number > 0")
         if isinstance(self.target_modules, str):  # "all-linear" and a regex as they are; a plain name, listed
             _check(self, "target_modules", bool(self.target_modules),

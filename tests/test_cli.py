@@ -43,7 +43,8 @@ def test_demo_config_runs_a_small_sweep_and_reports(tmp_path, capsys):
     main(["demo", "--config", str(override), "--trainer.default_root_dir", str(tmp_path),
           "--trainer.enable_progress_bar", "false"])
     out = capsys.readouterr().out
-    assert "Adapters ranked by best validation loss" in out and "trial-3" in out
+    assert "Adapters ranked by export_loss, the validation loss of the weights their exports hold" in out
+    assert "trial-3" in out
     summary = json.loads(next(tmp_path.rglob("sweep_summary.json")).read_text())
     assert len(summary) == 4 and sorted(row["status"] for row in summary) == ["finished", "pruned", "pruned", "pruned"]
     assert all((Path(row["export_path"]) / "adapter_model.safetensors").is_file() for row in summary)
@@ -111,7 +112,7 @@ def test_an_adapter_parallel_checkpoint_resumed_in_one_process_is_a_named_error(
     assert (tmp_path / "one.ckpt").is_file()
 
 
-@pytest.mark.parametrize("name", ["config.yaml", "sweep_summary.json", "optuna.db"])
+@pytest.mark.parametrize("name", ["config.yaml", "sweep_summary.json", "optuna.db", ".multilora_log"])
 def test_a_run_into_another_runs_log_directory_is_refused_unless_it_resumes_it(tmp_path, capsys, name):
     """Without a logger the log directory is the root: a second run there continued the first's study and wrote over
     its config and summary, silently."""
@@ -128,13 +129,19 @@ def test_a_run_into_another_runs_log_directory_is_refused_unless_it_resumes_it(t
     (["--ckpt_path", "/nowhere/x.ckpt"], "`ckpt_path` '/nowhere/x.ckpt': no such checkpoint file or folder"),
     (["--data.tokenizer", "/nowhere_tokenizer"], "`tokenizer` '/nowhere_tokenizer'"),
     (["--model.adapters", "[{name: a, dataset: nope}]"], "adapter `dataset` 'nope' is not a data source"),
+    (["--trainer.gradient_clip_val", "1.0"], "`Trainer(gradient_clip_val=1.0)`: each adapter clips its own"),
+    (["--data.sources", json.dumps({"d": {"class_path": "lightning_multilora.data.JSONLSource",
+                                          "init_args": {"path": "/nowhere/train.jsonl"}}})],
+     "data source 'd': JSONLSource: no file at `path` '/nowhere/train.jsonl'"),
 ])
 def test_what_the_fit_would_refuse_under_way_is_a_usage_error_first(tmp_path, capsys, override, message):
-    """(Each ended in a traceback of 12 to 33 frames, the base loaded and a log version made.)"""
+    """(Each ended in a traceback of 12 to 33 frames, the base loaded and a log version made; a missing data file
+    was said after a log version, a report of a failed adapter and its summary.)"""
     with pytest.raises(SystemExit) as done:
         main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(tmp_path), *override])
     err = capsys.readouterr().err
     assert done.value.code == 2 and message in err and "Traceback" not in err, err
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # (no run folder, no summary)
 
 
 @pytest.mark.parametrize("case", ["bad json", "bad storage"])
@@ -248,4 +255,84 @@ def test_an_adapter_field_spelt_as_peft_spells_it_is_answered_with_ours(tmp_path
         main(["fit", "--config", demo_config(), "--model.adapters", "[{name: a, r: 8, lora_alpha: 16}]",
               "--trainer.default_root_dir", str(tmp_path)])
     err = capsys.readouterr().err
-    assert done.value.code == 2 and "Option 'r' is not accepted" in err and "(PEFT's names: r -> `rank`)" in err, err
+    assert done.value.code == 2 and "AdapterSpec takes no 'r'; it takes name, rank," in err, err
+    assert "(PEFT's names: r -> `rank`)" in err, err
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--model.adapters", "[{name: a, rnak: 8}]"],
+     "error: `model.adapters`: AdapterSpec takes no 'rnak' (did you mean 'rank'?); it takes name, rank, alpha,"),
+    (["--trainer.callbacks", json.dumps([{"class_path": "lightning_multilora.callbacks.OptunaSweep",
+                                          "init_args": {"search_space": {}, "n_trails": 3}}])],
+     "OptunaSweep takes no 'n_trails' (did you mean 'n_trials'?); it takes search_space, n_trials,"),
+])
+def test_a_field_a_config_misspells_is_named_with_the_closest_one_under_a_short_usage(tmp_path, capsys, override,
+                                                                                      message):
+    """A typo in an adapter's field printed some 80 lines of usage, then jsonargparse's account of the union's
+    alternatives, before "Option 'rnak' is not accepted"."""
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(tmp_path), *override])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and message in err, err
+    assert len(err.splitlines()) <= 4 and err.startswith("usage: "), err
+
+
+def _tiny_fit(root, *extra, adapters="[{name: a, rank: 2, max_steps: 2, batch_size: 2}]"):
+    return ["fit", "--trainer.default_root_dir", str(root), "--trainer.accelerator", "cpu",
+            "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "-1", "--model.base_model", "tiny-llama",
+            "--model.adapters", adapters, "--data.max_val_examples", "4", *extra]
+
+
+def test_runs_started_together_take_their_own_log_versions_and_a_claimed_root_is_refused(tmp_path, capsys):
+    """Runs of a schedule sharing `default_root_dir` listed the logger's versions before either wrote one, and took
+    the same: one's config and summary replaced the other's, silently. The run that finds its version claimed
+    takes the next; without a versioned logger the claimed directory is refused."""
+    taken = tmp_path / "lightning_logs" / "version_0"
+    taken.mkdir(parents=True)
+    (taken / ".multilora_log").write_text("another-run\n")  # (claimed a moment ago, nothing written yet)
+    main(_tiny_fit(tmp_path))
+    mine = tmp_path / "lightning_logs" / "version_1"
+    assert (mine / "sweep_summary.json").is_file() and (mine / "config.yaml").is_file()
+    assert sorted(p.name for p in taken.iterdir()) == [".multilora_log"]
+    assert (mine / ".multilora_log").read_text().strip() not in ("", "another-run")
+    with pytest.raises(SystemExit) as done:
+        main(_tiny_fit(taken, "--trainer.logger", "false"))
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"the log directory {taken} holds another run's .multilora_log" in err, err
+
+
+def test_a_fit_refused_before_its_first_step_leaves_its_directory_free_and_a_finished_run_says_so(tmp_path,
+                                                                                                 capsys):
+    """A data file that does not read (found as its adapter starts) left the run's config and summary in a log
+    directory without versions, and the corrected command was refused as "another run's"; resuming a finished run
+    ended in a traceback ("nothing to train"), and each attempt left a summary beside the run's."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "1+1=", "completion": " 2"}\nnot json\n')
+    sources = json.dumps({"d": {"class_path": "lightning_multilora.data.JSONLSource",
+                                "init_args": {"path": str(data)}}})
+    args = _tiny_fit(tmp_path / "run", "--trainer.logger", "false", "--data.sources", sources,
+                     "--trainer.callbacks", json.dumps([{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                                                         "init_args": {"dirpath": str(tmp_path / "ck")}}]))
+    with pytest.raises(SystemExit) as done:
+        main(args)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"{data}:2: not valid JSON" in err, err
+    assert not [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": f" {i + 1}"}) + "\n" for i in range(20)))
+    main(args)
+    assert (tmp_path / "run" / "adapters" / "a" / "adapter_model.safetensors").is_file()
+    summaries = sorted(p.name for p in (tmp_path / "run").glob("sweep_summary*"))
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--ckpt_path", str(next((tmp_path / "ck").glob("*.ckpt")))])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "nothing to train: every adapter has already ended (a: finished)" in err, err
+    assert "Traceback" not in err and sorted(p.name for p in (tmp_path / "run").glob("sweep_summary*")) == summaries
+    # another run's checkpoint resumed into this run's directory (its config would be replaced)
+    other = _tiny_fit(tmp_path / "other", "--trainer.logger", "false", "--trainer.callbacks", json.dumps([{
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": str(tmp_path / "ck2")}}]),
+        adapters="[{name: b, rank: 2, max_steps: 2, batch_size: 2}]")
+    main(other)
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--ckpt_path", str(next((tmp_path / "ck2").glob("*.ckpt")))])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "is a checkpoint of another run" in err, err

@@ -12,6 +12,7 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from lightning_multilora import AdapterSpec, BatchLayout, MultiLoRADataModule, MultiLoRAModule
+from lightning_multilora.arguments import UsageError
 from lightning_multilora.base_model import build_base_model
 from lightning_multilora.data import GeneratedArithmetic
 from lightning_multilora.registry import AdapterState
@@ -117,6 +118,9 @@ def test_save_adapter_on_demand_mid_fit(tmp_path, trainer_kwargs):
     module.add_adapter(AdapterSpec("later", max_steps=5, batch_size=1))
     with pytest.raises(ValueError, match=r"'later' holds no weights \(queued\); it has not started: no weights yet"):
         module.save_adapter("later")
+    with pytest.raises(KeyError, match=r"`layout` names 'later', which holds no weights \(queued\); it has not "
+                                       r"started: no weights yet \(they are made as it starts, in `fit`\)"):
+        module(ids, layout=BatchLayout.from_sizes(["later"], [1]))
 
 
 def test_generate_runs_several_adapters_in_one_batch_as_peft_runs_each(tmp_path, trainer_kwargs):
@@ -182,8 +186,8 @@ def _peft_saved_adapter(directory, base_dir, **config) -> dict[str, torch.Tensor
 def test_an_adapter_starts_from_a_peft_folder_and_continues_it(tmp_path, trainer_kwargs):
     """``AdapterSpec(init_from=folder)`` starts an adapter from a PEFT-saved adapter's weights (its layers, where the
     spec names none): trained for a step at a negligible rate it exports the same weights, and the module's outputs
-    with it are PEFT's. A spec that differs from the folder is refused as it is given (a folder that is not there, as
-    the adapter starts: a resume does not need it)."""
+    with it are PEFT's. A spec that differs from the folder is refused at the start of the fit, before any step (not as
+    it is queued: a resume, whose checkpoint holds the weights, does not need the folder)."""
     build_base_model("tiny-llama").save_pretrained(tmp_path / "base")
     saved = _peft_saved_adapter(tmp_path / "peft", tmp_path / "base", r=4, lora_alpha=32, use_rslora=True,
                                 target_modules=["q_proj", "v_proj"])
@@ -216,19 +220,59 @@ def test_an_adapter_starts_from_a_peft_folder_and_continues_it(tmp_path, trainer
                                           r"select: only there \['model.layers.0.self_attn.v_proj'"),
         (dict(init_from=str(tmp_path / "base")), r"`init_from` '.*base' has no adapter_config.json"),
     ]:
-        with pytest.raises(ValueError, match=message):
-            MultiLoRAModule(str(tmp_path / "base"), adapters=[replace(spec, **changes)])
+        module = MultiLoRAModule(str(tmp_path / "base"), adapters=[replace(spec, **changes)])
+        with pytest.raises(UsageError, match=message):
+            L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(50)}))
+        assert module.registry["cont"].state == AdapterState.FAILED
     _peft_saved_adapter(tmp_path / "dora", tmp_path / "base", r=4, lora_alpha=32, use_dora=True)
     with pytest.raises(ValueError, match=r"is not a plain LoRA adapter \(use_dora=True\)"):
-        MultiLoRAModule(str(tmp_path / "base"), adapters=[replace(spec, init_from=str(tmp_path / "dora"))])
+        MultiLoRAModule(str(tmp_path / "base"))._targets_of(replace(spec, init_from=str(tmp_path / "dora")))
     with pytest.raises(ValueError, match=r"holds weights for layers this module does not wrap \[.*q_proj"):
-        MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], target_modules=["k_proj"])
+        MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], target_modules=["k_proj"])._targets_of(spec)
 
 
+def test_a_peft_folder_whose_weights_do_not_fit_fails_before_the_first_step_or_alone(tmp_path, trainer_kwargs):
+    """An `init_from` folder whose config matches the spec but whose weights do not fit the base (saved from another
+    model) is refused before the first step, also for an adapter waiting for a slot; one added mid-run fails alone,
+    with a warning, and the running adapter trains on to its last step."""
+    from lightning.pytorch.callbacks import Callback
+
+    build_base_model("tiny-llama").save_pretrained(tmp_path / "base")
+    other = build_base_model("tiny-llama")
+    other.config.hidden_size = 32
+    AutoModelForCausalLM.from_config(other.config).save_pretrained(tmp_path / "other")
+    _peft_saved_adapter(tmp_path / "peft", tmp_path / "other", r=2, lora_alpha=4, target_modules=["v_proj"])
+    bad = AdapterSpec("bad", rank=2, alpha=4, max_steps=2, batch_size=2, init_from=str(tmp_path / "peft"))
+    dm = lambda: MultiLoRADataModule(sources={"a": GeneratedArithmetic(50)})  # noqa: E731
+    first = AdapterSpec("first", max_steps=4, batch_size=2)
+    module = MultiLoRAModule(str(tmp_path / "base"), adapters=[first, bad], max_running=1)  # (bad waits)
+    with pytest.raises(UsageError, match=r"adapter 'bad': `init_from` '.*peft': weights for adapter 'bad' do not "
+                                         r"fit it: other shapes: base_model\.model\.model\.layers\.0\.self_attn\.v_proj"
+                                         r"\.lora_A\.weight \(2, 32\) \(adapter 'bad'.s is \(2, 64\)\)"):
+        L.Trainer(**trainer_kwargs).fit(module, dm())
+    assert module.registry["first"].step == 0
+
+    class AddAtStep2(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 2:
+                pl_module.add_adapter(bad)
+
+    module = MultiLoRAModule(str(tmp_path / "base"), adapters=[first], export_dir=str(tmp_path / "out"),
+                             validate_on_finish=False)
+    with pytest.warns(UserWarning, match=r"adapter 'bad' could not start: .*other shapes"):
+        L.Trainer(**trainer_kwargs, callbacks=[AddAtStep2()]).fit(module, dm())
+    assert module.registry["first"].state == AdapterState.FINISHED and module.registry["first"].step == 4
+    assert module.registry["bad"].state == AdapterState.FAILED and "bad" not in module.lora_layers.adapter_names
+    assert (tmp_path / "out" / "first" / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("folder", ["gone", "replaced"])
 @pytest.mark.parametrize("targets", [None, ["v_proj"]])
-def test_a_resumed_adapter_keeps_its_peft_folders_layers_without_the_folder(tmp_path, trainer_kwargs, targets):
+def test_a_resumed_adapter_keeps_its_peft_folders_layers_without_the_folder(tmp_path, trainer_kwargs, targets,
+                                                                           folder):
     """A resume makes the adapter's layers from the checkpoint (which then loads its weights): the `init_from`
-    folder, read when it started, may be gone, and the same spec (the same config) resumes."""
+    folder, read when it started, may be gone or hold another adapter now, and the same spec (the same config)
+    resumes."""
     import shutil
 
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -244,6 +288,8 @@ def test_a_resumed_adapter_keeps_its_peft_folders_layers_without_the_folder(tmp_
                             validate_on_finish=False)
     L.Trainer(**{**kwargs, "max_steps": 2}, callbacks=[checkpoint]).fit(first, dm())
     shutil.rmtree(tmp_path / "peft")
+    if folder == "replaced":  # (another rank there now: it would not fit the spec)
+        _peft_saved_adapter(tmp_path / "peft", tmp_path / "base", r=8, lora_alpha=4, target_modules=["q_proj"])
     again = MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], export_dir=str(tmp_path / "out"),
                             validate_on_finish=False)
     L.Trainer(**kwargs).fit(again, dm(), ckpt_path=str(tmp_path / "ck" / "epoch=0-step=2.ckpt"))
@@ -253,7 +299,8 @@ def test_a_resumed_adapter_keeps_its_peft_folders_layers_without_the_folder(tmp_
     keys = load_file(str(tmp_path / "out" / "cont" / "adapter_model.safetensors"))
     assert sorted(keys) == [f"base_model.model.model.layers.{i}.self_attn.v_proj.lora_{ab}.weight"
                             for i in range(2) for ab in "AB"]
-    # a new adapter whose folder is not there: named as it would start, before any step
-    with pytest.raises(ValueError, match=r"`init_from` '.*peft' is no folder"):
+    # a new adapter whose folder is not there (or holds another adapter): named as it would start, before any step
+    with pytest.raises(ValueError, match=r"`init_from` '.*peft' is no folder" if folder == "gone" else
+                       r"`init_from` '.*peft' differs from the spec: rank=8 there, 2 in the spec"):
         L.Trainer(**trainer_kwargs).fit(MultiLoRAModule(str(tmp_path / "base"), adapters=[replace(spec, name="new")]),
                                         dm())

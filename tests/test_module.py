@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from safetensors.torch import load_file
 
 from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
+from lightning_multilora.arguments import UsageError
 from lightning_multilora.registry import AdapterState
 
 
@@ -411,17 +412,19 @@ def test_the_mixin_trains_adapters_of_a_model_that_is_not_a_hugging_face_one(tmp
 def test_a_data_parallel_strategy_is_refused_naming_the_one_that_works(tmp_path):
     """Over several processes only `AdapterParallelStrategy` places adapters: DDP (say) would get every adapter on
     every process, none of them there when it wraps the model. Refused before it wraps anything (Lightning calls
-    ``configure_model`` first), naming the field and the strategy to use; one process takes any."""
+    ``configure_model`` first), naming the field and the strategy to use; one process takes a single device's
+    (DDP over one process failed in PyTorch: `test_a_data_parallel_strategy_is_refused_in_our_words`)."""
     from types import SimpleNamespace
 
-    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 
     module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path))
     module._trainer = SimpleNamespace(world_size=2, strategy=DDPStrategy())
     with pytest.raises(ValueError, match="`strategy`.*'adapter_parallel'.*got DDPStrategy over 2 processes"):
         module.configure_model()
-    module._trainer = SimpleNamespace(world_size=1, strategy=DDPStrategy())
+    module._trainer = SimpleNamespace(world_size=1, strategy=SingleDeviceStrategy("cpu"))
     module.configure_model()
+    assert not module.lora_layers.adapter_names  # (nothing placed: one process holds every adapter as it starts)
 
 
 @pytest.mark.parametrize("option", [dict(gradient_clip_val=0.5), dict(accumulate_grad_batches=2)])
@@ -1546,3 +1549,37 @@ def test_a_fit_into_another_runs_log_directory_is_warned_of(tmp_path, trainer_kw
                     f"run's is {tmp_path / 'sweep_summary-v1.json'}")
     assert (tmp_path / "sweep_summary.json").read_text() == before  # kept; this run's beside it
     assert [row["adapter"] for row in json.loads((tmp_path / "sweep_summary-v1.json").read_text())] == ["c"]
+
+
+def test_the_learning_rate_monitor_reads_the_rate_each_step_takes(tmp_path, trainer_kwargs):
+    """LearningRateMonitor reads the param groups as a batch starts: they held the last step's rate (one step late),
+    and an adapter's first point was its peak rate in the middle of its warmup. Each point is now the rate the
+    module logs for that step (`adapters/<name>/lr`), for an adapter admitted mid-run too."""
+    import csv
+
+    from lightning.pytorch.callbacks import LearningRateMonitor
+    from lightning.pytorch.loggers import CSVLogger
+
+    specs = [AdapterSpec("a", rank=2, max_steps=5, lr=3e-3, lr_schedule="cosine", warmup_steps=2),
+             AdapterSpec("b", rank=2, max_steps=3, lr=1e-3, warmup_steps=2)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=1, validate_on_finish=False)
+    L.Trainer(**{**trainer_kwargs, "log_every_n_steps": 1, "logger": CSVLogger(tmp_path, name="csv")},
+              callbacks=[LearningRateMonitor()]).fit(module, small_dm())
+    with open(tmp_path / "csv" / "version_0" / "metrics.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    for name, steps in (("a", range(0, 5)), ("b", range(5, 8))):
+        monitored = {int(r["step"]): float(r[f"lr-AdamW/adapters/{name}"]) for r in rows
+                     if r[f"lr-AdamW/adapters/{name}"]}
+        logged = {int(r["step"]): float(r[f"adapters/{name}/lr"]) for r in rows if r[f"adapters/{name}/lr"]}
+        assert sorted(logged) == list(steps) and monitored == logged, (name, monitored, logged)
+        assert logged[steps[0]] == 0.0 and logged[steps[2]] == module.registry[name].spec.lr  # (warmup, then peak)
+
+
+def test_a_data_parallel_strategy_is_refused_in_our_words(trainer_kwargs):
+    """DDP over one process failed in PyTorch's words ("DistributedDataParallel is not needed when a module doesn't
+    have any parameter that requires a gradient"), under a traceback; the adapter-parallel strategy is named."""
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
+    with pytest.raises(UsageError, match=r"`strategy`: MultiLoRAModule trains in one process, or over several with "
+                                         r"strategy='adapter_parallel' .*got DDPStrategy over 1 process"):
+        L.Trainer(**{**trainer_kwargs, "strategy": "ddp"}).fit(module, small_dm())
+    assert module.registry["a"].step == 0

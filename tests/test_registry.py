@@ -13,8 +13,8 @@ def test_the_summary_table_shows_the_hyperparameters_that_differ_between_adapter
         registry.add(AdapterSpec(name, rank=4, lr=1e-3, dropout=dropout, weight_decay=0.01))
     registry["b"].best_val_loss = 1.5
     header, _, first, second = registry.summary_table().splitlines()
-    assert header.split() == ["#", "adapter", "lr", "rank", "alpha", "bs", "dropout", "status", "best_val_loss",
-                              "steps"]
+    assert header.split() == ["#", "adapter", "lr", "rank", "alpha", "bs", "dropout", "status", "export_loss",
+                              "best_val_loss", "steps"]
     assert first.split()[:7] == ["1", "b", "0.001", "4", "16", "4", "0.1"]
     assert second.split()[6] == "0"
     registry.add(AdapterSpec("c", rank=4, lr=1e-3, dropout=0.1, weight_decay=0.01, lr_schedule="cosine",
@@ -38,8 +38,8 @@ def test_the_summary_ranks_by_the_validation_loss_of_the_weights_exported():
     assert [(r["best_val_loss"], r["last_val_loss"], r["exported_val_loss"]) for r in rows] == [(1.5, 1.6, 1.6),
                                                                                                 (1.0, 3.0, 3.0)]
     header, _, first, _ = registry.summary_table("last").splitlines()
-    assert header.split()[-3:] == ["best_val_loss", "last_val_loss", "steps"]
-    assert first.split()[1] == "steady" and first.split()[-3:-1] == ["1.5000", "1.6000"]
+    assert header.split()[-4:] == ["export_loss", "best_val_loss", "last_val_loss", "steps"]
+    assert first.split()[1] == "steady" and first.split()[-4:-1] == ["1.6000", "1.5000", "1.6000"]
     with pytest.raises(ValueError, match="`exported` can be 'best' or 'last', got 'final'"):
         registry.summary_rows("final")
 
@@ -76,3 +76,28 @@ def test_sft_and_dpo_adapters_rank_apart_and_an_unmeasured_export_has_no_loss():
     assert header.split()[6:8] == ["objective", "beta"] and header.split()[-2] == "pref_acc"
     assert first.split()[6:8] == ["sft", "-"] and second.split()[6:8] == ["dpo", "2"]
     assert first.split()[-2] == "-" and second.split()[-2] == "0.6500"
+
+
+def test_exports_never_validated_follow_by_their_last_loss_and_a_diverged_one_says_inf():
+    """Stopped between validations (SIGTERM, Ctrl+C), no export's weights were measured: the rows are ranked by their
+    last validation loss, not left in the order they were added, and the table says '-' for the export's loss; an
+    export measured as not finite says inf."""
+    import math
+
+    registry = AdapterRegistry()
+    for name, last in (("a", 5.0), ("never", math.nan), ("b", 2.7)):
+        registry.add(AdapterSpec(name, rank=4))
+        rec = registry[name]
+        rec.best_val_loss = rec.last_val_loss = last
+        rec.exported_step, rec.exported_val_loss = 9, math.nan
+        rec.val_losses = [(5, last)] if math.isfinite(last) else []
+    assert [r["adapter"] for r in registry.summary_rows("last")] == ["b", "a", "never"]
+    _, _, first, second, third = registry.summary_table("last").splitlines()
+    assert first.split()[1] == "b" and first.split()[-4:-1] == ["-", "2.7000", "2.7000"]
+    assert third.split()[1] == "never" and third.split()[-4:-1] == ["-", "-", "-"]
+    registry["never"].best_val_loss = math.inf  # (a record's own, before any validation: no loss, not inf)
+    assert registry.summary_table("last").splitlines()[4].split()[-4:-1] == ["-", "-", "-"]
+    registry["a"].exported_val_loss = math.inf  # (measured at its step: diverged)
+    rows = registry.summary_rows("last")
+    assert [r["adapter"] for r in rows] == ["b", "a", "never"] and rows[1]["exported_val_loss"] == math.inf
+    assert registry.summary_table("last").splitlines()[3].split()[-4] == "inf"

@@ -32,15 +32,16 @@ from lightning_multilora import AdapterSpec, SweepGrid
     ("weight_decay", math.inf, "`weight_decay` must be a finite number >= 0"),
     ("max_steps", 0, "`max_steps` must be an integer >= 1"),
     ("max_epochs", -1.0, "`max_epochs` must be a finite number > 0"),
-    ("lr_schedule", "step", "`lr_schedule` can be constant, linear, cosine"),
-    ("objective", "ppo", "`objective` can be sft"),
+    ("lr_schedule", "step", "`lr_schedule` must be one of constant, linear, cosine, got 'step'"),
+    ("objective", "DPO", "`objective` must be one of sft, dpo, got 'DPO'"),
     ("grad_clip", 0.0, "`grad_clip` must be a finite number > 0 or None"),
     ("warmup_steps", -1, "`warmup_steps` must be an integer >= 0"),
     ("target_modules", [], "`target_modules` must be a non-empty list"),
 ])
 def test_bad_values_name_the_field_and_the_allowed_values(field, value, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as err:
         AdapterSpec("x", **{field: value})
+    assert str(err.value).endswith("for adapter 'x'")  # (which adapter of a config's list)
 
 
 def test_numpy_scalars_are_taken_as_python_numbers():

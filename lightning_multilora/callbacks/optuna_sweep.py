@@ -16,6 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_multilora.arguments import UsageError, check_int
+from lightning_multilora.export import init_from_config
 from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.registry import AdapterRecord, AdapterState
 from lightning_multilora.spec import AdapterSpec, check_alpha_over_rank, check_spec_fields
@@ -324,9 +325,11 @@ class OptunaSweep(Callback):
         self._own_sampler = False
         for name, dist in self.distributions.items():  # every value of the space must make a valid AdapterSpec
             for value in (dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)):
-                try:
-                    AdapterSpec(name="check", **self._spec_kwargs({**{n: _example(d) for n, d in
-                                                                       self.distributions.items()}, name: value}))
+                try:  # (and fit its `init_from` folder, where there is one now: its rank and alpha are fixed)
+                    spec = AdapterSpec(name="check", **self._spec_kwargs({**{n: _example(d) for n, d in
+                                                                             self.distributions.items()}, name: value}))
+                    if spec.init_from and Path(spec.init_from).is_dir():
+                        init_from_config(spec)
                 except ValueError as err:  # (it named a made-up adapter "check", not the search space)
                     raise ValueError(f"OptunaSweep `search_space` {name!r}: its value {value!r} makes no valid "
                                      f"adapter ({str(err).replace(' for adapter ' + repr('check'), '')})") from err
@@ -586,19 +589,15 @@ class OptunaSweep(Callback):
                 warnings.warn(f"trial {trial.number} with {trial.params} failed: {admission.alone(spec)}, so it can "
                               "never start")
                 continue
-            try:  # its data first: a misspelled `dataset` in `base` or the space fails the trial, not the step
-                pl_module._datamodule().check(spec)
-            except ValueError as err:
-                self._fail_asked(trial)
-                if pl_module._global_step() == 0:  # (the run stops before its first step, as with an adapter given)
-                        raise ValueError(f"trial {trial.number} with {trial.params} cannot train: {err}") from err
-                warnings.warn(f"trial {trial.number} with {trial.params} failed: {err}")
-                continue
-            try:
+            try:  # its data and `init_from` folder first: a misspelled `dataset` in `base` or the space, a folder
+                pl_module.check_startable(spec)  # that does not fit, fails the trial, not the step
                 pl_module.add_adapter(spec)
             except ValueError as err:
                 self._fail_asked(trial)
-                raise ValueError(f"trial {trial.number} with {trial.params}: {err}") from err
+                if pl_module._global_step() == 0:  # (the run stops before its first step, as with an adapter given)
+                    raise ValueError(f"trial {trial.number} with {trial.params} cannot train: {err}") from err
+                warnings.warn(f"trial {trial.number} with {trial.params} failed: {err}")
+                continue
             trial.set_user_attr("adapter", name)
             # every field it trains with, those `base` and `alpha_over_rank` set too (the params hold the searched ones)
             trial.set_user_attr("adapter_spec", {k: v for k, v in spec.to_dict().items() if k != "name"})

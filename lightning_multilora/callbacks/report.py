@@ -12,7 +12,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_multilora.arguments import check_bool
+from lightning_multilora.arguments import UsageError, check_bool
 from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.registry import AdapterRegistry, AdapterState
 
@@ -63,11 +63,16 @@ class SweepReport(Callback):
         self._foreign = (stage == "fit" and path is not None and path.exists()
                          and str(Path(log_dir).resolve()) not in getattr(pl_module, "_log_dirs", set()))
         self._path: Optional[Path] = None  # (this fit's summary file, once chosen)
+        self._started = False  # (its training loop began: on_train_start)
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.ckpt_path is not None:
             self._foreign = False
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._started = True
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -81,6 +86,10 @@ class SweepReport(Callback):
         adapters as of the last validation)."""
         if trainer.state.fn != "fit":  # (a validate, or a refused test / predict: the fit's report stands)
             return
+        registry = getattr(pl_module, "registry", None)
+        untrained = registry is not None and not any(r.step for r in registry)
+        if isinstance(exception, UsageError) and (untrained or not getattr(self, "_started", True)):
+            return  # (a setting refused before this fit trained: its error says it all, and no summary is left)
         export = getattr(pl_module, "export_after_exception", None)
         try:
             if export is not None:
@@ -119,9 +128,13 @@ class SweepReport(Callback):
         if self.tensorboard:
             self._write_tensorboard(trainer, registry)
         if self.print_table:
-            said = ("best validation loss (their exports hold their best-validation weights)" if exported == "best"
-                    else "last validation loss (their exports hold their last weights; EarlyExit keeps the best)")
-            lines = ["", f"Adapters ranked by {said}:", registry.summary_table(exported), ""]
+            said = ("their best-validation weights" if exported == "best"
+                    else "their last weights; EarlyExit keeps the best")
+            lines = ["", f"Adapters ranked by export_loss, the validation loss of the weights their exports hold "
+                     f"({said}):", registry.summary_table(exported), ""]
+            if any(math.isnan(r["exported_val_loss"]) for r in self.rows):
+                lines.insert(3, "(export_loss '-': weights not validated, the run having stopped before a validation "
+                                "of them; those follow the others, by their last validation loss)")
             if stopped:
                 lines[1:1] = [f"{stopped}: the adapters as they were then (those that had taken a step exported)"]
             exports = sorted({str(Path(r["export_path"]).parent) for r in self.rows if r["export_path"]})

@@ -3,6 +3,7 @@
 from lightning_multilora.data.datamodule import AdapterStream, MultiLoRADataModule, TokenizedSplit
 from lightning_multilora.data.sources import (
     ChatExample,
+    ChatPreferenceExample,
     DataSource,
     Example,
     GeneratedArithmetic,
@@ -15,7 +16,8 @@ from lightning_multilora.data.sources import (
 from lightning_multilora.data.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
-    "AdapterStream", "ByteTokenizer", "ChatExample", "DataSource", "Example", "GeneratedArithmetic",
+    "AdapterStream", "ByteTokenizer", "ChatExample", "ChatPreferenceExample", "DataSource", "Example",
+    "GeneratedArithmetic",
     "HFDatasetSource", "HFTokenizer", "JSONLSource", "ListSource", "PreferenceExample", "PreferenceSource",
     "MultiLoRADataModule", "TokenizedSplit", "load_tokenizer",
 ]

@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_multilora.arguments import UsageError, check_bool, check_int, check_real
-from lightning_multilora.data.sources import ChatExample, DataSource, Example, GeneratedArithmetic, PreferenceExample
+from lightning_multilora.data.sources import (ChatExample, ChatPreferenceExample, DataSource, Example,
+                                              GeneratedArithmetic, PreferenceExample)
 from lightning_multilora.data.tokenizer import Tokenizer, load_tokenizer
 from lightning_multilora.layout import BatchLayout
 from lightning_multilora.registry import merge_by_owner
@@ -162,6 +163,14 @@ def render_chat(tok: Tokenizer, example: ChatExample) -> Example:
     return Example(prompt, completion, example.source)
 
 
+def render_chat_pair(tok: Tokenizer, example: ChatPreferenceExample) -> PreferenceExample:
+    """A conversational preference pair as text, by the tokenizer's chat template (`render_chat` of the prompt
+    followed by each answer: the prompt renders alike before both)."""
+    chosen, rejected = (render_chat(tok, ChatExample(example.prompt + answer, example.source))
+                        for answer in (example.chosen, example.rejected))
+    return PreferenceExample(chosen.prompt, chosen.completion, rejected.completion, example.source)
+
+
 class MultiLoRADataModule(L.LightningDataModule):
     """Packs each running adapter's micro-batch (its own source, its own batch size) into one batch.
 
@@ -285,7 +294,7 @@ class MultiLoRADataModule(L.LightningDataModule):
         order = list(range(len(examples)))
         random.Random(self.split_seed).shuffle(order)
         tok, limit = self.tokenizer, self.effective_max_length
-        pairs = isinstance(examples[0], PreferenceExample)
+        pairs = isinstance(examples[0], (PreferenceExample, ChatPreferenceExample))
 
         def named(i: int) -> str:
             """Example ``i`` with where it came from (``file:line``...), where its source says."""
@@ -323,9 +332,9 @@ class MultiLoRADataModule(L.LightningDataModule):
         prefix = list(getattr(tok, "prefix_ids", ()))  # (BOS, where the tokenizer begins a text with it)
         for i in order:
             example = examples[i]
-            chat = isinstance(example, ChatExample)
+            chat = isinstance(example, (ChatExample, ChatPreferenceExample))
             if chat:
-                example = render_chat(tok, example)
+                example = (render_chat if isinstance(example, ChatExample) else render_chat_pair)(tok, example)
             prompt = tok.encode(example.prompt)
             answers = [continuation(tok, example.prompt, prompt, text)
                        for text in ((example.chosen, example.rejected) if pairs else (example.completion,))]
@@ -335,7 +344,7 @@ class MultiLoRADataModule(L.LightningDataModule):
                 room = max(limit - len(prefix) - min(max(map(len, answers)) + 1, limit // 2), 0)
                 prompt = prompt[len(prompt) - room:] if len(prompt) > room else prompt
             first = encode(i, prefix + prompt, answers[0], chat)
-            second = encode(i, prefix + prompt, answers[1]) if pairs else None
+            second = encode(i, prefix + prompt, answers[1], chat) if pairs else None
             if first is None or (pairs and second is None):
                 continue
             chosen.append(first)
@@ -382,11 +391,20 @@ class MultiLoRADataModule(L.LightningDataModule):
     def num_train_examples(self, dataset: Optional[str]) -> int:
         return len(self.split(dataset)[0])
 
+    def check_source(self, spec: "AdapterSpec") -> str:
+        """``spec``'s data source name, checked without reading the source: it is one of `sources`, and one that says
+        it holds no preference pairs is not given to a DPO adapter (a `ValueError` naming them otherwise)."""
+        name = self.source_name(spec.dataset)
+        if spec.objective == "dpo" and getattr(self.sources[name], "preference_pairs", None) is False:
+            raise ValueError(f"adapter {spec.name!r}: objective 'dpo' needs preference pairs, and data source "
+                             f"{name!r} ({self.sources[name].describe()}) has none (a PreferenceSource has them)")
+        return name
+
     def check(self, spec: "AdapterSpec") -> None:
         """That ``spec`` can train here: its source exists and reads, and holds what its objective needs (a
         `ValueError` naming them otherwise; the module checks an adapter as it starts, so that one that cannot
         fails alone instead of failing the run at its first batch)."""
-        name = self.source_name(spec.dataset)
+        name = self.check_source(spec)
         try:
             train, _ = self.split(name)
         except OSError as err:

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from lightning_multilora.arguments import check_int
 
@@ -56,14 +56,43 @@ class PreferenceExample:
     source: str = dataclasses.field(default="", compare=False)
 
 
+@dataclass(frozen=True)
+class ChatPreferenceExample:
+    """A preference pair of conversations, as TRL's conversational preference datasets hold them: the prompt's
+    messages, and the chosen and the rejected answer, one assistant message each, as (role, content) pairs; the
+    tokenizer's chat template renders them (`MultiLoRADataModule`); ``source`` as `Example`'s."""
+
+    prompt: tuple[tuple[str, str], ...]
+    chosen: tuple[tuple[str, str], ...]
+    rejected: tuple[tuple[str, str], ...]
+    source: str = dataclasses.field(default="", compare=False)
+
+
 class DataSource:
-    """Base class: ``examples()`` returns the full list of examples (the data module splits train/val)."""
+    """Base class: ``examples()`` returns the full list of examples (the data module splits train/val).
+    ``preference_pairs``: whether they are preference pairs (True), never are (False), or it is not known before
+    they are read (None: a source of one's own)."""
+
+    preference_pairs: Optional[bool] = None
 
     def examples(self) -> list[Example]:
         raise NotImplementedError
 
     def describe(self) -> str:
         return type(self).__name__
+
+    def missing(self) -> Optional[str]:
+        """What the source needs and cannot find now (a file that is not there), said before a run starts; None
+        where nothing is missing (reading it may still fail)."""
+        return None
+
+
+def _missing_file(source: DataSource) -> Optional[str]:
+    path = getattr(source, "path", None)
+    if path is None or Path(path).is_file():
+        return None
+    return f"{type(source).__name__}: no file at `path` {path!r}" + (
+        " (it is a folder)" if Path(path).is_dir() else "")
 
 
 _NAMES = ["Ada", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "June"]
@@ -76,6 +105,8 @@ class GeneratedArithmetic(DataSource):
     ``"Ada has 12 coins and gets 7 more. How many coins does Ada have?"`` -> ``" 19"``.
     ``operations`` picks among ``add``, ``sub`` and ``mul``; ``max_operand`` bounds the numbers.
     """
+
+    preference_pairs = False
 
     OPERATIONS = ("add", "sub", "mul")
 
@@ -271,6 +302,8 @@ class JSONLSource(DataSource):
     conversational prompt-completion, rendered so too), ``prompt_field`` / ``completion_field`` which fields hold the
     text (None: the format's own, ``prompt`` / ``completion``, ``question`` / ``answer``, or ``messages`` alone)."""
 
+    preference_pairs = False
+
     def __init__(self, path: str, format: str = "prompt_completion", prompt_field: Optional[str] = None,
                  completion_field: Optional[str] = None, limit: Optional[int] = None) -> None:
         if format not in FORMATS:
@@ -294,6 +327,9 @@ class JSONLSource(DataSource):
     def describe(self) -> str:
         return f"JSONLSource({self.path}, {self.format})"
 
+    def missing(self) -> Optional[str]:
+        return _missing_file(self)
+
 
 def _saved_to_disk(path: str) -> bool:
     """Whether ``path`` is a folder written by ``datasets``' ``save_to_disk`` (a Dataset's or a DatasetDict's)."""
@@ -311,6 +347,8 @@ class HFDatasetSource(DataSource):
     it), and a ``split`` other than the default ``"train"`` must be the one it was saved as (``Dataset.split``).
     Slices (``train[:100]``) are ``load_dataset``'s only; ``limit`` takes the first examples of either.
     """
+
+    preference_pairs = False
 
     def __init__(self, path: str, name: Optional[str] = None, split: str = "train",
                  format: str = "prompt_completion", prompt_field: Optional[str] = None,
@@ -378,6 +416,8 @@ class ListSource(DataSource):
     """Examples given in memory (``[{"prompt": ..., "completion": ...}, ...]``, or with ``format="messages"``
     conversations: ``[{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}, ...]``)."""
 
+    preference_pairs = False
+
     def __init__(self, records: list[dict], format: str = "prompt_completion") -> None:
         if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
             raise ValueError(f"ListSource: `records` must be a list of mappings with prompt and completion, got a "
@@ -398,6 +438,37 @@ class ListSource(DataSource):
 PREFERENCE_FORMATS = ("prompt_chosen_rejected", "hh_rlhf")
 
 
+def _chat_pair(record: Mapping, where: str) -> ChatPreferenceExample:
+    """TRL's conversational preference record: ``prompt`` a list of messages, ``chosen`` and ``rejected`` one
+    message each, the assistant's; or, without ``prompt`` (TRL's implicit prompt), two conversations whose common
+    beginning is the prompt."""
+    missing = [f for f in ("chosen", "rejected") if f not in record]
+    if missing:
+        raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}")
+    fields = [f for f in ("prompt", "chosen", "rejected") if f in record]
+    lists = [f for f in fields if isinstance(record[f], list)]
+    if lists != fields:
+        raise ValueError(f"{where}: field(s) {lists} are lists of messages and {sorted(set(fields) - set(lists))} "
+                         f"are not: a preference record is text in all its fields, or conversational (lists of "
+                         f"messages, TRL's) in all")
+    chosen, rejected = (_messages(record[f], f, where) for f in ("chosen", "rejected"))
+    if "prompt" in record:
+        prompt = _messages(record["prompt"], "prompt", where)
+    else:  # the messages both conversations begin with, leaving each an answer
+        n = 0
+        while n < min(len(chosen), len(rejected)) - 1 and chosen[n] == rejected[n]:
+            n += 1
+        prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+    answers = [(f, a) for f, a in (("chosen", chosen), ("rejected", rejected))
+               if len(a) != 1 or a[0][0] != "assistant"]
+    if not prompt or answers:
+        raise ValueError(f"{where}: a conversational preference record's prompt must hold at least one message, and "
+                         f"'chosen' and 'rejected' one each after it, the assistant's (or, without 'prompt', two "
+                         f"conversations that begin alike and end in one assistant message each); got roles "
+                         f"{[r for r, _ in prompt]}, {[r for r, _ in chosen]} and {[r for r, _ in rejected]}")
+    return ChatPreferenceExample(tuple(prompt), tuple(chosen), tuple(rejected), where)
+
+
 def split_hh_rlhf(chosen: str, rejected: str) -> PreferenceExample:
     """Anthropic HH-RLHF transcripts: the prompt is everything up to the last ``Assistant:`` turn."""
     cut = chosen.rfind("\n\nAssistant:")
@@ -412,9 +483,12 @@ def split_hh_rlhf(chosen: str, rejected: str) -> PreferenceExample:
 class PreferenceSource(DataSource):
     """Preference pairs from a JSON-lines file (optionally ``.gz``) or from ``records`` in memory.
 
-    ``format``: ``prompt_chosen_rejected`` (fields ``prompt``, ``chosen``, ``rejected``) or ``hh_rlhf``
-    (``chosen`` / ``rejected`` transcripts sharing their prompt).
+    ``format``: ``prompt_chosen_rejected`` (fields ``prompt``, ``chosen``, ``rejected``: text, or TRL's
+    conversational records, lists of messages rendered by the tokenizer's chat template, with the prompt explicit or
+    implicit, `ChatPreferenceExample`) or ``hh_rlhf`` (``chosen`` / ``rejected`` transcripts sharing their prompt).
     """
+
+    preference_pairs = True
 
     def __init__(self, path: Optional[str] = None, format: str = "prompt_chosen_rejected",
                  records: Optional[list[dict]] = None, limit: Optional[int] = None) -> None:
@@ -439,9 +513,15 @@ class PreferenceSource(DataSource):
         for lineno, line in _jsonl_lines(path, str(self.path)):
             yield f"{self.path}:{lineno}", _json_line(line, f"{self.path}:{lineno}")
 
-    def examples(self) -> list[PreferenceExample]:
-        out = []
+    def examples(self) -> list[Union[PreferenceExample, ChatPreferenceExample]]:
+        out: list[Union[PreferenceExample, ChatPreferenceExample]] = []
         for where, record in self._records():  # (up to `limit`: the lines after it are not read)
+            if self.format == "prompt_chosen_rejected" and any(
+                    isinstance(record.get(f), list) for f in ("prompt", "chosen", "rejected")):
+                out.append(_chat_pair(record, where))  # (TRL's conversational records)
+                if self.limit is not None and len(out) >= self.limit:
+                    break
+                continue
             need = ("chosen", "rejected") if self.format == "hh_rlhf" else ("prompt", "chosen", "rejected")
             missing = [f for f in need if f not in record]
             if missing:
@@ -460,3 +540,6 @@ class PreferenceSource(DataSource):
 
     def describe(self) -> str:
         return f"PreferenceSource({self.path or 'records'}, {self.format})"
+
+    def missing(self) -> Optional[str]:
+        return _missing_file(self)

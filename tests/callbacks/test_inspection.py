@@ -50,7 +50,7 @@ def test_tensorboard_holds_scalars_exits_hparams_and_pictures(tmp_path, trainer_
         assert "hparams/best_val_loss" in hp.Tags()["scalars"]
         assert "_hparams_/session_start_info" in hp.PluginTagToContent("hparams")
     out = capsys.readouterr().out
-    assert "Adapters ranked by best validation loss" in out and "pruned" in out
+    assert "weights their exports hold (their best-validation weights)" in out and "pruned" in out
     assert f"TensorBoard logs: {trainer.log_dir}" in out
 
 
@@ -112,7 +112,7 @@ def test_a_summary_file_in_a_subfolder_is_written_and_one_that_cannot_be_is_warn
     (tmp_path / "a_file").write_text("")
     with pytest.warns(UserWarning, match=r"SweepReport could not write `filename` '.*a_file/summary.json'"):
         SweepReport(filename="a_file/summary.json").on_fit_end(trainer, SimpleNamespace(registry=registry))
-    assert "Adapters ranked by last validation loss (their exports hold their last weights" in capsys.readouterr().out
+    assert "the weights their exports hold (their last weights; EarlyExit keeps the best)" in capsys.readouterr().out
     with pytest.raises(ValueError, match=r"SweepReport `filename` must be a file name .* got 3"):
         SweepReport(filename=3)
     for name in ("print_table", "tensorboard"):  # ("yes" was taken, and "no" printed the table)
@@ -151,6 +151,7 @@ def test_a_fit_stopped_by_ctrl_c_is_reported_with_its_exports_once(tmp_path, tra
     assert trainer.interrupted
     out = capsys.readouterr().out
     assert out.count("Adapters ranked by") == 1 and "fit stopped by KeyboardInterrupt at step 3" in out, out
+    assert "(export_loss '-': weights not validated, the run having stopped before a validation" in out
     rows = {row["adapter"]: row for row in reports[0].rows}
     assert set(rows) == {"x", "y"} and not reports[1].rows
     for row in rows.values():

@@ -933,3 +933,46 @@ def test_a_sweep_into_a_log_directory_holding_another_runs_study_says_so(tmp_pat
                               "run's 1 trials in study 'multilora'; this sweep goes on with that study")
     storage = f"sqlite:///{tmp_path / 'shared.db'}"
     assert said(lambda: sweep(storage=storage)) == [] and said(lambda: sweep(storage=storage)) == []
+
+
+def test_a_sweep_from_a_peft_folder_checks_the_space_and_fails_a_trial_whose_folder_no_longer_fits(tmp_path,
+                                                                                                    trainer_kwargs):
+    """With ``init_from`` in ``base``, a searched rank (or the alpha `alpha_over_rank` makes) that the folder does
+    not hold is named before the run; a folder replaced mid-run by one that no longer fits fails the trial asked
+    then, alone (a warning), and the trial already training finishes."""
+    import shutil
+
+    from lightning.pytorch.callbacks import Callback
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_multilora.base_model import build_base_model
+
+    def save_peft(folder, hidden):
+        base = build_base_model("tiny-llama")
+        if hidden != base.config.hidden_size:
+            base.config.hidden_size = hidden
+            base = type(base)(base.config)
+        get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj"])).save_pretrained(folder)
+
+    save_peft(tmp_path / "peft", 64)
+    with pytest.raises(ValueError, match=r"`search_space` 'rank': its value 4 makes no valid adapter .*differs from "
+                                         r"the spec: rank=2 there, 4 in the spec"):
+        OptunaSweep({"rank": {"type": "categorical", "choices": [2, 4]}}, base={"init_from": str(tmp_path / "peft")})
+    with pytest.raises(ValueError, match=r"alpha=4 there, 6.0 in the spec"):
+        OptunaSweep(SPACE | {"rank": {"type": "categorical", "choices": [2]}}, alpha_over_rank=3,
+                    base={"init_from": str(tmp_path / "peft")})
+
+    class ReplaceFolder(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 2:  # (from a base of another width: the config fits, the weights do not)
+                shutil.rmtree(tmp_path / "peft")
+                save_peft(tmp_path / "peft", 32)
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    sweep = OptunaSweep({"lr": SPACE["lr"]}, n_trials=2, storage=storage, slots=1,
+                        base={"max_steps": 4, "batch_size": 2, "init_from": str(tmp_path / "peft"), "rank": 2})
+    with pytest.warns(UserWarning, match=r"trial 1 with \{'lr': .*\} failed: .*other shapes"):
+        _, module = fit(tmp_path, trainer_kwargs, sweep, callbacks=[ReplaceFolder()])
+    states = [t.state for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()]
+    assert states == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL]
+    assert module.registry["trial-0"].state == AdapterState.FINISHED and module.registry["trial-0"].step == 4

@@ -187,7 +187,8 @@ def test_field_values_that_are_not_text_and_limits_below_one_are_named(tmp_path)
     assert JSONLSource(str(path), limit=1).examples()[0].completion == "4"
     made = ListSource([{"prompt": True, "completion": np.int64(3)}]).examples()[0]
     assert (made.prompt, made.completion) == ("True", "3")  # (as they print)
-    with pytest.raises(ValueError, match=r"records\[0\]: field 'rejected' must be text \(a string\), got list"):
+    with pytest.raises(ValueError, match=r"records\[0\]: field\(s\) \['rejected'\] are lists of messages and "
+                                         r"\['chosen', 'prompt'\] are not: a preference record is text in all"):
         PreferenceSource(records=[{"prompt": "p", "chosen": "c", "rejected": ["x"]}]).examples()
     with pytest.raises(ValueError, match=r"records\[1\]: an hh_rlhf record has no"):
         PreferenceSource(records=[{"chosen": "\n\nHuman: a\n\nAssistant: b", "rejected": "\n\nHuman: a\n\nAssistant: c"},
@@ -671,3 +672,42 @@ def test_conversations_are_rendered_by_the_chat_template_and_the_last_answer_lea
     named = [{"messages": [{**records[0]["messages"][0], "name": "sys"}, *records[0]["messages"][1:]]}]
     with pytest.raises(ValueError, match=r"message 0 of 'messages' holds \['name'\] besides 'role' and 'content'"):
         ListSource(named, format="messages").examples()
+
+
+def test_conversational_preference_pairs_are_rendered_by_the_chat_template(tmp_path):
+    """TRL's conversational preference records (the prompt a list of messages, each answer one assistant message;
+    or, without a prompt, two conversations that begin alike) were refused ("field 'prompt' must be text"). Each
+    row is the chat template's rendering of the prompt and the answer, the answer and its end of turn learned."""
+    _chat_tokenizer(tmp_path / "tok", bos=False)
+    prompt = lambda a: [{"role": "system", "content": "Be brief."},  # noqa: E731
+                        {"role": "user", "content": f"{a} + 2?"}]
+    answer = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    explicit = [{"prompt": prompt(a), "chosen": answer(f"{a + 2}"), "rejected": answer(f"{a + 3}")} for a in range(6)]
+    implicit = [{"chosen": prompt(a) + answer(f"{a + 2}"), "rejected": prompt(a) + answer(f"{a + 3}")}
+                for a in range(6)]
+    modules = [MultiLoRADataModule(sources={"p": PreferenceSource(records=records)}, tokenizer=str(tmp_path / "tok"),
+                                   val_fraction=0.2) for records in (explicit, implicit)]
+    (train, val), (other, _) = (dm.split("p") for dm in modules)
+    assert train.input_ids == other.input_ids and train.rejected_ids == other.rejected_ids
+    inner = modules[0].tokenizer.inner
+    rows = list(zip(train.input_ids + val.input_ids, train.labels + val.labels,
+                    train.rejected_ids + val.rejected_ids, train.rejected_labels + val.rejected_labels))
+    assert len(rows) == 6
+    for ids, labels, rejected_ids, rejected_labels in rows:
+        a = int(inner.decode(ids).split("<|im_start|>user\n")[1].split(" + 2?")[0])
+        assert inner.decode(ids) == inner.apply_chat_template(explicit[a]["prompt"] + explicit[a]["chosen"],
+                                                              tokenize=False)
+        assert inner.decode(rejected_ids) == inner.apply_chat_template(
+            explicit[a]["prompt"] + explicit[a]["rejected"], tokenize=False)
+        learned = [inner.decode([t for t, lab in zip(i, ls) if lab != IGNORE_INDEX])
+                   for i, ls in ((ids, labels), (rejected_ids, rejected_labels))]
+        assert learned == [f"{a + 2}<|im_end|>\n", f"{a + 3}<|im_end|>\n"]
+    bad = [({**explicit[0], "chosen": answer("4") * 2}, r"'chosen' and 'rejected' one each after it, the "
+                                                         r"assistant's .* got roles \['system', 'user'\], "
+                                                         r"\['assistant', 'assistant'\] and \['assistant'\]"),
+           ({"chosen": answer("4"), "rejected": answer("5")}, r"got roles \[\], \['assistant'\] and \['assistant'\]"),
+           ({**explicit[0], "prompt": "text"}, r"field\(s\) \['chosen', 'rejected'\] are lists of messages and "
+                                               r"\['prompt'\] are not")]
+    for record, message in bad:
+        with pytest.raises(ValueError, match=r"records\[0\]: .*" + message):
+            PreferenceSource(records=[record]).examples()
