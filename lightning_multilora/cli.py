@@ -96,6 +96,8 @@ class MultiLoRACLI(LightningCLI):
         from lightning_multilora.strategies.adapter_parallel import check_resume_path
 
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        # (a logger that chooses its version, read before anything asks it: a version given is not moved)
+        self._own_version = getattr(self.trainer.logger, "_version", 0) is None
         check_resume_path(ckpt_path, self.trainer.strategy)
         # What the fit would find wrong only once under way (the base loaded, a log version made), found now and
         # said as a parse error is: a checkpoint that is not there, a tokenizer that does not load, an adapter's
@@ -116,7 +118,7 @@ class MultiLoRACLI(LightningCLI):
         except (ValueError, OSError) as err:
             self.parser.error(str(err))
         missing = [f"data source {name!r}: {what}" for name, source in self.datamodule.sources.items()
-                   for what in [getattr(source, "missing", lambda: None)()] if what]
+                   if name in self._drawn_sources() for what in [getattr(source, "missing", lambda: None)()] if what]
         if missing:
             self.parser.error("; ".join(missing))
         providers = [cb for cb in self.trainer.callbacks if hasattr(cb, "has_pending_candidates")]
@@ -125,13 +127,26 @@ class MultiLoRACLI(LightningCLI):
                               "(lightning_multilora.callbacks.OptunaSweep)")
         self._claimed = self._claim_log_dir(path)
 
+    def _drawn_sources(self) -> set[str]:
+        """The data sources the run's adapters may draw: the given adapters' and those a sweep may ask
+        (``dataset_names``; a callback that adds adapters and does not say, every source)."""
+        dm = self.datamodule
+        wanted = [rec.spec.dataset for rec in self.model.registry]
+        for callback in self.trainer.callbacks:
+            if hasattr(callback, "has_pending_candidates"):
+                asked = getattr(callback, "dataset_names", None)
+                wanted += asked() if asked is not None else list(dm.sources)
+        # (a name that is no source is the sweep's error, as the fit starts)
+        return {dm.source_name(n) for n in wanted if n is None or n in dm.sources}
+
     def _claim_log_dir(self, ckpt_path: Optional[str]) -> Optional[Path]:
         """The run's log directory, taken for it: a file naming the run (`CLAIM`) made there at once, so that runs
         started together (a schedule's tasks sharing ``default_root_dir``) cannot take the same logger version, as
-        they did when each listed the versions before any wrote one (the one that loses takes the next version; a
-        logger without versions is refused). A directory holding another run's files (`PREVIOUS_RUN_FILES`) is
-        refused unless this run resumes that one: a checkpoint of another run is refused too. Process 0 alone takes
-        it (the others of a multi-process run follow its directory). Returns the claim made (None: none)."""
+        they did when each listed the versions before any wrote one (the one that loses takes the next version, where
+        the logger chose it; a version given, or no logger, is refused). A directory holding another run's files
+        (`PREVIOUS_RUN_FILES`) is refused unless this run resumes that one: a checkpoint of another run is refused
+        too. Process 0 alone takes it (the others of a multi-process run follow its directory). Returns the claim
+        made (None: none)."""
         from lightning.fabric.utilities.rank_zero import rank_zero_only
 
         if rank_zero_only.rank != 0:
@@ -157,9 +172,7 @@ class MultiLoRACLI(LightningCLI):
                     return folder / CLAIM
                 except FileExistsError:  # another run took it between the listing and now
                     pass
-            versioned = isinstance(getattr(logger, "_version", None), (int, type(None))) and \
-                isinstance(getattr(logger, "version", None), int)
-            if not versioned:
+            if not (getattr(self, "_own_version", False) and isinstance(getattr(logger, "version", None), int)):
                 break
             logger._version = logger.version + 1  # (the next version: another run has this one)
         self.parser.error(f"the log directory {log_dir} holds another run's "
@@ -167,8 +180,8 @@ class MultiLoRACLI(LightningCLI):
                           "logger that versions its runs), or resume that run with --ckpt_path")
 
     def _release_log_dir(self) -> None:
-        """A fit refused before any adapter took a step leaves its log directory as it found it: its claim, its
-        config and the study it opened there are removed (they would refuse the corrected command)."""
+        """A fit refused before any adapter took a step leaves no claim, config or study in its log directory (they
+        would refuse the corrected command; a logger's version folder keeps its event file)."""
         claim = getattr(self, "_claimed", None)
         if claim is None or any(r.step for r in self.model.registry):
             return
@@ -236,7 +249,7 @@ def _checkpoint_run_id(path: str) -> Optional[str]:
     import torch
 
     try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # (as Lightning loads it)
     except Exception:  # (Lightning says what is wrong with it as it loads it)
         return None
     return (checkpoint.get("multilora") or {}).get("run_id") if isinstance(checkpoint, dict) else None

@@ -79,11 +79,13 @@ PEFT_PREFIX = "base_model.model."
 _WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin")
 
 
-def init_from_layers(spec: AdapterSpec) -> list[str]:
+def init_from_layers(spec: AdapterSpec, shapes: Optional[Mapping[str, Any]] = None) -> list[str]:
     """The layers (full module names) whose weights ``spec.init_from``'s PEFT folder holds, after checking that the
     folder is a plain LoRA adapter of the spec's ``rank``, ``alpha`` and ``use_rslora`` (a ValueError names what
-    differs). Reads the weight file's keys, not its tensors (safetensors)."""
-    return sorted({m.group(1) for k in init_from_shapes(spec) for m in [_LORA_A.fullmatch(k)] if m})
+    differs). Reads the weight file's keys, not its tensors (safetensors); ``shapes``: its `init_from_shapes`,
+    where the caller has read them."""
+    shapes = init_from_shapes(spec) if shapes is None else shapes
+    return sorted({m.group(1) for k in shapes for m in [_LORA_A.fullmatch(k)] if m})
 
 
 _LORA_A = re.compile(rf"{re.escape(PEFT_PREFIX)}(.+)\.lora_A\.weight")

@@ -711,10 +711,11 @@ class MultiLoRAMixin:
         """Start queued adapters while slots are free (and, with an admission controller, while they fit)."""
         queued = list(self.registry.queued)
         placement = self._placement()
+        checked: dict[str, Any] = {}  # adapter -> its targets, checked here
         if self._global_step() == 0:  # before the first step, every queued adapter's data and `init_from` folder:
             for rec in queued:  # one that waits for a slot would otherwise fail only when it starts, the run long
                 try:  # under way
-                    self.check_startable(rec.spec)
+                    checked[rec.name] = self.check_startable(rec.spec)
                 except ValueError as err:
                     self._cannot_start(rec, err)
         if self.admission is not None and queued:
@@ -734,7 +735,8 @@ class MultiLoRAMixin:
                 break
             spec = rec.spec
             try:  # a misspelled `dataset`, an unreadable file, an `init_from` folder that does not fit: here, on
-                targets = self.check_startable(spec)  # every rank, not at a batch or in one rank's weights
+                # every rank, not at a batch or in one rank's weights
+                targets = checked[spec.name] if spec.name in checked else self.check_startable(spec)
                 if rec.max_steps is None:
                     if spec.max_steps is not None:
                         rec.max_steps = spec.max_steps
@@ -792,24 +794,25 @@ class MultiLoRAMixin:
         """``spec``'s target modules (`_targets_of`), checked against the injected layers, and its `init_from`
         folder: a plain LoRA adapter of its rank and alpha, with weights that fit the layers it targets (a
         ValueError says what is wrong). Reads no data."""
-        targets = self._targets_of(spec)
+        shapes = init_from_shapes(spec) if spec.init_from else None  # (the folder read once)
+        targets = self._targets_of(spec, shapes=shapes)
         if spec.init_from:
-            shapes = init_from_shapes(spec)
             try:
                 self.lora_layers.check_peft_shapes(spec.name, spec.rank, targets, shapes)
             except ValueError as err:
                 raise ValueError(f"adapter {spec.name!r}: `init_from` {spec.init_from!r}: {err}") from None
         return targets
 
-    def _targets_of(self, spec: AdapterSpec, queued: bool = False) -> Any:
+    def _targets_of(self, spec: AdapterSpec, queued: bool = False, shapes: Optional[dict] = None) -> Any:
         """The target modules of ``spec``'s adapter, checked against the injected layers: its own, or the layers its
         `init_from` folder holds, or the module's default. ``queued``: the adapter is being queued, and its
         `init_from` folder is read at the start of the fit or at its admission instead (`check_startable`): a resume,
-        whose checkpoint holds the weights, does not need the folder, which may be gone or hold another adapter."""
+        whose checkpoint holds the weights, does not need the folder, which may be gone or hold another adapter.
+        ``shapes``: the folder's `init_from_shapes`, where the caller has read them."""
         if spec.init_from and spec.target_modules is None:
             if queued:
                 return None  # (the folder's layers, read when it starts)
-            layers = init_from_layers(spec)
+            layers = init_from_layers(spec, shapes)
             outside = sorted(set(layers) - set(self.lora_layers))
             if outside:
                 raise ValueError(f"adapter {spec.name!r}: `init_from` {spec.init_from!r} holds weights for layers "
@@ -827,7 +830,7 @@ class MultiLoRAMixin:
                            f"{len(chosen)} layers (an adapter's targets choose among the module's `target_modules`, "
                            f"{self.default_target_modules!r})")
         if spec.init_from and not queued:
-            held = init_from_layers(spec)
+            held = init_from_layers(spec, shapes)
             if set(held) != set(chosen):
                 raise ValueError(
                     f"adapter {spec.name!r}: `init_from` {spec.init_from!r} holds weights for other layers than its "
@@ -1091,7 +1094,8 @@ class MultiLoRAMixin:
                     rec.loss_scale, rec.scale_growth = scale * scaler["growth"], 0
             elif spec.grad_clip is not None and norm > spec.grad_clip:
                 torch.nn.utils.clip_grads_with_norm_(params[i], spec.grad_clip, norms[i])
-            lr = groups[rec.name]["lr"] = self._next_lr(rec)
+            lr = groups[rec.name]["lr"] = self._next_lr(rec)  # (what the group holds already, but for a group
+            # restored from a checkpoint that held the rate of the step before it)
             stepped.append(rec)
             rec.step += 1
             rec.tokens_seen += int(n_tok)

@@ -115,7 +115,9 @@ def _exported_loss(r: AdapterRecord, exported: str) -> float:
         if not math.isnan(r.exported_val_loss):  # (measured; inf where the measure was not finite)
             return r.exported_val_loss
         return next((v for s, v in reversed(r.val_losses) if s == r.exported_step), math.nan)
-    return r.best_val_loss if exported == "best" else r.last_val_loss
+    loss = r.best_val_loss if exported == "best" else r.last_val_loss
+    return math.nan if not r.val_losses and not math.isfinite(loss) else loss  # (never validated: no loss, not the
+    # record's starting best of inf)
 
 
 class AdapterRegistry:
@@ -201,13 +203,13 @@ class AdapterRegistry:
                    "val_preference_accuracy": r.last_val_preference_accuracy}
             rows.append(row)
         order = {"sft": 0, "dpo": 1}
+
         def rank(row: dict[str, Any]) -> tuple:
             measured, last = row["exported_val_loss"], row["last_val_loss"]
             if math.isfinite(measured):
                 return order.get(row["objective"], 2), 0, measured
             return order.get(row["objective"], 2), 1, last if math.isfinite(last) else math.inf
 
-        order = {"sft": 0, "dpo": 1}
         rows.sort(key=rank)  # (stable: ties keep the order the adapters were added in)
         return rows
 

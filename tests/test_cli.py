@@ -299,6 +299,12 @@ def test_runs_started_together_take_their_own_log_versions_and_a_claimed_root_is
         main(_tiny_fit(taken, "--trainer.logger", "false"))
     err = capsys.readouterr().err
     assert done.value.code == 2 and f"the log directory {taken} holds another run's .multilora_log" in err, err
+    given = json.dumps({"class_path": "lightning.pytorch.loggers.TensorBoardLogger",
+                        "init_args": {"save_dir": str(tmp_path), "version": 0}})  # (a version given is not moved)
+    with pytest.raises(SystemExit) as done:
+        main(_tiny_fit(tmp_path, "--trainer.logger", given))
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"the log directory {taken} holds another run's .multilora_log" in err, err
 
 
 def test_a_fit_refused_before_its_first_step_leaves_its_directory_free_and_a_finished_run_says_so(tmp_path,
@@ -336,3 +342,18 @@ def test_a_fit_refused_before_its_first_step_leaves_its_directory_free_and_a_fin
         main([*args, "--ckpt_path", str(next((tmp_path / "ck2").glob("*.ckpt")))])
     err = capsys.readouterr().err
     assert done.value.code == 2 and "is a checkpoint of another run" in err, err
+
+
+def test_a_missing_file_of_a_source_no_adapter_draws_is_not_refused(tmp_path, capsys):
+    """Only the sources the adapters (or a sweep) may draw are checked for their files before the run."""
+    sources = json.dumps({"a": {"class_path": "lightning_multilora.data.GeneratedArithmetic",
+                                "init_args": {"num_examples": 40}},
+                          "gone": {"class_path": "lightning_multilora.data.JSONLSource",
+                                   "init_args": {"path": "/nowhere/other.jsonl"}}})
+    main(_tiny_fit(tmp_path, "--trainer.logger", "false", "--data.sources", sources,
+                   adapters="[{name: a, rank: 2, max_steps: 2, batch_size: 2, dataset: a}]"))
+    assert (tmp_path / "adapters" / "a" / "adapter_model.safetensors").is_file()
+    with pytest.raises(SystemExit) as done:
+        main(_tiny_fit(tmp_path / "two", "--trainer.logger", "false", "--data.sources", sources,
+                       adapters="[{name: a, rank: 2, max_steps: 2, batch_size: 2, dataset: gone}]"))
+    assert done.value.code == 2 and "data source 'gone': JSONLSource: no file at `path`" in capsys.readouterr().err

@@ -101,3 +101,6 @@ def test_exports_never_validated_follow_by_their_last_loss_and_a_diverged_one_sa
     rows = registry.summary_rows("last")
     assert [r["adapter"] for r in rows] == ["b", "a", "never"] and rows[1]["exported_val_loss"] == math.inf
     assert registry.summary_table("last").splitlines()[3].split()[-4] == "inf"
+    registry.add(AdapterSpec("queued", rank=4))  # (not exported, never validated: in "best" mode too)
+    assert math.isnan(registry.summary_rows("best")[-1]["exported_val_loss"])
+    assert registry.summary_table("best").splitlines()[-1].split()[-3:-1] == ["-", "-"]

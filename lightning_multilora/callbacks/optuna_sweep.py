@@ -325,14 +325,13 @@ class OptunaSweep(Callback):
         self._own_sampler = False
         for name, dist in self.distributions.items():  # every value of the space must make a valid AdapterSpec
             for value in (dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)):
-                try:  # (and fit its `init_from` folder, where there is one now: its rank and alpha are fixed)
+                try:
                     spec = AdapterSpec(name="check", **self._spec_kwargs({**{n: _example(d) for n, d in
                                                                              self.distributions.items()}, name: value}))
-                    if spec.init_from and Path(spec.init_from).is_dir():
-                        init_from_config(spec)
                 except ValueError as err:  # (it named a made-up adapter "check", not the search space)
                     raise ValueError(f"OptunaSweep `search_space` {name!r}: its value {value!r} makes no valid "
                                      f"adapter ({str(err).replace(' for adapter ' + repr('check'), '')})") from err
+                self._check_init_from(spec, name, value)
         scale = sorted({"objective", "dataset", "dpo_beta"} & set(self.distributions))
         if scale == ["dpo_beta"] and self.base.get("objective", "sft") != "dpo":
             scale = []  # (an SFT adapter has no beta)
@@ -353,6 +352,23 @@ class OptunaSweep(Callback):
         self._orphans: Optional[list[Any]] = None
         self.asked = 0
         self.exhausted = False
+
+    def _check_init_from(self, spec: AdapterSpec, name: str, value: Any) -> None:
+        """A trial's `init_from` folder (where it is there now) holds its rank, alpha and rsLoRA: named as the
+        searched value where that sets them, else as ``base``'s (alpha is `alpha_over_rank` x rank unless given)."""
+        if not (spec.init_from and Path(spec.init_from).is_dir()):
+            return
+        try:
+            init_from_config(spec)
+        except ValueError as err:
+            text = str(err).replace(f"adapter {'check'!r}: ", "")
+            if "alpha=" in text and "alpha" not in self.base and "alpha" not in self.distributions:
+                text += (f" (alpha is alpha_over_rank={self.alpha_over_rank} x rank where neither `base` nor the "
+                         "space gives it)")
+            if name in ("rank", "alpha", "use_rslora", "init_from", "alpha_over_rank"):
+                raise ValueError(f"OptunaSweep `search_space` {name!r}: its value {value!r} makes no valid adapter "
+                                 f"({text})") from None
+            raise ValueError(f"OptunaSweep `base`: {text}") from None
 
     # -- study ----------------------------------------------------------------------------------
 
@@ -595,7 +611,7 @@ class OptunaSweep(Callback):
             except ValueError as err:
                 self._fail_asked(trial)
                 if pl_module._global_step() == 0:  # (the run stops before its first step, as with an adapter given)
-                    raise ValueError(f"trial {trial.number} with {trial.params} cannot train: {err}") from err
+                    raise UsageError(f"trial {trial.number} with {trial.params} cannot train: {err}") from err
                 warnings.warn(f"trial {trial.number} with {trial.params} failed: {err}")
                 continue
             trial.set_user_attr("adapter", name)
@@ -807,6 +823,13 @@ class OptunaSweep(Callback):
                 raise
             self.exhausted = True
 
+    def dataset_names(self) -> list[Optional[str]]:
+        """The ``dataset`` values its trials may have (None: the data module's first source)."""
+        dist = self.distributions.get("dataset")
+        if dist is not None:
+            return list(dist.choices) if hasattr(dist, "choices") else [None]
+        return [self.base.get("dataset")]
+
     def has_pending_candidates(self) -> bool:
         """More trials will be asked: warmup selection waits for them before ranking. (A grid used up is seen here,
         not only at the next ask: the selection would otherwise wait for trials that never come.)"""
@@ -844,8 +867,7 @@ class OptunaSweep(Callback):
         if dm is None or not hasattr(dm, "source_name"):
             return
         dist = self.distributions.get("dataset")
-        names = list(getattr(dist, "choices", ())) + ([self.base["dataset"]] if "dataset" in self.base else [])
-        for name in names:
+        for name in self.dataset_names():
             try:
                 dm.source_name(name)
             except ValueError as err:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -110,8 +111,7 @@ def command_args(task_id: str, command: Any) -> tuple[str, ...]:
 
 
 def _torchrun_runs(command: tuple[str, ...]) -> bool:
-    """Whether torchrun can run this command: a ``.py`` script, ``-m module`` or ``--no-python program``."""
-    first = command[0]
-    if first in ("-m", "--module", "--no-python", "--no_python"):
-        return len(command) > 1
-    return first.endswith(".py")
+    """Whether torchrun can run this command: not this package's console command, which torchrun would run with
+    Python as a script (a script, ``-m module``, ``--no-python program`` and torchrun's own options before them,
+    ``--max-restarts 3 train.py``, are taken as they are)."""
+    return Path(command[0]).name != "multilora"

@@ -205,7 +205,15 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
 
     def poll() -> list[Task]:
         tasks: list[Task] = []
-        for path in sorted(inbox.iterdir()):
+        try:
+            entries = sorted(inbox.iterdir())
+        except OSError as err:  # (moved or removed mid-run: the runner and its running tasks go on)
+            if "\0gone" not in said:  # (said once while it is away)
+                said.add("\0gone")
+                print(f"inbox {inbox} cannot be read ({err}); new tasks wait for it", flush=True)
+            return []
+        said.discard("\0gone")
+        for path in entries:
             if path.suffix.lower() not in INBOX_SUFFIXES:
                 if not (path.name.endswith((".done", ".rejected")) or path.name.startswith(".") or path.name in said):
                     said.add(path.name)

@@ -33,6 +33,7 @@ from lightning.pytorch.plugins import CheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from lightning_multilora.arguments import UsageError
 from lightning_multilora.spec import AdapterSpec
 
 T = TypeVar("T")
@@ -355,8 +356,8 @@ class AdapterParallelStrategy(ModelParallelStrategy):
 
     def decide_on_rank_zero(self, decide: Callable[[], T]) -> T:
         """``decide()`` on rank 0 alone; its result reaches every rank (``broadcast_object_list``). Rank 0 also
-        broadcasts the error it raised, which every other rank then raises (a ValueError or TypeError as such,
-        others as RuntimeError): none is left waiting in a collective that rank 0 never joins."""
+        broadcasts the error it raised, which every other rank then raises (a ValueError, TypeError or `UsageError`
+        as such, others as RuntimeError): none is left waiting in a collective that rank 0 never joins."""
         outcome: Any = None
         if self.global_rank == 0:
             try:
@@ -367,7 +368,7 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         kind, value = self.broadcast(outcome, src=0)
         if kind == "error":
             name, message = value
-            cls = {"ValueError": ValueError, "TypeError": TypeError}.get(name, RuntimeError)
+            cls = {"ValueError": ValueError, "TypeError": TypeError, "UsageError": UsageError}.get(name, RuntimeError)
             raise cls(f"rank 0 failed to decide for every rank: {name}: {message}")
         return value
 

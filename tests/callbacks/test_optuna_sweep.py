@@ -958,7 +958,10 @@ def test_a_sweep_from_a_peft_folder_checks_the_space_and_fails_a_trial_whose_fol
     with pytest.raises(ValueError, match=r"`search_space` 'rank': its value 4 makes no valid adapter .*differs from "
                                          r"the spec: rank=2 there, 4 in the spec"):
         OptunaSweep({"rank": {"type": "categorical", "choices": [2, 4]}}, base={"init_from": str(tmp_path / "peft")})
-    with pytest.raises(ValueError, match=r"alpha=4 there, 6.0 in the spec"):
+    with pytest.raises(ValueError, match=r"^OptunaSweep `base`: `init_from` '.*peft' differs from the spec: rank=2 "
+                                         r"there, 8 in the spec"):  # (not the searched lr, nor adapter 'check')
+        OptunaSweep({"lr": SPACE["lr"]}, base={"init_from": str(tmp_path / "peft"), "rank": 8, "alpha": 4})
+    with pytest.raises(ValueError, match=r"alpha=4 there, 6.0 in the spec.*\(alpha is alpha_over_rank=3 x rank"):
         OptunaSweep(SPACE | {"rank": {"type": "categorical", "choices": [2]}}, alpha_over_rank=3,
                     base={"init_from": str(tmp_path / "peft")})
 

@@ -358,8 +358,11 @@ def test_a_torchrun_task_must_run_a_python_script_or_module(tmp_path):
         load_task_file(path)
     path = write(tmp_path, "gpus: 2\ntasks: [{id: a, duration: 1, torchrun: true, command: [train.py, --lr, 1.10]}, "
                            "{id: b, duration: 1, torchrun: true, command: -m lightning_multilora.cli fit}, "
-                           "{id: c, duration: 1, torchrun: true, command: --no-python multilora fit}]")
-    assert [t.command[0] for t in load_task_file(path)[1]] == ["train.py", "-m", "--no-python"]
+                           "{id: c, duration: 1, torchrun: true, command: --no-python multilora fit}, "
+                           "{id: d, duration: 1, torchrun: true, command: --max-restarts 3 train.py}, "
+                           "{id: e, duration: 1, torchrun: true, command: scripts/train --lr 1}]")
+    assert [t.command[0] for t in load_task_file(path)[1]] == ["train.py", "-m", "--no-python", "--max-restarts",
+                                                                "scripts/train"]
     example = re.search(r"A task file::\n\n(.*?)\n\n", task_file.__doc__, re.S).group(1)
     settings, tasks = load_task_file(write(tmp_path, example))
     assert any(t.torchrun for t in tasks) and tasks[1].command[-1] == "007"
@@ -380,6 +383,14 @@ def test_an_inbox_reads_yml_files_and_says_once_which_files_it_skips(tmp_path, c
     assert out.count("skipped") == 1 and f"skipped {inbox / 'notes.txt'}: an inbox's task files end in .yaml or .yml" \
         in out
     assert sorted(p.name for p in inbox.iterdir()) == [".c.yaml.swp", "a.yml.done", "b.YAML.done", "notes.txt"]
+    import shutil  # the inbox moved away mid-run: said once, the schedule goes on (it stopped every running task)
+
+    shutil.rmtree(inbox)
+    assert poll() == [] and poll() == []
+    assert capsys.readouterr().out.count(f"inbox {inbox} cannot be read") == 1
+    inbox.mkdir()
+    (inbox / "d.yaml").write_text("tasks: [{id: back, duration: 1}]")
+    assert [t.id for t in poll()] == ["back"]
 
 
 def test_a_refused_schedule_draws_no_chart(tmp_path, capsys, monkeypatch):

@@ -585,8 +585,8 @@ def test_an_error_in_rank_zeros_decision_fails_every_rank_with_its_message(tmp_p
     result = launch(tmp_path, "optuna_bad_target")  # every trial names a module the model does not have
     assert result.returncode != 0
     missing = "`target_modules` ['nope_proj'] are not among the injected layers; injected module names end in:"
-    assert "ValueError: trial 0 with" in result.stderr and missing in result.stderr  # rank 0
-    assert "ValueError: rank 0 failed to decide for every rank: ValueError: trial 0 with" in result.stderr  # rank 1
+    assert "UsageError: trial 0 with" in result.stderr and missing in result.stderr  # rank 0 (before its first step)
+    assert "UsageError: rank 0 failed to decide for every rank: UsageError: trial 0 with" in result.stderr  # rank 1
     assert "timed out" not in result.stderr.lower()
 
 
