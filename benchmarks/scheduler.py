@@ -138,7 +138,9 @@ def main() -> None:
     rows += packing_rows(rng)
     meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores (CPU)", "date": datetime.now(timezone.utc).date().isoformat(),
             "ortools": __import__("ortools").__version__, "resolution_s": 10.0, "replan_time_limit_s": 0.9,
-            "notes": "packing rows: cost model in the script's docstring; PLoRA's greedy as its paper describes it."}
+            "notes": "packing rows: cost model in the script's docstring; PLoRA's greedy as its paper describes it. "
+                     "Task rows: solve_s is the plan's wall time, both CP-SAT solves (the makespan, then the "
+                     "earliest starts at that makespan, EARLY_SHARE of the limit) with their start-up."}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
