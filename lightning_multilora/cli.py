@@ -117,8 +117,9 @@ class MultiLoRACLI(LightningCLI):
                 self.model._refuse_trainer_options(self.trainer, "fit")
         except (ValueError, OSError) as err:
             self.parser.error(str(err))
+        drawn = self._drawn_sources()
         missing = [f"data source {name!r}: {what}" for name, source in self.datamodule.sources.items()
-                   if name in self._drawn_sources() for what in [getattr(source, "missing", lambda: None)()] if what]
+                   if name in drawn for what in [getattr(source, "missing", lambda: None)()] if what]
         if missing:
             self.parser.error("; ".join(missing))
         providers = [cb for cb in self.trainer.callbacks if hasattr(cb, "has_pending_candidates")]
@@ -152,13 +153,13 @@ class MultiLoRACLI(LightningCLI):
         if rank_zero_only.rank != 0:
             return None
         logger = self.trainer.logger
+        run_id = _checkpoint_run_id(ckpt_path) if ckpt_path is not None else self.model._run_id
         for _ in range(10_000):
             log_dir = self.trainer.log_dir  # (a logger's next version: new; without a logger, the root directory)
             if not log_dir:
                 return None
             folder = Path(log_dir)
             previous = [n for n in PREVIOUS_RUN_FILES if (folder / n).exists()]
-            run_id = _checkpoint_run_id(ckpt_path) if ckpt_path is not None else self.model._run_id
             claimed = _read_claim(folder)
             if ckpt_path is not None and claimed is not None and run_id is not None and claimed != run_id:
                 self.parser.error(f"the log directory {log_dir} holds run {claimed}'s files, and `ckpt_path` "
