@@ -713,11 +713,10 @@ class MultiLoRAMixin:
         placement = self._placement()
         checked: dict[str, Any] = {}  # adapter -> its targets, checked here
         if self._global_step() == 0:  # before the first step, every queued adapter's data and `init_from` folder:
-            for rec in queued:  # one that waits for a slot would otherwise fail only when it starts, the run long
-                try:  # under way
-                    checked[rec.name] = self.check_startable(rec.spec)
-                except ValueError as err:
-                    self._cannot_start(rec, err)
+            checked = self._check_agreed([rec.spec for rec in queued])  # one that waits for a slot would otherwise
+            for rec in queued:  # fail only when it starts, the run long under way
+                if isinstance(checked[rec.name], ValueError):
+                    self._cannot_start(rec, checked[rec.name])
         if self.admission is not None and queued:
             for rec in [r for r in queued if not self.admission.fits([r.spec])]:  # it would wait forever
                 self._cannot_start(rec, ValueError(
@@ -736,7 +735,9 @@ class MultiLoRAMixin:
             spec = rec.spec
             try:  # a misspelled `dataset`, an unreadable file, an `init_from` folder that does not fit: here, on
                 # every rank, not at a batch or in one rank's weights
-                targets = checked[spec.name] if spec.name in checked else self.check_startable(spec)
+                targets = checked[spec.name] if spec.name in checked else self._check_agreed([spec])[spec.name]
+                if isinstance(targets, ValueError):
+                    raise targets
                 if rec.max_steps is None:
                     if spec.max_steps is not None:
                         rec.max_steps = spec.max_steps
@@ -782,6 +783,29 @@ class MultiLoRAMixin:
             except ValueError as err:
                 self.lora_layers.remove_adapter(spec.name)
                 raise ValueError(f"adapter {spec.name!r}: `init_from` {spec.init_from!r}: {err}") from None
+
+    def _check_agreed(self, specs: Sequence[AdapterSpec]) -> dict[str, Any]:
+        """`check_startable` of each of ``specs``: its targets, or the ValueError that says why it cannot start. Under
+        adapter parallelism every rank checks, and an adapter one rank refuses is refused on every rank with the
+        error of the first rank that refused it (naming that rank where others did not), so that ranks agree on
+        which adapters start even where a folder or data file changed between their reads: one collective for all
+        ``specs``."""
+        checked: dict[str, Any] = {}
+        for spec in specs:
+            try:
+                checked[spec.name] = self.check_startable(spec)
+            except ValueError as err:
+                checked[spec.name] = err
+        placement = self._placement()
+        if placement is not None and hasattr(placement, "exchange") and specs:
+            mine = {name: str(v) for name, v in checked.items() if isinstance(v, ValueError)}
+            refused = placement.exchange({placement.global_rank: mine})
+            for name in {n for part in refused.values() for n in part}:
+                by = [rank for rank in sorted(refused) if name in refused[rank]]
+                message = refused[by[0]][name] + ("" if len(by) == len(refused) else f" (on rank {by[0]})")
+                if str(checked[name]) != message:
+                    checked[name] = ValueError(message)
+        return checked
 
     def check_startable(self, spec: AdapterSpec) -> Any:
         """Could ``spec``'s adapter start now? Its data (`MultiLoRADataModule.check`) and its targets and

@@ -5,7 +5,7 @@
 MODE: parallel|single|stop|resume|resume_one|stop_single|resume_two|early_exit|early_exit_single|
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
 dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|
-remove_single|end_eval|end_eval_single|refit|refit_on. Several modes run one after
+remove_single|end_eval|end_eval_single|refit|refit_on|disagree. Several modes run one after
 the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
 of processes), each from the same seeds and with its own records, as if alone.
 
@@ -34,7 +34,8 @@ a callback's ``on_train_end`` evaluates the adapters still running, recording th
 The ``early_exit``, ``remove`` and ``end_eval`` modes log every step to a CSV and a TensorBoard logger
 (OUT_DIR/logs_<mode>/csv|tb/version_0). ``refit``: 4 steps (checkpoints every 2), then the same module object fits
 again from the step-2 checkpoint to the end. ``refit_on``: 2 steps, then the same module object fits again (a new
-Trainer and strategy, no checkpoint) to the end.
+Trainer and strategy, no checkpoint) to the end. ``disagree``: an adapter added after step 2 that rank 1's
+datamodule refuses (its data "gone" there) and rank 0's accepts.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -142,6 +143,15 @@ def sweep_callbacks(out: Path, mode: str) -> tuple[list, Callable[[], Any]]:
     return [OptunaSweep(SPACE, n_trials=5, study=study, base=base, slots=2)], lambda: study
 
 
+class RefusedOnRankOne(MultiLoRADataModule):
+    """Refuses adapter "late" on rank 1 alone, as if its data file were gone there (`check`)."""
+
+    def check(self, spec: AdapterSpec) -> None:
+        super().check(spec)
+        if spec.name == "late" and self.trainer.global_rank == 1:
+            raise ValueError("adapter 'late': its data is not readable here")
+
+
 def study_rows(study) -> list[dict]:
     return [dict(number=t.number, params=t.params, state=t.state.name, value=t.value,
                  steps=sorted(t.intermediate_values), adapter=t.user_attrs.get("adapter"))
@@ -170,7 +180,8 @@ def run_mode(out: Path, mode: str) -> None:
         from lightning_multilora.data import PreferenceSource
 
         sources["pairs"] = PreferenceSource(records=PAIRS)
-    dm = MultiLoRADataModule(sources=sources, padding="max_length", max_length=96, max_val_examples=8)
+    dm = (RefusedOnRankOne if mode == "disagree" else MultiLoRADataModule)(
+        sources=sources, padding="max_length", max_length=96, max_val_examples=8)
     kwargs = dict(accelerator="cpu", max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,
                   enable_model_summary=False, logger=defaults, default_root_dir=str(out / f"root_{mode}"),
                   val_check_interval=3, check_val_every_n_epoch=None)  # checkpointing on: ModelCheckpoint saves at the end
@@ -222,6 +233,13 @@ def run_mode(out: Path, mode: str) -> None:
             dirpath=out / f"ckpt_{mode}", monitor="adapters/a1/train_loss", every_n_train_steps=1, save_top_k=1)])
     if mode == "refit_on":
         kwargs.update(max_steps=2)
+    if mode == "disagree":
+        class AddLate(L.Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if trainer.global_step == 2:
+                    pl_module.add_adapter(AdapterSpec("late", rank=2, batch_size=1, lr=1e-3, max_steps=2, seed=5))
+
+        kwargs.update(callbacks=[AddLate()])
     if mode == "refit":
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -280,19 +298,19 @@ def run_mode(out: Path, mode: str) -> None:
     train = {r.name: r.train_losses for r in module.registry}
     preference = {r.name: r.last_val_preference_accuracy for r in module.registry if r.spec.objective == "dpo"}
     exported = {r.name: (r.export_path, r.exported_step) for r in module.registry}
+    reasons = {r.name: r.reason for r in module.registry}
     sweep_state = {}
     if held_study is not None:
         study = held_study()
         sweep_state = dict(study=study_rows(study) if study is not None else None, study_calls=STUDY_CALLS,
                            callbacks={type(cb).__name__: cb.state_dict() for cb in trainer.callbacks
                                       if type(cb).__module__.startswith("lightning_multilora")},
-                           specs={r.name: r.spec.to_dict() for r in module.registry},
-                           reasons={r.name: r.reason for r in module.registry})
+                           specs={r.name: r.spec.to_dict() for r in module.registry})
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps(dict(owned=owned, calls=CALLS, shard_numels=shards, local_numel=local,
                                                                  states=states, started=started, val=val, spans=spans,
                                                                  train=train,
                                                                  preference=preference, evaluated=evaluated,
-                                                                 exported=exported,
+                                                                 exported=exported, reasons=reasons,
                                                                  **sweep_state)))
 
 

@@ -71,7 +71,7 @@ SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_s
                 "remove_single", "end_eval_single",
                 *(["optuna_single", "warmup_single"] if OPTUNA else [])]
 TWO_RANK_MODES = ["parallel", "stop", "resume_two", "early_exit", "early_exit_resume_two", "replicated", "dpo", "remove",
-                  "end_eval", "refit", "refit_on", "admission",
+                  "end_eval", "refit", "refit_on", "admission", "disagree",
                   *(["optuna_admission", "optuna", "optuna_defaults", "optuna_prune", "warmup", "warmup_stop"]
                     if OPTUNA else [])]
 # resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
@@ -382,6 +382,18 @@ def test_a_callback_written_for_one_process_evaluates_and_removes_adapters_on_tw
             assert r["evaluated"][name] == pytest.approx(loss, rel=1e-4)
     assert_weights_close(load_file(runs / "remove" / "a1" / "adapter_model.safetensors"),
                          load_file(runs / "remove_single" / "a1" / "adapter_model.safetensors"))
+
+
+def test_an_adapter_one_rank_cannot_start_fails_on_every_rank_and_the_others_train_on(runs):
+    """(Each rank checked a starting adapter's data and `init_from` folder alone: where they disagreed, one rank
+    trained an adapter the other had failed, and the ranks' registries parted.)"""
+    ranks = [json.loads((runs / f"disagree.rank{r}.json").read_text()) for r in (0, 1)]
+    parallel = json.loads((runs / "parallel.rank0.json").read_text())
+    for rank in ranks:
+        assert rank["states"]["late"] == ["failed", 0]
+        assert rank["reasons"]["late"] == "adapter 'late': its data is not readable here (on rank 1)"
+        assert {n: rank["train"][n] for n in parallel["train"]} == parallel["train"]  # the others, untouched
+    assert ranks[0]["reasons"] == ranks[1]["reasons"]
 
 
 def test_dpo_on_one_rank_and_sft_on_the_other_train_as_in_one_process(runs):
