@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -23,7 +24,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                        max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1),
     "tiny-mistral": dict(model_type="mistral", vocab_size=258, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1, sliding_window=None),
+                         max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1,
+                         sliding_window=None),
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,7 +55,7 @@ def quantization_config(quantization: str, compute_dtype: torch.dtype) -> Any:
 
 
 def build_base_model(
-    base_model: str,
+    base_model: Union[str, os.PathLike],
     config_overrides: Optional[dict[str, Any]] = None,
     dtype: str = "float32",
     seed: int = 0,
@@ -64,9 +66,11 @@ def build_base_model(
     ``config_overrides`` changes fields of the built-in configs (or of the checkpoint's config).
     ``quantization`` (``nf4`` / ``fp4``): the decoder's linears become bitsandbytes 4-bit layers computing
     in ``dtype`` (QLoRA); a built-in model is written to a temporary checkpoint and loaded back quantized,
-    the same path a real checkpoint takes."""
+    the same path a real checkpoint takes. A checkpoint that is no causal LM (an encoder-decoder, or an encoder
+    loaded as one with bidirectional attention) is refused (`check_causal_lm`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    base_model = _checked_form(base_model)
     torch_dtype = resolve_dtype(dtype)
     _refuse_near_miss(base_model)
     if quantization is not None:
@@ -102,24 +106,147 @@ def build_base_model(
     return _from_pretrained(base_model, config_overrides, dtype=torch_dtype)
 
 
+def _checked_form(base_model: Any) -> str:
+    """``base_model`` as a str: a path object becomes its str; anything else is refused here, naming the forms taken
+    (a config object failed deep inside, as an unhashable key, and named neither)."""
+    if isinstance(base_model, os.PathLike):
+        base_model = os.fspath(base_model)
+    if isinstance(base_model, str):
+        return base_model
+    from transformers import PretrainedConfig
+
+    how = (": build its model (`AutoModelForCausalLM.from_config(config)`) and give that, or save it with the "
+           "model (`save_pretrained`) and give the directory" if isinstance(base_model, PretrainedConfig) else "")
+    raise ValueError(f"`base_model` can be a built-in model's name ({', '.join(TINY_CONFIGS)}), a checkpoint directory "
+                     f"or Hugging Face Hub name (a str or a path), or (to MultiLoRAModule) a model already built, an "
+                     f"nn.Module; got an object of type {type(base_model).__name__}{how}")
+
+
 def _from_pretrained(base_model: str, config_overrides: Optional[dict[str, Any]], **load: Any) -> nn.Module:
     """``from_pretrained`` of a local checkpoint directory or a hub name; with ``config_overrides`` and a checkpoint
-    there, an error they cause names them and the model must run (`_check_runs`)."""
+    there, an error they cause names them and the model must run (`_check_runs`). A local checkpoint that is no
+    causal LM is refused from its config, before its weights load (`_checkpoint_config`); a model that loads is
+    checked as a module given is (`check_causal_lm`: an encoder loaded as a causal LM, which attends both ways)."""
     from transformers import AutoModelForCausalLM
 
     kwargs = dict(config_overrides or {})
-    if kwargs and os.path.isfile(os.path.join(base_model, "config.json")):  # (a checkpoint there: the overrides fail)
+    if not os.path.isfile(os.path.join(base_model, "config.json")):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(base_model, **load, **kwargs)
+        except (OSError, ValueError) as err:  # (no checkpoint there; the Hub has no such model or cannot be reached)
+            kind = OSError if isinstance(err, OSError) else ValueError
+            raise kind(f"`base_model` {base_model!r} is no built-in model ({', '.join(TINY_CONFIGS)}), no local "
+                       f"checkpoint directory, and could not be loaded from the Hugging Face Hub: {err}") from err
+    elif kwargs:  # (a checkpoint there: the overrides fail)
+        _checkpoint_config(base_model)
         config = _overridden_config(base_model, kwargs)
         with _naming_overrides(config_overrides):
             model = AutoModelForCausalLM.from_pretrained(base_model, config=config, **load)
         _check_runs(model, config_overrides)
-        return model
+    else:
+        _checkpoint_config(base_model)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(base_model, **load)
+        except (OSError, ValueError) as err:  # (its weights missing or unreadable: the directory is no wrong name)
+            kind = OSError if isinstance(err, OSError) else ValueError
+            raise kind(f"`base_model` {base_model!r} is a checkpoint directory (its config.json read) whose model "
+                       f"could not be loaded: {err}") from err
+    check_causal_lm(model, overridable=True)
+    return model
+
+
+def _checkpoint_config(path: str) -> Any:
+    """The config of the checkpoint directory at ``path``, refused where it describes no causal LM: an encoder-decoder
+    (T5, BART: its decoder predicts from an encoder's output, which a causal-LM loss over one token sequence never
+    gives it; ``AutoModelForCausalLM`` loads BART's decoder alone, silently), or a model type with no causal-LM class
+    (an image or audio encoder). The loader's own error for those was reported as "no local checkpoint directory"."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     try:
-        return AutoModelForCausalLM.from_pretrained(base_model, **load, **kwargs)
-    except (OSError, ValueError) as err:  # (no checkpoint there, and the Hub has no such model or cannot be reached)
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as err:
         kind = OSError if isinstance(err, OSError) else ValueError
-        raise kind(f"`base_model` {base_model!r} is no built-in model ({', '.join(TINY_CONFIGS)}), no local "
-                   f"checkpoint directory, and could not be loaded from the Hugging Face Hub: {err}") from err
+        raise kind(f"`base_model` {path!r} is a checkpoint directory whose config.json transformers cannot read: "
+                   f"{err}") from err
+    what = f"a {config.model_type} model ({', '.join(getattr(config, 'architectures', None) or ['no architectures'])})"
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"`base_model` {path!r} is a checkpoint of {what}, an encoder-decoder: its decoder predicts "
+                         f"from an encoder's output, which a causal-LM loss over one token sequence does not give it; "
+                         f"the base must be a decoder-only causal language model (Llama, Qwen2, Mistral, GPT-2...)")
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and "AutoModelForCausalLM" not in (
+            getattr(config, "auto_map", None) or {}):  # (a remote-code model names its own class there)
+        raise ValueError(f"`base_model` {path!r} is a checkpoint of {what}, which is no causal language model: "
+                         f"transformers has no causal-LM class for a {config.model_type} config")
+    return config
+
+
+_NOT_LM_HEADS = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+                 "ForMultipleChoice", "ForNextSentencePrediction")
+
+
+def check_causal_lm(model: nn.Module, field: str = "base_model", overridable: bool = False) -> None:
+    """A Hugging Face model is refused unless it is a causal language model: the adapters train on its logits with a
+    next-token loss, which an encoder's attention (each position sees the token it is asked to predict) makes
+    meaningless, silently, and which an encoder-decoder, a bare backbone or a classification head cannot give (an
+    unrelated error later, about a batch size). Refused: ``config.is_encoder_decoder``; a head class other than a
+    language model's (``*ForMaskedLM``, ``*ForSequenceClassification``...); a backbone without a head (a ``*Model``
+    that is its own base model, with no output embeddings); and a causal-LM class of the BERT family built with
+    ``is_decoder=False``, told by transformers' own signals: attention modules whose ``is_causal`` flag (which its
+    attention functions read) is False in every one, or a class whose ``__init__`` holds transformers' check ``if not
+    config.is_decoder`` (RemBERT, RoFormer, BigBird and Megatron-BERT set no such flag). A module that is not a
+    transformers model passes: any torch model can host the adapters. ``field`` names the argument in the error;
+    ``overridable``: the model was loaded with ``config_overrides`` at hand, which is then the fix named."""
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:  # pragma: no cover (transformers is a dependency)
+        return
+    if not isinstance(model, PreTrainedModel):
+        return
+    config = model.config
+    name = type(model).__name__
+    what = f"a {name} (model_type {getattr(config, 'model_type', None)!r})"
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"`{field}` is {what}, an encoder-decoder: its decoder predicts from an encoder's output, "
+                         f"which a causal-LM loss over one token sequence does not give it; the base must be a "
+                         f"decoder-only causal language model (Llama, Qwen2, Mistral, GPT-2...)")
+    head = next((suffix for suffix in _NOT_LM_HEADS if name.endswith(suffix)), None)
+    if head is not None:
+        raise ValueError(f"`{field}` is {what}, a model with a {head[3:]} head: the adapters train on a causal "
+                         f"language model's next-token logits; build it with AutoModelForCausalLM (an encoder such as "
+                         f"BERT also with `is_decoder=True`)")
+    if (name.endswith("Model") and not name.endswith("LMHeadModel") and model.base_model is model
+            and model.get_output_embeddings() is None):  # (a backbone is its own base model: LlamaModel, BertModel)
+        raise ValueError(f"`{field}` is {what}, a backbone without a language-model head (no logits to train on): "
+                         f"build it with AutoModelForCausalLM")
+    flags = [module.is_causal for module in model.modules() if isinstance(getattr(module, "is_causal", None), bool)]
+    if (flags and not any(flags)) or (not getattr(config, "is_decoder", True) and _checks_is_decoder(type(model))):
+        fix = ("`config_overrides={'is_decoder': True}` loads it as a causal decoder" if overridable else
+               "build it with `is_decoder=True` in its config (`AutoModelForCausalLM.from_pretrained(path, "
+               "is_decoder=True)`): set on the built model's config, it leaves the attention bidirectional")
+        raise ValueError(f"`{field}` is {what} with `is_decoder={getattr(config, 'is_decoder', None)}`: its attention "
+                         f"is bidirectional, each position sees the token it is trained to predict, and the causal-LM "
+                         f"loss teaches nothing; {fix}")
+
+
+@functools.lru_cache(maxsize=None)
+def _checks_is_decoder(cls: type) -> bool:
+    """Whether a transformers model class (or a class it derives from) checks ``if not config.is_decoder`` in its
+    ``__init__``: transformers' own test, with a logged warning, for the classes that attend causally only as
+    decoders."""
+    import inspect
+
+    for klass in cls.__mro__:
+        init = vars(klass).get("__init__")
+        if init is None or klass.__module__.split(".")[0] != "transformers":
+            continue
+        try:
+            source = inspect.getsource(init)
+        except (OSError, TypeError):  # (no source shipped: the `is_causal` flags decide alone)
+            continue
+        if "if not config.is_decoder" in source:
+            return True
+    return False
 
 
 def _overridden_config(path: str, overrides: dict[str, Any]) -> Any:
@@ -127,11 +254,13 @@ def _overridden_config(path: str, overrides: dict[str, Any]) -> Any:
     ``__init__``, which converts legacy names: ``rope_theta`` into ``rope_parameters``). Given to ``from_pretrained``
     as keyword arguments, transformers 5 handed names its config no longer has to the model's ``__init__``. A legacy
     name's share of a parameter group (``rope_parameters``) is merged into the checkpoint's group, which keeps the
-    rest (a rope scaling type and its factors)."""
+    rest (a rope scaling type and its factors). A ``num_hidden_layers`` given resizes the checkpoint's per-layer lists
+    (`_per_layer_lists`), which its config class otherwise refuses as of another length."""
     from transformers import AutoConfig
 
     raw = AutoConfig.from_pretrained(path).to_dict()
-    merged = {**raw, **{key: value for key, value in overrides.items() if key in raw}}
+    merged = {**raw, **{key: value for key, value in overrides.items() if key in raw},
+              **_per_layer_lists(raw, overrides)}
     legacy = {key: value for key, value in overrides.items() if key not in raw}
     if legacy:  # what they change in a default config of the kind: a parameter group's items, or themselves
         with _naming_overrides(overrides):
@@ -149,6 +278,22 @@ def _overridden_config(path: str, overrides: dict[str, Any]) -> Any:
         config = AutoConfig.for_model(**merged)
     _refuse_unknown_fields(config, overrides)
     return config
+
+
+_PER_LAYER_LISTS = ("layer_types", "mlp_layer_types")  # (those `PreTrainedConfig.validate_layer_type` checks)
+
+
+def _per_layer_lists(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint's per-layer lists (``layer_types``: Qwen2's, Qwen3's, Gemma2's) for the ``num_hidden_layers`` of
+    ``overrides``, where those do not set the list themselves: cut to the first layers, as transformers'
+    ``from_pretrained(path, num_hidden_layers=n)`` builds them (each kept layer keeps its kind), or, for more layers
+    than the checkpoint has (that ``from_pretrained`` fails on an index), dropped: the config class then makes it
+    anew by its own rule (Qwen2's ``max_window_layers``, Gemma2's alternation)."""
+    layers = overrides.get("num_hidden_layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 0:  # (a wrong one: its config refuses it)
+        return {}
+    return {key: raw[key][:layers] if layers <= len(raw[key]) else None for key in _PER_LAYER_LISTS
+            if key not in overrides and isinstance(raw.get(key), list) and len(raw[key]) != layers}
 
 
 @contextmanager

@@ -9,6 +9,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 import warnings
+import zlib
 from operator import is_, itemgetter
 from typing import Any, Optional, Sequence, Union
 
@@ -53,6 +54,9 @@ class LayoutContext:
         # flattened, (rows x tokens, d), as OPT's fc1 / fc2 are, must take that many (a mixture-of-experts layer's
         # share of the tokens is no whole batch, even where its count divides by the rows)
         self.tokens_per_row: Optional[int] = None
+        # wrapped layers sit in torch's nn.TransformerEncoderLayer / DecoderLayer, whose inference fast path reads
+        # their `weight` and never calls them: it is turned off while a layout is set (`inject_multilora`)
+        self.mha_fastpath_off = False
 
     def move_steps(self, old: torch.device, new: torch.device) -> None:
         """Adapters moved from ``old`` to ``new``: the step table of ``new`` becomes ``old``'s (the one their steps,
@@ -88,10 +92,14 @@ class LayoutContext:
     def use(self, layout: Optional[BatchLayout], shadows: bool = False) -> Iterator[None]:
         previous = self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row
         self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row = layout, shadows, set(), None
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        if self.mha_fastpath_off and layout is not None:
+            torch.backends.mha.set_fastpath_enabled(False)
         try:
             yield
         finally:
             self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row = previous
+            torch.backends.mha.set_fastpath_enabled(fastpath)
 
 
 class MultiLoRALinear(nn.Module):
@@ -138,6 +146,17 @@ class MultiLoRALinear(nn.Module):
         self._dropout_on = False  # the cached weights have adapters with dropout, and their streams
         # (layout object, tokens per row, direct_grads, shadows fresh)
         self._weights_seen: Optional[tuple] = None
+        self.layer_name = ""  # its name in the model (`inject_multilora`), for errors
+
+    @property
+    def weight(self) -> Any:
+        """The base layer's weight, as PEFT's layers give it: code of the model that reads ``proj.weight`` (its dtype,
+        a tied head) keeps working. A product made from it directly bypasses the adapters."""
+        return self.base.weight
+
+    @property
+    def bias(self) -> Any:
+        return getattr(self.base, "bias", None)
 
     @property
     def adapter_names(self) -> list[str]:
@@ -208,8 +227,11 @@ class MultiLoRALinear(nn.Module):
             tokens_per_row = self.context.tokens_per_row = math.prod(shape[1:-1])
         else:
             raise RuntimeError(
-                f"the batch has {shape[0]} rows but the layout describes {layout.num_rows}; "
-                "set the layout of the batch being run"
+                f"layer {self.layer_name or type(self.base).__name__!r} got an input of shape {tuple(shape)} but the "
+                f"layout describes {rows} rows{f' of {seen} tokens' if seen else ''}: a wrapped layer must see the "
+                "whole batch, rows first ((rows, tokens, features), or (rows x tokens, features) flattened); one "
+                "called on part of the tokens (mixture-of-experts routing) or sequence first (batch_first=False) "
+                "cannot be adapted: leave it out of `target_modules`. Otherwise set the layout of the batch being run"
             )
         weights = self._weights_for(layout, tokens_per_row)
         if weights is None:
@@ -434,8 +456,9 @@ class LoRALayers(Mapping):
     ) -> None:
         """Add adapter ``name`` to every layer its ``target_modules`` select (all injected layers if None).
 
-        Initialisation is drawn from a generator seeded by ``seed`` and the layer's position, so an
-        adapter's initial weights do not depend on which other adapters exist. So are its dropout masks (with
+        Initialisation is drawn from a generator seeded by ``seed`` and the layer's name, so an adapter's initial
+        weights do not depend on which other adapters exist, nor on which other layers were injected. So are its
+        dropout masks (with
         ``dropout > 0``), from ``seed``, the layer and its dropout step (`dropout_steps`): the same whichever adapters
         share its forwards, wherever its rows lie in the batch and however long its neighbours pad the rows (two
         adapters of one seed get the same masks). The adapter's parameters are then
@@ -450,12 +473,11 @@ class LoRALayers(Mapping):
         slot = next((i for i in range(DROPOUT_SLOTS) if i not in used), None)
         if slot is None:
             raise RuntimeError(f"at most {DROPOUT_SLOTS} adapters at once on one model; remove one first")
-        for index, layer_name in enumerate(self._layers):
-            if layer_name not in layer_names:
-                continue
-            generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + index)
+        for layer_name in layer_names:
+            key = zlib.crc32(layer_name.encode())
+            generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + key)
             self._layers[layer_name].add_adapter(name, rank, alpha, dropout, use_rslora, generator, dtype)
-            self._layers[layer_name].streams[name] = (_stream_seed(seed, index), slot)
+            self._layers[layer_name].streams[name] = (_stream_seed(seed, key), slot)
         self._slots[name] = slot
         for steps in self.context.dropout_steps.values():
             steps[slot] = 0
@@ -821,6 +843,19 @@ def inject_multilora(
         head = _output_embeddings(model)
         candidates = [n for n in candidates if _is_linear(modules[n]) and modules[n] is not head
                       and n not in attention]
+    # a mixture-of-experts block calling one linear per expert on the tokens routed to it: that layer never sees the
+    # whole batch, whose rows the layout describes (transformers 4.x's Mixtral and Qwen2-MoE, DeepSeek's code)
+    experts = [n for n in candidates if _EXPERT.search(n) and _is_linear(modules[n])]
+    if experts and target_modules == "all-linear":
+        warnings.warn(f"'all-linear' leaves out the {len(experts)} linear layers of mixture-of-experts experts "
+                      f"({experts[0]!r}...): each is called on the tokens routed to it, not on the whole batch whose "
+                      "rows the adapters own, so they cannot be adapted here")
+        candidates = [n for n in candidates if n not in experts]
+    elif experts:
+        raise ValueError(f"`target_modules` selects {experts[0]!r} (and {len(experts) - 1} more), the linear layers "
+                         "of mixture-of-experts experts: each is called on the tokens routed to it, not on the whole "
+                         "batch whose rows the adapters own, so they cannot be adapted here; leave them out (name the "
+                         "attention projections, or a regex such as r'^(?!.*\\.experts\\.).*_proj$')")
     held = [n for n in candidates if n in attention]
     if held:
         raise ValueError(f"`target_modules` selects {held[0]!r}, a projection of nn.MultiheadAttention, which reads "
@@ -847,9 +882,16 @@ def inject_multilora(
         parent_name, _, child = name.rpartition(".")
         parent = modules[parent_name] if parent_name else model
         wrapped = MultiLoRALinear(module, context)
+        wrapped.layer_name = name
         setattr(parent, child, wrapped)
         layers[name] = wrapped
+        # (torch's encoder / decoder layers read their linears' weights in their inference fast path)
+        if isinstance(parent, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)):
+            context.mha_fastpath_off = True
     return LoRALayers(model, layers, context)
+
+
+_EXPERT = re.compile(r"(^|\.)experts\.\d+\.")  # a layer of one expert of a ModuleList of experts
 
 
 def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:
@@ -862,10 +904,11 @@ def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:
     return head if isinstance(head, nn.Module) else None
 
 
-def _stream_seed(seed: int, layer_index: int) -> int:
-    """An adapter's dropout seed in the layer at ``layer_index`` (its initialisation's generator takes ``seed *
-    1_000_003 + layer_index``: mixed otherwise, so that its first masks are not its initial weights' draws)."""
-    return (int(seed) * 0x2545F491 + layer_index * 0x6C8E9CF5 + 0x1B873593) % STREAM_SEED_MOD
+def _stream_seed(seed: int, layer_key: int) -> int:
+    """An adapter's dropout seed in the layer of ``layer_key`` (the CRC-32 of its name; its initialisation's
+    generator takes ``seed * 1_000_003 + layer_key``: mixed otherwise, so that its first masks are not its initial
+    weights' draws)."""
+    return (int(seed) * 0x2545F491 + layer_key * 0x6C8E9CF5 + 0x1B873593) % STREAM_SEED_MOD
 
 
 def _check_peft_shapes(name: str, expected: Mapping[str, tuple[int, ...]],

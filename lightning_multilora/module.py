@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_multilora.arguments import UsageError, check_bool, check_int
-from lightning_multilora.base_model import one_sequence_per_row
+from lightning_multilora.base_model import check_causal_lm, one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import (init_from_layers, init_from_shapes, init_from_weights, peft_target_modules,
                                         save_peft_adapter)
@@ -109,6 +109,11 @@ class MultiLoRAMixin:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if L.LightningModule in mro and mro.index(L.LightningModule) < mro.index(MultiLoRAMixin):
+            raise TypeError(f"class {cls.__name__}: list MultiLoRAMixin before LightningModule among its bases "
+                            f"(`class {cls.__name__}(MultiLoRAMixin, L.LightningModule)`), so that its training step "
+                            "and hooks take precedence over LightningModule's defaults")
         own = cls.__dict__.get("configure_optimizers")
         if own is not None:
             cls.configure_optimizers = _needs_super_optimizer(own)
@@ -154,6 +159,8 @@ class MultiLoRAMixin:
         check_int("MultiLoRAModule", "max_running", max_running, 1, optional=True)
         check_bool("MultiLoRAModule", "validate_on_finish", validate_on_finish)
         check_bool("MultiLoRAModule", "cuda_graphs", cuda_graphs)
+        if type(self).adapter_loss_terms is MultiLoRAMixin.adapter_loss_terms:  # (a loss of its own may take any)
+            check_causal_lm(model, field="base_model" if isinstance(self, MultiLoRAModule) else "model")
         self.automatic_optimization = False
         self.strict_loading = False  # checkpoints hold adapter weights only, never the frozen base
         model.train()  # (from_pretrained returns eval mode: the base's dropout off, and Lightning warns at the start)
@@ -367,12 +374,23 @@ class MultiLoRAMixin:
             directory = own if own is not None and own.parent == root else root / name
             taken = directory
             version = 0
+            later = None  # the step of this adapter's export of a later step than its own, kept
             while ((directory.exists() and not directory.is_dir())  # (a file of that name)
                    or ((directory / "adapter_config.json").exists() and not self._wrote(directory, name)
-                       and str(directory) != rec.export_path)):
-                version += 1  # another run's adapter, or another adapter's of this run (`a` versioned into `a-v1`)
+                       and str(directory) != rec.export_path)
+                   or ((directory / "adapter_config.json").exists() and self._wrote(directory, name)
+                       and self._later_step(directory, rec.step) is not None)):
+                # another run's adapter, or another adapter's of this run (`a` versioned into `a-v1`), or this one's
+                # of a later step: written by the run this one resumed after its checkpoint, and not to be replaced
+                # by weights of an earlier step (an interrupt of this resume exports them)
+                later = later if later is not None or directory != taken else self._later_step(directory, rec.step)
+                version += 1
                 directory = root / f"{name}-v{version}"
-            if version and not taken.is_dir():
+            if version and later is not None:
+                warnings.warn(f"adapter {name!r}: {taken} holds its export of step {later}, a later step than this "
+                              f"one's ({rec.step}), written after the checkpoint this run resumed from; it is kept, "
+                              f"and this one is written to {directory}")
+            elif version and not taken.is_dir():
                 warnings.warn(f"adapter {name!r}: {taken} is a file; it is kept, and this adapter is written to "
                               f"{directory}")
             elif version:
@@ -393,7 +411,7 @@ class MultiLoRAMixin:
                           f"without them): its weights of step {rec.step} are exported", stacklevel=2)
         if own_folder:  # stamped first: a folder an interrupt leaves half-written is still known as this run's
             directory.mkdir(parents=True, exist_ok=True)
-            (directory / _RUN_STAMP).write_text(f"{self._run_id}\n{name}\n")
+            (directory / _RUN_STAMP).write_text(f"{self._run_id}\n{name}\n{rec.step}\n")
         path = save_peft_adapter(directory, rec.spec, weights if weights is not None else
                                  self.lora_layers.peft_state_dict(name),
                                  peft_target_modules(layers, self._all_module_names), base or None,
@@ -418,14 +436,23 @@ class MultiLoRAMixin:
         stamp = self._stamp(directory)
         return stamp is not None and stamp[0] == self._run_id and stamp[1] in ("", name)
 
+    def _later_step(self, directory: Path, step: int) -> Optional[int]:
+        """The adapter's step stamped in ``directory``, this run's export (`_wrote`), where it is later than
+        ``step``; else None."""
+        stamp = self._stamp(directory)
+        if stamp is None or stamp[0] != self._run_id or not stamp[2].isdigit():  # (its name checked by the caller)
+            return None
+        return int(stamp[2]) if int(stamp[2]) > step else None
+
     @staticmethod
-    def _stamp(directory: Path) -> Optional[tuple[str, str]]:
-        """The run id and the adapter name stamped in an export folder (the name "" in an older stamp), or None."""
+    def _stamp(directory: Path) -> Optional[tuple[str, str, str]]:
+        """The run id, the adapter name and its step stamped in an export folder (the name and step "" in an older
+        stamp), or None."""
         stamp = directory / _RUN_STAMP
         if not stamp.is_file():
             return None
-        lines = stamp.read_text().splitlines() + ["", ""]
-        return lines[0].strip(), lines[1].strip()
+        lines = stamp.read_text().splitlines() + ["", "", ""]
+        return lines[0].strip(), lines[1].strip(), lines[2].strip()
 
     def packing_roster(self) -> list[AdapterSpec]:
         """Specs of the adapters in the next packed batch (running, in registry order; under adapter
@@ -663,6 +690,19 @@ class MultiLoRAMixin:
             return Path(log_dir_of(trainer)) / "adapters"
         return Path("adapters")
 
+    def _check_hosted(self) -> None:
+        """The module was set up for a fit: `init_multilora` called, on a model that is one of its submodules (one
+        that is not, the adapters' weights are not the module's parameters: no checkpoint held them, and a resume
+        restarted them from fresh weights, silently)."""
+        if not isinstance(getattr(self, "lora_layers", None), LoRALayers):
+            raise RuntimeError(f"{type(self).__name__} never called `self.init_multilora(model, ...)` (in its "
+                               "__init__, after `super().__init__()`): MultiLoRAMixin has no adapters to train")
+        model = self.lora_layers.model
+        if not any(m is model for m in self.modules()):
+            raise RuntimeError(f"the model given to `init_multilora` is not a submodule of {type(self).__name__}: "
+                               "assign it to an attribute (`self.model = model`), or its adapters are not among the "
+                               "module's parameters: not moved to the device, not saved in checkpoints")
+
     def _trainer_or_none(self) -> Optional[L.Trainer]:
         return getattr(self, "_trainer", None)
 
@@ -896,7 +936,13 @@ class MultiLoRAMixin:
         its weights, optimizer state and data position. Under adapter parallelism a rank that does not hold it only
         marks it ended (its owner exports it)."""
         if self._owns(rec.name):
-            self.save_adapter(rec.name, best=self.keep_best_weights)
+            try:
+                self.save_adapter(rec.name, best=self.keep_best_weights)
+            except OSError as err:  # (a full disk, a folder made read-only: the adapter is kept as it is, held)
+                raise RuntimeError(
+                    f"adapter {rec.name!r} ({state.value} at its step {rec.step}: {reason}) could not be exported: "
+                    f"{type(err).__name__}: {err}; the fit stops here, its adapters exported as they are where they "
+                    "can be: once the export folder can be written, resume from the last checkpoint") from err
             optimizer = self._raw_optimizer()
             if optimizer is not None:
                 for i, group in enumerate(optimizer.param_groups):
@@ -1387,6 +1433,7 @@ class MultiLoRAMixin:
         return paths
 
     def configure_callbacks(self) -> list[L.Callback]:
+        self._check_hosted()
         self._refuse_trainer_options()  # (Lightning calls this before it checks the Trainer's options itself)
         if self.trainer.state.fn == "fit":
             self._take_loss_scaler()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -33,8 +34,9 @@ def test_a_name_that_loads_nothing_names_the_built_in_models(tmp_path):
     built-in models beside the loader's own reason."""
     empty = tmp_path / "not-a-model"
     empty.mkdir()
-    with pytest.raises((OSError, ValueError), match=r"`base_model` '.*not-a-model' is no built-in model \(tiny-llama, tiny-qwen2, "
-                                      r"tiny-mistral\), no local checkpoint directory, and could not be loaded"):
+    with pytest.raises((OSError, ValueError), match=r"`base_model` '.*not-a-model' is no built-in model "
+                                                   r"\(tiny-llama, tiny-qwen2, tiny-mistral\), no local checkpoint "
+                                                   r"directory, and could not be loaded"):
         build_base_model(str(empty))
 
 
@@ -106,3 +108,165 @@ def test_errors_the_overrides_did_not_cause_are_not_blamed_on_them(tmp_path, mon
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_config", no_room)
     with pytest.raises(torch.OutOfMemoryError):
         build_base_model("tiny-llama", {"rms_norm_eps": 1e-5})
+
+
+BERT = dict(model_type="bert", vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64)
+T5 = dict(model_type="t5", vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+          decoder_start_token_id=0)
+DECODER = dict(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=64, max_position_embeddings=256)
+
+
+def _sees_later_tokens(model: torch.nn.Module) -> bool:
+    """Whether a position's logits change with a later token: what a causal-LM loss must never let happen."""
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    changed = ids.clone()
+    changed[0, -1] = 11
+    with torch.no_grad():
+        return not torch.equal(model.eval()(ids).logits[0, :-1], model(changed).logits[0, :-1])
+
+
+def test_an_encoder_checkpoint_is_refused_unless_loaded_as_a_decoder(tmp_path):
+    """A BERT checkpoint loaded as a causal LM (`BertLMHeadModel`) kept its encoder's bidirectional attention and
+    trained silently: every position saw the token it was to predict. It is refused, naming the override that
+    makes it a causal decoder, which then loads and attends causally."""
+    from transformers import AutoConfig, BertForMaskedLM
+
+    BertForMaskedLM(AutoConfig.for_model(**BERT)).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"`base_model` is a BertLMHeadModel \(model_type 'bert'\) with "
+                                         r"`is_decoder=False`: its attention is bidirectional.*"
+                                         r"`config_overrides=\{'is_decoder': True\}`"):
+        build_base_model(str(tmp_path))
+    model = build_base_model(str(tmp_path), {"is_decoder": True})
+    assert type(model).__name__ == "BertLMHeadModel" and not _sees_later_tokens(model)
+
+
+def test_a_checkpoint_that_is_no_causal_lm_says_what_it_is(tmp_path):
+    """A checkpoint directory of an encoder-decoder (T5), or of a model with no causal-LM class (ViT), was said to
+    be "no local checkpoint directory"; now its model type and the reason are named, with overrides or without. A
+    config.json that cannot be read, or weights that cannot be loaded, are said to be a checkpoint's too."""
+    from transformers import AutoConfig, AutoModel, T5ForConditionalGeneration
+
+    T5ForConditionalGeneration(AutoConfig.for_model(**T5)).save_pretrained(tmp_path / "t5")
+    for overrides in (None, {"num_layers": 1}):
+        with pytest.raises(ValueError, match=r"`base_model` '.*t5' is a checkpoint of a t5 model "
+                                             r"\(T5ForConditionalGeneration\), an encoder-decoder") as err:
+            build_base_model(str(tmp_path / "t5"), overrides)
+        assert "no local checkpoint directory" not in str(err.value)
+    AutoModel.from_config(AutoConfig.for_model("vit", hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                               intermediate_size=64)).save_pretrained(tmp_path / "vit")
+    with pytest.raises(ValueError, match=r"'.*vit' is a checkpoint of a vit model \(ViTModel\), which is no causal "
+                                         r"language model"):
+        build_base_model(str(tmp_path / "vit"))
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"'.*odd' is a checkpoint directory whose config.json transformers cannot"):
+        build_base_model(str(tmp_path / "odd"))
+    build_base_model("tiny-llama", {"num_hidden_layers": 1}).save_pretrained(tmp_path / "llama")
+    for weights in (tmp_path / "llama").glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(OSError, match=r"'.*llama' is a checkpoint directory \(its config.json read\) whose model "
+                                      r"could not be loaded"):
+        build_base_model(str(tmp_path / "llama"))
+
+
+def _refused_modules() -> dict[str, Any]:
+    from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, BertForMaskedLM,
+                              BertForSequenceClassification, LlamaForSequenceClassification,
+                              T5ForConditionalGeneration)
+
+    roformer = dict(model_type="roformer", vocab_size=300, hidden_size=32, embedding_size=32, num_hidden_layers=1,
+                    num_attention_heads=4, intermediate_size=64)
+    return {
+        r"BertForMaskedLM \(model_type 'bert'\), a model with a MaskedLM head":
+            lambda: BertForMaskedLM(AutoConfig.for_model(**BERT)),
+        r"BertForSequenceClassification .*SequenceClassification head":
+            lambda: BertForSequenceClassification(AutoConfig.for_model(**BERT)),
+        r"LlamaForSequenceClassification .*SequenceClassification head":
+            lambda: LlamaForSequenceClassification(AutoConfig.for_model("llama", **DECODER)),
+        r"T5ForConditionalGeneration \(model_type 't5'\), an encoder-decoder":
+            lambda: T5ForConditionalGeneration(AutoConfig.for_model(**T5)),
+        r"LlamaModel .*a backbone without a language-model head":
+            lambda: AutoModel.from_config(AutoConfig.for_model("llama", **DECODER)),
+        r"BertLMHeadModel .*`is_decoder=False`.*build it with `is_decoder=True`":
+            lambda: AutoModelForCausalLM.from_config(AutoConfig.for_model(**BERT)),
+        # no `is_causal` flag on RoFormer's attention: told by transformers' own `if not config.is_decoder` check
+        r"RoFormerForCausalLM .*`is_decoder=False`: its attention is bidirectional":
+            lambda: AutoModelForCausalLM.from_config(AutoConfig.for_model(**roformer)),
+    }
+
+
+@pytest.mark.parametrize("refusal", list(_refused_modules()))
+def test_a_built_model_that_is_no_causal_lm_is_refused(refusal):
+    """Given as a module, a masked-LM or classification head, an encoder-decoder, a bare backbone or an encoder
+    built as a causal LM without `is_decoder` trained silently on a meaningless loss or failed later on an unrelated
+    batch-size error: `check_causal_lm` (which the module applies to a model given) names what it is and why."""
+    from lightning_multilora.base_model import check_causal_lm
+
+    with pytest.raises(ValueError, match=r"`base_model` is a " + refusal):
+        check_causal_lm(_refused_modules()[refusal]())
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gpt2", "opt", "phi", "gemma", "gpt_neox", "falcon",
+                                    "bloom"])
+def test_decoder_language_models_load_and_pass_the_causal_check(tmp_path, family):
+    """Decoder-only LMs load by path and pass as modules; so do an encoder built as a decoder (`is_decoder=True`, the
+    fix the refusal names) and a torch model that is no Hugging Face one (any model can host the adapters)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_multilora.base_model import check_causal_lm
+
+    extra = {"gpt2": dict(n_embd=32, n_layer=2, n_head=4), "opt": dict(ffn_dim=64, word_embed_proj_dim=32),
+             "gemma": dict(head_dim=8), "bloom": dict(n_layer=2, n_head=4)}.get(family, {})
+    built = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **DECODER, **extra))
+    built.save_pretrained(tmp_path)
+    loaded = build_base_model(str(tmp_path))
+    assert type(loaded) is type(built) and not _sees_later_tokens(loaded)
+    check_causal_lm(built)
+    check_causal_lm(AutoModelForCausalLM.from_config(AutoConfig.for_model(**BERT, is_decoder=True)))
+    check_causal_lm(torch.nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize("family, extra", [("qwen2", dict(use_sliding_window=True, sliding_window=4,
+                                                          max_window_layers=1)),
+                                           ("gemma2", dict(head_dim=8, sliding_window=4))])
+def test_num_hidden_layers_on_a_checkpoint_resizes_its_layer_types(tmp_path, family, extra):
+    """`num_hidden_layers` on a saved Qwen2 / Gemma2 checkpoint failed: its config kept the checkpoint's
+    `layer_types`, of another length. Fewer layers keep the checkpoint's first layers and their kinds, as
+    transformers' own `from_pretrained(path, num_hidden_layers=n)` (the same logits); more make the list anew by the
+    config's rule; `layer_types` given with them are taken as they are."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **{**DECODER, "num_hidden_layers": 3}, **extra)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = build_base_model(str(tmp_path), {"num_hidden_layers": 2})
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, num_hidden_layers=2)
+    assert len(model.model.layers) == 2 and model.config.layer_types == config.layer_types[:2]
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits)
+    grown = build_base_model(str(tmp_path), {"num_hidden_layers": 4})
+    assert grown.config.layer_types == AutoConfig.for_model(family, **{**DECODER, "num_hidden_layers": 4},
+                                                            **extra).layer_types
+    given = build_base_model(str(tmp_path), {"num_hidden_layers": 1, "layer_types": ["sliding_attention"]})
+    assert given.config.layer_types == ["sliding_attention"]
+
+
+def test_base_model_forms_other_than_a_name_path_or_module_are_refused_by_name(tmp_path):
+    """A config object failed as an unhashable key deep inside; it, and any other type, is refused naming
+    `base_model` and the forms it takes. A path object is taken as its str (a missing one failed as a TypeError)."""
+    from pathlib import Path
+
+    from transformers import AutoConfig
+
+    with pytest.raises(ValueError, match=r"`base_model` can be a built-in model's name \(tiny-llama, tiny-qwen2, "
+                                         r"tiny-mistral\), a checkpoint directory or Hugging Face Hub name.*an "
+                                         r"nn.Module; got an object of type LlamaConfig: build its model"):
+        build_base_model(AutoConfig.for_model("llama", **DECODER))
+    with pytest.raises(ValueError, match=r"`base_model` can be .*got an object of type int$"):
+        build_base_model(3)
+    build_base_model("tiny-llama", {"num_hidden_layers": 1}).save_pretrained(tmp_path / "base")
+    assert build_base_model(tmp_path / "base").config.name_or_path == str(tmp_path / "base")
+    with pytest.raises(OSError, match=r"`base_model` '.*missing' is no built-in model"):
+        build_base_model(Path(tmp_path / "missing"))

@@ -66,6 +66,21 @@ def test_initialisation_depends_only_on_the_adapters_seed():
         assert torch.equal(p, q)
 
 
+def test_an_adapters_initialisation_and_dropout_do_not_depend_on_the_other_injected_layers():
+    """(Each layer's generator was seeded by the layer's position among the injected ones: the same spec started
+    from other weights in a module injecting more layers.)"""
+    few = inject_multilora(build_base_model("tiny-llama"), ["q_proj", "v_proj"])
+    every = inject_multilora(build_base_model("tiny-llama"), "all-linear")
+    for layers in (few, every):
+        layers.add_adapter("x", 4, 8, dropout=0.1, target_modules=["v_proj"], seed=1)
+    assert set(few._targets["x"]) == set(every._targets["x"]) and len(few._targets["x"]) == 2
+    for name in few._targets["x"]:
+        assert torch.equal(few[name].lora_A["x"], every[name].lora_A["x"])
+        assert few[name].streams["x"] == every[name].streams["x"]
+    layer_0, layer_1 = few._targets["x"]
+    assert not torch.equal(few[layer_0].lora_A["x"], few[layer_1].lora_A["x"])  # (each layer its own draw)
+
+
 def test_each_row_uses_its_own_adapter_and_unassigned_rows_the_base():
     torch.manual_seed(0)
     base = nn.Linear(16, 12)
@@ -421,7 +436,8 @@ def test_flattened_tokens_must_be_the_whole_batch_seen_in_three_dimensions():
     with context.use(BatchLayout(("a", "b"), (0, 1), (1, 2), 2)):
         attn(torch.randn(2, 3, 8))
         assert expert(torch.randn(6, 8)).shape == (6, 8)  # the whole batch, flattened
-        with pytest.raises(RuntimeError, match="the batch has 4 rows but the layout describes 2"):
+        with pytest.raises(RuntimeError, match=r"got an input of shape \(4, 8\) but the layout describes 2 rows of 3 "
+                                               r"tokens.*mixture-of-experts routing"):
             expert(torch.randn(4, 8))  # 4 of its 6 tokens
     # a head on pooled features, one a row, after the (rows, tokens, d) layers: each row its adapter's (it was refused)
     pooled = torch.randn(2, 8)
@@ -454,6 +470,54 @@ def test_a_second_injection_and_multihead_attentions_projection_are_refused():
         assert encoder(torch.randn(2, 3, 8)).shape == (2, 3, 8)
     with pytest.raises(ValueError, match=r"selects 'self_attn.out_proj', a projection of nn.MultiheadAttention"):
         inject_multilora(nn.TransformerEncoderLayer(d_model=8, nhead=2, batch_first=True), ["out_proj"])
+
+
+def test_torch_encoder_layers_use_their_adapters_in_inference_and_read_their_linears_weights():
+    """(A wrapped layer had no `weight`: torch's encoder layer failed at its first validation, T5's feed-forward at
+    its first forward. With it, the layer's inference fast path would read the weights and bypass the adapters: it
+    is off while a layout is set.)"""
+    torch.manual_seed(0)
+    encoder = nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    layers = inject_multilora(encoder, "all-linear")
+    assert layers["linear1"].weight is layers["linear1"].base.weight
+    assert layers["linear2"].bias is layers["linear2"].base.bias
+    layers.add_adapter("a", rank=2, alpha=4)
+    with torch.no_grad():
+        for p in layers.parameters_of("a"):
+            p.normal_()
+    x = torch.randn(2, 3, 8)
+    with layers.use(BatchLayout.from_sizes(["a"], [2])):
+        trained = encoder(x)  # (training mode: no fast path)
+    encoder.eval()
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    with torch.no_grad(), layers.use(BatchLayout.from_sizes(["a"], [2])):
+        torch.testing.assert_close(encoder(x), trained)
+        assert not torch.backends.mha.get_fastpath_enabled()
+    assert torch.backends.mha.get_fastpath_enabled() == fastpath
+    with torch.no_grad():
+        assert not torch.allclose(encoder(x), trained)  # (no layout: the base alone)
+
+
+def test_mixture_of_experts_linears_are_left_out_of_all_linear_and_refused_by_name():
+    """(Each expert is called on the tokens routed to it: wrapped, a forward failed with a bare shape error, or,
+    where an expert took as many tokens as the batch has rows, gave tokens other rows' adapters, silently.)"""
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.gate = nn.Linear(8, 8), nn.Linear(8, 2)
+            self.experts = nn.ModuleList([Expert(), Expert()])
+
+    with pytest.warns(UserWarning, match=r"'all-linear' leaves out the 4 linear layers of mixture-of-experts experts"):
+        layers = inject_multilora(Block(), "all-linear")
+    assert sorted(layers) == ["gate", "q_proj"]
+    with pytest.raises(ValueError, match=r"selects 'experts.0.w1' \(and 1 more\), the linear layers of mixture-of-"
+                                         r"experts experts.*leave them out"):
+        inject_multilora(Block(), ["q_proj", "w1"])
 
 
 def test_a_layout_naming_no_adapter_and_peft_keys_with_adapter_names_are_named():

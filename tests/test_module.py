@@ -409,6 +409,63 @@ def test_the_mixin_trains_adapters_of_a_model_that_is_not_a_hugging_face_one(tmp
         L.Trainer(**trainer_kwargs).fit(Own(wrong=True), small_dm())
 
 
+def test_mixin_set_up_mistakes_are_named_before_anything_trains(tmp_path, trainer_kwargs):
+    """(The bases in the wrong order gave Lightning's "no training_step"; no `init_multilora`, an AttributeError; a
+    base that is no submodule trained, but no checkpoint held its adapters, and a resume restarted them from fresh
+    weights, silently.)"""
+    from lightning_multilora import MultiLoRAMixin
+    from lightning_multilora.base_model import build_base_model
+
+    with pytest.raises(TypeError, match=r"class Reversed: list MultiLoRAMixin before LightningModule"):
+        class Reversed(L.LightningModule, MultiLoRAMixin):
+            pass
+
+    class NoInit(MultiLoRAMixin, L.LightningModule):
+        pass
+
+    class Unheld(MultiLoRAMixin, L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.init_multilora(build_base_model("tiny-llama"), adapters=[AdapterSpec("a", max_steps=1)],
+                                export_dir=str(tmp_path / "out"))
+
+    with pytest.raises(RuntimeError, match=r"NoInit never called `self.init_multilora\(model, ...\)`"):
+        L.Trainer(**trainer_kwargs).fit(NoInit(), small_dm())
+    unheld = Unheld()
+    with pytest.raises(RuntimeError, match=r"the model given to `init_multilora` is not a submodule of Unheld: "
+                                           r"assign it to an attribute \(`self.model = model`\)"):
+        L.Trainer(**trainer_kwargs).fit(unheld, small_dm())
+    assert unheld.registry["a"].step == 0 and not (tmp_path / "out").exists()
+
+
+def test_a_model_given_that_is_no_causal_lm_is_refused_unless_the_loss_is_the_modules_own():
+    """(A BertForMaskedLM or a T5 given as a module trained silently on a meaningless next-token loss.)"""
+    from transformers import AutoConfig, BertForMaskedLM, T5ForConditionalGeneration
+
+    from lightning_multilora import MultiLoRAMixin
+
+    bert = AutoConfig.for_model("bert", vocab_size=300, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                intermediate_size=64)
+    t5 = AutoConfig.for_model("t5", vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4)
+    with pytest.raises(ValueError, match=r"`base_model` is a BertForMaskedLM \(model_type 'bert'\)"):
+        MultiLoRAModule(BertForMaskedLM(bert))
+
+    class Host(MultiLoRAMixin, L.LightningModule):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+            self.init_multilora(model, target_modules=["q", "v"])
+
+    class OwnLoss(Host):
+        def adapter_loss_terms(self, batch):
+            raise NotImplementedError  # (never reached here: a loss of its own may read any model)
+
+    with pytest.raises(ValueError, match=r"`model` is a T5ForConditionalGeneration \(model_type 't5'\), an "
+                                         r"encoder-decoder"):
+        Host(T5ForConditionalGeneration(t5))
+    assert len(OwnLoss(T5ForConditionalGeneration(t5)).lora_layers) == 6  # (self- and cross-attention q, v)
+
+
 def test_a_data_parallel_strategy_is_refused_naming_the_one_that_works(tmp_path):
     """Over several processes only `AdapterParallelStrategy` places adapters: DDP (say) would get every adapter on
     every process, none of them there when it wraps the model. Refused before it wraps anything (Lightning calls
@@ -458,7 +515,7 @@ def test_fp16_scales_each_adapters_loss_on_its_own(tmp_path, trainer_kwargs):
         module = MultiLoRAModule("tiny-llama", adapters=specs, optimizer="torch.optim.SGD",  # (AdamW: scale-free)
                                  export_dir=str(tmp_path / f"export{len(list(tmp_path.iterdir()))}"))
         plugin = _fp16(scaler)
-        L.Trainer(**{**trainer_kwargs, "max_steps": 30}, plugins=[plugin], callbacks=list(callbacks)).fit(module,
+        L.Trainer(**{**trainer_kwargs, "max_steps": 40}, plugins=[plugin], callbacks=list(callbacks)).fit(module,
                                                                                                        small_dm())
         assert plugin.scaler is scaler
         return module, {n: load_file(Path(module.registry[n].export_path) / "adapter_model.safetensors")
@@ -1363,6 +1420,56 @@ def test_an_interrupted_first_export_is_finished_in_its_own_folder(tmp_path, tra
     assert sorted(p.name for p in (folder / "a").iterdir()) == [".multilora_run", "adapter_config.json",
                                                                 "adapter_model.safetensors"]
     assert module.registry["a"].export_path == str(folder / "a") and len(calls) == 2
+
+
+def test_a_resume_stopped_early_keeps_the_later_export_of_the_run_it_resumed(tmp_path, trainer_kwargs):
+    """A run went on past its checkpoint and exported an adapter as it finished (then was killed); its resume,
+    stopped before that step, exported the adapter's earlier weights over the finished ones, which then existed
+    nowhere. They are kept, and the earlier ones written beside them."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    specs = [AdapterSpec("a", rank=2, max_steps=4, batch_size=1, seed=1),
+             AdapterSpec("b", rank=2, max_steps=5, batch_size=1, seed=2)]
+    exports = tmp_path / "exports"
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    L.Trainer(**{**trainer_kwargs, "enable_checkpointing": True}, callbacks=[checkpoint]).fit(
+        MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(exports), validate_on_finish=False), small_dm())
+    finished = load_file(exports / "a" / "adapter_model.safetensors")
+    resumed = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(exports), validate_on_finish=False)
+    with pytest.warns(UserWarning, match=r"adapter 'a': .*exports/a holds its export of step 4, a later step than "
+                                         r"this one's \(3\).*written to .*exports/a-v1"):
+        L.Trainer(**{**trainer_kwargs, "max_steps": 3}).fit(resumed, small_dm(),
+                                                            ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
+    for key, value in load_file(exports / "a" / "adapter_model.safetensors").items():
+        assert torch.equal(value, finished[key])
+    assert resumed.registry["a"].export_path == str(exports / "a-v1") and resumed.registry["a"].exported_step == 3
+    assert resumed.registry["b"].export_path == str(exports / "b-v1")  # (b's step 5 kept too)
+
+
+def test_an_export_that_fails_as_its_adapter_finishes_stops_the_fit_naming_it(tmp_path, trainer_kwargs, monkeypatch):
+    """(A full disk at an adapter's exit stopped the run with the bare OSError of a partial file.)"""
+    import errno
+
+    import lightning_multilora.module as module_file
+
+    real = module_file.save_peft_adapter
+
+    def full_for_a(directory, spec, *args, **kwargs):
+        if spec.name == "a":
+            raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+        return real(directory, spec, *args, **kwargs)
+
+    monkeypatch.setattr(module_file, "save_peft_adapter", full_for_a)
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2, batch_size=1),
+                                                     AdapterSpec("b", rank=2, max_steps=5, batch_size=1)],
+                             export_dir=str(tmp_path / "exports"), validate_on_finish=False)
+    with pytest.raises(RuntimeError, match=r"adapter 'a' \(finished at its step 2: reached max_steps=2\) could not be "
+                                           r"exported: OSError: \[Errno 28\] No space left on device.*resume from the "
+                                           r"last checkpoint"), \
+            pytest.warns(UserWarning, match="exporting the adapters"):
+        L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    assert module.registry["a"].state == AdapterState.RUNNING and module.registry["b"].step == 2
+    assert (tmp_path / "exports" / "b" / "adapter_model.safetensors").is_file()  # (exported as the fit stopped)
 
 
 def test_an_export_after_ctrl_c_between_validations_has_no_earlier_steps_loss(trainer_kwargs):
