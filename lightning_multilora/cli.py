@@ -98,12 +98,14 @@ class MultiLoRACLI(LightningCLI):
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         # (a logger that chooses its version, read before anything asks it: a version given is not moved)
         self._own_version = getattr(self.trainer.logger, "_version", 0) is None
+        if ckpt_path in ("last", "best", "hpc"):  # (the checkpoint it names, given to the fit in its place)
+            ckpt_path = self.config_init[self.subcommand]["ckpt_path"] = self._named_checkpoint(ckpt_path)
         check_resume_path(ckpt_path, self.trainer.strategy)
         # What the fit would find wrong only once under way (the base loaded, a log version made), found now and
         # said as a parse error is: a checkpoint that is not there, a tokenizer that does not load, an adapter's
         # unknown `dataset`, nothing to train
         path = str(ckpt_path) if ckpt_path is not None else None
-        if path is not None and path not in ("last", "best", "hpc", "registry") and "://" not in path \
+        if path is not None and path not in ("last", "registry") and "://" not in path \
                 and not Path(path).exists():
             self.parser.error(f"`ckpt_path` {path!r}: no such checkpoint file or folder")
         try:
@@ -127,6 +129,75 @@ class MultiLoRACLI(LightningCLI):
             self.parser.error("no adapter to train: give `model.adapters`, `model.grid`, or a callback that asks them "
                               "(lightning_multilora.callbacks.OptunaSweep)")
         self._claimed = self._claim_log_dir(path)
+
+    def _named_checkpoint(self, name: str) -> str:
+        """The checkpoint ``--ckpt_path last`` (or ``hpc``, ``best``) names for this command. Lightning looks for
+        "last" in the run's own checkpoint folder, and the CLI gives a run a log version of its own (a resume logs to
+        the next one): it found none there, warned, and a fresh run started from step 0 with a new study, the
+        interrupted run's trials left RUNNING. "last" is here the newest ``last*.ckpt`` (else the newest checkpoint)
+        in the folders the run's checkpoint callbacks save in, every version of the logger's included
+        (`_checkpoint_folders`); "hpc" Lightning's newest ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``. None found
+        is a usage error naming where it looked. "best" is the best checkpoint of an earlier fit in the same process,
+        which a command has not (Lightning's error for it blamed the ModelCheckpoint): refused."""
+        from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+
+        if name == "best":
+            self.parser.error("`ckpt_path` 'best' names the best checkpoint of an earlier fit in the same process, "
+                              "and a command has none: give a checkpoint's path, or 'last' (the newest checkpoint "
+                              "an earlier run of this log directory left)")
+        if name == "hpc":
+            found = self.trainer._checkpoint_connector._hpc_resume_path
+            if found is None:
+                self.parser.error(f"`ckpt_path` 'hpc': no hpc_ckpt_<n>.ckpt (Lightning's checkpoint of a SLURM run "
+                                  f"requeued) in {self.trainer.default_root_dir}: give a checkpoint's path, or 'last'")
+            return str(found)
+        callbacks = self.trainer.checkpoint_callbacks
+        lasts = {getattr(cb, "CHECKPOINT_NAME_LAST", "last") for cb in callbacks if isinstance(cb, ModelCheckpoint)}
+        pattern = re.compile(rf"(?:{'|'.join(map(re.escape, sorted(lasts or {'last'})))})(?:-\d+)?")
+        exceptions = {Path(cb.ckpt_path) for cb in callbacks if isinstance(cb, OnExceptionCheckpoint)}
+        places = [getattr(cb, "dirpath", None) for cb in callbacks] + [self.trainer.default_root_dir] + [
+            getattr(logger, "save_dir", None) for logger in self.trainer.loggers]
+        if any("://" in str(place) for place in places if place):  # (remote: Lightning's own search, which looks
+            return name  # there; a path made of a URL loses its "//")
+        folders, looked = self._checkpoint_folders()
+        found = [p for folder in folders for p in folder.glob("*.ckpt") if p.exists()]  # (a folder too: one of
+        found += [p for p in exceptions if p.exists() and p not in found]  # an adapter-parallel run)
+        if not found:
+            self.parser.error(f"`ckpt_path` 'last': no checkpoint in {', '.join(looked) or 'no folder'} (no "
+                              "ModelCheckpoint saved one: it saves at each validation, `val_check_interval`): give "
+                              "a checkpoint's path, or no `ckpt_path` for a new run")
+        named = [p for p in found if pattern.fullmatch(p.stem) or p in exceptions]  # (as Lightning names them)
+        return str(max(named or found, key=lambda p: p.stat().st_mtime))
+
+    def _checkpoint_folders(self) -> tuple[list[Path], list[str]]:
+        """The folders where this run's checkpoint callbacks (and so the earlier runs of its command) save, and how an
+        error names them: a callback's ``dirpath``, else the logger's version folders' ``checkpoints`` (every
+        version, where the logger chooses its own: the run being resumed took an earlier one), else
+        ``default_root_dir``'s, as Lightning's ModelCheckpoint places them."""
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        trainer, folders, named = self.trainer, [], []
+        default = not trainer.checkpoint_callbacks
+        for cb in trainer.checkpoint_callbacks:
+            if getattr(cb, "dirpath", None):
+                folders.append(Path(cb.dirpath))
+                named.append(str(cb.dirpath))
+            elif isinstance(cb, ModelCheckpoint):
+                default = True
+        if default and trainer.loggers:
+            logger = trainer.loggers[0]
+            root = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name)
+            if getattr(self, "_own_version", False):
+                folders += [p / "checkpoints" for p in sorted(root.glob("*")) if (p / "checkpoints").is_dir()]
+                named.append(str(root / "*" / "checkpoints"))
+            else:
+                version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
+                folders.append(root / version / "checkpoints")
+                named.append(str(folders[-1]))
+        elif default:
+            folders.append(Path(trainer.default_root_dir) / "checkpoints")
+            named.append(str(folders[-1]))
+        return folders, named
 
     def _drawn_sources(self) -> set[str]:
         """The data sources the run's adapters may draw: the given adapters' and those a sweep may ask

@@ -85,6 +85,24 @@ def _optimizer_choice(optimizer_class: type, optimizer_kwargs: dict[str, Any],
     return optimizer_class, kwargs
 
 
+class PausedSpec:
+    """A paused adapter's spec as an admission controller's memory model sees it (`MultiLoRAMixin.admitted`): its
+    weights and optimizer state are held, its rows are not in the batch (``rows_per_step`` and ``batch_size`` 0);
+    every other field is the spec's."""
+
+    rows_per_step = 0
+    batch_size = 0
+
+    def __init__(self, spec: AdapterSpec) -> None:
+        self.spec = spec
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.spec, name)
+
+    def __repr__(self) -> str:
+        return f"PausedSpec({self.spec!r})"
+
+
 class MultiLoRAMixin:
     """Trains many LoRA adapters of one frozen base model in one LightningModule.
 
@@ -304,6 +322,7 @@ class MultiLoRAMixin:
             raise ValueError(f"only a running adapter can be paused; {name!r} is {rec.state.value}")
         rec.state, rec.reason = AdapterState.PAUSED, reason
         rec.close_span(self._global_step())
+        self._freed_spec = rec.spec  # (as an exit: the next admission prefers its batch size)
         if name in self.lora_layers.adapter_names:
             self.lora_layers.drop_grads(name)  # the optimizer would step it with its last gradients at every step it waits
 
@@ -729,14 +748,31 @@ class MultiLoRAMixin:
         ones before them: within `max_running` and, with an ``admission`` controller, its memory budget (each rank's,
         under adapter parallelism). With no adapter running, the first is always among them."""
         running = [r.spec for r in self.registry.running]
+        resident = self._resident([s.name for s in specs])
         chosen: list[AdapterSpec] = []
         for spec in specs:
             if self.max_running is not None and len(running) + len(chosen) >= self.max_running:
                 break
-            if self.admission is not None and (running or chosen) and not self.admitted(running + chosen, [spec]):
+            if self.admission is not None and (running or chosen) and not self.admitted(resident + chosen, [spec]):
                 continue
             chosen.append(spec)
         return chosen
+
+    def _resident(self, leaving_out: Sequence[str] = ()) -> list[Any]:
+        """What the ``admission`` controller weighs candidates beside: the running adapters' specs, and the paused
+        ones' as `PausedSpec` (their weights and optimizer states stay in memory; their rows are not in the batch),
+        but for ``leaving_out`` (those being resumed)."""
+        return [r.spec for r in self.registry.running] + [PausedSpec(r.spec) for r in self.registry.paused
+                                                          if r.name not in leaving_out]
+
+    def _warn_paused_fill(self, spec: AdapterSpec) -> None:
+        paused = self.registry.paused
+        names = ", ".join(repr(r.name) for r in paused[:3]) + (", ..." if len(paused) > 3 else "")
+        warnings.warn(f"the {len(paused)} paused adapters ({names}) hold "
+                      "weights and optimizer states that leave no room, by the admission controller's memory model, "
+                      f"for any queued adapter; {spec.name!r} starts anyway (nothing else would train): end or resume "
+                      "paused adapters sooner (WarmupSelection), or raise the controller's capacity_bytes or "
+                      "safety_margin if its model over-counts")
 
     def admitted(self, running: Sequence[AdapterSpec], candidates: Sequence[AdapterSpec],
                  freed: Optional[AdapterSpec] = None) -> list[AdapterSpec]:
@@ -764,9 +800,12 @@ class MultiLoRAMixin:
                     "AdmissionController's capacity_bytes or safety_margin)"))
                 queued.remove(rec)
         if self.admission is not None and queued:
-            running = [r.spec for r in self.registry.running]
             by_name = {r.name: r for r in queued}
-            chosen = self.admitted(running, [r.spec for r in queued], self._freed_spec)
+            chosen = self.admitted(self._resident(), [r.spec for r in queued], self._freed_spec)
+            if not chosen and not self.registry.running:  # (paused adapters fill the budget: one starts anyway, or
+                first = queued[0]  # none ever would)
+                self._warn_paused_fill(first.spec)
+                chosen = [first.spec]
             queued = [by_name[s.name] for s in chosen]
         self._freed_spec = None
         for rec in queued:

@@ -127,6 +127,10 @@ def test_a_run_into_another_runs_log_directory_is_refused_unless_it_resumes_it(t
 
 @pytest.mark.parametrize("override, message", [
     (["--ckpt_path", "/nowhere/x.ckpt"], "`ckpt_path` '/nowhere/x.ckpt': no such checkpoint file or folder"),
+    # (no checkpoint for "last": a new run started, silently; "best" and "hpc" ended in Lightning's traceback)
+    (["--ckpt_path", "last"], "/lightning_logs/*/checkpoints (no ModelCheckpoint saved one: it saves at each"),
+    (["--ckpt_path", "best"], "`ckpt_path` 'best' names the best checkpoint of an earlier fit in the same process"),
+    (["--ckpt_path", "hpc"], "`ckpt_path` 'hpc': no hpc_ckpt_<n>.ckpt"),
     (["--data.tokenizer", "/nowhere_tokenizer"], "`tokenizer` '/nowhere_tokenizer'"),
     (["--model.adapters", "[{name: a, dataset: nope}]"], "adapter `dataset` 'nope' is not a data source"),
     (["--trainer.gradient_clip_val", "1.0"], "`Trainer(gradient_clip_val=1.0)`: each adapter clips its own"),
@@ -357,3 +361,41 @@ def test_a_missing_file_of_a_source_no_adapter_draws_is_not_refused(tmp_path, ca
         main(_tiny_fit(tmp_path / "two", "--trainer.logger", "false", "--data.sources", sources,
                        adapters="[{name: a, rank: 2, max_steps: 2, batch_size: 2, dataset: gone}]"))
     assert done.value.code == 2 and "data source 'gone': JSONLSource: no file at `path`" in capsys.readouterr().err
+
+
+class CrashAt(Callback):
+    """Raises at step ``step``, as a run that dies; records, as each fit starts, its checkpoint and first step."""
+
+    starts: list[tuple[str, int]] = []
+
+    def __init__(self, step: int = 0):
+        self.step = step
+
+    def on_train_start(self, trainer, *args):
+        CrashAt.starts.append((trainer.ckpt_path, trainer.global_step))
+
+    def on_train_batch_end(self, trainer, *args):
+        if trainer.global_step == self.step:
+            raise RuntimeError("node lost")
+
+
+@pytest.mark.parametrize("save_last", [True, False])
+def test_ckpt_path_last_resumes_the_checkpoint_an_earlier_run_of_the_root_left(tmp_path, monkeypatch, save_last):
+    """Lightning looks for "last" in the checkpoint folder of the run's own log version, and a resume takes the
+    logger's next one: it found none there, warned, and a new run started from step 0 (the interrupted run's trials
+    left RUNNING). "last" is the newest last.ckpt of the root's versions, else their newest checkpoint."""
+    monkeypatch.setattr(CrashAt, "starts", [])
+    callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": save_last}}]
+    args = _tiny_fit(tmp_path, "--trainer.val_check_interval", "2",
+                     adapters="[{name: a, rank: 2, max_steps: 5, batch_size: 2}]")
+    with pytest.raises(RuntimeError, match="node lost"):
+        main([*args, "--trainer.callbacks", json.dumps([*callbacks, {"class_path": f"{__name__}.CrashAt",
+                                                                     "init_args": {"step": 3}}])])
+    saved = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / ("last.ckpt" if save_last else
+                                                                         "epoch=0-step=2.ckpt")
+    assert saved.is_file()
+    main([*args, "--ckpt_path", "last", "--trainer.callbacks", json.dumps([*callbacks, {
+        "class_path": f"{__name__}.CrashAt"}])])
+    assert CrashAt.starts == [(None, 0), (str(saved), 2)]
+    summary = json.loads((tmp_path / "lightning_logs" / "version_1" / "sweep_summary.json").read_text())
+    assert [(row["adapter"], row["status"], row["steps"]) for row in summary] == [("a", "finished", 5)]

@@ -1658,6 +1658,24 @@ def test_a_fit_into_another_runs_log_directory_is_warned_of(tmp_path, trainer_kw
     assert [row["adapter"] for row in json.loads((tmp_path / "sweep_summary-v1.json").read_text())] == ["c"]
 
 
+def test_a_summary_another_run_writes_while_this_one_trains_is_kept(tmp_path, trainer_kwargs):
+    """Two runs started together in one directory (no logger): the one reporting last replaced the other's summary,
+    silently (the other's file was not there yet as it began)."""
+    from lightning_multilora import SweepReport
+
+    class OtherRunReports(Callback):
+        def on_train_start(self, trainer, pl_module):
+            (tmp_path / "sweep_summary.json").write_text('[{"adapter": "other"}]')
+
+    with pytest.warns(UserWarning, match=r"sweep_summary.json is another run's summary; it is kept, and this run's "
+                                         r"is .*sweep_summary-v1.json"):
+        L.Trainer(**trainer_kwargs, callbacks=[OtherRunReports(), SweepReport(tensorboard=False, print_table=False)]
+                  ).fit(MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)],
+                                        validate_on_finish=False), small_dm())
+    assert json.loads((tmp_path / "sweep_summary.json").read_text()) == [{"adapter": "other"}]
+    assert [row["adapter"] for row in json.loads((tmp_path / "sweep_summary-v1.json").read_text())] == ["a"]
+
+
 def test_the_learning_rate_monitor_reads_the_rate_each_step_takes(tmp_path, trainer_kwargs):
     """LearningRateMonitor reads the param groups as a batch starts: they held the last step's rate (one step late),
     and an adapter's first point was its peak rate in the middle of its warmup. Each point is now the rate the

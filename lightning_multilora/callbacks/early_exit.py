@@ -58,7 +58,8 @@ class EarlyExit(Callback):
     With ``keep_best_weights`` (the default) every adapter keeps its best-validation weights; they are what is
     exported when it leaves (finished included). The rules judge at validations: with none
     (``Trainer(limit_val_batches=0)``) they stop nothing, which is warned of. Defaults are ALTO's: window 2,
-    patience 2, tau_gap 0.1, tau_slope 0.001.
+    patience 2, tau_gap 0.1, tau_slope 0.001; the paper gives no EMA factor, ``ema_alpha=0.1`` is ours. Slopes are
+    per evaluation (the paper does not say per step or per evaluation: ``tau_slope`` reads per evaluation here).
     """
 
     def __init__(self, ema_alpha: float = 0.1, window: int = 2, patience_div: int = 2, patience_ovf: int = 2,

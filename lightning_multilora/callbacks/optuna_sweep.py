@@ -209,12 +209,30 @@ def _check_choices(study: "optuna.Study", distributions: Mapping[str, Any]) -> N
                              "(or `storage`)")
 
 
+def _resuming_checkpoint(trainer: Optional[L.Trainer], stopped: bool) -> Optional[str]:
+    """A checkpoint from which a resumed sweep takes up this run's unfinished trials (those asked after it as well,
+    `OptunaSweep._next_orphan`): one its checkpoint callbacks saved, or, for a fit ``stopped`` by an exception, the
+    one an `OnExceptionCheckpoint` saves (its hook runs after this sweep's: Lightning calls checkpoint callbacks
+    last); else the checkpoint the run resumed from, or Lightning's SLURM checkpoint in ``default_root_dir`` (a
+    requeued job resumes from it). None: no checkpoint can resume them."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    callbacks = getattr(trainer, "checkpoint_callbacks", None) or []
+    saved = [p for cb in callbacks for p in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", ""))]
+    saved += [cb.ckpt_path for cb in callbacks if stopped and isinstance(cb, OnExceptionCheckpoint)]
+    saved.append(getattr(trainer, "ckpt_path", None))
+    if not any(saved):
+        saved.append(getattr(getattr(trainer, "_checkpoint_connector", None), "_hpc_resume_path", None))
+    return next((str(p) for p in saved if p), None)
+
+
 class OptunaSweep(Callback):
     """Fills free adapter slots with trials asked from an Optuna study (ask/tell), many trials per run.
 
     Args:
         search_space: AdapterSpec field -> ``{"type": "float"|"int"|"categorical", ...}``.
-        n_trials: trials this sweep asks in all (across resumes).
+        n_trials: trials this sweep asks in all (across resumes; a resume given fewer tells FAIL the trials its run
+            asked after the checkpoint past them, with a warning).
         study: an Optuna study; else one is created or loaded from ``storage`` / ``study_name``.
         storage: any Optuna storage URL (an RDB for several processes); default an SQLite file
             ``optuna.db`` in the run's log directory.
@@ -256,7 +274,9 @@ class OptunaSweep(Callback):
     cleanly. A resumed run keeps its trials' numbers, and takes up the trials its earlier run asked after the
     checkpoint and left RUNNING (a crash), in place of asking them again; those it asked after the checkpoint and
     already told COMPLETE, PRUNED or FAIL (their adapters exited, and exported, before the crash) count as asked and
-    are not trained again. Adapters given to the module may not take trial names.
+    are not trained again. The trials a fit stopped by Ctrl+C or an error leaves unfinished stay RUNNING where a
+    checkpoint can resume them (one the run saved, or the one it resumed from), else are told FAIL (why in their
+    ``fail_reason``). Adapters given to the module may not take trial names.
 
     Under `AdapterParallelStrategy` the study is used from rank 0 alone: it asks the trials and broadcasts them
     (with its bookkeeping), so every rank queues the same adapters in the same order and places them alike; it
@@ -559,14 +579,16 @@ class OptunaSweep(Callback):
         study = self._ensure_study(trainer)
         self._tell_exits(pl_module)
         registry = pl_module.registry
-        # paused adapters (waiting for warmup selection) have freed their slots
+        # paused adapters (waiting for warmup selection) have freed their slots (their memory still counts)
         active = [n for n, t in self.trials.items() if not t["told"] and registry[n].state in
                   (AdapterState.RUNNING, AdapterState.QUEUED)]
         if self.slots is None and getattr(pl_module, "admission", None) is not None:
             # the module's memory model decides (every rank's): ask trials until one would have to wait in the queue
-            def room() -> bool:
+            def room() -> bool:  # (with nothing running or queued, one trial: paused adapters never block all)
                 queued = [r.spec for r in registry.queued]
-                return len(pl_module.admitted([r.spec for r in registry.running], queued)) == len(queued)
+                if not queued and not registry.running:
+                    return True
+                return len(pl_module.admitted(pl_module._resident(), queued)) == len(queued)
         else:
             slots = self.slots or getattr(pl_module, "max_running", None) or 4
 
@@ -626,6 +648,8 @@ class OptunaSweep(Callback):
             self.asked += 1
             active.append(name)
             specs.append(spec)
+        if self.asked >= self.n_trials:
+            self._fail_orphans_beyond_n_trials()
         return {"specs": specs, "state": self.state_dict(), "told": told}
 
     def _told_record(self, pl_module: L.LightningModule, trial: Any) -> dict[str, Any]:
@@ -640,8 +664,9 @@ class OptunaSweep(Callback):
         rec.state = AdapterState(ended["state"]) if "state" in ended else {
             optuna.trial.TrialState.COMPLETE: AdapterState.FINISHED,
             optuna.trial.TrialState.PRUNED: AdapterState.PRUNED}.get(trial.state, AdapterState.FAILED)
-        rec.reason = (f"{ended.get('reason') or rec.state.value} (told {trial.state.name} in study "
-                      f"{self.study.study_name!r} after the checkpoint this run resumed from)")
+        why = ended.get("reason") or trial.user_attrs.get("fail_reason") or rec.state.value  # (`_fail`'s)
+        rec.reason = (f"{why} (told {trial.state.name} in study {self.study.study_name!r} after the checkpoint this "
+                      "run resumed from)")
         rec.val_losses = sorted((int(k), float(v)) for k, v in trial.intermediate_values.items())
         if rec.val_losses:
             rec.step, rec.last_val_loss = rec.val_losses[-1]
@@ -651,6 +676,37 @@ class OptunaSweep(Callback):
         rec.step = int(ended.get("step", rec.step))
         rec.export_path = ended.get("export_path")
         return rec.state_dict()
+
+    def _fail(self, trial_id: int, number: int, reason: str) -> None:
+        """Tell trial ``number`` FAIL, with why in its user attribute ``fail_reason`` (as ``adapter_exit`` says how
+        the adapter of a trial told otherwise ended)."""
+        import optuna
+
+        try:
+            self.study._storage.set_trial_user_attr(trial_id, "fail_reason", reason)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return  # finished by another process meanwhile (`_lost`)
+        self._tell(number, state=optuna.trial.TrialState.FAIL)
+
+    def _fail_orphans_beyond_n_trials(self) -> None:
+        """The trials the resumed run asked after its checkpoint and left RUNNING (`_next_orphan`) that this sweep
+        does not reach: it has asked its ``n_trials`` (lowered for the resume) before them. They stayed RUNNING for
+        ever, unsaid; they are told FAIL, with a warning. (Not taken up past ``n_trials``: the resume goes back to the
+        checkpoint, before they were asked, and what their adapters trained after it is lost: running them would be
+        running more trials than asked for.)"""
+        import optuna
+
+        left = [t for t in self._orphans or () if t.state == optuna.trial.TrialState.RUNNING]
+        if not left:
+            return
+        self._orphans = [t for t in self._orphans if t.state != optuna.trial.TrialState.RUNNING]
+        for trial in left:
+            self._fail(trial._trial_id, trial.number, f"asked after the checkpoint a run resumed from with "
+                       f"n_trials={self.n_trials}, past those: not taken up")
+        warnings.warn(f"OptunaSweep: trials {[t.number for t in left]} were asked after the checkpoint this run "
+                      f"resumed from, and this sweep has asked its n_trials={self.n_trials} before them: told FAIL in "
+                      f"study {self.study.study_name!r}, not trained (`n_trials` counts a sweep's trials across its "
+                      "resumes)")
 
     def _fail_asked(self, trial: Any) -> None:
         """Tell a trial FAIL as it is asked (it could never start): it counts as asked, and is known by number (a
@@ -678,7 +734,8 @@ class OptunaSweep(Callback):
         """The first of this sweep's trials that the study holds and this sweep does not know: asked after the
         checkpoint a resumed run started from. Each RUNNING one (its adapter lost in a crash) is taken up in place
         of an ask, in order, with its parameters (those the same ask draws again: `_sampler`); a COMPLETE, PRUNED
-        or (told by this sweep) FAIL one (told before the crash) counts as an ask. So no trial is left RUNNING, asked twice or trained twice."""
+        or (told by this sweep) FAIL one (told before the crash) counts as an ask. So no trial is left RUNNING, asked
+        twice or trained twice (those past a lowered ``n_trials``: told FAIL, `_fail_orphans_beyond_n_trials`)."""
         if self._orphans is None:
             self._find_orphans(study)
         return self._orphans.pop(0) if self._orphans else None
@@ -886,8 +943,9 @@ class OptunaSweep(Callback):
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        """A fit stopped by Ctrl+C or an error: the exits so far are told, and the trials left RUNNING named, as
-        after a ``max_steps`` stop (rank 0, without the other ranks: they may not be in this hook)."""
+        """A fit stopped by Ctrl+C or an error: the exits so far are told, and the trials left unfinished named, as
+        after a ``max_steps`` stop; where no checkpoint can resume them, told FAIL (rank 0, without the other ranks:
+        they may not be in this hook)."""
         if trainer.state.fn != "fit" or self.study is None or not decides_here(pl_module):
             return
         try:
@@ -899,25 +957,36 @@ class OptunaSweep(Callback):
     def _tell_remaining(self, pl_module: L.LightningModule, stopped_by: Optional[str] = None) -> dict[str, Any]:
         """`_tell_exits`, as a decision that asks nothing (for `_adopt`); trials whose adapters still train (the
         Trainer stopped first: its ``max_steps`` or ``max_time``, or ``stopped_by`` an exception) stay RUNNING, with a
-        warning saying so."""
+        warning saying so and which checkpoint resumes them. After an exception with no such checkpoint they are told
+        FAIL instead, as Optuna's ``optimize`` tells a trial it stopped: nothing could take them up, and they stayed
+        RUNNING for ever. (After a ``max_steps`` stop the module may still be saved, or fitted again, from Python.)"""
         self._tell_exits(pl_module)
         unfinished = [info["number"] for name, info in self.trials.items() if not info["told"] and not info.get("lost")
                       and name in pl_module.registry and not pl_module.registry[name].state.exited]
         if unfinished and self.study is not None:
             trainer = getattr(pl_module, "_trainer", None)
-            saved = [p for cb in getattr(trainer, "checkpoint_callbacks", []) or []
-                     for p in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", "")) if p]
+            saved = _resuming_checkpoint(trainer, stopped_by is not None)
+            stop = (f"the fit stopped by {stopped_by}" if stopped_by else
+                    "the Trainer stopped (its max_steps or max_time)")
+            why = f"{stop} before their adapters finished (those that had started are exported as they are)"
+            if stopped_by and saved is None:
+                for name, info in self.trials.items():
+                    if info["number"] in unfinished:
+                        self._fail(info["trial_id"], info["number"], f"{stop} at step {pl_module.registry[name].step} "
+                                   "of its adapter, and no checkpoint of the run can resume it")
+                        info["told"] = True
+                warnings.warn(f"trials {sorted(unfinished)} told FAIL in study {self.study.study_name!r}: {why}, and "
+                              "no checkpoint of this run was saved, so none can resume them (a ModelCheckpoint saves "
+                              "at each validation, `val_check_interval`)")
+                return {"specs": [], "state": self.state_dict()}
             larger = "" if stopped_by else " with a larger Trainer max_steps"
-            how = (f"Resume from the last checkpoint ({saved[0]}; the steps after it are trained again){larger} to "
+            how = (f"Resume from the last checkpoint ({saved}; the steps after it are trained again){larger} to "
                    "finish and tell them" if saved else
                    "No checkpoint of this run was saved, so none can resume them (a ModelCheckpoint saves at each "
                    "validation, `val_check_interval`)")
-            stop = (f"the fit stopped by {stopped_by}" if stopped_by else
-                    "the Trainer stopped (its max_steps or max_time)")
             how += (" (with `heartbeat_interval`, a later sweep on the study would fail them once this run is not "
                     "resumed)" if stopped_by and not self._beats() else "")
-            warnings.warn(f"trials {sorted(unfinished)} stay RUNNING in study {self.study.study_name!r}: {stop} before "
-                          f"their adapters finished (those that had started are exported as they are). {how}")
+            warnings.warn(f"trials {sorted(unfinished)} stay RUNNING in study {self.study.study_name!r}: {why}. {how}")
         return {"specs": [], "state": self.state_dict()}
 
     @override

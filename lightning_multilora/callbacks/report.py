@@ -62,6 +62,7 @@ class SweepReport(Callback):
         path = Path(log_dir) / self.filename if self.filename and log_dir else None
         self._foreign = (stage == "fit" and path is not None and path.exists()
                          and str(Path(log_dir).resolve()) not in getattr(pl_module, "_log_dirs", set()))
+        self._seen = _file_key(path)  # (the summary there as this fit began: another run's written since is foreign)
         self._path: Optional[Path] = None  # (this fit's summary file, once chosen)
         self._started = False  # (its training loop began: on_train_start)
 
@@ -112,9 +113,11 @@ class SweepReport(Callback):
         log_dir = log_dir_of(trainer)
         if self.filename and log_dir:
             path = getattr(self, "_path", None) or Path(log_dir) / self.filename
+            if getattr(self, "_path", None) is None and _file_key(path) != getattr(self, "_seen", None):
+                self._foreign = True  # written since this fit began: by another run started in the same directory
             if getattr(self, "_foreign", False):  # another run's: kept, and this one written beside it
                 taken, version = path, 1
-                while path.exists():
+                while not _claimed(path):
                     path = taken.with_name(f"{taken.stem}-v{version}{taken.suffix}")
                     version += 1
                 self._foreign = False
@@ -238,6 +241,28 @@ def timeline_figure(registry: AdapterRegistry, last_step: int):
     ax.invert_yaxis()
     fig.tight_layout()
     return fig
+
+
+def _file_key(path: Optional[Path]) -> Optional[tuple[int, int]]:
+    """Which file ``path`` is and when it last changed (None: absent), to tell whether another run wrote it."""
+    try:
+        stat = path.stat() if path is not None else None
+    except OSError:
+        return None
+    return None if stat is None else (stat.st_ino, stat.st_mtime_ns)
+
+
+def _claimed(path: Path) -> bool:
+    """``path`` made by this call (an empty file, created exclusively): another run choosing a summary name at the
+    same moment takes another."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("x"):
+            return True
+    except FileExistsError:
+        return False
+    except OSError:  # (a folder that cannot be written: the write below says so)
+        return True
 
 
 def _finite(value: Any) -> Any:

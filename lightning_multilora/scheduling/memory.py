@@ -47,6 +47,7 @@ class ModelShape:
     num_kv_heads: int
     vocab_size: int
     head_dim: Optional[int] = None
+    tied_embeddings: bool = False  # the output head is the input embedding (`tie_word_embeddings`): counted once
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "vocab_size"):
@@ -61,7 +62,7 @@ class ModelShape:
         return cls(num_layers=get("num_hidden_layers"), hidden=get("hidden_size"),
                    intermediate=get("intermediate_size"), num_heads=heads,
                    num_kv_heads=get("num_key_value_heads") or heads, vocab_size=get("vocab_size"),
-                   head_dim=get("head_dim"))
+                   head_dim=get("head_dim"), tied_embeddings=bool(get("tie_word_embeddings", False)))
 
     @property
     def dim_per_head(self) -> int:
@@ -89,7 +90,8 @@ class ModelShape:
     @property
     def base_params(self) -> int:
         per_layer = sum(i * o for i, o in (self.projection(t) for t in PROJECTIONS)) + 2 * self.hidden
-        return self.num_layers * per_layer + 2 * self.vocab_size * self.hidden + self.hidden
+        embeddings = (1 if self.tied_embeddings else 2) * self.vocab_size * self.hidden  # (and the output head)
+        return self.num_layers * per_layer + embeddings + self.hidden
 
 
 @dataclass(frozen=True)

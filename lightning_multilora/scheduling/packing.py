@@ -11,10 +11,12 @@ its time limit, or the grid's rounding leaves its packing longer, the result is 
 packs are chosen among these candidates, not among every packing (there are exponentially many): a plan
 marked optimal is the best over the candidates, and a packing outside them can be shorter.
 
-`plora_greedy` is PLoRA's planner as its paper describes it (Algorithms 4 and 5): whenever GPUs are free,
-for each power-of-two ``D`` that fits, grow a pack while the LoRA throughput ``sum(r_k) / T(pack, D)``
-improves and memory allows, launch the pack with the best throughput per GPU, and advance to the next
-predicted completion when no GPU is left. It is the baseline the planner is measured against.
+`plora_greedy` is a greedy reading of PLoRA's planner (its Algorithms 4 and 5): whenever GPUs are free, for
+each power-of-two ``D`` that fits, grow a pack (largest rank first) while the LoRA throughput
+``sum(r_k) / T(pack, D)`` improves and memory allows, launch the pack with the best throughput per GPU, and
+advance to the next predicted completion when no GPU is left. The paper solves a restricted ILP for each ``D``
+instead of growing the pack, and keeps the candidate schedule of least makespan instead of the best throughput
+per GPU. It is the baseline the planner is measured against.
 
 Both take the same cost model: ``memory(specs, d)`` (peak bytes per GPU of a pack on ``d`` GPUs) and
 ``step_time(specs, d)`` (seconds per step); a job lasts ``max(steps) * step_time``.

@@ -97,8 +97,14 @@ class MemoryProfiler:
         if b_max < 1:
             raise RuntimeError(f"one adapter at batch 1 does not fit in {self.safety_margin:.0%} of "
                                f"{self.capacity_bytes / 2**30:.1f} GiB")
+        measured = {(p.n_adapters, p.batch_size) for p in self.points}
         for n, b in self.grid(b_max):
-            self._point(n, b)
+            if (n, b) not in measured:  # (phase 1 measured one adapter at some batch sizes already)
+                self._point(n, b)
+        if len({(p.n_adapters, p.batch_size) for p in self.points}) < 3:
+            rows = f"{b_max} rows of one adapter fit" if b_max > 1 else "one adapter at batch 1 fits"
+            raise RuntimeError(f"only {rows} in {self.safety_margin:.0%} of {self.capacity_bytes / 2**30:.1f} GiB: "
+                               "too few configurations to fit a memory model on, and next to nothing to pack")
         fit = MemoryFit.fit(self.points, dict(signature or {}))  # phase 1's points are measurements too
         self.b_max = b_max
         log.info("memory fit: M = %.3g + %.3g*B*L + %.3g*P bytes over %d points (B_max=%d)", fit.k0, fit.k1,

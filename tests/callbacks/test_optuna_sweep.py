@@ -675,6 +675,37 @@ def test_one_sweep_object_resumed_in_the_process_that_crashed_takes_up_its_trial
     assert len(trials) == 4 and all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
 
 
+def test_a_resume_given_fewer_trials_fails_the_trials_asked_after_its_checkpoint_past_them(tmp_path, trainer_kwargs):
+    """Trials 2 and 3 are asked after the checkpoint of step 6, and the run dies; resumed with ``n_trials`` 3 (of 4),
+    the sweep took up trial 2 and stopped asking: trial 3 stayed RUNNING for ever, unsaid. It is told FAIL (the
+    resume is back before it was asked; `n_trials` bounds the trials run), with a warning and its ``fail_reason``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class Crash(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 8:
+                raise RuntimeError("node lost")
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+
+    def sweep(n_trials):
+        return OptunaSweep(SPACE, n_trials=n_trials, storage=storage, slots=2, base={"max_steps": 6, "batch_size": 2},
+                           sampler="random")
+
+    save = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=6, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="node lost"):
+        fit(tmp_path, dict(trainer_kwargs, enable_checkpointing=True), sweep(4), callbacks=[Crash(), save])
+    with pytest.warns(UserWarning, match=r"OptunaSweep: trials \[3\] were asked after the checkpoint this run resumed "
+                                         r"from, and this sweep has asked its n_trials=3 before them: told FAIL in "
+                                         r"study 'multilora', not trained"):
+        _, module = fit(tmp_path, trainer_kwargs, sweep(3), ckpt=str(tmp_path / "ck" / "step=6.ckpt"))
+    trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "COMPLETE", "COMPLETE", "FAIL"]
+    assert trials[3].user_attrs["fail_reason"] == ("asked after the checkpoint a run resumed from with n_trials=3, "
+                                                   "past those: not taken up")
+    assert sorted(r.name for r in module.registry) == ["trial-0", "trial-1", "trial-2"]
+
+
 def test_trials_told_after_the_checkpoint_are_in_the_resumed_runs_registry_and_report(tmp_path, trainer_kwargs):
     """Trials 2 and 3 finish (exported, told COMPLETE) at step 12, the run dies at 13, and resumes from the
     checkpoint of step 6: they are not trained again, and the resumed run's registry and report still show them."""
@@ -893,24 +924,42 @@ def test_a_sweep_whose_run_folder_moved_resumes_with_the_study_beside_its_checkp
     assert not (tmp_path / "a").exists()
 
 
-def test_a_fit_stopped_by_ctrl_c_tells_the_exits_and_names_the_trials_left_running(tmp_path, trainer_kwargs):
-    """After Ctrl+C the trials still training stayed RUNNING without the word a ``max_steps`` stop gives (and without
-    a heartbeat nothing would ever fail them)."""
-    from lightning.pytorch.callbacks import Callback
+@pytest.mark.parametrize("resumed", [False, True])
+def test_a_fit_stopped_by_ctrl_c_tells_the_exits_and_fails_the_trials_no_checkpoint_resumes(tmp_path, trainer_kwargs,
+                                                                                            resumed):
+    """After Ctrl+C the trials still training stayed RUNNING without the word a ``max_steps`` stop gives; and where no
+    checkpoint could resume them they stayed RUNNING for ever (without a heartbeat nothing fails them): they are told
+    FAIL, why in ``fail_reason``, as Optuna's ``optimize`` tells a trial interrupted. A run resumed from a
+    checkpoint and stopped before it saved one is resumed from that checkpoint again: its trials stay RUNNING, and
+    the warning names it (it said that no checkpoint could resume them)."""
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
     class CtrlC(Callback):
         def on_train_batch_end(self, trainer, *args):
             if trainer.global_step == 4:
                 raise KeyboardInterrupt
 
-    sweep = OptunaSweep(SPACE, n_trials=4, base={"max_steps": 3, "batch_size": 2}, slots=1,
-                        storage=f"sqlite:///{tmp_path / 'study.db'}")
-    with pytest.warns(UserWarning, match=r"trials \[1\] stay RUNNING in study 'multilora': the fit stopped by "
-                                         r"KeyboardInterrupt before their adapters finished .*No checkpoint of this "
-                                         r"run .*with `heartbeat_interval`, a later sweep"), pytest.raises(SystemExit):
-        fit(tmp_path, trainer_kwargs, sweep, callbacks=[CtrlC()])
+    def sweep():
+        return OptunaSweep(SPACE, n_trials=4, base={"max_steps": 3, "batch_size": 2}, slots=1,
+                           storage=f"sqlite:///{tmp_path / 'study.db'}")
+
+    ckpt = None
+    if resumed:  # (a checkpoint at step 2, trial 1 asked at step 3 after it)
+        save = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+        with pytest.warns(UserWarning, match=r"trials \[1\] stay RUNNING"), pytest.raises(SystemExit):
+            fit(tmp_path, dict(trainer_kwargs, enable_checkpointing=True), sweep(), callbacks=[CtrlC(), save])
+        ckpt = str(tmp_path / "ck" / "step=2.ckpt")
+    said = (r"trials \[1\] stay RUNNING in study 'multilora': the fit stopped by KeyboardInterrupt before their "
+            r"adapters finished .*Resume from the last checkpoint \(.*step=2.ckpt; .*with `heartbeat_interval`, a later"
+            if resumed else
+            r"trials \[1\] told FAIL in study 'multilora': the fit stopped by KeyboardInterrupt before their adapters "
+            r"finished .*and no checkpoint of this run was saved, so none can resume them")
+    with pytest.warns(UserWarning, match=said), pytest.raises(SystemExit):
+        fit(tmp_path, trainer_kwargs, sweep(), callbacks=[CtrlC()], ckpt=ckpt)
     trials = optuna.load_study(study_name="multilora", storage=f"sqlite:///{tmp_path / 'study.db'}").get_trials()
-    assert [t.state.name for t in trials] == ["COMPLETE", "RUNNING"]
+    assert [t.state.name for t in trials] == ["COMPLETE", "RUNNING" if resumed else "FAIL"]
+    assert trials[1].user_attrs.get("fail_reason") == (None if resumed else (
+        "the fit stopped by KeyboardInterrupt at step 1 of its adapter, and no checkpoint of the run can resume it"))
 
 
 def test_a_sweep_into_a_log_directory_holding_another_runs_study_says_so(tmp_path, trainer_kwargs):

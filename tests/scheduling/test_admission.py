@@ -274,3 +274,44 @@ def test_an_admission_that_is_not_a_controller_is_refused_at_construction():
     with pytest.raises(ValueError, match=r"`admission` must be an AdmissionController .* got 12 \(no fits, select, "
                                          r"alone\)"):
         MultiLoRAModule("tiny-llama", adapters=[], admission=12)
+
+
+def test_paused_adapters_count_against_the_budget_and_never_block_every_start(tmp_path, trainer_kwargs):
+    """A paused adapter (WarmupSelection's, waiting for the selection) keeps its weights and optimizer state, but the
+    controller weighed candidates beside the running adapters alone: as many more started as paused, past the
+    budget. They count now (`PausedSpec`: no rows); where they leave room for none, one starts anyway, warned of."""
+    from lightning_multilora.data import GeneratedArithmetic
+    from lightning_multilora.module import PausedSpec
+
+    def fit(per_adapter, specs, pause_at, resume_at):
+        # a memory model: `per_adapter` bytes an adapter held (weights, optimizer state), 100 a batch row
+        ctrl = AdmissionController(lambda specs: sum(per_adapter + 100 * s.batch_size for s in specs), 400, 1.0)
+        seen: list[frozenset] = []
+
+        class PauseA(Callback):
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                seen.append(frozenset(batch["layout"].names))
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if trainer.global_step == pause_at:
+                    pl_module.pause_adapter("a")
+                if trainer.global_step == resume_at:
+                    pl_module.resume_adapter("a")
+
+        module = MultiLoRAModule("tiny-llama", adapters=specs, admission=ctrl, validate_on_finish=False,
+                                 export_dir=str(tmp_path / str(per_adapter)))
+        dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(200)}, max_val_examples=8)
+        L.Trainer(**trainer_kwargs, callbacks=[PauseA()]).fit(module, dm)
+        assert all(r.state == AdapterState.FINISHED for r in module.registry)
+        return seen
+
+    # a and b (200 each) fill the 400; a paused still holds 100, so c waits for b to end
+    seen = fit(100, [spec("a", 1, max_steps=3), spec("b", 1, max_steps=3), spec("c", 1, max_steps=2)], 1, 5)
+    assert seen == [{"a", "b"}, {"b"}, {"b"}, {"c"}, {"c"}, {"a"}, {"a"}]
+    # a paused (300) leaves no room for c (400) beside it: c starts anyway, nothing else could
+    with pytest.warns(UserWarning, match=r"the 1 paused adapters \('a'\) hold weights and optimizer states that "
+                                         r"leave no room.*'c' starts anyway"):
+        seen = fit(300, [spec("a", 1, max_steps=3), spec("c", 1, max_steps=2)], 1, 3)
+    assert seen == [{"a"}, {"c"}, {"c"}, {"a"}, {"a"}]
+    paused = PausedSpec(spec("p", 4, max_steps=3))
+    assert (paused.rows_per_step, paused.batch_size, paused.rank, paused.name) == (0, 0, 2, "p")

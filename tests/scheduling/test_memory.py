@@ -32,6 +32,13 @@ def test_model_shape_counts_llama_8b_parameters():
     assert SHAPE.adapter_params(16) == 32 * 16 * (2 * 8192 + 2 * 5120 + 3 * 18432)  # q,o / k,v / gate,up,down
     assert SHAPE.adapter_params(16, ["q_proj", "v_proj"]) == 32 * 16 * (8192 + 5120)
     assert abs(SHAPE.base_params / 8.03e9 - 1) < 0.005
+    # a tied output head is the input embedding: counted once (Llama-3.2-1B: 1.24e9, not 1.50e9)
+    from transformers import LlamaConfig
+
+    tied = ModelShape.from_config(LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                              num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                              head_dim=64, tie_word_embeddings=True))
+    assert tied.tied_embeddings and abs(tied.base_params / 1.2358e9 - 1) < 0.005
     with pytest.raises(ValueError, match="target module can be q_proj"):
         SHAPE.projection("mlp")
     for value in (0, 2.5, "2"):  # (a string: a bare TypeError; 2.5 was taken)

@@ -35,6 +35,17 @@ def test_phase_one_finds_the_largest_batch_within_the_margin_and_phase_two_fits_
     fit = profiler.profile({"gpu": "test"})
     assert fit.k1 == pytest.approx(3.1e5, rel=1e-6) and fit.k2 == pytest.approx(16.3, rel=1e-6)
     assert fit.signature == {"gpu": "test"}
+    calls.clear()
+    MemoryProfiler(h200_like(calls), CAPACITY, seq_len=1024, params_per_adapter=PARAMS).profile()
+    assert len(calls) == len(set(calls))  # (phase 2 measured phase 1's points again)
+
+
+def test_a_device_that_fits_one_adapter_at_batch_one_alone_says_so():
+    """(It measured (1, 1) twice and then failed in the fit, "needs >= 3 measured points, got 2".)"""
+    profiler = MemoryProfiler(lambda n, b: 100 * GIB if n * b == 1 else None, CAPACITY, 1024, PARAMS)
+    with pytest.raises(RuntimeError, match=r"only one adapter at batch 1 fits in 90% of 141.0 GiB: too few "
+                                           r"configurations to fit a memory model on"):
+        profiler.profile()
 
 
 def test_out_of_memory_points_are_skipped_and_nothing_fitting_is_an_error():
