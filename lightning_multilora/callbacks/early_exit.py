@@ -16,10 +16,13 @@ from lightning_multilora.registry import AdapterState, merge_by_owner
 
 
 def slope(values: list[float]) -> float:
-    """Least-squares slope of ``values`` against their index (per evaluation)."""
+    """Least-squares slope of ``values`` against their index (per evaluation); +inf where one is +inf (a validation
+    loss that overflowed: the steepest rise)."""
     n = len(values)
     if n < 2:
         return 0.0
+    if any(math.isinf(v) for v in values):
+        return math.inf
     mean_x, mean_y = (n - 1) / 2, sum(values) / n
     num = sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
     den = sum((i - mean_x) ** 2 for i in range(n))
@@ -100,8 +103,10 @@ class EarlyExit(Callback):
         whether it is the adapter's best validation so far (default: below every validation seen here; the
         callback passes the adapter record's own view, which also counts validations made outside the loop)."""
         watch = self.watches.setdefault(name, AdapterWatch())
-        if math.isnan(watch.ema) or not math.isfinite(val_loss):
+        if math.isnan(watch.ema) or math.isnan(val_loss):  # (NaN: no validation tokens measured it)
             return None
+        # (+inf, predictions that overflow on held-out data, is a rise past any slope and any gap: it was skipped, and
+        # such an adapter never diverged)
         improving = all(val_loss < v for v in watch.val_at_eval) if new_best is None else new_best
         watch.ema_at_eval.append(watch.ema)
         watch.val_at_eval.append(val_loss)

@@ -47,6 +47,18 @@ def test_only_training_rising_is_not_divergence():
     assert feed(rule, train=[1.0, 1.1, 1.2, 1.3], val=[1.0, 0.9, 0.8, 0.7]) == [None] * 4
 
 
+def test_a_validation_loss_that_overflows_is_the_steepest_rise():
+    """(An infinite validation loss was skipped: an adapter whose held-out loss overflowed while its training loss
+    rose never diverged.) It is a rise past any slope, and past any gap where training does not rise; NaN (no
+    validation tokens measured it) is still no evaluation."""
+    rule = EarlyExit(ema_alpha=1.0, tau_gap=10.0)
+    assert feed(rule, train=[1.0, 1.2, 1.4, 1.6], val=[1.0, 1.3, math.nan, math.inf]) == [None, None, None,
+                                                                                          "diverged"]
+    assert slope([1.0, math.inf]) == math.inf
+    rule = EarlyExit(ema_alpha=1.0)
+    assert feed(rule, train=[1.0, 0.9, 0.8], val=[1.0, math.inf, math.inf]) == [None, None, "overfit"]
+
+
 def test_overfitting_fires_after_patience_evaluations_above_the_gap():
     rule = EarlyExit(ema_alpha=1.0)
     train = [1.0, 0.8, 0.6, 0.5, 0.4, 0.3]
