@@ -131,6 +131,7 @@ def _from_pretrained(base_model: str, config_overrides: Optional[dict[str, Any]]
 
     kwargs = dict(config_overrides or {})
     if not os.path.isfile(os.path.join(base_model, "config.json")):
+        _hub_config(base_model)
         try:
             model = AutoModelForCausalLM.from_pretrained(base_model, **load, **kwargs)
         except (OSError, ValueError) as err:  # (no checkpoint there; the Hub has no such model or cannot be reached)
@@ -161,7 +162,6 @@ def _checkpoint_config(path: str) -> Any:
     gives it; ``AutoModelForCausalLM`` loads BART's decoder alone, silently), or a model type with no causal-LM class
     (an image or audio encoder). The loader's own error for those was reported as "no local checkpoint directory"."""
     from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
         config = AutoConfig.from_pretrained(path)
@@ -169,14 +169,34 @@ def _checkpoint_config(path: str) -> Any:
         kind = OSError if isinstance(err, OSError) else ValueError
         raise kind(f"`base_model` {path!r} is a checkpoint directory whose config.json transformers cannot read: "
                    f"{err}") from err
+    return _refuse_config(path, config, "a checkpoint")
+
+
+def _hub_config(name: str) -> None:
+    """A Hub model's config, refused as a local checkpoint's is (`_checkpoint_config`) where it can be read: loaded
+    by name, an encoder-decoder such as BART gave its decoder alone, silently. One it cannot read (no such model,
+    no network) is left to the loading, whose error says so."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except Exception:  # noqa: BLE001 - (the loading that follows reports it)
+        return
+    _refuse_config(name, config, "a Hub model")
+
+
+def _refuse_config(path: str, config: Any, kind: str) -> Any:
+    """``config`` (of ``kind``, "a checkpoint" or "a Hub model", at ``path``), refused where it is no causal LM's."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
     what = f"a {config.model_type} model ({', '.join(getattr(config, 'architectures', None) or ['no architectures'])})"
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"`base_model` {path!r} is a checkpoint of {what}, an encoder-decoder: its decoder predicts "
+        raise ValueError(f"`base_model` {path!r} is {kind} of {what}, an encoder-decoder: its decoder predicts "
                          f"from an encoder's output, which a causal-LM loss over one token sequence does not give it; "
                          f"the base must be a decoder-only causal language model (Llama, Qwen2, Mistral, GPT-2...)")
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and "AutoModelForCausalLM" not in (
             getattr(config, "auto_map", None) or {}):  # (a remote-code model names its own class there)
-        raise ValueError(f"`base_model` {path!r} is a checkpoint of {what}, which is no causal language model: "
+        raise ValueError(f"`base_model` {path!r} is {kind} of {what}, which is no causal language model: "
                          f"transformers has no causal-LM class for a {config.model_type} config")
     return config
 
@@ -216,11 +236,15 @@ def check_causal_lm(model: nn.Module, field: str = "base_model", overridable: bo
                          f"language model's next-token logits; build it with AutoModelForCausalLM (an encoder such as "
                          f"BERT also with `is_decoder=True`)")
     if (name.endswith("Model") and not name.endswith("LMHeadModel") and model.base_model is model
-            and model.get_output_embeddings() is None):  # (a backbone is its own base model: LlamaModel, BertModel)
+            and model.get_output_embeddings() is None  # (a backbone is its own base model: LlamaModel, BertModel)
+            and not isinstance(getattr(model, "lm_head", None), nn.Module)):
         raise ValueError(f"`{field}` is {what}, a backbone without a language-model head (no logits to train on): "
                          f"build it with AutoModelForCausalLM")
     flags = [module.is_causal for module in model.modules() if isinstance(getattr(module, "is_causal", None), bool)]
-    if (flags and not any(flags)) or (not getattr(config, "is_decoder", True) and _checks_is_decoder(type(model))):
+    # (`is_causal` False everywhere, where the config does not say it decodes: a model that builds its causal mask
+    # itself, BigBirdPegasus's decoder, sets no flag)
+    decoder = getattr(config, "is_decoder", None)
+    if (flags and not any(flags) and decoder is not True) or (decoder is False and _checks_is_decoder(type(model))):
         fix = ("`config_overrides={'is_decoder': True}` loads it as a causal decoder" if overridable else
                "build it with `is_decoder=True` in its config (`AutoModelForCausalLM.from_pretrained(path, "
                "is_decoder=True)`): set on the built model's config, it leaves the attention bidirectional")

@@ -62,6 +62,13 @@ def _refused_fields(message: str, refused: list[str]) -> Optional[str]:
     return f"`{key[1]}`: {cls.__name__} takes no {', '.join(named)}; it takes {', '.join(fields)}"
 
 
+def _written_at(path: Path) -> float:
+    """When ``path`` was last written: a file's time, or the newest of a folder's files (an adapter-parallel
+    checkpoint, whose rank files are rewritten in place: the folder's own time is its making)."""
+    times = [p.stat().st_mtime for p in path.iterdir() if p.is_file()] if path.is_dir() else []
+    return max(times, default=path.stat().st_mtime)
+
+
 class MultiLoRACLI(LightningCLI):
     """Adds the sweep report and step-based validation defaults (the training stream is endless:
     a run ends when every adapter has finished)."""
@@ -131,14 +138,15 @@ class MultiLoRACLI(LightningCLI):
         self._claimed = self._claim_log_dir(path)
 
     def _named_checkpoint(self, name: str) -> str:
-        """The checkpoint ``--ckpt_path last`` (or ``hpc``, ``best``) names for this command. Lightning looks for
-        "last" in the run's own checkpoint folder, and the CLI gives a run a log version of its own (a resume logs to
-        the next one): it found none there, warned, and a fresh run started from step 0 with a new study, the
-        interrupted run's trials left RUNNING. "last" is here the newest ``last*.ckpt`` (else the newest checkpoint)
-        in the folders the run's checkpoint callbacks save in, every version of the logger's included
-        (`_checkpoint_folders`); "hpc" Lightning's newest ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir``. None found
-        is a usage error naming where it looked. "best" is the best checkpoint of an earlier fit in the same process,
-        which a command has not (Lightning's error for it blamed the ModelCheckpoint): refused."""
+        """The checkpoint ``--ckpt_path last`` (or ``hpc``, ``best``) names for this command. Lightning looks for "last"
+        in the run's own checkpoint folder, and the CLI gives a run a log version of its own (a resume logs to the
+        next one): it found none there, warned, and a fresh run started from step 0 with a new study, the interrupted
+        run's trials left RUNNING. "last" is here the newest checkpoint (a ``last*.ckpt`` on a tie; an
+        adapter-parallel folder by its newest rank file) in the folders the run's checkpoint callbacks save in, every
+        version of the logger's included (`_checkpoint_folders`); "hpc" Lightning's newest ``hpc_ckpt_<n>.ckpt`` in
+        ``default_root_dir``. None found is a usage error naming where it looked. "best" is the best checkpoint of an
+        earlier fit in the same process, which a command has not (Lightning's error for it blamed the
+        ModelCheckpoint): refused."""
         from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
         if name == "best":
@@ -153,7 +161,7 @@ class MultiLoRACLI(LightningCLI):
             return str(found)
         callbacks = self.trainer.checkpoint_callbacks
         lasts = {getattr(cb, "CHECKPOINT_NAME_LAST", "last") for cb in callbacks if isinstance(cb, ModelCheckpoint)}
-        pattern = re.compile(rf"(?:{'|'.join(map(re.escape, sorted(lasts or {'last'})))})(?:-\d+)?")
+        pattern = re.compile(rf"(?:{'|'.join(map(re.escape, sorted(lasts or {'last'})))})(?:-v\d+)?")
         exceptions = {Path(cb.ckpt_path) for cb in callbacks if isinstance(cb, OnExceptionCheckpoint)}
         places = [getattr(cb, "dirpath", None) for cb in callbacks] + [self.trainer.default_root_dir] + [
             getattr(logger, "save_dir", None) for logger in self.trainer.loggers]
@@ -166,8 +174,8 @@ class MultiLoRACLI(LightningCLI):
             self.parser.error(f"`ckpt_path` 'last': no checkpoint in {', '.join(looked) or 'no folder'} (no "
                               "ModelCheckpoint saved one: it saves at each validation, `val_check_interval`): give "
                               "a checkpoint's path, or no `ckpt_path` for a new run")
-        named = [p for p in found if pattern.fullmatch(p.stem) or p in exceptions]  # (as Lightning names them)
-        return str(max(named or found, key=lambda p: p.stat().st_mtime))
+        # the newest (a `last` file, or a folder of rank files, by its newest file's time): on a tie, a `last` one
+        return str(max(found, key=lambda p: (_written_at(p), bool(pattern.fullmatch(p.stem)) or p in exceptions)))
 
     def _checkpoint_folders(self) -> tuple[list[Path], list[str]]:
         """The folders where this run's checkpoint callbacks (and so the earlier runs of its command) save, and how an

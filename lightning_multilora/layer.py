@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 import re
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -92,14 +93,36 @@ class LayoutContext:
     def use(self, layout: Optional[BatchLayout], shadows: bool = False) -> Iterator[None]:
         previous = self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row
         self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row = layout, shadows, set(), None
-        fastpath = torch.backends.mha.get_fastpath_enabled()
-        if self.mha_fastpath_off and layout is not None:
-            torch.backends.mha.set_fastpath_enabled(False)
+        off = self.mha_fastpath_off and layout is not None
+        if off:
+            _mha_fastpath_off()
         try:
             yield
         finally:
             self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row = previous
-            torch.backends.mha.set_fastpath_enabled(fastpath)
+            if off:
+                _mha_fastpath_restore()
+
+
+_FASTPATH = threading.Lock()
+_fastpath_users: list = [0, True]  # contexts that turned torch's MHA fast path off, and the setting before the first
+
+
+def _mha_fastpath_off() -> None:
+    """Turn torch's MHA inference fast path off (a process-wide setting) while any layout context that needs it off
+    is open, in any thread; the setting before the first comes back as the last closes (`_mha_fastpath_restore`)."""
+    with _FASTPATH:
+        if _fastpath_users[0] == 0:
+            _fastpath_users[1] = torch.backends.mha.get_fastpath_enabled()
+            torch.backends.mha.set_fastpath_enabled(False)
+        _fastpath_users[0] += 1
+
+
+def _mha_fastpath_restore() -> None:
+    with _FASTPATH:
+        _fastpath_users[0] -= 1
+        if _fastpath_users[0] == 0:
+            torch.backends.mha.set_fastpath_enabled(_fastpath_users[1])
 
 
 class MultiLoRALinear(nn.Module):
@@ -157,6 +180,12 @@ class MultiLoRALinear(nn.Module):
     @property
     def bias(self) -> Any:
         return getattr(self.base, "bias", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("weight", "bias") and "base" in self._modules:  # (transformers' `tie_weights` on a wrapped head:
+            setattr(self._modules["base"], name, value)  # the base's, as PEFT's layers take it)
+            return
+        super().__setattr__(name, value)
 
     @property
     def adapter_names(self) -> list[str]:

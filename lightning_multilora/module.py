@@ -88,7 +88,8 @@ def _optimizer_choice(optimizer_class: type, optimizer_kwargs: dict[str, Any],
 class PausedSpec:
     """A paused adapter's spec as an admission controller's memory model sees it (`MultiLoRAMixin.admitted`): its
     weights and optimizer state are held, its rows are not in the batch (``rows_per_step`` and ``batch_size`` 0);
-    every other field is the spec's."""
+    every other field is the spec's (a predictor given one reads them as an `AdapterSpec`'s; ``.spec`` is the spec
+    itself)."""
 
     rows_per_step = 0
     batch_size = 0
@@ -97,6 +98,8 @@ class PausedSpec:
         self.spec = spec
 
     def __getattr__(self, name: str) -> Any:
+        if name == "spec" or name.startswith("__"):  # (copy and pickle ask before `spec` is set)
+            raise AttributeError(name)
         return getattr(self.spec, name)
 
     def __repr__(self) -> str:
@@ -875,6 +878,8 @@ class MultiLoRAMixin:
                 checked[spec.name] = self.check_startable(spec)
             except ValueError as err:
                 checked[spec.name] = err
+            except Exception as err:  # noqa: BLE001 - a source's own error (a tokenizer's, say): this adapter's
+                checked[spec.name] = ValueError(f"adapter {spec.name!r} cannot start: {type(err).__name__}: {err}")
         placement = self._placement()
         if placement is not None and hasattr(placement, "exchange") and specs:
             mine = {name: str(v) for name, v in checked.items() if isinstance(v, ValueError)}

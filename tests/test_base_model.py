@@ -270,3 +270,34 @@ def test_base_model_forms_other_than_a_name_path_or_module_are_refused_by_name(t
     assert build_base_model(tmp_path / "base").config.name_or_path == str(tmp_path / "base")
     with pytest.raises(OSError, match=r"`base_model` '.*missing' is no built-in model"):
         build_base_model(Path(tmp_path / "missing"))
+
+
+def test_decoders_that_build_their_causal_mask_or_name_their_head_themselves_pass(monkeypatch):
+    """(Refused as encoders: BigBirdPegasus's decoder, which builds its causal mask itself and sets no `is_causal`
+    flag; a model of one's own named *Model with an `lm_head`. And an encoder-decoder named on the Hub was loaded as
+    its decoder alone: refused only from a local folder.)"""
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PretrainedConfig
+
+    from lightning_multilora.base_model import check_causal_lm
+
+    pegasus = AutoConfig.for_model("bigbird_pegasus", vocab_size=300, d_model=32, encoder_layers=1, decoder_layers=1,
+                                   encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+                                   decoder_ffn_dim=64, attention_type="original_full", is_encoder_decoder=False)
+    decoder = AutoModelForCausalLM.from_config(pegasus)
+    assert not _sees_later_tokens(decoder)
+    check_causal_lm(decoder)
+
+    class TinyGPTModel(PreTrainedModel):
+        config_class = PretrainedConfig
+
+        def __init__(self, config):
+            super().__init__(config)
+            self.lm_head = torch.nn.Linear(4, 10)
+
+    check_causal_lm(TinyGPTModel(PretrainedConfig()))
+    bart = AutoConfig.for_model("bart", vocab_size=300, d_model=32, encoder_layers=1, decoder_layers=1)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda name, *a, **k: bart)
+    with pytest.raises(ValueError, match=r"`base_model` 'someone/bart-base' is a Hub model of a bart model .*an "
+                                         r"encoder-decoder"):
+        build_base_model("someone/bart-base")

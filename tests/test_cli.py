@@ -379,11 +379,28 @@ class CrashAt(Callback):
             raise RuntimeError("node lost")
 
 
+def test_a_checkpoint_folder_is_as_new_as_its_newest_rank_file(tmp_path):
+    """(An adapter-parallel checkpoint is a folder whose rank files are rewritten in place: its own time is when it
+    was made, and an older `last.ckpt` beside it was taken for the newest.)"""
+    import os
+
+    from lightning_multilora.cli import _written_at
+
+    folder = tmp_path / "step=8"
+    folder.mkdir()
+    (folder / "rank0.ckpt").write_text("")
+    (tmp_path / "last.ckpt").write_text("")
+    os.utime(folder, (100, 100))
+    os.utime(tmp_path / "last.ckpt", (200, 200))
+    os.utime(folder / "rank0.ckpt", (300, 300))
+    assert (_written_at(folder), _written_at(tmp_path / "last.ckpt")) == (300, 200)
+
+
 @pytest.mark.parametrize("save_last", [True, False])
 def test_ckpt_path_last_resumes_the_checkpoint_an_earlier_run_of_the_root_left(tmp_path, monkeypatch, save_last):
     """Lightning looks for "last" in the checkpoint folder of the run's own log version, and a resume takes the
     logger's next one: it found none there, warned, and a new run started from step 0 (the interrupted run's trials
-    left RUNNING). "last" is the newest last.ckpt of the root's versions, else their newest checkpoint."""
+    left RUNNING). "last" is the newest checkpoint of the root's versions."""
     monkeypatch.setattr(CrashAt, "starts", [])
     callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": save_last}}]
     args = _tiny_fit(tmp_path, "--trainer.val_check_interval", "2",

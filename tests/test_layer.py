@@ -498,6 +498,44 @@ def test_torch_encoder_layers_use_their_adapters_in_inference_and_read_their_lin
         assert not torch.allclose(encoder(x), trained)  # (no layout: the base alone)
 
 
+def test_a_wrapped_tied_head_is_tied_and_resized_as_transformers_does_it():
+    """(With the layer's `weight` a property, transformers' `tie_weights` and `resize_token_embeddings` failed on a
+    wrapped `lm_head`: "attribute 'weight' already exists".) The base head takes what is set."""
+    model = build_base_model("tiny-llama", {"tie_word_embeddings": True})
+    layers = inject_multilora(model, ["q_proj", "lm_head"])
+    model.tie_weights()
+    assert layers["lm_head"].weight is model.get_input_embeddings().weight
+    model.resize_token_embeddings(300)
+    assert layers["lm_head"].base.weight.shape == (300, 64) and layers["lm_head"].out_features == 300
+    layers.add_adapter("a", rank=2, alpha=4, target_modules=["lm_head"])
+    with layers.use(BatchLayout.from_sizes(["a"], [1])):
+        assert model(torch.randint(0, 300, (1, 5))).logits.shape == (1, 5, 300)
+
+
+def test_the_mha_fast_path_is_off_while_any_context_needs_it_and_untouched_by_others():
+    """(The setting is process-wide: each context restored what it had read, so of two contexts in two threads the
+    one closing first turned the fast path back on inside the other's forward; contexts that need nothing set it
+    too.)"""
+    needs, other = LayoutContext(), LayoutContext()
+    needs.mha_fastpath_off = True
+    layout = BatchLayout.from_sizes(["a"], [1])
+    before = torch.backends.mha.get_fastpath_enabled()
+    first, second = needs.use(layout), needs.use(layout)
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)  # (the other context is still open: still off)
+    assert not torch.backends.mha.get_fastpath_enabled()
+    second.__exit__(None, None, None)
+    assert torch.backends.mha.get_fastpath_enabled() == before
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with other.use(layout):
+            torch.backends.mha.set_fastpath_enabled(True)  # (a user's choice inside a context that needs nothing)
+        assert torch.backends.mha.get_fastpath_enabled()
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
 def test_mixture_of_experts_linears_are_left_out_of_all_linear_and_refused_by_name():
     """(Each expert is called on the tokens routed to it: wrapped, a forward failed with a bare shape error, or,
     where an expert took as many tokens as the batch has rows, gave tokens other rows' adapters, silently.)"""

@@ -220,6 +220,9 @@ def _resuming_checkpoint(trainer: Optional[L.Trainer], stopped: bool) -> Optiona
     callbacks = getattr(trainer, "checkpoint_callbacks", None) or []
     saved = [p for cb in callbacks for p in (getattr(cb, "last_model_path", ""), getattr(cb, "best_model_path", ""))]
     saved += [cb.ckpt_path for cb in callbacks if stopped and isinstance(cb, OnExceptionCheckpoint)]
+    # (a ModelCheckpoint(save_on_exception=True) saves after this sweep's hook, as an OnExceptionCheckpoint does)
+    saved += [f"{cb.dirpath or 'its folder'} (ModelCheckpoint saves on the exception)" for cb in callbacks
+              if stopped and getattr(cb, "save_on_exception", False)]
     saved.append(getattr(trainer, "ckpt_path", None))
     if not any(saved):
         saved.append(getattr(getattr(trainer, "_checkpoint_connector", None), "_hpc_resume_path", None))

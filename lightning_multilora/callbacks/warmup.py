@@ -73,8 +73,7 @@ class WarmupSelection(Callback):
             self._validate_and_pause(pl_module, warmup["warmed"])
         selection = decide_once(pl_module, lambda: self._selection(trainer, pl_module.registry))
         if selection is not None:
-            self._apply(pl_module, selection)
-            _sync(pl_module)  # the owners' prunes reach every rank before a checkpoint is written
+            self._apply(pl_module, selection)  # (the owners' prunes reach every rank there, before a checkpoint)
 
     def _warmed_up(self, registry: AdapterRegistry) -> dict[str, list[str]]:
         """The decision of this step: new candidates (adapters that left the queue) and the adapters whose
@@ -140,6 +139,7 @@ class WarmupSelection(Callback):
         for name in selection["ranking"]:
             if name not in self.kept and pl_module._owns(name) and not pl_module.registry[name].state.exited:
                 pl_module.remove_adapter(name, state=AdapterState.PRUNED, reason=selection["pruned"][name])
+        _sync(pl_module)  # (the prunes reach every rank first: paused adapters weigh on admission, `startable`)
         self.waiting = list(self.kept)
         self.decided = True
         self._resume_waiting(pl_module)
@@ -154,8 +154,7 @@ class WarmupSelection(Callback):
             self.candidates += decide_once(pl_module, lambda: self._warmed_up(pl_module.registry)["candidates"])
             selection = decide_once(pl_module, lambda: self._selection(trainer, pl_module.registry))
             if selection is not None:
-                self._apply(pl_module, selection)
-                _sync(pl_module)  # the owners' prunes reach every rank before the module looks at its registry
+                self._apply(pl_module, selection)  # (which shares the owners' prunes with every rank first)
         if self.waiting:
             self._resume_waiting(pl_module)
 

@@ -126,41 +126,51 @@ class _ValBatches(IterableDataset):
         return iter(align(list(batches))) if align is not None else batches
 
 
-def continuation(tok: Tokenizer, prompt: str, prompt_ids: list[int], completion: str) -> list[int]:
-    """The tokens of ``completion`` as they follow ``prompt`` (whose tokens are ``prompt_ids``): those of the joint
-    text after the prompt's, where the joint text's tokens begin with the prompt's own; else the completion's alone.
-    (A SentencePiece tokenizer begins a text encoded alone with a word boundary: a completion without a leading space,
-    encoded alone, got a space the text does not have, and the adapter learned to answer with it.)"""
-    if not completion:
-        return []
-    joint = tok.encode(prompt + completion)
-    if len(joint) > len(prompt_ids) and joint[:len(prompt_ids)] == prompt_ids:
-        return joint[len(prompt_ids):]
-    return tok.encode(completion)
+def prompt_and_answers(tok: Tokenizer, prompt: str, answers: Sequence[str]) -> tuple[list[int], list[list[int]]]:
+    """The tokens of ``prompt`` followed by each of ``answers``, one text each (``tokenizer(prompt + answer)``, the
+    tokens TRL trains on), split where each leaves the prompt's own tokens: the prompt is the longest beginning that
+    the prompt encoded alone shares with every joint text (for a pair, the shorter of the two, so that both answers
+    follow the same prompt ids), each answer the rest of its joint text, learned.
+    (A SentencePiece tokenizer begins a text encoded alone with a word boundary, and encodes a prompt's last space as
+    a token of its own, ``▁``, that the joint text merges into the next word, ``▁the``: a completion encoded alone
+    after the prompt's tokens got a space the text does not have, the row decoding as "Answer:  the".)"""
+    prompt_ids = tok.encode(prompt)
+    joints = [tok.encode(prompt + answer) for answer in answers]
+    shared = len(prompt_ids)
+    for joint in joints:
+        shared = next((k for k, (a, b) in enumerate(zip(prompt_ids[:shared], joint)) if a != b),
+                      min(shared, len(joint)))
+    return prompt_ids[:shared], [joint[shared:] for joint in joints]
 
 
 def render_chat(tok: Tokenizer, example: ChatExample) -> Example:
     """A conversation as prompt and completion text, by the tokenizer's chat template: the prompt is the messages
     before the last with the template's generation prompt (``<|im_start|>assistant\\n``...), the completion what the
-    whole conversation's rendering adds to it (the assistant's message and the template's end of turn). A BOS the
-    template writes is left to the row's own (`Tokenizer.prefix_ids`), which would double it."""
+    whole conversation's rendering adds to it (the assistant's message and the template's end of turn). The row is
+    the rendered text's tokens alone (a BOS where the template writes one, no `Tokenizer.prefix_ids`), as
+    ``apply_chat_template(tokenize=True)`` gives them to TRL and to inference. A template that refuses the
+    conversation (a jinja2 ``TemplateError``: "Conversation roles must alternate...") is a `ValueError` naming the
+    record, as is a tokenizer without a template."""
     chat_text = getattr(tok, "chat_text", None)
     if chat_text is None:
-        raise ValueError(f"{example.source}: format 'messages' needs a Hugging Face tokenizer with a chat template "
-                         f"(`tokenizer`), not {getattr(tok, 'name', type(tok).__name__)!r}")
+        raise ValueError(f"{example.source}: a conversation (lists of messages) is rendered by the tokenizer's chat "
+                         f"template: give `tokenizer` a Hugging Face tokenizer with one, not "
+                         f"{getattr(tok, 'name', type(tok).__name__)!r}")
     messages = [{"role": role, "content": content} for role, content in example.messages]
-    prompt = chat_text(messages[:-1], add_generation_prompt=True)
-    whole = chat_text(messages, add_generation_prompt=False)
+    try:
+        prompt = chat_text(messages[:-1], add_generation_prompt=True)
+        whole = chat_text(messages, add_generation_prompt=False)
+    except ValueError as err:  # (no template: said of the record that needs one)
+        raise ValueError(f"{example.source}: {err}") from err
+    except Exception as err:  # noqa: BLE001 - the template's own (jinja2's TemplateError from `raise_exception`)
+        raise ValueError(f"{example.source}: the tokenizer's chat template refuses this conversation (roles "
+                         f"{[r for r, _ in example.messages]}): {type(err).__name__}: {err}") from err
     if not whole.startswith(prompt):
         raise ValueError(f"{example.source}: the tokenizer's chat template does not render the conversation as its "
                          "prompt (the messages before the last, with the generation prompt) followed by the last "
                          "message, so the completion to learn cannot be told apart; format the examples as prompt "
                          "and completion")
-    completion = whole[len(prompt):]
-    bos = getattr(getattr(tok, "inner", None), "bos_token", None)
-    if getattr(tok, "prefix_ids", None) and bos and prompt.startswith(bos):
-        prompt = prompt[len(bos):]
-    return Example(prompt, completion, example.source)
+    return Example(prompt, whole[len(prompt):], example.source)
 
 
 def render_chat_pair(tok: Tokenizer, example: ChatPreferenceExample) -> PreferenceExample:
@@ -185,7 +195,8 @@ class MultiLoRADataModule(L.LightningDataModule):
         val_fraction: share of each source held out for validation, in (0, 1).
         val_batch_size: examples per adapter in each packed validation batch: rows, or pairs for a DPO adapter
             (two rows each, and their reference forward besides).
-        max_val_examples: cap on each source's validation split (None: no cap).
+        max_val_examples: cap on each source's validation split (None: no cap); the examples past it go back into
+            training (GSM8K's 7473 hold out 256, not ``val_fraction``'s 747).
         split_seed: seed of the train/validation split.
         padding: ``"longest"`` pads each packed batch to its longest row; ``"max_length"`` pads every batch
             to ``max_length``, so a row's arithmetic never depends on which other rows share its batch.
@@ -329,20 +340,27 @@ class MultiLoRADataModule(L.LightningDataModule):
         model_max = self.model_max_length
         longer = ("raise `max_length` (up to the model's maximum)" if model_max is None or limit is None
                   or limit < model_max else f"{limit} tokens is the model's maximum: shorten the examples")
-        prefix = list(getattr(tok, "prefix_ids", ()))  # (BOS, where the tokenizer begins a text with it)
+        text_prefix = list(getattr(tok, "prefix_ids", ()))  # (BOS, where the tokenizer begins a text with it)
+        bos = getattr(tok, "bos_token_id", None)
+        prompt_cut: set[int] = set()  # preference pairs whose prompt was cut to fit
         for i in order:
             example = examples[i]
             chat = isinstance(example, (ChatExample, ChatPreferenceExample))
             if chat:
                 example = (render_chat if isinstance(example, ChatExample) else render_chat_pair)(tok, example)
-            prompt = tok.encode(example.prompt)
-            answers = [continuation(tok, example.prompt, prompt, text)
-                       for text in ((example.chosen, example.rejected) if pairs else (example.completion,))]
+            prompt, answers = prompt_and_answers(
+                tok, example.prompt, (example.chosen, example.rejected) if pairs else (example.completion,))
+            prefix = text_prefix
+            if chat:  # (the template's tokens alone: the BOS it writes, kept first when a prompt is cut, and no other)
+                prefix = prompt[:1] if bos is not None and prompt[:1] == [bos] else []
+                prompt = prompt[len(prefix):]
             if pairs and self.truncate and limit is not None:
                 # Preference pairs keep their prompt's end (as TRL's DPO does), leaving the answers at least half
                 # the length: cutting the row's end would leave long-prompt pairs without answer tokens
                 room = max(limit - len(prefix) - min(max(map(len, answers)) + 1, limit // 2), 0)
-                prompt = prompt[len(prompt) - room:] if len(prompt) > room else prompt
+                if len(prompt) > room:
+                    prompt = prompt[len(prompt) - room:]
+                    prompt_cut.add(i)
             first = encode(i, prefix + prompt, answers[0], chat)
             second = encode(i, prefix + prompt, answers[1], chat) if pairs else None
             if first is None or (pairs and second is None):
@@ -362,6 +380,11 @@ class MultiLoRADataModule(L.LightningDataModule):
             warnings.warn(f"data source {name!r}: {len(examples) - len(chosen)} of {len(examples)} examples kept no "
                           f"completion tokens after truncation to {limit} tokens (the prompt filled them) and are "
                           f"left out; {longer} to keep them")
+        kept_prompt_cut = len(prompt_cut.intersection(kept))
+        if kept_prompt_cut:
+            warnings.warn(f"data source {name!r}: {kept_prompt_cut} of the {len(chosen)} preference pairs kept had "
+                          f"their prompt cut to fit {limit} tokens (its beginning left out, its end kept next to the "
+                          f"answers); {longer}", stacklevel=2)
         kept_cut = len(cut.intersection(kept))
         if kept_cut:
             warnings.warn(f"data source {name!r}: {kept_cut} of the {len(chosen)} examples kept were cut at {limit} "
@@ -403,13 +426,20 @@ class MultiLoRADataModule(L.LightningDataModule):
     def check(self, spec: "AdapterSpec") -> None:
         """That ``spec`` can train here: its source exists and reads, and holds what its objective needs (a
         `ValueError` naming them otherwise; the module checks an adapter as it starts, so that one that cannot
-        fails alone instead of failing the run at its first batch)."""
+        fails alone instead of failing the run at its first batch). Whatever else reading or tokenizing the source
+        raises (an OSError, a loader's own: ``datasets``' DatasetGenerationError, a TypeError...) is a `ValueError`
+        naming the source too, the original its ``__cause__``: anything but a ValueError would stop the whole fit."""
         name = self.check_source(spec)
         try:
             train, _ = self.split(name)
-        except OSError as err:
+        except ValueError:
+            raise
+        except Exception as err:  # noqa: BLE001 - (KeyboardInterrupt and the like are no Exception: they go on)
+            # (datasets' DatasetGenerationError says what failed only in the error it was raised from)
+            cause = err.__cause__ or (None if err.__suppress_context__ else err.__context__)
+            detail = f"{type(err).__name__}: {err}" + (f" ({type(cause).__name__}: {cause})" if cause else "")
             raise ValueError(f"data source {name!r} ({self.sources[name].describe()}) could not be read: "
-                             f"{type(err).__name__}: {err}") from err
+                             f"{detail}") from err
         if spec.objective == "dpo" and train.rejected_ids is None:
             raise ValueError(f"objective 'dpo' needs preference pairs, and data source {name!r} "
                              f"({self.sources[name].describe()}) has none (a PreferenceSource has them)")

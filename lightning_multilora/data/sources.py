@@ -7,6 +7,7 @@ import dataclasses
 import gzip
 import json
 import numbers
+import os
 import random
 import warnings
 import zlib
@@ -338,14 +339,44 @@ def _saved_to_disk(path: str) -> bool:
         (folder / "state.json").is_file() and (folder / "dataset_info.json").is_file())
 
 
-class HFDatasetSource(DataSource):
-    """A Hugging Face ``datasets`` dataset: ``load_dataset(path, name, split=split)`` (local files work), or a folder
-    written by ``save_to_disk`` (read with ``load_from_disk``). ``format``, ``prompt_field`` and ``completion_field``
-    as `JSONLSource`'s.
+# (a data file's suffix, and the `datasets` builder that reads it; a compressed file, `.jsonl.gz`, by the suffix
+# before its compression's)
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 
-    From a saved DatasetDict ``split`` picks the split; a saved Dataset is read whole (as ``load_from_disk`` gives
-    it), and a ``split`` other than the default ``"train"`` must be the one it was saved as (``Dataset.split``).
-    Slices (``train[:100]``) are ``load_dataset``'s only; ``limit`` takes the first examples of either.
+
+def _data_file_builder(path: str) -> str:
+    """The ``datasets`` builder of a data file, by its suffix (`DATA_FILE_BUILDERS`); another suffix is named."""
+    suffixes = [x.lower() for x in Path(path).suffixes]
+    if suffixes and suffixes[-1] in COMPRESSIONS:
+        suffixes.pop()
+    if suffixes and suffixes[-1] in DATA_FILE_BUILDERS:
+        return DATA_FILE_BUILDERS[suffixes[-1]]
+    raise ValueError(f"HFDatasetSource: `path` {path!r} is a file, read by the `datasets` builder its suffix names "
+                     f"({', '.join(DATA_FILE_BUILDERS)}, optionally compressed: {', '.join(COMPRESSIONS)}), and "
+                     f"{f'its suffix {suffixes[-1]!r} is none of them' if suffixes else 'it has no suffix'}; give the "
+                     f"builder as `path` and the file as `data_files` (HFDatasetSource('json', data_files=...))")
+
+
+def _dataset_classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
+    """``datasets``' dataset classes and dataset-dict classes (none where it is not installed)."""
+    try:
+        from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+    except ImportError:
+        return (), ()
+    return (Dataset, IterableDataset), (DatasetDict, IterableDatasetDict)
+
+
+class HFDatasetSource(DataSource):
+    """A Hugging Face ``datasets`` dataset: ``load_dataset(path, name, split=split)``; a local data file (``.jsonl``,
+    ``.json``, ``.csv``, ``.parquet``, ``.arrow``, or one of them compressed: read by the builder its suffix names,
+    ``load_dataset("json", data_files=path)``); a folder written by ``save_to_disk`` (read with ``load_from_disk``);
+    or a ``datasets.Dataset`` / ``DatasetDict`` already in memory. ``format``, ``prompt_field`` and
+    ``completion_field`` as `JSONLSource`'s.
+
+    From a DatasetDict, saved or given, ``split`` picks the split; a Dataset is read whole (as ``load_from_disk``
+    gives it), and a ``split`` other than the default ``"train"`` must be the one it was made as (``Dataset.split``).
+    Slices (``train[:100]``) are ``load_dataset``'s only; ``limit`` takes the first examples of any.
     """
 
     preference_pairs = False
@@ -357,32 +388,59 @@ class HFDatasetSource(DataSource):
         if format not in FORMATS:
             raise ValueError(f"HFDatasetSource: `format` can be {', '.join(FORMATS)}, got {format!r}")
         check_int("HFDatasetSource", "limit", limit, 1, optional=True)
+        path = os.fspath(path) if isinstance(path, os.PathLike) else path
+        datasets, dicts = _dataset_classes() if not isinstance(path, str) else ((), ())
+        if not isinstance(path, (str, *datasets, *dicts)):
+            raise ValueError(f"HFDatasetSource: `path` must be a dataset's Hub name, a local data file or folder, or "
+                             f"a `datasets` Dataset or DatasetDict, got a {type(path).__name__}; records in memory "
+                             f"are a ListSource's (or a PreferenceSource's)")
+        if not isinstance(path, str) and (name is not None or data_files is not None):
+            raise ValueError(f"HFDatasetSource: a {type(path).__name__} given as `path` takes no `name` or "
+                             f"`data_files` (got name={name!r}, data_files={data_files!r})")
         self.path, self.name, self.split, self.format, self.limit = path, name, split, format, limit
         self.prompt_field, self.completion_field, self.data_files = prompt_field, completion_field, data_files
 
-    def _load(self) -> Iterable[Mapping]:
-        """The dataset: ``load_from_disk`` for a ``save_to_disk`` folder (``split`` taken from a DatasetDict),
-        ``load_dataset`` otherwise."""
-        from datasets import DatasetDict, load_dataset, load_from_disk
+    @property
+    def shown(self) -> str:
+        """``path`` as errors show it: a dataset object by its class (and the split a dict's examples come from)."""
+        if isinstance(self.path, str):
+            return self.path
+        return type(self.path).__name__ + (f"[{self.split!r}]" if isinstance(self.path, _dataset_classes()[1])
+                                           else "")
 
-        if not _saved_to_disk(self.path):
+    def _load(self) -> Iterable[Mapping]:
+        """The dataset: the one given, ``load_from_disk`` for a ``save_to_disk`` folder (``split`` taken from a
+        DatasetDict), the builder its suffix names for a data file, ``load_dataset`` otherwise."""
+        from datasets import load_dataset, load_from_disk
+
+        if isinstance(self.path, str) and Path(self.path).is_file():
+            if self.name is not None or self.data_files is not None:
+                raise ValueError(f"HFDatasetSource: `path` {self.path!r} is a data file, read as it is: it takes no "
+                                 f"`name` or `data_files` (got name={self.name!r}, data_files={self.data_files!r})")
+            return load_dataset(_data_file_builder(self.path), split=self.split, data_files=self.path)
+        if isinstance(self.path, str) and not _saved_to_disk(self.path):
             return load_dataset(self.path, self.name, split=self.split, data_files=self.data_files)
-        if self.name is not None or self.data_files is not None:
-            raise ValueError(f"HFDatasetSource: {self.path!r} is a folder written by `save_to_disk`, which takes no "
-                             f"`name` or `data_files` (got name={self.name!r}, data_files={self.data_files!r})")
-        ds = load_from_disk(self.path)
+        if isinstance(self.path, str):
+            if self.name is not None or self.data_files is not None:
+                raise ValueError(f"HFDatasetSource: {self.path!r} is a folder written by `save_to_disk`, which takes "
+                                 f"no `name` or `data_files` (got name={self.name!r}, data_files={self.data_files!r})")
+            ds, where = load_from_disk(self.path), f"saved at {self.path!r}"
+        else:
+            ds, where = self.path, "given as `path`"
         sliced = " (a slice is for `load_dataset`: `limit` takes the first examples)" if "[" in str(self.split) else ""
-        if isinstance(ds, DatasetDict):
+        if isinstance(ds, _dataset_classes()[1]):
             if self.split not in ds:
-                raise ValueError(f"HFDatasetSource: `split` {self.split!r} is not a split of the DatasetDict saved "
-                                 f"at {self.path!r}; its splits are {sorted(ds)}{sliced}")
+                raise ValueError(f"HFDatasetSource: `split` {self.split!r} is not a split of the DatasetDict {where}; "
+                                 f"its splits are {sorted(ds)}{sliced}")
             return ds[self.split]
         saved = None if ds.split is None else str(ds.split)
         if self.split not in ("train", saved):
             allowed = "'train'" + (f" or {saved!r}" if saved else "")
-            raise ValueError(f"HFDatasetSource: `split` {self.split!r} is not in {self.path!r}: it holds one Dataset "
-                             f"({f'saved as split {saved!r}' if saved else 'saved without a split name'}), read whole "
-                             f"with `split` {allowed}{sliced}")
+            held, verb = ((f"in {self.path!r}: it holds", "saved") if isinstance(self.path, str) else
+                          ("in the Dataset given as `path`: it is", "made"))
+            raise ValueError(f"HFDatasetSource: `split` {self.split!r} is not {held} one Dataset "
+                             f"({f'{verb} as split {saved!r}' if saved else f'{verb} without a split name'}), read "
+                             f"whole with `split` {allowed}{sliced}")
         return ds
 
     def examples(self) -> list[Example]:
@@ -395,7 +453,7 @@ class HFDatasetSource(DataSource):
                    if f in features and str(getattr(features[f], "dtype", "string")).startswith(
                        ("int", "uint", "float", "bool"))}
         if numeric:
-            warnings.warn(f"HFDatasetSource({self.path}): the loader read text field(s) as numbers "
+            warnings.warn(f"HFDatasetSource({self.shown}): the loader read text field(s) as numbers "
                           f"({', '.join(f'{f!r}: {t}' for f, t in numeric.items())}): their values are taken as they "
                           "print ('26'), and what the file held around them (a leading space, leading zeros) is "
                           "lost; give the fields as text (a JSONL file of strings, read by JSONLSource)",
@@ -403,13 +461,13 @@ class HFDatasetSource(DataSource):
         out = []
         for i, record in enumerate(ds):
             out.append(format_record(record, self.format, self.prompt_field, self.completion_field,
-                                     f"{self.path}[{i}]"))
+                                     f"{self.shown}[{i}]"))
             if self.limit is not None and len(out) >= self.limit:
                 break
         return out
 
     def describe(self) -> str:
-        return f"HFDatasetSource({self.path}, {self.split}, {self.format})"
+        return f"HFDatasetSource({self.shown}, {self.split}, {self.format})"
 
 
 class ListSource(DataSource):
@@ -469,11 +527,27 @@ def _chat_pair(record: Mapping, where: str) -> ChatPreferenceExample:
     return ChatPreferenceExample(tuple(prompt), tuple(chosen), tuple(rejected), where)
 
 
+def split_implicit_prompt(chosen: str, rejected: str, where: str) -> PreferenceExample:
+    """TRL's preference text with an implicit prompt (``{"chosen": "The sky is blue.", "rejected": "The sky is
+    green."}``), split as TRL's ``extract_prompt`` splits it: the prompt is the beginning both texts share, less a
+    space that ends it (``"The sky is"``, ``" blue."``, ``" green."``). Texts that share no beginning are named (a
+    record whose `prompt` field was left out, more likely than a pair without one)."""
+    cut = next((k for k, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
+    if cut > 0 and chosen[cut - 1] == " ":
+        cut -= 1
+    if cut == 0:
+        raise ValueError(f"{where}: record has no field 'prompt', and its 'chosen' and 'rejected' texts share no "
+                         f"beginning to take as one (TRL's implicit prompt); give the prompt as 'prompt'")
+    return PreferenceExample(chosen[:cut], chosen[cut:], rejected[cut:], where)
+
+
 def split_hh_rlhf(chosen: str, rejected: str) -> PreferenceExample:
     """Anthropic HH-RLHF transcripts: the prompt is everything up to the last ``Assistant:`` turn."""
     cut = chosen.rfind("\n\nAssistant:")
     if cut < 0:
-        raise ValueError("an hh_rlhf record has no '\n\nAssistant:' turn")
+        raise ValueError("an hh_rlhf record has no '\n\nAssistant:' turn (TRL's preference text with an implicit "
+                         "prompt, the beginning 'chosen' and 'rejected' share, is read by format "
+                         "'prompt_chosen_rejected')")
     cut += len("\n\nAssistant:")
     if rejected[:cut] != chosen[:cut]:
         cut = next((i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
@@ -484,8 +558,9 @@ class PreferenceSource(DataSource):
     """Preference pairs from a JSON-lines file (optionally ``.gz``) or from ``records`` in memory.
 
     ``format``: ``prompt_chosen_rejected`` (fields ``prompt``, ``chosen``, ``rejected``: text, or TRL's
-    conversational records, lists of messages rendered by the tokenizer's chat template, with the prompt explicit or
-    implicit, `ChatPreferenceExample`) or ``hh_rlhf`` (``chosen`` / ``rejected`` transcripts sharing their prompt).
+    conversational records, lists of messages rendered by the tokenizer's chat template, `ChatPreferenceExample`;
+    either with the prompt explicit or implicit, the beginning ``chosen`` and ``rejected`` share, as TRL reads them:
+    `split_implicit_prompt`) or ``hh_rlhf`` (``chosen`` / ``rejected`` transcripts sharing their prompt).
     """
 
     preference_pairs = True
@@ -524,14 +599,16 @@ class PreferenceSource(DataSource):
                 continue
             need = ("chosen", "rejected") if self.format == "hh_rlhf" else ("prompt", "chosen", "rejected")
             missing = [f for f in need if f not in record]
-            if missing:
+            if missing and missing != ["prompt"]:  # (no prompt alone: TRL's implicit prompt)
                 raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}")
-            text = {f: _text(record, f, where) for f in need}
+            text = {f: _text(record, f, where) for f in need if f in record}
             if self.format == "hh_rlhf":
                 try:
                     out.append(dataclasses.replace(split_hh_rlhf(text["chosen"], text["rejected"]), source=where))
                 except ValueError as err:
                     raise ValueError(f"{where}: {err}") from err
+            elif missing:
+                out.append(split_implicit_prompt(text["chosen"], text["rejected"], where))
             else:
                 out.append(PreferenceExample(text["prompt"], text["chosen"], text["rejected"], where))
             if self.limit is not None and len(out) >= self.limit:

@@ -10,7 +10,7 @@ class Tokenizer(Protocol):
     vocab_size: int
     pad_token_id: int
     eos_token_id: int
-    prefix_ids: list[int]  # what begins every row: the BOS token where the tokenizer puts one before a text
+    prefix_ids: list[int]  # what begins every row of text: the BOS token where the tokenizer puts one before a text
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -24,6 +24,7 @@ class ByteTokenizer:
     pad_token_id = 256
     eos_token_id = 257
     prefix_ids: list[int] = []
+    bos_token_id = None
     name = "byte"
 
     def encode(self, text: str) -> list[int]:
@@ -55,8 +56,11 @@ class HFTokenizer:
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
         self.vocab_size = len(self.inner)
         # A row begins as ``tokenizer(text)`` begins one: with the BOS token where the tokenizer adds it (Llama's
-        # do, Qwen's have none); the prompt and the completion are then encoded without special tokens
+        # do, Qwen's have none); the prompt and the completion are then encoded without special tokens. (A row a
+        # chat template renders is its text's tokens alone, as ``apply_chat_template(tokenize=True)`` gives them:
+        # the BOS where the template writes it, and no other)
         bos = self.inner.bos_token_id
+        self.bos_token_id = int(bos) if bos is not None else None
         first = self.inner.encode("a", add_special_tokens=True)[:1]
         self.prefix_ids = [int(bos)] if bos is not None and first == [bos] else []
 
@@ -67,11 +71,12 @@ class HFTokenizer:
         return self.inner.decode(ids)
 
     def chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-        """``messages`` rendered by the tokenizer's chat template, as text (a `ValueError` where it has none)."""
+        """``messages`` rendered by the tokenizer's chat template, as text (a `ValueError` where it has none; the
+        template's own errors, a jinja2 ``TemplateError`` such as "roles must alternate", as it raises them)."""
         if not getattr(self.inner, "chat_template", None):
-            raise ValueError(f"tokenizer {self.name!r} has no chat template, which format 'messages' needs (its "
-                             "tokenizer_config.json `chat_template`); give an instruct model's tokenizer, or "
-                             "format the examples as prompt and completion")
+            raise ValueError(f"tokenizer {self.name!r} has no chat template (its tokenizer_config.json "
+                             "`chat_template`), which renders conversations (lists of messages); give an instruct "
+                             "model's tokenizer, or give the examples as prompt and completion text")
         return self.inner.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
 

@@ -962,6 +962,26 @@ def test_a_fit_stopped_by_ctrl_c_tells_the_exits_and_fails_the_trials_no_checkpo
         "the fit stopped by KeyboardInterrupt at step 1 of its adapter, and no checkpoint of the run can resume it"))
 
 
+def test_trials_a_checkpoint_saved_on_the_exception_resumes_stay_running(tmp_path, trainer_kwargs):
+    """(A `ModelCheckpoint(save_on_exception=True)` saves after the sweep's hook: its trials were told FAIL, and the
+    resume from the checkpoint it then saved trained them to the end, the study keeping them failed.)"""
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+    class CtrlC(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 4:
+                raise KeyboardInterrupt
+
+    sweep = OptunaSweep(SPACE, n_trials=4, base={"max_steps": 3, "batch_size": 2}, slots=1,
+                        storage=f"sqlite:///{tmp_path / 'study.db'}")
+    save = ModelCheckpoint(dirpath=tmp_path / "ck", save_on_exception=True, every_n_train_steps=100)
+    with pytest.warns(UserWarning, match=r"trials \[1\] stay RUNNING .*ModelCheckpoint saves on the exception"), \
+            pytest.raises(SystemExit):
+        fit(tmp_path, dict(trainer_kwargs, enable_checkpointing=True), sweep, callbacks=[CtrlC(), save])
+    trials = optuna.load_study(study_name="multilora", storage=f"sqlite:///{tmp_path / 'study.db'}").get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE", "RUNNING"] and list((tmp_path / "ck").glob("*.ckpt"))
+
+
 def test_a_sweep_into_a_log_directory_holding_another_runs_study_says_so(tmp_path, trainer_kwargs):
     """The run folder's own study (no `storage` given) of another run was gone on with, silently (`multilora fit`
     refuses such a folder); a `storage` named is shared on purpose, and says nothing."""

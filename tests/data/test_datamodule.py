@@ -602,9 +602,10 @@ CHATML = ("{% for m in messages %}{{ bos_token if loop.first else '' }}<|im_star
           "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _chat_tokenizer(directory, bos: bool) -> None:
+def _chat_tokenizer(directory, bos: bool, template: str = CHATML) -> None:
     """A byte-level BPE tokenizer with a ChatML template (Qwen's shape: <|im_end|> is EOS), saved as a model's is;
-    with ``bos``, every text begins with <s> and the template writes it too (Llama 3's shape)."""
+    with ``bos``, every text begins with <s> and the template writes it too (Llama 3's shape), unless ``template``
+    is one that does not."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -618,7 +619,7 @@ def _chat_tokenizer(directory, bos: bool) -> None:
     if bos:
         inner.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 4)])
     PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|im_end|>", pad_token="<pad>",
-                            bos_token="<s>" if bos else None, chat_template=CHATML).save_pretrained(directory)
+                            bos_token="<s>" if bos else None, chat_template=template).save_pretrained(directory)
 
 
 @pytest.mark.parametrize("bos", [False, True])
@@ -652,7 +653,9 @@ def test_conversations_are_rendered_by_the_chat_template_and_the_last_answer_lea
                                          r"assistant, tool, got 'human'"):
         ListSource([{"messages": [{"role": "user", "content": "a"}, {"role": "human", "content": "b"}]}],
                    format="messages").examples()
-    with pytest.raises(ValueError, match="format 'messages' needs a Hugging Face tokenizer with a chat template"):
+    with pytest.raises(ValueError, match=r"records\[\d\]: a conversation \(lists of messages\) is rendered by the "
+                                         r"tokenizer's chat template: give `tokenizer` a Hugging Face tokenizer with "
+                                         r"one, not 'byte'"):
         MultiLoRADataModule(sources={"c": ListSource(records, format="messages")}).split("c")
     # TRL's conversational prompt-completion records (the default format): the same rows
     split = [{"prompt": r["messages"][:2], "completion": r["messages"][2:]} for r in records]
@@ -711,3 +714,253 @@ def test_conversational_preference_pairs_are_rendered_by_the_chat_template(tmp_p
     for record, message in bad:
         with pytest.raises(ValueError, match=r"records\[0\]: .*" + message):
             PreferenceSource(records=[record]).examples()
+
+
+def _template_ids(inner, messages) -> list[int]:
+    """``apply_chat_template(messages, tokenize=True)``'s ids (a list, or a mapping's ``input_ids``, by version)."""
+    ids = inner.apply_chat_template(messages, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _sentencepiece_tokenizer(directory) -> None:
+    """A SentencePiece-style BPE tokenizer (Llama 2's shape: ``▁`` before the first word and every word after a
+    space, <s> before every text), saved as a model's is."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import decoders, models, pre_tokenizers, processors, trainers
+
+    inner = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    inner.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    inner.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=True)
+    texts = ["Question: Is the sky blue?\nAnswer: the sky is blue, yes, not green; no.", "the sky the sea the sun"] * 20
+    inner.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    inner.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    transformers.PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(directory)
+
+
+def test_a_prompt_ending_in_a_space_keeps_the_joint_texts_tokens(tmp_path):
+    """A SentencePiece tokenizer encodes a prompt's last space as a token of its own (``▁``), which the joint text
+    merges into the completion's first word (``▁the``): the joint tokens do not begin with the prompt's, and the
+    completion encoded alone after them doubled the space ("Answer:  the sky"). A row is ``tokenizer(prompt +
+    completion)``'s tokens (as TRL trains on), its prompt the beginning they share with the prompt's; a pair's two
+    rows share the shorter of their two beginnings, one prompt for both answers."""
+    _sentencepiece_tokenizer(tmp_path)
+    prompt = "Question: Is the sky blue?\nAnswer: "
+    dm = MultiLoRADataModule(sources={
+        "sft": ListSource([{"prompt": prompt, "completion": "the sky is blue."}] * 2),
+        "pairs": PreferenceSource(records=[{"prompt": prompt, "chosen": " yes", "rejected": "no"}] * 2)},
+        tokenizer=str(tmp_path))
+    tok, inner = dm.tokenizer, dm.tokenizer.inner
+    assert tok.encode(prompt)[-1] == inner.convert_tokens_to_ids("▁")  # (the case: the prompt's space alone)
+    train, _ = dm.split("sft")
+    ids, labels = train.input_ids[0], train.labels[0]
+    assert ids == inner(prompt + "the sky is blue.")["input_ids"] + [tok.eos_token_id]
+    assert inner.decode(ids, skip_special_tokens=True) == prompt + "the sky is blue."  # (one space, as written)
+    learned = [t for t, label in zip(ids, labels) if label != IGNORE_INDEX]
+    assert inner.convert_ids_to_tokens(learned)[0] == "▁the" and learned == ids[-len(learned):]
+    pairs, _ = dm.split("pairs")
+    rows = [(pairs.input_ids[0], pairs.labels[0]), (pairs.rejected_ids[0], pairs.rejected_labels[0])]
+    for (ids, labels), answer in zip(rows, (" yes", "no")):
+        assert ids == inner(prompt + answer)["input_ids"] + [tok.eos_token_id]
+    prompts = [[t for t, label in zip(ids, labels) if label == IGNORE_INDEX] for ids, labels in rows]
+    assert prompts[0] == prompts[1] == inner(prompt)["input_ids"][:-1]  # (the "▁" the rejected answer merges)
+
+
+def test_chat_rows_are_the_templates_tokens_with_no_bos_it_does_not_write(tmp_path):
+    """A tokenizer that begins every text with BOS (Llama 2's, Phi-3's) and a chat template that writes none: the
+    rows began with a BOS that ``apply_chat_template(tokenize=True)`` (what TRL trains on, what inference is given)
+    lacks. A row of a conversation is the template's tokens alone; a BOS the template writes stays first when a
+    pair's prompt is cut to fit."""
+    pytest.importorskip("tokenizers")
+    pytest.importorskip("transformers")
+    conversations = [[{"role": "user", "content": f"{a} + 2?"}, {"role": "assistant", "content": f"{a + 2}"}]
+                     for a in range(4)]
+    no_bos = CHATML.replace("{{ bos_token if loop.first else '' }}", "")
+    for name, template in (("plain", no_bos), ("bos", CHATML)):
+        _chat_tokenizer(tmp_path / name, bos=True, template=template)
+        no = [{"role": "assistant", "content": "no"}]
+        dm = MultiLoRADataModule(sources={
+            "c": ListSource([{"messages": c} for c in conversations], format="messages"),
+            "p": PreferenceSource(records=[{"prompt": c[:1], "chosen": c[1:], "rejected": no} for c in conversations])},
+            tokenizer=str(tmp_path / name), val_fraction=0.25)
+        inner, bos = dm.tokenizer.inner, dm.tokenizer.inner.convert_tokens_to_ids("<s>")
+        assert dm.tokenizer.prefix_ids == [bos]  # (a text's rows begin with it)
+        train, val = dm.split("c")
+        expected = sorted(_template_ids(inner, c) for c in conversations)
+        assert sorted(train.input_ids + val.input_ids) == expected
+        assert all(row.count(bos) == (name == "bos") for row in expected)
+        pairs, _ = dm.split("p")
+        for ids, rejected_ids in zip(pairs.input_ids, pairs.rejected_ids):
+            a = int(inner.decode(ids).split("<|im_start|>user\n")[1].split(" + 2?")[0])
+            assert ids == _template_ids(inner, conversations[a])
+            assert rejected_ids == _template_ids(inner, conversations[a][:1] + no)
+    cut = MultiLoRADataModule(sources={"p": PreferenceSource(records=[
+        {"prompt": [{"role": "system", "content": "Be brief. " * 20}, *c[:1]], "chosen": c[1:],
+         "rejected": [{"role": "assistant", "content": "no"}]} for c in conversations])},
+        tokenizer=str(tmp_path / "bos"), truncate=True, max_length=24)
+    with pytest.warns(UserWarning, match="4 of the 4 preference pairs kept had their prompt cut to fit 24 tokens"):
+        pairs, val = cut.split("p")
+    assert all(row[0] == bos and row.count(bos) == 1 and len(row) <= 24
+               for row in pairs.input_ids + pairs.rejected_ids + val.input_ids + val.rejected_ids)
+
+
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}{{ raise_exception("
+               "'Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}<|im_start|>"
+               "{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_template_that_refuses_a_conversation_names_the_record(tmp_path):
+    """A template's own error (Mistral's and Llama 2's "Conversation roles must alternate", a jinja2 TemplateError)
+    named no record, and, being no ValueError, stopped the whole fit where its adapter alone cannot start
+    (`MultiLoRADataModule.check`). It is a ValueError naming the record's file and line, the template's error its
+    cause; a tokenizer without a template names the record too, and neither speaks of a format not given."""
+    jinja2 = pytest.importorskip("jinja2")
+    _chat_tokenizer(tmp_path / "tok", bos=False, template=ALTERNATING)
+    good = [{"role": "user", "content": "1 + 2?"}, {"role": "assistant", "content": "3"}]
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in [good] * 5 + [
+        [{"role": "system", "content": "Be brief."}, *good]] + [good] * 2))
+    dm = MultiLoRADataModule(sources={"c": JSONLSource(str(path), format="messages")}, tokenizer=str(tmp_path / "tok"))
+    message = (rf"{path}:6: the tokenizer's chat template refuses this conversation \(roles \['system', 'user', "
+               r"'assistant'\]\): TemplateError: Conversation roles must alternate user/assistant")
+    with pytest.raises(ValueError, match=message) as caught:
+        dm.check(AdapterSpec("x"))
+    assert isinstance(caught.value.__cause__, jinja2.TemplateError)
+    # no template at all: said of the record, with no word of format 'messages' (none was given)
+    _chat_tokenizer(tmp_path / "none", bos=False, template=None)
+    conversational = [{"prompt": good[:1], "completion": good[1:]}] * 2
+    for tokenizer, expected in ((str(tmp_path / "none"), r"records\[\d\]: tokenizer .*none' has no chat template "
+                                                          r"\(its tokenizer_config.json `chat_template`\), which "
+                                                          r"renders conversations \(lists of messages\)"),
+                                ("byte", r"records\[\d\]: a conversation \(lists of messages\) is rendered by the "
+                                         r"tokenizer's chat template: give `tokenizer` a Hugging Face tokenizer")):
+        for source in (ListSource(conversational), PreferenceSource(records=[
+                {"prompt": good[:1], "chosen": good[1:], "rejected": good[1:]}] * 2)):
+            with pytest.raises(ValueError, match=expected) as caught:
+                MultiLoRADataModule(sources={"s": source}, tokenizer=tokenizer).split("s")
+            assert "format 'messages'" not in str(caught.value)
+
+
+class _Failing(ListSource):
+    """A source whose reading raises ``error``."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__([])
+        self.error = error
+
+    def examples(self):
+        raise self.error
+
+
+def test_check_names_a_source_whose_reading_fails_with_any_error(tmp_path):
+    """`check` tells the module an adapter cannot start by a ValueError (it then fails alone); any other error from
+    reading or tokenizing its source (a loader's TypeError, datasets' DatasetGenerationError on a malformed file)
+    stopped the whole fit. Each is a ValueError naming the source, the original its cause; an interrupt is not one
+    and goes on as it is."""
+    for error in (TypeError("expected str, bytes or os.PathLike object, not Dataset"), RuntimeError("boom")):
+        dm = MultiLoRADataModule(sources={"own": _Failing(error)})
+        with pytest.raises(ValueError, match=rf"data source 'own' \(_Failing\) could not be read: "
+                                             rf"{type(error).__name__}: {error}") as caught:
+            dm.check(AdapterSpec("x"))
+        assert caught.value.__cause__ is error
+    with pytest.raises(KeyboardInterrupt):
+        MultiLoRADataModule(sources={"own": _Failing(KeyboardInterrupt())}).check(AdapterSpec("x"))
+    pytest.importorskip("datasets")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"prompt": "a", "completion": "b"}\n{broken\n')
+    dm = MultiLoRADataModule(sources={"hf": HFDatasetSource("json", data_files=str(broken))})
+    with pytest.raises(ValueError, match=r"data source 'hf' \(HFDatasetSource\(json, train, prompt_completion\)\) "
+                                         r"could not be read: DatasetGenerationError: .*\(\w+"):
+        dm.check(AdapterSpec("x"))
+
+
+def test_hf_source_reads_a_dataset_object_and_a_data_file_path(tmp_path):
+    """A ``datasets.Dataset`` given as `path` failed ("expected str, bytes or os.PathLike object"), and a local
+    ``.jsonl`` path with "Couldn't find any data file", though local files were said to work. A Dataset or
+    DatasetDict is read as a saved one is (a dict's `split` picked, a Dataset whole); a data file by the builder its
+    suffix names; anything else is refused by name, with what works."""
+    datasets = pytest.importorskip("datasets")
+    records = [{"question": f"q{i}", "answer": f"a{i}"} for i in range(4)]
+    rows = datasets.Dataset.from_list(records)
+    got = HFDatasetSource(rows, format="question_answer").examples()
+    assert [(e.prompt, e.completion, e.source) for e in got[:1]] == [("Question: q0\nAnswer:", " a0", "Dataset[0]")]
+    both = datasets.DatasetDict({"train": rows, "test": rows.select([3])})
+    source = HFDatasetSource(both, split="test", format="gsm8k")
+    assert [e.completion for e in source.examples()] == [" a3"]
+    assert source.describe() == "HFDatasetSource(DatasetDict['test'], test, gsm8k)"
+    with pytest.raises(ValueError, match=r"`split` 'validation' is not a split of the DatasetDict given as `path`; "
+                                         r"its splits are \['test', 'train'\]"):
+        HFDatasetSource(both, split="validation").examples()
+    with pytest.raises(ValueError, match=r"`split` 'test' is not in the Dataset given as `path`: it is one Dataset "
+                                         r"\(made without a split name\), read whole with `split` 'train'"):
+        HFDatasetSource(rows, split="test").examples()
+    with pytest.raises(ValueError, match=r"HFDatasetSource: a Dataset given as `path` takes no `name` or `data_files`"):
+        HFDatasetSource(rows, data_files="x.jsonl")
+    with pytest.raises(ValueError, match=r"HFDatasetSource: `path` must be a dataset's Hub name, a local data file or "
+                                         r"folder, or a `datasets` Dataset or DatasetDict, got a list; records in "
+                                         r"memory are a ListSource's"):
+        HFDatasetSource(records)
+    # data files, by their suffix (compressed too)
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    (tmp_path / "d.jsonl").write_text(lines)
+    with gzip.open(tmp_path / "d.jsonl.gz", "wt") as fh:
+        fh.write(lines)
+    (tmp_path / "d.csv").write_text("question,answer\n" + "".join(f"{r['question']},{r['answer']}\n" for r in records))
+    for name in ("d.jsonl", "d.jsonl.gz", "d.csv"):
+        got = HFDatasetSource(str(tmp_path / name), format="question_answer", limit=3).examples()
+        assert [e.completion for e in got] == [" a0", " a1", " a2"] and got[1].source == f"{tmp_path / name}[1]"
+    (tmp_path / "d.yaml").write_text("a: b\n")
+    with pytest.raises(ValueError, match=r"`path` '.*d.yaml' is a file, read by the `datasets` builder its suffix "
+                                         r"names \(.json, .jsonl, .csv, .parquet, .arrow, .*\), and its suffix '.yaml' "
+                                         r"is none of them; give the builder as `path` and the file as `data_files`"):
+        HFDatasetSource(str(tmp_path / "d.yaml")).examples()
+    with pytest.raises(ValueError, match=r"is a data file, read as it is: it takes no `name` or `data_files`"):
+        HFDatasetSource(str(tmp_path / "d.jsonl"), data_files=str(tmp_path / "d.csv")).examples()
+
+
+def test_a_preference_pairs_prompt_cut_to_fit_is_warned():
+    """With ``truncate=True`` a pair's prompt is cut from its beginning to fit (its end kept, next to the answers);
+    a row's end cut and an example left out were warned of, a prompt cut was not."""
+    long = {"prompt": "Human: " + "tell me about numbers " * 10 + "\n\nAssistant:", "chosen": " yes", "rejected": " no"}
+    short = {"prompt": "Human: hi\n\nAssistant:", "chosen": " yes", "rejected": " no"}
+    dm = MultiLoRADataModule(sources={"p": PreferenceSource(records=[long] * 3 + [short] * 2)}, truncate=True,
+                             max_length=64)
+    with pytest.warns(UserWarning, match=r"data source 'p': 3 of the 5 preference pairs kept had their prompt cut to "
+                                         r"fit 64 tokens \(its beginning left out, its end kept next to the answers\); "
+                                         r"raise `max_length`"):
+        train, val = dm.split("p")
+    assert all(len(row) <= 64 for row in train.input_ids + val.input_ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        MultiLoRADataModule(sources={"p": PreferenceSource(records=[short] * 3)}, truncate=True,
+                            max_length=64).split("p")
+
+
+def test_trl_preference_text_with_an_implicit_prompt_is_split_as_trl_does(tmp_path):
+    """TRL's standard preference format with an implicit prompt (``chosen`` and ``rejected`` texts sharing their
+    beginning, no ``prompt``) was refused ("record has no field(s) ['prompt']"). It is split as TRL's
+    ``extract_prompt`` splits it (``{'prompt': 'The sky is', 'chosen': ' blue.', 'rejected': ' green.'}``), as the
+    conversational records already were; texts sharing no beginning are named."""
+    from lightning_multilora.data import PreferenceExample
+
+    record = {"chosen": "The sky is blue.", "rejected": "The sky is green."}
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(record) + "\n" + json.dumps({"chosen": "Yes.", "rejected": "No."}) + "\n")
+    assert PreferenceSource(records=[record]).examples() == [PreferenceExample("The sky is", " blue.", " green.")]
+    assert PreferenceSource(str(path), limit=1).examples()[0].source == f"{path}:1"
+    with pytest.raises(ValueError, match=rf"{path}:2: record has no field 'prompt', and its 'chosen' and 'rejected' "
+                                         r"texts share no beginning to take as one \(TRL's implicit prompt\); give "
+                                         r"the prompt as 'prompt'"):
+        PreferenceSource(str(path)).examples()
+    with pytest.raises(ValueError, match=r"records\[0\]: an hh_rlhf record has no '\n\nAssistant:' turn \(TRL's "
+                                         r"preference text with an implicit prompt.* is read by format "
+                                         r"'prompt_chosen_rejected'\)"):
+        PreferenceSource(records=[record], format="hh_rlhf").examples()
+    pairs = [{"chosen": f"{a} + 2 = {a + 2}", "rejected": f"{a} + 2 = {a + 3}"} for a in range(4)]
+    train, val = MultiLoRADataModule(sources={"p": PreferenceSource(records=pairs)}).split("p")
+    for ids, labels in zip(train.input_ids + val.input_ids, train.labels + val.labels):
+        learned = bytes(t for t, label in zip(ids, labels) if label != IGNORE_INDEX and t < 256).decode()
+        prompt = bytes(t for t, label in zip(ids, labels) if label == IGNORE_INDEX).decode()
+        assert prompt.endswith(" + 2 =") and learned == f" {int(prompt.split()[0]) + 2}"

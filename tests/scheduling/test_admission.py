@@ -315,3 +315,8 @@ def test_paused_adapters_count_against_the_budget_and_never_block_every_start(tm
     assert seen == [{"a"}, {"c"}, {"c"}, {"a"}, {"a"}]
     paused = PausedSpec(spec("p", 4, max_steps=3))
     assert (paused.rows_per_step, paused.batch_size, paused.rank, paused.name) == (0, 0, 2, "p")
+    import copy
+    import pickle
+
+    for again in (copy.deepcopy(paused), pickle.loads(pickle.dumps(paused))):  # (a RecursionError)
+        assert again.spec == paused.spec and again.rows_per_step == 0

@@ -144,12 +144,13 @@ def sweep_callbacks(out: Path, mode: str) -> tuple[list, Callable[[], Any]]:
 
 
 class RefusedOnRankOne(MultiLoRADataModule):
-    """Refuses adapter "late" on rank 1 alone, as if its data file were gone there (`check`)."""
+    """Refuses adapter "late" on rank 1 alone, as if its data file were gone there (`check`), with an error that is
+    no ValueError (a source's own)."""
 
     def check(self, spec: AdapterSpec) -> None:
         super().check(spec)
         if spec.name == "late" and self.trainer.global_rank == 1:
-            raise ValueError("adapter 'late': its data is not readable here")
+            raise RuntimeError("its data is not readable here")
 
 
 def study_rows(study) -> list[dict]:

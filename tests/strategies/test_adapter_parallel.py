@@ -391,7 +391,8 @@ def test_an_adapter_one_rank_cannot_start_fails_on_every_rank_and_the_others_tra
     parallel = json.loads((runs / "parallel.rank0.json").read_text())
     for rank in ranks:
         assert rank["states"]["late"] == ["failed", 0]
-        assert rank["reasons"]["late"] == "adapter 'late': its data is not readable here (on rank 1)"
+        assert rank["reasons"]["late"] == ("adapter 'late' cannot start: RuntimeError: its data is not readable here "
+                                           "(on rank 1)")
         assert {n: rank["train"][n] for n in parallel["train"]} == parallel["train"]  # the others, untouched
     assert ranks[0]["reasons"] == ranks[1]["reasons"]
 
