@@ -10,6 +10,7 @@ import itertools
 import math
 import os
 import re
+import traceback
 import uuid
 import warnings
 from collections.abc import Mapping
@@ -873,14 +874,20 @@ class MultiLoRAMixin:
         which adapters start even where a folder or data file changed between their reads: one collective for all
         ``specs``."""
         checked: dict[str, Any] = {}
+        placement = self._placement()
         for spec in specs:
             try:
                 checked[spec.name] = self.check_startable(spec)
             except ValueError as err:
                 checked[spec.name] = err
-            except Exception as err:  # noqa: BLE001 - a source's own error (a tokenizer's, say): this adapter's
-                checked[spec.name] = ValueError(f"adapter {spec.name!r} cannot start: {type(err).__name__}: {err}")
-        placement = self._placement()
+            except Exception as err:  # a bug's error (the data check names a source's own as a ValueError): in one
+                if placement is None or not hasattr(placement, "exchange"):  # process, raised as it is
+                    raise
+                # (under adapter parallelism every rank must agree: this adapter's, with where it came from)
+                frame = traceback.extract_tb(err.__traceback__)[-1]
+                checked[spec.name] = ValueError(f"adapter {spec.name!r} cannot start: {type(err).__name__}: {err} "
+                                                f"(raised at {frame.filename}:{frame.lineno})")
+                checked[spec.name].__cause__ = err
         if placement is not None and hasattr(placement, "exchange") and specs:
             mine = {name: str(v) for name, v in checked.items() if isinstance(v, ValueError)}
             refused = placement.exchange({placement.global_rank: mine})

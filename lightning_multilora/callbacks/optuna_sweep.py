@@ -222,7 +222,8 @@ def _resuming_checkpoint(trainer: Optional[L.Trainer], stopped: bool) -> Optiona
     saved += [cb.ckpt_path for cb in callbacks if stopped and isinstance(cb, OnExceptionCheckpoint)]
     # (a ModelCheckpoint(save_on_exception=True) saves after this sweep's hook, as an OnExceptionCheckpoint does)
     saved += [f"{cb.dirpath or 'its folder'} (ModelCheckpoint saves on the exception)" for cb in callbacks
-              if stopped and getattr(cb, "save_on_exception", False)]
+              if stopped and getattr(cb, "save_on_exception", False) and trainer is not None
+              and not trainer.sanity_checking and not trainer.fast_dev_run]  # (when it saves none)
     saved.append(getattr(trainer, "ckpt_path", None))
     if not any(saved):
         saved.append(getattr(getattr(trainer, "_checkpoint_connector", None), "_hpc_resume_path", None))

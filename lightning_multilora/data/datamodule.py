@@ -138,6 +138,9 @@ def prompt_and_answers(tok: Tokenizer, prompt: str, answers: Sequence[str]) -> t
     joints = [tok.encode(prompt + answer) for answer in answers]
     shared = len(prompt_ids)
     for joint in joints:
+        if joint[:shared] == prompt_ids[:shared]:  # (the common case, at C speed)
+            shared = min(shared, len(joint))
+            continue
         shared = next((k for k, (a, b) in enumerate(zip(prompt_ids[:shared], joint)) if a != b),
                       min(shared, len(joint)))
     return prompt_ids[:shared], [joint[shared:] for joint in joints]
@@ -370,8 +373,8 @@ class MultiLoRADataModule(L.LightningDataModule):
             kept.append(i)
             if pairs and first[1] == second[1]:
                 same.append(i)
-            elif pairs and not (answers[0] and answers[1]):
-                empty.append(i)
+            elif pairs and not (example.chosen and example.rejected):  # (the texts: a token list may hold the
+                empty.append(i)  # prompt's last token, which the shared beginning left to the answers)
         if len(chosen) < 2:
             raise ValueError(f"data source {name!r}: {len(chosen)} of its {len(examples)} examples keep completion "
                              f"tokens after truncation to {limit} tokens (`max_length`; the prompts fill the rest), "

@@ -530,12 +530,12 @@ def _chat_pair(record: Mapping, where: str) -> ChatPreferenceExample:
 def split_implicit_prompt(chosen: str, rejected: str, where: str) -> PreferenceExample:
     """TRL's preference text with an implicit prompt (``{"chosen": "The sky is blue.", "rejected": "The sky is
     green."}``), split as TRL's ``extract_prompt`` splits it: the prompt is the beginning both texts share, less a
-    space that ends it (``"The sky is"``, ``" blue."``, ``" green."``). Texts that share no beginning are named (a
-    record whose `prompt` field was left out, more likely than a pair without one)."""
+    space that ends it (``"The sky is"``, ``" blue."``, ``" green."``). Texts that share no beginning but white
+    space are named (a record whose `prompt` field was left out, more likely than a pair without one)."""
     cut = next((k for k, (a, b) in enumerate(zip(chosen, rejected)) if a != b), min(len(chosen), len(rejected)))
     if cut > 0 and chosen[cut - 1] == " ":
         cut -= 1
-    if cut == 0:
+    if not chosen[:cut].strip():
         raise ValueError(f"{where}: record has no field 'prompt', and its 'chosen' and 'rejected' texts share no "
                          f"beginning to take as one (TRL's implicit prompt); give the prompt as 'prompt'")
     return PreferenceExample(chosen[:cut], chosen[cut:], rejected[cut:], where)
@@ -599,7 +599,9 @@ class PreferenceSource(DataSource):
                 continue
             need = ("chosen", "rejected") if self.format == "hh_rlhf" else ("prompt", "chosen", "rejected")
             missing = [f for f in need if f not in record]
-            if missing and missing != ["prompt"]:  # (no prompt alone: TRL's implicit prompt)
+            others = sorted(f for f, v in record.items() if f not in need and isinstance(v, str))
+            if missing and (missing != ["prompt"] or others):  # (no prompt alone, and no other text that may hold
+                # it under another name: TRL's implicit prompt)
                 raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}")
             text = {f: _text(record, f, where) for f in need if f in record}
             if self.format == "hh_rlhf":

@@ -765,6 +765,11 @@ def test_a_prompt_ending_in_a_space_keeps_the_joint_texts_tokens(tmp_path):
         assert ids == inner(prompt + answer)["input_ids"] + [tok.eos_token_id]
     prompts = [[t for t, label in zip(ids, labels) if label == IGNORE_INDEX] for ids, labels in rows]
     assert prompts[0] == prompts[1] == inner(prompt)["input_ids"][:-1]  # (the "▁" the rejected answer merges)
+    # an empty answer is still said (its row learns the prompt's "▁" the shared beginning leaves it, and the EOS)
+    empty = MultiLoRADataModule(sources={"pairs": PreferenceSource(
+        records=[{"prompt": prompt, "chosen": "the sky", "rejected": ""}] * 2)}, tokenizer=str(tmp_path))
+    with pytest.warns(UserWarning, match=r"2 of 2 preference pairs have an empty chosen or rejected completion"):
+        empty.split("pairs")
 
 
 def test_chat_rows_are_the_templates_tokens_with_no_bos_it_does_not_write(tmp_path):
@@ -954,6 +959,13 @@ def test_trl_preference_text_with_an_implicit_prompt_is_split_as_trl_does(tmp_pa
                                          r"texts share no beginning to take as one \(TRL's implicit prompt\); give "
                                          r"the prompt as 'prompt'"):
         PreferenceSource(str(path)).examples()
+    # (a prompt under another name, or shared white space alone: refused, not split at the first letters)
+    with pytest.raises(ValueError, match=r"records\[0\]: record has no field\(s\) \['prompt'\]; it has \['chosen', "
+                                         r"'question', 'rejected'\]"):
+        PreferenceSource(records=[{"question": "Capital?", "chosen": "It is Paris.", "rejected": "I think Lyon."}]
+                         ).examples()
+    with pytest.raises(ValueError, match=r"texts share no beginning to take as one"):
+        PreferenceSource(records=[{"chosen": "\nA", "rejected": "\nB"}]).examples()
     with pytest.raises(ValueError, match=r"records\[0\]: an hh_rlhf record has no '\n\nAssistant:' turn \(TRL's "
                                          r"preference text with an implicit prompt.* is read by format "
                                          r"'prompt_chosen_rejected'\)"):
