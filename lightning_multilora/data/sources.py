@@ -417,6 +417,10 @@ class HFDatasetSource(DataSource):
             if self.name is not None or self.data_files is not None:
                 raise ValueError(f"HFDatasetSource: `path` {self.path!r} is a data file, read as it is: it takes no "
                                  f"`name` or `data_files` (got name={self.name!r}, data_files={self.data_files!r})")
+            if self.split != "train":  # (datasets' own "Unknown split" named neither the file nor the fix)
+                raise ValueError(f"HFDatasetSource: `split` {self.split!r} is not in the data file {self.path!r}: a "
+                                 "data file is one split, read whole with `split` 'train' (for another split, give "
+                                 "its own file)")
             return load_dataset(_data_file_builder(self.path), split=self.split, data_files=self.path)
         if isinstance(self.path, str) and not _saved_to_disk(self.path):
             return load_dataset(self.path, self.name, split=self.split, data_files=self.data_files)
@@ -467,7 +471,8 @@ class HFDatasetSource(DataSource):
         return out
 
     def describe(self) -> str:
-        return f"HFDatasetSource({self.shown}, {self.split}, {self.format})"
+        split = "" if f"[{self.split!r}]" in self.shown else f", {self.split}"  # (a DatasetDict's shown with it)
+        return f"HFDatasetSource({self.shown}{split}, {self.format})"
 
 
 class ListSource(DataSource):

@@ -894,7 +894,7 @@ def test_hf_source_reads_a_dataset_object_and_a_data_file_path(tmp_path):
     both = datasets.DatasetDict({"train": rows, "test": rows.select([3])})
     source = HFDatasetSource(both, split="test", format="gsm8k")
     assert [e.completion for e in source.examples()] == [" a3"]
-    assert source.describe() == "HFDatasetSource(DatasetDict['test'], test, gsm8k)"
+    assert source.describe() == "HFDatasetSource(DatasetDict['test'], gsm8k)"
     with pytest.raises(ValueError, match=r"`split` 'validation' is not a split of the DatasetDict given as `path`; "
                                          r"its splits are \['test', 'train'\]"):
         HFDatasetSource(both, split="validation").examples()
@@ -923,6 +923,9 @@ def test_hf_source_reads_a_dataset_object_and_a_data_file_path(tmp_path):
         HFDatasetSource(str(tmp_path / "d.yaml")).examples()
     with pytest.raises(ValueError, match=r"is a data file, read as it is: it takes no `name` or `data_files`"):
         HFDatasetSource(str(tmp_path / "d.jsonl"), data_files=str(tmp_path / "d.csv")).examples()
+    with pytest.raises(ValueError, match=r"`split` 'test' is not in the data file '.*d.jsonl': a data file is one "
+                                         r"split, read whole with `split` 'train'"):  # (datasets' bare "Unknown split")
+        HFDatasetSource(str(tmp_path / "d.jsonl"), split="test").examples()
 
 
 def test_a_preference_pairs_prompt_cut_to_fit_is_warned():
