@@ -397,19 +397,11 @@ class MultiLoRAMixin:
             directory = own if own is not None and own.parent == root else root / name
             taken = directory
             version = 0
-            later = None  # the step of this adapter's export of a later step than its own, kept
-            while ((directory.exists() and not directory.is_dir())  # (a file of that name)
-                   or ((directory / "adapter_config.json").exists() and not self._wrote(directory, name)
-                       and str(directory) != rec.export_path)
-                   or ((directory / "adapter_config.json").exists() and self._wrote(directory, name)
-                       and self._later_step(directory, rec.step) is not None)):
-                # another run's adapter, or another adapter's of this run (`a` versioned into `a-v1`), or this one's
-                # of a later step: written by the run this one resumed after its checkpoint, and not to be replaced
-                # by weights of an earlier step (an interrupt of this resume exports them)
-                later = later if later is not None or directory != taken else self._later_step(directory, rec.step)
+            while self._folder_taken(directory, name, rec):
                 version += 1
                 directory = root / f"{name}-v{version}"
-            if version and later is not None:
+            later = self._later_step(taken, name, rec.step) if version else None
+            if later is not None:
                 warnings.warn(f"adapter {name!r}: {taken} holds its export of step {later}, a later step than this "
                               f"one's ({rec.step}), written after the checkpoint this run resumed from; it is kept, "
                               f"and this one is written to {directory}")
@@ -459,13 +451,26 @@ class MultiLoRAMixin:
         stamp = self._stamp(directory)
         return stamp is not None and stamp[0] == self._run_id and stamp[1] in ("", name)
 
-    def _later_step(self, directory: Path, step: int) -> Optional[int]:
-        """The adapter's step stamped in ``directory``, this run's export (`_wrote`), where it is later than
+    def _later_step(self, directory: Path, name: str, step: int) -> Optional[int]:
+        """The step stamped in ``directory``, this run's export of adapter ``name`` (`_wrote`), where it is later than
         ``step``; else None."""
         stamp = self._stamp(directory)
-        if stamp is None or stamp[0] != self._run_id or not stamp[2].isdigit():  # (its name checked by the caller)
+        if not self._wrote(directory, name) or stamp is None or not stamp[2].isdigit():
             return None
         return int(stamp[2]) if int(stamp[2]) > step else None
+
+    def _folder_taken(self, directory: Path, name: str, rec: AdapterRecord) -> bool:
+        """Whether adapter ``name`` must not be exported to ``directory``: a file of that name; another run's
+        adapter, or another adapter's of this run (`a` versioned into `a-v1`), unless it is the record's own export;
+        or this adapter's of a later step, written by the run this one resumed after its checkpoint, not to be
+        replaced by weights of an earlier step (an interrupt of this resume exports them)."""
+        if directory.exists() and not directory.is_dir():
+            return True
+        if not (directory / "adapter_config.json").exists():
+            return False
+        if not self._wrote(directory, name):
+            return str(directory) != rec.export_path
+        return self._later_step(directory, name, rec.step) is not None
 
     @staticmethod
     def _stamp(directory: Path) -> Optional[tuple[str, str, str]]:
