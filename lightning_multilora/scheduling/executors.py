@@ -1,10 +1,14 @@
 """Executors run planned tasks and report completions to the `ScheduleRunner`.
 
-An executor has a clock (``now()``, seconds), ``start(task, gpu_ids)`` and ``wait(deadline)``: block until
-at least one running task completes or the clock reaches ``deadline`` (None: until a completion), and
-return the completions. `SimulatedExecutor` runs on a virtual clock (tests, what-if planning);
+An executor has a clock (``now()``, seconds), ``start(task, gpu_ids)`` (optionally ``attempt=``: the runner then says
+the attempt's number, 1 on a task's first) and ``wait(deadline)``: block until at least one running task completes or
+the clock reaches ``deadline`` (None: until a completion), and return the completions; optionally ``stop()`` (stop
+every running task; it may return their `Completion`s) and ``needs_command`` (True: the runner refuses a task without a
+``command`` when it is submitted). `SimulatedExecutor` runs on a virtual clock (tests, what-if planning);
 `LocalExecutor` runs each task's command as a subprocess on its GPUs (``CUDA_VISIBLE_DEVICES``;
-``torchrun`` for multi-GPU tasks) on the wall clock.
+``torchrun`` for multi-GPU tasks) on the wall clock. Both `LocalExecutor` and `RayExecutor` give a task's command
+``MULTILORA_TASK_ID`` (its id) and ``MULTILORA_TASK_ATTEMPT`` (its attempt, from 1), e.g. to resume its own
+checkpoints alone.
 """
 
 from __future__ import annotations
@@ -18,16 +22,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional
 
-from lightning_multilora.arguments import check_real
+from lightning_multilora.arguments import check_int, check_real
 from lightning_multilora.scheduling.task_scheduler import Task
 
 
 @dataclass(order=True)
 class Completion:
+    """An attempt's end: when, whether it succeeded, what went wrong; its exit status and log where there are."""
+
     time: float
     task_id: str = field(compare=False)
     ok: bool = field(compare=False)
     detail: str = field(default="", compare=False)
+    exit_code: Optional[int] = field(default=None, compare=False)
+    log: Optional[str] = field(default=None, compare=False)
+
+
+def task_env(task: Task, attempt: int) -> dict[str, str]:
+    """What a task's command is told of itself: ``MULTILORA_TASK_ID`` and ``MULTILORA_TASK_ATTEMPT`` (from 1)."""
+    return {"MULTILORA_TASK_ID": task.id, "MULTILORA_TASK_ATTEMPT": str(attempt)}
+
+
+def next_attempt(task: Task, attempt: Optional[int], started: dict[str, int]) -> int:
+    """The attempt a start is: the runner's ``attempt``, or (None: started without a runner) one more than this
+    executor's starts of the task so far (``started`` counts them)."""
+    if attempt is None:
+        attempt = started.get(task.id, 0) + 1
+    else:
+        check_int(f"task {task.id!r}", "attempt", attempt, 1)
+    started[task.id] = max(started.get(task.id, 0), attempt)
+    return attempt
 
 
 class SimulatedExecutor:
@@ -44,7 +68,7 @@ class SimulatedExecutor:
     def now(self) -> float:
         return self._now
 
-    def start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
+    def start(self, task: Task, gpu_ids: tuple[int, ...], attempt: Optional[int] = None) -> None:
         self.started.append((self._now, task.id, gpu_ids))
         duration = self.actual.get(task.id, task.duration)
         fails = self.failures.get(task.id, 0) > 0
@@ -101,8 +125,11 @@ class LocalExecutor:
     ``CUDA_VISIBLE_DEVICES`` this executor was given (in ``env``, else its own environment's; `visible_gpus`), GPU
     ``i`` of the machine where that is unset, and none where it is empty; a ``torchrun`` task runs as
     ``python -m torch.distributed.run --nproc-per-node <gpus> --standalone <command>``. A non-zero exit
-    status is a failed attempt (the runner retries it). ``poll_s`` is how often running tasks are checked.
+    status is a failed attempt (the runner retries it). ``poll_s`` is how often running tasks are checked. The command
+    gets ``MULTILORA_TASK_ID`` and ``MULTILORA_TASK_ATTEMPT`` (`task_env`).
     """
+
+    needs_command = True  # (the runner refuses a task without one when it is submitted, before any task starts)
 
     def __init__(self, log_dir: str | Path, env: Optional[dict[str, str]] = None, poll_s: float = 0.05) -> None:
         check_real("LocalExecutor", "poll_s", poll_s, lambda v: v > 0, "a number of seconds > 0")
@@ -113,13 +140,15 @@ class LocalExecutor:
         self._procs: dict[str, tuple[subprocess.Popen, object, Path]] = {}
         self.visible = visible_gpus({**os.environ, **self.env})
         self._attempts: dict[str, int] = {}
+        self._started: dict[str, int] = {}
         self._failed_starts: list[Completion] = []
 
     def now(self) -> float:
         return time.monotonic() - self._t0
 
-    def start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
+    def start(self, task: Task, gpu_ids: tuple[int, ...], attempt: Optional[int] = None) -> None:
         command = task_command(task)
+        attempt = next_attempt(task, attempt, self._started)
         if self.visible and max(gpu_ids, default=-1) >= len(self.visible):
             self._failed_starts.append(Completion(self.now(), task.id, False, (
                 f"GPUs {list(gpu_ids)} asked for, but CUDA_VISIBLE_DEVICES gives {len(self.visible)}")))
@@ -128,7 +157,7 @@ class LocalExecutor:
             devices = [str(i) for i in gpu_ids]
         else:  # (none where it hides every GPU)
             devices = [self.visible[i] for i in gpu_ids if i < len(self.visible)]
-        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": ",".join(devices), "MULTILORA_TASK_ID": task.id}
+        env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": ",".join(devices), **task_env(task, attempt)}
         try:  # (the log's name too: a name the file system refuses, ENAMETOOLONG, stopped the whole schedule)
             log_path = next_log_path(self.log_dir, task.id, self._attempts)
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -141,7 +170,8 @@ class LocalExecutor:
         except OSError as err:  # e.g. the program does not exist: a failed attempt, not a crashed schedule
             log.write(f"could not start {command}: {err}\n")
             log.close()
-            self._failed_starts.append(Completion(self.now(), task.id, False, f"could not start: {err}"))
+            self._failed_starts.append(Completion(self.now(), task.id, False, f"could not start: {err}",
+                                                  log=str(log_path)))
             return
         self._procs[task.id] = (proc, log, log_path)
 
@@ -159,25 +189,31 @@ class LocalExecutor:
                     log.close()
                     del self._procs[task_id]
                     done.append(Completion(self.now(), task_id, code == 0,
-                                           "" if code == 0 else f"exit status {code}, log {log_path}"))
+                                           "" if code == 0 else f"exit status {code}, log {log_path}", code,
+                                           str(log_path)))
             if done or (deadline is not None and self.now() >= deadline):
                 return done
             time.sleep(self.poll_s)
 
-    def stop(self) -> None:
-        """Terminate every running task and its children (an interrupted schedule leaves no orphans)."""
+    def stop(self) -> list[Completion]:
+        """Terminate every running task and its children (an interrupted schedule leaves no orphans); their
+        completions (failed, "stopped", the exit status and log)."""
         import signal
 
         for proc, _, _ in self._procs.values():
             _signal_group(proc, signal.SIGTERM)
-        for proc, log, _ in self._procs.values():
+        stopped = []
+        for task_id, (proc, log, log_path) in list(self._procs.items()):
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 _signal_group(proc, signal.SIGKILL)
                 proc.wait()
             log.close()
+            stopped.append(Completion(self.now(), task_id, False, f"stopped, log {log_path}", proc.returncode,
+                                      str(log_path)))
         self._procs.clear()
+        return stopped
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from lightning_multilora.arguments import check_int
+from lightning_multilora.arguments import check_bool, check_int, check_real
 
 if TYPE_CHECKING:
     from lightning_multilora.spec import AdapterSpec
@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# what `ModelShape.from_config` reads of a Hugging Face config: these, and where given, `OPTIONAL_CONFIG_FIELDS`
+CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+OPTIONAL_CONFIG_FIELDS = ("num_key_value_heads", "head_dim", "tie_word_embeddings")
 
 
 @dataclass(frozen=True)
@@ -56,8 +59,18 @@ class ModelShape:
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
-        """From a Hugging Face config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig``...)."""
+        """From a Hugging Face config (``LlamaConfig``, ``Qwen2Config``, ``MistralConfig``...): a Llama-style decoder's
+        `CONFIG_FIELDS` (and `OPTIONAL_CONFIG_FIELDS` where given). A config without one of them (``GPT2Config`` has
+        no ``intermediate_size``) is refused, naming it: give a `ModelShape` of the model's sizes instead."""
         get = config.get if isinstance(config, Mapping) else lambda k, d=None: getattr(config, k, d)
+        missing = [name for name in CONFIG_FIELDS if get(name) is None]
+        if missing:
+            raise ValueError(f"ModelShape.from_config: the config ({type(config).__name__}) has no "
+                             f"{', '.join(f'`{m}`' for m in missing)}; it reads a Llama-style decoder's config "
+                             f"(LlamaConfig, Qwen2Config, MistralConfig...): {', '.join(CONFIG_FIELDS)}, and "
+                             f"{', '.join(OPTIONAL_CONFIG_FIELDS)} where given; for another model, give "
+                             "ModelShape(num_layers, hidden, intermediate, num_heads, num_kv_heads, vocab_size) of its "
+                             "sizes")
         heads = get("num_attention_heads")
         return cls(num_layers=get("num_hidden_layers"), hidden=get("hidden_size"),
                    intermediate=get("intermediate_size"), num_heads=heads,
@@ -117,6 +130,17 @@ class AnalyticMemoryModel:
     gradient_checkpointing: bool = True
     loss_chunk_tokens: Optional[int] = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.shape, ModelShape):
+            raise ValueError(f"AnalyticMemoryModel: `shape` must be a ModelShape (ModelShape.from_config(config)), got "
+                             f"{type(self.shape).__name__}")
+        for name in ("base_bytes_per_param", "adapter_bytes_per_param", "activation_bytes"):
+            check_real("AnalyticMemoryModel", name, getattr(self, name), lambda v: v > 0,
+                       "a finite number of bytes > 0 (2 for bf16, 4 for fp32)")
+        check_int("AnalyticMemoryModel", "optimizer_states", self.optimizer_states, 0)
+        check_bool("AnalyticMemoryModel", "gradient_checkpointing", self.gradient_checkpointing)
+        check_int("AnalyticMemoryModel", "loss_chunk_tokens", self.loss_chunk_tokens, 1, optional=True)
+
     @property
     def act_per_token_layer(self) -> float:
         """Bytes a layer keeps per token for its backward (attention with a fused kernel: no s^2 term)."""
@@ -129,6 +153,7 @@ class AnalyticMemoryModel:
     def adapter_bytes(self, rank: int, targets: Sequence[str] = PROJECTIONS) -> float:
         """Parameters, gradients and optimizer states of one adapter, and the GPU kernels' copy of its weights in
         the activation dtype (made when that is narrower than the adapters')."""
+        check_int("AnalyticMemoryModel.adapter_bytes", "rank", rank, 1)
         copy = self.activation_bytes if self.activation_bytes < self.adapter_bytes_per_param else 0.0
         per_param = self.adapter_bytes_per_param * (2 + self.optimizer_states) + copy
         return self.shape.adapter_params(rank, targets) * per_param
@@ -152,7 +177,15 @@ class AnalyticMemoryModel:
         return tokens * per_token + lora + logits
 
     def predict(self, adapters: Sequence[tuple[int, int, Sequence[str]]], seq_len: int) -> float:
-        """Peak bytes for adapters given as ``(rank, batch_size, targets)`` at ``seq_len`` tokens per row."""
+        """Peak bytes for adapters given as ``(rank, batch_size, targets)`` at ``seq_len`` tokens per row (each an
+        integer >= 1: a batch of 0 or less, or a rank, made a peak of the base alone, or less)."""
+        check_int("AnalyticMemoryModel.predict", "seq_len", seq_len, 1)
+        for i, adapter in enumerate(adapters):
+            if not (isinstance(adapter, (tuple, list)) and len(adapter) == 3):
+                raise ValueError(f"AnalyticMemoryModel.predict: adapter #{i} must be (rank, batch_size, targets), got "
+                                 f"{adapter!r}")
+            check_int(f"AnalyticMemoryModel.predict: adapter #{i}", "rank", adapter[0], 1)
+            check_int(f"AnalyticMemoryModel.predict: adapter #{i}", "batch_size", adapter[1], 1)
         tokens = sum(b for _, b, _ in adapters) * seq_len
         widest: dict[str, int] = {}
         for rank, _, targets in adapters:

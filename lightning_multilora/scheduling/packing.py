@@ -25,7 +25,9 @@ Both take the same cost model: ``memory(specs, d)`` (peak bytes per GPU of a pac
 from __future__ import annotations
 
 import math
+import numbers
 import warnings
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -57,6 +59,29 @@ def _steps(spec: AdapterSpec) -> int:
     return spec.max_steps
 
 
+def _step_seconds(step_time: CostFn, specs: Sequence[AdapterSpec], gpus: int) -> float:
+    """``step_time(specs, gpus)``, checked: a finite number of seconds > 0 (a 0 divided PLoRA's throughput by zero)."""
+    value = step_time(specs, gpus)
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+            or value <= 0):
+        raise ValueError(f"`step_time` must return seconds per step, a finite number > 0; for "
+                         f"{[s.name for s in specs]} on {gpus} GPU{'s' if gpus > 1 else ''} it returned {value!r}")
+    return float(value)
+
+
+def _alone_text(specs: Sequence[AdapterSpec], memory: CostFn, options: Sequence[int], budget: float,
+                gpu_bytes: float, load_factor: float) -> str:
+    """What each configuration alone needs at best (its fewest bytes per GPU over the GPU counts) against the budget."""
+    from lightning_multilora.scheduling.admission import size_text
+
+    needs = []
+    for spec in specs:
+        least, d = min((memory([spec], d), d) for d in options)
+        needs.append(f"{spec.name!r} needs {size_text(least)} per GPU at best (on {d} GPU{'s' if d > 1 else ''})")
+    return (f"{'; '.join(needs)}; the budget is {size_text(budget)} per GPU ({load_factor:.0%} of "
+            f"{size_text(gpu_bytes)})")
+
+
 class PackingPlanner:
     """Packs configurations into jobs and places the jobs on ``num_gpus`` GPUs (CP-SAT).
 
@@ -75,12 +100,13 @@ class PackingPlanner:
         check_planner("PackingPlanner", num_gpus, time_limit_s, resolution_s)
         check_real("PackingPlanner", "gpu_bytes", gpu_bytes, lambda v: v > 0, "a finite number of bytes > 0")
         self.num_gpus, self.memory, self.step_time = int(num_gpus), memory, step_time
-        self.budget = gpu_bytes * check_margin(load_factor)
+        self.gpu_bytes, self.load_factor = float(gpu_bytes), check_margin(load_factor, "PackingPlanner", "load_factor")
+        self.budget = gpu_bytes * self.load_factor
         self.time_limit_s, self.resolution_s = float(time_limit_s), float(resolution_s)
         self.gpu_options = [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= num_gpus]
 
     def duration(self, specs: Sequence[AdapterSpec], gpus: int) -> float:
-        return max(_steps(s) for s in specs) * self.step_time(specs, gpus)
+        return max(_steps(s) for s in specs) * _step_seconds(self.step_time, specs, gpus)
 
     def fits(self, specs: Sequence[AdapterSpec], gpus: int) -> bool:
         return self.memory(specs, gpus) <= self.budget
@@ -103,9 +129,11 @@ class PackingPlanner:
                 packs.setdefault(((spec.name,), d), ((spec,), d))
         feasible = [(p, d) for p, d in packs.values() if self.fits(p, d)]
         alone = {p[0].name for p, _ in feasible if len(p) == 1}
-        missing = [s.name for s in specs if s.name not in alone]
+        missing = [s for s in specs if s.name not in alone]
         if missing:
-            raise ValueError(f"configurations {missing} do not fit even alone on {self.num_gpus} GPUs")
+            raise ValueError(f"configurations {[s.name for s in missing]} do not fit even alone on {self.num_gpus} "
+                             f"GPUs: " + _alone_text(missing, self.memory, self.gpu_options, self.budget,
+                                                     self.gpu_bytes, self.load_factor))
         return feasible
 
     def plan(self, specs: Sequence[AdapterSpec]) -> tuple[list[Job], Schedule]:
@@ -113,12 +141,13 @@ class PackingPlanner:
 
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
-            raise ValueError("configuration names must be unique")
+            twice = sorted(name for name, n in Counter(names).items() if n > 1)
+            raise ValueError(f"configuration names must be unique; given more than once: {twice}")
         if not specs:
             raise ValueError("no configurations to plan")
         packs = self.candidate_packs(specs)
-        greedy_jobs, greedy_placements, greedy_makespan = plora_greedy(specs, self.num_gpus, self.memory, self.step_time,
-                                                         self.budget, 1.0)
+        greedy_jobs, greedy_placements, greedy_makespan = plora_greedy(specs, self.num_gpus, self.memory,
+                                                                       self.step_time, self.budget, 1.0)
         greedy_start = {}
         for job in greedy_jobs:
             key = (tuple(sorted(s.name for s in job.specs)), job.gpus)
@@ -187,7 +216,9 @@ class PackingPlanner:
 def plora_greedy(specs: Sequence[AdapterSpec], num_gpus: int, memory: CostFn, step_time: CostFn, gpu_bytes: float,
                  load_factor: float = 0.9) -> tuple[list[Job], dict[str, Placement], float]:
     """PLoRA's greedy job planner (see the module doc). Returns the jobs, their placements and the makespan."""
-    budget = gpu_bytes * check_margin(load_factor)
+    check_real("plora_greedy", "gpu_bytes", gpu_bytes, lambda v: v > 0, "a finite number of bytes > 0")
+    load_factor = check_margin(load_factor, "plora_greedy", "load_factor")
+    budget = gpu_bytes * load_factor
     remaining = sorted(specs, key=lambda s: (-s.rank, s.name))
     options = [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= num_gpus]
     now, free = 0.0, list(range(num_gpus))
@@ -203,7 +234,7 @@ def plora_greedy(specs: Sequence[AdapterSpec], num_gpus: int, memory: CostFn, st
                 trial = [*pack, spec]
                 if memory(trial, d) > budget:
                     continue
-                trial_score = sum(s.rank for s in trial) / step_time(trial, d)
+                trial_score = sum(s.rank for s in trial) / _step_seconds(step_time, trial, d)
                 if trial_score > score:
                     pack, score = trial, trial_score
             if pack and (best is None or score / d > best[0]):
@@ -211,14 +242,15 @@ def plora_greedy(specs: Sequence[AdapterSpec], num_gpus: int, memory: CostFn, st
         if best is None:
             if not running:
                 names = [s.name for s in remaining]
-                raise ValueError(f"configurations {names} do not fit on {num_gpus} GPUs")
+                raise ValueError(f"configurations {names} do not fit on {num_gpus} GPUs: "
+                                 + _alone_text(remaining, memory, options, budget, gpu_bytes, load_factor))
             running.sort()
             end, gpu_ids = running.pop(0)
             now = max(now, end)
             free.extend(gpu_ids)
             continue
         _, pack, d = best
-        duration = max(_steps(s) for s in pack) * step_time(pack, d)
+        duration = max(_steps(s) for s in pack) * _step_seconds(step_time, pack, d)
         gpu_ids = tuple(sorted(free)[:d])
         free = [g for g in free if g not in gpu_ids]
         job = Job(f"greedy{len(jobs)}", tuple(pack), d, duration)

@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from lightning_multilora.arguments import check_real
 from lightning_multilora.scheduling.memory import MemoryFit, MemoryFitCache, MemoryPoint, signature_key
 
 log = logging.getLogger(__name__)
@@ -23,10 +24,12 @@ log = logging.getLogger(__name__)
 Measure = Callable[[int, int], Optional[float]]
 
 
-def check_margin(safety_margin: float) -> float:
-    if not (0.0 < safety_margin <= 1.0):
-        raise ValueError(f"`safety_margin` is the usable fraction of device memory, in (0, 1], got {safety_margin}")
-    return float(safety_margin)
+def check_margin(value: Any, where: str = "", name: str = "safety_margin") -> float:
+    """``value``, the usable fraction of device memory, as a float: a real number in (0, 1] (not text: ``"0.9"`` is
+    refused); an error names the caller's own ``where`` and field ``name`` (`PackingPlanner`'s is ``load_factor``)."""
+    check_real(where or "memory budget", name, value, lambda v: 0.0 < v <= 1.0,
+               "the usable fraction of device memory, a number in (0, 1]")
+    return float(value)
 
 
 class MemoryProfiler:
@@ -50,7 +53,7 @@ class MemoryProfiler:
         self.capacity_bytes = float(capacity_bytes)
         self.seq_len = seq_len
         self.params_per_adapter = params_per_adapter
-        self.safety_margin = check_margin(safety_margin)
+        self.safety_margin = check_margin(safety_margin, "MemoryProfiler")
         if not batch_sizes or any(b < 1 for b in batch_sizes):
             raise ValueError(f"`batch_sizes` must be positive integers, got {list(batch_sizes)}")
         self.batch_sizes = sorted(set(batch_sizes))
@@ -164,11 +167,31 @@ class ThroughputProfiler:
         self.warmup_steps, self.steps = warmup_steps, steps
 
     def _table(self) -> dict[str, Any]:
-        return json.loads(self.path.read_text()) if self.path.exists() else {}
+        """The cache's entries; none (logged, then measured again and the file rewritten) where the file does not
+        read, as `MemoryFitCache` does (a file cut short by a killed run, say)."""
+        if not self.path.exists():
+            return {}
+        try:
+            table = json.loads(self.path.read_text())
+        except (OSError, ValueError) as err:
+            log.warning("throughput cache %s does not read (%s: %s): measuring again", self.path, type(err).__name__,
+                        err)
+            return {}
+        if not isinstance(table, dict):
+            log.warning("throughput cache %s is not a mapping of measurements: measuring again", self.path)
+            return {}
+        return table
 
     def cached(self, signature: Mapping[str, Any]) -> Optional[float]:
         entry = self._table().get(signature_key(signature))
-        return None if entry is None else float(entry["samples_per_s"])
+        if entry is None:
+            return None
+        rate = entry.get("samples_per_s") if isinstance(entry, Mapping) else None
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < float("inf"):
+            log.warning("throughput cache %s: the entry for %s has no rate (%r): measuring again", self.path,
+                        dict(signature), entry)
+            return None
+        return float(rate)
 
     def measure(self, signature: Mapping[str, Any], run: Callable[[int], int],
                 sync: Optional[Callable[[], None]] = None) -> float:
@@ -189,7 +212,9 @@ class ThroughputProfiler:
         table[signature_key(signature)] = dict(signature=json.loads(json.dumps(dict(signature), default=str)),
                                                samples_per_s=rate)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(table, indent=1))
+        partial = self.path.with_name(self.path.name + ".partial")  # (renamed whole into place: never half written)
+        partial.write_text(json.dumps(table, indent=1))
+        partial.replace(self.path)
         return rate
 
     def duration(self, signature: Mapping[str, Any], total_samples: int, run: Callable[[int], int],

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_multilora.arguments import check_real
-from lightning_multilora.scheduling.executors import Completion, next_log_path, task_command
+from lightning_multilora.scheduling.executors import Completion, next_attempt, next_log_path, task_command, task_env
 from lightning_multilora.scheduling.task_scheduler import Task
 
 
@@ -44,7 +44,10 @@ def _run_command(command: list[str], env: dict[str, str], resource: str) -> tupl
 class RayExecutor:
     """Runs tasks on a Ray cluster (``ray.init(address)`` unless Ray is already initialised). Each attempt's output
     is written, as it ends, to ``log_dir/<task>.<attempt>.log`` on this machine (as `LocalExecutor` writes it;
-    ``log_dir`` None: kept nowhere, a failure's last lines in its record)."""
+    ``log_dir`` None: kept nowhere, a failure's last lines in its record). The command gets ``MULTILORA_TASK_ID`` and
+    ``MULTILORA_TASK_ATTEMPT`` (`task_env`)."""
+
+    needs_command = True  # (the runner refuses a task without one when it is submitted, before any task starts)
 
     def __init__(self, address: Optional[str] = None, resource: str = "GPU", poll_s: float = 0.05,
                  log_dir: Optional[str | Path] = None) -> None:
@@ -58,6 +61,7 @@ class RayExecutor:
         self.poll_s = poll_s
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self._attempts: dict[str, int] = {}
+        self._started: dict[str, int] = {}
         self._t0 = time.monotonic()
         self._remote = ray.remote(_run_command)
         self._refs: dict[Any, tuple[str, Any]] = {}  # object ref -> (task id, placement group)
@@ -70,39 +74,45 @@ class RayExecutor:
         per_node = [node.get("Resources", {}).get(self.resource, 0) for node in self.ray.nodes() if node.get("Alive")]
         return int(sum(per_node)), int(max(per_node, default=0))
 
-    def start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
+    def start(self, task: Task, gpu_ids: tuple[int, ...], attempt: Optional[int] = None) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         command = task_command(task)
+        attempt = next_attempt(task, attempt, self._started)
         pg = placement_group([{self.resource: task.gpus}], strategy="STRICT_PACK")
         demand = {"num_gpus": task.gpus} if self.resource == "GPU" else {"resources": {self.resource: task.gpus}}
         ref = self._remote.options(num_cpus=0, **demand,
                                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg)).remote(
-            command, {"MULTILORA_TASK_ID": task.id}, self.resource)
+            command, task_env(task, attempt), self.resource)
         self._refs[ref] = (task.id, pg)
 
-    def _keep_log(self, task_id: str, output: str) -> str:
-        """Writes an attempt's output to its log; what a failure's record says of it (the log, or the last lines)."""
+    def _keep_log(self, task_id: str, output: str) -> tuple[str, Optional[str]]:
+        """Writes an attempt's output to its log; what a failure's record says of it (the log, or the last lines),
+        and the log's path (None where none was written)."""
         if self.log_dir is None:
-            return f": {output[-300:]}"
+            return f": {output[-300:]}", None
         path = next_log_path(self.log_dir, task_id, self._attempts)
         try:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             path.write_text(output, encoding="utf-8")
         except OSError as err:  # (the task has run: said in its record, the schedule goes on)
-            return f", log not written ({err}): {output[-300:]}"
-        return f", log {path}"
+            return f", log not written ({err}): {output[-300:]}", None
+        return f", log {path}", str(path)
 
-    def stop(self) -> None:
+    def stop(self) -> list[Completion]:
         """Cancel every running task (its worker killed) and free its placement group (an interrupted schedule
-        leaves nothing running on the cluster)."""
+        leaves nothing running on the cluster); their completions (failed, "stopped"; a cancelled task's output is
+        not kept)."""
         from ray.util.placement_group import remove_placement_group
 
-        for ref, (_, pg) in list(self._refs.items()):
+        stopped = []
+        for ref, (task_id, pg) in list(self._refs.items()):
             self.ray.cancel(ref, force=True)
             remove_placement_group(pg)
+            stopped.append(Completion(self.now(), task_id, False, "stopped (cancelled on the cluster)"))
         self._refs.clear()
+        return stopped
 
     def wait(self, deadline: Optional[float]) -> list[Completion]:
         from ray.util.placement_group import remove_placement_group
@@ -116,15 +126,16 @@ class RayExecutor:
             done = []
             for ref in ready:
                 task_id, pg = self._refs.pop(ref)
+                code, log = None, None
                 try:
                     code, output = self.ray.get(ref)
                     ok, detail = code == 0, "" if code == 0 else f"exit status {code}"
-                    kept = self._keep_log(task_id, output)
+                    kept, log = self._keep_log(task_id, output)
                     detail += "" if ok else kept
                 except Exception as err:  # noqa: BLE001 - a crashed worker is a failed attempt
                     ok, detail = False, f"{type(err).__name__}: {err}"
                 remove_placement_group(pg)
-                done.append(Completion(self.now(), task_id, ok, detail))
+                done.append(Completion(self.now(), task_id, ok, detail, code, log))
             if done or (deadline is not None and self.now() >= deadline):
                 return done
             if not self._refs:

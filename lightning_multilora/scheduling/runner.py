@@ -1,15 +1,21 @@
 """Event-driven execution of a plan: replan on every arrival and completion, retry failures a bounded
-number of times. The executor (`SimulatedExecutor`, `LocalExecutor`) runs the tasks and keeps the clock."""
+number of times. The executor (`SimulatedExecutor`, `LocalExecutor`) runs the tasks and keeps the clock; the task
+records can be kept on disk (`records`) and a re-run can skip what an earlier one finished (``resume``)."""
 
 from __future__ import annotations
 
+import datetime
 import heapq
+import inspect
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
-from lightning_multilora.arguments import check_int, check_real
+from lightning_multilora.arguments import check_bool, check_int, check_real
 from lightning_multilora.scheduling.executors import Completion
+from lightning_multilora.scheduling.records import ids_text, read_records, record_entry, write_records
 from lightning_multilora.scheduling.task_scheduler import Placement, Schedule, Task, TaskScheduler
 
 
@@ -21,13 +27,20 @@ REPLAN_TIME_LIMIT_S = 1.0
 
 @dataclass
 class RunRecord:
+    """How a task ended: ``state`` "finished", "failed" or "stopped" (running, or waiting for a retry, when the
+    schedule stopped); ``start`` / ``end`` and ``gpu_ids`` of its last attempt, ``starts`` of every attempt of this run
+    (a failed task's first try included); ``exit_code`` and ``log`` of the last attempt where the executor says."""
+
     task_id: str
-    state: str  # "finished" | "failed"
+    state: str
     attempts: int
     start: float
     end: float
     gpu_ids: tuple[int, ...]
     detail: str = ""
+    starts: tuple[float, ...] = ()
+    exit_code: Optional[int] = None
+    log: Optional[str] = None
 
 
 class ScheduleRunner:
@@ -38,12 +51,25 @@ class ScheduleRunner:
     newly submitted tasks every ``poll_s`` (executor seconds; None: at each event alone, for a virtual clock that jumps
     from one to the next) while the schedule runs, tasks running or not (a running schedule accepts new tasks). A
     replan solves for ``replan_time_limit_s`` at most (default: `REPLAN_TIME_LIMIT_S`, or the scheduler's limit where
-    lower; a first plan, the scheduler's); what the plan followed starts now starts before it (GPUs do not wait)."""
+    lower; a first plan, the scheduler's); what the plan followed starts now starts before it (GPUs do not wait).
+
+    ``records`` (a file, e.g. ``<log_dir>/records.json``; `lightning_multilora.scheduling.records`): the task records
+    are written there after every completion and when the schedule stops, the tasks running then (or waiting for a
+    retry) as "stopped". ``resume``: a task that file records as finished is not run again (said, and its entry kept);
+    one recorded failed or stopped runs again, its attempts numbered on from the recorded ones (the retries,
+    ``max_retries`` of them, are this run's). An executor whose ``start`` takes an ``attempt`` is told the attempt's
+    number (1, 2...; `LocalExecutor` and `RayExecutor` put it in the task's ``MULTILORA_TASK_ATTEMPT``); anything
+    ``start`` raises is that task's failed attempt, and if `run` itself raises (Ctrl-C, SIGTERM as one, a ``poll``
+    that fails), the executor's running tasks are stopped (its ``stop()``) and recorded before it does."""
 
     def __init__(self, scheduler: TaskScheduler, executor: Any, max_retries: int = 2,
                  poll: Optional[Callable[[], list[Task]]] = None, plan: Optional[Schedule] = None,
-                 poll_s: Optional[float] = POLL_S, replan_time_limit_s: Optional[float] = None) -> None:
+                 poll_s: Optional[float] = POLL_S, replan_time_limit_s: Optional[float] = None,
+                 records: Optional[str | Path] = None, resume: bool = False) -> None:
         check_int("ScheduleRunner", "max_retries", max_retries, 0)
+        check_bool("ScheduleRunner", "resume", resume)
+        if resume and records is None:
+            raise ValueError("ScheduleRunner: `resume` reads the `records` file of an earlier run: give `records`")
         if poll_s is not None:
             check_real("ScheduleRunner", "poll_s", poll_s, lambda v: v > 0,
                        "a number of seconds > 0 (or None: at each event, for a virtual clock)")
@@ -64,18 +90,50 @@ class ScheduleRunner:
         self.records: dict[str, RunRecord] = {}
         self.replans = 0
         self._failed_starts: list[Completion] = []  # starts the executor raised on, completed as failed attempts
+        self.records_path = Path(records) if records is not None else None
+        self.resume = resume
+        # resumed: the tasks finished before (skipped when submitted, their entries kept), the attempts made before
+        earlier = read_records(self.records_path) if resume else None
+        self.earlier_finished = {tid: e for tid, e in (earlier or {}).items() if e["state"] == "finished"}
+        self._attempts_before = {tid: int(e.get("attempts") or 0) for tid, e in (earlier or {}).items()
+                                 if e["state"] != "finished" and isinstance(e.get("attempts"), int)}
+        self.skipped: dict[str, dict[str, Any]] = {}  # submitted, recorded finished by an earlier run: not run
+        self._unsaid: list[str] = []  # skipped tasks not said yet
+        self._tries: dict[str, int] = {}  # this run's attempts of a task (the retries count these)
+        self._starts: dict[str, list[float]] = {}
+        self._last_failure: dict[str, str] = {}
+        self.started_at = _clock_origin(executor)
+        self._save_error: Optional[str] = None
+        if resume and earlier is None:
+            print(f"resume: no records at {self.records_path}: every task runs", flush=True)
+        try:  # (a start that takes the attempt's number is told it)
+            params = inspect.signature(executor.start).parameters.values()
+            self._pass_attempt = any(p.name == "attempt" or p.kind is p.VAR_KEYWORD for p in params)
+        except (TypeError, ValueError):
+            self._pass_attempt = False
 
     def known_ids(self) -> set[str]:
-        """Ids of every task submitted so far (waiting, running or ended)."""
-        return set(self.pending) | set(self.running) | set(self.records) | {t.id for _, _, t in self.arrivals}
+        """Ids of every task submitted so far (waiting, running, ended, or skipped as finished before)."""
+        return (set(self.pending) | set(self.running) | set(self.records) | set(self.skipped)
+                | {t.id for _, _, t in self.arrivals})
 
     def submit(self, task: Task, at: Optional[float] = None) -> None:
+        """Adds a task (at ``at`` on the executor's clock, default now). Checked here, before any task starts: a task
+        an executor that runs commands (``needs_command``) could not run is refused, naming it. Resumed, a task the
+        records say finished is skipped (`skipped`)."""
         if task.id in self.known_ids():
             raise ValueError(f"duplicate task id {task.id!r}; task ids must be unique")
         if task.gpus > self.scheduler.num_gpus:
             raise ValueError(f"task {task.id!r} needs {task.gpus} GPUs but only {self.scheduler.num_gpus} exist")
+        if task.command is None and getattr(self.executor, "needs_command", False):
+            raise ValueError(f"task {task.id!r} has no `command` to run ({type(self.executor).__name__} runs each "
+                             "task's command; a SimulatedExecutor needs none)")
         if at is not None:
             check_real("ScheduleRunner.submit", "at", at, lambda v: True, "a time in seconds (the executor's clock)")
+        if task.id in self.earlier_finished:
+            self.skipped[task.id] = self.earlier_finished[task.id]
+            self._unsaid.append(task.id)
+            return
         heapq.heappush(self.arrivals, (self.now if at is None else at, len(self.arrivals), task))
 
     @property
@@ -130,12 +188,20 @@ class ScheduleRunner:
         return min(later) if later else None
 
     def _start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
-        self.attempts[task.id] = self.attempts.get(task.id, 0) + 1
-        self.running[task.id] = (task, Placement(task.id, self.now, self.now + task.duration, gpu_ids))
+        self._tries[task.id] = self._tries.get(task.id, 0) + 1
+        attempt = self._attempts_before.get(task.id, 0) + self._tries[task.id]
+        self.attempts[task.id] = attempt
+        now = self.now
+        self._starts.setdefault(task.id, []).append(now)
+        self.running[task.id] = (task, Placement(task.id, now, now + task.duration, gpu_ids))
         try:
-            self.executor.start(task, gpu_ids)
-        except OSError as err:  # (a log path the file system refuses...): this task's failed attempt, not a crash
-            self._failed_starts.append(Completion(self.now, task.id, False, f"could not start: {err}"))
+            if self._pass_attempt:
+                self.executor.start(task, gpu_ids, attempt=attempt)
+            else:
+                self.executor.start(task, gpu_ids)
+        except Exception as err:  # noqa: BLE001 - (a log path refused, no command...): a failed attempt, not a crash
+            said = str(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
+            self._failed_starts.append(Completion(self.now, task.id, False, f"could not start: {said}"))
 
     def _assumed_end(self, p: Placement) -> float:
         """When a running task is taken to end, for a replan: its estimate, at least a tick from now; past its
@@ -148,11 +214,26 @@ class ScheduleRunner:
         return self.now + max(res, 0.5 * (self.now - p.start))
 
     def run(self) -> dict[str, RunRecord]:
+        """Runs the schedule to its end; the records of the tasks it ran. Whatever it raises, the executor's running
+        tasks are stopped first, and recorded "stopped" (in `records`, and in the ``records`` file)."""
+        try:
+            records = self._run()
+        except BaseException as err:
+            said = f": {err}" if str(err) else ""
+            self.stop(f"interrupted{said}" if isinstance(err, KeyboardInterrupt) else
+                      f"the schedule raised {type(err).__name__}{said}")
+            raise
+        self.save_records()
+        return records
+
+    def _run(self) -> dict[str, RunRecord]:
         changed, next_start = True, None
         while True:
+            self._say_skipped()
             polled = self.poll() if self.poll is not None else []
             for task in polled:
                 self.submit(task)
+            self._say_skipped()
             if not (self.arrivals or self.pending or self.running):
                 return self.records
             while self.arrivals and self.arrivals[0][0] <= self.now + 1e-9:
@@ -200,15 +281,73 @@ class ScheduleRunner:
     def _complete(self, done: Any) -> None:
         task, placement = self.running.pop(done.task_id)
         detail = getattr(done, "detail", "")
+        ended = dict(starts=tuple(self._starts.get(task.id, ())), exit_code=getattr(done, "exit_code", None),
+                     log=getattr(done, "log", None))
         if done.ok:
             self.records[task.id] = RunRecord(task.id, "finished", self.attempts[task.id], placement.start,
-                                              done.time, placement.gpu_ids)
-        elif self.attempts[task.id] <= self.max_retries:
+                                              done.time, placement.gpu_ids, **ended)
+        elif self._tries[task.id] <= self.max_retries:
             self.pending[task.id] = task  # retry: back to the plan
+            self._last_failure[task.id] = detail
         else:
             self.records[task.id] = RunRecord(task.id, "failed", self.attempts[task.id], placement.start,
-                                              done.time, placement.gpu_ids, detail)
+                                              done.time, placement.gpu_ids, detail, **ended)
+        self.save_records()
+
+    def stop(self, why: str = "stopped") -> None:
+        """Stops the executor's running tasks (its ``stop()``, where it has one) and records them, and the tasks
+        waiting for a retry, as "stopped" (``why`` in their detail); writes the records. `run` calls it when it
+        raises. The records are written before the executor is asked to stop (a second Ctrl-C meanwhile keeps them),
+        then again with the exit statuses and logs its ``stop()`` returns (`Completion`s)."""
+        now = self.now
+        for tid, (task, placement) in list(self.running.items()):
+            self.records[tid] = RunRecord(tid, "stopped", self.attempts[tid], placement.start, now,
+                                          placement.gpu_ids, f"stopped while running ({why})",
+                                          tuple(self._starts.get(tid, ())))
+        for tid in [t for t in self.pending if t in self._tries]:  # (failed, waiting for a retry)
+            self.records[tid] = RunRecord(tid, "stopped", self.attempts[tid], self._starts[tid][-1], now, (),
+                                          f"stopped waiting for a retry ({why}) after: {self._last_failure.get(tid)}",
+                                          tuple(self._starts[tid]))
+        stopping = set(self.running)
+        self.running.clear()
+        self._failed_starts.clear()
+        self.save_records()
+        stopped = self.executor.stop() if hasattr(self.executor, "stop") else None
+        for done in stopped or ():
+            record = self.records.get(done.task_id)
+            if done.task_id in stopping and record is not None:
+                record.exit_code, record.log = getattr(done, "exit_code", None), getattr(done, "log", None)
+        if stopped:
+            self.save_records()
+
+    def save_records(self) -> None:
+        """Writes the records to the ``records`` file (where given): this run's, and the entries of the tasks it
+        skipped as finished before. A file that cannot be written is said once; the schedule goes on."""
+        if self.records_path is None:
+            return
+        entries = [*(dict(e) for tid, e in sorted(self.skipped.items())),
+                   *(record_entry(r, self.started_at) for r in sorted(self.records.values(),
+                                                                      key=lambda r: (r.start, r.task_id)))]
+        try:
+            write_records(self.records_path, entries, self.started_at)
+        except OSError as err:  # (the tasks go on: their records are printed at the end)
+            if self._save_error != str(err):
+                self._save_error = str(err)
+                print(f"could not write the task records to {self.records_path}: {err}", flush=True)
+
+    def _say_skipped(self) -> None:
+        if self._unsaid:
+            print(f"resume: skipped {len(self._unsaid)} task{'s' if len(self._unsaid) > 1 else ''} that "
+                  f"{self.records_path} records as finished: {ids_text(self._unsaid)}", flush=True)
+            self._unsaid = []
 
     @property
     def makespan(self) -> float:
         return max((r.end for r in self.records.values()), default=0.0)
+
+
+def _clock_origin(executor: Any) -> str:
+    """When ``executor``'s clock read 0, on the wall clock (to the second, with its time zone): the records' times
+    count from it (a virtual clock's: from now)."""
+    origin = time.time() - max(0.0, float(executor.now()))
+    return datetime.datetime.fromtimestamp(origin).astimezone().isoformat(timespec="seconds")

@@ -6,7 +6,7 @@ A task file::
     time_limit_s: 5         # CP-SAT limit per plan (default 2; a replan while running: 1 s at most)
     resolution_s: 1         # plan grid in seconds (default 1)
     max_retries: 2          # attempts after a failure (default 2)
-    log_dir: runs/schedule  # task logs and the Gantt chart (default runs/schedule)
+    log_dir: runs/schedule  # task logs, records and Gantt charts (default runs/schedule)
     tasks:
       - {id: llama70b-sweep, duration: 3600, gpus: 4, command: "multilora fit --config a.yaml"}
       - {id: qwen7b-sweep, duration: 900, gpus: 1, command: [multilora, fit, --config, b.yaml, --seed_everything, 007]}
@@ -25,6 +25,14 @@ each task runs as a subprocess on its GPUs (GPU ``i`` is the ``i``-th of ``CUDA_
 set; ``gpus`` above what it, or the machine, has is refused, before any chart is drawn). ``--inbox DIR``: task files
 (``*.yaml`` or ``*.yml``, a ``tasks:`` list) dropped into ``DIR`` while the schedule runs are submitted and replanned
 (then renamed ``<name>.done``; other files are said once and left alone).
+
+A run keeps its task records in ``<log_dir>/records.json`` (each task's state, attempts, starts and end, exit status
+and log; `lightning_multilora.scheduling.records`), rewritten after every completion and when it stops: on Ctrl-C or
+SIGTERM the running tasks are stopped and recorded ``stopped``, and ``run.png`` is drawn as at an end. ``--resume``
+runs the file again over the same ``log_dir`` without the tasks those records say finished (said, and their records
+kept); a task recorded failed or stopped runs again, its attempts numbered on. A task's command gets
+``MULTILORA_TASK_ID`` and ``MULTILORA_TASK_ATTEMPT`` (1 on its first attempt). A run without ``--resume`` runs every
+task and starts the records afresh; a ``--simulate`` one writes none (a resume after it would skip what never ran).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from typing import Any, Optional
 import yaml
 
 from lightning_multilora.scheduling.executors import LocalExecutor, SimulatedExecutor, visible_gpus
+from lightning_multilora.scheduling.records import finished_entries, ids_text, records_path
 from lightning_multilora.scheduling.runner import POLL_S, RunRecord, ScheduleRunner
 from lightning_multilora.scheduling.task_scheduler import (Schedule, Task, TaskScheduler, validate_tasks,
                                                            yaml_number_hint)
@@ -47,6 +56,8 @@ from lightning_multilora.scheduling.task_scheduler import (Schedule, Task, TaskS
 TASK_FIELDS = ("id", "duration", "gpus", "command", "torchrun")
 INBOX_SUFFIXES = (".yaml", ".yml")  # an inbox's task files (any case); ``.done`` and ``.rejected`` ones stay put
 FILE_FIELDS = ("gpus", "time_limit_s", "resolution_s", "max_retries", "log_dir", "tasks")
+# the most GPUs a Gantt chart has rows for (a row each: 100000 took minutes, a figure 45000 inches tall)
+MAX_CHART_GPUS = 256
 
 
 def parse_tasks(entries: Any, where: str) -> list[Task]:
@@ -58,7 +69,8 @@ def parse_tasks(entries: Any, where: str) -> list[Task]:
             raise ValueError(f"{where}: task #{i} must be a mapping with {', '.join(TASK_FIELDS)}")
         unknown = set(entry) - set(TASK_FIELDS)
         if unknown:
-            raise ValueError(f"{where}: task #{i} has unknown fields {sorted(unknown)}; allowed: {', '.join(TASK_FIELDS)}")
+            raise ValueError(f"{where}: task #{i} has unknown fields {sorted(unknown)}; allowed: "
+                             f"{', '.join(TASK_FIELDS)}")
         if "id" not in entry or "duration" not in entry:
             raise ValueError(f"{where}: task #{i} needs `id` and `duration` (seconds)")
         task_id = entry["id"]
@@ -124,6 +136,8 @@ def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
     unknown = set(data) - set(FILE_FIELDS)
     if unknown:
         raise ValueError(f"{path}: unknown fields {sorted(unknown)}; allowed: {', '.join(FILE_FIELDS)}")
+    if "gpus" not in data:
+        raise ValueError(f"{path}: `gpus` is required: the GPUs the tasks are planned on, an integer >= 1")
     gpus = data.get("gpus")
     if not (isinstance(gpus, int) and not isinstance(gpus, bool) and gpus >= 1):
         raise ValueError(f"{path}: `gpus` must be an integer >= 1, got {gpus!r}")
@@ -163,7 +177,11 @@ def chart_paths(log_dir: Path) -> tuple[Path, Path]:
 
 
 def gantt(placements: Mapping[str, Any], num_gpus: int, path: str | Path, title: str = "") -> Path:
-    """A Gantt chart (one row per GPU) of placements or run records (``start``, ``end``, ``gpu_ids``)."""
+    """A Gantt chart (one row per GPU, `MAX_CHART_GPUS` at most) of placements or run records (``start``, ``end``,
+    ``gpu_ids``)."""
+    if num_gpus > MAX_CHART_GPUS:
+        raise ValueError(f"a Gantt chart has a row per GPU, {MAX_CHART_GPUS} at most; {num_gpus} GPUs were given "
+                         "(the plan's table says it all)")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -255,10 +273,14 @@ def _rename(path: Path, suffix: str) -> bool:
 
 
 def records_table(records: Mapping[str, RunRecord]) -> str:
+    """The records as a table: ``start`` is the last attempt's; a task tried more than once says every start."""
     lines = [f"{'task':<16} {'state':<9} {'tries':>5} {'start':>9} {'end':>9}  gpus"]
     for r in sorted(records.values(), key=lambda r: (r.start, r.task_id)):
+        starts = getattr(r, "starts", ())
+        said = [f"attempts started at {', '.join(f'{t:.1f}' for t in starts)}"] if len(starts) > 1 else []
+        said += [r.detail] if r.detail else []
         lines.append(f"{r.task_id:<16} {r.state:<9} {r.attempts:>5} {r.start:>9.1f} {r.end:>9.1f}  "
-                     f"{','.join(map(str, r.gpu_ids))}{'  ' + r.detail if r.detail else ''}")
+                     f"{','.join(map(str, r.gpu_ids))}{'  ' + '; '.join(said) if said else ''}")
     return "\n".join(lines)
 
 
@@ -286,6 +308,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--inbox", type=Path, default=None, help="folder watched for new task files while running")
     parser.add_argument("--gantt", type=Path, default=None,
                         help="Gantt chart image of the plan (default <log_dir>/plan.png, numbered on where taken)")
+    parser.add_argument("--resume", action="store_true",
+                        help="skip the tasks <log_dir>/records.json records as finished (an earlier run of this file); "
+                             "those recorded failed or stopped run again")
     args = parser.parse_args(argv)
     if args.simulate and args.ray is not None:
         parser.error("--simulate runs the tasks on a virtual clock, --ray on a cluster: give one of them")
@@ -303,9 +328,26 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(str(err))
     if not (args.plan_only or args.simulate) and any(t.command is None for t in tasks):
         parser.error("every task needs a `command` to run (or use --simulate / --plan-only)")
+    records_file = records_path(settings["log_dir"])
+    to_run = tasks
+    if args.resume:
+        try:
+            finished = finished_entries(records_file)
+        except ValueError as err:
+            parser.error(f"--resume: {err}")
+        to_run = [t for t in tasks if t.id not in finished]
+        skipped = [t.id for t in tasks if t.id in finished]
+        if not records_file.exists():
+            print(f"resume: no records at {records_file}: every task runs", flush=True)
+        else:  # (the runner names the tasks it skips; a simulation's, here)
+            print(f"resume: {records_file} records {len(skipped)} of the {len(tasks)} tasks as finished: they do not "
+                  f"run again{': ' + ids_text(skipped) if skipped and args.simulate else ''}", flush=True)
+        if not to_run:
+            print("every task is finished: nothing to run")
+            return 0
     scheduler = TaskScheduler(settings["gpus"], settings["time_limit_s"], settings["resolution_s"])
     try:
-        plan: Schedule = scheduler.plan(tasks)
+        plan: Schedule = scheduler.plan(to_run)
     except ValueError as err:
         parser.error(f"{args.task_file}: {err}")
     print(plan.table())
@@ -318,34 +360,39 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"{args.task_file}: `gpus` is {settings['gpus']}, but {available[1]} gives {available[0]}; "
                          "lower `gpus`, or use --plan-only / --simulate")
     plan_path, run_path = chart_paths(Path(settings["log_dir"]))
-    try:
-        chart = gantt(plan.placements, settings["gpus"], args.gantt or plan_path,
-                      f"plan: makespan {plan.makespan:.0f} s")
-    except (OSError, ValueError) as err:  # (an unwritable folder, a format matplotlib does not write)
-        parser.error(f"the plan's Gantt chart {args.gantt or plan_path}: {err}")
-    print(f"Gantt chart: {chart}")
+    if settings["gpus"] > MAX_CHART_GPUS:  # (a row a GPU: 100000 of them took minutes)
+        print(f"no Gantt chart: {settings['gpus']} GPUs, more rows than a chart has ({MAX_CHART_GPUS} at most)")
+    else:
+        try:
+            chart = gantt(plan.placements, settings["gpus"], args.gantt or plan_path,
+                          f"plan: makespan {plan.makespan:.0f} s")
+        except (OSError, ValueError) as err:  # (an unwritable folder, a format matplotlib does not write)
+            parser.error(f"the plan's Gantt chart {args.gantt or plan_path}: {err}")
+        print(f"Gantt chart: {chart}")
     if args.plan_only:
         return 0
     if executor is None:  # (a local executor's clock starts when it is made: after the chart)
         executor = SimulatedExecutor() if args.simulate else LocalExecutor(Path(settings["log_dir"]) / "logs")
     # the plan shown is the one run; a simulation looks in the inbox at each event, its clock jumping from one to the
     # next (every 0.5 s of its clock, a 2,000,000 s task took 41 s)
+    # (a simulation writes no records: a real run resumed after it would skip what never ran)
     runner = ScheduleRunner(scheduler, executor, settings["max_retries"], plan=plan,
-                            poll_s=None if args.simulate else POLL_S)
+                            poll_s=None if args.simulate else POLL_S, records=None if args.simulate else records_file,
+                            resume=args.resume and not args.simulate and records_file.exists())
     if args.inbox is not None:
         runner.poll = inbox_poller(args.inbox, settings["gpus"], known=lambda: runner.known_ids(),
                                    need_command=not args.simulate, node_gpus=node_gpus)
-    for task in tasks:
+    for task in tasks if not args.simulate else to_run:  # (resumed, the runner skips the finished ones, said)
         runner.submit(task)
     in_main = threading.current_thread() is threading.main_thread()  # (signal handlers: the main thread's alone)
     previous = signal.signal(signal.SIGTERM, _terminated) if in_main else None  # (a `kill`, a job stop: as Ctrl-C)
+    interrupted: Optional[KeyboardInterrupt] = None
     try:
         records = runner.run()
-    except KeyboardInterrupt as interrupt:
-        stopped = sorted(runner.running)
-        print(f"interrupted: stopping the running tasks {stopped}; finished so far:", flush=True)
-        print(records_table(runner.records))
-        return 143 if isinstance(interrupt, _Terminated) else 130
+    except KeyboardInterrupt as interrupt:  # (the runner stopped the running tasks and recorded them "stopped")
+        interrupted, records = interrupt, runner.records
+        stopped = sorted(t for t, r in records.items() if r.state == "stopped")
+        print(f"interrupted: stopped the tasks {stopped}; the records so far:", flush=True)
     finally:  # an interrupted or failed schedule leaves no task running: a second Ctrl-C or kill waits for that
         if in_main:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -359,10 +406,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                 signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
     print(records_table(records))
     try:
-        done = gantt(records, settings["gpus"], run_path, f"run: makespan {runner.makespan:.0f} s")
+        done = gantt(records, settings["gpus"], run_path, f"run{' (interrupted)' if interrupted else ''}: makespan "
+                     f"{runner.makespan:.0f} s")
     except (OSError, ValueError) as err:  # (the tasks have run: said, not raised)
         done = f"not written ({err})"
     print(f"makespan {runner.makespan:.1f} s, {runner.replans} replans; Gantt chart of the run: {done}")
+    if runner.records_path is not None:
+        print(f"task records: {runner.records_path} (`--resume` runs again only what did not finish)")
+    if interrupted is not None:
+        return 143 if isinstance(interrupted, _Terminated) else 130
     return 0 if all(r.state == "finished" for r in records.values()) else 1
 
 
@@ -392,4 +444,4 @@ class _Terminated(KeyboardInterrupt):
 
 
 def _terminated(signum: int, frame: Any) -> None:
-    raise _Terminated()
+    raise _Terminated("SIGTERM")

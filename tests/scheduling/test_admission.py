@@ -320,3 +320,11 @@ def test_paused_adapters_count_against_the_budget_and_never_block_every_start(tm
 
     for again in (copy.deepcopy(paused), pickle.loads(pickle.dumps(paused))):  # (a RecursionError)
         assert again.spec == paused.spec and again.rows_per_step == 0
+
+
+def test_a_safety_margin_given_as_text_is_refused_naming_the_field():
+    """``safety_margin="0.9"`` raised a bare TypeError ('<' not supported between 'float' and 'str')."""
+    for margin in ("0.9", None, True, float("nan")):
+        with pytest.raises(ValueError, match=r"AdmissionController: `safety_margin` must be the usable fraction of "
+                                             r"device memory, a number in \(0, 1\], got "):
+            AdmissionController(rows_times(1), 10, safety_margin=margin)

@@ -153,3 +153,51 @@ def test_a_log_name_the_file_system_refuses_is_a_failed_start(tmp_path, monkeypa
     executor.start(Task("a", 1.0, 1, [sys.executable, "-c", "pass"]), (0,))
     (completion,) = executor.wait(None)
     assert not completion.ok and "could not open its log: [Errno 36] File name too long" in completion.detail
+
+
+# each attempt appends "<task id> <attempt>" to the file; the first one fails
+TELL_ATTEMPT = ("import os, sys; m = sys.argv[1]; first = not os.path.exists(m); "
+                "open(m, 'a').write(os.environ['MULTILORA_TASK_ID'] + ' ' + os.environ['MULTILORA_TASK_ATTEMPT'] "
+                "+ '\\n'); sys.exit(3 if first else 0)")
+
+
+def test_a_tasks_command_is_told_its_id_and_attempt(tmp_path):
+    """``MULTILORA_TASK_ID`` and ``MULTILORA_TASK_ATTEMPT`` (from 1): a retried `multilora fit` can tell its own
+    checkpoints and its retry from a first start. The record keeps the exit status and the log."""
+    runner = ScheduleRunner(TaskScheduler(1), LocalExecutor(tmp_path / "logs"), max_retries=1)
+    runner.submit(Task("flaky", 1.0, 1, [sys.executable, "-c", TELL_ATTEMPT, str(tmp_path / "said")]))
+    record = runner.run()["flaky"]
+    assert (tmp_path / "said").read_text() == "flaky 1\nflaky 2\n"
+    assert (record.state, record.exit_code, record.log) == ("finished", 0, str(tmp_path / "logs" / "flaky.2.log"))
+    # started without a runner, an executor numbers a task's starts itself
+    executor = LocalExecutor(tmp_path / "alone")
+    task = Task("alone", 1.0, 1, [sys.executable, "-c", TELL_ATTEMPT, str(tmp_path / "alone.said")])
+    for _ in range(2):
+        executor.start(task, (0,))
+        while not executor.wait(None):
+            pass
+    assert (tmp_path / "alone.said").read_text() == "alone 1\nalone 2\n"
+
+
+def test_a_run_that_raises_stops_its_subprocesses(tmp_path):
+    """`run` raising (here its ``poll``) left the started tasks running (`sleep` outlived the schedule): they are
+    stopped, and recorded "stopped" with their exit status (the signal) and log."""
+    import os
+
+    pid_file = tmp_path / "pid"
+    sleeper = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
+                                     "time.sleep(60)"]
+
+    def poll():
+        if pid_file.exists() and pid_file.read_text():
+            raise RuntimeError("the inbox broke")
+        return []
+
+    runner = ScheduleRunner(TaskScheduler(1), LocalExecutor(tmp_path / "logs"), poll=poll, poll_s=0.05)
+    runner.submit(Task("sleeper", 60, 1, sleeper))
+    with pytest.raises(RuntimeError, match="the inbox broke"):
+        runner.run()
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid_file.read_text()), 0)
+    record = runner.records["sleeper"]
+    assert record.state == "stopped" and record.exit_code == -15 and record.log.endswith("sleeper.1.log")

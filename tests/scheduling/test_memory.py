@@ -201,3 +201,45 @@ def test_the_modules_loss_takes_the_bytes_per_token_and_vocabulary_entry_the_mod
     counted = model.activations(rows * length) / (rows * length * vocab)  # (the tiny layers' share: 0.06 bytes)
     assert taken == pytest.approx(counted, rel=0.15)
 
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda m: m.predict([(16, 0, PROJECTIONS)], 1024), r"adapter #0: `batch_size` must be an integer >= 1, got 0"),
+    (lambda m: m.predict([(16, -4, PROJECTIONS)], 1024), r"adapter #0: `batch_size` must be an integer >= 1, got -4"),
+    (lambda m: m.predict([(8, 1, PROJECTIONS), (-8, 1, PROJECTIONS)], 1024),
+     r"adapter #1: `rank` must be an integer >= 1, got -8"),
+    (lambda m: m.predict([(16, 1, PROJECTIONS)], 0), r"predict: `seq_len` must be an integer >= 1, got 0"),
+    (lambda m: m.predict([(16, 1, PROJECTIONS)], -5), r"`seq_len` must be an integer >= 1, got -5"),
+    (lambda m: m.predict([(16, 1)], 1024), r"adapter #0 must be \(rank, batch_size, targets\)"),
+    (lambda m: m.adapter_bytes(0), r"adapter_bytes: `rank` must be an integer >= 1, got 0"),
+])
+def test_the_analytic_model_refuses_batches_ranks_and_lengths_below_one(call, message):
+    """A batch of 0 predicted the base and the adapter, -4 a smaller peak, a negative rank or length went through."""
+    with pytest.raises(ValueError, match=message):
+        call(AnalyticMemoryModel(SHAPE))
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("base_bytes_per_param", -2, r"`base_bytes_per_param` must be a finite number of bytes > 0"),
+    ("adapter_bytes_per_param", 0, r"`adapter_bytes_per_param` must be a finite number of bytes > 0"),
+    ("activation_bytes", "2", r"`activation_bytes` must be a finite number of bytes > 0"),
+    ("optimizer_states", -1, r"`optimizer_states` must be an integer >= 0, got -1"),
+    ("loss_chunk_tokens", 0, r"`loss_chunk_tokens` must be an integer >= 1 or None, got 0"),
+    ("gradient_checkpointing", "yes", r"`gradient_checkpointing` must be True or False"),
+    ("shape", {"hidden": 64}, r"`shape` must be a ModelShape"),
+])
+def test_the_analytic_models_fields_are_checked(field, value, message):
+    kwargs = {"shape": SHAPE, field: value}
+    with pytest.raises(ValueError, match=r"AnalyticMemoryModel: " + message):
+        AnalyticMemoryModel(**kwargs)
+
+
+def test_a_config_without_a_field_the_shape_needs_is_named():
+    """GPT2Config (no ``intermediate_size``) said "`intermediate` must be an integer >= 1, got None"."""
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match=r"the config \(GPT2Config\) has no `intermediate_size`; it reads a "
+                                         r"Llama-style decoder's config \(LlamaConfig, Qwen2Config"):
+        ModelShape.from_config(GPT2Config())
+    with pytest.raises(ValueError, match=r"has no `num_hidden_layers`, `vocab_size`"):
+        ModelShape.from_config({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4})

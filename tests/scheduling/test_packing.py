@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 
 import pytest
 
@@ -116,3 +117,27 @@ def test_a_solve_out_of_time_before_any_packing_gives_the_greedy_plan(monkeypatc
     assert [j.specs for j in jobs] == [j.specs for j in greedy_jobs] and not schedule.optimal
     assert schedule.makespan == pytest.approx(greedy_makespan) and not overlaps(schedule.placements)
     assert sorted(s.name for job in jobs for s in job.specs) == sorted(s.name for s in specs)
+
+
+def test_planner_errors_name_the_callers_field_the_numbers_and_the_duplicates():
+    """``load_factor=1.5`` was refused as `safety_margin`; "do not fit even alone" gave no sizes; "names must be
+    unique" named none; a `step_time` of 0 divided by zero in PLoRA's greedy planner."""
+    with pytest.raises(ValueError, match=r"PackingPlanner: `load_factor` must be the usable fraction of device memory, "
+                                         r"a number in \(0, 1\], got 1.5"):
+        PackingPlanner(2, memory, step_time, gpu_bytes=10 * GB, load_factor=1.5)
+    with pytest.raises(ValueError, match=r"PackingPlanner: `load_factor` .* got '0.9'"):
+        PackingPlanner(2, memory, step_time, gpu_bytes=10 * GB, load_factor="0.9")
+    planner = PackingPlanner(2, memory, step_time, gpu_bytes=10 * GB)
+    huge = AdapterSpec("huge", rank=8, batch_size=32, max_steps=10)  # (16 + 48 + 0.16 GB) / 2 GPUs = 32.08 GB each
+    with pytest.raises(ValueError, match=r"\['huge'\] do not fit even alone on 2 GPUs: 'huge' needs 29.88 GiB per GPU "
+                                         r"at best \(on 2 GPUs\); the budget is 8.38 GiB per GPU \(90% of 9.31 GiB\)"):
+        planner.plan([huge])
+    with pytest.raises(ValueError, match=r"\['huge'\] do not fit on 2 GPUs: 'huge' needs 29.88 GiB"):
+        plora_greedy([huge], 2, memory, step_time, 10 * GB)
+    a = AdapterSpec("a", rank=8, batch_size=1, max_steps=10)
+    with pytest.raises(ValueError, match=r"configuration names must be unique; given more than once: \['a'\]"):
+        planner.plan([a, AdapterSpec("b", rank=8, max_steps=10), a])
+    for zero in (0.0, float("nan"), None):
+        with pytest.raises(ValueError, match=r"`step_time` must return seconds per step, a finite number > 0; for "
+                                             r"\['a'\] on 1 GPU it returned " + re.escape(repr(zero))):
+            PackingPlanner(2, memory, lambda specs, d, v=zero: v, gpu_bytes=80 * GB).plan([a])

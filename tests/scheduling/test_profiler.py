@@ -151,3 +151,33 @@ def test_cuda_step_measure_reads_the_peak_of_the_step_after_its_warmup(monkeypat
     assert cuda_step_measure(step, warmup_steps=0)(3, 1) == 10**6 + 3000  # no warm-up: the tuning counts
     with pytest.raises(ValueError, match="warmup_steps"):
         cuda_step_measure(step, warmup_steps=-1)
+
+
+def test_a_throughput_cache_cut_short_is_measured_again_and_written_whole(tmp_path, caplog, monkeypatch):
+    """A cache file cut short (a killed run) raised a bare JSONDecodeError naming no file: it is said, naming the file,
+    and measured again, as `MemoryFitCache` does; and a write that fails midway leaves the cache as it was (written
+    beside it, then renamed into place), not a half-written file."""
+    import json
+    import logging
+    from pathlib import Path
+
+    path = tmp_path / "throughput.json"
+    path.write_text('{"abc": {"samples_per_s": 3')
+    runs = []
+    profiler = ThroughputProfiler(path, warmup_steps=0, steps=1)
+    with caplog.at_level(logging.WARNING, logger="lightning_multilora.scheduling.profiler"):
+        assert profiler.duration({"model": "x"}, 10, lambda steps: runs.append(steps) or 5) > 0
+    assert runs == [1] and f"throughput cache {path} does not read (JSONDecodeError" in caplog.text
+    kept = path.read_text()
+    assert len(json.loads(kept)) == 1 and not list(tmp_path.glob("*.partial"))
+
+    def cut_short(self, text, *args, **kwargs):  # (the run killed halfway through writing)
+        with open(self, "w") as fh:
+            fh.write(text[: len(text) // 2])
+        raise OSError("killed")
+
+    monkeypatch.setattr(Path, "write_text", cut_short)
+    with pytest.raises(OSError, match="killed"):
+        profiler.measure({"model": "y"}, lambda steps: 5)
+    monkeypatch.undo()
+    assert path.read_text() == kept and ThroughputProfiler(path).cached({"model": "x"}) is not None

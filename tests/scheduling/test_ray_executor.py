@@ -81,3 +81,18 @@ def test_capacity_is_the_gpus_of_the_live_nodes_in_all_and_on_the_largest():
                                                   {"Alive": False, "Resources": {"GPU": 8.0}},
                                                   {"Alive": True, "Resources": {"CPU": 8.0}}])
     assert executor.capacity() == (6, 4)
+
+
+def test_a_tasks_command_is_told_its_id_and_attempt_on_the_cluster(cluster, tmp_path):
+    """``MULTILORA_TASK_ATTEMPT`` beside ``MULTILORA_TASK_ID``, as `LocalExecutor` gives them: the first attempt fails,
+    the retry is told it is attempt 2."""
+    said = tmp_path / "said"
+    tell = ("import os, sys; m = sys.argv[1]; first = not os.path.exists(m); "
+            "open(m, 'a').write(os.environ['MULTILORA_TASK_ID'] + ' ' + os.environ['MULTILORA_TASK_ATTEMPT'] + '\\n');"
+            " sys.exit(3 if first else 0)")
+    runner = ScheduleRunner(TaskScheduler(2, resolution_s=0.5),
+                            RayExecutor(resource="fake_gpu", log_dir=tmp_path / "logs"), max_retries=1)
+    runner.submit(Task("flaky", 1.0, 1, [sys.executable, "-c", tell, str(said)]))
+    record = runner.run()["flaky"]
+    assert said.read_text() == "flaky 1\nflaky 2\n"
+    assert (record.state, record.exit_code, record.log) == ("finished", 0, str(tmp_path / "logs" / "flaky.2.log"))

@@ -8,6 +8,7 @@ import re
 import pytest
 
 from lightning_multilora.scheduling import ScheduleRunner, SimulatedExecutor, Task, TaskScheduler
+from lightning_multilora.scheduling.task_file import records_table
 
 
 def no_gpu_shared_at_once(records) -> bool:
@@ -227,3 +228,116 @@ def test_a_virtual_clock_polls_at_each_event_not_every_half_second():
     assert len(calls) <= 5
     with pytest.raises(ValueError, match=r"`poll_s` must be a number of seconds > 0 \(or None"):
         ScheduleRunner(TaskScheduler(1), SimulatedExecutor(), poll_s=0)
+
+
+def read_records_file(path):
+    import json
+
+    return {e["id"]: e for e in json.loads(path.read_text())["tasks"]}
+
+
+def test_records_are_kept_on_disk_after_every_completion_and_a_resume_skips_what_finished(tmp_path, capsys):
+    """The records were kept in memory alone: a re-run redid finished work. They are written after every completion
+    (``b`` starts after ``a`` ends: the file already says ``a`` finished), a failed task's every attempt's start is
+    kept, and a resumed run skips ``a``, says so, runs ``b`` again numbering its attempts on, and keeps ``a``'s
+    entry."""
+    path = tmp_path / "records.json"
+    seen_at_b = {}
+
+    class Peeking(SimulatedExecutor):
+        def start(self, task, gpu_ids, attempt=None):
+            if task.id == "b" and not seen_at_b:
+                seen_at_b.update(read_records_file(path))
+            self.attempts_seen = [*getattr(self, "attempts_seen", []), (task.id, attempt)]
+            super().start(task, gpu_ids)
+
+    executor = Peeking(failures={"b": 2})
+    runner = ScheduleRunner(TaskScheduler(1), executor, max_retries=1, records=path)
+    runner.submit(Task("a", 2, 1))
+    runner.submit(Task("b", 4, 1))
+    records = runner.run()
+    assert seen_at_b["a"]["state"] == "finished" and seen_at_b["a"]["end"] == 2
+    assert executor.attempts_seen == [("a", 1), ("b", 1), ("b", 2)]
+    failed = records["b"]
+    assert (failed.state, failed.attempts, failed.starts) == ("failed", 2, (2.0, 4.0)) and failed.start == 4.0
+    on_disk = read_records_file(path)
+    assert on_disk["b"]["state"] == "failed" and on_disk["b"]["starts"] == [2.0, 4.0]
+    assert {k: on_disk["a"][k] for k in ("state", "attempts", "start", "end")} == {
+        "state": "finished", "attempts": 1, "start": 0.0, "end": 2.0}
+    assert "attempts started at 2.0, 4.0" in records_table(records)
+
+    executor = Peeking()
+    resumed = ScheduleRunner(TaskScheduler(1), executor, max_retries=1, records=path, resume=True)
+    resumed.submit(Task("a", 2, 1))
+    resumed.submit(Task("b", 4, 1))
+    records = resumed.run()
+    assert executor.attempts_seen == [("b", 3)] and set(records) == {"b"} and records["b"].state == "finished"
+    assert "resume: skipped 1 task that" in capsys.readouterr().out and set(resumed.skipped) == {"a"}
+    on_disk = read_records_file(path)
+    assert on_disk["a"]["state"] == "finished" and on_disk["a"]["end"] == 2.0  # (kept from the first run)
+    assert (on_disk["b"]["state"], on_disk["b"]["attempts"]) == ("finished", 3)
+    with pytest.raises(ValueError, match="`resume` reads the `records` file"):
+        ScheduleRunner(TaskScheduler(1), SimulatedExecutor(), resume=True)
+    path.write_text('{"tasks": [{"id": "a", "sta')  # (cut short)
+    with pytest.raises(ValueError, match=re.escape(f"{path}: the schedule's records do not read")):
+        ScheduleRunner(TaskScheduler(1), SimulatedExecutor(), records=path, resume=True)
+
+
+def test_a_run_that_raises_stops_the_running_tasks_and_records_them_stopped(tmp_path):
+    """An exception out of `run` (here a failing ``poll``; Ctrl-C alike) left the executor's tasks running and
+    nothing on disk: the executor is stopped and the running task recorded "stopped", in the file too."""
+    stops = []
+
+    class Stoppable(SimulatedExecutor):
+        def stop(self):
+            stops.append(sorted(e.task_id for e in self._events))
+            return []
+
+    calls = {"n": 0}
+
+    def poll():
+        calls["n"] += 1
+        if calls["n"] == 3:  # (the long task is running by now)
+            raise RuntimeError("the inbox broke")
+        return []
+
+    path = tmp_path / "records.json"
+    runner = ScheduleRunner(TaskScheduler(1), Stoppable(), poll=poll, poll_s=1.0, records=path)
+    runner.submit(Task("long", 10, 1))
+    with pytest.raises(RuntimeError, match="the inbox broke"):
+        runner.run()
+    assert stops == [["long"]]
+    record = runner.records["long"]
+    assert record.state == "stopped" and "the schedule raised RuntimeError: the inbox broke" in record.detail
+    assert read_records_file(path)["long"]["state"] == "stopped"
+
+
+def test_anything_an_executor_raises_on_a_start_is_a_failed_attempt():
+    """Only `OSError` was caught: a ValueError out of ``start`` crashed the schedule, its running tasks left running."""
+
+    class Raising(SimulatedExecutor):
+        def start(self, task, gpu_ids):
+            if task.id == "bad":
+                raise ValueError("no such thing")
+            super().start(task, gpu_ids)
+
+    runner = ScheduleRunner(TaskScheduler(2), Raising(), max_retries=1)
+    for t in (Task("long", 10, 1), Task("bad", 2, 1)):
+        runner.submit(t)
+    records = runner.run()
+    assert (records["long"].state, records["long"].end) == ("finished", 10)
+    assert (records["bad"].state, records["bad"].attempts) == ("failed", 2)
+    assert "could not start: ValueError: no such thing" in records["bad"].detail
+
+
+def test_a_task_without_a_command_is_refused_when_submitted_to_an_executor_that_runs_commands(tmp_path):
+    """A task without a command crashed `run` after the others had started (they kept running): refused at submit,
+    naming it; a simulation needs no command."""
+    from lightning_multilora.scheduling import LocalExecutor
+
+    runner = ScheduleRunner(TaskScheduler(2), LocalExecutor(tmp_path), max_retries=0)
+    runner.submit(Task("a", 5, 1, ["sleep", "5"]))
+    with pytest.raises(ValueError, match=r"task 'b' has no `command` to run \(LocalExecutor runs"):
+        runner.submit(Task("b", 3))
+    assert runner.known_ids() == {"a"} and not runner.running
+    ScheduleRunner(TaskScheduler(2), SimulatedExecutor()).submit(Task("b", 3))

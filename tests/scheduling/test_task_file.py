@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import sys
 import textwrap
 
@@ -232,7 +234,8 @@ RUN_AND_WAIT = ("import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str
 @pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
 def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
     """Ctrl-C (after CP-SAT's solves, whose own SIGINT handler killed the process outright) or a `kill`: the running
-    tasks are stopped, not left running in their own sessions."""
+    tasks are stopped, not left running in their own sessions; they are listed as stopped, in the records on disk
+    too, and the run's chart is drawn (the table was only printed, without them)."""
     import os
     import signal
     import subprocess
@@ -261,10 +264,15 @@ def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
     schedule.send_signal(getattr(signal, sig))
     out, _ = schedule.communicate(timeout=60)
     assert schedule.returncode == code, out
-    assert "interrupted: stopping the running tasks ['a', 'b']" in out
+    assert "interrupted: stopped the tasks ['a', 'b']" in out
     for pid in (int(p.read_text()) for p in pids):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    assert re.search(r"^a +stopped +1 ", out, re.M) and re.search(r"^b +stopped +1 ", out, re.M)
+    records = {e["id"]: e for e in json.loads((tmp_path / "logs" / "records.json").read_text())["tasks"]}
+    assert {t: (e["state"], e["log"]) for t, e in records.items()} == {
+        t: ("stopped", str(tmp_path / "logs" / "logs" / f"{t}.1.log")) for t in "ab"}
+    assert (tmp_path / "logs" / "run.png").exists()
 
 
 def test_a_key_given_twice_is_an_error_not_the_last_one_silently(tmp_path):
@@ -436,3 +444,67 @@ def test_a_simulation_with_an_inbox_jumps_to_the_next_event(tmp_path, monkeypatc
     assert main([str(path), "--simulate", "--inbox", str(inbox)]) == 0
     out = capsys.readouterr().out
     assert out.count("finished") == 2 and "makespan 2000010.0 s" in out and len(calls) <= 5
+
+
+def test_a_file_without_gpus_says_it_is_required(tmp_path):
+    """It said "`gpus` must be an integer >= 1, got None"."""
+    with pytest.raises(ValueError, match=r"`gpus` is required: the GPUs the tasks are planned on, an integer >= 1"):
+        load_task_file(write(tmp_path, "tasks: [{id: a, duration: 5}]"))
+
+
+def test_a_plan_on_more_gpus_than_a_chart_has_rows_draws_none(tmp_path, capsys):
+    """``gpus: 100000`` with --plan-only spent minutes drawing a row per GPU: the plan is printed, no chart."""
+    from lightning_multilora.scheduling.task_file import MAX_CHART_GPUS, gantt
+
+    path = write(tmp_path, f"gpus: 100000\nlog_dir: {tmp_path / 'logs'}\ntasks: [{{id: a, duration: 5, gpus: 3}}]")
+    assert main([str(path), "--plan-only"]) == 0
+    out = capsys.readouterr().out
+    assert f"no Gantt chart: 100000 GPUs, more rows than a chart has ({MAX_CHART_GPUS} at most)" in out
+    assert "makespan 5.0" in out and not list(tmp_path.rglob("*.png"))
+    with pytest.raises(ValueError, match=rf"a row per GPU, {MAX_CHART_GPUS} at most; 100000 GPUs were given"):
+        gantt({}, 100000, tmp_path / "chart.png")
+
+
+# fails (exit 3) on its first run, finishes on the next; says "<id> <attempt>;" in the file each time
+FIRST_FAILS = ("import os, sys; m = sys.argv[1]; first = not os.path.exists(m); "
+               "open(m, 'a').write(os.environ['MULTILORA_TASK_ID'] + ' ' + os.environ['MULTILORA_TASK_ATTEMPT'] + "
+               "';'); sys.exit(3 if first else 0)")
+
+
+def test_a_resumed_schedule_skips_the_tasks_recorded_finished(tmp_path, capsys, monkeypatch):
+    """A re-run redid finished tasks (nothing was kept on disk): the records are written to
+    ``<log_dir>/records.json``, and ``--resume`` runs only what did not finish (said), its attempts numbered on."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # (tasks without GPUs; no torch import to count them)
+    py = sys.executable
+    log_dir = tmp_path / "logs"
+    path = write(tmp_path, f"""\
+        gpus: 2
+        max_retries: 0
+        log_dir: {log_dir}
+        tasks:
+          - {{id: ok, duration: 1, command: [{py}, -c, "{FIRST_FAILS}", {tmp_path / 'ok.marker'}]}}
+          - {{id: flaky, duration: 1, command: [{py}, -c, "{FIRST_FAILS}", {tmp_path / 'flaky.marker'}]}}
+        """)
+    (tmp_path / "ok.marker").write_text("")  # (ok finishes at once)
+    assert main([str(path)]) == 1
+    records = {e["id"]: e for e in json.loads((log_dir / "records.json").read_text())["tasks"]}
+    assert {t: (e["state"], e["exit_code"]) for t, e in records.items()} == {"ok": ("finished", 0),
+                                                                              "flaky": ("failed", 3)}
+    assert records["flaky"]["log"] == str(log_dir / "logs" / "flaky.1.log")
+    capsys.readouterr()
+    assert main([str(path), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "records 1 of the 2 tasks as finished" in out and "resume: skipped 1 task that" in out
+    assert (tmp_path / "ok.marker").read_text() == "ok 1;" and (tmp_path / "flaky.marker").read_text() == (
+        "flaky 1;flaky 2;")  # (ok did not run again; flaky's retry knows it is attempt 2)
+    assert sorted(p.name for p in (log_dir / "logs").iterdir()) == ["flaky.1.log", "flaky.2.log", "ok.1.log"]
+    records = {e["id"]: e for e in json.loads((log_dir / "records.json").read_text())["tasks"]}
+    assert {t: (e["state"], e["attempts"]) for t, e in records.items()} == {"ok": ("finished", 1),
+                                                                            "flaky": ("finished", 2)}
+    assert main([str(path), "--resume"]) == 0
+    assert "every task is finished: nothing to run" in capsys.readouterr().out
+    (log_dir / "records.json").write_text("{")
+    with pytest.raises(SystemExit):
+        main([str(path), "--resume"])
+    assert f"--resume: {log_dir / 'records.json'}: the schedule's records do not read" in capsys.readouterr().err
+
