@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import signal
 import sys
@@ -93,10 +94,14 @@ class MultiLoRACLI(LightningCLI):
     def instantiate_classes(self) -> None:
         """A value the classes refuse as they are built (an AdapterSpec field out of range, say) ends the command with
         its own message, as a parse error does, not under jsonargparse's traceback (which wraps it among the
-        type's alternatives). So does an OSError (a `base_model` that is no checkpoint, a file a source cannot read)."""
+        type's alternatives). So does an OSError (a `base_model` that is no checkpoint, a file a source cannot read)
+        and a Trainer argument Lightning refuses (`val_check_interval=0.5` beside the CLI's
+        `check_val_every_n_epoch=None`)."""
+        from lightning.fabric.utilities.exceptions import MisconfigurationException
+
         try:
             super().instantiate_classes()
-        except (ValueError, OSError) as err:
+        except (ValueError, OSError, MisconfigurationException) as err:  # (the last: the Trainer's own refusals)
             self.parser.error(config_error(err), ex=err)
 
     def before_fit(self) -> None:
@@ -137,16 +142,19 @@ class MultiLoRACLI(LightningCLI):
                               "(lightning_multilora.callbacks.OptunaSweep)")
         self._claimed = self._claim_log_dir(path)
 
-    def _named_checkpoint(self, name: str) -> str:
+    def _named_checkpoint(self, name: str) -> Optional[str]:
         """The checkpoint ``--ckpt_path last`` (or ``hpc``, ``best``) names for this command. Lightning looks for "last"
         in the run's own checkpoint folder, and the CLI gives a run a log version of its own (a resume logs to the
         next one): it found none there, warned, and a fresh run started from step 0 with a new study, the interrupted
         run's trials left RUNNING. "last" is here the newest checkpoint (a ``last*.ckpt`` on a tie; an
         adapter-parallel folder by its newest rank file) in the folders the run's checkpoint callbacks save in, every
-        version of the logger's included (`_checkpoint_folders`); "hpc" Lightning's newest ``hpc_ckpt_<n>.ckpt`` in
-        ``default_root_dir``. None found is a usage error naming where it looked. "best" is the best checkpoint of an
-        earlier fit in the same process, which a command has not (Lightning's error for it blamed the
-        ModelCheckpoint): refused."""
+        version of the logger's included (`_checkpoint_folders`); under `multilora schedule` (``MULTILORA_TASK_ID``
+        set) only the checkpoints of the runs of the same task (tasks share a root, each in its own versions; a
+        retry resumed another task's run). None found: a new run, with a warning naming where it looked, as Lightning
+        does for "last" (a command that says it once serves the first run and the ones that resume it). "hpc" is
+        Lightning's newest ``hpc_ckpt_<n>.ckpt`` in ``default_root_dir`` (none: a usage error). "best" is the best
+        checkpoint of an earlier fit in the same process, which a command has not (Lightning's error for it blamed
+        the ModelCheckpoint): refused."""
         from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 
         if name == "best":
@@ -170,10 +178,24 @@ class MultiLoRACLI(LightningCLI):
         folders, looked = self._checkpoint_folders()
         found = [p for folder in folders for p in folder.glob("*.ckpt") if p.exists()]  # (a folder too: one of
         found += [p for p in exceptions if p.exists() and p not in found]  # an adapter-parallel run)
+        task = os.environ.get(TASK_ID_ENV)
+        runs = {p: _checkpoint_run_id(str(p / "rank0.ckpt" if p.is_dir() else p)) for p in found}
+        if task:  # (a schedule's task: its own runs' checkpoints alone)
+            own = self._task_runs(task)
+            found = [p for p in found if runs[p] in own]
+        configs = self._run_configs()  # (another command's runs in the same root: not this command's "last")
+        config = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)  # (as it is saved)
+        mine = self._config_sections(config)
+        others = [p for p in found if configs.get(runs[p]) and mine not in configs[runs[p]]]
+        found = [p for p in found if p not in others]
         if not found:
-            self.parser.error(f"`ckpt_path` 'last': no checkpoint in {', '.join(looked) or 'no folder'} (no "
-                              "ModelCheckpoint saved one: it saves at each validation, `val_check_interval`): give "
-                              "a checkpoint's path, or no `ckpt_path` for a new run")
+            whose = f" of task {task!r}'s runs" if task else ""
+            skipped = (f"; the checkpoints of runs of another `model` or `data` config were left out "
+                       f"({', '.join(sorted(map(str, others)))}): give one's path to resume it" if others else "")
+            warnings.warn(f"`ckpt_path` 'last': no checkpoint{whose} in {', '.join(looked) or 'no folder'} (no "
+                          "ModelCheckpoint saved one: it saves at each validation, `val_check_interval`): a new run "
+                          f"starts, as Lightning starts one for 'last'{skipped}", stacklevel=2)
+            return None
         # the newest (a `last` file, or a folder of rank files, by its newest file's time): on a tie, a `last` one
         return str(max(found, key=lambda p: (_written_at(p), bool(pattern.fullmatch(p.stem)) or p in exceptions)))
 
@@ -206,6 +228,47 @@ class MultiLoRACLI(LightningCLI):
             folders.append(Path(trainer.default_root_dir) / "checkpoints")
             named.append(str(folders[-1]))
         return folders, named
+
+    def _run_configs(self) -> dict[str, list[dict]]:
+        """The `model` and `data` sections of the configs (``config.yaml``) that the runs under this command's root
+        saved, by run id (a run resumed with another config has several)."""
+        configs: dict[str, list[dict]] = {}
+        for root in self._log_roots():
+            run = _read_claim(root)
+            try:
+                text = (root / "config.yaml").read_text(encoding="utf-8") if run else None
+            except OSError:
+                continue
+            if text is not None:
+                configs.setdefault(run, []).append(self._config_sections(text))
+        return configs
+
+    @staticmethod
+    def _config_sections(text: str) -> dict:
+        """A saved config's `model` and `data` sections (those that make a run; the trainer's may change on a
+        resume)."""
+        import yaml
+
+        try:
+            config = yaml.safe_load(text)
+        except yaml.YAMLError:
+            return {}
+        return {k: config.get(k) for k in ("model", "data")} if isinstance(config, dict) else {}
+
+    def _log_roots(self) -> list[Path]:
+        """The folders where the runs under this command's root keep their claims and configs: the root itself, and
+        each version folder of the logger's."""
+        trainer, roots = self.trainer, [Path(self.trainer.default_root_dir)]
+        if trainer.loggers:
+            logger = trainer.loggers[0]
+            roots += sorted((Path(logger.save_dir or trainer.default_root_dir) / str(logger.name)).glob("*"))
+        return roots
+
+    def _task_runs(self, task: str) -> set[str]:
+        """The ids of the runs of schedule task ``task`` that left a log directory under this command's root: their
+        claims (`CLAIM`) name the task."""
+        claims = [_read_claim_lines(root / CLAIM) for root in self._log_roots()]
+        return {lines[0] for lines in claims if len(lines) > 1 and lines[0] and lines[1] == f"task={task}"}
 
     def _drawn_sources(self) -> set[str]:
         """The data sources the run's adapters may draw: the given adapters' and those a sweep may ask
@@ -248,7 +311,8 @@ class MultiLoRACLI(LightningCLI):
                 try:
                     folder.mkdir(parents=True, exist_ok=True)
                     with open(folder / CLAIM, "x" if ckpt_path is None else "w", encoding="utf-8") as fh:
-                        fh.write(f"{run_id or ''}\n")
+                        task = os.environ.get(TASK_ID_ENV)  # (a schedule's task: its retries resume its own runs)
+                        fh.write(f"{run_id or ''}\n" + (f"task={task}\n" if task else ""))
                     return folder / CLAIM
                 except FileExistsError:  # another run took it between the listing and now
                     pass
@@ -259,15 +323,17 @@ class MultiLoRACLI(LightningCLI):
                           f"{', '.join(previous) or CLAIM}: give this run its own (--trainer.default_root_dir, or a "
                           "logger that versions its runs), or resume that run with --ckpt_path")
 
-    def _release_log_dir(self) -> None:
-        """A fit refused before any adapter took a step leaves no claim, config or study in its log directory (they
-        would refuse the corrected command; a logger's version folder keeps its event file)."""
+    def _release_log_dir(self) -> bool:
+        """A fit refused (or stopped) before any adapter took a step leaves no claim, config, study or summary in its
+        log directory (they would refuse the corrected command; a logger's version folder keeps its event file).
+        Returns whether no adapter took a step (a resume's adapters count their checkpoint's steps)."""
+        if any(r.step for r in self.model.registry):
+            return False
         claim = getattr(self, "_claimed", None)
-        if claim is None or any(r.step for r in self.model.registry):
-            return
-        if self.config_init[self.subcommand].get("ckpt_path") is None:
-            for name in ("config.yaml", "optuna.db", CLAIM):
+        if claim is not None and self.config_init[self.subcommand].get("ckpt_path") is None:
+            for name in ("config.yaml", "optuna.db", "sweep_summary.json", CLAIM):
                 (claim.parent / name).unlink(missing_ok=True)
+        return True
 
     def fit(self, model: MultiLoRAModule, **kwargs) -> None:
         """``Trainer.fit``; a `UsageError` it raises (a data file that does not read, a storage URL that does not
@@ -281,8 +347,15 @@ class MultiLoRACLI(LightningCLI):
         except UsageError as err:
             self._release_log_dir()
             self.parser.error(str(err))
+        except ValueError as err:  # (a value refused as the fit starts, before any step: a usage error too)
+            if self._release_log_dir():
+                self.parser.error(str(err))
+            raise
         except SIGTERMException as err:
             raise SystemExit(128 + signal.SIGTERM) from err
+        except BaseException:  # (a fit that ends before any step leaves nothing that would refuse the next command)
+            self._release_log_dir()
+            raise
 
 
 def config_error(err: Exception) -> str:
@@ -314,11 +387,21 @@ CLAIM = ".multilora_log"  # the run that took the directory (its id), made as it
 PREVIOUS_RUN_FILES = ("config.yaml", "sweep_summary.json", "optuna.db", CLAIM)
 
 
+TASK_ID_ENV = "MULTILORA_TASK_ID"  # set by `multilora schedule` for each task's command: the task's id
+
+
 def _read_claim(folder: Path) -> Optional[str]:
+    """The id of the run that claimed ``folder`` (None: no claim, or one without an id)."""
+    lines = _read_claim_lines(folder / CLAIM)
+    return lines[0] if lines and lines[0] else None
+
+
+def _read_claim_lines(path: Path) -> list[str]:
+    """A claim's lines: the run's id, then ``task=<id>`` where a schedule's task made it."""
     try:
-        return (folder / CLAIM).read_text(encoding="utf-8").strip() or None
+        return [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
     except OSError:
-        return None
+        return []
 
 
 def _checkpoint_run_id(path: str) -> Optional[str]:
@@ -340,6 +423,31 @@ COMMANDS = """commands beside fit:
                                  (`multilora schedule --help`)"""
 
 
+def _adapters_replaced(args: list[str]) -> list[str]:
+    """``args`` where a `model.adapters` list given (``--model.adapters``, or a later ``--config`` holding one)
+    replaces the one given before it: jsonargparse merges a list of the same length item by item into the earlier
+    one, so that each adapter took the fields its predecessor at that place had and it did not say (another name's
+    `lr`, `dataset`, `max_epochs`...). A ``null`` is put before it; ``--model.adapters+=`` still appends."""
+    import yaml
+
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        flag, _, inline = arg.partition("=")
+        value = inline if inline else args[i + 1] if i + 1 < len(args) else None
+        if flag == "--model.adapters" and value not in (None, "null", "None"):
+            out += ["--model.adapters", "null"]
+        elif flag == "--config" and value is not None:
+            try:
+                config = yaml.safe_load(Path(value).read_text(encoding="utf-8"))
+            except (OSError, yaml.YAMLError):  # (jsonargparse says what is wrong with it)
+                config = None
+            if isinstance(config, dict) and isinstance(config.get("model"), dict) \
+                    and config["model"].get("adapters") is not None:
+                out += ["--model.adapters", "null"]
+        out.append(arg)
+    return out
+
+
 def main(args: Optional[list[str]] = None) -> None:
     from_command_line = args is None
     args = list(sys.argv[1:] if args is None else args)
@@ -349,6 +457,7 @@ def main(args: Optional[list[str]] = None) -> None:
         sys.exit(schedule(args[1:]))
     if args[:1] == ["demo"]:
         args = ["fit", "--config", demo_config(), *args[1:]]
+    args = _adapters_replaced(args)
     if from_command_line:  # (LightningCLI warns when given both ``args`` and a command line)
         sys.argv[1:] = args
     # (no --optimizer / --lr_scheduler: LightningCLI's would replace the module's per-adapter optimizer groups and

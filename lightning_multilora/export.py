@@ -125,6 +125,18 @@ def init_from_weights(spec: AdapterSpec) -> dict[str, Tensor]:
     return _load_bin(path)
 
 
+# `adapter_config.json` fields a plain LoRA adapter may set (checked on their own where they matter: `r`,
+# `lora_alpha`, `use_rslora`, `peft_type`, `init_lora_weights`); any other field set (not null, false, empty or
+# "none") is a variant this module does not train: DoRA, biases, rank / alpha patterns, modules_to_save, aLoRA...
+_FREE_FIELDS = frozenset({
+    "task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+    "r", "target_modules", "exclude_modules", "lora_alpha", "lora_dropout", "fan_in_fan_out", "use_rslora",
+    "layers_to_transform", "layers_pattern", "init_lora_weights", "eva_config", "loftq_config", "megatron_core",
+    "runtime_config", "qalora_group_size", "ensure_weight_tying"})
+# initialisations that leave the base as it is (their weights train as any LoRA's afterwards)
+_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
+
+
 def init_from_config(spec: AdapterSpec) -> dict[str, Any]:
     """``spec.init_from``'s ``adapter_config.json``, after checking that it is a plain LoRA adapter of the spec's
     ``rank``, ``alpha`` and ``use_rslora`` (a ValueError names what differs)."""
@@ -143,14 +155,19 @@ def init_from_config(spec: AdapterSpec) -> dict[str, Any]:
     differ = [f"{ours}={theirs_value!r} there, {getattr(spec, ours)!r} in the spec" for ours, theirs_value in (
         ("rank", config.get("r")), ("alpha", config.get("lora_alpha")),
         ("use_rslora", config.get("use_rslora", False))) if theirs_value != getattr(spec, ours)]
-    unsupported = [f"{key}={config[key]!r}" for key, plain in (
-        ("peft_type", "LORA"), ("use_dora", False), ("bias", "none"), ("rank_pattern", {}), ("alpha_pattern", {}),
-        ("modules_to_save", None), ("lora_bias", False), ("target_parameters", None),
-        ("trainable_token_indices", None)) if config.get(key, plain) not in (
-        plain, None, [], {})]
+    init = config.get("init_lora_weights", True)
+    if init not in _PLAIN_INITS:  # (PiSSA, OLoRA, CorDA, LoRA-GA and LoftQ change the base their weights go with)
+        raise ValueError(f"{where} is not a plain LoRA adapter (init_lora_weights={init!r}): its weights fit the base "
+                         "its initialisation rewrote, not the base these adapters share; PEFT converts such an "
+                         "adapter to plain LoRA (`save_pretrained(..., path_initial_model_for_weight_conversion=...)`"
+                         f"), which loads here. Plain initialisations: {list(_PLAIN_INITS)}")
+    unsupported = [f"{key}={value!r}" for key, value in config.items()
+                   if key not in _FREE_FIELDS and value not in (None, False, [], {}, "none")]
+    if config.get("peft_type", "LORA") != "LORA":
+        unsupported.insert(0, f"peft_type={config['peft_type']!r}")
     if unsupported:
         raise ValueError(f"{where} is not a plain LoRA adapter ({', '.join(unsupported)}): these adapters are plain "
-                         "LoRA (no DoRA, biases, per-layer ranks or saved modules)")
+                         "LoRA (no DoRA, biases, per-layer ranks, saved modules or other LoRA variants)")
     if differ:
         raise ValueError(f"{where} differs from the spec: {'; '.join(differ)} (the spec's `rank`, `alpha` and "
                          "`use_rslora` must be the folder's `r`, `lora_alpha` and `use_rslora`)")

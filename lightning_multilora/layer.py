@@ -726,11 +726,30 @@ class LoRALayers(Mapping):
         nothing is loaded then)."""
         expected = {f"{prefix}{layer_name}.lora_{ab}.weight": getattr(self._layers[layer_name], f"lora_{ab}")[name]
                     for layer_name in self._targets[name] for ab in "AB"}
+        copies = self._base_copies(prefix)
         _check_peft_shapes(name, {k: tuple(p.shape) for k, p in expected.items()},
-                           {k: tuple(v.shape) if isinstance(v, Tensor) else None for k, v in state.items()})
+                           {k: tuple(v.shape) if isinstance(v, Tensor) else None for k, v in state.items()},
+                           {k: tuple(w.shape) for k, w in copies.items()})
+        differ = [k for k, w in copies.items() if k in state and not _same_values(state[k], w)]
+        if differ:
+            raise ValueError(f"weights for adapter {name!r} do not fit it: its file holds base weights other than "
+                             f"this base's {differ} (PEFT's `save_embedding_layers`: a resized vocabulary, or another "
+                             "base); these adapters share the frozen base as it is")
         with torch.no_grad():
             for key, p in expected.items():
                 p.copy_(state[key])
+
+    def _base_copies(self, prefix: str) -> dict[str, Tensor]:
+        """The base weights of the wrapped layers under PEFT's saved names (``<layer>.base_layer.weight``, and its
+        ``bias``): PEFT's `save_pretrained` writes them beside the LoRA weights of a targeted ``lm_head`` or embedding
+        (``save_embedding_layers="auto"``); an adapter file that holds this base's own is plain LoRA."""
+        copies = {}
+        for layer_name, layer in self._layers.items():
+            for field in ("weight", "bias"):
+                value = getattr(layer.base, field, None)
+                if isinstance(value, Tensor):
+                    copies[f"{prefix}{layer_name}.base_layer.{field}"] = value
+        return copies
 
     def check_peft_shapes(self, name: str, rank: int, target_modules: Optional[Union[str, Sequence[str]]],
                           shapes: Mapping[str, Optional[tuple[int, ...]]], prefix: str = "base_model.model.") -> None:
@@ -742,7 +761,7 @@ class LoRALayers(Mapping):
             layer = self._layers[layer_name]
             expected[f"{prefix}{layer_name}.lora_A.weight"] = (rank, layer.in_features)
             expected[f"{prefix}{layer_name}.lora_B.weight"] = (layer.out_features, rank)
-        _check_peft_shapes(name, expected, shapes)
+        _check_peft_shapes(name, expected, shapes, {k: tuple(w.shape) for k, w in self._base_copies(prefix).items()})
 
     @contextmanager
     def use(self, layout: Optional[BatchLayout], refresh: bool = True) -> Iterator[None]:
@@ -923,6 +942,16 @@ def inject_multilora(
 _EXPERT = re.compile(r"(^|\.)experts\.\d+\.")  # a layer of one expert of a ModuleList of experts
 
 
+def _same_values(saved: Any, weight: Tensor) -> bool:
+    """Whether a base weight PEFT saved is ``weight``, judged in the lower precision of the two (a base loaded in
+    bf16 here, in float32 where it was saved); a quantized or sharded weight is not compared."""
+    if type(weight) not in (Tensor, nn.Parameter) or not weight.is_floating_point() or not isinstance(saved, Tensor):
+        return True
+    dtype = min((saved.dtype, weight.dtype), key=lambda d: torch.finfo(d).bits)
+    with torch.no_grad():
+        return torch.equal(saved.to(device=weight.device, dtype=dtype), weight.to(dtype))
+
+
 def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:
     """A Hugging Face model's output head (``lm_head``, GPT-NeoX's ``embed_out``...), or None."""
     get = getattr(model, "get_output_embeddings", None)
@@ -941,11 +970,13 @@ def _stream_seed(seed: int, layer_key: int) -> int:
 
 
 def _check_peft_shapes(name: str, expected: Mapping[str, tuple[int, ...]],
-                       found: Mapping[str, Optional[tuple[int, ...]]]) -> None:
+                       found: Mapping[str, Optional[tuple[int, ...]]],
+                       base_copies: Mapping[str, tuple[int, ...]]) -> None:
     """`LoRALayers.load_peft_state_dict`'s check: ``found`` (PEFT's key names: a tensor's shape, None for what is no
-    tensor) against adapter ``name``'s ``expected`` weights; a ValueError names every difference."""
+    tensor) against adapter ``name``'s ``expected`` weights; a ValueError names every difference. ``base_copies``:
+    the shapes of the base weights PEFT may save beside them (`LoRALayers._base_copies`), which pass where they fit."""
     missing = sorted(k for k in expected if k not in found)
-    others = [k for k in found if k not in expected]
+    others = [k for k in found if k not in expected and not (k in base_copies and found[k] == base_copies[k])]
     extra = sorted(k for k in others if re.search(r"\.lora_[AB]\.weight$", k))
     unsupported = sorted(k for k in others if k not in extra)
     not_tensors = sorted(k for k in expected if k in found and found[k] is None)

@@ -14,12 +14,24 @@ _seen: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
 
 
 def log_dir_of(trainer: Any) -> str:
-    """``trainer.log_dir`` (or its ``default_root_dir`` where there is none), asked once per Trainer."""
+    """``trainer.log_dir`` (or its ``default_root_dir`` where there is none), asked once per Trainer. A smoke run
+    (``fast_dev_run``, whose logger and checkpoints Lightning turns off) gets a temporary folder instead, said once:
+    its exports and summary land there, not beside the real runs' (where they were versioned on, and its summary
+    refused the next real run a log directory without a logger)."""
     try:
         return _seen[trainer]
     except KeyError:
         pass
     except TypeError:  # (an object that takes no weak reference: a stand-in of a Trainer)
         return trainer.log_dir or trainer.default_root_dir
-    found = _seen[trainer] = trainer.log_dir or trainer.default_root_dir
+    found = trainer.log_dir or trainer.default_root_dir
+    if getattr(trainer, "fast_dev_run", False):
+        import tempfile
+        import warnings
+
+        smoke = tempfile.mkdtemp(prefix="multilora-fast-dev-run-")
+        warnings.warn(f"`Trainer(fast_dev_run=...)`: the smoke run writes its adapters and summary to {smoke}, not "
+                      f"{found}", stacklevel=2)
+        found = smoke
+    _seen[trainer] = found
     return found

@@ -432,6 +432,13 @@ class MultiLoRAMixin:
                                  peft_target_modules(layers, self._all_module_names), base or None,
                                  fan_in_fan_out=any(self.lora_layers[n].fan_in_fan_out for n in layers),
                                  task_type="CAUSAL_LM" if _generates(self.lora_layers.model) else None)
+        overrides = getattr(self, "_checkpoint_overrides", None)
+        if overrides and base and not getattr(self, "_told_overrides", False):
+            self._told_overrides = True  # (once a module)
+            warnings.warn(f"adapter {name!r}: its export names the base {base!r}, which this module loaded with "
+                          f"`config_overrides` {overrides}; PEFT loads that base without them: build it with "
+                          f"`AutoModelForCausalLM.from_pretrained({base!r}, **{overrides!r})` before "
+                          "`PeftModel.from_pretrained`", stacklevel=2)
         if own_folder:
             rec.export_path = str(path)
             if weights is not None:
@@ -711,9 +718,11 @@ class MultiLoRAMixin:
             hook.remove()
 
     def _export_root(self) -> Path:
-        if self.export_dir is not None:
-            return Path(self.export_dir)
+        """Where the adapters' folders go: `export_dir`, else the run's log directory's ``adapters`` (a smoke run's,
+        ``fast_dev_run``, a temporary one's, `log_dir_of`, `export_dir` or not)."""
         trainer = self._trainer_or_none()
+        if self.export_dir is not None and not (trainer is not None and trainer.fast_dev_run):
+            return Path(self.export_dir)
         if trainer is not None:
             return Path(log_dir_of(trainer)) / "adapters"
         return Path("adapters")
@@ -1553,7 +1562,9 @@ class MultiLoRAMixin:
                 rank_zero_warn(f"`{type(callback).__name__}(monitor={callback.monitor!r})` monitors adapter {name!r}, "
                                f"which the module does not have (yet); its adapters are "
                                f"{[r.name for r in self.registry]}")
-        interval, limit_train = trainer.val_check_interval, trainer.limit_train_batches
+        # (a time interval, "DD:HH:MM:SS" or a timedelta, leaves Lightning's `val_check_interval` unset: it validates
+        # by the clock, also within the endless epoch)
+        interval, limit_train = getattr(trainer, "val_check_interval", None), trainer.limit_train_batches
         endless = isinstance(limit_train, float) and limit_train == 1.0  # (an int is a number of batches)
         if isinstance(interval, float) and interval != 1.0 and endless and not trainer.fast_dev_run:
             raise UsageError(f"`Trainer(val_check_interval={interval!r})` is a share of an epoch, and the run is one "
@@ -1600,7 +1611,7 @@ class MultiLoRAMixin:
         best weights) as a regular validation does. Under adapter parallelism, call it on every rank: each measures
         the adapters it holds, and every rank returns them all."""
         specs = [specs] if isinstance(specs, (AdapterSpec, str)) else list(specs)
-        specs = [self._held_spec(s) for s in specs]
+        specs = [self._held_spec(s, "evaluate", "specs") for s in specs]
         dm = self._datamodule()
         sums = {s.name: [0.0, 0.0, 0.0, 0.0] for s in specs}
         with torch.no_grad(), _evaluating(self):  # (each submodule's own mode restored after)
@@ -1637,7 +1648,7 @@ class MultiLoRAMixin:
             raise ValueError("`generate` runs in one process; under adapter parallelism load an adapter's export with "
                              "PEFT (`PeftModel.from_pretrained(base, export_path)`) to generate with it")
         for name in dict.fromkeys(n for n in names if n is not None):
-            self._held_spec(name)
+            self._held_spec(name, "generate", "adapters")
         first = {n: i for i, n in reversed(list(enumerate(names)))}
         order = sorted(range(len(names)), key=lambda i: (names[i] is None, first[names[i]], i))  # rows per adapter
         runs: list[list[Any]] = []  # [name, start, end] of each adapter's rows, in the sorted order
@@ -1702,20 +1713,20 @@ class MultiLoRAMixin:
                 acc[2] += float(self._preference_accuracy[name]) * c
                 acc[3] += c
 
-    def _held_spec(self, spec: Union[AdapterSpec, str]) -> AdapterSpec:
+    def _held_spec(self, spec: Union[AdapterSpec, str], method: str, argument: str) -> AdapterSpec:
         """``spec`` (or the spec of the adapter so named), checked to have weights here: an adapter that has left
-        (or never came) would be measured on the base model alone."""
+        (or never came) would be measured on the base model alone. ``method`` and its ``argument``: for errors."""
         name = spec if isinstance(spec, str) else spec.name
         if name not in self.registry:
-            raise ValueError(f"`specs`: {name!r} is not an adapter of this module; adapters: "
+            raise ValueError(f"{method}'s `{argument}`: {name!r} is not an adapter of this module; adapters: "
                              f"{[r.name for r in self.registry]}")
         rec = self.registry[name]
         # (judged on the registry every rank shares first: under adapter parallelism every rank raises, none waits)
         if rec.state not in (AdapterState.RUNNING, AdapterState.PAUSED) or (
                 self._owns(name) and name not in self.lora_layers.adapter_names):
             where = f"; its weights were exported to {rec.export_path}" if rec.export_path else ""
-            raise ValueError(f"`specs`: evaluate takes adapters whose weights the model holds (running or paused); "
-                             f"{name!r} is {rec.state.value}{where}")
+            raise ValueError(f"{method}'s `{argument}`: {method} takes adapters whose weights the model holds (running "
+                             f"or paused); {name!r} is {rec.state.value}{where}")
         return rec.spec if isinstance(spec, str) else spec
 
     @override
@@ -2283,7 +2294,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
-        from lightning_multilora.base_model import build_base_model, resolve_dtype
+        from lightning_multilora.base_model import TINY_CONFIGS, build_base_model, resolve_dtype
 
         check_bool("MultiLoRAModule", "gradient_checkpointing", gradient_checkpointing)
         check_int("MultiLoRAModule", "base_seed", base_seed, -2**63, high=2**63 - 1)  # (torch's seeds: 64-bit)
@@ -2299,6 +2310,8 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
                 model = model.to(torch_dtype)
         else:
             model = build_base_model(base_model, config_overrides, dtype, base_seed, quantization)
+            if str(base_model) not in TINY_CONFIGS:  # (a checkpoint's overrides: its exports do not hold them)
+                self._checkpoint_overrides = dict(config_overrides or {})
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
         self.model = model

@@ -127,13 +127,13 @@ def test_a_run_into_another_runs_log_directory_is_refused_unless_it_resumes_it(t
 
 @pytest.mark.parametrize("override, message", [
     (["--ckpt_path", "/nowhere/x.ckpt"], "`ckpt_path` '/nowhere/x.ckpt': no such checkpoint file or folder"),
-    # (no checkpoint for "last": a new run started, silently; "best" and "hpc" ended in Lightning's traceback)
-    (["--ckpt_path", "last"], "/lightning_logs/*/checkpoints (no ModelCheckpoint saved one: it saves at each"),
+    # ("best" and "hpc" ended in Lightning's traceback)
     (["--ckpt_path", "best"], "`ckpt_path` 'best' names the best checkpoint of an earlier fit in the same process"),
     (["--ckpt_path", "hpc"], "`ckpt_path` 'hpc': no hpc_ckpt_<n>.ckpt"),
     (["--data.tokenizer", "/nowhere_tokenizer"], "`tokenizer` '/nowhere_tokenizer'"),
     (["--model.adapters", "[{name: a, dataset: nope}]"], "adapter `dataset` 'nope' is not a data source"),
     (["--trainer.gradient_clip_val", "1.0"], "`Trainer(gradient_clip_val=1.0)`: each adapter clips its own"),
+    (["--trainer.val_check_interval", "0.5"], "`val_check_interval` should be an integer or a time-based duration"),
     (["--data.sources", json.dumps({"d": {"class_path": "lightning_multilora.data.JSONLSource",
                                           "init_args": {"path": "/nowhere/train.jsonl"}}})],
      "data source 'd': JSONLSource: no file at `path` '/nowhere/train.jsonl'"),
@@ -416,3 +416,109 @@ def test_ckpt_path_last_resumes_the_checkpoint_an_earlier_run_of_the_root_left(t
     assert CrashAt.starts == [(None, 0), (str(saved), 2)]
     summary = json.loads((tmp_path / "lightning_logs" / "version_1" / "sweep_summary.json").read_text())
     assert [(row["adapter"], row["status"], row["steps"]) for row in summary] == [("a", "finished", 5)]
+
+
+def test_ckpt_path_last_of_a_schedule_task_resumes_its_own_runs_and_starts_one_where_there_is_none(tmp_path,
+                                                                                                   monkeypatch):
+    """A schedule's tasks share a root, each in its own log versions: "last" took the newest checkpoint of any, and a
+    task's retry resumed another task's run (its adapters trained as the retried task's). Under `multilora schedule`
+    (``MULTILORA_TASK_ID``) "last" is the newest of the task's own runs; none there (a first attempt) starts a new
+    run with a warning, as Lightning does for "last", so one command serves a task's first attempt and its retries."""
+    monkeypatch.setattr(CrashAt, "starts", [])
+    callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}}]
+    crash = lambda step: json.dumps([*callbacks, {"class_path": f"{__name__}.CrashAt",  # noqa: E731
+                                                  "init_args": {"step": step}}])
+    task_a = _tiny_fit(tmp_path, "--trainer.val_check_interval", "2", "--ckpt_path", "last",
+                       adapters="[{name: a, rank: 2, max_steps: 5, batch_size: 2}]")
+    task_b = _tiny_fit(tmp_path, "--trainer.val_check_interval", "2", "--ckpt_path", "last",
+                       adapters="[{name: b, rank: 2, max_steps: 3, batch_size: 2}]")
+    monkeypatch.setenv("MULTILORA_TASK_ID", "A")
+    with pytest.warns(UserWarning, match=r"`ckpt_path` 'last': no checkpoint of task 'A''s runs in .*: a new run"):
+        with pytest.raises(RuntimeError, match="node lost"):
+            main([*task_a, "--trainer.callbacks", crash(3)])
+    saved = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    assert saved.is_file()
+    monkeypatch.setenv("MULTILORA_TASK_ID", "B")  # another task's first attempt: not task A's checkpoint
+    with pytest.warns(UserWarning, match=r"no checkpoint of task 'B''s runs"):
+        main([*task_b, "--trainer.callbacks", crash(0)])
+    monkeypatch.setenv("MULTILORA_TASK_ID", "A")  # task A's retry: its own run, resumed
+    main([*task_a, "--trainer.callbacks", crash(0)])
+    assert CrashAt.starts == [(None, 0), (None, 0), (str(saved), 2)]
+    rows = {v: [(r["adapter"], r["status"], r["steps"]) for r in json.loads(
+        (tmp_path / "lightning_logs" / v / "sweep_summary.json").read_text())] for v in ("version_1", "version_2")}
+    assert rows == {"version_1": [("b", "finished", 3)], "version_2": [("a", "finished", 5)]}
+    claims = [(tmp_path / "lightning_logs" / v / ".multilora_log").read_text().split("\n")[1] for v in (
+        "version_0", "version_1", "version_2")]
+    assert claims == ["task=A", "task=B", "task=A"]
+
+
+def test_a_value_refused_as_the_fit_starts_is_a_usage_error_and_leaves_nothing_that_refuses_the_next_run(
+        tmp_path, capsys):
+    """An optimizer argument the optimizer does not take is found as the fit starts (`configure_optimizers`): it
+    ended in a traceback, and the run's claim, config and summary stayed in a log directory of its own, which then
+    refused the corrected command ("holds another run's config.yaml...")."""
+    args = _tiny_fit(tmp_path, "--trainer.logger", "false")
+    with pytest.raises(SystemExit) as done:
+        main([*args, "--model.optimizer_kwargs", "{betass: [0.9, 0.99]}"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "betass" in err and "Traceback" not in err, err
+    assert not [p.name for p in tmp_path.iterdir() if p.is_file()]
+    main(args)
+    assert json.loads((tmp_path / "sweep_summary.json").read_text())[0]["status"] == "finished"
+
+
+def test_ckpt_path_last_resumes_a_run_of_the_same_config_not_the_newest_of_another(tmp_path, monkeypatch):
+    """Two commands sharing a root (the CLI's default `runs`), each interrupted: "last" for the first took the
+    second's newer checkpoint, trained its adapters under the first's config and started the first's own from step 0
+    (a warning said only that they were queued). Runs of another `model` or `data` config are left out, named
+    where nothing else is found; the trainer's settings may change on a resume."""
+    monkeypatch.setattr(CrashAt, "starts", [])
+    checkpoints = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}}
+    crash = lambda step: ["--trainer.callbacks", json.dumps([checkpoints, {  # noqa: E731
+        "class_path": f"{__name__}.CrashAt", "init_args": {"step": step}}])]
+    first = _tiny_fit(tmp_path, "--trainer.val_check_interval", "2",
+                      adapters="[{name: a, rank: 2, max_steps: 5, batch_size: 2}]")
+    second = _tiny_fit(tmp_path, "--trainer.val_check_interval", "2",
+                       adapters="[{name: z, rank: 2, max_steps: 5, batch_size: 2}]")
+    for args in (first, second):
+        with pytest.raises(RuntimeError, match="node lost"):
+            main([*args, *crash(3)])
+    own, newer = (tmp_path / "lightning_logs" / v / "checkpoints" / "last.ckpt" for v in ("version_0", "version_1"))
+    assert own.is_file() and newer.is_file()
+    main([*first, "--ckpt_path", "last", "--trainer.log_every_n_steps", "1", *crash(0)])
+    assert CrashAt.starts[-1] == (str(own), 2)
+    summary = json.loads((tmp_path / "lightning_logs" / "version_2" / "sweep_summary.json").read_text())
+    assert [(row["adapter"], row["status"], row["steps"]) for row in summary] == [("a", "finished", 5)]
+    other = _tiny_fit(tmp_path / "x", adapters="[{name: c, rank: 3, max_steps: 2, batch_size: 2}]")
+    other[other.index("--trainer.default_root_dir") + 1] = str(tmp_path)
+    with pytest.warns(UserWarning, match=r"no checkpoint in .*another `model` or `data` config were left out \(.*"
+                                         r"version_0/checkpoints/last.ckpt.*version_1/checkpoints/last.ckpt"):
+        main([*other, "--ckpt_path", "last"])
+    assert CrashAt.starts[-1] == (str(own), 2)  # (the new run has no CrashAt: it started from step 0)
+
+
+def test_a_list_of_adapters_given_later_replaces_the_earlier_one(tmp_path, capsys):
+    """jsonargparse merges a list of the same length item by item into the list given before it: the new adapters
+    took the fields their predecessors at those places had (another adapter's `lr`, `dataset`, `max_epochs`, which
+    then clashed with the `max_steps` given). A list given later, on the command line or in a later config, replaces
+    the earlier one; `+=` appends."""
+    import yaml
+
+    first = tmp_path / "first.yaml"
+    first.write_text(yaml.safe_dump({"model": {"base_model": "tiny-llama", "adapters": [
+        {"name": "a", "rank": 2, "lr": 0.01, "max_epochs": 0.5}, {"name": "b", "rank": 2, "dataset": "mul"}]}}))
+    second = tmp_path / "second.yaml"
+    second.write_text(yaml.safe_dump({"model": {"adapters": [{"name": "c", "rank": 4}, {"name": "d", "rank": 8}]}}))
+
+    def adapters(*extra):
+        with pytest.raises(SystemExit):
+            main(["fit", "--config", str(first), *extra, "--print_config"])
+        return [{k: v for k, v in a.items() if k in ("name", "lr", "max_epochs", "max_steps", "dataset")}
+                for a in yaml.safe_load(capsys.readouterr().out)["model"]["adapters"]]
+
+    fresh = {"lr": 2e-4, "max_epochs": None, "dataset": None}
+    assert adapters("--model.adapters", "[{name: x, rank: 4}, {name: y, rank: 8, max_steps: 50}]") == [
+        {"name": "x", **fresh, "max_steps": None}, {"name": "y", **fresh, "max_steps": 50}]
+    assert adapters("--config", str(second)) == [{"name": "c", **fresh, "max_steps": None},
+                                                  {"name": "d", **fresh, "max_steps": None}]
+    assert [a["name"] for a in adapters("--model.adapters+={name: e}")] == ["a", "b", "e"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import replace
 
 import lightning as L
@@ -227,8 +228,73 @@ def test_an_adapter_starts_from_a_peft_folder_and_continues_it(tmp_path, trainer
     _peft_saved_adapter(tmp_path / "dora", tmp_path / "base", r=4, lora_alpha=32, use_dora=True)
     with pytest.raises(ValueError, match=r"is not a plain LoRA adapter \(use_dora=True\)"):
         MultiLoRAModule(str(tmp_path / "base"))._targets_of(replace(spec, init_from=str(tmp_path / "dora")))
+    # initialisations that rewrite the base (PiSSA...) and other LoRA variants (aLoRA) are refused, naming the field;
+    # one that leaves the base alone ("orthogonal") starts the adapter
+    for name, config, message in [
+            ("pissa", dict(init_lora_weights="pissa"), r"\(init_lora_weights='pissa'\): its weights fit the base its "
+                                                      r"initialisation rewrote.*path_initial_model_for_weight_conv"),
+            ("alora", dict(alora_invocation_tokens=[5]), r"not a plain LoRA adapter \(alora_invocation_tokens=\[5\]\)"),
+            ("orthogonal", dict(init_lora_weights="orthogonal"), None)]:
+        _peft_saved_adapter(tmp_path / name, tmp_path / "base", r=4, lora_alpha=32, use_rslora=True,
+                            target_modules=["q_proj", "v_proj"], **config)
+        variant = replace(spec, init_from=str(tmp_path / name))
+        if message is None:
+            assert MultiLoRAModule(str(tmp_path / "base"))._targets_of(variant)
+        else:
+            with pytest.raises(ValueError, match=message):
+                MultiLoRAModule(str(tmp_path / "base"))._targets_of(variant)
     with pytest.raises(ValueError, match=r"holds weights for layers this module does not wrap \[.*q_proj"):
         MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], target_modules=["k_proj"])._targets_of(spec)
+
+
+def test_a_peft_adapter_of_the_head_with_its_saved_base_weights_starts_an_adapter(tmp_path):
+    """PEFT saves a targeted ``lm_head``'s base weights beside its LoRA weights (``save_embedding_layers="auto"``):
+    where they are this base's, the folder is plain LoRA and loads (PEFT's outputs); other base weights (a resized
+    vocabulary, another base) are refused, naming PEFT's option."""
+    from safetensors.torch import load_file, save_file
+
+    build_base_model("tiny-llama").save_pretrained(tmp_path / "base")
+    with pytest.warns(UserWarning, match="save_embedding_layers"):
+        saved = _peft_saved_adapter(tmp_path / "peft", tmp_path / "base", r=4, lora_alpha=8,
+                                    target_modules=["q_proj", "lm_head"])
+    assert "base_model.model.lm_head.base_layer.weight" in saved
+    spec = AdapterSpec("head", rank=4, alpha=8, init_from=str(tmp_path / "peft"))
+    ours = MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], target_modules=["q_proj", "lm_head"])
+    ours._create_weights(ours.registry["head"])
+    ids = torch.randint(0, 258, (2, 9), generator=torch.Generator().manual_seed(0))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "peft")
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids, layout=BatchLayout.from_sizes(["head"], [2])),
+                                   peft_model.eval()(input_ids=ids).logits, atol=1e-5, rtol=0)
+    saved["base_model.model.lm_head.base_layer.weight"] += 1.0
+    save_file(saved, str(tmp_path / "peft" / "adapter_model.safetensors"))
+    assert load_file(str(tmp_path / "peft" / "adapter_model.safetensors")).keys() == saved.keys()
+    other = MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], target_modules=["q_proj", "lm_head"])
+    with pytest.raises(ValueError, match=r"holds base weights other than this base's "
+                                         r"\['base_model\.model\.lm_head\.base_layer\.weight'\] \(PEFT's "
+                                         r"`save_embedding_layers`"):
+        other._create_weights(other.registry["head"])
+
+
+def test_an_export_of_a_checkpoint_loaded_with_config_overrides_says_how_to_build_its_base(tmp_path):
+    """An export names its base's checkpoint, which PEFT loads without the module's `config_overrides` (a
+    1-layer cut of a 2-layer checkpoint: PEFT would add fresh weights to the second layer): the first export of
+    the module says how to build the base; a built-in base, which PEFT cannot load by name anyway, is not warned."""
+    build_base_model("tiny-llama").save_pretrained(tmp_path / "base")
+    module = MultiLoRAModule(str(tmp_path / "base"), adapters=[AdapterSpec("a", rank=2)],
+                             config_overrides={"num_hidden_layers": 1})
+    module._create_weights(module.registry["a"])
+    with pytest.warns(UserWarning, match=r"names the base '.*base', which this module loaded with `config_overrides` "
+                                         r"\{'num_hidden_layers': 1\}; .*from_pretrained\('.*base', "
+                                         r"\*\*\{'num_hidden_layers': 1\}\)"):
+        module.save_adapter("a", tmp_path / "one")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module.save_adapter("a", tmp_path / "two")  # (once a module)
+        tiny = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2)],
+                               config_overrides={"num_hidden_layers": 1})
+        tiny._create_weights(tiny.registry["a"])
+        tiny.save_adapter("a", tmp_path / "three")
 
 
 def test_a_peft_folder_whose_weights_do_not_fit_fails_before_the_first_step_or_alone(tmp_path, trainer_kwargs):

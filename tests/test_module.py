@@ -704,10 +704,15 @@ def test_evaluate_takes_held_adapters_by_spec_or_name_and_refuses_the_others(tmp
     L.Trainer(**{**trainer_kwargs, "max_steps": 3}).fit(module, small_dm())
     by_name, by_spec = module.evaluate("on"), module.evaluate([module.registry["on"].spec])
     assert by_name == by_spec and set(by_name) == {"on"} and by_name["on"] > 0
-    with pytest.raises(ValueError, match="`specs`: .*'done' is finished; its weights were exported to"):
+    with pytest.raises(ValueError, match="^evaluate's `specs`: .*'done' is finished; its weights were exported to"):
         module.evaluate(["done", "on"])
     with pytest.raises(ValueError, match=r"'nope' is not an adapter of this module; adapters: \['done', 'on'\]"):
         module.evaluate([AdapterSpec("nope")])
+    ids = torch.ones(2, 3, dtype=torch.long)  # generate names its own argument
+    with pytest.raises(ValueError, match="^generate's `adapters`: generate takes adapters .*'done' is finished"):
+        module.generate(["done", None], ids)
+    with pytest.raises(ValueError, match="^generate's `adapters`: 'typo' is not an adapter of this module"):
+        module.generate(["typo", None], ids)
     # each submodule's mode is its own after an evaluation (one kept in evaluation mode stays so)
     module.train()
     module.model.model.norm.eval()
@@ -1523,14 +1528,28 @@ def test_an_error_in_validate_leaves_the_fits_exports_and_report(tmp_path, train
     assert (tmp_path / "sweep_summary.json").read_text() == summary
 
 
-def test_fast_dev_run_runs_with_a_warning(trainer_kwargs):
-    """``Trainer(fast_dev_run=True)`` was refused for a ``limit_val_batches`` the user never set (Lightning's)."""
-    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=5)])
-    kwargs = {k: v for k, v in trainer_kwargs.items() if k not in ("max_steps", "val_check_interval")}
-    with pytest.warns(UserWarning, match=r"`Trainer\(fast_dev_run=True\)`: a smoke run of 1 step\(s\); its "
-                                         r"validations see 1 batch"):
-        L.Trainer(**kwargs, fast_dev_run=True).fit(module, small_dm())
-    assert module.registry["a"].step == 1
+def test_fast_dev_run_runs_with_a_warning_and_writes_nothing_beside_the_real_runs(tmp_path, trainer_kwargs):
+    """``Trainer(fast_dev_run=True)`` was refused for a ``limit_val_batches`` the user never set (Lightning's). Its
+    exports and summary went to the run's folders (`export_dir`, ``default_root_dir``), versioned on at each smoke
+    run, and its summary refused the next real run a log directory without a logger: they go to a temporary
+    folder, said."""
+    from lightning_multilora import SweepReport
+
+    for export_dir in (None, str(tmp_path / "exports")):
+        module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=5)],
+                                 export_dir=export_dir)
+        kwargs = {k: v for k, v in trainer_kwargs.items() if k not in ("max_steps", "val_check_interval")}
+        with pytest.warns(UserWarning, match=r"`Trainer\(fast_dev_run=True\)`: a smoke run of 1 step\(s\); its "
+                                             r"validations see 1 batch"):
+            with pytest.warns(UserWarning, match=r"the smoke run writes its adapters and summary to .*"
+                                                 r"multilora-fast-dev-run-"):
+                L.Trainer(**kwargs, fast_dev_run=True, callbacks=[SweepReport(tensorboard=False)]).fit(
+                    module, small_dm())
+        rec = module.registry["a"]
+        assert rec.step == 1 and "multilora-fast-dev-run-" in rec.export_path
+        assert (Path(rec.export_path) / "adapter_model.safetensors").is_file()
+        assert (Path(rec.export_path).parent.parent / "sweep_summary.json").is_file()
+        assert not list(tmp_path.iterdir())
 
 
 def test_an_earlier_fits_early_exit_does_not_keep_best_weights_in_a_later_fit(trainer_kwargs):
@@ -1708,3 +1727,16 @@ def test_a_data_parallel_strategy_is_refused_in_our_words(trainer_kwargs):
                                          r"strategy='adapter_parallel' .*got DDPStrategy over 1 process"):
         L.Trainer(**{**trainer_kwargs, "strategy": "ddp"}).fit(module, small_dm())
     assert module.registry["a"].step == 0
+
+
+def test_a_time_interval_validates_by_the_clock(tmp_path, trainer_kwargs):
+    """Lightning's time-based `val_check_interval` (a timedelta, or "DD:HH:MM:SS") leaves the Trainer's
+    ``val_check_interval`` unset: the fit's option check read it and raised an AttributeError before the first step.
+    It validates by the clock, also in the run's endless epoch."""
+    import datetime
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=2, max_steps=4)],
+                             export_dir=str(tmp_path), validate_on_finish=False)
+    L.Trainer(**{**trainer_kwargs, "val_check_interval": datetime.timedelta(microseconds=1)}).fit(module, small_dm())
+    assert module.registry["a"].state == AdapterState.FINISHED
+    assert [step for step, _ in module.registry["a"].val_losses][:3] == [1, 2, 3]

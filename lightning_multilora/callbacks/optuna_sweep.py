@@ -347,15 +347,24 @@ class OptunaSweep(Callback):
         self.alpha_over_rank = alpha_over_rank  # (numpy integers as Python's: a seed's arithmetic must not wrap)
         self.slots, self.seed = (None if v is None else int(v) for v in (slots, seed))
         self._own_sampler = False
-        for name, dist in self.distributions.items():  # every value of the space must make a valid AdapterSpec
+        joint = None  # every value of the space must make a valid AdapterSpec, with the others' and alone
+        for name, dist in self.distributions.items():
             for value in (dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)):
                 try:
                     spec = AdapterSpec(name="check", **self._spec_kwargs({**{n: _example(d) for n, d in
                                                                              self.distributions.items()}, name: value}))
-                except ValueError as err:  # (it named a made-up adapter "check", not the search space)
-                    raise ValueError(f"OptunaSweep `search_space` {name!r}: its value {value!r} makes no valid "
-                                     f"adapter ({str(err).replace(' for adapter ' + repr('check'), '')})") from err
+                except ValueError as err:  # (alone, it is this value's; else another's, said at its own turn)
+                    try:
+                        spec = AdapterSpec(name="check", **self._spec_kwargs({name: value}))
+                    except ValueError as own:  # (it named a made-up adapter "check", not the search space)
+                        raise ValueError(f"OptunaSweep `search_space` {name!r}: its value {value!r} makes no valid "
+                                         f"adapter ({_unnamed(own)})") from own
+                    joint = joint or err
+                    continue
                 self._check_init_from(spec, name, value)
+        if joint is not None:  # (each value valid alone: their combination is not)
+            raise ValueError(f"OptunaSweep `search_space` {sorted(self.distributions)}: their values together make "
+                             f"no valid adapter ({_unnamed(joint)})") from joint
         scale = sorted({"objective", "dataset", "dpo_beta"} & set(self.distributions))
         if scale == ["dpo_beta"] and self.base.get("objective", "sft") != "dpo":
             scale = []  # (an SFT adapter has no beta)
@@ -1060,6 +1069,11 @@ def _pruner(pruner: Any) -> Optional["optuna.pruners.BasePruner"]:
         raise ValueError(f"OptunaSweep: `pruner` can be None, {', '.join(PRUNERS)} or an optuna.pruners.BasePruner, "
                          f"got {pruner!r}")
     return made[pruner]()
+
+
+def _unnamed(err: ValueError) -> str:
+    """An AdapterSpec's error about the made-up adapter "check" of the search space's check, without its name."""
+    return str(err).replace(" for adapter " + repr("check"), "")
 
 
 def _example(dist) -> Union[float, int, Any]:

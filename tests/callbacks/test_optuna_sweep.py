@@ -145,6 +145,14 @@ def test_bad_search_space():
     assert "'check'" not in str(raised.value)
     with pytest.raises(ValueError, match="`search_space` 'rank': its value 0 makes no valid adapter"):
         OptunaSweep({"rank": {"type": "int", "low": 0, "high": 8}})
+    # a bad value is named under its own parameter, not the first one checked beside it
+    with pytest.raises(ValueError, match="`search_space` 'rank': its value 0 makes no valid adapter"):
+        OptunaSweep({"lr": {"type": "float", "low": 1e-4, "high": 1e-2},
+                     "rank": {"type": "categorical", "choices": [0, 8]}})
+    with pytest.raises(ValueError, match=r"`search_space` \['max_epochs', 'max_steps'\]: their values together make "
+                                         r"no valid adapter \(.*exclusive"):  # (each valid alone)
+        OptunaSweep({"max_steps": {"type": "int", "low": 5, "high": 9},
+                     "max_epochs": {"type": "float", "low": 0.5, "high": 1.0}})
     with pytest.raises(ValueError, match="sampler 'grid' needs categorical parameters .*`search_space` 'lr' is "
                                          "FloatDistribution"):  # (at construction: it failed as the fit started)
         OptunaSweep({"lr": {"type": "float", "low": 1e-5, "high": 1e-3}}, sampler="grid")
