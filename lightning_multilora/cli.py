@@ -15,7 +15,7 @@ import sys
 import warnings
 from importlib import resources
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from jsonargparse import DefaultHelpFormatter
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -35,6 +35,9 @@ class _Parser(LightningArgumentParser):
 
     def error(self, message: str, ex: Optional[Exception] = None):
         refused = sorted(set(re.findall(r"Option '([A-Za-z_]\w*)' is not accepted", message)))
+        if "subcommand" in message and "{fit}" in message or "(choose from 'fit')" in message:
+            # (demo and schedule are commands of `main`, not of the parser)
+            message = message.rstrip(".") + "; the commands: fit, demo, schedule (`multilora --help`)"
         return super().error((_refused_fields(message, refused) or message) + peft_hints(refused), ex)
 
     def print_usage(self, file=None) -> None:
@@ -140,7 +143,8 @@ class MultiLoRACLI(LightningCLI):
         if ckpt_path is None and not len(self.model.registry) and not providers:
             self.parser.error("no adapter to train: give `model.adapters`, `model.grid`, or a callback that asks them "
                               "(lightning_multilora.callbacks.OptunaSweep)")
-        self._claimed = self._claim_log_dir(path)
+        # (a smoke run writes to a temporary folder, `log_dir_of`: it takes no log directory)
+        self._claimed = None if self.trainer.fast_dev_run else self._claim_log_dir(path)
 
     def _named_checkpoint(self, name: str) -> Optional[str]:
         """The checkpoint ``--ckpt_path last`` (or ``hpc``, ``best``) names for this command. Lightning looks for "last"
@@ -186,15 +190,15 @@ class MultiLoRACLI(LightningCLI):
         configs = self._run_configs()  # (another command's runs in the same root: not this command's "last")
         config = self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False)  # (as it is saved)
         mine = self._config_sections(config)
-        others = [p for p in found if configs.get(runs[p]) and mine not in configs[runs[p]]]
+        others = [p for p in found if configs.get(runs[p]) and not any(_agree(mine, c) for c in configs[runs[p]])]
         found = [p for p in found if p not in others]
         if not found:
             whose = f" of task {task!r}'s runs" if task else ""
-            skipped = (f"; the checkpoints of runs of another `model` or `data` config were left out "
-                       f"({', '.join(sorted(map(str, others)))}): give one's path to resume it" if others else "")
-            warnings.warn(f"`ckpt_path` 'last': no checkpoint{whose} in {', '.join(looked) or 'no folder'} (no "
-                          "ModelCheckpoint saved one: it saves at each validation, `val_check_interval`): a new run "
-                          f"starts, as Lightning starts one for 'last'{skipped}", stacklevel=2)
+            why = (f"the checkpoints there are of runs of another config (`model`, `data` or a sweep's callback: "
+                   f"{', '.join(sorted(map(str, others)))}; give one's path to resume it)" if others else
+                   "no ModelCheckpoint saved one: it saves at each validation, `val_check_interval`")
+            warnings.warn(f"`ckpt_path` 'last': no checkpoint{whose} in {', '.join(looked) or 'no folder'} ({why}): "
+                          "a new run starts, as Lightning starts one for 'last'", stacklevel=2)
             return None
         # the newest (a `last` file, or a folder of rank files, by its newest file's time): on a tie, a `last` one
         return str(max(found, key=lambda p: (_written_at(p), bool(pattern.fullmatch(p.stem)) or p in exceptions)))
@@ -245,15 +249,20 @@ class MultiLoRACLI(LightningCLI):
 
     @staticmethod
     def _config_sections(text: str) -> dict:
-        """A saved config's `model` and `data` sections (those that make a run; the trainer's may change on a
-        resume)."""
+        """What of a saved config makes its run: the `model` and `data` sections and the callbacks that ask adapters
+        (an `OptunaSweep`'s search space, study...); the trainer's other settings may change on a resume."""
         import yaml
 
         try:
             config = yaml.safe_load(text)
         except yaml.YAMLError:
             return {}
-        return {k: config.get(k) for k in ("model", "data")} if isinstance(config, dict) else {}
+        if not isinstance(config, dict):
+            return {}
+        callbacks = (config.get("trainer") or {}).get("callbacks") if isinstance(config.get("trainer"), dict) else None
+        askers = [cb for cb in callbacks or [] if isinstance(cb, dict)
+                  and str(cb.get("class_path", "")).rsplit(".", 1)[-1] in _ADAPTER_ASKERS]
+        return {"model": config.get("model"), "data": config.get("data"), "askers": askers}
 
     def _log_roots(self) -> list[Path]:
         """The folders where the runs under this command's root keep their claims and configs: the root itself, and
@@ -347,10 +356,6 @@ class MultiLoRACLI(LightningCLI):
         except UsageError as err:
             self._release_log_dir()
             self.parser.error(str(err))
-        except ValueError as err:  # (a value refused as the fit starts, before any step: a usage error too)
-            if self._release_log_dir():
-                self.parser.error(str(err))
-            raise
         except SIGTERMException as err:
             raise SystemExit(128 + signal.SIGTERM) from err
         except BaseException:  # (a fit that ends before any step leaves nothing that would refuse the next command)
@@ -388,6 +393,21 @@ PREVIOUS_RUN_FILES = ("config.yaml", "sweep_summary.json", "optuna.db", CLAIM)
 
 
 TASK_ID_ENV = "MULTILORA_TASK_ID"  # set by `multilora schedule` for each task's command: the task's id
+_ADAPTER_ASKERS = ("OptunaSweep",)  # callbacks that ask the run's adapters: part of what makes a run
+
+
+def _agree(mine: Any, theirs: Any) -> bool:
+    """Whether two saved configs' values agree: mappings key by key, where a key one of them lacks counts only if the
+    other sets it to something (a field a later version of the package added saves its default, mostly null, false
+    or empty: no difference; a search space's or `config_overrides`' entry is one), lists item by item, the rest
+    equal."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        unset = (None, False, "", [], {})
+        return all(_agree(mine[k], theirs[k]) if k in mine and k in theirs else
+                   (mine.get(k) if k in mine else theirs.get(k)) in unset for k in mine.keys() | theirs.keys())
+    if isinstance(mine, list) and isinstance(theirs, list):
+        return len(mine) == len(theirs) and all(_agree(a, b) for a, b in zip(mine, theirs))
+    return mine == theirs
 
 
 def _read_claim(folder: Path) -> Optional[str]:
@@ -424,7 +444,7 @@ COMMANDS = """commands beside fit:
 
 
 def _adapters_replaced(args: list[str]) -> list[str]:
-    """``args`` where a `model.adapters` list given (``--model.adapters``, or a later ``--config`` holding one)
+    """``args`` where a `model.adapters` list given (``--model.adapters``, or a later ``--config`` / ``-c`` holding one)
     replaces the one given before it: jsonargparse merges a list of the same length item by item into the earlier
     one, so that each adapter took the fields its predecessor at that place had and it did not say (another name's
     `lr`, `dataset`, `max_epochs`...). A ``null`` is put before it; ``--model.adapters+=`` still appends."""
@@ -436,10 +456,11 @@ def _adapters_replaced(args: list[str]) -> list[str]:
         value = inline if inline else args[i + 1] if i + 1 < len(args) else None
         if flag == "--model.adapters" and value not in (None, "null", "None"):
             out += ["--model.adapters", "null"]
-        elif flag == "--config" and value is not None:
-            try:
-                config = yaml.safe_load(Path(value).read_text(encoding="utf-8"))
-            except (OSError, yaml.YAMLError):  # (jsonargparse says what is wrong with it)
+        elif flag in ("--config", "-c") and value is not None:
+            try:  # (a file, or the config itself inline)
+                text = Path(value).read_text(encoding="utf-8") if Path(value).is_file() else value
+                config = yaml.safe_load(text)
+            except (OSError, ValueError, yaml.YAMLError):  # (jsonargparse says what is wrong with it)
                 config = None
             if isinstance(config, dict) and isinstance(config.get("model"), dict) \
                     and config["model"].get("adapters") is not None:

@@ -943,13 +943,15 @@ _EXPERT = re.compile(r"(^|\.)experts\.\d+\.")  # a layer of one expert of a Modu
 
 
 def _same_values(saved: Any, weight: Tensor) -> bool:
-    """Whether a base weight PEFT saved is ``weight``, judged in the lower precision of the two (a base loaded in
-    bf16 here, in float32 where it was saved); a quantized or sharded weight is not compared."""
-    if type(weight) not in (Tensor, nn.Parameter) or not weight.is_floating_point() or not isinstance(saved, Tensor):
+    """Whether a base weight PEFT saved is ``weight``, to the rounding of the coarser of their dtypes (a base loaded
+    in bf16 here from a checkpoint PEFT ran in fp16 or float32); a quantized or sharded weight is not compared."""
+    if type(weight) not in (Tensor, nn.Parameter) or not weight.is_floating_point() or not isinstance(saved, Tensor) \
+            or not saved.is_floating_point():
         return True
-    dtype = min((saved.dtype, weight.dtype), key=lambda d: torch.finfo(d).bits)
+    coarse = [torch.finfo(d) for d in (saved.dtype, weight.dtype)]
     with torch.no_grad():
-        return torch.equal(saved.to(device=weight.device, dtype=dtype), weight.to(dtype))
+        return torch.allclose(saved.to(device=weight.device, dtype=torch.float32), weight.float(),
+                              rtol=max(f.eps for f in coarse), atol=max(f.tiny for f in coarse))
 
 
 def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:

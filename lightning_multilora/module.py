@@ -1107,7 +1107,7 @@ class MultiLoRAMixin:
         except (TypeError, ValueError) as err:
             if not self.optimizer_kwargs:  # (not the user's settings: the error as it is)
                 raise
-            raise ValueError(f"`optimizer_kwargs` {self.optimizer_kwargs!r} rejected by {optimizer_class.__name__}: "
+            raise UsageError(f"`optimizer_kwargs` {self.optimizer_kwargs!r} rejected by {optimizer_class.__name__}: "
                              f"{err}") from err
         carried, self._carried_optimizer = getattr(self, "_carried_optimizer", None), None
         if self._resume_checkpoint is not None:

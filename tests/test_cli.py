@@ -208,6 +208,11 @@ def test_help_lists_demo_and_schedule_and_the_command_line_gives_no_args_warning
     assert done.value.code == 0 and "fit" in out
     assert "demo [--trainer.max_steps 50]" in out and "\n  schedule TASKS.yaml" in out  # (its lines kept)
     assert not [w for w in caught if "args parameter" in str(w.message)]
+    for args in ([], ["fitt"]):  # (the parser's own error named fit alone)
+        with pytest.raises(SystemExit) as done:
+            main(args)
+        err = capsys.readouterr().err
+        assert done.value.code == 2 and "the commands: fit, demo, schedule (`multilora --help`)" in err, err
 
 
 @pytest.mark.slow
@@ -491,10 +496,10 @@ def test_ckpt_path_last_resumes_a_run_of_the_same_config_not_the_newest_of_anoth
     assert [(row["adapter"], row["status"], row["steps"]) for row in summary] == [("a", "finished", 5)]
     other = _tiny_fit(tmp_path / "x", adapters="[{name: c, rank: 3, max_steps: 2, batch_size: 2}]")
     other[other.index("--trainer.default_root_dir") + 1] = str(tmp_path)
-    with pytest.warns(UserWarning, match=r"no checkpoint in .*another `model` or `data` config were left out \(.*"
-                                         r"version_0/checkpoints/last.ckpt.*version_1/checkpoints/last.ckpt"):
+    with pytest.warns(UserWarning, match=r"no checkpoint in .* \(the checkpoints there are of runs of another config "
+                                         r"\(`model`, `data` or a sweep's callback: .*version_0/checkpoints/last.ckpt"
+                                         r".*version_1/checkpoints/last.ckpt.*give one's path to resume it\)\): a new"):
         main([*other, "--ckpt_path", "last"])
-    assert CrashAt.starts[-1] == (str(own), 2)  # (the new run has no CrashAt: it started from step 0)
 
 
 def test_a_list_of_adapters_given_later_replaces_the_earlier_one(tmp_path, capsys):
@@ -519,6 +524,43 @@ def test_a_list_of_adapters_given_later_replaces_the_earlier_one(tmp_path, capsy
     fresh = {"lr": 2e-4, "max_epochs": None, "dataset": None}
     assert adapters("--model.adapters", "[{name: x, rank: 4}, {name: y, rank: 8, max_steps: 50}]") == [
         {"name": "x", **fresh, "max_steps": None}, {"name": "y", **fresh, "max_steps": 50}]
-    assert adapters("--config", str(second)) == [{"name": "c", **fresh, "max_steps": None},
-                                                  {"name": "d", **fresh, "max_steps": None}]
+    replaced = [{"name": "c", **fresh, "max_steps": None}, {"name": "d", **fresh, "max_steps": None}]
+    assert adapters("--config", str(second)) == adapters("-c", str(second)) == replaced
+    assert adapters("--config", second.read_text()) == replaced  # (a config given inline)
     assert [a["name"] for a in adapters("--model.adapters+={name: e}")] == ["a", "b", "e"]
+
+
+def test_what_makes_a_run_for_last_is_its_model_data_and_sweep_on_the_fields_both_configs_have():
+    """"last" resumes a run of the same config: two sweeps of one model and data but other search spaces are other
+    runs (a sweep's `last` resumed the other's trials); a field one version of the package saves and another does
+    not is no difference (a resume after an upgrade started a new run); the trainer's settings may change."""
+    from lightning_multilora.cli import MultiLoRACLI, _agree
+
+    def sections(space, **extra):
+        import yaml
+
+        return MultiLoRACLI._config_sections(yaml.safe_dump({
+            "model": {"base_model": "tiny-llama", "max_running": 2, **extra}, "data": {"max_val_examples": 4},
+            "trainer": {"max_steps": 10, "callbacks": [
+                {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}},
+                {"class_path": "lightning_multilora.callbacks.OptunaSweep", "init_args": {"search_space": space}}]}}))
+
+    lr = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2}}
+    rank = {"rank": {"type": "categorical", "choices": [2, 4]}}
+    assert _agree(sections(lr), sections(lr)) and not _agree(sections(lr), sections(rank))
+    assert _agree(sections(lr, cuda_graphs=False), sections(lr))  # (a field an older version did not save)
+    assert not _agree(sections(lr, max_running=3), sections(lr))
+    assert not _agree(sections(lr, config_overrides={"num_hidden_layers": 1}), sections(lr, config_overrides={}))
+    assert not _agree({"adapters": [{"name": "a"}]}, {"adapters": [{"name": "a"}, {"name": "b"}]})
+
+
+def test_a_smoke_run_without_a_logger_takes_no_log_directory(tmp_path):
+    """`fast_dev_run` writes its exports and summary to a temporary folder; without a logger its claim stayed in the
+    root, and the next smoke run and the next real run there were refused ("holds another run's .multilora_log")."""
+    args = _tiny_fit(tmp_path, "--trainer.logger", "false")
+    for _ in range(2):
+        with pytest.warns(UserWarning, match="the smoke run writes its adapters and summary to"):
+            main([*args, "--trainer.fast_dev_run", "true"])
+    assert not (tmp_path / ".multilora_log").exists() and not (tmp_path / "adapters").exists()
+    main(args)
+    assert json.loads((tmp_path / "sweep_summary.json").read_text())[0]["status"] == "finished"

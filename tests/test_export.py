@@ -370,3 +370,18 @@ def test_a_resumed_adapter_keeps_its_peft_folders_layers_without_the_folder(tmp_
                        r"`init_from` '.*peft' differs from the spec: rank=8 there, 2 in the spec"):
         L.Trainer(**trainer_kwargs).fit(MultiLoRAModule(str(tmp_path / "base"), adapters=[replace(spec, name="new")]),
                                         dm())
+
+
+def test_a_saved_base_weight_is_this_bases_to_the_rounding_of_the_coarser_dtype():
+    """PEFT ran in fp16 (the checkpoint's dtype) saves the head's base weight in fp16; the module loads that base
+    in bf16: the same weights, refused as other base weights when compared in fp16 against bf16's rounding."""
+    from lightning_multilora.layer import _same_values
+
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(0)) * 0.02
+    for saved_dtype, ours in [(torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                              (torch.bfloat16, torch.float16), (torch.float16, torch.float16)]:
+        saved = weight.to(saved_dtype)
+        assert _same_values(saved, torch.nn.Parameter(weight.to(ours), requires_grad=False))
+        other = saved.clone()
+        other[3, 5] += 0.01
+        assert not _same_values(other, torch.nn.Parameter(weight.to(ours), requires_grad=False))

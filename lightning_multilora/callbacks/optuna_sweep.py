@@ -923,7 +923,7 @@ class OptunaSweep(Callback):
         given = getattr(pl_module, "_given", {})  # (the adapters given to the module, not a sweep's from a checkpoint)
         taken = [n for n in given if _TRIAL_NAME.fullmatch(n) and n not in self.trials] if stage == "fit" else []
         if taken:  # (the sweep names its adapters trial-<number>: one would meet them mid-run)
-            raise ValueError(f"adapter names {taken} are an OptunaSweep's trial names (trial-<number>, the names of "
+            raise UsageError(f"adapter names {taken} are an OptunaSweep's trial names (trial-<number>, the names of "
                              "the adapters it asks): rename them")
         if stage == "fit":  # another fit (resumed from a checkpoint, whose state is loaded after this) looks the
             self._opened, self._orphans = False, None  # study over again for the trials asked after that checkpoint

@@ -65,6 +65,9 @@ def read_records(path: str | Path) -> Optional[dict[str, dict[str, Any]]]:
     except (OSError, ValueError) as err:
         raise ValueError(f"{path}: the schedule's records do not read ({type(err).__name__}: {err}); remove the file "
                          "to run every task again") from None
+    if isinstance(data, Mapping) and data.get("format") != FORMAT:
+        raise ValueError(f"{path}: the schedule's records are of format {data.get('format')!r}, this version reads "
+                         f"format {FORMAT}; remove the file to run every task again")
     tasks = data.get("tasks") if isinstance(data, Mapping) else None
     if not isinstance(tasks, list):
         raise ValueError(f"{path}: not a schedule's records (a mapping with a `tasks` list); remove the file to run "

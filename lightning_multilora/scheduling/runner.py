@@ -95,6 +95,8 @@ class ScheduleRunner:
         # resumed: the tasks finished before (skipped when submitted, their entries kept), the attempts made before
         earlier = read_records(self.records_path) if resume else None
         self.earlier_finished = {tid: e for tid, e in (earlier or {}).items() if e["state"] == "finished"}
+        # (failed or stopped before: kept in the file until this run records the task anew)
+        self._earlier_unfinished = {tid: e for tid, e in (earlier or {}).items() if e["state"] != "finished"}
         self._attempts_before = {tid: int(e.get("attempts") or 0) for tid, e in (earlier or {}).items()
                                  if e["state"] != "finished" and isinstance(e.get("attempts"), int)}
         self.skipped: dict[str, dict[str, Any]] = {}  # submitted, recorded finished by an earlier run: not run
@@ -321,11 +323,14 @@ class ScheduleRunner:
             self.save_records()
 
     def save_records(self) -> None:
-        """Writes the records to the ``records`` file (where given): this run's, and the entries of the tasks it
-        skipped as finished before. A file that cannot be written is said once; the schedule goes on."""
+        """Writes the records to the ``records`` file (where given): this run's, the entries of the tasks it skipped
+        as finished before, and those an earlier run recorded failed or stopped that this one has not recorded anew
+        (a resume stopped before it retried them keeps them, and their attempts). A file that cannot be written is
+        said once; the schedule goes on."""
         if self.records_path is None:
             return
         entries = [*(dict(e) for tid, e in sorted(self.skipped.items())),
+                   *(dict(e) for tid, e in sorted(self._earlier_unfinished.items()) if tid not in self.records),
                    *(record_entry(r, self.started_at) for r in sorted(self.records.values(),
                                                                       key=lambda r: (r.start, r.task_id)))]
         try:

@@ -31,8 +31,9 @@ def test_records_are_written_whole_or_not_at_all(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("text, message", [
     ("[1, 2]", "not a schedule's records"),
-    ('{"tasks": [{"id": "a", "state": "done"}]}', r"task entry #0 needs an `id` and a `state` \(finished, failed, "
-                                                  r"stopped\)"),
+    ('{"format": 1, "tasks": [{"id": "a", "state": "done"}]}', r"task entry #0 needs an `id` and a `state` "
+                                                               r"\(finished, failed, stopped\)"),
+    ('{"format": 99, "tasks": []}', r"records are of format 99, this version reads format 1"),
     ('{"tasks": [', "the schedule's records do not read"),
 ])
 def test_records_that_do_not_read_are_refused_naming_the_file(tmp_path, text, message):

@@ -341,3 +341,38 @@ def test_a_task_without_a_command_is_refused_when_submitted_to_an_executor_that_
         runner.submit(Task("b", 3))
     assert runner.known_ids() == {"a"} and not runner.running
     ScheduleRunner(TaskScheduler(2), SimulatedExecutor()).submit(Task("b", 3))
+
+
+def test_a_resume_stopped_before_it_retried_a_failed_task_keeps_that_tasks_record(tmp_path):
+    """The records file held only the resumed run's records (and the skipped finished ones): stopped before it
+    retried a task that had failed, it dropped that task's entry, so the next resume numbered its attempts from 1
+    again and its failure was lost."""
+    import json
+
+    records = tmp_path / "records.json"
+    tasks = lambda: [Task("x", 10, 1, ["true"]), Task("y", 5, 1, ["true"])]  # noqa: E731
+    first = ScheduleRunner(TaskScheduler(1, 1.0), SimulatedExecutor(failures={"x": 99, "y": 99}), max_retries=1,
+                           records=records, poll_s=None)
+    for task in tasks():
+        first.submit(task)
+    first.run()
+
+    polls = itertools.count()
+
+    def interrupt():  # (Ctrl+C while the resumed run's first task runs)
+        if next(polls) == 1:
+            raise KeyboardInterrupt
+        return []
+
+    resumed = ScheduleRunner(TaskScheduler(1, 1.0), SimulatedExecutor(), max_retries=1, records=records,
+                             resume=True, poll=interrupt, poll_s=None)
+    for task in tasks():
+        resumed.submit(task)
+    with pytest.raises(KeyboardInterrupt):
+        resumed.run()
+    entries = {e["id"]: (e["state"], e["attempts"]) for e in json.loads(records.read_text())["tasks"]}
+    waiting = {tid: attempts for tid, (state, attempts) in entries.items() if state != "finished"}
+    assert set(entries) == {"x", "y"} and waiting and set(waiting.values()) == {2}  # (the first run's two tries)
+    again = ScheduleRunner(TaskScheduler(1, 1.0), SimulatedExecutor(), max_retries=1, records=records, resume=True,
+                           poll_s=None)
+    assert again._attempts_before == waiting
