@@ -377,7 +377,7 @@ class MultiLoRAMixin:
             writer = getattr(logger, "experiment", None)
             if hasattr(writer, "add_text"):
                 writer.add_text(f"adapters/{rec.name}/exit", f"**{rec.state.value}** at step {rec.step}: {rec.reason}",
-                                self._global_step())
+                                self._logged_step())
 
     def save_adapter(self, name: str, directory: Optional[Union[str, Path]] = None, best: bool = False) -> Path:
         """Write adapter ``name`` (running) in PEFT format; returns the directory: ``directory``, else its folder
@@ -589,17 +589,27 @@ class MultiLoRAMixin:
             self._write_metrics(metrics, step)
 
     def log_adapter_metrics(self, metrics: dict[str, float], step: Optional[int] = None) -> None:
-        """Write ``metrics`` (for this rank's adapters) to the trainer's loggers at ``step`` (default: the global
-        step), as ``logger.log_metrics`` does. Under adapter parallelism, where Lightning's loggers write on rank 0
-        alone, rank 0 writes another rank's values at the next exchange of the ranks' progress (every step's end,
-        every validation's): a callback logging per-adapter values calls this rather than the loggers."""
+        """Write ``metrics`` (for this rank's adapters) to the trainer's loggers at ``step`` (default: the step
+        Lightning writes what is logged now at, `_logged_step`), as ``logger.log_metrics`` does. Under adapter
+        parallelism, where Lightning's loggers write on rank 0 alone, rank 0 writes another rank's values at the next
+        exchange of the ranks' progress (every step's end, every validation's): a callback logging per-adapter values
+        calls this rather than the loggers."""
         trainer = self._trainer_or_none()
         if trainer is None or not metrics:
             return
-        step = self._global_step() if step is None else step
+        step = self._logged_step() if step is None else step
         self._write_metrics(metrics, step)
         if self._placement() is not None:
             self._staged_metrics.append((dict(metrics), step))
+
+    def _logged_step(self) -> int:
+        """The step Lightning's loggers put what is logged now at: in a fit, the batches that stepped so far (a
+        validation runs before its batch counts: at the global step, its values sat one step to the right of the
+        training values and of a user's own ``self.log`` of the same validation); outside one, the global step."""
+        trainer = self._trainer_or_none()
+        loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        fitting = trainer is not None and trainer.state.fn == "fit" and trainer.state.status == "running"
+        return getattr(loop, "_batches_that_stepped", self._global_step()) if fitting else self._global_step()
 
     def _write_metrics(self, metrics: dict[str, float], step: int) -> None:
         """To the loggers (straight: through ``self.log`` Lightning kept an adapter's last values after it ended and

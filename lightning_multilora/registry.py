@@ -186,12 +186,13 @@ class AdapterRegistry:
             self._records[rec.name] = rec
 
     def summary_rows(self, exported: str = "best") -> list[dict[str, Any]]:
-        """One row per adapter, ranked by ``exported_val_loss``, the validation loss of the weights its export holds
-        (as measured where it was exported, `AdapterRecord.exported_val_loss`; an adapter not exported: ``exported``
-        says which, "best", the best-validation weights, where the module keeps them, `keep_best_weights`; "last",
-        the last ones, where it does not), lowest first, within each objective (SFT's, then DPO's: their losses are
-        not comparable; a DPO row has its last ``val_preference_accuracy``). Adapters whose exported weights were not
-        measured (stopped between validations) follow, by their last validation loss; those never validated last."""
+        """One row per adapter, ranked by ``exported_val_loss``, the validation loss of the weights its export holds (as
+        measured where it was exported, `AdapterRecord.exported_val_loss`; an adapter not exported: ``exported`` says
+        which, "best", the best-validation weights, where the module keeps them, `keep_best_weights`; "last", the last
+        ones, where it does not), lowest first, within each group of losses that compare (`_loss_group`: SFT's, then
+        DPO's, per data source and DPO beta; a DPO row has its last ``val_preference_accuracy``). Adapters whose
+        exported weights were not measured (stopped between validations) follow, by their last validation loss; those
+        never validated last."""
         if exported not in ("best", "last"):
             raise ValueError(f"`exported` can be 'best' or 'last', got {exported!r}")
         rows = []
@@ -202,24 +203,22 @@ class AdapterRegistry:
                    "steps": r.step, "export_path": r.export_path,
                    "val_preference_accuracy": r.last_val_preference_accuracy}
             rows.append(row)
-        order = {"sft": 0, "dpo": 1}
-
         def rank(row: dict[str, Any]) -> tuple:
             measured, last = row["exported_val_loss"], row["last_val_loss"]
             if math.isfinite(measured):
-                return order.get(row["objective"], 2), 0, measured
-            return order.get(row["objective"], 2), 1, last if math.isfinite(last) else math.inf
+                return (*_loss_group(row), 0, measured)
+            return (*_loss_group(row), 1, last if math.isfinite(last) else math.inf)
 
         rows.sort(key=rank)  # (stable: ties keep the order the adapters were added in)
         return rows
 
     def summary_table(self, exported: str = "best") -> str:
-        """The ranked table (`summary_rows`): learning rate, rank, alpha and batch size, then each other
-        hyperparameter of `AdapterSpec.hparams` whose value differs between adapters (two that differ only in
-        dropout are told apart), the status, the loss it is ranked by (``export_loss``: the validation loss of the
-        weights the export holds, ``exported_val_loss``), the best validation loss, and where the exports hold the
-        last weights the last one too; with DPO adapters, their last validation's preference accuracy
-        (``pref_acc``)."""
+        """The ranked table (`summary_rows`; ``#`` counts within each group of losses that compare): learning rate,
+        rank, alpha and batch size, then each other hyperparameter of `AdapterSpec.hparams` whose value differs between
+        adapters (two that differ only in dropout are told apart), the status, the loss it is ranked by
+        (``export_loss``: the validation loss of the weights the export holds, ``exported_val_loss``), the best
+        validation loss, and where the exports hold the last weights the last one too; with DPO adapters, their last
+        validation's preference accuracy (``pref_acc``)."""
         rows = self.summary_rows(exported)
         varying = [k for k in _EXTRA_COLUMNS if len({repr(r[k]) for r in rows}) > 1]
         losses = ["exported_val_loss", "best_val_loss"] + (["last_val_loss"] if exported == "last" else [])
@@ -228,7 +227,9 @@ class AdapterRegistry:
         names = {"val_preference_accuracy": "pref_acc", "exported_val_loss": "export_loss"}
         header = ["#", "adapter", "lr", "rank", "alpha", "bs", *(_EXTRA_COLUMNS[k] for k in varying), "status",
                   *(names.get(k, k) for k in losses), "steps"]
-        lines = [[str(i + 1), r["adapter"], f"{r['lr']:.2g}", str(r["rank"]), f"{r['alpha']:g}",
+        groups = [_loss_group(r) for r in rows]  # (numbered within each group of losses that compare)
+        places = [sum(1 for g in groups[:i] if g == groups[i]) + 1 for i in range(len(rows))]
+        lines = [[str(places[i]), r["adapter"], f"{r['lr']:.2g}", str(r["rank"]), f"{r['alpha']:g}",
                   str(r["batch_size"]), *("-" if r[k] is None else f"{r[k]:g}" if isinstance(r[k], float)
                                           else str(r[k]) for k in varying), r["status"],
                   *(f"{r[k]:.4f}" if math.isfinite(r[k]) else "inf" if k == "exported_val_loss" and r[k] == math.inf
@@ -237,6 +238,14 @@ class AdapterRegistry:
         widths = [max(len(h), *(len(line[j]) for line in lines)) if lines else len(h) for j, h in enumerate(header)]
         fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
         return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
+
+
+def _loss_group(row: Mapping[str, Any]) -> tuple:
+    """The adapters whose validation losses compare, ranked together: one objective (SFT before DPO), one data
+    source and, for DPO, one beta (a larger beta makes the same preferences' loss smaller), as `WarmupSelection`
+    groups them."""
+    return ({"sft": 0, "dpo": 1}.get(row["objective"], 2), str(row.get("dataset") or ""),
+            row.get("dpo_beta") or 0.0)
 
 
 def merge_by_owner(states: Sequence[Mapping[str, Any]], owners: Mapping[str, int]) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import Any, Optional, Union
 
 SCHEDULES = ("constant", "linear", "cosine")
 OBJECTIVES = ("sft", "dpo")
+DEFAULT_DPO_BETA = 0.1  # (TRL's `DPOConfig.beta`)
 _NAME_RE = re.compile(r"[A-Za-z0-9_\-]{1,200}")  # (a directory name of the export: at most 255 bytes)
 
 
@@ -79,7 +80,7 @@ class AdapterSpec:
     objective: str = "sft"
     """Training objective: ``sft`` (completion-only cross-entropy) or ``dpo`` (preference pairs; the
     reference is the base with adapters off, also for an adapter with ``init_from``)."""
-    dpo_beta: float = 0.1
+    dpo_beta: float = DEFAULT_DPO_BETA
     """DPO's beta (> 0): how far the adapter may move from the reference."""
     dataset: Optional[str] = None
     """Name of a data source in the data module; None: its default source."""
@@ -131,6 +132,9 @@ class AdapterSpec:
                "a finite number > 0 or None")
         _check(self, "objective", self.objective in OBJECTIVES, f"one of {', '.join(OBJECTIVES)}")
         _check(self, "dpo_beta", _num(self.dpo_beta) and 0 < self.dpo_beta < math.inf, "a finite number > 0")
+        if self.objective != "dpo" and self.dpo_beta != DEFAULT_DPO_BETA:  # (said once a call site: a grid's many)
+            warnings.warn(f"`dpo_beta` applies to objective='dpo' alone; an {self.objective.upper()} adapter ignores "
+                          "it (set `objective='dpo'` for preference training)", stacklevel=3)
         if isinstance(self.target_modules, str):  # "all-linear" and a regex as they are; a plain name, listed
             _check(self, "target_modules", bool(self.target_modules),
                    "a non-empty list of module names, one name, 'all-linear' or a regex")

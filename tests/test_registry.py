@@ -66,16 +66,18 @@ def test_sft_and_dpo_adapters_rank_apart_and_an_unmeasured_export_has_no_loss():
     assert [r["adapter"] for r in rows] == ["sft", "dpo-a", "dpo-b"]
     assert [r["exported_val_loss"] for r in rows][:2] == [3.0, 0.6] and math.isnan(rows[2]["exported_val_loss"])
     registry["dpo-b"].val_losses.append((6, 0.01))
-    rows = registry.summary_rows("last")
-    assert [r["adapter"] for r in rows] == ["sft", "dpo-b", "dpo-a"]
-    assert [r["dpo_beta"] for r in rows] == [None, 2.0, 0.1] and rows[2]["val_preference_accuracy"] == 0.7
+    rows = registry.summary_rows("last")  # (DPO losses of two betas do not compare: each beta ranked apart, the
+    assert [r["adapter"] for r in rows] == ["sft", "dpo-a", "dpo-b"]  # larger's 0.01 ranked above the smaller's 0.6)
+    assert [r["dpo_beta"] for r in rows] == [None, 0.1, 2.0] and rows[1]["val_preference_accuracy"] == 0.7
+    assert [line.split()[:2] for line in registry.summary_table("last").splitlines()[2:]] == [
+        ["1", "sft"], ["1", "dpo-a"], ["1", "dpo-b"]]  # (numbered within each group)
     registry["sft"].exported_val_loss = math.inf  # (measured at its step, and not finite: not the older loss)
     assert registry.summary_rows("last")[0]["exported_val_loss"] == math.inf
     registry["sft"].exported_val_loss = math.nan
-    header, _, first, second, _ = registry.summary_table("last").splitlines()
+    header, _, first, second, third = registry.summary_table("last").splitlines()
     assert header.split()[6:8] == ["objective", "beta"] and header.split()[-2] == "pref_acc"
-    assert first.split()[6:8] == ["sft", "-"] and second.split()[6:8] == ["dpo", "2"]
-    assert first.split()[-2] == "-" and second.split()[-2] == "0.6500"
+    assert first.split()[6:8] == ["sft", "-"] and second.split()[6:8] == ["dpo", "0.1"]
+    assert first.split()[-2] == "-" and second.split()[-2] == "0.7000" and third.split()[-2] == "0.6500"
 
 
 def test_exports_never_validated_follow_by_their_last_loss_and_a_diverged_one_says_inf():

@@ -177,3 +177,13 @@ def test_grid_is_the_cartesian_product_with_readable_unique_names():
 def test_a_grid_axis_must_be_a_list_of_values(value):
     with pytest.raises(ValueError, match="SweepGrid `axes\\['lr'\\]` must be a non-empty list of values"):
         SweepGrid(axes={"lr": value}).specs()
+
+
+def test_a_dpo_beta_on_an_sft_adapter_is_warned_of():
+    """`dpo_beta` without `objective="dpo"` trained plain SFT, silently (the report then showed no beta)."""
+    with pytest.warns(UserWarning, match=r"`dpo_beta` applies to objective='dpo' alone; an SFT adapter ignores it"):
+        AdapterSpec("x", dpo_beta=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        AdapterSpec("y", objective="dpo", dpo_beta=0.5)
+        AdapterSpec("z")

@@ -158,9 +158,9 @@ class SweepReport(Callback):
         from torch.utils.tensorboard import SummaryWriter
 
         for rec in registry:
-            # (an SFT adapter has no beta: none, not the text "None")
+            # (a field not set, an SFT adapter's beta or the default source's `dataset`: none, not the text "None")
             hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
-                       for k, v in rec.spec.hparams().items() if not (k == "dpo_beta" and v is None)}
+                       for k, v in rec.spec.hparams().items() if v is not None}
             hparams["status"] = rec.state.value
             metrics = {"hparams/best_val_loss": rec.best_val_loss, "hparams/steps": float(rec.step)}
             with SummaryWriter(str(Path(logger.log_dir) / "hparams" / rec.name)) as writer:

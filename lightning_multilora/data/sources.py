@@ -229,7 +229,10 @@ def format_record(record: dict, fmt: str, prompt_field: Optional[str], completio
     completion_field = FORMAT_FIELDS[fmt][1] if completion_field is None else completion_field
     missing = [f for f in (prompt_field, completion_field) if f not in record]
     if missing:
-        raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}")
+        pairs = ("; it is a preference pair: a DPO adapter reads such records from a PreferenceSource (`path` of a "
+                 "JSONL file, or `records=` any sequence of records, a datasets.Dataset too)"
+                 if {"chosen", "rejected"} <= set(record) else "")
+        raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}{pairs}")
     if fmt == "prompt_completion" and isinstance(record[prompt_field], list):
         if not isinstance(record[completion_field], list):
             raise ValueError(f"{where}: field {prompt_field!r} is a list of messages and {completion_field!r} is "

@@ -10,6 +10,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lightning_multilora import (
+    AdapterSpec,
     EarlyExit,
     MultiLoRADataModule,
     MultiLoRAModule,
@@ -159,3 +160,30 @@ def test_a_fit_stopped_by_ctrl_c_is_reported_with_its_exports_once(tmp_path, tra
         assert (Path(row["export_path"]) / "adapter_model.safetensors").is_file()
     assert (Path(trainer.log_dir) / "sweep_summary.json").is_file()
     assert not (Path(trainer.log_dir) / "second.json").exists()
+
+
+def test_validation_losses_are_logged_at_the_step_of_the_training_values_and_hparams_hold_no_none_text(
+        tmp_path, trainer_kwargs, monkeypatch):
+    """An adapter's validation loss was written at the global step, one past the step Lightning writes the values
+    logged at the same point at (the training values of the batch before it, a user's own ``self.log`` in the
+    validation): each validation point sat one step to the right. The HParams table said "None" for the `dataset`
+    of an adapter on the default source."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+    from torch.utils.tensorboard import SummaryWriter
+
+    written = []
+    monkeypatch.setattr(SummaryWriter, "add_hparams", lambda self, hparams, *a, **k: written.append(hparams))
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=2, max_steps=5)],
+                             validate_on_finish=False)
+    loggers = [CSVLogger(str(tmp_path), name="csv"), TensorBoardLogger(str(tmp_path), name="tb")]
+    trainer = L.Trainer(**dict(trainer_kwargs, logger=loggers, log_every_n_steps=1, val_check_interval=2),
+                        callbacks=[SweepReport(print_table=False)])
+    trainer.fit(module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(100)}, max_val_examples=8))
+    with open(Path(loggers[0].log_dir) / "metrics.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    at = lambda key: [int(r["step"]) for r in rows if r.get(key)]  # noqa: E731
+    assert at("adapters/a/val_loss") == [1, 3]  # (the validations after the 2nd and 4th steps: batches 1 and 3)
+    assert at("adapters/a/train_loss") == [0, 1, 2, 3, 4]
+    assert written and all("None" not in map(str, h.values()) for h in written) and "dataset" not in written[0]

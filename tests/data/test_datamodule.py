@@ -67,8 +67,13 @@ def test_jsonl_gz_and_hf_datasets_sources(tmp_path):
     plain.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": f"a{i}"}) for i in range(4)))
     hf = HFDatasetSource("json", data_files=str(plain), format="question_answer").examples()
     assert hf[2].prompt == "Question: q2\nAnswer:" and hf[2].completion == " a2"
-    with pytest.raises(ValueError, match=r"record has no field\(s\) \['prompt', 'completion'\]; it has \['a', 'q'\]"):
+    with pytest.raises(ValueError, match=r"record has no field\(s\) \['prompt', 'completion'\]; it has \['a', 'q'\]$"):
         JSONLSource(str(path)).examples()
+    pairs = tmp_path / "pairs.jsonl"  # (preference pairs given to an SFT source: where they go, said)
+    pairs.write_text(json.dumps({"prompt": "p", "chosen": " a", "rejected": " b"}) + "\n")
+    with pytest.raises(ValueError, match=r"it is a preference pair: a DPO adapter reads such records from a "
+                                         r"PreferenceSource"):
+        JSONLSource(str(pairs)).examples()
     with pytest.raises(ValueError, match="`format` can be"):
         JSONLSource(str(path), format="alpaca")
 
