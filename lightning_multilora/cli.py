@@ -260,8 +260,10 @@ class MultiLoRACLI(LightningCLI):
         if not isinstance(config, dict):
             return {}
         callbacks = (config.get("trainer") or {}).get("callbacks") if isinstance(config.get("trainer"), dict) else None
-        askers = [cb for cb in callbacks or [] if isinstance(cb, dict)
-                  and str(cb.get("class_path", "")).rsplit(".", 1)[-1] in _ADAPTER_ASKERS]
+        askers = [{"class_path": cb.get("class_path"),
+                   "init_args": {k: v for k, v in (cb.get("init_args") or {}).items() if k in _ADAPTER_ASKERS[name]}}
+                  for cb in callbacks or [] if isinstance(cb, dict)
+                  for name in [str(cb.get("class_path", "")).rsplit(".", 1)[-1]] if name in _ADAPTER_ASKERS]
         return {"model": config.get("model"), "data": config.get("data"), "askers": askers}
 
     def _log_roots(self) -> list[Path]:
@@ -393,7 +395,10 @@ PREVIOUS_RUN_FILES = ("config.yaml", "sweep_summary.json", "optuna.db", CLAIM)
 
 
 TASK_ID_ENV = "MULTILORA_TASK_ID"  # set by `multilora schedule` for each task's command: the task's id
-_ADAPTER_ASKERS = ("OptunaSweep",)  # callbacks that ask the run's adapters: part of what makes a run
+# callbacks that ask the run's adapters, and the arguments that make their run theirs (not its budget: `n_trials`,
+# `slots`, the heartbeat's, which a resume may change)
+_ADAPTER_ASKERS = {"OptunaSweep": ("search_space", "base", "sampler", "seed", "study_name", "storage",
+                                   "alpha_over_rank", "pruner")}
 
 
 def _agree(mine: Any, theirs: Any) -> bool:
@@ -457,9 +462,12 @@ def _adapters_replaced(args: list[str]) -> list[str]:
         if flag == "--model.adapters" and value not in (None, "null", "None"):
             out += ["--model.adapters", "null"]
         elif flag in ("--config", "-c") and value is not None:
-            try:  # (a file, or the config itself inline)
-                text = Path(value).read_text(encoding="utf-8") if Path(value).is_file() else value
-                config = yaml.safe_load(text)
+            try:  # (a file, or the config itself inline: a long one is no file name the system takes)
+                is_file = Path(value).is_file()
+            except (OSError, ValueError):
+                is_file = False
+            try:
+                config = yaml.safe_load(Path(value).read_text(encoding="utf-8") if is_file else value)
             except (OSError, ValueError, yaml.YAMLError):  # (jsonargparse says what is wrong with it)
                 config = None
             if isinstance(config, dict) and isinstance(config.get("model"), dict) \

@@ -948,10 +948,15 @@ def _same_values(saved: Any, weight: Tensor) -> bool:
     if type(weight) not in (Tensor, nn.Parameter) or not weight.is_floating_point() or not isinstance(saved, Tensor) \
             or not saved.is_floating_point():
         return True
+    if saved.shape != weight.shape:
+        return False
     coarse = [torch.finfo(d) for d in (saved.dtype, weight.dtype)]
+    saved, weight = saved.reshape(saved.shape[:1] + (-1,)), weight.reshape(weight.shape[:1] + (-1,))
+    rows = max(1, (1 << 24) // max(1, weight.shape[-1]))  # (float32 chunks of ~64 MiB: a large head at once, GiBs)
     with torch.no_grad():
-        return torch.allclose(saved.to(device=weight.device, dtype=torch.float32), weight.float(),
-                              rtol=max(f.eps for f in coarse), atol=max(f.tiny for f in coarse))
+        return all(torch.allclose(s.to(device=w.device, dtype=torch.float32), w.float(),
+                                  rtol=max(f.eps for f in coarse), atol=max(f.tiny for f in coarse))
+                   for s, w in zip(saved.split(rows), weight.split(rows)))
 
 
 def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
@@ -185,7 +185,8 @@ class AdapterRegistry:
             rec = AdapterRecord.from_state_dict(rs)
             self._records[rec.name] = rec
 
-    def summary_rows(self, exported: str = "best") -> list[dict[str, Any]]:
+    def summary_rows(self, exported: str = "best",
+                     source_name: Optional[Callable[[Optional[str]], str]] = None) -> list[dict[str, Any]]:
         """One row per adapter, ranked by ``exported_val_loss``, the validation loss of the weights its export holds (as
         measured where it was exported, `AdapterRecord.exported_val_loss`; an adapter not exported: ``exported`` says
         which, "best", the best-validation weights, where the module keeps them, `keep_best_weights`; "last", the last
@@ -206,20 +207,21 @@ class AdapterRegistry:
         def rank(row: dict[str, Any]) -> tuple:
             measured, last = row["exported_val_loss"], row["last_val_loss"]
             if math.isfinite(measured):
-                return (*_loss_group(row), 0, measured)
-            return (*_loss_group(row), 1, last if math.isfinite(last) else math.inf)
+                return (*_loss_group(row, source_name), 0, measured)
+            return (*_loss_group(row, source_name), 1, last if math.isfinite(last) else math.inf)
 
         rows.sort(key=rank)  # (stable: ties keep the order the adapters were added in)
         return rows
 
-    def summary_table(self, exported: str = "best") -> str:
+    def summary_table(self, exported: str = "best",
+                      source_name: Optional[Callable[[Optional[str]], str]] = None) -> str:
         """The ranked table (`summary_rows`; ``#`` counts within each group of losses that compare): learning rate,
         rank, alpha and batch size, then each other hyperparameter of `AdapterSpec.hparams` whose value differs between
         adapters (two that differ only in dropout are told apart), the status, the loss it is ranked by
         (``export_loss``: the validation loss of the weights the export holds, ``exported_val_loss``), the best
         validation loss, and where the exports hold the last weights the last one too; with DPO adapters, their last
         validation's preference accuracy (``pref_acc``)."""
-        rows = self.summary_rows(exported)
+        rows = self.summary_rows(exported, source_name)
         varying = [k for k in _EXTRA_COLUMNS if len({repr(r[k]) for r in rows}) > 1]
         losses = ["exported_val_loss", "best_val_loss"] + (["last_val_loss"] if exported == "last" else [])
         if any(r["objective"] == "dpo" for r in rows):  # (the share of held-out pairs preferred, at the last one)
@@ -227,7 +229,7 @@ class AdapterRegistry:
         names = {"val_preference_accuracy": "pref_acc", "exported_val_loss": "export_loss"}
         header = ["#", "adapter", "lr", "rank", "alpha", "bs", *(_EXTRA_COLUMNS[k] for k in varying), "status",
                   *(names.get(k, k) for k in losses), "steps"]
-        groups = [_loss_group(r) for r in rows]  # (numbered within each group of losses that compare)
+        groups = [_loss_group(r, source_name) for r in rows]  # (numbered within each group of losses that compare)
         places = [sum(1 for g in groups[:i] if g == groups[i]) + 1 for i in range(len(rows))]
         lines = [[str(places[i]), r["adapter"], f"{r['lr']:.2g}", str(r["rank"]), f"{r['alpha']:g}",
                   str(r["batch_size"]), *("-" if r[k] is None else f"{r[k]:g}" if isinstance(r[k], float)
@@ -240,12 +242,18 @@ class AdapterRegistry:
         return "\n".join([fmt(header), fmt(["-" * w for w in widths])] + [fmt(line) for line in lines])
 
 
-def _loss_group(row: Mapping[str, Any]) -> tuple:
+def _loss_group(row: Mapping[str, Any], source_name: Optional[Callable[[Optional[str]], str]] = None) -> tuple:
     """The adapters whose validation losses compare, ranked together: one objective (SFT before DPO), one data
-    source and, for DPO, one beta (a larger beta makes the same preferences' loss smaller), as `WarmupSelection`
-    groups them."""
-    return ({"sft": 0, "dpo": 1}.get(row["objective"], 2), str(row.get("dataset") or ""),
-            row.get("dpo_beta") or 0.0)
+    source (``source_name``: the name a `dataset` resolves to, the data module's `source_name`, so that None and
+    the first source's name are one) and, for DPO, one beta (a larger beta makes the same preferences' loss smaller),
+    as `WarmupSelection` groups them."""
+    dataset = row.get("dataset")
+    if source_name is not None:
+        try:
+            dataset = source_name(dataset)
+        except (KeyError, ValueError):  # (a name the data module does not have: as it is)
+            pass
+    return ({"sft": 0, "dpo": 1}.get(row["objective"], 2), str(dataset or ""), row.get("dpo_beta") or 0.0)
 
 
 def merge_by_owner(states: Sequence[Mapping[str, Any]], owners: Mapping[str, int]) -> dict[str, Any]:

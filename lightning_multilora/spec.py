@@ -16,6 +16,14 @@ from typing import Any, Optional, Union
 SCHEDULES = ("constant", "linear", "cosine")
 OBJECTIVES = ("sft", "dpo")
 DEFAULT_DPO_BETA = 0.1  # (TRL's `DPOConfig.beta`)
+
+
+def without_unused_beta(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """AdapterSpec arguments of a grid's or a sweep's cell without a `dpo_beta` its objective does not use (an SFT
+    cell of a grid over objectives with one beta: no warning that it ignores it, `AdapterSpec`)."""
+    if kwargs.get("objective", "sft") != "dpo":
+        kwargs = {k: v for k, v in kwargs.items() if k != "dpo_beta"}
+    return kwargs
 _NAME_RE = re.compile(r"[A-Za-z0-9_\-]{1,200}")  # (a directory name of the export: at most 255 bytes)
 
 
@@ -282,7 +290,7 @@ class SweepGrid:
             made[name] = dict(zip(keys, values))
             if self.alpha_over_rank is not None:
                 kwargs["alpha"] = float(self.alpha_over_rank * kwargs.get("rank", AdapterSpec.rank))
-            out.append(AdapterSpec(name=name, **kwargs))
+            out.append(AdapterSpec(name=name, **without_unused_beta(kwargs)))
         return out
 
 

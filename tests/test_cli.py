@@ -499,7 +499,8 @@ def test_ckpt_path_last_resumes_a_run_of_the_same_config_not_the_newest_of_anoth
     with pytest.warns(UserWarning, match=r"no checkpoint in .* \(the checkpoints there are of runs of another config "
                                          r"\(`model`, `data` or a sweep's callback: .*version_0/checkpoints/last.ckpt"
                                          r".*version_1/checkpoints/last.ckpt.*give one's path to resume it\)\): a new"):
-        main([*other, "--ckpt_path", "last"])
+        main([*other, "--ckpt_path", "last", *crash(0)])
+    assert CrashAt.starts[-1] == (None, 0)  # (a new run)
 
 
 def test_a_list_of_adapters_given_later_replaces_the_earlier_one(tmp_path, capsys):
@@ -527,6 +528,8 @@ def test_a_list_of_adapters_given_later_replaces_the_earlier_one(tmp_path, capsy
     replaced = [{"name": "c", **fresh, "max_steps": None}, {"name": "d", **fresh, "max_steps": None}]
     assert adapters("--config", str(second)) == adapters("-c", str(second)) == replaced
     assert adapters("--config", second.read_text()) == replaced  # (a config given inline)
+    many = yaml.safe_dump({"model": {"adapters": [{"name": f"adapter_{i}", "rank": 4} for i in range(12)]}})
+    assert len(many) > 255 and [a["lr"] for a in adapters("--config", many)] == [2e-4] * 12  # (no file name)
     assert [a["name"] for a in adapters("--model.adapters+={name: e}")] == ["a", "b", "e"]
 
 
@@ -536,18 +539,20 @@ def test_what_makes_a_run_for_last_is_its_model_data_and_sweep_on_the_fields_bot
     not is no difference (a resume after an upgrade started a new run); the trainer's settings may change."""
     from lightning_multilora.cli import MultiLoRACLI, _agree
 
-    def sections(space, **extra):
+    def sections(space, n_trials=4, **extra):
         import yaml
 
         return MultiLoRACLI._config_sections(yaml.safe_dump({
             "model": {"base_model": "tiny-llama", "max_running": 2, **extra}, "data": {"max_val_examples": 4},
             "trainer": {"max_steps": 10, "callbacks": [
                 {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}},
-                {"class_path": "lightning_multilora.callbacks.OptunaSweep", "init_args": {"search_space": space}}]}}))
+                {"class_path": "lightning_multilora.callbacks.OptunaSweep",
+                 "init_args": {"search_space": space, "n_trials": n_trials}}]}}))
 
     lr = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2}}
     rank = {"rank": {"type": "categorical", "choices": [2, 4]}}
     assert _agree(sections(lr), sections(lr)) and not _agree(sections(lr), sections(rank))
+    assert _agree(sections(lr, n_trials=6), sections(lr))  # (a sweep's budget may change on a resume)
     assert _agree(sections(lr, cuda_graphs=False), sections(lr))  # (a field an older version did not save)
     assert not _agree(sections(lr, max_running=3), sections(lr))
     assert not _agree(sections(lr, config_overrides={"num_hidden_layers": 1}), sections(lr, config_overrides={}))

@@ -106,3 +106,18 @@ def test_exports_never_validated_follow_by_their_last_loss_and_a_diverged_one_sa
     registry.add(AdapterSpec("queued", rank=4))  # (not exported, never validated: in "best" mode too)
     assert math.isnan(registry.summary_rows("best")[-1]["exported_val_loss"])
     assert registry.summary_table("best").splitlines()[-1].split()[-3:-1] == ["-", "-"]
+
+
+def test_adapters_of_one_source_rank_together_whether_named_or_not():
+    """An adapter on the default source (`dataset` None) and one naming it were ranked in two groups, each numbered
+    from 1: the report resolves the names as `WarmupSelection` does (the data module's `source_name`)."""
+    registry = AdapterRegistry()
+    for name, dataset, loss in (("a", None, 3.0), ("b", "math", 1.0), ("c", None, 2.0), ("d", "other", 0.5)):
+        registry.add(AdapterSpec(name, rank=4, dataset=dataset))
+        rec = registry[name]
+        rec.best_val_loss = rec.last_val_loss = rec.exported_val_loss = loss
+    resolve = lambda d: "math" if d is None else d  # noqa: E731
+    assert [r["adapter"] for r in registry.summary_rows("last", resolve)] == ["b", "c", "a", "d"]
+    places = [line.split()[:2] for line in registry.summary_table("last", resolve).splitlines()[2:]]
+    assert places == [["1", "b"], ["2", "c"], ["3", "a"], ["1", "d"]]
+    assert [r["adapter"] for r in registry.summary_rows("last")] == ["c", "a", "b", "d"]  # (unresolved: apart)

@@ -187,3 +187,8 @@ def test_a_dpo_beta_on_an_sft_adapter_is_warned_of():
         warnings.simplefilter("error")
         AdapterSpec("y", objective="dpo", dpo_beta=0.5)
         AdapterSpec("z")
+    # a grid over objectives with one beta: its SFT cells take no beta, unwarned
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        specs = SweepGrid(axes={"objective": ["sft", "dpo"]}, base={"dpo_beta": 0.5}).specs()
+    assert [(s.objective, s.dpo_beta) for s in specs] == [("sft", 0.1), ("dpo", 0.5)]

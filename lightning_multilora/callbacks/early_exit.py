@@ -154,7 +154,8 @@ class EarlyExit(Callback):
                 logs[f"adapters/{name}/train_loss_ema"] = self.observe_train_loss(name, rec.train_losses[-1][1])
         if logs and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
             # (through the module: under adapter parallelism rank 0 writes every rank's adapters')
-            pl_module.log_adapter_metrics({k: v for k, v in logs.items() if math.isfinite(v)}, trainer.global_step)
+            # (at the step Lightning writes the losses they smooth at: the module's `_logged_step`)
+            pl_module.log_adapter_metrics({k: v for k, v in logs.items() if math.isfinite(v)})
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -19,7 +19,7 @@ from lightning_multilora.arguments import UsageError, check_int
 from lightning_multilora.export import init_from_config
 from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.registry import AdapterRecord, AdapterState
-from lightning_multilora.spec import AdapterSpec, check_alpha_over_rank, check_spec_fields
+from lightning_multilora.spec import AdapterSpec, check_alpha_over_rank, check_spec_fields, without_unused_beta
 from lightning_multilora.strategies.adapter_parallel import decide_once, decides_here, placement_of
 
 if TYPE_CHECKING:
@@ -506,7 +506,7 @@ class OptunaSweep(Callback):
         if "alpha" not in kwargs and self.alpha_over_rank is not None and isinstance(rank, numbers.Integral) \
                 and not isinstance(rank, bool):  # (an alpha given in `base` is kept; a bad rank is AdapterSpec's error)
             kwargs["alpha"] = float(self.alpha_over_rank * rank)
-        return kwargs
+        return without_unused_beta(kwargs)
 
     def _grid_exhausted(self, study) -> bool:
         """Every point of the study's grid (this sweep's, or a ``GridSampler`` of the ``study`` given, whatever its

@@ -109,7 +109,8 @@ class SweepReport(Callback):
         if registry is None or not trainer.is_global_zero or getattr(self, "_silent", False):
             return
         exported = "best" if getattr(pl_module, "keep_best_weights", False) else "last"
-        self.rows = registry.summary_rows(exported)
+        source_name = getattr(getattr(trainer, "datamodule", None), "source_name", None)  # (ranks by data source)
+        self.rows = registry.summary_rows(exported, source_name)
         log_dir = log_dir_of(trainer)
         if self.filename and log_dir:
             path = getattr(self, "_path", None) or Path(log_dir) / self.filename
@@ -134,7 +135,7 @@ class SweepReport(Callback):
             said = ("their best-validation weights" if exported == "best"
                     else "their last weights; EarlyExit keeps the best")
             lines = ["", f"Adapters ranked by export_loss, the validation loss of the weights their exports hold "
-                     f"({said}):", registry.summary_table(exported), ""]
+                     f"({said}):", registry.summary_table(exported, source_name), ""]
             if any(math.isnan(r["exported_val_loss"]) for r in self.rows):
                 lines.insert(3, "(export_loss '-': weights not validated, the run having stopped before a validation "
                                 "of them; those follow the others, by their last validation loss)")

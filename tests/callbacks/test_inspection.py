@@ -179,11 +179,11 @@ def test_validation_losses_are_logged_at_the_step_of_the_training_values_and_hpa
                              validate_on_finish=False)
     loggers = [CSVLogger(str(tmp_path), name="csv"), TensorBoardLogger(str(tmp_path), name="tb")]
     trainer = L.Trainer(**dict(trainer_kwargs, logger=loggers, log_every_n_steps=1, val_check_interval=2),
-                        callbacks=[SweepReport(print_table=False)])
+                        callbacks=[SweepReport(print_table=False), EarlyExit()])
     trainer.fit(module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(100)}, max_val_examples=8))
     with open(Path(loggers[0].log_dir) / "metrics.csv") as fh:
         rows = list(csv.DictReader(fh))
     at = lambda key: [int(r["step"]) for r in rows if r.get(key)]  # noqa: E731
     assert at("adapters/a/val_loss") == [1, 3]  # (the validations after the 2nd and 4th steps: batches 1 and 3)
-    assert at("adapters/a/train_loss") == [0, 1, 2, 3, 4]
+    assert at("adapters/a/train_loss") == at("adapters/a/train_loss_ema") == [0, 1, 2, 3, 4]  # (EarlyExit's)
     assert written and all("None" not in map(str, h.values()) for h in written) and "dataset" not in written[0]
