@@ -334,17 +334,15 @@ class MultiLoRACLI(LightningCLI):
                           f"{', '.join(previous) or CLAIM}: give this run its own (--trainer.default_root_dir, or a "
                           "logger that versions its runs), or resume that run with --ckpt_path")
 
-    def _release_log_dir(self) -> bool:
+    def _release_log_dir(self) -> None:
         """A fit refused (or stopped) before any adapter took a step leaves no claim, config, study or summary in its
-        log directory (they would refuse the corrected command; a logger's version folder keeps its event file).
-        Returns whether no adapter took a step (a resume's adapters count their checkpoint's steps)."""
-        if any(r.step for r in self.model.registry):
-            return False
+        log directory (they would refuse the corrected command; a logger's version folder keeps its event file)."""
         claim = getattr(self, "_claimed", None)
-        if claim is not None and self.config_init[self.subcommand].get("ckpt_path") is None:
+        if claim is None or any(r.step for r in self.model.registry):
+            return
+        if self.config_init[self.subcommand].get("ckpt_path") is None:
             for name in ("config.yaml", "optuna.db", "sweep_summary.json", CLAIM):
                 (claim.parent / name).unlink(missing_ok=True)
-        return True
 
     def fit(self, model: MultiLoRAModule, **kwargs) -> None:
         """``Trainer.fit``; a `UsageError` it raises (a data file that does not read, a storage URL that does not

@@ -1404,8 +1404,7 @@ class MultiLoRAMixin:
                 if writes or name not in self.registry or self.registry[name].state != AdapterState.RUNNING
                 for k, v in values.items()}
         if logs and self.trainer.loggers:  # (at the step Lightning writes a value logged here at)
-            loop = self.trainer.fit_loop.epoch_loop
-            self._write_metrics(logs, getattr(loop, "_batches_that_stepped", self._global_step()))
+            self._write_metrics(logs, self._logged_step())
         if self.trainer.progress_bar_callback is not None:
             exited = sum(v for k, v in counts.items() if AdapterState(k).exited)
             self.log_dict({"running": float(counts["running"]), "queued": float(counts["queued"] + counts["paused"]),
