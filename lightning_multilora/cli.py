@@ -135,7 +135,10 @@ class MultiLoRACLI(LightningCLI):
         except (ValueError, OSError) as err:
             self.parser.error(str(err))
         drawn = self._drawn_sources()
-        missing = [f"data source {name!r}: {what}" for name, source in self.datamodule.sources.items()
+        held_out = getattr(self.datamodule, "val_sources", {})
+        missing = [f"{role} {name!r}: {what}" for role, sources in (("data source", self.datamodule.sources),
+                                                                     ("validation source", held_out))
+                   for name, source in sources.items()
                    if name in drawn for what in [getattr(source, "missing", lambda: None)()] if what]
         if missing:
             self.parser.error("; ".join(missing))

@@ -8,7 +8,7 @@ import random
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import lightning as L
 import numpy as np
@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_multilora.arguments import UsageError, check_bool, check_int, check_real
 from lightning_multilora.data.sources import (ChatExample, ChatPreferenceExample, DataSource, Example,
                                               GeneratedArithmetic, PreferenceExample)
-from lightning_multilora.data.tokenizer import Tokenizer, load_tokenizer
+from lightning_multilora.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_object
 from lightning_multilora.layout import BatchLayout
 from lightning_multilora.registry import merge_by_owner
 
@@ -190,8 +190,10 @@ class MultiLoRADataModule(L.LightningDataModule):
     Args:
         sources: data sources by name; an adapter's ``dataset`` names one (None: the first).
             Default: ``{"arithmetic": GeneratedArithmetic()}``.
-        tokenizer: ``"byte"`` (offline byte-level) or a Hugging Face tokenizer path. A row is its BOS token where
-            the tokenizer begins a text with one (as ``tokenizer(text)`` does), the prompt, the completion and EOS.
+        tokenizer: ``"byte"`` (offline byte-level), a Hugging Face tokenizer's folder or Hub name, or a tokenizer
+            already loaded (``AutoTokenizer.from_pretrained(...)``, as TRL's ``processing_class``). A row is its BOS
+            token where the tokenizer begins a text with one (as ``tokenizer(text)`` does), the prompt, the
+            completion and EOS; a conversation's row is its chat template's tokens alone.
         max_length: longest tokenized example (default: the model's maximum positions).
         truncate: cut examples longer than ``max_length`` instead of raising: a row's end; a preference pair's
             prompt from its start (keeping its end, next to the answers), then the answers' ends.
@@ -200,6 +202,9 @@ class MultiLoRADataModule(L.LightningDataModule):
             (two rows each, and their reference forward besides).
         max_val_examples: cap on each source's validation split (None: no cap); the examples past it go back into
             training (GSM8K's 7473 hold out 256, not ``val_fraction``'s 747).
+        val_sources: a held-out validation source for some of ``sources``, by the same name (a DatasetDict's
+            ``test`` split, a second file: as HF Trainer's and TRL's ``eval_dataset``): that source trains on all
+            its examples and validates on this one's, in the split seed's order, up to ``max_val_examples``.
         split_seed: seed of the train/validation split.
         padding: ``"longest"`` pads each packed batch to its longest row; ``"max_length"`` pads every batch
             to ``max_length``, so a row's arithmetic never depends on which other rows share its batch.
@@ -213,7 +218,7 @@ class MultiLoRADataModule(L.LightningDataModule):
     def __init__(
         self,
         sources: Optional[dict[str, DataSource]] = None,
-        tokenizer: str = "byte",
+        tokenizer: Union[str, Any] = "byte",
         max_length: Optional[int] = None,
         truncate: bool = False,
         val_fraction: float = 0.1,
@@ -222,6 +227,7 @@ class MultiLoRADataModule(L.LightningDataModule):
         split_seed: int = 1234,
         padding: str = "longest",
         pad_to_multiple_of: int = 1,
+        val_sources: Optional[dict[str, DataSource]] = None,
     ) -> None:
         super().__init__()
         if sources is not None and not sources:  # (None: the generated default; an empty mapping is a mistake)
@@ -249,19 +255,32 @@ class MultiLoRADataModule(L.LightningDataModule):
             raise ValueError("`padding='max_length'` needs `max_length`")
         check_int(where, "pad_to_multiple_of", pad_to_multiple_of, 1)
         tokenizer = os.fspath(tokenizer) if isinstance(tokenizer, os.PathLike) else tokenizer
-        if not isinstance(tokenizer, str) or not tokenizer:
+        loaded = None if isinstance(tokenizer, str) else tokenizer_object(tokenizer)
+        if loaded is None and (not isinstance(tokenizer, str) or not tokenizer):
+            got = (f"{tokenizer!r:.80}" if isinstance(tokenizer, (str, int, float, type(None))) else
+                   f"a {type(tokenizer).__name__}")
             raise ValueError(f"MultiLoRADataModule: `tokenizer` must be 'byte' (bytes, the built-in tiny models' "
-                             f"vocabulary) or a tokenizer's folder or hub name, got {tokenizer!r}")
+                             f"vocabulary), a tokenizer's folder or hub name, or a Hugging Face tokenizer object, got "
+                             f"{got}")
+        if val_sources is not None and (not isinstance(val_sources, Mapping) or not all(
+                isinstance(k, str) and callable(getattr(v, "examples", None)) for k, v in val_sources.items())):
+            raise ValueError(f"`val_sources` must map names of `sources` to data sources (JSONLSource, "
+                             f"HFDatasetSource, PreferenceSource, ListSource...), got {val_sources!r:.120}")
+        unknown = sorted(set(val_sources or ()) - set(self.sources))
+        if unknown:
+            raise ValueError(f"`val_sources` names {unknown}, which are not data sources; a validation source takes "
+                             f"the name of the source it holds out for, one of {list(self.sources)}")
+        self.val_sources: dict[str, DataSource] = dict(val_sources or {})
         check_int(where, "max_val_examples", max_val_examples, 1, optional=True)
         self.padding, self.pad_to_multiple_of = padding, pad_to_multiple_of
-        self.tokenizer_name = tokenizer
+        self.tokenizer_name = tokenizer if loaded is None else loaded.name
         self.max_length = max_length
         self.truncate = truncate
         self.val_fraction = val_fraction
         self.val_batch_size = val_batch_size
         self.max_val_examples = max_val_examples
         self.split_seed = split_seed
-        self._tokenizer: Optional[Tokenizer] = None
+        self._tokenizer: Optional[Tokenizer] = loaded
         self._splits: dict[str, tuple[TokenizedSplit, TokenizedSplit]] = {}
         self._streams: dict[str, AdapterStream] = {}
         self._pending_stream_state: dict[str, dict[str, int]] = {}
@@ -299,12 +318,43 @@ class MultiLoRADataModule(L.LightningDataModule):
         return self._splits[name]
 
     def _tokenize_source(self, name: str) -> tuple[TokenizedSplit, TokenizedSplit]:
-        examples = self.sources[name].examples()
-        if len(examples) < 2:
-            raise ValueError(
-                f"data source {name!r} ({self.sources[name].describe()}) has {len(examples)} examples; "
-                "it needs at least 2 (one for training, one for validation)"
-            )
+        """(train, validation) of source ``name``: a share of its examples held out (`val_fraction`, up to
+        `max_val_examples`), or, where `val_sources` names it, all of them and the validation source's."""
+        held_out = self.val_sources.get(name)
+        chosen, rejected = self._tokenize_rows(name, self.sources[name], 1 if held_out is not None else 2)
+        pairs = rejected[0] is not None
+        if held_out is None:  # the validation share of the examples kept (those truncation left out count in neither)
+            n_val = min(max(1, round(len(chosen) * self.val_fraction)), len(chosen) - 1)
+            if self.max_val_examples is not None:
+                n_val = min(n_val, self.max_val_examples)
+            val_rows, val_rejected = chosen[:n_val], rejected[:n_val]
+            chosen, rejected = chosen[n_val:], rejected[n_val:]
+        else:
+            val_rows, val_rejected = self._tokenize_rows(name, held_out, 1, "validation source")
+            if (val_rejected[0] is not None) != pairs:
+                kinds = ("preference pairs", "prompt-completion examples")
+                raise ValueError(f"`val_sources[{name!r}]` ({held_out.describe()}) holds {kinds[pairs]} and data "
+                                 f"source {name!r} ({self.sources[name].describe()}) holds {kinds[not pairs]}: give "
+                                 "a validation source of the same kind")
+            n_val = len(val_rows) if self.max_val_examples is None else min(len(val_rows), self.max_val_examples)
+            val_rows, val_rejected = val_rows[:n_val], val_rejected[:n_val]
+
+        def split(rows: list, rej: list) -> TokenizedSplit:
+            return TokenizedSplit([r[0] for r in rows], [r[1] for r in rows], [r[0] for r in rej] if pairs else None,
+                                  [r[1] for r in rej] if pairs else None)
+
+        return split(chosen, rejected), split(val_rows, val_rejected)
+
+    def _tokenize_rows(self, name: str, source: DataSource, need: int,
+                       role: str = "data source") -> tuple[list[tuple[list[int], list[int]]], list]:
+        """The rows (ids, labels) of ``source``'s examples kept, in the split seed's order, with their rejected
+        answer's rows (None each where they are no preference pairs); ``need`` kept at least."""
+        examples = source.examples()
+        needed = "one for training, one for validation" if need == 2 else (
+            "its validation split" if role != "data source" else "for training; `val_sources` holds its validation")
+        if len(examples) < need:
+            raise ValueError(f"{role} {name!r} ({source.describe()}) has {len(examples)} examples; it needs at least "
+                             f"{need} ({needed})")
         order = list(range(len(examples)))
         random.Random(self.split_seed).shuffle(order)
         tok, limit = self.tokenizer, self.effective_max_length
@@ -317,15 +367,17 @@ class MultiLoRADataModule(L.LightningDataModule):
 
         def encode(i: int, prompt: list[int], completion: list[int],
                    chat: bool = False) -> Optional[tuple[list[int], list[int]]]:
-            # EOS ends the row; a chat template's turn that holds it already (its end of turn) is left as rendered
-            if not (chat and tok.eos_token_id in completion):
+            # EOS ends a text row (TRL's SFT adds it). A conversation's row is the template's tokens alone, its end of
+            # turn as rendered (TRL's SFT adds nothing to it); a conversational pair's answers end with EOS where
+            # their turn does not hold it (TRL's DPO adds it to both)
+            if not chat or (pairs and tok.eos_token_id not in completion):
                 completion = completion + [tok.eos_token_id]
             ids = prompt + completion
             labels = [IGNORE_INDEX] * len(prompt) + completion
             if limit is not None and len(ids) > limit:
                 if not self.truncate:
                     raise ValueError(
-                        f"{named(i)} of data source {name!r} is {len(ids)} tokens, longer than the maximum "
+                        f"{named(i)} of {role} {name!r} is {len(ids)} tokens, longer than the maximum "
                         f"sequence length {limit}; {longer}, or set `truncate=True`"
                     )
                 ids, labels = ids[:limit], labels[:limit]
@@ -333,7 +385,7 @@ class MultiLoRADataModule(L.LightningDataModule):
             if all(x == IGNORE_INDEX for x in labels[1:]):
                 if self.truncate:
                     return None
-                raise ValueError(f"{named(i)} of data source {name!r} has no completion tokens to learn")
+                raise ValueError(f"{named(i)} of {role} {name!r} has no completion tokens to learn")
             return ids, labels
 
         chosen, rejected = [], []
@@ -375,44 +427,32 @@ class MultiLoRADataModule(L.LightningDataModule):
                 same.append(i)
             elif pairs and not (example.chosen and example.rejected):  # (the texts: a token list may hold the
                 empty.append(i)  # prompt's last token, which the shared beginning left to the answers)
-        if len(chosen) < 2:
-            raise ValueError(f"data source {name!r}: {len(chosen)} of its {len(examples)} examples keep completion "
+        if len(chosen) < need:
+            raise ValueError(f"{role} {name!r}: {len(chosen)} of its {len(examples)} examples keep completion "
                              f"tokens after truncation to {limit} tokens (`max_length`; the prompts fill the rest), "
-                             f"and it needs at least 2 (one for training, one for validation); {longer}")
+                             f"and it needs at least {need} ({needed}); {longer}")
         if len(chosen) < len(examples):
-            warnings.warn(f"data source {name!r}: {len(examples) - len(chosen)} of {len(examples)} examples kept no "
+            warnings.warn(f"{role} {name!r}: {len(examples) - len(chosen)} of {len(examples)} examples kept no "
                           f"completion tokens after truncation to {limit} tokens (the prompt filled them) and are "
                           f"left out; {longer} to keep them")
         kept_prompt_cut = len(prompt_cut.intersection(kept))
         if kept_prompt_cut:
-            warnings.warn(f"data source {name!r}: {kept_prompt_cut} of the {len(chosen)} preference pairs kept had "
+            warnings.warn(f"{role} {name!r}: {kept_prompt_cut} of the {len(chosen)} preference pairs kept had "
                           f"their prompt cut to fit {limit} tokens (its beginning left out, its end kept next to the "
                           f"answers); {longer}", stacklevel=2)
         kept_cut = len(cut.intersection(kept))
         if kept_cut:
-            warnings.warn(f"data source {name!r}: {kept_cut} of the {len(chosen)} examples kept were cut at {limit} "
+            warnings.warn(f"{role} {name!r}: {kept_cut} of the {len(chosen)} examples kept were cut at {limit} "
                           f"tokens inside their completion (its end and EOS are not learned); {longer}", stacklevel=2)
         if same:
-            warnings.warn(f"data source {name!r}: {len(same)} of {len(chosen)} preference pairs have the same chosen "
+            warnings.warn(f"{role} {name!r}: {len(same)} of {len(chosen)} preference pairs have the same chosen "
                           f"and rejected completion (after truncation; {', '.join(named(i) for i in sorted(same)[:3])}"
                           f"{', ...' if len(same) > 3 else ''}); DPO learns nothing from them")
         if empty:
-            warnings.warn(f"data source {name!r}: {len(empty)} of {len(chosen)} preference pairs have an empty chosen "
+            warnings.warn(f"{role} {name!r}: {len(empty)} of {len(chosen)} preference pairs have an empty chosen "
                           f"or rejected completion ({', '.join(named(i) for i in sorted(empty)[:3])}"
                           f"{', ...' if len(empty) > 3 else ''}); that answer is the end of text alone")
-        # the validation share of the examples kept (those truncation left out count in neither split)
-        n_val = min(max(1, round(len(chosen) * self.val_fraction)), len(chosen) - 1)
-        if self.max_val_examples is not None:
-            n_val = min(n_val, self.max_val_examples)
-
-        def split(part: list) -> TokenizedSplit:
-            rows = [chosen[k] for k in part]
-            rej = [rejected[k] for k in part] if pairs else None
-            return TokenizedSplit([r[0] for r in rows], [r[1] for r in rows],
-                                  [r[0] for r in rej] if rej else None, [r[1] for r in rej] if rej else None)
-
-        val, train = split(list(range(n_val))), split(list(range(n_val, len(chosen))))
-        return train, val
+        return chosen, rejected
 
     def num_train_examples(self, dataset: Optional[str]) -> int:
         return len(self.split(dataset)[0])

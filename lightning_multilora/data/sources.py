@@ -11,7 +11,7 @@ import os
 import random
 import warnings
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal
 from pathlib import Path
@@ -86,6 +86,14 @@ class DataSource:
         """What the source needs and cannot find now (a file that is not there), said before a run starts; None
         where nothing is missing (reading it may still fail)."""
         return None
+
+
+def _checked_path(where: str, path: Any, optional: bool = False) -> Optional[str]:
+    """``path`` as text (a PathLike's), a `ValueError` naming ``where`` for anything but a non-empty one."""
+    path = os.fspath(path) if isinstance(path, os.PathLike) else path
+    if (path is None and optional) or (isinstance(path, str) and path):
+        return path
+    raise ValueError(f"{where}: `path` must be a JSON-lines file's path (text or a PathLike), got {path!r:.120}")
 
 
 def _missing_file(source: DataSource) -> Optional[str]:
@@ -313,7 +321,7 @@ class JSONLSource(DataSource):
         if format not in FORMATS:
             raise ValueError(f"JSONLSource: `format` can be {', '.join(FORMATS)}, got {format!r}")
         check_int("JSONLSource", "limit", limit, 1, optional=True)
-        self.path, self.format, self.limit = path, format, limit
+        self.path, self.format, self.limit = _checked_path("JSONLSource", path), format, limit
         self.prompt_field, self.completion_field = prompt_field, completion_field
 
     def examples(self) -> list[Example]:
@@ -473,6 +481,18 @@ class HFDatasetSource(DataSource):
                 break
         return out
 
+    def missing(self) -> Optional[str]:
+        """A `path` named as a local data file (its suffix one of `DATA_FILE_BUILDERS`') that is not there: else it
+        is taken for a Hub name, and its error is the Hub's."""
+        if not isinstance(self.path, str) or Path(self.path).expanduser().exists():
+            return None
+        suffixes = [x.lower() for x in Path(self.path).suffixes]
+        if suffixes and suffixes[-1] in COMPRESSIONS:
+            suffixes.pop()
+        if suffixes and suffixes[-1] in DATA_FILE_BUILDERS:
+            return f"HFDatasetSource: no file at `path` {self.path!r}"
+        return None
+
     def describe(self) -> str:
         split = "" if f"[{self.split!r}]" in self.shown else f", {self.split}"  # (a DatasetDict's shown with it)
         return f"HFDatasetSource({self.shown}{split}, {self.format})"
@@ -580,6 +600,14 @@ class PreferenceSource(DataSource):
         if (path is None) == (records is None):
             raise ValueError("PreferenceSource takes exactly one of `path` and `records`")
         check_int("PreferenceSource", "limit", limit, 1, optional=True)
+        if records is not None:
+            if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
+                raise ValueError(f"PreferenceSource: `records` must be a list of mappings (prompt, chosen, rejected) "
+                                 f"or a `datasets` Dataset, got a {type(records).__name__}"
+                                 + (" (one record: put it in a list)" if isinstance(records, Mapping) else ""))
+            if not isinstance(records, (Sequence, *_dataset_classes()[0])):
+                records = list(records)  # (an iterator is read once, and a fit reads its source again)
+        path = _checked_path("PreferenceSource", path, optional=True)
         self.path, self.format, self.records, self.limit = path, format, records, limit
 
     def _records(self) -> Iterator[tuple[str, dict]]:

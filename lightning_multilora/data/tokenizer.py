@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Optional, Protocol
 
 
 class Tokenizer(Protocol):
@@ -35,22 +37,27 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer (``AutoTokenizer.from_pretrained(path)``) behind the same small interface."""
+    """A Hugging Face tokenizer (``AutoTokenizer.from_pretrained(path)``, or one already loaded) behind the same
+    small interface."""
 
-    def __init__(self, name_or_path: str) -> None:
-        from transformers import AutoTokenizer
+    def __init__(self, name_or_path: Any) -> None:
+        if not isinstance(name_or_path, str):  # (a tokenizer object: `tokenizer_object` says which are)
+            self.inner = name_or_path
+            self.name = getattr(name_or_path, "name_or_path", "") or type(name_or_path).__name__
+        else:
+            from transformers import AutoTokenizer
 
-        self.name = name_or_path
-        try:
-            self.inner = AutoTokenizer.from_pretrained(name_or_path)
-        except (OSError, ValueError) as err:  # (a missing folder reads as a malformed Hub repo id)
-            what = ("not a tokenizer folder" if Path(name_or_path).expanduser().exists() else
-                    "no such folder, nor a Hub tokenizer that could be loaded")
-            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ValueError(f"`tokenizer` {name_or_path!r}: {what}; give 'byte', a tokenizer folder (as "
-                             f"save_pretrained writes one), or a Hub name reachable from here ({detail})") from err
+            self.name = name_or_path
+            try:
+                self.inner = AutoTokenizer.from_pretrained(os.path.expanduser(name_or_path))
+            except (OSError, ValueError) as err:  # (a missing folder reads as a malformed Hub repo id)
+                what = ("not a tokenizer folder" if Path(name_or_path).expanduser().exists() else
+                        "no such folder, nor a Hub tokenizer that could be loaded")
+                detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+                raise ValueError(f"`tokenizer` {name_or_path!r}: {what}; give 'byte', a tokenizer folder (as "
+                                 f"save_pretrained writes one), or a Hub name reachable from here ({detail})") from err
         if self.inner.eos_token_id is None:
-            raise ValueError(f"tokenizer {name_or_path!r} has no eos token; completions need one to end")
+            raise ValueError(f"tokenizer {self.name!r} has no eos token; completions need one to end")
         self.eos_token_id = int(self.inner.eos_token_id)
         pad = self.inner.pad_token_id
         self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
@@ -78,6 +85,17 @@ class HFTokenizer:
                              "`chat_template`), which renders conversations (lists of messages); give an instruct "
                              "model's tokenizer, or give the examples as prompt and completion text")
         return self.inner.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+
+def tokenizer_object(obj: Any) -> Optional[Tokenizer]:
+    """``obj`` as a `Tokenizer` where it is one: this package's own (`ByteTokenizer`, `HFTokenizer`), or a Hugging
+    Face tokenizer already loaded (a ``transformers`` ``PreTrainedTokenizerBase``); None for anything else."""
+    if isinstance(obj, (ByteTokenizer, HFTokenizer)):
+        return obj
+    transformers = sys.modules.get("transformers")  # (a tokenizer object means transformers is imported)
+    if transformers is not None and isinstance(obj, transformers.PreTrainedTokenizerBase):
+        return HFTokenizer(obj)
+    return None
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:

@@ -352,8 +352,8 @@ def test_a_source_class_a_missing_tokenizer_a_bom_and_numbers_read_from_text_are
     with pytest.raises(ValueError, match=r"`sources\['a'\]` is the class GeneratedArithmetic, not a source: give an "
                                          r"instance, GeneratedArithmetic\(...\)"):
         MultiLoRADataModule(sources={"a": GeneratedArithmetic})
-    with pytest.raises(ValueError, match=r"`tokenizer` must be 'byte' .* or a tokenizer's folder or hub name, got "
-                                         r"None"):
+    with pytest.raises(ValueError, match=r"`tokenizer` must be 'byte' .* a tokenizer's folder or hub name, or a "
+                                         r"Hugging Face tokenizer object, got None"):
         MultiLoRADataModule(tokenizer=None)
     from pathlib import Path
 
@@ -607,14 +607,15 @@ CHATML = ("{% for m in messages %}{{ bos_token if loop.first else '' }}<|im_star
           "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _chat_tokenizer(directory, bos: bool, template: str = CHATML) -> None:
-    """A byte-level BPE tokenizer with a ChatML template (Qwen's shape: <|im_end|> is EOS), saved as a model's is;
-    with ``bos``, every text begins with <s> and the template writes it too (Llama 3's shape), unless ``template``
-    is one that does not."""
+def _chat_tokenizer(directory, bos: bool, template: str = CHATML, eos: str = "<|im_end|>") -> None:
+    """A byte-level BPE tokenizer with a ChatML template (Qwen's shape: <|im_end|> is EOS, unless ``eos`` names
+    another: Gemma-it's and Qwen2.5 base's, whose turn ends before their EOS), saved as a model's is; with ``bos``,
+    every text begins with <s> and the template writes it too (Llama 3's shape), unless ``template`` is one that does
+    not."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
-    special = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "<s>"]
+    special = ["<unk>", "<pad>", "<|im_start|>", "<|im_end|>", "<s>"] + ([eos] if eos != "<|im_end|>" else [])
     inner = Tokenizer(models.BPE(unk_token="<unk>"))
     inner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     inner.decoder = decoders.ByteLevel()
@@ -623,7 +624,7 @@ def _chat_tokenizer(directory, bos: bool, template: str = CHATML) -> None:
                                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     if bos:
         inner.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 4)])
-    PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="<|im_end|>", pad_token="<pad>",
+    PreTrainedTokenizerFast(tokenizer_object=inner, eos_token=eos, pad_token="<pad>",
                             bos_token="<s>" if bos else None, chat_template=template).save_pretrained(directory)
 
 
@@ -984,3 +985,97 @@ def test_trl_preference_text_with_an_implicit_prompt_is_split_as_trl_does(tmp_pa
         learned = bytes(t for t, label in zip(ids, labels) if label != IGNORE_INDEX and t < 256).decode()
         prompt = bytes(t for t, label in zip(ids, labels) if label == IGNORE_INDEX).decode()
         assert prompt.endswith(" + 2 =") and learned == f" {int(prompt.split()[0]) + 2}"
+
+
+def test_a_loaded_tokenizer_and_a_folder_under_home_read_as_its_path_does(tmp_path, monkeypatch):
+    """A tokenizer object (TRL's ``processing_class`` habit) was refused with its whole repr (30 KB for Llama 3's),
+    and a folder given as ``~/...`` (a YAML config's: no shell expands it) was called "not a tokenizer folder"."""
+    from transformers import AutoTokenizer
+
+    _chat_tokenizer(tmp_path / "home" / "tok", bos=True)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    source = {"a": GeneratedArithmetic(20)}
+    by_path = MultiLoRADataModule(sources=source, tokenizer=str(tmp_path / "home" / "tok")).split("a")
+    by_home = MultiLoRADataModule(sources=source, tokenizer="~/tok").split("a")
+    loaded = AutoTokenizer.from_pretrained(tmp_path / "home" / "tok")
+    dm = MultiLoRADataModule(sources=source, tokenizer=loaded)
+    assert dm.tokenizer.inner is loaded and dm.tokenizer_name == str(tmp_path / "home" / "tok")
+    assert by_home[0].input_ids == by_path[0].input_ids == dm.split("a")[0].input_ids
+    assert by_path[0].input_ids[0][0] == loaded.bos_token_id
+    with pytest.raises(ValueError, match=r"Hugging Face tokenizer object, got a dict$"):
+        MultiLoRADataModule(tokenizer={"vocab": list(range(10_000))})
+
+
+def test_a_conversations_row_holds_no_eos_its_template_does_not_write(tmp_path):
+    """A template whose turn ends before the tokenizer's EOS (Gemma-it's <end_of_turn> and <eos>, Qwen2.5 base's
+    <|im_end|> and <|endoftext|>): an SFT row is the template's tokens, as TRL's SFT trains on them (an EOS was
+    appended and learned); a conversational pair's answers end with EOS, as TRL's DPO ends them."""
+    _chat_tokenizer(tmp_path / "tok", bos=False, eos="</s>")
+    chats = [{"messages": [{"role": "user", "content": f"{a} + 2?"}, {"role": "assistant", "content": f"{a + 2}"}]}
+             for a in range(4)]
+    dm = MultiLoRADataModule(sources={"c": ListSource(chats, format="messages")}, tokenizer=str(tmp_path / "tok"))
+    train, val = dm.split("c")
+    inner = dm.tokenizer.inner
+    for ids, labels in zip(train.input_ids + val.input_ids, train.labels + val.labels):
+        a = int(inner.decode(ids).split("<|im_start|>user\n")[1].split(" + 2?")[0])
+        assert ids == list(inner.apply_chat_template(chats[a]["messages"], tokenize=True, return_dict=True)
+                           ["input_ids"])
+        assert inner.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]) == f"{a + 2}<|im_end|>\n"
+    pairs = [{"prompt": c["messages"][:1], "chosen": c["messages"][1:],
+              "rejected": [{"role": "assistant", "content": "no"}]} for c in chats]
+    dm = MultiLoRADataModule(sources={"p": PreferenceSource(records=pairs)}, tokenizer=str(tmp_path / "tok"))
+    train, _ = dm.split("p")
+    assert all(row[-1] == inner.eos_token_id for row in train.input_ids + train.rejected_ids)
+
+
+def test_a_held_out_validation_source_validates_and_its_source_trains_whole():
+    """`val_sources` (HF Trainer's and TRL's ``eval_dataset``): the validation split was always carved out of the
+    training source, a DatasetDict's ``test`` split or a second file unusable."""
+    train_records = [{"prompt": f"t{i}", "completion": "x"} for i in range(7)]
+    test_records = [{"prompt": f"v{i}", "completion": "y"} for i in range(5)]
+    dm = MultiLoRADataModule(sources={"d": ListSource(train_records), "e": GeneratedArithmetic(20)},
+                             val_sources={"d": ListSource(test_records)}, max_val_examples=3)
+    train, val = dm.split("d")
+    tok = dm.tokenizer
+    assert sorted(tok.decode(ids) for ids in train.input_ids) == sorted(f"t{i}x" for i in range(7))
+    shown = [tok.decode(ids) for ids in val.input_ids]
+    assert len(shown) == 3 and {s[:1] for s in shown} == {"v"} and len(set(shown)) == 3
+    assert [len(part) for part in dm.split("e")] == [18, 2]  # (a source without one: its share held out, as before)
+    alone = MultiLoRADataModule(sources={"d": ListSource(train_records[:1])}, val_sources={"d": ListSource(
+        test_records)}).split("d")
+    assert [len(part) for part in alone] == [1, 5]  # (one example trains: the validation is the other source's)
+    pairs = PreferenceSource(records=[{"prompt": "p", "chosen": "a", "rejected": "b"}] * 2)
+    with pytest.raises(ValueError, match=r"`val_sources\['d'\]` \(PreferenceSource\(records, prompt_chosen_rejected"
+                                         r"\)\) holds preference pairs and data source .d. .* holds prompt-completion "
+                                         r"examples: give a validation source of the same kind"):
+        MultiLoRADataModule(sources={"d": ListSource(train_records)}, val_sources={"d": pairs}).split("d")
+    with pytest.raises(ValueError, match=r"`val_sources` names \['x'\], which are not data sources; .* one of "
+                                         r"\['d'\]"):
+        MultiLoRADataModule(sources={"d": ListSource(train_records)}, val_sources={"x": pairs})
+    with pytest.raises(ValueError, match=r"validation source 'd' \(ListSource\) has 0 examples; it needs at least 1 "
+                                         r"\(its validation split\)"):
+        MultiLoRADataModule(sources={"d": ListSource(train_records)}, val_sources={"d": ListSource([])}).split("d")
+
+
+def test_preference_records_read_twice_and_bad_records_or_paths_are_named(tmp_path):
+    """A generator given as `records` was read once: a fit reads its source again (once the model's maximum length
+    is known) and found 0 examples. A single record, a number or a missing path were taken and failed later, the
+    first as "a record is a mapping, got a str"."""
+    records = ({"prompt": f"{a} + 2 =", "chosen": f" {a + 2}", "rejected": f" {a + 3}"} for a in range(6))
+    dm = MultiLoRADataModule(sources={"p": PreferenceSource(records=records)})
+    first = dm.split("p")[0].input_ids
+    dm._splits.clear()  # (as `setup` does once the model's maximum length is known)
+    assert dm.split("p")[0].input_ids == first and len(first) == 5
+    with pytest.raises(ValueError, match=r"`records` must be a list of mappings .* got a dict \(one record: put it "
+                                         r"in a list\)"):
+        PreferenceSource(records={"prompt": "p", "chosen": "a", "rejected": "b"})
+    with pytest.raises(ValueError, match=r"`records` must be a list .* got a int"):
+        PreferenceSource(records=5)
+    for make in (lambda: JSONLSource(None), lambda: PreferenceSource(path=3)):
+        with pytest.raises(ValueError, match=r"`path` must be a JSON-lines file's path \(text or a PathLike\), got"):
+            make()
+    assert JSONLSource(tmp_path / "a.jsonl").path == str(tmp_path / "a.jsonl")
+    # a local data file that is not there is said so (before: the Hub's "Couldn't reach 'data/train.jsonl'")
+    assert HFDatasetSource(str(tmp_path / "data" / "train.jsonl.gz")).missing() == (
+        f"HFDatasetSource: no file at `path` {str(tmp_path / 'data' / 'train.jsonl.gz')!r}")
+    assert HFDatasetSource("openai/gsm8k").missing() is None
