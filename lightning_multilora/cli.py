@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
-from jsonargparse import DefaultHelpFormatter
+from jsonargparse import DefaultHelpFormatter, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_multilora.arguments import UsageError
@@ -82,6 +82,16 @@ class MultiLoRACLI(LightningCLI):
         """``fit`` alone: a run's adapters come and go within it (LightningCLI's validate ran idle forwards and
         reported nothing; test and predict have no step here). Validation losses are the run's, per adapter."""
         return {"fit": LightningCLI.subcommands()["fit"]}
+
+    def _prepare_subcommand_parser(self, klass: type, subcommand: str, **kwargs: Any) -> LightningArgumentParser:
+        parser = super()._prepare_subcommand_parser(klass, subcommand, **kwargs)
+        for action in parser._actions:  # (Lightning's text offered "best", refused here, and its own "last")
+            if action.dest == "ckpt_path":
+                action.help = ("Checkpoint to resume from: a path, or 'last': the newest checkpoint of a run of this "
+                               "same config (model, data, sweep) under the log root, every version searched; none "
+                               "found: a new run, warned. Adapters, optimizer, data positions and callbacks' states "
+                               "resume; the base is rebuilt from the config.")
+        return parser
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.add_lightning_class_args(SweepReport, "report")
@@ -486,8 +496,16 @@ def main(args: Optional[list[str]] = None) -> None:
 
         sys.exit(schedule(args[1:]))
     if args[:1] == ["demo"]:
+        if {"-h", "--help"} & set(args[1:]):
+            print(f"multilora demo is `multilora fit --config {demo_config()}` (its settings: `multilora demo "
+                  "--print_config`); any of the options below overrides them.\n")
         args = ["fit", "--config", demo_config(), *args[1:]]
     args = _adapters_replaced(args)
+    # (the help of AdapterSpec's and SweepGrid's fields, `--model.adapters.help`: their attribute docstrings)
+    try:
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    except (TypeError, ValueError, ImportError):  # (a jsonargparse without it, or no docstring_parser: types alone)
+        pass
     if from_command_line:  # (LightningCLI warns when given both ``args`` and a command line)
         sys.argv[1:] = args
     # (no --optimizer / --lr_scheduler: LightningCLI's would replace the module's per-adapter optimizer groups and

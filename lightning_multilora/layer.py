@@ -199,15 +199,20 @@ class MultiLoRALinear(nn.Module):
         dropout: float = 0.0,
         use_rslora: bool = False,
         generator: Optional[torch.Generator] = None,
-        dtype: torch.dtype = torch.float32,
+        dtype: Optional[torch.dtype] = None,
     ) -> None:
-        """Add an adapter with PEFT's initialisation: A kaiming-uniform (a=sqrt(5)), B zero."""
+        """Add an adapter with PEFT's initialisation: A kaiming-uniform (a=sqrt(5)), B zero, drawn in float32 and
+        held in ``dtype``. None: float64 on a base computing in float64, float32 otherwise (PEFT's adapters take a
+        float64 base's dtype, and stay float32 on a bf16 / fp16 one: its ``autocast_adapter_dtype``)."""
+        if dtype is None:
+            dtype = torch.float64 if _compute_dtype(self.base) == torch.float64 else torch.float32
         _check_adapter_args("MultiLoRALinear.add_adapter", name, rank, alpha, dropout, use_rslora, dtype)
         if name in self.lora_A:
             raise ValueError(f"adapter {name!r} already exists in this layer; names must be unique")
         device = _weight_device(self.base)
-        a = torch.empty(rank, self.in_features, dtype=dtype)
+        a = torch.empty(rank, self.in_features, dtype=torch.float32)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        a = a.to(dtype)
         b = torch.zeros(self.out_features, rank, dtype=dtype)
         self.lora_A[name] = nn.Parameter(a.to(device))
         self.lora_B[name] = nn.Parameter(b.to(device))
@@ -481,7 +486,7 @@ class LoRALayers(Mapping):
         use_rslora: bool = False,
         target_modules: Optional[Union[str, Sequence[str]]] = None,
         seed: int = 0,
-        dtype: torch.dtype = torch.float32,
+        dtype: Optional[torch.dtype] = None,
     ) -> None:
         """Add adapter ``name`` to every layer its ``target_modules`` select (all injected layers if None).
 
@@ -491,9 +496,10 @@ class LoRALayers(Mapping):
         ``dropout > 0``), from ``seed``, the layer and its dropout step (`dropout_steps`): the same whichever adapters
         share its forwards, wherever its rows lie in the batch and however long its neighbours pad the rows (two
         adapters of one seed get the same masks). The adapter's parameters are then
-        held flat (see `FlatAdapter`) where they share a device.
+        held flat (see `FlatAdapter`) where they share a device. ``dtype``: as `MultiLoRALinear.add_adapter`'s.
         """
-        _check_adapter_args("LoRALayers.add_adapter", name, rank, alpha, dropout, use_rslora, dtype)
+        _check_adapter_args("LoRALayers.add_adapter", name, rank, alpha, dropout, use_rslora,
+                            torch.float32 if dtype is None else dtype)
         check_int("LoRALayers.add_adapter", "seed", seed, -(2**42) + 1, high=2**42 - 1)
         if name in self._targets:
             raise ValueError(f"adapter {name!r} already exists; adapter names must be unique")
@@ -788,6 +794,17 @@ class LoRALayers(Mapping):
                     if not (steps.is_cuda and torch.cuda.is_current_stream_capturing()):  # (a failed capture: none)
                         steps.index_add_(0, index, ones, alpha=-1)
                 raise
+
+    def rewind_dropout(self, layout: BatchLayout) -> None:
+        """Take back the dropout advance of a training forward over ``layout`` that `use` completed, where its step
+        was not taken after all (the optimizer's step raised: a Ctrl+C there): the step taken again draws the same
+        masks, as one that raised inside `use` does."""
+        slots = [self._slots[n] for n, s, e in zip(layout.names, layout.starts, layout.ends)
+                 if e > s and n in self._slots and self._layers[self._targets[n][0]].dropout[n] > 0]
+        for steps in self.context.dropout_steps.values():
+            if slots and not steps.is_meta:
+                steps.index_add_(0, torch.tensor(slots, device=steps.device),
+                                 torch.full((len(slots),), -1, dtype=steps.dtype, device=steps.device))
 
     def _advance_dropout(self, layout: BatchLayout) -> list[tuple[Tensor, tuple[Tensor, Tensor]]]:
         """A training forward: the dropout step of each of the layout's adapters with rows and dropout advances

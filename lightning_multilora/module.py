@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import importlib
+import inspect
 import itertools
 import math
 import os
@@ -84,6 +86,17 @@ def _optimizer_choice(optimizer_class: type, optimizer_kwargs: dict[str, Any],
             return GroupedAdamW, kwargs
         kwargs["fused"] = True
     return optimizer_class, kwargs
+
+
+def _constructor_arguments(optimizer_class: type) -> Optional[set[str]]:
+    """The names an optimizer's constructor takes (None where it takes any, ``**kwargs``, or cannot be read)."""
+    try:
+        params = inspect.signature(optimizer_class).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    return {p.name for p in params}
 
 
 class PausedSpec:
@@ -296,7 +309,10 @@ class MultiLoRAMixin:
     # -- adapter lifecycle ----------------------------------------------------------------------
 
     def add_adapter(self, spec: AdapterSpec) -> AdapterRecord:
-        """Queue an adapter; it starts at the next step that has a free slot (at once before fit)."""
+        """Queue an adapter; it starts at the next step that has a free slot (at once before fit). Under adapter
+        parallelism, call it on every rank, as a callback's hooks run (not under ``trainer.is_global_zero``): every
+        rank's registry holds every adapter, and a rank that alone added one waits in a collective the others never
+        join."""
         if not isinstance(spec, AdapterSpec):
             raise TypeError(f"add_adapter takes an AdapterSpec, got {type(spec).__name__}")
         self._targets_of(spec, queued=True)  # validates its targets before it is queued
@@ -320,7 +336,8 @@ class MultiLoRAMixin:
             raise ValueError(f"adapter {name!r} has already exited ({rec.state.value}: {rec.reason})")
 
     def pause_adapter(self, name: str, reason: str = "") -> None:
-        """Stop training a running adapter but keep its weights and optimizer state; it frees its slot."""
+        """Stop training a running adapter but keep its weights and optimizer state; it frees its slot. Under adapter
+        parallelism, call it (and `resume_adapter`) on every rank, as `add_adapter`."""
         rec = self.registry[name]
         if rec.state != AdapterState.RUNNING:
             raise ValueError(f"only a running adapter can be paused; {name!r} is {rec.state.value}")
@@ -348,7 +365,10 @@ class MultiLoRAMixin:
         return True
 
     def _notify_exit(self, rec: AdapterRecord) -> None:
-        """Tell callbacks with an ``on_adapter_exit(trainer, module, record)`` method, and log the exit."""
+        """Tell callbacks with an ``on_adapter_exit(trainer, module, record)`` method, and log the exit. Under adapter
+        parallelism the hook runs on the rank where the adapter ended (its owner, or every rank for an exit a callback
+        made on every rank); the other ranks learn of it at the next exchange, their registries updated (as
+        `OptunaSweep` reads them: ``registry[name].state``), without the hook."""
         if rec.started_at_step is not None:  # (one that never started freed no slot)
             self._freed_spec = rec.spec  # the next admission prefers its batch size
         if self._placement() is not None:
@@ -379,13 +399,18 @@ class MultiLoRAMixin:
                 writer.add_text(f"adapters/{rec.name}/exit", f"**{rec.state.value}** at step {rec.step}: {rec.reason}",
                                 self._logged_step())
 
-    def save_adapter(self, name: str, directory: Optional[Union[str, Path]] = None, best: bool = False) -> Path:
+    def save_adapter(self, name: str, directory: Optional[Union[str, Path]] = None,
+                     best: bool = False) -> Optional[Path]:
         """Write adapter ``name`` (running) in PEFT format; returns the directory: ``directory``, else its folder
         under the export root (``<root>/<name>``, or ``<name>-v1``, ``-v2``... where another run's adapter is there,
         which is kept, as Lightning's ModelCheckpoint versions a taken file name), which becomes the adapter's
         ``export_path`` (a ``directory`` given is a copy of the caller's: the record keeps its folder). ``best``: its
-        best-validation weights where they are kept (`keep_best_weights`), the live ones left as they are."""
+        best-validation weights where they are kept (`keep_best_weights`), the live ones left as they are. Under
+        adapter parallelism the rank that trains the adapter writes it, and the others return None (a callback's
+        hooks run on every rank: as `remove_adapter`)."""
         rec = self.registry[name]
+        if not self._owns(name) and not rec.state.exited and rec.state != AdapterState.QUEUED:
+            return None  # (its weights are on the rank that trains it)
         if name not in self.lora_layers.adapter_names:
             where = (f"its weights were exported to {rec.export_path}" if rec.export_path else
                      "it has not started: no weights yet" if rec.state == AdapterState.QUEUED else "it has no export")
@@ -987,6 +1012,11 @@ class MultiLoRAMixin:
                         if f"{full[self.lora_layers[layer]]}.lora_A.{name}" in saved)
 
     def _param_group(self, spec: AdapterSpec) -> dict[str, Any]:
+        takes = _constructor_arguments(self.optimizer_class)
+        if spec.weight_decay and takes is not None and "weight_decay" not in takes:  # (said once: one text)
+            warnings.warn(f"{self.optimizer_class.__name__} takes no `weight_decay`: the adapters' `weight_decay` is "
+                          "not applied; choose an optimizer with one (torch.optim.AdamW), or set it to 0",
+                          stacklevel=2)
         params = self.lora_layers.optimizer_parameters(spec.name, self.optimizer_class in ELEMENTWISE_OPTIMIZERS)
         return {"params": params, "lr": self._next_lr(self.registry[spec.name]), "weight_decay": spec.weight_decay,
                 "adapter": spec.name, "name": f"adapters/{spec.name}"}  # (LearningRateMonitor's series: its name)
@@ -1112,13 +1142,18 @@ class MultiLoRAMixin:
             raise UsageError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
         optimizer_class, kwargs = _optimizer_choice(self.optimizer_class, self.optimizer_kwargs,
                                                     any(p.is_cuda for g in groups for p in g["params"]))
+        takes = _constructor_arguments(optimizer_class)
+        if takes is None or "lr" in takes:  # (each group holds its adapter's lr; given to the constructor too, an
+            # optimizer's own checks of it run, and one whose lr has no default, bitsandbytes' SGD8bit, can be built)
+            kwargs = {"lr": groups[0]["lr"], **kwargs}
         try:
             optimizer = optimizer_class(groups, **kwargs)
         except (TypeError, ValueError) as err:
-            if not self.optimizer_kwargs:  # (not the user's settings: the error as it is)
+            if not self.optimizer_kwargs and isinstance(err, TypeError):  # (not the user's settings: as it is)
                 raise
-            raise UsageError(f"`optimizer_kwargs` {self.optimizer_kwargs!r} rejected by {optimizer_class.__name__}: "
-                             f"{err}") from err
+            given = (f"`optimizer_kwargs` {self.optimizer_kwargs!r} rejected by {optimizer_class.__name__}"
+                     if self.optimizer_kwargs else f"`optimizer` {optimizer_class.__name__} refused its settings")
+            raise UsageError(f"{given}: {err} (with each adapter's `lr` given, the first {groups[0]['lr']:g})") from err
         carried, self._carried_optimizer = getattr(self, "_carried_optimizer", None), None
         if self._resume_checkpoint is not None:
             saved = self._resume_checkpoint.get("multilora", {}).get("optimizer_classes")
@@ -1133,10 +1168,14 @@ class MultiLoRAMixin:
     def _carry_optimizer_state(self) -> None:
         """The fit ends (or stops): its optimizer's state is kept for a later fit of this module, whose adapters
         then go on as a resume from a checkpoint does (a new optimizer restarted every adapter's AdamW moments and
-        step counts, silently)."""
+        step counts, silently); so are the states of the callbacks that judge its adapters, where some have not
+        ended (`carried_callback_state`)."""
         trainer = self._trainer_or_none()
         if trainer is None or trainer.state.fn != "fit":
             return
+        left = any(not rec.state.exited for rec in self.registry)
+        self._carried_callbacks = [(type(cb).__qualname__, cb.state_key, copy.deepcopy(cb.state_dict()))
+                                   for cb in trainer.callbacks if getattr(cb, "carries_state", False)] if left else []
         optimizer, placement = self._raw_optimizer(), self._placement()
         if placement is not None:
             self._carried_owners = dict(placement.owner)
@@ -1145,6 +1184,22 @@ class MultiLoRAMixin:
             state["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                               for i, s in state["state"].items()}
             self._carried_optimizer = {"optimizer_states": [state], "optimizer_classes": _optimizer_classes(optimizer)}
+
+    def carried_callback_state(self, callback: L.Callback) -> Optional[dict[str, Any]]:
+        """The state ``callback`` (`EarlyExit`, `WarmupSelection`, `OptunaSweep`: ``carries_state``) had as the last
+        fit of this module stopped with adapters left, taken once: its own (by ``state_key``), or its class's where
+        one alone was kept (settings changed). Such a callback's ``setup`` loads it, the same object or a new one,
+        so that another fit goes on as a resume from a checkpoint does (a checkpoint's state loads after it): a
+        warmup selection kept its paused candidates out of the ranking for good, and EarlyExit's averages and
+        patience counters started over. None after a fit whose adapters all ended: the next one starts afresh."""
+        carried = getattr(self, "_carried_callbacks", [])
+        own = [entry for entry in carried if entry[1] == callback.state_key]
+        if not own:
+            own = [entry for entry in carried if entry[0] == type(callback).__qualname__]
+        if len(own) != 1:
+            return None
+        carried.remove(own[0])
+        return own[0][2]
 
     def _flat_optimizer_state(self, name: str, per_layer: list[Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
         """A saved optimizer state of adapter ``name``'s per-layer parameters (a checkpoint written before adapters
@@ -1241,20 +1296,30 @@ class MultiLoRAMixin:
                 torch.nn.utils.clip_grads_with_norm_(params[i], spec.grad_clip, norms[i])
             lr = groups[rec.name]["lr"] = self._next_lr(rec)  # (what the group holds already, but for a group
             # restored from a checkpoint that held the rate of the step before it)
-            stepped.append(rec)
-            rec.step += 1
-            rec.tokens_seen += int(n_tok)
-            rec.samples_seen += (layout.ends[i] - layout.starts[i]) * spec.batch_size // spec.rows_per_step
-            rec.train_losses.append((rec.step, loss))
-            logs[rec.name] = {prefix + "train_loss": loss, prefix + "grad_norm": norm, prefix + "lr": lr,
-                              prefix + "tokens_seen": float(rec.tokens_seen)}
+            stepped.append((rec, int(n_tok), (layout.ends[i] - layout.starts[i]) * spec.batch_size
+                            // spec.rows_per_step, loss))
+            logs[rec.name] = {prefix + "train_loss": loss, prefix + "grad_norm": norm, prefix + "lr": lr}
             if scale is not None:
                 logs[rec.name][prefix + "loss_scale"] = rec.loss_scale
             if rec.name in getattr(self, "_preference_accuracy", {}):
                 logs[rec.name][prefix + "preference_accuracy"] = float(self._preference_accuracy[rec.name])
-        optimizer.step()
-        for rec in stepped:  # (what the next step takes, as the monitor reads it before that step)
-            groups[rec.name]["lr"] = self._next_lr(rec)
+        try:
+            optimizer.step()
+        except BaseException:  # (a Ctrl+C in it: the step was not taken, and one taken again draws its masks)
+            self.lora_layers.rewind_dropout(layout)
+            raise
+        # The adapters' counts once their step is taken (a Ctrl+C inside the optimizer's step, before: its exports
+        # and checkpoint said a step their weights had not taken, and the resumed run left it out)
+        for rec, n_tok, samples, loss in stepped:
+            rec.step += 1
+            rec.tokens_seen += n_tok
+            rec.samples_seen += samples
+            rec.train_losses.append((rec.step, loss))
+            logs[rec.name][f"adapters/{rec.name}/tokens_seen"] = float(rec.tokens_seen)
+            groups[rec.name]["lr"] = self._next_lr(rec)  # (what the next step takes, as the monitor reads it)
+        trained = getattr(getattr(self._trainer_or_none(), "datamodule", None), "batch_trained", None)
+        if trained is not None:  # (its data positions are past this batch now; before, still before it)
+            trained()
         self._after_step(records)
         self._step_logs = logs  # logged in on_train_batch_end, where it is known whether a logger writes them
         # (monitored now: callbacks' on_train_batch_end, a ModelCheckpoint's among them, run before the module's)
@@ -1581,10 +1646,10 @@ class MultiLoRAMixin:
                              "number of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None")
         if isinstance(interval, float) and endless and trainer.check_val_every_n_epoch is not None \
                 and not trainer.fast_dev_run:  # (an epoch of `limit_train_batches` ends: its validations run)
-            warnings.warn(f"`Trainer(val_check_interval={interval!r})`: the run is one endless epoch, so no "
-                          "validation runs during it (each adapter is validated as it ends); give an integer number "
-                          "of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None, for the validation "
-                          "losses that EarlyExit, WarmupSelection and OptunaSweep's pruner read", stacklevel=2)
+            rank_zero_warn(f"`Trainer(val_check_interval={interval!r})`: the run is one endless epoch, so no "
+                           "validation runs during it (each adapter is validated as it ends); give an integer number "
+                           "of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None, for the validation "
+                           "losses that EarlyExit, WarmupSelection and OptunaSweep's pruner read")
 
     def _take_loss_scaler(self) -> None:
         """fp16 mixed precision's loss scaler (Lightning's ``precision="16-mixed"``: one factor for the whole loss,
@@ -2274,13 +2339,14 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         optimizer_kwargs: extra arguments of the optimizer (``betas``, ``eps``...).
         max_running: adapters trained at once (None: all); the rest wait in the queue.
         gradient_checkpointing: recompute activations in backward (non-reentrant).
-        dtype: dtype of the base weights (adapters are float32).
+        dtype: dtype of the base weights (adapters are float32, float64 on a float64 base, as PEFT's).
         config_overrides: fields changed in the base model's config.
         export_dir: where adapters are written (default ``<log_dir>/adapters``).
         validate_on_finish: measure an adapter's validation loss when it finishes.
         admission: an `AdmissionController`: adapters start while its memory model says they fit.
         quantization: ``nf4`` / ``fp4``: a 4-bit bitsandbytes base computing in ``dtype`` (QLoRA).
         cuda_graphs: replay each step's forward and backward from a CUDA graph (see `init_multilora`).
+        base_seed: seed of a built-in tiny model's random weights (``"tiny-llama"``...; a checkpoint's are its own).
     """
 
     def __init__(

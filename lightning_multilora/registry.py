@@ -16,6 +16,9 @@ _EXTRA_COLUMNS = {"dropout": "dropout", "weight_decay": "wd", "schedule": "sched
 
 
 class AdapterState(str, enum.Enum):
+    """Where an adapter stands in a run: waiting (queued), training (running), held aside (paused), or ended
+    (`exited`: finished, diverged, overfit, pruned, failed; its weights exported, then freed)."""
+
     QUEUED = "queued"
     RUNNING = "running"
     PAUSED = "paused"  # holds its weights and optimizer state, not trained (e.g. waiting for warmup selection)

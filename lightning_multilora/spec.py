@@ -69,7 +69,8 @@ class AdapterSpec:
     lr: float = 2e-4
     """Peak learning rate > 0."""
     weight_decay: float = 0.0
-    """Decoupled weight decay >= 0."""
+    """The optimizer's ``weight_decay`` >= 0 for this adapter (decoupled in AdamW, the default; an L2 term in Adam
+    and SGD)."""
     batch_size: int = 4
     """This adapter's micro-batch size per step, >= 1."""
     max_steps: Optional[int] = None

@@ -215,6 +215,18 @@ def test_help_lists_demo_and_schedule_and_the_command_line_gives_no_args_warning
         assert done.value.code == 2 and "the commands: fit, demo, schedule (`multilora --help`)" in err, err
 
 
+def test_the_help_shows_the_fields_docs_this_clis_ckpt_path_and_what_demo_runs(capsys):
+    """``--model.adapters.help`` listed the fields' types alone (their attribute docstrings unread); ``--ckpt_path``
+    had Lightning's text ("best", refused here); ``demo --help`` was fit's, the demo's settings unmentioned."""
+    for args, said in ((["fit", "--model.adapters.help"], "LoRA rank r >= 1."),
+                       (["fit", "--help"], "'last': the newest checkpoint of a run of this same config"),
+                       (["demo", "--help"], f"multilora demo is `multilora fit --config {demo_config()}`")):
+        with pytest.raises(SystemExit) as done:
+            main(args)
+        out = " ".join(capsys.readouterr().out.split())
+        assert done.value.code == 0 and said in out, (args, out[:2000])
+
+
 @pytest.mark.slow
 def test_python_api_example_and_peft_loading_example(tmp_path):
     run = subprocess.run([sys.executable, str(ROOT / "examples" / "python_api_sweep.py")], cwd=tmp_path,

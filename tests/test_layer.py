@@ -66,6 +66,28 @@ def test_initialisation_depends_only_on_the_adapters_seed():
         assert torch.equal(p, q)
 
 
+def test_adapters_on_a_float64_base_are_float64_as_peft_makes_them():
+    """PEFT's adapters take a float64 base's dtype; ours stayed float32, and a float64 run (``precision="64-true"``,
+    the oracle's) trained in float32 (2e-7 from PEFT's float64 run). On a bf16 base they stay float32, drawn alike."""
+    bases = {dtype: build_base_model("tiny-llama").to(dtype) for dtype in (torch.float32, torch.float64,
+                                                                           torch.bfloat16)}
+    layers = {dtype: inject_multilora(model, TARGETS) for dtype, model in bases.items()}
+    for held in layers.values():
+        held.add_adapter("x", 4, 8, seed=7)
+    params = {dtype: held.parameters_of("x") for dtype, held in layers.items()}
+    assert {p.dtype for p in params[torch.float64]} == {torch.float64}
+    assert {p.dtype for p in params[torch.bfloat16]} == {p.dtype for p in params[torch.float32]} == {torch.float32}
+    for p, q, r in zip(params[torch.float32], params[torch.float64], params[torch.bfloat16]):
+        assert torch.equal(p.double(), q) and torch.equal(p, r)  # (drawn in float32, whatever they are held in)
+    x = torch.randn(2, 5, 64, dtype=torch.float64)
+    layer = layers[torch.float64]["model.layers.0.self_attn.q_proj"]
+    with torch.no_grad():
+        layer.lora_B["x"].normal_()
+    layer.context.layout = BatchLayout.from_sizes(["x"], [2])
+    expected = layer.base(x) + 2.0 * (x @ layer.lora_A["x"].t()) @ layer.lora_B["x"].t()
+    torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
+
+
 def test_an_adapters_initialisation_and_dropout_do_not_depend_on_the_other_injected_layers():
     """(Each layer's generator was seeded by the layer's position among the injected ones: the same spec started
     from other weights in a module injecting more layers.)"""

@@ -1740,3 +1740,53 @@ def test_a_time_interval_validates_by_the_clock(tmp_path, trainer_kwargs):
     L.Trainer(**{**trainer_kwargs, "val_check_interval": datetime.timedelta(microseconds=1)}).fit(module, small_dm())
     assert module.registry["a"].state == AdapterState.FINISHED
     assert [step for step, _ in module.registry["a"].val_losses][:3] == [1, 2, 3]
+
+
+class _InterruptIn(Callback):
+    """Ctrl+C inside a step, at global step ``step``: in its forward (before the backward), or in the optimizer's
+    step (a step pre-hook of the optimizer)."""
+
+    def __init__(self, step: int, where: str):
+        self.step, self.where = step, where
+
+    def on_train_start(self, trainer, pl_module):
+        def pre_hook(optimizer, args, kwargs):
+            if trainer.global_step == self.step:
+                raise KeyboardInterrupt
+
+        if self.where == "optimizer_step":
+            trainer.optimizers[0].register_step_pre_hook(pre_hook)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.where == "forward" and trainer.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("where", ["forward", "optimizer_step"])
+def test_a_ctrl_c_inside_a_step_then_another_fit_trains_that_step_again(tmp_path, trainer_kwargs, where):
+    """The batch in flight had advanced its adapters' data positions: a checkpoint (OnExceptionCheckpoint) or another
+    fit after a Ctrl+C in the forward or backward skipped it. A Ctrl+C inside the optimizer's step had counted the
+    step (the export stamped a step its weights had not taken) and advanced the dropout masks: the next fit lost an
+    update. Both now go on as the run that was not stopped."""
+    import signal
+
+    def run(stop: bool) -> MultiLoRAModule:
+        module = MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / f"{where}{stop}"),
+                                 adapters=[AdapterSpec("a", rank=2, max_steps=5, lr=1e-2, dropout=0.1, seed=1),
+                                           AdapterSpec("b", rank=2, max_steps=5, lr=3e-3, batch_size=3, seed=2)])
+        dm = small_dm()
+        if stop:
+            with pytest.warns(UserWarning, match="fit stopped by KeyboardInterrupt"), pytest.raises(SystemExit):
+                L.Trainer(**trainer_kwargs, callbacks=[_InterruptIn(2, where)]).fit(module, dm)
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # (as Lightning's shutdown left it)
+            assert [module.registry[n].step for n in "ab"] == [2, 2] and module.registry["a"].exported_step == 2
+        L.Trainer(**trainer_kwargs).fit(module, dm)
+        return module
+
+    once, twice = run(False), run(True)
+    for name in ("a", "b"):
+        assert twice.registry[name].train_losses == once.registry[name].train_losses
+        assert twice.registry[name].tokens_seen == once.registry[name].tokens_seen
+        ours = load_file(Path(twice.registry[name].export_path) / "adapter_model.safetensors")
+        for key, value in load_file(Path(once.registry[name].export_path) / "adapter_model.safetensors").items():
+            torch.testing.assert_close(ours[key], value, atol=1e-6, rtol=1e-5)

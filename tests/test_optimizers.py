@@ -96,3 +96,28 @@ def test_bitsandbytes_8bit_adamw_keeps_8bit_states_per_adapter(tmp_path, trainer
     assert type(module.trainer.optimizers[0]).__name__ == name.rsplit(".", 1)[1]
     assert set(states) == {"a", "b"} and all(torch.uint8 in d for d in states.values())  # 8-bit moments per adapter
     assert all(r.step == r.spec.max_steps for r in module.registry)
+
+
+def test_the_constructor_gets_an_lr_so_its_own_checks_run_and_a_required_lr_is_given(tmp_path, trainer_kwargs):
+    """Each adapter's lr lived in its param group alone: transformers' Adafactor (``relative_step=True``, its
+    default) then ignored every adapter's lr and schedule silently (1e-5 and 1e-1 trained alike), and an optimizer
+    whose lr has no default (bitsandbytes' SGD8bit) could not be built at all. An optimizer without weight decay is
+    said to drop the adapters'."""
+    class LrRequired(torch.optim.SGD):  # (bitsandbytes' SGD8bit's signature: lr with no default, no weight_decay)
+        def __init__(self, params, lr, momentum=0.0):
+            super().__init__(params, lr=lr, momentum=momentum)
+
+    specs = [AdapterSpec("a", lr=0.05, batch_size=2, max_steps=2), AdapterSpec("b", lr=0.01, weight_decay=0.1,
+                                                                               batch_size=2, max_steps=2)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, optimizer=LrRequired,
+                             export_dir=str(tmp_path), validate_on_finish=False)
+    with pytest.warns(UserWarning, match="LrRequired takes no `weight_decay`: the adapters' `weight_decay` is not "
+                                         "applied"):
+        L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"x": GeneratedArithmetic(40)}))
+    assert module.trainer.global_step == 2 and module.trainer.optimizers[0].defaults["lr"] == 0.05
+    module = MultiLoRAModule("tiny-llama", adapters=specs[:1], optimizer="transformers.optimization.Adafactor",
+                             export_dir=str(tmp_path), validate_on_finish=False)
+    with pytest.raises(ValueError, match=r"`optimizer` Adafactor refused its settings: Cannot combine manual `lr` "
+                                         r"and `relative_step=True` options \(with each adapter's `lr` given, the "
+                                         r"first 0.05\)"):
+        L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"x": GeneratedArithmetic(40)}))

@@ -65,6 +65,8 @@ class EarlyExit(Callback):
     per evaluation (the paper does not say per step or per evaluation: ``tau_slope`` reads per evaluation here).
     """
 
+    carries_state = True  # (its state goes on into another fit of the module: `carried_callback_state`)
+
     def __init__(self, ema_alpha: float = 0.1, window: int = 2, patience_div: int = 2, patience_ovf: int = 2,
                  tau_gap: float = 0.1, tau_slope: float = 0.001, keep_best_weights: bool = True,
                  overfit_while_improving: bool = False) -> None:
@@ -138,8 +140,12 @@ class EarlyExit(Callback):
                            "check_val_every_n_epoch=None, and cap each split with "
                            "`MultiLoRADataModule(max_val_examples=...)`)")
         if stage == "fit":  # a callback object given to another fit judges its adapters afresh (a sweep's adapters of
-            # the same names, trial-0..., met the last fit's curves); a resumed fit's state is loaded after this
+            # the same names, trial-0..., met the last fit's curves); a resumed fit's state is loaded after this, and
+            # another fit of a module stopped with adapters left goes on with its last (`carried_callback_state`)
             self.watches, self.exits = {}, []
+            carried = getattr(pl_module, "carried_callback_state", lambda callback: None)(self)
+            if carried is not None:
+                self.load_state_dict(carried)
         self._observed: dict[str, int] = {}  # adapter -> the step of the training loss last observed
 
     @override

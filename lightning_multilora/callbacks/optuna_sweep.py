@@ -289,6 +289,8 @@ class OptunaSweep(Callback):
     trial is asked, as a single process would.
     """
 
+    carries_state = True  # (its state goes on into another fit of the module: `carried_callback_state`)
+
     def __init__(self, search_space: dict[str, dict[str, Any]], n_trials: int = 16,
                  study: Optional["optuna.Study"] = None, storage: Optional[str] = None,
                  study_name: str = "multilora", sampler: str = "tpe", base: Optional[dict[str, Any]] = None,
@@ -802,12 +804,16 @@ class OptunaSweep(Callback):
             if not new and not (ask and max(info["reported"], default=-1) > info.get("pruner_step", -1)):
                 continue  # a Trial handle reads the storage: ~1 ms each, for every trial at every step otherwise
             trial = optuna.trial.Trial(self.study, info["trial_id"])
+            stored = None  # (the study's own values of the trial, read once where one is to be reported)
             try:
                 for step, loss in new:
                     seen.append(step)
                     key = _study_step(rec, step, interval)
                     if key not in info["reported"]:  # (a second validation in one interval: the last, at max_steps)
-                        trial.report(loss, key)
+                        if stored is None:
+                            stored = trial.storage.get_trial(info["trial_id"]).intermediate_values
+                        if key not in stored:  # (a resumed run's: reported after its checkpoint, by the first run)
+                            trial.report(loss, key)
                         info["reported"].append(key)
             except optuna.exceptions.UpdateFinishedTrialError:
                 self._lost(info, name)
@@ -927,6 +933,9 @@ class OptunaSweep(Callback):
                              "the adapters it asks): rename them")
         if stage == "fit":  # another fit (resumed from a checkpoint, whose state is loaded after this) looks the
             self._opened, self._orphans = False, None  # study over again for the trials asked after that checkpoint
+            carried = getattr(pl_module, "carried_callback_state", lambda callback: None)(self)
+            if carried is not None:  # (another fit of a module stopped with trials left: a new sweep object too)
+                self.load_state_dict(carried)
             self._check_datasets(trainer)
 
     def _check_datasets(self, trainer: L.Trainer) -> None:

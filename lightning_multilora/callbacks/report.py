@@ -24,7 +24,9 @@ _STATE_COLORS = {
 
 
 class SweepReport(Callback):
-    """At the end of ``fit`` (and where it stops on an exception, Ctrl+C included, after the module's exports):
+    """The sweep's report: every adapter ranked, its summary file and its TensorBoard pictures.
+
+    At the end of ``fit`` (and where it stops on an exception, Ctrl+C included, after the module's exports):
 
     - prints every adapter ranked by the validation loss of the weights its export holds (the best-validation
       ones where the module keeps them, as with `EarlyExit`; else the last ones), with its hyperparameters,
@@ -36,6 +38,11 @@ class SweepReport(Callback):
       ``sweep/timeline`` (each adapter's lifetime on the slot it held).
 
     One report a run: a second SweepReport among the Trainer's callbacks stays silent (the CLI adds one).
+
+    Args:
+        print_table: print the ranked table (rank 0).
+        filename: the summary file, under the log directory unless absolute; None or '' for none.
+        tensorboard: with a TensorBoard logger, write the HParams runs and the two pictures.
     """
 
     def __init__(self, print_table: bool = True, filename: Optional[str] = "sweep_summary.json",

@@ -34,6 +34,8 @@ class WarmupSelection(Callback):
     ranking; a pruned adapter is exported and freed by the rank that trains it.
     """
 
+    carries_state = True  # (its state goes on into another fit of the module: `carried_callback_state`)
+
     def __init__(self, warmup_fraction: float = 0.05, keep_fraction: float = 0.25, min_keep: int = 1) -> None:
         check_real("WarmupSelection", "warmup_fraction", warmup_fraction, lambda v: 0 < v < 1, "a number in (0, 1)")
         check_real("WarmupSelection", "keep_fraction", keep_fraction, lambda v: 0 < v <= 1, "a number in (0, 1]")
@@ -48,8 +50,12 @@ class WarmupSelection(Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage == "fit":  # another fit selects afresh (a resumed one's state is loaded after this)
+        if stage == "fit":  # another fit selects afresh (a resumed one's state is loaded after this), but one of a
+            # module stopped with adapters left goes on with its last selection (`carried_callback_state`)
             self.warmup_losses, self.candidates, self.kept, self.waiting, self.decided = {}, [], [], [], False
+            carried = getattr(pl_module, "carried_callback_state", lambda callback: None)(self)
+            if carried is not None:
+                self.load_state_dict(carried)
 
     def warmup_steps(self, max_steps: int) -> int:
         return max(1, round(self.warmup_fraction * max_steps))
@@ -62,8 +68,19 @@ class WarmupSelection(Callback):
         return [name for _, name in finite[:keep]]
 
     @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # (a fit resumed from a checkpoint written as warmed-up adapters were validated, before they paused: they
+        # pause now, at the step they warmed up at, as in the run that was not stopped; not after one step more)
+        self._settle(trainer, pl_module)
+
+    @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
+        self._settle(trainer, pl_module)
+
+    def _settle(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The step's decisions: new candidates, the warmed-up adapters validated and paused, the selection where it
+        is due."""
         if self.decided:
             return
         _sync(pl_module)  # under adapter parallelism: every adapter's step and state, current on every rank

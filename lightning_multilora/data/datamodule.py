@@ -211,8 +211,8 @@ class MultiLoRADataModule(L.LightningDataModule):
         pad_to_multiple_of: round the padded length up to a multiple of this (8 suits tensor cores), but not past
             ``max_length`` (or the model's maximum).
 
-    The batch is a dict with ``input_ids``, ``attention_mask``, ``labels`` (``(B, T)``, right-padded to
-    the longest row) and ``layout`` (a `BatchLayout` in rows, adapters in roster order, ``padding_side="right"``).
+    The batch is a dict with ``input_ids``, ``attention_mask``, ``labels`` (``(B, T)``, right-padded as
+    ``padding`` says) and ``layout`` (a `BatchLayout` in rows, adapters in roster order, ``padding_side="right"``).
     """
 
     def __init__(
@@ -284,6 +284,9 @@ class MultiLoRADataModule(L.LightningDataModule):
         self._splits: dict[str, tuple[TokenizedSplit, TokenizedSplit]] = {}
         self._streams: dict[str, AdapterStream] = {}
         self._pending_stream_state: dict[str, dict[str, int]] = {}
+        # the drawn streams' states before the training batch in flight was drawn, until the module says its step
+        # was taken (`batch_trained`): a checkpoint or another fit after a Ctrl+C inside the step draws it again
+        self._drawn_from: dict[str, dict[str, int]] = {}
         self.model_max_length: Optional[int] = None
 
     # -- tokenizer and splits -------------------------------------------------------------------
@@ -535,13 +538,26 @@ class MultiLoRADataModule(L.LightningDataModule):
                 "layout": BatchLayout.from_sizes(list(names), sizes, padding_side="right")}
 
     def train_batch(self, specs: Sequence["AdapterSpec"]) -> dict[str, Any]:
-        """The next packed training batch: each adapter's next micro-batch from its own stream."""
+        """The next packed training batch: each adapter's next micro-batch from its own stream. Until
+        `batch_trained`, the positions saved (`state_dict`) and kept for another fit are those before it."""
+        self._drawn_from = {spec.name: self.stream(spec).state_dict() for spec in specs}
         rows = []
         for spec in specs:
             train, _ = self.split(spec.dataset)
             idx = self.stream(spec).next_indices()
             rows.append(train.rows(idx, spec.objective, f"adapter {spec.name!r}"))
         return self.pack([s.name for s in specs], rows)
+
+    def batch_trained(self) -> None:
+        """The module took the step of the training batch last drawn: its streams' positions are past it."""
+        self._drawn_from = {}
+
+    def _stream_states(self) -> dict[str, dict[str, int]]:
+        """Every adapter's stream position to save: before the batch in flight, where one is."""
+        positions = dict(self._pending_stream_state)
+        positions.update({name: s.state_dict() for name, s in self._streams.items()})
+        positions.update({name: s for name, s in self._drawn_from.items() if name in positions})
+        return positions
 
     def val_batches(self, specs: Sequence["AdapterSpec"]) -> Iterator[dict[str, Any]]:
         """Packed validation batches over every adapter's whole validation split."""
@@ -595,9 +611,9 @@ class MultiLoRADataModule(L.LightningDataModule):
         same name (a new module's) starts its data from the beginning. A checkpoint's positions load after this."""
         registry = getattr(module, "registry", None)
         going_on = {r.name for r in registry if r.step > 0 and not r.state.exited} if registry is not None else set()
-        pending = {n: s for n, s in self._pending_stream_state.items() if n in going_on}
-        pending.update({n: s.state_dict() for n, s in self._streams.items() if n in going_on})
+        pending = {n: s for n, s in self._stream_states().items() if n in going_on}
         self._streams.clear()
+        self._drawn_from = {}
         self._pending_stream_state = pending
 
     @override
@@ -618,9 +634,7 @@ class MultiLoRADataModule(L.LightningDataModule):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        positions = dict(self._pending_stream_state)
-        positions.update({name: s.state_dict() for name, s in self._streams.items()})
-        return {"streams": positions}
+        return {"streams": self._stream_states()}
 
     @staticmethod
     def merge_rank_states(states: list[dict[str, Any]], owners: dict[str, int]) -> dict[str, Any]:
@@ -631,4 +645,5 @@ class MultiLoRADataModule(L.LightningDataModule):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._streams.clear()
+        self._drawn_from = {}
         self._pending_stream_state = dict(state_dict.get("streams", {}))

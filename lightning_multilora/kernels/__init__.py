@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -100,7 +101,8 @@ def resolve_backend(x: Tensor) -> str:
     if _backend not in BACKENDS:
         raise ValueError(f"`backend` can be {', '.join(BACKENDS)}, got {_backend!r}")
     if _backend == "auto":
-        return "triton" if x.is_cuda and _triton_available() else "reference"
+        # (float64, the oracle's dtype, is the reference's: the kernels take bf16, fp16 and fp32)
+        return "triton" if x.is_cuda and x.dtype != torch.float64 and _triton_available() else "reference"
     if _backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"the 'triton' backend runs on CUDA tensors (got a {x.device.type} one), or on the CPU under "
                          "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported); use 'reference' "

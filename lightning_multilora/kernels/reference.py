@@ -15,7 +15,8 @@ def multi_lora_reference(x: Tensor, base_out: Tensor, weights: LoRAWeights, trai
     """``Y = Y_base + s_i * dropout_i(X_i) A_i^T B_i^T`` on each adapter's rows, one adapter at a time.
 
     The same arithmetic, in the same order, as PEFT's ``lora.Linear.forward`` on those rows: the input
-    is cast to the adapter dtype, ``B(A(dropout(x))) * scaling`` is added to the base output.
+    is cast to the adapter dtype, ``B(A(dropout(x))) * scaling`` is added to the base output in the adapter dtype
+    (float32 beside a bf16 base), and the sum rounded once to the base output's dtype.
     Rows outside every segment keep ``base_out``. Autograd gives the gradients of x, A and B.
     """
     if weights.a and weights.ends[-1] > x.shape[0]:
@@ -36,7 +37,7 @@ def multi_lora_reference(x: Tensor, base_out: Tensor, weights: LoRAWeights, trai
             if training and weights.dropout[i] > 0:
                 xi = _dropout(xi, weights.dropout[i], None if seeds is None else seeds[i], weights.row_tokens)
             delta = (xi @ a.t()) @ b.t() * weights.scaling[i]  # (T_i, d_out)
-            pieces.append(base_out[start:end] + delta.to(base_out.dtype))
+            pieces.append((base_out[start:end] + delta).to(base_out.dtype))  # (one rounding, as PEFT's)
         prev = end
     if prev < base_out.shape[0]:
         pieces.append(base_out[prev:])

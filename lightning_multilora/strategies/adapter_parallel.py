@@ -26,7 +26,7 @@ import re
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 from lightning.pytorch.plugins import CheckpointIO
@@ -118,8 +118,9 @@ class AdapterParallelStrategy(ModelParallelStrategy):
     FSDP2 over all ranks (default), within groups of ``shard_size`` ranks, or held whole on each rank.
 
     Args:
-        param_dtype: the dtype the base computes in (e.g. ``torch.bfloat16``): FSDP2 mixed precision for a
-            sharded base's gathered parameters; a replicated base (``shard_size=1``) is cast to it once.
+        param_dtype: the dtype the base computes in (``torch.bfloat16``, or its name, ``"bfloat16"``): FSDP2 mixed
+            precision for a sharded base's gathered parameters; a replicated base (``shard_size=1``) is cast to it
+            once.
         reshard_after_forward: FSDP2's choice (True: least memory, the base is gathered again in backward).
         shard_size: ranks that share one copy of the base, each holding a shard: ``None`` (all of them,
             ALTO's setting), a divisor of the world size (sharded within groups of that many consecutive ranks,
@@ -130,12 +131,21 @@ class AdapterParallelStrategy(ModelParallelStrategy):
 
     strategy_name = "adapter_parallel"
 
-    def __init__(self, param_dtype: Optional[torch.dtype] = None, reshard_after_forward: bool = True,
+    def __init__(self, param_dtype: Optional[Union[torch.dtype, str]] = None, reshard_after_forward: bool = True,
                  shard_size: Optional[int] = None, **kwargs: Any) -> None:
         if shard_size is not None and (isinstance(shard_size, bool) or not isinstance(shard_size, int)
                                        or shard_size < 1):
             raise ValueError(f"`shard_size` must be None (every rank) or a positive int that divides the number "
                              f"of ranks, got {shard_size!r}")
+        fixed = sorted({"data_parallel_size", "tensor_parallel_size"} & kwargs.keys())
+        if fixed:
+            raise ValueError(f"AdapterParallelStrategy takes no {fixed}: it splits adapters over every rank (and "
+                             "shards or replicates the base, `shard_size`), with no data or tensor parallelism")
+        if isinstance(param_dtype, str):  # (as `MultiLoRAModule(dtype=...)` takes it: "bfloat16")
+            param_dtype = getattr(torch, param_dtype.removeprefix("torch."), param_dtype)
+        if param_dtype is not None and not (isinstance(param_dtype, torch.dtype) and param_dtype.is_floating_point):
+            raise ValueError(f"AdapterParallelStrategy: `param_dtype` must be None or a floating dtype "
+                             f"(torch.bfloat16, 'bfloat16', 'float16', 'float32'...), got {param_dtype!r}")
         kwargs.setdefault("save_distributed_checkpoint", False)
         super().__init__(data_parallel_size="auto", tensor_parallel_size=1, **kwargs)
         self.param_dtype = param_dtype

@@ -596,6 +596,32 @@ def test_a_sweep_resumed_from_a_periodic_checkpoint_takes_up_the_trials_asked_af
     assert [t.state for t in trials] == [t.state for t in uninterrupted]
 
 
+def test_a_resume_does_not_report_again_what_the_run_reported_after_its_checkpoint(tmp_path, trainer_kwargs):
+    """The values a run reported after its checkpoint were reported again by the resume: Optuna warned "The reported
+    value is ignored because this `step` ... is already reported" for each."""
+    import warnings
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    sweep = OptunaSweep(SPACE, n_trials=2, storage=storage, slots=2, base={"max_steps": 6, "batch_size": 2})
+    save = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    with pytest.warns(UserWarning, match="stay RUNNING"):
+        fit(tmp_path, trainer_kwargs, sweep, [save], max_steps=5, val_check_interval=2, enable_checkpointing=True)
+    reported = {t.number: dict(t.intermediate_values)
+                for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()}
+    assert all(len(values) == 2 for values in reported.values())  # (steps 2 and 4: the second after the checkpoint)
+    sweep = OptunaSweep(SPACE, n_trials=2, storage=storage, slots=2, base={"max_steps": 6, "batch_size": 2})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fit(tmp_path, trainer_kwargs, sweep, ckpt=str(tmp_path / "ck" / "step=2.ckpt"), val_check_interval=2)
+    assert not [w for w in seen if "already reported" in str(w.message)]
+    trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in trials)
+    for t in trials:  # (the first run's values kept: the resumed run's own equal them anyway)
+        assert {k: v for k, v in t.intermediate_values.items() if k in reported[t.number]} == reported[t.number]
+
+
 def test_a_finished_trial_never_validated_is_said_and_the_study_name_is_checked(tmp_path, trainer_kwargs):
     """No validation in the adapters' runs (none on finishing either): no value for the study, told PRUNED (FAIL is
     for trials lost or failed), and now said. ``study_name`` names the study a resumed sweep tells its trials in: a

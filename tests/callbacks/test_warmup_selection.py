@@ -86,6 +86,36 @@ def test_a_selection_given_to_another_fit_selects_afresh(tmp_path, trainer_kwarg
         assert len(selection.kept) == 2 and set(selection.warmup_losses) == {s.name for s in specs}
 
 
+@pytest.mark.parametrize("same_objects", [True, False])
+def test_another_fit_of_a_module_stopped_mid_selection_goes_on_with_it(tmp_path, trainer_kwargs, same_objects):
+    """A fit stopped (``max_steps``) while warmed-up candidates waited, paused, for the selection, then fitted again
+    (the same callback or a new one): the selection started over, the paused candidates stayed paused for good and
+    the others trained whatever their rank. It goes on now as the run that was not stopped; so do EarlyExit's
+    averages and patience counters (`carried_callback_state`), which started over."""
+    from lightning_multilora import EarlyExit
+
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(200)}, max_val_examples=8)
+
+    def run(stops: list[int]) -> tuple[MultiLoRAModule, WarmupSelection, EarlyExit]:
+        specs = [AdapterSpec(f"c{i}", lr=lr, max_steps=8, batch_size=2, seed=i)
+                 for i, lr in enumerate([1e-4, 1e-2, 3e-2, 1e-3])]
+        module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=2, export_dir=str(tmp_path / f"{stops}"))
+        callbacks = [WarmupSelection(warmup_fraction=0.25, keep_fraction=0.5), EarlyExit()]
+        for stop in stops:
+            if not same_objects:
+                callbacks = [WarmupSelection(warmup_fraction=0.25, keep_fraction=0.5), EarlyExit()]
+            L.Trainer(**{**trainer_kwargs, "max_steps": stop, "val_check_interval": 3},
+                      callbacks=callbacks).fit(module, dm)
+        return module, *callbacks
+
+    (once, selection, _), (twice, carried, early_exit) = run([-1]), run([3, -1])
+    assert [r.state.value for r in twice.registry] == [r.state.value for r in once.registry]
+    assert carried.kept == selection.kept and carried.warmup_losses == selection.warmup_losses
+    assert [r.step for r in twice.registry] == [r.step for r in once.registry]
+    kept = carried.kept[0]
+    assert early_exit.watches[kept].evaluated_steps[0] < 3 <= early_exit.watches[kept].evaluated_steps[-1]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"warmup_fraction": 0.0}, "`warmup_fraction` must be a number in \\(0, 1\\)"),
     ({"warmup_fraction": "0.1"}, "`warmup_fraction` must be a number in \\(0, 1\\), got '0.1'"),

@@ -81,3 +81,16 @@ def test_dispatch_and_backend_switch():
 def test_mismatched_weights_are_rejected():
     with pytest.raises(ValueError, match="one entry per adapter"):
         LoRAWeights((torch.zeros(1, 2),), (), (1.0,), (0.0,), (0,), (1,))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_low_precision_base_output_is_rounded_once_as_peft_rounds_it(dtype):
+    """PEFT adds the float32 LoRA term to a bf16 / fp16 base output and rounds the sum once; the reference rounded
+    the term to the base dtype before the add, a second rounding (1 ulp off on ~3% of the outputs, 0.03 on bf16
+    logits)."""
+    x, base, w = random_problem(ranks=[4, 8], tokens=[40, 60], d_in=64, d_out=48, dtype=torch.float32, seed=3)
+    base = (base * 50).to(dtype).detach()
+    y = multi_lora_reference(x.detach().to(dtype), base, w, training=False)
+    for a, b, s, lo, hi in zip(w.a, w.b, w.scaling, w.starts, w.ends):
+        delta = (x[lo:hi].to(dtype).float() @ a.t()) @ b.t() * s  # (PEFT: the input cast to the adapter dtype)
+        assert torch.equal(y[lo:hi], (base[lo:hi] + delta).to(dtype))  # (PEFT's `result + delta`, cast back once)

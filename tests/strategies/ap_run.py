@@ -219,6 +219,9 @@ def run_mode(out: Path, mode: str) -> None:
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
                 if trainer.global_step == 2 and pl_module.registry["a1"].state.value == "running":
                     evaluated.update(pl_module.evaluate(["a0", "a1"]))
+                    for name in ("a0", "a1"):  # (its owner writes it; another rank's call returns None)
+                        path = pl_module.save_adapter(name, directory=out / f"{mode}_saved" / name)
+                        evaluated[f"saved_{name}"] = path is not None
                     pl_module.remove_adapter("a1", reason="removed by a callback at step 2")
 
         kwargs.update(callbacks=[*kwargs.get("callbacks", []), EvaluateAndRemoveA1()])

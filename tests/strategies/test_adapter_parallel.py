@@ -272,6 +272,19 @@ def test_a_replicated_or_hybrid_sharded_base_trains_each_adapter_like_one_proces
         AdapterParallelStrategy(shard_size=0)
 
 
+def test_the_strategys_fixed_sizes_and_a_dtype_name_are_answered():
+    """``tensor_parallel_size`` / ``data_parallel_size`` failed with Python's "got multiple values for keyword
+    argument"; ``param_dtype="bfloat16"`` (as the module's ``dtype`` takes it) failed inside FSDP on every rank."""
+    for fixed in ("tensor_parallel_size", "data_parallel_size"):
+        with pytest.raises(ValueError, match=rf"AdapterParallelStrategy takes no \['{fixed}'\]: it splits adapters"):
+            AdapterParallelStrategy(**{fixed: 1})
+    assert AdapterParallelStrategy(param_dtype="bfloat16").param_dtype == torch.bfloat16
+    assert AdapterParallelStrategy(param_dtype="torch.float16").param_dtype == torch.float16
+    for bad in ("bf16", torch.int8):
+        with pytest.raises(ValueError, match=r"`param_dtype` must be None or a floating dtype .* got"):
+            AdapterParallelStrategy(param_dtype=bad)
+
+
 def test_an_early_exit_on_one_rank_reaches_the_other_and_matches_one_process(runs):
     ranks = [json.loads((runs / f"early_exit.rank{r}.json").read_text()) for r in (0, 1)]
     single = json.loads((runs / "early_exit_single.rank0.json").read_text())
@@ -371,16 +384,22 @@ def test_a_module_fitted_again_goes_on_where_it_stopped_on_two_ranks(runs):
 
 
 def test_a_callback_written_for_one_process_evaluates_and_removes_adapters_on_two_ranks(runs):
-    """On every rank, after step 2: `evaluate` gave NaN for the adapters another rank holds, and `remove_adapter`
-    failed on the rank that did not hold a1 (it has no weights to export)."""
+    """On every rank, after step 2: `evaluate` gave NaN for the adapters another rank holds, `remove_adapter`
+    failed on the rank that did not hold a1 (it has no weights to export), and so did `save_adapter` ("holds no
+    weights (running)"): each rank now writes the adapters it trains, the other's call returning None."""
     ranks = [json.loads((runs / f"remove.rank{r}.json").read_text()) for r in (0, 1)]
     single = json.loads((runs / "remove_single.rank0.json").read_text())
     assert single["states"]["a1"] == ["pruned", 2]
     assert ranks[0]["states"] == ranks[1]["states"] == single["states"]
     for r in ranks:
-        assert r["evaluated"].keys() == {"a0", "a1"}
+        assert r["evaluated"].keys() == {"a0", "a1", "saved_a0", "saved_a1"}
         for name, loss in single["evaluated"].items():
-            assert r["evaluated"][name] == pytest.approx(loss, rel=1e-4)
+            if not name.startswith("saved_"):
+                assert r["evaluated"][name] == pytest.approx(loss, rel=1e-4)
+    for name in ("a0", "a1"):
+        assert sorted(r["evaluated"][f"saved_{name}"] for r in ranks) == [False, True]  # (written once: its owner)
+        assert_weights_close(load_file(runs / "remove_saved" / name / "adapter_model.safetensors"),
+                             load_file(runs / "remove_single_saved" / name / "adapter_model.safetensors"))
     assert_weights_close(load_file(runs / "remove" / "a1" / "adapter_model.safetensors"),
                          load_file(runs / "remove_single" / "a1" / "adapter_model.safetensors"))
 
