@@ -17,7 +17,7 @@ def log_dir_of(trainer: Any) -> str:
     """``trainer.log_dir`` (or its ``default_root_dir`` where there is none), asked once per Trainer. A smoke run
     (``fast_dev_run``, whose logger and checkpoints Lightning turns off) gets a temporary folder instead, said once:
     its exports and summary land there, not beside the real runs' (where they were versioned on, and its summary
-    refused the next real run a log directory without a logger)."""
+    refused the next real run a log directory without a logger); one for every rank, rank 0's."""
     try:
         return _seen[trainer]
     except KeyError:
@@ -26,12 +26,19 @@ def log_dir_of(trainer: Any) -> str:
         return trainer.log_dir or trainer.default_root_dir
     found = trainer.log_dir or trainer.default_root_dir
     if getattr(trainer, "fast_dev_run", False):
+        import os
         import tempfile
         import warnings
 
-        smoke = tempfile.mkdtemp(prefix="multilora-fast-dev-run-")
-        warnings.warn(f"`Trainer(fast_dev_run=...)`: the smoke run writes its adapters and summary to {smoke}, not "
-                      f"{found}", stacklevel=2)
+        first = getattr(trainer, "is_global_zero", True)
+        smoke = tempfile.mkdtemp(prefix="multilora-fast-dev-run-") if first else None
+        strategy = getattr(trainer, "strategy", None)
+        if strategy is not None and getattr(trainer, "world_size", 1) > 1:  # (one folder: rank 0's, as log_dir is)
+            smoke = strategy.broadcast(smoke, src=0)
+            os.makedirs(smoke, exist_ok=True)
+        if first:
+            warnings.warn(f"`Trainer(fast_dev_run=...)`: the smoke run writes its adapters and summary to {smoke}, "
+                          f"not {found}", stacklevel=2)
         found = smoke
     _seen[trainer] = found
     return found

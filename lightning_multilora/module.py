@@ -1225,6 +1225,14 @@ class MultiLoRAMixin:
             raise ValueError("a learning-rate scheduler from `configure_optimizers` would never be stepped (the module "
                              "sets each adapter's rate every step): give each adapter its own schedule, "
                              "`AdapterSpec(lr_schedule='cosine' | 'linear' | 'constant', warmup_steps=...)`")
+        placement = self._placement()
+        left = [r.name for r in self.registry if not r.state.exited]
+        providers = any(callable(getattr(cb, "fill_slots", None)) for cb in self.trainer.callbacks)
+        if placement is not None and len(left) < placement.world_size and not providers:
+            rank_zero_warn(f"adapter parallelism over {placement.world_size} ranks with {len(left)} adapter"
+                           f"{'s' if len(left) != 1 else ''} to train: {placement.world_size - len(left)} rank(s) "
+                           "hold none and only join the base's forward and backward; use fewer devices, or more "
+                           "adapters (a grid, an OptunaSweep)")
         dropout = _base_dropout(self.lora_layers.model)
         if dropout and (self.max_running is None or self.max_running > 1) and len(self.registry) > 1:
             rank_zero_warn(
@@ -1806,6 +1814,10 @@ class MultiLoRAMixin:
     @override
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}
+        if self.trainer.state.fn == "validate" and self._resume_checkpoint is not None:
+            self._resume_checkpoint = None  # (a validate builds no optimizer to take it)
+            if self._placement() is not None:  # each rank's registry from its own file: the owners' progress on all
+                self._sync_ranks()
         if self.trainer.state.fn == "validate" and not list(self.registry.holding_weights):  # (every rank's; after
             # a `ckpt_path` given has loaded)
             ended = [r.name for r in self.registry if r.state.exited]

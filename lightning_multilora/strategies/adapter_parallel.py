@@ -260,7 +260,8 @@ class AdapterParallelStrategy(ModelParallelStrategy):
                 raise ValueError(f"{path} is rank {part.get('rank')}'s file of a checkpoint of {part['world_size']} "
                                  f"ranks: resume from its folder, {path.parent}")
             self.resized_from = 1 if self.world_size != 1 else None
-            checkpoint = merge_rank_checkpoints([part], self.global_rank, self._state_mergers())
+            checkpoint = merge_rank_checkpoints([part], self.global_rank, self._state_mergers(),
+                                                self._attached_states())
         else:
             files = _rank_files(path)
             if not files:
@@ -279,7 +280,8 @@ class AdapterParallelStrategy(ModelParallelStrategy):
                 error = _mismatch(path, size, files[:size], parts, list(range(size)))  # (alike on every rank)
                 if error:
                     raise ValueError(error)
-                checkpoint = merge_rank_checkpoints(parts, self.global_rank, self._state_mergers())
+                checkpoint = merge_rank_checkpoints(parts, self.global_rank, self._state_mergers(),
+                                                    self._attached_states())
         # adapters owned by ranks this run does not have are placed again by the module
         self.owner = {n: r for n, r in (checkpoint.get("adapter_owner") or {}).items() if r < self.world_size}
         return checkpoint
@@ -304,6 +306,11 @@ class AdapterParallelStrategy(ModelParallelStrategy):
             if trainer.datamodule is not None:
                 objects[type(trainer.datamodule).__qualname__] = trainer.datamodule
         return {k: o.merge_rank_states for k, o in objects.items() if callable(getattr(o, "merge_rank_states", None))}
+
+    def _attached_states(self) -> Optional[set[str]]:
+        """The state keys of the trainer's callbacks (those a checkpoint's callback states load into)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return {cb.state_key for cb in trainer.callbacks} if trainer is not None else None
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self.lightning_module.load_state_dict(checkpoint["state_dict"], strict=False)  # adapters only

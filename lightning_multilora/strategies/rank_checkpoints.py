@@ -14,7 +14,7 @@ the lowest rank that saved one (rank 0, but where its file lacks the state), wit
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Callable, Optional
 
 from lightning_multilora.registry import merge_by_owner
@@ -25,13 +25,15 @@ _RNG = ("torch_rng", "cuda_rng")
 
 
 def merge_rank_checkpoints(parts: Sequence[dict[str, Any]], rank: int,
-                           mergers: Optional[Mapping[str, Callable[..., Any]]] = None) -> dict[str, Any]:
+                           mergers: Optional[Mapping[str, Callable[..., Any]]] = None,
+                           attached: Optional[Collection[str]] = None) -> dict[str, Any]:
     """One checkpoint for rank ``rank`` of a run of another size, from ``parts`` (the files of ranks 0..n-1, in
     order): every adapter's weights and optimizer state, the ranks' per-adapter states merged
     (`merge_by_owner`), this rank's random state where it had a file (else rank 0's). ``mergers``: for a top-level
     key (a callback's ``state_key`` under ``"callbacks"``, the datamodule's class name), the ``merge_rank_states``
-    of the object whose state it holds. The adapters' owners (``"adapter_owner"``) are kept as saved: the
-    strategy places them on the ranks it has."""
+    of the object whose state it holds. ``attached``: the state keys of the callbacks that will load theirs (None:
+    all); another's ranks' differing states are not warned of (the lowest rank's is kept, and nothing loads it).
+    The adapters' owners (``"adapter_owner"``) are kept as saved: the strategy places them on the ranks it has."""
     if not parts:
         raise ValueError("merge_rank_checkpoints needs at least one rank's checkpoint")
     mergers = dict(mergers or {})
@@ -48,7 +50,7 @@ def merge_rank_checkpoints(parts: Sequence[dict[str, Any]], rank: int,
         merged["multilora"] = _merge_module_state([p.get("multilora") or {} for p in parts], owners, rank)
     callbacks = [p.get("callbacks") or {} for p in parts]
     merged["callbacks"] = {key: _merge_states(f"callback {key!r}", [c.get(key, _MISSING) for c in callbacks],
-                                              owners, mergers.get(key))
+                                              owners, mergers.get(key), attached is None or key in attached)
                            for key in dict.fromkeys(k for c in callbacks for k in c)}
     for key in mergers:
         if any(key in p for p in parts):  # the datamodule's state, under its class name
@@ -59,7 +61,8 @@ def merge_rank_checkpoints(parts: Sequence[dict[str, Any]], rank: int,
 _MISSING = object()  # a rank's file without the state
 
 
-def _merge_states(what: str, per_rank: list[Any], owners: Mapping[str, int], merger: Optional[Callable]) -> Any:
+def _merge_states(what: str, per_rank: list[Any], owners: Mapping[str, int], merger: Optional[Callable],
+                  loaded: bool = True) -> Any:
     """``per_rank``: each rank's state, `_MISSING` where its file has none. A merger sees the states present in rank
     order, with ``owners`` renumbered to match (an adapter whose owner's file lacks the state: none, so it is taken
     from the lowest rank that has it)."""
@@ -68,7 +71,7 @@ def _merge_states(what: str, per_rank: list[Any], owners: Mapping[str, int], mer
     if merger is not None:
         index = {rank: i for i, rank in enumerate(present)}
         return merger(states, {name: index[rank] for name, rank in owners.items() if rank in index})
-    if any(not _same(states[0], s) for s in states[1:]):
+    if loaded and any(not _same(states[0], s) for s in states[1:]):
         warnings.warn(f"the checkpoint's ranks saved different states for {what} and it defines no "
                       f"merge_rank_states(states, owners): rank {present[0]}'s is restored", stacklevel=3)
     return states[0]

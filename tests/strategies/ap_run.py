@@ -5,7 +5,7 @@
 MODE: parallel|single|stop|resume|resume_one|stop_single|resume_two|early_exit|early_exit_single|
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
 dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|
-remove_single|end_eval|end_eval_single|refit|refit_on|disagree. Several modes run one after
+remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke. Several modes run one after
 the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
 of processes), each from the same seeds and with its own records, as if alone.
 
@@ -35,7 +35,8 @@ The ``early_exit``, ``remove`` and ``end_eval`` modes log every step to a CSV an
 (OUT_DIR/logs_<mode>/csv|tb/version_0). ``refit``: 4 steps (checkpoints every 2), then the same module object fits
 again from the step-2 checkpoint to the end. ``refit_on``: 2 steps, then the same module object fits again (a new
 Trainer and strategy, no checkpoint) to the end. ``disagree``: an adapter added after step 2 that rank 1's
-datamodule refuses (its data "gone" there) and rank 0's accepts.
+datamodule refuses (its data "gone" there) and rank 0's accepts. ``smoke``: ``fast_dev_run=2`` with no export
+folder given (the smoke run's temporary folder holds the exports).
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -173,7 +174,7 @@ def run_mode(out: Path, mode: str) -> None:
                                         safety_margin=1.0)
     dpo = mode.startswith("dpo")
     specs = [] if sweep else DPO_SPECS if dpo else SPECS
-    defaults = mode == "optuna_defaults"
+    defaults = mode in ("optuna_defaults", "smoke")
     module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=None if defaults else str(out / mode),
                              admission=admission)
     sources: dict[str, Any] = {"arith": GeneratedArithmetic(200)}
@@ -237,6 +238,8 @@ def run_mode(out: Path, mode: str) -> None:
             dirpath=out / f"ckpt_{mode}", monitor="adapters/a1/train_loss", every_n_train_steps=1, save_top_k=1)])
     if mode == "refit_on":
         kwargs.update(max_steps=2)
+    if mode == "smoke":
+        kwargs.update(fast_dev_run=2)
     if mode == "disagree":
         class AddLate(L.Callback):
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -310,6 +313,10 @@ def run_mode(out: Path, mode: str) -> None:
                            callbacks={type(cb).__name__: cb.state_dict() for cb in trainer.callbacks
                                       if type(cb).__module__.startswith("lightning_multilora")},
                            specs={r.name: r.spec.to_dict() for r in module.registry})
+    if mode == "stop":  # the checkpoint validated (after the records above: it restores
+        # the checkpoint's registry): every rank's registry then holds the owners' progress
+        trainer.validate(module, dm, ckpt_path=next((out / "ckpt_stop").glob("*.ckpt")), verbose=False)
+        evaluated["steps_validated"] = {r.name: r.step for r in module.registry}
     (out / f"{mode}.rank{rank}.json").write_text(json.dumps(dict(owned=owned, calls=CALLS, shard_numels=shards, local_numel=local,
                                                                  states=states, started=started, val=val, spans=spans,
                                                                  train=train,

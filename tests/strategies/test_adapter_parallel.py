@@ -72,7 +72,7 @@ SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_s
                 "remove_single", "end_eval_single",
                 *(["optuna_single", "warmup_single"] if OPTUNA else [])]
 TWO_RANK_MODES = ["parallel", "stop", "resume_two", "early_exit", "early_exit_resume_two", "replicated", "dpo", "remove",
-                  "end_eval", "refit", "refit_on", "admission", "disagree",
+                  "end_eval", "refit", "refit_on", "admission", "disagree", "smoke",
                   *(["optuna_admission", "optuna", "optuna_defaults", "optuna_prune", "warmup", "warmup_stop"]
                     if OPTUNA else [])]
 # resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
@@ -140,6 +140,9 @@ def test_a_run_stopped_and_resumed_from_its_checkpoint_ends_as_if_never_stopped(
     # and of which step (rank 0's report read neither for the other rank's adapters)
     stopped = [json.loads((runs / f"stop.rank{rank}.json").read_text()) for rank in (0, 1)]
     assert stopped[0]["exported"] == stopped[1]["exported"]
+    # (validated from its checkpoint, each rank's registry held its own adapters' steps and the others' one behind)
+    assert stopped[0]["evaluated"]["steps_validated"] == stopped[1]["evaluated"]["steps_validated"] == {
+        n: step for n, (_, step) in stopped[0]["states"].items()}
     held = [n for n, (state, _) in stopped[0]["states"].items() if state == "running"]
     assert held and all(stopped[0]["exported"][n][1] == 2 and stopped[0]["exported"][n][0] for n in held)
     assert {n for n in held if n in stopped[1]["owned"]}  # (one of them the other rank's)
@@ -402,6 +405,14 @@ def test_a_callback_written_for_one_process_evaluates_and_removes_adapters_on_tw
                              load_file(runs / "remove_single_saved" / name / "adapter_model.safetensors"))
     assert_weights_close(load_file(runs / "remove" / "a1" / "adapter_model.safetensors"),
                          load_file(runs / "remove_single" / "a1" / "adapter_model.safetensors"))
+
+
+def test_a_smoke_run_on_two_ranks_exports_into_one_temporary_folder(runs):
+    """(Each rank made a temporary folder of its own: the exports split between two, the summary in rank 0's.)"""
+    ranks = [json.loads((runs / f"smoke.rank{r}.json").read_text()) for r in (0, 1)]
+    folders = {str(Path(path).parent) for rank in ranks for path, _ in rank["exported"].values() if path}
+    assert len(folders) == 1 and "multilora-fast-dev-run-" in folders.pop()
+    assert all(path for path, _ in ranks[0]["exported"].values())  # (every adapter exported, after its 2 steps)
 
 
 def test_an_adapter_one_rank_cannot_start_fails_on_every_rank_and_the_others_train_on(runs):

@@ -206,3 +206,14 @@ def test_a_rank_file_alone_is_refused_and_an_older_folder_is_sized_by_its_step(t
         checkpoint = strategy.load_checkpoint(folder)
     assert sorted(checkpoint["state_dict"]) == ["layer.lora_A.a", "layer.lora_A.b", "layer.lora_A.c"]
     assert strategy.resized_from == 2 and strategy.owner == {"a": 0}
+
+
+def test_differing_states_no_attached_callback_loads_are_not_warned_of():
+    """A 2-rank checkpoint validated in one process without its callbacks warned that EarlyExit's (or any) ranks'
+    states differed and rank 0's "is restored": nothing restores them."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        merged = merge_rank_checkpoints(two_ranks(), rank=0, mergers={}, attached=set())
+    assert merged["callbacks"]["Differs"] == {"k": 0}
+    with pytest.warns(UserWarning, match=r"'Differs' and it defines no merge_rank_states"):
+        merge_rank_checkpoints(two_ranks(), rank=0, mergers={}, attached={"Differs"})
