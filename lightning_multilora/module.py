@@ -137,6 +137,10 @@ class MultiLoRAMixin:
     optimizer with one param group per adapter. A non-finite loss or gradient fails that adapter
     alone. Adapters join (from the queue, when a slot is free) and leave (finished, failed,
     removed) between steps; each is exported in PEFT format when it leaves.
+
+    An override of ``training_step``, ``configure_optimizers`` or one of the hooks in `HOOKS_NEEDING_SUPER`
+    (``on_train_batch_end``, ``validation_step``, ``configure_callbacks``...) must call ``super()``'s: the mixin
+    does its work there, and a run without it is an error.
     """
 
     registry: AdapterRegistry
@@ -152,6 +156,19 @@ class MultiLoRAMixin:
         own = cls.__dict__.get("configure_optimizers")
         if own is not None:
             cls.configure_optimizers = _needs_super_optimizer(own)
+        for name in HOOKS_NEEDING_SUPER:  # (Lightning's own do nothing: an override seldom calls super())
+            own = cls.__dict__.get(name)
+            if own is not None and not getattr(own, "_checks_super", False):
+                setattr(cls, name, _needs_super(name, own))
+
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        """Lightning's ``self.log``; dropped inside `evaluate` (an `adapter_loss_terms` that logs, run by the
+        validation of an adapter as it finishes or of those held at a ``max_steps`` stop, from a hook where Lightning
+        refuses ``self.log``, "You can't self.log() inside on_train_end", or into the training step's values). Its
+        results are the adapters' losses that `evaluate` returns and records (`log_adapter_metrics` for others)."""
+        if self.__dict__.get("_in_evaluate", False):
+            return
+        super().log(*args, **kwargs)
 
     # -- construction ---------------------------------------------------------------------------
 
@@ -348,8 +365,8 @@ class MultiLoRAMixin:
             self.lora_layers.drop_grads(name)  # the optimizer would step it with its last gradients at every step it waits
 
     def resume_adapter(self, name: str) -> None:
-        """Train a paused adapter again, from where it stopped (it takes a slot, beyond `max_running` if need be;
-        `startable` says whether one is free)."""
+        """Train a paused adapter again, from where it stopped (it takes a slot, beyond `max_running` and the
+        admission budget if need be; `startable` says whether one is free)."""
         rec = self.registry[name]
         if rec.state != AdapterState.PAUSED:
             raise ValueError(f"only a paused adapter can be resumed; {name!r} is {rec.state.value}")
@@ -895,6 +912,7 @@ class MultiLoRAMixin:
                         optimizer.state.pop(q, None)
                     optimizer.param_groups.remove(group)
                 optimizer.add_param_group(self._param_group(spec))
+                self._warn_unused_decay(optimizer, [spec])
 
     def _create_weights(self, rec: AdapterRecord, checkpoint: Optional[dict] = None, targets: Any = None) -> None:
         """Adapter ``rec``'s weights: a fresh initialisation, or its `AdapterSpec.init_from` folder's; with
@@ -1011,12 +1029,14 @@ class MultiLoRAMixin:
         return "|".join(re.escape(layer) for layer in self.lora_layers
                         if f"{full[self.lora_layers[layer]]}.lora_A.{name}" in saved)
 
+    @staticmethod
+    def _warn_unused_decay(optimizer: torch.optim.Optimizer, specs: Sequence[AdapterSpec]) -> None:
+        """Said (once: one text) where ``specs`` set a `weight_decay` that ``optimizer`` has none of (Rprop...)."""
+        if any(spec.weight_decay for spec in specs) and "weight_decay" not in optimizer.defaults:
+            warnings.warn(f"{type(optimizer).__name__} has no `weight_decay`: the adapters' `weight_decay` is not "
+                          "applied; choose an optimizer with one (torch.optim.AdamW), or set it to 0", stacklevel=3)
+
     def _param_group(self, spec: AdapterSpec) -> dict[str, Any]:
-        takes = _constructor_arguments(self.optimizer_class)
-        if spec.weight_decay and takes is not None and "weight_decay" not in takes:  # (said once: one text)
-            warnings.warn(f"{self.optimizer_class.__name__} takes no `weight_decay`: the adapters' `weight_decay` is "
-                          "not applied; choose an optimizer with one (torch.optim.AdamW), or set it to 0",
-                          stacklevel=2)
         params = self.lora_layers.optimizer_parameters(spec.name, self.optimizer_class in ELEMENTWISE_OPTIMIZERS)
         return {"params": params, "lr": self._next_lr(self.registry[spec.name]), "weight_decay": spec.weight_decay,
                 "adapter": spec.name, "name": f"adapters/{spec.name}"}  # (LearningRateMonitor's series: its name)
@@ -1143,17 +1163,23 @@ class MultiLoRAMixin:
         optimizer_class, kwargs = _optimizer_choice(self.optimizer_class, self.optimizer_kwargs,
                                                     any(p.is_cuda for g in groups for p in g["params"]))
         takes = _constructor_arguments(optimizer_class)
-        if takes is None or "lr" in takes:  # (each group holds its adapter's lr; given to the constructor too, an
-            # optimizer's own checks of it run, and one whose lr has no default, bitsandbytes' SGD8bit, can be built)
-            kwargs = {"lr": groups[0]["lr"], **kwargs}
+        # Each group holds its adapter's lr (its schedule's, 0 at a warmup's start); the constructor gets the first
+        # adapter's peak too, so that the optimizer's own checks of it run (Adafactor's relative_step, which ignores
+        # every group's rate) and one whose lr has no default (bitsandbytes' SGD8bit) can be built
+        peak = next((rec.spec.lr for rec in records), 1e-3)
+        if takes is None or "lr" in takes:
+            kwargs = {"lr": peak, **kwargs}
         try:
             optimizer = optimizer_class(groups, **kwargs)
-        except (TypeError, ValueError) as err:
+        except (TypeError, ValueError, AssertionError) as err:
             if not self.optimizer_kwargs and isinstance(err, TypeError):  # (not the user's settings: as it is)
                 raise
             given = (f"`optimizer_kwargs` {self.optimizer_kwargs!r} rejected by {optimizer_class.__name__}"
                      if self.optimizer_kwargs else f"`optimizer` {optimizer_class.__name__} refused its settings")
-            raise UsageError(f"{given}: {err} (with each adapter's `lr` given, the first {groups[0]['lr']:g})") from err
+            hint = ("; set optimizer_kwargs={'relative_step': False, 'scale_parameter': False, 'warmup_init': False} "
+                    "for each adapter's lr to apply" if "relative_step" in str(err) else "")
+            raise UsageError(f"{given}: {err} (with each adapter's `lr` given, the first {peak:g}){hint}") from err
+        self._warn_unused_decay(optimizer, [rec.spec for rec in records])
         carried, self._carried_optimizer = getattr(self, "_carried_optimizer", None), None
         if self._resume_checkpoint is not None:
             saved = self._resume_checkpoint.get("multilora", {}).get("optimizer_classes")
@@ -1173,9 +1199,11 @@ class MultiLoRAMixin:
         trainer = self._trainer_or_none()
         if trainer is None or trainer.state.fn != "fit":
             return
-        left = any(not rec.state.exited for rec in self.registry)
-        self._carried_callbacks = [(type(cb).__qualname__, cb.state_key, copy.deepcopy(cb.state_dict()))
-                                   for cb in trainer.callbacks if getattr(cb, "carries_state", False)] if left else []
+        if self.__dict__.pop("_fit_started", False):  # (a fit refused before its first step keeps the last one's)
+            left = any(not rec.state.exited for rec in self.registry)
+            self._carried_callbacks = [(type(cb).__qualname__, cb.state_key, copy.deepcopy(cb.state_dict()))
+                                       for cb in trainer.callbacks if getattr(cb, "carries_state", False)
+                                       ] if left else []
         optimizer, placement = self._raw_optimizer(), self._placement()
         if placement is not None:
             self._carried_owners = dict(placement.owner)
@@ -1187,8 +1215,9 @@ class MultiLoRAMixin:
 
     def carried_callback_state(self, callback: L.Callback) -> Optional[dict[str, Any]]:
         """The state ``callback`` (`EarlyExit`, `WarmupSelection`, `OptunaSweep`: ``carries_state``) had as the last
-        fit of this module stopped with adapters left, taken once: its own (by ``state_key``), or its class's where
-        one alone was kept (settings changed). Such a callback's ``setup`` loads it, the same object or a new one,
+        fit of this module stopped with adapters left (a fit that ends before its first step keeps it for the
+        next): its own (by ``state_key``), or its class's where one alone was kept (settings changed). Such a
+        callback's ``setup`` loads it, the same object or a new one,
         so that another fit goes on as a resume from a checkpoint does (a checkpoint's state loads after it): a
         warmup selection kept its paused candidates out of the ranking for good, and EarlyExit's averages and
         patience counters started over. None after a fit whose adapters all ended: the next one starts afresh."""
@@ -1196,10 +1225,7 @@ class MultiLoRAMixin:
         own = [entry for entry in carried if entry[1] == callback.state_key]
         if not own:
             own = [entry for entry in carried if entry[0] == type(callback).__qualname__]
-        if len(own) != 1:
-            return None
-        carried.remove(own[0])
-        return own[0][2]
+        return copy.deepcopy(own[0][2]) if len(own) == 1 else None
 
     def _flat_optimizer_state(self, name: str, per_layer: list[Optional[dict[str, Any]]]) -> Optional[dict[str, Any]]:
         """A saved optimizer state of adapter ``name``'s per-layer parameters (a checkpoint written before adapters
@@ -1221,6 +1247,7 @@ class MultiLoRAMixin:
 
     @override
     def on_train_start(self) -> None:
+        self._fit_started = True  # (its callbacks' states are carried to the next fit: `_carry_optimizer_state`)
         if self.trainer.lr_scheduler_configs:  # (a subclass's configure_optimizers returned one)
             raise ValueError("a learning-rate scheduler from `configure_optimizers` would never be stepped (the module "
                              "sets each adapter's rate every step): give each adapter its own schedule, "
@@ -1266,55 +1293,62 @@ class MultiLoRAMixin:
         scaler = getattr(self, "_loss_scaler", None)
         self._step_scales = None if scaler is None else self._scales_of(records, scaler, batch["input_ids"].device)
         losses, norms, total = self._run_forward_backward(batch, records, params)
-        tokens = segment_sum(batch["attention_mask"].sum(dim=1), layout)
-        stats = torch.stack([losses.detach().float(), norms.float(), tokens.float()]).tolist()  # one sync
-        logs: dict[str, dict[str, float]] = {}  # per adapter
-        optim = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
-        groups = {g.get("adapter"): g for g in optim.param_groups}
-        stepped = []
-        for i, rec in enumerate(records):
-            loss, norm, n_tok = stats[0][i], stats[1][i], stats[2][i]
-            prefix = f"adapters/{rec.name}/"
-            scale = rec.loss_scale if scaler is not None else None
-            if scale is not None:
-                norm = norm / scale
-                if math.isfinite(loss) and not math.isfinite(norm) and scale > 1.0:
-                    # the scaled gradient overflowed: the step is skipped, the adapter's scale backs off
-                    self.lora_layers.drop_grads(rec.name)
-                    rec.loss_scale, rec.scale_growth = scale * scaler["backoff"], 0
-                    rec.skipped_steps += 1
-                    logs[rec.name] = {prefix + "loss_scale": rec.loss_scale}
-                    continue
-            if not (math.isfinite(loss) and math.isfinite(norm)):
-                self.lora_layers.drop_grads(rec.name)
-                what = "loss" if not math.isfinite(loss) else "gradient norm"
-                rec.state = AdapterState.FAILED
-                rec.reason = f"non-finite {what} ({loss if what == 'loss' else norm}) at step {rec.step}"
-                if scale is not None and what != "loss":
-                    rec.reason += f" at loss scale {scale:g}"
-                continue
-            spec = rec.spec
-            if scale is not None:  # unscaled (and clipped) in one multiply
-                clip = spec.grad_clip / (norm + 1e-6) if spec.grad_clip is not None and norm > spec.grad_clip else 1.0
-                torch._foreach_mul_([p.grad for p in params[i] if p.grad is not None], clip / scale)
-                rec.scale_growth += 1
-                if rec.scale_growth >= scaler["interval"]:
-                    rec.loss_scale, rec.scale_growth = scale * scaler["growth"], 0
-            elif spec.grad_clip is not None and norm > spec.grad_clip:
-                torch.nn.utils.clip_grads_with_norm_(params[i], spec.grad_clip, norms[i])
-            lr = groups[rec.name]["lr"] = self._next_lr(rec)  # (what the group holds already, but for a group
-            # restored from a checkpoint that held the rate of the step before it)
-            stepped.append((rec, int(n_tok), (layout.ends[i] - layout.starts[i]) * spec.batch_size
-                            // spec.rows_per_step, loss))
-            logs[rec.name] = {prefix + "train_loss": loss, prefix + "grad_norm": norm, prefix + "lr": lr}
-            if scale is not None:
-                logs[rec.name][prefix + "loss_scale"] = rec.loss_scale
-            if rec.name in getattr(self, "_preference_accuracy", {}):
-                logs[rec.name][prefix + "preference_accuracy"] = float(self._preference_accuracy[rec.name])
+        # A Ctrl+C (or an error) from here until the step is taken leaves it untaken: the dropout masks, fp16 loss
+        # scales and states the adapters had before it (the counts move after `optimizer.step()`)
+        kept = [(rec, rec.loss_scale, rec.scale_growth, rec.skipped_steps, rec.state, rec.reason) for rec in records]
         try:
+            tokens = segment_sum(batch["attention_mask"].sum(dim=1), layout)
+            stats = torch.stack([losses.detach().float(), norms.float(), tokens.float()]).tolist()  # one sync
+            logs: dict[str, dict[str, float]] = {}  # per adapter
+            optim = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+            groups = {g.get("adapter"): g for g in optim.param_groups}
+            stepped = []
+            for i, rec in enumerate(records):
+                loss, norm, n_tok = stats[0][i], stats[1][i], stats[2][i]
+                prefix = f"adapters/{rec.name}/"
+                scale = rec.loss_scale if scaler is not None else None
+                if scale is not None:
+                    norm = norm / scale
+                    if math.isfinite(loss) and not math.isfinite(norm) and scale > 1.0:
+                        # the scaled gradient overflowed: the step is skipped, the adapter's scale backs off
+                        self.lora_layers.drop_grads(rec.name)
+                        rec.loss_scale, rec.scale_growth = scale * scaler["backoff"], 0
+                        rec.skipped_steps += 1
+                        logs[rec.name] = {prefix + "loss_scale": rec.loss_scale}
+                        continue
+                if not (math.isfinite(loss) and math.isfinite(norm)):
+                    self.lora_layers.drop_grads(rec.name)
+                    what = "loss" if not math.isfinite(loss) else "gradient norm"
+                    rec.state = AdapterState.FAILED
+                    rec.reason = f"non-finite {what} ({loss if what == 'loss' else norm}) at step {rec.step}"
+                    if scale is not None and what != "loss":
+                        rec.reason += f" at loss scale {scale:g}"
+                    continue
+                spec = rec.spec
+                if scale is not None:  # unscaled (and clipped) in one multiply
+                    clip = (spec.grad_clip / (norm + 1e-6) if spec.grad_clip is not None and norm > spec.grad_clip
+                            else 1.0)
+                    torch._foreach_mul_([p.grad for p in params[i] if p.grad is not None], clip / scale)
+                    rec.scale_growth += 1
+                    if rec.scale_growth >= scaler["interval"]:
+                        rec.loss_scale, rec.scale_growth = scale * scaler["growth"], 0
+                elif spec.grad_clip is not None and norm > spec.grad_clip:
+                    torch.nn.utils.clip_grads_with_norm_(params[i], spec.grad_clip, norms[i])
+                lr = groups[rec.name]["lr"] = self._next_lr(rec)  # (what the group holds already, but for a group
+                # restored from a checkpoint that held the rate of the step before it)
+                stepped.append((rec, int(n_tok), (layout.ends[i] - layout.starts[i]) * spec.batch_size
+                                // spec.rows_per_step, loss))
+                logs[rec.name] = {prefix + "train_loss": loss, prefix + "grad_norm": norm, prefix + "lr": lr}
+                if scale is not None:
+                    logs[rec.name][prefix + "loss_scale"] = rec.loss_scale
+                if rec.name in getattr(self, "_preference_accuracy", {}):
+                    logs[rec.name][prefix + "preference_accuracy"] = float(self._preference_accuracy[rec.name])
             optimizer.step()
-        except BaseException:  # (a Ctrl+C in it: the step was not taken, and one taken again draws its masks)
+        except BaseException:
             self.lora_layers.rewind_dropout(layout)
+            for rec, scale, growth, skipped, state, reason in kept:
+                rec.loss_scale, rec.scale_growth, rec.skipped_steps, rec.state, rec.reason = (scale, growth, skipped,
+                                                                                              state, reason)
             raise
         # The adapters' counts once their step is taken (a Ctrl+C inside the optimizer's step, before: its exports
         # and checkpoint said a step their weights had not taken, and the resumed run left it out)
@@ -1722,6 +1756,9 @@ class MultiLoRAMixin:
         ids ``generate`` returns, in the rows' order (``num_return_sequences`` consecutive rows a prompt, with beam
         search or sampling). One process: under adapter parallelism the base is sharded;
         generate with the exports there (`PeftModel.from_pretrained`)."""
+        if isinstance(adapters, str):  # (its letters were taken for names)
+            raise ValueError(f"`adapters` names the adapter of each row of `input_ids`: a list, e.g. "
+                             f"[{adapters!r}] * {len(input_ids)} for every row, got the string {adapters!r}")
         names = list(adapters)
         if input_ids.dim() != 2 or len(names) != input_ids.shape[0]:
             raise ValueError(f"`adapters` names one adapter (or None) a row of `input_ids` (rows, tokens): got "
@@ -1936,7 +1973,14 @@ class MultiLoRAMixin:
         if config is None or not hasattr(config, "to_dict"):
             return {"class": type(model).__name__}
         values = config.to_dict()
-        return {k: values[k] for k in _BASE_KEYS if k in values}
+        identity = {k: values[k] for k in _BASE_KEYS if k in values}
+        quant = values.get("quantization_config") or {}
+        if isinstance(quant, dict) and quant.get("load_in_4bit"):
+            identity["weights"] = str(quant.get("bnb_4bit_quant_type", "4-bit"))
+        else:  # (the dtype the base is held in)
+            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+            identity["weights"] = str(dtype).removeprefix("torch.") if dtype is not None else "none"
+        return identity
 
     def _place_resumed(self, placement: Any) -> None:
         """Under adapter parallelism, on resume: an owner for every adapter holding weights (those of ranks a
@@ -2004,6 +2048,11 @@ class MultiLoRAMixin:
         # entries both sides give (a config that gains one in a newer transformers, head_dim say, is not another base)
         differ = {k: (saved_base[k], base[k]) for k in saved_base.keys() & base.keys()
                   if saved_base[k] is not None and base[k] is not None and saved_base[k] != base[k]}
+        held = differ.pop("weights", None)
+        if held is not None:  # (the same architecture held otherwise: a choice, said)
+            rank_zero_warn(f"this checkpoint's adapters were trained on the base held as {held[0]} and resume on it "
+                           f"held as {held[1]} (`quantization` / `dtype`): their losses will move with the base's "
+                           "numbers; resume with the settings it was trained with to go on exactly")
         if differ:
             raise ValueError("this checkpoint's adapters were trained on another base model (checkpoint -> this "
                              f"module: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in sorted(differ.items()))}); "
@@ -2096,6 +2145,46 @@ def _monitored_adapter(callback: Any) -> Optional[str]:
     return key[len("adapters/"):].rsplit("/", 1)[0]
 
 
+# The mixin's hooks that carry its work (the run's end, the validation losses, the exports, the checkpoint's
+# adapters...): a subclass's override must call super()'s, or the run silently loses it (`_needs_super`)
+HOOKS_NEEDING_SUPER = ("configure_model", "configure_callbacks", "on_train_start", "on_train_batch_end", "on_train_end",
+                       "on_validation_epoch_start", "validation_step", "on_validation_epoch_end", "on_validation_end",
+                       "on_save_checkpoint", "on_load_checkpoint")
+
+
+def _marks_super(name: str, hook: Any) -> Any:
+    """The mixin's own ``hook``, noting that it ran (for `_needs_super`)."""
+
+    @functools.wraps(hook)
+    def marked(self: MultiLoRAMixin, *args: Any, **kwargs: Any) -> Any:
+        self.__dict__.setdefault("_supered", set()).add(name)
+        return hook(self, *args, **kwargs)
+
+    marked._checks_super = True
+    return marked
+
+
+def _needs_super(name: str, hook: Any) -> Any:
+    """A subclass's override of the mixin's hook ``name``, checked to have called ``super().<name>(...)``: without it
+    a run never ended (``on_train_batch_end``), exported nothing at a ``max_steps`` stop (``on_train_end``), summed
+    every validation's losses into the next (``on_validation_epoch_start``), recorded none (``validation_step``,
+    ``on_validation_epoch_end``) or saved the whole base and no adapter state (``on_save_checkpoint``), silently."""
+
+    @functools.wraps(hook)
+    def checked(self: MultiLoRAMixin, *args: Any, **kwargs: Any) -> Any:
+        done = self.__dict__.setdefault("_supered", set())
+        done.discard(name)
+        out = hook(self, *args, **kwargs)
+        if name not in done:
+            raise RuntimeError(f"{type(self).__name__}.{name} did not call super().{name}(...): MultiLoRAMixin's "
+                               f"{name} does the run's work there (its adapters' validation, exports, checkpoint "
+                               "state, the run's end); call it in yours")
+        return out
+
+    checked._checks_super = True
+    return checked
+
+
 def _needs_super_optimizer(configure_optimizers: Any) -> Any:
     """A subclass's ``configure_optimizers``, checked to build the adapters' optimizer through the module's: that
     starts the adapters (their weights are made there) and gives each its own param group, whose rate its schedule
@@ -2116,6 +2205,12 @@ def _needs_super_optimizer(configure_optimizers: Any) -> Any:
             raise
         if not self._optimizer_built:
             raise ValueError(why)
+        parts = out if isinstance(out, (list, tuple)) else [out]
+        optimizers = [o for part in parts for o in (part if isinstance(part, (list, tuple)) else [part])
+                      if isinstance(o, torch.optim.Optimizer)]
+        if len(optimizers) > 1:  # (the step takes the first: it failed, "'list' object has no attribute ...")
+            raise ValueError(f"{type(self).__name__}.configure_optimizers returns {len(optimizers)} optimizers; the "
+                             "module steps one, super().configure_optimizers()'s, with a param group per adapter")
         return out
 
     return checked
@@ -2198,14 +2293,37 @@ def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Op
 
 @contextlib.contextmanager
 def _evaluating(model: nn.Module):
-    """``model`` in evaluation mode (dropout off) inside, each of its modules' mode restored after."""
+    """``model`` in evaluation mode (dropout off) inside, each of its modules' mode restored after; its ``self.log``
+    calls dropped (`MultiLoRAMixin.log`)."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
+    outer = model.__dict__.get("_in_evaluate", False)
+    model.__dict__["_in_evaluate"] = True
     try:
         yield
     finally:
+        model.__dict__["_in_evaluate"] = outer
         for m, training in modes:
             m.training = training
+
+
+def _plain(value: Any) -> bool:
+    """Whether ``value`` is plain data (what ``torch.load(weights_only=True)`` reads back): None, a bool, number or
+    string, or a list, tuple or string-keyed dict of them."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(map(_plain, value))
+    return isinstance(value, dict) and all(isinstance(k, str) and _plain(v) for k, v in value.items())
+
+
+def _import_path(cls: Any) -> Optional[str]:
+    """``cls``'s import path where importing it gives it back (not a local class's: None)."""
+    path = f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}"
+    try:
+        return path if "<locals>" not in path and resolve_optimizer(path) is cls else None
+    except Exception:  # noqa: BLE001 - (a path that does not import)
+        return None
 
 
 def _row_token_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
@@ -2280,6 +2398,10 @@ def _refuse_strategy(trainer: L.Trainer) -> None:
             f"(AdapterParallelStrategy); got {type(strategy).__name__} over {trainer.world_size} "
             f"process{'es' if trainer.world_size > 1 else ''}. A data-parallel strategy would give every process "
             "every adapter, and adapters start and stop during a run, so they cannot be registered with it up front.")
+
+
+for _name in HOOKS_NEEDING_SUPER:
+    setattr(MultiLoRAMixin, _name, _marks_super(_name, MultiLoRAMixin.__dict__[_name]))
 
 
 class ExportOnException(L.Callback):
@@ -2383,6 +2505,20 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         super().__init__()
         from lightning_multilora.base_model import TINY_CONFIGS, build_base_model, resolve_dtype
 
+        # (`MultiLoRAModule.load_from_checkpoint(path)` builds the module from them, its base the run's: it used to
+        # take the defaults, another base_seed's weights loaded silently. Plain data alone, which `torch.load` reads
+        # with ``weights_only=True``: specs as their fields, the optimizer by its import path; anything else, and a
+        # base given as a module, are given again to `load_from_checkpoint`. Not for the loggers: each adapter's
+        # hyperparameters are `SweepReport`'s HParams runs)
+        arguments = {
+            "base_model": base_model, "grid": dataclasses.asdict(grid) if isinstance(grid, SweepGrid) else grid,
+            "adapters": [s.to_dict() if isinstance(s, AdapterSpec) else s for s in adapters] if adapters else adapters,
+            "target_modules": target_modules, "optimizer_kwargs": optimizer_kwargs, "max_running": max_running,
+            "optimizer": optimizer if isinstance(optimizer, str) else _import_path(optimizer),
+            "gradient_checkpointing": gradient_checkpointing, "dtype": str(dtype).removeprefix("torch."),
+            "config_overrides": config_overrides, "export_dir": export_dir, "validate_on_finish": validate_on_finish,
+            "base_seed": base_seed, "quantization": quantization, "cuda_graphs": cuda_graphs}
+        self.save_hyperparameters({k: v for k, v in arguments.items() if _plain(v)}, logger=False)
         check_bool("MultiLoRAModule", "gradient_checkpointing", gradient_checkpointing)
         check_int("MultiLoRAModule", "base_seed", base_seed, -2**63, high=2**63 - 1)  # (torch's seeds: 64-bit)
         if isinstance(base_model, nn.Module):
@@ -2410,7 +2546,8 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
             grid = SweepGrid(**grid)
         if grid is not None and not isinstance(grid, SweepGrid):
             raise ValueError(f"`grid` must be a SweepGrid (or a mapping of its fields), got {type(grid).__name__}")
-        specs = list(adapters or []) + (grid.specs() if grid is not None else [])
+        specs = [AdapterSpec.from_dict(a) if isinstance(a, Mapping) else a for a in adapters or []]  # (a mapping:
+        specs += grid.specs() if grid is not None else []  # its fields, as `load_from_checkpoint` gives them)
         self.init_multilora(model, specs, target_modules, optimizer, optimizer_kwargs, max_running, export_dir,
                             validate_on_finish, admission, cuda_graphs)
 

@@ -12,7 +12,9 @@ from lightning_multilora.spec import AdapterSpec
 
 # `AdapterSpec.hparams` entries the summary table shows where they differ between adapters, with their headers
 _EXTRA_COLUMNS = {"dropout": "dropout", "weight_decay": "wd", "schedule": "schedule", "dataset": "dataset",
-                  "objective": "objective", "dpo_beta": "beta"}
+                  "objective": "objective", "dpo_beta": "beta", "use_rslora": "rslora", "warmup_steps": "warmup",
+                  "grad_clip": "clip", "max_steps": "max_steps", "max_epochs": "epochs", "seed": "seed",
+                  "target_modules": "targets", "init_from": "init_from"}
 
 
 class AdapterState(str, enum.Enum):

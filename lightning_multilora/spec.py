@@ -191,6 +191,12 @@ class AdapterSpec:
             "dropout": self.dropout, "weight_decay": self.weight_decay, "schedule": self.lr_schedule,
             "dataset": self.dataset, "objective": self.objective,
             "dpo_beta": self.dpo_beta if self.objective == "dpo" else None,
+            "use_rslora": self.use_rslora, "warmup_steps": self.warmup_steps, "grad_clip": self.grad_clip,
+            "max_steps": self.max_steps, "max_epochs": self.max_epochs, "seed": self.seed,
+            # (text: a list of module names, a regex or "all-linear"; None: the module's own)
+            "target_modules": (None if self.target_modules is None else self.target_modules
+                               if isinstance(self.target_modules, str) else ",".join(self.target_modules)),
+            "init_from": self.init_from,
         }
 
 
@@ -279,16 +285,24 @@ class SweepGrid:
             raise ValueError(f"SweepGrid: `alpha_over_rank` ({self.alpha_over_rank!r}) and `alpha` (in "
                              f"{'axes' if 'alpha' in self.axes else 'base'}) both set each adapter's alpha; give one")
         keys = list(self.axes)
-        out, made = [], {}
+        out, made, once = [], {}, set()
         for values in itertools.product(*(self.axes[k] for k in keys)):
             kwargs = dict(self.base)
             kwargs.update(zip(keys, values))
-            name = self.prefix + "-".join(f"{_short(k)}{_fmt(v)}" for k, v in zip(keys, values))
+            cell = list(zip(keys, values))
+            if "dpo_beta" in self.axes and kwargs.get("objective", "sft") != "dpo":
+                # (an SFT cell takes no beta: one cell for all of the axis' betas, named without it; each beta made
+                # an adapter of its own, named for a beta it trained without)
+                cell = [(k, v) for k, v in cell if k != "dpo_beta"]
+                if repr(cell) in once:
+                    continue
+                once.add(repr(cell))
+            name = self.prefix + "-".join(f"{_short(k)}{_fmt(v)}" for k, v in cell)
             if name in made:
                 raise ValueError(f"SweepGrid: the axes' values {made[name]} and {dict(zip(keys, values))} make one "
                                  f"adapter name, {name!r} (a name keeps 4 significant digits, and letters, digits, '_' and '-'); "
                                  "give values that differ there")
-            made[name] = dict(zip(keys, values))
+            made[name] = dict(cell)
             if self.alpha_over_rank is not None:
                 kwargs["alpha"] = float(self.alpha_over_rank * kwargs.get("rank", AdapterSpec.rank))
             out.append(AdapterSpec(name=name, **without_unused_beta(kwargs)))

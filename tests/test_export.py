@@ -168,6 +168,8 @@ def test_generate_runs_several_adapters_in_one_batch_as_peft_runs_each(tmp_path,
     assert grouped.sequences.shape == (4, width + 2) and len(grouped.scores) == 2
     with pytest.raises(ValueError, match=r"`adapters` names one adapter \(or None\) a row"):
         module.generate(["a"], ids)
+    with pytest.raises(ValueError, match=r"a list, e.g. \['a'\] \* 4 for every row, got the string 'a'"):
+        module.generate("a", ids)  # (its letters were names: 'a' alone, on a batch of one row, passed)
 
 
 def _peft_saved_adapter(directory, base_dir, **config) -> dict[str, torch.Tensor]:

@@ -907,7 +907,7 @@ def test_the_log_dir_is_asked_on_every_rank_even_where_a_subclass_setup_skips_su
     assert module.registry["a"].export_path == str(tmp_path / "adapters" / "a")
 
 
-@pytest.mark.parametrize("case", ["other_type", "other_size", "older_config"])
+@pytest.mark.parametrize("case", ["other_type", "other_size", "older_config", "other_dtype"])
 def test_a_resume_on_another_base_model_is_refused_and_keeps_the_exports(tmp_path, trainer_kwargs, case):
     """A checkpoint records its base's architecture: a resume on another one (another model type, or other sizes)
     is refused before any weight loads, naming what differs, and the trained exports stay as they were. An entry
@@ -920,14 +920,19 @@ def test_a_resume_on_another_base_model_is_refused_and_keeps_the_exports(tmp_pat
     trainer.save_checkpoint(tmp_path / "c.ckpt")
     trained = load_file(tmp_path / "e" / "a" / "adapter_model.safetensors")
     base, overrides = {"other_type": ("tiny-qwen2", {}), "other_size": ("tiny-llama", {"num_hidden_layers": 1}),
-                       "older_config": ("tiny-llama", {})}[case]
+                       "older_config": ("tiny-llama", {}), "other_dtype": ("tiny-llama", {})}[case]
     if case == "older_config":
         checkpoint = torch.load(tmp_path / "c.ckpt", weights_only=False)
         del checkpoint["multilora"]["base"]["head_dim"]
         torch.save(checkpoint, tmp_path / "c.ckpt")
     resumed = MultiLoRAModule(base, adapters=[a], export_dir=export_dir, validate_on_finish=False,
-                              config_overrides=overrides)
+                              config_overrides=overrides, dtype="bfloat16" if case == "other_dtype" else "float32")
     ckpt = str(tmp_path / "c.ckpt")
+    if case == "other_dtype":  # (the same architecture, held otherwise, as a 4-bit base: resumed silently before)
+        with pytest.warns(UserWarning, match=r"trained on the base held as float32 and resume on it held as bfloat16"):
+            L.Trainer(**trainer_kwargs).fit(resumed, small_dm(), ckpt_path=ckpt)
+        assert resumed.registry["a"].state.value == "finished"
+        return
     if case == "older_config":
         L.Trainer(**trainer_kwargs).fit(resumed, small_dm(), ckpt_path=ckpt)
         assert resumed.registry["a"].state.value == "finished"
@@ -1248,6 +1253,14 @@ def test_a_configure_optimizers_that_does_not_call_the_modules_is_named(tmp_path
     module = Wrapped("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
     L.Trainer(**trainer_kwargs).fit(module, small_dm())
     assert module.registry["a"].step == 2
+
+    class Two(MultiLoRAModule):  # (failed at the first step: "'list' object has no attribute 'param_groups'")
+        def configure_optimizers(self):
+            return [super().configure_optimizers(), torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)]
+
+    with pytest.raises(ValueError, match=r"Two.configure_optimizers returns 2 optimizers; the module steps one"):
+        L.Trainer(**trainer_kwargs).fit(Two("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)]),
+                                        small_dm())
 
 
 def test_lightnings_monitors_of_one_adapter_wait_for_it_and_let_go_when_it_ends(tmp_path, trainer_kwargs):
@@ -1743,8 +1756,9 @@ def test_a_time_interval_validates_by_the_clock(tmp_path, trainer_kwargs):
 
 
 class _InterruptIn(Callback):
-    """Ctrl+C inside a step, at global step ``step``: in its forward (before the backward), or in the optimizer's
-    step (a step pre-hook of the optimizer)."""
+    """Ctrl+C inside a step, at global step ``step``: in its forward (before the backward), after its backward (at
+    the step's one sync of the losses, where the host waits for the device: the token count's `segment_sum`, the
+    integer one), or in the optimizer's step (a step pre-hook of the optimizer)."""
 
     def __init__(self, step: int, where: str):
         self.step, self.where = step, where
@@ -1756,13 +1770,25 @@ class _InterruptIn(Callback):
 
         if self.where == "optimizer_step":
             trainer.optimizers[0].register_step_pre_hook(pre_hook)
+        if self.where == "after_backward":
+            import lightning_multilora.module as module_file
+
+            real = module_file.segment_sum
+
+            def interrupted(values, layout):
+                if trainer.global_step == self.step and not values.is_floating_point():
+                    module_file.segment_sum = real
+                    raise KeyboardInterrupt
+                return real(values, layout)
+
+            module_file.segment_sum = interrupted
 
     def on_before_backward(self, trainer, pl_module, loss):
         if self.where == "forward" and trainer.global_step == self.step:
             raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("where", ["forward", "optimizer_step"])
+@pytest.mark.parametrize("where", ["forward", "after_backward", "optimizer_step"])
 def test_a_ctrl_c_inside_a_step_then_another_fit_trains_that_step_again(tmp_path, trainer_kwargs, where):
     """The batch in flight had advanced its adapters' data positions: a checkpoint (OnExceptionCheckpoint) or another
     fit after a Ctrl+C in the forward or backward skipped it. A Ctrl+C inside the optimizer's step had counted the
@@ -1806,3 +1832,80 @@ def test_adapter_parallelism_with_fewer_adapters_than_ranks_is_warned_of(monkeyp
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (a sweep asks more: not said)
         module.on_train_start()
+
+
+@pytest.mark.parametrize("hook", ["on_validation_epoch_start", "on_train_end", "configure_callbacks"])
+def test_a_hook_overridden_without_super_is_refused_by_name(trainer_kwargs, hook):
+    """Lightning's own hooks do nothing, so an override seldom calls super(): a mixin module's then summed every
+    validation's losses into the next (``on_validation_epoch_start``), exported nothing at a ``max_steps`` stop
+    (``on_train_end``) or lost its exports after an error (``configure_callbacks``), silently."""
+    bodies = {"on_validation_epoch_start": lambda self: None, "on_train_end": lambda self: None,
+              "configure_callbacks": lambda self: []}
+    Forgets = type("Forgets", (MultiLoRAModule,), {hook: bodies[hook]})
+    module = Forgets("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=4, batch_size=1)],
+                     validate_on_finish=False)
+    with pytest.raises(RuntimeError, match=rf"Forgets.{hook} did not call super\(\).{hook}\(...\): MultiLoRAMixin's "
+                                           rf"{hook} does the run's work there"):
+        L.Trainer(**{**trainer_kwargs, "max_steps": 2, "val_check_interval": 1}).fit(module, small_dm())
+
+    def calls_super(self):  # (the same override, calling super(): as before)
+        out = getattr(super(Remembers, self), hook)()
+        return out
+
+    Remembers = type("Remembers", (MultiLoRAModule,), {hook: calls_super})
+    module = Remembers("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=4, batch_size=1)],
+                       validate_on_finish=False)
+    L.Trainer(**{**trainer_kwargs, "max_steps": 2, "val_check_interval": 1}).fit(module, small_dm())
+    assert module.registry["a"].step == 2 and len(module.registry["a"].val_losses) == 2
+
+
+def test_a_loss_that_self_logs_runs_in_the_validation_of_held_adapters_at_a_stop(trainer_kwargs):
+    """An `adapter_loss_terms` that calls ``self.log`` (as Lightning users log from their loss) failed the fit at a
+    ``max_steps`` stop: the held adapters' last validation runs from ``on_train_end``, where Lightning refuses
+    ``self.log``. Inside `evaluate` the calls are dropped; in the training step they log as before."""
+    from lightning_multilora.base_model import build_base_model
+
+    from lightning_multilora import MultiLoRAMixin
+
+    class Mine(MultiLoRAMixin, L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = build_base_model("tiny-llama", {"num_hidden_layers": 1})
+            self.init_multilora(self.model, adapters=[AdapterSpec("a", rank=2, max_steps=10, batch_size=2),
+                                                      AdapterSpec("b", rank=2, max_steps=2, batch_size=2)])
+
+        def adapter_loss_terms(self, batch):
+            sums, counts = super().adapter_loss_terms(batch)
+            self.log("aux/tokens", counts.sum().float(), batch_size=1)
+            return sums, counts
+
+    module = Mine()
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 4})
+    trainer.fit(module, small_dm())
+    assert module.registry["a"].step == 4 and math.isfinite(module.registry["a"].exported_val_loss)
+    assert math.isfinite(module.registry["b"].last_val_loss)  # (validated as it finished, inside a training step)
+    assert "aux/tokens" in trainer.callback_metrics
+
+
+def test_load_from_checkpoint_builds_the_runs_base_and_adapters(tmp_path, trainer_kwargs):
+    """`MultiLoRAModule.load_from_checkpoint(path)` took the constructor's defaults (no hyperparameters were saved):
+    a run on another `base_seed` loaded onto seed 0's weights silently, its logits 5.16 off."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def admit_all(specs):  # (a local function: no checkpoint can hold it; given again to load_from_checkpoint)
+        return 0.0
+
+    from lightning_multilora.scheduling import AdmissionController
+
+    module = MultiLoRAModule("tiny-llama", base_seed=1, config_overrides={"num_hidden_layers": 1},
+                             adapters=[AdapterSpec("a", rank=2, max_steps=3, batch_size=1)], validate_on_finish=False,
+                             admission=AdmissionController(admit_all, 1e12))
+    save = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=2, save_top_k=-1)
+    L.Trainer(**{**trainer_kwargs, "enable_checkpointing": True}, callbacks=[save]).fit(module, small_dm())
+    path = next((tmp_path / "ck").glob("*step=2*.ckpt"))
+    assert "admission" not in torch.load(path, weights_only=False)["hyper_parameters"]
+    loaded = MultiLoRAModule.load_from_checkpoint(path)
+    assert loaded.model.config.num_hidden_layers == 1 and loaded.registry["a"].step == 2
+    theirs = dict(loaded.model.named_parameters())
+    base = {n: p for n, p in module.model.named_parameters() if "lora_" not in n}
+    assert base and all(torch.equal(p, theirs[n]) for n, p in base.items())  # (seed 1's weights, as the run's)

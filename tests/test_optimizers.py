@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -103,18 +105,34 @@ def test_the_constructor_gets_an_lr_so_its_own_checks_run_and_a_required_lr_is_g
     default) then ignored every adapter's lr and schedule silently (1e-5 and 1e-1 trained alike), and an optimizer
     whose lr has no default (bitsandbytes' SGD8bit) could not be built at all. An optimizer without weight decay is
     said to drop the adapters'."""
-    class LrRequired(torch.optim.SGD):  # (bitsandbytes' SGD8bit's signature: lr with no default, no weight_decay)
-        def __init__(self, params, lr, momentum=0.0):
-            super().__init__(params, lr=lr, momentum=momentum)
+    class LrRequired(torch.optim.Rprop):  # (bitsandbytes' SGD8bit's signature: lr with no default; and, as Rprop,
+        def __init__(self, params, lr):  # no weight decay)
+            super().__init__(params, lr=lr)
 
     specs = [AdapterSpec("a", lr=0.05, batch_size=2, max_steps=2), AdapterSpec("b", lr=0.01, weight_decay=0.1,
                                                                                batch_size=2, max_steps=2)]
     module = MultiLoRAModule("tiny-llama", adapters=specs, optimizer=LrRequired,
                              export_dir=str(tmp_path), validate_on_finish=False)
-    with pytest.warns(UserWarning, match="LrRequired takes no `weight_decay`: the adapters' `weight_decay` is not "
+    with pytest.warns(UserWarning, match="LrRequired has no `weight_decay`: the adapters' `weight_decay` is not "
                                          "applied"):
         L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"x": GeneratedArithmetic(40)}))
     assert module.trainer.global_step == 2 and module.trainer.optimizers[0].defaults["lr"] == 0.05
+    # an optimizer whose groups take a weight decay (SGD's, through a constructor without it): not warned of; and a
+    # warmup's first rate, 0, is no constructor's lr (Lamb and Lion refuse lr <= 0)
+    class NoDecayArgument(torch.optim.SGD):
+        def __init__(self, params, lr):
+            if lr <= 0:
+                raise ValueError(f"Invalid learning rate: {lr}")
+            super().__init__(params, lr=lr)
+
+    warm = [AdapterSpec("w", lr=0.05, weight_decay=0.1, batch_size=2, max_steps=2, warmup_steps=2)]
+    module = MultiLoRAModule("tiny-llama", adapters=warm, optimizer=NoDecayArgument, export_dir=str(tmp_path),
+                             validate_on_finish=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"x": GeneratedArithmetic(40)}))
+    assert not [w for w in seen if "weight_decay" in str(w.message)]
+    assert module.registry["w"].step == 2
     module = MultiLoRAModule("tiny-llama", adapters=specs[:1], optimizer="transformers.optimization.Adafactor",
                              export_dir=str(tmp_path), validate_on_finish=False)
     with pytest.raises(ValueError, match=r"`optimizer` Adafactor refused its settings: Cannot combine manual `lr` "

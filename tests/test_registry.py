@@ -23,6 +23,21 @@ def test_the_summary_table_shows_the_hyperparameters_that_differ_between_adapter
     assert header[6:9] == ["dropout", "schedule", "dataset"] and "wd" not in header
 
 
+def test_adapters_differing_in_targets_seed_or_budget_are_told_apart_in_the_table_and_the_rows():
+    """A sweep over `target_modules`, `seed`, `grad_clip` or `warmup_steps` printed rows that looked alike (the values
+    were in the names alone, and in no summary field)."""
+    registry = AdapterRegistry()
+    registry.add(AdapterSpec("a", target_modules=["q_proj", "v_proj"], seed=1, max_steps=10))
+    registry.add(AdapterSpec("b", target_modules="all-linear", seed=2, max_steps=10, grad_clip=None))
+    header = registry.summary_table().splitlines()[0].split()
+    assert header[6:9] == ["clip", "seed", "targets"] and "max_steps" not in header
+    lines = {line.split()[1]: line.split() for line in registry.summary_table().splitlines()[2:]}
+    assert lines["a"][6:9] == ["1", "1", "q_proj,v_proj"] and lines["b"][6:9] == ["-", "2", "all-linear"]
+    rows = {r["adapter"]: r for r in registry.summary_rows()}
+    assert (rows["a"]["seed"], rows["a"]["target_modules"], rows["b"]["grad_clip"]) == (1, "q_proj,v_proj", None)
+    assert rows["a"]["max_steps"] == 10 and rows["a"]["warmup_steps"] == 0 and rows["a"]["use_rslora"] is False
+
+
 def test_the_summary_ranks_by_the_validation_loss_of_the_weights_exported():
     """Without best weights kept the exports hold the last weights: the ranking and the table follow them (an adapter
     best at one validation and worse since ranked first by its best loss beside an export that did not have it)."""

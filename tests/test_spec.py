@@ -192,3 +192,10 @@ def test_a_dpo_beta_on_an_sft_adapter_is_warned_of():
         warnings.simplefilter("error")
         specs = SweepGrid(axes={"objective": ["sft", "dpo"]}, base={"dpo_beta": 0.5}).specs()
     assert [(s.objective, s.dpo_beta) for s in specs] == [("sft", 0.1), ("dpo", 0.5)]
+    # and a beta axis: one SFT cell, named without it (each beta made an SFT adapter of its own, named for a beta it
+    # trained without)
+    specs = SweepGrid(axes={"objective": ["sft", "dpo"], "dpo_beta": [0.1, 0.5], "rank": [2, 4]}).specs()
+    assert [(s.name, s.dpo_beta) for s in specs] == [
+        ("objectivesft-rank2", 0.1), ("objectivesft-rank4", 0.1), ("objectivedpo-dpo_beta0p1-rank2", 0.1),
+        ("objectivedpo-dpo_beta0p1-rank4", 0.1), ("objectivedpo-dpo_beta0p5-rank2", 0.5),
+        ("objectivedpo-dpo_beta0p5-rank4", 0.5)]

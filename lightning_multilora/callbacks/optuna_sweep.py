@@ -353,11 +353,15 @@ class OptunaSweep(Callback):
         for name, dist in self.distributions.items():
             for value in (dist.choices if hasattr(dist, "choices") else (dist.low, dist.high)):
                 try:
-                    spec = AdapterSpec(name="check", **self._spec_kwargs({**{n: _example(d) for n, d in
-                                                                             self.distributions.items()}, name: value}))
+                    with warnings.catch_warnings():  # (about the made-up "check": a trial that meets it is warned of)
+                        warnings.simplefilter("ignore")
+                        spec = AdapterSpec(name="check", **self._spec_kwargs(
+                            {**{n: _example(d) for n, d in self.distributions.items()}, name: value}))
                 except ValueError as err:  # (alone, it is this value's; else another's, said at its own turn)
                     try:
-                        spec = AdapterSpec(name="check", **self._spec_kwargs({name: value}))
+                        with warnings.catch_warnings():
+                            warnings.simplefilter("ignore")
+                            spec = AdapterSpec(name="check", **self._spec_kwargs({name: value}))
                     except ValueError as own:  # (it named a made-up adapter "check", not the search space)
                         raise ValueError(f"OptunaSweep `search_space` {name!r}: its value {value!r} makes no valid "
                                          f"adapter ({_unnamed(own)})") from own
@@ -368,8 +372,12 @@ class OptunaSweep(Callback):
             raise ValueError(f"OptunaSweep `search_space` {sorted(self.distributions)}: their values together make "
                              f"no valid adapter ({_unnamed(joint)})") from joint
         scale = sorted({"objective", "dataset", "dpo_beta"} & set(self.distributions))
-        if scale == ["dpo_beta"] and self.base.get("objective", "sft") != "dpo":
-            scale = []  # (an SFT adapter has no beta)
+        if "dpo_beta" in self.distributions and "objective" not in self.distributions \
+                and self.base.get("objective", "sft") != "dpo":
+            scale.remove("dpo_beta")  # (an SFT adapter has no beta: searching it searches nothing)
+            warnings.warn("OptunaSweep `search_space` 'dpo_beta' applies to objective='dpo' alone, and every trial "
+                          "here is SFT (`base` objective): the searched beta changes nothing; set "
+                          "base={'objective': 'dpo', ...} for preference training", stacklevel=2)
         if scale:  # (each trial's value is its validation loss)
             warnings.warn(f"OptunaSweep `search_space` {scale}: a trial's value is its validation loss, whose scale "
                           "these change (SFT's cross-entropy against DPO's loss; another data source's loss; a larger "
@@ -935,6 +943,12 @@ class OptunaSweep(Callback):
             self._opened, self._orphans = False, None  # study over again for the trials asked after that checkpoint
             carried = getattr(pl_module, "carried_callback_state", lambda callback: None)(self)
             if carried is not None:  # (another fit of a module stopped with trials left: a new sweep object too)
+                study, storage = carried.get("study_name"), carried.get("storage")
+                if study != self.study_name or (self.storage is not None and storage not in (None, self.storage)):
+                    raise UsageError(f"the module holds the trials of another sweep from its last fit (study "
+                                     f"{study!r} in {storage!r}; this one's: {self.study_name!r} in "
+                                     f"{self.storage!r}): fit it again with that sweep's `study_name` and `storage` "
+                                     "to go on with them, or fit a new module for this sweep")
                 self.load_state_dict(carried)
             self._check_datasets(trainer)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import cmath
 import dataclasses
 import gzip
+import itertools
 import json
 import numbers
 import os
@@ -92,7 +93,7 @@ def _checked_path(where: str, path: Any, optional: bool = False) -> Optional[str
     """``path`` as text (a PathLike's), a `ValueError` naming ``where`` for anything but a non-empty one."""
     path = os.fspath(path) if isinstance(path, os.PathLike) else path
     if (path is None and optional) or (isinstance(path, str) and path):
-        return path
+        return path if path is None else os.path.expanduser(path)  # (a config's "~/...": no shell expanded it)
     raise ValueError(f"{where}: `path` must be a JSON-lines file's path (text or a PathLike), got {path!r:.120}")
 
 
@@ -400,6 +401,7 @@ class HFDatasetSource(DataSource):
             raise ValueError(f"HFDatasetSource: `format` can be {', '.join(FORMATS)}, got {format!r}")
         check_int("HFDatasetSource", "limit", limit, 1, optional=True)
         path = os.fspath(path) if isinstance(path, os.PathLike) else path
+        path = os.path.expanduser(path) if isinstance(path, str) else path  # (a Hub name has no "~")
         datasets, dicts = _dataset_classes() if not isinstance(path, str) else ((), ())
         if not isinstance(path, (str, *datasets, *dicts)):
             raise ValueError(f"HFDatasetSource: `path` must be a dataset's Hub name, a local data file or folder, or "
@@ -605,8 +607,8 @@ class PreferenceSource(DataSource):
                 raise ValueError(f"PreferenceSource: `records` must be a list of mappings (prompt, chosen, rejected) "
                                  f"or a `datasets` Dataset, got a {type(records).__name__}"
                                  + (" (one record: put it in a list)" if isinstance(records, Mapping) else ""))
-            if not isinstance(records, (Sequence, *_dataset_classes()[0])):
-                records = list(records)  # (an iterator is read once, and a fit reads its source again)
+            if not isinstance(records, (Sequence, *_dataset_classes()[0])):  # (an iterator is read once, and a fit
+                records = list(itertools.islice(records, limit))  # reads its source again; an endless one, to limit)
         path = _checked_path("PreferenceSource", path, optional=True)
         self.path, self.format, self.records, self.limit = path, format, records, limit
 

@@ -9,7 +9,7 @@ candidate the model says fits next to the others.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 from lightning_multilora.arguments import check_real
 from lightning_multilora.scheduling.memory import MemoryFit
@@ -39,11 +39,11 @@ def fit_predictor(fit: MemoryFit, seq_len: int, params_of: Callable[[AdapterSpec
     """
     if seq_len < 1:
         raise ValueError(f"`seq_len` must be >= 1, got {seq_len}")
-    if beyond is not None and not callable(beyond):
-        hint = (" (an AnalyticMemoryModel: pass `analytic.of_specs(seq_len, targets)`)"
-                if hasattr(beyond, "of_specs") else "")
-        raise TypeError(f"`beyond` must be a function of a list of AdapterSpecs returning bytes, got "
-                        f"{type(beyond).__name__}{hint}")
+    if beyond is not None:
+        _check_predict("fit_predictor", "beyond", beyond)
+    if not callable(params_of):
+        raise TypeError(f"fit_predictor: `params_of` must be a function of an AdapterSpec returning its parameter "
+                        f"count, got {type(params_of).__name__}")
     max_tokens = max((p.tokens for p in fit.points), default=0)
     max_params = max((p.adapter_params for p in fit.points), default=0)
 
@@ -57,6 +57,15 @@ def fit_predictor(fit: MemoryFit, seq_len: int, params_of: Callable[[AdapterSpec
     return predict
 
 
+def _check_predict(where: str, field: str, predict: Any) -> None:
+    """``predict``: a function of a list of AdapterSpecs returning bytes (a `TypeError` naming ``field`` else)."""
+    if not callable(predict):
+        hint = (" (an AnalyticMemoryModel: pass `analytic.of_specs(seq_len, targets)`)"
+                if hasattr(predict, "of_specs") else "")
+        raise TypeError(f"{where}: `{field}` must be a function of a list of AdapterSpecs returning bytes, got "
+                        f"{type(predict).__name__}{hint}")
+
+
 class AdmissionController:
     """Which queued adapters start now, under ``predict(specs) <= safety_margin * capacity_bytes``.
 
@@ -68,6 +77,7 @@ class AdmissionController:
     """
 
     def __init__(self, predict: Predict, capacity_bytes: float, safety_margin: float = 0.9) -> None:
+        _check_predict(type(self).__name__, "predict", predict)
         check_real("AdmissionController", "capacity_bytes", capacity_bytes, lambda v: v > 0,
                    "a finite number of bytes > 0")
         self.predict = predict

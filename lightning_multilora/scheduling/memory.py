@@ -177,19 +177,20 @@ class AnalyticMemoryModel:
         return tokens * per_token + lora + logits
 
     def predict(self, adapters: Sequence[tuple[int, int, Sequence[str]]], seq_len: int) -> float:
-        """Peak bytes for adapters given as ``(rank, batch_size, targets)`` at ``seq_len`` tokens per row (each an
-        integer >= 1: a batch of 0 or less, or a rank, made a peak of the base alone, or less)."""
+        """Peak bytes for adapters given as ``(rank, batch_size, targets)`` at ``seq_len`` tokens per row (a rank
+        >= 1; a batch >= 0: 0 is a paused adapter's, `PausedSpec`, whose weights and optimizer state count and whose
+        rows, and rank in the kernels' intermediates, do not; a negative one made a peak below the base's)."""
         check_int("AnalyticMemoryModel.predict", "seq_len", seq_len, 1)
         for i, adapter in enumerate(adapters):
             if not (isinstance(adapter, (tuple, list)) and len(adapter) == 3):
                 raise ValueError(f"AnalyticMemoryModel.predict: adapter #{i} must be (rank, batch_size, targets), got "
                                  f"{adapter!r}")
             check_int(f"AnalyticMemoryModel.predict: adapter #{i}", "rank", adapter[0], 1)
-            check_int(f"AnalyticMemoryModel.predict: adapter #{i}", "batch_size", adapter[1], 1)
+            check_int(f"AnalyticMemoryModel.predict: adapter #{i}", "batch_size", adapter[1], 0)
         tokens = sum(b for _, b, _ in adapters) * seq_len
         widest: dict[str, int] = {}
-        for rank, _, targets in adapters:
-            for target in targets:
+        for rank, rows, targets in adapters:
+            for target in targets if rows else ():  # (an adapter without rows has no S in the kernels)
                 widest[target] = max(widest.get(target, 0), rank)
         # The kernels keep one S a targeted projection and layer: a row for every token of the batch (any adapter's),
         # as wide as the projection's widest rank rounded up to 16 (PLoRA counts rank x tokens for each adapter: at

@@ -223,6 +223,10 @@ def test_a_search_space_over_the_losses_scale_is_warned_of():
     said = [str(w.message) for w in caught if "whose scale these change" in str(w.message)]
     assert [m.split(":")[0] for m in said] == ["OptunaSweep `search_space` ['dpo_beta']",
                                                "OptunaSweep `search_space` ['dataset']"]
+    # (a beta searched for SFT trials alone searches nothing: said, as AdapterSpec says of one SFT adapter's beta)
+    assert [str(w.message) for w in caught if "searched beta changes nothing" in str(w.message)] == [
+        "OptunaSweep `search_space` 'dpo_beta' applies to objective='dpo' alone, and every trial here is SFT (`base` "
+        "objective): the searched beta changes nothing; set base={'objective': 'dpo', ...} for preference training"]
 
 
 def test_a_search_space_step_reaches_the_distribution():
@@ -1082,3 +1086,38 @@ def test_a_sweep_from_a_peft_folder_checks_the_space_and_fails_a_trial_whose_fol
     states = [t.state for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()]
     assert states == [optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL]
     assert module.registry["trial-0"].state == AdapterState.FINISHED and module.registry["trial-0"].step == 4
+
+
+def test_the_search_space_check_warns_of_no_made_up_adapter():
+    """The search space is checked on a made-up adapter, "check": its warnings (a warmup longer than the run) named
+    it to the user as if it were theirs."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        OptunaSweep({"warmup_steps": {"type": "int", "low": 0, "high": 50}}, base={"max_steps": 20})
+    assert not [w for w in caught if "'check'" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_another_fit_goes_on_with_its_sweeps_trials_and_refuses_another_sweeps(tmp_path, trainer_kwargs):
+    """A module stopped (``max_steps``) with trials running, fitted again with a new OptunaSweep object of the same
+    study, goes on with them (the carried state: `carried_callback_state`); one of another study or storage was
+    forced on them ("this checkpoint's sweep ran study...", or a KeyError from the other storage)."""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+
+    def sweep(study_name="multilora", where=storage):
+        return OptunaSweep(SPACE, n_trials=3, storage=where, slots=2, base={"max_steps": 4, "batch_size": 2},
+                           study_name=study_name)
+
+    module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"), validate_on_finish=False)
+    kwargs = dict(trainer_kwargs, val_check_interval=2)
+    with pytest.warns(UserWarning, match="stay RUNNING"):
+        L.Trainer(**{**kwargs, "max_steps": 2}, callbacks=[sweep()]).fit(module, dm())
+    for other in (sweep("second"), sweep(where=f"sqlite:///{tmp_path / 'other.db'}")):
+        with pytest.raises(ValueError, match=r"the module holds the trials of another sweep from its last fit "
+                                             r"\(study 'multilora' in 'sqlite:///.*s.db'"):
+            L.Trainer(**kwargs, callbacks=[other]).fit(module, dm())
+    L.Trainer(**kwargs, callbacks=[sweep()]).fit(module, dm())  # (the refused fits kept the state for this one)
+    trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    assert sorted(r.name for r in module.registry) == ["trial-0", "trial-1", "trial-2"]

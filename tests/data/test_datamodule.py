@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import warnings
 
@@ -1075,6 +1076,13 @@ def test_preference_records_read_twice_and_bad_records_or_paths_are_named(tmp_pa
         with pytest.raises(ValueError, match=r"`path` must be a JSON-lines file's path \(text or a PathLike\), got"):
             make()
     assert JSONLSource(tmp_path / "a.jsonl").path == str(tmp_path / "a.jsonl")
+    # a "~/..." path (a config's: no shell expands it) is the home folder's, as the tokenizer's is; an endless
+    # generator is read up to `limit`
+    import os
+
+    assert JSONLSource("~/a.jsonl").path == HFDatasetSource("~/a.jsonl").path == os.path.expanduser("~/a.jsonl")
+    endless = ({"prompt": "p", "chosen": f"{a}", "rejected": "x"} for a in itertools.count())
+    assert len(PreferenceSource(records=endless, limit=3).examples()) == 3
     # a local data file that is not there is said so (before: the Hub's "Couldn't reach 'data/train.jsonl'")
     assert HFDatasetSource(str(tmp_path / "data" / "train.jsonl.gz")).missing() == (
         f"HFDatasetSource: no file at `path` {str(tmp_path / 'data' / 'train.jsonl.gz')!r}")

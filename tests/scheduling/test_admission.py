@@ -83,6 +83,13 @@ def test_the_analytic_model_guards_a_fit_through_of_specs():
     assert guard(specs) == analytic.predict([(2, 2, list(PROJECTIONS)), (8, 1, ["q_proj"])], 4)
     predict = fit_predictor(MemoryFit(0.0, 0.0, 0.0), 4, lambda s: 1, beyond=guard)  # nothing profiled: all beyond
     assert predict(specs) == guard(specs) > 0
+    # the controller's own `predict` too (the model, or None, was taken and failed the fit with a bare TypeError)
+    for bad, hint in ((analytic, r" \(an AnalyticMemoryModel: pass `analytic.of_specs"), (None, "$")):
+        with pytest.raises(TypeError, match=r"AdmissionController: `predict` must be a function of a list of "
+                                            rf"AdapterSpecs returning bytes, got {type(bad).__name__}{hint}"):
+            AdmissionController(bad, 80e9)
+    with pytest.raises(TypeError, match=r"`params_of` must be a function of an AdapterSpec"):
+        fit_predictor(MemoryFit(0.0, 0.0, 0.0), 4, 100)
     # targets as the module takes them (its default "all-linear", a name, a regex), checked when the guard is made
     assert analytic.of_specs(4)(specs) == guard(specs)
     named = [AdapterSpec("c", rank=4, batch_size=1, target_modules="all-linear"),

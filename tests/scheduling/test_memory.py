@@ -78,6 +78,15 @@ def test_the_analytic_model_counts_the_low_rank_intermediates_as_the_kernels_kee
     assert model.predict(adapters, 10) == pytest.approx(expected)
     rank_2 = model.base_bytes() + model.adapter_bytes(2, ["q_proj"]) + model.activations(10, 10 * 16)
     assert model.predict([(2, 1, ["q_proj"])], 10) == pytest.approx(rank_2)  # (16 columns for a rank of 2)
+    # a paused adapter (no rows: `PausedSpec`) holds its weights and optimizer state, and widens no S (it was refused,
+    # "`batch_size` must be an integer >= 1, got 0", and stopped every fit where one paused under this model)
+    paused = model.predict([(2, 1, ["q_proj"]), (100, 0, ["q_proj"])], 10)
+    assert paused == pytest.approx(rank_2 + model.adapter_bytes(100, ["q_proj"]))
+    from lightning_multilora import AdapterSpec
+    from lightning_multilora.module import PausedSpec
+
+    of_specs = model.of_specs(10, ["q_proj"])
+    assert of_specs([AdapterSpec("a", rank=2, batch_size=1), PausedSpec(AdapterSpec("p", rank=100))]) == paused
 
 
 def test_the_fit_recovers_a_linear_law_and_fits_the_measured_peaks():
@@ -204,8 +213,7 @@ def test_the_modules_loss_takes_the_bytes_per_token_and_vocabulary_entry_the_mod
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda m: m.predict([(16, 0, PROJECTIONS)], 1024), r"adapter #0: `batch_size` must be an integer >= 1, got 0"),
-    (lambda m: m.predict([(16, -4, PROJECTIONS)], 1024), r"adapter #0: `batch_size` must be an integer >= 1, got -4"),
+    (lambda m: m.predict([(16, -4, PROJECTIONS)], 1024), r"adapter #0: `batch_size` must be an integer >= 0, got -4"),
     (lambda m: m.predict([(8, 1, PROJECTIONS), (-8, 1, PROJECTIONS)], 1024),
      r"adapter #1: `rank` must be an integer >= 1, got -8"),
     (lambda m: m.predict([(16, 1, PROJECTIONS)], 0), r"predict: `seq_len` must be an integer >= 1, got 0"),
