@@ -2175,7 +2175,9 @@ def _needs_super(name: str, hook: Any) -> Any:
         done = self.__dict__.setdefault("_supered", set())
         done.discard(name)
         out = hook(self, *args, **kwargs)
-        if name not in done:
+        trainer = self.__dict__.get("_trainer")
+        # (skipping the sanity check's validation, a common idiom, loses nothing: the mixin does nothing there)
+        if name not in done and not getattr(trainer, "sanity_checking", False):
             raise RuntimeError(f"{type(self).__name__}.{name} did not call super().{name}(...): MultiLoRAMixin's "
                                f"{name} does the run's work there (its adapters' validation, exports, checkpoint "
                                "state, the run's end); call it in yours")
@@ -2518,7 +2520,11 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
             "gradient_checkpointing": gradient_checkpointing, "dtype": str(dtype).removeprefix("torch."),
             "config_overrides": config_overrides, "export_dir": export_dir, "validate_on_finish": validate_on_finish,
             "base_seed": base_seed, "quantization": quantization, "cuda_graphs": cuda_graphs}
-        self.save_hyperparameters({k: v for k, v in arguments.items() if _plain(v)}, logger=False)
+        if arguments["optimizer"] is None:  # (a local class: given again to `load_from_checkpoint`)
+            del arguments["optimizer"]
+        if type(self).__init__ is MultiLoRAModule.__init__:  # (a subclass's own `__init__` takes its own arguments:
+            # it saves them itself, as Lightning's `save_hyperparameters` expects; these would clash with its own)
+            self.save_hyperparameters({k: v for k, v in arguments.items() if _plain(v)}, logger=False)
         check_bool("MultiLoRAModule", "gradient_checkpointing", gradient_checkpointing)
         check_int("MultiLoRAModule", "base_seed", base_seed, -2**63, high=2**63 - 1)  # (torch's seeds: 64-bit)
         if isinstance(base_model, nn.Module):

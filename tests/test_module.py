@@ -1857,6 +1857,15 @@ def test_a_hook_overridden_without_super_is_refused_by_name(trainer_kwargs, hook
                        validate_on_finish=False)
     L.Trainer(**{**trainer_kwargs, "max_steps": 2, "val_check_interval": 1}).fit(module, small_dm())
     assert module.registry["a"].step == 2 and len(module.registry["a"].val_losses) == 2
+    if hook == "on_validation_epoch_start":  # (Lightning's idiom: the sanity check's skipped, loses nothing)
+        def skips_the_sanity_check(self):
+            if not self.trainer.sanity_checking:
+                super(SkipsSanity, self).on_validation_epoch_start()
+
+        SkipsSanity = type("SkipsSanity", (MultiLoRAModule,), {hook: skips_the_sanity_check})
+        module = SkipsSanity("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2, batch_size=1)])
+        L.Trainer(**{**trainer_kwargs, "num_sanity_val_steps": 1}).fit(module, small_dm())
+        assert module.registry["a"].state == AdapterState.FINISHED
 
 
 def test_a_loss_that_self_logs_runs_in_the_validation_of_held_adapters_at_a_stop(trainer_kwargs):
@@ -1909,3 +1918,13 @@ def test_load_from_checkpoint_builds_the_runs_base_and_adapters(tmp_path, traine
     theirs = dict(loaded.model.named_parameters())
     base = {n: p for n, p in module.model.named_parameters() if "lora_" not in n}
     assert base and all(torch.equal(p, theirs[n]) for n, p in base.items())  # (seed 1's weights, as the run's)
+
+    class Sub(MultiLoRAModule):  # (a subclass's own `__init__`: its arguments are its own, none saved for it)
+        def __init__(self, rank: int = 2, **kwargs):
+            super().__init__("tiny-llama", adapters=[AdapterSpec("a", rank=rank, max_steps=3, batch_size=1)],
+                             validate_on_finish=False, **kwargs)
+
+    save = ModelCheckpoint(dirpath=tmp_path / "sub", every_n_train_steps=2, save_top_k=-1)
+    L.Trainer(**{**trainer_kwargs, "enable_checkpointing": True}, callbacks=[save]).fit(Sub(), small_dm())
+    loaded = Sub.load_from_checkpoint(next((tmp_path / "sub").glob("*step=2*.ckpt")))
+    assert loaded.registry["a"].step == 2
