@@ -795,12 +795,16 @@ class LoRALayers(Mapping):
                         steps.index_add_(0, index, ones, alpha=-1)
                 raise
 
+    def _dropout_slots(self, layout: BatchLayout) -> tuple[int, ...]:
+        """The dropout-step slots of ``layout``'s adapters with rows and dropout (those a training forward advances)."""
+        return tuple(self._slots[n] for n, s, e in zip(layout.names, layout.starts, layout.ends)
+                     if e > s and n in self._slots and self._layers[self._targets[n][0]].dropout[n] > 0)
+
     def rewind_dropout(self, layout: BatchLayout) -> None:
         """Take back the dropout advance of a training forward over ``layout`` that `use` completed, where its step
-        was not taken after all (the optimizer's step raised: a Ctrl+C there): the step taken again draws the same
-        masks, as one that raised inside `use` does."""
-        slots = [self._slots[n] for n, s, e in zip(layout.names, layout.starts, layout.ends)
-                 if e > s and n in self._slots and self._layers[self._targets[n][0]].dropout[n] > 0]
+        was not taken after all (a Ctrl+C after the backward, before the optimizer's step): the step taken again
+        draws the same masks, as one that raised inside `use` does."""
+        slots = self._dropout_slots(layout)
         for steps in self.context.dropout_steps.values():
             if slots and not steps.is_meta:
                 steps.index_add_(0, torch.tensor(slots, device=steps.device),
@@ -810,8 +814,7 @@ class LoRALayers(Mapping):
         """A training forward: the dropout step of each of the layout's adapters with rows and dropout advances
         by one (one launch, on the device, so that a CUDA graph of the step advances them at each replay). The
         tables advanced, with the (slots, ones) added."""
-        slots = tuple(self._slots[n] for n, s, e in zip(layout.names, layout.starts, layout.ends)
-                      if e > s and n in self._slots and self._layers[self._targets[n][0]].dropout[n] > 0)
+        slots = self._dropout_slots(layout)
         advanced = []
         if not slots:
             return advanced

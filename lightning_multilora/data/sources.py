@@ -357,16 +357,22 @@ DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".parque
 COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")
 
 
-def _data_file_builder(path: str) -> str:
-    """The ``datasets`` builder of a data file, by its suffix (`DATA_FILE_BUILDERS`); another suffix is named."""
+def _data_suffix(path: str) -> Optional[str]:
+    """A path's data-file suffix, before a compression's (``.jsonl`` of ``train.jsonl.gz``); None without one."""
     suffixes = [x.lower() for x in Path(path).suffixes]
     if suffixes and suffixes[-1] in COMPRESSIONS:
         suffixes.pop()
-    if suffixes and suffixes[-1] in DATA_FILE_BUILDERS:
-        return DATA_FILE_BUILDERS[suffixes[-1]]
+    return suffixes[-1] if suffixes else None
+
+
+def _data_file_builder(path: str) -> str:
+    """The ``datasets`` builder of a data file, by its suffix (`DATA_FILE_BUILDERS`); another suffix is named."""
+    suffix = _data_suffix(path)
+    if suffix in DATA_FILE_BUILDERS:
+        return DATA_FILE_BUILDERS[suffix]
     raise ValueError(f"HFDatasetSource: `path` {path!r} is a file, read by the `datasets` builder its suffix names "
                      f"({', '.join(DATA_FILE_BUILDERS)}, optionally compressed: {', '.join(COMPRESSIONS)}), and "
-                     f"{f'its suffix {suffixes[-1]!r} is none of them' if suffixes else 'it has no suffix'}; give the "
+                     f"{f'its suffix {suffix!r} is none of them' if suffix else 'it has no suffix'}; give the "
                      f"builder as `path` and the file as `data_files` (HFDatasetSource('json', data_files=...))")
 
 
@@ -486,14 +492,10 @@ class HFDatasetSource(DataSource):
     def missing(self) -> Optional[str]:
         """A `path` named as a local data file (its suffix one of `DATA_FILE_BUILDERS`') that is not there: else it
         is taken for a Hub name, and its error is the Hub's."""
-        if not isinstance(self.path, str) or Path(self.path).expanduser().exists():
+        if not isinstance(self.path, str) or Path(self.path).exists() or _data_suffix(self.path) \
+                not in DATA_FILE_BUILDERS:
             return None
-        suffixes = [x.lower() for x in Path(self.path).suffixes]
-        if suffixes and suffixes[-1] in COMPRESSIONS:
-            suffixes.pop()
-        if suffixes and suffixes[-1] in DATA_FILE_BUILDERS:
-            return f"HFDatasetSource: no file at `path` {self.path!r}"
-        return None
+        return f"HFDatasetSource: no file at `path` {self.path!r}"
 
     def describe(self) -> str:
         split = "" if f"[{self.split!r}]" in self.shown else f", {self.split}"  # (a DatasetDict's shown with it)
