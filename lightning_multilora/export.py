@@ -7,6 +7,7 @@ import json
 import os
 import re
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -171,6 +172,11 @@ def init_from_config(spec: AdapterSpec) -> dict[str, Any]:
     if differ:
         raise ValueError(f"{where} differs from the spec: {'; '.join(differ)} (the spec's `rank`, `alpha` and "
                          "`use_rslora` must be the folder's `r`, `lora_alpha` and `use_rslora`)")
+    dropout = config.get("lora_dropout", 0.0)
+    if isinstance(dropout, (int, float)) and dropout != spec.dropout:  # (PeftModel.from_pretrained trains on with it)
+        warnings.warn(f"{where} was trained with lora_dropout={dropout!r}; the spec's dropout={spec.dropout!r} "
+                      f"continues it, and its export says so (set `dropout={dropout!r}` to continue as PEFT would)",
+                      stacklevel=2)
     return config
 
 

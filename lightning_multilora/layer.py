@@ -755,6 +755,16 @@ class LoRALayers(Mapping):
                 value = getattr(layer.base, field, None)
                 if isinstance(value, Tensor):
                     copies[f"{prefix}{layer_name}.base_layer.{field}"] = value
+        # the embeddings an untargeted `save_embedding_layers=True` saves whole (`<module>.weight`)
+        get_input = getattr(self.model, "get_input_embeddings", None)
+        try:
+            embeddings = {id(get_input()) if callable(get_input) else None, id(_output_embeddings(self.model))}
+        except (AttributeError, NotImplementedError):
+            embeddings = {id(_output_embeddings(self.model))}
+        for module_name, module in self.model.named_modules():
+            weight = getattr(module, "weight", None)
+            if module_name and id(module) in embeddings and isinstance(weight, Tensor):
+                copies[f"{prefix}{module_name}.weight"] = weight
         return copies
 
     def check_peft_shapes(self, name: str, rank: int, target_modules: Optional[Union[str, Sequence[str]]],
@@ -885,9 +895,13 @@ def inject_multilora(
     Every base parameter of ``model`` is frozen. A name that matches no linear module is an error
     listing the model's linear modules.
     """
-    if not isinstance(target_modules, str):
+    if isinstance(target_modules, str) and target_modules.lower() == "all-linear":  # (PEFT's spelling, any case)
+        target_modules = "all-linear"
+    elif not isinstance(target_modules, str):
         _check_target_names(target_modules, "'all-linear'")
-        target_modules = list(target_modules)
+        # (a set, as PEFT's `LoraConfig.target_modules` holds them, in one order whatever the hash seed)
+        target_modules = sorted(target_modules) if isinstance(target_modules, (set, frozenset)) else list(
+            target_modules)
         if not target_modules:
             raise ValueError("`target_modules` must name at least one module")
     injected = next((n for n, m in model.named_modules() if isinstance(m, MultiLoRALinear)), None)
@@ -924,6 +938,13 @@ def inject_multilora(
                          "of mixture-of-experts experts: each is called on the tokens routed to it, not on the whole "
                          "batch whose rows the adapters own, so they cannot be adapted here; leave them out (name the "
                          "attention projections, or a regex such as r'^(?!.*\\.experts\\.).*_proj$')")
+    fused = _fused_moe_modules(modules) if target_modules == "all-linear" else []
+    if fused:  # (transformers 5's Mixtral, Qwen2-MoE, GPT-OSS...: no linear layer to wrap, nothing to warn of above)
+        shown = ", ".join(f"{n!r} ({type(modules[n]).__name__})" for n in fused[:2]) + "..." * (len(fused) > 2)
+        warnings.warn(f"'all-linear' leaves out {len(fused)} mixture-of-experts modules that are not linear layers "
+                      f"({shown}): experts held as fused weights, and routers; these adapters wrap linear layers "
+                      "only (the attention and any dense or shared MLP layers here), where PEFT's 'all-linear' "
+                      "adapts some such modules too (Mixtral's, through `target_parameters`)")
     held = [n for n in candidates if n in attention]
     if held:
         raise ValueError(f"`target_modules` selects {held[0]!r}, a projection of nn.MultiheadAttention, which reads "
@@ -960,6 +981,14 @@ def inject_multilora(
 
 
 _EXPERT = re.compile(r"(^|\.)experts\.\d+\.")  # a layer of one expert of a ModuleList of experts
+
+
+def _fused_moe_modules(modules: Mapping[str, nn.Module]) -> list[str]:
+    """The names of the mixture-of-experts modules holding weights without being linear layers: transformers 5's
+    experts, their weights fused into 3-D parameters (``gate_up_proj``, ``down_proj``), and its top-k routers."""
+    return [n for n, m in modules.items() if n and not _is_linear(m) and re.search(r"expert|router", type(m).__name__,
+                                                                                 re.IGNORECASE)
+            and any(p.dim() >= 2 and p.is_floating_point() for p in m.parameters(recurse=False))]
 
 
 def _same_values(saved: Any, weight: Tensor) -> bool:

@@ -280,7 +280,7 @@ class MultiLoRAMixin:
         sums, counts = segment_sum(row_sum, layout), segment_sum(row_count.to(row_sum.dtype), layout)
         dpo = [i for i, n in enumerate(layout.names) if n in self.registry and self.registry[n].spec.objective == "dpo"
                and layout.ends[i] > layout.starts[i]]  # (an adapter without rows this step has no pairs)
-        self._preference_accuracy = {}
+        self._preference_accuracy, self._preference_rewards = {}, {}
         if not self._reference_forward_needed(bool(dpo)):
             return sums, counts
         if not dpo:  # another rank runs its reference forward: join the base's collectives
@@ -301,10 +301,14 @@ class MultiLoRAMixin:
             half = (end - start) // 2
             chosen = policy_logp[start:start + half] - ref_logp[start:start + half]
             rejected = policy_logp[start + half:end] - ref_logp[start + half:end]
-            margin = self.registry[layout.names[i]].spec.dpo_beta * (chosen - rejected)
+            beta = self.registry[layout.names[i]].spec.dpo_beta
+            margin = beta * (chosen - rejected)
             sums[i] = -F.logsigmoid(margin).sum()
             counts[i] = margin.new_tensor(float(half))
             self._preference_accuracy[layout.names[i]] = (margin.detach() > 0).float().mean()
+            # (TRL's rewards/chosen and rewards/rejected: both falling is DPO's failure the loss alone hides)
+            self._preference_rewards[layout.names[i]] = beta * torch.stack([chosen.detach().mean(),
+                                                                            rejected.detach().mean()])
         return torch.stack(sums), torch.stack(counts)
 
     def _loss_terms(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
@@ -331,7 +335,12 @@ class MultiLoRAMixin:
         rank's registry holds every adapter, and a rank that alone added one waits in a collective the others never
         join."""
         if not isinstance(spec, AdapterSpec):
-            raise TypeError(f"add_adapter takes an AdapterSpec, got {type(spec).__name__}")
+            hint = ""
+            if type(spec).__name__ == "LoraConfig":  # (PEFT's: no name, no run; its LoRA fields map one to one)
+                hint = (": write a PEFT LoraConfig `c` as AdapterSpec(name=..., rank=c.r, alpha=c.lora_alpha, "
+                        "dropout=c.lora_dropout, use_rslora=c.use_rslora, target_modules=c.target_modules) and the "
+                        "run's fields (lr, max_steps, dataset...)")
+            raise TypeError(f"add_adapter takes an AdapterSpec, got {type(spec).__name__}{hint}")
         self._targets_of(spec, queued=True)  # validates its targets before it is queued
         rec = self.registry.add(spec)
         trainer = self._trainer_or_none()
@@ -485,13 +494,16 @@ class MultiLoRAMixin:
             rec.export_path = str(path)
             if weights is not None:
                 rec.exported_step, rec.exported_val_loss = rec.best_val_step, rec.best_val_loss
+                rec.exported_val_preference_accuracy = rec.best_val_preference_accuracy
             else:  # (measured at its step: by a validation, or as training stopped, `_validate_held`)
                 end = getattr(self, "_end_losses", {}).get(name)
-                loss = next((v for s, v in reversed(rec.val_losses) if s == rec.step),
-                            end[1] if end is not None and end[0] == rec.step else None)
+                validated = bool(rec.val_losses) and rec.val_losses[-1][0] == rec.step
+                loss, accuracy = ((rec.val_losses[-1][1], rec.last_val_preference_accuracy) if validated else
+                                  end[1:] if end is not None and end[0] == rec.step else (None, math.nan))
                 # (NaN: not measured; a measure that is not finite: inf)
                 rec.exported_step = rec.step
                 rec.exported_val_loss = math.nan if loss is None else loss if math.isfinite(loss) else math.inf
+                rec.exported_val_preference_accuracy = accuracy
         return path
 
     def _wrote(self, directory: Path, name: str) -> bool:
@@ -582,7 +594,7 @@ class MultiLoRAMixin:
         fields = ("state", "reason", "step", "max_steps", "tokens_seen", "samples_seen", "started_at_step",
                   "ended_at_step", "export_path", "best_val_loss", "best_val_step", "last_val_loss",
                   "last_val_preference_accuracy", "val_losses", "exported_step", "exported_val_loss", "loss_scale",
-                  "scale_growth", "skipped_steps")
+                  "scale_growth", "skipped_steps", "best_val_preference_accuracy", "exported_val_preference_accuracy")
         mine: dict[str, Any] = {}
         for rec in self.registry:
             if placement.owner.get(rec.name) == placement.global_rank:
@@ -1343,6 +1355,10 @@ class MultiLoRAMixin:
                     logs[rec.name][prefix + "loss_scale"] = rec.loss_scale
                 if rec.name in getattr(self, "_preference_accuracy", {}):
                     logs[rec.name][prefix + "preference_accuracy"] = float(self._preference_accuracy[rec.name])
+                if rec.name in getattr(self, "_preference_rewards", {}):
+                    chosen, rejected = self._preference_rewards[rec.name].tolist()
+                    logs[rec.name].update({prefix + "rewards_chosen": chosen, prefix + "rewards_rejected": rejected,
+                                           prefix + "rewards_margin": chosen - rejected})
             optimizer.step()
         except BaseException:
             self.lora_layers.rewind_dropout(layout)
@@ -1557,9 +1573,10 @@ class MultiLoRAMixin:
         stale = [r.spec for r in self.registry.holding_weights if r.step > 0
                  and not (self.keep_best_weights and r.best_val_step >= 0)  # (its best weights are exported)
                  and not (r.val_losses and r.val_losses[-1][0] == r.step)]
-        if stale:
-            self._end_losses = {n: (step, loss) for n, loss in self.evaluate(stale).items()
-                                for step in [self.registry[n].step]}
+        if stale:  # (step, loss, DPO preference accuracy)
+            self._end_losses = {n: (self.registry[n].step, v[0] / v[1] if v[1] > 0 else math.nan,
+                                    v[2] / v[3] if v[3] > 0 else math.nan)
+                                for n, v in self._evaluate_sums(stale).items()}
 
     def _held(self) -> list[AdapterRecord]:
         """The records of the adapters whose weights the model holds (not those a resume has made but not yet
@@ -1687,7 +1704,8 @@ class MultiLoRAMixin:
                              "endless epoch (the adapters draw their batches as long as they train): give an integer "
                              "number of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None")
         if isinstance(interval, float) and endless and trainer.check_val_every_n_epoch is not None \
-                and not trainer.fast_dev_run:  # (an epoch of `limit_train_batches` ends: its validations run)
+                and not trainer.fast_dev_run and trainer.limit_val_batches != 0:  # (an epoch of `limit_train_batches`
+            # ends: its validations run; `limit_val_batches=0` asks for none)
             rank_zero_warn(f"`Trainer(val_check_interval={interval!r})`: the run is one endless epoch, so no "
                            "validation runs during it (each adapter is validated as it ends); give an integer number "
                            "of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None, for the validation "
@@ -1726,6 +1744,13 @@ class MultiLoRAMixin:
         its whole validation split, packed, outside the loop. ``record`` adds them to the adapters' histories (and
         best weights) as a regular validation does. Under adapter parallelism, call it on every rank: each measures
         the adapters it holds, and every rank returns them all."""
+        sums = self._evaluate_sums(specs, record)
+        return {n: (v[0] / v[1] if v[1] > 0 else math.nan) for n, v in sums.items()}
+
+    def _evaluate_sums(self, specs: Union[Sequence[Union[AdapterSpec, str]], AdapterSpec, str],
+                       record: bool = False) -> dict[str, list[float]]:
+        """`evaluate`'s measure: each adapter's sums (`_add_val_terms`: loss sum and count, DPO pairs preferred and
+        pairs)."""
         specs = [specs] if isinstance(specs, (AdapterSpec, str)) else list(specs)
         specs = [self._held_spec(s, "evaluate", "specs") for s in specs]
         dm = self._datamodule()
@@ -1741,10 +1766,9 @@ class MultiLoRAMixin:
         if placement is not None:  # each rank measured its own adapters: every rank returns them all
             sums.update({n: v for n, v in placement.exchange({n: v for n, v in sums.items()
                                                               if self._owns(n)}).items() if n in sums})
-        losses = {n: (v[0] / v[1] if v[1] > 0 else math.nan) for n, v in sums.items()}
         if record:  # under adapter parallelism a rank measures (and records) its own adapters, `_sync_ranks` the rest
             self._record_val_losses({n: v for n, v in sums.items() if self._owns(n)})
-        return losses
+        return sums
 
     def generate(self, adapters: Sequence[Optional[str]], input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                  **kwargs: Any) -> Tensor:
@@ -1916,6 +1940,7 @@ class MultiLoRAMixin:
                 logs[f"adapters/{name}/val_preference_accuracy"] = rec.last_val_preference_accuracy
             if math.isfinite(loss) and loss < rec.best_val_loss:
                 rec.best_val_loss, rec.best_val_step = loss, rec.step
+                rec.best_val_preference_accuracy = preferred / pairs if pairs > 0 else math.nan
                 if self.keep_best_weights and name in self.lora_layers.adapter_names:
                     self._best_weights[name] = {k: v.to("cpu") for k, v in self.lora_layers.peft_state_dict(name).items()}
             logs[f"adapters/{name}/val_loss"] = loss
@@ -2329,9 +2354,11 @@ def _import_path(cls: Any) -> Optional[str]:
 
 
 def _row_token_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
-    """Per row: the summed next-token cross-entropy over completion tokens, and their number."""
+    """Per row: the summed next-token cross-entropy over completion tokens (in float32 at least: float64 logits,
+    a float64 base's, keep their precision), and their number."""
     logits, labels = logits[:, :-1], labels[:, 1:]
-    token_loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1),
+    wide = logits if logits.dtype == torch.float64 else logits.float()
+    token_loss = F.cross_entropy(wide.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                  ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
     mask = labels != IGNORE_INDEX
     return torch.where(mask, token_loss, torch.zeros_like(token_loss)).sum(dim=1), mask.sum(dim=1)

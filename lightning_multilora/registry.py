@@ -63,6 +63,10 @@ class AdapterRecord:
     """The step whose weights its own export (``export_path``) holds: its best validation's, or its last step's."""
     exported_val_loss: float = math.nan
     """The validation loss of the weights its export holds (NaN: not measured at that step)."""
+    best_val_preference_accuracy: float = math.nan
+    """A DPO adapter's preference accuracy at its best validation (``best_val_step``)."""
+    exported_val_preference_accuracy: float = math.nan
+    """A DPO adapter's preference accuracy of the weights its export holds (NaN: not measured at that step)."""
     loss_scale: Optional[float] = None
     """fp16 with a loss scaler (``precision="16-mixed"``): the adapter's own factor (None otherwise)."""
     scale_growth: int = 0
@@ -92,6 +96,8 @@ class AdapterRecord:
             "started_at_step": self.started_at_step, "ended_at_step": self.ended_at_step,
             "spans": [list(x) for x in self.spans], "exported_step": self.exported_step,
             "exported_val_loss": self.exported_val_loss, "loss_scale": self.loss_scale,
+            "best_val_preference_accuracy": self.best_val_preference_accuracy,
+            "exported_val_preference_accuracy": self.exported_val_preference_accuracy,
             "scale_growth": self.scale_growth,
             "skipped_steps": self.skipped_steps,
         }
@@ -103,7 +109,7 @@ class AdapterRecord:
         for key in ("reason", "step", "max_steps", "tokens_seen", "samples_seen", "best_val_loss",
                     "best_val_step", "last_val_loss", "last_val_preference_accuracy", "export_path", "started_at_step",
                     "ended_at_step", "exported_step", "exported_val_loss", "loss_scale", "scale_growth",
-                    "skipped_steps"):
+                    "skipped_steps", "best_val_preference_accuracy", "exported_val_preference_accuracy"):
             if key in state:
                 setattr(rec, key, state[key])
         rec.train_losses = [tuple(x) for x in state.get("train_losses", [])]
@@ -123,6 +129,19 @@ def _exported_loss(r: AdapterRecord, exported: str) -> float:
     loss = r.best_val_loss if exported == "best" else r.last_val_loss
     return math.nan if not r.val_losses and not math.isfinite(loss) else loss  # (never validated: no loss, not the
     # record's starting best of inf)
+
+
+def _exported_accuracy(r: AdapterRecord, exported: str) -> float:
+    """A DPO adapter's preference accuracy of the weights `_exported_loss` is of (NaN: an SFT adapter, or not
+    measured there): its export's (as measured where it was exported, else its last or best validation's where that
+    was at the exported step), else its best or last validation's."""
+    if r.exported_step is not None:
+        if not math.isnan(r.exported_val_preference_accuracy):
+            return r.exported_val_preference_accuracy
+        if r.val_losses and r.val_losses[-1][0] == r.exported_step:
+            return r.last_val_preference_accuracy
+        return r.best_val_preference_accuracy if r.best_val_step == r.exported_step else math.nan
+    return r.best_val_preference_accuracy if exported == "best" else r.last_val_preference_accuracy
 
 
 class AdapterRegistry:
@@ -196,7 +215,8 @@ class AdapterRegistry:
         measured where it was exported, `AdapterRecord.exported_val_loss`; an adapter not exported: ``exported`` says
         which, "best", the best-validation weights, where the module keeps them, `keep_best_weights`; "last", the last
         ones, where it does not), lowest first, within each group of losses that compare (`_loss_group`: SFT's, then
-        DPO's, per data source and DPO beta; a DPO row has its last ``val_preference_accuracy``). Adapters whose
+        DPO's, per data source and DPO beta; a DPO row has the ``val_preference_accuracy`` of the weights its loss is
+        of, `_exported_accuracy`). Adapters whose
         exported weights were not measured (stopped between validations) follow, by their last validation loss; those
         never validated last."""
         if exported not in ("best", "last"):
@@ -207,7 +227,7 @@ class AdapterRegistry:
                    "best_val_loss": r.best_val_loss, "last_val_loss": r.last_val_loss,
                    "exported_val_loss": _exported_loss(r, exported), "exported_step": r.exported_step,
                    "steps": r.step, "export_path": r.export_path,
-                   "val_preference_accuracy": r.last_val_preference_accuracy}
+                   "val_preference_accuracy": _exported_accuracy(r, exported)}
             rows.append(row)
         def rank(row: dict[str, Any]) -> tuple:
             measured, last = row["exported_val_loss"], row["last_val_loss"]
@@ -224,12 +244,12 @@ class AdapterRegistry:
         rank, alpha and batch size, then each other hyperparameter of `AdapterSpec.hparams` whose value differs between
         adapters (two that differ only in dropout are told apart), the status, the loss it is ranked by
         (``export_loss``: the validation loss of the weights the export holds, ``exported_val_loss``), the best
-        validation loss, and where the exports hold the last weights the last one too; with DPO adapters, their last
-        validation's preference accuracy (``pref_acc``)."""
+        validation loss, and where the exports hold the last weights the last one too; with DPO adapters, the
+        preference accuracy of the weights ``export_loss`` is of (``pref_acc``)."""
         rows = self.summary_rows(exported, source_name)
         varying = [k for k in _EXTRA_COLUMNS if len({repr(r[k]) for r in rows}) > 1]
         losses = ["exported_val_loss", "best_val_loss"] + (["last_val_loss"] if exported == "last" else [])
-        if any(r["objective"] == "dpo" for r in rows):  # (the share of held-out pairs preferred, at the last one)
+        if any(r["objective"] == "dpo" for r in rows):  # (the share of held-out pairs preferred, by the exported)
             losses.append("val_preference_accuracy")
         names = {"val_preference_accuracy": "pref_acc", "exported_val_loss": "export_loss"}
         header = ["#", "adapter", "lr", "rank", "alpha", "bs", *(_EXTRA_COLUMNS[k] for k in varying), "status",

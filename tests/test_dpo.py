@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import lightning as L
@@ -76,6 +77,11 @@ def test_the_dpo_loss_is_the_formula_with_one_reference_forward_for_all_dpo_adap
         expected = sum(-math.log(1 / (1 + math.exp(-m))) for m in margin.tolist()) / b  # -log sigmoid, mean
         assert losses[i].item() == pytest.approx(expected, rel=1e-4)
         assert module._preference_accuracy[spec.name].item() == pytest.approx((margin > 0).double().mean().item())
+        # TRL's rewards: beta x the log-probability gained over the reference, chosen and rejected
+        chosen_reward = spec.dpo_beta * (policy[s:s + b] - reference[s:s + b]).mean()
+        rejected_reward = spec.dpo_beta * (policy[s + b:e] - reference[s + b:e]).mean()
+        assert module._preference_rewards[spec.name].tolist() == pytest.approx(
+            [chosen_reward.item(), rejected_reward.item()], rel=1e-4, abs=1e-6)
     # the SFT adapter's loss is the usual completion cross-entropy
     i = layout.names.index("s")
     s, e = layout.starts[i], layout.ends[i]
@@ -86,10 +92,21 @@ def test_the_dpo_loss_is_the_formula_with_one_reference_forward_for_all_dpo_adap
 def test_sft_and_dpo_adapters_train_together_and_dpo_learns_the_preferences(tmp_path, trainer_kwargs):
     specs = [AdapterSpec("p", rank=8, lr=1e-2, objective="dpo", dpo_beta=0.5, batch_size=4, max_steps=40, seed=1),
              AdapterSpec("s", rank=4, lr=1e-2, batch_size=4, max_steps=40, seed=2, dataset="arith")]
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
     module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path))
     dm = MultiLoRADataModule(sources={"pairs": PreferenceSource(records=STYLE_PAIRS), "arith": GeneratedArithmetic(60)},
                              max_length=96, max_val_examples=8)
-    L.Trainer(**trainer_kwargs).fit(module, dm)
+    L.Trainer(**{**trainer_kwargs, "logger": CSVLogger(tmp_path / "csv"), "log_every_n_steps": 1}).fit(module, dm)
+    rows = list(csv.DictReader(open(next((tmp_path / "csv").rglob("metrics.csv")))))
+    logged = [r for r in rows if r.get("adapters/p/rewards_margin")]
+    assert len(logged) == 40 and not any(k.startswith("adapters/s/rewards") and r[k] for r in rows for k in r)
+    last = logged[-1]  # (the preference learned: the chosen answers' reward above the rejected ones')
+    assert float(last["adapters/p/rewards_margin"]) == pytest.approx(
+        float(last["adapters/p/rewards_chosen"]) - float(last["adapters/p/rewards_rejected"]))
+    assert float(last["adapters/p/rewards_margin"]) > 0
     p, s = module.registry["p"], module.registry["s"]
     assert p.state == s.state == AdapterState.FINISHED
     first, last = p.train_losses[0][1], sum(loss for _, loss in p.train_losses[-5:]) / 5
@@ -101,6 +118,58 @@ def test_sft_and_dpo_adapters_train_together_and_dpo_learns_the_preferences(tmp_
     assert 0.75 <= p.last_val_preference_accuracy <= 1 and math.isnan(s.last_val_preference_accuracy)
     restored = type(p).from_state_dict(p.state_dict())
     assert restored.last_val_preference_accuracy == p.last_val_preference_accuracy
+
+
+@pytest.mark.parametrize("keep_best", [True, False])
+def test_the_preference_accuracy_reported_is_the_exported_weights(tmp_path, keep_best):
+    """The summary's `pref_acc` was the last validation's while its loss and the export were the best one's (or the
+    weights measured as training stopped, whose accuracy was not kept): a DPO adapter chosen by it was chosen by
+    other weights' accuracy."""
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("d", rank=2, objective="dpo")],
+                             export_dir=str(tmp_path))
+    module.keep_best_weights = keep_best  # (as EarlyExit sets it)
+    rec = module.registry["d"]
+    module._create_weights(rec)
+    rec.state = AdapterState.RUNNING
+    for step, (loss_sum, preferred) in ((10, (1.0, 4)), (20, (2.0, 2))):  # (4 pairs: losses 0.25, 0.5)
+        rec.step = step
+        module._record_val_losses({"d": [loss_sum, 4.0, float(preferred), 4.0]})
+    assert (rec.best_val_step, rec.best_val_preference_accuracy, rec.last_val_preference_accuracy) == (10, 1.0, 0.5)
+    if keep_best:  # the best weights exported, and their accuracy
+        module.save_adapter("d", best=True)
+        assert (rec.exported_step, rec.exported_val_loss, rec.exported_val_preference_accuracy) == (10, 0.25, 1.0)
+    else:  # the last weights, measured as training stopped (`_validate_held`): their accuracy too
+        rec.step = 25
+        module._end_losses = {"d": (25, 0.4, 0.75)}
+        module.save_adapter("d")
+        assert (rec.exported_step, rec.exported_val_loss, rec.exported_val_preference_accuracy) == (25, 0.4, 0.75)
+    row = module.registry.summary_rows()[0]
+    assert row["val_preference_accuracy"] == (1.0 if keep_best else 0.75)
+    assert re.search(r"\bpref_acc\b", module.registry.summary_table())
+    restored = type(rec).from_state_dict(rec.state_dict())
+    assert restored.exported_val_preference_accuracy == rec.exported_val_preference_accuracy
+
+
+def test_a_float64_base_keeps_its_precision_in_the_dpo_loss():
+    """(The logits went through float32 on their way to the loss: a float64 run matched a float64 reference to
+    5e-6 only, its DPO margins' differences of near log-probabilities to fewer digits.)"""
+    module, dm, specs = setup_module_and_batch()
+    module.double()
+    batch = dm.train_batch(specs)
+    layout = batch["layout"]
+    with module.lora_layers.use(layout):
+        sums, counts = module.adapter_loss_terms(batch)
+    assert sums.dtype == torch.float64
+    with torch.no_grad():
+        with module.lora_layers.use(layout):
+            policy = sequence_logp(module.model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+        with module.lora_layers.use(None):
+            reference = sequence_logp(module.model, batch["input_ids"], batch["attention_mask"], batch["labels"])
+    i = layout.names.index("p")
+    s, e, b, beta = layout.starts[i], layout.ends[i], specs[0].batch_size, specs[0].dpo_beta
+    margin = beta * ((policy[s:s + b] - reference[s:s + b]) - (policy[s + b:e] - reference[s + b:e]))
+    torch.testing.assert_close(sums[i] / counts[i], -torch.nn.functional.logsigmoid(margin).mean(), rtol=1e-12,
+                               atol=0)
 
 
 def test_the_reference_is_the_frozen_base_without_dropout_and_an_adapter_without_rows_is_left_out():

@@ -172,8 +172,9 @@ def test_generate_runs_several_adapters_in_one_batch_as_peft_runs_each(tmp_path,
         module.generate("a", ids)  # (its letters were names: 'a' alone, on a batch of one row, passed)
 
 
-def _peft_saved_adapter(directory, base_dir, **config) -> dict[str, torch.Tensor]:
-    """A PEFT adapter of random weights (B not zero), saved with PEFT's own ``save_pretrained``; its saved tensors."""
+def _peft_saved_adapter(directory, base_dir, save_kwargs=None, **config) -> dict[str, torch.Tensor]:
+    """A PEFT adapter of random weights (B not zero), saved with PEFT's own ``save_pretrained`` (given
+    ``save_kwargs``); its saved tensors."""
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
 
@@ -182,7 +183,7 @@ def _peft_saved_adapter(directory, base_dir, **config) -> dict[str, torch.Tensor
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
-    peft_model.save_pretrained(directory)
+    peft_model.save_pretrained(directory, **(save_kwargs or {}))
     return load_file(str(directory / "adapter_model.safetensors"))
 
 
@@ -276,6 +277,39 @@ def test_a_peft_adapter_of_the_head_with_its_saved_base_weights_starts_an_adapte
                                          r"\['base_model\.model\.lm_head\.base_layer\.weight'\] \(PEFT's "
                                          r"`save_embedding_layers`"):
         other._create_weights(other.registry["head"])
+
+
+def test_a_peft_folder_with_the_embeddings_saved_whole_and_its_dropout_told(tmp_path):
+    """``save_pretrained(save_embedding_layers=True)`` of an adapter on q_proj alone saves the embeddings and the head
+    whole; where they are this base's the folder is plain LoRA (PEFT loads it so), where it was refused. A folder's
+    ``lora_dropout`` other than the spec's ``dropout`` was dropped silently (PEFT continues with it)."""
+    build_base_model("tiny-llama").save_pretrained(tmp_path / "base")
+    saved = _peft_saved_adapter(tmp_path / "peft", tmp_path / "base", save_kwargs={"save_embedding_layers": True},
+                                r=4, lora_alpha=8, lora_dropout=0.25, target_modules=["q_proj"])
+    assert {"base_model.model.model.embed_tokens.weight", "base_model.model.lm_head.weight"} <= saved.keys()
+    spec = AdapterSpec("emb", rank=4, alpha=8, init_from=str(tmp_path / "peft"))
+    ours = MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], target_modules=["q_proj"])
+    with pytest.warns(UserWarning, match=r"adapter 'emb': `init_from` '.*peft' was trained with lora_dropout=0\.25; "
+                                         r"the spec's dropout=0\.0 continues it.*set `dropout=0\.25`"):
+        ours._create_weights(ours.registry["emb"])
+    ids = torch.randint(0, 258, (2, 9), generator=torch.Generator().manual_seed(0))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "peft")
+    with torch.no_grad():
+        torch.testing.assert_close(ours.eval()(ids, layout=BatchLayout.from_sizes(["emb"], [2])),
+                                   peft_model.eval()(input_ids=ids).logits, atol=1e-5, rtol=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the folder's own dropout: nothing to tell
+        same = MultiLoRAModule(str(tmp_path / "base"), adapters=[replace(spec, dropout=0.25)],
+                               target_modules=["q_proj"])
+        same._create_weights(same.registry["emb"])
+    from safetensors.torch import save_file
+
+    saved["base_model.model.model.embed_tokens.weight"] *= 2  # (a resized or other base's embeddings)
+    save_file(saved, str(tmp_path / "peft" / "adapter_model.safetensors"))
+    other = MultiLoRAModule(str(tmp_path / "base"), adapters=[replace(spec, dropout=0.25)], target_modules=["q_proj"])
+    with pytest.raises(ValueError, match=r"holds base weights other than this base's "
+                                         r"\['base_model\.model\.model\.embed_tokens\.weight'\]"):
+        other._create_weights(other.registry["emb"])
 
 
 def test_an_export_of_a_checkpoint_loaded_with_config_overrides_says_how_to_build_its_base(tmp_path):

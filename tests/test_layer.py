@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -578,6 +579,28 @@ def test_mixture_of_experts_linears_are_left_out_of_all_linear_and_refused_by_na
     with pytest.raises(ValueError, match=r"selects 'experts.0.w1' \(and 1 more\), the linear layers of mixture-of-"
                                          r"experts experts.*leave them out"):
         inject_multilora(Block(), ["q_proj", "w1"])
+
+
+def test_fused_experts_and_routers_of_transformers_5_are_warned_of_under_all_linear():
+    """transformers 5's Mixtral holds its experts as fused 3-D weights and routes with a module that is no
+    nn.Linear: 'all-linear' adapted the attention alone, silently (PEFT's 'all-linear' adapts both there)."""
+    import transformers
+
+    config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    with pytest.warns(UserWarning, match=r"'all-linear' leaves out 2 mixture-of-experts modules that are not linear "
+                                         r"layers \('model.layers.0.mlp.gate' \(MixtralTopKRouter\), "
+                                         r"'model.layers.0.mlp.experts' \(MixtralExperts\)\)"):
+        layers = inject_multilora(transformers.MixtralForCausalLM(config), "all-linear")
+    assert sorted(n.rsplit(".", 1)[1] for n in layers) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    # PEFT's spellings: "all-linear" in any case, targets as a set (`LoraConfig.target_modules`)
+    upper = inject_multilora(build_base_model("tiny-llama"), "ALL-LINEAR")
+    assert sorted(upper) == sorted(inject_multilora(build_base_model("tiny-llama"), "all-linear"))
+    assert sorted(inject_multilora(build_base_model("tiny-llama"), {"v_proj", "q_proj"})) == sorted(
+        inject_multilora(build_base_model("tiny-llama"), ["q_proj", "v_proj"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # named targets: nothing left out that they asked for
+        assert len(inject_multilora(transformers.MixtralForCausalLM(config), ["q_proj"])) == 1
 
 
 def test_a_layout_naming_no_adapter_and_peft_keys_with_adapter_names_are_named():

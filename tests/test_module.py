@@ -466,6 +466,22 @@ def test_a_model_given_that_is_no_causal_lm_is_refused_unless_the_loss_is_the_mo
     assert len(OwnLoss(T5ForConditionalGeneration(t5)).lora_layers) == 6  # (self- and cross-attention q, v)
 
 
+def test_a_peft_lora_config_given_as_an_adapter_is_refused_with_the_fields_that_map():
+    """(A PEFT user's first try: the refusal said only that it is no AdapterSpec.)"""
+    from peft import LoraConfig
+
+    for make in (lambda c: MultiLoRAModule("tiny-llama", adapters=[c]),
+                 lambda c: MultiLoRAModule("tiny-llama").add_adapter(c)):
+        with pytest.raises(TypeError, match=r"got LoraConfig: write a PEFT LoraConfig `c` as AdapterSpec\(name=\.\.\., "
+                                            r"rank=c\.r, alpha=c\.lora_alpha, dropout=c\.lora_dropout"):
+            make(LoraConfig(r=4, target_modules=["q_proj"]))
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["v_proj", "q_proj"])
+    spec = AdapterSpec("p", rank=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                       use_rslora=config.use_rslora, target_modules=config.target_modules)  # (the hint, as written)
+    assert spec.target_modules == ["q_proj", "v_proj"]
+    assert MultiLoRAModule("tiny-llama", adapters=[spec]).registry["p"].spec == spec
+
+
 def test_a_data_parallel_strategy_is_refused_naming_the_one_that_works(tmp_path):
     """Over several processes only `AdapterParallelStrategy` places adapters: DDP (say) would get every adapter on
     every process, none of them there when it wraps the model. Refused before it wraps anything (Lightning calls
@@ -1177,6 +1193,13 @@ def test_a_run_without_periodic_validation_is_warned_of_and_a_user_scheduler_ref
         L.Trainer(**{**trainer_kwargs, "val_check_interval": 1.0, "check_val_every_n_epoch": 1,
                      "limit_train_batches": 2}).fit(module, small_dm())
     assert not [w for w in seen if "endless" in str(w.message)] and [s for s, _ in module.registry["a"].val_losses]
+    # no validation asked for (`limit_val_batches=0`, as the DPO example runs): none to miss, nothing to say
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        L.Trainer(**{**trainer_kwargs, "val_check_interval": 1.0, "check_val_every_n_epoch": 1,
+                     "limit_val_batches": 0}).fit(module, small_dm())
+    assert not [w for w in seen if "endless" in str(w.message)] and module.registry["a"].step == 2
     with pytest.raises(ValueError, match=r"`Trainer\(val_check_interval=0.5\)` is a share of an epoch, and the run "
                                          r"is one endless epoch"):
         L.Trainer(**{**trainer_kwargs, "val_check_interval": 0.5, "check_val_every_n_epoch": 1}).fit(

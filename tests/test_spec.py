@@ -138,6 +138,10 @@ def test_target_modules_take_what_the_modules_take():
             AdapterSpec("x", target_modules=value)
     spec = AdapterSpec("x", target_modules="all-linear")
     assert AdapterSpec.from_dict(spec.to_dict()) == spec
+    # PEFT's `LoraConfig` holds its targets as a set and matches "all-linear" in any case: both were refused
+    assert AdapterSpec("x", target_modules={"v_proj", "q_proj"}).target_modules == ["q_proj", "v_proj"]
+    assert AdapterSpec("x", target_modules=frozenset({"o_proj"})).target_modules == ["o_proj"]
+    assert AdapterSpec("x", target_modules="ALL-LINEAR").target_modules == "all-linear"
 
 
 def test_grid_is_the_cartesian_product_with_readable_unique_names():

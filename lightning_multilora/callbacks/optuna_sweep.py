@@ -402,7 +402,9 @@ class OptunaSweep(Callback):
         if not (spec.init_from and Path(spec.init_from).is_dir()):
             return
         try:
-            init_from_config(spec)
+            with warnings.catch_warnings():  # (the trial's own adapter says them when it starts, by its name)
+                warnings.simplefilter("ignore")
+                init_from_config(spec)
         except ValueError as err:
             text = str(err).replace(f"adapter {'check'!r}: ", "")
             if "alpha=" in text and "alpha" not in self.base and "alpha" not in self.distributions:

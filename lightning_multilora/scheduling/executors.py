@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from lightning_multilora.arguments import check_int, check_real
 from lightning_multilora.scheduling.task_scheduler import Task
@@ -166,7 +166,8 @@ class LocalExecutor:
             self._failed_starts.append(Completion(self.now(), task.id, False, f"could not open its log: {err}"))
             return
         try:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                    preexec_fn=_dies_with_parent())
         except OSError as err:  # e.g. the program does not exist: a failed attempt, not a crashed schedule
             log.write(f"could not start {command}: {err}\n")
             log.close()
@@ -214,6 +215,30 @@ class LocalExecutor:
                                       str(log_path)))
         self._procs.clear()
         return stopped
+
+
+def _dies_with_parent() -> Optional[Callable[[], None]]:
+    """On Linux, what a task's process runs before its command so that it gets SIGTERM when the schedule's process
+    ends, however it ends (``kill -9``, the OOM killer): in a session of its own, a task outlived a schedule that
+    could not stop it, and a ``--resume`` started it again beside itself. (Linux tells it when the thread that
+    started it ends: the runner's, which waits for its tasks.) None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def set_death_signal() -> None:  # (in the child, between fork and exec)
+        prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # (the schedule ended before the call)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_death_signal
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -10,7 +10,8 @@ never half of one. Each task's entry::
 
 ``state`` is ``finished``, ``failed`` or ``stopped`` (running, or waiting to be retried, when the schedule stopped);
 ``start`` / ``end`` are seconds on the run's clock (from ``run_started_at``), ``start`` the last attempt's and
-``starts`` every attempt's. A task a resumed run skipped keeps its entry from the run that finished it.
+``starts`` every attempt's; ``task`` is the task's definition (``duration``, ``gpus``, ``torchrun``, ``command``).
+A task a resumed run skipped keeps its entry from the run that finished it.
 """
 
 from __future__ import annotations
@@ -31,12 +32,17 @@ def records_path(log_dir: str | Path) -> Path:
     return Path(log_dir) / RECORDS_FILE
 
 
-def record_entry(record: Any, run_started_at: str) -> dict[str, Any]:
-    """A `RunRecord` as the file holds it."""
-    return {"id": record.task_id, "state": record.state, "attempts": record.attempts, "start": record.start,
-            "end": record.end, "starts": list(record.starts), "gpu_ids": list(record.gpu_ids),
-            "exit_code": record.exit_code, "log": record.log, "detail": record.detail,
-            "run_started_at": run_started_at}
+def record_entry(record: Any, run_started_at: str, task: Any = None) -> dict[str, Any]:
+    """A `RunRecord` as the file holds it, with its `Task`'s definition (``task``, where given: a resume runs a
+    task again that came from an inbox, not the task file)."""
+    entry = {"id": record.task_id, "state": record.state, "attempts": record.attempts, "start": record.start,
+             "end": record.end, "starts": list(record.starts), "gpu_ids": list(record.gpu_ids),
+             "exit_code": record.exit_code, "log": record.log, "detail": record.detail,
+             "run_started_at": run_started_at}
+    if task is not None:
+        entry["task"] = {"duration": task.duration, "gpus": task.gpus, "torchrun": task.torchrun,
+                         "command": None if task.command is None else list(task.command)}
+    return entry
 
 
 def write_records(path: str | Path, entries: Iterable[Mapping[str, Any]], started_at: str) -> Path:

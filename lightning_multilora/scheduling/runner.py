@@ -100,6 +100,7 @@ class ScheduleRunner:
         self._attempts_before = {tid: int(e.get("attempts") or 0) for tid, e in (earlier or {}).items()
                                  if e["state"] != "finished" and isinstance(e.get("attempts"), int)}
         self.skipped: dict[str, dict[str, Any]] = {}  # submitted, recorded finished by an earlier run: not run
+        self._tasks: dict[str, Task] = {}  # every task submitted, by id (its definition goes into its record)
         self._unsaid: list[str] = []  # skipped tasks not said yet
         self._tries: dict[str, int] = {}  # this run's attempts of a task (the retries count these)
         self._starts: dict[str, list[float]] = {}
@@ -132,6 +133,7 @@ class ScheduleRunner:
                              "task's command; a SimulatedExecutor needs none)")
         if at is not None:
             check_real("ScheduleRunner.submit", "at", at, lambda v: True, "a time in seconds (the executor's clock)")
+        self._tasks[task.id] = task
         if task.id in self.earlier_finished:
             self.skipped[task.id] = self.earlier_finished[task.id]
             self._unsaid.append(task.id)
@@ -323,16 +325,16 @@ class ScheduleRunner:
             self.save_records()
 
     def save_records(self) -> None:
-        """Writes the records to the ``records`` file (where given): this run's, the entries of the tasks it skipped
-        as finished before, and those an earlier run recorded failed or stopped that this one has not recorded anew
-        (a resume stopped before it retried them keeps them, and their attempts). A file that cannot be written is
-        said once; the schedule goes on."""
+        """Writes the records to the ``records`` file (where given): this run's, and every entry of the earlier run
+        (resumed) that this one has not recorded anew: the tasks it finished (skipped, or not submitted again: an
+        inbox's), and those it recorded failed or stopped (a resume stopped before it retried them keeps them, and
+        their attempts). A file that cannot be written is said once; the schedule goes on."""
         if self.records_path is None:
             return
-        entries = [*(dict(e) for tid, e in sorted(self.skipped.items())),
-                   *(dict(e) for tid, e in sorted(self._earlier_unfinished.items()) if tid not in self.records),
-                   *(record_entry(r, self.started_at) for r in sorted(self.records.values(),
-                                                                      key=lambda r: (r.start, r.task_id)))]
+        earlier = {**self.earlier_finished, **self._earlier_unfinished}
+        entries = [*(dict(e) for tid, e in sorted(earlier.items()) if tid not in self.records),
+                   *(record_entry(r, self.started_at, self._tasks.get(r.task_id))
+                     for r in sorted(self.records.values(), key=lambda r: (r.start, r.task_id)))]
         try:
             write_records(self.records_path, entries, self.started_at)
         except OSError as err:  # (the tasks go on: their records are printed at the end)

@@ -89,12 +89,20 @@ class Task:
 
 
 def command_args(task_id: str, command: Any) -> tuple[str, ...]:
-    """A task's argv: a string split as a shell would, or a list of arguments. Python's ints and floats become their
-    text (as they always have); anything else in the list (a bool, None, a nested list) is refused, naming it: its
-    text would be a guess (a task file's scalars arrive as written, `read_yaml`)."""
+    """A task's argv: a string split into words as a shell would (then run without a shell: its pipes,
+    redirections, ``&&``, ``$VAR`` and globs are refused, naming ``[sh, -c, ...]``), or a list of arguments.
+    Python's ints and floats become their text (as they always have); anything else in the list (a bool, None, a
+    nested list) is refused, naming it: its text would be a guess (a task file's scalars arrive as written,
+    `read_yaml`)."""
     if isinstance(command, str):
         import shlex
 
+        shell = _shell_syntax(command)
+        if shell is not None:  # (run as words, `a && b > out` ran `a` with the arguments '&&', 'b', '>', 'out')
+            raise ValueError(f"task {task_id!r}: `command` {command!r} uses shell syntax ({shell!r}), but a command "
+                             "string is split into words and run without a shell; to run it in one, write the "
+                             f"command as a list: [sh, -c, {command!r}] (or quote the character for it to reach "
+                             "the program as it is)")
         args = tuple(shlex.split(command))
     elif isinstance(command, (list, tuple)):
         for i, arg in enumerate(command):
@@ -108,6 +116,33 @@ def command_args(task_id: str, command: Any) -> tuple[str, ...]:
     if not args:
         raise ValueError(f"task {task_id!r}: `command` must not be empty")
     return args
+
+
+def _shell_syntax(command: str) -> Optional[str]:
+    """The first character of ``command`` that a shell would read as syntax (an operator, a redirection, an
+    expansion, a glob, a ``~`` starting a word) rather than as a word's letter, or None: outside quotes, or ``$`` and
+    a backquote inside double quotes."""
+    quote, escaped, word_start = None, False, True
+    for char in command:
+        if escaped:
+            escaped, word_start = False, False
+            continue
+        if char == "\\" and quote != "'":
+            escaped = True
+            continue
+        if quote is not None:
+            if char == quote:
+                quote = None
+            elif quote == '"' and char in "$`":
+                return char
+            continue
+        if char in "'\"":
+            quote, word_start = char, False
+        elif char in "|&;<>()$`*" or (char == "~" and word_start):
+            return char
+        else:
+            word_start = char.isspace()
+    return None
 
 
 def _torchrun_runs(command: tuple[str, ...]) -> bool:

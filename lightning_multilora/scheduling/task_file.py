@@ -27,12 +27,16 @@ set; ``gpus`` above what it, or the machine, has is refused, before any chart is
 (then renamed ``<name>.done``; other files are said once and left alone).
 
 A run keeps its task records in ``<log_dir>/records.json`` (each task's state, attempts, starts and end, exit status
-and log; `lightning_multilora.scheduling.records`), rewritten after every completion and when it stops: on Ctrl-C or
-SIGTERM the running tasks are stopped and recorded ``stopped``, and ``run.png`` is drawn as at an end. ``--resume``
-runs the file again over the same ``log_dir`` without the tasks those records say finished (said, and their records
-kept); a task recorded failed or stopped runs again, its attempts numbered on. A task's command gets
-``MULTILORA_TASK_ID`` and ``MULTILORA_TASK_ATTEMPT`` (1 on its first attempt). A run without ``--resume`` runs every
-task and starts the records afresh; a ``--simulate`` one writes none (a resume after it would skip what never ran).
+and log; `lightning_multilora.scheduling.records`), rewritten after every completion and when it stops: on Ctrl-C,
+SIGTERM or SIGHUP the running tasks are stopped and recorded ``stopped``, and ``run.png`` is drawn as at an end.
+``--resume`` runs the file again over the same ``log_dir`` without the tasks those records say finished (said, and
+their records kept); a task recorded failed or stopped runs again, its attempts numbered on, and so does one an inbox
+added (the records hold each task's definition). A task's command gets ``MULTILORA_TASK_ID`` and
+``MULTILORA_TASK_ATTEMPT`` (1 on its first attempt). A run without ``--resume`` runs every task and starts the records
+afresh, the earlier ones moved to ``records.<n>.json``; a ``--simulate`` one writes none (a resume after it would skip
+what never ran). On Linux a task also gets SIGTERM when the schedule's process dies otherwise (``kill -9``). A
+``command`` string is split into words and run without a shell: shell syntax in it (``&&``, ``|``, ``>``, ``$VAR``,
+``*``) is refused, and ``[sh, -c, "..."]`` runs a shell.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from typing import Any, Optional
 import yaml
 
 from lightning_multilora.scheduling.executors import LocalExecutor, SimulatedExecutor, visible_gpus
-from lightning_multilora.scheduling.records import finished_entries, ids_text, records_path
+from lightning_multilora.scheduling.records import ids_text, read_records, records_path
 from lightning_multilora.scheduling.runner import POLL_S, RunRecord, ScheduleRunner
 from lightning_multilora.scheduling.task_scheduler import (Schedule, Task, TaskScheduler, validate_tasks,
                                                            yaml_number_hint)
@@ -149,6 +153,7 @@ def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
         raise ValueError(f"{path}: `max_retries` must be an integer >= 0, got {settings['max_retries']!r}")
     if not (isinstance(settings["log_dir"], str) and settings["log_dir"]):
         raise ValueError(f"{path}: `log_dir` must be a directory path, got {settings['log_dir']!r}")
+    settings["log_dir"] = os.path.expanduser(settings["log_dir"])  # (`~/runs` made a folder named "~" here)
     tasks = parse_tasks(data.get("tasks"), str(path))
     try:
         validate_tasks(tasks, gpus)
@@ -332,9 +337,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     to_run = tasks
     if args.resume:
         try:
-            finished = finished_entries(records_file)
+            earlier = read_records(records_file) or {}
         except ValueError as err:
             parser.error(f"--resume: {err}")
+        finished = {tid for tid, e in earlier.items() if e["state"] == "finished"}
+        added = _recorded_tasks(earlier, {t.id for t in tasks}, records_file)
+        try:
+            validate_tasks(tasks + added, settings["gpus"])
+        except ValueError as err:
+            parser.error(f"--resume: {records_file}: {err}")
+        tasks = tasks + added
         to_run = [t for t in tasks if t.id not in finished]
         skipped = [t.id for t in tasks if t.id in finished]
         if not records_file.exists():
@@ -376,6 +388,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     # the plan shown is the one run; a simulation looks in the inbox at each event, its clock jumping from one to the
     # next (every 0.5 s of its clock, a 2,000,000 s task took 41 s)
     # (a simulation writes no records: a real run resumed after it would skip what never ran)
+    if not (args.resume or args.simulate) and records_file.exists():  # (a run afresh: the earlier records kept)
+        print(f"records: the earlier run's records kept as {_keep_records(records_file)} (`--resume` continues a "
+              "run instead)", flush=True)
     runner = ScheduleRunner(scheduler, executor, settings["max_retries"], plan=plan,
                             poll_s=None if args.simulate else POLL_S, records=None if args.simulate else records_file,
                             resume=args.resume and not args.simulate and records_file.exists())
@@ -385,7 +400,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     for task in tasks if not args.simulate else to_run:  # (resumed, the runner skips the finished ones, said)
         runner.submit(task)
     in_main = threading.current_thread() is threading.main_thread()  # (signal handlers: the main thread's alone)
-    previous = signal.signal(signal.SIGTERM, _terminated) if in_main else None  # (a `kill`, a job stop: as Ctrl-C)
+    # a `kill`, a job stop, a closed terminal or SSH session: as Ctrl-C (a hangup left the tasks running, and a
+    # `--resume` started them again beside themselves)
+    previous = {sig: signal.signal(sig, _terminated) for sig in _STOP_SIGNALS} if in_main else {}
     interrupted: Optional[KeyboardInterrupt] = None
     try:
         records = runner.run()
@@ -395,7 +412,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"interrupted: stopped the tasks {stopped}; the records so far:", flush=True)
     finally:  # an interrupted or failed schedule leaves no task running: a second Ctrl-C or kill waits for that
         if in_main:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            for sig in _STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
             interrupt_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             if hasattr(executor, "stop"):
@@ -403,7 +421,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         finally:
             if in_main:
                 signal.signal(signal.SIGINT, interrupt_handler)
-                signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     print(records_table(records))
     try:
         done = gantt(records, settings["gpus"], run_path, f"run{' (interrupted)' if interrupted else ''}: makespan "
@@ -413,8 +432,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"makespan {runner.makespan:.1f} s, {runner.replans} replans; Gantt chart of the run: {done}")
     if runner.records_path is not None:
         print(f"task records: {runner.records_path} (`--resume` runs again only what did not finish)")
-    if interrupted is not None:
-        return 143 if isinstance(interrupted, _Terminated) else 130
+    if interrupted is not None:  # (the shell's statuses: 128 + the signal's number)
+        return 128 + interrupted.signum if isinstance(interrupted, _Terminated) else 130
     return 0 if all(r.state == "finished" for r in records.values()) else 1
 
 
@@ -439,9 +458,47 @@ def _ray_executor(args: argparse.Namespace, settings: dict[str, Any], tasks: lis
     return executor, largest
 
 
+def _recorded_tasks(earlier: Mapping[str, Mapping[str, Any]], in_file: set[str], records_file: Path) -> list[Task]:
+    """The tasks ``earlier`` (a records file's entries) records unfinished that the task file does not hold (an
+    inbox's), rebuilt from their recorded definitions, said; those recorded without one (an older file) named."""
+    added, undefined = [], []
+    for tid, entry in sorted(earlier.items()):
+        if tid in in_file or entry["state"] == "finished":
+            continue
+        definition = entry.get("task")
+        try:
+            added.append(Task(tid, **definition))
+        except (TypeError, ValueError):
+            undefined.append(tid)
+    if added:
+        print(f"resume: {records_file} records {len(added)} unfinished task{'s' * (len(added) > 1)} that the file "
+              f"does not hold (added through an inbox): {ids_text(t.id for t in added)}; they run again", flush=True)
+    if undefined:
+        print(f"resume: {records_file} records unfinished tasks that the file does not hold, without their "
+              f"definitions: {ids_text(undefined)}; add them to the file to run them", flush=True)
+    return added
+
+
+def _keep_records(records_file: Path) -> Path:
+    """Moves an earlier run's records aside, to the first free ``records.<n>.json`` beside them; the new path."""
+    n = 1
+    while (kept := records_file.with_name(f"{records_file.stem}.{n}{records_file.suffix}")).exists():
+        n += 1
+    os.replace(records_file, kept)
+    return kept
+
+
+_STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
 class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the schedule runs so that its running tasks are stopped as on Ctrl-C."""
+    """SIGTERM or SIGHUP (``signum``), raised where the schedule runs so that its running tasks are stopped as on
+    Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = int(signum)
 
 
 def _terminated(signum: int, frame: Any) -> None:
-    raise _Terminated("SIGTERM")
+    raise _Terminated(signum)

@@ -85,6 +85,12 @@ def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
     ("gpus: 2\ntasks: []", "`tasks` must be a non-empty list"),
     ("gpus: 2\nworkers: 3\ntasks: [{id: a, duration: 5}]", "unknown fields \\['workers'\\]"),
     ("gpus: 2\ntasks: [{id: a, duration: 5, command: 123}]", "`command` must be a string or a list of arguments"),
+    # (split into words and run without a shell, these ran `echo` with '>' and 'out.txt' as arguments, "finished")
+    ("gpus: 2\ntasks: [{id: a, duration: 5, command: 'echo $HOME > out.txt'}]", "task 'a': `command` 'echo \\$HOME "
+     "> out.txt' uses shell syntax \\('\\$'\\), but a command string is split into words and run without a shell; "
+     "to run it in one, write the command as a list: \\[sh, -c, 'echo \\$HOME > out.txt'\\]"),
+    ("gpus: 2\ntasks: [{id: a, duration: 5, command: 'mkdir -p sub && touch sub/made'}]", "uses shell syntax "
+     "\\('&'\\)"),
     ("gpus: 2\ntasks: [{id: a, duration: 5, torchrun: 'false'}]", "`torchrun` must be true or false, got 'false'"),
     ("gpus: 2\ntasks: [{id: a, duration: 5, gpus: true}]", "`gpus` must be an integer >= 1, got True"),
     ("gpus: 2\ntasks: [{id: a, duration: true}]", "`duration` must be a finite number > 0, got True"),
@@ -231,7 +237,7 @@ RUN_AND_WAIT = ("import os, sys, time; open(sys.argv[1] + '.tmp', 'w').write(str
                 "os.rename(sys.argv[1] + '.tmp', sys.argv[1]); time.sleep(120)")
 
 
-@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143)])
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 143), ("SIGHUP", 129)])
 def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
     """Ctrl-C (after CP-SAT's solves, whose own SIGINT handler killed the process outright) or a `kill`: the running
     tasks are stopped, not left running in their own sessions; they are listed as stopped, in the records on disk
@@ -273,6 +279,59 @@ def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
     assert {t: (e["state"], e["log"]) for t, e in records.items()} == {
         t: ("stopped", str(tmp_path / "logs" / "logs" / f"{t}.1.log")) for t in "ab"}
     assert (tmp_path / "logs" / "run.png").exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent's death signal is Linux's (prctl)")
+def test_a_schedule_killed_outright_takes_its_running_tasks_with_it(tmp_path):
+    """A ``kill -9`` (the OOM killer, a job manager's last resort) left the tasks running in their own sessions, and
+    a ``--resume`` started them again beside themselves."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    py = sys.executable
+    path = write(tmp_path, f"""\
+        gpus: 1
+        log_dir: {tmp_path / 'logs'}
+        tasks:
+          - {{id: a, duration: 100, command: [{py}, -c, "{RUN_AND_WAIT}", {tmp_path / 'a.pid'}]}}
+        """)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    command = [py, "-c", f"import sys; from lightning_multilora.scheduling.task_file import main; "
+                         f"sys.exit(main([{str(path)!r}]))"]
+    schedule = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "a.pid").exists() and time.monotonic() < deadline and schedule.poll() is None:
+        time.sleep(0.1)
+    pid = int((tmp_path / "a.pid").read_text())
+    assert _alive(pid)
+    schedule.kill()
+    schedule.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = _alive(pid)
+    if alive:  # (not left behind by a failing test)
+        os.kill(pid, signal.SIGKILL)
+    assert not alive
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, which a container's first process may never reap, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_log_dir_under_home_is_expanded(tmp_path, monkeypatch):
+    """(``log_dir: ~/runs`` made a folder named "~" in the working directory.)"""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    settings, _ = load_task_file(write(tmp_path, "gpus: 1\nlog_dir: ~/runs/s\ntasks: [{id: a, duration: 5}]"))
+    assert settings["log_dir"] == str(tmp_path / "runs" / "s")
 
 
 def test_a_key_given_twice_is_an_error_not_the_last_one_silently(tmp_path):
@@ -508,3 +567,44 @@ def test_a_resumed_schedule_skips_the_tasks_recorded_finished(tmp_path, capsys, 
         main([str(path), "--resume"])
     assert f"--resume: {log_dir / 'records.json'}: the schedule's records do not read" in capsys.readouterr().err
 
+
+
+def test_a_resume_runs_again_an_inboxs_unfinished_tasks_and_keeps_every_finished_record(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """Tasks an inbox added were forgotten by ``--resume`` (the records held no definition to run them from), and the
+    finished ones' entries dropped from the file, the resume exiting 0; a run afresh replaced an earlier run's
+    records without a word."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    py = sys.executable
+    log_dir = tmp_path / "logs"
+    marker = tmp_path / "ran.txt"
+    run = f"import os; open({str(marker)!r}, 'a').write(os.environ['MULTILORA_TASK_ID'] + ';')"
+    path = write(tmp_path, f"""\
+        gpus: 1
+        log_dir: {log_dir}
+        tasks:
+          - {{id: a, duration: 1, command: [{py}, -c, "{run}"]}}
+        """)
+    assert main([str(path)]) == 0
+    first = json.loads((log_dir / "records.json").read_text())
+    assert first["tasks"][0]["task"] == {"duration": 1.0, "gpus": 1, "torchrun": False, "command": [py, "-c", run]}
+    # as an interrupted run with an inbox leaves them: a stopped, x (inbox) finished, y (inbox) stopped, z (inbox,
+    # a records file of before the definitions) stopped
+    entry = dict(first["tasks"][0], state="stopped")
+    tasks = [entry, dict(entry, id="x", state="finished"), dict(entry, id="y"),
+             {k: v for k, v in dict(entry, id="z").items() if k != "task"}]
+    (log_dir / "records.json").write_text(json.dumps(dict(first, tasks=tasks)))
+    capsys.readouterr()
+    assert main([str(path), "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert "records 1 unfinished task that the file does not hold (added through an inbox): y; they run again" in out
+    assert "without their definitions: z; add them to the file to run them" in out
+    assert marker.read_text() == "a;a;y;"  # (x finished before: not run again)
+    records = {e["id"]: e["state"] for e in json.loads((log_dir / "records.json").read_text())["tasks"]}
+    assert records == {"a": "finished", "x": "finished", "y": "finished", "z": "stopped"}
+    # a run afresh keeps the records it starts over from beside its own
+    before = (log_dir / "records.json").read_text()
+    assert main([str(path)]) == 0
+    assert f"the earlier run's records kept as {log_dir / 'records.1.json'}" in capsys.readouterr().out
+    assert (log_dir / "records.1.json").read_text() == before
+    assert [e["id"] for e in json.loads((log_dir / "records.json").read_text())["tasks"]] == ["a"]
