@@ -40,3 +40,13 @@ def check_bool(where: str, name: str, value: Any, optional: bool = False) -> Opt
     if not (isinstance(value, bool) or (optional and value is None)):
         raise ValueError(f"{where}: `{name}` must be True or False{' or None' if optional else ''}, got {value!r}")
     return value
+
+
+def peft_targets(value: Any) -> Any:
+    """``target_modules`` as PEFT reads them: ``"all-linear"`` in any case, a set of names (`LoraConfig`'s) in one
+    order; anything else as it is (checked where it is used)."""
+    if isinstance(value, str) and value.lower() == "all-linear":
+        return "all-linear"
+    if isinstance(value, (set, frozenset)):
+        return sorted(value, key=str)
+    return value

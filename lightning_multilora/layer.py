@@ -17,7 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from lightning_multilora.arguments import check_bool, check_int, check_real
+from lightning_multilora.arguments import check_bool, check_int, check_real, peft_targets
 from lightning_multilora.flat import FlatAdapter, make_flat
 from lightning_multilora.kernels import LoRAWeights, multi_lora, multi_lora_linear, resolve_backend
 from lightning_multilora.kernels.weights import STREAM_SEED_MOD, DropoutStreams
@@ -403,7 +403,7 @@ def _is_linear(module: nn.Module) -> bool:
 def _matches(name: str, targets: Union[str, Sequence[str]]) -> Optional[str]:
     """PEFT's rule: a string is a regex on the full name; a list matches the name or its last parts."""
     if isinstance(targets, str):
-        if targets == "all-linear":
+        if targets.lower() == "all-linear":
             return targets if not name.endswith("lm_head") else None
         return targets if re.fullmatch(targets, name) else None
     for key in targets:
@@ -895,13 +895,10 @@ def inject_multilora(
     Every base parameter of ``model`` is frozen. A name that matches no linear module is an error
     listing the model's linear modules.
     """
-    if isinstance(target_modules, str) and target_modules.lower() == "all-linear":  # (PEFT's spelling, any case)
-        target_modules = "all-linear"
-    elif not isinstance(target_modules, str):
+    target_modules = peft_targets(target_modules)  # ("ALL-LINEAR", a set as `LoraConfig.target_modules` holds)
+    if not isinstance(target_modules, str):
         _check_target_names(target_modules, "'all-linear'")
-        # (a set, as PEFT's `LoraConfig.target_modules` holds them, in one order whatever the hash seed)
-        target_modules = sorted(target_modules) if isinstance(target_modules, (set, frozenset)) else list(
-            target_modules)
+        target_modules = list(target_modules)
         if not target_modules:
             raise ValueError("`target_modules` must name at least one module")
     injected = next((n for n, m in model.named_modules() if isinstance(m, MultiLoRALinear)), None)

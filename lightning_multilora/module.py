@@ -27,7 +27,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_multilora.arguments import UsageError, check_bool, check_int
+from lightning_multilora.arguments import UsageError, check_bool, check_int, peft_targets
 from lightning_multilora.base_model import check_causal_lm, one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import (init_from_layers, init_from_shapes, init_from_weights, peft_target_modules,
@@ -218,7 +218,7 @@ class MultiLoRAMixin:
         model.train()  # (from_pretrained returns eval mode: the base's dropout off, and Lightning warns at the start)
         self.lora_layers = inject_multilora(model, target_modules)
         self._all_module_names = [n for n, _ in model.named_modules()]
-        self.default_target_modules = target_modules
+        self.default_target_modules = peft_targets(target_modules)
         self.registry = AdapterRegistry()
         # adapters given to the module outside a fit (constructor, grid, `add_adapter` before `fit`): what a resume
         # merges into the checkpoint's registry (not those a sweep added during an earlier fit of this object)
@@ -339,7 +339,9 @@ class MultiLoRAMixin:
             if type(spec).__name__ == "LoraConfig":  # (PEFT's: no name, no run; its LoRA fields map one to one)
                 hint = (": write a PEFT LoraConfig `c` as AdapterSpec(name=..., rank=c.r, alpha=c.lora_alpha, "
                         "dropout=c.lora_dropout, use_rslora=c.use_rslora, target_modules=c.target_modules) and the "
-                        "run's fields (lr, max_steps, dataset...)")
+                        "run's fields (lr, max_steps, dataset...); where `c.target_modules` is None, PEFT's default "
+                        "for the model (q_proj and v_proj for Llama) is not this module's (its `target_modules`, "
+                        "'all-linear' by default): name them")
             raise TypeError(f"add_adapter takes an AdapterSpec, got {type(spec).__name__}{hint}")
         self._targets_of(spec, queued=True)  # validates its targets before it is queued
         rec = self.registry.add(spec)
@@ -1353,11 +1355,11 @@ class MultiLoRAMixin:
                 logs[rec.name] = {prefix + "train_loss": loss, prefix + "grad_norm": norm, prefix + "lr": lr}
                 if scale is not None:
                     logs[rec.name][prefix + "loss_scale"] = rec.loss_scale
-                if rec.name in getattr(self, "_preference_accuracy", {}):
-                    logs[rec.name][prefix + "preference_accuracy"] = float(self._preference_accuracy[rec.name])
-                if rec.name in getattr(self, "_preference_rewards", {}):
-                    chosen, rejected = self._preference_rewards[rec.name].tolist()
-                    logs[rec.name].update({prefix + "rewards_chosen": chosen, prefix + "rewards_rejected": rejected,
+                if rec.name in getattr(self, "_preference_rewards", {}):  # (a DPO adapter's: one read of the three)
+                    accuracy, chosen, rejected = torch.cat([self._preference_accuracy[rec.name].reshape(1).to(
+                        self._preference_rewards[rec.name].dtype), self._preference_rewards[rec.name]]).tolist()
+                    logs[rec.name].update({prefix + "preference_accuracy": accuracy, prefix + "rewards_chosen": chosen,
+                                           prefix + "rewards_rejected": rejected,
                                            prefix + "rewards_margin": chosen - rejected})
             optimizer.step()
         except BaseException:

@@ -138,10 +138,17 @@ def _exported_accuracy(r: AdapterRecord, exported: str) -> float:
     if r.exported_step is not None:
         if not math.isnan(r.exported_val_preference_accuracy):
             return r.exported_val_preference_accuracy
-        if r.val_losses and r.val_losses[-1][0] == r.exported_step:
-            return r.last_val_preference_accuracy
-        return r.best_val_preference_accuracy if r.best_val_step == r.exported_step else math.nan
-    return r.best_val_preference_accuracy if exported == "best" else r.last_val_preference_accuracy
+        return _accuracy_at(r, r.exported_step)
+    return _accuracy_at(r, r.best_val_step if exported == "best" else r.val_losses[-1][0] if r.val_losses else -1)
+
+
+def _accuracy_at(r: AdapterRecord, step: int) -> float:
+    """A DPO adapter's preference accuracy at the validation of ``step``, where its record holds it: the last
+    validation's, or the best one's (a record of a checkpoint written before it kept that one: the last one's where
+    the best was the last)."""
+    if r.val_losses and r.val_losses[-1][0] == step:
+        return r.last_val_preference_accuracy
+    return r.best_val_preference_accuracy if r.best_val_step == step else math.nan
 
 
 class AdapterRegistry:

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Optional, Union
 
+from lightning_multilora.arguments import peft_targets
+
 SCHEDULES = ("constant", "linear", "cosine")
 OBJECTIVES = ("sft", "dpo")
 DEFAULT_DPO_BETA = 0.1  # (TRL's `DPOConfig.beta`)
@@ -147,13 +149,11 @@ class AdapterSpec:
         if isinstance(self.target_modules, str):  # "all-linear" and a regex as they are; a plain name, listed
             _check(self, "target_modules", bool(self.target_modules),
                    "a non-empty list of module names, one name, 'all-linear' or a regex")
-            if self.target_modules.lower() == "all-linear":  # (PEFT's spelling, any case)
-                self.target_modules = "all-linear"
-            elif not set(self.target_modules) & set(_REGEX_CHARS):
+            self.target_modules = peft_targets(self.target_modules)  # (PEFT's "all-linear" in any case)
+            if self.target_modules != "all-linear" and not set(self.target_modules) & set(_REGEX_CHARS):
                 self.target_modules = [self.target_modules]
         elif self.target_modules is not None:
-            if isinstance(self.target_modules, (set, frozenset)):  # (PEFT's `LoraConfig.target_modules`: a set)
-                self.target_modules = sorted(self.target_modules, key=str)
+            self.target_modules = peft_targets(self.target_modules)  # (PEFT's `LoraConfig.target_modules`: a set)
             _check(self, "target_modules", isinstance(self.target_modules, (list, tuple)) and len(
                 self.target_modules) > 0 and all(isinstance(t, str) and t for t in self.target_modules),
                    "a non-empty list of module names, one name, 'all-linear' or a regex")

@@ -480,6 +480,10 @@ def test_a_peft_lora_config_given_as_an_adapter_is_refused_with_the_fields_that_
                        use_rslora=config.use_rslora, target_modules=config.target_modules)  # (the hint, as written)
     assert spec.target_modules == ["q_proj", "v_proj"]
     assert MultiLoRAModule("tiny-llama", adapters=[spec]).registry["p"].spec == spec
+    # PEFT's "all-linear" in any case, for the module's targets too (an adapter without its own took them as a regex)
+    module = MultiLoRAModule("tiny-llama", target_modules="ALL-LINEAR", adapters=[AdapterSpec("a", rank=2)])
+    assert module.default_target_modules == "all-linear"
+    assert len(module.lora_layers.layers_for(module._targets_of(module.registry["a"].spec))) == 14
 
 
 def test_a_data_parallel_strategy_is_refused_naming_the_one_that_works(tmp_path):

@@ -95,6 +95,25 @@ def test_sft_and_dpo_adapters_rank_apart_and_an_unmeasured_export_has_no_loss():
     assert first.split()[-2] == "-" and second.split()[-2] == "0.7000" and third.split()[-2] == "0.6500"
 
 
+def test_a_record_of_an_older_checkpoint_keeps_its_dpo_accuracy_where_its_best_validation_was_the_last():
+    """(A record saved before the best validation's accuracy was kept showed none in the summary, though the last
+    validation, its best, held it.)"""
+    import math
+
+    registry = AdapterRegistry()
+    rec = registry.add(AdapterSpec("d", rank=4, objective="dpo"))
+    state = dict(rec.state_dict(), val_losses=[(4, 0.7), (8, 0.5)], best_val_loss=0.5, best_val_step=8,
+                 last_val_loss=0.5, last_val_preference_accuracy=0.75)
+    for key in ("best_val_preference_accuracy", "exported_val_preference_accuracy"):
+        del state[key]  # (as a checkpoint of before them holds it)
+    registry.load_state_dict({"records": [state]})
+    assert registry.summary_rows("best")[0]["val_preference_accuracy"] == 0.75
+    registry["d"].exported_step = 8  # (exported at its best, not measured then: its history says)
+    assert registry.summary_rows("best")[0]["val_preference_accuracy"] == 0.75
+    registry["d"].exported_step = 4  # (an earlier validation's accuracy is not kept)
+    assert math.isnan(registry.summary_rows("best")[0]["val_preference_accuracy"])
+
+
 def test_exports_never_validated_follow_by_their_last_loss_and_a_diverged_one_says_inf():
     """Stopped between validations (SIGTERM, Ctrl+C), no export's weights were measured: the rows are ranked by their
     last validation loss, not left in the order they were added, and the table says '-' for the export's loss; an

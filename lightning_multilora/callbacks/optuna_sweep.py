@@ -268,7 +268,8 @@ class OptunaSweep(Callback):
             Lightning callback does); a trial it prunes is exported and told PRUNED.
 
     Each adapter is named ``trial-<number>`` (the trial's user attribute ``adapter``; ``adapter_spec`` holds every
-    field it trains with, ``adapter_exit`` how it ended and its export); its validation losses are reported as
+    field it trains with, ``adapter_exit`` how it ended and its export, and for DPO its ``val_preference_accuracy``:
+    of the weights the trial's value is of); its validation losses are reported as
     intermediate values (at its steps, those of periodic validations rounded down to the Trainer's integer
     ``val_check_interval``: trials started between two validations report at the steps the others did, as
     step-by-step pruners need); a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one
@@ -858,14 +859,18 @@ class OptunaSweep(Callback):
         if info is None or info["told"] or self.study is None:
             return
         self._report(pl_module)
-        try:  # how its adapter ended, for a run resumed from an earlier checkpoint (`_told_record`)
-            self.study._storage.set_trial_user_attr(info["trial_id"], "adapter_exit", {
-                "state": rec.state.value, "reason": rec.reason, "step": rec.step, "export_path": rec.export_path})
-        except optuna.exceptions.UpdateFinishedTrialError:
-            pass  # finished by another process meanwhile (`_lost`)
         # the value describes the weights exported: the best-validation ones where they are kept (EarlyExit's
         # default), else the last ones (the module's own default, without EarlyExit)
-        value = rec.best_val_loss if getattr(pl_module, "keep_best_weights", False) else rec.last_val_loss
+        best = getattr(pl_module, "keep_best_weights", False)
+        value = rec.best_val_loss if best else rec.last_val_loss
+        exit_info = {"state": rec.state.value, "reason": rec.reason, "step": rec.step, "export_path": rec.export_path}
+        accuracy = rec.best_val_preference_accuracy if best else rec.last_val_preference_accuracy
+        if rec.spec.objective == "dpo" and math.isfinite(accuracy):  # (the same weights' share of pairs preferred)
+            exit_info["val_preference_accuracy"] = accuracy
+        try:  # how its adapter ended, for a run resumed from an earlier checkpoint (`_told_record`)
+            self.study._storage.set_trial_user_attr(info["trial_id"], "adapter_exit", exit_info)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass  # finished by another process meanwhile (`_lost`)
         if rec.state in COMPLETE_STATES and math.isfinite(value):
             self._tell(info["number"], values=value)
         elif rec.state in PRUNED_STATES or rec.state in COMPLETE_STATES:

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import lightning as L
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_multilora.arguments import check_int, check_real
@@ -58,7 +59,9 @@ class WarmupSelection(Callback):
                 self.load_state_dict(carried)
 
     def warmup_steps(self, max_steps: int) -> int:
-        return max(1, round(self.warmup_fraction * max_steps))
+        """``warmup_fraction`` of ``max_steps``, rounded half up (Python's ``round`` took 2.5 to 2 and 3.5 to 4:
+        adapters of other lengths warmed up for unequal shares), at least 1."""
+        return max(1, math.floor(round(self.warmup_fraction * max_steps, 9) + 0.5))
 
     def select(self, warmup_losses: dict[str, float], num_candidates: int) -> list[str]:
         """Names to keep: the lowest warmup losses, ``max(min_keep, ceil(keep_fraction * K))`` of them."""
@@ -82,6 +85,7 @@ class WarmupSelection(Callback):
         """The step's decisions: new candidates, the warmed-up adapters validated and paused, the selection where it
         is due."""
         if self.decided:
+            self._tell_late(pl_module)
             return
         _sync(pl_module)  # under adapter parallelism: every adapter's step and state, current on every rank
         warmup = decide_once(pl_module, lambda: self._warmed_up(pl_module.registry))
@@ -91,6 +95,17 @@ class WarmupSelection(Callback):
         selection = decide_once(pl_module, lambda: self._selection(trainer, pl_module.registry))
         if selection is not None:
             self._apply(pl_module, selection)  # (the owners' prunes reach every rank there, before a checkpoint)
+
+    def _tell_late(self, pl_module: L.LightningModule) -> None:
+        """Adapters that started after the selection (added mid-run, or given to a resume after it): said once,
+        they train without a warmup ranking."""
+        late = [rec.name for rec in pl_module.registry
+                if rec.name not in self.candidates and rec.state != AdapterState.QUEUED]
+        if late:
+            self.candidates += late  # (said once)
+            rank_zero_warn(f"WarmupSelection: adapters {late} started after its selection was made: they train "
+                           "without a warmup ranking (the selection ranks the candidates of a fit once; add "
+                           "candidates before it, or fit them in a new run with their own WarmupSelection)")
 
     def _warmed_up(self, registry: AdapterRegistry) -> dict[str, list[str]]:
         """The decision of this step: new candidates (adapters that left the queue) and the adapters whose
@@ -127,7 +142,11 @@ class WarmupSelection(Callback):
         groups: dict[tuple, list[str]] = {}
         for name in self.candidates:
             spec = registry[name].spec if name in registry else None
-            key = ((spec.objective, source(spec.dataset), spec.dpo_beta if spec.objective == "dpo" else None)
+            try:
+                data = source(spec.dataset) if spec is not None else None
+            except (KeyError, ValueError):  # (a candidate that failed as it started: its source is no source)
+                data = spec.dataset
+            key = ((spec.objective, data, spec.dpo_beta if spec.objective == "dpo" else None)
                    if spec is not None else (None, None, None))
             groups.setdefault(key, []).append(name)
         ranking, kept, pruned, places = [], [], {}, {}

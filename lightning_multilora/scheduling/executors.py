@@ -190,7 +190,7 @@ class LocalExecutor:
                     log.close()
                     del self._procs[task_id]
                     done.append(Completion(self.now(), task_id, code == 0,
-                                           "" if code == 0 else f"exit status {code}, log {log_path}", code,
+                                           "" if code == 0 else f"{exit_text(code)}, log {log_path}", code,
                                            str(log_path)))
             if done or (deadline is not None and self.now() >= deadline):
                 return done
@@ -239,6 +239,19 @@ def _dies_with_parent() -> Optional[Callable[[], None]]:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return set_death_signal
+
+
+def exit_text(code: int) -> str:
+    """A process's exit status in words: a signal's death named (Python's -9 is a shell's 137, "killed by SIGKILL")."""
+    if code >= 0:
+        return f"exit status {code}"
+    import signal
+
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"killed by {name} (exit status {code})"
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

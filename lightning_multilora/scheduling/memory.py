@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from lightning_multilora.arguments import check_bool, check_int, check_real
+from lightning_multilora.arguments import check_bool, check_int, check_real, peft_targets
 
 if TYPE_CHECKING:
     from lightning_multilora.spec import AdapterSpec
@@ -234,6 +234,7 @@ def projections(targets: Sequence[str] | str, what: str = "`targets`") -> tuple[
     all)."""
     import re
 
+    targets = peft_targets(targets)
     key = targets if isinstance(targets, str) else tuple(targets)
     try:
         found = _matched(key) if key else ()

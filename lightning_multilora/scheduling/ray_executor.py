@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_multilora.arguments import check_real
-from lightning_multilora.scheduling.executors import Completion, next_attempt, next_log_path, task_command, task_env
+from lightning_multilora.scheduling.executors import (Completion, exit_text, next_attempt, next_log_path, task_command,
+                                                      task_env)
 from lightning_multilora.scheduling.task_scheduler import Task
 
 
@@ -129,7 +130,7 @@ class RayExecutor:
                 code, log = None, None
                 try:
                     code, output = self.ray.get(ref)
-                    ok, detail = code == 0, "" if code == 0 else f"exit status {code}"
+                    ok, detail = code == 0, "" if code == 0 else exit_text(code)
                     kept, log = self._keep_log(task_id, output)
                     detail += "" if ok else kept
                 except Exception as err:  # noqa: BLE001 - a crashed worker is a failed attempt

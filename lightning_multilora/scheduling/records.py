@@ -10,7 +10,8 @@ never half of one. Each task's entry::
 
 ``state`` is ``finished``, ``failed`` or ``stopped`` (running, or waiting to be retried, when the schedule stopped);
 ``start`` / ``end`` are seconds on the run's clock (from ``run_started_at``), ``start`` the last attempt's and
-``starts`` every attempt's; ``task`` is the task's definition (``duration``, ``gpus``, ``torchrun``, ``command``).
+``starts`` every attempt's; ``task`` is the task's definition (``duration``, ``gpus``, ``torchrun``, ``command``),
+and ``added`` (true) marks a task added while the schedule ran (through an inbox), not by the task file.
 A task a resumed run skipped keeps its entry from the run that finished it.
 """
 
@@ -32,9 +33,9 @@ def records_path(log_dir: str | Path) -> Path:
     return Path(log_dir) / RECORDS_FILE
 
 
-def record_entry(record: Any, run_started_at: str, task: Any = None) -> dict[str, Any]:
-    """A `RunRecord` as the file holds it, with its `Task`'s definition (``task``, where given: a resume runs a
-    task again that came from an inbox, not the task file)."""
+def record_entry(record: Any, run_started_at: str, task: Any = None, added: bool = False) -> dict[str, Any]:
+    """A `RunRecord` as the file holds it, with its `Task`'s definition (``task``, where given) and whether it was
+    added while the schedule ran (``added``: an inbox's, which a resume runs again from its definition)."""
     entry = {"id": record.task_id, "state": record.state, "attempts": record.attempts, "start": record.start,
              "end": record.end, "starts": list(record.starts), "gpu_ids": list(record.gpu_ids),
              "exit_code": record.exit_code, "log": record.log, "detail": record.detail,
@@ -42,6 +43,8 @@ def record_entry(record: Any, run_started_at: str, task: Any = None) -> dict[str
     if task is not None:
         entry["task"] = {"duration": task.duration, "gpus": task.gpus, "torchrun": task.torchrun,
                          "command": None if task.command is None else list(task.command)}
+    if added:
+        entry["added"] = True
     return entry
 
 

@@ -101,6 +101,7 @@ class ScheduleRunner:
                                  if e["state"] != "finished" and isinstance(e.get("attempts"), int)}
         self.skipped: dict[str, dict[str, Any]] = {}  # submitted, recorded finished by an earlier run: not run
         self._tasks: dict[str, Task] = {}  # every task submitted, by id (its definition goes into its record)
+        self._added: set[str] = set()  # the tasks added while a schedule ran (`submit`'s ``added``)
         self._unsaid: list[str] = []  # skipped tasks not said yet
         self._tries: dict[str, int] = {}  # this run's attempts of a task (the retries count these)
         self._starts: dict[str, list[float]] = {}
@@ -120,10 +121,11 @@ class ScheduleRunner:
         return (set(self.pending) | set(self.running) | set(self.records) | set(self.skipped)
                 | {t.id for _, _, t in self.arrivals})
 
-    def submit(self, task: Task, at: Optional[float] = None) -> None:
+    def submit(self, task: Task, at: Optional[float] = None, added: bool = False) -> None:
         """Adds a task (at ``at`` on the executor's clock, default now). Checked here, before any task starts: a task
         an executor that runs commands (``needs_command``) could not run is refused, naming it. Resumed, a task the
-        records say finished is skipped (`skipped`)."""
+        records say finished is skipped (`skipped`). ``added``: a task added while a schedule ran (``poll``'s, an
+        inbox's), which its record says, for a resume to run it again from there."""
         if task.id in self.known_ids():
             raise ValueError(f"duplicate task id {task.id!r}; task ids must be unique")
         if task.gpus > self.scheduler.num_gpus:
@@ -134,6 +136,8 @@ class ScheduleRunner:
         if at is not None:
             check_real("ScheduleRunner.submit", "at", at, lambda v: True, "a time in seconds (the executor's clock)")
         self._tasks[task.id] = task
+        if added:
+            self._added.add(task.id)
         if task.id in self.earlier_finished:
             self.skipped[task.id] = self.earlier_finished[task.id]
             self._unsaid.append(task.id)
@@ -236,7 +240,7 @@ class ScheduleRunner:
             self._say_skipped()
             polled = self.poll() if self.poll is not None else []
             for task in polled:
-                self.submit(task)
+                self.submit(task, added=True)
             self._say_skipped()
             if not (self.arrivals or self.pending or self.running):
                 return self.records
@@ -333,7 +337,7 @@ class ScheduleRunner:
             return
         earlier = {**self.earlier_finished, **self._earlier_unfinished}
         entries = [*(dict(e) for tid, e in sorted(earlier.items()) if tid not in self.records),
-                   *(record_entry(r, self.started_at, self._tasks.get(r.task_id))
+                   *(record_entry(r, self.started_at, self._tasks.get(r.task_id), r.task_id in self._added)
                      for r in sorted(self.records.values(), key=lambda r: (r.start, r.task_id)))]
         try:
             write_records(self.records_path, entries, self.started_at)

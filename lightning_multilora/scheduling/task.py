@@ -90,7 +90,8 @@ class Task:
 
 def command_args(task_id: str, command: Any) -> tuple[str, ...]:
     """A task's argv: a string split into words as a shell would (then run without a shell: its pipes,
-    redirections, ``&&``, ``$VAR`` and globs are refused, naming ``[sh, -c, ...]``), or a list of arguments.
+    redirections, ``&&``, ``$VAR``, ``*``, a second line and ``NAME=value`` are refused, naming ``[sh, -c, ...]``), or
+    a list of arguments.
     Python's ints and floats become their text (as they always have); anything else in the list (a bool, None, a
     nested list) is refused, naming it: its text would be a guess (a task file's scalars arrive as written,
     `read_yaml`)."""
@@ -119,28 +120,37 @@ def command_args(task_id: str, command: Any) -> tuple[str, ...]:
 
 
 def _shell_syntax(command: str) -> Optional[str]:
-    """The first character of ``command`` that a shell would read as syntax (an operator, a redirection, an
-    expansion, a glob, a ``~`` starting a word) rather than as a word's letter, or None: outside quotes, or ``$`` and
-    a backquote inside double quotes."""
-    quote, escaped, word_start = None, False, True
-    for char in command:
+    """What a shell would read in ``command`` as syntax rather than as a word's letters, or None: outside quotes an
+    operator or redirection (``| & ; < > ( )``), a ``*`` glob, a ``#`` comment or ``~`` starting a word, a line
+    break (a second command), a leading ``NAME=value`` (an environment variable); a ``$`` expansion (``$x``,
+    ``${x}``, ``$(...)``, ``$1``...) or a backquote outside single quotes. A ``$`` a shell passes on as it is
+    (``"^.*_proj$"``) is not."""
+    quote, escaped, word_start, first_word = None, False, True, True
+    for i, char in enumerate(command):
         if escaped:
             escaped, word_start = False, False
             continue
         if char == "\\" and quote != "'":
             escaped = True
             continue
-        if quote is not None:
-            if char == quote:
-                quote = None
-            elif quote == '"' and char in "$`":
-                return char
+        if quote == "'":
+            quote = None if char == "'" else quote
+            continue
+        if char == "`" or (char == "$" and i + 1 < len(command) and (command[i + 1].isalnum() or command[i + 1] in
+                                                                     "_{(@*#?$!-")):
+            return char
+        if quote == '"':
+            quote = None if char == '"' else quote
             continue
         if char in "'\"":
             quote, word_start = char, False
-        elif char in "|&;<>()$`*" or (char == "~" and word_start):
-            return char
+        elif char in "|&;<>()*\n" or (char in "~#" and word_start):
+            return "line break" if char == "\n" else char
+        elif char == "=" and first_word and command[:i].strip().isidentifier():
+            return f"{command[:i].strip()}=..."
         else:
+            if char.isspace() and not word_start:
+                first_word = False
             word_start = char.isspace()
     return None
 

@@ -26,17 +26,19 @@ set; ``gpus`` above what it, or the machine, has is refused, before any chart is
 (``*.yaml`` or ``*.yml``, a ``tasks:`` list) dropped into ``DIR`` while the schedule runs are submitted and replanned
 (then renamed ``<name>.done``; other files are said once and left alone).
 
-A run keeps its task records in ``<log_dir>/records.json`` (each task's state, attempts, starts and end, exit status
-and log; `lightning_multilora.scheduling.records`), rewritten after every completion and when it stops: on Ctrl-C,
-SIGTERM or SIGHUP the running tasks are stopped and recorded ``stopped``, and ``run.png`` is drawn as at an end.
-``--resume`` runs the file again over the same ``log_dir`` without the tasks those records say finished (said, and
-their records kept); a task recorded failed or stopped runs again, its attempts numbered on, and so does one an inbox
-added (the records hold each task's definition). A task's command gets ``MULTILORA_TASK_ID`` and
-``MULTILORA_TASK_ATTEMPT`` (1 on its first attempt). A run without ``--resume`` runs every task and starts the records
-afresh, the earlier ones moved to ``records.<n>.json``; a ``--simulate`` one writes none (a resume after it would skip
-what never ran). On Linux a task also gets SIGTERM when the schedule's process dies otherwise (``kill -9``). A
-``command`` string is split into words and run without a shell: shell syntax in it (``&&``, ``|``, ``>``, ``$VAR``,
-``*``) is refused, and ``[sh, -c, "..."]`` runs a shell.
+A run keeps its task records in ``<log_dir>/records.json`` (each task's state, attempts, starts and end, exit status and
+log; `lightning_multilora.scheduling.records`), rewritten after every completion and when it stops: on Ctrl-C, SIGTERM
+or SIGHUP the running tasks are stopped and recorded ``stopped``, and ``run.png`` is drawn as at an end (a hangup
+ignored as the schedule starts, ``nohup``'s, stays ignored). ``--resume`` runs the file again over the same ``log_dir``
+without the tasks those records say finished (said, and their records kept); a task recorded failed or stopped runs
+again, its attempts numbered on, and so does one an inbox added (the records hold each task's definition; a task since
+removed from the file is not run again). A task's command gets ``MULTILORA_TASK_ID`` and ``MULTILORA_TASK_ATTEMPT`` (1
+on its first attempt). A run without ``--resume`` runs every task and starts the records afresh, the earlier ones moved
+to ``records.<n>.json``; a ``--simulate`` one writes none (a resume after it would skip what never ran). On Linux a
+task's process also gets SIGTERM when the schedule's process dies otherwise (``kill -9``); its own children do not
+(``exec`` the last command of a ``[sh, -c, ...]`` task, or stop them on SIGTERM). A ``command`` string is split into
+words and run without a shell: shell syntax in it (``&&``, ``|``, ``>``, ``$VAR``, ``*``, a second line, a leading
+``NAME=value``) is refused, and ``[sh, -c, "..."]`` runs a shell.
 """
 
 from __future__ import annotations
@@ -341,11 +343,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         except ValueError as err:
             parser.error(f"--resume: {err}")
         finished = {tid for tid, e in earlier.items() if e["state"] == "finished"}
-        added = _recorded_tasks(earlier, {t.id for t in tasks}, records_file)
-        try:
-            validate_tasks(tasks + added, settings["gpus"])
-        except ValueError as err:
-            parser.error(f"--resume: {records_file}: {err}")
+        added = _recorded_tasks(earlier, {t.id for t in tasks}, records_file, settings["gpus"])
         tasks = tasks + added
         to_run = [t for t in tasks if t.id not in finished]
         skipped = [t.id for t in tasks if t.id in finished]
@@ -397,12 +395,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.inbox is not None:
         runner.poll = inbox_poller(args.inbox, settings["gpus"], known=lambda: runner.known_ids(),
                                    need_command=not args.simulate, node_gpus=node_gpus)
+    recorded = {t.id for t in added} if args.resume else set()
     for task in tasks if not args.simulate else to_run:  # (resumed, the runner skips the finished ones, said)
-        runner.submit(task)
+        runner.submit(task, added=task.id in recorded)
     in_main = threading.current_thread() is threading.main_thread()  # (signal handlers: the main thread's alone)
     # a `kill`, a job stop, a closed terminal or SSH session: as Ctrl-C (a hangup left the tasks running, and a
-    # `--resume` started them again beside themselves)
-    previous = {sig: signal.signal(sig, _terminated) for sig in _STOP_SIGNALS} if in_main else {}
+    # `--resume` started them again beside themselves); a signal ignored as the schedule started (`nohup`'s hangup)
+    # stays ignored
+    previous = {sig: signal.signal(sig, _terminated) for sig in _STOP_SIGNALS
+                if signal.getsignal(sig) is not signal.SIG_IGN} if in_main else {}
     interrupted: Optional[KeyboardInterrupt] = None
     try:
         records = runner.run()
@@ -412,7 +413,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"interrupted: stopped the tasks {stopped}; the records so far:", flush=True)
     finally:  # an interrupted or failed schedule leaves no task running: a second Ctrl-C or kill waits for that
         if in_main:
-            for sig in _STOP_SIGNALS:
+            for sig in previous:
                 signal.signal(sig, signal.SIG_IGN)
             interrupt_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
@@ -423,15 +424,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 signal.signal(signal.SIGINT, interrupt_handler)
                 for sig, handler in previous.items():
                     signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-    print(records_table(records))
     try:
         done = gantt(records, settings["gpus"], run_path, f"run{' (interrupted)' if interrupted else ''}: makespan "
                      f"{runner.makespan:.0f} s")
     except (OSError, ValueError) as err:  # (the tasks have run: said, not raised)
         done = f"not written ({err})"
-    print(f"makespan {runner.makespan:.1f} s, {runner.replans} replans; Gantt chart of the run: {done}")
-    if runner.records_path is not None:
-        print(f"task records: {runner.records_path} (`--resume` runs again only what did not finish)")
+    try:  # (after a hangup the terminal is gone: EIO, which the records and the chart must not wait on)
+        print(records_table(records))
+        print(f"makespan {runner.makespan:.1f} s, {runner.replans} replans; Gantt chart of the run: {done}")
+        if runner.records_path is not None:
+            print(f"task records: {runner.records_path} (`--resume` runs again only what did not finish)")
+    except OSError:
+        pass
     if interrupted is not None:  # (the shell's statuses: 128 + the signal's number)
         return 128 + interrupted.signum if isinstance(interrupted, _Terminated) else 130
     return 0 if all(r.state == "finished" for r in records.values()) else 1
@@ -458,24 +462,33 @@ def _ray_executor(args: argparse.Namespace, settings: dict[str, Any], tasks: lis
     return executor, largest
 
 
-def _recorded_tasks(earlier: Mapping[str, Mapping[str, Any]], in_file: set[str], records_file: Path) -> list[Task]:
-    """The tasks ``earlier`` (a records file's entries) records unfinished that the task file does not hold (an
-    inbox's), rebuilt from their recorded definitions, said; those recorded without one (an older file) named."""
+def _recorded_tasks(earlier: Mapping[str, Mapping[str, Any]], in_file: set[str], records_file: Path,
+                    gpus: int) -> list[Task]:
+    """The tasks ``earlier`` (a records file's entries) records unfinished that an inbox added while the schedule
+    ran (``added``), rebuilt from their recorded definitions, said; those that cannot be rebuilt (no definition: an
+    older file; no command; wider than ``gpus``) named and left out. A task of the file that is no longer in it
+    (removed, renamed) is not run again."""
     added, undefined = [], []
     for tid, entry in sorted(earlier.items()):
-        if tid in in_file or entry["state"] == "finished":
+        if tid in in_file or entry["state"] == "finished" or not entry.get("added"):
             continue
-        definition = entry.get("task")
         try:
-            added.append(Task(tid, **definition))
-        except (TypeError, ValueError):
+            task = Task(tid, **entry["task"])
+            validate_tasks([task], gpus)
+        except (KeyError, TypeError, ValueError):
             undefined.append(tid)
+            continue
+        if task.command is None:
+            undefined.append(tid)
+        else:
+            added.append(task)
     if added:
-        print(f"resume: {records_file} records {len(added)} unfinished task{'s' * (len(added) > 1)} that the file "
-              f"does not hold (added through an inbox): {ids_text(t.id for t in added)}; they run again", flush=True)
+        print(f"resume: {records_file} records {len(added)} unfinished task{'s' * (len(added) > 1)} an inbox added: "
+              f"{ids_text(t.id for t in added)}; they run again", flush=True)
     if undefined:
-        print(f"resume: {records_file} records unfinished tasks that the file does not hold, without their "
-              f"definitions: {ids_text(undefined)}; add them to the file to run them", flush=True)
+        print(f"resume: {records_file} records unfinished tasks an inbox added that cannot run from their records "
+              f"(no definition, no command, or wider than `gpus`): {ids_text(undefined)}; add them to the file to "
+              "run them", flush=True)
     return added
 
 

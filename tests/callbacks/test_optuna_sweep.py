@@ -45,6 +45,23 @@ def test_trials_fill_slots_and_are_told_complete_in_sqlite(tmp_path, trainer_kwa
     assert {r.name for r in module.registry} == {f"trial-{i}" for i in range(5)}
 
 
+def test_a_dpo_trial_records_the_preference_accuracy_of_the_weights_its_value_is_of(tmp_path, trainer_kwargs):
+    """(The study had the DPO losses alone, while the sweep's own warning says to compare DPO trials on their
+    preference accuracy.)"""
+    from lightning_multilora.data import PreferenceSource
+
+    pairs = [{"prompt": f"Q{i}?", "chosen": " yes", "rejected": " no"} for i in range(40)]
+    sweep = OptunaSweep({"lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True}}, n_trials=2,
+                        base={"max_steps": 4, "batch_size": 2, "objective": "dpo"}, slots=2)
+    module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"))
+    L.Trainer(**dict(trainer_kwargs, val_check_interval=2), callbacks=[sweep]).fit(
+        module, MultiLoRADataModule(sources={"p": PreferenceSource(records=pairs)}, max_val_examples=8))
+    for trial in sweep.study.get_trials():
+        rec = module.registry[trial.user_attrs["adapter"]]
+        assert trial.value == pytest.approx(rec.last_val_loss)
+        assert trial.user_attrs["adapter_exit"]["val_preference_accuracy"] == rec.last_val_preference_accuracy
+
+
 def test_trial_handles_are_opened_only_to_report_new_validations(tmp_path, trainer_kwargs, monkeypatch):
     # A Trial handle reads the storage; opening one per trial at every step cost ~1 ms each (60 trials: 70 ms).
     opened = []

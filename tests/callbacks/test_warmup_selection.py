@@ -172,6 +172,49 @@ def test_candidates_of_another_objective_or_source_are_ranked_apart():
     assert "ranked 2 of 2 among the dpo adapters (beta 0.1) on the first source; kept the top 1 of 2" in said
 
 
+def test_the_warmup_rounds_half_up_and_a_candidate_without_a_source_is_ranked_apart():
+    """(Python's round took 5% of 50 steps to 2 and of 70 to 4; a candidate that failed as it started, its `dataset`
+    no source, crashed the ranking of the others, and every resume of the run.)"""
+    from types import SimpleNamespace
+
+    from lightning_multilora.registry import AdapterRegistry
+
+    rule = WarmupSelection()
+    assert [rule.warmup_steps(m) for m in (10, 30, 50, 70, 90, 100)] == [1, 2, 3, 4, 5, 5]
+    registry = AdapterRegistry()
+    for name, state in (("a", AdapterState.PAUSED), ("b", AdapterState.PAUSED), ("typo", AdapterState.FAILED)):
+        registry.add(AdapterSpec(name, dataset="arithmetc" if name == "typo" else None)).state = state
+
+    def source_name(dataset):
+        if dataset is not None:
+            raise ValueError(f"adapter dataset {dataset!r} is not a data source")
+        return "arith"
+
+    selection = WarmupSelection(keep_fraction=0.5)
+    selection.candidates, selection.warmup_losses = ["a", "b", "typo"], {"a": 2.0, "b": 1.0}
+    trainer = SimpleNamespace(callbacks=[], datamodule=SimpleNamespace(source_name=source_name))
+    decision = selection._selection(trainer, registry)
+    assert decision["kept"] == ["b"] and list(decision["pruned"]) == ["a"]
+
+
+def test_an_adapter_started_after_the_selection_is_said_to_skip_it(tmp_path, trainer_kwargs):
+    """(Added once the ranking was made, adapters trained unranked, silently.)"""
+    class AddLate(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 6:
+                pl_module.add_adapter(AdapterSpec("late", rank=2, max_steps=3, batch_size=2))
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec(f"c{i}", rank=2, max_steps=8, batch_size=2, seed=i)
+                                                     for i in range(4)], export_dir=str(tmp_path / "out"))
+    selection = WarmupSelection(warmup_fraction=0.25)
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(200)}, max_val_examples=8)
+    with pytest.warns(UserWarning, match=r"WarmupSelection: adapters \['late'\] started after its selection was "
+                                         r"made: they train without a warmup ranking"):
+        L.Trainer(**trainer_kwargs, callbacks=[selection, AddLate()]).fit(module, dm)
+    assert selection.decided and "late" not in selection.warmup_losses
+    assert module.registry["late"].state == AdapterState.FINISHED
+
+
 def test_warmup_selection_ranks_once_a_sweeps_grid_is_used_up_before_its_n_trials(tmp_path, trainer_kwargs):
     """An Optuna grid with fewer points than ``n_trials``: the sweep has no more candidates once every point is
     asked, so the selection ranks the warmed-up trials instead of waiting for trials that never come (the run used

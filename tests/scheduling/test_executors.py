@@ -67,6 +67,12 @@ def test_a_task_that_keeps_failing_is_marked_failed_with_its_log(tmp_path):
     runner.submit(Task("bad", 1.0, 1, [sys.executable, "-c", "raise SystemExit(2)"]))
     record = runner.run()["bad"]
     assert record.state == "failed" and record.attempts == 2 and "exit status 2" in record.detail
+    # a death by a signal is named (Python's -9 read as an exit status, not the shell's 137 or a signal's name)
+    runner = ScheduleRunner(TaskScheduler(1), LocalExecutor(tmp_path / "killed"), max_retries=0)
+    runner.submit(Task("killed", 1.0, 1, [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), "
+                                                                  "signal.SIGKILL)"]))
+    killed = runner.run()["killed"]
+    assert killed.detail.startswith("killed by SIGKILL (exit status -9), log ") and killed.exit_code == -9
     # a second schedule over the same log folder numbers its logs on: the first one's are kept
     (tmp_path / "bad.1.log").write_text("kept")
     runner = ScheduleRunner(TaskScheduler(1), LocalExecutor(tmp_path), max_retries=0)

@@ -91,6 +91,10 @@ def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
      "to run it in one, write the command as a list: \\[sh, -c, 'echo \\$HOME > out.txt'\\]"),
     ("gpus: 2\ntasks: [{id: a, duration: 5, command: 'mkdir -p sub && touch sub/made'}]", "uses shell syntax "
      "\\('&'\\)"),
+    ("gpus: 2\ntasks: [{id: a, duration: 5, command: 'OMP_NUM_THREADS=1 python t.py'}]", "uses shell syntax "
+     "\\('OMP_NUM_THREADS=...'\\)"),  # (an environment variable: run as a program named OMP_NUM_THREADS=1)
+    ("gpus: 2\ntasks:\n  - id: a\n    duration: 5\n    command: |\n      python a.py\n      python b.py\n",
+     "uses shell syntax \\('line break'\\)"),  # (the second line ran as the first one's arguments, "finished")
     ("gpus: 2\ntasks: [{id: a, duration: 5, torchrun: 'false'}]", "`torchrun` must be true or false, got 'false'"),
     ("gpus: 2\ntasks: [{id: a, duration: 5, gpus: true}]", "`gpus` must be an integer >= 1, got True"),
     ("gpus: 2\ntasks: [{id: a, duration: true}]", "`duration` must be a finite number > 0, got True"),
@@ -279,6 +283,48 @@ def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
     assert {t: (e["state"], e["log"]) for t, e in records.items()} == {
         t: ("stopped", str(tmp_path / "logs" / "logs" / f"{t}.1.log")) for t in "ab"}
     assert (tmp_path / "logs" / "run.png").exists()
+
+
+def test_a_schedule_started_with_its_hangup_ignored_keeps_running_on_a_hangup(tmp_path):
+    """(`nohup multilora schedule ...`: the hangup handler installed over nohup's SIG_IGN stopped the tasks at an SSH
+    logout, which the run was started to outlive.)"""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    py = sys.executable
+    path = write(tmp_path, f"""\
+        gpus: 1
+        log_dir: {tmp_path / 'logs'}
+        tasks:
+          - {{id: a, duration: 100, command: [{py}, -c, "{RUN_AND_WAIT}", {tmp_path / 'a.pid'}]}}
+        """)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    command = [py, "-c", f"import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
+                         f"from lightning_multilora.scheduling.task_file import main; sys.exit(main([{str(path)!r}]))"]
+    schedule = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "a.pid").exists() and time.monotonic() < deadline and schedule.poll() is None:
+        time.sleep(0.1)
+    pid = int((tmp_path / "a.pid").read_text())
+    schedule.send_signal(signal.SIGHUP)
+    time.sleep(1.5)
+    still = schedule.poll() is None and _alive(pid)
+    schedule.send_signal(signal.SIGTERM)  # (then stopped as a `kill` stops it)
+    out, _ = schedule.communicate(timeout=60)
+    assert still, out
+    assert schedule.returncode == 143 and "interrupted: stopped the tasks ['a']" in out
+
+
+def test_a_command_string_keeps_what_a_shell_passes_on_as_it_is():
+    """A ``$`` no shell expands (a regex's end) and quoted code reach the program as written; nothing refused."""
+    from lightning_multilora.scheduling.task import Task
+
+    task = Task("a", 1.0, command='train.py --targets "^.*_proj$" --code \'print("a; b")\' --url http://h/x?y=1')
+    assert task.command == ("train.py", "--targets", "^.*_proj$", "--code", 'print("a; b")', "--url",
+                            "http://h/x?y=1")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent's death signal is Linux's (prctl)")
@@ -589,19 +635,22 @@ def test_a_resume_runs_again_an_inboxs_unfinished_tasks_and_keeps_every_finished
     first = json.loads((log_dir / "records.json").read_text())
     assert first["tasks"][0]["task"] == {"duration": 1.0, "gpus": 1, "torchrun": False, "command": [py, "-c", run]}
     # as an interrupted run with an inbox leaves them: a stopped, x (inbox) finished, y (inbox) stopped, z (inbox,
-    # a records file of before the definitions) stopped
+    # a records file of before the definitions) stopped; and "gone", a task of the file since removed from it
     entry = dict(first["tasks"][0], state="stopped")
-    tasks = [entry, dict(entry, id="x", state="finished"), dict(entry, id="y"),
-             {k: v for k, v in dict(entry, id="z").items() if k != "task"}]
+    assert "added" not in entry  # (the file's own task)
+    tasks = [entry, dict(entry, id="x", state="finished", added=True), dict(entry, id="y", added=True),
+             {k: v for k, v in dict(entry, id="z", added=True).items() if k != "task"}, dict(entry, id="gone")]
     (log_dir / "records.json").write_text(json.dumps(dict(first, tasks=tasks)))
     capsys.readouterr()
     assert main([str(path), "--resume"]) == 0
     out = capsys.readouterr().out
-    assert "records 1 unfinished task that the file does not hold (added through an inbox): y; they run again" in out
-    assert "without their definitions: z; add them to the file to run them" in out
-    assert marker.read_text() == "a;a;y;"  # (x finished before: not run again)
-    records = {e["id"]: e["state"] for e in json.loads((log_dir / "records.json").read_text())["tasks"]}
-    assert records == {"a": "finished", "x": "finished", "y": "finished", "z": "stopped"}
+    assert "records 1 unfinished task an inbox added: y; they run again" in out
+    assert "cannot run from their records (no definition, no command, or wider than `gpus`): z; add them" in out
+    assert marker.read_text() == "a;a;y;"  # (x finished before, gone removed from the file: not run again)
+    entries = {e["id"]: e for e in json.loads((log_dir / "records.json").read_text())["tasks"]}
+    assert {t: e["state"] for t, e in entries.items()} == {"a": "finished", "x": "finished", "y": "finished",
+                                                           "z": "stopped", "gone": "stopped"}
+    assert entries["y"]["added"] and "added" not in entries["a"]  # (y came from an inbox: still said)
     # a run afresh keeps the records it starts over from beside its own
     before = (log_dir / "records.json").read_text()
     assert main([str(path)]) == 0
