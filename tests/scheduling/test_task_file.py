@@ -285,11 +285,10 @@ def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
     assert (tmp_path / "logs" / "run.png").exists()
 
 
-def test_a_schedule_started_with_its_hangup_ignored_keeps_running_on_a_hangup(tmp_path):
-    """(`nohup multilora schedule ...`: the hangup handler installed over nohup's SIG_IGN stopped the tasks at an SSH
-    logout, which the run was started to outlive.)"""
+def _one_waiting_task_schedule(tmp_path, setup: str = "pass"):
+    """A schedule process (its own session) running one task that waits, started: the process, and the task's
+    pid. ``setup``: Python run in the schedule's process before it starts."""
     import os
-    import signal
     import subprocess
     import time
 
@@ -301,14 +300,24 @@ def test_a_schedule_started_with_its_hangup_ignored_keeps_running_on_a_hangup(tm
           - {{id: a, duration: 100, command: [{py}, -c, "{RUN_AND_WAIT}", {tmp_path / 'a.pid'}]}}
         """)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    command = [py, "-c", f"import signal, sys; signal.signal(signal.SIGHUP, signal.SIG_IGN); "
-                         f"from lightning_multilora.scheduling.task_file import main; sys.exit(main([{str(path)!r}]))"]
+    command = [py, "-c", f"import sys; {setup}; from lightning_multilora.scheduling.task_file import main; "
+                         f"sys.exit(main([{str(path)!r}]))"]
     schedule = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "a.pid").exists() and time.monotonic() < deadline and schedule.poll() is None:
         time.sleep(0.1)
-    pid = int((tmp_path / "a.pid").read_text())
+    assert (tmp_path / "a.pid").exists(), schedule.communicate(timeout=30)[0]
+    return schedule, int((tmp_path / "a.pid").read_text())
+
+
+def test_a_schedule_started_with_its_hangup_ignored_keeps_running_on_a_hangup(tmp_path):
+    """(`nohup multilora schedule ...`: the hangup handler installed over nohup's SIG_IGN stopped the tasks at an SSH
+    logout, which the run was started to outlive.)"""
+    import signal
+    import time
+
+    schedule, pid = _one_waiting_task_schedule(tmp_path, "import signal; signal.signal(signal.SIGHUP, signal.SIG_IGN)")
     schedule.send_signal(signal.SIGHUP)
     time.sleep(1.5)
     still = schedule.poll() is None and _alive(pid)
@@ -333,25 +342,9 @@ def test_a_schedule_killed_outright_takes_its_running_tasks_with_it(tmp_path):
     a ``--resume`` started them again beside themselves."""
     import os
     import signal
-    import subprocess
     import time
 
-    py = sys.executable
-    path = write(tmp_path, f"""\
-        gpus: 1
-        log_dir: {tmp_path / 'logs'}
-        tasks:
-          - {{id: a, duration: 100, command: [{py}, -c, "{RUN_AND_WAIT}", {tmp_path / 'a.pid'}]}}
-        """)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    command = [py, "-c", f"import sys; from lightning_multilora.scheduling.task_file import main; "
-                         f"sys.exit(main([{str(path)!r}]))"]
-    schedule = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "a.pid").exists() and time.monotonic() < deadline and schedule.poll() is None:
-        time.sleep(0.1)
-    pid = int((tmp_path / "a.pid").read_text())
+    schedule, pid = _one_waiting_task_schedule(tmp_path)
     assert _alive(pid)
     schedule.kill()
     schedule.wait(timeout=30)
