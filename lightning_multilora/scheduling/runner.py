@@ -303,8 +303,9 @@ class ScheduleRunner:
         self.save_records()
 
     def stop(self, why: str = "stopped") -> None:
-        """Stops the executor's running tasks (its ``stop()``, where it has one) and records them, and the tasks
-        waiting for a retry, as "stopped" (``why`` in their detail); writes the records. `run` calls it when it
+        """Stops the executor's running tasks (its ``stop()``, where it has one) and records them, the tasks
+        waiting for a retry and those an inbox added that have not started, as "stopped" (``why`` in their detail);
+        writes the records. `run` calls it when it
         raises. The records are written before the executor is asked to stop (a second Ctrl-C meanwhile keeps them),
         then again with the exit statuses and logs its ``stop()`` returns (`Completion`s)."""
         now = self.now
@@ -316,6 +317,11 @@ class ScheduleRunner:
             self.records[tid] = RunRecord(tid, "stopped", self.attempts[tid], self._starts[tid][-1], now, (),
                                           f"stopped waiting for a retry ({why}) after: {self._last_failure.get(tid)}",
                                           tuple(self._starts[tid]))
+        waiting = [*self.pending, *(t.id for _, _, t in self.arrivals)]
+        for tid in [t for t in waiting if t in self._added and t not in self.records]:  # (an inbox's, not started:
+            # its record is its only copy, for a resume to run it)
+            self.records[tid] = RunRecord(tid, "stopped", self.attempts.get(tid, 0), now, now, (),
+                                          f"stopped before it started ({why})")
         stopping = set(self.running)
         self.running.clear()
         self._failed_starts.clear()

@@ -98,13 +98,18 @@ def command_args(task_id: str, command: Any) -> tuple[str, ...]:
     if isinstance(command, str):
         import shlex
 
+        # (a shell drops a backslash-newline, and a YAML block's last line break: `command: >` folds a long one)
+        command = command.replace("\\\n", " ").strip()
         shell = _shell_syntax(command)
         if shell is not None:  # (run as words, `a && b > out` ran `a` with the arguments '&&', 'b', '>', 'out')
             raise ValueError(f"task {task_id!r}: `command` {command!r} uses shell syntax ({shell!r}), but a command "
                              "string is split into words and run without a shell; to run it in one, write the "
                              f"command as a list: [sh, -c, {command!r}] (or quote the character for it to reach "
                              "the program as it is)")
-        args = tuple(shlex.split(command))
+        try:
+            args = tuple(shlex.split(command))
+        except ValueError as err:  # (shlex's "No closing quotation")
+            raise ValueError(f"task {task_id!r}: `command` {command!r} does not split into words: {err}") from None
     elif isinstance(command, (list, tuple)):
         for i, arg in enumerate(command):
             if isinstance(arg, bool) or not isinstance(arg, (str, numbers.Real)):
@@ -124,7 +129,8 @@ def _shell_syntax(command: str) -> Optional[str]:
     operator or redirection (``| & ; < > ( )``), a ``*`` glob, a ``#`` comment or ``~`` starting a word, a line
     break (a second command), a leading ``NAME=value`` (an environment variable); a ``$`` expansion (``$x``,
     ``${x}``, ``$(...)``, ``$1``...) or a backquote outside single quotes. A ``$`` a shell passes on as it is
-    (``"^.*_proj$"``) is not."""
+    (``"^.*_proj$"``) is not; nor are ``?``, ``[...]`` and ``{a,b}``, which a shell passes on as they are where they
+    match no file and expand to nothing (brace lists aside): quote them, or use the list form, where it matters."""
     quote, escaped, word_start, first_word = None, False, True, True
     for i, char in enumerate(command):
         if escaped:

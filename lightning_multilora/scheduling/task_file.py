@@ -410,7 +410,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt as interrupt:  # (the runner stopped the running tasks and recorded them "stopped")
         interrupted, records = interrupt, runner.records
         stopped = sorted(t for t, r in records.items() if r.state == "stopped")
-        print(f"interrupted: stopped the tasks {stopped}; the records so far:", flush=True)
+        try:  # (after a hangup the terminal is gone: EIO, which the stop, the chart and the status must not wait on)
+            print(f"interrupted: stopped the tasks {stopped}; the records so far:", flush=True)
+        except OSError:
+            pass
     finally:  # an interrupted or failed schedule leaves no task running: a second Ctrl-C or kill waits for that
         if in_main:
             for sig in previous:
@@ -465,12 +468,15 @@ def _ray_executor(args: argparse.Namespace, settings: dict[str, Any], tasks: lis
 def _recorded_tasks(earlier: Mapping[str, Mapping[str, Any]], in_file: set[str], records_file: Path,
                     gpus: int) -> list[Task]:
     """The tasks ``earlier`` (a records file's entries) records unfinished that an inbox added while the schedule
-    ran (``added``), rebuilt from their recorded definitions, said; those that cannot be rebuilt (no definition: an
-    older file; no command; wider than ``gpus``) named and left out. A task of the file that is no longer in it
-    (removed, renamed) is not run again."""
-    added, undefined = [], []
+    ran (``added``), rebuilt from their recorded definitions, said; those that cannot be rebuilt (no definition, no
+    command, wider than ``gpus``) named and left out. The unfinished tasks that are no longer in the file (removed,
+    renamed) are named and not run again."""
+    added, undefined, removed = [], [], []
     for tid, entry in sorted(earlier.items()):
-        if tid in in_file or entry["state"] == "finished" or not entry.get("added"):
+        if tid in in_file or entry["state"] == "finished":
+            continue
+        if not entry.get("added"):
+            removed.append(tid)
             continue
         try:
             task = Task(tid, **entry["task"])
@@ -489,6 +495,10 @@ def _recorded_tasks(earlier: Mapping[str, Mapping[str, Any]], in_file: set[str],
         print(f"resume: {records_file} records unfinished tasks an inbox added that cannot run from their records "
               f"(no definition, no command, or wider than `gpus`): {ids_text(undefined)}; add them to the file to "
               "run them", flush=True)
+    if removed:
+        print(f"resume: {records_file} records unfinished tasks that are not in the file (removed or renamed; or "
+              f"an inbox's, in records older than the mark): {ids_text(removed)}; they do not run (add them to the "
+              "file to run them)", flush=True)
     return added
 
 

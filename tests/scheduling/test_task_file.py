@@ -327,13 +327,85 @@ def test_a_schedule_started_with_its_hangup_ignored_keeps_running_on_a_hangup(tm
     assert schedule.returncode == 143 and "interrupted: stopped the tasks ['a']" in out
 
 
-def test_a_command_string_keeps_what_a_shell_passes_on_as_it_is():
-    """A ``$`` no shell expands (a regex's end) and quoted code reach the program as written; nothing refused."""
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a pseudo-terminal closed under the schedule")
+def test_a_hangup_with_the_terminal_gone_still_stops_draws_and_says_129(tmp_path):
+    """(The first print after the hangup raised EIO on the dead terminal: exit status 1, no run chart.)"""
+    import os
+    import pty
+    import select
+    import signal
+    import subprocess
+    import time
+
+    py = sys.executable
+    path = write(tmp_path, f"""\
+        gpus: 1
+        log_dir: {tmp_path / 'logs'}
+        tasks:
+          - {{id: a, duration: 100, command: [{py}, -c, "{RUN_AND_WAIT}", {tmp_path / 'a.pid'}]}}
+        """)
+    master, slave = pty.openpty()
+    command = [py, "-c", f"import sys; from lightning_multilora.scheduling.task_file import main; "
+                         f"sys.exit(main([{str(path)!r}]))"]
+    schedule = subprocess.Popen(command, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), stdin=slave, stdout=slave,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    os.close(slave)
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "a.pid").exists() and time.monotonic() < deadline and schedule.poll() is None:
+        if select.select([master], [], [], 0.2)[0]:
+            os.read(master, 65536)  # (a terminal that is read, until it goes)
+    os.close(master)
+    schedule.send_signal(signal.SIGHUP)
+    assert schedule.wait(timeout=60) == 129
+    records = json.loads((tmp_path / "logs" / "records.json").read_text())["tasks"]
+    assert [(e["id"], e["state"]) for e in records] == [("a", "stopped")]
+    assert (tmp_path / "logs" / "run.png").exists()
+
+
+def test_an_inbox_task_not_started_when_the_schedule_stops_is_recorded_for_the_resume(tmp_path):
+    """(Its inbox file renamed done and no record of it: neither the inbox nor a resume would ever run it.)"""
+    from lightning_multilora.scheduling.executors import SimulatedExecutor
+    from lightning_multilora.scheduling.runner import ScheduleRunner
+    from lightning_multilora.scheduling.task import Task
+    from lightning_multilora.scheduling.task_scheduler import TaskScheduler
+
+    runner = ScheduleRunner(TaskScheduler(1), SimulatedExecutor(), records=tmp_path / "records.json")
+    runner.submit(Task("a", 5.0, command=["true"]))
+    runner.submit(Task("late", 5.0, command=["true"]), added=True)
+    runner.stop("interrupted")
+    entries = json.loads((tmp_path / "records.json").read_text())["tasks"]
+    assert [(e["id"], e["state"], e["added"], e["task"]["command"]) for e in entries] == [
+        ("late", "stopped", True, ["true"])]  # (a, the file's, runs again from the file)
+    assert entries[0]["detail"] == "stopped before it started (interrupted)" and entries[0]["attempts"] == 0
+
+
+def test_a_command_string_keeps_what_a_shell_passes_on_as_it_is(tmp_path):
+    """A ``$`` no shell expands (a regex's end) and quoted code reach the program as written; nothing refused. A
+    YAML block folded over lines (``command: >``, which keeps its last line break) and a backslash-newline were
+    refused as a second line."""
     from lightning_multilora.scheduling.task import Task
 
     task = Task("a", 1.0, command='train.py --targets "^.*_proj$" --code \'print("a; b")\' --url http://h/x?y=1')
     assert task.command == ("train.py", "--targets", "^.*_proj$", "--code", 'print("a; b")', "--url",
                             "http://h/x?y=1")
+    _, (folded, continued) = load_task_file(write(tmp_path, """\
+        gpus: 1
+        tasks:
+          - id: a
+            duration: 5
+            command: >
+              multilora fit --config a.yaml
+              --seed_everything 7
+          - id: b
+            duration: 5
+            command: |
+              train.py \\
+                --lr 1.0e-3
+        """))
+    assert folded.command == ("multilora", "fit", "--config", "a.yaml", "--seed_everything", "7")
+    assert continued.command == ("train.py", "--lr", "1.0e-3")
+    with pytest.raises(ValueError, match=r"task 'q': `command` '\"x' does not split into words: No closing quotation"):
+        Task("q", 1.0, command='"x')
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a parent's death signal is Linux's (prctl)")
@@ -638,6 +710,8 @@ def test_a_resume_runs_again_an_inboxs_unfinished_tasks_and_keeps_every_finished
     assert main([str(path), "--resume"]) == 0
     out = capsys.readouterr().out
     assert "records 1 unfinished task an inbox added: y; they run again" in out
+    assert "unfinished tasks that are not in the file (removed or renamed; or an inbox's, in records older than the " \
+           "mark): gone; they do not run" in out
     assert "cannot run from their records (no definition, no command, or wider than `gpus`): z; add them" in out
     assert marker.read_text() == "a;a;y;"  # (x finished before, gone removed from the file: not run again)
     entries = {e["id"]: e for e in json.loads((log_dir / "records.json").read_text())["tasks"]}
