@@ -251,19 +251,11 @@ def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
     import subprocess
     import time
 
-    py = sys.executable
-    path = write(tmp_path, f"""\
-        gpus: 2
-        log_dir: {tmp_path / 'logs'}
-        tasks:
-          - {{id: a, duration: 100, command: [{py}, -c, "{RUN_AND_WAIT}", {tmp_path / 'a.pid'}]}}
-          - {{id: b, duration: 100, command: [{py}, -c, "{RUN_AND_WAIT}", {tmp_path / 'b.pid'}]}}
-        """)
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # (tasks without GPUs; no torch import to count them)
     # Ctrl-C as at a terminal: a process started with SIGINT ignored (a test run in a shell's background job, where
     # the shell ignores it) keeps ignoring it, as Python does, and so would the schedule
-    command = [py, "-c", f"import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
-                         f"from lightning_multilora.scheduling.task_file import main; sys.exit(main([{str(path)!r}]))"]
+    command = _waiting_tasks_schedule(tmp_path, "ab", "import signal; signal.signal(signal.SIGINT, "
+                                                      "signal.default_int_handler)")
     schedule = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # (a signal of its own: not pytest's process group)
     pids = [tmp_path / "a.pid", tmp_path / "b.pid"]
@@ -285,6 +277,17 @@ def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
     assert (tmp_path / "logs" / "run.png").exists()
 
 
+def _waiting_tasks_schedule(tmp_path, ids: str = "a", setup: str = "pass") -> list[str]:
+    """The command of a schedule process running tasks ``ids`` that each write their pid and wait, on as many GPUs
+    (slots). ``setup``: Python run in the schedule's process before it starts."""
+    py = sys.executable
+    lines = "".join(f"  - {{id: {t}, duration: 100, command: [{py}, -c, \"{RUN_AND_WAIT}\", "
+                    f"{tmp_path / f'{t}.pid'}]}}\n" for t in ids)
+    path = write(tmp_path, f"gpus: {len(ids)}\nlog_dir: {tmp_path / 'logs'}\ntasks:\n{lines}")
+    return [py, "-c", f"import sys; {setup}; from lightning_multilora.scheduling.task_file import main; "
+                      f"sys.exit(main([{str(path)!r}]))"]
+
+
 def _one_waiting_task_schedule(tmp_path, setup: str = "pass"):
     """A schedule process (its own session) running one task that waits, started: the process, and the task's
     pid. ``setup``: Python run in the schedule's process before it starts."""
@@ -292,18 +295,9 @@ def _one_waiting_task_schedule(tmp_path, setup: str = "pass"):
     import subprocess
     import time
 
-    py = sys.executable
-    path = write(tmp_path, f"""\
-        gpus: 1
-        log_dir: {tmp_path / 'logs'}
-        tasks:
-          - {{id: a, duration: 100, command: [{py}, -c, "{RUN_AND_WAIT}", {tmp_path / 'a.pid'}]}}
-        """)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    command = [py, "-c", f"import sys; {setup}; from lightning_multilora.scheduling.task_file import main; "
-                         f"sys.exit(main([{str(path)!r}]))"]
-    schedule = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+    schedule = subprocess.Popen(_waiting_tasks_schedule(tmp_path, setup=setup),
+                                env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while not (tmp_path / "a.pid").exists() and time.monotonic() < deadline and schedule.poll() is None:
         time.sleep(0.1)
@@ -337,18 +331,9 @@ def test_a_hangup_with_the_terminal_gone_still_stops_draws_and_says_129(tmp_path
     import subprocess
     import time
 
-    py = sys.executable
-    path = write(tmp_path, f"""\
-        gpus: 1
-        log_dir: {tmp_path / 'logs'}
-        tasks:
-          - {{id: a, duration: 100, command: [{py}, -c, "{RUN_AND_WAIT}", {tmp_path / 'a.pid'}]}}
-        """)
     master, slave = pty.openpty()
-    command = [py, "-c", f"import sys; from lightning_multilora.scheduling.task_file import main; "
-                         f"sys.exit(main([{str(path)!r}]))"]
-    schedule = subprocess.Popen(command, env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), stdin=slave, stdout=slave,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+    schedule = subprocess.Popen(_waiting_tasks_schedule(tmp_path), env=dict(os.environ, CUDA_VISIBLE_DEVICES=""),
+                                stdin=slave, stdout=slave, stderr=subprocess.DEVNULL, start_new_session=True)
     os.close(slave)
     deadline = time.monotonic() + 120
     while not (tmp_path / "a.pid").exists() and time.monotonic() < deadline and schedule.poll() is None:
