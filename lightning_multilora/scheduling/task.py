@@ -129,8 +129,8 @@ def _shell_syntax(command: str) -> Optional[str]:
     operator or redirection (``| & ; < > ( )``), a ``*`` glob, a ``#`` comment or ``~`` starting a word, a line
     break (a second command), a leading ``NAME=value`` (an environment variable); a ``$`` expansion (``$x``,
     ``${x}``, ``$(...)``, ``$1``...) or a backquote outside single quotes. A ``$`` a shell passes on as it is
-    (``"^.*_proj$"``) is not; nor are ``?``, ``[...]`` and ``{a,b}``, which a shell passes on as they are where they
-    match no file and expand to nothing (brace lists aside): quote them, or use the list form, where it matters."""
+    (``"^.*_proj$"``) is not; nor are ``?``, ``[...]`` and ``{a,b}`` (a shell passes the first two on as they are
+    where they match no file, and expands a brace list): they reach the program as written."""
     quote, escaped, word_start, first_word = None, False, True, True
     for i, char in enumerate(command):
         if escaped:
