@@ -250,6 +250,15 @@ def test_an_adapter_starts_from_a_peft_folder_and_continues_it(tmp_path, trainer
         MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], target_modules=["k_proj"])._targets_of(spec)
 
 
+def _assert_peft_logits(module, name: str, base_dir, peft_dir) -> None:
+    """The module's logits with adapter ``name`` are PEFT's with the folder ``peft_dir`` on ``base_dir``."""
+    ids = torch.randint(0, 258, (2, 9), generator=torch.Generator().manual_seed(0))
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), peft_dir)
+    with torch.no_grad():
+        torch.testing.assert_close(module.eval()(ids, layout=BatchLayout.from_sizes([name], [2])),
+                                   peft_model.eval()(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
 def test_a_peft_adapter_of_the_head_with_its_saved_base_weights_starts_an_adapter(tmp_path):
     """PEFT saves a targeted ``lm_head``'s base weights beside its LoRA weights (``save_embedding_layers="auto"``):
     where they are this base's, the folder is plain LoRA and loads (PEFT's outputs); other base weights (a resized
@@ -264,11 +273,7 @@ def test_a_peft_adapter_of_the_head_with_its_saved_base_weights_starts_an_adapte
     spec = AdapterSpec("head", rank=4, alpha=8, init_from=str(tmp_path / "peft"))
     ours = MultiLoRAModule(str(tmp_path / "base"), adapters=[spec], target_modules=["q_proj", "lm_head"])
     ours._create_weights(ours.registry["head"])
-    ids = torch.randint(0, 258, (2, 9), generator=torch.Generator().manual_seed(0))
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "peft")
-    with torch.no_grad():
-        torch.testing.assert_close(ours.eval()(ids, layout=BatchLayout.from_sizes(["head"], [2])),
-                                   peft_model.eval()(input_ids=ids).logits, atol=1e-5, rtol=0)
+    _assert_peft_logits(ours, "head", tmp_path / "base", tmp_path / "peft")
     saved["base_model.model.lm_head.base_layer.weight"] += 1.0
     save_file(saved, str(tmp_path / "peft" / "adapter_model.safetensors"))
     assert load_file(str(tmp_path / "peft" / "adapter_model.safetensors")).keys() == saved.keys()
@@ -292,11 +297,7 @@ def test_a_peft_folder_with_the_embeddings_saved_whole_and_its_dropout_told(tmp_
     with pytest.warns(UserWarning, match=r"adapter 'emb': `init_from` '.*peft' was trained with lora_dropout=0\.25; "
                                          r"the spec's dropout=0\.0 continues it.*set `dropout=0\.25`"):
         ours._create_weights(ours.registry["emb"])
-    ids = torch.randint(0, 258, (2, 9), generator=torch.Generator().manual_seed(0))
-    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "peft")
-    with torch.no_grad():
-        torch.testing.assert_close(ours.eval()(ids, layout=BatchLayout.from_sizes(["emb"], [2])),
-                                   peft_model.eval()(input_ids=ids).logits, atol=1e-5, rtol=0)
+    _assert_peft_logits(ours, "emb", tmp_path / "base", tmp_path / "peft")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the folder's own dropout: nothing to tell
         same = MultiLoRAModule(str(tmp_path / "base"), adapters=[replace(spec, dropout=0.25)],
