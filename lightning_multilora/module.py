@@ -867,6 +867,38 @@ class MultiLoRAMixin:
             return placement.select_admitted(self.admission, running, candidates, freed)
         return self.admission.select(running, candidates, freed)
 
+    def _check_memory_model(self) -> None:
+        """Warns where the admission controller's analytic memory model (`AnalyticMemoryModel.of_specs`, alone or as
+        `fit_predictor`'s ``beyond``) describes another base than this module's: its own defaults are a bf16 base with
+        gradient checkpointing, and a float32 or unchecked base then admitted several times what fits."""
+        from lightning_multilora.scheduling.admission import size_text
+        from lightning_multilora.scheduling.memory import AnalyticMemoryModel
+
+        analytic = getattr(getattr(self.admission, "predict", None), "analytic", None)
+        if not isinstance(analytic, AnalyticMemoryModel):
+            return
+        try:
+            actual = AnalyticMemoryModel.of_module(self.lora_layers.model)
+        except ValueError:  # (a base without a Llama-style config: nothing to compare with)
+            return
+        differs = []
+        if not 0.9 <= analytic.base_bytes() / actual.base_bytes() <= 1.1:
+            differs.append(f"it counts {size_text(analytic.base_bytes())} of base weights, the base holds "
+                           f"{size_text(actual.base_bytes())}")
+        if analytic.gradient_checkpointing != actual.gradient_checkpointing:
+            on = {True: "on", False: "off"}
+            differs.append(f"its gradient_checkpointing is {on[analytic.gradient_checkpointing]}, the base's "
+                           f"{on[actual.gradient_checkpointing]}")
+        precision = str(getattr(self._trainer_or_none(), "precision", ""))
+        computes = 2.0 if "16" in precision else actual.activation_bytes
+        if analytic.activation_bytes < computes:
+            differs.append(f"its activation_bytes is {analytic.activation_bytes:g}, the base computes in {computes:g}"
+                           f"-byte values")
+        if differs:
+            rank_zero_warn(f"the admission controller's AnalyticMemoryModel does not describe this module's base: "
+                           f"{'; '.join(differs)}. It may admit adapters that do not fit (or fewer than fit): build it "
+                           "with AnalyticMemoryModel.of_module(module), its fields' overrides as keyword arguments")
+
     def _admit(self) -> None:
         """Start queued adapters while slots are free (and, with an admission controller, while they fit)."""
         queued = list(self.registry.queued)
@@ -877,6 +909,9 @@ class MultiLoRAMixin:
             for rec in queued:  # fail only when it starts, the run long under way
                 if isinstance(checked[rec.name], ValueError):
                     self._cannot_start(rec, checked[rec.name])
+        if self.admission is not None and self._global_step() == 0 and not getattr(self, "_memory_model_checked", 0):
+            self._memory_model_checked = True
+            self._check_memory_model()
         if self.admission is not None and queued:
             for rec in [r for r in queued if not self.admission.fits([r.spec])]:  # it would wait forever
                 self._cannot_start(rec, ValueError(
@@ -1751,12 +1786,12 @@ class MultiLoRAMixin:
 
     def _evaluate_sums(self, specs: Union[Sequence[Union[AdapterSpec, str]], AdapterSpec, str],
                        record: bool = False) -> dict[str, list[float]]:
-        """`evaluate`'s measure: each adapter's sums (`_add_val_terms`: loss sum and count, DPO pairs preferred and
-        pairs)."""
+        """`evaluate`'s measure: each adapter's sums (`_add_val_terms`: loss sum and count, DPO pairs preferred,
+        pairs, and rewards summed over them)."""
         specs = [specs] if isinstance(specs, (AdapterSpec, str)) else list(specs)
         specs = [self._held_spec(s, "evaluate", "specs") for s in specs]
         dm = self._datamodule()
-        sums = {s.name: [0.0, 0.0, 0.0, 0.0] for s in specs}
+        sums = {s.name: [0.0] * 6 for s in specs}
         with torch.no_grad(), _evaluating(self):  # (each submodule's own mode restored after)
             for batch in self.align_batches(list(dm.val_batches([s for s in specs if self._owns(s.name)]))):
                 batch = move_data_to_device(batch, self.device)
@@ -1847,16 +1882,21 @@ class MultiLoRAMixin:
 
     def _add_val_terms(self, sums: dict[str, list[float]], batch: dict[str, Any]) -> None:
         """Adds a validation batch's per-adapter loss sum and count to ``sums`` (name -> [loss sum, count, DPO pairs
-        preferred, DPO pairs])."""
+        preferred, DPO pairs, chosen and rejected rewards summed over the pairs])."""
         with self.lora_layers.use(batch["layout"]):
             loss_sum, count = self._loss_terms(batch)
         for name, s, c in zip(batch["layout"].names, loss_sum.tolist(), count.tolist()):
-            acc = sums.setdefault(name, [0.0, 0.0, 0.0, 0.0])
+            acc = sums.setdefault(name, [0.0] * 6)
             acc[0] += s
             acc[1] += c
             if name in getattr(self, "_preference_accuracy", {}):  # (a DPO adapter's count is its pairs)
-                acc[2] += float(self._preference_accuracy[name]) * c
+                rewards = self._preference_rewards[name]
+                accuracy, chosen, rejected = torch.cat([self._preference_accuracy[name].reshape(1).to(rewards.dtype),
+                                                        rewards]).tolist()
+                acc[2] += accuracy * c
                 acc[3] += c
+                acc[4] += chosen * c
+                acc[5] += rejected * c
 
     def _held_spec(self, spec: Union[AdapterSpec, str], method: str, argument: str) -> AdapterSpec:
         """``spec`` (or the spec of the adapter so named), checked to have weights here: an adapter that has left
@@ -1905,10 +1945,10 @@ class MultiLoRAMixin:
         if self.trainer.state.fn == "validate":  # (outside a fit: returned by trainer.validate, not recorded)
             placement = self._placement()  # (every rank returns every rank's adapters, rank 0 among them)
             sums = placement.exchange(dict(self._val_sums)) if placement is not None else self._val_sums
-            for name, (loss_sum, count, preferred, pairs) in sorted(sums.items()):
+            for name, (loss_sum, count, *preference) in sorted(sums.items()):
                 self.log(f"adapters/{name}/val_loss", loss_sum / count if count else math.nan, batch_size=1)
-                if pairs:
-                    self.log(f"adapters/{name}/val_preference_accuracy", preferred / pairs, batch_size=1)
+                for key, value in _preference_metrics(*preference).items():
+                    self.log(f"adapters/{name}/{key}", value, batch_size=1)
             return
         self._record_val_losses(self._val_sums)
         self._sync_ranks()  # every rank learns every adapter's validation
@@ -1930,7 +1970,7 @@ class MultiLoRAMixin:
     def _record_val_losses(self, sums: dict[str, list[float]]) -> None:
         """Records a validation's sums (`_add_val_terms`) in the adapters' histories, and logs them."""
         logs = {}
-        for name, (loss_sum, count, preferred, pairs) in sums.items():
+        for name, (loss_sum, count, preferred, pairs, chosen, rejected) in sums.items():
             rec = self.registry[name]
             if rec.val_losses and rec.val_losses[-1][0] == rec.step:
                 continue  # already measured at this step
@@ -1939,7 +1979,8 @@ class MultiLoRAMixin:
             rec.last_val_loss = loss
             if pairs > 0:
                 rec.last_val_preference_accuracy = preferred / pairs
-                logs[f"adapters/{name}/val_preference_accuracy"] = rec.last_val_preference_accuracy
+                logs.update({f"adapters/{name}/{k}": v for k, v in _preference_metrics(preferred, pairs, chosen,
+                                                                                        rejected).items()})
             if math.isfinite(loss) and loss < rec.best_val_loss:
                 rec.best_val_loss, rec.best_val_step = loss, rec.step
                 rec.best_val_preference_accuracy = preferred / pairs if pairs > 0 else math.nan
@@ -2353,6 +2394,15 @@ def _import_path(cls: Any) -> Optional[str]:
         return path if "<locals>" not in path and resolve_optimizer(path) is cls else None
     except Exception:  # noqa: BLE001 - (a path that does not import)
         return None
+
+
+def _preference_metrics(preferred: float, pairs: float, chosen: float, rejected: float) -> dict[str, float]:
+    """A validation's DPO metrics from its sums over ``pairs`` pairs (none for an adapter without pairs): TRL's
+    evaluation accuracy and rewards."""
+    if pairs <= 0:
+        return {}
+    return {"val_preference_accuracy": preferred / pairs, "val_rewards_chosen": chosen / pairs,
+            "val_rewards_rejected": rejected / pairs, "val_rewards_margin": (chosen - rejected) / pairs}
 
 
 def _row_token_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

@@ -107,7 +107,10 @@ def test_sft_and_dpo_adapters_train_together_and_dpo_learns_the_preferences(tmp_
     assert float(last["adapters/p/rewards_margin"]) == pytest.approx(
         float(last["adapters/p/rewards_chosen"]) - float(last["adapters/p/rewards_rejected"]))
     assert float(last["adapters/p/rewards_margin"]) > 0
+    validated = [r for r in rows if r.get("adapters/p/val_rewards_margin")]  # (its validation at its finish)
+    assert len(validated) == 1 and float(validated[0]["adapters/p/val_rewards_margin"]) > 0
     p, s = module.registry["p"], module.registry["s"]
+    assert float(validated[0]["adapters/p/val_preference_accuracy"]) == p.last_val_preference_accuracy
     assert p.state == s.state == AdapterState.FINISHED
     first, last = p.train_losses[0][1], sum(loss for _, loss in p.train_losses[-5:]) / 5
     assert first == pytest.approx(math.log(2), rel=1e-3)  # B = 0 at the start: policy == reference
@@ -133,7 +136,7 @@ def test_the_preference_accuracy_reported_is_the_exported_weights(tmp_path, keep
     rec.state = AdapterState.RUNNING
     for step, (loss_sum, preferred) in ((10, (1.0, 4)), (20, (2.0, 2))):  # (4 pairs: losses 0.25, 0.5)
         rec.step = step
-        module._record_val_losses({"d": [loss_sum, 4.0, float(preferred), 4.0]})
+        module._record_val_losses({"d": [loss_sum, 4.0, float(preferred), 4.0, 0.0, 0.0]})
     assert (rec.best_val_step, rec.best_val_preference_accuracy, rec.last_val_preference_accuracy) == (10, 1.0, 0.5)
     if keep_best:  # the best weights exported, and their accuracy
         module.save_adapter("d", best=True)
@@ -215,18 +218,23 @@ def test_the_reference_is_the_frozen_base_without_dropout_and_an_adapter_without
     assert "e" not in module._preference_accuracy and counts[1].item() == 0
 
 
-def test_the_validation_preference_accuracy_is_over_pairs_not_batches(monkeypatch):
+def test_the_validation_preference_accuracy_and_rewards_are_over_pairs_not_batches(monkeypatch):
     """A validation of two batches, 3 pairs all preferred then 1 not: 0.75 (a mean of the batches' accuracies would
-    say 0.5); an SFT adapter gets none."""
+    say 0.5); an SFT adapter gets none. TRL's evaluation rewards are logged beside it, means over the pairs too
+    (they were logged for training steps only)."""
     module, _, _ = setup_module_and_batch()
-    terms = iter([(torch.tensor([3.0, 6.0]), torch.tensor([3.0, 12.0]), {"p": torch.tensor(1.0)}),
-                  (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]), {"p": torch.tensor(0.0)})])
+    terms = iter([(torch.tensor([3.0, 6.0]), torch.tensor([3.0, 12.0]), {"p": torch.tensor(1.0)},
+                   {"p": torch.tensor([1.0, -1.0])}),
+                  (torch.tensor([1.0, 2.0]), torch.tensor([1.0, 4.0]), {"p": torch.tensor(0.0)},
+                   {"p": torch.tensor([0.2, 0.6])})])
 
     def loss_terms(batch):
-        sums, counts, module._preference_accuracy = next(terms)
+        sums, counts, module._preference_accuracy, module._preference_rewards = next(terms)
         return sums, counts
 
     monkeypatch.setattr(module, "adapter_loss_terms", loss_terms)
+    logged = {}
+    monkeypatch.setattr(module, "log_adapter_metrics", logged.update)
     layout = BatchLayout.from_sizes(["p", "s"], [2, 1])
     sums = {}
     for _ in range(2):
@@ -235,6 +243,30 @@ def test_the_validation_preference_accuracy_is_over_pairs_not_batches(monkeypatc
     p, s = module.registry["p"], module.registry["s"]
     assert p.last_val_preference_accuracy == 0.75 and p.last_val_loss == 1.0
     assert math.isnan(s.last_val_preference_accuracy) and s.last_val_loss == 0.5
+    assert {k: v for k, v in logged.items() if k.startswith("adapters/p/val_")} == pytest.approx({
+        "adapters/p/val_loss": 1.0, "adapters/p/val_preference_accuracy": 0.75,
+        "adapters/p/val_rewards_chosen": (3 * 1.0 + 0.2) / 4, "adapters/p/val_rewards_rejected": (3 * -1.0 + 0.6) / 4,
+        "adapters/p/val_rewards_margin": (3 * 2.0 - 0.4) / 4})
+    assert sorted(k for k in logged if k.startswith("adapters/s/")) == ["adapters/s/val_loss"]
+
+
+def test_trainer_validate_returns_a_dpo_adapters_accuracy_and_rewards(tmp_path, trainer_kwargs):
+    """``trainer.validate`` on a module holding a DPO adapter returns TRL's evaluation metrics beside its loss:
+    the accuracy and the rewards, means over the held-out pairs, as `evaluate` measures them."""
+    specs = [AdapterSpec("p", rank=4, lr=1e-2, objective="dpo", dpo_beta=0.5, batch_size=4, max_steps=20, seed=1),
+             AdapterSpec("s", rank=2, batch_size=4, max_steps=20, seed=2, dataset="arith")]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False)
+    dm = MultiLoRADataModule(sources={"pairs": PreferenceSource(records=STYLE_PAIRS), "arith": GeneratedArithmetic(40)},
+                             max_length=96, max_val_examples=8)
+    L.Trainer(**{**trainer_kwargs, "max_steps": 6}).fit(module, dm)
+    (results,) = L.Trainer(**trainer_kwargs).validate(module, dm)
+    loss, count, preferred, pairs, chosen, rejected = module._evaluate_sums(["p"])["p"]
+    assert pairs > 0 and results == pytest.approx({
+        "adapters/p/val_loss": loss / count, "adapters/p/val_preference_accuracy": preferred / pairs,
+        "adapters/p/val_rewards_chosen": chosen / pairs, "adapters/p/val_rewards_rejected": rejected / pairs,
+        "adapters/p/val_rewards_margin": (chosen - rejected) / pairs,
+        "adapters/s/val_loss": module.evaluate("s")["s"]}, rel=1e-5)
+    assert results["adapters/p/val_rewards_margin"] != 0  # (6 steps from B = 0: the policy has moved)
 
 
 def test_a_preference_files_errors_name_its_line_and_limit_stops_reading(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from lightning_multilora.arguments import check_real
+from lightning_multilora.arguments import check_int, check_real
 from lightning_multilora.scheduling.memory import MemoryFit
 from lightning_multilora.scheduling.profiler import check_margin
 from lightning_multilora.scheduling.task_scheduler import cp_solver
@@ -37,8 +37,7 @@ def fit_predictor(fit: MemoryFit, seq_len: int, params_of: Callable[[AdapterSpec
     under-predict far outside them (on the H200: a grid up to 40 rows at seq 1024 predicted 125.8 GiB for
     122 adapters that peaked at 137.5; the analytic model, ``loss_chunk_tokens=4096``, says 157.7).
     """
-    if seq_len < 1:
-        raise ValueError(f"`seq_len` must be >= 1, got {seq_len}")
+    check_int("fit_predictor", "seq_len", seq_len, 1)
     if beyond is not None:
         _check_predict("fit_predictor", "beyond", beyond)
     if not callable(params_of):
@@ -54,6 +53,7 @@ def fit_predictor(fit: MemoryFit, seq_len: int, params_of: Callable[[AdapterSpec
             peak = max(peak, beyond(specs))
         return peak
 
+    predict.analytic = getattr(beyond, "analytic", None)  # type: ignore[attr-defined]  # (as `of_specs`' own)
     return predict
 
 
@@ -116,7 +116,8 @@ class AdmissionController:
         chosen = self.select([], candidates)
         if not chosen:
             smallest = min(candidates, key=lambda s: s.batch_size)
-            raise ValueError(f"not even one adapter fits: {self.alone(smallest)}")
+            raise ValueError(f"not even one adapter fits: {self.alone(smallest)} (lower its batch_size or rank, or "
+                             "raise capacity_bytes or safety_margin)")
         return chosen
 
     def alone(self, spec: AdapterSpec) -> str:
@@ -133,7 +134,8 @@ def choose_gradient_checkpointing(specs: Sequence[AdapterSpec], with_checkpointi
         return False
     if with_checkpointing(specs) > budget_bytes:
         raise ValueError(f"{len(specs)} adapters do not fit even with gradient checkpointing "
-                         f"({size_text(with_checkpointing(specs))} > {size_text(budget_bytes)})")
+                         f"({size_text(with_checkpointing(specs))} > {size_text(budget_bytes)}): admit fewer, or "
+                         "lower their batch sizes or ranks")
     return True
 
 
@@ -188,7 +190,11 @@ class CPSATAdmission(AdmissionController):
         # rounding the costs must never admit what the fit says does not fit
         while chosen and not self.fits([*running, *chosen]):
             chosen.pop()
-        return chosen
+        # nor admit fewer rows than the greedy order: the costs are the fit's alone, and `beyond` (the analytic model
+        # past the profiled points) may refuse the set CP-SAT chose where a greedy one of other adapters fits
+        greedy = super().select(running, candidates, freed)
+        rows = sum(s.rows_per_step for s in chosen)
+        return greedy if sum(s.rows_per_step for s in greedy) > rows else chosen
 
 
 def simulate_sweep(controller: AdmissionController, specs: Sequence[AdapterSpec],

@@ -37,11 +37,21 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # what `ModelShape.from_config` reads of a Hugging Face config: these, and where given, `OPTIONAL_CONFIG_FIELDS`
 CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
 OPTIONAL_CONFIG_FIELDS = ("num_key_value_heads", "head_dim", "tie_word_embeddings")
+# and of a mixture-of-experts decoder's (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE...), where given
+MOE_CONFIG_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                     "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers")
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The sizes of a Llama-style decoder that its memory depends on."""
+    """The sizes of a Llama-style decoder that its memory depends on.
+
+    A mixture-of-experts decoder (Mixtral, Qwen2-MoE...): ``num_experts`` experts a layer, each a gated MLP of
+    ``expert_intermediate`` (default ``intermediate``), ``experts_per_token`` of them routed each token, beside a
+    shared expert of ``shared_intermediate`` (0: none); ``dense_layers`` of the layers have a dense MLP of
+    ``intermediate`` instead (Qwen2-MoE's ``mlp_only_layers``). Every expert's weights count in the base; a token's
+    activations, its routed experts'. (LoRA targets are counted as a dense layer's projections: the module adapts no
+    fused expert, so on such a base an adapter's count is an upper bound.)"""
 
     num_layers: int
     hidden: int
@@ -51,11 +61,27 @@ class ModelShape:
     vocab_size: int
     head_dim: Optional[int] = None
     tied_embeddings: bool = False  # the output head is the input embedding (`tie_word_embeddings`): counted once
+    num_experts: int = 0  # 0: a dense MLP in every layer
+    experts_per_token: int = 1
+    expert_intermediate: Optional[int] = None
+    shared_intermediate: int = 0
+    dense_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "vocab_size"):
             check_int("ModelShape", name, getattr(self, name), 1)
         check_int("ModelShape", "head_dim", self.head_dim, 1, optional=True)
+        if self.head_dim is None and self.hidden % self.num_heads:
+            raise ValueError(f"ModelShape: `hidden` ({self.hidden}) is not a multiple of `num_heads` "
+                             f"({self.num_heads}): give `head_dim`, the width of a head")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelShape: `num_kv_heads` must divide `num_heads` ({self.num_heads}): each key/value "
+                             f"head serves a group of query heads; got {self.num_kv_heads}")
+        check_int("ModelShape", "num_experts", self.num_experts, 0)
+        check_int("ModelShape", "experts_per_token", self.experts_per_token, 1, high=max(self.num_experts, 1))
+        check_int("ModelShape", "expert_intermediate", self.expert_intermediate, 1, optional=True)
+        check_int("ModelShape", "shared_intermediate", self.shared_intermediate, 0)
+        check_int("ModelShape", "dense_layers", self.dense_layers, 0, high=self.num_layers)
 
     @classmethod
     def from_config(cls, config: Any) -> "ModelShape":
@@ -71,11 +97,23 @@ class ModelShape:
                              f"{', '.join(OPTIONAL_CONFIG_FIELDS)} where given; for another model, give "
                              "ModelShape(num_layers, hidden, intermediate, num_heads, num_kv_heads, vocab_size) of its "
                              "sizes")
-        heads = get("num_attention_heads")
-        return cls(num_layers=get("num_hidden_layers"), hidden=get("hidden_size"),
+        if get("n_routed_experts") or get("kv_lora_rank"):
+            raise ValueError(f"ModelShape.from_config: {type(config).__name__} is a DeepSeek-style decoder (latent "
+                             "attention, `n_routed_experts`), not a Llama-style one; give a ModelShape of its sizes, "
+                             "or measure its peaks (MemoryProfiler)")
+        heads, layers = get("num_attention_heads"), get("num_hidden_layers")
+        experts = get("num_local_experts") or get("num_experts") or 0
+        moe: dict[str, Any] = {}
+        if experts:
+            step, dense_only = get("decoder_sparse_step") or 1, set(get("mlp_only_layers") or ())
+            sparse = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+            moe = dict(num_experts=experts, experts_per_token=get("num_experts_per_tok") or 1,
+                       expert_intermediate=get("moe_intermediate_size") or None,
+                       shared_intermediate=get("shared_expert_intermediate_size") or 0, dense_layers=layers - sparse)
+        return cls(num_layers=layers, hidden=get("hidden_size"),
                    intermediate=get("intermediate_size"), num_heads=heads,
                    num_kv_heads=get("num_key_value_heads") or heads, vocab_size=get("vocab_size"),
-                   head_dim=get("head_dim"), tied_embeddings=bool(get("tie_word_embeddings", False)))
+                   head_dim=get("head_dim"), tied_embeddings=bool(get("tie_word_embeddings", False)), **moe)
 
     @property
     def dim_per_head(self) -> int:
@@ -101,10 +139,20 @@ class ModelShape:
         return self.num_layers * sum(sum(self.projection(t)) for t in targets)
 
     @property
+    def moe_layers(self) -> int:
+        """The layers whose MLP is a mixture of experts."""
+        return self.num_layers - self.dense_layers if self.num_experts else 0
+
+    @property
     def base_params(self) -> int:
-        per_layer = sum(i * o for i, o in (self.projection(t) for t in PROJECTIONS)) + 2 * self.hidden
-        embeddings = (1 if self.tied_embeddings else 2) * self.vocab_size * self.hidden  # (and the output head)
-        return self.num_layers * per_layer + embeddings + self.hidden
+        h = self.hidden
+        per_layer = sum(i * o for i, o in (self.projection(t) for t in PROJECTIONS[:4])) + 2 * h
+        dense_mlp = 3 * h * self.intermediate
+        moe_mlp = (self.num_experts * (3 * h * (self.expert_intermediate or self.intermediate) + h)  # (+ the router)
+                   + (3 * h * self.shared_intermediate + h if self.shared_intermediate else 0))  # (+ its gate)
+        embeddings = (1 if self.tied_embeddings else 2) * self.vocab_size * h  # (and the output head)
+        return (self.num_layers * per_layer + (self.num_layers - self.moe_layers) * dense_mlp
+                + self.moe_layers * moe_mlp + embeddings + h)
 
 
 @dataclass(frozen=True)
@@ -125,10 +173,11 @@ class AnalyticMemoryModel:
     shape: ModelShape
     base_bytes_per_param: float = 2.0  # bf16 base
     adapter_bytes_per_param: float = 4.0  # fp32 adapters
-    optimizer_states: int = 2  # AdamW: exp_avg, exp_avg_sq
+    optimizer_states: float = 2  # AdamW: exp_avg, exp_avg_sq (an 8-bit AdamW's two bytes against fp32: 0.5)
     activation_bytes: float = 2.0
     gradient_checkpointing: bool = True
     loss_chunk_tokens: Optional[int] = None
+    base_weight_bytes: Optional[float] = None  # the base's weights as measured (`of_module`), in place of the count
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, ModelShape):
@@ -137,17 +186,66 @@ class AnalyticMemoryModel:
         for name in ("base_bytes_per_param", "adapter_bytes_per_param", "activation_bytes"):
             check_real("AnalyticMemoryModel", name, getattr(self, name), lambda v: v > 0,
                        "a finite number of bytes > 0 (2 for bf16, 4 for fp32)")
-        check_int("AnalyticMemoryModel", "optimizer_states", self.optimizer_states, 0)
+        check_real("AnalyticMemoryModel", "optimizer_states", self.optimizer_states, lambda v: v >= 0,
+                   "a number of states an adapter parameter's size each >= 0 (2 for AdamW; 0.5 for an 8-bit AdamW's "
+                   "two one-byte states beside fp32 adapters)")
+        if self.base_weight_bytes is not None:
+            check_real("AnalyticMemoryModel", "base_weight_bytes", self.base_weight_bytes, lambda v: v > 0,
+                       "a finite number of bytes > 0, or None (the shape's count x base_bytes_per_param)")
         check_bool("AnalyticMemoryModel", "gradient_checkpointing", self.gradient_checkpointing)
         check_int("AnalyticMemoryModel", "loss_chunk_tokens", self.loss_chunk_tokens, 1, optional=True)
 
     @property
     def act_per_token_layer(self) -> float:
-        """Bytes a layer keeps per token for its backward (attention with a fused kernel: no s^2 term)."""
-        h, i = self.shape.hidden, self.shape.intermediate
-        return self.activation_bytes * (10 * h + 4 * i)
+        """Bytes a layer keeps per token for its backward (attention with a fused kernel: no s^2 term); the widest
+        layer's, where a mixture of experts makes them differ (a token's routed experts and shared one)."""
+        shape = self.shape
+        h, i = shape.hidden, shape.intermediate
+        widths = [i] if shape.moe_layers < shape.num_layers else []
+        if shape.moe_layers:
+            widths.append(shape.experts_per_token * (shape.expert_intermediate or i) + shape.shared_intermediate)
+        return self.activation_bytes * (10 * h + 4 * max(widths))
+
+    @property
+    def act_per_token(self) -> float:
+        """Bytes all layers keep per token for the backward, without checkpointing."""
+        shape, h = self.shape, self.shape.hidden
+        moe = shape.experts_per_token * (shape.expert_intermediate or shape.intermediate) + shape.shared_intermediate
+        return self.activation_bytes * (shape.num_layers * 10 * h + 4 * (
+            (shape.num_layers - shape.moe_layers) * shape.intermediate + shape.moe_layers * moe))
+
+    @classmethod
+    def of_module(cls, module: Any, **fields: Any) -> "AnalyticMemoryModel":
+        """The model of a `MultiLoRAModule`'s base as it was built (or of a Hugging Face model): its shape from its
+        config, its base's weights measured (their dtype, a 4-bit base's blocks and the layers it keeps wide, every
+        expert), its gradient checkpointing, and activations in the dtype it computes in. ``fields`` override any
+        (``activation_bytes=2`` for a float32 base trained under ``precision="bf16-mixed"``; ``loss_chunk_tokens``).
+        The defaults of `AnalyticMemoryModel` itself are a bf16 base with checkpointing, not the module's."""
+        import torch
+
+        model = module if hasattr(module, "config") else getattr(module, "model", module)  # (a Hugging Face model's
+        config = getattr(model, "config", None)  # own `model` is its decoder alone, without the output head)
+        if config is None:
+            raise ValueError(f"AnalyticMemoryModel.of_module: {type(module).__name__} has no Hugging Face `config` "
+                             "(a MultiLoRAModule, or its `model`); build AnalyticMemoryModel(ModelShape(...)) instead")
+        frozen = {id(t): t for t in (*model.parameters(), *model.buffers()) if not t.requires_grad}.values()
+        quant = getattr(config, "quantization_config", None)
+        compute = (quant.get("bnb_4bit_compute_dtype") if isinstance(quant, Mapping)
+                   else getattr(quant, "bnb_4bit_compute_dtype", None))  # (a 4-bit base computes in it)
+        if isinstance(compute, str):
+            compute = getattr(torch, compute.removeprefix("torch."), None)
+        floats = [t.dtype for t in frozen if t.is_floating_point()]
+        dtype = compute if isinstance(compute, torch.dtype) else max(set(floats), key=floats.count, default=None)
+        values: dict[str, Any] = dict(shape=ModelShape.from_config(config),
+                                      base_weight_bytes=float(sum(t.numel() * t.element_size() for t in frozen)),
+                                      gradient_checkpointing=_checkpointing(model))
+        if dtype is not None:
+            values["activation_bytes"] = float(torch.finfo(dtype).bits // 8)
+        return cls(**{**values, **fields})
 
     def base_bytes(self) -> float:
+        if self.base_weight_bytes is not None:
+            return self.base_weight_bytes
         return self.shape.base_params * self.base_bytes_per_param
 
     def adapter_bytes(self, rank: int, targets: Sequence[str] = PROJECTIONS) -> float:
@@ -166,7 +264,7 @@ class AnalyticMemoryModel:
         if self.gradient_checkpointing:
             per_token = layers * h * self.activation_bytes + self.act_per_token_layer
         else:
-            per_token = layers * self.act_per_token_layer
+            per_token = self.act_per_token
         # every layer's S stays until backward, with checkpointing too (`kernels.recompute` keeps it for the
         # recomputation)
         lora = lora_rank_tokens * 4.0 * layers
@@ -206,9 +304,22 @@ class AnalyticMemoryModel:
         are read as the module reads them (`projections`): names, ``"all-linear"`` or a regex."""
         check_int("AnalyticMemoryModel.of_specs", "seq_len", seq_len, 1)
         default = projections(targets, "`targets`")
-        return lambda specs: self.predict([(s.rank, s.rows_per_step, projections(
-            s.target_modules, f"adapter {s.name!r}'s `target_modules`") if s.target_modules else default)
-            for s in specs], seq_len)
+
+        def predict(specs: Sequence[AdapterSpec]) -> float:
+            return self.predict([(s.rank, s.rows_per_step, projections(
+                s.target_modules, f"adapter {s.name!r}'s `target_modules`") if s.target_modules else default)
+                for s in specs], seq_len)
+
+        predict.analytic = self  # type: ignore[attr-defined]  # (the module checks it against its base: `_admit`)
+        return predict
+
+
+def _checkpointing(model: Any) -> bool:
+    """Whether a Hugging Face model recomputes its activations (transformers 5.25's name for it, or the earlier one)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
 
 
 # the full module names a target is matched against: a Llama-style model's 128 first layers (a regex may name some)

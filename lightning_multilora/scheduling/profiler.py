@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from lightning_multilora.arguments import check_real
+from lightning_multilora.arguments import check_int, check_real
 from lightning_multilora.scheduling.memory import MemoryFit, MemoryFitCache, MemoryPoint, signature_key
 
 log = logging.getLogger(__name__)
@@ -49,13 +49,21 @@ class MemoryProfiler:
     def __init__(self, measure: Measure, capacity_bytes: float, seq_len: int, params_per_adapter: int,
                  safety_margin: float = 0.9, batch_sizes: Sequence[int] = (1, 2, 4, 8, 16, 32),
                  max_batch: int = 1024, max_adapters: int = 128) -> None:
+        if not callable(measure):
+            raise TypeError(f"MemoryProfiler: `measure` must be a function (n_adapters, batch_size) -> peak bytes or "
+                            f"None (`cuda_step_measure`), got {type(measure).__name__}")
+        check_real("MemoryProfiler", "capacity_bytes", capacity_bytes, lambda v: v > 0, "a finite number of bytes > 0")
+        for name, value in (("seq_len", seq_len), ("params_per_adapter", params_per_adapter),
+                            ("max_batch", max_batch), ("max_adapters", max_adapters)):
+            check_int("MemoryProfiler", name, value, 1)
         self.measure = measure
         self.capacity_bytes = float(capacity_bytes)
         self.seq_len = seq_len
         self.params_per_adapter = params_per_adapter
         self.safety_margin = check_margin(safety_margin, "MemoryProfiler")
-        if not batch_sizes or any(b < 1 for b in batch_sizes):
-            raise ValueError(f"`batch_sizes` must be positive integers, got {list(batch_sizes)}")
+        if (isinstance(batch_sizes, (str, bytes)) or not isinstance(batch_sizes, Sequence) or not batch_sizes
+                or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in batch_sizes)):
+            raise ValueError(f"MemoryProfiler: `batch_sizes` must be a list of integers >= 1, got {batch_sizes!r}")
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_batch = max_batch
         self.max_adapters = max_adapters

@@ -5,6 +5,7 @@ A task file::
     gpus: 8                 # GPUs of this machine
     time_limit_s: 5         # CP-SAT limit per plan (default 2; a replan while running: 1 s at most)
     resolution_s: 1         # plan grid in seconds (default 1)
+    deterministic: false    # true: the same plan every time (one CP-SAT worker; default false: 8 racing)
     max_retries: 2          # attempts after a failure (default 2)
     log_dir: runs/schedule  # task logs, records and Gantt charts (default runs/schedule)
     tasks:
@@ -61,7 +62,7 @@ from lightning_multilora.scheduling.task_scheduler import (Schedule, Task, TaskS
 
 TASK_FIELDS = ("id", "duration", "gpus", "command", "torchrun")
 INBOX_SUFFIXES = (".yaml", ".yml")  # an inbox's task files (any case); ``.done`` and ``.rejected`` ones stay put
-FILE_FIELDS = ("gpus", "time_limit_s", "resolution_s", "max_retries", "log_dir", "tasks")
+FILE_FIELDS = ("gpus", "time_limit_s", "resolution_s", "deterministic", "max_retries", "log_dir", "tasks")
 # the most GPUs a Gantt chart has rows for (a row each: 100000 took minutes, a figure 45000 inches tall)
 MAX_CHART_GPUS = 256
 
@@ -149,7 +150,9 @@ def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
         raise ValueError(f"{path}: `gpus` must be an integer >= 1, got {gpus!r}")
     settings = dict(gpus=gpus, time_limit_s=_setting(data, "time_limit_s", 2.0, path),
                     resolution_s=_setting(data, "resolution_s", 1.0, path), max_retries=data.get("max_retries", 2),
-                    log_dir=data.get("log_dir", "runs/schedule"))
+                    log_dir=data.get("log_dir", "runs/schedule"), deterministic=data.get("deterministic", False))
+    if not isinstance(settings["deterministic"], bool):
+        raise ValueError(f"{path}: `deterministic` must be true or false, got {settings['deterministic']!r}")
     if not (isinstance(settings["max_retries"], int) and not isinstance(settings["max_retries"], bool)
             and settings["max_retries"] >= 0):
         raise ValueError(f"{path}: `max_retries` must be an integer >= 0, got {settings['max_retries']!r}")
@@ -355,7 +358,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not to_run:
             print("every task is finished: nothing to run")
             return 0
-    scheduler = TaskScheduler(settings["gpus"], settings["time_limit_s"], settings["resolution_s"])
+    scheduler = TaskScheduler(settings["gpus"], settings["time_limit_s"], settings["resolution_s"],
+                              deterministic=settings["deterministic"])
     try:
         plan: Schedule = scheduler.plan(to_run)
     except ValueError as err:

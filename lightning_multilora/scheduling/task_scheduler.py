@@ -16,19 +16,23 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
-from lightning_multilora.arguments import check_int, check_real
+from lightning_multilora.arguments import check_bool, check_int, check_real
 from lightning_multilora.scheduling.task import Task, yaml_number_hint  # noqa: F401 - (yaml_number_hint: re-exported)
 
 
-def cp_solver(time_limit_s: float, workers: int) -> Any:
+def cp_solver(time_limit_s: float, workers: int, deterministic: bool = False) -> Any:
     """A CP-SAT solver with this time limit and these search workers that leaves Ctrl-C to the caller (CP-SAT's own
-    SIGINT handler outlives the solve: Ctrl-C then kills the process outright, past the caller's clean-up)."""
+    SIGINT handler outlives the solve: Ctrl-C then kills the process outright, past the caller's clean-up).
+    ``deterministic``: the same answer every run: one search worker (several race each other), its limit in CP-SAT's
+    deterministic time (about seconds; the wall-clock limit, ten times it, only guards against a slow machine)."""
     from ortools.sat.python import cp_model
 
     solver = cp_model.CpSolver()
     solver.parameters.catch_sigint_signal = False
-    solver.parameters.max_time_in_seconds = time_limit_s
-    solver.parameters.num_search_workers = workers
+    solver.parameters.max_time_in_seconds = time_limit_s * (10 if deterministic else 1)
+    solver.parameters.num_search_workers = 1 if deterministic else workers
+    if deterministic:
+        solver.parameters.max_deterministic_time = time_limit_s
     return solver
 
 
@@ -123,15 +127,21 @@ class TaskScheduler:
         num_gpus: GPUs available (>= 1).
         time_limit_s: CP-SAT's time limit per plan; the best plan found by then is returned (three quarters for the
             makespan, the rest to start the tasks as early as that makespan allows, `EARLY_SHARE`).
-        resolution_s: durations are rounded up to this grid for the integer model.
+        resolution_s: durations are rounded up to this grid for the integer model (a plan is no shorter than its
+            tasks' durations so rounded: keep it well under the shortest).
         workers: CP-SAT search workers.
+        deterministic: the same plan for the same tasks every time (one worker, `cp_solver`'s); by default the plan
+            is the best that ``workers`` find in ``time_limit_s`` of wall-clock time, which can differ between runs
+            where none is proven optimal.
     """
 
-    def __init__(self, num_gpus: int, time_limit_s: float = 1.0, resolution_s: float = 1.0, workers: int = 8) -> None:
+    def __init__(self, num_gpus: int, time_limit_s: float = 1.0, resolution_s: float = 1.0, workers: int = 8,
+                 deterministic: bool = False) -> None:
         check_planner("TaskScheduler", num_gpus, time_limit_s, resolution_s)
         check_int("TaskScheduler", "workers", workers, 1)
         self.num_gpus, self.time_limit_s, self.resolution_s = int(num_gpus), float(time_limit_s), float(resolution_s)
         self.workers = int(workers)
+        self.deterministic = check_bool("TaskScheduler", "deterministic", deterministic)
         self.last: Optional[Schedule] = None
         self._warned_greedy = False
 
@@ -186,20 +196,31 @@ class TaskScheduler:
         model.AddMaxEquality(makespan, ends) if ends else model.Add(makespan == t0)
         model.Minimize(makespan)
         limit = time_limit_s if time_limit_s is not None else self.time_limit_s
-        solver = cp_solver(limit * (1 - EARLY_SHARE), self.workers)
+        solver = cp_solver(limit * (1 - EARLY_SHARE), self.workers, self.deterministic)
         status = solver.Solve(model)
         notes, solve_s = [], solver.WallTime()
+
+        def span_of(start_of: dict[str, int]) -> int:
+            return max([t0, *(start_of[t.id] + max(1, self._ticks(t.duration)) for t in tasks),
+                        *(max(self._ticks(p.end), t0) for p in running.values())])
+
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             start_of = {t.id: solver.Value(starts[t.id]) for t in tasks}
             span = solver.Value(makespan)
+            if status == cp_model.FEASIBLE:  # (out of time: never a longer plan than the greedy list schedule's)
+                greedy_from = time.perf_counter()
+                greedy = self._greedy_starts(tasks, running, t0)
+                solve_s += time.perf_counter() - greedy_from
+                if span_of(greedy) < span:
+                    start_of, span = greedy, span_of(greedy)
             start_of, early_s = self._start_early(model, starts, makespan, span, start_of, limit * EARLY_SHARE)
             solve_s += early_s
+            span = span_of(start_of)  # (the second solve may end sooner than the first's makespan)
         elif status == cp_model.UNKNOWN:  # out of time before a first plan: a greedy one, valid but not optimized
             greedy_from = time.perf_counter()  # (in the time the plan took: it runs in the share left after the solve)
             start_of = self._greedy_starts(tasks, running, t0)
             solve_s += time.perf_counter() - greedy_from
-            span = max([t0, *(start_of[t.id] + max(1, self._ticks(t.duration)) for t in tasks),
-                        *(max(self._ticks(p.end), t0) for p in running.values())])
+            span = span_of(start_of)
             notes.append(f"CP-SAT found no plan within time_limit_s={limit} s: greedy list schedule (longest first); "
                          "raise time_limit_s for an optimized plan")
             if not self._warned_greedy:  # (a runner replans often; the plan's table keeps the note)
@@ -238,7 +259,7 @@ class TaskScheduler:
         for task_id, var in starts.items():
             model.AddHint(var, start_of[task_id])
         model.Minimize(cp_model.LinearExpr.Sum(list(starts.values())))
-        solver = cp_solver(time_limit_s, self.workers)
+        solver = cp_solver(time_limit_s, self.workers, self.deterministic)
         status = solver.Solve(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return start_of, solver.WallTime()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 from lightning.pytorch.callbacks import Callback
@@ -63,10 +65,11 @@ def test_fit_predictor_and_the_checkpointing_choice():
     with_ckpt, without = rows_times(1), rows_times(3)
     assert choose_gradient_checkpointing([spec("a", 2)], with_ckpt, without, budget_bytes=6) is False
     assert choose_gradient_checkpointing([spec("a", 4)], with_ckpt, without, budget_bytes=6) is True
-    with pytest.raises(ValueError, match="even with gradient checkpointing"):
+    with pytest.raises(ValueError, match="even with gradient checkpointing .*: admit fewer, or lower their batch"):
         choose_gradient_checkpointing([spec("a", 8)], with_ckpt, without, budget_bytes=6)
-    with pytest.raises(ValueError, match="seq_len"):
-        fit_predictor(fit, 0, lambda s: 1)
+    for seq_len in (0, "1024"):  # (text was a bare TypeError)
+        with pytest.raises(ValueError, match=f"fit_predictor: `seq_len` must be an integer >= 1, got {seq_len!r}"):
+            fit_predictor(fit, seq_len, lambda s: 1)
 
 
 def test_the_analytic_model_guards_a_fit_through_of_specs():
@@ -197,6 +200,63 @@ def test_cpsat_admission_puts_rows_before_the_freed_batch_size_before_priority_a
     assert sum(s.batch_size for s in guarded.select([], small)) == 11
     with pytest.raises(ValueError, match="CPSATAdmission: `time_limit_s` must be a finite number of seconds > 0"):
         CPSATAdmission(fit, 1, lambda s: 0, 22.0, time_limit_s=float("nan"))
+
+
+def test_cpsat_admission_never_admits_fewer_rows_than_greedy_where_the_guard_refuses_its_choice():
+    """The guard (``beyond``) refused the set CP-SAT chose on the fit's costs, and popping its smallest adapters left
+    none: 0 rows where the greedy order admits 6."""
+    from lightning_multilora.scheduling import CPSATAdmission, MemoryPoint
+
+    fit = MemoryFit(k0=0.0, k1=1.0, k2=0.0, points=[MemoryPoint(1, 1, 1, 0, 1.0)])  # (every set past the point)
+    big, small = AdapterSpec("big", rank=64, batch_size=4), [AdapterSpec(f"s{i}", batch_size=2) for i in range(3)]
+
+    def beyond(specs):  # the analytic model: a rank-64 adapter's weights are 50 bytes here
+        return sum(s.batch_size for s in specs) + 50.0 * sum(s.rank == 64 for s in specs)
+
+    exact = CPSATAdmission(fit, 1, lambda s: 0, 10.0, 1.0, beyond=beyond)
+    greedy = AdmissionController(exact.predict, 10.0, 1.0)
+    assert [s.name for s in greedy.select([], [big, *small])] == ["s0", "s1", "s2"]
+    assert [s.name for s in exact.select([], [big, *small])] == ["s0", "s1", "s2"]
+
+
+def test_an_analytic_model_of_another_base_than_the_modules_is_warned_of(tmp_path, trainer_kwargs):
+    """`AnalyticMemoryModel`'s defaults are a bf16 base with gradient checkpointing; the module's, float32 without:
+    admission on them admitted several times what fits (38 adapters where 6 fit, on an 8B shape). `of_module`
+    describes the module's base as it was built: its weights measured, its checkpointing, its dtype."""
+    from lightning_multilora.data import GeneratedArithmetic
+    from lightning_multilora.scheduling import AnalyticMemoryModel, ModelShape
+
+    def fit(module):
+        dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(40)}, max_val_examples=4)
+        L.Trainer(**{**trainer_kwargs, "max_steps": 1}).fit(module, dm)
+
+    specs = [spec("a", 1, max_steps=1)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False)
+    base = module.model
+    measured = AnalyticMemoryModel.of_module(module)
+    assert measured.base_bytes() == sum(p.numel() * 4 for p in base.parameters()) + sum(
+        b.numel() * b.element_size() for b in base.buffers())
+    assert (measured.activation_bytes, measured.gradient_checkpointing) == (4.0, False)
+    assert measured.shape == ModelShape.from_config(base.config)
+    checked = AnalyticMemoryModel.of_module(MultiLoRAModule("tiny-llama", dtype="bfloat16",
+                                                            gradient_checkpointing=True))
+    assert (checked.activation_bytes, checked.gradient_checkpointing) == (2.0, True)
+    assert checked.base_bytes() < 0.51 * measured.base_bytes()
+
+    module.admission = AdmissionController(AnalyticMemoryModel(measured.shape).of_specs(32), 2**30)
+    with pytest.warns(UserWarning, match=r"the admission controller's AnalyticMemoryModel does not describe this "
+                                         r"module's base: it counts 209.* KiB of base weights, the base holds "
+                                         r"418.* KiB; its gradient_checkpointing is on, the base's off; its "
+                                         r"activation_bytes is 2, the base computes in 4-byte values\. "
+                                         r".*AnalyticMemoryModel.of_module"):
+        fit(module)
+    module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False)
+    fit_of = MemoryFit(k0=0.0, k1=1.0, k2=0.0)  # (as `fit_predictor`'s guard too)
+    module.admission = AdmissionController(fit_predictor(fit_of, 32, lambda s: 0, beyond=AnalyticMemoryModel.of_module(
+        module).of_specs(32)), 2**30)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*AnalyticMemoryModel does not describe")
+        fit(module)
 
 
 def test_the_simulated_sweep_compares_admission_policies():

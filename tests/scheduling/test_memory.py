@@ -231,7 +231,9 @@ def test_the_analytic_model_refuses_batches_ranks_and_lengths_below_one(call, me
     ("base_bytes_per_param", -2, r"`base_bytes_per_param` must be a finite number of bytes > 0"),
     ("adapter_bytes_per_param", 0, r"`adapter_bytes_per_param` must be a finite number of bytes > 0"),
     ("activation_bytes", "2", r"`activation_bytes` must be a finite number of bytes > 0"),
-    ("optimizer_states", -1, r"`optimizer_states` must be an integer >= 0, got -1"),
+    ("optimizer_states", -1, r"`optimizer_states` must be a number of states an adapter parameter's size each >= 0 "
+                             r"\(2 for AdamW; 0.5 for an 8-bit AdamW's .*got -1"),
+    ("base_weight_bytes", 0, r"`base_weight_bytes` must be a finite number of bytes > 0, or None"),
     ("loss_chunk_tokens", 0, r"`loss_chunk_tokens` must be an integer >= 1 or None, got 0"),
     ("gradient_checkpointing", "yes", r"`gradient_checkpointing` must be True or False"),
     ("shape", {"hidden": 64}, r"`shape` must be a ModelShape"),
@@ -251,3 +253,56 @@ def test_a_config_without_a_field_the_shape_needs_is_named():
         ModelShape.from_config(GPT2Config())
     with pytest.raises(ValueError, match=r"has no `num_hidden_layers`, `vocab_size`"):
         ModelShape.from_config({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4})
+
+
+def test_a_mixture_of_experts_base_counts_every_expert():
+    """Mixtral's and Qwen2-MoE's configs were read as one dense MLP a layer: Mixtral-8x7B counted 7.2e9 parameters of
+    its 46.7e9, and admission on that shape admitted sets tens of GiB past the card."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig, Qwen2MoeConfig
+
+    common = dict(vocab_size=100, hidden_size=32, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2)
+    configs = [MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2),
+               Qwen2MoeConfig(**common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40,
+                              shared_expert_intermediate_size=64, mlp_only_layers=[1])]
+    for config in configs:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        biases = sum(p.numel() for n, p in model.named_parameters() if n.endswith("proj.bias"))  # (Qwen2's q/k/v)
+        shape = ModelShape.from_config(config)
+        assert shape.base_params + biases == sum(p.numel() for p in model.parameters()), type(config).__name__
+    mixtral, qwen = (ModelShape.from_config(c) for c in configs)
+    assert (mixtral.num_experts, mixtral.experts_per_token, mixtral.moe_layers) == (4, 2, 3)
+    assert (qwen.expert_intermediate, qwen.shared_intermediate, qwen.dense_layers) == (40, 64, 1)
+    # a token's activations: its routed experts' (and the shared one's), not every expert's
+    dense = AnalyticMemoryModel(ModelShape(3, 32, 96, 4, 2, 100))
+    assert AnalyticMemoryModel(mixtral).act_per_token == pytest.approx(
+        dense.act_per_token + 3 * dense.activation_bytes * 4 * 96)  # (two experts of 96 where one MLP of 96)
+    big = ModelShape.from_config(MixtralConfig())  # Mixtral-8x7B
+    assert abs(big.base_params / 46.7e9 - 1) < 0.005
+    with pytest.raises(ValueError, match=r"DeepseekV3Config is a DeepSeek-style decoder"):
+        from transformers import DeepseekV3Config
+
+        ModelShape.from_config(DeepseekV3Config())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(hidden=100, num_heads=3), r"`hidden` \(100\) is not a multiple of `num_heads` \(3\): give `head_dim`"),
+    (dict(num_kv_heads=3), r"`num_kv_heads` must divide `num_heads` \(4\): .*got 3"),
+    (dict(num_kv_heads=8), r"`num_kv_heads` must divide `num_heads` \(4\): .*got 8"),
+    (dict(num_experts=4, experts_per_token=5), r"`experts_per_token` must be an integer from 1 to 4, got 5"),
+    (dict(dense_layers=3), r"`dense_layers` must be an integer from 0 to 2, got 3"),
+])
+def test_a_shape_whose_heads_or_experts_do_not_add_up_is_refused(kwargs, message):
+    """(hidden 100 over 3 heads made a q_proj 99 wide; more key/value heads than query heads went through.)"""
+    with pytest.raises(ValueError, match="ModelShape: " + message):
+        ModelShape(**{**dict(num_layers=2, hidden=64, intermediate=128, num_heads=4, num_kv_heads=2,
+                             vocab_size=10), **kwargs})
+
+
+def test_an_eight_bit_optimizers_states_are_a_fraction_of_the_adapters_bytes():
+    """(`optimizer_states=0.5`, a PagedAdamW8bit's two one-byte states beside fp32 adapters, was refused; 0 was the
+    only value it took, and it counted none.)"""
+    model = AnalyticMemoryModel(SHAPE, optimizer_states=0.5, activation_bytes=4.0)
+    assert model.adapter_bytes(16) == SHAPE.adapter_params(16) * 4.0 * 2.5

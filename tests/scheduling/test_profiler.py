@@ -61,6 +61,24 @@ def test_the_safety_margin_must_be_a_fraction(margin):
         MemoryProfiler(lambda n, b: 1.0, CAPACITY, 1024, PARAMS, safety_margin=margin)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(capacity_bytes=-1), r"`capacity_bytes` must be a finite number of bytes > 0, got -1"),
+    (dict(capacity_bytes="80GB"), r"`capacity_bytes` must be a finite number of bytes > 0, got '80GB'"),
+    (dict(seq_len=0), r"`seq_len` must be an integer >= 1, got 0"),
+    (dict(params_per_adapter=-5), r"`params_per_adapter` must be an integer >= 1, got -5"),
+    (dict(max_batch=0), r"`max_batch` must be an integer >= 1, got 0"),
+    (dict(batch_sizes=[1, 2.5]), r"`batch_sizes` must be a list of integers >= 1, got \[1, 2.5\]"),
+    (dict(measure=12), r"`measure` must be a function \(n_adapters, batch_size\) -> peak bytes or None"),
+])
+def test_the_profilers_settings_are_checked_before_any_step_is_measured(kwargs, message):
+    """(A capacity of -1 said "does not fit in 90% of -0.0 GiB", and a `seq_len` of 0 measured every step first.)"""
+    calls = []
+    settings = dict(measure=h200_like(calls), capacity_bytes=CAPACITY, seq_len=1024, params_per_adapter=PARAMS)
+    with pytest.raises((ValueError, TypeError), match="MemoryProfiler: " + message):
+        MemoryProfiler(**{**settings, **kwargs})
+    assert calls == []
+
+
 def test_a_cached_profile_is_not_measured_again(tmp_path):
     calls: list = []
     cache = MemoryFitCache(tmp_path)

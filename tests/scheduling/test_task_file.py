@@ -109,6 +109,8 @@ def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
      "number only with a dot and a signed exponent; write 1.0e-09\\)"),
     ("gpus: 2\ntasks: [{id: a, duration: 3e2}]", "got '3e2' \\(text: YAML reads an exponent .*; write 300.0\\)"),
     ("gpus: 2\nmax_retries: -1\ntasks: [{id: a, duration: 5}]", "`max_retries` must be an integer >= 0"),
+    ("gpus: 2\ndeterministic: yes please\ntasks: [{id: a, duration: 5}]", "`deterministic` must be true or false, "
+     "got 'yes please'"),
     ("gpus: 2\nmax_retries: 1.7\ntasks: [{id: a, duration: 5}]", "`max_retries` must be an integer >= 0"),
     ("gpus: 2\nlog_dir:\ntasks: [{id: a, duration: 5}]", "`log_dir` must be a directory path, got None"),
     ("gpus: 2\ntasks: [{id: a, duration: 5}", "(?s)not valid YAML: .*line 2"),  # (the parser's message named no file)
