@@ -691,12 +691,16 @@ class MultiLoRAMixin:
 
     def _monitor(self, metrics: dict[str, float]) -> None:
         """Put the values a callback monitors (``ModelCheckpoint(monitor="adapters/<name>/val_loss")``,
-        ``EarlyStopping``...) in ``trainer.callback_metrics``, where Lightning's callbacks read them (the module
-        writes its values to the loggers itself, and ``self.log`` would cost ~0.3 ms a value a step)."""
+        ``EarlyStopping``...), and every validation's (``adapters/<name>/val_loss``...: a few a validation), in
+        ``trainer.callback_metrics``, where Lightning's callbacks and a user's read them (the module writes its values
+        to the loggers itself, and ``self.log`` would cost ~0.3 ms a value a step)."""
         trainer = self._trainer_or_none()
-        monitored = {getattr(cb, "monitor", None) for cb in trainer.callbacks} if trainer is not None else ()
-        for key in monitored & metrics.keys() if monitored else ():
-            trainer.callback_metrics[key] = torch.tensor(float(metrics[key]))
+        if trainer is None:
+            return
+        monitored = {getattr(cb, "monitor", None) for cb in trainer.callbacks}
+        for key in metrics:
+            if key in monitored or key.rsplit("/", 1)[-1].startswith("val_"):
+                trainer.callback_metrics[key] = torch.tensor(float(metrics[key]))
 
     def _settle_monitors(self) -> None:
         """Before the callbacks' ``on_validation_end``: an ``EarlyStopping`` monitoring one adapter that is not training
@@ -1194,6 +1198,9 @@ class MultiLoRAMixin:
             # as the uninterrupted run did after that step.
             self._sync_ranks()
             self._finish_together()
+        elif self._placement() is None:  # an adapter at its max_steps still running: its finishing validation (and
+            # export) was cut short, by an error or Ctrl+C there; it finishes now, not one step past its length
+            self._after_step(list(self.registry.running))
         self._fill_slots()  # after a checkpoint is restored, before the optimizer is built
         self.lora_layers.rebind()  # the flat parameters the groups hold follow any move since their adapters came
         records = [r for r in self.registry.holding_weights if self._owns(r.name)]
@@ -1233,6 +1240,14 @@ class MultiLoRAMixin:
         if self._resume_checkpoint is not None:
             saved = self._resume_checkpoint.get("multilora", {}).get("optimizer_classes")
             _match_optimizer_state(self._resume_checkpoint, optimizer, self._flat_optimizer_state, saved)
+            if self.__dict__.pop("_loaded_outside_fit", False):  # (`load_from_checkpoint`, then a fit without
+                # `ckpt_path`: Lightning loads no optimizer state; the module's adapters go on with theirs)
+                states = self._resume_checkpoint.get("optimizer_states")
+                if states:
+                    optimizer.load_state_dict(states[0])
+                else:
+                    rank_zero_warn("the checkpoint this module was loaded from holds no optimizer state (saved with "
+                                   "weights only): its adapters go on with new optimizer states")
             self._resume_checkpoint = None
         elif carried is not None:  # another fit of this module: its adapters go on with their optimizer states
             _match_optimizer_state(carried, optimizer, self._flat_optimizer_state, carried["optimizer_classes"])
@@ -1254,6 +1269,9 @@ class MultiLoRAMixin:
                                        for cb in trainer.callbacks if getattr(cb, "carries_state", False)
                                        ] if left else []
         optimizer, placement = self._raw_optimizer(), self._placement()
+        streams = getattr(trainer.datamodule, "state_dict", lambda: {})()
+        if isinstance(streams, dict) and isinstance(streams.get("streams"), dict):  # (for a new data module given
+            self._carried_positions = dict(streams["streams"])  # to the next fit: its adapters' data go on too)
         if placement is not None:
             self._carried_owners = dict(placement.owner)
         if optimizer is not None and any(g.get("adapter") is not None for g in optimizer.param_groups):
@@ -1261,6 +1279,12 @@ class MultiLoRAMixin:
             state["state"] = {i: {k: v.cpu() if torch.is_tensor(v) else v for k, v in s.items()}
                               for i, s in state["state"].items()}
             self._carried_optimizer = {"optimizer_states": [state], "optimizer_classes": _optimizer_classes(optimizer)}
+
+    def carried_data_positions(self) -> Optional[dict[str, dict[str, int]]]:
+        """The data positions (`MultiLoRADataModule`'s stream states, by adapter) the last fit of this module stopped
+        at, or the checkpoint it was loaded from holds: a data module new to the next fit takes them for the adapters
+        that go on (it started their data over, some examples seen twice and some never)."""
+        return getattr(self, "_carried_positions", None)
 
     def carried_callback_state(self, callback: L.Callback) -> Optional[dict[str, Any]]:
         """The state ``callback`` (`EarlyExit`, `WarmupSelection`, `OptunaSweep`: ``carries_state``) had as the last
@@ -2091,10 +2115,13 @@ class MultiLoRAMixin:
         providers = trainer is not None and any(hasattr(cb, "has_pending_candidates") for cb in trainer.callbacks)
         names = {spec.name for spec in given}
         dropped = [r.name for r in self.registry.queued if r.name not in names]
-        if given and dropped and not providers:  # (a provider's queued candidates are none of the user's to give)
-            rank_zero_warn(f"adapters queued in the checkpoint and not given now still start: {dropped} (a resume "
-                           "keeps the checkpoint's adapters; `module.remove_adapter(name)` after the resume starts, "
-                           "say in a callback's `on_train_start`, drops one)")
+        going_on = [r.name for r in (*self.registry.running, *self.registry.paused) if r.name not in names]
+        if given and (dropped or going_on) and not providers:  # (a provider's candidates are none of the user's)
+            said = [f"queued in the checkpoint and not given now still start: {dropped}"] if dropped else []
+            said += [f"running or paused in the checkpoint and not given now go on: {going_on}"] if going_on else []
+            rank_zero_warn(f"adapters {'; '.join(said)} (a resume keeps the checkpoint's adapters; "
+                           "`module.remove_adapter(name)` after the resume starts, say in a callback's "
+                           "`on_train_start`, drops one and exports what it trained)")
         running = [r.name for r in self.registry.running]
         saved_cap = getattr(self, "_saved_max_running", self.max_running)  # (a run over its own cap: resume_adapter)
         if self.max_running is not None and len(running) > self.max_running and saved_cap != self.max_running:
@@ -2128,6 +2155,15 @@ class MultiLoRAMixin:
         trainer = self._trainer_or_none()
         for callback in (trainer.callbacks if trainer is not None else []):  # (before Lightning matches their states)
             getattr(callback, "adopt_checkpoint_state", lambda checkpoint: None)(checkpoint)
+        # `load_from_checkpoint` (no trainer): a fit without `ckpt_path` goes on as a resume does, as another fit of
+        # this module does: its optimizer states, data positions and callbacks' states from the checkpoint (they were
+        # lost, the trained adapters' exports then written over by others trained again from fresh optimizers)
+        self._loaded_outside_fit = trainer is None
+        if trainer is None:
+            self._carried_positions = next((dict(v["streams"]) for v in checkpoint.values() if isinstance(v, dict)
+                                            and isinstance(v.get("streams"), dict)), None)
+            self._carried_callbacks = [(key.split("{")[0], key, state) for key, state in
+                                       (checkpoint.get("callbacks") or {}).items() if isinstance(state, dict)]
         for name in list(self.lora_layers.adapter_names):
             self.lora_layers.remove_adapter(name)
         self.registry.load_state_dict(state["registry"])

@@ -118,7 +118,7 @@ class AdapterRecord:
         return rec
 
 
-def _exported_loss(r: AdapterRecord, exported: str) -> float:
+def exported_loss(r: AdapterRecord, exported: str) -> float:
     """The validation loss of the weights adapter ``r``'s export holds: as measured at the step they are of (NaN
     where none was: weights exported after Ctrl+C or an error, between validations; an earlier step's loss is
     another weights'). An adapter not exported: ``exported``'s loss, the best or the last."""
@@ -131,8 +131,8 @@ def _exported_loss(r: AdapterRecord, exported: str) -> float:
     # record's starting best of inf)
 
 
-def _exported_accuracy(r: AdapterRecord, exported: str) -> float:
-    """A DPO adapter's preference accuracy of the weights `_exported_loss` is of (NaN: an SFT adapter, or not
+def exported_accuracy(r: AdapterRecord, exported: str) -> float:
+    """A DPO adapter's preference accuracy of the weights `exported_loss` is of (NaN: an SFT adapter, or not
     measured there): its export's (as measured where it was exported, else its last or best validation's where that
     was at the exported step), else its best or last validation's."""
     if r.exported_step is not None:
@@ -223,7 +223,7 @@ class AdapterRegistry:
         which, "best", the best-validation weights, where the module keeps them, `keep_best_weights`; "last", the last
         ones, where it does not), lowest first, within each group of losses that compare (`_loss_group`: SFT's, then
         DPO's, per data source and DPO beta; a DPO row has the ``val_preference_accuracy`` of the weights its loss is
-        of, `_exported_accuracy`). Adapters whose
+        of, `exported_accuracy`). Adapters whose
         exported weights were not measured (stopped between validations) follow, by their last validation loss; those
         never validated last."""
         if exported not in ("best", "last"):
@@ -232,9 +232,9 @@ class AdapterRegistry:
         for r in self._records.values():
             row = {"adapter": r.name, **r.spec.hparams(), "status": r.state.value, "reason": r.reason,
                    "best_val_loss": r.best_val_loss, "last_val_loss": r.last_val_loss,
-                   "exported_val_loss": _exported_loss(r, exported), "exported_step": r.exported_step,
+                   "exported_val_loss": exported_loss(r, exported), "exported_step": r.exported_step,
                    "steps": r.step, "export_path": r.export_path,
-                   "val_preference_accuracy": _exported_accuracy(r, exported)}
+                   "val_preference_accuracy": exported_accuracy(r, exported)}
             rows.append(row)
         def rank(row: dict[str, Any]) -> tuple:
             measured, last = row["exported_val_loss"], row["last_val_loss"]
@@ -263,7 +263,9 @@ class AdapterRegistry:
                   *(names.get(k, k) for k in losses), "steps"]
         groups = [_loss_group(r, source_name) for r in rows]  # (numbered within each group of losses that compare)
         places = [sum(1 for g in groups[:i] if g == groups[i]) + 1 for i in range(len(rows))]
-        lines = [[str(places[i]), r["adapter"], f"{r['lr']:.2g}", str(r["rank"]), f"{r['alpha']:g}",
+        lr_digits = next((d for d in range(2, 8) if len({f"{r['lr']:.{d}g}" for r in rows})
+                          == len({r["lr"] for r in rows})), 8)  # (as many as tell the rates apart: a sweep's are close)
+        lines = [[str(places[i]), r["adapter"], f"{r['lr']:.{lr_digits}g}", str(r["rank"]), f"{r['alpha']:g}",
                   str(r["batch_size"]), *("-" if r[k] is None else f"{r[k]:g}" if isinstance(r[k], float)
                                           else str(r[k]) for k in varying), r["status"],
                   *(f"{r[k]:.4f}" if math.isfinite(r[k]) else "inf" if k == "exported_val_loss" and r[k] == math.inf

@@ -1378,6 +1378,26 @@ def test_loggers_get_each_adapters_values_while_it_runs_and_monitors_find_them(t
     assert seen == pytest.approx([loss for _, loss in module.registry["x"].train_losses])
 
 
+def test_each_validations_losses_are_in_callback_metrics_for_any_reader(trainer_kwargs):
+    """``trainer.callback_metrics`` held only the values some callback's ``monitor`` named: a user's callback (or Ray
+    Tune's, which names its metrics otherwise) found none of the adapters' validation losses."""
+    seen = []
+
+    class Reads(L.Callback):
+        def on_validation_end(self, trainer, pl_module):
+            seen.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.endswith("/val_loss")})
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=4),
+                                                     AdapterSpec("b", rank=2, max_steps=6, seed=1)])
+    trainer = L.Trainer(**{**trainer_kwargs, "val_check_interval": 2}, callbacks=[Reads()])
+    trainer.fit(module, small_dm())
+    a, b = module.registry["a"], module.registry["b"]
+    assert seen[0] == pytest.approx({"adapters/a/val_loss": a.val_losses[0][1],
+                                     "adapters/b/val_loss": b.val_losses[0][1]})
+    assert {k: float(v) for k, v in trainer.callback_metrics.items() if k.endswith("/val_loss")} == pytest.approx(
+        {"adapters/a/val_loss": a.last_val_loss, "adapters/b/val_loss": b.last_val_loss})
+
+
 def test_trainer_validate_returns_the_held_adapters_losses_and_test_is_named(tmp_path, trainer_kwargs):
     """After a fit that left adapters running, ``trainer.validate`` returned ``[{}]`` (each adapter counted as
     measured at its step); it now returns each held adapter's loss over its split, as `evaluate` measures it, without
@@ -1629,6 +1649,68 @@ def test_a_second_fit_of_the_module_goes_on_with_its_optimizer_state(tmp_path, t
             torch.testing.assert_close(twice[name][key], value, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("how", ["another data module", "load_from_checkpoint"])
+def test_a_fit_of_a_loaded_module_or_with_a_new_data_module_goes_on_as_the_run_not_stopped(tmp_path, trainer_kwargs,
+                                                                                           how):
+    """A module from ``load_from_checkpoint`` fitted without ``ckpt_path`` went on with new optimizer states and its
+    adapters' data from the start, and wrote its exports over the run's (an adapter finished after the checkpoint
+    trained again, differently); a second fit given a new data module started every adapter's data over. Both now go
+    on as the run that was not stopped."""
+    from safetensors.torch import load_file
+
+    def module_of(out: str) -> MultiLoRAModule:
+        return MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / out),
+                               adapters=[AdapterSpec("a", rank=2, max_steps=7, lr=1e-2, dropout=0.1, seed=1),
+                                         AdapterSpec("b", rank=2, max_steps=4, lr=3e-3, batch_size=3, seed=2)])
+
+    def exports(module: MultiLoRAModule) -> dict:
+        return {n: load_file(Path(module.registry[n].export_path) / "adapter_model.safetensors") for n in "ab"}
+
+    once = module_of("once")
+    L.Trainer(**trainer_kwargs).fit(once, small_dm())
+    module = module_of("twice")
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 3})
+    trainer.fit(module, small_dm())
+    if how == "load_from_checkpoint":
+        trainer.save_checkpoint(tmp_path / "stop.ckpt")
+        L.Trainer(**{**trainer_kwargs, "max_steps": 5}).fit(module, small_dm())  # (b finishes and is exported)
+        module = MultiLoRAModule.load_from_checkpoint(tmp_path / "stop.ckpt")
+    L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    assert [module.registry[n].tokens_seen for n in "ab"] == [once.registry[n].tokens_seen for n in "ab"]
+    ours = exports(module)
+    for name, tensors in exports(once).items():
+        for key, value in tensors.items():
+            torch.testing.assert_close(ours[name][key], value, atol=1e-6, rtol=1e-5)
+
+
+def test_an_adapter_whose_finishing_validation_was_cut_short_finishes_at_its_length(tmp_path, trainer_kwargs,
+                                                                                   monkeypatch):
+    """An error (out of memory, say) or Ctrl+C in the validation an adapter gets as it reaches ``max_steps`` left it
+    running: the next fit (or a resume from the exception's checkpoint) trained it a step past its length and wrote
+    that over its export."""
+    module = MultiLoRAModule("tiny-llama", export_dir=str(tmp_path),
+                             adapters=[AdapterSpec("a", rank=2, max_steps=5, seed=1), AdapterSpec("b", rank=2,
+                                                                                                  max_steps=3)])
+    evaluate = module.evaluate
+
+    def fails_once(specs, record=False):
+        if [s.name for s in specs] == ["b"] and not getattr(fails_once, "failed", False):
+            fails_once.failed = True
+            raise RuntimeError("out of memory, say")
+        return evaluate(specs, record)
+
+    monkeypatch.setattr(module, "evaluate", fails_once)
+    dm = small_dm()
+    with pytest.warns(UserWarning, match="fit stopped by RuntimeError"), pytest.raises(RuntimeError, match="say"):
+        L.Trainer(**trainer_kwargs).fit(module, dm)
+    b = module.registry["b"]
+    assert (b.state, b.step) == (AdapterState.RUNNING, 3)
+    tokens = b.tokens_seen
+    L.Trainer(**trainer_kwargs).fit(module, dm)
+    assert (b.state, b.step, b.tokens_seen, b.exported_step) == (AdapterState.FINISHED, 3, tokens, 3)
+    assert b.val_losses and b.val_losses[-1][0] == 3 and module.registry["a"].step == 5
+
+
 def test_a_resume_with_another_optimizer_or_its_settings_says_what_it_keeps(tmp_path, trainer_kwargs):
     """A resume with another optimizer class (AdamW -> SGD with momentum) failed at its first step with a bare
     ``KeyError: 'momentum'`` (the groups were the checkpoint's AdamW ones); other settings of the same optimizer were
@@ -1664,8 +1746,23 @@ def test_a_resume_names_queued_adapters_no_longer_given_and_running_ones_over_th
         L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path=str(tmp_path / "stop.ckpt"))
     said = " | ".join(str(w.message) for w in seen)
     assert "adapters queued in the checkpoint and not given now still start: ['c']" in said
+    assert "running or paused in the checkpoint and not given now go on" not in said
     assert "the checkpoint has 2 adapters running (['a', 'b']), over `max_running`=1: they go on" in said
     assert all(module.registry[n].state == AdapterState.FINISHED for n in "abc")
+
+
+def test_a_resume_names_running_adapters_no_longer_given(tmp_path, trainer_kwargs):
+    """(A queued adapter left out was named; a running one trained on to its end, unsaid.)"""
+    specs = [AdapterSpec(n, rank=2, max_steps=4, seed=i) for i, n in enumerate("ab")]
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False), small_dm())
+    trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    module = MultiLoRAModule("tiny-llama", adapters=specs[:1], validate_on_finish=False)
+    with pytest.warns(UserWarning, match=r"adapters running or paused in the checkpoint and not given now go on: "
+                                         r"\['b'\] \(a resume keeps the checkpoint's adapters; "
+                                         r"`module.remove_adapter\(name\)`"):
+        L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path=str(tmp_path / "stop.ckpt"))
+    assert module.registry["b"].state == AdapterState.FINISHED
 
 
 def test_validate_says_why_it_measures_nothing_and_a_loaded_checkpoint_is_held(tmp_path, trainer_kwargs):

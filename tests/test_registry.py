@@ -155,3 +155,15 @@ def test_adapters_of_one_source_rank_together_whether_named_or_not():
     places = [line.split()[:2] for line in registry.summary_table("last", resolve).splitlines()[2:]]
     assert places == [["1", "b"], ["2", "c"], ["3", "a"], ["1", "d"]]
     assert [r["adapter"] for r in registry.summary_rows("last")] == ["c", "a", "b", "d"]  # (unresolved: apart)
+
+
+def test_learning_rates_that_differ_are_told_apart_in_the_table():
+    """Two significant digits printed an Optuna sweep's log-uniform rates 0.026681 and 0.027440 both as 0.027."""
+    registry = AdapterRegistry()
+    for name, lr in (("a", 0.026681), ("b", 0.027440), ("c", 0.1)):
+        registry.add(AdapterSpec(name, lr=lr))
+    assert sorted(line.split()[2] for line in registry.summary_table().splitlines()[2:]) == ["0.0267", "0.0274", "0.1"]
+    registry = AdapterRegistry()
+    for name, lr in (("a", 1e-3), ("b", 2e-3)):
+        registry.add(AdapterSpec(name, lr=lr))
+    assert sorted(line.split()[2] for line in registry.summary_table().splitlines()[2:]) == ["0.001", "0.002"]

@@ -18,7 +18,7 @@ from typing_extensions import override
 from lightning_multilora.arguments import UsageError, check_int
 from lightning_multilora.export import init_from_config
 from lightning_multilora.log_dir import log_dir_of
-from lightning_multilora.registry import AdapterRecord, AdapterState
+from lightning_multilora.registry import AdapterRecord, AdapterState, exported_accuracy, exported_loss
 from lightning_multilora.spec import AdapterSpec, check_alpha_over_rank, check_spec_fields, without_unused_beta
 from lightning_multilora.strategies.adapter_parallel import decide_once, decides_here, placement_of
 
@@ -860,11 +860,22 @@ class OptunaSweep(Callback):
             return
         self._report(pl_module)
         # the value describes the weights exported: the best-validation ones where they are kept (EarlyExit's
-        # default), else the last ones (the module's own default, without EarlyExit)
-        best = getattr(pl_module, "keep_best_weights", False)
-        value = rec.best_val_loss if best else rec.last_val_loss
+        # default), else the last ones (the module's own default, without EarlyExit), as measured at their step (an
+        # earlier validation's loss is other weights': with `validate_on_finish=False` the trial has none)
+        exported = "best" if getattr(pl_module, "keep_best_weights", False) else "last"
+        value = exported_loss(rec, exported)
         exit_info = {"state": rec.state.value, "reason": rec.reason, "step": rec.step, "export_path": rec.export_path}
-        accuracy = rec.best_val_preference_accuracy if best else rec.last_val_preference_accuracy
+        accuracy = exported_accuracy(rec, exported)
+        if math.isnan(value) and rec.val_losses and rec.state in COMPLETE_STATES:  # (its export not validated:
+            # `validate_on_finish=False`; its last validation's value, said, rather than none for every trial)
+            (value_step, value), accuracy = rec.val_losses[-1], rec.last_val_preference_accuracy
+            exit_info["value_step"] = value_step
+            if not getattr(self, "_said_value_step", False):
+                self._said_value_step = True
+                warnings.warn(f"trial {info['number']} ({rec.name!r}) is told its last validation's loss, at step "
+                              f"{value_step}: the weights it exports, of step {rec.exported_step}, were not validated "
+                              "(`validate_on_finish=False`); the trial's user attribute adapter_exit['value_step'] "
+                              "says which step a value is of (this is said once)")
         if rec.spec.objective == "dpo" and math.isfinite(accuracy):  # (the same weights' share of pairs preferred)
             exit_info["val_preference_accuracy"] = accuracy
         try:  # how its adapter ended, for a run resumed from an earlier checkpoint (`_told_record`)

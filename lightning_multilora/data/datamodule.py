@@ -608,10 +608,13 @@ class MultiLoRADataModule(L.LightningDataModule):
     def _keep_streams_of(self, module: Any) -> None:
         """A fit starts: data positions are kept for the adapters the module goes on training (those that have taken
         steps and not ended: a second fit of the same module), rebuilt on the current splits; any other adapter of the
-        same name (a new module's) starts its data from the beginning. A checkpoint's positions load after this."""
+        same name (a new module's) starts its data from the beginning. The module's own record of them
+        (`carried_data_positions`: its last fit's, or those of the checkpoint it was loaded from) goes first: this data
+        module may be new to it. A checkpoint's positions load after this."""
         registry = getattr(module, "registry", None)
         going_on = {r.name for r in registry if r.step > 0 and not r.state.exited} if registry is not None else set()
-        pending = {n: s for n, s in self._stream_states().items() if n in going_on}
+        carried = getattr(module, "carried_data_positions", lambda: None)() or {}
+        pending = {n: s for n, s in {**self._stream_states(), **carried}.items() if n in going_on}
         self._streams.clear()
         self._drawn_from = {}
         self._pending_stream_state = pending

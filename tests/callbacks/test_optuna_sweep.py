@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 
@@ -663,6 +665,24 @@ def test_a_finished_trial_never_validated_is_said_and_the_study_name_is_checked(
                        match="this checkpoint's sweep ran study 'multilora', and `study_name` is 'another'"):
         other.load_state_dict(sweep.state_dict())
 
+
+
+def test_a_trial_whose_export_was_not_validated_says_which_steps_loss_its_value_is(tmp_path, trainer_kwargs):
+    """With `validate_on_finish=False` the trials (7 steps, validations every 3) export step 7's weights, never
+    validated: each was told its step-6 loss as the value of the weights it exports, silently."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    sweep = OptunaSweep(SPACE, n_trials=2, storage=storage, base={"max_steps": 7, "batch_size": 2}, slots=2)
+    module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"), validate_on_finish=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        L.Trainer(**dict(trainer_kwargs, val_check_interval=3), callbacks=[sweep]).fit(module, dm())
+    said = [str(w.message) for w in seen if "is told its last validation's loss" in str(w.message)]
+    assert len(said) == 1 and "at step 6: the weights it exports, of step 7, were not validated" in said[0]
+    for trial in optuna.load_study(study_name="multilora", storage=storage).get_trials():
+        rec = module.registry[f"trial-{trial.number}"]
+        assert (rec.exported_step, rec.val_losses[-1][0]) == (7, 6)
+        assert trial.state == optuna.trial.TrialState.COMPLETE and trial.value == rec.val_losses[-1][1]
+        assert trial.user_attrs["adapter_exit"]["value_step"] == 6
 
 
 class _PruneAfter(optuna.pruners.BasePruner):
