@@ -38,7 +38,8 @@ class _Parser(LightningArgumentParser):
         if "subcommand" in message and "{fit}" in message or "(choose from 'fit')" in message:
             # (demo and schedule are commands of `main`, not of the parser)
             message = message.rstrip(".") + "; the commands: fit, demo, schedule (`multilora --help`)"
-        return super().error((_refused_fields(message, refused) or message) + peft_hints(refused), ex)
+        return super().error((_refused_fields(message, refused) or _section_typo(message) or message)
+                             + peft_hints(refused), ex)
 
     def print_usage(self, file=None) -> None:
         (file or sys.stdout).write(f"usage: {self.prog} [-h] [-c CONFIG] [--KEY VALUE ...]\n")
@@ -64,6 +65,25 @@ def _refused_fields(message: str, refused: list[str]) -> Optional[str]:
     named = [f"{name!r}" + "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(
         name, fields, n=1) if not peft_hints([name])) for name in refused]  # (PEFT's spellings: their own hint)
     return f"`{key[1]}`: {cls.__name__} takes no {', '.join(named)}; it takes {', '.join(fields)}"
+
+
+def _section_typo(message: str) -> Optional[str]:
+    """jsonargparse's error for a field the module, the data module or the Trainer does not take (``does not accept
+    option 'model.max_runing'`` from a config, ``unrecognized arguments: --model.max_runing`` from the command line),
+    with the closest field it takes. None where the message is not that, or no field is close."""
+    import difflib
+    import inspect
+
+    found = re.search(r"does not accept option '([\w.]+)'|unrecognized arguments: --([\w.]+)", message)
+    section, _, name = (found[1] or found[2]).rpartition(".") if found else ("", "", "")
+    from lightning.pytorch import Trainer
+
+    classes = {"model": MultiLoRAModule, "data": MultiLoRADataModule, "trainer": Trainer}
+    if section not in classes:
+        return None
+    fields = [p for p in inspect.signature(classes[section]).parameters if p not in ("self", "args", "kwargs")]
+    close = difflib.get_close_matches(name, fields, n=1)
+    return f"{message.rstrip('.')} (did you mean `{section}.{close[0]}`?)" if close else None
 
 
 def _written_at(path: Path) -> float:
@@ -277,7 +297,12 @@ class MultiLoRACLI(LightningCLI):
                    "init_args": {k: v for k, v in (cb.get("init_args") or {}).items() if k in _ADAPTER_ASKERS[name]}}
                   for cb in callbacks or [] if isinstance(cb, dict)
                   for name in [str(cb.get("class_path", "")).rsplit(".", 1)[-1]] if name in _ADAPTER_ASKERS]
-        return {"model": config.get("model"), "data": config.get("data"), "askers": askers}
+        model = config.get("model")
+        if isinstance(model, dict):  # (how the run goes, not what it trains: a resume may change them)
+            inner = model.get("init_args") if isinstance(model.get("init_args"), dict) else model
+            inner = {k: v for k, v in inner.items() if k not in _RUNTIME_MODEL_FIELDS}
+            model = {**model, "init_args": inner} if inner is not model and "init_args" in model else inner
+        return {"model": model, "data": config.get("data"), "askers": askers}
 
     def _log_roots(self) -> list[Path]:
         """The folders where the runs under this command's root keep their claims and configs: the root itself, and
@@ -337,6 +362,10 @@ class MultiLoRACLI(LightningCLI):
                     with open(folder / CLAIM, "x" if ckpt_path is None else "w", encoding="utf-8") as fh:
                         task = os.environ.get(TASK_ID_ENV)  # (a schedule's task: its retries resume its own runs)
                         fh.write(f"{run_id or ''}\n" + (f"task={task}\n" if task else ""))
+                    if [p.name for p in folder.iterdir()] == [CLAIM]:  # (a CSVLogger's "exists and is not empty",
+                        # "previous log files will be deleted": of this claim alone, which it keeps)
+                        warnings.filterwarnings("ignore", message=f"Experiment logs directory {re.escape(log_dir)} "
+                                                                  "exists and is not empty")
                     return folder / CLAIM
                 except FileExistsError:  # another run took it between the listing and now
                     pass
@@ -408,6 +437,10 @@ PREVIOUS_RUN_FILES = ("config.yaml", "sweep_summary.json", "optuna.db", CLAIM)
 TASK_ID_ENV = "MULTILORA_TASK_ID"  # set by `multilora schedule` for each task's command: the task's id
 # callbacks that ask the run's adapters, and the arguments that make their run theirs (not its budget: `n_trials`,
 # `slots`, the heartbeat's, which a resume may change)
+# The module's settings of how a run goes, not of what it trains: a resume may change them (more adapters at once on a
+# larger GPU, another export folder) and still be the same run (`--ckpt_path last` finds its checkpoints)
+_RUNTIME_MODEL_FIELDS = ("max_running", "admission", "export_dir", "validate_on_finish", "cuda_graphs",
+                         "gradient_checkpointing")
 _ADAPTER_ASKERS = {"OptunaSweep": ("search_space", "base", "sampler", "seed", "study_name", "storage",
                                    "alpha_over_rank", "pruner")}
 

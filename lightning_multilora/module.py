@@ -2058,7 +2058,8 @@ class MultiLoRAMixin:
 
     def _base_identity(self) -> dict[str, Any]:
         """What a checkpoint's adapters need of the frozen base to resume on it: its architecture (a Hugging Face
-        config's model type and sizes; else the model's class), not where it was loaded from."""
+        config's model type and sizes; else the model's class), and, to warn of another one of the same architecture,
+        where it was loaded from and the dtype it is held in."""
         model = self.lora_layers.model
         model = getattr(model, "_orig_mod", model)  # (torch.compile's wrapper: the model it compiled)
         config = getattr(model, "config", None)
@@ -2066,6 +2067,7 @@ class MultiLoRAMixin:
             return {"class": type(model).__name__}
         values = config.to_dict()
         identity = {k: values[k] for k in _BASE_KEYS if k in values}
+        identity["path"] = values.get("_name_or_path") or None  # (a built-in tiny model's: none)
         quant = values.get("quantization_config") or {}
         if isinstance(quant, dict) and quant.get("load_in_4bit"):
             identity["weights"] = str(quant.get("bnb_4bit_quant_type", "4-bit"))
@@ -2143,6 +2145,12 @@ class MultiLoRAMixin:
         # entries both sides give (a config that gains one in a newer transformers, head_dim say, is not another base)
         differ = {k: (saved_base[k], base[k]) for k in saved_base.keys() & base.keys()
                   if saved_base[k] is not None and base[k] is not None and saved_base[k] != base[k]}
+        loaded = differ.pop("path", None)
+        if loaded is not None and not differ:  # (the same architecture from elsewhere: a moved folder, other weights)
+            rank_zero_warn(f"this checkpoint's adapters were trained on the base loaded from {loaded[0]!r}, and resume "
+                           f"on one loaded from {loaded[1]!r}: if it holds other weights (another model of the same "
+                           "architecture), the adapters go on from another model's outputs; resume on the base they "
+                           "were trained on to go on exactly")
         held = differ.pop("weights", None)
         if held is not None:  # (the same architecture held otherwise: a choice, said)
             rank_zero_warn(f"this checkpoint's adapters were trained on the base held as {held[0]} and resume on it "

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -286,6 +287,8 @@ def test_an_adapter_field_spelt_as_peft_spells_it_is_answered_with_ours(tmp_path
     (["--trainer.callbacks", json.dumps([{"class_path": "lightning_multilora.callbacks.OptunaSweep",
                                           "init_args": {"search_space": {}, "n_trails": 3}}])],
      "OptunaSweep takes no 'n_trails' (did you mean 'n_trials'?); it takes search_space, n_trials,"),
+    (["--model.max_runing", "2"], "unrecognized arguments: --model.max_runing 2 (did you mean `model.max_running`?)"),
+    (["--trainer.max_stpes", "2"], "(did you mean `trainer.max_steps`?)"),
 ])
 def test_a_field_a_config_misspells_is_named_with_the_closest_one_under_a_short_usage(tmp_path, capsys, override,
                                                                                       message):
@@ -566,7 +569,9 @@ def test_what_makes_a_run_for_last_is_its_model_data_and_sweep_on_the_fields_bot
     assert _agree(sections(lr), sections(lr)) and not _agree(sections(lr), sections(rank))
     assert _agree(sections(lr, n_trials=6), sections(lr))  # (a sweep's budget may change on a resume)
     assert _agree(sections(lr, cuda_graphs=False), sections(lr))  # (a field an older version did not save)
-    assert not _agree(sections(lr, max_running=3), sections(lr))
+    # (how the run goes, not what it trains: more adapters at once on a larger GPU started a new run)
+    assert _agree(sections(lr, max_running=3, export_dir="elsewhere", validate_on_finish=False), sections(lr))
+    assert not _agree(sections(lr, dtype="bfloat16"), sections(lr))
     assert not _agree(sections(lr, config_overrides={"num_hidden_layers": 1}), sections(lr, config_overrides={}))
     assert not _agree({"adapters": [{"name": "a"}]}, {"adapters": [{"name": "a"}, {"name": "b"}]})
 
@@ -581,3 +586,14 @@ def test_a_smoke_run_without_a_logger_takes_no_log_directory(tmp_path):
     assert not (tmp_path / ".multilora_log").exists() and not (tmp_path / "adapters").exists()
     main(args)
     assert json.loads((tmp_path / "sweep_summary.json").read_text())[0]["status"] == "finished"
+
+
+def test_a_csv_logger_does_not_warn_that_a_new_runs_folder_holds_earlier_logs(tmp_path):
+    """The run's claim, made in its logger's folder as it starts, made a CSVLogger say on every new run that the folder
+    "exists and is not empty. Previous log files in this directory will be deleted"."""
+    logger = json.dumps({"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        main(_tiny_fit(tmp_path, "--trainer.logger", logger))
+    assert not [w for w in seen if "exists and is not empty" in str(w.message)]
+    assert (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").is_file()

@@ -1751,6 +1751,24 @@ def test_a_resume_names_queued_adapters_no_longer_given_and_running_ones_over_th
     assert all(module.registry[n].state == AdapterState.FINISHED for n in "abc")
 
 
+def test_a_resume_on_a_base_of_the_same_architecture_loaded_from_elsewhere_is_warned_of(tmp_path, trainer_kwargs):
+    """(Another model of the same sizes, say an instruct model beside its base, resumed the adapters silently.)"""
+    for seed in (0, 1):
+        MultiLoRAModule("tiny-llama", base_seed=seed).model.save_pretrained(tmp_path / f"base{seed}")
+    specs = [AdapterSpec("a", rank=2, max_steps=4)]
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(MultiLoRAModule(str(tmp_path / "base0"), adapters=specs, validate_on_finish=False), small_dm())
+    trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    for seed, warned in ((0, False), (1, True)):
+        module = MultiLoRAModule(str(tmp_path / f"base{seed}"), adapters=specs, validate_on_finish=False)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path=str(tmp_path / "stop.ckpt"))
+        said = [str(w.message) for w in seen if "were trained on the base loaded from" in str(w.message)]
+        assert len(said) == warned and (not warned or f"{str(tmp_path / 'base1')!r}" in said[0])
+        assert module.registry["a"].state == AdapterState.FINISHED
+
+
 def test_a_resume_names_running_adapters_no_longer_given(tmp_path, trainer_kwargs):
     """(A queued adapter left out was named; a running one trained on to its end, unsaid.)"""
     specs = [AdapterSpec(n, rank=2, max_steps=4, seed=i) for i, n in enumerate("ab")]

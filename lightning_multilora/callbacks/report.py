@@ -143,9 +143,17 @@ class SweepReport(Callback):
                     else "their last weights; EarlyExit keeps the best")
             lines = ["", f"Adapters ranked by export_loss, the validation loss of the weights their exports hold "
                      f"({said}):", registry.summary_table(exported, source_name), ""]
-            if any(math.isnan(r["exported_val_loss"]) for r in self.rows):
-                lines.insert(3, "(export_loss '-': weights not validated, the run having stopped before a validation "
-                                "of them; those follow the others, by their last validation loss)")
+            unmeasured = [r for r in self.rows if math.isnan(r["exported_val_loss"])]
+            if unmeasured:  # (why, for the rows it is of)
+                why = [f"{state} adapters have no export" for state in ("queued", "failed")
+                       if any(r["status"] == state for r in unmeasured)]
+                if any(r["status"] not in ("queued", "failed") for r in unmeasured):
+                    why.append("weights not validated, " + (
+                        "the run having stopped before a validation of them" if stopped or getattr(
+                            pl_module, "validate_on_finish", True) else "with `validate_on_finish=False` and no "
+                        "validation at their step"))
+                lines.insert(3, f"(export_loss '-': {'; '.join(why)}; those follow the others, by their last "
+                                "validation loss)")
             if stopped:
                 lines[1:1] = [f"{stopped}: the adapters as they were then (those that had taken a step exported)"]
             exports = sorted({str(Path(r["export_path"]).parent) for r in self.rows if r["export_path"]})
@@ -164,15 +172,32 @@ class SweepReport(Callback):
             return
         logger = loggers[0]
         from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import hparams as hparams_summary
 
+        exported = {row["adapter"]: row["exported_val_loss"] for row in self.rows or []}
+        runs = []
         for rec in registry:
             # (a field not set, an SFT adapter's beta or the default source's `dataset`: none, not the text "None")
             hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                        for k, v in rec.spec.hparams().items() if v is not None}
             hparams["status"] = rec.state.value
-            metrics = {"hparams/best_val_loss": rec.best_val_loss, "hparams/steps": float(rec.step)}
-            with SummaryWriter(str(Path(logger.log_dir) / "hparams" / rec.name)) as writer:
-                writer.add_hparams(hparams, metrics, run_name=".")
+            metrics = {"hparams/export_loss": float(exported.get(rec.name, math.nan)),  # (what the table ranks by)
+                       "hparams/best_val_loss": rec.best_val_loss, "hparams/steps": float(rec.step)}
+            runs.append((rec.name, hparams, metrics))
+        root = Path(logger.log_dir) / "hparams"
+        if runs:  # one experiment for all: every adapter's columns (TensorBoard reads one run's experiment, any one:
+            # each run writing its own showed one adapter's fields alone, an SFT adapter's lacking `dpo_beta`...)
+            columns = {k: v for _, hparams, _ in reversed(runs) for k, v in hparams.items()}
+            experiment, _, _ = hparams_summary(columns, dict.fromkeys(runs[0][2], 0.0))
+            with SummaryWriter(str(root)) as writer:
+                writer.file_writer.add_summary(experiment)
+        for name, hparams, metrics in runs:
+            _, start, end = hparams_summary(hparams, metrics)
+            with SummaryWriter(str(root / name)) as writer:
+                writer.file_writer.add_summary(start)
+                writer.file_writer.add_summary(end)
+                for key, value in metrics.items():
+                    writer.add_scalar(key, value)
         writer = logger.experiment
         writer.add_figure("sweep/loss_curves", loss_curves_figure(registry), trainer.global_step)
         writer.add_figure("sweep/timeline", timeline_figure(registry, trainer.global_step), trainer.global_step)

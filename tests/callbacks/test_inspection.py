@@ -19,6 +19,7 @@ from lightning_multilora import (
     WarmupSelection,
 )
 from lightning_multilora.callbacks.report import slot_assignment
+from lightning_multilora.registry import AdapterState
 from lightning_multilora.data import GeneratedArithmetic
 
 
@@ -171,10 +172,11 @@ def test_validation_losses_are_logged_at_the_step_of_the_training_values_and_hpa
     import csv
 
     from lightning.pytorch.loggers import CSVLogger
-    from torch.utils.tensorboard import SummaryWriter
+    import torch.utils.tensorboard.summary as summary
 
-    written = []
-    monkeypatch.setattr(SummaryWriter, "add_hparams", lambda self, hparams, *a, **k: written.append(hparams))
+    written, hparams_of = [], summary.hparams
+    monkeypatch.setattr(summary, "hparams", lambda hparams, *a, **k: (written.append(hparams),
+                                                                      hparams_of(hparams, *a, **k))[1])
     module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=2, max_steps=5)],
                              validate_on_finish=False)
     loggers = [CSVLogger(str(tmp_path), name="csv"), TensorBoardLogger(str(tmp_path), name="tb")]
@@ -187,3 +189,50 @@ def test_validation_losses_are_logged_at_the_step_of_the_training_values_and_hpa
     assert at("adapters/a/val_loss") == [1, 3]  # (the validations after the 2nd and 4th steps: batches 1 and 3)
     assert at("adapters/a/train_loss") == at("adapters/a/train_loss_ema") == [0, 1, 2, 3, 4]  # (EarlyExit's)
     assert written and all("None" not in map(str, h.values()) for h in written) and "dataset" not in written[0]
+
+
+def test_the_hparams_dashboard_has_every_adapters_columns_and_the_export_loss(tmp_path, capsys):
+    """Each adapter's run wrote its own experiment of its own set fields, and TensorBoard shows one run's, any one:
+    an adapter trained by `max_steps` beside one by `max_epochs` lost one of the two columns. Its metric was the best
+    validation loss alone, not the export's the table ranks by."""
+    from types import SimpleNamespace
+
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from lightning_multilora.registry import AdapterRegistry
+
+    registry = AdapterRegistry()
+    registry.add(AdapterSpec("a", max_steps=10))
+    registry.add(AdapterSpec("b", max_epochs=2, dataset="other"))
+    logger = TensorBoardLogger(str(tmp_path), name="tb")
+    trainer = SimpleNamespace(loggers=[logger], is_global_zero=True, log_dir=logger.log_dir, global_step=0,
+                              default_root_dir=str(tmp_path))
+    SweepReport(print_table=False).on_fit_end(trainer, SimpleNamespace(registry=registry))
+    root = EventAccumulator(str(Path(logger.log_dir) / "hparams"))
+    root.Reload()
+    data = plugin_data_pb2.HParamsPluginData.FromString(root.PluginTagToContent("hparams")["_hparams_/experiment"])
+    columns = {h.name for h in data.experiment.hparam_infos}
+    assert {"max_steps", "max_epochs", "dataset", "lr", "rank", "status"} <= columns
+    assert {m.name.tag for m in data.experiment.metric_infos} == {"hparams/export_loss", "hparams/best_val_loss",
+                                                                  "hparams/steps"}
+    for name in ("a", "b"):  # (the runs hold their sessions and metrics, and no experiment of their own)
+        run = EventAccumulator(str(Path(logger.log_dir) / "hparams" / name))
+        run.Reload()
+        assert "_hparams_/experiment" not in run.PluginTagToContent("hparams")
+        assert "hparams/export_loss" in run.Tags()["scalars"]
+
+
+def test_the_reports_note_on_unmeasured_exports_says_why(tmp_path, trainer_kwargs, capsys):
+    """The note said "the run having stopped before a validation of them" for a run that ended, its adapters exported
+    unvalidated under `validate_on_finish=False`, and for adapters that never started."""
+    from lightning_multilora import AdapterSpec
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("x", rank=2, max_steps=3),
+                                                     AdapterSpec("never", rank=2, batch_size=64, max_steps=3)],
+                             validate_on_finish=False, max_running=1)
+    module.registry["never"].state = AdapterState.FAILED  # (as a failed start leaves it)
+    L.Trainer(**trainer_kwargs, callbacks=[SweepReport(tensorboard=False)]).fit(
+        module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(300)}, max_val_examples=8))
+    out = capsys.readouterr().out
+    assert ("(export_loss '-': failed adapters have no export; weights not validated, with `validate_on_finish=False` "
+            "and no validation at their step;") in out, out
