@@ -663,6 +663,11 @@ class MultiLoRAMixin:
         validation runs before its batch counts: at the global step, its values sat one step to the right of the
         training values and of a user's own ``self.log`` of the same validation); outside one, the global step."""
         trainer = self._trainer_or_none()
+        if self._resume_checkpoint is not None and not getattr(self, "_loaded_outside_fit", False):  # (before
+            # Lightning restores its loops: what is logged as a resume sets up, at the checkpoint's step)
+            loops = self._resume_checkpoint.get("loops") or {}
+            state = (loops.get("fit_loop") or {}).get("epoch_loop.state_dict") or {}
+            return int(state.get("_batches_that_stepped", self._global_step()))
         loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
         fitting = trainer is not None and trainer.state.fn == "fit" and trainer.state.status == "running"
         return getattr(loop, "_batches_that_stepped", self._global_step()) if fitting else self._global_step()
@@ -899,9 +904,13 @@ class MultiLoRAMixin:
             differs.append(f"its activation_bytes is {analytic.activation_bytes:g}, the base computes in {computes:g}"
                            f"-byte values")
         if differs:
+            cast = (f" (the Trainer's precision={precision!r} casts the base before this: of a module built before, "
+                    "give `base_weight_bytes` of the cast base)" if precision.endswith("-true")
+                    and precision not in ("32-true", "64-true") else "")
             rank_zero_warn(f"the admission controller's AnalyticMemoryModel does not describe this module's base: "
                            f"{'; '.join(differs)}. It may admit adapters that do not fit (or fewer than fit): build it "
-                           "with AnalyticMemoryModel.of_module(module), its fields' overrides as keyword arguments")
+                           "with AnalyticMemoryModel.of_module(module), its fields' overrides as keyword arguments"
+                           + cast)
 
     def _admit(self) -> None:
         """Start queued adapters while slots are free (and, with an admission controller, while they fit)."""
@@ -913,7 +922,7 @@ class MultiLoRAMixin:
             for rec in queued:  # fail only when it starts, the run long under way
                 if isinstance(checked[rec.name], ValueError):
                     self._cannot_start(rec, checked[rec.name])
-        if self.admission is not None and self._global_step() == 0 and not getattr(self, "_memory_model_checked", 0):
+        if self.admission is not None and not getattr(self, "_memory_model_checked", False):  # (each fit's first)
             self._memory_model_checked = True
             self._check_memory_model()
         if self.admission is not None and queued:
@@ -1263,6 +1272,7 @@ class MultiLoRAMixin:
         trainer = self._trainer_or_none()
         if trainer is None or trainer.state.fn != "fit":
             return
+        self._memory_model_checked = False  # (the next fit may hold another controller, or run at another precision)
         if self.__dict__.pop("_fit_started", False):  # (a fit refused before its first step keeps the last one's)
             left = any(not rec.state.exited for rec in self.registry)
             self._carried_callbacks = [(type(cb).__qualname__, cb.state_key, copy.deepcopy(cb.state_dict()))
@@ -1942,7 +1952,12 @@ class MultiLoRAMixin:
     def on_validation_epoch_start(self) -> None:
         self._val_sums = {}
         if self.trainer.state.fn == "validate" and self._resume_checkpoint is not None:
-            self._resume_checkpoint = None  # (a validate builds no optimizer to take it)
+            checkpoint, self._resume_checkpoint = self._resume_checkpoint, None  # (a validate builds no optimizer)
+            if self.__dict__.pop("_loaded_outside_fit", False) and checkpoint.get("optimizer_states"):
+                # (`load_from_checkpoint`, a validate, then a fit: the fit goes on with the checkpoint's states, as
+                # another fit of this module goes on with the last one's)
+                self._carried_optimizer = {"optimizer_states": checkpoint["optimizer_states"], "optimizer_classes":
+                                           checkpoint.get("multilora", {}).get("optimizer_classes")}
             if self._placement() is not None:  # each rank's registry from its own file: the owners' progress on all
                 self._sync_ranks()
         if self.trainer.state.fn == "validate" and not list(self.registry.holding_weights):  # (every rank's; after
@@ -2118,7 +2133,8 @@ class MultiLoRAMixin:
         names = {spec.name for spec in given}
         dropped = [r.name for r in self.registry.queued if r.name not in names]
         going_on = [r.name for r in (*self.registry.running, *self.registry.paused) if r.name not in names]
-        if given and (dropped or going_on) and not providers:  # (a provider's candidates are none of the user's)
+        if given and (dropped or going_on) and not providers and trainer is not None:  # (a provider's candidates
+            # are none of the user's; `load_from_checkpoint` gives the run's own adapters, those it was built with)
             said = [f"queued in the checkpoint and not given now still start: {dropped}"] if dropped else []
             said += [f"running or paused in the checkpoint and not given now go on: {going_on}"] if going_on else []
             rank_zero_warn(f"adapters {'; '.join(said)} (a resume keeps the checkpoint's adapters; "
@@ -2145,13 +2161,12 @@ class MultiLoRAMixin:
         # entries both sides give (a config that gains one in a newer transformers, head_dim say, is not another base)
         differ = {k: (saved_base[k], base[k]) for k in saved_base.keys() & base.keys()
                   if saved_base[k] is not None and base[k] is not None and saved_base[k] != base[k]}
-        loaded = differ.pop("path", None)
+        loaded, held = differ.pop("path", None), differ.pop("weights", None)
         if loaded is not None and not differ:  # (the same architecture from elsewhere: a moved folder, other weights)
             rank_zero_warn(f"this checkpoint's adapters were trained on the base loaded from {loaded[0]!r}, and resume "
                            f"on one loaded from {loaded[1]!r}: if it holds other weights (another model of the same "
                            "architecture), the adapters go on from another model's outputs; resume on the base they "
                            "were trained on to go on exactly")
-        held = differ.pop("weights", None)
         if held is not None:  # (the same architecture held otherwise: a choice, said)
             rank_zero_warn(f"this checkpoint's adapters were trained on the base held as {held[0]} and resume on it "
                            f"held as {held[1]} (`quantization` / `dtype`): their losses will move with the base's "

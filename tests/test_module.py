@@ -1649,7 +1649,7 @@ def test_a_second_fit_of_the_module_goes_on_with_its_optimizer_state(tmp_path, t
             torch.testing.assert_close(twice[name][key], value, atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("how", ["another data module", "load_from_checkpoint"])
+@pytest.mark.parametrize("how", ["another data module", "load_from_checkpoint", "load, validate, fit"])
 def test_a_fit_of_a_loaded_module_or_with_a_new_data_module_goes_on_as_the_run_not_stopped(tmp_path, trainer_kwargs,
                                                                                            how):
     """A module from ``load_from_checkpoint`` fitted without ``ckpt_path`` went on with new optimizer states and its
@@ -1671,10 +1671,12 @@ def test_a_fit_of_a_loaded_module_or_with_a_new_data_module_goes_on_as_the_run_n
     module = module_of("twice")
     trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 3})
     trainer.fit(module, small_dm())
-    if how == "load_from_checkpoint":
+    if how != "another data module":
         trainer.save_checkpoint(tmp_path / "stop.ckpt")
         L.Trainer(**{**trainer_kwargs, "max_steps": 5}).fit(module, small_dm())  # (b finishes and is exported)
         module = MultiLoRAModule.load_from_checkpoint(tmp_path / "stop.ckpt")
+        if how == "load, validate, fit":  # (the validate dropped the checkpoint's optimizer states)
+            L.Trainer(**trainer_kwargs).validate(module, small_dm())
     L.Trainer(**trainer_kwargs).fit(module, small_dm())
     assert [module.registry[n].tokens_seen for n in "ab"] == [once.registry[n].tokens_seen for n in "ab"]
     ours = exports(module)
@@ -1759,8 +1761,8 @@ def test_a_resume_on_a_base_of_the_same_architecture_loaded_from_elsewhere_is_wa
     trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
     trainer.fit(MultiLoRAModule(str(tmp_path / "base0"), adapters=specs, validate_on_finish=False), small_dm())
     trainer.save_checkpoint(tmp_path / "stop.ckpt")
-    for seed, warned in ((0, False), (1, True)):
-        module = MultiLoRAModule(str(tmp_path / f"base{seed}"), adapters=specs, validate_on_finish=False)
+    for seed, warned, dtype in ((0, False, "float32"), (1, True, "float32"), (1, True, "bfloat16")):
+        module = MultiLoRAModule(str(tmp_path / f"base{seed}"), adapters=specs, validate_on_finish=False, dtype=dtype)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path=str(tmp_path / "stop.ckpt"))
@@ -1773,8 +1775,13 @@ def test_a_resume_names_running_adapters_no_longer_given(tmp_path, trainer_kwarg
     """(A queued adapter left out was named; a running one trained on to its end, unsaid.)"""
     specs = [AdapterSpec(n, rank=2, max_steps=4, seed=i) for i, n in enumerate("ab")]
     trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
-    trainer.fit(MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False), small_dm())
+    first = MultiLoRAModule("tiny-llama", adapters=specs[:1], validate_on_finish=False)
+    first.add_adapter(specs[1])
+    trainer.fit(first, small_dm())
     trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    with warnings.catch_warnings():  # (a load is given the run's own adapters: nothing to say)
+        warnings.filterwarnings("error", message=".*not given now")
+        MultiLoRAModule.load_from_checkpoint(tmp_path / "stop.ckpt")
     module = MultiLoRAModule("tiny-llama", adapters=specs[:1], validate_on_finish=False)
     with pytest.warns(UserWarning, match=r"adapters running or paused in the checkpoint and not given now go on: "
                                          r"\['b'\] \(a resume keeps the checkpoint's adapters; "
@@ -2071,3 +2078,14 @@ def test_load_from_checkpoint_builds_the_runs_base_and_adapters(tmp_path, traine
     L.Trainer(**{**trainer_kwargs, "enable_checkpointing": True}, callbacks=[save]).fit(Sub(), small_dm())
     loaded = Sub.load_from_checkpoint(next((tmp_path / "sub").glob("*step=2*.ckpt")))
     assert loaded.registry["a"].step == 2
+
+
+def test_what_a_resume_logs_as_it_sets_up_is_at_the_checkpoints_step():
+    """(An adapter's finishing validation, completed as a resume set up, was logged at step 0: Lightning restores its
+    loops after the optimizer is built.)"""
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2)])
+    module._resume_checkpoint = {"global_step": 7, "loops": {"fit_loop": {"epoch_loop.state_dict": {
+        "_batches_that_stepped": 6}}}}
+    assert module._logged_step() == 6
+    module._loaded_outside_fit = True  # (`load_from_checkpoint`, then a fit: the new Trainer's steps)
+    assert module._logged_step() != 6

@@ -145,13 +145,14 @@ class SweepReport(Callback):
                      f"({said}):", registry.summary_table(exported, source_name), ""]
             unmeasured = [r for r in self.rows if math.isnan(r["exported_val_loss"])]
             if unmeasured:  # (why, for the rows it is of)
-                why = [f"{state} adapters have no export" for state in ("queued", "failed")
-                       if any(r["status"] == state for r in unmeasured)]
-                if any(r["status"] not in ("queued", "failed") for r in unmeasured):
+                unexported = sorted({r["status"] for r in unmeasured if not r["export_path"]})
+                why = [f"{', '.join(unexported)} adapters without an export"] if unexported else []
+                if any(r["export_path"] for r in unmeasured):
                     why.append("weights not validated, " + (
-                        "the run having stopped before a validation of them" if stopped or getattr(
-                            pl_module, "validate_on_finish", True) else "with `validate_on_finish=False` and no "
-                        "validation at their step"))
+                        "the run having stopped before a validation of them" if stopped else
+                        "with `validate_on_finish=False` and no validation at their step" if not getattr(
+                            pl_module, "validate_on_finish", True) else "their adapters having ended (removed, "
+                        "failed) between validations"))
                 lines.insert(3, f"(export_loss '-': {'; '.join(why)}; those follow the others, by their last "
                                 "validation loss)")
             if stopped:

@@ -223,8 +223,10 @@ class AnalyticMemoryModel:
         The defaults of `AnalyticMemoryModel` itself are a bf16 base with checkpointing, not the module's."""
         import torch
 
-        model = module if hasattr(module, "config") else getattr(module, "model", module)  # (a Hugging Face model's
-        config = getattr(model, "config", None)  # own `model` is its decoder alone, without the output head)
+        model = getattr(getattr(module, "lora_layers", None), "model", None)  # (a module's base; a Hugging Face
+        if model is None:  # model's own `model` is its decoder alone, without the output head)
+            model = module if hasattr(module, "config") else getattr(module, "model", module)
+        config = getattr(model, "config", None)
         if config is None:
             raise ValueError(f"AnalyticMemoryModel.of_module: {type(module).__name__} has no Hugging Face `config` "
                              "(a MultiLoRAModule, or its `model`); build AnalyticMemoryModel(ModelShape(...)) instead")

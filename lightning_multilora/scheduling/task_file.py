@@ -5,7 +5,7 @@ A task file::
     gpus: 8                 # GPUs of this machine
     time_limit_s: 5         # CP-SAT limit per plan (default 2; a replan while running: 1 s at most)
     resolution_s: 1         # plan grid in seconds (default 1)
-    deterministic: false    # true: the same plan every time (one CP-SAT worker; default false: 8 racing)
+    deterministic: false    # true: the same plan every time (one CP-SAT worker, up to 10x time_limit_s)
     max_retries: 2          # attempts after a failure (default 2)
     log_dir: runs/schedule  # task logs, records and Gantt charts (default runs/schedule)
     tasks:

@@ -130,9 +130,10 @@ class TaskScheduler:
         resolution_s: durations are rounded up to this grid for the integer model (a plan is no shorter than its
             tasks' durations so rounded: keep it well under the shortest).
         workers: CP-SAT search workers.
-        deterministic: the same plan for the same tasks every time (one worker, `cp_solver`'s); by default the plan
-            is the best that ``workers`` find in ``time_limit_s`` of wall-clock time, which can differ between runs
-            where none is proven optimal.
+        deterministic: the same plan for the same tasks every time (one worker, `cp_solver`'s, not warm-started from
+            the last plan); ``time_limit_s`` is then CP-SAT's deterministic time, which can take several times as
+            long on the wall clock (ten times at most). By default the plan is the best that ``workers`` find in
+            ``time_limit_s`` of wall-clock time, which can differ between runs where none is proven optimal.
     """
 
     def __init__(self, num_gpus: int, time_limit_s: float = 1.0, resolution_s: float = 1.0, workers: int = 8,
@@ -166,7 +167,8 @@ class TaskScheduler:
         overlap = {t.id for t in tasks} & set(running)
         if overlap:
             raise ValueError(f"tasks {sorted(overlap)} are both running and to be planned")
-        hint = hint if hint is not None else self.last
+        hint = hint if hint is not None or self.deterministic else self.last  # (deterministic: the same plan for
+        # the same tasks, whatever was planned before)
         model = cp_model.CpModel()
         t0 = self._ticks(now)
         horizon = t0 + sum(max(1, self._ticks(t.duration)) for t in tasks) + sum(  # (each at least a tick, as below)

@@ -234,5 +234,5 @@ def test_the_reports_note_on_unmeasured_exports_says_why(tmp_path, trainer_kwarg
     L.Trainer(**trainer_kwargs, callbacks=[SweepReport(tensorboard=False)]).fit(
         module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(300)}, max_val_examples=8))
     out = capsys.readouterr().out
-    assert ("(export_loss '-': failed adapters have no export; weights not validated, with `validate_on_finish=False` "
-            "and no validation at their step;") in out, out
+    assert ("(export_loss '-': failed adapters without an export; weights not validated, with "
+            "`validate_on_finish=False` and no validation at their step;") in out, out

@@ -257,6 +257,14 @@ def test_an_analytic_model_of_another_base_than_the_modules_is_warned_of(tmp_pat
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*AnalyticMemoryModel does not describe")
         fit(module)
+    # each fit checks its own controller (another fit of the module, here with one of a bf16 base)
+    module.add_adapter(spec("b", 1, max_steps=1))
+    module.admission = AdmissionController(AnalyticMemoryModel(measured.shape, gradient_checkpointing=False,
+                                                               activation_bytes=4.0).of_specs(32), 2**30)
+    with pytest.warns(UserWarning, match=r"it counts 209.* KiB of base weights, the base holds 418.* KiB\. It may"):
+        fit(module)
+    module.config = {"not": "a Hugging Face config"}  # (a module's own attribute: its base is measured still)
+    assert AnalyticMemoryModel.of_module(module).base_bytes() == measured.base_bytes()
 
 
 def test_the_simulated_sweep_compares_admission_policies():

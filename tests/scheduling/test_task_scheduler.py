@@ -324,3 +324,8 @@ def test_a_deterministic_scheduler_plans_the_same_every_time():
     plans = [TaskScheduler(8, time_limit_s=0.5, deterministic=True).plan(tasks) for _ in range(2)]
     assert plans[0].placements == plans[1].placements
     check_valid(plans[0], tasks, 8)
+    rng = random.Random(1)  # the same scheduler again: not warm-started from its last plan (which gave another)
+    tasks = [Task(f"t{i}", rng.randint(5, 200), rng.choice([1, 1, 2, 4, 8])) for i in range(60)]
+    scheduler = TaskScheduler(8, time_limit_s=0.3, deterministic=True)
+    plans = [scheduler.plan(tasks) for _ in range(2)]
+    assert plans[0].placements == plans[1].placements
