@@ -38,8 +38,8 @@ class _Parser(LightningArgumentParser):
         if "subcommand" in message and "{fit}" in message or "(choose from 'fit')" in message:
             # (demo and schedule are commands of `main`, not of the parser)
             message = message.rstrip(".") + "; the commands: fit, demo, schedule (`multilora --help`)"
-        return super().error((_refused_fields(message, refused) or _section_typo(message) or message)
-                             + peft_hints(refused), ex)
+        return super().error((_refused_fields(message, refused) or _section_typo(message) or _wrong_type(message)
+                              or message) + peft_hints(refused), ex)
 
     def print_usage(self, file=None) -> None:
         (file or sys.stdout).write(f"usage: {self.prog} [-h] [-c CONFIG] [--KEY VALUE ...]\n")
@@ -65,6 +65,21 @@ def _refused_fields(message: str, refused: list[str]) -> Optional[str]:
     named = [f"{name!r}" + "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(
         name, fields, n=1) if not peft_hints([name])) for name in refused]  # (PEFT's spellings: their own hint)
     return f"`{key[1]}`: {cls.__name__} takes no {', '.join(named)}; it takes {', '.join(fields)}"
+
+
+def _wrong_type(message: str) -> Optional[str]:
+    """jsonargparse's error for a value of the wrong type in a list of classes (``rank: eight`` in a config's
+    adapters: the union's alternatives and a dump of every item, the field deep inside) as one sentence: the key, the
+    item by its name where the dump shows it, the field, the type and the value. None where the message is not that."""
+    found = re.search(r'Parser key "([\w.]+)":.*?Parser key "(\w+)":\s+Expected a <class \'(\w+)\'>\. '
+                      r"Got value: (.*?)\n", message, re.S)
+    if found is None:
+        return None
+    key, field, kind, value = found.groups()
+    words = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "text"}.get(kind, f"a {kind}")
+    item = re.search(rf"'name': '([^']+)'[^{{}}]*?'{field}': '?{re.escape(value)}'?[,}}]", message)
+    which = f"adapter {item[1]!r}: " if item and key.endswith("adapters") else ""
+    return f"`{key}`: {which}`{field}` must be {words}, got {value!r}"
 
 
 def _section_typo(message: str) -> Optional[str]:

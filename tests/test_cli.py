@@ -289,6 +289,11 @@ def test_an_adapter_field_spelt_as_peft_spells_it_is_answered_with_ours(tmp_path
      "OptunaSweep takes no 'n_trails' (did you mean 'n_trials'?); it takes search_space, n_trials,"),
     (["--model.max_runing", "2"], "unrecognized arguments: --model.max_runing 2 (did you mean `model.max_running`?)"),
     (["--trainer.max_stpes", "2"], "(did you mean `trainer.max_steps`?)"),
+    # (a value of the wrong type: the union's alternatives and every adapter's dump, the field deep inside)
+    (["--model.adapters", "[{name: a, rank: 4}, {name: b, rank: eight}]"],
+     "error: `model.adapters`: adapter 'b': `rank` must be an integer, got 'eight'"),
+    (["--model.adapters", "[{name: a, lr: fast}]"], "error: `model.adapters`: adapter 'a': `lr` must be a number, "
+                                                    "got 'fast'"),
 ])
 def test_a_field_a_config_misspells_is_named_with_the_closest_one_under_a_short_usage(tmp_path, capsys, override,
                                                                                       message):
