@@ -703,8 +703,8 @@ class MultiLoRAMixin:
         if trainer is None:
             return
         monitored = {getattr(cb, "monitor", None) for cb in trainer.callbacks}
-        for key in metrics:
-            if key in monitored or key.rsplit("/", 1)[-1].startswith("val_"):
+        for key in metrics:  # (every step's values pass here: a suffix test, not a split, a key)
+            if key in monitored or key.endswith(_VALIDATION_METRICS):
                 trainer.callback_metrics[key] = torch.tensor(float(metrics[key]))
 
     def _settle_monitors(self) -> None:
@@ -1424,9 +1424,8 @@ class MultiLoRAMixin:
                 logs[rec.name] = {prefix + "train_loss": loss, prefix + "grad_norm": norm, prefix + "lr": lr}
                 if scale is not None:
                     logs[rec.name][prefix + "loss_scale"] = rec.loss_scale
-                if rec.name in getattr(self, "_preference_rewards", {}):  # (a DPO adapter's: one read of the three)
-                    accuracy, chosen, rejected = torch.cat([self._preference_accuracy[rec.name].reshape(1).to(
-                        self._preference_rewards[rec.name].dtype), self._preference_rewards[rec.name]]).tolist()
+                if rec.name in getattr(self, "_preference_rewards", {}):  # (a DPO adapter's)
+                    accuracy, chosen, rejected = self._preference_values(rec.name)
                     logs[rec.name].update({prefix + "preference_accuracy": accuracy, prefix + "rewards_chosen": chosen,
                                            prefix + "rewards_rejected": rejected,
                                            prefix + "rewards_margin": chosen - rejected})
@@ -1924,13 +1923,19 @@ class MultiLoRAMixin:
             acc[0] += s
             acc[1] += c
             if name in getattr(self, "_preference_accuracy", {}):  # (a DPO adapter's count is its pairs)
-                rewards = self._preference_rewards[name]
-                accuracy, chosen, rejected = torch.cat([self._preference_accuracy[name].reshape(1).to(rewards.dtype),
-                                                        rewards]).tolist()
+                accuracy, chosen, rejected = self._preference_values(name)
                 acc[2] += accuracy * c
                 acc[3] += c
                 acc[4] += chosen * c
                 acc[5] += rejected * c
+
+    def _preference_values(self, name: str) -> tuple[float, float, float]:
+        """A DPO adapter's share of pairs preferred and its mean chosen and rejected rewards in the last loss
+        computed (`adapter_loss_terms`), in one read from the device."""
+        rewards = self._preference_rewards[name]
+        accuracy, chosen, rejected = torch.cat([self._preference_accuracy[name].reshape(1).to(rewards.dtype),
+                                                rewards]).tolist()
+        return accuracy, chosen, rejected
 
     def _held_spec(self, spec: Union[AdapterSpec, str], method: str, argument: str) -> AdapterSpec:
         """``spec`` (or the spec of the adapter so named), checked to have weights here: an adapter that has left
@@ -2231,6 +2236,9 @@ class MultiLoRAMixin:
             torch.cuda.set_rng_state_all(state["cuda_rng"])
 
 
+# a validation's per-adapter values (`_record_val_losses`): in ``trainer.callback_metrics`` for any reader (`_monitor`)
+_VALIDATION_METRICS = ("/val_loss", "/val_preference_accuracy", "/val_rewards_chosen", "/val_rewards_rejected",
+                       "/val_rewards_margin")
 _FUNCTIONAL_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")  # (applied by F.dropout)
 
 

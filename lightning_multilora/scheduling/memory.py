@@ -37,9 +37,6 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 # what `ModelShape.from_config` reads of a Hugging Face config: these, and where given, `OPTIONAL_CONFIG_FIELDS`
 CONFIG_FIELDS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
 OPTIONAL_CONFIG_FIELDS = ("num_key_value_heads", "head_dim", "tie_word_embeddings")
-# and of a mixture-of-experts decoder's (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE...), where given
-MOE_CONFIG_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
-                     "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers")
 
 
 @dataclass(frozen=True)
