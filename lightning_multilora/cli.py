@@ -13,6 +13,7 @@ import re
 import signal
 import sys
 import warnings
+from dataclasses import fields
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
@@ -39,7 +40,7 @@ class _Parser(LightningArgumentParser):
             # (demo and schedule are commands of `main`, not of the parser)
             message = message.rstrip(".") + "; the commands: fit, demo, schedule (`multilora --help`)"
         return super().error((_refused_fields(message, refused) or _section_typo(message) or _wrong_type(message)
-                              or message) + peft_hints(refused), ex)
+                              or _class_path(message) or message) + peft_hints(refused), ex)
 
     def print_usage(self, file=None) -> None:
         (file or sys.stdout).write(f"usage: {self.prog} [-h] [-c CONFIG] [--KEY VALUE ...]\n")
@@ -80,6 +81,20 @@ def _wrong_type(message: str) -> Optional[str]:
     item = re.search(rf"'name': '([^']+)'[^{{}}]*?'{field}': '?{re.escape(value)}'?[,}}]", message)
     which = f"adapter {item[1]!r}: " if item and key.endswith("adapters") else ""
     return f"`{key}`: {which}`{field}` must be {words}, got {value!r}"
+
+
+def _class_path(message: str) -> Optional[str]:
+    """jsonargparse's error for an adapter written as another class (``class_path: peft.LoraConfig``): it told
+    the user to enable subclasses, which would not help. An adapter is AdapterSpec's fields, given directly; PEFT's
+    LoRA fields by this package's names. None where the message is not that."""
+    found = re.search(r"Parser key \"([\w.]+)\".*?thus '([\w.]+)' is not accepted as class_path", message, re.S)
+    if found is None:
+        return None
+    from lightning_multilora.spec import AdapterSpec
+
+    names = [f.name for f in fields(AdapterSpec)]
+    return (f"`{found[1]}`: an adapter is AdapterSpec's fields given directly ({', '.join(names)}), not "
+            f"class_path {found[2]!r}{peft_hints(['r', 'lora_alpha', 'lora_dropout'])}")
 
 
 def _section_typo(message: str) -> Optional[str]:

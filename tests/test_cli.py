@@ -77,6 +77,9 @@ def test_example_yaml_parses_with_the_cli_parser(tmp_path):
     # (a callback's own message alone: jsonargparse's forms of a subclass were appended)
     (["--trainer.callbacks", "[{class_path: lightning_multilora.callbacks.EarlyExit, init_args: {window: 1}}]"],
      "error: EarlyExit: `window` must be an integer >= 2, got 1\n"),
+    # (jsonargparse told the user to enable subclasses of AdapterSpec, which would not help)
+    (["--model.adapters", "[{class_path: peft.LoraConfig, init_args: {r: 8}}]"],
+     "`model.adapters`: an adapter is AdapterSpec's fields given directly (name, rank, alpha, dropout, "),
 ])
 def test_bad_config_values_are_clear_errors(tmp_path, capsys, override, message):
     """Refused with the class's own message, as a parse error is (usage, then "error: ..."), not under a traceback."""
