@@ -68,10 +68,7 @@ class FlatAdapter:
         if not self.can_hold(self.params):
             raise ValueError("an adapter's parameters must share one device and dtype to be held flat; got "
                              f"{sorted({(str(p.device), str(p.dtype)) for p in self.params})}")
-        offsets, total = [], 0
-        for p in self.params:
-            offsets.append(total)
-            total += -(-p.numel() // ALIGN) * ALIGN
+        offsets, total = layout(self.params)
         self._offsets = offsets
         first = self.params[0]
         with torch.no_grad():
@@ -143,6 +140,24 @@ class FlatAdapter:
         for p in self.params:
             p.grad = None
         self._grad, self._grad_views = None, ()
+
+
+def layout(params: Sequence[Tensor]) -> tuple[list[int], int]:
+    """Where each of ``params`` starts in their flat tensor, and its length (each start aligned to `ALIGN`)."""
+    offsets, total = [], 0
+    for p in params:
+        offsets.append(total)
+        total += -(-p.numel() // ALIGN) * ALIGN
+    return offsets, total
+
+
+def unflatten(flat: Tensor, params: Sequence[Tensor]) -> Optional[list[Tensor]]:
+    """A tensor laid out as ``params``' flat tensor (an optimizer's moments of a flat parameter) as one tensor per
+    parameter, shaped as it is (copies); None where its length is not theirs."""
+    offsets, total = layout(params)
+    if flat.dim() != 1 or flat.numel() != total:
+        return None
+    return [flat[o:o + p.numel()].view(p.shape).clone() for o, p in zip(offsets, params)]
 
 
 def make_flat(params: Sequence[nn.Parameter]) -> Optional[FlatAdapter]:

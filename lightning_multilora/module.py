@@ -32,7 +32,7 @@ from lightning_multilora.base_model import check_causal_lm, one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import (init_from_layers, init_from_shapes, init_from_weights, peft_target_modules,
                                         save_peft_adapter)
-from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS
+from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS, unflatten
 from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels import keep_alive
 from lightning_multilora.kernels.recompute import checkpointing_kwargs
@@ -43,7 +43,7 @@ from lightning_multilora.optim import IMPLEMENTATION_FLAGS, GroupedAdamW
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
 from lightning_multilora.schedules import lr_factor
 from lightning_multilora.shadow import shadow_of
-from lightning_multilora.spec import AdapterSpec, SweepGrid
+from lightning_multilora.spec import AdapterSpec, SweepGrid, warmup_past_the_end
 import lightning_multilora.strategies  # noqa: E402,F401 - registers strategy="adapter_parallel"
 
 # What the modules' default target_modules, "all-linear", adapts in a Llama-family model (Qwen2, Mistral...)
@@ -69,6 +69,14 @@ def resolve_optimizer(optimizer: Union[str, type]) -> type:
                          f"'torch.optim.AdamW', got {optimizer!r} ({err})") from err
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"`optimizer` {optimizer!r} is not a torch.optim.Optimizer subclass")
+    try:
+        closure = inspect.signature(cls.step).parameters.get("closure")
+    except (TypeError, ValueError):
+        closure = None
+    if closure is not None and closure.default is inspect.Parameter.empty:  # (LBFGS: it failed at the first step)
+        raise ValueError(f"`optimizer` {cls.__name__} needs a closure at each step (it evaluates the loss again); "
+                         "every adapter here is stepped once after one shared backward: give an optimizer whose "
+                         "`step()` takes none (torch.optim.AdamW, SGD, Adam...)")
     return cls
 
 
@@ -743,7 +751,8 @@ class MultiLoRAMixin:
             return
         popped, self._popped_monitors = getattr(self, "_popped_monitors", {}), {}
         for callback in trainer.callbacks:
-            if not isinstance(callback, ModelCheckpoint) or _monitored_adapter(callback) is None:
+            if not isinstance(callback, ModelCheckpoint) or _monitored_adapter(callback) is None \
+                    or _unlogged_monitor(callback) is not None:  # (a typo: Lightning's error names the keys logged)
                 continue
             key = callback.monitor
             if key not in trainer.callback_metrics:
@@ -822,7 +831,12 @@ class MultiLoRAMixin:
         trainer = self._trainer_or_none()
         dm = getattr(trainer, "datamodule", None) if trainer is not None else None
         if dm is None or not hasattr(dm, "num_train_examples"):
-            raise RuntimeError("MultiLoRAMixin needs a MultiLoRADataModule passed to `trainer.fit(..., datamodule=)`")
+            given = f"; got {type(dm).__name__}" if dm is not None else (
+                "; a DataLoader's batches are not the packed batches it makes (each row an adapter's)" if trainer is not
+                None and any(getattr(getattr(loop, "_data_source", None), "instance", None) is not None
+                             for loop in (trainer.fit_loop, trainer.validate_loop)) else "")
+            raise UsageError("the module needs a MultiLoRADataModule: `trainer.fit(module, datamodule="
+                             f"MultiLoRADataModule(...))` (`trainer.validate` likewise){given}")
         return dm
 
     def _cannot_start(self, rec: AdapterRecord, err: ValueError) -> None:
@@ -955,6 +969,8 @@ class MultiLoRAMixin:
                     else:
                         steps_per_epoch = math.ceil(self._datamodule().num_train_examples(spec.dataset) / spec.batch_size)
                         rec.max_steps = max(1, math.ceil(spec.max_epochs * steps_per_epoch))
+                        if spec.warmup_steps >= rec.max_steps:  # (said of `max_steps` as the spec is made)
+                            rank_zero_warn(warmup_past_the_end(spec, rec.max_steps))
             except ValueError as err:
                 self._cannot_start(rec, err)
                 continue
@@ -1194,6 +1210,7 @@ class MultiLoRAMixin:
         self._check_export_root()
         self._not_loaded = set()  # (Lightning has loaded a resumed checkpoint's weights by now)
         placement = self._placement()
+        self._refuse_loaded_under_placement("fit")
         if placement is not None:  # one run id on every rank (each stamps the exports it writes): rank 0's
             self._run_id = placement.decide_on_rank_zero(lambda: self._run_id)
         owners = getattr(self, "_carried_owners", None)
@@ -1248,7 +1265,8 @@ class MultiLoRAMixin:
         carried, self._carried_optimizer = getattr(self, "_carried_optimizer", None), None
         if self._resume_checkpoint is not None:
             saved = self._resume_checkpoint.get("multilora", {}).get("optimizer_classes")
-            _match_optimizer_state(self._resume_checkpoint, optimizer, self._flat_optimizer_state, saved)
+            _match_optimizer_state(self._resume_checkpoint, optimizer, self._flat_optimizer_state, saved,
+                                   self._per_layer_optimizer_state)
             if self.__dict__.pop("_loaded_outside_fit", False):  # (`load_from_checkpoint`, then a fit without
                 # `ckpt_path`: Lightning loads no optimizer state; the module's adapters go on with theirs)
                 states = self._resume_checkpoint.get("optimizer_states")
@@ -1259,7 +1277,8 @@ class MultiLoRAMixin:
                                    "weights only): its adapters go on with new optimizer states")
             self._resume_checkpoint = None
         elif carried is not None:  # another fit of this module: its adapters go on with their optimizer states
-            _match_optimizer_state(carried, optimizer, self._flat_optimizer_state, carried["optimizer_classes"])
+            _match_optimizer_state(carried, optimizer, self._flat_optimizer_state, carried["optimizer_classes"],
+                                   self._per_layer_optimizer_state)
             optimizer.load_state_dict(carried["optimizer_states"][0])
         self._optimizer_built = True
         return optimizer
@@ -1327,6 +1346,26 @@ class MultiLoRAMixin:
             else:
                 return None
         return state
+
+    def _per_layer_optimizer_state(self, name: str, flat: Optional[dict[str, Any]],
+                                   count: int) -> Optional[list[dict[str, Any]]]:
+        """A saved optimizer state of adapter ``name``'s flat parameter as the states of its ``count`` per-layer
+        parameters (a per-tensor optimizer now, or a model now split over devices); None if it does not fit."""
+        params = self.lora_layers.parameters_of(name)
+        if flat is None or len(params) != count:
+            return None
+        states: list[dict[str, Any]] = [{} for _ in params]
+        for key, value in flat.items():
+            parts = unflatten(value, params) if torch.is_tensor(value) and value.dim() == 1 else None
+            if parts is not None:  # moments: one per parameter
+                for state, part, param in zip(states, parts, params):
+                    state[key] = part.to(param.device)
+            elif not torch.is_tensor(value) or value.numel() == 1:
+                for state in states:  # the step count: every tensor's
+                    state[key] = value.clone() if torch.is_tensor(value) else value
+            else:
+                return None
+        return states
 
     @override
     def on_train_start(self) -> None:
@@ -1403,7 +1442,8 @@ class MultiLoRAMixin:
                     self.lora_layers.drop_grads(rec.name)
                     what = "loss" if not math.isfinite(loss) else "gradient norm"
                     rec.state = AdapterState.FAILED
-                    rec.reason = f"non-finite {what} ({loss if what == 'loss' else norm}) at step {rec.step}"
+                    rec.reason = (f"non-finite {what} ({loss if what == 'loss' else norm}) in step {rec.step + 1} "
+                                  f"(its steps done: {rec.step})")
                     if scale is not None and what != "loss":
                         rec.reason += f" at loss scale {scale:g}"
                     continue
@@ -1661,7 +1701,9 @@ class MultiLoRAMixin:
         paths, failed, first = [], [], None
         for rec in [r for r in self._held() if untrained or r.step > 0]:
             try:  # one adapter that cannot be written (a full disk, say) costs no other its export
-                paths.append(self.save_adapter(rec.name, best=self.keep_best_weights))
+                path = self.save_adapter(rec.name, best=self.keep_best_weights)
+                if path is not None:  # (under adapter parallelism, another rank's adapter: its owner writes it)
+                    paths.append(path)
             except Exception as err:  # noqa: BLE001 - reported below, after the others are written
                 failed.append(f"{rec.name!r} ({type(err).__name__}: {err})")
                 first = first or err
@@ -1760,6 +1802,10 @@ class MultiLoRAMixin:
                                  "exports each adapter's best-validation weights)")
         fills = any(callable(getattr(cb, "fill_slots", None)) for cb in trainer.callbacks)
         for callback in trainer.callbacks:
+            unlogged = _unlogged_monitor(callback)
+            if unlogged is not None:  # (Lightning fails the fit at the first validation, after its steps; a subclass
+                # may log such a key itself: said, not refused)
+                rank_zero_warn(f"`{type(callback).__name__}(monitor={callback.monitor!r})`: {unlogged}")
             name = _monitored_adapter(callback)
             if name is not None and name not in self.registry and not fills:  # (a sweep adds its trials later)
                 rank_zero_warn(f"`{type(callback).__name__}(monitor={callback.monitor!r})` monitors adapter {name!r}, "
@@ -1780,6 +1826,18 @@ class MultiLoRAMixin:
                            "validation runs during it (each adapter is validated as it ends); give an integer number "
                            "of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None, for the validation "
                            "losses that EarlyExit, WarmupSelection and OptunaSweep's pruner read")
+        loop = trainer.fit_loop
+        minimum = [f"{k}={v}" for k, v in (("min_steps", loop.min_steps), ("min_epochs", loop.min_epochs))
+                   if v and not (k == "min_epochs" and v == 1 and loop.min_steps)]  # (Lightning's, for min_steps)
+        if minimum:  # (the run stopped once every adapter had ended: Lightning then stepped on with none, for ever)
+            raise UsageError(f"`Trainer({', '.join(minimum)})`: the run ends when every adapter has (each after its "
+                             "own `AdapterSpec.max_steps` or `max_epochs`); a minimum would keep it stepping with none "
+                             "(within one endless epoch, never reached): leave it unset, and lengthen the adapters")
+        if endless and loop.max_epochs not in (-1, 1000, None) and not trainer.fast_dev_run:  # (1000: Lightning's
+            # default where none is given)
+            rank_zero_warn(f"`Trainer(max_epochs={loop.max_epochs})` does not bound the run: it is one endless epoch, "
+                           "each adapter drawing batches of its own data as long as it trains; an adapter's length is "
+                           "its `AdapterSpec.max_steps` or `max_epochs` (over its own data); set max_epochs=-1")
 
     def _take_loss_scaler(self) -> None:
         """fp16 mixed precision's loss scaler (Lightning's ``precision="16-mixed"``: one factor for the whole loss,
@@ -1953,8 +2011,20 @@ class MultiLoRAMixin:
                              f"or paused); {name!r} is {rec.state.value}{where}")
         return rec.spec if isinstance(spec, str) else spec
 
+    def _refuse_loaded_under_placement(self, fn: str) -> None:
+        """A module from `load_from_checkpoint` (no ``ckpt_path`` to this fit or validate) under adapter
+        parallelism: its adapters were loaded with no ranks to place them on, so every rank held them all and owned
+        none (the run then stepped for ever, training nothing). Refused, naming the way that places them."""
+        if getattr(self, "_loaded_outside_fit", False) and self._placement() is not None:
+            raise UsageError(f"this module was loaded with `load_from_checkpoint`, which places no adapter on the "
+                             f"ranks of strategy='adapter_parallel': give the checkpoint to the {fn} instead, "
+                             f"`trainer.{fn}(module, datamodule, ckpt_path=path)` (a file, or an adapter-parallel "
+                             "checkpoint's folder; any number of processes)")
+
     @override
     def on_validation_epoch_start(self) -> None:
+        if self.trainer.state.fn == "validate":
+            self._refuse_loaded_under_placement("validate")
         self._val_sums = {}
         if self.trainer.state.fn == "validate" and self._resume_checkpoint is not None:
             checkpoint, self._resume_checkpoint = self._resume_checkpoint, None  # (a validate builds no optimizer)
@@ -1986,7 +2056,8 @@ class MultiLoRAMixin:
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
             return
-        if self.trainer.state.fn == "validate":  # (outside a fit: returned by trainer.validate, not recorded)
+        if self.trainer.state.fn == "validate" or self.trainer.fast_dev_run:  # (outside a fit: returned by
+            # trainer.validate; a smoke run's, of a few batches: logged), not recorded beside whole splits' losses
             placement = self._placement()  # (every rank returns every rank's adapters, rank 0 among them)
             sums = placement.exchange(dict(self._val_sums)) if placement is not None else self._val_sums
             for name, (loss_sum, count, *preference) in sorted(sums.items()):
@@ -2181,6 +2252,11 @@ class MultiLoRAMixin:
                              f"module: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in sorted(differ.items()))}); "
                              "resume with the `base_model` (and `config_overrides`) it was trained with")
         trainer = self._trainer_or_none()
+        if trainer is None and checkpoint.get("world_size", 1) > 1:  # (its other ranks' adapters: not in this file)
+            raise ValueError(f"this is rank {checkpoint.get('rank')}'s file of an adapter-parallel checkpoint of "
+                             f"{checkpoint['world_size']} ranks, which `load_from_checkpoint` cannot read whole: give "
+                             "its folder to a fit as `ckpt_path` under strategy='adapter_parallel' (over any number of "
+                             "processes, one included)")
         for callback in (trainer.callbacks if trainer is not None else []):  # (before Lightning matches their states)
             getattr(callback, "adopt_checkpoint_state", lambda checkpoint: None)(checkpoint)
         # `load_from_checkpoint` (no trainer): a fit without `ckpt_path` goes on as a resume does, as another fit of
@@ -2280,6 +2356,35 @@ def _monitored_adapter(callback: Any) -> Optional[str]:
     return key[len("adapters/"):].rsplit("/", 1)[0]
 
 
+# The values the module logs for each adapter, ``adapters/<name>/<value>`` (DPO's rewards and accuracy for a DPO
+# adapter; ``loss_scale`` under fp16)
+ADAPTER_VALUES = ("train_loss", "grad_norm", "lr", "tokens_seen", "loss_scale", "preference_accuracy", "rewards_chosen",
+                  "rewards_rejected", "rewards_margin", *(k.lstrip("/") for k in _VALIDATION_METRICS))
+
+
+def _unlogged_monitor(callback: Any) -> Optional[str]:
+    """Why the key a callback monitors is none the module logs, or None: a run-wide name (``val_loss``, as a
+    Lightning module logs it) or an adapter's value that is not among `ADAPTER_VALUES` (a typo)."""
+    key = getattr(callback, "monitor", None)
+    if not isinstance(key, str):
+        return None
+    name = _monitored_adapter(callback)
+    if name is None:
+        if key in ("running", "queued", "exited"):  # (the progress bar's counts)
+            return None
+        example = key.rsplit("/", 1)[-1] if key.rsplit("/", 1)[-1] in ADAPTER_VALUES else "val_loss"
+        return (f"no run-wide {key!r}: the module logs each adapter's values as 'adapters/<name>/<value>' "
+                f"(e.g. 'adapters/<name>/{example}')")
+    value = key.rsplit("/", 1)[-1]
+    if value in ADAPTER_VALUES:
+        return None
+    import difflib
+
+    close = difflib.get_close_matches(value, ADAPTER_VALUES, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"{value!r} is no value the module logs for an adapter{hint}; it logs {', '.join(ADAPTER_VALUES)}"
+
+
 # The mixin's hooks that carry its work (the run's end, the validation losses, the exports, the checkpoint's
 # adapters...): a subclass's override must call super()'s, or the run silently loses it (`_needs_super`)
 HOOKS_NEEDING_SUPER = ("configure_model", "configure_callbacks", "on_train_start", "on_train_batch_end", "on_train_end",
@@ -2374,14 +2479,29 @@ def _optimizer_classes(optimizer: Optional[torch.optim.Optimizer]) -> Optional[l
             if issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer]
 
 
+def _as_loaded(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, Any]:
+    """A saved param ``group`` as ``optimizer`` holds it once it has loaded it: its class's ``__setstate__``, which
+    `load_state_dict` calls, may set some settings itself (AdamW: ``decoupled_weight_decay``). The group as saved
+    where that cannot be told."""
+    try:
+        probe = object.__new__(type(optimizer))
+        type(optimizer).__setstate__(probe, {"defaults": dict(optimizer.defaults), "state": {},
+                                             "param_groups": [dict(group)]})
+        return probe.param_groups[0]
+    except Exception:  # noqa: BLE001 - a class whose state cannot be set apart from its instance
+        return group
+
+
 def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Optimizer,
-                           to_flat: Optional[Any] = None, saved_classes: Optional[list[str]] = None) -> None:
+                           to_flat: Optional[Any] = None, saved_classes: Optional[list[str]] = None,
+                           from_flat: Optional[Any] = None) -> None:
     """Rewrite the checkpoint's optimizer state for ``optimizer``'s groups, matched by adapter name: Lightning
     then loads it by position. The groups can differ from the saved ones: a checkpoint is written before the
     module settles its step (slots refilled after an exit, adapters finished under adapter parallelism), so an
     adapter started since has no saved state (it starts fresh, as it did in the uninterrupted run) and one that
     has left since is dropped. A group saved per layer and now holding one flat parameter gets its state through
-    ``to_flat(name, per_layer_states)``; a group whose state cannot be carried over starts fresh, with a warning."""
+    ``to_flat(name, per_layer_states)``, one saved flat and now per layer through ``from_flat(name, flat_state,
+    count)``; a group whose state cannot be carried over starts fresh, with a warning."""
     states = checkpoint.get("optimizer_states")
     if not states:
         return
@@ -2395,11 +2515,17 @@ def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Op
                        f"{now[0]}: every adapter's optimizer state starts fresh")
         checkpoint["optimizer_states"] = [optimizer.state_dict(), *states[1:]]
         return
-    changed = sorted({f"{k}: {old[k]!r} -> {new[k]!r}" for old, new in pairs for k in set(new) - own
-                      if k in old and old[k] != new[k]})
-    if changed:
-        rank_zero_warn(f"the optimizer's settings differ from the checkpoint's ({'; '.join(changed)}): the adapters "
+    differ = [(old, new, _as_loaded(optimizer, old)) for old, new in pairs]
+    kept = sorted({f"{k}: {old[k]!r} -> {new[k]!r}" for old, new, loaded in differ for k in set(new) - own
+                   if k in old and old[k] != new[k] and loaded.get(k) == old[k]})
+    forced = sorted({f"{k}: {old[k]!r} -> {new[k]!r}" for old, new, loaded in differ for k in set(new) - own
+                     if k in old and old[k] != new[k] and loaded.get(k) != old[k]})
+    if kept:
+        rank_zero_warn(f"the optimizer's settings differ from the checkpoint's ({'; '.join(kept)}): the adapters "
                        "go on with the checkpoint's, as a resumed optimizer does (`load_state_dict`)")
+    if forced:  # (AdamW loading Adam's groups: its decoupled weight decay, whatever the saved groups say)
+        rank_zero_warn(f"the optimizer's settings differ from the checkpoint's ({'; '.join(forced)}): the adapters "
+                       f"go on with the optimizer's, which {type(optimizer).__name__} sets as it loads a state")
     matched: dict[str, Any] = {"state": {}, "param_groups": []}
     index = 0
     for group in optimizer.param_groups:
@@ -2407,9 +2533,11 @@ def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Op
         index += len(ids)
         name = group.get("adapter")
         old = by_name.get(name)
-        flat_state = None
+        flat_state = per_layer = None
         if old is not None and len(old["params"]) != len(ids) and len(ids) == 1 and to_flat is not None:
             flat_state = to_flat(name, [saved["state"].get(i) for i in old["params"]])
+        elif old is not None and len(old["params"]) == 1 and len(ids) > 1 and from_flat is not None:
+            per_layer = from_flat(name, saved["state"].get(old["params"][0]), len(ids))
         if old is not None:  # what it learns from the checkpoint, how it steps from the optimizer built now
             old = {**old, **{k: group[k] for k in (*IMPLEMENTATION_FLAGS, "name") if k in group}}
         if old is not None and len(old["params"]) == len(ids):
@@ -2420,6 +2548,9 @@ def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Op
         elif flat_state is not None:
             matched["param_groups"].append({**old, "params": ids})
             matched["state"][ids[0]] = flat_state
+        elif per_layer is not None:
+            matched["param_groups"].append({**old, "params": ids})
+            matched["state"].update(zip(ids, per_layer))
         else:
             if old is not None:
                 warnings.warn(f"the checkpoint's optimizer state of adapter {name!r} ({len(old['params'])} tensors) "
@@ -2567,6 +2698,8 @@ class ExportOnException(L.Callback):
 
         log_dir_of(trainer)
         pl_module._exported_after = None
+        if stage in ("fit", "validate") and callable(getattr(pl_module, "_datamodule", None)):
+            pl_module._datamodule()  # (its batches: a DataLoader's failed at the first, "KeyError: 'layout'")
         guard_folder_checkpoints(trainer.strategy)  # (before a checkpoint loads)
         # Its on_validation_end puts back the monitored values `_settle_monitors` took for EarlyStopping: after every
         # other callback's (a module's own EarlyStopping comes after it in Lightning's order), before the checkpoints'
@@ -2630,6 +2763,20 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         cuda_graphs: replay each step's forward and backward from a CUDA graph (see `init_multilora`).
         base_seed: seed of a built-in tiny model's random weights (``"tiny-llama"``...; a checkpoint's are its own).
     """
+
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's; an adapter-parallel checkpoint's folder (one ``rank<r>.ckpt`` per process) is a named error
+        (the load failed with a bare IsADirectoryError): it resumes as a fit's ``ckpt_path``."""
+        path = Path(str(checkpoint_path))
+        if isinstance(checkpoint_path, (str, os.PathLike)) and path.is_dir():
+            ranks = sorted(p.name for p in path.glob("rank*.ckpt"))
+            raise ValueError(f"`checkpoint_path` {str(path)!r} is a folder" + (
+                f", an adapter-parallel checkpoint of one file per process ({', '.join(ranks)}), which "
+                "`load_from_checkpoint` cannot read whole: give it to a fit as `ckpt_path` under "
+                "strategy='adapter_parallel' (over any number of processes, one included)" if ranks else
+                ": give a checkpoint file"))
+        return super().load_from_checkpoint(checkpoint_path, *args, **kwargs)
 
     def __init__(
         self,

@@ -18,6 +18,7 @@ from lightning_multilora.arguments import peft_targets
 SCHEDULES = ("constant", "linear", "cosine")
 OBJECTIVES = ("sft", "dpo")
 DEFAULT_DPO_BETA = 0.1  # (TRL's `DPOConfig.beta`)
+MAX_LR = 1e30  # (`lr`'s bound: an optimizer's step scales it by up to 1/(1 - beta1), within float32's range)
 
 
 def without_unused_beta(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -118,7 +119,9 @@ class AdapterSpec:
         _check(self, "alpha", _num(self.alpha) and 0 < self.alpha < math.inf, "a finite number > 0")
         _check(self, "dropout", _num(self.dropout) and 0.0 <= self.dropout < 1.0, "a number in [0, 1)")
         _check(self, "use_rslora", isinstance(self.use_rslora, bool), "True or False")
-        _check(self, "lr", _num(self.lr) and self.lr > 0 and math.isfinite(self.lr), "a finite number > 0")
+        # (bounded: an optimizer's step scales lr by up to 1/(1 - beta1); past float32's range it raised in the
+        # step, stopping every adapter, where a diverging adapter fails alone)
+        _check(self, "lr", _num(self.lr) and 0 < self.lr <= MAX_LR, "a number in (0, 1e30]")
         _check(self, "weight_decay", _num(self.weight_decay) and 0 <= self.weight_decay < math.inf,
                "a finite number >= 0")
         _check(self, "batch_size", _int(self.batch_size) and self.batch_size >= 1, "an integer >= 1")
@@ -136,9 +139,7 @@ class AdapterSpec:
         _check(self, "lr_schedule", self.lr_schedule in SCHEDULES, f"one of {', '.join(SCHEDULES)}")
         _check(self, "warmup_steps", _int(self.warmup_steps) and self.warmup_steps >= 0, "an integer >= 0")
         if self.max_steps is not None and self.warmup_steps >= self.max_steps:
-            warnings.warn(f"adapter {self.name!r}: warmup_steps={self.warmup_steps} >= max_steps={self.max_steps}, "
-                          f"so its learning rate never reaches lr={self.lr} (it ends at "
-                          f"{(self.max_steps - 1) / self.warmup_steps:.2g} x lr)", stacklevel=3)
+            warnings.warn(warmup_past_the_end(self, self.max_steps), stacklevel=3)
         _check(self, "grad_clip", self.grad_clip is None or (_num(self.grad_clip) and 0 < self.grad_clip < math.inf),
                "a finite number > 0 or None")
         _check(self, "objective", self.objective in OBJECTIVES, f"one of {', '.join(OBJECTIVES)}")
@@ -220,7 +221,8 @@ def _init(self, *args: Any, **kwargs: Any) -> None:
 AdapterSpec.__init__ = _init  # type: ignore[method-assign]
 _FIELD_NAMES = frozenset(f.name for f in fields(AdapterSpec))
 
-# PEFT's LoraConfig and transformers' TrainingArguments spellings: this package's field, or why there is none
+# PEFT's LoraConfig and transformers' TrainingArguments spellings (an optimizer's too): this package's field, or why
+# there is none
 _PEFT_NAMES = {
     "r": "`rank`", "lora_alpha": "`alpha`", "lora_dropout": "`dropout`", "learning_rate": "`lr`",
     "per_device_train_batch_size": "`batch_size`", "num_train_epochs": "`max_epochs`",
@@ -230,7 +232,20 @@ _PEFT_NAMES = {
     "`seed` (PEFT's default initialisation, seeded per adapter)",
     "use_dora": None, "bias": None, "modules_to_save": None, "rank_pattern": None, "alpha_pattern": None,
     "lora_config": None, "peft_config": None,
+    "gradient_accumulation_steps": "`batch_size` (no accumulation: each adapter steps once a batch of its own)",
+    "lr_scheduler_kwargs": "`lr_schedule` and `warmup_steps`",
+    **dict.fromkeys(("optim", "optimizer", "betas", "eps", "momentum", "adam_beta1", "adam_beta2", "adam_epsilon",
+                     "optimizer_kwargs"), "the module's `optimizer` and `optimizer_kwargs` (one optimizer, every "
+                    "adapter's: MultiLoRAModule(optimizer='torch.optim.AdamW', optimizer_kwargs={'betas': ...}))"),
 }
+
+
+def warmup_past_the_end(spec: AdapterSpec, max_steps: int) -> str:
+    """What a warmup as long as an adapter's ``max_steps`` (or longer) does to it: its learning rate's last value."""
+    given = f"max_steps={max_steps}" if spec.max_steps is not None else f"its {max_steps} steps (max_epochs=" \
+        f"{spec.max_epochs})"
+    return (f"adapter {spec.name!r}: warmup_steps={spec.warmup_steps} >= {given}, so its learning rate never reaches "
+            f"lr={spec.lr} (it ends at {(max_steps - 1) / spec.warmup_steps:.2g} x lr)")
 
 
 def peft_hints(unknown) -> str:

@@ -49,7 +49,7 @@ def test_nan_adapter_fails_alone_and_neighbours_are_bit_identical(tmp_path, trai
     with_bad = final_weights(poisoned, tmp_path, trainer_kwargs)
     rec = poisoned.registry["bad"]
     assert rec.state == AdapterState.FAILED
-    assert "non-finite" in rec.reason and rec.step == 4
+    assert "non-finite loss (nan) in step 5 (its steps done: 4)" in rec.reason and rec.step == 4, rec.reason
     assert "bad" not in poisoned.lora_layers.adapter_names  # weights freed
     assert not any(g.get("adapter") == "bad" for g in poisoned.trainer.optimizers[0].param_groups)
     # the failed adapter was exported with its last finite weights

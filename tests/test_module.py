@@ -173,6 +173,18 @@ def test_epochs_are_counted_on_each_adapters_own_dataset(tmp_path, trainer_kwarg
     assert module.registry["b"].step == 5
 
 
+def test_a_warmup_past_an_adapters_epochs_is_said_when_they_are_counted(tmp_path, trainer_kwargs):
+    """Said of `max_steps` as the spec is made; of `max_epochs` it was never said (its steps are known at its
+    start): its learning rate rose to a tenth of its `lr` and the run ended."""
+    dm = small_dm(val_fraction=0.2)
+    spec = AdapterSpec("e", batch_size=64, max_epochs=0.5, warmup_steps=10, lr=1e-3)  # 320 examples: 3 steps
+    module = MultiLoRAModule("tiny-llama", adapters=[spec], export_dir=str(tmp_path), validate_on_finish=False)
+    with pytest.warns(UserWarning, match=r"adapter 'e': warmup_steps=10 >= its 3 steps \(max_epochs=0.5\), so its "
+                                         r"learning rate never reaches lr=0.001 \(it ends at 0.2 x lr\)"):
+        L.Trainer(**trainer_kwargs).fit(module, dm)
+    assert module.registry["e"].step == 3
+
+
 class PerLayerAdamW(torch.optim.AdamW):
     """AdamW under another class: not known to be elementwise, so it steps (and saves state for) every layer's
     parameters, as checkpoints written before adapters were held flat did."""
@@ -235,6 +247,23 @@ def test_per_layer_optimizer_state_resumes_into_flat_parameters(tmp_path, traine
                                    callbacks=[Groups()])
     assert not [w for w in caught if "starts fresh" in str(w.message)]
     assert seen[0]["r1"] == (1, 9.0)  # one flat tensor, its 9 steps of moments restored
+    for name in ("r1", "r2", "r3"):
+        for key, value in exported(full, name).items():
+            torch.testing.assert_close(exported(resumed, name)[key], value, rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
+
+
+def test_flat_optimizer_state_resumes_into_per_layer_parameters(tmp_path, trainer_kwargs):
+    """The other way (a per-tensor optimizer now, or a model now split over devices): the moments started fresh,
+    with a warning, and the adapters trained on otherwise than the uninterrupted run."""
+    _, full = run_resumable(tmp_path / "full", trainer_kwargs)
+    trainer, _ = run_resumable(tmp_path / "part", trainer_kwargs, stop_at=9)
+    assert sorted(len(g["params"]) for g in trainer.optimizers[0].param_groups) == [1, 1]
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, resumed = run_resumable(tmp_path / "part", trainer_kwargs, ckpt=str(tmp_path / "mid.ckpt"),
+                                   optimizer=PerLayerAdamW)
+    assert not [w for w in caught if "starts fresh" in str(w.message)]
     for name in ("r1", "r2", "r3"):
         for key, value in exported(full, name).items():
             torch.testing.assert_close(exported(resumed, name)[key], value, rtol=1e-5, atol=1e-7, msg=f"{name}: {key}")
@@ -516,6 +545,22 @@ def test_trainer_clipping_and_accumulation_are_refused_naming_the_adapter_fields
     assert module.registry["a"].step == 2
 
 
+@pytest.mark.parametrize("option, named", [(dict(min_steps=8), "min_steps=8"), (dict(min_epochs=1), "min_epochs=1")])
+def test_a_trainer_minimum_is_refused_and_a_trainer_max_epochs_is_said_to_bound_nothing(tmp_path, trainer_kwargs,
+                                                                                         option, named):
+    """A minimum kept the run stepping with no adapter, for ever (Lightning waits for the endless epoch's end);
+    ``max_epochs=1`` was silently nothing, Lightning saying at the end that it was reached."""
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=1, max_steps=2)],
+                             export_dir=str(tmp_path / "export"))
+    with pytest.raises(ValueError, match=rf"`Trainer\({named}\)`: the run ends when every adapter has"):
+        L.Trainer(**trainer_kwargs, **option).fit(module, small_dm())
+    assert module.registry["a"].step == 0
+    with pytest.warns(UserWarning, match=r"`Trainer\(max_epochs=1\)` does not bound the run: it is one endless "
+                                         r"epoch.*set max_epochs=-1"):
+        L.Trainer(**{**trainer_kwargs, "max_epochs": 1}).fit(module, small_dm())
+    assert module.registry["a"].step == 2
+
+
 def _fp16(scaler, device="cpu"):
     """fp16 mixed precision as Lightning builds it on CUDA (``precision="16-mixed"``), with ``scaler``."""
     from lightning.pytorch.plugins import MixedPrecision
@@ -619,7 +664,7 @@ def test_fp16_fails_an_adapter_whose_gradient_overflows_unscaled(tmp_path, train
     a, b = module.registry["a"], module.registry["b"]
     assert a.state == AdapterState.FINISHED and a.step == 4
     assert b.state == AdapterState.FAILED and (b.step, b.skipped_steps) == (0, 2)
-    assert "non-finite gradient norm (nan) at step 0 at loss scale 1" in b.reason
+    assert "non-finite gradient norm (nan) in step 1 (its steps done: 0) at loss scale 1" in b.reason
 
 
 class AddAt(Callback):
@@ -1342,6 +1387,45 @@ def test_lightnings_monitors_of_one_adapter_wait_for_it_and_let_go_when_it_ends(
                                                                                                     small_dm())
 
 
+def test_a_dataloader_in_place_of_the_data_module_is_named_before_any_step(tmp_path, trainer_kwargs):
+    """`trainer.validate(module, loader)` (and a second fit, its adapters started) failed at the first batch with a
+    bare "KeyError: 'layout'"."""
+    from torch.utils.data import DataLoader
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=1, max_steps=4)],
+                             export_dir=str(tmp_path / "out"))
+    L.Trainer(**{**trainer_kwargs, "max_steps": 2}).fit(module, small_dm())
+    for run in (L.Trainer(**trainer_kwargs).validate, L.Trainer(**trainer_kwargs).fit):
+        with pytest.raises(ValueError, match=r"the module needs a MultiLoRADataModule: `trainer.fit\(module, "
+                                             r"datamodule=MultiLoRADataModule\(...\)\)`.*a DataLoader's batches"):
+            run(module, DataLoader([{"input_ids": torch.zeros(4, dtype=torch.long)}]))
+    assert module.registry["a"].step == 2
+
+
+def test_a_monitored_value_the_module_never_logs_is_said_as_the_fit_starts(tmp_path, trainer_kwargs):
+    """A ModelCheckpoint on a misspelt value of a real adapter was given +inf at every validation (as a queued
+    adapter's is): no error, its "best" checkpoint any. A run-wide `val_loss` failed the fit at the first validation,
+    after its steps."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=1, max_steps=4)],
+                             export_dir=str(tmp_path / "out"))
+    typo = ModelCheckpoint(dirpath=tmp_path / "ckpt", monitor="adapters/a/valid_loss", save_top_k=1)
+    kwargs = {**trainer_kwargs, "val_check_interval": 2, "enable_checkpointing": True}
+    with pytest.warns(UserWarning, match=r"`ModelCheckpoint\(monitor='adapters/a/valid_loss'\)`: 'valid_loss' is no "
+                                         r"value the module logs for an adapter \(did you mean 'val_loss'\?\)"):
+        with pytest.raises(MisconfigurationException, match="adapters/a/valid_loss"):  # (Lightning's: the keys)
+            L.Trainer(**kwargs, callbacks=[typo]).fit(module, small_dm())
+    plain = ModelCheckpoint(dirpath=tmp_path / "ckpt2", monitor="val_loss", save_top_k=1)
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=1, max_steps=4)],
+                             export_dir=str(tmp_path / "out2"))
+    with pytest.warns(UserWarning, match=r"`ModelCheckpoint\(monitor='val_loss'\)`: no run-wide 'val_loss': the "
+                                         r"module logs each adapter's values as 'adapters/<name>/<value>'"):
+        with pytest.raises(MisconfigurationException):
+            L.Trainer(**kwargs, callbacks=[plain]).fit(module, small_dm())
+
+
 def test_loggers_get_each_adapters_values_while_it_runs_and_monitors_find_them(tmp_path, trainer_kwargs):
     """An adapter that ended kept its last values in Lightning's results, written again at every logging step (flat
     made-up curves); the validation losses reached the loggers only, so ModelCheckpoint / EarlyStopping could not
@@ -1607,6 +1691,7 @@ def test_fast_dev_run_runs_with_a_warning_and_writes_nothing_beside_the_real_run
                     module, small_dm())
         rec = module.registry["a"]
         assert rec.step == 1 and "multilora-fast-dev-run-" in rec.export_path
+        assert rec.val_losses == [] and rec.best_val_step == -1  # (one batch's loss: kept, it sat beside splits')
         assert (Path(rec.export_path) / "adapter_model.safetensors").is_file()
         assert (Path(rec.export_path).parent.parent / "sweep_summary.json").is_file()
         assert not list(tmp_path.iterdir())
@@ -1733,6 +1818,17 @@ def test_a_resume_with_another_optimizer_or_its_settings_says_what_it_keeps(tmp_
         with pytest.warns(UserWarning, match=message):
             L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path=str(tmp_path / "stop.ckpt"))
         assert module.registry["a"].state == AdapterState.FINISHED and module.registry["a"].step == 6
+    # (Adam's state resumed by AdamW: said to go on with the checkpoint's L2 decay; AdamW decouples it as it loads)
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(MultiLoRAModule("tiny-llama", adapters=specs, optimizer="torch.optim.Adam", validate_on_finish=False),
+                small_dm())
+    trainer.save_checkpoint(tmp_path / "adam.ckpt")
+    module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False)
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 3})
+    with pytest.warns(UserWarning, match=r"\(decoupled_weight_decay: False -> True\): the adapters go on with the "
+                                         r"optimizer's, which AdamW sets as it loads a state"):
+        trainer.fit(module, small_dm(), ckpt_path=str(tmp_path / "adam.ckpt"))
+    assert all(g["decoupled_weight_decay"] for g in trainer.optimizers[0].param_groups)
 
 
 def test_a_resume_names_queued_adapters_no_longer_given_and_running_ones_over_the_cap(tmp_path, trainer_kwargs):
@@ -2078,6 +2174,25 @@ def test_load_from_checkpoint_builds_the_runs_base_and_adapters(tmp_path, traine
     L.Trainer(**{**trainer_kwargs, "enable_checkpointing": True}, callbacks=[save]).fit(Sub(), small_dm())
     loaded = Sub.load_from_checkpoint(next((tmp_path / "sub").glob("*step=2*.ckpt")))
     assert loaded.registry["a"].step == 2
+
+
+def test_load_from_checkpoint_names_an_adapter_parallel_checkpoint(tmp_path, trainer_kwargs):
+    """Its folder failed with a bare IsADirectoryError; a rank's file with "checkpoint lacks adapter weights ...
+    resume with the target_modules the checkpoint was trained with" (the other ranks' adapters are in their files)."""
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=4)]), small_dm())
+    folder = tmp_path / "epoch=0-step=2.ckpt"
+    folder.mkdir()
+    trainer.save_checkpoint(folder / "rank0.ckpt")
+    with pytest.raises(ValueError, match=r"`checkpoint_path` '.*epoch=0-step=2.ckpt' is a folder, an adapter-parallel "
+                                         r"checkpoint of one file per process \(rank0.ckpt\).*`ckpt_path`"):
+        MultiLoRAModule.load_from_checkpoint(folder)
+    part = torch.load(folder / "rank0.ckpt", weights_only=False)
+    torch.save({**part, "rank": 1, "world_size": 2}, folder / "rank1.ckpt")  # (as the strategy writes its files)
+    with pytest.raises(ValueError, match=r"this is rank 1's file of an adapter-parallel checkpoint of 2 ranks, which "
+                                         r"`load_from_checkpoint` cannot read whole: give its folder to a fit"):
+        MultiLoRAModule.load_from_checkpoint(folder / "rank1.ckpt")
+    assert MultiLoRAModule.load_from_checkpoint(folder / "rank0.ckpt").registry["a"].step == 2  # (one process's)
 
 
 def test_what_a_resume_logs_as_it_sets_up_is_at_the_checkpoints_step():

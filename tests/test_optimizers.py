@@ -75,6 +75,11 @@ def test_bad_optimizer_is_a_clear_error():
         resolve_optimizer("torch.optim.NoSuchThing")
     with pytest.raises(ValueError, match="not a torch.optim.Optimizer subclass"):
         resolve_optimizer("torch.nn.Linear")
+    # (its first step failed: "float() argument must be a string or a real number, not 'NoneType'")
+    with pytest.raises(ValueError, match=r"`optimizer` LBFGS needs a closure at each step .* stepped once after one "
+                                         r"shared backward"):
+        resolve_optimizer("torch.optim.LBFGS")
+    assert resolve_optimizer("torch.optim.SGD") is torch.optim.SGD  # (its closure is optional)
 
 
 @pytest.mark.parametrize("name", ["bitsandbytes.optim.AdamW8bit", "bitsandbytes.optim.PagedAdamW8bit"])

@@ -18,9 +18,10 @@ from lightning_multilora import AdapterSpec, SweepGrid
     ("alpha", 0, "`alpha` must be a finite number > 0"),
     ("alpha", -1.0, "`alpha` must be a finite number > 0"),
     ("alpha", math.inf, "`alpha` must be a finite number > 0"),
-    ("lr", 0.0, "`lr` must be a finite number > 0"),
-    ("lr", -1e-4, "`lr` must be a finite number > 0"),
-    ("lr", math.inf, "`lr` must be a finite number > 0"),
+    ("lr", 0.0, "`lr` must be a number in \\(0, 1e30\\]"),
+    ("lr", 1e38, "`lr` must be a number in \\(0, 1e30\\]"),  # (it overflowed in the step, stopping every adapter)
+    ("lr", -1e-4, "`lr` must be a number in \\(0, 1e30\\]"),
+    ("lr", math.inf, "`lr` must be a number in \\(0, 1e30\\]"),
     ("batch_size", 0, "`batch_size` must be an integer >= 1"),
     ("batch_size", True, "`batch_size` must be an integer >= 1"),
     ("seed", True, "`seed` must be an integer of magnitude below 2\\*\\*42"),
@@ -117,6 +118,10 @@ def test_peft_spellings_are_named_with_this_packages_field():
     with pytest.raises(TypeError, match=r"unknown fields \['lora_alpha', 'r', 'use_dora'\]; allowed: \[.*'rank'.*\] "
                                         r"\(PEFT's names: lora_alpha -> `alpha`; r -> `rank`; use_dora: not supported"):
         AdapterSpec("x", r=8, lora_alpha=16, use_dora=True)
+    # (an optimizer's settings and accumulation: the bare list of fields said nowhere where they go)
+    with pytest.raises(TypeError, match=r"betas -> the module's `optimizer` and `optimizer_kwargs` \(one optimizer, "
+                                        r"every adapter's.*gradient_accumulation_steps -> `batch_size`"):
+        AdapterSpec("x", betas=(0.9, 0.95), gradient_accumulation_steps=4)
     with pytest.raises(TypeError, match=r"unknown fields \['rnak'\]; allowed: .*'init_from'.*'weight_decay'\]$"):
         AdapterSpec("x", rnak=3)
     assert AdapterSpec("x", 4).rank == 4  # positional fields as before

@@ -250,6 +250,10 @@ class OptunaSweep(Callback):
         seed: the sampler's seed (None: Optuna's random one); TPE and random asks are seeded with this and the
             number of trials the study holds at the ask (any process's), so a resumed run asks what the uninterrupted
             one did, and a second run on the same study, or another process sharing it, asks new configurations.
+            While another sweep's trials are RUNNING in the study (another process's, or those of a run stopped and
+            not resumed: they stay RUNNING until it resumes or a heartbeat fails them), this sweep's random id is
+            mixed in too, and its asks are not repeated by a run of the same seed. A ``study`` given keeps its own
+            sampler: seed that one (a ``seed`` other than 0 beside it is refused).
         heartbeat_interval: seconds; with a storage URL, the study is opened with Optuna's heartbeat
             (``RDBStorage(url, heartbeat_interval=..., grace_period=...)``). The sweep records a heartbeat for each
             of its running trials at most this often, and then fails the study's trials whose heartbeat is older
@@ -268,8 +272,9 @@ class OptunaSweep(Callback):
             Lightning callback does); a trial it prunes is exported and told PRUNED.
 
     Each adapter is named ``trial-<number>`` (the trial's user attribute ``adapter``; ``adapter_spec`` holds every
-    field it trains with, ``adapter_exit`` how it ended and its export, and for DPO its ``val_preference_accuracy``:
-    of the weights the trial's value is of); its validation losses are reported as
+    field it trains with, ``adapter_exit`` how it ended, its export and the validation loss of the weights exported
+    (``export_loss``, where measured: a pruned trial's value is its last report, its export may be better), and for
+    DPO its ``val_preference_accuracy``: of the weights the trial's value is of); its validation losses are reported as
     intermediate values (at its steps, those of periodic validations rounded down to the Trainer's integer
     ``val_check_interval``: trials started between two validations report at the steps the others did, as
     step-by-step pruners need); a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one
@@ -281,7 +286,9 @@ class OptunaSweep(Callback):
     already told COMPLETE, PRUNED or FAIL (their adapters exited, and exported, before the crash) count as asked and
     are not trained again. The trials a fit stopped by Ctrl+C or an error leaves unfinished stay RUNNING where a
     checkpoint can resume them (one the run saved, or the one it resumed from), else are told FAIL (why in their
-    ``fail_reason``). Adapters given to the module may not take trial names.
+    ``fail_reason``, the export of what their adapters trained in ``adapter_exit``). Adapters given to the module may
+    not take trial names. A sweep object given to the fit of another module asks its ``n_trials`` anew, as
+    ``study.optimize`` called again does.
 
     Under `AdapterParallelStrategy` the study is used from rank 0 alone: it asks the trials and broadcasts them
     (with its bookkeeping), so every rank queues the same adapters in the same order and places them alike; it
@@ -328,6 +335,10 @@ class OptunaSweep(Callback):
         if study is not None and sampler != "tpe":  # (its default: a study given keeps its own sampler)
             raise ValueError(f"`sampler` {sampler!r} is for the study the sweep makes; a `study` given keeps its own "
                              "(make it with optuna.create_study(..., sampler=...))")
+        if study is not None and seed not in (0, None):  # (its default, 0: said where another is given)
+            raise ValueError(f"`seed` {seed!r} seeds the sampler of the study the sweep makes; a `study` given keeps "
+                             "its own (make it with optuna.create_study(sampler=optuna.samplers.TPESampler("
+                             f"seed={seed!r})))")
         self.pruner = _pruner(pruner)
         if sampler not in ("tpe", "random", "grid"):
             raise ValueError(f"`sampler` can be tpe, random, grid, got {sampler!r}")
@@ -389,6 +400,11 @@ class OptunaSweep(Callback):
         if study is not None:
             _check_minimizes(study, "`study`")
         self.study = study
+        self._new_sweep()
+
+    def _new_sweep(self) -> None:
+        """No trial asked yet. A sweep object given to the fit of another module starts here again (its trials in
+        the study as the last fit left them: an unfinished one goes on where that module resumes)."""
         self.trials: dict[str, dict[str, Any]] = {}  # adapter name -> trial id, number, reported steps, told
         # Tags this sweep's trials in the study (kept in checkpoints): a sweep resumed from a checkpoint finds the
         # trials it asked after that checkpoint and takes them up, or counts them where they were told (`_orphans`)
@@ -703,13 +719,16 @@ class OptunaSweep(Callback):
         rec.export_path = ended.get("export_path")
         return rec.state_dict()
 
-    def _fail(self, trial_id: int, number: int, reason: str) -> None:
+    def _fail(self, trial_id: int, number: int, reason: str, rec: Optional[AdapterRecord] = None) -> None:
         """Tell trial ``number`` FAIL, with why in its user attribute ``fail_reason`` (as ``adapter_exit`` says how
-        the adapter of a trial told otherwise ended)."""
+        the adapter of a trial told otherwise ended; where its adapter ``rec`` was exported, ``adapter_exit`` too)."""
         import optuna
 
         try:
             self.study._storage.set_trial_user_attr(trial_id, "fail_reason", reason)
+            if rec is not None and rec.export_path is not None:  # (what it trained, where the study can find it)
+                self.study._storage.set_trial_user_attr(trial_id, "adapter_exit", {
+                    "state": rec.state.value, "reason": reason, "step": rec.step, "export_path": rec.export_path})
         except optuna.exceptions.UpdateFinishedTrialError:
             return  # finished by another process meanwhile (`_lost`)
         self._tell(number, state=optuna.trial.TrialState.FAIL)
@@ -865,6 +884,8 @@ class OptunaSweep(Callback):
         exported = "best" if getattr(pl_module, "keep_best_weights", False) else "last"
         value = exported_loss(rec, exported)
         exit_info = {"state": rec.state.value, "reason": rec.reason, "step": rec.step, "export_path": rec.export_path}
+        if math.isfinite(value):  # (a PRUNED trial's too: its study value is its last report, its export its best)
+            exit_info["export_loss"] = value
         accuracy = exported_accuracy(rec, exported)
         if math.isnan(value) and rec.val_losses and rec.state in COMPLETE_STATES:  # (its export not validated:
             # `validate_on_finish=False`; its last validation's value, said, rather than none for every trial)
@@ -968,6 +989,8 @@ class OptunaSweep(Callback):
                                      f"{self.storage!r}): fit it again with that sweep's `study_name` and `storage` "
                                      "to go on with them, or fit a new module for this sweep")
                 self.load_state_dict(carried)
+            elif any(n not in pl_module.registry for n in self.trials):
+                self._new_sweep()  # (a fit of another module: its `n_trials` asked anew, as `study.optimize` again)
             self._check_datasets(trainer)
 
     def _check_datasets(self, trainer: L.Trainer) -> None:
@@ -1003,6 +1026,9 @@ class OptunaSweep(Callback):
         if trainer.state.fn != "fit" or self.study is None or not decides_here(pl_module):
             return
         try:
+            export = getattr(pl_module, "export_after_exception", None)
+            if export is not None:  # (the module's own callback runs after this one: once per exception)
+                export(exception)  # a trial told FAIL names its adapter's export
             self._tell_remaining(pl_module, stopped_by=type(exception).__name__)
         except Exception as err:  # noqa: BLE001 - the run's own exception is the one to raise
             warnings.warn(f"OptunaSweep could not tell the study how its trials stand after "
@@ -1026,8 +1052,9 @@ class OptunaSweep(Callback):
             if stopped_by and saved is None:
                 for name, info in self.trials.items():
                     if info["number"] in unfinished:
-                        self._fail(info["trial_id"], info["number"], f"{stop} at step {pl_module.registry[name].step} "
-                                   "of its adapter, and no checkpoint of the run can resume it")
+                        rec = pl_module.registry[name]
+                        self._fail(info["trial_id"], info["number"], f"{stop} at step {rec.step} of its adapter, and "
+                                   "no checkpoint of the run can resume it", rec)
                         info["told"] = True
                 warnings.warn(f"trials {sorted(unfinished)} told FAIL in study {self.study.study_name!r}: {why}, and "
                               "no checkpoint of this run was saved, so none can resume them (a ModelCheckpoint saves "

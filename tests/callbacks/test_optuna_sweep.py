@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -366,6 +367,7 @@ def test_an_overfit_exit_is_told_complete_with_its_best_validation_loss(tmp_path
     assert rec.state == AdapterState.OVERFIT and rec.step < 6
     trial = sweep.study.get_trials()[int(rec.name.split("-")[1])]
     assert trial.state == optuna.trial.TrialState.COMPLETE and trial.value == pytest.approx(rec.best_val_loss)
+    assert trial.user_attrs["adapter_exit"]["export_loss"] == trial.value
     assert sweep.study.best_value <= rec.best_val_loss  # an overfit adapter competes for the study's best
 
 
@@ -709,6 +711,7 @@ def test_the_studys_pruner_is_asked_after_each_validation_and_its_trials_are_tol
         assert rec.state == AdapterState.PRUNED and rec.step == 6 and "_PruneAfter at step 6" in rec.reason
         assert rec.export_path is not None  # what it trained is kept
         assert t.value == pytest.approx(t.intermediate_values[6])
+        assert t.user_attrs["adapter_exit"]["export_loss"] == pytest.approx(rec.val_losses[-1][1])  # (last: exported)
 
     own = OptunaSweep(SPACE, n_trials=1, base={"max_steps": 6, "batch_size": 2},
                       storage=f"sqlite:///{tmp_path / 'own.db'}")
@@ -721,7 +724,10 @@ def test_the_studys_pruner_is_asked_after_each_validation_and_its_trials_are_tol
 @pytest.mark.parametrize("kwargs, message", [
     (dict(pruner="mean"), "`pruner` can be None, median, percentile, hyperband, successive_halving"),
     (dict(pruner="median", study="given"), "`pruner` is for the study the sweep makes"),
-    (dict(sampler="random", study="given"), "`sampler` 'random' is for the study the sweep makes")])
+    (dict(sampler="random", study="given"), "`sampler` 'random' is for the study the sweep makes"),
+    # (it was ignored: the study's own sampler asked other values each run)
+    (dict(seed=123, study="given"), r"`seed` 123 seeds the sampler of the study the sweep makes; a `study` given "
+                                    r"keeps its own .*TPESampler\(seed=123\)")])
 def test_a_bad_pruner_is_named(kwargs, message):
     if kwargs.get("study") == "given":
         kwargs["study"] = optuna.create_study(direction="minimize")
@@ -1035,6 +1041,9 @@ def test_a_fit_stopped_by_ctrl_c_tells_the_exits_and_fails_the_trials_no_checkpo
     assert [t.state.name for t in trials] == ["COMPLETE", "RUNNING" if resumed else "FAIL"]
     assert trials[1].user_attrs.get("fail_reason") == (None if resumed else (
         "the fit stopped by KeyboardInterrupt at step 1 of its adapter, and no checkpoint of the run can resume it"))
+    if not resumed:  # (its adapter exported as the fit stopped: the study leads to it, as to any trial's)
+        exit_info = trials[1].user_attrs["adapter_exit"]
+        assert exit_info["step"] == 1 and (Path(exit_info["export_path"]) / "adapter_model.safetensors").is_file()
 
 
 def test_trials_a_checkpoint_saved_on_the_exception_resumes_stay_running(tmp_path, trainer_kwargs):
@@ -1158,3 +1167,22 @@ def test_another_fit_goes_on_with_its_sweeps_trials_and_refuses_another_sweeps(t
     trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
     assert sorted(r.name for r in module.registry) == ["trial-0", "trial-1", "trial-2"]
+
+
+@pytest.mark.parametrize("first_max_steps", [2, -1])
+def test_one_sweep_object_given_to_the_fit_of_another_module_asks_its_trials_anew(tmp_path, trainer_kwargs,
+                                                                                   first_max_steps):
+    """As `study.optimize` called again: ``n_trials`` more. Given after a fit stopped with trials running, it looked
+    up the first module's trials in the second ("no adapter 'trial-0'"); after one that finished them all, it asked
+    none ("no adapter to train")."""
+    study = optuna.create_study()
+    sweep = OptunaSweep(SPACE, n_trials=2, study=study, slots=2, base={"max_steps": 3, "batch_size": 2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (trials left RUNNING by the stopped fit)
+        fit(tmp_path / "one", dict(trainer_kwargs, max_steps=first_max_steps), sweep)
+    _, module = fit(tmp_path / "two", trainer_kwargs, sweep)
+    assert sorted(r.name for r in module.registry) == ["trial-2", "trial-3"]
+    assert all(r.state == AdapterState.FINISHED for r in module.registry)
+    states = [t.state for t in study.get_trials()]
+    first = optuna.trial.TrialState.RUNNING if first_max_steps == 2 else optuna.trial.TrialState.COMPLETE
+    assert states == [first] * 2 + [optuna.trial.TrialState.COMPLETE] * 2  # (the first fit's left as it left them)

@@ -2,7 +2,7 @@
 
     python tests/strategies/ap_run.py OUT_DIR MODE [MODE ...]
 
-MODE: parallel|single|stop|resume|resume_one|stop_single|resume_two|early_exit|early_exit_single|
+MODE: parallel|single|stop|resume|resume_one|stop_single|resume_two|load_two|early_exit|early_exit_single|
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
 dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|
 remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke. Several modes run one after
@@ -13,6 +13,8 @@ of processes), each from the same seeds and with its own records, as if alone.
 ``resume_one`` too, on one process (the strategy's, over one rank). ``stop_single`` / ``resume_two``: the same from
 one process without the strategy (a checkpoint file, OUT_DIR/ckpt_stop_single) to 2 ranks;
 ``early_exit_stop_single`` / ``early_exit_resume_two`` likewise with the ``early_exit`` rule (`RESUMES`).
+``load_two``: ``stop_single``'s checkpoint loaded (`load_from_checkpoint`), fitted on 2 ranks without it as
+``ckpt_path`` (refused: its message recorded), then with it.
 ``early_exit`` (2 ranks) and ``early_exit_single`` (one process): EarlyExit stops a1 at its first validation.
 ``optuna`` / ``optuna_single``: no fixed adapters; OptunaSweep asks 5 trials (2 slots) from an in-memory TPE study
 that every process creates (2 random startup trials, so later asks depend on what was told before them).
@@ -72,7 +74,7 @@ PAIRS = [{"prompt": f"Q{i}: is {i} even?", "chosen": " yes" if i % 2 == 0 else "
           "rejected": " no" if i % 2 == 0 else " yes"} for i in range(40)]
 CALLS: list[tuple[str, int, int]] = []  # (collective, largest tensor's numel, ranks in its group)
 STUDY_CALLS: list[list] = []
-RESUMES = {"resume": "stop", "resume_one": "stop", "resume_two": "stop_single",
+RESUMES = {"resume": "stop", "resume_one": "stop", "resume_two": "stop_single", "load_two": "stop_single",
            "early_exit_resume_two": "early_exit_stop_single", "warmup_resume": "warmup_stop"}  # a resuming mode: the mode whose checkpoint it reads
 SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
          "rank": {"type": "categorical", "choices": [2, 4]}}
@@ -272,6 +274,15 @@ def run_mode(out: Path, mode: str) -> None:
         trainer = L.Trainer(strategy=strategy, devices={"hybrid": 4, "resume_one": 1}.get(mode, 2), **kwargs)
     else:
         trainer = L.Trainer(devices=1, **kwargs)
+    if mode == "load_two":  # the checkpoint loaded first: a fit without it as `ckpt_path` is refused, one with it
+        # goes on as `resume_two` does
+        module = MultiLoRAModule.load_from_checkpoint(ckpt_path, export_dir=str(out / mode))
+        refusing = L.Trainer(strategy=AdapterParallelStrategy(process_group_backend="gloo",
+                                                              timeout=timedelta(seconds=90)), devices=2, **kwargs)
+        try:
+            refusing.fit(module, dm)
+        except ValueError as err:
+            evaluated["refused"] = str(err)
     trainer.fit(module, dm, ckpt_path=ckpt_path)
     if mode == "refit":  # the same module object resumed in place from its step-2 checkpoint, and run to the end
         (ckpt_path,) = (out / "ckpt_refit").glob("*step=2*.ckpt")

@@ -71,8 +71,8 @@ OPTUNA = importlib.util.find_spec("optuna") is not None  # absent on the GPU ima
 SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_single", "dpo_single",
                 "remove_single", "end_eval_single",
                 *(["optuna_single", "warmup_single"] if OPTUNA else [])]
-TWO_RANK_MODES = ["parallel", "stop", "resume_two", "early_exit", "early_exit_resume_two", "replicated", "dpo", "remove",
-                  "end_eval", "refit", "refit_on", "admission", "disagree", "smoke",
+TWO_RANK_MODES = ["parallel", "stop", "resume_two", "load_two", "early_exit", "early_exit_resume_two", "replicated",
+                  "dpo", "remove", "end_eval", "refit", "refit_on", "admission", "disagree", "smoke",
                   *(["optuna_admission", "optuna", "optuna_defaults", "optuna_prune", "warmup", "warmup_stop"]
                     if OPTUNA else [])]
 # resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
@@ -218,6 +218,26 @@ def test_a_single_process_checkpoint_resumes_on_two_ranks_as_if_never_stopped(ru
     for name in SPEC_NAMES:  # (a3 finished in its step 2 in one process, before the checkpoint: exported there)
         resumed = load_file(runs / ("stop_single" if name == "a3" else "resume_two") / name
                             / "adapter_model.safetensors")
+        uninterrupted = load_file(runs / "single" / name / "adapter_model.safetensors")
+        for key in uninterrupted:
+            assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
+
+
+def test_a_loaded_module_is_refused_without_its_checkpoint_and_resumes_with_it_on_two_ranks(runs):
+    """`load_from_checkpoint`, then a fit under the strategy without ``ckpt_path``: no rank owned any adapter, every
+    rank held them all, and the run stepped for ever training nothing. Refused, naming ``ckpt_path``; with it, the
+    loaded module ends as `resume_two` does."""
+    ranks = [json.loads((runs / f"load_two.rank{r}.json").read_text()) for r in (0, 1)]
+    uninterrupted_run = json.loads((runs / "single.rank0.json").read_text())
+    for loaded in ranks:
+        assert "loaded with `load_from_checkpoint`, which places no adapter on the ranks of " \
+               "strategy='adapter_parallel': give the checkpoint to the fit instead" in loaded["evaluated"]["refused"]
+        assert loaded["states"] == uninterrupted_run["states"]
+    assert ranks[0]["owned"] and ranks[1]["owned"] and not set(ranks[0]["owned"]) & set(ranks[1]["owned"])
+    for name in SPEC_NAMES:
+        if name == "a3":  # (finished before the checkpoint, in stop_single's run)
+            continue
+        resumed = load_file(runs / "load_two" / name / "adapter_model.safetensors")
         uninterrupted = load_file(runs / "single" / name / "adapter_model.safetensors")
         for key in uninterrupted:
             assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
