@@ -3,10 +3,13 @@
     python examples/load_with_peft.py runs/demo/lightning_logs/version_0/adapters/trial-7
 
 The tiny demo base is rebuilt from its config with the same seed (it was never saved: it is random and
-frozen); for a real base, pass its checkpoint path to `AutoModelForCausalLM.from_pretrained` instead.
+frozen; a run's other `base_seed` or `config_overrides` are in the export's multilora_export.json); for a real
+base, pass its checkpoint path to `AutoModelForCausalLM.from_pretrained` instead.
 """
 
+import json
 import sys
+from pathlib import Path
 
 import torch
 from peft import PeftModel
@@ -15,7 +18,9 @@ from lightning_multilora.base_model import build_base_model
 from lightning_multilora.data import ByteTokenizer
 
 adapter_dir = sys.argv[1]
-base = build_base_model("tiny-llama")  # the demo's base: same config, same seed
+info = Path(adapter_dir) / "multilora_export.json"  # what the folder holds: a built-in base's seed and overrides too
+built = json.loads(info.read_text()).get("base", {}) if info.is_file() else {}
+base = build_base_model("tiny-llama", built.get("config_overrides"), seed=built.get("base_seed", 0))  # the run's
 model = PeftModel.from_pretrained(base, adapter_dir).eval()
 tok = ByteTokenizer()
 

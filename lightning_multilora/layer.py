@@ -277,7 +277,10 @@ class MultiLoRALinear(nn.Module):
         if self._plain_frozen_base(base, x2d):
             out = multi_lora_linear(x2d, base.weight, base.bias, weights, self.training)
         else:
-            out = multi_lora(x2d, base(x2d), weights, self.training)  # a fresh base output, updated in place
+            base_out = base(x2d)  # a fresh base output, updated in place; one a forward hook may hold is copied
+            if base._forward_hooks or nn.modules.module._global_forward_hooks:
+                base_out = base_out.clone()
+            out = multi_lora(x2d, base_out, weights, self.training)
         return out.reshape(*shape[:-1], self.out_features)
 
     @staticmethod

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.apply_func import move_data_to_device
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -53,6 +54,7 @@ _LORA_KEYS = (".lora_A.", ".lora_B.")
 _BASE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim")
 _RUN_STAMP = ".multilora_run"  # in an export folder: the id of the run that wrote it and the adapter (`save_adapter`)
+EXPORT_INFO = "multilora_export.json"  # in an export folder: what its weights are (`save_adapter`, `_describe_export`)
 _EXITS_KEY = "\0exits-of-rank-"  # in the ranks' exchange: a rank's exits since the last one (not an adapter name)
 _LOGS_KEY = "\0logs-of-rank-"  # and its adapters' logged values since the last one
 
@@ -481,10 +483,12 @@ class MultiLoRAMixin:
         base = getattr(getattr(self.lora_layers.model, "config", None), "name_or_path", None)
         layers = self.lora_layers.target_layers(name)
         weights = self._best_weights.get(name) if best else None
-        if best and weights is None and rec.best_val_step not in (-1, rec.step) and own_folder:
+        if best and weights is None and rec.best_val_step not in (-1, rec.step):
+            why = ("the module kept none before this run, or a resume without them" if self.keep_best_weights else
+                   "the module keeps none: `keep_best_weights` is off, as without EarlyExit")
             warnings.warn(f"adapter {name!r}: its best-validation weights (step {rec.best_val_step}, validation loss "
-                          f"{rec.best_val_loss:.4f}) were not kept (the module kept none before this run, or a resume "
-                          f"without them): its weights of step {rec.step} are exported", stacklevel=2)
+                          f"{rec.best_val_loss:.4f}) were not kept ({why}): its weights of step {rec.step} are "
+                          "written", stacklevel=2)
         if own_folder:  # stamped first: a folder an interrupt leaves half-written is still known as this run's
             directory.mkdir(parents=True, exist_ok=True)
             (directory / _RUN_STAMP).write_text(f"{self._run_id}\n{name}\n{rec.step}\n")
@@ -514,7 +518,26 @@ class MultiLoRAMixin:
                 rec.exported_step = rec.step
                 rec.exported_val_loss = math.nan if loss is None else loss if math.isfinite(loss) else math.inf
                 rec.exported_val_preference_accuracy = accuracy
+        self._describe_export(Path(path), rec, rec.best_val_step if weights is not None else rec.step,
+                              rec.best_val_loss if weights is not None else rec.exported_val_loss if own_folder
+                              else None)
         return path
+
+    def _describe_export(self, directory: Path, rec: AdapterRecord, step: int, loss: Optional[float]) -> None:
+        """Write `EXPORT_INFO` beside an export's weights: the adapter, the run, its state and why, the step its
+        weights are of (its best validation's, where those are written) and their validation loss (None: not
+        measured; Infinity: not finite), its steps trained, and a built-in base's seed and overrides (its name alone
+        does not rebuild it): what the folder holds, without the run's summary."""
+        import json
+
+        loss = None if loss is None or math.isnan(loss) else loss
+        info = {"adapter": rec.name, "run": getattr(self, "_run_id", None), "state": rec.state.value,
+                "reason": rec.reason, "weights_step": step, "steps_trained": rec.step,
+                "val_loss": loss, **({"base": getattr(self, "_builtin_base")} if hasattr(self, "_builtin_base")
+                                     else {})}
+        partial = directory / f".{EXPORT_INFO}.partial"  # (moved into place whole, as the weights are)
+        partial.write_text(json.dumps(info, indent=1) + "\n")
+        os.replace(partial, directory / EXPORT_INFO)
 
     def _wrote(self, directory: Path, name: str) -> bool:
         """Whether this run (or one it resumed from) wrote adapter ``name``'s export in ``directory`` (a stamp
@@ -751,9 +774,12 @@ class MultiLoRAMixin:
             return
         popped, self._popped_monitors = getattr(self, "_popped_monitors", {}), {}
         for callback in trainer.callbacks:
-            if not isinstance(callback, ModelCheckpoint) or _monitored_adapter(callback) is None \
-                    or _unlogged_monitor(callback) is not None:  # (a typo: Lightning's error names the keys logged)
+            name = _monitored_adapter(callback)
+            if not isinstance(callback, ModelCheckpoint) or name is None:
                 continue
+            if _unlogged_monitor(callback) is not None and name in self.registry \
+                    and self.registry[name].state == AdapterState.RUNNING:  # (a typo of a value its adapter would
+                continue  # have logged by now: Lightning's error names the keys logged; a subclass's own waits too)
             key = callback.monitor
             if key not in trainer.callback_metrics:
                 trainer.callback_metrics[key] = popped.get(key, torch.tensor(
@@ -1158,6 +1184,10 @@ class MultiLoRAMixin:
             self._step_graphs.clear()  # the graphs that read its weights would otherwise keep them alive
         rec.state, rec.reason, rec.ended_at_step = state, reason, self._global_step()
         rec.close_span(rec.ended_at_step)
+        if state == AdapterState.FAILED and reason.startswith("non-finite loss") and rec.exported_step == rec.step:
+            rec.exported_val_loss = math.inf  # (its weights exported gave that loss: not a model to load)
+        if rec.export_path is not None and self._owns(rec.name) and Path(rec.export_path).is_dir():
+            self._describe_export(Path(rec.export_path), rec, rec.exported_step, rec.exported_val_loss)
         self._best_weights.pop(rec.name, None)
         trainer = self._trainer_or_none()
         dm = getattr(trainer, "datamodule", None) if trainer is not None else None
@@ -1802,7 +1832,7 @@ class MultiLoRAMixin:
                                  "exports each adapter's best-validation weights)")
         fills = any(callable(getattr(cb, "fill_slots", None)) for cb in trainer.callbacks)
         for callback in trainer.callbacks:
-            unlogged = _unlogged_monitor(callback)
+            unlogged = _unlogged_monitor(callback, counts=trainer.progress_bar_callback is not None)
             if unlogged is not None:  # (Lightning fails the fit at the first validation, after its steps; a subclass
                 # may log such a key itself: said, not refused)
                 rank_zero_warn(f"`{type(callback).__name__}(monitor={callback.monitor!r})`: {unlogged}")
@@ -1827,8 +1857,10 @@ class MultiLoRAMixin:
                            "of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None, for the validation "
                            "losses that EarlyExit, WarmupSelection and OptunaSweep's pruner read")
         loop = trainer.fit_loop
-        minimum = [f"{k}={v}" for k, v in (("min_steps", loop.min_steps), ("min_epochs", loop.min_epochs))
-                   if v and not (k == "min_epochs" and v == 1 and loop.min_steps)]  # (Lightning's, for min_steps)
+        minimum = [f"min_steps={loop.min_steps}"] if loop.min_steps is not None else []  # (any: Lightning then
+        # sets min_epochs=1, which the endless epoch never reaches)
+        if loop.min_epochs and not (loop.min_epochs == 1 and loop.min_steps is not None):
+            minimum.append(f"min_epochs={loop.min_epochs}")
         if minimum:  # (the run stopped once every adapter had ended: Lightning then stepped on with none, for ever)
             raise UsageError(f"`Trainer({', '.join(minimum)})`: the run ends when every adapter has (each after its "
                              "own `AdapterSpec.max_steps` or `max_epochs`); a minimum would keep it stepping with none "
@@ -2362,15 +2394,16 @@ ADAPTER_VALUES = ("train_loss", "grad_norm", "lr", "tokens_seen", "loss_scale", 
                   "rewards_rejected", "rewards_margin", *(k.lstrip("/") for k in _VALIDATION_METRICS))
 
 
-def _unlogged_monitor(callback: Any) -> Optional[str]:
+def _unlogged_monitor(callback: Any, counts: bool = True) -> Optional[str]:
     """Why the key a callback monitors is none the module logs, or None: a run-wide name (``val_loss``, as a
-    Lightning module logs it) or an adapter's value that is not among `ADAPTER_VALUES` (a typo)."""
+    Lightning module logs it) or an adapter's value that is not among `ADAPTER_VALUES` (a typo). Lightning's own
+    ``step`` and ``epoch`` are there; the progress bar's adapter counts where ``counts`` (a progress bar shows)."""
     key = getattr(callback, "monitor", None)
     if not isinstance(key, str):
         return None
     name = _monitored_adapter(callback)
     if name is None:
-        if key in ("running", "queued", "exited"):  # (the progress bar's counts)
+        if key in ("step", "epoch") or (counts and key in ("running", "queued", "exited")):
             return None
         example = key.rsplit("/", 1)[-1] if key.rsplit("/", 1)[-1] in ADAPTER_VALUES else "val_loss"
         return (f"no run-wide {key!r}: the module logs each adapter's values as 'adapters/<name>/<value>' "
@@ -2378,6 +2411,8 @@ def _unlogged_monitor(callback: Any) -> Optional[str]:
     value = key.rsplit("/", 1)[-1]
     if value in ADAPTER_VALUES:
         return None
+    if value == "train_loss_ema":  # (EarlyExit's)
+        return "'train_loss_ema' is EarlyExit's, written to the loggers alone (no callback can monitor it)"
     import difflib
 
     close = difflib.get_close_matches(value, ADAPTER_VALUES, n=1)
@@ -2764,7 +2799,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         base_seed: seed of a built-in tiny model's random weights (``"tiny-llama"``...; a checkpoint's are its own).
     """
 
-    @classmethod
+    @_restricted_classmethod  # (Lightning's: called on an instance, it is an error, not a new module ignored)
     def load_from_checkpoint(cls, checkpoint_path: Any, *args: Any, **kwargs: Any) -> Any:
         """Lightning's; an adapter-parallel checkpoint's folder (one ``rank<r>.ckpt`` per process) is a named error
         (the load failed with a bare IsADirectoryError): it resumes as a fit's ``ckpt_path``."""
@@ -2834,6 +2869,9 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
             model = build_base_model(base_model, config_overrides, dtype, base_seed, quantization)
             if str(base_model) not in TINY_CONFIGS:  # (a checkpoint's overrides: its exports do not hold them)
                 self._checkpoint_overrides = dict(config_overrides or {})
+            elif base_seed != 0 or config_overrides:  # (a built-in base of other weights or shape than its name's:
+                # in its exports' `EXPORT_INFO`, which `examples/load_with_peft.py` rebuilds it from)
+                self._builtin_base = {"base_seed": base_seed, "config_overrides": dict(config_overrides or {})}
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
         self.model = model

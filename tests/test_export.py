@@ -422,3 +422,38 @@ def test_a_saved_base_weight_is_this_bases_to_the_rounding_of_the_coarser_dtype(
         other = saved.clone()
         other[3, 5] += 0.01
         assert not _same_values(other, torch.nn.Parameter(weight.to(ours), requires_grad=False))
+
+
+def test_an_export_says_what_its_weights_are_and_a_built_in_base_how_it_was_built(tmp_path, trainer_kwargs):
+    """The folder held nothing but the live step in `.multilora_run` (an EarlyExit export of step 3's weights said
+    step 5), nor the seed and overrides of a built-in base (its name alone rebuilds another: PEFT's logits 1.5 off);
+    `save_adapter(best=True)` without kept best weights wrote the live ones silently."""
+    from lightning.pytorch.callbacks import Callback
+
+    module = MultiLoRAModule("tiny-llama", base_seed=7, config_overrides={"num_hidden_layers": 1},
+                             adapters=[AdapterSpec("a", rank=2, max_steps=6, batch_size=1)],
+                             export_dir=str(tmp_path / "out"))
+    said = []
+
+    class SaveBest(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 3:  # (validated at 2)
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    pl_module.save_adapter("a", tmp_path / "copy", best=True)
+                said.extend(str(w.message) for w in seen)
+
+    L.Trainer(**{**trainer_kwargs, "val_check_interval": 2}, callbacks=[SaveBest()]).fit(
+        module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(50)}))
+    rec = module.registry["a"]
+    assert any("its best-validation weights (step 2, validation loss" in m and "`keep_best_weights` is off, as "
+               "without EarlyExit): its weights of step 3 are written" in m for m in said), said
+    assert json.loads((tmp_path / "copy" / "multilora_export.json").read_text())["weights_step"] == 3
+    info = json.loads((tmp_path / "out" / "a" / "multilora_export.json").read_text())
+    assert info == {"adapter": "a", "run": module._run_id, "state": "finished", "reason": rec.reason,
+                    "weights_step": 6, "steps_trained": 6, "val_loss": pytest.approx(rec.val_losses[-1][1]),
+                    "base": {"base_seed": 7, "config_overrides": {"num_hidden_layers": 1}}}
+    rebuilt = build_base_model("tiny-llama", info["base"]["config_overrides"], seed=info["base"]["base_seed"])
+    theirs = dict(rebuilt.named_parameters())
+    ours = {n.replace(".base.", "."): p for n, p in module.model.named_parameters() if "lora_" not in n}
+    assert ours.keys() == theirs.keys() and all(torch.equal(p, theirs[n]) for n, p in ours.items())

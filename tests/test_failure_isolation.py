@@ -7,6 +7,10 @@ shorten the padded length, and attention's reductions over a different length ro
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import lightning as L
 import torch
 
@@ -50,6 +54,11 @@ def test_nan_adapter_fails_alone_and_neighbours_are_bit_identical(tmp_path, trai
     rec = poisoned.registry["bad"]
     assert rec.state == AdapterState.FAILED
     assert "non-finite loss (nan) in step 5 (its steps done: 4)" in rec.reason and rec.step == 4, rec.reason
+    # (its export looked like a good one's; its weights gave that loss: the folder and the summary say so)
+    info = json.loads((Path(rec.export_path) / "multilora_export.json").read_text())
+    assert (info["state"], info["weights_step"], info["val_loss"]) == ("failed", 4, math.inf)
+    assert info["reason"] == rec.reason
+    assert rec.exported_val_loss == math.inf
     assert "bad" not in poisoned.lora_layers.adapter_names  # weights freed
     assert not any(g.get("adapter") == "bad" for g in poisoned.trainer.optimizers[0].param_groups)
     # the failed adapter was exported with its last finite weights

@@ -189,6 +189,30 @@ def test_an_inputs_gradient_leaves_the_adapters_gradients_alone_on_the_triton_pa
         kernels.set_backend(before)
 
 
+def test_a_forward_hook_on_the_base_keeps_the_bases_own_output_on_the_triton_path():
+    """A hook registered on a linear before it was wrapped (activation capture) stays on the wrapped base; the
+    kernels added the LoRA term into the output the hook held: base + LoRA on the GPU, the base's alone on the CPU."""
+    from lightning_multilora import kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (on the CPU: the interpreter, set by conftest)
+    held = []
+    base = nn.Linear(16, 12, bias=False).to(device)
+    base.register_forward_hook(lambda module, args, out: held.append(out))
+    layer = MultiLoRALinear(base)
+    layer.add_adapter("a", rank=4, alpha=4)
+    nn.init.normal_(layer.lora_B["a"])
+    x = torch.randn(2, 3, 16, device=device)
+    before = kernels.get_backend()
+    kernels.set_backend("triton")
+    try:
+        with layer.context.use(BatchLayout(("a",), (0,), (2,), 2)):
+            y = layer(x)
+    finally:
+        kernels.set_backend(before)
+    torch.testing.assert_close(held[-1].reshape(2, 3, 12), base(x))
+    assert not torch.allclose(y, base(x))
+
+
 def _train_with_dropout(backend, rows, streams=True, checkpointed=False, steps=2, lengths=None):
     """Adapter "b"'s outputs over ``steps`` training forwards and its gradients, with the adapters of ``rows`` (name:
     rows, in order) sharing the batch; each adapter's rows are its own ids whatever its neighbours, ``lengths[name]``

@@ -286,7 +286,8 @@ class OptunaSweep(Callback):
     already told COMPLETE, PRUNED or FAIL (their adapters exited, and exported, before the crash) count as asked and
     are not trained again. The trials a fit stopped by Ctrl+C or an error leaves unfinished stay RUNNING where a
     checkpoint can resume them (one the run saved, or the one it resumed from), else are told FAIL (why in their
-    ``fail_reason``, the export of what their adapters trained in ``adapter_exit``). Adapters given to the module may
+    ``fail_reason``, the export of what their adapters trained in ``adapter_exit``: under adapter parallelism, those
+    rank 0 trained). Adapters given to the module may
     not take trial names. A sweep object given to the fit of another module asks its ``n_trials`` anew, as
     ``study.optimize`` called again does.
 

@@ -155,6 +155,10 @@ class SweepReport(Callback):
                         "failed) between validations"))
                 lines.insert(3, f"(export_loss '-': {'; '.join(why)}; those follow the others, by their last "
                                 "validation loss)")
+            if any(r["exported_val_loss"] == math.inf for r in self.rows):  # (not a model to load)
+                lines.insert(3, "(export_loss inf: weights that gave a non-finite loss, in a validation or, for a "
+                                "failed adapter, its last training step; its export folder's multilora_export.json "
+                                "says so)")
             if stopped:
                 lines[1:1] = [f"{stopped}: the adapters as they were then (those that had taken a step exported)"]
             exports = sorted({str(Path(r["export_path"]).parent) for r in self.rows if r["export_path"]})

@@ -46,12 +46,16 @@ def multi_lora(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool
         training: apply dropout.
 
     Returns:
-        ``(T, d_out)`` in ``base_out``'s dtype; differentiable in ``x``, every ``A`` and ``B``.
+        ``(T, d_out)`` in ``base_out``'s dtype; differentiable in ``x``, every ``A`` and ``B``. The Triton
+        backend adds into ``base_out`` itself and returns it (no second pass over it): give a fresh one. One that
+        autograd needs (a leaf requiring grad, or saved by its producer) is copied first.
     """
     backend = resolve_backend(x)
     if backend == "triton":
         from lightning_multilora.kernels.triton_lora import multi_lora_triton
 
+        if base_out.requires_grad and base_out.is_leaf:  # (an in-place add to it is refused by autograd)
+            base_out = base_out.clone()
         return multi_lora_triton(x, base_out, weights, training)
     return multi_lora_reference(x, base_out, weights, training)
 

@@ -374,11 +374,13 @@ def _check(weights: LoRAWeights) -> None:
     if max(a.shape[0] for a in weights.a) > 256:
         raise ValueError("the Triton path supports ranks up to 256")
     d_in, d_out = weights.a[0].shape[1], weights.b[0].shape[0]
-    for a, b in zip(weights.a, weights.b):
+    for i, (a, b) in enumerate(zip(weights.a, weights.b)):
         if a.shape[1] != d_in or b.shape[0] != d_out or a.shape[0] != b.shape[1]:
             raise ValueError(f"adapter shapes A {tuple(a.shape)}, B {tuple(b.shape)} do not fit d_in={d_in}, d_out={d_out}")
         if not (a.is_contiguous() and b.is_contiguous()):
-            raise ValueError("adapter weights must be contiguous")
+            which = " and ".join(n for n, t in (("A", a), ("B", b)) if not t.is_contiguous())
+            raise ValueError(f"adapter {i}'s {which} must be contiguous (the kernels read its rows by pointer): "
+                             "give `.contiguous()` weights")
         if a.dtype != weights.a[0].dtype or b.dtype != weights.a[0].dtype:
             raise ValueError("all adapter weights of one call must share a dtype")
 

@@ -81,8 +81,10 @@ class LoRAWeights:
     streams: Optional[DropoutStreams] = None
     row_tokens: int = 0
     # Per-object memo of derived device state (the Triton path's pointer table, and its copies of the weights
-    # in the activation dtype: 2 bytes a parameter), so the calls of a step do not rebuild them.
-    memo: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False, hash=False)
+    # in the activation dtype: 2 bytes a parameter), so the calls of a step do not rebuild them. Not an argument:
+    # `dataclasses.replace` gives the new object its own (a copy with other scaling or segments reused the old
+    # table and schedule, silently)
+    memo: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False, hash=False)
 
     def __post_init__(self) -> None:
         n = len(self.a)

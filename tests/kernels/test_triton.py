@@ -1646,16 +1646,16 @@ def test_weight_tiles_are_declared_aligned_only_where_every_row_is():
     c, table = call(odd, None)
     assert not c.w_aligned and not _fresh_grads(odd, table, torch.device(DEVICE)).aligned
     storage = torch.zeros(8 * 40 + 1, device=DEVICE)
-    shifted = dataclasses.replace(w, a=(storage[1:].view(8, 40).requires_grad_(),) + w.a[1:], memo={})
+    shifted = dataclasses.replace(w, a=(storage[1:].view(8, 40).requires_grad_(),) + w.a[1:])
     c, table = call(shifted, None)
     assert table.ranks8 and not table.params_aligned and not c.w_aligned
     copies = weight_copies(shifted, table, torch.float16, torch.device(DEVICE))
     assert copies.aligned and call(shifted, copies)[0].w_aligned  # flat copies keep 16-byte rows, whatever the offsets
     half = torch.zeros(8 * 40 + 1, device=DEVICE, dtype=torch.float16)
     kept = dataclasses.replace(w, a_copies=(half[1:].view(8, 40),) + tuple(a.half() for a in w.a[1:]),
-                               b_copies=tuple(b.half() for b in w.b), memo={})
+                               b_copies=tuple(b.half() for b in w.b))
     assert not weight_copies(kept, pointer_table(kept, torch.device(DEVICE)), torch.float16, torch.device(DEVICE)).aligned
-    kept = dataclasses.replace(kept, a_copies=tuple(a.half() for a in w.a), memo={})  # the caller's copies, aligned
+    kept = dataclasses.replace(kept, a_copies=tuple(a.half() for a in w.a))  # the caller's copies, aligned
     assert weight_copies(kept, pointer_table(kept, torch.device(DEVICE)), torch.float16, torch.device(DEVICE)).aligned
     for p in w.a + w.b:
         p.grad = torch.zeros(p.numel() + 1, device=DEVICE)[1:].view_as(p)  # gradients one element off
@@ -1731,8 +1731,8 @@ def test_weight_copies_stay_alive_until_their_backward_and_survive_inference_mod
 
     x, base, w = problem([4, 16], [30, 20], d_in=40, d_out=56, dtype=torch.float16, seed=3, gaps=False)
     grad_out = torch.randn_like(base)
-    expected = run(multi_lora_triton, x, base, dataclasses.replace(w, memo={}), False, grad_out)
-    fresh = dataclasses.replace(w, memo={})
+    expected = run(multi_lora_triton, x, base, dataclasses.replace(w), False, grad_out)
+    fresh = dataclasses.replace(w)
     xg = x.clone().requires_grad_()
     y = multi_lora_triton(xg, base.clone(), fresh, False)
     fresh.memo.pop("pointer_table")
@@ -1743,7 +1743,7 @@ def test_weight_copies_stay_alive_until_their_backward_and_survive_inference_mod
     grads = torch.autograd.grad(y, [xg, *fresh.a, *fresh.b], grad_out)
     for g, g_ref in zip(grads, expected[1]):
         assert rel(g, g_ref) < 1e-6
-    later = dataclasses.replace(w, memo={})
+    later = dataclasses.replace(w)
     with torch.inference_mode():
         multi_lora_triton(x, base.clone(), later, False)
     y, grads = run(multi_lora_triton, x, base, later, True, grad_out)
@@ -1786,26 +1786,24 @@ def test_copies_kept_by_the_caller_are_read_and_nothing_is_copied(monkeypatch, r
     else:
         dtype = torch.float16  # (the interpreter mishandles bf16)
     x, base, w = problem(ranks, [5, 17, 9][:len(ranks)], d_in=48, d_out=40, dtype=dtype, seed=11)
-    w = dataclasses.replace(w, a=tuple(a.float() for a in w.a), b=tuple(b.float() for b in w.b), memo={})
+    w = dataclasses.replace(w, a=tuple(a.float() for a in w.a), b=tuple(b.float() for b in w.b))
     grad_out = torch.randn_like(base)
     expected = run(multi_lora_triton, x, base, w, False, grad_out)
     launches = []
     copy = triton_lora._copy_weights
     monkeypatch.setattr(triton_lora, "_copy_weights", lambda *args, **kw: launches.append(1) or copy(*args, **kw))
-    kept = dataclasses.replace(w, a_copies=tuple(a.to(dtype) for a in w.a), b_copies=tuple(b.to(dtype) for b in w.b),
-                               memo={})
+    kept = dataclasses.replace(w, a_copies=tuple(a.to(dtype) for a in w.a), b_copies=tuple(b.to(dtype) for b in w.b))
     y, grads = run(multi_lora_triton, x, base, kept, False, grad_out)
     assert not launches
     assert torch.equal(y, expected[0])
     for g, g_ref in zip(grads, expected[1]):
         assert torch.equal(g, g_ref)
-    doubled = dataclasses.replace(w, a_copies=tuple((2 * a).to(dtype) for a in w.a), b_copies=kept.b_copies, memo={})
+    doubled = dataclasses.replace(w, a_copies=tuple((2 * a).to(dtype) for a in w.a), b_copies=kept.b_copies)
     y2 = run(multi_lora_triton, x, base, doubled, False, grad_out)[0]
     lora, lora2 = (y - base).float(), (y2 - base).float()
     assert rel(lora2, 2 * lora) < 1e-2 and rel(lora, lora2) > 0.3
     other = torch.float16 if dtype == torch.bfloat16 else torch.bfloat16
-    ignored = dataclasses.replace(w, a_copies=tuple(a.to(other) for a in w.a), b_copies=tuple(b.to(other) for b in w.b),
-                                  memo={})
+    ignored = dataclasses.replace(w, a_copies=tuple(a.to(other) for a in w.a), b_copies=tuple(b.to(other) for b in w.b))
     assert torch.equal(run(multi_lora_triton, x, base, ignored, False, grad_out)[0], expected[0])
     assert launches  # (these copied the weights themselves)
     with pytest.raises(ValueError, match="a_copies and b_copies must have one entry per adapter"):
@@ -1824,7 +1822,7 @@ def test_a_backward_into_existing_gradients_compares_no_tensors(monkeypatch):
     x, base, w = problem([4, 16, 2], [30, 20, 9], d_in=40, d_out=56, dtype=torch.float32, seed=7)
     w = dataclasses.replace(w, direct_grads=True)
     grad_out = torch.randn_like(base)
-    expected = run(multi_lora_triton, x, base, dataclasses.replace(w, memo={}, direct_grads=False), False, grad_out)[1]
+    expected = run(multi_lora_triton, x, base, dataclasses.replace(w, direct_grads=False), False, grad_out)[1]
     for p in w.a + w.b:
         p.grad = torch.ones_like(p)
     y = multi_lora_triton(x.clone().requires_grad_(), base.clone(), w, False)
@@ -1867,9 +1865,9 @@ def test_a_recomputation_reads_the_copies_its_forward_made(monkeypatch):
         got = torch.autograd.grad(y, [x_, *weights.a, *weights.b], grad_out)
         return got, between - before, len(launches) - between
 
-    shared = dataclasses.replace(w, memo={})
+    shared = dataclasses.replace(w)
     for step in range(2):
-        expected, _, _ = grads(dataclasses.replace(shared, memo={}), False)
+        expected, _, _ = grads(dataclasses.replace(shared), False)
         got, in_forward, in_backward = grads(shared, True)
         assert (in_forward, in_backward) == (1, 0)
         for g, g_ref in zip(got, expected):
@@ -1915,7 +1913,7 @@ def test_the_weight_copies_of_one_adapter_set_are_shared_by_its_layouts():
     from lightning_multilora.kernels.triton_lora import pointer_table, weight_copies
 
     x, base, w = problem([8, 16], [5, 7], d_in=32, d_out=24, dtype=torch.float16, seed=3)
-    other = dataclasses.replace(w, starts=(0, 2), ends=(2, 9), memo={})  # the same adapters, another layout
+    other = dataclasses.replace(w, starts=(0, 2), ends=(2, 9))  # the same adapters, another layout
     device = torch.device(DEVICE)
     copies = weight_copies(w, pointer_table(w, device), torch.float16, device)
     assert pointer_table(other, device) is pointer_table(w, device)
@@ -1925,3 +1923,34 @@ def test_the_weight_copies_of_one_adapter_set_are_shared_by_its_layouts():
     y2, _ = run(multi_lora_triton, x, base, other, False, torch.randn_like(base))  # (each refreshes the copies)
     y_ref = multi_lora_reference(x.double(), base.double(), as64(w), False)
     assert rel(y1, y_ref) <= 1e-2 and y2.shape == y1.shape
+
+
+def test_a_copy_made_with_replace_after_a_call_computes_its_own_values():
+    """`LoRAWeights`' memo was an init field: `dataclasses.replace` gave the copy the same dict, and the copy's call
+    reused the first object's pointer table (its scaling) and schedule (its segments): 69 off, silently."""
+    import dataclasses
+
+    x, base, w = problem([4, 7], [20, 13], d_in=24, d_out=40, dtype=torch.float32, seed=11, gaps=False)
+    multi_lora_triton(x, base.clone(), w, False)  # (fills w's memo)
+    for changed in (dict(scaling=(3.0, -0.5)), dict(starts=(2, 22), ends=(20, 33))):
+        copy = dataclasses.replace(w, **changed)
+        assert copy.memo == {} or copy.memo is not w.memo
+        got = multi_lora_triton(x, base.clone(), copy, False)
+        assert rel(got, multi_lora_reference(x, base.clone(), copy, False)) < 1e-5, changed
+
+
+def test_a_leaf_base_output_that_requires_grad_is_not_added_to_in_place():
+    """The Triton backend adds into the base output: a leaf requiring grad was refused by autograd ("a leaf Variable
+    that requires grad has been used in an in-place operation"), where the reference took it."""
+    from lightning_multilora.kernels import multi_lora, set_backend
+
+    x, base, w = problem([4], [10], d_in=16, d_out=24, dtype=torch.float32, seed=2, gaps=False)
+    leaf = base.clone().requires_grad_()
+    set_backend("triton")
+    try:
+        y = multi_lora(x, leaf, w, False)
+    finally:
+        set_backend("auto")
+    assert torch.equal(leaf.detach(), base) and rel(y, multi_lora_reference(x, base, w, False)) < 1e-5
+    y.sum().backward()
+    assert torch.equal(leaf.grad, torch.ones_like(base))
