@@ -125,6 +125,33 @@ def _mha_fastpath_restore() -> None:
             torch.backends.mha.set_fastpath_enabled(_fastpath_users[1])
 
 
+
+class _Counted(dict):
+    """A dict that counts its changes (``changes``): the layer's per-adapter ``scaling`` and ``dropout``, which the
+    kernels' cached weights hold by value."""
+
+    changes = 0  # (a class default: pickle and deepcopy set the items before the instance's own count)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self.changes += 1
+
+    def __delitem__(self, key: Any) -> None:
+        super().__delitem__(key)
+        self.changes += 1
+
+    def _changed(name: str):  # noqa: N805 - the mutating methods of dict, counted
+        def method(self, *args: Any, **kwargs: Any) -> Any:
+            out = getattr(dict, name)(self, *args, **kwargs)
+            self.changes += 1
+            return out
+        method.__name__ = name
+        return method
+
+    update, pop, popitem = _changed("update"), _changed("pop"), _changed("popitem")
+    clear, setdefault = _changed("clear"), _changed("setdefault")
+    del _changed
+
 class MultiLoRALinear(nn.Module):
     """A frozen ``base`` linear plus adapter slots keyed by name.
 
@@ -153,8 +180,9 @@ class MultiLoRALinear(nn.Module):
         self.context = context if context is not None else LayoutContext()
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
-        self.scaling: dict[str, float] = {}
-        self.dropout: dict[str, float] = {}
+        # (counted as they change: a value set after a forward, as PEFT's `set_scale` sets `scaling`, reaches the next)
+        self.scaling: dict[str, float] = _Counted()
+        self.dropout: dict[str, float] = _Counted()
         # per adapter, its A and B in the activation dtype, kept by `LoRALayers` (views of the adapter's `Shadow`):
         # read by the kernels instead of copies of their own while the context says they are fresh
         self.shadows: dict[str, tuple[Tensor, Tensor]] = {}
@@ -299,11 +327,12 @@ class MultiLoRALinear(nn.Module):
         (forward, recomputation and backward of a step, and steps with the same shapes)."""
         seen = self._weights_seen
         shadows = self.context.shadows
+        changes = (self.scaling.changes, self.dropout.changes)
         if (seen is not None and seen[0] is layout and seen[1] == tokens_per_row and seen[2] == self.direct_grads
-                and seen[3] == shadows):
+                and seen[3] == shadows and seen[4] == changes):
             return self._weights  # the same layout object (treated as immutable): no key to build and compare
         key = (layout.names, layout.starts, layout.ends, tokens_per_row, self.direct_grads, shadows,
-               layout.padding_side)
+               layout.padding_side, changes)
         weights = self._kept.get(key, _UNSEEN)
         if weights is _UNSEEN:
             held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
@@ -339,7 +368,7 @@ class MultiLoRALinear(nn.Module):
         self._weights = weights
         self._dropout_on = (weights is not None and weights.streams is not None
                             and any(p > 0 for p in weights.dropout))
-        self._weights_seen = (layout, tokens_per_row, self.direct_grads, shadows)
+        self._weights_seen = (layout, tokens_per_row, self.direct_grads, shadows, changes)
         return self._weights
 
     def extra_repr(self) -> str:

@@ -213,6 +213,40 @@ def test_a_forward_hook_on_the_base_keeps_the_bases_own_output_on_the_triton_pat
     assert not torch.allclose(y, base(x))
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_a_scaling_or_dropout_set_after_a_forward_reaches_the_next(backend):
+    """The kernels' weights of a layout are cached with each adapter's scaling and dropout by value: a value set in
+    `scaling` after a forward (as PEFT's `set_scale` sets it) changed nothing until `forget_weights()`."""
+    import copy
+    import pickle
+
+    from lightning_multilora import kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (on the CPU, triton: the interpreter, set by conftest)
+    torch.manual_seed(0)
+    layer = MultiLoRALinear(nn.Linear(16, 12)).to(device)
+    layer.add_adapter("a", rank=2, alpha=2)
+    nn.init.normal_(layer.lora_B["a"])
+    x = torch.randn(2, 3, 16, device=device)
+    layout = BatchLayout(("a",), (0,), (2,), 2)
+    before = kernels.get_backend()
+    kernels.set_backend(backend)
+    try:
+        with layer.context.use(layout):
+            first = layer(x)
+            layer.scaling["a"] *= 2
+            doubled = layer(x)
+            layer.scaling.update(a=0.0)
+            off = layer(x)
+    finally:
+        kernels.set_backend(before)
+    base = layer.base(x)
+    torch.testing.assert_close(doubled - base, 2 * (first - base))
+    torch.testing.assert_close(off, base)
+    for copied in (copy.deepcopy(layer.scaling), pickle.loads(pickle.dumps(layer.scaling))):
+        assert copied == {"a": 0.0} and type(copied) is type(layer.scaling)  # (a module deep-copied or pickled)
+
+
 def _train_with_dropout(backend, rows, streams=True, checkpointed=False, steps=2, lengths=None):
     """Adapter "b"'s outputs over ``steps`` training forwards and its gradients, with the adapters of ``rows`` (name:
     rows, in order) sharing the batch; each adapter's rows are its own ids whatever its neighbours, ``lengths[name]``
