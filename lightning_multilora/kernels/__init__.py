@@ -47,8 +47,9 @@ def multi_lora(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool
 
     Returns:
         ``(T, d_out)`` in ``base_out``'s dtype; differentiable in ``x``, every ``A`` and ``B``. The Triton
-        backend adds into ``base_out`` itself and returns it (no second pass over it): give a fresh one. One that
-        autograd needs (a leaf requiring grad, or saved by its producer) is copied first.
+        backend adds into ``base_out`` itself and returns it (no second pass over it): give a fresh one (a leaf
+        that requires grad, which autograd would refuse to change, is copied first; one its producer saved for its
+        backward, a sigmoid's output say, must be given as a copy).
     """
     backend = resolve_backend(x)
     if backend == "triton":
