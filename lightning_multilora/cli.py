@@ -65,7 +65,12 @@ def _refused_fields(message: str, refused: list[str]) -> Optional[str]:
         return None
     named = [f"{name!r}" + "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(
         name, fields, n=1) if not peft_hints([name])) for name in refused]  # (PEFT's spellings: their own hint)
-    return f"`{key[1]}`: {cls.__name__} takes no {', '.join(named)}; it takes {', '.join(fields)}"
+    said = f"`{key[1]}`: {cls.__name__} takes no {', '.join(named)}; it takes {', '.join(fields)}"
+    option = f"--{key[1]}.init_args."
+    if any(arg.startswith(option) for arg in _given):  # (jsonargparse gives it to a list's last class)
+        said += (f" ({option}* sets the last item's: to change another, write the whole config with --print_config "
+                 "> run.yaml, edit it, then `multilora fit --config run.yaml`)")
+    return said
 
 
 def _wrong_type(message: str) -> Optional[str]:
@@ -551,6 +556,9 @@ def _adapters_replaced(args: list[str]) -> list[str]:
     return out
 
 
+_given: list[str] = []  # the arguments `main` parses (for its parser's errors)
+
+
 def main(args: Optional[list[str]] = None) -> None:
     from_command_line = args is None
     args = list(sys.argv[1:] if args is None else args)
@@ -571,6 +579,7 @@ def main(args: Optional[list[str]] = None) -> None:
         pass
     if from_command_line:  # (LightningCLI warns when given both ``args`` and a command line)
         sys.argv[1:] = args
+    _given[:] = args
     # (no --optimizer / --lr_scheduler: LightningCLI's would replace the module's per-adapter optimizer groups and
     # schedules, `--model.optimizer`, `--model.optimizer_kwargs` and each adapter's `lr` / `lr_schedule`, silently)
     MultiLoRACLI(MultiLoRAModule, MultiLoRADataModule, subclass_mode_model=False, subclass_mode_data=False,

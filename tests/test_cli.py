@@ -309,6 +309,17 @@ def test_a_field_a_config_misspells_is_named_with_the_closest_one_under_a_short_
     assert len(err.splitlines()) <= 4 and err.startswith("usage: "), err
 
 
+def test_an_option_of_a_callback_other_than_the_last_says_how_to_change_it(tmp_path, capsys):
+    """``multilora demo --trainer.callbacks.init_args.n_trials 4`` answered that EarlyExit (the last of the demo's
+    callbacks, which jsonargparse gives the option to) takes no 'n_trials', and no word of how to change the sweep's."""
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks.init_args.n_trials", "4"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "EarlyExit takes no 'n_trials'" in err, err
+    assert ("(--trainer.callbacks.init_args.* sets the last item's: to change another, write the whole config with "
+            "--print_config > run.yaml, edit it, then `multilora fit --config run.yaml`)") in err, err
+
+
 def _tiny_fit(root, *extra, adapters="[{name: a, rank: 2, max_steps: 2, batch_size: 2}]"):
     return ["fit", "--trainer.default_root_dir", str(root), "--trainer.accelerator", "cpu",
             "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "-1", "--model.base_model", "tiny-llama",

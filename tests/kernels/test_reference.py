@@ -74,6 +74,11 @@ def test_dispatch_and_backend_switch():
             with pytest.raises(ValueError, match=r"the 'triton' backend runs on CUDA tensors \(got a cpu one\), or "
                                                  r"on the CPU under Triton's interpreter"):
                 multi_lora(x, base, w, False)
+            patch.setenv("TRITON_INTERPRET", "1")
+            x64, base64, w64 = random_problem(ranks=[3], tokens=[4], dtype=torch.float64, seed=0)
+            with pytest.raises(ValueError, match=r"the 'triton' backend takes bfloat16, float16 and float32 inputs, "
+                                                 r"got torch.float64"):  # (not products silently in float32)
+                multi_lora(x64, base64, w64, False)
     finally:
         kernels.set_backend("auto")
 
