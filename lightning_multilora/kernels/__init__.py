@@ -113,8 +113,8 @@ def resolve_backend(x: Tensor) -> str:
                          "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported); use 'reference' "
                          "or 'auto' here")
     if _backend == "triton" and x.dtype not in _TRITON_DTYPES:
-        raise ValueError(f"the 'triton' backend takes bfloat16, float16 and float32 inputs, got {x.dtype} (its products "
-                         "would run in float32); use 'reference' or 'auto' for it")
+        raise ValueError(f"the 'triton' backend takes bfloat16, float16 and float32 inputs, got {x.dtype} (its "
+                         "products would run in float32); use 'reference' or 'auto' for it")
     return _backend
 
 
