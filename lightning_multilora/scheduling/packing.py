@@ -1,15 +1,19 @@
 """PLoRA's half of planning: which configurations share a packed job, and on how many GPUs.
 
-`PackingPlanner` builds candidate packs for every GPU count ``d`` (powers of two up to the machine):
-the configurations, ordered by batch size then length (homogeneous packs suit the grouped kernels), cut
-into consecutive packs that fit the memory model at ``d`` GPUs, plus the packs PLoRA's greedy planner
-forms. One CP-SAT model then picks a set of packs that covers every configuration exactly once and
+`PackingPlanner` builds candidate packs for every GPU count ``d`` (powers of two up to the machine): up to
+`EVERY_PACKING_UP_TO` configurations, every set of them that fits the memory model at ``d`` GPUs; past that, the
+configurations ordered by batch size then length, and by length then batch size (homogeneous packs suit the grouped
+kernels; packs of one length end together), cut into consecutive packs of at most 1, 2, 4... configurations that fit
+at ``d`` GPUs, plus the packs PLoRA's greedy planner forms. One CP-SAT model then picks a set of packs that covers
+every configuration exactly once and
 schedules them (optional intervals, a cumulative GPU constraint) for minimum makespan: packing, GPU
 counts and timing are decided together, on a grid of ``resolution_s`` (the jobs keep their own durations). The
 greedy plan is the solver's starting hint, and the result is never worse than it (where the solver finds nothing in
-its time limit, or the grid's rounding leaves its packing longer, the result is the greedy plan). The
-packs are chosen among these candidates, not among every packing (there are exponentially many): a plan
-marked optimal is the best over the candidates, and a packing outside them can be shorter.
+its time limit, or the grid's rounding leaves its packing longer, the result is the greedy plan). Past
+`EVERY_PACKING_UP_TO` configurations the packs are chosen among these candidates, not among every packing (there are
+exponentially many): a plan marked optimal is the best over the candidates, and a packing outside them can be shorter
+(its notes say so). A plan's ``lower_bound`` is the longest configuration's shortest time alone (no pack holding it
+ends sooner, where a pack's step takes no less time than its members' alone): a bound no packing goes under.
 
 `plora_greedy` is a greedy reading of PLoRA's planner (its Algorithms 4 and 5): whenever GPUs are free, for
 each power-of-two ``D`` that fits, grow a pack (largest rank first) while the LoRA throughput
@@ -30,14 +34,16 @@ import warnings
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import combinations
 
 from lightning_multilora.arguments import check_real
 from lightning_multilora.scheduling.profiler import check_margin
 from lightning_multilora.scheduling.task_scheduler import (Placement, Schedule, Task, assign_gpu_ids, check_planner,
-                                                           cp_solver, lower_bound)
+                                                           cp_solver)
 from lightning_multilora.spec import AdapterSpec
 
 CostFn = Callable[[Sequence[AdapterSpec], int], float]
+EVERY_PACKING_UP_TO = 8  # configurations: every set of them a candidate pack (2^8 sets a GPU count)
 
 
 @dataclass(frozen=True)
@@ -112,21 +118,21 @@ class PackingPlanner:
         return self.memory(specs, gpus) <= self.budget
 
     def candidate_packs(self, specs: Sequence[AdapterSpec]) -> list[tuple[tuple[AdapterSpec, ...], int]]:
-        """For each GPU count, consecutive packs of the (batch size, length)-ordered configurations, each as
-        large as memory allows, and also each configuration alone (so any cover exists)."""
-        order = sorted(specs, key=lambda s: (-s.batch_size, -_steps(s), s.name))
-        packs: dict[tuple[tuple[str, ...], int], tuple[tuple[AdapterSpec, ...], int]] = {}
+        """For each GPU count: up to `EVERY_PACKING_UP_TO` configurations, every set of them; past that, consecutive
+        packs of at most 1, 2, 4... configurations, each as large as memory allows, of the configurations ordered by
+        (batch size, length) and by (length, batch size). Only packs that fit; each configuration alone among them
+        (so any cover exists), or an error naming those that fit nowhere."""
+        packs: dict[tuple[frozenset, int], tuple[tuple[AdapterSpec, ...], int]] = {}
+        ordered = sorted(specs, key=lambda s: (-s.batch_size, -_steps(s), s.name))
+        every = [combo for n in range(1, len(ordered) + 1) for combo in combinations(ordered, n)] \
+            if len(specs) <= EVERY_PACKING_UP_TO else None
+        orders = (ordered, sorted(specs, key=lambda s: (-_steps(s), -s.batch_size, s.name)))
         for d in self.gpu_options:
-            current: list[AdapterSpec] = []
-            for spec in order:
-                if current and not self.fits([*current, spec], d):
-                    packs[(tuple(s.name for s in current), d)] = (tuple(current), d)
-                    current = []
-                current.append(spec)
-            if current:
-                packs[(tuple(s.name for s in current), d)] = (tuple(current), d)
-            for spec in order:
-                packs.setdefault(((spec.name,), d), ((spec,), d))
+            groups = every if every is not None else [
+                pack for order in orders for cap in (2 ** k for k in range(len(specs).bit_length()))
+                for pack in self._consecutive(order, cap, d)]
+            for group in groups:
+                packs.setdefault((frozenset(s.name for s in group), d), (tuple(group), d))
         feasible = [(p, d) for p, d in packs.values() if self.fits(p, d)]
         alone = {p[0].name for p, _ in feasible if len(p) == 1}
         missing = [s for s in specs if s.name not in alone]
@@ -135,6 +141,21 @@ class PackingPlanner:
                              f"GPUs: " + _alone_text(missing, self.memory, self.gpu_options, self.budget,
                                                      self.gpu_bytes, self.load_factor))
         return feasible
+
+    def _consecutive(self, order: Sequence[AdapterSpec], cap: int, d: int) -> list[tuple[AdapterSpec, ...]]:
+        """``order`` cut into consecutive packs of at most ``cap`` configurations that fit at ``d`` GPUs."""
+        packs, current = [], []
+        for spec in order:
+            if current and (len(current) == cap or not self.fits([*current, spec], d)):
+                packs.append(tuple(current))
+                current = []
+            current.append(spec)
+        return packs + [tuple(current)] if current else packs
+
+    def bound(self, specs: Sequence[AdapterSpec]) -> float:
+        """No packing of ``specs`` ends sooner: the longest configuration's shortest time alone (a pack's step taking
+        no less time than its members' alone)."""
+        return max(min(self.duration([s], d) for d in self.gpu_options if self.fits([s], d)) for s in specs)
 
     def plan(self, specs: Sequence[AdapterSpec]) -> tuple[list[Job], Schedule]:
         from ortools.sat.python import cp_model
@@ -184,9 +205,8 @@ class PackingPlanner:
             note = (f"CP-SAT found no packing within time_limit_s={self.time_limit_s} s: PLoRA's greedy plan; raise "
                     "time_limit_s for an optimized one")
             warnings.warn(note)
-            return greedy_jobs, Schedule(greedy_placements, greedy_makespan, False,
-                                         solver.WallTime(), lower_bound([j.task() for j in greedy_jobs],
-                                                                        self.num_gpus), [note])
+            return greedy_jobs, Schedule(greedy_placements, greedy_makespan, False, solver.WallTime(),
+                                         self.bound(specs), [note])
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             raise RuntimeError(f"CP-SAT found no packing ({solver.StatusName(status)}) within {self.time_limit_s} s")
         jobs, rows, grid_ends = [], [], {}
@@ -202,13 +222,15 @@ class PackingPlanner:
             note = (f"PLoRA's greedy plan: {greedy_makespan:.6g} s, shorter than the best packing found on the "
                     f"{res:g} s grid ({length:.6g} s); a finer resolution_s may find a shorter one")
             return greedy_jobs, Schedule(greedy_placements, greedy_makespan, False, solver.WallTime(),
-                                         lower_bound([j.task() for j in greedy_jobs], self.num_gpus), [note])
+                                         self.bound(specs), [note])
         # GPU ids by the model's grid (a job a hair longer than its ticks would hold its GPUs past the next's start)
         ids = assign_gpu_ids([(jid, start, grid_ends[jid], d) for jid, start, _, d in rows], self.num_gpus)
         placements = {jid: Placement(jid, start, end, ids[jid]) for jid, start, end, _ in rows}
-        schedule = Schedule(placements, length, status == cp_model.OPTIMAL, solver.WallTime(),
-                            lower_bound([j.task() for j in jobs], self.num_gpus),
-                            [f"packs chosen among {len(packs)} candidates (not every packing): 'optimal' is among "
+        every = len(specs) <= EVERY_PACKING_UP_TO
+        schedule = Schedule(placements, length, status == cp_model.OPTIMAL, solver.WallTime(), self.bound(specs),
+                            [f"every packing a candidate ({len(packs)} packs that fit): 'optimal' is over every "
+                             f"packing, on the {res:g} s grid" if every else
+                             f"packs chosen among {len(packs)} candidates (not every packing): 'optimal' is among "
                              f"those, on the {res:g} s grid"])
         return jobs, schedule
 

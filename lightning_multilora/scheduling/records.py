@@ -8,7 +8,9 @@ never half of one. Each task's entry::
      "gpu_ids": [0], "exit_code": 0, "log": "runs/schedule/logs/quick.1.log", "detail": "",
      "run_started_at": "2026-01-01T10:00:00+00:00"}
 
-``state`` is ``finished``, ``failed`` or ``stopped`` (running, or waiting to be retried, when the schedule stopped);
+``state`` is ``finished``, ``failed`` or ``stopped`` (running, or waiting to be retried, when the schedule stopped,
+or when the records were last written by a schedule that then died unrecorded: ``kill -9``; a resume runs it again,
+its attempts numbered on); the file is written as each attempt starts too;
 ``start`` / ``end`` are seconds on the run's clock (from ``run_started_at``), ``start`` the last attempt's and
 ``starts`` every attempt's; ``task`` is the task's definition (``duration``, ``gpus``, ``torchrun``, ``command``),
 and ``added`` (true) marks a task added while the schedule ran (through an inbox), not by the task file.

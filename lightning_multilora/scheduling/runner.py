@@ -106,6 +106,7 @@ class ScheduleRunner:
         self._tries: dict[str, int] = {}  # this run's attempts of a task (the retries count these)
         self._starts: dict[str, list[float]] = {}
         self._last_failure: dict[str, str] = {}
+        self.stopped_running: list[str] = []  # the tasks `stop` stopped as they ran
         self.started_at = _clock_origin(executor)
         self._save_error: Optional[str] = None
         if resume and earlier is None:
@@ -210,6 +211,8 @@ class ScheduleRunner:
         except Exception as err:  # noqa: BLE001 - (a log path refused, no command...): a failed attempt, not a crash
             said = str(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
             self._failed_starts.append(Completion(self.now, task.id, False, f"could not start: {said}"))
+        else:
+            self.save_records()  # (its attempt, for a resume after the schedule died unrecorded)
 
     def _assumed_end(self, p: Placement) -> float:
         """When a running task is taken to end, for a replan: its estimate, at least a tick from now; past its
@@ -308,21 +311,9 @@ class ScheduleRunner:
         writes the records. `run` calls it when it
         raises. The records are written before the executor is asked to stop (a second Ctrl-C meanwhile keeps them),
         then again with the exit statuses and logs its ``stop()`` returns (`Completion`s)."""
-        now = self.now
-        for tid, (task, placement) in list(self.running.items()):
-            self.records[tid] = RunRecord(tid, "stopped", self.attempts[tid], placement.start, now,
-                                          placement.gpu_ids, f"stopped while running ({why})",
-                                          tuple(self._starts.get(tid, ())))
-        for tid in [t for t in self.pending if t in self._tries]:  # (failed, waiting for a retry)
-            self.records[tid] = RunRecord(tid, "stopped", self.attempts[tid], self._starts[tid][-1], now, (),
-                                          f"stopped waiting for a retry ({why}) after: {self._last_failure.get(tid)}",
-                                          tuple(self._starts[tid]))
-        waiting = [*self.pending, *(t.id for _, _, t in self.arrivals)]
-        for tid in [t for t in waiting if t in self._added and t not in self.records]:  # (an inbox's, not started:
-            # its record is its only copy, for a resume to run it)
-            self.records[tid] = RunRecord(tid, "stopped", self.attempts.get(tid, 0), now, now, (),
-                                          f"stopped before it started ({why})")
+        self.records.update(self._unended(why))
         stopping = set(self.running)
+        self.stopped_running = sorted(stopping)
         self.running.clear()
         self._failed_starts.clear()
         self.save_records()
@@ -334,6 +325,23 @@ class ScheduleRunner:
         if stopped:
             self.save_records()
 
+    def _unended(self, why: str) -> dict[str, RunRecord]:
+        """Records "stopped" for the tasks running, waiting for a retry, or added (an inbox's) and not started."""
+        now, out = self.now, {}
+        for tid, (task, placement) in self.running.items():
+            out[tid] = RunRecord(tid, "stopped", self.attempts[tid], placement.start, now, placement.gpu_ids,
+                                 f"stopped while running ({why})", tuple(self._starts.get(tid, ())))
+        for tid in [t for t in self.pending if t in self._tries]:  # (failed, waiting for a retry)
+            out[tid] = RunRecord(tid, "stopped", self.attempts[tid], self._starts[tid][-1], now, (),
+                                 f"stopped waiting for a retry ({why}) after: {self._last_failure.get(tid)}",
+                                 tuple(self._starts[tid]))
+        waiting = [*self.pending, *(t.id for _, _, t in self.arrivals)]
+        for tid in [t for t in waiting if t in self._added and t not in self.records and t not in out]:
+            # (an inbox's, not started: its record is its only copy, for a resume to run it)
+            out[tid] = RunRecord(tid, "stopped", self.attempts.get(tid, 0), now, now, (),
+                                 f"stopped before it started ({why})")
+        return out
+
     def save_records(self) -> None:
         """Writes the records to the ``records`` file (where given): this run's, and every entry of the earlier run
         (resumed) that this one has not recorded anew: the tasks it finished (skipped, or not submitted again: an
@@ -342,9 +350,12 @@ class ScheduleRunner:
         if self.records_path is None:
             return
         earlier = {**self.earlier_finished, **self._earlier_unfinished}
-        entries = [*(dict(e) for tid, e in sorted(earlier.items()) if tid not in self.records),
+        # the tasks not ended yet, as a stop would record them: what a resume reads should the schedule die without
+        # a word (kill -9, the OOM killer), to run them again and number their attempts on
+        records = {**self._unended("the schedule ended here, unrecorded: killed?"), **self.records}
+        entries = [*(dict(e) for tid, e in sorted(earlier.items()) if tid not in records),
                    *(record_entry(r, self.started_at, self._tasks.get(r.task_id), r.task_id in self._added)
-                     for r in sorted(self.records.values(), key=lambda r: (r.start, r.task_id)))]
+                     for r in sorted(records.values(), key=lambda r: (r.start, r.task_id)))]
         try:
             write_records(self.records_path, entries, self.started_at)
         except OSError as err:  # (the tasks go on: their records are printed at the end)

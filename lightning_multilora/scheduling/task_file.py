@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import sys
 import threading
 from collections.abc import Hashable, Mapping
 from pathlib import Path
@@ -360,10 +361,18 @@ def main(argv: Optional[list[str]] = None) -> int:
             return 0
     scheduler = TaskScheduler(settings["gpus"], settings["time_limit_s"], settings["resolution_s"],
                               deterministic=settings["deterministic"])
+    shortest = min(t.duration for t in to_run)
+    if settings["resolution_s"] > shortest / 2:  # (each duration is rounded up to the grid)
+        print(f"warning: `resolution_s` is {settings['resolution_s']:g} s, more than half the shortest task's "
+              f"duration ({shortest:g} s): the plan rounds every duration up to a multiple of it (its makespan may be "
+              "far longer than the tasks need); lower `resolution_s`", file=sys.stderr, flush=True)
     try:
         plan: Schedule = scheduler.plan(to_run)
     except ValueError as err:
         parser.error(f"{args.task_file}: {err}")
+    except KeyboardInterrupt:  # (the solver sees no signal: Python's handler runs once its search returns)
+        print("interrupted while planning: no task ran", file=sys.stderr, flush=True)
+        return 130
     print(plan.table())
     # a run this machine or the cluster cannot hold is refused here, before any chart is drawn (a refused schedule
     # left a plan.<n>.png behind, and took the next number from the schedule run after it)
@@ -413,9 +422,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         records = runner.run()
     except KeyboardInterrupt as interrupt:  # (the runner stopped the running tasks and recorded them "stopped")
         interrupted, records = interrupt, runner.records
-        stopped = sorted(t for t, r in records.items() if r.state == "stopped")
+        waiting = sorted(t for t, r in records.items() if r.state == "stopped" and t not in runner.stopped_running)
+        said = f" (recorded stopped, for a resume to run: {waiting}, which waited)" if waiting else ""
         try:  # (after a hangup the terminal is gone: EIO, which the stop, the chart and the status must not wait on)
-            print(f"interrupted: stopped the tasks {stopped}; the records so far:", flush=True)
+            print(f"interrupted: stopped the tasks {runner.stopped_running}{said}; the records so far:", flush=True)
         except OSError:
             pass
     finally:  # an interrupted or failed schedule leaves no task running: a second Ctrl-C or kill waits for that

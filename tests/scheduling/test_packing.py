@@ -10,6 +10,7 @@ import pytest
 
 from lightning_multilora import AdapterSpec
 from lightning_multilora.scheduling import PackingPlanner, plora_greedy
+from lightning_multilora.scheduling.packing import EVERY_PACKING_UP_TO
 
 GB = 1e9
 
@@ -79,6 +80,8 @@ def test_configurations_that_cannot_be_planned_get_clear_errors():
 def test_the_plan_says_its_packs_are_chosen_among_candidates_and_bad_settings_are_named():
     specs = [AdapterSpec("a", rank=8, batch_size=1, max_steps=100), AdapterSpec("b", rank=8, batch_size=1, max_steps=100)]
     _, schedule = PackingPlanner(1, memory, step_time, gpu_bytes=80 * GB).plan(specs)
+    assert "every packing a candidate (3 packs that fit): 'optimal' is over every packing" in schedule.table()
+    _, schedule = PackingPlanner(2, memory, step_time, gpu_bytes=80 * GB).plan(configs(EVERY_PACKING_UP_TO + 1, 2))
     assert "candidates (not every packing)" in schedule.table()
     for kwargs, message in (({"num_gpus": True}, "`num_gpus` must be an integer >= 1"),
                             ({"resolution_s": 0}, "`resolution_s` must be a finite number of seconds > 0"),
@@ -102,6 +105,22 @@ def test_jobs_keep_their_own_durations_and_the_plan_is_never_longer_than_the_gre
     assert schedule.optimal and schedule.makespan == pytest.approx(4.5)
     assert [j.duration for j in jobs] == pytest.approx([1.5] * 3)
     assert max(p.end for p in schedule.placements.values()) == pytest.approx(schedule.makespan)
+
+
+def test_small_instances_are_packed_as_well_as_every_packing_allows_and_the_bound_holds_for_every_packing():
+    """Only consecutive packs of batch-size-ordered configurations, each as large as memory allows, were candidates:
+    a plan marked optimal (120 s, "lower bound 120") where {c0, c1} then {c2, c3}, each on 2 GPUs, take 103.4 s."""
+    specs = [AdapterSpec(f"c{i}", rank=rank, batch_size=bs, max_steps=steps)
+             for i, (rank, bs, steps) in enumerate([(16, 1, 40), (16, 4, 40), (8, 4, 10), (8, 2, 10)])]
+    gb = 2 ** 30
+    cost = (lambda ss, d: 30 * gb / d + sum(s.batch_size * 6 * gb + s.rank * 0.05 * gb for s in ss) / d,
+            lambda ss, d: (1.0 + 0.5 * sum(s.batch_size for s in ss)) / d ** 0.8)
+    planner = PackingPlanner(2, *cost, gpu_bytes=80 * gb, time_limit_s=5, resolution_s=0.01)
+    jobs, schedule = planner.plan(specs)
+    two = 40 * cost[1](specs[:2], 2) + 10 * cost[1](specs[2:], 2)  # {c0, c1} on 2 GPUs, then {c2, c3} on 2
+    assert two == pytest.approx(103.38, abs=0.01) and schedule.makespan <= two + 0.01 and schedule.optimal
+    assert schedule.lower_bound <= schedule.makespan
+    assert schedule.lower_bound == pytest.approx(max(min(40 * cost[1]([s], d) for d in (1, 2)) for s in specs[:2]))
 
 
 def test_a_solve_out_of_time_before_any_packing_gives_the_greedy_plan(monkeypatch):

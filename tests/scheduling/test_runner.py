@@ -312,6 +312,42 @@ def test_a_run_that_raises_stops_the_running_tasks_and_records_them_stopped(tmp_
     assert read_records_file(path)["long"]["state"] == "stopped"
 
 
+def test_a_schedule_that_dies_unrecorded_leaves_its_running_and_retried_tasks_for_a_resume(tmp_path):
+    """The file held the ended tasks alone: after a ``kill -9`` (the OOM killer) in a task's second attempt, a resume
+    told it attempt 1 again (a script taking attempt 1 for "start afresh" wiped its progress), its retries anew."""
+    path = tmp_path / "records.json"
+    died = {}
+
+    class Dying(SimulatedExecutor):  # (the file as each wait begins: what a kill -9 then would leave)
+        def wait(self, deadline):
+            if any(e.task_id == "flaky" for e in self._events) and [t for _, t, _ in self.started].count("flaky") == 2:
+                died.setdefault("file", path.read_text())
+            return super().wait(deadline)
+
+    runner = ScheduleRunner(TaskScheduler(2), Dying(failures={"flaky": 1}), max_retries=2, records=path)
+    for task in (Task("flaky", 4, 1), Task("quick", 1, 1), Task("long", 20, 1)):
+        runner.submit(task)
+    runner.run()
+    path.write_text(died["file"])
+    on_disk = read_records_file(path)
+    assert (on_disk["flaky"]["state"], on_disk["flaky"]["attempts"]) == ("stopped", 2), on_disk["flaky"]
+    assert "unrecorded: killed?" in on_disk["flaky"]["detail"] and on_disk["quick"]["state"] == "finished"
+    assert on_disk["long"]["state"] == "stopped" and on_disk["long"]["attempts"] == 1
+
+    class Seeing(SimulatedExecutor):
+        def start(self, task, gpu_ids, attempt=None):
+            self.seen = [*getattr(self, "seen", []), (task.id, attempt)]
+            super().start(task, gpu_ids)
+
+    executor = Seeing()
+    resumed = ScheduleRunner(TaskScheduler(2), executor, max_retries=2, records=path, resume=True)
+    for task in (Task("flaky", 4, 1), Task("quick", 1, 1), Task("long", 20, 1)):
+        resumed.submit(task)
+    records = resumed.run()
+    assert sorted(executor.seen) == [("flaky", 3), ("long", 2)]
+    assert {t: r.state for t, r in records.items()} == {"flaky": "finished", "long": "finished"}
+
+
 def test_anything_an_executor_raises_on_a_start_is_a_failed_attempt():
     """Only `OSError` was caught: a ValueError out of ``start`` crashed the schedule, its running tasks left running."""
 

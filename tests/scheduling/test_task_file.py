@@ -192,6 +192,26 @@ def test_conflicting_flags_and_an_inbox_holding_the_task_file_are_refused(tmp_pa
     assert "the folder holds the task file" in capsys.readouterr().err and (elsewhere / "tasks.yaml").is_symlink()
 
 
+def test_a_grid_coarser_than_the_tasks_is_warned_of_and_ctrl_c_while_planning_is_said(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """``resolution_s: 10`` over 1-second tasks planned a makespan of 20 s without a word; Ctrl-C while the solver
+    searched ended in a KeyboardInterrupt traceback out of OR-Tools."""
+    from lightning_multilora.scheduling.task_scheduler import TaskScheduler
+
+    path = write(tmp_path, f"gpus: 2\nresolution_s: 10\nlog_dir: {tmp_path}\n"
+                           "tasks: [{id: a, duration: 1}, {id: b, duration: 1}, {id: c, duration: 1}]")
+    assert main([str(path), "--plan-only"]) == 0
+    assert ("warning: `resolution_s` is 10 s, more than half the shortest task's duration (1 s)"
+            in capsys.readouterr().err)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(TaskScheduler, "plan", interrupted)
+    assert main([str(write(tmp_path, ALTO_MIX.format(log_dir=tmp_path / "logs"))), "--plan-only"]) == 130
+    assert "interrupted while planning: no task ran" in capsys.readouterr().err
+
+
 def test_a_plan_or_chart_that_cannot_be_made_is_a_clear_error(tmp_path, capsys):
     too_fine = write(tmp_path, f"gpus: 1\nresolution_s: 1.0e-6\nlog_dir: {tmp_path}\n"
                                "tasks: [{id: a, duration: 2000000, command: [echo]}]")
@@ -364,6 +384,7 @@ def test_an_inbox_task_not_started_when_the_schedule_stops_is_recorded_for_the_r
     assert [(e["id"], e["state"], e["added"], e["task"]["command"]) for e in entries] == [
         ("late", "stopped", True, ["true"])]  # (a, the file's, runs again from the file)
     assert entries[0]["detail"] == "stopped before it started (interrupted)" and entries[0]["attempts"] == 0
+    assert runner.stopped_running == []  # (the interrupt's message named "late" among the tasks it stopped)
 
 
 def test_a_command_string_keeps_what_a_shell_passes_on_as_it_is(tmp_path):
