@@ -248,11 +248,28 @@ def warmup_past_the_end(spec: AdapterSpec, max_steps: int) -> str:
             f"lr={spec.lr} (it ends at {(max_steps - 1) / spec.warmup_steps:.2g} x lr)")
 
 
+# TRL's DPOConfig spellings: this package's field, or why there is none
+_TRL_NAMES = {
+    "beta": "`dpo_beta` (with objective='dpo')",
+    **dict.fromkeys(("loss_type", "label_smoothing"), "not supported: the sigmoid DPO loss alone (TRL's default "
+                    "loss_type='sigmoid', label_smoothing=0)"),
+    **dict.fromkeys(("reference_free", "ref_model", "ref_adapter_name", "precompute_ref_log_probs"),
+                    "not supported: the reference is the base with every adapter off, run with each batch"),
+    "rpo_alpha": "not supported (no NLL term beside DPO's)",
+    **dict.fromkeys(("max_length", "max_prompt_length", "max_completion_length", "truncation_mode"),
+                    "MultiLoRADataModule's `max_length` and `truncate` (one limit a row: the prompt's beginning is "
+                    "cut first, as TRL's keep_end)"),
+}
+
+
 def peft_hints(unknown) -> str:
-    """A hint for fields spelt as PEFT or transformers spell them ("" for none)."""
+    """A hint for fields spelt as PEFT, transformers or TRL spell them ("" for none)."""
     hints = [f"{k} -> {_PEFT_NAMES[k]}" if _PEFT_NAMES[k] else f"{k}: not supported (plain LoRA adapters only)"
              for k in sorted(unknown) if k in _PEFT_NAMES]
-    return f" (PEFT's names: {'; '.join(hints)})" if hints else ""
+    trl = [f"{k}: {_TRL_NAMES[k]}" if _TRL_NAMES[k].startswith("not") else f"{k} -> {_TRL_NAMES[k]}"
+           for k in sorted(unknown) if k in _TRL_NAMES and k not in _PEFT_NAMES]
+    return (f" (PEFT's names: {'; '.join(hints)})" if hints else "") + (f" (TRL's names: {'; '.join(trl)})"
+                                                                        if trl else "")
 
 
 def _num(value: Any) -> bool:

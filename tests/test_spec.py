@@ -124,6 +124,12 @@ def test_peft_spellings_are_named_with_this_packages_field():
         AdapterSpec("x", betas=(0.9, 0.95), gradient_accumulation_steps=4)
     with pytest.raises(TypeError, match=r"unknown fields \['rnak'\]; allowed: .*'init_from'.*'weight_decay'\]$"):
         AdapterSpec("x", rnak=3)
+    # (TRL's DPOConfig spellings: "unknown fields ['beta']" and the list alone)
+    with pytest.raises(TypeError, match=r"\(TRL's names: beta -> `dpo_beta` \(with objective='dpo'\); loss_type: not "
+                                        r"supported: the sigmoid DPO loss alone"):
+        AdapterSpec("x", objective="dpo", beta=0.1, loss_type="ipo")
+    with pytest.raises(ValueError, match=r"max_prompt_length -> MultiLoRADataModule's `max_length` and `truncate`"):
+        AdapterSpec.from_dict({"name": "x", "max_prompt_length": 128})
     assert AdapterSpec("x", 4).rank == 4  # positional fields as before
     assert AdapterSpec("x", init_from=Path("runs") / "a").init_from == str(Path("runs") / "a")
     for bad in ("", 3):

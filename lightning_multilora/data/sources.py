@@ -642,7 +642,11 @@ class PreferenceSource(DataSource):
             others = sorted(f for f, v in record.items() if f not in need and isinstance(v, str))
             if missing and (missing != ["prompt"] or others):  # (no prompt alone, and no other text that may hold
                 # it under another name: TRL's implicit prompt)
-                raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}")
+                implicit = (f"; a prompt is taken from 'chosen' and 'rejected' (the beginning they share, as TRL's "
+                            f"extract_prompt) only where they are the record's only text fields, and {others} may "
+                            f"hold it under another name: name it 'prompt', or drop {others}"
+                            if missing == ["prompt"] else "")
+                raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}{implicit}")
             text = {f: _text(record, f, where) for f in need if f in record}
             if self.format == "hh_rlhf":
                 try:

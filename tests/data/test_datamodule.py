@@ -971,7 +971,10 @@ def test_trl_preference_text_with_an_implicit_prompt_is_split_as_trl_does(tmp_pa
         PreferenceSource(str(path)).examples()
     # (a prompt under another name, or shared white space alone: refused, not split at the first letters)
     with pytest.raises(ValueError, match=r"records\[0\]: record has no field\(s\) \['prompt'\]; it has \['chosen', "
-                                         r"'question', 'rejected'\]"):
+                                         r"'question', 'rejected'\]; a prompt is taken from 'chosen' and 'rejected' "
+                                         r"\(the beginning they share, as TRL's extract_prompt\) only where they are "
+                                         r"the record's only text fields, and \['question'\] may hold it under another "
+                                         r"name: name it 'prompt', or drop \['question'\]"):
         PreferenceSource(records=[{"question": "Capital?", "chosen": "It is Paris.", "rejected": "I think Lyon."}]
                          ).examples()
     with pytest.raises(ValueError, match=r"texts share no beginning to take as one"):
