@@ -1,7 +1,8 @@
 """`RayExecutor`: hand each planned task to a Ray cluster instead of launching it ourselves.
 
 Each task gets a placement group with one bundle of ``task.gpus`` GPUs (``STRICT_PACK``: one node) and
-runs its command there as a subprocess from a Ray task. Ray picks the devices and sets
+runs its command there as a subprocess from a Ray task; placed on nodes (`place_on`, a plan over several nodes), a
+task runs on the node its plan's GPU ids are on (a Ray task pinned there). Ray picks the devices and sets
 ``CUDA_VISIBLE_DEVICES`` for real GPUs; the plan's GPU ids are kept for the records. ``resource`` can
 name a custom resource standing in for GPUs (tests on a CPU cluster: ``ray.init(resources={"fake_gpu":
 4})``). Same protocol as the other executors: ``now``, ``start``, ``wait``.
@@ -13,7 +14,7 @@ import os
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from lightning_multilora.arguments import check_real
 from lightning_multilora.scheduling.executors import (Completion, exit_text, next_attempt, next_log_path, task_command,
@@ -65,7 +66,9 @@ class RayExecutor:
         self._started: dict[str, int] = {}
         self._t0 = time.monotonic()
         self._remote = ray.remote(_run_command)
-        self._refs: dict[Any, tuple[str, Any]] = {}  # object ref -> (task id, placement group)
+        self._refs: dict[Any, tuple[str, Any]] = {}  # object ref -> (task id, placement group or None)
+        self._node_ids: list[str] = []  # (`place_on`: the Ray node of each of the plan's nodes, and its first GPU id)
+        self._first_ids: list[int] = []
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -75,16 +78,35 @@ class RayExecutor:
         per_node = [node.get("Resources", {}).get(self.resource, 0) for node in self.ray.nodes() if node.get("Alive")]
         return int(sum(per_node)), int(max(per_node, default=0))
 
+    def nodes(self) -> list[tuple[str, int]]:
+        """(Ray node id, its ``resource`` count) of each alive node that has some, most first."""
+        found = [(node["NodeID"], int(node.get("Resources", {}).get(self.resource, 0))) for node in self.ray.nodes()
+                 if node.get("Alive")]
+        return sorted(((n, c) for n, c in found if c > 0), key=lambda item: -item[1])
+
+    def place_on(self, node_ids: Sequence[str], counts: Sequence[int]) -> None:
+        """Run each task on the Ray node its GPU ids are on: the plan's ids numbered node after node, ``counts`` GPUs
+        on each (a `TaskScheduler`'s ``nodes``), node ``k`` the Ray node ``node_ids[k]``."""
+        if len(node_ids) != len(counts):
+            raise ValueError(f"RayExecutor.place_on: a Ray node id for each of the {len(counts)} nodes, got "
+                             f"{len(node_ids)}")
+        self._node_ids = list(node_ids)
+        self._first_ids = [sum(counts[:k]) for k in range(len(counts))]
+
     def start(self, task: Task, gpu_ids: tuple[int, ...], attempt: Optional[int] = None) -> None:
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
         command = task_command(task)
         attempt = next_attempt(task, attempt, self._started)
-        pg = placement_group([{self.resource: task.gpus}], strategy="STRICT_PACK")
         demand = {"num_gpus": task.gpus} if self.resource == "GPU" else {"resources": {self.resource: task.gpus}}
-        ref = self._remote.options(num_cpus=0, **demand,
-                                   scheduling_strategy=PlacementGroupSchedulingStrategy(pg)).remote(
+        if self._node_ids and gpu_ids:  # (the plan's node: its GPUs are free there, by the plan)
+            node = max(k for k, first in enumerate(self._first_ids) if first <= gpu_ids[0])
+            pg, strategy = None, NodeAffinitySchedulingStrategy(self._node_ids[node], soft=False)
+        else:
+            pg = placement_group([{self.resource: task.gpus}], strategy="STRICT_PACK")
+            strategy = PlacementGroupSchedulingStrategy(pg)
+        ref = self._remote.options(num_cpus=0, **demand, scheduling_strategy=strategy).remote(
             command, task_env(task, attempt), self.resource)
         self._refs[ref] = (task.id, pg)
 
@@ -110,7 +132,8 @@ class RayExecutor:
         stopped = []
         for ref, (task_id, pg) in list(self._refs.items()):
             self.ray.cancel(ref, force=True)
-            remove_placement_group(pg)
+            if pg is not None:
+                remove_placement_group(pg)
             stopped.append(Completion(self.now(), task_id, False, "stopped (cancelled on the cluster)"))
         self._refs.clear()
         return stopped
@@ -135,7 +158,8 @@ class RayExecutor:
                     detail += "" if ok else kept
                 except Exception as err:  # noqa: BLE001 - a crashed worker is a failed attempt
                     ok, detail = False, f"{type(err).__name__}: {err}"
-                remove_placement_group(pg)
+                if pg is not None:
+                    remove_placement_group(pg)
                 done.append(Completion(self.now(), task_id, ok, detail, code, log))
             if done or (deadline is not None and self.now() >= deadline):
                 return done

@@ -131,6 +131,10 @@ class ScheduleRunner:
             raise ValueError(f"duplicate task id {task.id!r}; task ids must be unique")
         if task.gpus > self.scheduler.num_gpus:
             raise ValueError(f"task {task.id!r} needs {task.gpus} GPUs but only {self.scheduler.num_gpus} exist")
+        nodes = getattr(self.scheduler, "nodes", None) or [self.scheduler.num_gpus]
+        if task.gpus > max(nodes):
+            raise ValueError(f"task {task.id!r} needs {task.gpus} GPUs on one node, but the largest node has "
+                             f"{max(nodes)}")
         if task.command is None and getattr(self.executor, "needs_command", False):
             raise ValueError(f"task {task.id!r} has no `command` to run ({type(self.executor).__name__} runs each "
                              "task's command; a SimulatedExecutor needs none)")

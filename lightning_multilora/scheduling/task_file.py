@@ -359,8 +359,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not to_run:
             print("every task is finished: nothing to run")
             return 0
+    # a run this machine or the cluster cannot hold is refused here, before any plan or chart is made (a refused
+    # schedule left a plan.<n>.png behind, and took the next number from the schedule run after it)
+    executor, node_gpus, nodes = _ray_executor(args, settings, tasks, parser) if args.ray is not None else (None,) * 3
     scheduler = TaskScheduler(settings["gpus"], settings["time_limit_s"], settings["resolution_s"],
-                              deterministic=settings["deterministic"])
+                              deterministic=settings["deterministic"], nodes=nodes)
     shortest = min(t.duration for t in to_run)
     if settings["resolution_s"] > shortest / 2:  # (each duration is rounded up to the grid)
         print(f"warning: `resolution_s` is {settings['resolution_s']:g} s, more than half the shortest task's "
@@ -374,9 +377,6 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("interrupted while planning: no task ran", file=sys.stderr, flush=True)
         return 130
     print(plan.table())
-    # a run this machine or the cluster cannot hold is refused here, before any chart is drawn (a refused schedule
-    # left a plan.<n>.png behind, and took the next number from the schedule run after it)
-    executor, node_gpus = _ray_executor(args, settings, tasks, parser) if args.ray is not None else (None, None)
     if not (args.plan_only or args.simulate or args.ray is not None):
         available = _gpus_here(visible_gpus(os.environ))
         if available is not None and settings["gpus"] > available[0]:
@@ -459,10 +459,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _ray_executor(args: argparse.Namespace, settings: dict[str, Any], tasks: list[Task],
-                  parser: argparse.ArgumentParser) -> tuple[Any, int]:
-    """A `RayExecutor` on ``--ray``'s cluster, and the most GPUs its largest node gives a task; a parser error where
-    there is no cluster, or it has fewer GPUs than the file asks for (Ray would wait forever for a placement group
-    that cannot be made)."""
+                  parser: argparse.ArgumentParser) -> tuple[Any, int, Optional[list[int]]]:
+    """A `RayExecutor` on ``--ray``'s cluster, the most GPUs its largest node gives a task, and the GPUs of each node
+    the plan takes (its largest nodes, the file's `gpus` in all; None: one node), the executor told to run each task
+    on its planned node; a parser error where there is no cluster, or it has fewer GPUs than the file asks for (Ray
+    would wait forever for a placement group that cannot be made)."""
     from lightning_multilora.scheduling.ray_executor import RayExecutor
 
     try:
@@ -476,7 +477,17 @@ def _ray_executor(args: argparse.Namespace, settings: dict[str, Any], tasks: lis
         parser.error(f"{args.task_file}: `gpus` is {settings['gpus']} and the widest task takes {widest} on one "
                      f"node, but the Ray cluster has {total} GPUs, at most {largest} on a node; lower them, or "
                      "use --plan-only / --simulate")
-    return executor, largest
+    nodes = executor.nodes()
+    if len(nodes) <= 1:
+        return executor, largest, None
+    ids, counts, left = [], [], settings["gpus"]
+    for node_id, count in nodes:  # (most GPUs first: the fewest nodes that hold the file's `gpus`, the widest task
+        if left > 0:  # on the first)
+            ids.append(node_id)
+            counts.append(min(count, left))
+            left -= counts[-1]
+    executor.place_on(ids, counts)
+    return executor, largest, counts if len(counts) > 1 else None
 
 
 def _recorded_tasks(earlier: Mapping[str, Mapping[str, Any]], in_file: set[str], records_file: Path,

@@ -5,7 +5,9 @@ once. A cumulative constraint (at most ``G`` GPUs busy at any time) gives the op
 GPU ids are assigned afterwards by sweeping the tasks in start order, which always succeeds because the
 cumulative bound holds at every instant and tasks do not need contiguous ids. A second solve keeps that makespan and
 starts the tasks as early as it allows (least sum of starts): the makespan alone leaves a task anywhere that ends by
-then, GPUs idle meanwhile.
+then, GPUs idle meanwhile. On several nodes (``nodes``: GPUs a node, a Ray cluster's) a task takes its GPUs on one
+node: each task chooses a node (optional intervals, one cumulative constraint a node), and its GPU ids are that
+node's (node ``k`` holds the ids after those of nodes ``0..k-1``).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class Schedule:
         return "\n".join(lines)
 
 
-def validate_tasks(tasks: Sequence[Task], num_gpus: int) -> None:
+def validate_tasks(tasks: Sequence[Task], num_gpus: int, largest_node: Optional[int] = None) -> None:
     seen = set()
     for task in tasks:
         if task.id in seen:
@@ -85,6 +87,9 @@ def validate_tasks(tasks: Sequence[Task], num_gpus: int) -> None:
         seen.add(task.id)
         if task.gpus > num_gpus:
             raise ValueError(f"task {task.id!r} needs {task.gpus} GPUs but only {num_gpus} exist")
+        if largest_node is not None and task.gpus > largest_node:
+            raise ValueError(f"task {task.id!r} needs {task.gpus} GPUs on one node, but the largest node has "
+                             f"{largest_node}")
 
 
 def lower_bound(tasks: Iterable[Task], num_gpus: int, now: float = 0.0) -> float:
@@ -134,12 +139,23 @@ class TaskScheduler:
             the last plan); ``time_limit_s`` is then CP-SAT's deterministic time, which can take several times as
             long on the wall clock (ten times at most). By default the plan is the best that ``workers`` find in
             ``time_limit_s`` of wall-clock time, which can differ between runs where none is proven optimal.
+        nodes: GPUs of each node, adding up to ``num_gpus`` (default: one node of them all); a task's GPUs are on
+            one node, node ``k``'s ids following those of the nodes before it.
     """
 
     def __init__(self, num_gpus: int, time_limit_s: float = 1.0, resolution_s: float = 1.0, workers: int = 8,
-                 deterministic: bool = False) -> None:
+                 deterministic: bool = False, nodes: Optional[Sequence[int]] = None) -> None:
         check_planner("TaskScheduler", num_gpus, time_limit_s, resolution_s)
         check_int("TaskScheduler", "workers", workers, 1)
+        if nodes is not None:
+            nodes = list(nodes)
+            for count in nodes:
+                check_int("TaskScheduler", "nodes", count, 1)
+            if not nodes or sum(nodes) != num_gpus:
+                raise ValueError(f"TaskScheduler: `nodes` (GPUs a node) must add up to num_gpus={num_gpus}, got "
+                                 f"{nodes}")
+        self.nodes = nodes if nodes is not None else [int(num_gpus)]
+        self._first_id = [sum(self.nodes[:k]) for k in range(len(self.nodes))]
         self.num_gpus, self.time_limit_s, self.resolution_s = int(num_gpus), float(time_limit_s), float(resolution_s)
         self.workers = int(workers)
         self.deterministic = check_bool("TaskScheduler", "deterministic", deterministic)
@@ -148,6 +164,20 @@ class TaskScheduler:
 
     def _ticks(self, seconds: float) -> int:
         return max(0, math.ceil(seconds / self.resolution_s - 1e-9))
+
+    def node_of(self, gpu_id: int) -> int:
+        """The node holding GPU ``gpu_id``."""
+        return max(k for k, first in enumerate(self._first_id) if first <= gpu_id)
+
+    def _node_ids(self, rows: list[tuple[str, float, float, int]], node_of: dict[str, int],
+                  fixed: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """GPU ids for (task, start, end, gpus) rows, each on its node (`assign_gpu_ids` a node)."""
+        ids: dict[str, tuple[int, ...]] = {}
+        for k, (first, count) in enumerate(zip(self._first_id, self.nodes)):
+            local = assign_gpu_ids([r for r in rows if node_of[r[0]] == k], count,
+                                   {t: tuple(g - first for g in v) for t, v in fixed.items() if node_of[t] == k})
+            ids.update({t: tuple(g + first for g in v) for t, v in local.items()})
+        return ids
 
     def plan(self, tasks: Sequence[Task], running: Optional[dict[str, Placement]] = None, now: float = 0.0,
              hint: Optional[Schedule] = None, time_limit_s: Optional[float] = None) -> Schedule:
@@ -163,7 +193,7 @@ class TaskScheduler:
                        "a finite number of seconds > 0 (or None: the scheduler's)")
             time_limit_s = float(time_limit_s)
         running = dict(running or {})
-        validate_tasks(list(tasks), self.num_gpus)
+        validate_tasks(list(tasks), self.num_gpus, max(self.nodes) if len(self.nodes) > 1 else None)
         overlap = {t.id for t in tasks} & set(running)
         if overlap:
             raise ValueError(f"tasks {sorted(overlap)} are both running and to be planned")
@@ -177,23 +207,37 @@ class TaskScheduler:
             raise ValueError(f"the tasks' durations add up to {horizon * self.resolution_s:.3g} s, "
                              f"{horizon:.3g} steps of `resolution_s`={self.resolution_s}: at most {MAX_TICKS:.3g} "
                              "steps can be planned (shorter durations or a coarser `resolution_s`)")
-        intervals, demands, ends, starts = [], [], [], {}
+        per_node: list[tuple[list, list]] = [([], []) for _ in self.nodes]  # (intervals, demands) a node
+        ends, starts, on = [], {}, {}  # (on: a task's node choices, a literal each, where there are several)
+        running_node = {tid: self.node_of(p.gpu_ids[0]) if p.gpu_ids else 0 for tid, p in running.items()}
         for task_id, p in running.items():
             start, end = self._ticks(p.start), max(self._ticks(p.end), t0)
-            intervals.append(model.NewIntervalVar(start, end - start, end, f"run_{task_id}"))
-            demands.append(len(p.gpu_ids))
+            per_node[running_node[task_id]][0].append(model.NewIntervalVar(start, end - start, end, f"run_{task_id}"))
+            per_node[running_node[task_id]][1].append(len(p.gpu_ids))
             ends.append(end)
         for task in tasks:
             size = max(1, self._ticks(task.duration))
             start = model.NewIntVar(t0, horizon, f"s_{task.id}")
             end = model.NewIntVar(t0, horizon + size, f"e_{task.id}")
-            intervals.append(model.NewIntervalVar(start, size, end, f"i_{task.id}"))
-            demands.append(task.gpus)
+            fitting = [k for k, count in enumerate(self.nodes) if count >= task.gpus]
+            hinted = hint.placements.get(task.id) if hint is not None else None
+            if len(fitting) == 1:
+                per_node[fitting[0]][0].append(model.NewIntervalVar(start, size, end, f"i_{task.id}"))
+                per_node[fitting[0]][1].append(task.gpus)
+            else:
+                on[task.id] = {k: model.NewBoolVar(f"n{k}_{task.id}") for k in fitting}
+                for k, chosen in on[task.id].items():
+                    per_node[k][0].append(model.NewOptionalIntervalVar(start, size, end, chosen, f"i{k}_{task.id}"))
+                    per_node[k][1].append(task.gpus)
+                    if hinted is not None and hinted.gpu_ids:
+                        model.AddHint(chosen, self.node_of(hinted.gpu_ids[0]) == k)
+                model.AddExactlyOne(on[task.id].values())
             ends.append(end)
             starts[task.id] = start
-            if hint is not None and task.id in hint.placements:
-                model.AddHint(start, max(t0, self._ticks(hint.placements[task.id].start)))
-        model.AddCumulative(intervals, demands, self.num_gpus)
+            if hinted is not None:
+                model.AddHint(start, max(t0, self._ticks(hinted.start)))
+        for (intervals, demands), count in zip(per_node, self.nodes):
+            model.AddCumulative(intervals, demands, count)
         makespan = model.NewIntVar(t0, horizon * 2, "makespan")
         model.AddMaxEquality(makespan, ends) if ends else model.Add(makespan == t0)
         model.Minimize(makespan)
@@ -206,21 +250,27 @@ class TaskScheduler:
             return max([t0, *(start_of[t.id] + max(1, self._ticks(t.duration)) for t in tasks),
                         *(max(self._ticks(p.end), t0) for p in running.values())])
 
+        def node_choice(value) -> dict[str, int]:  # (a task's node, from a solve; the only one that fits else)
+            return {t.id: next(k for k, lit in on[t.id].items() if value(lit)) if t.id in on else
+                    next(k for k, count in enumerate(self.nodes) if count >= t.gpus) for t in tasks}
+
         if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             start_of = {t.id: solver.Value(starts[t.id]) for t in tasks}
+            node_at = node_choice(solver.Value)
             span = solver.Value(makespan)
             if status == cp_model.FEASIBLE:  # (out of time: never a longer plan than the greedy list schedule's)
                 greedy_from = time.perf_counter()
-                greedy = self._greedy_starts(tasks, running, t0)
+                greedy, greedy_nodes = self._greedy_starts(tasks, running, t0)
                 solve_s += time.perf_counter() - greedy_from
                 if span_of(greedy) < span:
-                    start_of, span = greedy, span_of(greedy)
-            start_of, early_s = self._start_early(model, starts, makespan, span, start_of, limit * EARLY_SHARE)
+                    start_of, node_at, span = greedy, greedy_nodes, span_of(greedy)
+            start_of, node_at, early_s = self._start_early(model, starts, on, makespan, span, start_of, node_at,
+                                                           limit * EARLY_SHARE, node_choice)
             solve_s += early_s
             span = span_of(start_of)  # (the second solve may end sooner than the first's makespan)
         elif status == cp_model.UNKNOWN:  # out of time before a first plan: a greedy one, valid but not optimized
             greedy_from = time.perf_counter()  # (in the time the plan took: it runs in the share left after the solve)
-            start_of = self._greedy_starts(tasks, running, t0)
+            start_of, node_at = self._greedy_starts(tasks, running, t0)
             solve_s += time.perf_counter() - greedy_from
             span = span_of(start_of)
             notes.append(f"CP-SAT found no plan within time_limit_s={limit} s: greedy list schedule (longest first); "
@@ -239,85 +289,110 @@ class TaskScheduler:
         # 180.00000003 s at 60 s ticks, is tick 3 there; in seconds it held its GPU past the task planned at 180)
         on_grid = [(tid, start, max(self._ticks(end), t0) * res if tid in running else end, gpus)
                    for tid, start, end, gpus in rows]
-        ids = assign_gpu_ids(on_grid, self.num_gpus, {tid: p.gpu_ids for tid, p in running.items()})
+        ids = self._node_ids(on_grid, {**running_node, **node_at}, {tid: p.gpu_ids for tid, p in running.items()})
         placements = {tid: Placement(tid, start, end, ids[tid]) for tid, start, end, _ in rows}
         schedule = Schedule(placements, span * res, status == cp_model.OPTIMAL, solve_s,
                             lower_bound(tasks, self.num_gpus, now), notes)
         self.last = schedule
         return schedule
 
-    def _start_early(self, model: Any, starts: dict[str, Any], makespan: Any, span: int, start_of: dict[str, int],
-                     time_limit_s: float) -> tuple[dict[str, int], float]:
-        """The start ticks of a second solve: the makespan kept to ``span``, the sum of the starts least (a plan with
-        the best makespan that starts each task as early as it can: a runner starts what the plan starts now, and a
-        task started later than it could leaves GPUs idle meanwhile). From the first solve's ``start_of`` (its hint,
-        and the answer where this finds nothing better in ``time_limit_s``); with the seconds it took."""
+    def _start_early(self, model: Any, starts: dict[str, Any], on: dict[str, dict[int, Any]], makespan: Any,
+                     span: int, start_of: dict[str, int], node_at: dict[str, int], time_limit_s: float,
+                     node_choice: Any) -> tuple[dict[str, int], dict[str, int], float]:
+        """The start ticks (and nodes) of a second solve: the makespan kept to ``span``, the sum of the starts least
+        (a plan with the best makespan that starts each task as early as it can: a runner starts what the plan starts
+        now, and a task started later than it could leaves GPUs idle meanwhile). From the first solve's ``start_of``
+        and ``node_at`` (its hint, and the answer where this finds nothing better in ``time_limit_s``); with the
+        seconds it took."""
         from ortools.sat.python import cp_model
 
         if not starts:
-            return start_of, 0.0
+            return start_of, node_at, 0.0
         model.Add(makespan <= span)
         model.ClearHints()
         for task_id, var in starts.items():
             model.AddHint(var, start_of[task_id])
+        for task_id, choices in on.items():
+            for k, lit in choices.items():
+                model.AddHint(lit, node_at[task_id] == k)
         model.Minimize(cp_model.LinearExpr.Sum(list(starts.values())))
         solver = cp_solver(time_limit_s, self.workers, self.deterministic)
         status = solver.Solve(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return start_of, solver.WallTime()
-        return {task_id: solver.Value(var) for task_id, var in starts.items()}, solver.WallTime()
+            return start_of, node_at, solver.WallTime()
+        return ({task_id: solver.Value(var) for task_id, var in starts.items()}, node_choice(solver.Value),
+                solver.WallTime())
 
-    def _greedy_starts(self, tasks: Sequence[Task], running: dict[str, Placement], t0: int) -> dict[str, int]:
-        """Start ticks of ``tasks`` by list scheduling from ``t0`` around the ``running`` placements: longest first,
-        each at the earliest tick from which enough GPUs stay free for its whole duration (so a short task fills
-        GPUs that a wide one waits for).
+    def _greedy_starts(self, tasks: Sequence[Task], running: dict[str, Placement],
+                       t0: int) -> tuple[dict[str, int], dict[str, int]]:
+        """Start ticks (and nodes) of ``tasks`` by list scheduling from ``t0`` around the ``running`` placements:
+        longest first, each at the earliest tick from which enough GPUs of one node stay free for its whole duration
+        (so a short task fills GPUs that a wide one waits for), on the node where that tick is earliest.
 
-        The GPUs in use are kept as a step function (``times[k]``: where it changes, ``used[k]``: from there to the
-        next; sorted, 0 from the last one on): a task's window is checked step by step, a full step sends the
-        search past it, and usage only rises as tasks are placed, so the first step with room for ``g`` GPUs only
-        moves on (1000 tasks on 8 GPUs: a fraction of a second; summing every placed interval at each candidate
-        start took 22-31 s). The earliest start found is the one every placed interval's sum gave."""
+        The GPUs in use on a node are kept as a step function (`_Steps`): a task's window is checked step by step, a
+        full step sends the search past it, and usage only rises as tasks are placed, so the first step with room
+        for ``g`` GPUs only moves on (1000 tasks on 8 GPUs: a fraction of a second; summing every placed interval at
+        each candidate start took 22-31 s). The earliest start found is the one every placed interval's sum gave."""
+        steps = [_Steps(t0, count) for count in self.nodes]
+        for p in running.values():
+            steps[self.node_of(p.gpu_ids[0]) if p.gpu_ids else 0].occupy(
+                self._ticks(p.start), max(self._ticks(p.end), t0), len(p.gpu_ids))
+        starts: dict[str, int] = {}
+        nodes: dict[str, int] = {}
+        for task in sorted(tasks, key=lambda t: -t.duration):
+            size = max(1, self._ticks(task.duration))
+            start, k = min((steps[k].earliest(size, task.gpus), k) for k, count in enumerate(self.nodes)
+                           if count >= task.gpus)
+            starts[task.id], nodes[task.id] = start, k
+            steps[k].occupy(start, start + size, task.gpus)
+        return starts, nodes
+
+
+class _Steps:
+    """The GPUs in use on one node from tick ``t0`` on, as a step function: ``times[k]``, where it changes;
+    ``used[k]``, from there to the next (sorted; 0 from the last one on, a sentinel no window reaches)."""
+
+    def __init__(self, t0: int, count: int) -> None:
+        self.t0, self.count = t0, count
+        self.times: list[float] = [t0, math.inf]
+        self.used = [0, 0]
+        self.room_from: dict[int, float] = {}  # per width: a tick before which no step has room for it (only moves on)
+
+    def _step_at(self, tick: int) -> int:  # the index of the step starting at ``tick`` (made there if need be)
         import bisect
 
-        times, used = [t0, math.inf], [0, 0]  # (the last: a sentinel no window reaches)
+        k = bisect.bisect_right(self.times, tick) - 1
+        if self.times[k] != tick:
+            self.times.insert(k + 1, tick)
+            self.used.insert(k + 1, self.used[k])
+            k += 1
+        return k
 
-        def step_at(tick: int) -> int:  # the index of the step starting at ``tick`` (made there if need be)
-            k = bisect.bisect_right(times, tick) - 1
-            if times[k] != tick:
-                times.insert(k + 1, tick)
-                used.insert(k + 1, used[k])
-                k += 1
-            return k
+    def occupy(self, start: int, end: int, gpus: int) -> None:
+        start = max(start, self.t0)
+        if end <= start:
+            return
+        first, last = self._step_at(start), self._step_at(end)
+        for k in range(first, last):
+            self.used[k] += gpus
 
-        def occupy(start: int, end: int, gpus: int) -> None:
-            start = max(start, t0)
-            if end <= start:
-                return
-            first, last = step_at(start), step_at(end)
-            for k in range(first, last):
-                used[k] += gpus
+    def earliest(self, size: int, gpus: int) -> int:
+        """The earliest tick from which ``gpus`` stay free for ``size`` ticks."""
+        import bisect
 
-        for p in running.values():
-            occupy(self._ticks(p.start), max(self._ticks(p.end), t0), len(p.gpu_ids))
-        room_from: dict[int, int] = {}  # per width: a tick before which no step has room for it (only moves on)
-        starts: dict[str, int] = {}
-        for task in sorted(tasks, key=lambda t: -t.duration):
-            size, gpus, limit = max(1, self._ticks(task.duration)), task.gpus, self.num_gpus - task.gpus
-            k = bisect.bisect_right(times, room_from.get(gpus, t0)) - 1
-            while used[k] > limit:  # (the last step is 0: a task wider than the machine is refused before)
-                k += 1
-            room_from[gpus] = times[k]
-            while True:
-                start, j = times[k], k
-                end = start + size
-                while times[j] < end and used[j] <= limit:
-                    j += 1
-                if times[j] >= end:
-                    break
-                k = j + 1  # step j has no room: no window that holds it does
-            starts[task.id] = start
-            occupy(start, start + size, gpus)
-        return starts
+        times, used, limit = self.times, self.used, self.count - gpus
+        k = bisect.bisect_right(times, self.room_from.get(gpus, self.t0)) - 1
+        while used[k] > limit:  # (the last step is 0: a task wider than the node is refused before)
+            k += 1
+        self.room_from[gpus] = times[k]
+        while True:
+            start, j = times[k], k
+            end = start + size
+            while times[j] < end and used[j] <= limit:
+                j += 1
+            if times[j] >= end:
+                return int(start)
+            k = j + 1  # step j has no room: no window that holds it does
 
 
 def list_schedule(tasks: Sequence[Task], num_gpus: int, order: Optional[Sequence[str]] = None) -> float:
