@@ -1623,7 +1623,7 @@ class MultiLoRAMixin:
                     continue  # finished together on every rank after the exchange (`_finish_together`)
                 if self.validate_on_finish:
                     self.evaluate([rec.spec], record=True)
-                self._exit(rec, AdapterState.FINISHED, f"reached max_steps={rec.max_steps}")
+                self._exit(rec, AdapterState.FINISHED, _length_reached(rec))
 
     def _finish_together(self) -> None:
         """Under adapter parallelism: the adapters that reached their length are validated by all ranks at once
@@ -1635,7 +1635,7 @@ class MultiLoRAMixin:
             self.evaluate([r.spec for r in done], record=True)
         for rec in done:
             if self._owns(rec.name):
-                self._exit(rec, AdapterState.FINISHED, f"reached max_steps={rec.max_steps}")
+                self._exit(rec, AdapterState.FINISHED, _length_reached(rec))
         self._sync_ranks()  # the owners' exits reach every rank
 
     @override
@@ -2915,3 +2915,10 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
                                f"{self.lora_layers.adapter_names}")
         with self.lora_layers.use(layout):
             return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+
+def _length_reached(rec: AdapterRecord) -> str:
+    """Why an adapter that trained its length finished: its ``max_steps``, or its ``max_epochs`` and their steps."""
+    if rec.spec.max_steps is None and rec.spec.max_epochs is not None:
+        return f"reached max_epochs={rec.spec.max_epochs} ({rec.max_steps} steps)"
+    return f"reached max_steps={rec.max_steps}"

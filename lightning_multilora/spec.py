@@ -317,6 +317,10 @@ class SweepGrid:
         for key, values in self.axes.items():
             if not isinstance(values, (list, tuple)) or not values:
                 raise ValueError(f"SweepGrid `axes[{key!r}]` must be a non-empty list of values, got {values!r}")
+        both = sorted(set(self.axes) & set(self.base))
+        if both:  # (the axis' values replaced the base's, silently: `--model.grid.base.lr` beside an lr axis)
+            raise ValueError(f"SweepGrid: {both} in both `axes` and `base`: an axis sets each adapter's value, so "
+                             "the base's would change nothing; give each field in one of them")
         if self.alpha_over_rank is not None and ("alpha" in self.axes or "alpha" in self.base):
             raise ValueError(f"SweepGrid: `alpha_over_rank` ({self.alpha_over_rank!r}) and `alpha` (in "
                              f"{'axes' if 'alpha' in self.axes else 'base'}) both set each adapter's alpha; give one")

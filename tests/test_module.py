@@ -171,6 +171,9 @@ def test_epochs_are_counted_on_each_adapters_own_dataset(tmp_path, trainer_kwarg
     # 'small' has 23 - 5 = 18 training examples: ceil(18 / 4) = 5 steps per epoch; 'big' has 80: 10 per epoch
     assert module.registry["s"].step == 10 and module.registry["s"].samples_seen == 36
     assert module.registry["b"].step == 5
+    # (their reason said "reached max_steps=10", a field their specs leave None)
+    assert module.registry["s"].reason == "reached max_epochs=2 (10 steps)"
+    assert module.registry["b"].reason == "reached max_epochs=0.5 (5 steps)"
 
 
 def test_a_warmup_past_an_adapters_epochs_is_said_when_they_are_counted(tmp_path, trainer_kwargs):

@@ -170,6 +170,10 @@ def test_grid_is_the_cartesian_product_with_readable_unique_names():
         with pytest.raises(ValueError, match=rf"`alpha_over_rank` \(2\) and `alpha` \(in {where}\) both set"):
             SweepGrid(axes=axes, base=base, alpha_over_rank=2).specs()
     assert [s.alpha for s in SweepGrid(axes={"alpha": [8, 32]}).specs()] == [8, 32]
+    # a field in both axes and base: the axis' values replaced the base's without a word (`--model.grid.base.lr`)
+    with pytest.raises(ValueError, match=r"SweepGrid: \['lr'\] in both `axes` and `base`: an axis sets each "
+                                         r"adapter's value, so the base's would change nothing"):
+        SweepGrid(axes={"lr": [1e-3, 4e-3]}, base={"lr": 5e-4, "max_steps": 7}).specs()
     # values that make one name: named, not left to the module's duplicate-name error
     with pytest.raises(ValueError, match=r"the axes' values \{'lr': 0.0001\} and \{'lr': 0.00010001\} make one "
                                          r"adapter name, 'lr1e-4'"):

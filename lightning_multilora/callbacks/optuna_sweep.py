@@ -347,6 +347,10 @@ class OptunaSweep(Callback):
         self.base = dict(base or {})
         check_spec_fields(self.search_space, "OptunaSweep `search_space`")
         check_spec_fields(self.base, "OptunaSweep `base`")
+        both = sorted(set(self.search_space) & set(self.base))
+        if both:  # (the searched value replaced the base's, silently)
+            raise ValueError(f"OptunaSweep: {both} in both `search_space` and `base`: each trial's value is searched, "
+                             "so the base's would change nothing; give each field in one of them")
         self.distributions = distributions(self.search_space)
         if sampler == "grid":  # (checked here, not at the first ask: before a run starts)
             import optuna

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -36,6 +37,18 @@ class Completion:
     detail: str = field(default="", compare=False)
     exit_code: Optional[int] = field(default=None, compare=False)
     log: Optional[str] = field(default=None, compare=False)
+    final: bool = field(default=False, compare=False)  # (a failure a retry would repeat: no retry)
+
+
+def _program_found(command: list[str], path: Optional[str]) -> list[str]:
+    """``command``, its program (a bare name not on ``path``) taken from beside this Python where it is there: the
+    `multilora` of the environment the schedule runs in (``.venv/bin/multilora schedule``, the environment not
+    activated, started tasks whose ``multilora fit`` was found nowhere)."""
+    program = command[0] if command else ""
+    if not program or os.sep in program or shutil.which(program, path=path) is not None:
+        return command
+    beside = Path(sys.executable).parent / program
+    return [str(beside), *command[1:]] if beside.is_file() and os.access(beside, os.X_OK) else command
 
 
 def task_env(task: Task, attempt: int) -> dict[str, str]:
@@ -158,6 +171,7 @@ class LocalExecutor:
         else:  # (none where it hides every GPU)
             devices = [self.visible[i] for i in gpu_ids if i < len(self.visible)]
         env = {**os.environ, **self.env, "CUDA_VISIBLE_DEVICES": ",".join(devices), **task_env(task, attempt)}
+        command = _program_found(command, env.get("PATH"))
         try:  # (the log's name too: a name the file system refuses, ENAMETOOLONG, stopped the whole schedule)
             log_path = next_log_path(self.log_dir, task.id, self._attempts)
             self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -169,10 +183,14 @@ class LocalExecutor:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     preexec_fn=_dies_with_parent())
         except OSError as err:  # e.g. the program does not exist: a failed attempt, not a crashed schedule
-            log.write(f"could not start {command}: {err}\n")
+            missing = os.sep not in command[0] and shutil.which(command[0], path=env.get("PATH")) is None
+            said = (f"no program {command[0]!r} on PATH, nor beside this Python ({Path(sys.executable).parent}): "
+                    "give its full path, or start the schedule with the environment that installs it on PATH "
+                    "(not retried)" if missing else str(err))
+            log.write(f"could not start {command}: {said}\n")
             log.close()
-            self._failed_starts.append(Completion(self.now(), task.id, False, f"could not start: {err}",
-                                                  log=str(log_path)))
+            self._failed_starts.append(Completion(self.now(), task.id, False, f"could not start: {said}",
+                                                  log=str(log_path), final=missing))
             return
         self._procs[task.id] = (proc, log, log_path)
 

@@ -301,7 +301,7 @@ class ScheduleRunner:
         if done.ok:
             self.records[task.id] = RunRecord(task.id, "finished", self.attempts[task.id], placement.start,
                                               done.time, placement.gpu_ids, **ended)
-        elif self._tries[task.id] <= self.max_retries:
+        elif self._tries[task.id] <= self.max_retries and not getattr(done, "final", False):
             self.pending[task.id] = task  # retry: back to the plan
             self._last_failure[task.id] = detail
         else:

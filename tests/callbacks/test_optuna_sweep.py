@@ -190,6 +190,9 @@ def test_bad_search_space():
         OptunaSweep({"lrr": {"type": "float", "low": 1e-5, "high": 1e-3}})
     with pytest.raises(ValueError, match=r"OptunaSweep `base` names \['max_step'\]: not an AdapterSpec field"):
         OptunaSweep(SPACE, base={"max_step": 10})
+    with pytest.raises(ValueError, match=r"OptunaSweep: \['lr'\] in both `search_space` and `base`: each trial's "
+                                         r"value is searched, so the base's would change nothing"):
+        OptunaSweep({"lr": {"type": "float", "low": 1e-5, "high": 1e-3}}, base={"lr": 5e-4, "max_steps": 10})
     with pytest.raises(ValueError, match="`lr`: `log` must be True or False, got 'no'"):  # (was read as True)
         OptunaSweep({"lr": {"type": "float", "low": 1e-5, "high": 1e-3, "log": "no"}})
     with pytest.raises(ValueError, match=r"`search_space` must be a non-empty mapping"):

@@ -112,6 +112,25 @@ def test_a_missing_program_is_a_failed_attempt_and_stop_ends_running_tasks(tmp_p
     assert executor.wait(0.0) == []  # nothing left running
 
 
+def test_a_bare_program_is_found_beside_this_python_and_one_found_nowhere_is_not_retried(tmp_path):
+    """``.venv/bin/multilora schedule`` (the environment not activated) started no ``multilora fit`` task: "No such
+    file or directory: 'multilora'", tried three times in 0.1 s."""
+    import os
+
+    stamp = tmp_path / "ran"
+    runner = ScheduleRunner(TaskScheduler(1), LocalExecutor(tmp_path / "logs", env={"PATH": os.devnull}),
+                            max_retries=2)
+    program = os.path.basename(sys.executable)  # (beside this Python, as a venv's multilora is; on no PATH here)
+    runner.submit(Task("found", 1.0, 1, [program, "-c", f"open({str(stamp)!r}, 'w').write('yes')"]))
+    runner.submit(Task("ghost", 1.0, 1, ["no-such-program-anywhere", "--help"]))
+    records = runner.run()
+    assert records["found"].state == "finished" and stamp.read_text() == "yes"
+    ghost = records["ghost"]
+    assert ghost.state == "failed" and ghost.attempts == 1, ghost
+    assert ("could not start: no program 'no-such-program-anywhere' on PATH, nor beside this Python" in ghost.detail
+            and "(not retried)" in ghost.detail)
+
+
 def test_the_schedules_gpus_are_the_visible_ones_in_order(tmp_path):
     # the runner's GPU i is the i-th of the CUDA_VISIBLE_DEVICES the executor was given, not the machine's GPU i
     py = sys.executable
