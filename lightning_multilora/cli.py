@@ -67,7 +67,8 @@ def _refused_fields(message: str, refused: list[str]) -> Optional[str]:
         name, fields, n=1) if not peft_hints([name])) for name in refused]  # (PEFT's spellings: their own hint)
     said = f"`{key[1]}`: {cls.__name__} takes no {', '.join(named)}; it takes {', '.join(fields)}"
     option = f"--{key[1]}.init_args."
-    if any(arg.startswith(option) for arg in _given):  # (jsonargparse gives it to a list's last class)
+    shorter = tuple(f"--{key[1]}.{name}" for name in refused)  # (jsonargparse's short form, without init_args)
+    if any(arg.startswith(option) or arg.split("=")[0] in shorter for arg in _given):  # (a list's last class takes it)
         said += (f" ({option}* sets the last item's: to change another, write the whole config with --print_config "
                  "> run.yaml, edit it, then `multilora fit --config run.yaml`)")
     return said

@@ -318,6 +318,9 @@ def test_an_option_of_a_callback_other_than_the_last_says_how_to_change_it(tmp_p
     assert done.value.code == 2 and "EarlyExit takes no 'n_trials'" in err, err
     assert ("(--trainer.callbacks.init_args.* sets the last item's: to change another, write the whole config with "
             "--print_config > run.yaml, edit it, then `multilora fit --config run.yaml`)") in err, err
+    with pytest.raises(SystemExit):  # (jsonargparse's short form, without init_args)
+        main(["demo", "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks.n_trials", "4"])
+    assert "sets the last item's: to change another" in capsys.readouterr().err
 
 
 def _tiny_fit(root, *extra, adapters="[{name: a, rank: 2, max_steps: 2, batch_size: 2}]"):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import heapq
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -44,6 +43,8 @@ def _program_found(command: list[str], path: Optional[str]) -> list[str]:
     """``command``, its program (a bare name not on ``path``) taken from beside this Python where it is there: the
     `multilora` of the environment the schedule runs in (``.venv/bin/multilora schedule``, the environment not
     activated, started tasks whose ``multilora fit`` was found nowhere)."""
+    import shutil
+
     program = command[0] if command else ""
     if not program or os.sep in program or shutil.which(program, path=path) is not None:
         return command
@@ -139,7 +140,9 @@ class LocalExecutor:
     ``i`` of the machine where that is unset, and none where it is empty; a ``torchrun`` task runs as
     ``python -m torch.distributed.run --nproc-per-node <gpus> --standalone <command>``. A non-zero exit
     status is a failed attempt (the runner retries it). ``poll_s`` is how often running tasks are checked. The command
-    gets ``MULTILORA_TASK_ID`` and ``MULTILORA_TASK_ATTEMPT`` (`task_env`).
+    gets ``MULTILORA_TASK_ID`` and ``MULTILORA_TASK_ATTEMPT`` (`task_env`). A bare program name not on the task's
+    ``PATH`` is taken from beside this Python where it is there (the ``multilora`` of the environment the schedule
+    runs in, not activated); one found nowhere is a failed start the runner does not retry.
     """
 
     needs_command = True  # (the runner refuses a task without one when it is submitted, before any task starts)
@@ -183,7 +186,7 @@ class LocalExecutor:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     preexec_fn=_dies_with_parent())
         except OSError as err:  # e.g. the program does not exist: a failed attempt, not a crashed schedule
-            missing = os.sep not in command[0] and shutil.which(command[0], path=env.get("PATH")) is None
+            missing = isinstance(err, (FileNotFoundError, NotADirectoryError)) and os.sep not in command[0]
             said = (f"no program {command[0]!r} on PATH, nor beside this Python ({Path(sys.executable).parent}): "
                     "give its full path, or start the schedule with the environment that installs it on PATH "
                     "(not retried)" if missing else str(err))

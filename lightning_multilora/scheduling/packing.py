@@ -35,6 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import combinations
+from typing import NamedTuple, Optional
 
 from lightning_multilora.arguments import check_real
 from lightning_multilora.scheduling.profiler import check_margin
@@ -44,6 +45,7 @@ from lightning_multilora.spec import AdapterSpec
 
 CostFn = Callable[[Sequence[AdapterSpec], int], float]
 EVERY_PACKING_UP_TO = 8  # configurations: every set of them a candidate pack (2^8 sets a GPU count)
+FEW_FIRST = 0.3  # there, the share of the time limit for a first solve over the fewer candidates (its answer the hint)
 
 
 @dataclass(frozen=True)
@@ -117,15 +119,16 @@ class PackingPlanner:
     def fits(self, specs: Sequence[AdapterSpec], gpus: int) -> bool:
         return self.memory(specs, gpus) <= self.budget
 
-    def candidate_packs(self, specs: Sequence[AdapterSpec]) -> list[tuple[tuple[AdapterSpec, ...], int]]:
-        """For each GPU count: up to `EVERY_PACKING_UP_TO` configurations, every set of them; past that, consecutive
-        packs of at most 1, 2, 4... configurations, each as large as memory allows, of the configurations ordered by
-        (batch size, length) and by (length, batch size). Only packs that fit; each configuration alone among them
-        (so any cover exists), or an error naming those that fit nowhere."""
+    def candidate_packs(self, specs: Sequence[AdapterSpec],
+                        every: Optional[bool] = None) -> list[tuple[tuple[AdapterSpec, ...], int]]:
+        """For each GPU count: with ``every`` (default: up to `EVERY_PACKING_UP_TO` configurations), every set of
+        them; else consecutive packs of at most 1, 2, 4... configurations, each as large as memory allows, of the
+        configurations ordered by (batch size, length) and by (length, batch size). Only packs that fit; each
+        configuration alone among them (so any cover exists), or an error naming those that fit nowhere."""
         packs: dict[tuple[frozenset, int], tuple[tuple[AdapterSpec, ...], int]] = {}
         ordered = sorted(specs, key=lambda s: (-s.batch_size, -_steps(s), s.name))
         every = [combo for n in range(1, len(ordered) + 1) for combo in combinations(ordered, n)] \
-            if len(specs) <= EVERY_PACKING_UP_TO else None
+            if (len(specs) <= EVERY_PACKING_UP_TO if every is None else every) else None
         orders = (ordered, sorted(specs, key=lambda s: (-_steps(s), -s.batch_size, s.name)))
         for d in self.gpu_options:
             groups = every if every is not None else [
@@ -158,23 +161,67 @@ class PackingPlanner:
         return max(min(self.duration([s], d) for d in self.gpu_options if self.fits([s], d)) for s in specs)
 
     def plan(self, specs: Sequence[AdapterSpec]) -> tuple[list[Job], Schedule]:
-        from ortools.sat.python import cp_model
-
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             twice = sorted(name for name, n in Counter(names).items() if n > 1)
             raise ValueError(f"configuration names must be unique; given more than once: {twice}")
         if not specs:
             raise ValueError("no configurations to plan")
-        packs = self.candidate_packs(specs)
+        packs = self.candidate_packs(specs)  # (first: its error names what fits nowhere)
         greedy_jobs, greedy_placements, greedy_makespan = plora_greedy(specs, self.num_gpus, self.memory,
                                                                        self.step_time, self.budget, 1.0)
-        greedy_start = {}
-        for job in greedy_jobs:
-            key = (tuple(sorted(s.name for s in job.specs)), job.gpus)
-            greedy_start[key] = greedy_placements[job.id].start
-            if not any((tuple(sorted(q.name for q in p)), d) == key for p, d in packs):
-                packs.append((job.specs, job.gpus))
+        greedy = [(job.specs, job.gpus, greedy_placements[job.id].start) for job in greedy_jobs]
+        every = len(specs) <= EVERY_PACKING_UP_TO
+        best, wall, limit = None, 0.0, self.time_limit_s
+        if every:  # (every set: a model some 30 times larger, which a short limit may not solve; first the few
+            # candidates', its answer the larger model's hint and the plan where that finds none shorter)
+            best = self._solve(specs, self.candidate_packs(specs, every=False), greedy, limit * FEW_FIRST)
+            wall, limit = best.wall if best else 0.0, limit * (1 - FEW_FIRST)
+            if best is not None:
+                best = best._replace(optimal=False)  # (optimal among the few alone)
+        solved = self._solve(specs, packs, best.placed if best else greedy, limit)
+        wall += solved.wall if solved else 0.0
+        if solved is not None and (best is None or solved.length <= best.length):
+            best = solved
+        res = self.resolution_s
+        if best is None:  # out of time before a first packing: the greedy plan, as the solver's hint
+            note = (f"CP-SAT found no packing within time_limit_s={self.time_limit_s} s: PLoRA's greedy plan; raise "
+                    "time_limit_s for an optimized one")
+            warnings.warn(note)
+            return greedy_jobs, Schedule(greedy_placements, greedy_makespan, False, wall, self.bound(specs), [note])
+        if greedy_makespan < best.length:  # (the grid's rounding can cost more than the packing gained)
+            note = (f"PLoRA's greedy plan: {greedy_makespan:.6g} s, shorter than the best packing found on the "
+                    f"{res:g} s grid ({best.length:.6g} s); a finer resolution_s may find a shorter one")
+            return greedy_jobs, Schedule(greedy_placements, greedy_makespan, False, wall, self.bound(specs), [note])
+        jobs, rows = [], []
+        for pack, d, start in best.placed:  # (its own duration: the solver's, rounded up to the grid, holds it)
+            job = Job(f"job{len(jobs)}", pack, d, self.duration(pack, d))
+            jobs.append(job)
+            rows.append((job.id, start, start + job.duration, d))
+        # GPU ids by the model's grid (a job a hair longer than its ticks would hold its GPUs past the next's start)
+        ids = assign_gpu_ids([(jid, start, best.grid_ends[k], d) for k, (jid, start, _, d) in enumerate(rows)],
+                             self.num_gpus)
+        placements = {jid: Placement(jid, start, end, ids[jid]) for jid, start, end, _ in rows}
+        schedule = Schedule(placements, best.length, best.optimal, wall, self.bound(specs),
+                            [f"every packing a candidate ({len(packs)} packs that fit): 'optimal' is over every "
+                             f"packing, on the {res:g} s grid" if every else
+                             f"packs chosen among {best.candidates} candidates (not every packing): 'optimal' is "
+                             f"among those, on the {res:g} s grid"])
+        return jobs, schedule
+
+    def _solve(self, specs: Sequence[AdapterSpec], packs: list[tuple[tuple[AdapterSpec, ...], int]],
+               hint: Sequence[tuple[tuple[AdapterSpec, ...], int, float]], time_limit_s: float) -> Optional[_Solved]:
+        """The packs among ``packs`` that cover ``specs`` in the least makespan, and their starts (CP-SAT, hinted
+        with ``hint``'s (pack, GPUs, start) rows, which join the candidates); None where it finds none in time."""
+        from ortools.sat.python import cp_model
+
+        packs = list(packs)
+        hinted_start = {}
+        for pack, d, start in hint:
+            key = (frozenset(s.name for s in pack), d)
+            hinted_start[key] = start
+            if not any((frozenset(q.name for q in p), e) == key for p, e in packs):
+                packs.append((tuple(pack), d))
         res = self.resolution_s
         sizes = [max(1, math.ceil(self.duration(p, d) / res - 1e-9)) for p, d in packs]
         horizon = sum(sizes)
@@ -185,7 +232,7 @@ class PackingPlanner:
             s = model.NewIntVar(0, horizon, f"s{k}")
             e = model.NewIntVar(0, horizon + size, f"e{k}")
             intervals.append(model.NewOptionalIntervalVar(s, size, e, x, f"i{k}"))
-            hinted = greedy_start.get((tuple(sorted(q.name for q in pack)), d))
+            hinted = hinted_start.get((frozenset(q.name for q in pack), d))
             model.AddHint(x, hinted is not None)
             if hinted is not None:
                 model.AddHint(s, math.ceil(hinted / res - 1e-9))
@@ -199,40 +246,32 @@ class PackingPlanner:
         for x, e in zip(chosen, ends):
             model.Add(makespan >= e).OnlyEnforceIf(x)
         model.Minimize(makespan)
-        solver = cp_solver(self.time_limit_s, 8)
+        solver = cp_solver(time_limit_s, 8)
         status = solver.Solve(model)
-        if status == cp_model.UNKNOWN:  # out of time before a first packing: the greedy plan, as the solver's hint
-            note = (f"CP-SAT found no packing within time_limit_s={self.time_limit_s} s: PLoRA's greedy plan; raise "
-                    "time_limit_s for an optimized one")
-            warnings.warn(note)
-            return greedy_jobs, Schedule(greedy_placements, greedy_makespan, False, solver.WallTime(),
-                                         self.bound(specs), [note])
+        if status == cp_model.UNKNOWN:
+            return None
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            raise RuntimeError(f"CP-SAT found no packing ({solver.StatusName(status)}) within {self.time_limit_s} s")
-        jobs, rows, grid_ends = [], [], {}
+            raise RuntimeError(f"CP-SAT found no packing ({solver.StatusName(status)}) within {time_limit_s} s")
+        placed, grid_ends = [], []
         for k, (pack, d) in enumerate(packs):
-            if solver.Value(chosen[k]):  # (its own duration: the solver's, rounded up to the grid, holds it)
-                job = Job(f"job{len(jobs)}", pack, d, self.duration(pack, d))
-                jobs.append(job)
+            if solver.Value(chosen[k]):
                 start = solver.Value(starts[k]) * res
-                rows.append((job.id, start, start + job.duration, d))
-                grid_ends[job.id] = start + sizes[k] * res
-        length = max(end for _, _, end, _ in rows)
-        if greedy_makespan < length:  # (the grid's rounding can cost more than the packing gained)
-            note = (f"PLoRA's greedy plan: {greedy_makespan:.6g} s, shorter than the best packing found on the "
-                    f"{res:g} s grid ({length:.6g} s); a finer resolution_s may find a shorter one")
-            return greedy_jobs, Schedule(greedy_placements, greedy_makespan, False, solver.WallTime(),
-                                         self.bound(specs), [note])
-        # GPU ids by the model's grid (a job a hair longer than its ticks would hold its GPUs past the next's start)
-        ids = assign_gpu_ids([(jid, start, grid_ends[jid], d) for jid, start, _, d in rows], self.num_gpus)
-        placements = {jid: Placement(jid, start, end, ids[jid]) for jid, start, end, _ in rows}
-        every = len(specs) <= EVERY_PACKING_UP_TO
-        schedule = Schedule(placements, length, status == cp_model.OPTIMAL, solver.WallTime(), self.bound(specs),
-                            [f"every packing a candidate ({len(packs)} packs that fit): 'optimal' is over every "
-                             f"packing, on the {res:g} s grid" if every else
-                             f"packs chosen among {len(packs)} candidates (not every packing): 'optimal' is among "
-                             f"those, on the {res:g} s grid"])
-        return jobs, schedule
+                placed.append((pack, d, start))
+                grid_ends.append(start + sizes[k] * res)
+        length = max(start + self.duration(pack, d) for pack, d, start in placed)
+        return _Solved(placed, grid_ends, length, status == cp_model.OPTIMAL, solver.WallTime(), len(packs))
+
+
+class _Solved(NamedTuple):
+    """A packing solve's answer: the (pack, GPUs, start) rows chosen, their ends on the grid, the makespan in the
+    jobs' own durations, whether proven optimal among the candidates, the solve's seconds and the candidates' count."""
+
+    placed: list[tuple[tuple[AdapterSpec, ...], int, float]]
+    grid_ends: list[float]
+    length: float
+    optimal: bool
+    wall: float
+    candidates: int
 
 
 def plora_greedy(specs: Sequence[AdapterSpec], num_gpus: int, memory: CostFn, step_time: CostFn, gpu_bytes: float,

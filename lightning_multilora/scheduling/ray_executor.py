@@ -73,6 +73,11 @@ class RayExecutor:
     def now(self) -> float:
         return time.monotonic() - self._t0
 
+    def start_clock(self) -> None:
+        """Start the clock (`now`) again from 0: made before a plan is solved (its nodes planned over), it counted the
+        solve as the schedule's time, and a plan followed from time 0 was already behind."""
+        self._t0 = time.monotonic()
+
     def capacity(self) -> tuple[int, int]:
         """The cluster's ``resource`` (GPUs) in all, and on its largest node (a task's bundle takes one node)."""
         per_node = [node.get("Resources", {}).get(self.resource, 0) for node in self.ray.nodes() if node.get("Alive")]

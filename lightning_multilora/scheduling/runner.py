@@ -47,15 +47,17 @@ class ScheduleRunner:
     """Keeps a living plan: tasks arrive (now or later), start when the plan says, and every arrival or
     completion triggers a replan with the running tasks fixed (between them the plan is followed as it is). A
     failed task is retried up to ``max_retries`` times, then marked failed (an executor's `OSError` on starting it, a
-    log that cannot be made, is a failed attempt too: the running tasks go on). ``poll()``, when given, is asked for
+    log that cannot be made, is a failed attempt too: the running tasks go on; a `Completion` marked ``final``, a
+    program found nowhere, is not retried). ``poll()``, when given, is asked for
     newly submitted tasks every ``poll_s`` (executor seconds; None: at each event alone, for a virtual clock that jumps
     from one to the next) while the schedule runs, tasks running or not (a running schedule accepts new tasks). A
     replan solves for ``replan_time_limit_s`` at most (default: `REPLAN_TIME_LIMIT_S`, or the scheduler's limit where
     lower; a first plan, the scheduler's); what the plan followed starts now starts before it (GPUs do not wait).
 
     ``records`` (a file, e.g. ``<log_dir>/records.json``; `lightning_multilora.scheduling.records`): the task records
-    are written there after every completion and when the schedule stops, the tasks running then (or waiting for a
-    retry) as "stopped". ``resume``: a task that file records as finished is not run again (said, and its entry kept);
+    are written there as tasks start, after every completion and when the schedule stops, the tasks running then (or
+    waiting for a retry) as "stopped" (so while it runs too: what a resume takes them for, should the schedule die
+    unrecorded). ``resume``: a task that file records as finished is not run again (said, and its entry kept);
     one recorded failed or stopped runs again, its attempts numbered on from the recorded ones (the retries,
     ``max_retries`` of them, are this run's). An executor whose ``start`` takes an ``attempt`` is told the attempt's
     number (1, 2...; `LocalExecutor` and `RayExecutor` put it in the task's ``MULTILORA_TASK_ATTEMPT``); anything
@@ -189,6 +191,7 @@ class ScheduleRunner:
         later = []
         busy = {g for _, p in self.running.values() for g in p.gpu_ids}
         due = sorted((tid for tid in self.pending if tid in plan.placements), key=lambda t: plan.placements[t].start)
+        started = False
         for tid in due:
             p = plan.placements[tid]
             # planned for the first tick from now: start now, where its GPUs are free (a plan followed from time 0,
@@ -196,8 +199,11 @@ class ScheduleRunner:
             if p.start <= first_tick + 1e-9 and not busy & set(p.gpu_ids):
                 busy |= set(p.gpu_ids)
                 self._start(self.pending.pop(tid), p.gpu_ids)
+                started = True
             else:
                 later.append(p.start)
+        if started:  # (their attempts, for a resume after the schedule died unrecorded; once for the tasks started)
+            self.save_records()
         return min(later) if later else None
 
     def _start(self, task: Task, gpu_ids: tuple[int, ...]) -> None:
@@ -215,8 +221,7 @@ class ScheduleRunner:
         except Exception as err:  # noqa: BLE001 - (a log path refused, no command...): a failed attempt, not a crash
             said = str(err) if isinstance(err, OSError) else f"{type(err).__name__}: {err}"
             self._failed_starts.append(Completion(self.now, task.id, False, f"could not start: {said}"))
-        else:
-            self.save_records()  # (its attempt, for a resume after the schedule died unrecorded)
+
 
     def _assumed_end(self, p: Placement) -> float:
         """When a running task is taken to end, for a replan: its estimate, at least a tick from now; past its

@@ -45,6 +45,7 @@ words and run without a shell: shell syntax in it (``&&``, ``|``, ``>``, ``$VAR`
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -364,11 +365,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     executor, node_gpus, nodes = _ray_executor(args, settings, tasks, parser) if args.ray is not None else (None,) * 3
     scheduler = TaskScheduler(settings["gpus"], settings["time_limit_s"], settings["resolution_s"],
                               deterministic=settings["deterministic"], nodes=nodes)
-    shortest = min(t.duration for t in to_run)
-    if settings["resolution_s"] > shortest / 2:  # (each duration is rounded up to the grid)
-        print(f"warning: `resolution_s` is {settings['resolution_s']:g} s, more than half the shortest task's "
-              f"duration ({shortest:g} s): the plan rounds every duration up to a multiple of it (its makespan may be "
-              "far longer than the tasks need); lower `resolution_s`", file=sys.stderr, flush=True)
+    res = settings["resolution_s"]  # (each duration is rounded up to the grid, to one step at least)
+    stretched = [t for t in to_run if max(1, math.ceil(t.duration / res - 1e-9)) * res > 1.5 * t.duration]
+    if stretched:
+        print(f"warning: `resolution_s` is {res:g} s: the plan rounds the durations of {len(stretched)} of the "
+              f"{len(to_run)} tasks up by more than half ({stretched[0].id!r}: {stretched[0].duration:g} s), so its "
+              "makespan may be far longer than the tasks need; lower `resolution_s`", file=sys.stderr, flush=True)
     try:
         plan: Schedule = scheduler.plan(to_run)
     except ValueError as err:
@@ -396,6 +398,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if executor is None:  # (a local executor's clock starts when it is made: after the chart)
         executor = SimulatedExecutor() if args.simulate else LocalExecutor(Path(settings["log_dir"]) / "logs")
+    else:  # (made before the plan, over whose nodes it planned: its clock from now, as a local one's)
+        executor.start_clock()
     # the plan shown is the one run; a simulation looks in the inbox at each event, its clock jumping from one to the
     # next (every 0.5 s of its clock, a 2,000,000 s task took 41 s)
     # (a simulation writes no records: a real run resumed after it would skip what never ran)

@@ -12,8 +12,8 @@ ray = pytest.importorskip("ray")
 from lightning_multilora.scheduling import ScheduleRunner, Task, TaskScheduler  # noqa: E402
 from lightning_multilora.scheduling.ray_executor import RayExecutor  # noqa: E402
 
-STAMP = ("import sys, time; open(sys.argv[1] + '.start', 'w').write(repr(time.time())); time.sleep(float(sys.argv[2])); "
-         "open(sys.argv[1] + '.end', 'w').write(repr(time.time()))")
+STAMP = ("import sys, time; open(sys.argv[1] + '.start', 'w').write(repr(time.time())); "
+         "time.sleep(float(sys.argv[2])); open(sys.argv[1] + '.end', 'w').write(repr(time.time()))")
 
 
 @pytest.fixture(scope="module")

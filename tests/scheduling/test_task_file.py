@@ -201,8 +201,10 @@ def test_a_grid_coarser_than_the_tasks_is_warned_of_and_ctrl_c_while_planning_is
     path = write(tmp_path, f"gpus: 2\nresolution_s: 10\nlog_dir: {tmp_path}\n"
                            "tasks: [{id: a, duration: 1}, {id: b, duration: 1}, {id: c, duration: 1}]")
     assert main([str(path), "--plan-only"]) == 0
-    assert ("warning: `resolution_s` is 10 s, more than half the shortest task's duration (1 s)"
-            in capsys.readouterr().err)
+    assert ("warning: `resolution_s` is 10 s: the plan rounds the durations of 3 of the 3 tasks up by more than half "
+            "('a': 1 s)" in capsys.readouterr().err)
+    exact = write(tmp_path, f"gpus: 2\nresolution_s: 1\nlog_dir: {tmp_path}\ntasks: [{{id: a, duration: 1}}]")
+    assert main([str(exact), "--plan-only"]) == 0 and "warning" not in capsys.readouterr().err  # (nothing rounded)
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
@@ -732,3 +734,39 @@ def test_a_resume_runs_again_an_inboxs_unfinished_tasks_and_keeps_every_finished
     assert f"the earlier run's records kept as {log_dir / 'records.1.json'}" in capsys.readouterr().out
     assert (log_dir / "records.1.json").read_text() == before
     assert [e["id"] for e in json.loads((log_dir / "records.json").read_text())["tasks"]] == ["a"]
+
+
+def test_with_ray_the_plan_takes_the_largest_nodes_first_and_the_executor_runs_each_task_on_its_own(monkeypatch):
+    """The nodes the plan takes for the file's `gpus` (a partial last node; one node alone: no pinning), without a
+    cluster (a stand-in executor)."""
+    import argparse
+
+    from lightning_multilora.scheduling import ray_executor
+    from lightning_multilora.scheduling.task import Task
+    from lightning_multilora.scheduling.task_file import _ray_executor
+
+    class Cluster:
+        sizes = {"n-small": 1, "n-big": 4, "n-mid": 2}
+
+        def __init__(self, **kwargs):
+            self.placed = None
+
+        def capacity(self):
+            return sum(self.sizes.values()), max(self.sizes.values())
+
+        def nodes(self):
+            return sorted(self.sizes.items(), key=lambda item: -item[1])
+
+        def place_on(self, ids, counts):
+            self.placed = (list(ids), list(counts))
+
+    monkeypatch.setattr(ray_executor, "RayExecutor", Cluster)
+    args, parser = argparse.Namespace(ray="auto", task_file="tasks.yaml"), argparse.ArgumentParser()
+    tasks = [Task("a", 1.0, 2)]
+    executor, largest, nodes = _ray_executor(args, {"gpus": 5, "log_dir": "logs"}, tasks, parser)
+    assert largest == 4 and nodes == [4, 1] and executor.placed == (["n-big", "n-mid"], [4, 1])
+    executor, _, nodes = _ray_executor(args, {"gpus": 3, "log_dir": "logs"}, tasks, parser)
+    assert nodes is None and executor.placed == (["n-big"], [3])  # (one node: planned as one, run there)
+    Cluster.sizes = {"only": 4}
+    executor, _, nodes = _ray_executor(args, {"gpus": 4, "log_dir": "logs"}, tasks, parser)
+    assert nodes is None and executor.placed is None
