@@ -142,7 +142,7 @@ class LocalExecutor:
     status is a failed attempt (the runner retries it). ``poll_s`` is how often running tasks are checked. The command
     gets ``MULTILORA_TASK_ID`` and ``MULTILORA_TASK_ATTEMPT`` (`task_env`). A bare program name not on the task's
     ``PATH`` is taken from beside this Python where it is there (the ``multilora`` of the environment the schedule
-    runs in, not activated); one found nowhere is a failed start the runner does not retry.
+    runs in, not activated); a program found nowhere is a failed start the runner does not retry.
     """
 
     needs_command = True  # (the runner refuses a task without one when it is submitted, before any task starts)
@@ -186,10 +186,14 @@ class LocalExecutor:
             proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                     preexec_fn=_dies_with_parent())
         except OSError as err:  # e.g. the program does not exist: a failed attempt, not a crashed schedule
-            missing = isinstance(err, (FileNotFoundError, NotADirectoryError)) and os.sep not in command[0]
-            said = (f"no program {command[0]!r} on PATH, nor beside this Python ({Path(sys.executable).parent}): "
-                    "give its full path, or start the schedule with the environment that installs it on PATH "
-                    "(not retried)" if missing else str(err))
+            missing = isinstance(err, (FileNotFoundError, NotADirectoryError))  # (a retry would find none either)
+            said = str(err)
+            if missing and os.sep not in command[0]:
+                said = (f"no program {command[0]!r} on PATH, nor beside this Python ({Path(sys.executable).parent}): "
+                        "give its full path, or start the schedule with the environment that installs it on PATH "
+                        "(not retried)")
+            elif missing:
+                said += " (not retried)"
             log.write(f"could not start {command}: {said}\n")
             log.close()
             self._failed_starts.append(Completion(self.now(), task.id, False, f"could not start: {said}",

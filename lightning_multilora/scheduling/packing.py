@@ -40,7 +40,7 @@ from typing import NamedTuple, Optional
 from lightning_multilora.arguments import check_real
 from lightning_multilora.scheduling.profiler import check_margin
 from lightning_multilora.scheduling.task_scheduler import (Placement, Schedule, Task, assign_gpu_ids, check_planner,
-                                                           cp_solver)
+                                                           cp_solver, solve)
 from lightning_multilora.spec import AdapterSpec
 
 CostFn = Callable[[Sequence[AdapterSpec], int], float]
@@ -247,7 +247,7 @@ class PackingPlanner:
             model.Add(makespan >= e).OnlyEnforceIf(x)
         model.Minimize(makespan)
         solver = cp_solver(time_limit_s, 8)
-        status = solver.Solve(model)
+        status = solve(solver, model)
         if status == cp_model.UNKNOWN:
             return None
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):

@@ -375,7 +375,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         plan: Schedule = scheduler.plan(to_run)
     except ValueError as err:
         parser.error(f"{args.task_file}: {err}")
-    except KeyboardInterrupt:  # (the solver sees no signal: Python's handler runs once its search returns)
+    except KeyboardInterrupt:  # (the search stopped at once: `solve`)
         print("interrupted while planning: no task ran", file=sys.stderr, flush=True)
         return 130
     print(plan.table())

@@ -13,6 +13,7 @@ node's (node ``k`` holds the ids after those of nodes ``0..k-1``).
 from __future__ import annotations
 
 import math
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -36,6 +37,36 @@ def cp_solver(time_limit_s: float, workers: int, deterministic: bool = False) ->
     if deterministic:
         solver.parameters.max_deterministic_time = time_limit_s
     return solver
+
+
+def solve(solver: Any, model: Any) -> Any:
+    """``solver.Solve(model)``, stopped at once by Ctrl-C: on the main thread the search runs in a thread of its own
+    while this one waits, and a KeyboardInterrupt here stops it (``StopSearch``) and is raised once it has stopped
+    (`cp_solver` turns CP-SAT's own SIGINT handling off: Python saw the signal only when the search returned, up to
+    the time limit later, ten times it where deterministic)."""
+    if threading.current_thread() is not threading.main_thread():
+        return solver.Solve(model)
+    out: list = []
+
+    def search() -> None:
+        try:
+            out.append((True, solver.Solve(model)))
+        except BaseException as err:  # noqa: BLE001 - raised again in the caller's thread
+            out.append((False, err))
+
+    worker = threading.Thread(target=search, name="cp-sat", daemon=True)
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)  # (returns as the search ends)
+    except KeyboardInterrupt:
+        solver.StopSearch()
+        worker.join()
+        raise
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def check_planner(where: str, num_gpus: Any, time_limit_s: Any, resolution_s: Any) -> None:
@@ -243,7 +274,7 @@ class TaskScheduler:
         model.Minimize(makespan)
         limit = time_limit_s if time_limit_s is not None else self.time_limit_s
         solver = cp_solver(limit * (1 - EARLY_SHARE), self.workers, self.deterministic)
-        status = solver.Solve(model)
+        status = solve(solver, model)
         notes, solve_s = [], solver.WallTime()
 
         def span_of(start_of: dict[str, int]) -> int:
@@ -317,7 +348,7 @@ class TaskScheduler:
                 model.AddHint(lit, node_at[task_id] == k)
         model.Minimize(cp_model.LinearExpr.Sum(list(starts.values())))
         solver = cp_solver(time_limit_s, self.workers, self.deterministic)
-        status = solver.Solve(model)
+        status = solve(solver, model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return start_of, node_at, solver.WallTime()
         return ({task_id: solver.Value(var) for task_id, var in starts.items()}, node_choice(solver.Value),

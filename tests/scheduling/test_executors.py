@@ -105,7 +105,8 @@ def test_a_missing_program_is_a_failed_attempt_and_stop_ends_running_tasks(tmp_p
     runner = ScheduleRunner(TaskScheduler(1), LocalExecutor(tmp_path), max_retries=1)
     runner.submit(Task("ghost", 1.0, 1, ["/no/such/program"]))
     record = runner.run()["ghost"]
-    assert record.state == "failed" and record.attempts == 2 and "could not start" in record.detail
+    assert record.state == "failed" and record.attempts == 1 and "could not start" in record.detail  # (was retried)
+    assert "No such file or directory: '/no/such/program' (not retried)" in record.detail
     executor = LocalExecutor(tmp_path)
     executor.start(Task("sleeper", 1.0, 1, [sys.executable, "-c", "import time; time.sleep(60)"]), (0,))
     executor.stop()
