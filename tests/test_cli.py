@@ -321,6 +321,11 @@ def test_an_option_of_a_callback_other_than_the_last_says_how_to_change_it(tmp_p
     with pytest.raises(SystemExit):  # (jsonargparse's short form, without init_args)
         main(["demo", "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks.n_trials", "4"])
     assert "sets the last item's: to change another" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # (a misspelt field of the callback given here: the typo alone is said)
+        main(["demo", "--trainer.default_root_dir", str(tmp_path), "--trainer.callbacks+=EarlyStopping",
+              "--trainer.callbacks.patiance=3"])
+    err = capsys.readouterr().err
+    assert "takes no 'patiance' (did you mean 'patience'?)" in err and "sets the last item's" not in err, err
 
 
 def _tiny_fit(root, *extra, adapters="[{name: a, rank: 2, max_steps: 2, batch_size: 2}]"):

@@ -188,7 +188,12 @@ class LocalExecutor:
         except OSError as err:  # e.g. the program does not exist: a failed attempt, not a crashed schedule
             missing = isinstance(err, (FileNotFoundError, NotADirectoryError))  # (a retry would find none either)
             said = str(err)
-            if missing and os.sep not in command[0]:
+            import shutil
+
+            if missing and os.sep not in command[0] and shutil.which(command[0], path=env.get("PATH")):
+                said = (f"{command[0]!r} (on PATH) could not be run: {err}; a script whose `#!` interpreter is gone "
+                        "(a virtual environment moved or removed?) (not retried)")
+            elif missing and os.sep not in command[0]:
                 said = (f"no program {command[0]!r} on PATH, nor beside this Python ({Path(sys.executable).parent}): "
                         "give its full path, or start the schedule with the environment that installs it on PATH "
                         "(not retried)")

@@ -41,28 +41,37 @@ def cp_solver(time_limit_s: float, workers: int, deterministic: bool = False) ->
 
 def solve(solver: Any, model: Any) -> Any:
     """``solver.Solve(model)``, stopped at once by Ctrl-C: on the main thread the search runs in a thread of its own
-    while this one waits, and a KeyboardInterrupt here stops it (``StopSearch``) and is raised once it has stopped
-    (`cp_solver` turns CP-SAT's own SIGINT handling off: Python saw the signal only when the search returned, up to
-    the time limit later, ten times it where deterministic)."""
+    while this one waits, and an exception a signal handler raises here (KeyboardInterrupt, a SIGTERM handler's, a
+    timeout's) stops it (``StopSearch``) and is raised once the search has returned (`cp_solver` turns CP-SAT's own
+    SIGINT handling off: Python saw the signal only when the search returned, up to the time limit later, ten times
+    it where deterministic). The wait is on an event the search sets as it returns, not on the thread: a join
+    interrupted by a signal takes the thread for ended (Python 3.11), and the process, exiting with a search still
+    in C++, aborted."""
     if threading.current_thread() is not threading.main_thread():
         return solver.Solve(model)
     out: list = []
+    done = threading.Event()
 
     def search() -> None:
         try:
             out.append((True, solver.Solve(model)))
         except BaseException as err:  # noqa: BLE001 - raised again in the caller's thread
             out.append((False, err))
+        finally:
+            done.set()
 
-    worker = threading.Thread(target=search, name="cp-sat", daemon=True)
-    worker.start()
+    threading.Thread(target=search, name="cp-sat", daemon=True).start()
     try:
-        while worker.is_alive():
-            worker.join(0.1)  # (returns as the search ends)
-    except KeyboardInterrupt:
+        while not done.wait(0.1):
+            pass
+    except BaseException as interrupt:
         solver.StopSearch()
-        worker.join()
-        raise
+        while not done.is_set():  # (the search returns within moments of StopSearch; a second Ctrl-C waits too)
+            try:
+                done.wait(0.1)
+            except BaseException:  # noqa: BLE001 - the first interruption is the one raised
+                solver.StopSearch()
+        raise interrupt
     ok, value = out[0]
     if not ok:
         raise value

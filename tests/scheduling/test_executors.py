@@ -128,6 +128,15 @@ def test_a_bare_program_is_found_beside_this_python_and_one_found_nowhere_is_not
     assert records["found"].state == "finished" and stamp.read_text() == "yes"
     ghost = records["ghost"]
     assert ghost.state == "failed" and ghost.attempts == 1, ghost
+    # (a script on PATH whose interpreter is gone, a moved virtual environment's: said so, not "not on PATH")
+    (tmp_path / "bin").mkdir()
+    moved = tmp_path / "bin" / "moved-tool"
+    moved.write_text("#!/no/such/python\n")
+    moved.chmod(0o755)
+    runner = ScheduleRunner(TaskScheduler(1), LocalExecutor(tmp_path / "logs2", env={"PATH": str(tmp_path / "bin")}))
+    runner.submit(Task("moved", 1.0, 1, ["moved-tool"]))
+    record = runner.run()["moved"]
+    assert record.attempts == 1 and "'moved-tool' (on PATH) could not be run" in record.detail, record.detail
     assert ("could not start: no program 'no-such-program-anywhere' on PATH, nor beside this Python" in ghost.detail
             and "(not retried)" in ghost.detail)
 

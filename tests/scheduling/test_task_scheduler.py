@@ -409,3 +409,23 @@ def test_ctrl_c_stops_a_search_at_once():
     with pytest.raises(KeyboardInterrupt):
         TaskScheduler(64, time_limit_s=60.0).plan(tasks)
     assert time.monotonic() - began < 20  # (its first solve alone had 45 s)
+    assert not [t for t in threading.enumerate() if t.name == "cp-sat"]  # (the search has returned)
+
+
+def test_a_process_interrupted_while_planning_exits_as_it_says():
+    """Waiting on the search's thread, an interrupted join took it for ended (Python 3.11): the search still ran in
+    C++ as the process exited, which aborted it (SIGABRT) after "interrupted while planning", not exit 130."""
+    import subprocess
+    import sys
+
+    script = ("import os, random, signal, sys, threading\n"
+              "from lightning_multilora.scheduling import Task, TaskScheduler\n"
+              "rng = random.Random(0)\n"
+              "tasks = [Task(f't{i}', rng.randint(60, 7200), rng.choice([1, 2, 4, 8, 16])) for i in range(100)]\n"
+              "threading.Timer(1.0, lambda: os.kill(os.getpid(), signal.SIGINT)).start()\n"
+              "try:\n"
+              "    TaskScheduler(64, time_limit_s=60.0).plan(tasks)\n"
+              "except KeyboardInterrupt:\n"
+              "    sys.exit(130)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
