@@ -68,9 +68,9 @@ def _refused_fields(message: str, refused: list[str]) -> Optional[str]:
     said = f"`{key[1]}`: {cls.__name__} takes no {', '.join(named)}; it takes {', '.join(fields)}"
     option = f"--{key[1]}.init_args."
     shorter = tuple(f"--{key[1]}.{name}" for name in refused)  # (jsonargparse's short form, without init_args)
-    named = any(arg.split("=")[0] in (f"--{key[1]}", f"--{key[1]}+") for arg in _given)  # (the classes given here:
-    # a misspelt field of the one meant, not another's)
-    if not named and any(arg.startswith(option) or arg.split("=")[0] in shorter for arg in _given):  # (the list's
+    given_here = any(arg.split("=")[0] in (f"--{key[1]}", f"--{key[1]}+") for arg in _given)  # (the classes given
+    # on the command line: a misspelt field of the one meant, not another's)
+    if not given_here and any(arg.startswith(option) or arg.split("=")[0] in shorter for arg in _given):  # (the list's
         # last class takes it)
         said += (f" ({option}* sets the last item's: to change another, write the whole config with --print_config "
                  "> run.yaml, edit it, then `multilora fit --config run.yaml`)")

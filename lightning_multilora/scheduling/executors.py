@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -43,8 +44,6 @@ def _program_found(command: list[str], path: Optional[str]) -> list[str]:
     """``command``, its program (a bare name not on ``path``) taken from beside this Python where it is there: the
     `multilora` of the environment the schedule runs in (``.venv/bin/multilora schedule``, the environment not
     activated, started tasks whose ``multilora fit`` was found nowhere)."""
-    import shutil
-
     program = command[0] if command else ""
     if not program or os.sep in program or shutil.which(program, path=path) is not None:
         return command
@@ -188,8 +187,6 @@ class LocalExecutor:
         except OSError as err:  # e.g. the program does not exist: a failed attempt, not a crashed schedule
             missing = isinstance(err, (FileNotFoundError, NotADirectoryError))  # (a retry would find none either)
             said = str(err)
-            import shutil
-
             if missing and os.sep not in command[0] and shutil.which(command[0], path=env.get("PATH")):
                 said = (f"{command[0]!r} (on PATH) could not be run: {err}; a script whose `#!` interpreter is gone "
                         "(a virtual environment moved or removed?) (not retried)")
