@@ -45,7 +45,7 @@ from lightning_multilora.spec import AdapterSpec
 
 CostFn = Callable[[Sequence[AdapterSpec], int], float]
 EVERY_PACKING_UP_TO = 8  # configurations: every set of them a candidate pack (2^8 sets a GPU count)
-FEW_FIRST = 0.3  # there, the share of the time limit for a first solve over the fewer candidates (its answer the hint)
+FEW_FIRST = 0.3  # there, the most of the time limit a first solve over the fewer candidates takes (its answer the hint)
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,9 @@ class PackingPlanner:
         if every:  # (every set: a model some 30 times larger, which a short limit may not solve; first the few
             # candidates', its answer the larger model's hint and the plan where that finds none shorter)
             best = self._solve(specs, self.candidate_packs(specs, every=False), greedy, limit * FEW_FIRST)
-            wall, limit = best.wall if best else 0.0, limit * (1 - FEW_FIRST)
+            wall = best.wall if best else 0.0
+            limit = max(limit - wall, limit * (1 - FEW_FIRST))  # (what the first left: all but moments where it proved
+            # its answer at once)
             if best is not None:
                 best = best._replace(optimal=False)  # (optimal among the few alone)
         solved = self._solve(specs, packs, best.placed if best else greedy, limit)
