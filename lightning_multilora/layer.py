@@ -125,7 +125,6 @@ def _mha_fastpath_restore() -> None:
             torch.backends.mha.set_fastpath_enabled(_fastpath_users[1])
 
 
-
 class _Counted(dict):
     """A dict that counts its changes (``changes``): the layer's per-adapter ``scaling`` and ``dropout``, which the
     kernels' cached weights hold by value."""
@@ -151,6 +150,7 @@ class _Counted(dict):
     update, pop, popitem = _changed("update"), _changed("pop"), _changed("popitem")
     clear, setdefault = _changed("clear"), _changed("setdefault")
     del _changed
+
 
 class MultiLoRALinear(nn.Module):
     """A frozen ``base`` linear plus adapter slots keyed by name.

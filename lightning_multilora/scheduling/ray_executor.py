@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 from lightning_multilora.arguments import check_real
 from lightning_multilora.scheduling.executors import (Completion, exit_text, next_attempt, next_log_path, task_command,
                                                       task_env)
-from lightning_multilora.scheduling.task_scheduler import Task
+from lightning_multilora.scheduling.task_scheduler import Task, first_gpu_ids, node_holding
 
 
 OUTPUT_CHARS = 8 << 20  # the most of a task's output kept in its log (its end)
@@ -96,7 +96,7 @@ class RayExecutor:
             raise ValueError(f"RayExecutor.place_on: a Ray node id for each of the {len(counts)} nodes, got "
                              f"{len(node_ids)}")
         self._node_ids = list(node_ids)
-        self._first_ids = [sum(counts[:k]) for k in range(len(counts))]
+        self._first_ids = first_gpu_ids(counts)
 
     def start(self, task: Task, gpu_ids: tuple[int, ...], attempt: Optional[int] = None) -> None:
         from ray.util.placement_group import placement_group
@@ -106,7 +106,7 @@ class RayExecutor:
         attempt = next_attempt(task, attempt, self._started)
         demand = {"num_gpus": task.gpus} if self.resource == "GPU" else {"resources": {self.resource: task.gpus}}
         if self._node_ids and gpu_ids:  # (the plan's node: its GPUs are free there, by the plan)
-            node = max(k for k, first in enumerate(self._first_ids) if first <= gpu_ids[0])
+            node = node_holding(gpu_ids[0], self._first_ids)
             pg, strategy = None, NodeAffinitySchedulingStrategy(self._node_ids[node], soft=False)
         else:
             pg = placement_group([{self.resource: task.gpus}], strategy="STRICT_PACK")

@@ -12,6 +12,7 @@ node's (node ``k`` holds the ids after those of nodes ``0..k-1``).
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 import time
@@ -76,6 +77,16 @@ def solve(solver: Any, model: Any) -> Any:
     if not ok:
         raise value
     return value
+
+
+def first_gpu_ids(counts: Sequence[int]) -> list[int]:
+    """The first GPU id of each node, for ``counts`` GPUs a node numbered node after node."""
+    return [sum(counts[:k]) for k in range(len(counts))]
+
+
+def node_holding(gpu_id: int, firsts: Sequence[int]) -> int:
+    """The node holding GPU ``gpu_id``, its nodes' first ids ``firsts`` (`first_gpu_ids`)."""
+    return bisect.bisect_right(firsts, gpu_id) - 1
 
 
 def check_planner(where: str, num_gpus: Any, time_limit_s: Any, resolution_s: Any) -> None:
@@ -195,7 +206,7 @@ class TaskScheduler:
                 raise ValueError(f"TaskScheduler: `nodes` (GPUs a node) must add up to num_gpus={num_gpus}, got "
                                  f"{nodes}")
         self.nodes = nodes if nodes is not None else [int(num_gpus)]
-        self._first_id = [sum(self.nodes[:k]) for k in range(len(self.nodes))]
+        self._first_id = first_gpu_ids(self.nodes)
         self.num_gpus, self.time_limit_s, self.resolution_s = int(num_gpus), float(time_limit_s), float(resolution_s)
         self.workers = int(workers)
         self.deterministic = check_bool("TaskScheduler", "deterministic", deterministic)
@@ -207,7 +218,7 @@ class TaskScheduler:
 
     def node_of(self, gpu_id: int) -> int:
         """The node holding GPU ``gpu_id``."""
-        return max(k for k, first in enumerate(self._first_id) if first <= gpu_id)
+        return node_holding(gpu_id, self._first_id)
 
     def _node_ids(self, rows: list[tuple[str, float, float, int]], node_of: dict[str, int],
                   fixed: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -399,8 +410,6 @@ class _Steps:
         self.room_from: dict[int, float] = {}  # per width: a tick before which no step has room for it (only moves on)
 
     def _step_at(self, tick: int) -> int:  # the index of the step starting at ``tick`` (made there if need be)
-        import bisect
-
         k = bisect.bisect_right(self.times, tick) - 1
         if self.times[k] != tick:
             self.times.insert(k + 1, tick)
@@ -418,8 +427,6 @@ class _Steps:
 
     def earliest(self, size: int, gpus: int) -> int:
         """The earliest tick from which ``gpus`` stay free for ``size`` ticks."""
-        import bisect
-
         times, used, limit = self.times, self.used, self.count - gpus
         k = bisect.bisect_right(times, self.room_from.get(gpus, self.t0)) - 1
         while used[k] > limit:  # (the last step is 0: a task wider than the node is refused before)
