@@ -97,29 +97,50 @@ def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.
     return out
 
 
+OPEN_ATTEMPTS = 8  # `_open_study`'s tries at a storage other processes are creating at the same moment
+
+
 def _open_study(storage: Any, study_name: str, sampler: "optuna.samplers.BaseSampler",
                 heartbeat_interval: Optional[int] = None, grace_period: Optional[int] = None,
                 pruner: Optional["optuna.pruners.BasePruner"] = None) -> "optuna.Study":
     """The study ``study_name`` in ``storage`` (a URL, opened with a heartbeat where ``heartbeat_interval`` is given,
     or a storage object), created there if new; an SQLite file's folder is made first. A URL that cannot be opened
     is a `UsageError` (a `ValueError`) naming `storage`."""
+    import random
+    import time
+
     import optuna
     import sqlalchemy.exc
 
+    url = storage
     try:
         if isinstance(storage, str) and storage.startswith("sqlite:///") and storage != "sqlite:///:memory:":
             Path(storage[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        if heartbeat_interval is not None:  # (`storage` is a URL: checked in __init__)
-            with warnings.catch_warnings():  # (Optuna marks the argument experimental)
-                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-                storage = optuna.storages.RDBStorage(storage, heartbeat_interval=heartbeat_interval,
-                                                     grace_period=grace_period)
-        return optuna.create_study(storage=storage, study_name=study_name, direction="minimize", sampler=sampler,
-                                   pruner=pruner if pruner is not None else optuna.pruners.NopPruner(),
-                                   load_if_exists=True)
-    except (OSError, ValueError, sqlalchemy.exc.SQLAlchemyError) as err:
+        attempt = 0
+        while True:
+            try:
+                if heartbeat_interval is not None:  # (`storage` is a URL: checked in __init__)
+                    with warnings.catch_warnings():  # (Optuna marks the argument experimental)
+                        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                        storage = optuna.storages.RDBStorage(url, heartbeat_interval=heartbeat_interval,
+                                                             grace_period=grace_period)
+                return optuna.create_study(storage=storage, study_name=study_name, direction="minimize",
+                                           sampler=sampler, load_if_exists=True,
+                                           pruner=pruner if pruner is not None else optuna.pruners.NopPruner())
+            except (sqlalchemy.exc.IntegrityError, sqlalchemy.exc.OperationalError,
+                    optuna.exceptions.StorageInternalError) as err:
+                # (processes opening a new database together: one creates its tables, or the study, and the others
+                # find them half made; Optuna's storage takes no lock for that. A moment later they are there)
+                attempt += 1
+                racing = isinstance(err, sqlalchemy.exc.IntegrityError) or any(
+                    words in str(err) for words in ("already exists", "locked", "UNIQUE constraint"))
+                if attempt == OPEN_ATTEMPTS or not racing or not isinstance(url, str):
+                    raise
+                storage = url
+                time.sleep(random.uniform(0.05, 0.25) * attempt)
+    except (OSError, ValueError, sqlalchemy.exc.SQLAlchemyError, optuna.exceptions.StorageInternalError) as err:
         detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise UsageError(f"OptunaSweep: `storage` {storage!r} could not be opened ({detail}); give a database URL "
+        raise UsageError(f"OptunaSweep: `storage` {url!r} could not be opened ({detail}); give a database URL "
                          "such as 'sqlite:///runs/optuna.db' or an RDB's (postgresql://..., mysql://...)") from err
 
 
@@ -177,6 +198,23 @@ def _study_step(rec: AdapterRecord, step: int, interval: Optional[int]) -> int:
             return step // interval * interval if periodic else step
         done += end - start
     return step
+
+
+GRID_SEED = "multilora_grid_seed"  # a study's user attribute: the seed that orders its grid (`_grid_seed`)
+
+
+def _grid_seed(study: "optuna.Study", seed: Optional[int]) -> int:
+    """The seed of the ``GridSampler`` of a sweep over ``study``: the one the study keeps, which its first grid
+    sweep wrote there (``seed``, or a random one for None). Optuna numbers a grid's points in the order its seed
+    shuffles them to, and tells which are taken by number: sweeps of other seeds sharing the study would ask some
+    points twice and others never."""
+    import random
+
+    kept = study.user_attrs.get(GRID_SEED)
+    if kept is None:
+        study.set_user_attr(GRID_SEED, random.randrange(2**32) if seed is None else seed)
+        kept = study.user_attrs[GRID_SEED]  # (read back: of two sweeps writing it at once, the later one's)
+    return int(kept)
 
 
 def _check_minimizes(study: "optuna.Study", field: str) -> None:
@@ -248,12 +286,11 @@ class OptunaSweep(Callback):
         slots: trials kept running or queued at once (default: as many as the module's ``admission``
             controller says fit, plus one waiting; else the module's ``max_running``, else 4).
         seed: the sampler's seed (None: Optuna's random one); TPE and random asks are seeded with this and the
-            number of trials the study holds at the ask (any process's), so a resumed run asks what the uninterrupted
-            one did, and a second run on the same study, or another process sharing it, asks new configurations.
-            While another sweep's trials are RUNNING in the study (another process's, or those of a run stopped and
-            not resumed: they stay RUNNING until it resumes or a heartbeat fails them), this sweep's random id is
-            mixed in too, and its asks are not repeated by a run of the same seed. A ``study`` given keeps its own
-            sampler: seed that one (a ``seed`` other than 0 beside it is refused).
+            trial's number in the study (which the study gives once, whichever process asks), so a resumed run asks
+            what the uninterrupted one did, and a second run on the same study, or another process sharing it, asks
+            new configurations. A grid's points are shuffled with the seed of the first sweep that made the study
+            (kept in the study), so that sweeps sharing it, whatever their seeds, ask each point once. A ``study``
+            given keeps its own sampler: seed that one (a ``seed`` other than 0 beside it is refused).
         heartbeat_interval: seconds; with a storage URL, the study is opened with Optuna's heartbeat
             (``RDBStorage(url, heartbeat_interval=..., grace_period=...)``). The sweep records a heartbeat for each
             of its running trials at most this often, and then fails the study's trials whose heartbeat is older
@@ -264,7 +301,9 @@ class OptunaSweep(Callback):
             heartbeat storage is treated alike.
         grace_period: seconds without a heartbeat after which a running trial counts as stale (default: Optuna's,
             twice ``heartbeat_interval``). Make it longer than a step and a validation: another process sharing the
-            study would fail the trials of a sweep that does not beat for that long.
+            study would fail the trials of a sweep that does not beat for that long. Each process judges the others'
+            trials by its own grace period: give every process sharing a study the same two values (one of a
+            shorter grace period fails the live trials of one that beats less often).
         pruner: the pruner of the study this sweep makes: ``"median"``, ``"percentile"`` (the 25th), ``"hyperband"``,
             ``"successive_halving"`` (Optuna's, with their defaults) or an ``optuna.pruners.BasePruner``; None: none.
             A ``study`` given keeps its own (Optuna's default: a ``MedianPruner``). After each validation the sweep
@@ -439,26 +478,13 @@ class OptunaSweep(Callback):
 
     # -- study ----------------------------------------------------------------------------------
 
-    def _ask_number(self, study) -> int:
-        """The number of this ask over the study: the trials it holds now, another process's included (alone, a run
-        and its resumed run count alike; two processes sharing a study, started with the same seed, count each
-        other's trials and so ask different configurations). Where another sweep's trials are running this very
-        moment, its id is mixed in too (two sweeps that open the study together would otherwise count alike)."""
-        import optuna
-
-        trials = study.get_trials(deepcopy=False)
-        number = len(trials)
-        if any(t.state == optuna.trial.TrialState.RUNNING and t.user_attrs.get("sweep") not in (None, self.sweep_id)
-               for t in trials):
-            number += int(self.sweep_id[:8], 16)
-        return number
-
-    def _sampler(self, ask: int = 0):
-        """The sampler of the study this sweep makes, for its ask number ``ask`` counted over the study
-        (`_ask_number`): its seed is ``seed``'s and that number's. An ask therefore draws as the same ask of an
-        uninterrupted run does after a resume from a checkpoint, and a second run against the study (a script run
-        again) asks new configurations, not the first run's again. (A grid keeps one sampler: its seed shuffles the
-        grid's points, which it numbers in that order, and it asks the points no trial has.)"""
+    def _sampler(self, ask: int = 0, study: Optional["optuna.Study"] = None):
+        """The sampler of the study this sweep makes, for the trial numbered ``ask`` in the study: its seed is
+        ``seed``'s and that number's. A trial therefore draws as the same trial of an uninterrupted run does after a
+        resume from a checkpoint, and a second run against the study (a script run again), or another process
+        sharing it, draws new configurations: a study numbers its trials once, whichever process asks them. (A grid
+        keeps one sampler: its seed, the study's (`_grid_seed`), shuffles the grid's points, which it numbers in
+        that order, and it asks the points no trial has.)"""
         import optuna
 
         seed = None if self.seed is None else (self.seed * 1_000_003 + ask) % 2**32
@@ -468,7 +494,7 @@ class OptunaSweep(Callback):
             grid = {}
             for name, dist in self.distributions.items():
                 grid[name] = list(dist.choices)
-            return optuna.samplers.GridSampler(grid, seed=seed)
+            return optuna.samplers.GridSampler(grid, seed=seed if study is None else _grid_seed(study, seed))
         return optuna.samplers.TPESampler(seed=seed)
 
     def _ensure_study(self, trainer: L.Trainer) -> "optuna.Study":
@@ -494,6 +520,8 @@ class OptunaSweep(Callback):
                               "own `default_root_dir` or a logger that versions its runs, or name a `storage`; "
                               "`multilora fit` refuses this)")
             self._own_sampler = True  # (a study given by the user keeps its own sampler)
+            if self.sampler_name == "grid":  # (its points in the order of the study's first sweep)
+                self.study.sampler = self._sampler(study=self.study)
         if not self._opened:
             self._opened = True
             _check_choices(self.study, self.distributions)
@@ -569,7 +597,10 @@ class OptunaSweep(Callback):
         with warnings.catch_warnings():  # (heartbeats are recorded here, outside study.optimize: `_beat`)
             warnings.filterwarnings("ignore", "Heartbeat of storage is supposed to be used with Study.optimize")
             trial = study.ask()  # (then its parameters, as `study.ask(distributions)` draws them: this trial's alone
-            try:  # is told FAIL where one is refused, not another process's asked meanwhile)
+            # is told FAIL where one is refused, not another process's asked meanwhile)
+            if self._own_sampler and self.sampler_name != "grid":  # (a grid's seed orders its points: kept)
+                study.sampler = self._sampler(trial.number)  # (seeded by its number, which no other trial has)
+            try:
                 for name, dist in self.distributions.items():
                     trial._suggest(name, dist)
                 return trial
@@ -655,8 +686,6 @@ class OptunaSweep(Callback):
                 if orphan.user_attrs.get("adapter"):  # (one that never became an adapter is in no registry)
                     told.append(self._told_record(pl_module, orphan))
                 continue
-            if self._own_sampler and self.sampler_name != "grid":  # (a grid's seed orders its points: kept)
-                study.sampler = self._sampler(self._ask_number(study))
             if orphan is not None:  # asked after the checkpoint this run resumed from: taken up, not asked again
                 trial = optuna.Trial(study, orphan._trial_id)
             else:
@@ -1098,7 +1127,11 @@ class OptunaSweep(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"trials": {n: dict(t) for n, t in self.trials.items()}, "asked": self.asked,
-                "exhausted": self.exhausted, "storage": self.storage, "study_name": self.study_name,
+                "exhausted": self.exhausted, "study_name": self.study_name,
+                # a storage object (Optuna's JournalStorage...) is named, not kept: a checkpoint loads plain data
+                "storage": self.storage if self.storage is None or isinstance(self.storage, str) else None,
+                "storage_object": None if self.storage is None or isinstance(self.storage, str) else
+                type(self.storage).__name__,
                 "sweep_id": self.sweep_id}
 
     @staticmethod
@@ -1114,6 +1147,10 @@ class OptunaSweep(Callback):
         self.exhausted = bool(state_dict.get("exhausted", False))
         self.sweep_id = state_dict.get("sweep_id", self.sweep_id)
         if self.storage is None:
+            if state_dict.get("storage_object"):
+                raise UsageError(f"OptunaSweep: this checkpoint's sweep ran its study in a storage object "
+                                 f"({state_dict['storage_object']}), which a checkpoint does not hold: give the same "
+                                 "storage again, `OptunaSweep(..., storage=...)`, to go on with its trials")
             self.storage = state_dict.get("storage")
             self._storage_from_checkpoint = self.storage is not None
         saved = state_dict.get("study_name")

@@ -968,18 +968,86 @@ def test_an_ask_the_study_refuses_fails_its_trial_and_names_the_parameter(tmp_pa
     assert study.get_trials()[1].state == optuna.trial.TrialState.FAIL
 
 
-def test_sweeps_sharing_a_study_count_each_others_trials_in_their_seeds(tmp_path):
-    """The seed of an ask is the sweep's and the number of trials the study holds then (another process's too), and
-    while another sweep's trials run, that sweep's id too: two processes started with the same seed asked the same
-    configurations (5 distinct of 8)."""
-    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}")
-    mine, other = OptunaSweep(SPACE, seed=0), OptunaSweep(SPACE, seed=0)
-    assert mine._ask_number(study) == other._ask_number(study) == 0
-    trial = study.ask()
-    trial.set_user_attr("sweep", other.sweep_id)  # the other sweep's trial, running
-    assert mine._ask_number(study) != other._ask_number(study)
-    study.tell(trial, 1.0)
-    assert mine._ask_number(study) == other._ask_number(study) == 1
+def test_sweeps_sharing_a_study_ask_different_configurations_with_one_seed(tmp_path):
+    """Each trial is seeded with the sweep's seed and the trial's number, which the study gives once: two processes
+    started with the same seed asked the same configuration where both counted the study's trials before either's
+    trial was made (a schedule's fit tasks starting together: 8 duplicate asks in 5 rounds of 3)."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    mine, other = OptunaSweep(SPACE, seed=0, storage=storage), OptunaSweep(SPACE, seed=0, storage=storage)
+    for sweep in (mine, other):  # (each process its own study object, opened before either asks)
+        sweep._ensure_study(None)
+    first, second = mine._ask_trial(mine.study), other._ask_trial(other.study)
+    assert (first.number, second.number) == (0, 1) and first.params != second.params
+    alone = OptunaSweep(SPACE, seed=0, storage=f"sqlite:///{tmp_path / 'alone.db'}")  # a lone run draws alike
+    alone._ensure_study(None)
+    assert [alone._ask_trial(alone.study).params for _ in range(2)] == [first.params, second.params]
+
+
+def test_a_new_study_opened_by_several_processes_at_once_is_opened_not_refused(tmp_path, monkeypatch):
+    """Optuna's storage makes a new database's tables and study without a lock: processes opening it together
+    found them half made (`UNIQUE constraint failed: alembic_version.version_num`, `table studies already exists`),
+    and the sweep called the URL unusable (a schedule's task exited with status 2)."""
+    import sqlalchemy.exc
+
+    from lightning_multilora.callbacks import optuna_sweep
+
+    create, raised = optuna.create_study, []
+
+    def racing(**kwargs):
+        if len(raised) < 2:
+            raised.append(1)
+            raise sqlalchemy.exc.IntegrityError("INSERT INTO alembic_version", {}, Exception(
+                "UNIQUE constraint failed: alembic_version.version_num"))
+        return create(**kwargs)
+
+    monkeypatch.setattr(optuna, "create_study", racing)
+    sweep = OptunaSweep(SPACE, storage=f"sqlite:///{tmp_path / 'study.db'}")
+    assert sweep._ensure_study(None).study_name == "multilora" and len(raised) == 2
+    raised.clear()  # an error that is not such a race is said at once, naming the storage
+    monkeypatch.setattr(optuna, "create_study", lambda **kwargs: (raised.append(1), (_ for _ in ()).throw(
+        sqlalchemy.exc.OperationalError("connect", {}, Exception("unable to open database file"))))[1])
+    with pytest.raises(ValueError, match=r"`storage` .*b\.db' could not be opened \(.*unable to open database"):
+        optuna_sweep._open_study(f"sqlite:///{tmp_path / 'b.db'}", "multilora", optuna.samplers.RandomSampler())
+    assert len(raised) == 1
+
+
+def test_grid_sweeps_of_other_seeds_sharing_a_study_ask_each_point_once(tmp_path):
+    """A grid's points are ordered by the seed the study keeps (its first grid sweep's): Optuna tells taken points
+    by number, and a sweep of another seed, numbering them in another order, asked 5 distinct of 6 in two runs
+    (one point twice, one never), and called the grid done."""
+    grid = {"lr": {"type": "categorical", "choices": [1e-3, 3e-3, 1e-2]},
+            "rank": {"type": "categorical", "choices": [2, 4]}}
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    points = []
+    for seed in (0, 1):  # (a run, then another of another seed on its study)
+        sweep = OptunaSweep(grid, sampler="grid", seed=seed, storage=storage)
+        sweep._ensure_study(None)
+        for _ in range(3):
+            trial = sweep._ask_trial(sweep.study)
+            sweep._tell(trial.number, values=1.0)
+            points.append((trial.params["lr"], trial.params["rank"]))
+    assert len(set(points)) == 6 and sweep._grid_exhausted(sweep.study)
+
+
+def test_a_sweep_over_a_storage_object_resumes_from_its_checkpoint(tmp_path, trainer_kwargs):
+    """A storage object (Optuna's JournalStorage, its file storage for several processes) went into the checkpoint's
+    sweep state, which a checkpoint then could not load (`UnpicklingError: Weights only load failed`). It is named
+    there now, not kept: the resume is given it again, and one that is not says so."""
+    from optuna.storages.journal import JournalFileBackend
+
+    def sweep(storage=True):
+        kept = optuna.storages.JournalStorage(JournalFileBackend(str(tmp_path / "journal.log"))) if storage else None
+        return OptunaSweep(SPACE, n_trials=3, storage=kept, base={"max_steps": 4, "batch_size": 2}, slots=2)
+
+    trainer, _ = fit(tmp_path / "a", trainer_kwargs, sweep(), max_steps=3)
+    trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    with pytest.raises(ValueError, match=r"in a storage object \(JournalStorage\), which a checkpoint does not hold: "
+                                         r"give the same storage again"):
+        fit(tmp_path / "b", trainer_kwargs, sweep(storage=False), ckpt=str(tmp_path / "stop.ckpt"))
+    _, module = fit(tmp_path / "c", trainer_kwargs, resumed := sweep(), ckpt=str(tmp_path / "stop.ckpt"))
+    trials = resumed.study.get_trials()
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
+    assert {r.name for r in module.registry} == {f"trial-{t.number}" for t in trials}
 
 
 def test_a_sweep_whose_run_folder_moved_resumes_with_the_study_beside_its_checkpoint(tmp_path, trainer_kwargs):
