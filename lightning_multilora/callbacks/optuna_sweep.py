@@ -176,28 +176,10 @@ def _resumed_storage(storage: str, ckpt_path: Optional[str], study_name: str, sw
 
 def _validation_interval(pl_module: L.LightningModule) -> Optional[int]:
     """The Trainer's validation interval in steps, where it is one (``val_check_interval`` an integer > 1, as the
-    CLI sets it), else None (`_study_step`)."""
+    CLI sets it), else None (`OptunaSweep._warn_unaligned`)."""
     trainer = getattr(pl_module, "_trainer", None)
     interval = getattr(trainer, "val_check_interval", None)
     return interval if isinstance(interval, int) and not isinstance(interval, bool) and interval > 1 else None
-
-
-def _study_step(rec: AdapterRecord, step: int, interval: Optional[int]) -> int:
-    """The step at which a validation of ``rec`` at its ``step`` is reported to its trial. A periodic validation (at a
-    global step that is a multiple of ``interval``) is reported at ``step`` rounded down to a multiple of it: a trial
-    started between two validations (a slot refilled after an adapter finished at a step off the interval, or one
-    resumed after a warmup pause) then reports at the steps the others did, which pruners comparing trials step by
-    step (median, percentile) need; it never met them otherwise, and was never pruned. Other validations (an
-    adapter's last, at its ``max_steps``) are reported at their own step."""
-    if interval is None:
-        return step
-    done = 0
-    for start, end in rec.spans:  # (one adapter step a global step while it holds a slot)
-        if end is None or step - done <= end - start:
-            periodic = (start + step - done) % interval == 0
-            return step // interval * interval if periodic else step
-        done += end - start
-    return step
 
 
 GRID_SEED = "multilora_grid_seed"  # a study's user attribute: the seed that orders its grid (`_grid_seed`)
@@ -314,12 +296,12 @@ class OptunaSweep(Callback):
     field it trains with, ``adapter_exit`` how it ended, its export and the validation loss of the weights exported
     (``export_loss``, where measured: a pruned trial's value is its last report, its export may be better), and for
     DPO its ``val_preference_accuracy``: of the weights the trial's value is of); its validation losses are reported as
-    intermediate values (at its steps, those of periodic validations rounded down to the Trainer's integer
-    ``val_check_interval``: trials started between two validations report at the steps the others did, as
-    step-by-step pruners need); a divergence exit or warmup pruning is told PRUNED; a finished adapter, or one
-    stopped for overfitting, COMPLETE with the validation loss of the weights it exports (its best where best
-    weights are kept, EarlyExit's default; else its last); a failure FAIL (a trial whose data cannot train, a
-    misspelled ``dataset``, too: before the first step it also stops the run). An exhausted grid ends the sweep
+    intermediate values at its own steps (those after step 0: a pruner compares trials at equal steps, so trials started
+    in the slot of one that ended between two validations meet only each other: keep ``max_steps`` a multiple of the
+    Trainer's ``val_check_interval``, as is said where it is not); a divergence exit or warmup pruning is told PRUNED; a
+    finished adapter, or one stopped for overfitting, COMPLETE with the validation loss of the weights it exports (its
+    best where best weights are kept, EarlyExit's default; else its last); a failure FAIL (a trial whose data cannot
+    train, a misspelled ``dataset``, too: before the first step it also stops the run). An exhausted grid ends the sweep
     cleanly. A resumed run keeps its trials' numbers, and takes up the trials its earlier run asked after the
     checkpoint and left RUNNING (a crash), in place of asking them again; those it asked after the checkpoint and
     already told COMPLETE, PRUNED or FAIL (their adapters exited, and exported, before the crash) count as asked and
@@ -856,13 +838,15 @@ class OptunaSweep(Callback):
         pruned: dict[str, str] = {}
         if self.study is None or not decides_here(pl_module):
             return pruned  # under adapter parallelism rank 0 reports, for every rank
-        interval = _validation_interval(pl_module)
+        self._warn_unaligned(pl_module)
         for name, info in self.trials.items():
             if info["told"] or info.get("lost"):
                 continue
             rec = pl_module.registry[name]
             seen = info.setdefault("seen", list(info["reported"]))  # (adapter steps; "reported": the study's steps)
-            new = [(step, loss) for step, loss in rec.val_losses if step not in seen and math.isfinite(loss)]
+            # (at its own steps: a pruner compares trials at equal steps; step 0, untrained, says nothing of a trial)
+            new = [(step, loss) for step, loss in rec.val_losses if step not in seen and step > 0
+                   and math.isfinite(loss)]
             ask = (prune and rec.state in (AdapterState.RUNNING, AdapterState.PAUSED)
                    and not isinstance(self.study.pruner, optuna.pruners.NopPruner))  # (a storage read spared)
             if not new and not (ask and max(info["reported"], default=-1) > info.get("pruner_step", -1)):
@@ -872,13 +856,12 @@ class OptunaSweep(Callback):
             try:
                 for step, loss in new:
                     seen.append(step)
-                    key = _study_step(rec, step, interval)
-                    if key not in info["reported"]:  # (a second validation in one interval: the last, at max_steps)
+                    if step not in info["reported"]:
                         if stored is None:
                             stored = trial.storage.get_trial(info["trial_id"]).intermediate_values
-                        if key not in stored:  # (a resumed run's: reported after its checkpoint, by the first run)
-                            trial.report(loss, key)
-                        info["reported"].append(key)
+                        if step not in stored:  # (a resumed run's: reported after its checkpoint, by the first run)
+                            trial.report(loss, step)
+                        info["reported"].append(step)
             except optuna.exceptions.UpdateFinishedTrialError:
                 self._lost(info, name)
                 continue
@@ -890,6 +873,33 @@ class OptunaSweep(Callback):
                     pruned[name] = (f"pruned by the study's {type(self.study.pruner).__name__} at step {step} "
                                     f"(validation loss {loss:.4f})")
         return pruned
+
+    def _warn_unaligned(self, pl_module: L.LightningModule) -> None:
+        """Said once: the study's pruner compares trials at equal steps, and trials of a ``max_steps`` that is not a
+        multiple of the Trainer's ``val_check_interval`` end between two validations; the trials started in their
+        slots then validate at other steps than those started at a validation, and the pruner cannot compare
+        them."""
+        import optuna
+
+        interval = _validation_interval(pl_module)
+        if getattr(self, "_told_unaligned", False) or interval is None or self.study is None or isinstance(
+                self.study.pruner, optuna.pruners.NopPruner):
+            return
+        self._told_unaligned = True
+        lengths = [self.base["max_steps"]] if isinstance(self.base.get("max_steps"), int) else []
+        dist = self.distributions.get("max_steps")
+        if isinstance(dist, optuna.distributions.CategoricalDistribution):
+            lengths += [v for v in dist.choices if isinstance(v, int)]
+        elif isinstance(dist, optuna.distributions.IntDistribution):
+            lengths += [dist.low, dist.low + dist.step]  # (all its values are multiples where these two are)
+        off = sorted({n for n in lengths if n % interval})
+        if off:
+            warnings.warn(f"OptunaSweep: the study's {type(self.study.pruner).__name__} compares trials at equal "
+                          f"steps, and max_steps {off} is not a multiple of val_check_interval={interval}: a trial "
+                          "started in the slot of one that ended between two validations validates at other steps "
+                          "than the trials started at a validation, and the pruner cannot compare it with them "
+                          "(it prunes it only beside trials of the same steps). Give max_steps in multiples of "
+                          f"{interval} for every trial to be compared")
 
     def on_adapter_exit(self, trainer: L.Trainer, pl_module: L.LightningModule, rec: AdapterRecord) -> None:
         """Tell the study how an adapter's trial ended (called by the module when an adapter leaves; under

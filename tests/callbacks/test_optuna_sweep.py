@@ -42,7 +42,7 @@ def test_trials_fill_slots_and_are_told_complete_in_sqlite(tmp_path, trainer_kwa
         assert t.value == pytest.approx(rec.last_val_loss)  # (no EarlyExit: the export holds the last weights)
         assert rec.spec.lr == t.params["lr"] and rec.spec.rank == t.params["rank"]
         assert rec.spec.alpha == 2 * rec.spec.rank
-        assert set(t.intermediate_values) == {step for step, _ in rec.val_losses}
+        assert set(t.intermediate_values) == {step for step, _ in rec.val_losses if step > 0}  # (0: untrained)
         assert t.user_attrs["adapter_spec"] == {k: v for k, v in rec.spec.to_dict().items() if k != "name"}
         assert t.user_attrs["adapter_spec"]["alpha"] == 2 * t.params["rank"]  # (derived: in no param)
     assert {r.name for r in module.registry} == {f"trial-{i}" for i in range(5)}
@@ -901,27 +901,50 @@ def test_other_choices_of_a_categorical_parameter_over_an_existing_study_are_nam
                                                           base={"max_steps": 3, "batch_size": 2}))
 
 
-def test_trials_started_between_validations_report_where_the_others_did_and_are_pruned(tmp_path, trainer_kwargs):
-    """Validation every 4 steps, adapters of 10: the trials refilled at step 10 validate at their steps 2 and 6. A
-    median pruner compares trials step by step, so it never met them and they trained to the end; their periodic
-    validations are now reported at steps 0 and 4 (rounded down to the interval), and the bad ones are pruned."""
+def _pruned_study(tmp_path, trainer_kwargs, max_steps):
+    """Four trials in two slots, validation every 4 steps, a median pruner: two of lr 1e-2 start first, then two of
+    lr 1e-5 (which learn nothing in a few steps) take their slots."""
     space = {"lr": {"type": "float", "low": 1e-5, "high": 1e-1, "log": True}, "rank": {"type": "categorical",
                                                                                       "choices": [2, 4]}}
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'study.db'}",
                                 pruner=optuna.pruners.MedianPruner(n_startup_trials=2))
     for lr in (1e-2, 1e-2, 1e-5, 1e-5):
         study.enqueue_trial({"lr": lr, "rank": 2})
-    sweep = OptunaSweep(space, n_trials=4, study=study, slots=2, base={"max_steps": 10, "batch_size": 1})
+    sweep = OptunaSweep(space, n_trials=4, study=study, slots=2, base={"max_steps": max_steps, "batch_size": 1})
     _, module = fit(tmp_path, trainer_kwargs, sweep, val_check_interval=4)
+    return study, module
+
+
+def test_trials_started_at_a_validation_are_pruned_on_values_of_their_own_steps(tmp_path, trainer_kwargs):
+    """Adapters of 8 steps, validation every 4: the trials refilled at step 8 are validated there at their step 0
+    (their base model's loss), then at their step 4, which the first trials reported too. Validations are reported
+    at the adapter's own step, none at step 0: periodic ones were rounded down to the interval, so that one study
+    step held losses after different numbers of steps (a soak of 30 trials that trained identically pruned 21 of
+    them, on when they started), and an untrained adapter's loss was reported at step 0 (and pruned on)."""
+    study, module = _pruned_study(tmp_path, trainer_kwargs, max_steps=8)
     states = {t.number: t.state for t in study.get_trials()}
     assert states == {0: optuna.trial.TrialState.COMPLETE, 1: optuna.trial.TrialState.COMPLETE,
                       2: optuna.trial.TrialState.PRUNED, 3: optuna.trial.TrialState.PRUNED}, states
     for number in (2, 3):
         rec = module.registry[f"trial-{number}"]
-        assert rec.spans[0][0] == 10 and rec.step == 6 and "MedianPruner at step 6" in rec.reason
-        assert sorted(study.trials[number].intermediate_values) == [0, 4]
-        assert study.trials[number].intermediate_values[4] == pytest.approx(dict(rec.val_losses)[6])
-    assert sorted(study.trials[0].intermediate_values) == [4, 8, 10]  # (its last validation, at max_steps: its own)
+        assert rec.spans[0][0] == 8 and rec.step == 4 and "MedianPruner at step 4" in rec.reason
+        assert 0 in dict(rec.val_losses) and sorted(study.trials[number].intermediate_values) == [4]
+        assert study.trials[number].intermediate_values[4] == pytest.approx(dict(rec.val_losses)[4])
+    assert sorted(study.trials[0].intermediate_values) == [4, 8]
+
+
+def test_trials_started_between_validations_report_their_own_steps_and_are_warned_of(tmp_path, trainer_kwargs):
+    """Adapters of 10 steps, validation every 4: the trials refilled at step 10 validate at their steps 2 and 6,
+    which no other trial reported; the pruner cannot compare them (it was handed their step-6 losses as step 4's,
+    beside the first trials' losses after 4 steps), and the sweep says why as the fit starts."""
+    with pytest.warns(UserWarning, match=r"MedianPruner compares trials at equal steps, and max_steps \[10\] is not "
+                                         r"a multiple of val_check_interval=4: .*Give max_steps in multiples of 4"):
+        study, module = _pruned_study(tmp_path, trainer_kwargs, max_steps=10)
+    assert [t.state for t in study.get_trials()] == [optuna.trial.TrialState.COMPLETE] * 4
+    for number in (2, 3):
+        assert module.registry[f"trial-{number}"].spans[0][0] == 10
+        assert sorted(study.trials[number].intermediate_values) == [2, 6, 10]
+    assert sorted(study.trials[0].intermediate_values) == [4, 8, 10]
 
 
 def test_a_grid_over_a_study_with_other_trials_asks_every_point(tmp_path, trainer_kwargs):
