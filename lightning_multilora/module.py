@@ -9,6 +9,7 @@ import functools
 import importlib
 import inspect
 import itertools
+import json
 import math
 import os
 import re
@@ -765,8 +766,9 @@ class MultiLoRAMixin:
 
     def _restore_monitors(self) -> None:
         """After the other callbacks' ``on_validation_end``, before a ``ModelCheckpoint``'s: the values
-        `_settle_monitors` took back, and for an adapter without one yet (queued) its ``mode``'s worst, so that it
-        ranks last (Lightning fails the fit on a monitored key that is missing)."""
+        `_settle_monitors` took back (in ``trainer.callback_metrics`` again, whoever monitors them), and for an adapter
+        a ``ModelCheckpoint`` monitors without one yet (queued) its ``mode``'s worst, so that it ranks last (Lightning
+        fails the fit on a monitored key that is missing)."""
         from lightning.pytorch.callbacks import ModelCheckpoint
 
         trainer = self._trainer_or_none()
@@ -782,8 +784,10 @@ class MultiLoRAMixin:
                 continue  # have logged by now: Lightning's error names the keys logged; a subclass's own waits too)
             key = callback.monitor
             if key not in trainer.callback_metrics:
-                trainer.callback_metrics[key] = popped.get(key, torch.tensor(
+                trainer.callback_metrics[key] = popped.pop(key, torch.tensor(
                     math.inf if callback.mode == "min" else -math.inf))
+        for key, value in popped.items():  # (every value taken back: the EarlyStoppings have run)
+            trainer.callback_metrics.setdefault(key, value)
 
     def align_batches(self, batches: list) -> list:
         """Under adapter parallelism, pad this rank's batches with empty ones to the largest count of any rank:
@@ -2182,7 +2186,8 @@ class MultiLoRAMixin:
     def _base_identity(self) -> dict[str, Any]:
         """What a checkpoint's adapters need of the frozen base to resume on it: its architecture (a Hugging Face
         config's model type and sizes; else the model's class), and, to warn of another one of the same architecture,
-        where it was loaded from and the dtype it is held in."""
+        where it was loaded from, how the module built it (`config_overrides`, a built-in base's `base_seed`) and the
+        dtype it is held in."""
         model = self.lora_layers.model
         model = getattr(model, "_orig_mod", model)  # (torch.compile's wrapper: the model it compiled)
         config = getattr(model, "config", None)
@@ -2191,6 +2196,8 @@ class MultiLoRAMixin:
         values = config.to_dict()
         identity = {k: values[k] for k in _BASE_KEYS if k in values}
         identity["path"] = values.get("_name_or_path") or None  # (a built-in tiny model's: none)
+        for key, value in getattr(self, "_base_build", {}).items():  # (how the module built it; text: plain data)
+            identity[key] = value if isinstance(value, int) else json.dumps(value, sort_keys=True, default=str)
         quant = values.get("quantization_config") or {}
         if isinstance(quant, dict) and quant.get("load_in_4bit"):
             identity["weights"] = str(quant.get("bnb_4bit_quant_type", "4-bit"))
@@ -2270,6 +2277,12 @@ class MultiLoRAMixin:
         differ = {k: (saved_base[k], base[k]) for k in saved_base.keys() & base.keys()
                   if saved_base[k] is not None and base[k] is not None and saved_base[k] != base[k]}
         loaded, held = differ.pop("path", None), differ.pop("weights", None)
+        built = {k: differ.pop(k) for k in ("base_seed", "config_overrides") if k in differ}
+        if built:  # (a built-in base of another seed, a base of other overrides: other weights or numbers)
+            rank_zero_warn("this checkpoint's adapters were trained on a base built with "
+                           f"{', '.join(f'{k}={a}' for k, (a, b) in built.items())}, and resume on one built with "
+                           f"{', '.join(f'{k}={b}' for k, (a, b) in built.items())}: the adapters go on from another "
+                           "base's outputs; resume with the settings they were trained with to go on exactly")
         if loaded is not None and not differ:  # (the same architecture from elsewhere: a moved folder, other weights)
             rank_zero_warn(f"this checkpoint's adapters were trained on the base loaded from {loaded[0]!r}, and resume "
                            f"on one loaded from {loaded[1]!r}: if it holds other weights (another model of the same "
@@ -2867,6 +2880,9 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
                 model = model.to(torch_dtype)
         else:
             model = build_base_model(base_model, config_overrides, dtype, base_seed, quantization)
+            # (a built-in base's weights are its seed's; a checkpoint's its own: `_base_identity`)
+            self._base_build = {"config_overrides": dict(config_overrides or {}),
+                                **({"base_seed": base_seed} if str(base_model) in TINY_CONFIGS else {})}
             if str(base_model) not in TINY_CONFIGS:  # (a checkpoint's overrides: its exports do not hold them)
                 self._checkpoint_overrides = dict(config_overrides or {})
             elif base_seed != 0 or config_overrides:  # (a built-in base of other weights or shape than its name's:

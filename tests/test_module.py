@@ -1391,6 +1391,24 @@ def test_lightnings_monitors_of_one_adapter_wait_for_it_and_let_go_when_it_ends(
                                                                                                     small_dm())
 
 
+def test_an_adapters_values_stay_in_callback_metrics_where_an_early_stopping_monitors_it(tmp_path, trainer_kwargs):
+    """The module takes an ended adapter's value away from an EarlyStopping monitoring it (it would stop the run on
+    it), and put it back for a ModelCheckpoint alone: with an EarlyStopping only, the adapter's last validation
+    loss was gone from ``trainer.callback_metrics``, where the README says each validation's values are."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=8),
+                                                     AdapterSpec("b", rank=2, max_steps=4)],
+                             export_dir=str(tmp_path / "out"))
+    trainer = L.Trainer(**{**trainer_kwargs, "val_check_interval": 2},
+                        callbacks=[EarlyStopping(monitor="adapters/b/val_loss", patience=100)])
+    trainer.fit(module, small_dm())
+    assert module.registry["b"].state == AdapterState.FINISHED and module.registry["a"].step == 8
+    for name in "ab":
+        assert float(trainer.callback_metrics[f"adapters/{name}/val_loss"]) == pytest.approx(
+            module.registry[name].last_val_loss)
+
+
 def test_a_dataloader_in_place_of_the_data_module_is_named_before_any_step(tmp_path, trainer_kwargs):
     """`trainer.validate(module, loader)` (and a second fit, its adapters started) failed at the first batch with a
     bare "KeyError: 'layout'"."""
@@ -1873,6 +1891,26 @@ def test_a_resume_on_a_base_of_the_same_architecture_loaded_from_elsewhere_is_wa
             L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path=str(tmp_path / "stop.ckpt"))
         said = [str(w.message) for w in seen if "were trained on the base loaded from" in str(w.message)]
         assert len(said) == warned and (not warned or f"{str(tmp_path / 'base1')!r}" in said[0])
+        assert module.registry["a"].state == AdapterState.FINISHED
+
+
+def test_a_resume_on_a_built_in_base_of_another_seed_or_overrides_is_warned_of(tmp_path, trainer_kwargs):
+    """A built-in base's `base_seed` makes its weights, and `config_overrides` (`rope_theta`...) its numbers: a
+    resume with others went on from another base's outputs, unsaid."""
+    specs = [AdapterSpec("a", rank=2, max_steps=4)]
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False), small_dm())
+    trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    for given, said_as in (({}, None), ({"base_seed": 1}, "built with base_seed=0, and resume on one built with "
+                                                           "base_seed=1"),
+                           ({"config_overrides": {"rope_theta": 1.0}}, 'config_overrides={}, and resume on one built '
+                                                                       'with config_overrides={"rope_theta": 1.0}')):
+        module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False, **given)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path=str(tmp_path / "stop.ckpt"))
+        said = [str(w.message) for w in seen if "were trained on a base built with" in str(w.message)]
+        assert said == [] if said_as is None else len(said) == 1 and said_as in said[0], said
         assert module.registry["a"].state == AdapterState.FINISHED
 
 

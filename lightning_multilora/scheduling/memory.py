@@ -227,13 +227,18 @@ class AnalyticMemoryModel:
         if config is None:
             raise ValueError(f"AnalyticMemoryModel.of_module: {type(module).__name__} has no Hugging Face `config` "
                              "(a MultiLoRAModule, or its `model`); build AnalyticMemoryModel(ModelShape(...)) instead")
-        frozen = {id(t): t for t in (*model.parameters(), *model.buffers()) if not t.requires_grad}.values()
+        if getattr(module, "lora_layers", None) is not None:  # a module's base: its frozen tensors (not adapters')
+            kept = [t for t in (*model.parameters(), *model.buffers()) if not t.requires_grad]
+        else:  # a Hugging Face model as loaded trains every parameter: all of them but a PEFT model's adapters
+            kept = [t for name, t in (*model.named_parameters(), *model.named_buffers()) if "lora_" not in name]
+        frozen = {id(t): t for t in kept}.values()  # (tied weights once)
         quant = getattr(config, "quantization_config", None)
         compute = (quant.get("bnb_4bit_compute_dtype") if isinstance(quant, Mapping)
                    else getattr(quant, "bnb_4bit_compute_dtype", None))  # (a 4-bit base computes in it)
         if isinstance(compute, str):
             compute = getattr(torch, compute.removeprefix("torch."), None)
-        floats = [t.dtype for t in frozen if t.is_floating_point()]
+        floats = [t.dtype for t in frozen if t.is_floating_point() and isinstance(t, torch.nn.Parameter)] or [
+            t.dtype for t in frozen if t.is_floating_point()]  # (the weights' dtype, not a float32 buffer's)
         dtype = compute if isinstance(compute, torch.dtype) else max(set(floats), key=floats.count, default=None)
         values: dict[str, Any] = dict(shape=ModelShape.from_config(config),
                                       base_weight_bytes=float(sum(t.numel() * t.element_size() for t in frozen)),

@@ -267,6 +267,26 @@ def test_an_analytic_model_of_another_base_than_the_modules_is_warned_of(tmp_pat
     assert AnalyticMemoryModel.of_module(module).base_bytes() == measured.base_bytes()
 
 
+def test_an_analytic_model_of_a_hugging_face_model_counts_its_weights_as_loaded():
+    """`of_module` of a Hugging Face model, as one is loaded before the module that will hold it (every parameter
+    trainable): it counted the tensors that need no gradient alone, the rotary frequencies (64 bytes of a 418 KiB
+    base), and took their float32 for a bf16 base's dtype; admission then left the base out of its budget."""
+    import torch
+
+    from lightning_multilora.base_model import build_base_model
+    from lightning_multilora.scheduling import AnalyticMemoryModel
+
+    module = AnalyticMemoryModel.of_module(MultiLoRAModule("tiny-llama", dtype="bfloat16"))
+    model = build_base_model("tiny-llama").to(torch.bfloat16)
+    assert all(p.requires_grad for p in model.parameters())
+    loaded = AnalyticMemoryModel.of_module(model)
+    assert loaded.base_bytes() == module.base_bytes() > 200_000
+    assert loaded.activation_bytes == module.activation_bytes == 2.0
+    peft = pytest.importorskip("peft")  # a PEFT model's own adapters are not base weights
+    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert AnalyticMemoryModel.of_module(wrapped).base_bytes() == module.base_bytes()
+
+
 def test_the_simulated_sweep_compares_admission_policies():
     from lightning_multilora.scheduling import CPSATAdmission, simulate_sweep
 
