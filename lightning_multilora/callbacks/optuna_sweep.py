@@ -296,12 +296,13 @@ class OptunaSweep(Callback):
     field it trains with, ``adapter_exit`` how it ended, its export and the validation loss of the weights exported
     (``export_loss``, where measured: a pruned trial's value is its last report, its export may be better), and for
     DPO its ``val_preference_accuracy``: of the weights the trial's value is of); its validation losses are reported as
-    intermediate values at its own steps (those after step 0: a pruner compares trials at equal steps, so trials started
-    in the slot of one that ended between two validations meet only each other: keep ``max_steps`` a multiple of the
-    Trainer's ``val_check_interval``, as is said where it is not); a divergence exit or warmup pruning is told PRUNED; a
-    finished adapter, or one stopped for overfitting, COMPLETE with the validation loss of the weights it exports (its
-    best where best weights are kept, EarlyExit's default; else its last); a failure FAIL (a trial whose data cannot
-    train, a misspelled ``dataset``, too: before the first step it also stops the run). An exhausted grid ends the sweep
+    intermediate values at its own steps (those after step 0: a pruner compares trials at equal steps, so trials
+    started, or resumed after a warmup pause, between two validations meet only those of their steps, as is said once:
+    keep ``max_steps`` a multiple of the Trainer's ``val_check_interval``); a divergence exit or warmup pruning is told
+    PRUNED; a finished adapter, or one stopped for overfitting, COMPLETE with the validation loss of the weights it
+    exports (its best where best weights are kept, EarlyExit's default; else its last); a failure FAIL (a trial whose
+    data cannot train, a misspelled ``dataset``, too: before the first step it also stops the run). An exhausted grid
+    ends the sweep
     cleanly. A resumed run keeps its trials' numbers, and takes up the trials its earlier run asked after the
     checkpoint and left RUNNING (a crash), in place of asking them again; those it asked after the checkpoint and
     already told COMPLETE, PRUNED or FAIL (their adapters exited, and exported, before the crash) count as asked and
@@ -851,6 +852,8 @@ class OptunaSweep(Callback):
                    and not isinstance(self.study.pruner, optuna.pruners.NopPruner))  # (a storage read spared)
             if not new and not (ask and max(info["reported"], default=-1) > info.get("pruner_step", -1)):
                 continue  # a Trial handle reads the storage: ~1 ms each, for every trial at every step otherwise
+            if prune and new:
+                self._warn_off_grid(pl_module, rec)
             trial = optuna.trial.Trial(self.study, info["trial_id"])
             stored = None  # (the study's own values of the trial, read once where one is to be reported)
             try:
@@ -890,16 +893,39 @@ class OptunaSweep(Callback):
         dist = self.distributions.get("max_steps")
         if isinstance(dist, optuna.distributions.CategoricalDistribution):
             lengths += [v for v in dist.choices if isinstance(v, int)]
-        elif isinstance(dist, optuna.distributions.IntDistribution):
-            lengths += [dist.low, dist.low + dist.step]  # (all its values are multiples where these two are)
+        elif isinstance(dist, optuna.distributions.IntDistribution):  # (all its values are multiples where these are)
+            lengths += [dist.low] + ([dist.low + dist.step] if dist.high >= dist.low + dist.step else [])
+        elif "max_steps" not in self.base and "max_epochs" not in self.base and "max_epochs" not in self.distributions:
+            lengths.append(AdapterSpec(name="check").max_steps)  # (AdapterSpec's default length)
         off = sorted({n for n in lengths if n % interval})
         if off:
+            self._told_off_grid = True  # (what `_warn_off_grid` would say, said before the first step)
             warnings.warn(f"OptunaSweep: the study's {type(self.study.pruner).__name__} compares trials at equal "
                           f"steps, and max_steps {off} is not a multiple of val_check_interval={interval}: a trial "
                           "started in the slot of one that ended between two validations validates at other steps "
                           "than the trials started at a validation, and the pruner cannot compare it with them "
                           "(it prunes it only beside trials of the same steps). Give max_steps in multiples of "
                           f"{interval} for every trial to be compared")
+
+    def _warn_off_grid(self, pl_module: L.LightningModule, rec: AdapterRecord) -> None:
+        """Said once: a trial validated by a periodic validation at a step of its own that is not a multiple of the
+        interval (started, or resumed after a warmup pause, between two validations), which the study's pruner
+        compares only with trials of the same steps."""
+        import optuna
+
+        interval = _validation_interval(pl_module)
+        trainer = getattr(pl_module, "_trainer", None)
+        if getattr(self, "_told_off_grid", False) or interval is None or trainer is None or isinstance(
+                self.study.pruner, optuna.pruners.NopPruner) or trainer.global_step % interval or \
+                rec.step % interval == 0:
+            return
+        self._told_off_grid = True
+        start = rec.spans[-1][0] if rec.spans else None
+        warnings.warn(f"OptunaSweep: trial {rec.name!r} validates at its step {rec.step}, not a multiple of "
+                      f"val_check_interval={interval} (it {'resumed' if len(rec.spans) > 1 else 'started'} at step "
+                      f"{start}, between two validations: after a trial that ended there, or a warmup pause); the "
+                      f"study's {type(self.study.pruner).__name__} compares trials at equal steps, so it meets only "
+                      "trials of the same steps (this is said once)")
 
     def on_adapter_exit(self, trainer: L.Trainer, pl_module: L.LightningModule, rec: AdapterRecord) -> None:
         """Tell the study how an adapter's trial ended (called by the module when an adapter leaves; under
@@ -1157,7 +1183,7 @@ class OptunaSweep(Callback):
         self.exhausted = bool(state_dict.get("exhausted", False))
         self.sweep_id = state_dict.get("sweep_id", self.sweep_id)
         if self.storage is None:
-            if state_dict.get("storage_object"):
+            if state_dict.get("storage_object") and self.study is None:  # (a study given holds its storage)
                 raise UsageError(f"OptunaSweep: this checkpoint's sweep ran its study in a storage object "
                                  f"({state_dict['storage_object']}), which a checkpoint does not hold: give the same "
                                  "storage again, `OptunaSweep(..., storage=...)`, to go on with its trials")

@@ -947,6 +947,41 @@ def test_trials_started_between_validations_report_their_own_steps_and_are_warne
     assert sorted(study.trials[0].intermediate_values) == [4, 8, 10]
 
 
+def test_a_trial_resumed_off_the_validation_grid_is_said_once(tmp_path, trainer_kwargs):
+    """A warmup pause (at step 2 of 20, validations every 4) resumes a trial between two validations: from there it
+    reports at steps the trials started at a validation never do, so the pruner compares it with those of its own
+    steps alone. `max_steps` on the grid does not prevent it: the sweep says so as it happens."""
+    sweep = OptunaSweep(SPACE, n_trials=4, slots=2, pruner="median", base={"max_steps": 20, "batch_size": 2})
+    with pytest.warns(UserWarning, match=r"trial 'trial-\d' validates at its step \d+, not a multiple of "
+                                         r"val_check_interval=4 \(it resumed at step \d+, between two validations.*"
+                                         r"MedianPruner compares trials at equal steps") as seen:
+        fit(tmp_path, trainer_kwargs, sweep, callbacks=[WarmupSelection(warmup_fraction=0.1, keep_fraction=0.5)],
+            val_check_interval=4)
+    assert sum("not a multiple of val_check_interval" in str(w.message) for w in seen) == 1  # (once)
+
+
+def test_the_lengths_off_the_validation_grid_are_said_before_any_step(tmp_path):
+    """The lengths a sweep's trials may take, checked against the validation interval where the study's pruner
+    compares steps: AdapterSpec's default 100 counts; one int value (low = high) is that value alone."""
+    from types import SimpleNamespace
+
+    module = SimpleNamespace(_trainer=SimpleNamespace(val_check_interval=30))
+
+    def said(**kwargs) -> list[str]:
+        sweep = OptunaSweep({**SPACE, **kwargs.pop("space", {})}, pruner="median", **kwargs)
+        sweep.study = optuna.create_study(pruner=optuna.pruners.MedianPruner())
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            sweep._warn_unaligned(module)
+        return [str(w.message) for w in seen]
+
+    assert "max_steps [100] is not a multiple of val_check_interval=30" in said()[0]
+    assert said(base={"max_steps": 60}) == said(base={"max_epochs": 2}) == []
+    assert said(space={"max_steps": {"type": "int", "low": 60, "high": 60}}) == []
+    assert "max_steps [45, 75] is not" in said(space={"max_steps": {"type": "int", "low": 45, "high": 90,
+                                                                    "step": 30}})[0]
+
+
 def test_a_grid_over_a_study_with_other_trials_asks_every_point(tmp_path, trainer_kwargs):
     """A grid sweep on a study that holds earlier random trials: they take no grid point (it counted them as the
     grid's, and ended early, or trained nothing)."""
@@ -1052,22 +1087,25 @@ def test_grid_sweeps_of_other_seeds_sharing_a_study_ask_each_point_once(tmp_path
     assert len(set(points)) == 6 and sweep._grid_exhausted(sweep.study)
 
 
-def test_a_sweep_over_a_storage_object_resumes_from_its_checkpoint(tmp_path, trainer_kwargs):
+@pytest.mark.parametrize("given", ["storage", "study"])
+def test_a_sweep_over_a_storage_object_resumes_from_its_checkpoint(tmp_path, trainer_kwargs, given):
     """A storage object (Optuna's JournalStorage, its file storage for several processes) went into the checkpoint's
     sweep state, which a checkpoint then could not load (`UnpicklingError: Weights only load failed`). It is named
-    there now, not kept: the resume is given it again, and one that is not says so."""
+    there now, not kept: the resume is given it again (or a study over it), and one that is not says so."""
     from optuna.storages.journal import JournalFileBackend
 
-    def sweep(storage=True):
-        kept = optuna.storages.JournalStorage(JournalFileBackend(str(tmp_path / "journal.log"))) if storage else None
-        return OptunaSweep(SPACE, n_trials=3, storage=kept, base={"max_steps": 4, "batch_size": 2}, slots=2)
+    def sweep(how="storage"):
+        kept = optuna.storages.JournalStorage(JournalFileBackend(str(tmp_path / "journal.log")))
+        where = ({"storage": kept} if how == "storage" else {} if how == "none" else
+                 {"study": optuna.load_study(study_name="multilora", storage=kept)})
+        return OptunaSweep(SPACE, n_trials=3, base={"max_steps": 4, "batch_size": 2}, slots=2, **where)
 
     trainer, _ = fit(tmp_path / "a", trainer_kwargs, sweep(), max_steps=3)
     trainer.save_checkpoint(tmp_path / "stop.ckpt")
     with pytest.raises(ValueError, match=r"in a storage object \(JournalStorage\), which a checkpoint does not hold: "
                                          r"give the same storage again"):
-        fit(tmp_path / "b", trainer_kwargs, sweep(storage=False), ckpt=str(tmp_path / "stop.ckpt"))
-    _, module = fit(tmp_path / "c", trainer_kwargs, resumed := sweep(), ckpt=str(tmp_path / "stop.ckpt"))
+        fit(tmp_path / "b", trainer_kwargs, sweep("none"), ckpt=str(tmp_path / "stop.ckpt"))
+    _, module = fit(tmp_path / "c", trainer_kwargs, resumed := sweep(given), ckpt=str(tmp_path / "stop.ckpt"))
     trials = resumed.study.get_trials()
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
     assert {r.name for r in module.registry} == {f"trial-{t.number}" for t in trials}
