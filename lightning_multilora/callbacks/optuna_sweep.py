@@ -302,9 +302,8 @@ class OptunaSweep(Callback):
     PRUNED; a finished adapter, or one stopped for overfitting, COMPLETE with the validation loss of the weights it
     exports (its best where best weights are kept, EarlyExit's default; else its last); a failure FAIL (a trial whose
     data cannot train, a misspelled ``dataset``, too: before the first step it also stops the run). An exhausted grid
-    ends the sweep
-    cleanly. A resumed run keeps its trials' numbers, and takes up the trials its earlier run asked after the
-    checkpoint and left RUNNING (a crash), in place of asking them again; those it asked after the checkpoint and
+    ends the sweep cleanly. A resumed run keeps its trials' numbers, and takes up the trials its earlier run asked after
+    the checkpoint and left RUNNING (a crash), in place of asking them again; those it asked after the checkpoint and
     already told COMPLETE, PRUNED or FAIL (their adapters exited, and exported, before the crash) count as asked and
     are not trained again. The trials a fit stopped by Ctrl+C or an error leaves unfinished stay RUNNING where a
     checkpoint can resume them (one the run saved, or the one it resumed from), else are told FAIL (why in their
