@@ -1,4 +1,5 @@
-"""A learning-rate x rank sweep of 8 LoRA adapters trained together, from Python.
+"""A learning-rate x rank x batch-size sweep of 8 LoRA adapters, and a ninth on its own data, trained together
+from Python.
 
     python examples/python_api_sweep.py
 
