@@ -116,6 +116,26 @@ def build_base_model(
     return _from_pretrained(base_model, config_overrides, dtype=torch_dtype)
 
 
+def changed_overrides(base_model: str, config_overrides: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The entries of ``config_overrides`` that change the config of ``base_model`` (a built-in name or a local
+    checkpoint's): one restating a value the config holds changes nothing. Integral floats as ints (10000.0 is
+    10000). A base whose config cannot be read here (a Hub name) keeps them all."""
+    from transformers import AutoConfig
+
+    overrides = {k: int(v) if isinstance(v, float) and v.is_integer() else v
+                 for k, v in (config_overrides or {}).items()}
+    try:
+        if base_model in TINY_CONFIGS:
+            config = AutoConfig.for_model(**TINY_CONFIGS[base_model]).to_dict()
+        elif os.path.isfile(os.path.join(base_model, "config.json")):
+            config = AutoConfig.from_pretrained(base_model).to_dict()
+        else:
+            return overrides
+    except (OSError, ValueError):
+        return overrides
+    return {k: v for k, v in overrides.items() if k not in config or config[k] != v}
+
+
 def _checked_form(base_model: Any) -> str:
     """``base_model`` as a str: a path object becomes its str; anything else is refused here, naming the forms taken
     (a config object failed deep inside, as an unhashable key, and named neither)."""

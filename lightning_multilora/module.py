@@ -2846,7 +2846,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         cuda_graphs: bool = False,
     ) -> None:
         super().__init__()
-        from lightning_multilora.base_model import TINY_CONFIGS, build_base_model, resolve_dtype
+        from lightning_multilora.base_model import TINY_CONFIGS, build_base_model, changed_overrides, resolve_dtype
 
         # (`MultiLoRAModule.load_from_checkpoint(path)` builds the module from them, its base the run's: it used to
         # take the defaults, another base_seed's weights loaded silently. Plain data alone, which `torch.load` reads
@@ -2881,7 +2881,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         else:
             model = build_base_model(base_model, config_overrides, dtype, base_seed, quantization)
             # (a built-in base's weights are its seed's; a checkpoint's its own: `_base_identity`)
-            self._base_build = {"config_overrides": dict(config_overrides or {}),
+            self._base_build = {"config_overrides": changed_overrides(str(base_model), config_overrides),
                                 **({"base_seed": base_seed} if str(base_model) in TINY_CONFIGS else {})}
             if str(base_model) not in TINY_CONFIGS:  # (a checkpoint's overrides: its exports do not hold them)
                 self._checkpoint_overrides = dict(config_overrides or {})

@@ -1896,15 +1896,17 @@ def test_a_resume_on_a_base_of_the_same_architecture_loaded_from_elsewhere_is_wa
 
 def test_a_resume_on_a_built_in_base_of_another_seed_or_overrides_is_warned_of(tmp_path, trainer_kwargs):
     """A built-in base's `base_seed` makes its weights, and `config_overrides` (`rope_theta`...) its numbers: a
-    resume with others went on from another base's outputs, unsaid."""
+    resume with others went on from another base's outputs, unsaid. An override restating the config's own value
+    changes nothing, and is not said."""
     specs = [AdapterSpec("a", rank=2, max_steps=4)]
     trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
     trainer.fit(MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False), small_dm())
     trainer.save_checkpoint(tmp_path / "stop.ckpt")
-    for given, said_as in (({}, None), ({"base_seed": 1}, "built with base_seed=0, and resume on one built with "
+    for given, said_as in (({}, None), ({"config_overrides": {"max_position_embeddings": 256}}, None),  # (its own)
+                           ({"base_seed": 1}, "built with base_seed=0, and resume on one built with "
                                                            "base_seed=1"),
                            ({"config_overrides": {"rope_theta": 1.0}}, 'config_overrides={}, and resume on one built '
-                                                                       'with config_overrides={"rope_theta": 1.0}')):
+                                                                       'with config_overrides={"rope_theta": 1}')):
         module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False, **given)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
