@@ -354,6 +354,7 @@ class MultiLoRAMixin:
                         "for the model (q_proj and v_proj for Llama) is not this module's (its `target_modules`, "
                         "'all-linear' by default): name them")
             raise TypeError(f"add_adapter takes an AdapterSpec, got {type(spec).__name__}{hint}")
+        spec = copy.deepcopy(spec)  # (the adapter's own: a caller reusing one spec as a template changed them all)
         self._targets_of(spec, queued=True)  # validates its targets before it is queued
         rec = self.registry.add(spec)
         trainer = self._trainer_or_none()
@@ -361,10 +362,20 @@ class MultiLoRAMixin:
             self._given[spec.name] = spec
         return rec
 
-    def remove_adapter(self, name: str, reason: str = "removed", state: AdapterState = AdapterState.PRUNED) -> None:
+    def remove_adapter(self, name: str, reason: str = "removed",
+                       state: Union[AdapterState, str] = AdapterState.PRUNED) -> None:
         """Stop an adapter now: a running one is exported first, then its weights and optimizer state
         are freed; a queued one never starts. Under adapter parallelism, call it on every rank (as a callback's
-        hooks run): the rank that holds the adapter exports and frees it, the others mark it ended."""
+        hooks run): the rank that holds the adapter exports and frees it, the others mark it ended. ``state``: how it
+        ended, one of the ended states (finished, diverged, overfit, pruned, failed; or their names)."""
+        given, ended = state, [s.value for s in AdapterState if s.exited]
+        try:
+            state = AdapterState(state)
+        except ValueError:
+            state = None
+        if state is None or not state.exited:  # (checked before anything is exported or freed)
+            raise ValueError(f"remove_adapter's `state` must be one of {', '.join(ended)} (an AdapterState or its "
+                             f"name: how the adapter ended); got {given!r}")
         rec = self.registry[name]
         if rec.state in (AdapterState.RUNNING, AdapterState.PAUSED):
             self._exit(rec, state, reason)
@@ -1015,7 +1026,7 @@ class MultiLoRAMixin:
             optimizer = self._raw_optimizer()
             if optimizer is not None:
                 # a placeholder group (a rank that started with no adapter) goes once a real one arrives
-                for group in [g for g in optimizer.param_groups if g.get("adapter") is None]:
+                for group in [g for g in optimizer.param_groups if g.get("placeholder")]:
                     for q in group["params"]:
                         optimizer.state.pop(q, None)
                     optimizer.param_groups.remove(group)
@@ -1267,7 +1278,8 @@ class MultiLoRAMixin:
         groups = [self._param_group(r.spec) for r in records]
         if not groups and self._placement() is not None and self.registry.running:
             # this rank holds no adapter yet: an empty group keeps the optimizer valid until one arrives
-            groups = [{"params": [nn.Parameter(torch.zeros(0, device=self.device))], "lr": 0.0, "adapter": None}]
+            groups = [{"params": [nn.Parameter(torch.zeros(0, device=self.device))], "lr": 0.0, "adapter": None,
+                       "placeholder": True}]
         if not groups and len(self.registry) and all(r.state.exited for r in self.registry):
             ended = ', '.join(f'{r.name}: {r.state.value}' for r in self.registry)
             raise UsageError(f"nothing to train: every adapter has already ended ({ended}); " + (
@@ -1663,7 +1675,9 @@ class MultiLoRAMixin:
             if self.registry.paused:  # nothing could resume them: the run ends, and `on_train_end` exports them
                 warnings.warn(f"adapters {[r.name for r in self.registry.paused]} are paused and nothing is left to "
                               "run: the run stops here and exports them as they are (resume or remove paused "
-                              "adapters to go on)")
+                              "adapters to go on, at the latest in this step's validation's on_validation_end)")
+            if not self.trainer.should_stop:  # (this step's validation may yet queue or resume one: `on_validation_end`)
+                self._stopped_empty = self.trainer.global_step
             self.trainer.should_stop = True
         # an adapter's values when a logger writes them, and its last ones when it stops (exit, warmup pause)
         writes = self._logger_writes_this_step()
@@ -2061,6 +2075,10 @@ class MultiLoRAMixin:
     def on_validation_epoch_start(self) -> None:
         if self.trainer.state.fn == "validate":
             self._refuse_loaded_under_placement("validate")
+        if self.__dict__.pop("_stopped_empty", None) == self.trainer.global_step and self.trainer.should_stop \
+                and not self.trainer.sanity_checking:  # the module stopped the run as nothing was left to train:
+            # this validation's callbacks may queue or resume an adapter (`on_validation_end` stops it again if none)
+            self.trainer.should_stop, self._stop_pending = False, True
         self._val_sums = {}
         if self.trainer.state.fn == "validate" and self._resume_checkpoint is not None:
             checkpoint, self._resume_checkpoint = self._resume_checkpoint, None  # (a validate builds no optimizer)
@@ -2111,12 +2129,14 @@ class MultiLoRAMixin:
         # filled here, as a run resumed from that checkpoint fills them before its next step (`configure_optimizers`)
         # — not a step later, at the next step's end, which the resumed run could not repeat.
         trainer = self._trainer_or_none()
+        pending = self.__dict__.pop("_stop_pending", False)  # (`on_validation_epoch_start`)
         if trainer is None or trainer.sanity_checking or trainer.state.fn != "fit" or trainer.should_stop:
-            return
-        if 0 <= trainer.max_steps <= trainer.global_step:  # (the validation after the last step: nothing would train)
-            return
-        self._sync_ranks()
-        self._fill_slots()
+            return  # (stopped, by another than the module in this validation too: an EarlyStopping)
+        if not (0 <= trainer.max_steps <= trainer.global_step):  # (the validation after the last step: nothing
+            self._sync_ranks()  # would train)
+            self._fill_slots()
+        if pending and not (self.registry.running or self.registry.queued):
+            trainer.should_stop = True  # (nothing was left, and this validation's callbacks queued or resumed none)
 
     def _record_val_losses(self, sums: dict[str, list[float]]) -> None:
         """Records a validation's sums (`_add_val_terms`) in the adapters' histories, and logs them."""
@@ -2501,6 +2521,13 @@ def _needs_super_optimizer(configure_optimizers: Any) -> Any:
         if len(optimizers) > 1:  # (the step takes the first: it failed, "'list' object has no attribute ...")
             raise ValueError(f"{type(self).__name__}.configure_optimizers returns {len(optimizers)} optimizers; the "
                              "module steps one, super().configure_optimizers()'s, with a param group per adapter")
+        own = [g for o in optimizers for g in o.param_groups if "adapter" not in g]
+        if own:  # (the module zeroes, schedules, clips and checkpoints its adapters' groups alone: another group
+            # trained on with its gradients summed over the steps, and was dropped as an adapter was added)
+            raise ValueError(f"{type(self).__name__}.configure_optimizers adds {len(own)} param group(s) of its own "
+                             f"({sum(p.numel() for g in own for p in g['params'])} parameters) to the module's "
+                             "optimizer, which trains the adapters alone (a group each, which the module schedules, "
+                             "clips and checkpoints); keep other parameters frozen, or train them apart")
         return out
 
     return checked

@@ -163,7 +163,11 @@ class AdapterRegistry:
     def add_record(self, rec: AdapterRecord) -> AdapterRecord:
         """Add a record as it is (an adapter that ran elsewhere: a trial told before a resumed run, say)."""
         if rec.name in self._records:
-            raise ValueError(f"duplicate adapter name {rec.name!r}; adapter names must be unique")
+            held = self._records[rec.name]
+            raise ValueError(f"duplicate adapter name {rec.name!r}; adapter names must be unique (the module holds "
+                             f"one so named, {held.state.value} at step {held.step}: from the adapters given, an "
+                             "earlier add_adapter, or the checkpoint a run resumed from; `name in module.registry` "
+                             "tells)")
         self._records[rec.name] = rec
         return rec
 

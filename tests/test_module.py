@@ -2255,3 +2255,72 @@ def test_what_a_resume_logs_as_it_sets_up_is_at_the_checkpoints_step():
     assert module._logged_step() == 6
     module._loaded_outside_fit = True  # (`load_from_checkpoint`, then a fit: the new Trainer's steps)
     assert module._logged_step() != 6
+
+
+def test_remove_adapter_takes_an_ended_state_and_checks_it_first(tmp_path, trainer_kwargs):
+    """`state` was used as given after the adapter was exported and freed: "diverged" (a string) crashed the fit
+    later ('str' object has no attribute 'exited'), QUEUED trained it again from new weights over its export,
+    RUNNING failed the next step."""
+    class Rule(L.Callback):
+        def __init__(self):
+            self.refused = []
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step != 2:
+                return
+            for state in (AdapterState.QUEUED, "running", "paused", "bogus"):
+                with pytest.raises(ValueError, match=r"remove_adapter's `state` must be one of finished, diverged, "
+                                                     r"overfit, pruned, failed .*; got "):
+                    pl_module.remove_adapter("a", state=state)
+                self.refused.append(pl_module.registry["a"].state)  # (nothing done: still running)
+            pl_module.remove_adapter("a", reason="my rule", state="diverged")
+
+    rule = Rule()
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=6),
+                                                     AdapterSpec("b", rank=2, max_steps=6)],
+                             export_dir=str(tmp_path / "out"))
+    L.Trainer(**trainer_kwargs, callbacks=[rule]).fit(module, small_dm())
+    assert rule.refused == [AdapterState.RUNNING] * 4
+    a = module.registry["a"]
+    assert (a.state, a.reason, a.step, a.exported_step) == (AdapterState.DIVERGED, "my rule", 2, 2)
+    assert module.registry["b"].state == AdapterState.FINISHED
+
+
+def test_an_adapter_added_in_the_validation_after_the_last_one_finished_trains(tmp_path, trainer_kwargs):
+    """The last running adapter finished at a validation step: the module stopped the run before that validation,
+    and an adapter a callback queued (or resumed) in its on_validation_end stayed queued, unsaid."""
+    class Next(L.Callback):
+        def on_validation_end(self, trainer, pl_module):
+            if "next" not in pl_module.registry and pl_module.registry["first"].state.exited:
+                pl_module.add_adapter(AdapterSpec("next", rank=2, max_steps=4))
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("first", rank=2, max_steps=4)],
+                             export_dir=str(tmp_path / "out"))
+    trainer = L.Trainer(**{**trainer_kwargs, "val_check_interval": 4}, callbacks=[Next()])
+    trainer.fit(module, small_dm())
+    assert [(r.name, r.state, r.step) for r in module.registry] == [("first", AdapterState.FINISHED, 4),
+                                                                     ("next", AdapterState.FINISHED, 4)]
+    assert trainer.global_step == 8
+
+
+def test_a_param_group_of_its_own_is_refused_and_specs_added_are_the_adapters_own(tmp_path, trainer_kwargs):
+    """A group of a subclass's own in the module's optimizer was trained with gradients summed over the steps (the
+    module zeroes its adapters' alone) and dropped as an adapter was added mid-run. And a spec reused as a template
+    by the caller (`spec.name = ...; add_adapter(spec)`) changed every adapter added with it."""
+    class WithHead(MultiLoRAModule):
+        def configure_optimizers(self):
+            optimizer = super().configure_optimizers()
+            self.head = torch.nn.Parameter(torch.zeros(3))
+            optimizer.add_param_group({"params": [self.head], "lr": 1e-3})
+            return optimizer
+
+    with pytest.raises(ValueError, match=r"WithHead.configure_optimizers adds 1 param group\(s\) of its own \(3 "
+                                         r"parameters\) to the module's optimizer, which trains the adapters alone"):
+        L.Trainer(**trainer_kwargs).fit(WithHead("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)]),
+                                        small_dm())
+    module = MultiLoRAModule("tiny-llama", export_dir=str(tmp_path / "out"))
+    template = AdapterSpec("t0", rank=2, max_steps=2)
+    for i, lr in enumerate((1e-3, 2e-3)):
+        template.name, template.lr = f"t{i}", lr
+        module.add_adapter(template)
+    assert [(r.name, r.spec.name, r.spec.lr) for r in module.registry] == [("t0", "t0", 1e-3), ("t1", "t1", 2e-3)]
