@@ -1676,7 +1676,7 @@ class MultiLoRAMixin:
                 warnings.warn(f"adapters {[r.name for r in self.registry.paused]} are paused and nothing is left to "
                               "run: the run stops here and exports them as they are (resume or remove paused "
                               "adapters to go on, at the latest in this step's validation's on_validation_end)")
-            if not self.trainer.should_stop:  # (this step's validation may yet queue or resume one: `on_validation_end`)
+            if not self.trainer.should_stop:  # (this step's validation may queue or resume one: `on_validation_end`)
                 self._stopped_empty = self.trainer.global_step
             self.trainer.should_stop = True
         # an adapter's values when a logger writes them, and its last ones when it stops (exit, warmup pause)
