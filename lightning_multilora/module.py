@@ -1677,7 +1677,7 @@ class MultiLoRAMixin:
                               "run: the run stops here and exports them as they are (resume or remove paused "
                               "adapters to go on, at the latest in this step's validation's on_validation_end)")
             if not self.trainer.should_stop:  # (this step's validation may queue or resume one: `on_validation_end`)
-                self._stopped_empty = self.trainer.global_step
+                self._stopped_empty = (id(self.trainer), self.trainer.global_step)
             self.trainer.should_stop = True
         # an adapter's values when a logger writes them, and its last ones when it stops (exit, warmup pause)
         writes = self._logger_writes_this_step()
@@ -2075,9 +2075,10 @@ class MultiLoRAMixin:
     def on_validation_epoch_start(self) -> None:
         if self.trainer.state.fn == "validate":
             self._refuse_loaded_under_placement("validate")
-        if self.__dict__.pop("_stopped_empty", None) == self.trainer.global_step and self.trainer.should_stop \
-                and not self.trainer.sanity_checking:  # the module stopped the run as nothing was left to train:
-            # this validation's callbacks may queue or resume an adapter (`on_validation_end` stops it again if none)
+        stopped = self.__dict__.pop("_stopped_empty", None) == (id(self.trainer), self.trainer.global_step)
+        if stopped and self.trainer.should_stop and not self.trainer.sanity_checking:  # the module stopped the run as
+            # nothing was left to train: this validation's callbacks may queue or resume an adapter (`on_validation_end`
+            # stops it again if none)
             self.trainer.should_stop, self._stop_pending = False, True
         self._val_sums = {}
         if self.trainer.state.fn == "validate" and self._resume_checkpoint is not None:
