@@ -314,6 +314,9 @@ def main() -> None:
     parser.add_argument("--small-split-min-k", type=int, default=None,
                         help="columns of K each split of a small row launch walks at least "
                              "(triton_kernels.SMALL_SPLIT_MIN_K; over half of K: no split; default: the package's)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="time under torch.use_deterministic_algorithms (Trainer(deterministic=True)): no launch "
+                             "of ours adds atomically")
     args = parser.parse_args()
     if args.report:
         if not Path(args.out).is_file():
@@ -384,6 +387,9 @@ def main() -> None:
     if args.small_split_min_k is not None:
         common["small_split_min_k"] = args.small_split_min_k
     common["ds_db_one_launch"] = triton_lora.DS_DB_ONE_LAUNCH
+    if args.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        common["deterministic"] = True
     common.update({k: v for k, v in ds_db.items() if v is not None})
     rows = json.loads(Path(args.out).read_text()) if args.resume and Path(args.out).exists() else []
     finished = {_point(r) for r in rows if r["impl"] == "floor"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import lightning as L
 import pytest
 import torch
@@ -112,6 +114,25 @@ def test_qlora_packed_adapters_equal_each_trained_alone_with_peft_qlora(tmp_path
         assert set(packed) == set(alone), spec.name
         assert_trained_alike(packed, alone, spec.name)  # the same 4-bit base and fp32 compute on both sides
         assert any(alone[k].abs().max() > 0 for k in alone if "lora_B" in k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_deterministic_fit_repeated_on_the_gpu_gives_bitwise_the_same_adapters(tmp_path, trainer_kwargs, precision):
+    """``Trainer(deterministic=True)``: the grouped kernels add nothing atomically (`triton_lora._Call.deterministic`),
+    so a fit run twice, dropout included, writes the same bytes for every adapter."""
+    specs = [dataclasses.replace(s, dropout=0.1) if s.name == "b" else s for s in SPECS]
+    written = []
+    for run in range(2):
+        out = tmp_path / f"out{run}"
+        module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(out), validate_on_finish=False)
+        L.Trainer(**dict(trainer_kwargs, accelerator="cuda", precision=precision, deterministic=True)).fit(
+            module, make_datamodule())
+        written.append({s.name: load_file(str(out / s.name / "adapter_model.safetensors")) for s in specs})
+    for spec in specs:
+        first, again = written[0][spec.name], written[1][spec.name]
+        assert set(first) == set(again) and any(first[k].abs().max() > 0 for k in first if "lora_B" in k)
+        assert all(torch.equal(first[k], again[k]) for k in first), spec.name
 
 
 def test_with_dropout_an_adapter_trains_as_alone_while_neighbours_exit_and_refill(tmp_path, trainer_kwargs):

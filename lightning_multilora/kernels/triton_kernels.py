@@ -198,10 +198,16 @@ def _small_rows_tiles(named_args) -> dict:
     return dict(DEFAULT_META["rows"], SPLIT_K=max(1, -named_args["ROW_BUCKET"]))
 
 
+# Added to a tuned row launch's ROW_BUCKET (at most 2**14: `triton_lora._bucket`) where its call is deterministic
+# (`triton_lora._Call.deterministic`): its candidates then store only, and keep tuned tiles of their own.
+STORES_ONLY = 1 << 15
+
+
 def _stores_unless_fp32(configs, named_args, **kwargs):
-    """The row kernel's candidates for its output: into fp32 any K split (a split adds atomically); into a half-
-    precision ``OUT`` (``S`` / ``dS`` in the activation dtype: `triton_lora.low_rank_dtype`) only those that store."""
-    if named_args["OUT"].element_size() == 4:
+    """The row kernel's candidates for its output: into fp32 any K split (a split adds atomically), unless the launch
+    stores only (`STORES_ONLY`); into a half-precision ``OUT`` (``S`` / ``dS`` in the activation dtype:
+    `triton_lora.low_rank_dtype`) only those that store."""
+    if named_args["OUT"].element_size() == 4 and named_args["ROW_BUCKET"] < STORES_ONLY:
         return configs
     return [c for c in configs if c.kwargs["SPLIT_K"] == 1]
 
@@ -232,7 +238,8 @@ def _rows_times_weight(
     # pointers
     IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_START, SEG_START, SEG_END, RANKS, COEF, DROP_P, SEEDS,
     # sizes (ROW_BUCKET, a bucket of the programs (`triton_lora._bucket`; 0 or -split: a small launch, `tuning_buckets`,
-    # `small_rows_bucket`), only keys the tuning: a runtime value, so every bucket shares the compiled kernels)
+    # `small_rows_bucket`; plus `STORES_ONLY`: a deterministic call's), only keys the tuning: a runtime value, so
+    # every bucket shares the compiled kernels)
     K, R_CHUNKS, ROW_BUCKET, ROW_TOKENS,
     # strides
     stride_in_m, stride_out_m,

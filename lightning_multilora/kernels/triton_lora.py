@@ -410,6 +410,10 @@ class _Call:
     # The gradients the expand's backward added dB into (with dS, `FUSED_DS_DB`, or after the dS row launch,
     # `DB_AFTER_DS`), for the shrink's backward to add dA into
     grad_targets: Optional["GradTargets"] = None
+    # `torch.use_deterministic_algorithms` was on (Lightning's ``Trainer(deterministic=True)``) when the call was made:
+    # every launch stores, none adds atomically (no row launch K split, no weight-gradient row split, no fused dB +
+    # dS), so a call repeated gives bitwise the same outputs and gradients
+    deterministic: bool = False
 
     @property
     def row_tokens(self) -> int:
@@ -885,24 +889,29 @@ def _row_launch(call: _Call, full: Tensor, w_ptrs: Tensor, out: Tensor, w_is_a: 
     zeroed first where the launch splits K (`_zero_if_split`)."""
     sched, table, k = call.sched, call.table, full.shape[1]
     programs = sched.num_blocks * table.r_chunks
-    bucket = _row_bucket(full, out, programs, None if K.INTERPRETED else _sm_count(full.device))
+    bucket = _row_bucket(full, out, programs, None if K.INTERPRETED else _sm_count(full.device), call.deterministic)
     _rows_times_weight(
         lambda meta: (programs, meta["SPLIT_K"]),
         (full, w_ptrs, call.w_witness, out, sched.blk_adapter, sched.blk_start, sched.seg_start, sched.seg_end,
          table.ranks, table.ones, table.drop_p, call.seeds, k, table.r_chunks,
          bucket, call.row_tokens, full.stride(0), out.stride(0)),
         dict(W_IS_A=w_is_a, HAS_DROPOUT=has_dropout, DOT_PRECISION=call.precision, W_ALIGNED=call.w_aligned,
-             BLOCK_M=BLOCK_M, BLOCK_R=table.block_r, **_rows_meta(sched.num_blocks, k, full.device)),
+             BLOCK_M=BLOCK_M, BLOCK_R=table.block_r,
+             **_rows_meta(sched.num_blocks, k, full.device, call.deterministic)),
         _zero_if_split(out))
 
 
-def _row_bucket(full: Tensor, out: Tensor, programs: int, sms: Optional[int]) -> int:
+def _row_bucket(full: Tensor, out: Tensor, programs: int, sms: Optional[int], deterministic: bool = False) -> int:
     """A row launch's ``ROW_BUCKET``: its programs' bucket, or for a small launch (`K.tuning_buckets`) 0, or on a
     GPU of ``sms`` SMs (None: the interpreter, which takes `_rows_meta`'s split) its K split negated
-    (`K.small_rows_bucket`)."""
+    (`K.small_rows_bucket`). ``deterministic`` (`_Call.deterministic`): no K split, the tuned bucket of an fp32
+    ``out`` offset by `K.STORES_ONLY` (its candidates then store only, and are tuned apart)."""
+    fp32 = out.dtype == torch.float32
     bucket, = K.tuning_buckets(full, _bucket(programs))
     if bucket == 0 and sms is not None:
-        bucket = K.small_rows_bucket(programs, full.shape[1], sms, out.dtype == torch.float32)
+        bucket = K.small_rows_bucket(programs, full.shape[1], sms, fp32 and not deterministic)
+    elif bucket > 0 and deterministic and fp32:
+        bucket += K.STORES_ONLY
     return bucket
 
 
@@ -965,11 +974,11 @@ def _bucket(count: int) -> int:
     return min(top * 3 // 4 if 4 * count <= 3 * top and top >= 4 else top, 1 << 14)
 
 
-def _rows_meta(num_blocks: int, k: int, device: torch.device) -> dict[str, int]:
+def _rows_meta(num_blocks: int, k: int, device: torch.device, deterministic: bool = False) -> dict[str, int]:
     """The row kernel's meta-parameters: none on the GPU (tuned); the interpreter takes fixed tiles and
-    `_split_k`."""
+    `_split_k` (none where ``deterministic``)."""
     if K.INTERPRETED:
-        return dict(K.DEFAULT_META["rows"], SPLIT_K=_split_k(num_blocks, k, device))
+        return dict(K.DEFAULT_META["rows"], SPLIT_K=1 if deterministic else _split_k(num_blocks, k, device))
     return {}
 
 
@@ -1059,7 +1068,9 @@ GRAD_SPLIT_MIN_ROWS = ((16, 64), (32, 128), (64, 512))
 
 def _grad_split(call: _Call, k: int, device: torch.device) -> int:
     """The weight-gradient launches' row split (`_split_for`) at width ``k``: programs of more than
-    `GRAD_SPLIT_MIN_ROWS` rows for their rank chunk."""
+    `GRAD_SPLIT_MIN_ROWS` rows for their rank chunk; none for a deterministic call (`_Call.deterministic`)."""
+    if call.deterministic:
+        return 1
     block_r, chunks = _grad_chunks(call.table.block_r, call.table.width)
     return _split_for(len(call.weights.a) * chunks * _cdiv(k, 128), call.sched.max_tokens,
                       _sm_count(device) if device.type == "cuda" else None, grad_split_min_rows(block_r))
@@ -1284,6 +1295,8 @@ def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_d
         sched = schedule(weights.starts, weights.ends, x.shape[0], device, tuple(a.shape[0] for a in weights.a))
         memo = weights.memo["schedule"] = ((x.shape[0], device), sched)
     sched = memo[1]
-    fuse_ds = FUSED_DS_DB and direct and table.block_r <= FUSED_DS_MAX_TILE
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    fuse_ds = FUSED_DS_DB and direct and table.block_r <= FUSED_DS_MAX_TILE and not deterministic
     return keep_alive(_Call(weights, table, sched, seeds, copies, has_dropout, precision, direct, d_out, out_dtype,
-                            params, fuse_ds, low_rank_dtype(x, d_out, sched, table, fuse_ds)))
+                            params, fuse_ds, low_rank_dtype(x, d_out, sched, table, fuse_ds),
+                            deterministic=deterministic))

@@ -1442,15 +1442,16 @@ def test_weight_gradient_row_splits_keep_more_rows_a_program_the_wider_their_ran
     assert [triton_lora.grad_split_min_rows(r) for r in (8, 16, 32, 64)] == [64, 64, 128, 512]
     monkeypatch.setattr(triton_lora, "_sm_count", lambda device: 132)
 
-    def split(rank, tokens, k, device="cuda"):
+    def split(rank, tokens, k, device="cuda", deterministic=False):
         tile = triton_lora.rank_chunk([rank])
         call = SimpleNamespace(weights=SimpleNamespace(a=[None]), table=SimpleNamespace(block_r=tile, width=tile),
-                               sched=SimpleNamespace(max_tokens=tokens))
+                               sched=SimpleNamespace(max_tokens=tokens), deterministic=deterministic)
         return triton_lora._grad_split(call, k, torch.device(device))
 
     assert (split(64, 256, 14336), split(16, 256, 14336)) == (1, 2)
     assert [split(r, 1024, 4096) for r in (16, 32, 64)] == [8, 4, 1]
     assert split(64, 2048, 4096) == 2 and split(16, 1024, 4096, "cpu") == 1
+    assert split(16, 1024, 4096, deterministic=True) == 1  # (no split adds atomically: `_Call.deterministic`)
 
 
 @pytest.mark.parametrize("name", ["DS_DB_BLOCK_M", "DS_DB_GRAD_MAX_TILE", "DS_DB_GRAD_BLOCK_K"])
@@ -1954,3 +1955,62 @@ def test_a_leaf_base_output_that_requires_grad_is_not_added_to_in_place():
     assert torch.equal(leaf.detach(), base) and rel(y, multi_lora_reference(x, base, w, False)) < 1e-5
     y.sum().backward()
     assert torch.equal(leaf.grad, torch.ones_like(base))
+
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_deterministic_call_adds_nothing_atomically_and_repeats_bitwise(monkeypatch, direct):
+    """Under ``torch.use_deterministic_algorithms`` (Lightning's ``Trainer(deterministic=True)``) every launch stores:
+    no row launch splits K, no weight-gradient launch splits rows, dS is not added inside the dB launch; the call
+    still matches the reference, and repeated gives bitwise the same output and gradients. Without it the same
+    problem takes those atomic paths (forced in the interpreter, by rule on the GPU)."""
+    from lightning_multilora.kernels import triton_kernels as K
+    from lightning_multilora.kernels import triton_lora
+
+    launches = []
+    for name in ("_rows_times_weight", "_weight_grad", "_ds_and_db"):
+        launcher = getattr(triton_lora, name)
+        monkeypatch.setattr(triton_lora, name, lambda grid, args, meta, *rest, name=name, launcher=launcher:
+                            launches.append((name, args, meta)) or launcher(grid, args, meta, *rest))
+    monkeypatch.setattr(triton_lora, "_split_for", lambda *args: 2)  # a weight-gradient row split
+    if INTERPRETED:
+        monkeypatch.setattr(triton_lora, "_split_k", lambda num_blocks, k, device: 4)
+    triton_lora.reset_rank_tiles()
+    x, base, w = problem([3, 16, 9], [130, 1, 64], d_in=1024, d_out=72, dtype=torch.float32, seed=5)
+    grad_out = torch.randn_like(base)
+    _, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
+
+    def call():
+        launches.clear()
+        return run_direct(x, base, w, grad_out) if direct else run(multi_lora_triton, x, base, w, False, grad_out)
+
+    def atomic_launches():
+        found = []
+        for name, args, meta in launches:
+            if name == "_rows_times_weight":  # its ROW_BUCKET: a small launch's K split negated, or `K.STORES_ONLY`
+                bucket = args[14]
+                if meta.get("SPLIT_K", 1) > 1 or bucket < 0 or 0 < bucket < K.STORES_ONLY:
+                    found.append("row launch that may split K")
+            if meta.get("ATOMIC"):
+                found.append("weight-gradient row split")
+            if meta.get("WITH_DS"):
+                found.append("dS added in the dB launch")
+        return found
+
+    call()
+    assert "weight-gradient row split" in atomic_launches()
+    assert "row launch that may split K" in atomic_launches()
+    if direct:
+        assert "dS added in the dB launch" in atomic_launches()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        first = call()
+        assert launches and atomic_launches() == []
+        again = call()
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for g, g_ref in zip(first[1], grads_ref):
+        assert rel(g, g_ref) < (1e-5 if INTERPRETED else 1e-2)
+    for a, b in zip([first[0], *first[1]], [again[0], *again[1]]):
+        assert torch.equal(a, b)
+    triton_lora.reset_rank_tiles()
