@@ -314,9 +314,11 @@ def main() -> None:
     parser.add_argument("--small-split-min-k", type=int, default=None,
                         help="columns of K each split of a small row launch walks at least "
                              "(triton_kernels.SMALL_SPLIT_MIN_K; over half of K: no split; default: the package's)")
-    parser.add_argument("--deterministic", action="store_true",
+    parser.add_argument("--deterministic", choices=["fill", "nofill"], default=None,
                         help="time under torch.use_deterministic_algorithms (Trainer(deterministic=True)): no launch "
-                             "of ours adds atomically")
+                             "of ours adds atomically; fill: torch's default there, every torch.empty filled with NaN "
+                             "(a pass over each new buffer), nofill: torch.utils.deterministic.fill_uninitialized_memory "
+                             "off")
     args = parser.parse_args()
     if args.report:
         if not Path(args.out).is_file():
@@ -389,7 +391,8 @@ def main() -> None:
     common["ds_db_one_launch"] = triton_lora.DS_DB_ONE_LAUNCH
     if args.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-        common["deterministic"] = True
+        torch.utils.deterministic.fill_uninitialized_memory = args.deterministic == "fill"
+        common["deterministic"] = args.deterministic
     common.update({k: v for k, v in ds_db.items() if v is not None})
     rows = json.loads(Path(args.out).read_text()) if args.resume and Path(args.out).exists() else []
     finished = {_point(r) for r in rows if r["impl"] == "floor"}

@@ -835,11 +835,15 @@ LOW_RANK_HALF_DTYPES = (torch.bfloat16,)
 LOW_RANK_MIN_WAVES = 0.4
 
 
-def low_rank_dtype(x: Tensor, d_out: int, sched: Schedule, table: PointerTable, fuse_ds: bool) -> torch.dtype:
+def low_rank_dtype(x: Tensor, d_out: int, sched: Schedule, table: PointerTable, fuse_ds: bool,
+                   deterministic: bool = False) -> torch.dtype:
     """The dtype of a call's ``S`` and ``dS`` (one for both: ``dS`` is ``S``'s gradient, and autograd would cast a
-    gradient of another dtype): `LOW_RANK_HALF_DTYPES`."""
+    gradient of another dtype): `LOW_RANK_HALF_DTYPES`; at any row count for a ``deterministic`` call, whose row
+    launches never split K (`_Call.deterministic`)."""
     if x.dtype not in LOW_RANK_HALF_DTYPES or fuse_ds:
         return torch.float32
+    if deterministic:
+        return x.dtype
     if x.device.type != "cuda":  # the interpreter: the row launches' K split is `_split_k`'s
         split = max(_split_k(sched.num_blocks, k, x.device) for k in (x.shape[1], d_out))
         return x.dtype if split == 1 else torch.float32
@@ -1298,5 +1302,5 @@ def _new_call(x: Tensor, weights: LoRAWeights, training: bool, d_out: int, out_d
     deterministic = torch.are_deterministic_algorithms_enabled()
     fuse_ds = FUSED_DS_DB and direct and table.block_r <= FUSED_DS_MAX_TILE and not deterministic
     return keep_alive(_Call(weights, table, sched, seeds, copies, has_dropout, precision, direct, d_out, out_dtype,
-                            params, fuse_ds, low_rank_dtype(x, d_out, sched, table, fuse_ds),
+                            params, fuse_ds, low_rank_dtype(x, d_out, sched, table, fuse_ds, deterministic),
                             deterministic=deterministic))

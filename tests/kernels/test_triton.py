@@ -1959,7 +1959,8 @@ def test_a_leaf_base_output_that_requires_grad_is_not_added_to_in_place():
 
 
 @pytest.mark.parametrize("direct", [False, True])
-def test_a_deterministic_call_adds_nothing_atomically_and_repeats_bitwise(monkeypatch, direct):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16 if DEVICE == "cuda" else torch.float16])
+def test_a_deterministic_call_adds_nothing_atomically_and_repeats_bitwise(monkeypatch, direct, dtype):
     """Under ``torch.use_deterministic_algorithms`` (Lightning's ``Trainer(deterministic=True)``) every launch stores:
     no row launch splits K, no weight-gradient launch splits rows, dS is not added inside the dB launch; the call
     still matches the reference, and repeated gives bitwise the same output and gradients. Without it the same
@@ -1976,7 +1977,7 @@ def test_a_deterministic_call_adds_nothing_atomically_and_repeats_bitwise(monkey
     if INTERPRETED:
         monkeypatch.setattr(triton_lora, "_split_k", lambda num_blocks, k, device: 4)
     triton_lora.reset_rank_tiles()
-    x, base, w = problem([3, 16, 9], [130, 1, 64], d_in=1024, d_out=72, dtype=torch.float32, seed=5)
+    x, base, w = problem([3, 16, 9], [130, 1, 64], d_in=1024, d_out=72, dtype=dtype, seed=5)
     grad_out = torch.randn_like(base)
     _, grads_ref = run(multi_lora_reference, x.double(), base.double(), as64(w), False, grad_out.double())
 
@@ -2010,7 +2011,7 @@ def test_a_deterministic_call_adds_nothing_atomically_and_repeats_bitwise(monkey
     finally:
         torch.use_deterministic_algorithms(False)
     for g, g_ref in zip(first[1], grads_ref):
-        assert rel(g, g_ref) < (1e-5 if INTERPRETED else 1e-2)
+        assert rel(g, g_ref) < (1e-5 if INTERPRETED and dtype == torch.float32 else 1e-2)
     for a, b in zip([first[0], *first[1]], [again[0], *again[1]]):
         assert torch.equal(a, b)
     triton_lora.reset_rank_tiles()
