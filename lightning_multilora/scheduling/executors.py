@@ -13,6 +13,7 @@ checkpoints alone.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import os
 import shutil
@@ -145,6 +146,7 @@ class LocalExecutor:
     """
 
     needs_command = True  # (the runner refuses a task without one when it is submitted, before any task starts)
+    stop_timeout_s = 30.0  # how long `stop` lets the tasks end on SIGTERM before it kills them (SIGKILL)
 
     def __init__(self, log_dir: str | Path, env: Optional[dict[str, str]] = None, poll_s: float = 0.05) -> None:
         check_real("LocalExecutor", "poll_s", poll_s, lambda v: v > 0, "a number of seconds > 0")
@@ -157,6 +159,10 @@ class LocalExecutor:
         self._attempts: dict[str, int] = {}
         self._started: dict[str, int] = {}
         self._failed_starts: list[Completion] = []
+        # a stop under way (cut short by a second Ctrl-C, then asked again): when it kills the tasks still running,
+        # and the processes it has sent SIGTERM
+        self._kill_at: Optional[float] = None
+        self._termed: set[int] = set()
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -182,8 +188,10 @@ class LocalExecutor:
             self._failed_starts.append(Completion(self.now(), task.id, False, f"could not open its log: {err}"))
             return
         try:
-            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                    preexec_fn=_dies_with_parent())
+            with _stop_signals_deferred():  # (a Ctrl-C inside Popen, its child forked: registered, then stopped)
+                proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                        start_new_session=True, preexec_fn=_dies_with_parent())
+                self._procs[task.id] = (proc, log, log_path)
         except OSError as err:  # e.g. the program does not exist: a failed attempt, not a crashed schedule
             missing = isinstance(err, (FileNotFoundError, NotADirectoryError))  # (a retry would find none either)
             said = str(err)
@@ -200,8 +208,6 @@ class LocalExecutor:
             log.close()
             self._failed_starts.append(Completion(self.now(), task.id, False, f"could not start: {said}",
                                                   log=str(log_path), final=missing))
-            return
-        self._procs[task.id] = (proc, log, log_path)
 
     def wait(self, deadline: Optional[float]) -> list[Completion]:
         if self._failed_starts:
@@ -216,32 +222,101 @@ class LocalExecutor:
                 if code is not None:
                     log.close()
                     del self._procs[task_id]
-                    done.append(Completion(self.now(), task_id, code == 0,
-                                           "" if code == 0 else f"{exit_text(code)}, log {log_path}", code,
-                                           str(log_path)))
+                    said = "" if code == 0 else f"{exit_text(code)}, log {log_path}"
+                    last = "" if code == 0 else last_line(log_path)  # (its error, where it said one)
+                    said += f"; its log ends: {last}" if last else ""
+                    done.append(Completion(self.now(), task_id, code == 0, said, code, str(log_path)))
             if done or (deadline is not None and self.now() >= deadline):
                 return done
             time.sleep(self.poll_s)
 
     def stop(self) -> list[Completion]:
-        """Terminate every running task and its children (an interrupted schedule leaves no orphans); their
-        completions (failed, "stopped", the exit status and log)."""
+        """Terminate every running task and its children (an interrupted schedule leaves no orphans): SIGTERM to
+        each, then SIGKILL to those still running `stop_timeout_s` later (one wait for all of them: it was
+        30 s for each in turn, said nowhere); their completions (failed, "stopped", the exit status and log)."""
         import signal
 
+        running = [proc for proc, _, _ in self._procs.values() if proc.poll() is None]
+        tasks = f"{len(running)} task{'s' * (len(running) != 1)}"
         for proc, _, _ in self._procs.values():
-            _signal_group(proc, signal.SIGTERM)
+            if proc.pid not in self._termed:  # (once: a task may take a second SIGTERM for "now")
+                _signal_group(proc, signal.SIGTERM)
+                self._termed.add(proc.pid)
+        if self._kill_at is None:
+            self._kill_at = time.monotonic() + self.stop_timeout_s
+            if running:
+                _say(f"stopping {tasks}: SIGTERM sent, SIGKILL in {self.stop_timeout_s:g} s")
+        elif running:  # (a stop cut short by a second Ctrl-C, asked again: the same deadline, not another)
+            _say(f"still stopping {tasks}: SIGKILL in {max(0.0, self._kill_at - time.monotonic()):.0f} s")
+        deadline = self._kill_at
+        while running and time.monotonic() < deadline:
+            time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+            running = [proc for proc in running if proc.poll() is None]
+        for proc in running:
+            _signal_group(proc, signal.SIGKILL)
         stopped = []
         for task_id, (proc, log, log_path) in list(self._procs.items()):
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait()
+            proc.wait()
             log.close()
             stopped.append(Completion(self.now(), task_id, False, f"stopped, log {log_path}", proc.returncode,
                                       str(log_path)))
         self._procs.clear()
+        self._kill_at, self._termed = None, set()
         return stopped
+
+
+@contextlib.contextmanager
+def _stop_signals_deferred():
+    """Holds back, until the block ends, the Python handlers of SIGINT, SIGTERM and SIGHUP (Ctrl-C's
+    KeyboardInterrupt, the schedule's own): raised inside ``Popen`` after its fork, the child ran, unknown to the
+    executor, and outlived the stop. A signal that came meanwhile is raised again as the block ends, to its own
+    handler. (Python runs signal handlers in the main thread alone: elsewhere, nothing to hold back. A signal mask
+    would be inherited by the task's process, and would not hold back a handler another thread's signal trips.)"""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    came: list[int] = []
+    held = {}
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        handler = signal.getsignal(sig) if sig is not None else None
+        if handler is not None and handler is not signal.SIG_IGN:  # (None: a handler set outside Python, kept)
+            held[sig] = handler
+            signal.signal(sig, lambda signum, frame: came.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+        for sig in dict.fromkeys(came):
+            signal.raise_signal(sig)
+
+
+def _say(text: str) -> None:
+    """Prints ``text`` (after a hangup the terminal may be gone: EIO, which a stop must not fail on)."""
+    try:
+        print(text, flush=True)
+    except OSError:
+        pass
+
+
+def last_line(log: str | Path, most: int = 200) -> str:
+    """The last line of ``log`` with any text in it (a failed task's error, ``RuntimeError: boom``; a progress bar's
+    last state, ``\\r`` ending a line too), cut at ``most`` characters; empty where there is none."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 8192))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+    for line in reversed(tail.splitlines()):
+        line = line.strip()
+        if line:
+            return line if len(line) <= most else line[:most] + "..."
+    return ""
 
 
 def _dies_with_parent() -> Optional[Callable[[], None]]:

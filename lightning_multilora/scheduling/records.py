@@ -14,18 +14,26 @@ its attempts numbered on); the file is written as each attempt starts too;
 ``start`` / ``end`` are seconds on the run's clock (from ``run_started_at``), ``start`` the last attempt's and
 ``starts`` every attempt's; ``task`` is the task's definition (``duration``, ``gpus``, ``torchrun``, ``command``),
 and ``added`` (true) marks a task added while the schedule ran (through an inbox), not by the task file.
-A task a resumed run skipped keeps its entry from the run that finished it.
+A task a resumed run skipped keeps its entry from the run that finished it; a resume skips a task recorded finished
+only where its recorded definition is the task's (`definition_changes`: another task file's records over the same
+``log_dir`` name other tasks by the same ids).
+
+A schedule that runs tasks holds ``<log_dir>/.schedule.lock`` (`lock_log_dir`) from before it reads or moves the
+records until it ends: a second schedule, or a ``--resume`` of a schedule still running, over the same ``log_dir``
+is refused, naming the running one's PID.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Optional
 
 RECORDS_FILE = "records.json"
+LOCK_FILE = ".schedule.lock"
 STATES = ("finished", "failed", "stopped")
 FORMAT = 1
 
@@ -33,6 +41,12 @@ FORMAT = 1
 def records_path(log_dir: str | Path) -> Path:
     """Where a schedule over ``log_dir`` keeps its task records."""
     return Path(log_dir) / RECORDS_FILE
+
+
+def task_definition(task: Any) -> dict[str, Any]:
+    """A `Task`'s definition as its record holds it (``task``): a resume runs an inbox's task again from it."""
+    return {"duration": task.duration, "gpus": task.gpus, "torchrun": task.torchrun,
+            "command": None if task.command is None else list(task.command)}
 
 
 def record_entry(record: Any, run_started_at: str, task: Any = None, added: bool = False) -> dict[str, Any]:
@@ -43,11 +57,93 @@ def record_entry(record: Any, run_started_at: str, task: Any = None, added: bool
              "exit_code": record.exit_code, "log": record.log, "detail": record.detail,
              "run_started_at": run_started_at}
     if task is not None:
-        entry["task"] = {"duration": task.duration, "gpus": task.gpus, "torchrun": task.torchrun,
-                         "command": None if task.command is None else list(task.command)}
+        entry["task"] = task_definition(task)
     if added:
         entry["added"] = True
     return entry
+
+
+# what a task runs, as its record's ``task`` holds it: a record of other values is another task's. (``duration``, an
+# estimate for the plan, is not: a finished task whose estimate was corrected since is not run again)
+DEFINING_FIELDS = ("command", "gpus", "torchrun")
+
+
+def definition_changes(entry: Mapping[str, Any], task: Any) -> dict[str, tuple[Any, Any]]:
+    """The fields of ``task`` (a `Task`) whose values differ from those ``entry`` (a record) recorded for it, by
+    name: (recorded, now); none where the entry records no definition (records older than the definitions)."""
+    recorded = entry.get("task")
+    if not isinstance(recorded, Mapping):
+        return {}
+    now = task_definition(task)
+    return {name: (recorded.get(name), now[name]) for name in DEFINING_FIELDS if recorded.get(name) != now[name]}
+
+
+def changes_text(changes: Mapping[str, tuple[Any, Any]], most: int = 160) -> str:
+    """`definition_changes` in words: ``command`` recorded [...], now [...]; a value longer than ``most`` characters
+    is shown around where the two first differ (two long commands differing in their last argument, cut at their
+    start, read the same)."""
+    said = []
+    for name, (was, now) in changes.items():
+        texts = repr(was), repr(now)
+        differ = next((i for i, (x, y) in enumerate(zip(*texts)) if x != y), min(map(len, texts)))
+        start = max(0, min(differ - most // 2, max(map(len, texts)) - most))
+        cut = [("..." if start else "") + text[start:start + most] + ("..." if len(text) > start + most else "")
+               for text in texts]
+        said.append(f"`{name}` recorded {cut[0]}, now {cut[1]}")
+    return "; ".join(said)
+
+
+def changed_warning(path: Any, task_id: str, changes: Mapping[str, tuple[Any, Any]]) -> str:
+    """What a resume says of a task ``path`` records as finished, but as another task (``changes``): it runs."""
+    return (f"warning: resume: {path} records task {task_id!r} as finished, but as another task "
+            f"({changes_text(changes)}): it runs")
+
+
+class LogDirLocked(RuntimeError):
+    """Another schedule holds the ``log_dir``'s lock (`lock_log_dir`)."""
+
+
+def lock_log_dir(log_dir: str | Path) -> Optional[int]:
+    """Takes ``<log_dir>/.schedule.lock`` for this process (``flock``, not waiting; the folder made where absent) and
+    writes this process's PID in it; the lock's file descriptor, to give `unlock_log_dir` (the kernel releases it
+    when the process ends, however: ``kill -9`` leaves no stale lock). `LogDirLocked`, naming the holder's PID and
+    ``log_dir``, where another schedule holds it; None where locks are not had (no ``fcntl``: Windows; a file system
+    that refuses them, said)."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    path = Path(log_dir) / LOCK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # (not inherited: a task's process does not hold it)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode("ascii", "replace").strip()
+        os.close(fd)
+        raise LogDirLocked(f"{log_dir}: another schedule (PID {holder or 'unknown'}) is running over this log_dir "
+                           f"(it holds {path}): two schedules (or a --resume of a schedule still running) over one "
+                           "log_dir would run tasks twice and write over each other's records; wait for it to end "
+                           "or stop it, or give this task file another `log_dir`") from None
+    except OSError as err:  # (e.g. ENOLCK on a network file system that keeps no locks)
+        os.close(fd)
+        print(f"warning: {path} cannot be locked ({err}): nothing stops a second schedule over {log_dir}",
+              file=sys.stderr, flush=True)
+        return None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
+def unlock_log_dir(fd: Optional[int]) -> None:
+    """Releases a `lock_log_dir` lock (its PID wiped first: the file stays, an empty one free for the next)."""
+    if fd is None:
+        return
+    try:
+        os.ftruncate(fd, 0)
+    except OSError:
+        pass
+    os.close(fd)  # (the lock goes with the last descriptor of it)
 
 
 def write_records(path: str | Path, entries: Iterable[Mapping[str, Any]], started_at: str) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import heapq
 import inspect
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,7 +16,8 @@ from typing import Any, Optional
 
 from lightning_multilora.arguments import check_bool, check_int, check_real
 from lightning_multilora.scheduling.executors import Completion
-from lightning_multilora.scheduling.records import ids_text, read_records, record_entry, write_records
+from lightning_multilora.scheduling.records import (changed_warning, definition_changes, ids_text, read_records,
+                                                    record_entry, write_records)
 from lightning_multilora.scheduling.task_scheduler import Placement, Schedule, Task, TaskScheduler
 
 
@@ -57,12 +59,15 @@ class ScheduleRunner:
     ``records`` (a file, e.g. ``<log_dir>/records.json``; `lightning_multilora.scheduling.records`): the task records
     are written there as tasks start, after every completion and when the schedule stops, the tasks running then (or
     waiting for a retry) as "stopped" (so while it runs too: what a resume takes them for, should the schedule die
-    unrecorded). ``resume``: a task that file records as finished is not run again (said, and its entry kept);
-    one recorded failed or stopped runs again, its attempts numbered on from the recorded ones (the retries,
-    ``max_retries`` of them, are this run's). An executor whose ``start`` takes an ``attempt`` is told the attempt's
-    number (1, 2...; `LocalExecutor` and `RayExecutor` put it in the task's ``MULTILORA_TASK_ATTEMPT``); anything
-    ``start`` raises is that task's failed attempt, and if `run` itself raises (Ctrl-C, SIGTERM as one, a ``poll``
-    that fails), the executor's running tasks are stopped (its ``stop()``) and recorded before it does."""
+    unrecorded). ``resume``: a task that file records as finished is not run again (said, and its entry kept), unless
+    the record's definition of it (its ``command``, ``gpus``, ``torchrun``) is not the task's: another task file's
+    records over the same folder, or the task since changed (warned of, naming the fields; it runs, its entry kept
+    until it is recorded anew); one recorded failed or stopped runs again, its attempts numbered on from the recorded
+    ones (the retries, ``max_retries`` of them, are this run's). An executor whose ``start`` takes an ``attempt`` is
+    told the attempt's number (1, 2...; `LocalExecutor` and `RayExecutor` put it in the task's
+    ``MULTILORA_TASK_ATTEMPT``); anything ``start`` raises is that task's failed attempt, and if `run` itself raises
+    (Ctrl-C, SIGTERM as one, a ``poll`` that fails), the attempts that had ended meanwhile are recorded as they
+    ended, the executor's running tasks stopped (its ``stop()``) and recorded, before it does."""
 
     def __init__(self, scheduler: TaskScheduler, executor: Any, max_retries: int = 2,
                  poll: Optional[Callable[[], list[Task]]] = None, plan: Optional[Schedule] = None,
@@ -127,8 +132,9 @@ class ScheduleRunner:
     def submit(self, task: Task, at: Optional[float] = None, added: bool = False) -> None:
         """Adds a task (at ``at`` on the executor's clock, default now). Checked here, before any task starts: a task
         an executor that runs commands (``needs_command``) could not run is refused, naming it. Resumed, a task the
-        records say finished is skipped (`skipped`). ``added``: a task added while a schedule ran (``poll``'s, an
-        inbox's), which its record says, for a resume to run it again from there."""
+        records say finished is skipped (`skipped`), unless they record another definition of it (warned of: it
+        runs). ``added``: a task added while a schedule ran (``poll``'s, an inbox's), which its record says, for a
+        resume to run it again from there."""
         if task.id in self.known_ids():
             raise ValueError(f"duplicate task id {task.id!r}; task ids must be unique")
         if task.gpus > self.scheduler.num_gpus:
@@ -146,9 +152,14 @@ class ScheduleRunner:
         if added:
             self._added.add(task.id)
         if task.id in self.earlier_finished:
-            self.skipped[task.id] = self.earlier_finished[task.id]
-            self._unsaid.append(task.id)
-            return
+            changes = definition_changes(self.earlier_finished[task.id], task)
+            if not changes:
+                self.skipped[task.id] = self.earlier_finished[task.id]
+                self._unsaid.append(task.id)
+                return
+            # (the records of another task of that id: another task file's over the same log_dir, or this task
+            # edited since; skipped, it never ran, the resume said "finished")
+            print(changed_warning(self.records_path, task.id, changes), file=sys.stderr, flush=True)
         heapq.heappush(self.arrivals, (self.now if at is None else at, len(self.arrivals), task))
 
     @property
@@ -317,9 +328,10 @@ class ScheduleRunner:
     def stop(self, why: str = "stopped") -> None:
         """Stops the executor's running tasks (its ``stop()``, where it has one) and records them, the tasks
         waiting for a retry and those an inbox added that have not started, as "stopped" (``why`` in their detail);
-        writes the records. `run` calls it when it
-        raises. The records are written before the executor is asked to stop (a second Ctrl-C meanwhile keeps them),
-        then again with the exit statuses and logs its ``stop()`` returns (`Completion`s)."""
+        writes the records. `run` calls it when it raises. First the attempts that have ended are recorded as they
+        ended (`_complete_ended`). The records are written before the executor is asked to stop (a second Ctrl-C
+        meanwhile keeps them), then again with the exit statuses and logs its ``stop()`` returns (`Completion`s)."""
+        self._complete_ended()
         self.records.update(self._unended(why))
         stopping = set(self.running)
         self.stopped_running = sorted(stopping)
@@ -333,6 +345,23 @@ class ScheduleRunner:
                 record.exit_code, record.log = getattr(done, "exit_code", None), getattr(done, "log", None)
         if stopped:
             self.save_records()
+
+    def _complete_ended(self) -> None:
+        """Completes, as they ended, the attempts that ended before a stop: those whose start failed, and those whose
+        process has exited, which the executor tells at once (``wait(now)``: a completion is collected in ``wait``
+        alone, and a task that exited 0 while a replan solved was recorded "stopped", and run again by a resume)."""
+        ended, self._failed_starts = self._failed_starts, []
+        try:
+            for _ in range(3):  # (an executor's own failed starts come first, then the exited processes)
+                more = self.executor.wait(self.now)
+                if not more:
+                    break
+                ended += more
+        except Exception:  # noqa: BLE001 - (the executor that made `run` raise, say: the stop goes on)
+            pass
+        for done in ended:
+            if done.task_id in self.running:
+                self._complete(done)
 
     def _unended(self, why: str) -> dict[str, RunRecord]:
         """Records "stopped" for the tasks running, waiting for a retry, or added (an inbox's) and not started."""

@@ -30,16 +30,22 @@ set; ``gpus`` above what it, or the machine, has is refused, before any chart is
 A run keeps its task records in ``<log_dir>/records.json`` (each task's state, attempts, starts and end, exit status and
 log; `lightning_multilora.scheduling.records`), rewritten after every completion and when it stops: on Ctrl-C, SIGTERM
 or SIGHUP the running tasks are stopped and recorded ``stopped``, and ``run.png`` is drawn as at an end (a hangup
-ignored as the schedule starts, ``nohup``'s, stays ignored). ``--resume`` runs the file again over the same ``log_dir``
-without the tasks those records say finished (said, and their records kept); a task recorded failed or stopped runs
-again, its attempts numbered on, and so does one an inbox added (the records hold each task's definition; a task since
-removed from the file is not run again). A task's command gets ``MULTILORA_TASK_ID`` and ``MULTILORA_TASK_ATTEMPT`` (1
-on its first attempt). A run without ``--resume`` runs every task and starts the records afresh, the earlier ones moved
-to ``records.<n>.json``; a ``--simulate`` one writes none (a resume after it would skip what never ran). On Linux a
-task's process also gets SIGTERM when the schedule's process dies otherwise (``kill -9``); its own children do not
-(``exec`` the last command of a ``[sh, -c, ...]`` task, or stop them on SIGTERM). A ``command`` string is split into
-words and run without a shell: shell syntax in it (``&&``, ``|``, ``>``, ``$VAR``, ``*``, a second line, a leading
-``NAME=value``) is refused, and ``[sh, -c, "..."]`` runs a shell.
+ignored as the schedule starts, ``nohup``'s, stays ignored; the tasks stopped get SIGTERM, and ``SIGKILL`` 30 s later
+where they still run; a task that had ended is recorded as it ended). ``--resume`` runs the file again over the same
+``log_dir`` without the tasks those records say finished (said, and their records kept); a task recorded finished as
+another task (another ``command``, ``gpus`` or ``torchrun``: another task file's records over the same ``log_dir``, or
+the task edited since) runs, warned of; a task recorded failed or stopped runs again, its attempts numbered on, and so
+does one an inbox added (the records hold each task's definition; a task since removed from the file is not run
+again). A schedule that runs tasks holds ``<log_dir>/.schedule.lock`` while it runs (its PID in it; a ``kill -9``
+leaves no stale lock): a second one over the same ``log_dir``, or a ``--resume`` of one still running, is refused,
+naming the running one's PID (``--plan-only`` and ``--simulate`` write no records, and take no lock). A task's
+command gets ``MULTILORA_TASK_ID`` and ``MULTILORA_TASK_ATTEMPT`` (1 on its first attempt); a failed attempt's record
+says its exit status and the last line of its log. A run without ``--resume`` runs every task and starts the records
+afresh, the earlier ones moved to ``records.<n>.json``; a ``--simulate`` one writes none (a resume after it would skip
+what never ran). On Linux a task's process also gets SIGTERM when the schedule's process dies otherwise
+(``kill -9``); its own children do not (``exec`` the last command of a ``[sh, -c, ...]`` task, or stop them on
+SIGTERM). A ``command`` string is split into words and run without a shell: shell syntax in it (``&&``, ``|``, ``>``,
+``$VAR``, ``*``, a second line, a leading ``NAME=value``) is refused, and ``[sh, -c, "..."]`` runs a shell.
 """
 
 from __future__ import annotations
@@ -57,7 +63,8 @@ from typing import Any, Optional
 import yaml
 
 from lightning_multilora.scheduling.executors import LocalExecutor, SimulatedExecutor, visible_gpus
-from lightning_multilora.scheduling.records import ids_text, read_records, records_path
+from lightning_multilora.scheduling.records import (LogDirLocked, changed_warning, definition_changes, ids_text,
+                                                    lock_log_dir, read_records, records_path, unlock_log_dir)
 from lightning_multilora.scheduling.runner import POLL_S, RunRecord, ScheduleRunner
 from lightning_multilora.scheduling.task_scheduler import (Schedule, Task, TaskScheduler, validate_tasks,
                                                            yaml_number_hint)
@@ -340,6 +347,26 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(str(err))
     if not (args.plan_only or args.simulate) and any(t.command is None for t in tasks):
         parser.error("every task needs a `command` to run (or use --simulate / --plan-only)")
+    # a schedule that runs tasks holds its log_dir, from before it reads or moves the records to its end (the kernel
+    # lets it go when the process ends, however): two over one log_dir, or a --resume of one still running, ran the
+    # tasks twice and wrote over each other's records (a plan or a simulation writes none, and takes none)
+    lock = None
+    if not (args.plan_only or args.simulate):
+        try:
+            lock = lock_log_dir(settings["log_dir"])
+        except LogDirLocked as err:
+            parser.error(str(err))
+        except OSError as err:
+            parser.error(f"`log_dir` {settings['log_dir']}: cannot be made or locked ({err})")
+    try:
+        return _schedule(args, parser, settings, tasks)
+    finally:
+        unlock_log_dir(lock)
+
+
+def _schedule(args: argparse.Namespace, parser: argparse.ArgumentParser, settings: dict[str, Any],
+              tasks: list[Task]) -> int:
+    """`main`'s plan and run of a task file's ``tasks`` (``settings``), its log_dir locked where it runs them."""
     records_file = records_path(settings["log_dir"])
     to_run = tasks
     if args.resume:
@@ -350,13 +377,28 @@ def main(argv: Optional[list[str]] = None) -> int:
         finished = {tid for tid, e in earlier.items() if e["state"] == "finished"}
         added = _recorded_tasks(earlier, {t.id for t in tasks}, records_file, settings["gpus"])
         tasks = tasks + added
-        to_run = [t for t in tasks if t.id not in finished]
-        skipped = [t.id for t in tasks if t.id in finished]
+        # (a finished record of another definition of the task, another task file's or the task edited since: it
+        # runs, warned of by the runner, or here where no runner resumes)
+        changed = {t.id: c for t in tasks if t.id in finished and (c := definition_changes(earlier[t.id], t))}
+        to_run = [t for t in tasks if t.id not in finished or t.id in changed]
+        skipped = [t.id for t in tasks if t.id in finished and t.id not in changed]
+        # (the finished tasks an inbox added, not rebuilt: counted, of the run's tasks)
+        ids = {t.id for t in tasks}
+        inbox_done = sorted(tid for tid in finished if earlier[tid].get("added") and tid not in ids)
         if not records_file.exists():
             print(f"resume: no records at {records_file}: every task runs", flush=True)
         else:  # (the runner names the tasks it skips; a simulation's, here)
-            print(f"resume: {records_file} records {len(skipped)} of the {len(tasks)} tasks as finished: they do not "
-                  f"run again{': ' + ids_text(skipped) if skipped and args.simulate else ''}", flush=True)
+            done = skipped + inbox_done
+            said = [f"resume: {records_file} records {len(done)} of the {len(tasks) + len(inbox_done)} tasks as "
+                    f"finished{f' ({len(inbox_done)} of them added by an inbox)' if inbox_done else ''}: they do not "
+                    f"run again{': ' + ids_text(done) if done and args.simulate else ''}"]
+            if changed:
+                said.append(f"{len(changed)} more as another task, which run{'s' * (len(changed) == 1)}: "
+                            f"{ids_text(changed)}")
+            print("; ".join(said), flush=True)
+        if args.plan_only or args.simulate:
+            for tid, changes in changed.items():
+                print(changed_warning(records_file, tid, changes), file=sys.stderr, flush=True)
         if not to_run:
             print("every task is finished: nothing to run")
             return 0
