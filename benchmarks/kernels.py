@@ -317,8 +317,8 @@ def main() -> None:
     parser.add_argument("--deterministic", choices=["fill", "nofill"], default=None,
                         help="time under torch.use_deterministic_algorithms (Trainer(deterministic=True)): no launch "
                              "of ours adds atomically; fill: torch's default there, every torch.empty filled with NaN "
-                             "(a pass over each new buffer), nofill: torch.utils.deterministic.fill_uninitialized_memory "
-                             "off")
+                             "(a pass over each new buffer), nofill: "
+                             "torch.utils.deterministic.fill_uninitialized_memory off")
     args = parser.parse_args()
     if args.report:
         if not Path(args.out).is_file():

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Optional, Union
@@ -66,6 +68,50 @@ def _without_cpu_repacking(model: nn.Module) -> nn.Module:
     return model
 
 
+_SAID_4BIT_ON_CPU: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # (the bases warned of: once each)
+
+
+def four_bit_layers(model: nn.Module) -> list[str]:
+    """The names of ``model``'s bitsandbytes 4-bit linear layers (``Linear4bit``: nf4 / fp4); none where bitsandbytes
+    was never imported (no layer of it can then exist)."""
+    bnb = sys.modules.get("bitsandbytes")
+    linear4bit = getattr(getattr(bnb, "nn", None), "Linear4bit", None)
+    if not isinstance(linear4bit, type):
+        return []
+    return [name for name, module in model.named_modules() if isinstance(module, linear4bit)]
+
+
+def guard_4bit_base(model: nn.Module, stacklevel: int = 2) -> nn.Module:
+    """A base holding bitsandbytes 4-bit layers, however it came (quantized by `build_base_model`, a pre-quantized
+    checkpoint folder such as the Hub's ``*-bnb-4bit`` models, or a 4-bit model given as a module), made safe to
+    train on: its layers never repacked for the CPU (`_without_cpu_repacking`), and, without CUDA, a warning that a
+    4-bit base on the CPU runs slowly (once per base). A base whose layers were repacked before it came here (run
+    without gradients in eval mode on a CPU with AVX512-BF16: a ``generate`` or an evaluation) is refused: its
+    backward reads them wrongly (input gradients about 100% off) and the repacking cannot be undone exactly (its
+    scales were rounded to bf16). Any other model is returned as it is."""
+    layers = four_bit_layers(model)
+    if not layers:
+        return model
+    modules = dict(model.named_modules())
+    packed = [name for name in layers if getattr(getattr(getattr(modules[name], "weight", None), "quant_state", None),
+                                                  "packing_format_for_cpu", False)]
+    if packed:
+        more = f" and {len(packed) - 1} more" if len(packed) > 1 else ""
+        raise ValueError(f"the base's 4-bit layers ({packed[0]!r}{more}) were repacked by bitsandbytes for the "
+                         "CPU's AVX512-BF16 kernels, as it does at a forward without gradients in eval mode (a "
+                         "`generate`, an evaluation) before the base came here: its backward reads them wrongly, and "
+                         "the repacking cannot be undone exactly; load the base again and give it before running it "
+                         "without gradients (the module keeps it from being repacked from then on)")
+    _without_cpu_repacking(model)
+    if not torch.cuda.is_available() and model not in _SAID_4BIT_ON_CPU:
+        import warnings
+
+        _SAID_4BIT_ON_CPU.add(model)
+        warnings.warn("a 4-bit base on the CPU: it runs, slowly; QLoRA is meant for CUDA GPUs",
+                      stacklevel=stacklevel + 1)
+    return model
+
+
 def build_base_model(
     base_model: Union[str, os.PathLike],
     config_overrides: Optional[dict[str, Any]] = None,
@@ -78,19 +124,16 @@ def build_base_model(
     ``config_overrides`` changes fields of the built-in configs (or of the checkpoint's config).
     ``quantization`` (``nf4`` / ``fp4``): the decoder's linears become bitsandbytes 4-bit layers computing
     in ``dtype`` (QLoRA); a built-in model is written to a temporary checkpoint and loaded back quantized,
-    the same path a real checkpoint takes. A checkpoint that is no causal LM (an encoder-decoder, or an encoder
-    loaded as one with bidirectional attention) is refused (`check_causal_lm`)."""
+    the same path a real checkpoint takes; a pre-quantized checkpoint (``*-bnb-4bit``) loads 4-bit without it. A
+    4-bit base is kept from bitsandbytes' CPU repacking (`guard_4bit_base`). A checkpoint that is no causal LM (an
+    encoder-decoder, or an encoder loaded as one with bidirectional attention) is refused (`check_causal_lm`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base_model = _checked_form(base_model)
     torch_dtype = resolve_dtype(dtype)
     _refuse_near_miss(base_model)
     if quantization is not None:
-        config = quantization_config(quantization, torch_dtype)  # (a bad value refused before anything is said)
-        if not torch.cuda.is_available():
-            import warnings
-
-            warnings.warn("a 4-bit base on the CPU: it runs, slowly; QLoRA is meant for CUDA GPUs", stacklevel=2)
+        config = quantization_config(quantization, torch_dtype)  # (a bad value refused before anything is loaded)
         if base_model in TINY_CONFIGS:
             import tempfile
 
@@ -100,7 +143,7 @@ def build_base_model(
             model.config.name_or_path = base_model
         else:
             model = _from_pretrained(base_model, config_overrides, quantization_config=config, dtype=torch_dtype)
-        return _without_cpu_repacking(model)
+        return guard_4bit_base(model)
     if base_model in TINY_CONFIGS:
         kwargs = dict(TINY_CONFIGS[base_model])
         kwargs.update(config_overrides or {})
@@ -113,7 +156,8 @@ def build_base_model(
         _check_runs(model, config_overrides)
         model.config.name_or_path = base_model
         return model.to(torch_dtype)
-    return _from_pretrained(base_model, config_overrides, dtype=torch_dtype)
+    # (a pre-quantized checkpoint, a `*-bnb-4bit` folder, loads 4-bit layers without `quantization`)
+    return guard_4bit_base(_from_pretrained(base_model, config_overrides, dtype=torch_dtype))
 
 
 def changed_overrides(base_model: str, config_overrides: Optional[dict[str, Any]]) -> dict[str, Any]:
@@ -370,6 +414,7 @@ def _check_runs(model: nn.Module, config_overrides: Optional[dict[str, Any]]) ->
     not run: key / value heads that do not divide); what fails names them."""
     if not config_overrides:
         return
+    _without_cpu_repacking(model)  # (a 4-bit base run without gradients here was repacked, its backward then wrong)
     with _naming_overrides(config_overrides):
         layers = getattr(model.config, "num_hidden_layers", 1)
         if layers < 1:  # (builds and runs, with no layer to adapt)

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_multilora.arguments import check_bool, check_int, check_real, peft_targets
+from lightning_multilora.base_model import guard_4bit_base
 from lightning_multilora.flat import FlatAdapter, make_flat
 from lightning_multilora.kernels import LoRAWeights, multi_lora, multi_lora_linear, resolve_backend
 from lightning_multilora.kernels.weights import STREAM_SEED_MOD, DropoutStreams
@@ -925,7 +926,8 @@ def inject_multilora(
     ``target_modules`` follows PEFT: a list of names matched against each module's name or its last
     parts (``"q_proj"``, ``"self_attn.q_proj"``), a regex string on the full name, or ``"all-linear"``.
     Every base parameter of ``model`` is frozen. A name that matches no linear module is an error
-    listing the model's linear modules.
+    listing the model's linear modules. A bitsandbytes 4-bit base is kept from its CPU repacking
+    (`guard_4bit_base`, which refuses one already repacked and says a 4-bit base on the CPU).
     """
     target_modules = peft_targets(target_modules)  # ("ALL-LINEAR", a set as `LoraConfig.target_modules` holds)
     if not isinstance(target_modules, str):
@@ -989,6 +991,9 @@ def inject_multilora(
         raise ValueError(f"`target_modules` {target_modules!r} match no module; linear modules are: {available} (a "
                          "string is a regex on the full module name, PEFT's rule, or 'all-linear'; a list matches "
                          "names, e.g. ['q_proj'])")
+    # a bitsandbytes 4-bit base however it came (built, a pre-quantized folder, a model given): never repacked for
+    # the CPU, whose backward then read it wrongly; one already repacked refused
+    guard_4bit_base(model, stacklevel=3)
     model.requires_grad_(False)
     context = LayoutContext()
     layers: dict[str, MultiLoRALinear] = {}

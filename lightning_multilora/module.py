@@ -593,6 +593,15 @@ class MultiLoRAMixin:
         parallelism, this rank's)."""
         return [r.spec for r in self.registry.running if self._owns(r.name)]
 
+    def validation_roster(self) -> list[AdapterSpec]:
+        """Specs of the adapters a validation measures: `packing_roster`'s, less, in a fit's validations, those that
+        have taken no step yet (one started at this step, refilling a slot: its weights are its initialisation, whose
+        loss would become its best, and what it exports if the run stops before it is measured again)."""
+        trainer = self._trainer_or_none()
+        if trainer is None or trainer.state.fn != "fit" or trainer.sanity_checking:
+            return self.packing_roster()
+        return [r.spec for r in self.registry.running if self._owns(r.name) and r.step > 0]
+
     # -- adapter parallelism (the strategy places adapters on ranks) ----------------------------
 
     def _placement(self) -> Optional[Any]:
@@ -752,9 +761,10 @@ class MultiLoRAMixin:
 
     def _settle_monitors(self) -> None:
         """Before the callbacks' ``on_validation_end``: an ``EarlyStopping`` monitoring one adapter that is not training
-        (queued, paused or ended) finds no value and skips the validation (an ended adapter's last value, read again
-        and again, stopped the whole run; a queued one's missing key failed the fit). `_restore_monitors` puts the
-        values back for a ``ModelCheckpoint``, which runs after every other callback."""
+        (queued, paused or ended; or started at this step, not yet measured) finds no value and skips the validation
+        (an ended adapter's last value, read again and again, stopped the whole run; a queued one's missing key
+        failed the fit). `_restore_monitors` puts the values back for a ``ModelCheckpoint``, which runs after every
+        other callback."""
         from lightning.pytorch.callbacks import EarlyStopping
 
         trainer = self._trainer_or_none()
@@ -764,8 +774,8 @@ class MultiLoRAMixin:
             if name is None or not isinstance(callback, EarlyStopping):
                 continue
             rec = self.registry[name] if name in self.registry else None
-            if rec is not None and rec.state == AdapterState.RUNNING:
-                continue
+            if rec is not None and rec.state == AdapterState.RUNNING and rec.step > 0:  # (one that started at this
+                continue  # step was not measured: `validation_roster`)
             key = callback.monitor
             if key in trainer.callback_metrics:
                 self._popped_monitors[key] = trainer.callback_metrics.pop(key)
@@ -1788,6 +1798,10 @@ class MultiLoRAMixin:
                 warnings.warn(f"fit stopped by {type(exception).__name__} before any adapter took a step: nothing "
                               f"to export{not_exported}")
         self._exported_after = (id(exception), paths)
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, SIGTERMException) and self._placement() is not None:  # every rank stopped after the
+            self._sync_ranks()  # same step (the strategy shares the signal there): the owners' exports reach them all
         return paths
 
     def configure_callbacks(self) -> list[L.Callback]:
@@ -1933,7 +1947,11 @@ class MultiLoRAMixin:
         specs = [self._held_spec(s, "evaluate", "specs") for s in specs]
         dm = self._datamodule()
         sums = {s.name: [0.0] * 6 for s in specs}
-        with torch.no_grad(), _evaluating(self):  # (each submodule's own mode restored after)
+        trainer = self._trainer_or_none()
+        # in the validation loop's precision (its autocast under "bf16-mixed"): called where the loop's context is
+        # not open (at a step's end, to finish adapters together; after a fit), it measures what a validation would
+        precision = trainer.precision_plugin.val_step_context() if trainer is not None else contextlib.nullcontext()
+        with torch.no_grad(), _evaluating(self), precision:  # (each submodule's own mode restored after)
             for batch in self.align_batches(list(dm.val_batches([s for s in specs if self._owns(s.name)]))):
                 batch = move_data_to_device(batch, self.device)
                 if not batch["layout"].names:
@@ -2220,11 +2238,15 @@ class MultiLoRAMixin:
         for key, value in getattr(self, "_base_build", {}).items():  # (how the module built it; text: plain data)
             identity[key] = value if isinstance(value, int) else json.dumps(value, sort_keys=True, default=str)
         quant = values.get("quantization_config") or {}
-        if isinstance(quant, dict) and quant.get("load_in_4bit"):
-            identity["weights"] = str(quant.get("bnb_4bit_quant_type", "4-bit"))
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        held = str(dtype).removeprefix("torch.") if dtype is not None else "none"
+        if isinstance(quant, dict) and quant.get("load_in_4bit"):  # (its 4-bit type and the dtype it computes in)
+            compute = str(quant.get("bnb_4bit_compute_dtype") or "float32").removeprefix("torch.")
+            identity["weights"] = f"{quant.get('bnb_4bit_quant_type', '4-bit')} computing in {compute}"
+        elif isinstance(quant, dict) and quant.get("load_in_8bit"):  # (LLM.int8: its linears int8, the rest held)
+            identity["weights"] = f"int8 beside {held}"
         else:  # (the dtype the base is held in)
-            dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-            identity["weights"] = str(dtype).removeprefix("torch.") if dtype is not None else "none"
+            identity["weights"] = held
         return identity
 
     def _place_resumed(self, placement: Any) -> None:
@@ -2298,6 +2320,8 @@ class MultiLoRAMixin:
         differ = {k: (saved_base[k], base[k]) for k in saved_base.keys() & base.keys()
                   if saved_base[k] is not None and base[k] is not None and saved_base[k] != base[k]}
         loaded, held = differ.pop("path", None), differ.pop("weights", None)
+        if held is not None and (held[1].split(" ")[0] == held[0] or held[1] == f"int8 beside {held[0]}"):  # (as a
+            held = None  # checkpoint written before they were named so named a 4-bit base, its type, and an 8-bit one)
         built = {k: differ.pop(k) for k in ("base_seed", "config_overrides") if k in differ}
         if built:  # (a built-in base of another seed, a base of other overrides: other weights or numbers)
             rank_zero_warn("this checkpoint's adapters were trained on a base built with "
@@ -2318,11 +2342,13 @@ class MultiLoRAMixin:
                              f"module: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in sorted(differ.items()))}); "
                              "resume with the `base_model` (and `config_overrides`) it was trained with")
         trainer = self._trainer_or_none()
-        if trainer is None and checkpoint.get("world_size", 1) > 1:  # (its other ranks' adapters: not in this file)
+        if self._placement() is None and checkpoint.get("world_size", 1) > 1:  # (its other ranks' adapters: not in
+            # this file; the strategy reads the folder whole)
+            reader = "`load_from_checkpoint`" if trainer is None else "a fit without adapter parallelism"
             raise ValueError(f"this is rank {checkpoint.get('rank')}'s file of an adapter-parallel checkpoint of "
-                             f"{checkpoint['world_size']} ranks, which `load_from_checkpoint` cannot read whole: give "
-                             "its folder to a fit as `ckpt_path` under strategy='adapter_parallel' (over any number of "
-                             "processes, one included)")
+                             f"{checkpoint['world_size']} ranks, which {reader} cannot read whole: give its folder "
+                             "to a fit as `ckpt_path` under strategy='adapter_parallel' (over any number of processes, "
+                             "one included)")
         for callback in (trainer.callbacks if trainer is not None else []):  # (before Lightning matches their states)
             getattr(callback, "adopt_checkpoint_state", lambda checkpoint: None)(checkpoint)
         # `load_from_checkpoint` (no trainer): a fit without `ckpt_path` goes on as a resume does, as another fit of
@@ -2547,12 +2573,43 @@ def _spec_changes(old: AdapterSpec, new: AdapterSpec) -> str:
 
 
 def _optimizer_classes(optimizer: Optional[torch.optim.Optimizer]) -> Optional[list[str]]:
-    """The names of an optimizer's classes, its bases that are optimizers too (GroupedAdamW's: AdamW...), whose
-    states are alike: another optimizer's state shares none of them."""
+    """The names (``module:qualname``) of an optimizer's classes, its bases that are optimizers too (GroupedAdamW's:
+    AdamW...), whose states are alike: another optimizer's state shares none of them. bitsandbytes' optimizers share
+    generic bases whatever their algorithm (Lion8bit's and AdamW8bit's: ``Optimizer8bit``), and name their state by
+    algorithm and bits: those bases are left out, and that name is added (PagedAdamW8bit's and AdamW8bit's states
+    are alike; bitsandbytes' AdamW and torch's AdamW, or its 32-bit and 8-bit AdamW, are not)."""
     if optimizer is None:
         return None
-    return [c.__qualname__ for c in type(optimizer).__mro__
-            if issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer]
+    names = [f"{c.__module__}:{c.__qualname__}" for c in type(optimizer).__mro__
+             if issubclass(c, torch.optim.Optimizer) and c is not torch.optim.Optimizer
+             and not (c.__module__.startswith("bitsandbytes.") and c.__qualname__ in _BNB_GENERIC_BASES)]
+    algorithm, args = getattr(optimizer, "optimizer_name", None), getattr(optimizer, "args", None)
+    if type(optimizer).__module__.startswith("bitsandbytes.") and algorithm is not None:
+        names.append(f"bitsandbytes:{algorithm} {getattr(args, 'optim_bits', 32)}-bit state")
+    return names
+
+
+_BNB_GENERIC_BASES = ("Optimizer1State", "Optimizer2State", "Optimizer8bit")
+
+
+def _shown(classes: list[str]) -> str:
+    """An optimizer's class (`_optimizer_classes`' first) as a message names it: its qualname, with its package where
+    two packages have one of that name (bitsandbytes' AdamW, torch's)."""
+    module, _, name = classes[0].rpartition(":")
+    return f"{module.partition('.')[0]}.{name}" if module.startswith("bitsandbytes") else name
+
+
+def _states_alike(saved: list[str], now: list[str]) -> bool:
+    """Whether a checkpoint's optimizer (`_optimizer_classes`) and this one share a state layout. Modules tell apart
+    torch's and bitsandbytes' classes only (their AdamWs); one's own optimizer is matched by its name (its module is
+    ``__main__`` in a script, another where imported); so is a checkpoint that named classes without their modules
+    (written before they were named so)."""
+    def keys(names: list[str], qualified: bool) -> set[str]:
+        return {name if qualified and name.startswith(("torch.", "bitsandbytes")) else name.rpartition(":")[2]
+                for name in names}
+
+    qualified = any(":" in name for name in saved)
+    return bool(keys(saved, qualified) & keys(now, qualified))
 
 
 def _as_loaded(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> dict[str, Any]:
@@ -2586,9 +2643,10 @@ def _match_optimizer_state(checkpoint: dict[str, Any], optimizer: torch.optim.Op
     own = {"params", "adapter", "name", "lr", "initial_lr", "weight_decay", *IMPLEMENTATION_FLAGS}  # (per adapter)
     pairs = [(by_name[g["adapter"]], g) for g in optimizer.param_groups if g.get("adapter") in by_name]
     now = _optimizer_classes(optimizer)
-    if saved_classes and not set(saved_classes) & set(now):  # (a checkpoint written before they were saved: kept)
-        rank_zero_warn(f"the checkpoint's optimizer state is {saved_classes[0]}'s, and the optimizer now is "
-                       f"{now[0]}: every adapter's optimizer state starts fresh")
+    if saved_classes and not _states_alike(saved_classes, now):  # (a checkpoint written before they were saved:
+        # kept)
+        rank_zero_warn(f"the checkpoint's optimizer state is {_shown(saved_classes)}'s, and the optimizer now is "
+                       f"{_shown(now)}: every adapter's optimizer state starts fresh")
         checkpoint["optimizer_states"] = [optimizer.state_dict(), *states[1:]]
         return
     differ = [(old, new, _as_loaded(optimizer, old)) for old, new in pairs]

@@ -144,6 +144,43 @@ def test_a_slot_freed_at_the_validation_after_the_last_step_is_not_filled(tmp_pa
     assert module.registry["second"].state == AdapterState.QUEUED and module.registry["second"].export_path is None
 
 
+def test_a_slot_refilled_at_a_validation_step_is_not_measured_untrained(tmp_path, trainer_kwargs):
+    """An adapter started at a step that also validates (a slot freed by one that finished there) has taken no step:
+    that validation leaves it out, so its initialisation's loss is neither in its history nor its best (nor, stopped
+    before it is measured, what it exports); it is measured from its first own validation on."""
+    seen: list[tuple[int, list[str]]] = []
+
+    class Watch(Callback):
+        def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0):
+            seen.append((trainer.global_step, list(batch["layout"].names)))
+
+    specs = [AdapterSpec("first", max_steps=4, rank=2), AdapterSpec("refill", max_steps=8, rank=2, lr=1e-2)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, max_running=1, export_dir=str(tmp_path / "out"))
+    L.Trainer(**{**trainer_kwargs, "val_check_interval": 4}, callbacks=[Watch()]).fit(module, small_dm())
+    refill = module.registry["refill"]
+    assert refill.spans[0][0] == 4 and refill.state == AdapterState.FINISHED
+    assert [step for step, names in seen if "refill" in names] and all(
+        step > 4 for step, names in seen if "refill" in names)  # (not in the validation at the step it started)
+    assert [s for s, _ in refill.val_losses] == [4, 8] and refill.best_val_step in (4, 8)
+
+
+def test_a_measure_outside_the_validation_loop_takes_its_precision(tmp_path, trainer_kwargs):
+    """The losses the module measures itself (the adapters held when a Trainer's ``max_steps`` stops the fit; at a
+    step's end, under adapter parallelism, those finishing together) are taken in the validation loop's precision:
+    under "bf16-mixed" its autocast, the loss `trainer.validate` gives."""
+    specs = [AdapterSpec("a", max_steps=10, rank=4, lr=1e-2), AdapterSpec("b", max_steps=10, rank=2, seed=3)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path / "out"))
+    kwargs = {**trainer_kwargs, "precision": "bf16-mixed"}
+    L.Trainer(**{**kwargs, "max_steps": 3}).fit(module, small_dm())
+    held = {name: json.loads((Path(module.registry[name].export_path) / "multilora_export.json").read_text())
+            ["val_loss"] for name in ("a", "b")}  # (the export's loss: its weights', measured as the fit stopped)
+    assert all(module.registry[name].step == 3 and math.isfinite(held[name]) for name in held)
+    measured = L.Trainer(**kwargs).validate(module, small_dm())[0]
+    assert held == pytest.approx({name: measured[f"adapters/{name}/val_loss"] for name in held}, rel=1e-6)
+    fp32 = L.Trainer(**trainer_kwargs).validate(module, small_dm())[0]
+    assert held["a"] != pytest.approx(fp32["adapters/a/val_loss"], rel=1e-6)  # (the precision matters here)
+
+
 def test_queue_respects_max_running_and_backfills(tmp_path, trainer_kwargs):
     specs = [AdapterSpec(f"q{i}", rank=2, batch_size=1, max_steps=3 + i, seed=i) for i in range(5)]
     seen: list[tuple[str, ...]] = []
@@ -1858,6 +1895,102 @@ def test_a_resume_with_another_optimizer_or_its_settings_says_what_it_keeps(tmp_
         trainer.fit(module, small_dm(), ckpt_path=str(tmp_path / "adam.ckpt"))
 
 
+def test_a_resume_names_a_quantized_bases_compute_dtype_and_an_8bit_base(tmp_path, trainer_kwargs):
+    """A 4-bit base's identity named its type alone (nf4 computing in bfloat16 resumed in float32: silent), an 8-bit
+    base's the dtype of its other weights (as a float32 base's). A checkpoint that named the type alone still resumes
+    on that type silently."""
+    pytest.importorskip("bitsandbytes")
+    a = AdapterSpec("a", rank=2, max_steps=4)
+    kwargs = dict(adapters=[a], validate_on_finish=False, quantization="nf4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a 4-bit base on the CPU)
+        first = MultiLoRAModule("tiny-llama", dtype="bfloat16", **kwargs)
+        assert first._base_identity()["weights"] == "nf4 computing in bfloat16"
+        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+        trainer.fit(first, small_dm())
+        trainer.save_checkpoint(tmp_path / "c.ckpt")
+        resumed = MultiLoRAModule("tiny-llama", dtype="float32", **kwargs)
+    with pytest.warns(UserWarning, match=r"held as nf4 computing in bfloat16 and resume on it held as nf4 computing "
+                                         r"in float32"):
+        L.Trainer(**trainer_kwargs).fit(resumed, small_dm(), ckpt_path=str(tmp_path / "c.ckpt"))
+    checkpoint = torch.load(tmp_path / "c.ckpt", weights_only=False)
+    checkpoint["multilora"]["base"]["weights"] = "nf4"  # (as a checkpoint written before named it)
+    torch.save(checkpoint, tmp_path / "old.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = MultiLoRAModule("tiny-llama", dtype="bfloat16", **kwargs)
+        L.Trainer(**trainer_kwargs).fit(again, small_dm(), ckpt_path=str(tmp_path / "old.ckpt"))
+    assert not [w for w in caught if "held as" in str(w.message)] and again.registry["a"].step == 4
+    from transformers import BitsAndBytesConfig
+
+    from lightning_multilora.base_model import build_base_model
+
+    def int8():
+        model = build_base_model("tiny-llama", quantization=None)
+        model.config.quantization_config = BitsAndBytesConfig(load_in_8bit=True)  # (how transformers marks one)
+        return model
+
+    module = MultiLoRAModule(int8(), adapters=[a], validate_on_finish=False)
+    assert module._base_identity()["weights"] == "int8 beside float32"
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(module, small_dm())
+    trainer.save_checkpoint(tmp_path / "int8.ckpt")
+    checkpoint = torch.load(tmp_path / "int8.ckpt", weights_only=False)
+    checkpoint["multilora"]["base"]["weights"] = "float32"  # (as a checkpoint written before named an 8-bit base)
+    torch.save(checkpoint, tmp_path / "int8.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(**trainer_kwargs).fit(MultiLoRAModule(int8(), adapters=[a], validate_on_finish=False), small_dm(),
+                                        ckpt_path=str(tmp_path / "int8.ckpt"))
+    assert not [w for w in caught if "held as" in str(w.message)]
+
+
+def test_a_resume_tells_bitsandbytes_optimizers_apart_by_their_state(tmp_path, trainer_kwargs):
+    """bitsandbytes' AdamW and torch's share a class name, and every bitsandbytes optimizer generic bases
+    (Optimizer8bit): torch's AdamW -> bitsandbytes' AdamW failed at the first step (KeyError: 'state1'), AdamW8bit ->
+    Lion8bit went on with AdamW's moments as Lion's. Those start fresh, with a warning; states alike go on (a paged
+    optimizer's and its unpaged twin's; a checkpoint that named its classes without their modules)."""
+    pytest.importorskip("bitsandbytes")
+    specs = [AdapterSpec("a", rank=2, max_steps=6)]
+
+    def saved(optimizer, name, classes=None):
+        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+        trainer.fit(MultiLoRAModule("tiny-llama", adapters=specs, optimizer=optimizer, validate_on_finish=False),
+                    small_dm())
+        trainer.save_checkpoint(tmp_path / name)
+        if classes is not None:  # (as an older checkpoint names them)
+            checkpoint = torch.load(tmp_path / name, weights_only=False)
+            checkpoint["multilora"]["optimizer_classes"] = classes
+            torch.save(checkpoint, tmp_path / name)
+        return str(tmp_path / name)
+
+    def resumed(optimizer, path):
+        module = MultiLoRAModule("tiny-llama", adapters=specs, optimizer=optimizer, validate_on_finish=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path=path)
+        assert module.registry["a"].state == AdapterState.FINISHED and module.registry["a"].step == 6
+        return [str(w.message) for w in caught if "optimizer state starts fresh" in str(w.message)]
+
+    torch_adamw, bnb_adamw = saved("torch.optim.AdamW", "torch.ckpt"), saved("bitsandbytes.optim.AdamW", "bnb.ckpt")
+    assert resumed("bitsandbytes.optim.AdamW", torch_adamw) == [
+        "the checkpoint's optimizer state is AdamW's, and the optimizer now is bitsandbytes.AdamW: every adapter's "
+        "optimizer state starts fresh"]
+    assert resumed("torch.optim.AdamW", bnb_adamw)
+    adamw8 = saved("bitsandbytes.optim.AdamW8bit", "adamw8.ckpt")
+    assert resumed("bitsandbytes.optim.Lion8bit", adamw8) and resumed("bitsandbytes.optim.AdamW", adamw8)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*paged.*", category=UserWarning)  # (no paging on the CPU)
+        assert resumed("bitsandbytes.optim.PagedAdamW8bit", adamw8) == []
+    assert resumed("torch.optim.AdamW", saved("torch.optim.AdamW", "old.ckpt", ["AdamW", "Adam"])) == []
+    from lightning_multilora.module import _states_alike
+
+    # one's own optimizer, saved from a script (its module __main__) and resumed where it is imported: alike
+    assert _states_alike(["__main__:SignSGD"], ["myopt:SignSGD"])
+    assert not _states_alike(["torch.optim.adamw:AdamW"], ["bitsandbytes.optim.adamw:AdamW", "bitsandbytes:adam "
+                                                                                              "32-bit state"])
+
+
 def test_a_resume_names_queued_adapters_no_longer_given_and_running_ones_over_the_cap(tmp_path, trainer_kwargs):
     """A checkpoint's queued adapter left out of the adapters given now still trained, and a lower `max_running`
     left the checkpoint's running adapters over it; neither was said."""
@@ -2242,6 +2375,12 @@ def test_load_from_checkpoint_names_an_adapter_parallel_checkpoint(tmp_path, tra
                                          r"`load_from_checkpoint` cannot read whole: give its folder to a fit"):
         MultiLoRAModule.load_from_checkpoint(folder / "rank1.ckpt")
     assert MultiLoRAModule.load_from_checkpoint(folder / "rank0.ckpt").registry["a"].step == 2  # (one process's)
+    # a fit of one process resuming from that file: its adapters were "lacking" (the other ranks' are in their files)
+    with pytest.raises(ValueError, match=r"this is rank 1's file of an adapter-parallel checkpoint of 2 ranks, which "
+                                         r"a fit without adapter parallelism cannot read whole: give its folder"):
+        L.Trainer(**{**trainer_kwargs, "max_steps": 3}).fit(
+            MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=4)]), small_dm(),
+            ckpt_path=folder / "rank1.ckpt")
     with pytest.raises(TypeError, match="cannot be called on an instance"):  # (Lightning's guard, kept)
         MultiLoRAModule("tiny-llama").load_from_checkpoint(folder / "rank0.ckpt")
 

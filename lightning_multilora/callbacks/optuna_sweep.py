@@ -733,6 +733,11 @@ class OptunaSweep(Callback):
             rec.best_val_loss = min(rec.best_val_loss, trial.value)
         rec.step = int(ended.get("step", rec.step))
         rec.export_path = ended.get("export_path")
+        if rec.export_path is not None and ended.get("exported_step") is not None:  # what its export holds, as the
+            # run that exported it reported it (a study written before the step was kept: its best or last, as before)
+            rec.exported_step = ended["exported_step"]
+            rec.exported_val_loss = float(ended.get("export_loss", math.nan))
+            rec.exported_val_preference_accuracy = float(ended.get("val_preference_accuracy", math.nan))
         return rec.state_dict()
 
     def _fail(self, trial_id: int, number: int, reason: str, rec: Optional[AdapterRecord] = None) -> None:
@@ -743,8 +748,11 @@ class OptunaSweep(Callback):
         try:
             self.study._storage.set_trial_user_attr(trial_id, "fail_reason", reason)
             if rec is not None and rec.export_path is not None:  # (what it trained, where the study can find it)
-                self.study._storage.set_trial_user_attr(trial_id, "adapter_exit", {
-                    "state": rec.state.value, "reason": reason, "step": rec.step, "export_path": rec.export_path})
+                exit_info = {"state": rec.state.value, "reason": reason, "step": rec.step,
+                             "export_path": rec.export_path, "exported_step": rec.exported_step}
+                if not math.isnan(rec.exported_val_loss):  # (inf: its export measured, not finite)
+                    exit_info["export_loss"] = rec.exported_val_loss
+                self.study._storage.set_trial_user_attr(trial_id, "adapter_exit", exit_info)
         except optuna.exceptions.UpdateFinishedTrialError:
             return  # finished by another process meanwhile (`_lost`)
         self._tell(number, state=optuna.trial.TrialState.FAIL)
@@ -952,9 +960,10 @@ class OptunaSweep(Callback):
         # earlier validation's loss is other weights': with `validate_on_finish=False` the trial has none)
         exported = "best" if getattr(pl_module, "keep_best_weights", False) else "last"
         value = exported_loss(rec, exported)
-        exit_info = {"state": rec.state.value, "reason": rec.reason, "step": rec.step, "export_path": rec.export_path}
-        if math.isfinite(value):  # (a PRUNED trial's too: its study value is its last report, its export its best)
-            exit_info["export_loss"] = value
+        exit_info = {"state": rec.state.value, "reason": rec.reason, "step": rec.step, "export_path": rec.export_path,
+                     "exported_step": rec.exported_step}
+        if not math.isnan(value):  # (a PRUNED trial's too: its study value is its last report, its export its best;
+            exit_info["export_loss"] = value  # inf: measured, not finite)
         accuracy = exported_accuracy(rec, exported)
         if math.isnan(value) and rec.val_losses and rec.state in COMPLETE_STATES:  # (its export not validated:
             # `validate_on_finish=False`; its last validation's value, said, rather than none for every trial)

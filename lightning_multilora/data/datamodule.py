@@ -120,7 +120,7 @@ class _ValBatches(IterableDataset):
         self.datamodule = datamodule
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        batches = self.datamodule.val_batches(self.datamodule.running_specs())
+        batches = self.datamodule.val_batches(self.datamodule.running_specs(validation=True))
         module = self.datamodule.trainer.lightning_module if self.datamodule.trainer is not None else None
         align = getattr(module, "align_batches", None)  # adapter parallelism: the same count on every rank
         return iter(align(list(batches))) if align is not None else batches
@@ -574,13 +574,16 @@ class MultiLoRADataModule(L.LightningDataModule):
 
     # -- Lightning hooks ------------------------------------------------------------------------
 
-    def running_specs(self) -> list["AdapterSpec"]:
+    def running_specs(self, validation: bool = False) -> list["AdapterSpec"]:
+        """The module's adapters of the next packed batch (`packing_roster`), or (``validation``) of the next
+        validation (`validation_roster`, where the module has one)."""
         if self.trainer is None:
             raise RuntimeError("MultiLoRADataModule needs a Trainer with a MultiLoRA module attached")
         module = self.trainer.lightning_module
         if not hasattr(module, "packing_roster"):
             raise TypeError(f"{type(module).__name__} is not a MultiLoRAMixin module (no `packing_roster`)")
-        return module.packing_roster()
+        roster = getattr(module, "validation_roster", None) if validation else None
+        return roster() if roster is not None else module.packing_roster()
 
     @override
     def setup(self, stage: str) -> None:

@@ -214,10 +214,19 @@ class AnalyticMemoryModel:
     @classmethod
     def of_module(cls, module: Any, **fields: Any) -> "AnalyticMemoryModel":
         """The model of a `MultiLoRAModule`'s base as it was built (or of a Hugging Face model): its shape from its
-        config, its base's weights measured (their dtype, a 4-bit base's blocks and the layers it keeps wide, every
-        expert), its gradient checkpointing, and activations in the dtype it computes in. ``fields`` override any
-        (``activation_bytes=2`` for a float32 base trained under ``precision="bf16-mixed"``; ``loss_chunk_tokens``).
-        The defaults of `AnalyticMemoryModel` itself are a bf16 base with checkpointing, not the module's."""
+        config, its base's weights measured (their dtype, a 4-bit base's blocks and their quantization state, an 8-bit
+        base's row scales, the layers it keeps wide, every expert), its gradient checkpointing, and activations in
+        the dtype it computes in (a 4-bit base's ``bnb_4bit_compute_dtype``; any other's, its weights' that are not
+        quantized). ``fields`` override any (``activation_bytes=2`` for a float32 base trained under
+        ``precision="bf16-mixed"``; ``loss_chunk_tokens``). The defaults of `AnalyticMemoryModel` itself are a bf16
+        base with checkpointing, not the module's.
+
+        ``optimizer_states``: of a module stepping a bitsandbytes optimizer (its ``optimizer_class``), that
+        optimizer's states (one for Lion, SGD, RMSprop..., two for Adam / AdamW / LAMB, three for AdEMAMix), a
+        quarter each where it keeps them in 8 bits (``*8bit``, or ``optimizer_kwargs`` ``optim_bits=8``: one byte
+        beside the adapters' four; bitsandbytes keeps a tensor under its ``min_8bit_size``, 4096 elements, in 32
+        bits, which this does not count). Of any other optimizer, or a Hugging Face model, AdamW's two: pass
+        ``optimizer_states`` for one that keeps another count (SGD without momentum 0, Adagrad 1)."""
         import torch
 
         model = getattr(getattr(module, "lora_layers", None), "model", None)  # (a module's base; a Hugging Face
@@ -233,18 +242,24 @@ class AnalyticMemoryModel:
             kept = [t for name, t in (*model.named_parameters(), *model.named_buffers()) if "lora_" not in name]
         frozen = {id(t): t for t in kept}.values()  # (tied weights once)
         quant = getattr(config, "quantization_config", None)
-        compute = (quant.get("bnb_4bit_compute_dtype") if isinstance(quant, Mapping)
-                   else getattr(quant, "bnb_4bit_compute_dtype", None))  # (a 4-bit base computes in it)
+        setting = quant.get if isinstance(quant, Mapping) else lambda key: getattr(quant, key, None)
+        # (a 4-bit base computes in its compute dtype; an 8-bit one's config holds the 4-bit default, float32, too)
+        compute = setting("bnb_4bit_compute_dtype") if quant is not None and setting("load_in_4bit") else None
         if isinstance(compute, str):
             compute = getattr(torch, compute.removeprefix("torch."), None)
         floats = [t.dtype for t in frozen if t.is_floating_point() and isinstance(t, torch.nn.Parameter)] or [
             t.dtype for t in frozen if t.is_floating_point()]  # (the weights' dtype, not a float32 buffer's)
         dtype = compute if isinstance(compute, torch.dtype) else max(set(floats), key=floats.count, default=None)
-        values: dict[str, Any] = dict(shape=ModelShape.from_config(config),
-                                      base_weight_bytes=float(sum(t.numel() * t.element_size() for t in frozen)),
+        held = sum(t.numel() * t.element_size() for t in frozen) + sum(
+            t.numel() * t.element_size() for t in _quantization_tensors(model, frozen))
+        values: dict[str, Any] = dict(shape=ModelShape.from_config(config), base_weight_bytes=float(held),
                                       gradient_checkpointing=_checkpointing(model))
         if dtype is not None:
             values["activation_bytes"] = float(torch.finfo(dtype).bits // 8)
+        states = _optimizer_states(getattr(module, "optimizer_class", None), getattr(module, "optimizer_kwargs", None),
+                                   fields.get("adapter_bytes_per_param", cls.adapter_bytes_per_param))
+        if states is not None:
+            values["optimizer_states"] = states
         return cls(**{**values, **fields})
 
     def base_bytes(self) -> float:
@@ -316,6 +331,56 @@ class AnalyticMemoryModel:
 
         predict.analytic = self  # type: ignore[attr-defined]  # (the module checks it against its base: `_admit`)
         return predict
+
+
+def _quantization_tensors(model: Any, counted: Any) -> list[Any]:
+    """The tensors a bitsandbytes base holds beside its parameters and buffers (``counted``): a 4-bit weight's
+    quantization state (``quant_state``: its blocks' ``absmax``, its ``code`` and, double-quantized, the nested state's
+    own ``absmax`` and ``code`` and its ``offset``), and an 8-bit weight's row scales (``SCB``, on the weight or, after
+    the layer's first forward, on its ``state``): each once."""
+    import torch
+
+    seen = {id(t) for t in counted}
+    found: list[Any] = []
+
+    def add(value: Any) -> None:
+        if isinstance(value, torch.Tensor) and id(value) not in seen:
+            seen.add(id(value))
+            found.append(value)
+
+    def add_state(state: Any, depth: int = 0) -> None:
+        if state is None or depth > 2 or not hasattr(state, "__dict__"):
+            return
+        for value in vars(state).values():
+            add(value)
+        add_state(getattr(state, "state2", None), depth + 1)
+
+    for tensor in counted:
+        add_state(getattr(tensor, "quant_state", None))
+        add(getattr(tensor, "SCB", None))
+    for layer in model.modules():
+        add(getattr(getattr(layer, "state", None), "SCB", None))  # (bitsandbytes' `MatmulLtState`)
+    return found
+
+
+def _optimizer_states(optimizer_class: Any, kwargs: Any, adapter_bytes: float) -> Optional[float]:
+    """A bitsandbytes optimizer class's states, in adapter parameters' sizes (``adapter_bytes`` each): one state
+    (`Optimizer1State`: Lion, SGD, RMSprop, Adagrad, LARS), two (`Optimizer2State`: Adam, AdamW, LAMB) or three
+    (AdEMAMix: two first moments), each of one byte where it keeps them in 8 bits (a ``*8bit`` class, or
+    ``optim_bits=8`` among ``kwargs``), else of four. None for any other class (AdamW's default stands)."""
+    if not isinstance(optimizer_class, type):
+        return None
+    names = [klass.__name__ for klass in optimizer_class.__mro__ if klass.__module__.split(".")[0] == "bitsandbytes"]
+    if "Optimizer1State" in names:
+        count = 1
+    elif "Optimizer2State" in names:
+        count = 3 if "AdEMAMix" in names else 2  # (its first state a double buffer; AdEMAMix32bit allocates two)
+    else:
+        return None
+    if isinstance(adapter_bytes, bool) or not isinstance(adapter_bytes, (int, float)) or not adapter_bytes > 0:
+        return None  # (a wrong `adapter_bytes_per_param`: refused by the model's own checks)
+    eight = optimizer_class.__name__.endswith("8bit") or (isinstance(kwargs, Mapping) and kwargs.get("optim_bits") == 8)
+    return count * (1.0 if eight else 4.0) / adapter_bytes
 
 
 def _checkpointing(model: Any) -> bool:

@@ -89,10 +89,26 @@ def _mismatch(path: Path, size: int, files: Sequence[Path], parts: Sequence[Mapp
     return None
 
 
+def _local(path: Any, done: str) -> str:
+    """``path`` as a local path: an adapter-parallel checkpoint is a folder of one file per rank, written and read
+    with local file operations (a URL's "s3://bucket/x" would be written as the local folder "s3:/bucket/x")."""
+    from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+
+    if not _is_local_file_protocol(str(path)):
+        raise ValueError(f"an adapter-parallel checkpoint is {done} as a folder on a file system every rank sees, not "
+                         f"through a URL: got {str(path)!r}; give a local or mounted path (ModelCheckpoint's "
+                         "`dirpath`, the `ckpt_path`)")
+    path = str(path)
+    return path[len("file://"):] if path.startswith("file://") else path
+
+
 def assign_adapters(specs: Sequence[AdapterSpec], num_ranks: int,
                     current: Optional[Mapping[str, int]] = None) -> dict[str, int]:
     """A disjoint, balanced owner for every adapter: adapters already placed stay; new ones go, largest batch
-    first, to the rank that already holds that batch size and has the least rows, else the least-loaded rank."""
+    first, to the rank that already holds that batch size and has the least rows where that leaves the most rows a
+    rank holds no higher than the least-loaded rank would, else the least-loaded rank. (The module places adapters
+    as they start, one after the other: a rank of the same batch size taken whatever its load put two 8-row
+    adapters on one rank and a 1-row one on the other.)"""
     if num_ranks < 1:
         raise ValueError(f"`num_ranks` must be >= 1, got {num_ranks}")
     owner = dict(current or {})
@@ -104,8 +120,9 @@ def assign_adapters(specs: Sequence[AdapterSpec], num_ranks: int,
             load[rank] += by_name[name].rows_per_step
             sizes[rank].add(by_name[name].batch_size)
     for spec in sorted((s for s in specs if s.name not in owner), key=lambda s: (-s.batch_size, s.name)):
-        least = min(load)
-        same = [r for r in range(num_ranks) if spec.batch_size in sizes[r] and load[r] < least + spec.rows_per_step]
+        rows = spec.rows_per_step
+        bound = max(max(load), min(load) + rows)  # the most rows a rank holds with this one on the least-loaded
+        same = [r for r in range(num_ranks) if spec.batch_size in sizes[r] and load[r] + rows <= bound]
         rank = min(same, key=lambda r: (load[r], r)) if same else min(range(num_ranks), key=lambda r: (load[r], r))
         owner[spec.name] = rank
         load[rank] += spec.rows_per_step
@@ -153,6 +170,27 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         self.shard_size = shard_size
         self.owner: dict[str, int] = {}
         self.resized_from: Optional[int] = None  # the ranks that wrote the checkpoint resumed, where not this run's
+        self._sigterm_pending = False  # (`_sigterm_notifier`: a SIGTERM this rank has had, not yet shared)
+        self._signal_connector: Any = None
+
+    def setup(self, trainer: Any) -> None:
+        # Lightning's SIGTERM handler broadcasts from inside the handler: a rank signalled while it waits in another
+        # collective (this strategy's per-step `exchange`) then waited for ever, its peers in that collective. Here
+        # the handler notes the signal (and stops the launcher's processes, as Lightning's does), and `exchange`,
+        # which every rank reaches at each step's end, sets `trainer.received_sigterm` on every rank at once: all
+        # of them stop after the same step.
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None:
+            self._signal_connector = connector
+            self._sigterm_pending = False
+            connector._sigterm_notifier_fn = self._sigterm_notifier  # (registered after this: `Trainer._run`)
+        super().setup(trainer)
+
+    def _sigterm_notifier(self, signum: Any, frame: Any) -> None:
+        connector = self._signal_connector
+        if not (self._sigterm_pending or connector.received_sigterm) and self.launcher is not None:
+            self.launcher.kill(signum)
+        self._sigterm_pending = True
 
     def setup_environment(self) -> None:
         world = self.num_processes * self.num_nodes
@@ -220,7 +258,7 @@ class AdapterParallelStrategy(ModelParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """``filepath`` becomes a folder with ``rank<r>.ckpt`` per rank: its adapters, optimizer state and the
         (shared) registry."""
-        path = Path(self.broadcast(str(filepath)))
+        path = Path(self.broadcast(_local(filepath, "written")))
         if path.is_file():
             self.barrier("adapter_parallel_ckpt")
             if self.global_rank == 0:
@@ -252,7 +290,7 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         ``rank0.ckpt``'s size and step (the folder is on storage every rank sees)."""
         from lightning_multilora.strategies.rank_checkpoints import merge_rank_checkpoints
 
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = Path(self.broadcast(_local(checkpoint_path, "read")))
         self.resized_from = None
         if path.is_file():  # a single-process checkpoint: its adapters placed on this run's ranks
             part = _load(path)
@@ -361,14 +399,17 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         return self.owner.get(name) == self.global_rank
 
     def exchange(self, updates: dict[str, Any]) -> dict[str, Any]:
-        """Every rank's ``updates`` (its own adapters' progress), merged."""
+        """Every rank's ``updates`` (its own adapters' progress), merged; and whether any rank has had a SIGTERM
+        (`setup`): then every rank's Trainer has ``received_sigterm`` from here."""
         import torch.distributed as dist
 
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, updates)
+        dist.all_gather_object(gathered, (self._sigterm_pending, updates))
         merged: dict[str, Any] = {}
-        for part in gathered:
+        for _, part in gathered:
             merged.update(part)
+        if any(pending for pending, _ in gathered) and self._signal_connector is not None:
+            self._signal_connector.received_sigterm = True
         return merged
 
     def decide_on_rank_zero(self, decide: Callable[[], T]) -> T:

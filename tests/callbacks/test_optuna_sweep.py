@@ -12,7 +12,7 @@ optuna = pytest.importorskip("optuna")  # absent on the GPU image; installed by 
 
 from lightning_multilora import MultiLoRADataModule, MultiLoRAModule, OptunaSweep, WarmupSelection
 from lightning_multilora.data import GeneratedArithmetic
-from lightning_multilora.registry import AdapterState
+from lightning_multilora.registry import AdapterRecord, AdapterState
 
 SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
          "rank": {"type": "categorical", "choices": [2, 4]}}
@@ -821,6 +821,17 @@ def test_trials_told_after_the_checkpoint_are_in_the_resumed_runs_registry_and_r
         assert rec.spec.lr == trial.params["lr"] and rec.spec.rank == trial.params["rank"]
         assert rec.last_val_loss == pytest.approx(trial.value) and rec.step == 6
         assert rec.export_path == str(tmp_path / "out" / f"trial-{number}")
+        row = next(r for r in report.rows if r["adapter"] == f"trial-{number}")  # (as the first run reported it)
+        assert row["exported_step"] == 6 and row["exported_val_loss"] == pytest.approx(trial.value)
+    # a study written before the exported step was kept: the record's best or last loss, as then (not the last step)
+    old = optuna.trial.create_trial(params=study.trials[2].params, distributions=study.trials[2].distributions,
+                                    value=1.0, intermediate_values={2: 1.0, 4: 2.0}, user_attrs={"adapter_exit": {
+                                        "state": "finished", "reason": "reached max_steps=4", "step": 4,
+                                        "export_path": "/x/trial-9"}})
+    reader = sweep()
+    reader.study = study
+    rec = AdapterRecord.from_state_dict(reader._told_record(module, old))
+    assert rec.exported_step is None and rec.best_val_step == 2 and rec.best_val_loss == 1.0
 
 
 class _RecordingPruner(optuna.pruners.BasePruner):
@@ -916,11 +927,11 @@ def _pruned_study(tmp_path, trainer_kwargs, max_steps):
 
 
 def test_trials_started_at_a_validation_are_pruned_on_values_of_their_own_steps(tmp_path, trainer_kwargs):
-    """Adapters of 8 steps, validation every 4: the trials refilled at step 8 are validated there at their step 0
-    (their base model's loss), then at their step 4, which the first trials reported too. Validations are reported
-    at the adapter's own step, none at step 0: periodic ones were rounded down to the interval, so that one study
-    step held losses after different numbers of steps (a soak of 30 trials that trained identically pruned 21 of
-    them, on when they started), and an untrained adapter's loss was reported at step 0 (and pruned on)."""
+    """Adapters of 8 steps, validation every 4: the trials refilled at step 8 are not validated there, at their step 0
+    (`MultiLoRAModule.validation_roster`), but at their step 4, which the first trials reported too. Validations are
+    reported at the adapter's own step, none at step 0: periodic ones were rounded down to the interval, so that one
+    study step held losses after different numbers of steps (a soak of 30 trials that trained identically pruned 21
+    of them, on when they started), and an untrained adapter's loss was reported at step 0 (and pruned on)."""
     study, module = _pruned_study(tmp_path, trainer_kwargs, max_steps=8)
     states = {t.number: t.state for t in study.get_trials()}
     assert states == {0: optuna.trial.TrialState.COMPLETE, 1: optuna.trial.TrialState.COMPLETE,
@@ -928,7 +939,7 @@ def test_trials_started_at_a_validation_are_pruned_on_values_of_their_own_steps(
     for number in (2, 3):
         rec = module.registry[f"trial-{number}"]
         assert rec.spans[0][0] == 8 and rec.step == 4 and "MedianPruner at step 4" in rec.reason
-        assert 0 in dict(rec.val_losses) and sorted(study.trials[number].intermediate_values) == [4]
+        assert 0 not in dict(rec.val_losses) and sorted(study.trials[number].intermediate_values) == [4]
         assert study.trials[number].intermediate_values[4] == pytest.approx(dict(rec.val_losses)[4])
     assert sorted(study.trials[0].intermediate_values) == [4, 8]
 

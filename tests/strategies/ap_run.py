@@ -5,7 +5,7 @@
 MODE: parallel|single|stop|resume|resume_one|stop_single|resume_two|load_two|early_exit|early_exit_single|
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
 dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|
-remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke. Several modes run one after
+remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke|sigterm. Several modes run one after
 the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
 of processes), each from the same seeds and with its own records, as if alone.
 
@@ -38,7 +38,7 @@ The ``early_exit``, ``remove`` and ``end_eval`` modes log every step to a CSV an
 again from the step-2 checkpoint to the end. ``refit_on``: 2 steps, then the same module object fits again (a new
 Trainer and strategy, no checkpoint) to the end. ``disagree``: an adapter added after step 2 that rank 1's
 datamodule refuses (its data "gone" there) and rank 0's accepts. ``smoke``: ``fast_dev_run=2`` with no export
-folder given (the smoke run's temporary folder holds the exports).
+folder given (the smoke run's temporary folder holds the exports). ``sigterm``: SIGTERM to rank 0 after step 2.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -240,6 +240,24 @@ def run_mode(out: Path, mode: str) -> None:
             dirpath=out / f"ckpt_{mode}", monitor="adapters/a1/train_loss", every_n_train_steps=1, save_top_k=1)])
     if mode == "refit_on":
         kwargs.update(max_steps=2)
+    if mode == "sigterm":
+        import os
+        import signal
+        import time
+
+        import threading
+
+        class TermAtStep2(L.Callback):
+            """SIGTERM to rank 0 after step 2 while it waits in the step's exchange (rank 1 a second late to it)."""
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if trainer.global_step == 2:
+                    if trainer.global_rank == 0:
+                        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+                    else:
+                        time.sleep(1.0)
+
+        kwargs.update(callbacks=[TermAtStep2()])
     if mode == "smoke":
         kwargs.update(fast_dev_run=2)
     if mode == "disagree":
@@ -283,7 +301,12 @@ def run_mode(out: Path, mode: str) -> None:
             refusing.fit(module, dm)
         except ValueError as err:
             evaluated["refused"] = str(err)
-    trainer.fit(module, dm, ckpt_path=ckpt_path)
+    try:
+        trainer.fit(module, dm, ckpt_path=ckpt_path)
+    except BaseException as err:
+        if mode != "sigterm" or type(err).__name__ != "SIGTERMException":
+            raise
+        evaluated["stopped"] = f"{type(err).__name__} after step {trainer.global_step}"
     if mode == "refit":  # the same module object resumed in place from its step-2 checkpoint, and run to the end
         (ckpt_path,) = (out / "ckpt_refit").glob("*step=2*.ckpt")
         again = AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90))

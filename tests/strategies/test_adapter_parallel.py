@@ -35,6 +35,35 @@ def test_adapters_are_placed_disjoint_balanced_and_sticky():
     assert again["late"] == min((0, 1), key=lambda r: load[r])  # the least-loaded rank takes a newcomer
     with pytest.raises(ValueError, match="num_ranks"):
         assign_adapters(specs, 0)
+    # one after the other, as the module starts them: a rank of the same batch size only where that keeps balance
+    owner = {}
+    specs = [AdapterSpec("big1", batch_size=8), AdapterSpec("small", batch_size=1), AdapterSpec("big2", batch_size=8)]
+    for k in range(1, 4):
+        owner = assign_adapters(specs[:k], 2, owner)
+    assert owner["big1"] != owner["big2"]
+
+
+def test_a_checkpoint_url_is_refused_not_written_as_a_local_folder_of_its_name():
+    """"memory://ckpts/x" (or "s3://bucket/x") was written as the local folder "memory:/ckpts/x": a resume looking in
+    the bucket found nothing."""
+    strategy = AdapterParallelStrategy()
+    for call in (lambda path: strategy.save_checkpoint({}, path), strategy.load_checkpoint):
+        with pytest.raises(ValueError, match=r"not through a URL: got 's3://bucket/step=2.ckpt'; give a local"):
+            call("s3://bucket/step=2.ckpt")
+    from lightning_multilora.strategies.adapter_parallel import _local
+
+    assert _local("file:///tmp/x.ckpt", "read") == "/tmp/x.ckpt" and _local("rel/x.ckpt", "read") == "rel/x.ckpt"
+
+
+def test_a_sigterm_stops_every_rank_after_the_same_step_and_each_exports_its_adapters(runs):
+    """Lightning's handler broadcast from inside the signal handler: rank 0 signalled while rank 1 went into the
+    step's exchange waited in two different collectives until the timeout. The signal is now shared at the step's
+    exchange: both ranks stop after step 2, and every adapter is exported by its owner."""
+    ranks = [json.loads((runs / f"sigterm.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [rank["evaluated"]["stopped"] for rank in ranks] == ["SIGTERMException after step 2"] * 2
+    assert ranks[0]["exported"] == ranks[1]["exported"] and ranks[0]["owned"] and ranks[1]["owned"]
+    assert all(path and step == 2 for path, step in ranks[0]["exported"].values())
+    assert all((Path(path) / "adapter_model.safetensors").is_file() for path, _ in ranks[0]["exported"].values())
 
 
 def test_the_strategy_is_registered_by_name():
@@ -88,6 +117,7 @@ def runs(tmp_path_factory):
     run(out, *SINGLE_MODES)
     run(out, *TWO_RANK_MODES)
     run(out, *RESUME_MODES)
+    run(out, "sigterm")  # (processes of its own: the signal's handlers are the Trainer's while it runs)
     return out
 
 
