@@ -472,7 +472,7 @@ class MultiLoRAMixin:
             directory = own if own is not None and own.parent == root else root / name
             taken = directory
             version = 0
-            while self._folder_taken(directory, name, rec):
+            while self._folder_taken(directory, name, rec) or not self._claim(directory, name, rec):
                 version += 1
                 directory = root / f"{name}-v{version}"
             later = self._later_step(taken, name, rec.step) if version else None
@@ -501,9 +501,6 @@ class MultiLoRAMixin:
             warnings.warn(f"adapter {name!r}: its best-validation weights (step {rec.best_val_step}, validation loss "
                           f"{rec.best_val_loss:.4f}) were not kept ({why}): its weights of step {rec.step} are "
                           "written", stacklevel=2)
-        if own_folder:  # stamped first: a folder an interrupt leaves half-written is still known as this run's
-            directory.mkdir(parents=True, exist_ok=True)
-            (directory / _RUN_STAMP).write_text(f"{self._run_id}\n{name}\n{rec.step}\n")
         path = save_peft_adapter(directory, rec.spec, weights if weights is not None else
                                  self.lora_layers.peft_state_dict(name),
                                  peft_target_modules(layers, self._all_module_names), base or None,
@@ -567,16 +564,34 @@ class MultiLoRAMixin:
 
     def _folder_taken(self, directory: Path, name: str, rec: AdapterRecord) -> bool:
         """Whether adapter ``name`` must not be exported to ``directory``: a file of that name; another run's
-        adapter, or another adapter's of this run (`a` versioned into `a-v1`), unless it is the record's own export;
-        or this adapter's of a later step, written by the run this one resumed after its checkpoint, not to be
-        replaced by weights of an earlier step (an interrupt of this resume exports them)."""
+        adapter, or another adapter's of this run (`a` versioned into `a-v1`), unless it is the record's own export,
+        written or being written (its stamp comes first: `_claim`); or this adapter's of a later step, written by the
+        run this one resumed after its checkpoint, not to be replaced by weights of an earlier step (an interrupt of
+        this resume exports them)."""
         if directory.exists() and not directory.is_dir():
             return True
-        if not (directory / "adapter_config.json").exists():
+        if not (directory / "adapter_config.json").exists() and self._stamp(directory) is None:
             return False
         if not self._wrote(directory, name):
             return str(directory) != rec.export_path
         return self._later_step(directory, name, rec.step) is not None
+
+    def _claim(self, directory: Path, name: str, rec: AdapterRecord) -> bool:
+        """Stamp ``directory`` as this run's export of adapter ``name`` at its step, before anything is written there
+        (a folder an interrupt leaves half-written is still known as this run's); False where another run stamped it
+        first: two runs sharing an export root, each exporting an adapter of that name at once, saw the folder free
+        (its config not yet written) and wrote into the same one, the last one's weights kept for both."""
+        directory.mkdir(parents=True, exist_ok=True)
+        stamp = directory / _RUN_STAMP
+        text = f"{self._run_id}\n{name}\n{rec.step}\n"
+        if stamp.is_file() and not (self._wrote(directory, name) or str(directory) == rec.export_path):
+            return False
+        try:
+            with open(stamp, "x" if not stamp.exists() else "w") as fh:  # (a new one: made by one run alone)
+                fh.write(text)
+        except FileExistsError:  # (another run's, made since the check)
+            return self._wrote(directory, name)
+        return True
 
     @staticmethod
     def _stamp(directory: Path) -> Optional[tuple[str, str, str]]:

@@ -164,6 +164,22 @@ def test_a_slot_refilled_at_a_validation_step_is_not_measured_untrained(tmp_path
     assert [s for s, _ in refill.val_losses] == [4, 8] and refill.best_val_step in (4, 8)
 
 
+def test_a_folder_another_run_has_begun_to_export_into_is_not_written_into(tmp_path, trainer_kwargs):
+    """Two runs sharing an export root, each exporting adapter "a" at once: the second saw the first's folder free
+    (stamped, its config not yet written) and wrote into it; the last one's weights were kept for both runs."""
+    from lightning_multilora.module import _RUN_STAMP
+
+    folder = tmp_path / "out" / "a"
+    folder.mkdir(parents=True)
+    (folder / _RUN_STAMP).write_text("another-run\na\n2\n")  # (its weights still being written)
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)],
+                             export_dir=str(tmp_path / "out"), validate_on_finish=False)
+    with pytest.warns(UserWarning, match=r"holds an adapter this run did not write for it \(another run's\)"):
+        L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    assert module.registry["a"].export_path == str(tmp_path / "out" / "a-v1")
+    assert sorted(p.name for p in folder.iterdir()) == [_RUN_STAMP]  # (left to the run writing it)
+
+
 def test_a_measure_outside_the_validation_loop_takes_its_precision(tmp_path, trainer_kwargs):
     """The losses the module measures itself (the adapters held when a Trainer's ``max_steps`` stops the fit; at a
     step's end, under adapter parallelism, those finishing together) are taken in the validation loop's precision:
