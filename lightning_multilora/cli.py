@@ -63,6 +63,10 @@ def _refused_fields(message: str, refused: list[str]) -> Optional[str]:
         fields = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
     except Exception:  # (a class it cannot import or read: its own message then)
         return None
+    if not fields:  # (the declared base class, which jsonargparse fell back to: the class meant was not read)
+        return (f"`{key[1]}`: {cls.__name__} takes no {', '.join(map(repr, refused))}: the class meant was not read "
+                f"with its fields; give each as NAME: {{class_path: <class>, init_args: {{<field>: <value>}}}} in a "
+                f"config, or on the command line as --{key[1]}.NAME <class> --{key[1]}.NAME.<field> <value>")
     named = [f"{name!r}" + "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(
         name, fields, n=1) if not peft_hints([name])) for name in refused]  # (PEFT's spellings: their own hint)
     said = f"`{key[1]}`: {cls.__name__} takes no {', '.join(named)}; it takes {', '.join(fields)}"

@@ -297,6 +297,11 @@ def test_an_adapter_field_spelt_as_peft_spells_it_is_answered_with_ours(tmp_path
      "error: `model.adapters`: adapter 'b': `rank` must be an integer, got 'eight'"),
     (["--model.adapters", "[{name: a, lr: fast}]"], "error: `model.adapters`: adapter 'a': `lr` must be a number, "
                                                     "got 'fast'"),
+    # (a source written in a form jsonargparse reads as the base class: it named DataSource and "it takes" nothing)
+    (["--data.sources", "{pc: {class_path: JSONLSource, path: pc.jsonl}}"],
+     "error: `data.sources`: DataSource takes no 'class_path': the class meant was not read with its fields; give "
+     "each as NAME: {class_path: <class>, init_args: {<field>: <value>}} in a config, or on the command line as "
+     "--data.sources.NAME <class> --data.sources.NAME.<field> <value>"),
 ])
 def test_a_field_a_config_misspells_is_named_with_the_closest_one_under_a_short_usage(tmp_path, capsys, override,
                                                                                       message):

@@ -430,6 +430,8 @@ class MultiLoRADataModule(L.LightningDataModule):
                 same.append(i)
             elif pairs and not (example.chosen and example.rejected):  # (the texts: a token list may hold the
                 empty.append(i)  # prompt's last token, which the shared beginning left to the answers)
+            elif not pairs and not chat and not example.completion:  # (an SFT row that learns EOS alone)
+                empty.append(i)
         if len(chosen) < need:
             raise ValueError(f"{role} {name!r}: {len(chosen)} of its {len(examples)} examples keep completion "
                              f"tokens after truncation to {limit} tokens (`max_length`; the prompts fill the rest), "
@@ -452,9 +454,11 @@ class MultiLoRADataModule(L.LightningDataModule):
                           f"and rejected completion (after truncation; {', '.join(named(i) for i in sorted(same)[:3])}"
                           f"{', ...' if len(same) > 3 else ''}); DPO learns nothing from them")
         if empty:
-            warnings.warn(f"{role} {name!r}: {len(empty)} of {len(chosen)} preference pairs have an empty chosen "
-                          f"or rejected completion ({', '.join(named(i) for i in sorted(empty)[:3])}"
-                          f"{', ...' if len(empty) > 3 else ''}); that answer is the end of text alone")
+            which = (("preference pairs have an empty chosen or rejected completion", "that answer is")
+                     if pairs else ("examples have an empty completion", "each learns"))
+            warnings.warn(f"{role} {name!r}: {len(empty)} of {len(chosen)} {which[0]} "
+                          f"({', '.join(named(i) for i in sorted(empty)[:3])}{', ...' if len(empty) > 3 else ''}); "
+                          f"{which[1]} the end of text alone")
         return chosen, rejected
 
     def num_train_examples(self, dataset: Optional[str]) -> int:
@@ -478,6 +482,9 @@ class MultiLoRADataModule(L.LightningDataModule):
         name = self.check_source(spec)
         try:
             train, _ = self.split(name)
+        except UnicodeError as err:  # (a ValueError, but a codec's message alone, naming neither source nor record)
+            raise ValueError(f"data source {name!r} ({self.sources[name].describe()}) holds text that is not valid "
+                             f"Unicode ({type(err).__name__}: {err}); repair or re-encode the file as UTF-8") from err
         except ValueError:
             raise
         except Exception as err:  # noqa: BLE001 - (KeyboardInterrupt and the like are no Exception: they go on)

@@ -212,6 +212,12 @@ def _text(record: dict, field: str, where: str) -> str:
     list, a mapping, NaN or an infinity are named."""
     value = record[field]
     if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:  # (a lone surrogate: JSON's "\ud83d", half an emoji, cut from scraped text)
+            raise ValueError(f"{where}: field {field!r} holds {value[err.start:err.end]!r} at character {err.start}, "
+                             "half of a UTF-16 surrogate pair (JSON \\uD800-\\uDFFF alone), which is no character: "
+                             "remove or repair it") from None
         return value
     if isinstance(value, numbers.Number):
         if not _finite(value):

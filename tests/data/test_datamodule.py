@@ -333,6 +333,36 @@ def test_a_length_rounded_up_stops_at_the_longest_a_row_may_be():
     assert MultiLoRADataModule(pad_to_multiple_of=100).pack(["x"], rows)["input_ids"].shape == (1, 300)  # no limit
 
 
+def test_text_that_is_not_unicode_is_named_with_its_source_and_record(tmp_path):
+    """A codec's error is a ValueError, so an adapter's check passed it on bare ("'utf-8' codec can't decode byte
+    0xe9..."), naming neither the source nor the record; a lone surrogate (JSON "\\ud83d", half an emoji) failed at
+    tokenization the same way."""
+    from lightning_multilora import AdapterSpec
+
+    good = '{"prompt": "a", "completion": "b"}\n' * 4
+    (tmp_path / "half.jsonl").write_text(good + '{"prompt": "smile \\ud83d", "completion": "b"}\n')
+    with pytest.raises(ValueError, match=r"half.jsonl:5: field 'prompt' holds '\\ud83d' at character 6, half of a "
+                                         r"UTF-16 surrogate pair"):
+        JSONLSource(str(tmp_path / "half.jsonl")).examples()
+    (tmp_path / "latin.jsonl").write_bytes(good.encode() * 60 + b'{"prompt": "caf\xe9", "completion": "b"}\n')
+    dm = MultiLoRADataModule(sources={"latin": HFDatasetSource("json", data_files=str(tmp_path / "latin.jsonl"))})
+    with pytest.raises(ValueError, match=r"data source 'latin' \(HFDatasetSource.*\) holds text that is not valid "
+                                         r"Unicode \(UnicodeDecodeError: 'utf-8' codec"):
+        dm.check(AdapterSpec("a", dataset="latin"))
+
+
+def test_examples_with_an_empty_completion_are_said(tmp_path):
+    """An SFT row with an empty completion learns the end of text straight after its prompt: said, as an empty
+    answer of a preference pair was."""
+    from lightning_multilora.data import ListSource
+
+    records = [{"prompt": f"q{i}", "completion": "" if i % 3 == 0 else f"a{i}"} for i in range(12)]
+    dm = MultiLoRADataModule(sources={"s": ListSource(records)}, val_fraction=0.5)
+    with pytest.warns(UserWarning, match=r"'s': 4 of 12 examples have an empty completion \(.*\); each learns the "
+                                         r"end of text alone"):
+        dm.split("s")
+
+
 def test_files_that_are_not_utf8_or_damaged_gzip_are_named_and_gzip_is_told_by_its_bytes(tmp_path):
     good = b'{"prompt": "a", "completion": "b"}\n'
     (tmp_path / "latin.jsonl").write_bytes(good + b"\n" + b'{"prompt": "caf\xe9", "completion": "b"}\n')
