@@ -87,6 +87,10 @@ def _wrong_type(message: str) -> Optional[str]:
     item by its name where the dump shows it, the field, the type and the value. None where the message is not that."""
     found = re.search(r'Parser key "([\w.]+)":.*?Parser key "(\w+)":\s+Expected a <class \'(\w+)\'>\. '
                       r"Got value: (.*?)\n", message, re.S)
+    if found is None:  # (an optional field, ``max_steps: 2.5``: a union of its type and None, one level deeper)
+        found = re.search(r'Parser key "([\w.]+)":.*?Parser key "(\w+)":\s+Does not validate against any of the '
+                          r"Union subtypes\s+Subtypes: \[<class '(\w+)'>, <class 'NoneType'>\].*?"
+                          r"Given value: (.*?)\n", message, re.S)
     if found is None:
         return None
     key, field, kind, value = found.groups()

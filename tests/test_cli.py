@@ -297,6 +297,11 @@ def test_an_adapter_field_spelt_as_peft_spells_it_is_answered_with_ours(tmp_path
      "error: `model.adapters`: adapter 'b': `rank` must be an integer, got 'eight'"),
     (["--model.adapters", "[{name: a, lr: fast}]"], "error: `model.adapters`: adapter 'a': `lr` must be a number, "
                                                     "got 'fast'"),
+    # (an optional field: its union with None one level deeper, which fell back to jsonargparse's dump)
+    (["--model.adapters", "[{name: a, rank: 4}, {name: b, max_steps: 2.5}]"],
+     "error: `model.adapters`: adapter 'b': `max_steps` must be an integer, got '2.5'"),
+    (["--model.adapters", "[{name: a, grad_clip: abc}]"],
+     "error: `model.adapters`: adapter 'a': `grad_clip` must be a number, got 'abc'"),
     # (a source written in a form jsonargparse reads as the base class: it named DataSource and "it takes" nothing)
     (["--data.sources", "{pc: {class_path: JSONLSource, path: pc.jsonl}}"],
      "error: `data.sources`: DataSource takes no 'class_path': the class meant was not read with its fields; give "
