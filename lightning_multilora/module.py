@@ -471,11 +471,14 @@ class MultiLoRAMixin:
             own = Path(rec.export_path) if rec.export_path else None
             directory = own if own is not None and own.parent == root else root / name
             taken = directory
-            version = 0
+            version, skipped = 0, []
             while self._folder_taken(directory, name, rec) or not self._claim(directory, name, rec):
+                skipped.append(directory)
                 version += 1
                 directory = root / f"{name}-v{version}"
-            later = self._later_step(taken, name, rec.step) if version else None
+            # (this run's later export, said where it was skipped, whichever folder it is: `a` may be another run's)
+            later, taken = next(((step, d) for d in skipped if (step := self._later_step(d, name, rec.step))
+                                 is not None), (None, taken))
             if later is not None:
                 warnings.warn(f"adapter {name!r}: {taken} holds its export of step {later}, a later step than this "
                               f"one's ({rec.step}), written after the checkpoint this run resumed from; it is kept, "

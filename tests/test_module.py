@@ -1676,6 +1676,31 @@ def test_a_resume_stopped_early_keeps_the_later_export_of_the_run_it_resumed(tmp
     assert resumed.registry["b"].export_path == str(exports / "b-v1")  # (b's step 5 kept too)
 
 
+def test_a_resume_names_its_own_later_export_where_another_runs_folder_came_first(tmp_path, trainer_kwargs):
+    """`a` was another run's, so the run wrote `a-v1` (step 4); its resume, stopped at step 3, skipped both and said
+    only that `a` was another run's, never that it kept its own later export."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_multilora.module import _RUN_STAMP
+
+    exports = tmp_path / "exports"
+    (exports / "a").mkdir(parents=True)
+    (exports / "a" / _RUN_STAMP).write_text("another-run\na\n9\n")
+    (exports / "a" / "adapter_config.json").write_text("{}")
+    specs = [AdapterSpec("a", rank=2, max_steps=4, batch_size=1, seed=1)]
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    with pytest.warns(UserWarning, match="another run's"):
+        L.Trainer(**{**trainer_kwargs, "enable_checkpointing": True}, callbacks=[checkpoint]).fit(
+            MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(exports), validate_on_finish=False),
+            small_dm())
+    resumed = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(exports), validate_on_finish=False)
+    with pytest.warns(UserWarning, match=r"adapter 'a': .*exports/a-v1 holds its export of step 4, a later step than "
+                                         r"this one's \(3\).*written to .*exports/a-v2"):
+        L.Trainer(**{**trainer_kwargs, "max_steps": 3}).fit(resumed, small_dm(),
+                                                            ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt"))
+    assert resumed.registry["a"].export_path == str(exports / "a-v2")
+
+
 def test_an_export_that_fails_as_its_adapter_finishes_stops_the_fit_naming_it(tmp_path, trainer_kwargs, monkeypatch):
     """(A full disk at an adapter's exit stopped the run with the bare OSError of a partial file.)"""
     import errno
