@@ -35,7 +35,8 @@ class _Parser(LightningArgumentParser):
     line (the whole of Lightning's, some 80, buried the error; ``--help`` has them)."""
 
     def error(self, message: str, ex: Optional[Exception] = None):
-        refused = sorted(set(re.findall(r"Option '([A-Za-z_]\w*)' is not accepted", message)))
+        refused = sorted(set(re.findall(r"Option '([A-Za-z_]\w*)(?:\.[\w.]*)?' is not accepted", message)))  # (a
+        # mapping's field, `axis: {lr: ...}`, is named by its key: 'axis.lr')
         if "subcommand" in message and "{fit}" in message or "(choose from 'fit')" in message:
             # (demo and schedule are commands of `main`, not of the parser)
             message = message.rstrip(".") + "; the commands: fit, demo, schedule (`multilora --help`)"

@@ -291,6 +291,9 @@ def test_an_adapter_field_spelt_as_peft_spells_it_is_answered_with_ours(tmp_path
                                           "init_args": {"search_space": {}, "n_trails": 3}}])],
      "OptunaSweep takes no 'n_trails' (did you mean 'n_trials'?); it takes search_space, n_trials,"),
     (["--model.max_runing", "2"], "unrecognized arguments: --model.max_runing 2 (did you mean `model.max_running`?)"),
+    # (a misspelt field that holds a mapping: refused as 'axis.lr', which fell back to jsonargparse's dump)
+    (["--model.grid", "{axis: {lr: [0.001, 0.002]}}"],
+     "error: `model.grid`: SweepGrid takes no 'axis' (did you mean 'axes'?); it takes axes, base, alpha_over_rank"),
     (["--trainer.max_stpes", "2"], "(did you mean `trainer.max_steps`?)"),
     # (a value of the wrong type: the union's alternatives and every adapter's dump, the field deep inside)
     (["--model.adapters", "[{name: a, rank: 4}, {name: b, rank: eight}]"],

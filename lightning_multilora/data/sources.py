@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import bz2
 import cmath
 import dataclasses
 import gzip
 import itertools
 import json
+import lzma
 import numbers
 import os
 import random
@@ -163,14 +165,24 @@ class GeneratedArithmetic(DataSource):
         return f"GeneratedArithmetic(n={self.num_examples}, seed={self.seed}, ops={','.join(self.operations)})"
 
 
+# (a compressed file's first bytes, its name, and the standard library's reader: told by the bytes, not the suffix)
+_COMPRESSED = ((b"\x1f\x8b", "gzip", gzip.open), (b"BZh", "bzip2", bz2.open), (b"\xfd7zXZ\x00", "xz", lzma.open))
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
 def _jsonl_lines(path: Path, shown: str) -> Iterator[tuple[int, str]]:
-    """The non-blank lines of a JSONL file, gzipped or not (told by its first bytes, not its name), with their
-    numbers; text that is not UTF-8 is named with its line, a damaged gzip stream with its file."""
+    """The non-blank lines of a JSONL file, plain or compressed with gzip, bzip2 or xz (told by its first bytes, not
+    its name), with their numbers; text that is not UTF-8 is named with its line, a damaged stream with its file, a
+    zstd file (no reader in Python's standard library before 3.14) with what to do."""
     with open(path, "rb") as raw:
-        gzipped = raw.read(2) == b"\x1f\x8b"
+        head = raw.read(6)
+    if head.startswith(_ZSTD_MAGIC):
+        raise ValueError(f"{shown}: a zstd-compressed file, which this source does not read: decompress it "
+                         "(`zstd -d`), or compress it with gzip, bzip2 or xz, which it reads")
+    kind, opener = next(((k, o) for magic, k, o in _COMPRESSED if head.startswith(magic)), (None, open))
     lineno = 0
     try:
-        with (gzip.open(path, "rb") if gzipped else open(path, "rb")) as fh:
+        with opener(path, "rb") as fh:
             for lineno, data in enumerate(fh, 1):
                 try:
                     line = data.decode("utf-8-sig" if lineno == 1 else "utf-8")  # (a byte-order mark is no text)
@@ -179,8 +191,12 @@ def _jsonl_lines(path: Path, shown: str) -> Iterator[tuple[int, str]]:
                                      "line)") from None
                 if line.strip():
                     yield lineno, line
-    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
-        raise ValueError(f"{shown}: a damaged gzip file after line {lineno} ({err})") from None
+    except (EOFError, gzip.BadGzipFile, zlib.error, lzma.LZMAError) as err:
+        raise ValueError(f"{shown}: a damaged {kind} file after line {lineno} ({err})") from None
+    except OSError as err:  # (bz2's damaged stream: "Invalid data stream")
+        if kind is None:
+            raise
+        raise ValueError(f"{shown}: a damaged {kind} file after line {lineno} ({err})") from None
 
 
 def _json_line(line: str, where: str) -> dict:
@@ -225,6 +241,9 @@ def _text(record: dict, field: str, where: str) -> str:
                              f"{type(value).__name__} {value!r:.60} (JSON NaN, Infinity, or a number past a float's "
                              "range such as 1e400)")
         return str(value)
+    if value is None:  # (JSON null, or a field this record lacks, which `datasets` fills with None)
+        raise ValueError(f"{where}: field {field!r} must be text (a string), got null: the record holds null there, "
+                         "or lacks the field (a `datasets` loader gives a field some records lack as null in them)")
     raise ValueError(f"{where}: field {field!r} must be text (a string), got {type(value).__name__} {value!r:.60}")
 
 
@@ -315,8 +334,8 @@ def _conversational(record: dict, prompt_field: str, completion_field: str, wher
 
 
 class JSONLSource(DataSource):
-    """A JSON-lines file (optionally ``.gz``) of records; ``format`` says how they read (``question_answer`` and
-    ``gsm8k``: a Q/A template; ``messages``: a conversation, rendered by the tokenizer's chat template, whose last
+    """A JSON-lines file (plain, or ``.gz``, ``.bz2``, ``.xz``) of records; ``format`` says how they read
+    (``question_answer`` and ``gsm8k``: a Q/A template; ``messages``: a conversation, rendered by the tokenizer's chat template, whose last
     message, the assistant's, is learned; ``prompt_completion`` with lists of messages in both fields is TRL's
     conversational prompt-completion, rendered so too), ``prompt_field`` / ``completion_field`` which fields hold the
     text (None: the format's own, ``prompt`` / ``completion``, ``question`` / ``answer``, or ``messages`` alone)."""
@@ -487,10 +506,9 @@ class HFDatasetSource(DataSource):
                           "print ('26'), and what the file held around them (a leading space, leading zeros) is "
                           "lost; give the fields as text (a JSONL file of strings, read by JSONLSource)",
                           stacklevel=2)
-        out = []
-        for i, record in enumerate(ds):
-            out.append(format_record(record, self.format, self.prompt_field, self.completion_field,
-                                     f"{self.shown}[{i}]"))
+        out, shown = [], self.shown if self.data_files is None else f"{self.shown} ({self.data_files})"
+        for i, record in enumerate(ds):  # (a record named by its index in the dataset, from 0)
+            out.append(format_record(record, self.format, self.prompt_field, self.completion_field, f"{shown}[{i}]"))
             if self.limit is not None and len(out) >= self.limit:
                 break
         return out
@@ -593,7 +611,7 @@ def split_hh_rlhf(chosen: str, rejected: str) -> PreferenceExample:
 
 
 class PreferenceSource(DataSource):
-    """Preference pairs from a JSON-lines file (optionally ``.gz``) or from ``records`` in memory.
+    """Preference pairs from a JSON-lines file (plain, or ``.gz``, ``.bz2``, ``.xz``) or from ``records`` in memory.
 
     ``format``: ``prompt_chosen_rejected`` (fields ``prompt``, ``chosen``, ``rejected``: text, or TRL's
     conversational records, lists of messages rendered by the tokenizer's chat template, `ChatPreferenceExample`;

@@ -188,8 +188,15 @@ def test_field_values_that_are_not_text_and_limits_below_one_are_named(tmp_path)
     ``limit`` of 0 or -1 gave "has 1 examples" without naming it."""
     path = tmp_path / "d.jsonl"
     path.write_text('{"prompt": "a", "completion": 4}\n{"prompt": true, "completion": null}\n')
-    with pytest.raises(ValueError, match=rf"{path}:2: field 'completion' must be text \(a string\), got NoneType None"):
+    with pytest.raises(ValueError, match=rf"{path}:2: field 'completion' must be text \(a string\), got null: the "
+                                         r"record holds null there, or lacks the field"):
         JSONLSource(str(path)).examples()
+    ragged = tmp_path / "ragged.jsonl"  # (`datasets` fills the field a record lacks with None)
+    ragged.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "c"}\n')
+    with pytest.raises(ValueError, match=r"json \(.*ragged.jsonl\)\[1\]: field 'completion' must be text \(a "
+                                         r"string\), got null: .* \(a `datasets` loader gives a field some records "
+                                         r"lack as null"):
+        HFDatasetSource("json", data_files=str(ragged)).examples()
     assert JSONLSource(str(path), limit=1).examples()[0].completion == "4"
     made = ListSource([{"prompt": True, "completion": np.int64(3)}]).examples()[0]
     assert (made.prompt, made.completion) == ("True", "3")  # (as they print)
@@ -387,6 +394,31 @@ def test_files_that_are_not_utf8_or_damaged_gzip_are_named_and_gzip_is_told_by_i
     pair = b'{"prompt": "q", "chosen": " y", "rejected": " n"}\n'
     (tmp_path / "pairs.JSONL.GZ").write_bytes(gzip.compress(pair * 2))
     assert len(PreferenceSource(str(tmp_path / "pairs.JSONL.GZ")).examples()) == 2
+
+
+def test_bzip2_and_xz_files_are_read_and_zstd_and_damaged_ones_are_named(tmp_path):
+    """A ``.jsonl.bz2`` or ``.jsonl.xz`` was read as text and refused as "not UTF-8 text" at line 1."""
+    import bz2
+    import lzma
+
+    good = b'{"prompt": "a", "completion": "b"}\n'
+    for name, compress in (("d.jsonl.bz2", bz2.compress), ("d.jsonl.xz", lzma.compress), ("xz_named.jsonl",
+                                                                                            lzma.compress)):
+        (tmp_path / name).write_bytes(compress(good * 3))
+        made = JSONLSource(str(tmp_path / name)).examples()
+        assert [(e.prompt, e.completion) for e in made] == [("a", "b")] * 3
+    pair = b'{"prompt": "q", "chosen": " y", "rejected": " n"}\n'
+    (tmp_path / "pairs.jsonl.xz").write_bytes(lzma.compress(pair * 2))
+    assert len(PreferenceSource(str(tmp_path / "pairs.jsonl.xz")).examples()) == 2
+    for name, compress, kind in (("cut.jsonl.bz2", bz2.compress, "bzip2"), ("cut.jsonl.xz", lzma.compress, "xz")):
+        whole = compress(good * 2000)
+        (tmp_path / name).write_bytes(whole[: len(whole) // 2])
+        with pytest.raises(ValueError, match=rf"{name}: a damaged {kind} file after line \d+"):
+            JSONLSource(str(tmp_path / name)).examples()
+    (tmp_path / "d.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"\x00" * 20)
+    with pytest.raises(ValueError, match=r"d.jsonl.zst: a zstd-compressed file, which this source does not read: "
+                                         r"decompress it \(`zstd -d`\)"):
+        JSONLSource(str(tmp_path / "d.jsonl.zst")).examples()
 
 
 def test_a_source_class_a_missing_tokenizer_a_bom_and_numbers_read_from_text_are_named(tmp_path):
