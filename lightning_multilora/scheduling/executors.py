@@ -312,7 +312,12 @@ def last_line(log: str | Path, most: int = 200) -> str:
             tail = f.read().decode("utf-8", "replace")
     except OSError:
         return ""
-    for line in reversed(tail.splitlines()):
+    return last_text_line(tail, most)
+
+
+def last_text_line(text: str, most: int = 200) -> str:
+    """`last_line` of output held in memory (a Ray task's, which comes back as text)."""
+    for line in reversed(text[-8192:].splitlines()):
         line = line.strip()
         if line:
             return line if len(line) <= most else line[:most] + "..."

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_multilora.arguments import check_real
-from lightning_multilora.scheduling.executors import (Completion, exit_text, next_attempt, next_log_path, task_command,
-                                                      task_env)
+from lightning_multilora.scheduling.executors import (Completion, exit_text, last_text_line, next_attempt,
+                                                      next_log_path, task_command, task_env)
 from lightning_multilora.scheduling.task_scheduler import Task, first_gpu_ids, node_holding
 
 
@@ -126,7 +126,8 @@ class RayExecutor:
             path.write_text(output, encoding="utf-8")
         except OSError as err:  # (the task has run: said in its record, the schedule goes on)
             return f", log not written ({err}): {output[-300:]}", None
-        return f", log {path}", str(path)
+        last = last_text_line(output)  # (its error, where it said one: as a local task's record says it)
+        return f", log {path}" + (f"; its log ends: {last}" if last else ""), str(path)
 
     def stop(self) -> list[Completion]:
         """Cancel every running task (its worker killed) and free its placement group (an interrupted schedule

@@ -63,8 +63,9 @@ from typing import Any, Optional
 import yaml
 
 from lightning_multilora.scheduling.executors import LocalExecutor, SimulatedExecutor, visible_gpus
-from lightning_multilora.scheduling.records import (LogDirLocked, changed_warning, definition_changes, ids_text,
-                                                    lock_log_dir, read_records, records_path, unlock_log_dir)
+from lightning_multilora.scheduling.records import (LOCK_FILE, LogDirLocked, changed_warning, definition_changes,
+                                                    ids_text, lock_log_dir, read_records, records_path,
+                                                    unlock_log_dir)
 from lightning_multilora.scheduling.runner import POLL_S, RunRecord, ScheduleRunner
 from lightning_multilora.scheduling.task_scheduler import (Schedule, Task, TaskScheduler, validate_tasks,
                                                            yaml_number_hint)
@@ -350,18 +351,34 @@ def main(argv: Optional[list[str]] = None) -> int:
     # a schedule that runs tasks holds its log_dir, from before it reads or moves the records to its end (the kernel
     # lets it go when the process ends, however): two over one log_dir, or a --resume of one still running, ran the
     # tasks twice and wrote over each other's records (a plan or a simulation writes none, and takes none)
-    lock = None
+    lock, log_dir = None, Path(settings["log_dir"])
+    made = [p for p in (log_dir, *log_dir.absolute().parents) if not p.exists()]  # (the folders the lock makes)
     if not (args.plan_only or args.simulate):
         try:
-            lock = lock_log_dir(settings["log_dir"])
+            lock = lock_log_dir(log_dir)
         except LogDirLocked as err:
             parser.error(str(err))
         except OSError as err:
-            parser.error(f"`log_dir` {settings['log_dir']}: cannot be made or locked ({err})")
+            parser.error(f"`log_dir` {log_dir}: cannot be made or locked ({err})")
     try:
         return _schedule(args, parser, settings, tasks)
     finally:
         unlock_log_dir(lock)
+        if made and lock is not None:  # (a schedule refused before it wrote anything leaves no log_dir behind)
+            _remove_if_lock_alone(made)
+
+
+def _remove_if_lock_alone(made: list[Path]) -> None:
+    """Removes the folders the lock made (``made``, the log_dir first, then the parents made for it) where the
+    log_dir holds only the lock's file: a schedule refused before it wrote anything there."""
+    try:
+        if [p.name for p in made[0].iterdir()] != [LOCK_FILE]:
+            return
+        (made[0] / LOCK_FILE).unlink()
+        for folder in made:
+            folder.rmdir()
+    except OSError:  # (another process wrote there meanwhile: the folder is kept)
+        pass
 
 
 def _schedule(args: argparse.Namespace, parser: argparse.ArgumentParser, settings: dict[str, Any],

@@ -41,7 +41,8 @@ def test_planned_tasks_run_on_placement_groups_with_their_gpu_counts(cluster, tm
     bad = records["bad"]
     # each attempt's whole output in a log of its own (numbered past an earlier schedule's), as LocalExecutor keeps
     assert bad.state == "failed" and bad.attempts == 2
-    assert bad.detail == f"exit status 1, log {tmp_path / 'logs' / 'bad.3.log'}"
+    # (and the log's last line, its error, as LocalExecutor's record says it: it said the exit status alone)
+    assert bad.detail == f"exit status 1, log {tmp_path / 'logs' / 'bad.3.log'}; its log ends: it broke"
     assert (tmp_path / "logs" / "bad.1.log").read_text() == "an earlier schedule's"
     for attempt in (2, 3):
         assert (tmp_path / "logs" / f"bad.{attempt}.log").read_text() == "starting\nit broke\n"

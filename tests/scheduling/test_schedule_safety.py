@@ -318,3 +318,22 @@ def test_a_resume_counts_the_finished_tasks_an_inbox_added(tmp_path, capsys, mon
     out = capsys.readouterr().out
     assert "records 3 of the 3 tasks as finished (2 of them added by an inbox): they do not run again" in out, out
     assert "every task is finished: nothing to run" in out
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="flock")
+def test_a_schedule_refused_after_taking_its_lock_leaves_no_log_dir_it_made(tmp_path, capsys, monkeypatch):
+    """A schedule refused once it held its log_dir (more `gpus` than CUDA_VISIBLE_DEVICES gives) left the folder,
+    and the parents made for it, holding only an empty ``.schedule.lock``; a log_dir that was there is kept."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    for log_dir, kept in ((tmp_path / "new" / "deeper" / "logs", tmp_path), (tmp_path / "there", tmp_path / "there")):
+        if kept == log_dir:
+            log_dir.mkdir()
+        tasks = write(tmp_path, f"gpus: 2\nlog_dir: {log_dir}\ntasks: [{{id: a, duration: 1, command: [{PY}, -c, "
+                                f"pass]}}]")
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(tasks)])
+        assert exit_info.value.code == 2
+        assert "`gpus` is 2, but CUDA_VISIBLE_DEVICES=0 gives 1" in capsys.readouterr().err
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["tasks.yaml"] + ["there"] * (kept == log_dir)
+        if kept == log_dir:
+            assert [p.name for p in log_dir.iterdir()] == [".schedule.lock"]  # (its folder: kept as it was given)
