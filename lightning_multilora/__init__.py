@@ -6,9 +6,21 @@ Top-level names are imported lazily, so ``import lightning_multilora`` stays fas
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+
+def _not_the_hub_kernel_warning(record: logging.LogRecord) -> bool:
+    """bitsandbytes (which PEFT imports, for every export) tries, on a CPU with AVX-512 BF16, to fetch a 4-bit kernel
+    from the Hugging Face Hub and warns at each import where it cannot; it then runs its own, the one a 4-bit base
+    here runs anyway, so every fit on such a CPU began with a warning about nothing it used. That warning alone is
+    dropped; any other of that logger's shows."""
+    return not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+
+
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_not_the_hub_kernel_warning)
 
 _EXPORTS = {
     "AdapterSpec": "lightning_multilora.spec",
