@@ -2,9 +2,11 @@
 
     python examples/load_with_peft.py runs/demo/lightning_logs/version_0/adapters/trial-7
 
-The tiny demo base is rebuilt from its config with the same seed (it was never saved: it is random and
-frozen; a run's other `base_seed` or `config_overrides` are in the export's multilora_export.json); for a real
-base, pass its checkpoint path to `AutoModelForCausalLM.from_pretrained` instead.
+The base is the one the export names (`base_model_name_or_path` in its adapter_config.json). A built-in tiny base
+("tiny-llama"...) was never saved: it is random and frozen, so it is rebuilt from its config with the run's seed and
+overrides (in the export's multilora_export.json). Any other base is loaded from its checkpoint with
+`AutoModelForCausalLM.from_pretrained`, with its tokenizer where the checkpoint holds one (else the byte tokenizer,
+the data module's default).
 """
 
 import json
@@ -14,22 +16,35 @@ from pathlib import Path
 import torch
 from peft import PeftModel
 
-from lightning_multilora.base_model import build_base_model
+from lightning_multilora.base_model import TINY_CONFIGS, build_base_model
 from lightning_multilora.data import ByteTokenizer
 
-adapter_dir = sys.argv[1]
-info = Path(adapter_dir) / "multilora_export.json"  # what the folder holds: a built-in base's seed and overrides too
-built = json.loads(info.read_text()).get("base", {}) if info.is_file() else {}
-base = build_base_model("tiny-llama", built.get("config_overrides"), seed=built.get("base_seed", 0))  # the run's
-model = PeftModel.from_pretrained(base, adapter_dir).eval()
-tok = ByteTokenizer()
+if len(sys.argv) != 2 or not (Path(sys.argv[1]) / "adapter_config.json").is_file():
+    sys.exit(f"usage: python {sys.argv[0]} <an exported adapter's folder, holding adapter_config.json>")
+adapter_dir = Path(sys.argv[1])
+named = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+if not named or named in TINY_CONFIGS:
+    info = adapter_dir / "multilora_export.json"  # what the folder holds: a built-in base's seed and overrides too
+    built = json.loads(info.read_text()).get("base", {}) if info.is_file() else {}
+    base = build_base_model(named or "tiny-llama", built.get("config_overrides"), seed=built.get("base_seed", 0))
+    tok = ByteTokenizer()
+else:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(named)
+    try:
+        tok = AutoTokenizer.from_pretrained(named)
+    except (OSError, ValueError):  # (a checkpoint saved without one: trained on bytes, the default)
+        tok = ByteTokenizer()
+model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
 
 prompt = "Q: Ada has 7 apples and gets 5 more. How many apples does Ada have?\nA:"
-ids = torch.tensor([tok.encode(prompt)])
+prompt_ids = tok.encode(prompt) if isinstance(tok, ByteTokenizer) else tok.encode(prompt, add_special_tokens=False)
+ids = torch.tensor([prompt_ids])
 with torch.no_grad():
     for _ in range(4):  # greedy decoding of a short answer
         next_id = model(input_ids=ids).logits[0, -1].argmax()
         if next_id.item() == tok.eos_token_id:
             break
         ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-print(prompt + tok.decode(ids[0, len(tok.encode(prompt)):].tolist()))
+print(prompt + tok.decode(ids[0, len(prompt_ids):].tolist()))

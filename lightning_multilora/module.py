@@ -253,6 +253,9 @@ class MultiLoRAMixin:
         # names this run, and the runs resumed from its checkpoints: stamped into every export folder it writes
         # (`save_adapter`), so that a resumed run writes over its own earlier exports and never another run's
         self._run_id = uuid.uuid4().hex
+        # this run's line of descent: an id for each checkpoint load (a branch), after those of the checkpoint's own
+        # line; stamped beside the run id, it tells two resumes of one checkpoint apart (`_sibling`)
+        self._lineage = [uuid.uuid4().hex]
         self._exited_since_sync: list[str] = []  # under adapter parallelism: exits the other ranks learn next
         self.export_dir = export_dir
         self.validate_on_finish = validate_on_finish
@@ -392,7 +395,7 @@ class MultiLoRAMixin:
         if rec.state != AdapterState.RUNNING:
             raise ValueError(f"only a running adapter can be paused; {name!r} is {rec.state.value}")
         rec.state, rec.reason = AdapterState.PAUSED, reason
-        rec.close_span(self._global_step())
+        rec.close_span(self._run_step())
         self._freed_spec = rec.spec  # (as an exit: the next admission prefers its batch size)
         if name in self.lora_layers.adapter_names:
             self.lora_layers.drop_grads(name)  # the optimizer would step it with its last gradients at every step it waits
@@ -404,7 +407,7 @@ class MultiLoRAMixin:
         if rec.state != AdapterState.PAUSED:
             raise ValueError(f"only a paused adapter can be resumed; {name!r} is {rec.state.value}")
         rec.state, rec.reason = AdapterState.RUNNING, ""
-        rec.open_span(self._global_step())
+        rec.open_span(self._run_step())
 
     def restore_best_weights(self, name: str) -> bool:
         """Load adapter ``name``'s best-validation weights back (kept when `keep_best_weights` is on)."""
@@ -488,7 +491,8 @@ class MultiLoRAMixin:
                               f"{directory}")
             elif version:
                 stamp = self._stamp(taken)
-                whose = (f"this run's adapter {stamp[1]!r}" if stamp is not None and stamp[0] == self._run_id
+                whose = ("another resume of this run's checkpoint" if self._sibling(taken) else
+                         f"this run's adapter {stamp[1]!r}" if stamp is not None and stamp[0] == self._run_id
                          else "another run's")
                 warnings.warn(f"adapter {name!r}: {taken} holds an adapter this run did not write for it ({whose}); "
                               f"it is kept, and this one is written to {directory} (give each new run its own "
@@ -553,9 +557,25 @@ class MultiLoRAMixin:
 
     def _wrote(self, directory: Path, name: str) -> bool:
         """Whether this run (or one it resumed from) wrote adapter ``name``'s export in ``directory`` (a stamp
-        without a name, from before names were stamped: any adapter of the run)."""
+        without a name, from before names were stamped: any adapter of the run); not a `_sibling`'s."""
         stamp = self._stamp(directory)
-        return stamp is not None and stamp[0] == self._run_id and stamp[1] in ("", name)
+        return stamp is not None and stamp[0] == self._run_id and stamp[1] in ("", name) and \
+            not self._sibling(directory)
+
+    def _sibling(self, directory: Path) -> bool:
+        """Whether ``directory`` holds an ended adapter (finished, stopped early, failed) that this run's id wrote on
+        another line than this one's: another resume of a checkpoint this module resumed (two fits from one
+        checkpoint into one `export_dir` wrote over each other's results, both carrying its run id). An adapter
+        exported as it ran (an interrupted attempt's, retried from the same checkpoint) is written over, as is a
+        stamp without a branch, from before branches were stamped."""
+        stamp = self._stamp(directory)
+        if stamp is None or stamp[0] != self._run_id or stamp[3] in ("", *self._lineage):
+            return False
+        try:
+            state = json.loads((directory / EXPORT_INFO).read_text()).get("state")
+        except (OSError, ValueError, AttributeError):  # (no info yet: being written by it now)
+            return True
+        return state not in (AdapterState.QUEUED.value, AdapterState.RUNNING.value, AdapterState.PAUSED.value)
 
     def _later_step(self, directory: Path, name: str, step: int) -> Optional[int]:
         """The step stamped in ``directory``, this run's export of adapter ``name`` (`_wrote`), where it is later than
@@ -575,6 +595,8 @@ class MultiLoRAMixin:
             return True
         if not (directory / "adapter_config.json").exists() and self._stamp(directory) is None:
             return False
+        if self._sibling(directory):  # (even the record's own export: the checkpoint's, written over by a sibling)
+            return True
         if not self._wrote(directory, name):
             return str(directory) != rec.export_path
         return self._later_step(directory, name, rec.step) is not None
@@ -586,8 +608,9 @@ class MultiLoRAMixin:
         (its config not yet written) and wrote into the same one, the last one's weights kept for both."""
         directory.mkdir(parents=True, exist_ok=True)
         stamp = directory / _RUN_STAMP
-        text = f"{self._run_id}\n{name}\n{rec.step}\n"
-        if stamp.is_file() and not (self._wrote(directory, name) or str(directory) == rec.export_path):
+        text = f"{self._run_id}\n{name}\n{rec.step}\n{self._lineage[-1]}\n"
+        if stamp.is_file() and (self._sibling(directory) or not (self._wrote(directory, name)
+                                                                 or str(directory) == rec.export_path)):
             return False
         try:
             with open(stamp, "x" if not stamp.exists() else "w") as fh:  # (a new one: made by one run alone)
@@ -597,14 +620,14 @@ class MultiLoRAMixin:
         return True
 
     @staticmethod
-    def _stamp(directory: Path) -> Optional[tuple[str, str, str]]:
-        """The run id, the adapter name and its step stamped in an export folder (the name and step "" in an older
-        stamp), or None."""
+    def _stamp(directory: Path) -> Optional[tuple[str, str, str, str]]:
+        """The run id, the adapter name, its step and the branch of the run's line (`_lineage`) stamped in an export
+        folder (each later one "" in an older stamp), or None."""
         stamp = directory / _RUN_STAMP
         if not stamp.is_file():
             return None
-        lines = stamp.read_text().splitlines() + ["", "", ""]
-        return lines[0].strip(), lines[1].strip(), lines[2].strip()
+        lines = stamp.read_text().splitlines() + ["", "", "", ""]
+        return lines[0].strip(), lines[1].strip(), lines[2].strip(), lines[3].strip()
 
     def packing_roster(self) -> list[AdapterSpec]:
         """Specs of the adapters in the next packed batch (running, in registry order; under adapter
@@ -693,7 +716,7 @@ class MultiLoRAMixin:
             for f, value in update.items():
                 setattr(rec, f, value)
             if rec.state.exited and not was_exited:
-                rec.close_span(rec.ended_at_step if rec.ended_at_step is not None else self._global_step())
+                rec.close_span(rec.ended_at_step if rec.ended_at_step is not None else self._run_step())
                 self._exited_since_sync.append(name)
             if rec.state.exited and (not was_exited or name in self._exit_texts_pending):
                 self._exit_texts_pending.discard(name)
@@ -899,6 +922,11 @@ class MultiLoRAMixin:
     def _datamodule(self):
         trainer = self._trainer_or_none()
         dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if trainer is None:  # (`load_from_checkpoint`, or after a fit: `evaluate` was pointed to a fit, which trains)
+            raise UsageError("the module is attached to no Trainer, whose MultiLoRADataModule `evaluate` reads: "
+                             "measure its adapters with `trainer.validate(module, "
+                             "datamodule=MultiLoRADataModule(...))` (their losses logged as adapters/<name>/val_loss, "
+                             "and returned), or call `evaluate` during a fit (from a callback's hook)")
         if dm is None or not hasattr(dm, "num_train_examples"):
             given = f"; got {type(dm).__name__}" if dm is not None else (
                 "; a DataLoader's batches are not the packed batches it makes (each row an adapter's)" if trainer is not
@@ -915,7 +943,7 @@ class MultiLoRAMixin:
         rec.state, rec.reason = AdapterState.FAILED, str(err)
         if self._global_step() == 0:
             raise err if isinstance(err, UsageError) else UsageError(str(err)) from err
-        rec.ended_at_step = self._global_step()
+        rec.ended_at_step = self._run_step()
         warnings.warn(f"adapter {rec.name!r} could not start: {err}")
         self._notify_exit(rec)
 
@@ -1044,7 +1072,7 @@ class MultiLoRAMixin:
                 self._cannot_start(rec, err)
                 continue
             rec.state, rec.reason = AdapterState.RUNNING, ""
-            rec.started_at_step = self._global_step()
+            rec.started_at_step = self._run_step()
             rec.open_span(rec.started_at_step)
             if placement is not None:
                 placement.place([r.spec for r in self.registry.running])
@@ -1151,9 +1179,10 @@ class MultiLoRAMixin:
             return "|".join(re.escape(n) for n in layers)  # (exactly those: a full name matches its suffixes too)
         targets = spec.target_modules or self.default_target_modules
         chosen = self.lora_layers.layers_for(targets)
-        regex = queued and isinstance(spec.target_modules, str) and spec.target_modules != "all-linear"
-        outside = self.lora_layers.unwrapped_matches(targets) if regex else []
-        if outside:  # (a list naming a module that is not wrapped is an error; a regex matches what it finds)
+        given = queued and spec.target_modules not in (None, "all-linear")  # ("all-linear": all the module wraps)
+        outside = self.lora_layers.unwrapped_matches(targets) if given else []
+        if outside:  # (a list naming none of the wrapped modules is an error; a regex, or a name some of whose
+            # modules are wrapped (`q_proj` of a module that wraps layer 0's alone), adapts what it finds)
             rank_zero_warn(f"adapter {spec.name!r}: its `target_modules` {targets!r} also match linear modules the "
                            f"module does not wrap ({outside[:3]}...: {len(outside)}), which it cannot adapt; it gets "
                            f"{len(chosen)} layers (an adapter's targets choose among the module's `target_modules`, "
@@ -1225,10 +1254,13 @@ class MultiLoRAMixin:
                         break
             self.lora_layers.remove_adapter(rec.name)
             self._step_graphs.clear()  # the graphs that read its weights would otherwise keep them alive
-        rec.state, rec.reason, rec.ended_at_step = state, reason, self._global_step()
+        rec.state, rec.reason, rec.ended_at_step = state, reason, self._run_step()
         rec.close_span(rec.ended_at_step)
-        if state == AdapterState.FAILED and reason.startswith("non-finite loss") and rec.exported_step == rec.step:
-            rec.exported_val_loss = math.inf  # (its weights exported gave that loss: not a model to load)
+        last = rec.val_losses[-1] if rec.val_losses else None
+        measured = last is not None and last[0] == rec.step and math.isfinite(last[1])
+        if state == AdapterState.FAILED and reason.startswith("non-finite loss") and rec.exported_step == rec.step \
+                and not measured:  # (its weights exported gave that loss: not a model to load; those a validation
+            rec.exported_val_loss = math.inf  # measured finite at this step, before the failure, keep its loss)
         if rec.export_path is not None and self._owns(rec.name) and Path(rec.export_path).is_dir():
             self._describe_export(Path(rec.export_path), rec, rec.exported_step, rec.exported_val_loss)
         self._best_weights.pop(rec.name, None)
@@ -1243,6 +1275,26 @@ class MultiLoRAMixin:
             return int(self._resume_checkpoint.get("global_step", 0))
         trainer = self._trainer_or_none()
         return int(trainer.global_step) if trainer is not None else 0
+
+    def _run_step(self) -> int:
+        """The run's step, on which adapters' slot spans and start and end steps count: this fit's Trainer step plus
+        the steps the run took before this fit's Trainer began (earlier fits of this module, or of the checkpoint it
+        was loaded from), one axis across fits (a later fit's spans began at 0 again, over the earlier ones')."""
+        if self._resume_checkpoint is not None and not getattr(self, "_loaded_outside_fit", False):  # (a
+            # `ckpt_path` resume, before Lightning restores the Trainer's step: the checkpoint's own run step)
+            offset = (self._resume_checkpoint.get("multilora") or {}).get("step_offset", 0)
+            return int(self._resume_checkpoint.get("global_step", 0)) + int(offset)
+        trainer = self._trainer_or_none()
+        return self.__dict__.get("_step_offset", 0) + (int(trainer.global_step) if trainer is not None else 0)
+
+    def _begin_run_steps(self, trainer: L.Trainer) -> None:
+        """A fit sets up (`ExportOnException.setup`): the run's steps before its Trainer's present step (0 for a new
+        Trainer; a Trainer fitted again goes on from its step) are this fit's offset (`_run_step`)."""
+        self._step_offset = self.__dict__.get("_steps_done", 0) - int(trainer.global_step)
+
+    def _end_run_steps(self, trainer: L.Trainer) -> None:
+        """A fit ends or stops: the run's steps so far, which a later fit of this module goes on from."""
+        self._steps_done = self.__dict__.get("_step_offset", 0) + int(trainer.global_step)
 
     # -- Lightning hooks ------------------------------------------------------------------------
 
@@ -1284,8 +1336,8 @@ class MultiLoRAMixin:
         self._not_loaded = set()  # (Lightning has loaded a resumed checkpoint's weights by now)
         placement = self._placement()
         self._refuse_loaded_under_placement("fit")
-        if placement is not None:  # one run id on every rank (each stamps the exports it writes): rank 0's
-            self._run_id = placement.decide_on_rank_zero(lambda: self._run_id)
+        if placement is not None:  # one run id and line on every rank (each stamps the exports it writes): rank 0's
+            self._run_id, self._lineage = placement.decide_on_rank_zero(lambda: (self._run_id, self._lineage))
         owners = getattr(self, "_carried_owners", None)
         if placement is not None and self._resume_checkpoint is None and owners and not placement.owner:
             # another fit of this module under adapter parallelism: each rank holds the weights it trained, so the
@@ -1366,6 +1418,7 @@ class MultiLoRAMixin:
         if trainer is None or trainer.state.fn != "fit":
             return
         self._memory_model_checked = False  # (the next fit may hold another controller, or run at another precision)
+        self._end_run_steps(trainer)
         if self.__dict__.pop("_fit_started", False):  # (a fit refused before its first step keeps the last one's)
             left = any(not rec.state.exited for rec in self.registry)
             self._carried_callbacks = [(type(cb).__qualname__, cb.state_key, copy.deepcopy(cb.state_dict()))
@@ -1716,9 +1769,9 @@ class MultiLoRAMixin:
             self._write_metrics(logs, self._logged_step())
         if self.trainer.progress_bar_callback is not None:
             exited = sum(v for k, v in counts.items() if AdapterState(k).exited)
-            self.log_dict({"running": float(counts["running"]), "queued": float(counts["queued"] + counts["paused"]),
-                           "exited": float(exited)}, prog_bar=True, logger=False, on_step=True, on_epoch=False,
-                          batch_size=1)
+            self.log_dict({"running": float(counts["running"]), "queued": float(counts["queued"]),
+                           "paused": float(counts["paused"]), "exited": float(exited)}, prog_bar=True, logger=False,
+                          on_step=True, on_epoch=False, batch_size=1)  # (paused: held, as a warmup's candidates are)
 
     def _logger_writes_this_step(self) -> bool:
         """Whether a logger writes this step's values (every ``log_every_n_steps`` and at the stop). Lightning's
@@ -1801,6 +1854,11 @@ class MultiLoRAMixin:
         trainer = self._trainer_or_none()
         if trainer is not None and trainer.state.fn != "fit":  # (a validate that failed: the fit's exports stand)
             return []
+        if not self.__dict__.get("_fit_started", False):  # (stopped before this fit's first step: the weights held
+            # are the last fit's or the checkpoint's, whose exports or file stand; written again, they moved the
+            # adapters' export paths to a folder of a fit that trained nothing, or copied a checkpoint's weights out)
+            self._exported_after = (id(exception), [])
+            return []
         untrained = [r.name for r in self._held() if r.step == 0]
         paths: list[Path] = []
         try:
@@ -1827,6 +1885,11 @@ class MultiLoRAMixin:
         self._refuse_trainer_options()  # (Lightning calls this before it checks the Trainer's options itself)
         if self.trainer.state.fn == "fit":
             self._take_loss_scaler()
+            # (Lightning's ModelCheckpoint warns every manual-optimization module that its step checkpoints hold the
+            # weights after the step's update, and asks for a copy of them before it: after the update is the state
+            # this module resumes from, the step counted done)
+            warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization and "
+                                                      "every_n_train_steps, but no pre-optimization state was saved")
         trainer = self._trainer_or_none()
         if getattr(self, "_best_kept_by_callback", False) and trainer is not None and trainer.state.fn == "fit":
             # an earlier fit's EarlyExit turned on best-weight exports: this fit's own callbacks decide (an EarlyExit
@@ -1842,8 +1905,8 @@ class MultiLoRAMixin:
         fn = fn if fn is not None else trainer.state.fn
         if fn in ("test", "predict"):
             raise UsageError(f"`trainer.{getattr(fn, 'value', fn)}` has no step here: measure the adapters the module "
-                             "holds with `trainer.validate` or `module.evaluate(names)`, and generate with an adapter's "
-                             "export "
+                             "holds with `trainer.validate` (or `module.evaluate(names)` during a fit), and generate "
+                             "with `module.generate(adapters, input_ids)` or an adapter's export "
                              "(`PeftModel.from_pretrained(base, export_path)`)")
         if fn != "fit":
             return
@@ -1906,6 +1969,13 @@ class MultiLoRAMixin:
                            "validation runs during it (each adapter is validated as it ends); give an integer number "
                            "of steps, e.g. val_check_interval=50 with check_val_every_n_epoch=None, for the validation "
                            "losses that EarlyExit, WarmupSelection and OptunaSweep's pruner read")
+        every = trainer.check_val_every_n_epoch
+        if not isinstance(interval, float) and endless and every not in (None, 1) and not trainer.fast_dev_run \
+                and trainer.limit_val_batches != 0:  # (validations in epochs every-1, 2*every-1...: never in epoch 0)
+            rank_zero_warn(f"`Trainer(check_val_every_n_epoch={every})` validates once every {every} epochs, and the "
+                           "run is one endless epoch: no validation runs during it (each adapter is validated as it "
+                           "ends), so EarlyExit, WarmupSelection and OptunaSweep's pruner judge nothing and a "
+                           "ModelCheckpoint that saves at validations writes none; give check_val_every_n_epoch=None")
         loop = trainer.fit_loop
         minimum = [f"min_steps={loop.min_steps}"] if loop.min_steps is not None else []  # (any: Lightning then
         # sets min_epochs=1, which the endless epoch never reaches)
@@ -2233,6 +2303,8 @@ class MultiLoRAMixin:
             # each adapter's dropout step (its masks come from its seed and this step)
             "dropout_steps": self.lora_layers.dropout_steps(),
             "run_id": self._run_id,
+            "lineage": list(self._lineage),
+            "step_offset": self.__dict__.get("_step_offset", 0),  # (the run's steps before its Trainer's: `_run_step`)
             "base": self._base_identity(),
             "optimizer_classes": _optimizer_classes(self._raw_optimizer()),
             "max_running": self.max_running,
@@ -2367,12 +2439,29 @@ class MultiLoRAMixin:
                              f"{checkpoint['world_size']} ranks, which {reader} cannot read whole: give its folder "
                              "to a fit as `ckpt_path` under strategy='adapter_parallel' (over any number of processes, "
                              "one included)")
+        if trainer is not None and trainer.state.fn == "fit" and "optimizer_states" not in checkpoint:
+            raise UsageError("this checkpoint holds weights only (`ModelCheckpoint(save_weights_only=True)`): no "
+                             "optimizer or callback states for a fit to resume with `ckpt_path`; load it with "
+                             "`MultiLoRAModule.load_from_checkpoint(path)` and fit that module without `ckpt_path`: "
+                             "its adapters go on from these weights, with new optimizer states")
         for callback in (trainer.callbacks if trainer is not None else []):  # (before Lightning matches their states)
             getattr(callback, "adopt_checkpoint_state", lambda checkpoint: None)(checkpoint)
+        datamodule = getattr(trainer, "datamodule", None)
+        if datamodule is not None and type(datamodule).__qualname__ not in checkpoint:  # (Lightning restores a data
+            # module's state under its class's name alone: one of another class, a subclass say, started every
+            # adapter's data over, silently) the stream positions saved under another name are this one's
+            found = [k for k, v in checkpoint.items() if isinstance(v, dict) and isinstance(v.get("streams"), dict)]
+            if len(found) == 1 and isinstance(datamodule.state_dict(), dict) and "streams" in datamodule.state_dict():
+                checkpoint[type(datamodule).__qualname__] = checkpoint[found[0]]
         # `load_from_checkpoint` (no trainer): a fit without `ckpt_path` goes on as a resume does, as another fit of
         # this module does: its optimizer states, data positions and callbacks' states from the checkpoint (they were
         # lost, the trained adapters' exports then written over by others trained again from fresh optimizers)
         self._loaded_outside_fit = trainer is None
+        if trainer is None:  # (the next fit goes on from the checkpoint's run step; a `ckpt_path` resume's Trainer
+            # does, its offset the checkpoint's)
+            self._steps_done = int(checkpoint.get("global_step", 0)) + int(state.get("step_offset", 0))
+        else:
+            self._step_offset = int(state.get("step_offset", 0))
         if trainer is None:
             self._carried_positions = next((dict(v["streams"]) for v in checkpoint.values() if isinstance(v, dict)
                                             and isinstance(v.get("streams"), dict)), None)
@@ -2417,6 +2506,7 @@ class MultiLoRAMixin:
                              "the `target_modules` (the module's, and each AdapterSpec's) the checkpoint was trained "
                              "with")
         self._run_id = state.get("run_id", self._run_id)
+        self._lineage = list(state.get("lineage", [])) + [uuid.uuid4().hex]  # (a branch of its own: `_sibling`)
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["cuda_rng"])
@@ -2481,7 +2571,7 @@ def _unlogged_monitor(callback: Any, counts: bool = True) -> Optional[str]:
         return None
     name = _monitored_adapter(callback)
     if name is None:
-        if key in ("step", "epoch") or (counts and key in ("running", "queued", "exited")):
+        if key in ("step", "epoch") or (counts and key in ("running", "queued", "paused", "exited")):
             return None
         example = key.rsplit("/", 1)[-1] if key.rsplit("/", 1)[-1] in ADAPTER_VALUES else "val_loss"
         return (f"no run-wide {key!r}: the module logs each adapter's values as 'adapters/<name>/<value>' "
@@ -2850,6 +2940,8 @@ class ExportOnException(L.Callback):
 
         log_dir_of(trainer)
         pl_module._exported_after = None
+        if stage == "fit" and callable(getattr(pl_module, "_begin_run_steps", None)):
+            pl_module._begin_run_steps(trainer)
         if stage in ("fit", "validate") and callable(getattr(pl_module, "_datamodule", None)):
             pl_module._datamodule()  # (its batches: a DataLoader's failed at the first, "KeyError: 'layout'")
         guard_folder_checkpoints(trainer.strategy)  # (before a checkpoint loads)

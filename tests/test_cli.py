@@ -243,6 +243,40 @@ def test_python_api_example_and_peft_loading_example(tmp_path):
     assert load.stdout.startswith("Q: Ada has 7 apples")
 
 
+def test_the_peft_loading_example_loads_the_base_its_export_names(tmp_path, trainer_kwargs):
+    """It rebuilt "tiny-llama" whatever the export named: an adapter trained on a checkpoint of the same shapes
+    loaded onto other weights without a word, and answered garbage. With no folder it said a bare IndexError."""
+    import lightning as L
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
+    from lightning_multilora.data import ByteTokenizer, GeneratedArithmetic
+
+    config = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    module = MultiLoRAModule(str(tmp_path / "base"), export_dir=str(tmp_path / "exp"), validate_on_finish=False,
+                             adapters=[AdapterSpec("a", rank=2, max_steps=3, lr=3e-2)])
+    L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(60)}))
+    script = str(ROOT / "examples" / "load_with_peft.py")
+    load = subprocess.run([sys.executable, script, str(tmp_path / "exp" / "a")], capture_output=True, text=True,
+                          timeout=300)
+    assert load.returncode == 0, load.stderr[-3000:]
+    prompt = load.stdout.split("\nA:")[0] + "\nA:"
+    tok = ByteTokenizer()
+    ids = torch.tensor([tok.encode(prompt)])
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "exp" / "a")
+    with torch.no_grad():  # (the answer's first token: the checkpoint's, through the adapter)
+        first = model.eval()(input_ids=ids).logits[0, -1].argmax().item()
+    answer = load.stdout[len(prompt):].rstrip("\n")
+    assert tok.encode(answer)[:1] == [first] or (first == tok.eos_token_id and answer == ""), (answer, first)
+    bare = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    assert bare.returncode == 1 and "usage: python" in bare.stderr and "adapter_config.json" in bare.stderr
+
+
 class TermAtStep2(Callback):
     """Sends this process a SIGTERM at step 2, as a cluster's pre-emption does."""
 

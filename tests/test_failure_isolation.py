@@ -73,3 +73,27 @@ def test_nan_adapter_fails_alone_and_neighbours_are_bit_identical(tmp_path, trai
         assert poisoned.registry[name].state == AdapterState.FINISHED
         for key, value in without_bad[name].items():
             assert torch.equal(with_bad[name][key], value), f"{name}:{key} differs"
+
+
+def test_a_failed_adapter_validated_at_its_last_step_keeps_that_loss_for_its_export(tmp_path, trainer_kwargs):
+    """A failure in the step right after a validation exported the weights that validation measured, and called
+    their loss inf (the failing step's): the report ranked a usable export last."""
+    class NaNFrom5(MultiLoRAModule):
+        def adapter_loss_terms(self, batch):
+            sums, counts = super().adapter_loss_terms(batch)
+            names = batch["layout"].names
+            if self.training and "bad" in names and self.registry["bad"].step >= 4:
+                sums = sums.clone()
+                sums[names.index("bad")] = float("nan")
+            return sums, counts
+
+    module = NaNFrom5("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path),
+                      adapters=[AdapterSpec("bad", rank=2, max_steps=8), AdapterSpec("ok", rank=2, max_steps=8)])
+    L.Trainer(**{**trainer_kwargs, "val_check_interval": 4}).fit(
+        module, MultiLoRADataModule(padding="max_length", max_length=96, max_val_examples=16))
+    rec = module.registry["bad"]
+    assert rec.state == AdapterState.FAILED and rec.step == 4 and rec.val_losses[-1][0] == 4
+    assert (rec.exported_step, rec.exported_val_loss) == (4, rec.val_losses[-1][1])
+    assert math.isfinite(rec.exported_val_loss)
+    info = json.loads((Path(rec.export_path) / "multilora_export.json").read_text())
+    assert (info["state"], info["weights_step"], info["val_loss"]) == ("failed", 4, rec.val_losses[-1][1])

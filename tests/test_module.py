@@ -2504,3 +2504,180 @@ def test_a_param_group_of_its_own_is_refused_and_specs_added_are_the_adapters_ow
         template.name, template.lr = f"t{i}", lr
         module.add_adapter(template)
     assert [(r.name, r.spec.name, r.spec.lr) for r in module.registry] == [("t0", "t0", 1e-3), ("t1", "t1", 2e-3)]
+
+
+def test_a_resume_with_a_data_module_subclass_goes_on_with_its_data(tmp_path, trainer_kwargs):
+    """Lightning restores a data module's state under its class's name alone: a ``ckpt_path`` resume with another
+    class (a subclass of MultiLoRADataModule) started every adapter's data over, silently."""
+    class MyDM(MultiLoRADataModule):
+        pass
+
+    def module_of() -> MultiLoRAModule:
+        return MultiLoRAModule("tiny-llama", validate_on_finish=False,
+                               adapters=[AdapterSpec("a", rank=2, max_steps=6, batch_size=3, seed=1)])
+
+    once = module_of()
+    L.Trainer(**trainer_kwargs).fit(once, small_dm())
+    module = module_of()
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 3})
+    trainer.fit(module, small_dm())
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    resumed = module_of()
+    L.Trainer(**trainer_kwargs).fit(resumed, MyDM(sources={"arith": small_dm().sources["arith"]}, max_val_examples=24),
+                                    ckpt_path=tmp_path / "mid.ckpt")
+    assert resumed.registry["a"].step == 6
+    assert resumed.registry["a"].tokens_seen == once.registry["a"].tokens_seen
+
+
+def test_a_weights_only_checkpoint_given_as_ckpt_path_is_refused_naming_the_way_and_nothing_is_exported(
+        tmp_path, trainer_kwargs):
+    """A ``save_weights_only`` checkpoint resumed with ``ckpt_path`` failed in Lightning's optimizer restore, after
+    exporting the checkpoint's weights into a new folder beside the run's own export; and a second fit refused before
+    its first step exported the adapters again, moving their export paths to a folder of a fit that trained
+    nothing."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def module_of() -> MultiLoRAModule:
+        return MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / "exp"),
+                               adapters=[AdapterSpec("a", rank=2, max_steps=4, seed=1)])
+
+    module = module_of()
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", save_weights_only=True, every_n_train_steps=2, save_top_k=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(**{**trainer_kwargs, "enable_checkpointing": True, "callbacks": [saver]}).fit(module, small_dm())
+    # (Lightning's advice to a manual-optimization module, to keep a copy of the weights before each step, is not
+    # this module's case: after the step is what it resumes from)
+    assert not [w for w in caught if "pre-optimization state" in str(w.message)]
+    assert sorted(p.name for p in (tmp_path / "exp").iterdir()) == ["a"]
+    again = module_of()
+    with pytest.raises(ValueError, match=r"this checkpoint holds weights only \(`ModelCheckpoint\(save_weights_only="
+                                         r"True\)`\).*`MultiLoRAModule.load_from_checkpoint\(path\)` and fit that"):
+        L.Trainer(**{**trainer_kwargs, "max_steps": 6}).fit(again, small_dm(),
+                                                             ckpt_path=tmp_path / "ck" / "epoch=0-step=2.ckpt")
+    assert sorted(p.name for p in (tmp_path / "exp").iterdir()) == ["a"]  # (no a-v1 holding the checkpoint's copy)
+    # a second fit refused before its first step: the adapters stay exported where the first fit wrote them
+    module.add_adapter(AdapterSpec("c", rank=2, max_steps=2, dataset="nosuch"))
+    exported = module.registry["a"].export_path
+    with pytest.raises(ValueError, match=r"'nosuch' is not a data source"):
+        L.Trainer(**{**trainer_kwargs, "default_root_dir": str(tmp_path / "second")}).fit(module, small_dm())
+    assert module.registry["a"].export_path == exported
+    assert sorted(p.name for p in (tmp_path / "exp").iterdir()) == ["a"]
+    loaded = MultiLoRAModule.load_from_checkpoint(tmp_path / "ck" / "epoch=0-step=2.ckpt")
+    with pytest.raises(ValueError, match=r"the module is attached to no Trainer, .* measure its adapters with "
+                                         r"`trainer.validate\(module, datamodule=MultiLoRADataModule"):
+        loaded.evaluate(["a"])
+
+
+def test_two_fits_resumed_from_one_checkpoint_into_one_export_dir_keep_each_others_exports(tmp_path, trainer_kwargs):
+    """Both resumes carried the checkpoint's run id: the second wrote over the first's exports without a word. Each
+    checkpoint load is a branch of the run's line now (stamped beside the run id): the second's go beside an adapter
+    the first ended; a resume still writes over what the run it resumed wrote (its own line), and over an adapter
+    another branch exported as it ran (an interrupted attempt's, as
+    `test_a_resumed_run_writes_over_its_own_exports_only` has it)."""
+    from safetensors.torch import load_file
+
+    from lightning_multilora.data import GeneratedArithmetic
+
+    def module_of() -> MultiLoRAModule:
+        return MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / "exp"),
+                               adapters=[AdapterSpec("a", rank=2, max_steps=4, lr=1e-2, seed=1)])
+
+    first = module_of()
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(first, small_dm())
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    L.Trainer(**trainer_kwargs).fit(first, small_dm())  # (the run goes on past its checkpoint: exp/a at step 4)
+    one = module_of()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(**trainer_kwargs).fit(one, small_dm(), ckpt_path=tmp_path / "mid.ckpt")
+    assert one.registry["a"].export_path == str(tmp_path / "exp" / "a")  # (over the run it resumed: its own line)
+    assert not [w for w in caught if "did not write" in str(w.message)]
+    written = load_file(tmp_path / "exp" / "a" / "adapter_model.safetensors")
+    other = MultiLoRAModule.load_from_checkpoint(tmp_path / "mid.ckpt", export_dir=str(tmp_path / "exp"))
+    with pytest.warns(UserWarning, match=r"exp/a holds an adapter this run did not write for it \(another resume of "
+                                         r"this run's checkpoint\); it is kept, and this one is written to .*exp/a-v1"):
+        L.Trainer(**trainer_kwargs).fit(other, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(400, seed=5)},
+                                                                    max_val_examples=24))  # (other data)
+    assert other.registry["a"].export_path == str(tmp_path / "exp" / "a-v1")
+    kept = load_file(tmp_path / "exp" / "a" / "adapter_model.safetensors")
+    assert all(torch.equal(kept[k], written[k]) for k in written)
+    beside = load_file(tmp_path / "exp" / "a-v1" / "adapter_model.safetensors")
+    assert not all(torch.equal(beside[k], written[k]) for k in written)
+
+
+def test_slot_spans_count_on_across_fits_of_one_module_and_a_loaded_checkpoint(tmp_path, trainer_kwargs):
+    """A second fit's spans began at 0 again, over the first's (`b` ending before it began, `c` overlapping `a` in a
+    run of one slot); so did a fit of a module loaded from a checkpoint. They count on the run's steps now, as a
+    ``ckpt_path`` resume's did."""
+    def module_of() -> MultiLoRAModule:
+        return MultiLoRAModule("tiny-llama", max_running=1, validate_on_finish=False,
+                               adapters=[AdapterSpec("a", rank=2, max_steps=3), AdapterSpec("b", rank=2, max_steps=4),
+                                         AdapterSpec("c", rank=2, max_steps=2)])
+
+    once = module_of()
+    L.Trainer(**trainer_kwargs).fit(once, small_dm())
+    expected = {"a": [[0, 3]], "b": [[3, 7]], "c": [[7, 9]]}
+    assert {n: once.registry[n].spans for n in "abc"} == expected
+    twice = module_of()
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 5})
+    trainer.fit(twice, small_dm())
+    trainer.save_checkpoint(tmp_path / "five.ckpt")
+    L.Trainer(**trainer_kwargs).fit(twice, small_dm())
+    assert {n: twice.registry[n].spans for n in "abc"} == expected
+    assert (twice.registry["c"].started_at_step, twice.registry["c"].ended_at_step) == (7, 9)
+    loaded = MultiLoRAModule.load_from_checkpoint(tmp_path / "five.ckpt")
+    L.Trainer(**trainer_kwargs).fit(loaded, small_dm())
+    assert {n: loaded.registry[n].spans for n in "abc"} == expected
+
+
+def test_check_val_every_n_epoch_above_one_in_the_endless_epoch_is_said(tmp_path, trainer_kwargs):
+    """``Trainer(val_check_interval=5, check_val_every_n_epoch=2)`` ran no validation at all (the run is epoch 0):
+    EarlyExit, WarmupSelection and the pruner judged nothing, and ModelCheckpoint wrote nothing, unsaid."""
+    module = MultiLoRAModule("tiny-llama", validate_on_finish=False,
+                             adapters=[AdapterSpec("a", rank=2, max_steps=6)])
+    kwargs = {**trainer_kwargs, "val_check_interval": 3, "check_val_every_n_epoch": 2}
+    with pytest.warns(UserWarning, match=r"`Trainer\(check_val_every_n_epoch=2\)` validates once every 2 epochs, and "
+                                         r"the run is one endless epoch: no validation runs during it .* give "
+                                         r"check_val_every_n_epoch=None"):
+        L.Trainer(**kwargs).fit(module, small_dm())
+    assert module.registry["a"].val_losses == []  # (as said: none ran)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(**{**kwargs, "check_val_every_n_epoch": None}).fit(MultiLoRAModule(
+            "tiny-llama", validate_on_finish=False, adapters=[AdapterSpec("a", rank=2, max_steps=6)]), small_dm())
+    assert not [w for w in caught if "check_val_every_n_epoch=" in str(w.message)]
+
+
+def test_an_adapter_target_name_that_the_modules_targets_narrow_is_said(tmp_path, trainer_kwargs):
+    """A name of which the module wraps some modules alone (``q_proj`` of a module that wraps layer 0's) adapted
+    fewer layers than PEFT's same name would, unsaid (a regex was warned of)."""
+    with pytest.warns(UserWarning, match=r"adapter 'a': its `target_modules` \['q_proj'\] also match linear modules "
+                                         r"the module does not wrap \(\['model.layers.1.self_attn.q_proj'\]...: 1\), "
+                                         r"which it cannot adapt; it gets 1 layers"):
+        module = MultiLoRAModule("tiny-llama", target_modules=r".*layers\.0\..*_proj",
+                                 adapters=[AdapterSpec("a", rank=2, max_steps=1, target_modules=["q_proj"])])
+    assert module.registry["a"].state == AdapterState.QUEUED
+    with warnings.catch_warnings(record=True) as caught:  # (a subset of the module's own targets: nothing)
+        warnings.simplefilter("always")
+        MultiLoRAModule("tiny-llama", target_modules=["q_proj", "v_proj"],
+                        adapters=[AdapterSpec("a", rank=2, max_steps=1, target_modules=["q_proj"])])
+    assert not [w for w in caught if "does not wrap" in str(w.message)]
+
+
+def test_the_progress_bar_counts_paused_adapters_apart_from_queued_ones(tmp_path, trainer_kwargs):
+    """Paused adapters were counted as "queued" (12 queued at the end of a demo whose candidates waited for the
+    warmup selection, none queued)."""
+    class PauseB(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 2:
+                pl_module.pause_adapter("b")
+
+    module = MultiLoRAModule("tiny-llama", validate_on_finish=False, max_running=2,
+                             adapters=[AdapterSpec("a", rank=2, max_steps=4), AdapterSpec("b", rank=2, max_steps=4),
+                                       AdapterSpec("c", rank=2, max_steps=4)])
+    trainer = L.Trainer(**{**trainer_kwargs, "enable_progress_bar": True, "max_steps": 3}, callbacks=[PauseB()])
+    trainer.fit(module, small_dm())
+    shown = {k: trainer.progress_bar_metrics[k] for k in ("running", "queued", "paused", "exited")}
+    assert shown == {"running": 2.0, "queued": 0.0, "paused": 1.0, "exited": 0.0}

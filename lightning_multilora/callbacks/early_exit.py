@@ -183,7 +183,8 @@ class EarlyExit(Callback):
                 gap = (val - watch.ema) / watch.ema
                 kept = (f"best weights (step {rec.best_val_step}) kept" if pl_module.keep_best_weights
                         and rec.name in getattr(pl_module, "_best_weights", {}) else
-                        f"its last weights exported (best validation at step {rec.best_val_step}, not kept)")
+                        "its last weights exported (no validation loss of it was finite)" if rec.best_val_step == -1
+                        else f"its last weights exported (best validation at step {rec.best_val_step}, not kept)")
                 reason = (f"validation {val:.4f} above smoothed training {watch.ema:.4f} by {gap:.1%} for "
                           f"{watch.overfit_count} evaluations; {kept}")
                 pl_module.remove_adapter(rec.name, reason=reason, state=AdapterState.OVERFIT)

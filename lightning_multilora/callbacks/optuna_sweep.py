@@ -985,9 +985,10 @@ class OptunaSweep(Callback):
             self._tell(info["number"], values=value)
         elif rec.state in PRUNED_STATES or rec.state in COMPLETE_STATES:
             if rec.state in COMPLETE_STATES:  # (FAIL is kept for trials lost or failed)
+                why = (f"its validations gave {rec.val_losses[-1][1]}" if rec.val_losses else
+                       "never validated: `validate_on_finish=False` and no validation in its run?")
                 warnings.warn(f"trial {info['number']} ({rec.name!r}) {rec.state.value} with no finite validation "
-                              f"loss ({value}; never validated: `validate_on_finish=False` and no validation in its "
-                              "run?): told PRUNED, without a value")
+                              f"loss ({value}; {why}): told PRUNED, without a value")
             self._tell(info["number"], state=optuna.trial.TrialState.PRUNED)
         else:
             self._tell(info["number"], state=optuna.trial.TrialState.FAIL)
@@ -1124,8 +1125,7 @@ class OptunaSweep(Callback):
         if unfinished and self.study is not None:
             trainer = getattr(pl_module, "_trainer", None)
             saved = _resuming_checkpoint(trainer, stopped_by is not None)
-            stop = (f"the fit stopped by {stopped_by}" if stopped_by else
-                    "the Trainer stopped (its max_steps or max_time)")
+            stop, larger = (f"the fit stopped by {stopped_by}", "") if stopped_by else _stop_cause(trainer)
             why = f"{stop} before their adapters finished (those that had started are exported as they are)"
             if stopped_by and saved is None:
                 for name, info in self.trials.items():
@@ -1138,7 +1138,6 @@ class OptunaSweep(Callback):
                               "no checkpoint of this run was saved, so none can resume them (a ModelCheckpoint saves "
                               "at each validation, `val_check_interval`)")
                 return {"specs": [], "state": self.state_dict()}
-            larger = "" if stopped_by else " with a larger Trainer max_steps"
             how = (f"Resume from the last checkpoint ({saved}; the steps after it are trained again){larger} to "
                    "finish and tell them" if saved else
                    "No checkpoint of this run was saved, so none can resume them (a ModelCheckpoint saves at each "
@@ -1237,3 +1236,27 @@ def _example(dist) -> Union[float, int, Any]:
     if isinstance(dist, optuna.distributions.CategoricalDistribution):
         return dist.choices[0]
     return dist.low
+
+
+def _stop_cause(trainer: Optional[L.Trainer]) -> tuple[str, str]:
+    """What stopped a fit whose adapters still trained, in words, and what a resume then needs (the steps to finish
+    them; nothing where a callback stopped it). It said "its max_steps or max_time" of an EarlyStopping's stop too,
+    and advised a larger max_steps for a run without one."""
+    from lightning.pytorch.callbacks import EarlyStopping, Timer
+
+    if trainer is None:
+        return "the Trainer stopped", ""
+    if trainer.max_steps not in (None, -1) and trainer.global_step >= trainer.max_steps:
+        return f"the Trainer stopped at its max_steps={trainer.max_steps}", " with a larger Trainer max_steps"
+    timer = next((cb for cb in trainer.callbacks if isinstance(cb, Timer)), None)
+    left = timer.time_remaining() if timer is not None else None
+    if left is not None and left <= 0:
+        return "the Trainer stopped at its max_time", " with a larger Trainer max_time"
+    if trainer.max_epochs not in (None, -1) and trainer.current_epoch >= trainer.max_epochs:
+        return f"the Trainer stopped at its max_epochs={trainer.max_epochs}", " with a larger Trainer max_epochs"
+    stoppers = [cb for cb in trainer.callbacks if isinstance(cb, EarlyStopping)
+                and getattr(cb, "stopping_reason_message", None)]
+    if stoppers:
+        return (f"`EarlyStopping(monitor={stoppers[0].monitor!r})` stopped the run "
+                f"({stoppers[0].stopping_reason_message.rstrip('.')})", "")
+    return "a callback stopped the run (`trainer.should_stop`)", ""

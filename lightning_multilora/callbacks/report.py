@@ -137,7 +137,7 @@ class SweepReport(Callback):
             except OSError as err:
                 warnings.warn(f"SweepReport could not write `filename` {str(path)!r}: {err}")
         if self.tensorboard:
-            self._write_tensorboard(trainer, registry)
+            self._write_tensorboard(trainer, registry, pl_module)
         if self.print_table:
             said = ("their best-validation weights" if exported == "best"
                     else "their last weights; EarlyExit keeps the best")
@@ -171,7 +171,7 @@ class SweepReport(Callback):
                 lines.append(f"Summary:          {getattr(self, '_path', None) or Path(log_dir) / self.filename}")
             print("\n".join(lines), flush=True)
 
-    def _write_tensorboard(self, trainer: L.Trainer, registry: AdapterRegistry) -> None:
+    def _write_tensorboard(self, trainer: L.Trainer, registry: AdapterRegistry, pl_module: L.LightningModule) -> None:
         loggers = _tensorboard_loggers(trainer)
         if not loggers:
             return
@@ -205,7 +205,8 @@ class SweepReport(Callback):
                     writer.add_scalar(key, value)
         writer = logger.experiment
         writer.add_figure("sweep/loss_curves", loss_curves_figure(registry), trainer.global_step)
-        writer.add_figure("sweep/timeline", timeline_figure(registry, trainer.global_step), trainer.global_step)
+        run_step = getattr(pl_module, "_run_step", lambda: trainer.global_step)()  # (the spans' axis, across fits)
+        writer.add_figure("sweep/timeline", timeline_figure(registry, run_step), trainer.global_step)
         writer.flush()
 
 
@@ -258,7 +259,8 @@ def slot_assignment(intervals: list[tuple[str, int, int]]) -> dict[str, int]:
 
 
 def timeline_figure(registry: AdapterRegistry, last_step: int):
-    """A Gantt chart of the spans (global steps) in which adapters held a slot, coloured by how each ended."""
+    """A Gantt chart of the spans (the run's steps, counted on across fits of one module) in which adapters held a
+    slot, coloured by how each ended."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -274,7 +276,7 @@ def timeline_figure(registry: AdapterRegistry, last_step: int):
         ax.barh(slots[key], max(end - start, 1), left=start, color=_STATE_COLORS.get(registry[name].state, "tab:blue"),
                 edgecolor="black", lw=0.4)
         ax.text(start, slots[key], f" {name}", va="center", fontsize=6)
-    ax.set(xlabel="global step", ylabel="slot", title="adapters holding each slot (colour: how they ended)")
+    ax.set(xlabel="step of the run", ylabel="slot", title="adapters holding each slot (colour: how they ended)")
     ax.set_yticks(range(n_slots))
     ax.invert_yaxis()
     fig.tight_layout()

@@ -95,3 +95,24 @@ def test_an_overfit_exit_without_best_weights_kept_says_its_last_weights_were_ex
     assert rec.state == AdapterState.OVERFIT, rec.reason
     assert "its last weights exported" in rec.reason and "kept)" in rec.reason
     assert rec.exported_step == rec.step and rec.exported_val_loss == rec.val_losses[-1][1]
+
+
+def test_an_adapter_that_never_had_a_finite_validation_loss_is_said_so(tmp_path, trainer_kwargs):
+    """An adapter whose validations all overflowed (inf) exited "best validation at step -1, not kept", as though
+    `keep_best_weights` were off; and its trial was said "never validated"."""
+    class Overflowing(MultiLoRAModule):
+        def adapter_loss_terms(self, batch):
+            sums, counts = super().adapter_loss_terms(batch)
+            if not self.training and "b" in batch["layout"].names:
+                sums = sums.clone()
+                sums[batch["layout"].names.index("b")] = float("inf")
+            return sums, counts
+
+    module = Overflowing("tiny-llama", validate_on_finish=False,
+                         adapters=[AdapterSpec("a", rank=2, max_steps=12), AdapterSpec("b", rank=2, max_steps=12)])
+    dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(400)}, max_val_examples=24)
+    L.Trainer(**{**trainer_kwargs, "val_check_interval": 2}, callbacks=[EarlyExit()]).fit(module, dm)
+    b = module.registry["b"]
+    assert b.state == AdapterState.OVERFIT and b.best_val_step == -1
+    assert b.reason.endswith("its last weights exported (no validation loss of it was finite)"), b.reason
+    assert module.registry["a"].state == AdapterState.FINISHED

@@ -1329,3 +1329,21 @@ def test_one_sweep_object_given_to_the_fit_of_another_module_asks_its_trials_ane
     states = [t.state for t in study.get_trials()]
     first = optuna.trial.TrialState.RUNNING if first_max_steps == 2 else optuna.trial.TrialState.COMPLETE
     assert states == [first] * 2 + [optuna.trial.TrialState.COMPLETE] * 2  # (the first fit's left as it left them)
+
+
+def test_trials_left_running_by_an_early_stopping_name_it_and_not_max_steps(tmp_path, trainer_kwargs):
+    """A run that an EarlyStopping ended left its trials RUNNING "as the Trainer stopped (its max_steps or max_time)",
+    to be resumed "with a larger Trainer max_steps" (the run had none)."""
+    from lightning.pytorch.callbacks import EarlyStopping
+
+    sweep = OptunaSweep(SPACE, n_trials=2, storage=f"sqlite:///{tmp_path / 's.db'}",
+                        base={"max_steps": 30, "batch_size": 2}, slots=2)
+    stop = EarlyStopping(monitor="adapters/trial-0/val_loss", stopping_threshold=100.0, mode="min")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer, _ = fit(tmp_path, trainer_kwargs, sweep, callbacks=[stop])
+    assert trainer.global_step == 3  # (its first validation)
+    told = [str(w.message) for w in caught if "stay RUNNING" in str(w.message)]
+    assert len(told) == 1 and "trials [0, 1] stay RUNNING in study 'multilora': `EarlyStopping(monitor='adapters/" \
+                              "trial-0/val_loss')` stopped the run (" in told[0], told
+    assert "max_steps" not in told[0] and "max_time" not in told[0]
