@@ -39,7 +39,7 @@ else:
 model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
 
 prompt = "Q: Ada has 7 apples and gets 5 more. How many apples does Ada have?\nA:"
-prompt_ids = tok.encode(prompt) if isinstance(tok, ByteTokenizer) else tok.encode(prompt, add_special_tokens=False)
+prompt_ids = tok.encode(prompt)  # (with the tokenizer's BOS, where it adds one, as the training rows began)
 ids = torch.tensor([prompt_ids])
 with torch.no_grad():
     for _ in range(4):  # greedy decoding of a short answer

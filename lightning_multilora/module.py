@@ -54,6 +54,7 @@ _LORA_KEYS = (".lora_A.", ".lora_B.")
 # a base model's config entries that a checkpoint's adapters depend on (`_base_identity`)
 _BASE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim")
+_ENDED = "ended"  # (the stamp's last line, once the fit that wrote it ended: `_mark_branch_ended`)
 _RUN_STAMP = ".multilora_run"  # in an export folder: the id of the run that wrote it and the adapter (`save_adapter`)
 EXPORT_INFO = "multilora_export.json"  # in an export folder: what its weights are (`save_adapter`, `_describe_export`)
 _EXITS_KEY = "\0exits-of-rank-"  # in the ranks' exchange: a rank's exits since the last one (not an adapter name)
@@ -199,9 +200,10 @@ class MultiLoRAMixin:
         """``optimizer``: an optimizer class or its import path, built with ``optimizer_kwargs`` and one param group
         per adapter. On CUDA the default, ``torch.optim.AdamW``, steps as `GroupedAdamW` (one launch for every
         adapter, which also writes the adapters' bf16 shadows that the LoRA kernels read) unless ``optimizer_kwargs``
-        sets ``fused``, ``foreach``, ``amsgrad``, ``capturable`` or ``differentiable``. ``torch.optim.Adam``, and AdamW
-        with ``amsgrad`` or ``capturable``, step with ``fused=True`` unless ``optimizer_kwargs`` sets ``fused`` or
-        ``foreach`` (``differentiable``: torch's default step, its fused one refuses it).
+        sets ``fused``, ``foreach``, ``amsgrad`` or ``capturable``. ``torch.optim.Adam``, and AdamW with ``amsgrad``
+        or ``capturable``, step with ``fused=True`` unless ``optimizer_kwargs`` sets ``fused`` or ``foreach``
+        (``differentiable`` is refused: the adapters' weights are leaves updated in place; ``capturable`` needs
+        CUDA).
 
         ``admission``: an `AdmissionController` (see `lightning_multilora.scheduling`): queued adapters
         start only while its memory model says they fit, largest batch sizes first, a freed slot going to
@@ -219,7 +221,7 @@ class MultiLoRAMixin:
         recently replayed are kept): pad batches to few shapes (``MultiLoRADataModule(padding="max_length")``
         or ``pad_to_multiple_of``), or most steps of a varying length run eagerly. Needs torch >= 2.10 with
         gradient checkpointing."""
-        check_int("MultiLoRAModule", "max_running", max_running, 1, optional=True)
+        check_int("MultiLoRAModule", "max_running", max_running, 1, optional=True)  # (and at every change: below)
         check_bool("MultiLoRAModule", "validate_on_finish", validate_on_finish)
         check_bool("MultiLoRAModule", "cuda_graphs", cuda_graphs)
         if type(self).adapter_loss_terms is MultiLoRAMixin.adapter_loss_terms:  # (a loss of its own may take any)
@@ -363,7 +365,20 @@ class MultiLoRAMixin:
         trainer = self._trainer_or_none()
         if trainer is None or trainer.state.status != "running":
             self._given[spec.name] = spec
+        elif not self.__dict__.get("_fit_started", False):  # (a callback's `setup`: before a resumed checkpoint's
+            self.__dict__.setdefault("_added_before_start", {})[spec.name] = spec  # registry replaces this one's)
         return rec
+
+    @property
+    def max_running(self) -> Optional[int]:
+        """Adapters trained at once (None: every one); set at any time (a callback's), checked as the constructor
+        checks it (0 took empty steps for ever)."""
+        return self.__dict__.get("_max_running")
+
+    @max_running.setter
+    def max_running(self, value: Optional[int]) -> None:
+        check_int("MultiLoRAModule", "max_running", value, 1, optional=True)
+        self.__dict__["_max_running"] = None if value is None else int(value)
 
     def remove_adapter(self, name: str, reason: str = "removed",
                        state: Union[AdapterState, str] = AdapterState.PRUNED) -> None:
@@ -497,8 +512,11 @@ class MultiLoRAMixin:
                 warnings.warn(f"adapter {name!r}: {taken} holds an adapter this run did not write for it ({whose}); "
                               f"it is kept, and this one is written to {directory} (give each new run its own "
                               "`export_dir`)")
-        else:
+        else:  # (stamped as this run's, of this adapter: its own export there later writes over it, not beside as
+            # though another run's)
             directory = Path(directory)
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / _RUN_STAMP).write_text(f"{self._run_id}\n{name}\n{rec.step}\n{self._lineage[-1]}\n")
         base = getattr(getattr(self.lora_layers.model, "config", None), "name_or_path", None)
         layers = self.lora_layers.target_layers(name)
         weights = self._best_weights.get(name) if best else None
@@ -563,19 +581,23 @@ class MultiLoRAMixin:
             not self._sibling(directory)
 
     def _sibling(self, directory: Path) -> bool:
-        """Whether ``directory`` holds an ended adapter (finished, stopped early, failed) that this run's id wrote on
-        another line than this one's: another resume of a checkpoint this module resumed (two fits from one
-        checkpoint into one `export_dir` wrote over each other's results, both carrying its run id). An adapter
-        exported as it ran (an interrupted attempt's, retried from the same checkpoint) is written over, as is a
-        stamp without a branch, from before branches were stamped."""
+        """Whether ``directory`` holds an export that this run's id wrote on another line than this one's, in a fit
+        that ended as fits end (its training's end reached, `_mark_branch_ended`): another resume of a checkpoint this
+        module resumed (two fits from one checkpoint into one `export_dir` wrote over each other's results, both
+        carrying its run id). An attempt stopped by an error, Ctrl+C or a kill, retried from the same checkpoint, is
+        written over, as is a stamp without a branch, from before branches were stamped."""
         stamp = self._stamp(directory)
-        if stamp is None or stamp[0] != self._run_id or stamp[3] in ("", *self._lineage):
-            return False
-        try:
-            state = json.loads((directory / EXPORT_INFO).read_text()).get("state")
-        except (OSError, ValueError, AttributeError):  # (no info yet: being written by it now)
-            return True
-        return state not in (AdapterState.QUEUED.value, AdapterState.RUNNING.value, AdapterState.PAUSED.value)
+        return stamp is not None and stamp[0] == self._run_id and stamp[3] not in ("", *self._lineage) and \
+            stamp[4] == _ENDED
+
+    def _mark_branch_ended(self) -> None:
+        """This fit's training ended as fits end: the exports it wrote are stamped so (`_sibling`)."""
+        for rec in self.registry:
+            directory = Path(rec.export_path) if rec.export_path else None
+            stamp = self._stamp(directory) if directory is not None and self._owns(rec.name) else None
+            if stamp is not None and stamp[0] == self._run_id and stamp[3] == self._lineage[-1] and stamp[4] != _ENDED:
+                with contextlib.suppress(OSError):  # (a folder that cannot be written: left as it is)
+                    (directory / _RUN_STAMP).write_text("\n".join((*stamp[:4], _ENDED)) + "\n")
 
     def _later_step(self, directory: Path, name: str, step: int) -> Optional[int]:
         """The step stamped in ``directory``, this run's export of adapter ``name`` (`_wrote`), where it is later than
@@ -620,14 +642,14 @@ class MultiLoRAMixin:
         return True
 
     @staticmethod
-    def _stamp(directory: Path) -> Optional[tuple[str, str, str, str]]:
-        """The run id, the adapter name, its step and the branch of the run's line (`_lineage`) stamped in an export
-        folder (each later one "" in an older stamp), or None."""
+    def _stamp(directory: Path) -> Optional[tuple[str, str, str, str, str]]:
+        """The run id, the adapter name, its step, the branch of the run's line (`_lineage`) and whether that fit
+        ended (`_ENDED`) stamped in an export folder (each later one "" in an older stamp), or None."""
         stamp = directory / _RUN_STAMP
         if not stamp.is_file():
             return None
-        lines = stamp.read_text().splitlines() + ["", "", "", ""]
-        return lines[0].strip(), lines[1].strip(), lines[2].strip(), lines[3].strip()
+        lines = [line.strip() for line in stamp.read_text().splitlines()] + [""] * 5
+        return lines[0], lines[1], lines[2], lines[3], lines[4]
 
     def packing_roster(self) -> list[AdapterSpec]:
         """Specs of the adapters in the next packed batch (running, in registry order; under adapter
@@ -901,7 +923,7 @@ class MultiLoRAMixin:
             return Path(self.export_dir)
         if trainer is not None:
             return Path(log_dir_of(trainer)) / "adapters"
-        return Path("adapters")
+        return Path("adapters").absolute()  # (outside any fit: the record names where, whatever the directory later)
 
     def _check_hosted(self) -> None:
         """The module was set up for a fit: `init_multilora` called, on a model that is one of its submodules (one
@@ -919,14 +941,18 @@ class MultiLoRAMixin:
     def _trainer_or_none(self) -> Optional[L.Trainer]:
         return getattr(self, "_trainer", None)
 
-    def _datamodule(self):
+    def _datamodule(self, use: str = ""):
+        """The Trainer's MultiLoRADataModule; ``use``: what needs it, said where there is no Trainer (`evaluate`...)."""
         trainer = self._trainer_or_none()
         dm = getattr(trainer, "datamodule", None) if trainer is not None else None
-        if trainer is None:  # (`load_from_checkpoint`, or after a fit: `evaluate` was pointed to a fit, which trains)
+        if trainer is None and use == "evaluate":  # (`load_from_checkpoint`: `evaluate` was pointed to a fit)
             raise UsageError("the module is attached to no Trainer, whose MultiLoRADataModule `evaluate` reads: "
                              "measure its adapters with `trainer.validate(module, "
                              "datamodule=MultiLoRADataModule(...))` (their losses logged as adapters/<name>/val_loss, "
                              "and returned), or call `evaluate` during a fit (from a callback's hook)")
+        if trainer is None:
+            raise UsageError(f"the module is attached to no Trainer, whose MultiLoRADataModule {use or 'this'} reads: "
+                             "call it during a fit (from a callback's hook)")
         if dm is None or not hasattr(dm, "num_train_examples"):
             given = f"; got {type(dm).__name__}" if dm is not None else (
                 "; a DataLoader's batches are not the packed batches it makes (each row an adapter's)" if trainer is not
@@ -939,10 +965,11 @@ class MultiLoRAMixin:
     def _cannot_start(self, rec: AdapterRecord, err: ValueError) -> None:
         """A queued adapter that cannot start fails: before the first step the run stops at once, with the error;
         later (an adapter added, or a trial asked, mid-run) that adapter fails alone, and the others train on:
-        nothing they learned is lost to a crash."""
-        rec.state, rec.reason = AdapterState.FAILED, str(err)
+        nothing they learned is lost to a crash. A run refused so leaves the adapter queued: a fit after the fix (the
+        source added, the budget raised) starts it (marked failed, it was skipped there without a word)."""
         if self._global_step() == 0:
             raise err if isinstance(err, UsageError) else UsageError(str(err)) from err
+        rec.state, rec.reason = AdapterState.FAILED, str(err)
         rec.ended_at_step = self._run_step()
         warnings.warn(f"adapter {rec.name!r} could not start: {err}")
         self._notify_exit(rec)
@@ -1144,7 +1171,7 @@ class MultiLoRAMixin:
         """Could ``spec``'s adapter start now? Its data (`MultiLoRADataModule.check`) and its targets and
         `init_from` folder (`check_targets`) are checked; a ValueError says what is wrong. Returns its target
         modules (`_targets_of`)."""
-        self._datamodule().check(spec)
+        self._datamodule("`check_startable`").check(spec)
         return self.check_targets(spec)
 
     def check_targets(self, spec: AdapterSpec) -> Any:
@@ -1270,6 +1297,26 @@ class MultiLoRAMixin:
             dm.release(rec.name)
         self._notify_exit(rec)
 
+    def _drop_rows_of_stopped(self, batch: dict[str, Any]) -> None:
+        """The batch is drawn before the callbacks' ``on_train_batch_start``: an adapter paused or removed there still
+        had rows in it (a removed one's crashed the step, "no adapter 'a'"; a paused one trained a step more, past
+        its ``max_steps`` where that was its last). Their rows are left to the base alone (no loss, no step), and a
+        paused adapter's data position goes back to before them: it takes them when it resumes."""
+        layout: BatchLayout = batch["layout"]
+        keep = [i for i, n in enumerate(layout.names) if n in self.registry
+                and self.registry[n].state == AdapterState.RUNNING]
+        if len(keep) == len(layout.names):
+            return
+        trainer = self._trainer_or_none()
+        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+        drawn, streams = getattr(dm, "_drawn_from", {}), getattr(dm, "_streams", {})
+        for name in layout.names:
+            rec = self.registry[name] if name in self.registry else None
+            if rec is not None and rec.state == AdapterState.PAUSED and name in drawn and name in streams:
+                streams[name].load_state_dict(drawn[name])
+        batch["layout"] = BatchLayout(tuple(layout.names[i] for i in keep), tuple(layout.starts[i] for i in keep),
+                                      tuple(layout.ends[i] for i in keep), layout.num_rows, layout.padding_side)
+
     def _global_step(self) -> int:
         if self._resume_checkpoint is not None:  # resuming: the trainer's step is restored after the optimizer
             return int(self._resume_checkpoint.get("global_step", 0))
@@ -1285,16 +1332,21 @@ class MultiLoRAMixin:
             offset = (self._resume_checkpoint.get("multilora") or {}).get("step_offset", 0)
             return int(self._resume_checkpoint.get("global_step", 0)) + int(offset)
         trainer = self._trainer_or_none()
-        return self.__dict__.get("_step_offset", 0) + (int(trainer.global_step) if trainer is not None else 0)
+        if trainer is None:  # (`load_from_checkpoint`, before a fit: the checkpoint's step)
+            return self.__dict__.get("_steps_done", 0)
+        return self.__dict__.get("_step_offset", 0) + int(trainer.global_step)
 
     def _begin_run_steps(self, trainer: L.Trainer) -> None:
         """A fit sets up (`ExportOnException.setup`): the run's steps before its Trainer's present step (0 for a new
         Trainer; a Trainer fitted again goes on from its step) are this fit's offset (`_run_step`)."""
         self._step_offset = self.__dict__.get("_steps_done", 0) - int(trainer.global_step)
+        self._run_steps_of = id(trainer)
 
     def _end_run_steps(self, trainer: L.Trainer) -> None:
-        """A fit ends or stops: the run's steps so far, which a later fit of this module goes on from."""
-        self._steps_done = self.__dict__.get("_step_offset", 0) + int(trainer.global_step)
+        """A fit ends or stops: the run's steps so far, which a later fit of this module goes on from (a fit refused
+        before its set-up counted none: the last fit's stand)."""
+        if self.__dict__.get("_run_steps_of") == id(trainer):
+            self._steps_done = self._run_step()
 
     # -- Lightning hooks ------------------------------------------------------------------------
 
@@ -1368,8 +1420,15 @@ class MultiLoRAMixin:
                 "add new ones (`module.add_adapter(AdapterSpec(...))`) to train more with this module"))
         if not groups:
             raise UsageError("no adapter to train: add at least one AdapterSpec (all are queued out or exited)")
-        optimizer_class, kwargs = _optimizer_choice(self.optimizer_class, self.optimizer_kwargs,
-                                                    any(p.is_cuda for g in groups for p in g["params"]))
+        on_cuda = any(p.is_cuda for g in groups for p in g["params"])
+        if self.optimizer_kwargs.get("differentiable"):  # (torch's error came after a whole forward and backward, "a
+            # leaf Variable that requires grad is being used in an in-place operation", as though the user's own)
+            raise UsageError("`optimizer_kwargs` differentiable=True: each adapter's weights are leaf parameters the "
+                             "step updates in place, which a differentiable step cannot do; leave it unset")
+        if self.optimizer_kwargs.get("capturable") and not on_cuda:
+            raise UsageError("`optimizer_kwargs` capturable=True needs the adapters on a CUDA device (a step CUDA "
+                             "graphs capture); on the CPU leave it unset")
+        optimizer_class, kwargs = _optimizer_choice(self.optimizer_class, self.optimizer_kwargs, on_cuda)
         takes = _constructor_arguments(optimizer_class)
         # Each group holds its adapter's lr (its schedule's, 0 at a warmup's start); the constructor gets the first
         # adapter's peak too, so that the optimizer's own checks of it run (Adafactor's relative_step, which ignores
@@ -1496,6 +1555,7 @@ class MultiLoRAMixin:
 
     @override
     def on_train_start(self) -> None:
+        self._added_before_start = {}
         self._fit_started = True  # (its callbacks' states are carried to the next fit: `_carry_optimizer_state`)
         if self.trainer.lr_scheduler_configs:  # (a subclass's configure_optimizers returned one)
             raise ValueError("a learning-rate scheduler from `configure_optimizers` would never be stepped (the module "
@@ -1521,6 +1581,7 @@ class MultiLoRAMixin:
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         self._stepped = True
+        self._drop_rows_of_stopped(batch)
         layout: BatchLayout = batch["layout"]
         if not layout.names:
             # Nothing runs this step: every running adapter exited after the last step's settling (e.g. at a
@@ -1799,6 +1860,7 @@ class MultiLoRAMixin:
         self._sync_ranks()  # the exports' paths and losses reach every rank (rank 0's report)
         if failed is not None:
             raise failed
+        self._mark_branch_ended()
 
     def _validate_held(self) -> None:
         """Training stopped (the Trainer's ``max_steps`` or ``max_time``) with adapters held whose exports will hold
@@ -2033,7 +2095,7 @@ class MultiLoRAMixin:
         pairs, and rewards summed over them)."""
         specs = [specs] if isinstance(specs, (AdapterSpec, str)) else list(specs)
         specs = [self._held_spec(s, "evaluate", "specs") for s in specs]
-        dm = self._datamodule()
+        dm = self._datamodule("evaluate")
         sums = {s.name: [0.0] * 6 for s in specs}
         trainer = self._trainer_or_none()
         # in the validation loop's precision (its autocast under "bf16-mixed"): called where the loop's context is
@@ -2457,10 +2519,10 @@ class MultiLoRAMixin:
         # this module does: its optimizer states, data positions and callbacks' states from the checkpoint (they were
         # lost, the trained adapters' exports then written over by others trained again from fresh optimizers)
         self._loaded_outside_fit = trainer is None
-        if trainer is None:  # (the next fit goes on from the checkpoint's run step; a `ckpt_path` resume's Trainer
-            # does, its offset the checkpoint's)
-            self._steps_done = int(checkpoint.get("global_step", 0)) + int(state.get("step_offset", 0))
-        else:
+        # (a later fit goes on from the checkpoint's run step; a `ckpt_path` resume's Trainer does, its offset the
+        # checkpoint's)
+        self._steps_done = int(checkpoint.get("global_step", 0)) + int(state.get("step_offset", 0))
+        if trainer is not None:
             self._step_offset = int(state.get("step_offset", 0))
         if trainer is None:
             self._carried_positions = next((dict(v["streams"]) for v in checkpoint.values() if isinstance(v, dict)
@@ -2472,6 +2534,9 @@ class MultiLoRAMixin:
         self.registry.load_state_dict(state["registry"])
         self._saved_max_running = state.get("max_running", self.max_running)
         self._merge_given_specs(list(self._given.values()))
+        added = {n: s for n, s in self.__dict__.pop("_added_before_start", {}).items() if n not in self.registry}
+        for spec in added.values():  # (added by a callback as this fit set up: queued, as a given one new to it is)
+            self.registry.add(spec)
         self._best_weights = dict(state.get("best_weights", {}))
         self._resume_checkpoint = checkpoint  # its optimizer state is matched to the new groups by adapter name
         freed = state.get("freed")

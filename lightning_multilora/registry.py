@@ -74,6 +74,11 @@ class AdapterRecord:
     skipped_steps: int = 0
     """Steps whose scaled gradient overflowed: not taken (``loss_scale`` backed off)."""
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "spec" and isinstance(value, AdapterSpec):  # (the record of how it trains: fixed, `hold`)
+            value.hold()
+        super().__setattr__(name, value)
+
     def open_span(self, step: int) -> None:
         self.spans.append([step, None])
 

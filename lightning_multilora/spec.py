@@ -167,6 +167,23 @@ class AdapterSpec:
         _check(self, "init_from", self.init_from is None or (isinstance(self.init_from, str) and bool(self.init_from)),
                "a PEFT adapter folder's path or None")
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_held") and name in _SPEC_FIELDS:
+            raise AttributeError(
+                f"adapter {self.name!r}: its spec is the record of how a module trains it, fixed once the module holds "
+                f"it: `{name}` = {value!r} would apply in part or not at all (its layers, data stream and export "
+                "follow the spec it started with; a resume applies the checkpoint's). Train other settings as another "
+                f"adapter: `module.add_adapter(dataclasses.replace(spec, name=..., {name}=...))`")
+        object.__setattr__(self, name, value)
+
+    def hold(self) -> None:
+        """Fix the spec's fields (an `AdapterRecord` holds it: a registry's record of how its adapter trains). A copy
+        (``copy.deepcopy``, ``dataclasses.replace``) is free again."""
+        object.__setattr__(self, "_held", True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_held"}  # (a copy is free again)
+
     @property
     def rows_per_step(self) -> int:
         """Rows this adapter puts in a packed batch: ``batch_size``, twice that for DPO (chosen + rejected)."""
@@ -283,6 +300,9 @@ def _int(value: Any) -> bool:
 def _check(spec: AdapterSpec, name: str, ok: bool, allowed: str) -> None:
     if not ok:
         raise ValueError(f"`{name}` must be {allowed}, got {getattr(spec, name)!r} for adapter {spec.name!r}")
+
+
+_SPEC_FIELDS = frozenset(f.name for f in fields(AdapterSpec))
 
 
 @dataclass

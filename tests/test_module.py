@@ -1194,15 +1194,21 @@ def test_a_resumed_run_writes_over_its_own_exports_only(tmp_path, trainer_kwargs
     spec = AdapterSpec("a", rank=2, batch_size=2, max_steps=8, lr=1e-2)
     export_dir = str(tmp_path / "e")
 
-    def fit(max_steps=-1, ckpt=None):
+    class Crash(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 5:
+                raise RuntimeError("node lost")
+
+    def fit(max_steps=-1, ckpt=None, callbacks=()):
         module = MultiLoRAModule("tiny-llama", adapters=[spec], export_dir=export_dir, validate_on_finish=False)
-        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": max_steps})
+        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": max_steps}, callbacks=list(callbacks))
         trainer.fit(module, small_dm(), ckpt_path=ckpt)
         return trainer, module
 
     trainer, _ = fit(max_steps=2)
     trainer.save_checkpoint(tmp_path / "early.ckpt")  # before any export of "a" is recorded
-    _, stopped = fit(max_steps=5, ckpt=str(tmp_path / "early.ckpt"))  # exports a at step 5 (a stand-in for a crash)
+    with pytest.raises(RuntimeError, match="node lost"), pytest.warns(UserWarning, match="fit stopped by"):
+        fit(ckpt=str(tmp_path / "early.ckpt"), callbacks=[Crash()])  # exports a at step 5 as it stops
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _, resumed = fit(ckpt=str(tmp_path / "early.ckpt"))  # the same lineage as the step-5 export
@@ -2556,13 +2562,19 @@ def test_a_weights_only_checkpoint_given_as_ckpt_path_is_refused_naming_the_way_
         L.Trainer(**{**trainer_kwargs, "max_steps": 6}).fit(again, small_dm(),
                                                              ckpt_path=tmp_path / "ck" / "epoch=0-step=2.ckpt")
     assert sorted(p.name for p in (tmp_path / "exp").iterdir()) == ["a"]  # (no a-v1 holding the checkpoint's copy)
-    # a second fit refused before its first step: the adapters stay exported where the first fit wrote them
-    module.add_adapter(AdapterSpec("c", rank=2, max_steps=2, dataset="nosuch"))
-    exported = module.registry["a"].export_path
+    # a second fit refused before its first step: an adapter the first left running stays exported where the first
+    # fit wrote it (into its logger's version folder: the second's would be another)
+    from lightning.pytorch.loggers import CSVLogger
+
+    held = MultiLoRAModule("tiny-llama", validate_on_finish=False, adapters=[AdapterSpec("a", rank=2, max_steps=8)])
+    L.Trainer(**{**trainer_kwargs, "max_steps": 2, "logger": CSVLogger(tmp_path / "logs")}).fit(held, small_dm())
+    exported = held.registry["a"].export_path
+    assert held.registry["a"].state == AdapterState.RUNNING and exported.endswith("version_0/adapters/a")
+    held.add_adapter(AdapterSpec("c", rank=2, max_steps=2, dataset="nosuch"))
     with pytest.raises(ValueError, match=r"'nosuch' is not a data source"):
-        L.Trainer(**{**trainer_kwargs, "default_root_dir": str(tmp_path / "second")}).fit(module, small_dm())
-    assert module.registry["a"].export_path == exported
-    assert sorted(p.name for p in (tmp_path / "exp").iterdir()) == ["a"]
+        L.Trainer(**{**trainer_kwargs, "logger": CSVLogger(tmp_path / "logs")}).fit(held, small_dm())
+    assert held.registry["a"].export_path == exported
+    assert not (tmp_path / "logs" / "lightning_logs" / "version_1" / "adapters").exists()
     loaded = MultiLoRAModule.load_from_checkpoint(tmp_path / "ck" / "epoch=0-step=2.ckpt")
     with pytest.raises(ValueError, match=r"the module is attached to no Trainer, .* measure its adapters with "
                                          r"`trainer.validate\(module, datamodule=MultiLoRADataModule"):
@@ -2605,6 +2617,35 @@ def test_two_fits_resumed_from_one_checkpoint_into_one_export_dir_keep_each_othe
     assert all(torch.equal(kept[k], written[k]) for k in written)
     beside = load_file(tmp_path / "exp" / "a-v1" / "adapter_model.safetensors")
     assert not all(torch.equal(beside[k], written[k]) for k in written)
+
+
+def test_a_retry_from_the_checkpoint_of_a_crashed_attempt_writes_over_all_its_exports(tmp_path, trainer_kwargs):
+    """Exports a branch wrote in a fit that did not end as fits end (an error, Ctrl+C, a kill) are an interrupted
+    attempt's, which a retry from the same checkpoint writes over, an adapter that finished in it included; those of
+    a fit that ended are another resume's, kept (`test_two_fits_resumed_from_one_checkpoint...`)."""
+    class Crash(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 6:
+                raise RuntimeError("node lost")
+
+    def module_of() -> MultiLoRAModule:
+        return MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / "exp"),
+                               adapters=[AdapterSpec("a", rank=2, max_steps=4), AdapterSpec("b", rank=2, max_steps=8)])
+
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(module_of(), small_dm())
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    crashed = module_of()
+    with pytest.raises(RuntimeError, match="node lost"), pytest.warns(UserWarning, match="fit stopped by"):
+        L.Trainer(**trainer_kwargs, callbacks=[Crash()]).fit(crashed, small_dm(), ckpt_path=tmp_path / "mid.ckpt")
+    assert crashed.registry["a"].state == AdapterState.FINISHED  # (exported at its end, before the crash)
+    retry = module_of()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(**trainer_kwargs).fit(retry, small_dm(), ckpt_path=tmp_path / "mid.ckpt")
+    assert not [w for w in caught if "did not write" in str(w.message)]
+    assert {n: retry.registry[n].export_path for n in "ab"} == {n: str(tmp_path / "exp" / n) for n in "ab"}
+    assert sorted(p.name for p in (tmp_path / "exp").iterdir()) == ["a", "b"]
 
 
 def test_slot_spans_count_on_across_fits_of_one_module_and_a_loaded_checkpoint(tmp_path, trainer_kwargs):
@@ -2681,3 +2722,142 @@ def test_the_progress_bar_counts_paused_adapters_apart_from_queued_ones(tmp_path
     trainer.fit(module, small_dm())
     shown = {k: trainer.progress_bar_metrics[k] for k in ("running", "queued", "paused", "exited")}
     assert shown == {"running": 2.0, "queued": 0.0, "paused": 1.0, "exited": 0.0}
+
+
+def test_an_adapter_paused_or_removed_at_a_batchs_start_leaves_that_step(tmp_path, trainer_kwargs):
+    """The batch is drawn before the callbacks' ``on_train_batch_start``: an adapter removed there crashed the fit
+    ("no adapter 'a'"), and one paused there trained that step anyway (past its max_steps, where it was its last).
+    Now either acts from that step: a pause at step 3's start trains as a pause at step 2's end, data included."""
+    from safetensors.torch import load_file
+
+    class Act(Callback):
+        def __init__(self, action: str, hook: str):
+            self.action, self.hook = action, hook
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if self.hook == "on_train_batch_start" and trainer.global_step == 2:  # (before step 3)
+                getattr(pl_module, f"{self.action}_adapter")("a")
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if self.hook == "on_train_batch_end" and trainer.global_step == 2:
+                getattr(pl_module, f"{self.action}_adapter")("a")
+            if trainer.global_step == 5 and self.action == "pause":  # (both: after step 5, into the next batch)
+                pl_module.resume_adapter("a")
+
+    for action in ("pause", "remove"):
+        exports = []
+        for hook in ("on_train_batch_end", "on_train_batch_start"):
+            module = MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / action / hook),
+                                     adapters=[AdapterSpec("a", rank=2, max_steps=4, lr=1e-2, dropout=0.1),
+                                               AdapterSpec("b", rank=2, max_steps=6, lr=1e-2, seed=1)])
+            L.Trainer(**trainer_kwargs, callbacks=[Act(action, hook)]).fit(module, fixed_dm())
+            a = module.registry["a"]
+            expected = ((AdapterState.FINISHED, 4, [[0, 2], [5, 7]]) if action == "pause" else
+                        (AdapterState.PRUNED, 2, [[0, 2]]))
+            assert (a.state, a.step, a.spans) == expected, hook
+            assert [s for s, _ in a.train_losses] == list(range(1, a.step + 1))
+            exports.append(load_file(Path(a.export_path) / "adapter_model.safetensors"))
+        assert all(torch.equal(exports[0][k], exports[1][k]) for k in exports[0])
+
+
+def test_a_fit_refused_for_an_adapter_that_cannot_start_leaves_it_queued_for_the_next(tmp_path, trainer_kwargs):
+    """The refusal marked the adapter failed: the fit after the fix (its data source added) skipped it without a
+    word and trained the others alone."""
+    from lightning_multilora.data import GeneratedArithmetic
+
+    module = MultiLoRAModule("tiny-llama", validate_on_finish=False,
+                             adapters=[AdapterSpec("a", rank=2, max_steps=2, dataset="extra"),
+                                       AdapterSpec("b", rank=2, max_steps=2)])
+    with pytest.raises(ValueError, match=r"'extra' is not a data source"):
+        L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    assert module.registry["a"].state == AdapterState.QUEUED
+    fixed = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(400), "extra": GeneratedArithmetic(60, seed=1)},
+                                max_val_examples=24)
+    L.Trainer(**trainer_kwargs).fit(module, fixed)
+    assert [(module.registry[n].state, module.registry[n].step) for n in "ab"] == [(AdapterState.FINISHED, 2)] * 2
+
+
+def test_an_adapter_a_callback_adds_in_setup_survives_a_resume(tmp_path, trainer_kwargs):
+    """A callback's ``setup`` runs before Lightning loads a ``ckpt_path``: the checkpoint's registry replaced the
+    module's, and the adapter added there vanished without a word (from ``on_fit_start`` it was kept)."""
+    class AddInSetup(Callback):
+        def setup(self, trainer, pl_module, stage):
+            pl_module.add_adapter(AdapterSpec("x", rank=2, max_steps=2))
+
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(MultiLoRAModule("tiny-llama", validate_on_finish=False,
+                                adapters=[AdapterSpec("a", rank=2, max_steps=4)]), small_dm())
+    trainer.save_checkpoint(tmp_path / "two.ckpt")
+    module = MultiLoRAModule("tiny-llama", validate_on_finish=False, adapters=[AdapterSpec("a", rank=2, max_steps=4)])
+    L.Trainer(**trainer_kwargs, callbacks=[AddInSetup()]).fit(module, small_dm(), ckpt_path=tmp_path / "two.ckpt")
+    assert [(r.name, r.state, r.step) for r in module.registry] == [("a", AdapterState.FINISHED, 4),
+                                                                   ("x", AdapterState.FINISHED, 2)]
+
+
+def test_a_held_adapters_spec_is_fixed_and_a_copy_is_free(trainer_kwargs):
+    """``registry[name].spec.alpha = 64`` on a running adapter trained at the old scaling and exported the new one
+    (PEFT then loaded it 8x too strong); ``rank`` made an export PEFT could not load; ``lr`` applied, ``max_steps``
+    not. A held spec refuses every field, naming how to train other settings."""
+    import copy
+    import dataclasses
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, alpha=8.0)])
+    spec = module.registry["a"].spec
+    for field, value in (("alpha", 64.0), ("rank", 16), ("lr", 0.5), ("max_steps", 3), ("name", "b")):
+        with pytest.raises(AttributeError, match=rf"adapter 'a': its spec is the record of how a module trains it, "
+                                                 rf"fixed once the module holds it: `{field}` = .* "
+                                                 rf"`module.add_adapter\(dataclasses.replace\(spec, name=..., "
+                                                 rf"{field}=...\)\)`"):
+            setattr(spec, field, value)
+    assert (spec.alpha, spec.rank, spec.name) == (8.0, 2, "a")
+    free = copy.deepcopy(spec)
+    free.alpha = 64.0
+    other = dataclasses.replace(spec, name="b", rank=4)
+    other.lr = 1e-3
+    module.add_adapter(other)
+    assert module.registry["b"].spec.rank == 4 and free.alpha == 64.0
+
+
+def test_a_copy_saved_into_an_adapters_own_folder_is_written_over_by_its_export(tmp_path, trainer_kwargs):
+    """``save_adapter("a", <export_dir>/a)`` mid-run wrote no stamp: the final export took the folder for another
+    run's, went to ``a-v1`` (warning so), and ``a`` kept the mid-run copy."""
+    class SaveAt2(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 2:
+                pl_module.save_adapter("a", tmp_path / "exp" / "a")
+
+    module = MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / "exp"),
+                             adapters=[AdapterSpec("a", rank=2, max_steps=4)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(**trainer_kwargs, callbacks=[SaveAt2()]).fit(module, small_dm())
+    assert not [w for w in caught if "did not write" in str(w.message)]
+    assert module.registry["a"].export_path == str(tmp_path / "exp" / "a")
+    assert json.loads((tmp_path / "exp" / "a" / "multilora_export.json").read_text())["weights_step"] == 4
+
+
+def test_a_loaded_modules_pause_and_removal_before_its_fit_count_at_the_checkpoints_step(tmp_path, trainer_kwargs):
+    """Outside a fit, a module from ``load_from_checkpoint`` counted its run at step 0: a pause or removal there
+    closed spans at 0 (``[[0, 0]]``, overlapping what followed)."""
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 3})
+    trainer.fit(MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / "exp"),
+                                adapters=[AdapterSpec("a", rank=2, max_steps=6),
+                                          AdapterSpec("b", rank=2, max_steps=6)]), small_dm())
+    trainer.save_checkpoint(tmp_path / "three.ckpt")
+    loaded = MultiLoRAModule.load_from_checkpoint(tmp_path / "three.ckpt")
+    loaded.pause_adapter("a")
+    loaded.remove_adapter("b")
+    assert loaded.registry["a"].spans == [[0, 3]]
+    assert (loaded.registry["b"].spans, loaded.registry["b"].ended_at_step) == ([[0, 3]], 3)
+
+
+def test_max_running_set_after_construction_is_checked_as_the_constructor_checks_it():
+    """``module.max_running = 0`` from a callback was taken: no queued adapter started, and the run took empty steps
+    until the Trainer's max_steps (for ever without one)."""
+    module = MultiLoRAModule("tiny-llama", max_running=2)
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match=r"MultiLoRAModule: `max_running` must be an integer >= 1 or None"):
+            module.max_running = bad
+    assert module.max_running == 2
+    module.max_running = None
+    assert module.max_running is None

@@ -144,3 +144,19 @@ def test_the_constructor_gets_an_lr_so_its_own_checks_run_and_a_required_lr_is_g
                                          r"and `relative_step=True` options \(with each adapter's `lr` given, the "
                                          r"first 0.05\)"):
         L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"x": GeneratedArithmetic(40)}))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"differentiable": True}, r"differentiable=True: each adapter's weights are leaf parameters the step updates in "
+                               r"place"),
+    ({"capturable": True}, r"capturable=True needs the adapters on a CUDA device"),
+])
+def test_step_flags_no_adapter_can_step_with_are_refused_before_the_first_step(tmp_path, trainer_kwargs, kwargs,
+                                                                               message):
+    """They were built without a word; the first step failed after a whole forward and backward, with torch's "a leaf
+    Variable that requires grad is being used in an in-place operation" (or its device assertion)."""
+    module = MultiLoRAModule("tiny-llama", optimizer_kwargs=kwargs, adapters=[AdapterSpec("a", rank=2, max_steps=2)])
+    with pytest.raises(ValueError, match=message):
+        L.Trainer(**{**trainer_kwargs, "accelerator": "cpu"}).fit(
+            module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(50)}))
+    assert module.registry["a"].step == 0

@@ -112,6 +112,9 @@ def resolve_backend(x: Tensor) -> str:
         raise ValueError(f"the 'triton' backend runs on CUDA tensors (got a {x.device.type} one), or on the CPU under "
                          "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported); use 'reference' "
                          "or 'auto' here")
+    if _backend == "triton" and not x.is_cuda and x.dtype == torch.bfloat16:  # (gradients off by 1e12, unsaid)
+        raise ValueError("Triton's interpreter (the 'triton' backend on the CPU) computes bfloat16 wrongly: give it "
+                         "float16 or float32 inputs, or use 'reference' or 'auto' for bfloat16 on the CPU")
     if _backend == "triton" and x.dtype not in _TRITON_DTYPES:
         raise ValueError(f"the 'triton' backend takes bfloat16, float16 and float32 inputs, got {x.dtype} (its "
                          "products would run in float32); use 'reference' or 'auto' for it")

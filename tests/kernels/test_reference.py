@@ -79,6 +79,10 @@ def test_dispatch_and_backend_switch():
             with pytest.raises(ValueError, match=r"the 'triton' backend takes bfloat16, float16 and float32 inputs, "
                                                  r"got torch.float64"):  # (not products silently in float32)
                 multi_lora(x64, base64, w64, False)
+            x16, base16, w16 = random_problem(ranks=[3], tokens=[4], dtype=torch.bfloat16, seed=0)
+            with pytest.raises(ValueError, match=r"Triton's interpreter \(the 'triton' backend on the CPU\) computes "
+                                                 r"bfloat16 wrongly"):  # (gradients 1e12 times too large, unsaid)
+                multi_lora(x16, base16, w16, False)
     finally:
         kernels.set_backend("auto")
 

@@ -354,7 +354,7 @@ def test_a_never_fitting_adapter_does_not_take_the_freed_slots_preference():
     from lightning_multilora.data import GeneratedArithmetic
 
     dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(20)})
-    module._datamodule = lambda: dm  # (no Trainer: the admission alone)
+    module._datamodule = lambda *use: dm  # (no Trainer: the admission alone)
     module._global_step = lambda: 7  # mid-run: the never-fitting adapter fails alone
     module._admit()
     module._freed_spec = spec("exited", 1)
