@@ -239,9 +239,15 @@ class AdapterRegistry:
             raise ValueError(f"`exported` can be 'best' or 'last', got {exported!r}")
         rows = []
         for r in self._records.values():
+            best, last, measured = r.best_val_loss, r.last_val_loss, exported_loss(r, exported)
+            if math.isfinite(measured) and r.exported_step == r.step and not (r.val_losses and r.val_losses[-1][0]
+                                                                              == r.step):  # (its last weights,
+                # measured as training stopped and not recorded: best and last count that measure too, which was
+                # below the "best" beside it in the table)
+                best, last = min(best, measured), measured
             row = {"adapter": r.name, **r.spec.hparams(), "status": r.state.value, "reason": r.reason,
-                   "best_val_loss": r.best_val_loss, "last_val_loss": r.last_val_loss,
-                   "exported_val_loss": exported_loss(r, exported), "exported_step": r.exported_step,
+                   "best_val_loss": best, "last_val_loss": last,
+                   "exported_val_loss": measured, "exported_step": r.exported_step,
                    "steps": r.step, "export_path": r.export_path,
                    "val_preference_accuracy": exported_accuracy(r, exported)}
             rows.append(row)

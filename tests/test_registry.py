@@ -167,3 +167,23 @@ def test_learning_rates_that_differ_are_told_apart_in_the_table():
     for name, lr in (("a", 1e-3), ("b", 2e-3)):
         registry.add(AdapterSpec(name, lr=lr))
     assert sorted(line.split()[2] for line in registry.summary_table().splitlines()[2:]) == ["0.001", "0.002"]
+
+
+def test_last_weights_measured_as_training_stopped_count_in_the_best_and_last_columns():
+    """After a ``max_steps`` stop the export holds the last weights, measured then (not recorded in the history): the
+    table showed that measure as export_loss beside a higher "best" (1.8843 beside 1.9536)."""
+    registry = AdapterRegistry()
+    for name in ("stopped", "validated"):
+        registry.add(AdapterSpec(name, rank=4))
+        rec = registry[name]
+        rec.step, rec.val_losses = 30, [(20, 1.9536)]
+        rec.best_val_loss, rec.best_val_step, rec.last_val_loss = 1.9536, 20, 1.9536
+        rec.exported_step, rec.exported_val_loss = 30, 1.8843
+    registry["validated"].val_losses.append((30, 1.8843))  # (a recorded validation at its last step: as it is)
+    registry["validated"].best_val_loss = registry["validated"].last_val_loss = 1.8843
+    rows = {r["adapter"]: r for r in registry.summary_rows("last")}
+    assert [(rows[n]["exported_val_loss"], rows[n]["best_val_loss"], rows[n]["last_val_loss"])
+            for n in ("stopped", "validated")] == [(1.8843, 1.8843, 1.8843)] * 2
+    assert registry["stopped"].best_val_loss == 1.9536  # (the history a resumed run goes on from: unchanged)
+    registry["stopped"].exported_val_loss = 2.5  # (worse than its best validation: the best stays the best)
+    assert {r["adapter"]: r["best_val_loss"] for r in registry.summary_rows("last")}["stopped"] == 1.9536

@@ -180,6 +180,7 @@ class SweepReport(Callback):
         from torch.utils.tensorboard.summary import hparams as hparams_summary
 
         exported = {row["adapter"]: row["exported_val_loss"] for row in self.rows or []}
+        best = {row["adapter"]: row["best_val_loss"] for row in self.rows or []}  # (the table's: `summary_rows`)
         runs = []
         for rec in registry:
             # (a field not set, an SFT adapter's beta or the default source's `dataset`: none, not the text "None")
@@ -187,7 +188,7 @@ class SweepReport(Callback):
                        for k, v in rec.spec.hparams().items() if v is not None}
             hparams["status"] = rec.state.value
             metrics = {"hparams/export_loss": float(exported.get(rec.name, math.nan)),  # (what the table ranks by)
-                       "hparams/best_val_loss": rec.best_val_loss, "hparams/steps": float(rec.step)}
+                       "hparams/best_val_loss": best.get(rec.name, rec.best_val_loss), "hparams/steps": float(rec.step)}
             runs.append((rec.name, hparams, metrics))
         root = Path(logger.log_dir) / "hparams"
         if runs:  # one experiment for all: every adapter's columns (TensorBoard reads one run's experiment, any one:
