@@ -581,8 +581,15 @@ def main(args: Optional[list[str]] = None) -> None:
         sys.exit(schedule(args[1:]))
     if args[:1] == ["demo"]:
         if {"-h", "--help"} & set(args[1:]):
-            print(f"multilora demo is `multilora fit --config {demo_config()}` (its settings: `multilora demo "
-                  "--print_config`); any of the options below overrides them.\n")
+            import yaml
+
+            config = yaml.safe_load(Path(demo_config()).read_text())
+            own = ", ".join(f"--{section}.{key} {value}" for section in ("model", "trainer")
+                            for key, value in (config.get(section) or {}).items()
+                            if not isinstance(value, (dict, list)))
+            print(f"multilora demo is `multilora fit --config {demo_config()}`; any of the options below overrides "
+                  f"its settings. The defaults shown below are `fit`'s, which its config replaces ({own}, and its "
+                  "callbacks and data): `multilora demo --print_config` shows every value it runs with.\n")
         args = ["fit", "--config", demo_config(), *args[1:]]
     args = _adapters_replaced(args)
     # (the help of AdapterSpec's and SweepGrid's fields, `--model.adapters.help`: their attribute docstrings)

@@ -224,7 +224,10 @@ def test_the_help_shows_the_fields_docs_this_clis_ckpt_path_and_what_demo_runs(c
     had Lightning's text ("best", refused here); ``demo --help`` was fit's, the demo's settings unmentioned."""
     for args, said in ((["fit", "--model.adapters.help"], "LoRA rank r >= 1."),
                        (["fit", "--help"], "'last': the newest checkpoint of a run of this same config"),
-                       (["demo", "--help"], f"multilora demo is `multilora fit --config {demo_config()}`")):
+                       (["demo", "--help"], f"multilora demo is `multilora fit --config {demo_config()}`"),
+                       # (its help listed fit's defaults, max_running null and val_check_interval 50, as its own)
+                       (["demo", "--help"], "The defaults shown below are `fit`'s, which its config replaces "
+                                            "(--model.base_model tiny-llama, --model.max_running 6,")):
         with pytest.raises(SystemExit) as done:
             main(args)
         out = " ".join(capsys.readouterr().out.split())
