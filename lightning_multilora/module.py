@@ -984,7 +984,12 @@ class MultiLoRAMixin:
         for spec in specs:
             if self.max_running is not None and len(running) + len(chosen) >= self.max_running:
                 break
-            if self.admission is not None and (running or chosen) and not self.admitted(resident + chosen, [spec]):
+            # (beside it, the paused ones asked about and not chosen, which stay held: left out, resuming the kept
+            # ones of a warmup selection went over the budget by one held adapter per one still waiting)
+            waiting = [PausedSpec(s) for s in specs if s is not spec and s not in chosen and s.name in self.registry
+                       and self.registry[s.name].state == AdapterState.PAUSED]
+            if self.admission is not None and (running or chosen) and \
+                    not self.admitted(resident + chosen + waiting, [spec]):
                 continue
             chosen.append(spec)
         return chosen
@@ -1069,14 +1074,25 @@ class MultiLoRAMixin:
                     f"{self.admission.alone(rec.spec)}, so it can never start (lower its batch_size, or raise the "
                     "AdmissionController's capacity_bytes or safety_margin)"))
                 queued.remove(rec)
-        if self.admission is not None and queued:
+        while self.admission is not None and queued:
             by_name = {r.name: r for r in queued}
             chosen = self.admitted(self._resident(), [r.spec for r in queued], self._freed_spec)
             if not chosen and not self.registry.running:  # (paused adapters fill the budget: one starts anyway, or
                 first = queued[0]  # none ever would)
                 self._warn_paused_fill(first.spec)
                 chosen = [first.spec]
-            queued = [by_name[s.name] for s in chosen]
+            # the chosen ones' data and `init_from` folders, before they take the budget: one that cannot start
+            # fails, and the choice is made again without it (it held its share a step, the others waiting)
+            unchecked = [spec for spec in chosen if spec.name not in checked]
+            if unchecked:
+                checked.update(self._check_agreed(unchecked))
+            failing = [by_name[spec.name] for spec in chosen if isinstance(checked[spec.name], ValueError)]
+            for rec in failing:
+                self._cannot_start(rec, checked[rec.name])
+                queued.remove(rec)
+            if not failing:
+                queued = [by_name[spec.name] for spec in chosen]
+                break
         self._freed_spec = None
         for rec in queued:
             if self.max_running is not None and len(self.registry.running) >= self.max_running:

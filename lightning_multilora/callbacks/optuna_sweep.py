@@ -648,6 +648,9 @@ class OptunaSweep(Callback):
                 queued = [r.spec for r in registry.queued]
                 if not queued and not registry.running:
                     return True
+                cap = getattr(pl_module, "max_running", None)  # (which caps the count beside the budget: past it,
+                if cap is not None and len(registry.running) + len(queued) >= cap:  # the trials asked waited, RUNNING
+                    return False  # in the study, a sampler asking blind)
                 return len(pl_module.admitted(pl_module._resident(), queued)) == len(queued)
         else:
             slots = self.slots or getattr(pl_module, "max_running", None) or 4

@@ -1347,3 +1347,29 @@ def test_trials_left_running_by_an_early_stopping_name_it_and_not_max_steps(tmp_
     assert len(told) == 1 and "trials [0, 1] stay RUNNING in study 'multilora': `EarlyStopping(monitor='adapters/" \
                               "trial-0/val_loss')` stopped the run (" in told[0], told
     assert "max_steps" not in told[0] and "max_time" not in told[0]
+
+
+def test_a_sweep_under_an_admission_budget_asks_no_more_trials_than_max_running_takes(tmp_path, trainer_kwargs):
+    """With an admission controller the sweep asked trials until the memory model said one must wait, past the
+    module's ``max_running``: nine trials asked before any result (seven waiting RUNNING in the study, a sampler
+    asking blind)."""
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_multilora.scheduling.admission import AdmissionController
+
+    class Count(Callback):
+        def __init__(self):
+            self.rows = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            self.rows.append((len(pl_module.registry.running), len(pl_module.registry.queued)))
+
+    sweep = OptunaSweep(SPACE, n_trials=6, storage=f"sqlite:///{tmp_path / 's.db'}",
+                        base={"max_steps": 3, "batch_size": 1})
+    module = MultiLoRAModule("tiny-llama", max_running=2, export_dir=str(tmp_path / "out"),
+                             admission=AdmissionController(lambda specs: 100.0 * sum(s.batch_size for s in specs),
+                                                           capacity_bytes=800, safety_margin=1.0))  # (8 would fit)
+    count = Count()
+    L.Trainer(**trainer_kwargs, callbacks=[sweep, count]).fit(module, dm())
+    assert count.rows and max(running + queued for running, queued in count.rows) == 2
+    assert [t.state for t in sweep.study.get_trials()] == [optuna.trial.TrialState.COMPLETE] * 6

@@ -423,3 +423,50 @@ def test_a_safety_margin_given_as_text_is_refused_naming_the_field():
         with pytest.raises(ValueError, match=r"AdmissionController: `safety_margin` must be the usable fraction of "
                                              r"device memory, a number in \(0, 1\], got "):
             AdmissionController(rows_times(1), 10, safety_margin=margin)
+
+
+def test_resuming_paused_adapters_counts_the_paused_ones_left_waiting():
+    """`startable` (WarmupSelection's resume of its kept adapters) left every paused adapter it was asked about out of
+    the count, those it then left paused too: their weights and optimizer states, still held, were over the budget
+    by one adapter per one waiting (17 of 16 here)."""
+    def held_plus_rows(specs):  # 3 a held adapter (weights, optimizer states), 1 a row (a paused one has none)
+        return sum(3 + s.batch_size for s in specs)
+
+    module = MultiLoRAModule("tiny-llama", adapters=[spec("r", 3, max_steps=50)] +
+                             [spec(f"p{i}", 1, max_steps=50) for i in (1, 2, 3)],
+                             admission=AdmissionController(held_plus_rows, capacity_bytes=100, safety_margin=1.0))
+    from lightning_multilora.data import GeneratedArithmetic
+
+    dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(20)})
+    module._datamodule = lambda *use: dm  # (no Trainer: the admission alone)
+    module._global_step = lambda: 7
+    module._admit()
+    for name in ("p1", "p2", "p3"):
+        module.pause_adapter(name, "warmed up")
+    module.admission = AdmissionController(held_plus_rows, capacity_bytes=16, safety_margin=1.0)
+    assert held_plus_rows(module._resident()) == 15
+    chosen = module.startable([module.registry[n].spec for n in ("p1", "p2", "p3")])
+    assert [s.name for s in chosen] == ["p1"]
+    for s in chosen:
+        module.resume_adapter(s.name)
+    assert held_plus_rows(module._resident()) == 16
+
+
+def test_an_adapter_that_cannot_start_gives_its_share_of_the_budget_back_at_once(trainer_kwargs):
+    """The admission chose before the start checks: an adapter added with a misspelt `dataset` took its share of the
+    budget, failed, and the one that would have fitted instead waited a step (the freed slot's preference lost)."""
+    from lightning_multilora.data import GeneratedArithmetic
+
+    class Add(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                pl_module.add_adapter(spec("bad", 2, max_steps=3, dataset="nope"))
+                pl_module.add_adapter(spec("good", 2, max_steps=3))
+
+    module = MultiLoRAModule("tiny-llama", adapters=[spec("r", 2, max_steps=6)], validate_on_finish=False,
+                             admission=AdmissionController(rows_times(100), capacity_bytes=400, safety_margin=1.0))
+    with pytest.warns(UserWarning, match=r"adapter 'bad' could not start: adapter `dataset` 'nope' is not a data"):
+        L.Trainer(**trainer_kwargs, callbacks=[Add()]).fit(
+            module, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(60)}))
+    assert module.registry["bad"].state == AdapterState.FAILED
+    assert (module.registry["good"].started_at_step, module.registry["good"].state) == (1, AdapterState.FINISHED)
