@@ -1348,7 +1348,8 @@ class MultiLoRAMixin:
             offset = (self._resume_checkpoint.get("multilora") or {}).get("step_offset", 0)
             return int(self._resume_checkpoint.get("global_step", 0)) + int(offset)
         trainer = self._trainer_or_none()
-        if trainer is None:  # (`load_from_checkpoint`, before a fit: the checkpoint's step)
+        if trainer is None or self.__dict__.get("_run_steps_of") != id(trainer):  # (outside a fit: after one, or
+            # `load_from_checkpoint`, or a `trainer.validate`'s Trainer at step 0: the run's steps so far)
             return self.__dict__.get("_steps_done", 0)
         return self.__dict__.get("_step_offset", 0) + int(trainer.global_step)
 

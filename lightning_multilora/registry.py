@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -78,6 +79,11 @@ class AdapterRecord:
         if name == "spec" and isinstance(value, AdapterSpec):  # (the record of how it trains: fixed, `hold`)
             value.hold()
         super().__setattr__(name, value)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:  # (a copied or unpickled record's spec is held too: the
+        self.__dict__.update(state)  # spec's own copy is free)
+        if isinstance(self.__dict__.get("spec"), AdapterSpec):
+            self.spec.hold()
 
     def open_span(self, step: int) -> None:
         self.spans.append([step, None])
@@ -163,6 +169,8 @@ class AdapterRegistry:
         self._records: dict[str, AdapterRecord] = {}
 
     def add(self, spec: AdapterSpec) -> AdapterRecord:
+        if spec.name in self._records:  # (refused before a record holds, and fixes, the caller's spec)
+            return self.add_record(AdapterRecord(copy.deepcopy(spec)))
         return self.add_record(AdapterRecord(spec))
 
     def add_record(self, rec: AdapterRecord) -> AdapterRecord:

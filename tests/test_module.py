@@ -2800,6 +2800,7 @@ def test_a_held_adapters_spec_is_fixed_and_a_copy_is_free(trainer_kwargs):
     not. A held spec refuses every field, naming how to train other settings."""
     import copy
     import dataclasses
+    import pickle
 
     module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, alpha=8.0)])
     spec = module.registry["a"].spec
@@ -2810,8 +2811,17 @@ def test_a_held_adapters_spec_is_fixed_and_a_copy_is_free(trainer_kwargs):
                                                  rf"{field}=...\)\)`"):
             setattr(spec, field, value)
     assert (spec.alpha, spec.rank, spec.name) == (8.0, 2, "a")
+    for copied in (copy.deepcopy(module.registry["a"]), pickle.loads(pickle.dumps(module.registry["a"]))):
+        with pytest.raises(AttributeError, match="fixed once the module holds it"):  # (a copied record's: held)
+            copied.spec.alpha = 64.0
     free = copy.deepcopy(spec)
     free.alpha = 64.0
+    copy.copy(spec).rank = 4  # (a spec's own copies are free)
+    pickle.loads(pickle.dumps(spec)).rank = 4
+    mine = AdapterSpec("a", rank=4)
+    with pytest.raises(ValueError, match="duplicate adapter name 'a'"):
+        module.registry.add(mine)
+    mine.rank = 8  # (a refused add fixed nothing of the caller's)
     other = dataclasses.replace(spec, name="b", rank=4)
     other.lr = 1e-3
     module.add_adapter(other)
@@ -2844,11 +2854,14 @@ def test_a_loaded_modules_pause_and_removal_before_its_fit_count_at_the_checkpoi
                                 adapters=[AdapterSpec("a", rank=2, max_steps=6),
                                           AdapterSpec("b", rank=2, max_steps=6)]), small_dm())
     trainer.save_checkpoint(tmp_path / "three.ckpt")
-    loaded = MultiLoRAModule.load_from_checkpoint(tmp_path / "three.ckpt")
-    loaded.pause_adapter("a")
-    loaded.remove_adapter("b")
-    assert loaded.registry["a"].spans == [[0, 3]]
-    assert (loaded.registry["b"].spans, loaded.registry["b"].ended_at_step) == ([[0, 3]], 3)
+    for validated in (False, True):  # (a `trainer.validate` first attaches a Trainer at step 0)
+        loaded = MultiLoRAModule.load_from_checkpoint(tmp_path / "three.ckpt")
+        if validated:
+            L.Trainer(**trainer_kwargs).validate(loaded, small_dm())
+        loaded.pause_adapter("a")
+        loaded.remove_adapter("b")
+        assert loaded.registry["a"].spans == [[0, 3]]
+        assert (loaded.registry["b"].spans, loaded.registry["b"].ended_at_step) == ([[0, 3]], 3)
 
 
 def test_max_running_set_after_construction_is_checked_as_the_constructor_checks_it():

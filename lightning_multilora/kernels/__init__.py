@@ -51,7 +51,7 @@ def multi_lora(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool
         that requires grad, which autograd would refuse to change, is copied first; one its producer saved for its
         backward, a sigmoid's output say, must be given as a copy).
     """
-    backend = resolve_backend(x)
+    backend = resolve_backend(x, base_out)
     if backend == "triton":
         from lightning_multilora.kernels.triton_lora import multi_lora_triton
 
@@ -101,8 +101,9 @@ def keep_alive(obj):
     return _keep_alive(obj)
 
 
-def resolve_backend(x: Tensor) -> str:
-    """The backend that runs for ``x``: what ``auto`` resolves to, or the forced one."""
+def resolve_backend(x: Tensor, *others: Tensor) -> str:
+    """The backend that runs for ``x`` (and ``others``, the call's other activations): what ``auto`` resolves to, or
+    the forced one."""
     if _backend not in BACKENDS:
         raise ValueError(f"`backend` can be {', '.join(BACKENDS)}, got {_backend!r}")
     if _backend == "auto":
@@ -112,7 +113,8 @@ def resolve_backend(x: Tensor) -> str:
         raise ValueError(f"the 'triton' backend runs on CUDA tensors (got a {x.device.type} one), or on the CPU under "
                          "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported); use 'reference' "
                          "or 'auto' here")
-    if _backend == "triton" and not x.is_cuda and x.dtype == torch.bfloat16:  # (gradients off by 1e12, unsaid)
+    if _backend == "triton" and not x.is_cuda and (any(t.dtype == torch.bfloat16 for t in (x, *others))
+                                                   or _cpu_autocast_bf16()):  # (gradients off by 1e12, unsaid)
         raise ValueError("Triton's interpreter (the 'triton' backend on the CPU) computes bfloat16 wrongly: give it "
                          "float16 or float32 inputs, or use 'reference' or 'auto' for bfloat16 on the CPU")
     if _backend == "triton" and x.dtype not in _TRITON_DTYPES:
@@ -122,6 +124,15 @@ def resolve_backend(x: Tensor) -> str:
 
 
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _cpu_autocast_bf16() -> bool:
+    """Whether CPU autocast runs in bfloat16 (``precision="bf16-mixed"``: a float32 input's products, and the
+    gradients back, in bfloat16)."""
+    try:
+        return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    except (TypeError, AttributeError):  # (an older torch's signatures)
+        return False
 
 
 def _triton_available() -> bool:

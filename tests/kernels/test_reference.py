@@ -83,6 +83,11 @@ def test_dispatch_and_backend_switch():
             with pytest.raises(ValueError, match=r"Triton's interpreter \(the 'triton' backend on the CPU\) computes "
                                                  r"bfloat16 wrongly"):  # (gradients 1e12 times too large, unsaid)
                 multi_lora(x16, base16, w16, False)
+            x32, base32, w32 = random_problem(ranks=[3], tokens=[4], dtype=torch.float32, seed=0)
+            for x_, base_ in ((x32, base32.bfloat16()), (x32, base32)):  # (a bf16 base output; CPU autocast in bf16)
+                with pytest.raises(ValueError, match=r"computes bfloat16 wrongly"), \
+                        torch.autocast("cpu", dtype=torch.bfloat16, enabled=base_.dtype == torch.float32):
+                    multi_lora(x_, base_, w32, False)
     finally:
         kernels.set_backend("auto")
 
