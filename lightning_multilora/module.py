@@ -2567,6 +2567,14 @@ class MultiLoRAMixin:
         placement = self._placement()
         if placement is not None:  # (a run of another size than wrote it: its adapters' new owners)
             self._place_resumed(placement)
+        elif self.admission is not None and trainer is not None and self._resident() and \
+                not self.admission.fits(self._resident()):  # (resumed under a lower budget: they went on unsaid)
+            from lightning_multilora.scheduling.admission import size_text
+
+            rank_zero_warn(f"resumed with adapters {[r.name for r in self.registry.running]} training (and "
+                           f"{len(self.registry.paused)} paused): {size_text(self.admission.predict(self._resident()))}"
+                           f" predicted, over the admission budget of {size_text(self.admission.budget)}; they train "
+                           "anyway (nothing trained is dropped), and queued adapters wait until they end")
         for rec in self.registry.holding_weights:
             if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
                 self._create_weights(rec, checkpoint)

@@ -470,3 +470,26 @@ def test_an_adapter_that_cannot_start_gives_its_share_of_the_budget_back_at_once
             module, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(60)}))
     assert module.registry["bad"].state == AdapterState.FAILED
     assert (module.registry["good"].started_at_step, module.registry["good"].state) == (1, AdapterState.FINISHED)
+
+
+def test_a_resume_under_a_lower_budget_than_its_adapters_take_is_said(tmp_path, trainer_kwargs):
+    """Resumed with a budget under what its running adapters take, they went on without a word."""
+    from lightning_multilora.data import GeneratedArithmetic
+
+    def module_of(capacity: float) -> MultiLoRAModule:
+        return MultiLoRAModule("tiny-llama", validate_on_finish=False,
+                               adapters=[spec("a", 4, max_steps=4), spec("b", 4, max_steps=4)],
+                               admission=AdmissionController(rows_times(100), capacity_bytes=capacity,
+                                                             safety_margin=1.0))
+
+    def data() -> MultiLoRADataModule:
+        return MultiLoRADataModule(sources={"arith": GeneratedArithmetic(60)})
+
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(module_of(800), data())
+    trainer.save_checkpoint(tmp_path / "two.ckpt")
+    resumed = module_of(600)
+    with pytest.warns(UserWarning, match=r"resumed with adapters \['a', 'b'\] training \(and 0 paused\): .* "
+                                         r"predicted, over the admission budget of .*; they train anyway"):
+        L.Trainer(**trainer_kwargs).fit(resumed, data(), ckpt_path=tmp_path / "two.ckpt")
+    assert [resumed.registry[n].step for n in "ab"] == [4, 4]
