@@ -1081,12 +1081,15 @@ class MultiLoRAMixin:
                 first = queued[0]  # none ever would)
                 self._warn_paused_fill(first.spec)
                 chosen = [first.spec]
-            # the chosen ones' data and `init_from` folders, before they take the budget: one that cannot start
-            # fails, and the choice is made again without it (it held its share a step, the others waiting)
-            unchecked = [spec for spec in chosen if spec.name not in checked]
+            # the data and `init_from` folders of those that start now (within `max_running`: one that waits is read
+            # at its own start, its folder perhaps written by then), before they take the budget: one that cannot
+            # start fails, and the choice is made again without it (it held its share a step, the others waiting)
+            starting = chosen if self.max_running is None else \
+                chosen[:max(0, self.max_running - len(self.registry.running))]
+            unchecked = [spec for spec in starting if spec.name not in checked]
             if unchecked:
                 checked.update(self._check_agreed(unchecked))
-            failing = [by_name[spec.name] for spec in chosen if isinstance(checked[spec.name], ValueError)]
+            failing = [by_name[spec.name] for spec in starting if isinstance(checked[spec.name], ValueError)]
             for rec in failing:
                 self._cannot_start(rec, checked[rec.name])
                 queued.remove(rec)
@@ -2567,8 +2570,9 @@ class MultiLoRAMixin:
         placement = self._placement()
         if placement is not None:  # (a run of another size than wrote it: its adapters' new owners)
             self._place_resumed(placement)
-        elif self.admission is not None and trainer is not None and self._resident() and \
-                not self.admission.fits(self._resident()):  # (resumed under a lower budget: they went on unsaid)
+        elif self.admission is not None and trainer is not None and trainer.state.fn == "fit" and \
+                self._resident() and not self.admission.fits(self._resident()):  # (resumed under a lower budget:
+            # they went on unsaid)
             from lightning_multilora.scheduling.admission import size_text
 
             rank_zero_warn(f"resumed with adapters {[r.name for r in self.registry.running]} training (and "

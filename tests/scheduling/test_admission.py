@@ -493,3 +493,27 @@ def test_a_resume_under_a_lower_budget_than_its_adapters_take_is_said(tmp_path, 
                                          r"predicted, over the admission budget of .*; they train anyway"):
         L.Trainer(**trainer_kwargs).fit(resumed, data(), ckpt_path=tmp_path / "two.ckpt")
     assert [resumed.registry[n].step for n in "ab"] == [4, 4]
+    with warnings.catch_warnings(record=True) as caught:  # (a validate trains nothing: nothing to say)
+        warnings.simplefilter("always")
+        L.Trainer(**trainer_kwargs).validate(module_of(600), data(), ckpt_path=tmp_path / "two.ckpt")
+    assert not [w for w in caught if "train anyway" in str(w.message)]
+
+
+def test_an_adapter_waiting_for_a_slot_is_checked_at_its_own_start(tmp_path, trainer_kwargs):
+    """The re-selection checked every adapter the budget chose, those `max_running` kept waiting too: one added to go
+    on from another's export (`init_from` a folder written when that one finishes) failed before it could start."""
+    from lightning_multilora.data import GeneratedArithmetic
+
+    class Chain(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if trainer.global_step == 1:
+                pl_module.add_adapter(AdapterSpec("B", rank=2, alpha=4, batch_size=1, max_steps=2,
+                                                  init_from=str(tmp_path / "out" / "A")))
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("A", rank=2, alpha=4, batch_size=1, max_steps=4)],
+                             max_running=1, export_dir=str(tmp_path / "out"), validate_on_finish=False,
+                             admission=AdmissionController(rows_times(1), capacity_bytes=1000, safety_margin=1.0))
+    L.Trainer(**trainer_kwargs, callbacks=[Chain()]).fit(
+        module, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(60)}))
+    b = module.registry["B"]
+    assert (b.state, b.started_at_step, b.step) == (AdapterState.FINISHED, 4, 2)
