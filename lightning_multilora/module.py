@@ -516,7 +516,7 @@ class MultiLoRAMixin:
             # though another run's)
             directory = Path(directory)
             directory.mkdir(parents=True, exist_ok=True)
-            (directory / _RUN_STAMP).write_text(f"{self._run_id}\n{name}\n{rec.step}\n{self._lineage[-1]}\n")
+            (directory / _RUN_STAMP).write_text(self._stamp_text(name, rec.step))
         base = getattr(getattr(self.lora_layers.model, "config", None), "name_or_path", None)
         layers = self.lora_layers.target_layers(name)
         weights = self._best_weights.get(name) if best else None
@@ -630,7 +630,7 @@ class MultiLoRAMixin:
         (its config not yet written) and wrote into the same one, the last one's weights kept for both."""
         directory.mkdir(parents=True, exist_ok=True)
         stamp = directory / _RUN_STAMP
-        text = f"{self._run_id}\n{name}\n{rec.step}\n{self._lineage[-1]}\n"
+        text = self._stamp_text(name, rec.step)
         if stamp.is_file() and (self._sibling(directory) or not (self._wrote(directory, name)
                                                                  or str(directory) == rec.export_path)):
             return False
@@ -640,6 +640,10 @@ class MultiLoRAMixin:
         except FileExistsError:  # (another run's, made since the check)
             return self._wrote(directory, name)
         return True
+
+    def _stamp_text(self, name: str, step: int) -> str:
+        """An export folder's stamp as this run writes it (`_stamp` reads it; `_mark_branch_ended` adds its end)."""
+        return f"{self._run_id}\n{name}\n{step}\n{self._lineage[-1]}\n"
 
     @staticmethod
     def _stamp(directory: Path) -> Optional[tuple[str, str, str, str, str]]:
@@ -2441,6 +2445,18 @@ class MultiLoRAMixin:
                                f"of {size_text(self.admission.budget)} (the checkpoint was written by "
                                f"{placement.resized_from}); they train anyway")
 
+    def _warn_over_budget(self) -> None:
+        """A resume's held adapters over the admission budget (a lower one than the run had): said (they went on
+        unsaid); they train on, nothing trained is dropped."""
+        resident = self._resident()
+        if resident and not self.admission.fits(resident):
+            from lightning_multilora.scheduling.admission import size_text
+
+            rank_zero_warn(f"resumed with adapters {[r.name for r in self.registry.running]} training (and "
+                           f"{len(self.registry.paused)} paused): {size_text(self.admission.predict(resident))} "
+                           f"predicted, over the admission budget of {size_text(self.admission.budget)}; they train "
+                           "anyway (nothing trained is dropped), and queued adapters wait until they end")
+
     def _merge_given_specs(self, given: list[AdapterSpec]) -> None:
         """After the checkpoint's registry replaced this module's: adapters given now but absent from the checkpoint
         are queued (a sweep extended on resume); one still queued there takes the spec given now; one that has
@@ -2570,15 +2586,8 @@ class MultiLoRAMixin:
         placement = self._placement()
         if placement is not None:  # (a run of another size than wrote it: its adapters' new owners)
             self._place_resumed(placement)
-        elif self.admission is not None and trainer is not None and trainer.state.fn == "fit" and \
-                self._resident() and not self.admission.fits(self._resident()):  # (resumed under a lower budget:
-            # they went on unsaid)
-            from lightning_multilora.scheduling.admission import size_text
-
-            rank_zero_warn(f"resumed with adapters {[r.name for r in self.registry.running]} training (and "
-                           f"{len(self.registry.paused)} paused): {size_text(self.admission.predict(self._resident()))}"
-                           f" predicted, over the admission budget of {size_text(self.admission.budget)}; they train "
-                           "anyway (nothing trained is dropped), and queued adapters wait until they end")
+        elif self.admission is not None and trainer is not None and trainer.state.fn == "fit":
+            self._warn_over_budget()
         for rec in self.registry.holding_weights:
             if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
                 self._create_weights(rec, checkpoint)
