@@ -2,11 +2,11 @@
 
     python examples/load_with_peft.py runs/demo/lightning_logs/version_0/adapters/trial-7
 
-The base is the one the export names (`base_model_name_or_path` in its adapter_config.json). A built-in tiny base
-("tiny-llama"...) was never saved: it is random and frozen, so it is rebuilt from its config with the run's seed and
-overrides (in the export's multilora_export.json). Any other base is loaded from its checkpoint with
-`AutoModelForCausalLM.from_pretrained`, with its tokenizer where the checkpoint holds one (else the byte tokenizer,
-the data module's default).
+The base is the one the export names (`base_model_name_or_path` in its adapter_config.json), built as the run built
+it (`base` in the export's multilora_export.json: its `config_overrides` and `dtype`). A built-in tiny base
+("tiny-llama"...) was never saved: it is random and frozen, so it is rebuilt from its config with the run's seed. Any
+other base is loaded from its checkpoint with `AutoModelForCausalLM.from_pretrained`, with its tokenizer where the
+checkpoint holds one (else the byte tokenizer, the data module's default).
 """
 
 import json
@@ -23,15 +23,16 @@ if len(sys.argv) != 2 or not (Path(sys.argv[1]) / "adapter_config.json").is_file
     sys.exit(f"usage: python {sys.argv[0]} <an exported adapter's folder, holding adapter_config.json>")
 adapter_dir = Path(sys.argv[1])
 named = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+info = adapter_dir / "multilora_export.json"  # what the folder holds: how the run built its base too
+built = json.loads(info.read_text()).get("base", {}) if info.is_file() else {}
+dtype = built.get("dtype", "float32")
 if not named or named in TINY_CONFIGS:
-    info = adapter_dir / "multilora_export.json"  # what the folder holds: a built-in base's seed and overrides too
-    built = json.loads(info.read_text()).get("base", {}) if info.is_file() else {}
-    base = build_base_model(named or "tiny-llama", built.get("config_overrides"), seed=built.get("base_seed", 0))
+    base = build_base_model(named or "tiny-llama", built.get("config_overrides"), dtype, seed=built.get("base_seed", 0))
     tok = ByteTokenizer()
 else:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = AutoModelForCausalLM.from_pretrained(named)
+    base = AutoModelForCausalLM.from_pretrained(named, dtype=dtype, **built.get("config_overrides", {}))
     try:
         tok = AutoTokenizer.from_pretrained(named)
     except (OSError, ValueError):  # (a checkpoint saved without one: trained on bytes, the default)

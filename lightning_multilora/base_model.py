@@ -227,6 +227,9 @@ def _from_pretrained(base_model: str, config_overrides: Optional[dict[str, Any]]
             raise kind(f"`base_model` {base_model!r} is a checkpoint directory (its config.json read) whose model "
                        f"could not be loaded: {err}") from err
     check_causal_lm(model, overridable=True)
+    if os.path.isfile(os.path.join(base_model, "config.json")):  # (a checkpoint folder named from anywhere: its
+        # exports' `base_model_name_or_path`; a relative path was loaded by PEFT from elsewhere as a Hub name)
+        model.config.name_or_path = os.path.abspath(base_model)
     return model
 
 

@@ -517,6 +517,7 @@ class MultiLoRAMixin:
             directory = Path(directory)
             directory.mkdir(parents=True, exist_ok=True)
             (directory / _RUN_STAMP).write_text(self._stamp_text(name, rec.step))
+            self._hold_branch(directory)
         base = getattr(getattr(self.lora_layers.model, "config", None), "name_or_path", None)
         layers = self.lora_layers.target_layers(name)
         weights = self._best_weights.get(name) if best else None
@@ -560,15 +561,15 @@ class MultiLoRAMixin:
     def _describe_export(self, directory: Path, rec: AdapterRecord, step: int, loss: Optional[float]) -> None:
         """Write `EXPORT_INFO` beside an export's weights: the adapter, the run, its state and why, the step its
         weights are of (its best validation's, where those are written) and their validation loss (None: not
-        measured; Infinity: not finite), its steps trained, and a built-in base's seed and overrides (its name alone
-        does not rebuild it): what the folder holds, without the run's summary."""
+        measured; Infinity: not finite), its steps trained, and how its base was built where its name alone builds
+        another (a built-in base's seed and overrides, a checkpoint's overrides, a dtype other than float32): what
+        the folder holds, without the run's summary."""
         import json
 
         loss = None if loss is None or math.isnan(loss) else loss
         info = {"adapter": rec.name, "run": getattr(self, "_run_id", None), "state": rec.state.value,
                 "reason": rec.reason, "weights_step": step, "steps_trained": rec.step,
-                "val_loss": loss, **({"base": getattr(self, "_builtin_base")} if hasattr(self, "_builtin_base")
-                                     else {})}
+                "val_loss": loss, **({"base": base} if (base := getattr(self, "_export_base", None)) else {})}
         partial = directory / f".{EXPORT_INFO}.partial"  # (moved into place whole, as the weights are)
         partial.write_text(json.dumps(info, indent=1) + "\n")
         os.replace(partial, directory / EXPORT_INFO)
@@ -582,13 +583,33 @@ class MultiLoRAMixin:
 
     def _sibling(self, directory: Path) -> bool:
         """Whether ``directory`` holds an export that this run's id wrote on another line than this one's, in a fit
-        that ended as fits end (its training's end reached, `_mark_branch_ended`): another resume of a checkpoint this
-        module resumed (two fits from one checkpoint into one `export_dir` wrote over each other's results, both
-        carrying its run id). An attempt stopped by an error, Ctrl+C or a kill, retried from the same checkpoint, is
-        written over, as is a stamp without a branch, from before branches were stamped."""
+        that ended as fits end (its training's end reached, `_mark_branch_ended`) or that runs still (its lock held:
+        `branch_locks`): another resume of a checkpoint this module resumed (two fits from one checkpoint into one
+        `export_dir` wrote over each other's results, both carrying its run id). An attempt stopped by an error,
+        Ctrl+C or a kill, retried from the same checkpoint, is written over, as is a stamp without a branch, from
+        before branches were stamped."""
+        from lightning_multilora.branch_locks import branch_alive
+
         stamp = self._stamp(directory)
         return stamp is not None and stamp[0] == self._run_id and stamp[3] not in ("", *self._lineage) and \
-            stamp[4] == _ENDED
+            (stamp[4] == _ENDED or branch_alive(directory, stamp[3]))
+
+    def _hold_branch(self, directory: Path) -> None:
+        """An export stamped in a fit: this fit's branch is held as running beside it until the fit ends or stops
+        (`_release_branch`), for another resume of its checkpoint to see (`_sibling`)."""
+        from lightning_multilora.branch_locks import BranchLocks
+
+        trainer = self._trainer_or_none()
+        if trainer is None or trainer.state.fn != "fit":
+            return
+        locks = self.__dict__.setdefault("_branch_locks", BranchLocks())
+        locks.hold(directory, self._lineage[-1], int(getattr(trainer, "global_rank", 0)))
+
+    def _release_branch(self) -> None:
+        """The fit ended or stopped: its branch's locks let go (`_hold_branch`)."""
+        locks = self.__dict__.get("_branch_locks")
+        if locks is not None:
+            locks.release()
 
     def _mark_branch_ended(self) -> None:
         """This fit's training ended as fits end: the exports it wrote are stamped so (`_sibling`)."""
@@ -634,6 +655,7 @@ class MultiLoRAMixin:
         if stamp.is_file() and (self._sibling(directory) or not (self._wrote(directory, name)
                                                                  or str(directory) == rec.export_path)):
             return False
+        self._hold_branch(directory)  # (before the stamp is written: seen running from its first line)
         try:
             with open(stamp, "x" if not stamp.exists() else "w") as fh:  # (a new one: made by one run alone)
                 fh.write(text)
@@ -2143,13 +2165,13 @@ class MultiLoRAMixin:
     def generate(self, adapters: Sequence[Optional[str]], input_ids: Tensor, attention_mask: Optional[Tensor] = None,
                  **kwargs: Any) -> Tensor:
         """Generate for a batch whose row ``i`` continues with adapter ``adapters[i]`` (None: the frozen base alone),
-        every row in one ``generate`` of the base model (greedy unless ``kwargs`` say otherwise; ``kwargs`` are
-        ``transformers``' ``generate`` arguments): several adapters compared on the same prompts in one pass, as if
-        each were loaded alone. Prompts of different lengths are padded on the left, with their ``attention_mask``.
-        The adapters are those the module holds (running or paused, as `evaluate` takes them). Returns the token
-        ids ``generate`` returns, in the rows' order (``num_return_sequences`` consecutive rows a prompt, with beam
-        search or sampling). One process: under adapter parallelism the base is sharded;
-        generate with the exports there (`PeftModel.from_pretrained`)."""
+        every row in one ``generate`` of the base model (greedy unless ``kwargs`` say otherwise, ``do_sample`` or a
+        ``generation_config``'s; ``kwargs`` are ``transformers``' ``generate`` arguments): several adapters compared
+        on the same prompts in one pass, as if each were loaded alone. Prompts of different lengths are padded on
+        the left, with their ``attention_mask``. The adapters are those the module holds (running or paused, as
+        `evaluate` takes them). Returns the token ids ``generate`` returns, in the rows' order (``num_return_sequences``
+        consecutive rows a prompt, with beam search or sampling). One process: under adapter parallelism the base is
+        sharded; generate with the exports there (`PeftModel.from_pretrained`)."""
         if isinstance(adapters, str):  # (its letters were taken for names)
             raise ValueError(f"`adapters` names the adapter of each row of `input_ids`: a list, e.g. "
                              f"[{adapters!r}] * {len(input_ids)} for every row, got the string {adapters!r}")
@@ -2206,7 +2228,10 @@ class MultiLoRAMixin:
         hook = model.register_forward_pre_hook(rows_per_prompt, with_kwargs=True)
         try:
             with torch.no_grad(), _evaluating(self), self.lora_layers.use(layout):
-                out = model.generate(**inputs, **{"do_sample": False, **kwargs})
+                # (greedy, the model's own config's sampling aside, unless a config given says: a default `do_sample`
+                # given as an argument overrode that of a `generation_config` given, which then decoded greedily)
+                greedy = {} if {"do_sample", "generation_config"} & kwargs.keys() else {"do_sample": False}
+                out = model.generate(**inputs, **greedy, **kwargs)
         finally:
             hook.remove()
         if order == sorted(order):  # (rows already grouped by adapter, the base's last: as generate returned them)
@@ -2508,6 +2533,8 @@ class MultiLoRAMixin:
         differ = {k: (saved_base[k], base[k]) for k in saved_base.keys() & base.keys()
                   if saved_base[k] is not None and base[k] is not None and saved_base[k] != base[k]}
         loaded, held = differ.pop("path", None), differ.pop("weights", None)
+        if loaded is not None and os.path.abspath(loaded[0]) == os.path.abspath(loaded[1]):  # (a checkpoint written
+            loaded = None  # before its base's folder was named by its absolute path, resumed from the same place)
         if held is not None and (held[1].split(" ")[0] == held[0] or held[1] == f"int8 beside {held[0]}"):  # (as a
             held = None  # checkpoint written before they were named so named a 4-bit base, its type, and an 8-bit one)
         built = {k: differ.pop(k) for k in ("base_seed", "config_overrides") if k in differ}
@@ -2983,11 +3010,14 @@ _DEVICE_INDICES: dict[tuple, Tensor] = {}
 def _device_index(key: tuple, device: torch.device, make) -> Tensor:
     """A small index tensor made on the host once per key and device, then reused: a step's device work then
     copies nothing from the host (a copy from pageable memory cannot be captured in a CUDA graph, and costs a
-    stream sync). Kept for the 256 most recent keys."""
+    stream sync). Kept for the 256 most recent keys; made outside inference mode (a `trainer.validate` runs in it:
+    an index it made first, an inference tensor, failed a later fit's backward, "Inference tensors cannot be saved
+    for backward")."""
     key = (key, str(device))
     index = _DEVICE_INDICES.pop(key, None)
     if index is None:
-        index = make().to(device)
+        with torch.inference_mode(False):
+            index = make().to(device)
     _DEVICE_INDICES[key] = index  # (re-inserted: the most recent last)
     if len(_DEVICE_INDICES) > 256:
         del _DEVICE_INDICES[next(iter(_DEVICE_INDICES))]
@@ -3073,6 +3103,7 @@ class ExportOnException(L.Callback):
         finally:
             getattr(pl_module, "_give_back_loss_scaler", lambda: None)()
             getattr(pl_module, "_carry_optimizer_state", lambda: None)()
+            getattr(pl_module, "_release_branch", lambda: None)()
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -3083,6 +3114,7 @@ class ExportOnException(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         getattr(pl_module, "_give_back_loss_scaler", lambda: None)()
         getattr(pl_module, "_carry_optimizer_state", lambda: None)()
+        getattr(pl_module, "_release_branch", lambda: None)()
 
 
 class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
@@ -3182,11 +3214,17 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
             # (a built-in base's weights are its seed's; a checkpoint's its own: `_base_identity`)
             self._base_build = {"config_overrides": changed_overrides(str(base_model), config_overrides),
                                 **({"base_seed": base_seed} if str(base_model) in TINY_CONFIGS else {})}
-            if str(base_model) not in TINY_CONFIGS:  # (a checkpoint's overrides: its exports do not hold them)
+            # (how to build the base again where its name alone builds another: a built-in one of other weights or
+            # shape than its name's, a checkpoint's overrides, a dtype; in its exports' `EXPORT_INFO`, which
+            # `examples/load_with_peft.py` builds it from)
+            builtin = str(base_model) in TINY_CONFIGS
+            held = str(resolve_dtype(dtype)).removeprefix("torch.")
+            self._export_base = {**({"base_seed": base_seed} if builtin and (base_seed != 0 or config_overrides)
+                                    else {}),
+                                 **({"config_overrides": dict(config_overrides)} if config_overrides else {}),
+                                 **({"dtype": held} if held != "float32" else {})}
+            if not builtin:  # (a checkpoint's overrides: PEFT's loader does not apply them, said at the first export)
                 self._checkpoint_overrides = dict(config_overrides or {})
-            elif base_seed != 0 or config_overrides:  # (a built-in base of other weights or shape than its name's:
-                # in its exports' `EXPORT_INFO`, which `examples/load_with_peft.py` rebuilds it from)
-                self._builtin_base = {"base_seed": base_seed, "config_overrides": dict(config_overrides or {})}
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
         self.model = model

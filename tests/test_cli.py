@@ -246,9 +246,11 @@ def test_python_api_example_and_peft_loading_example(tmp_path):
     assert load.stdout.startswith("Q: Ada has 7 apples")
 
 
-def test_the_peft_loading_example_loads_the_base_its_export_names(tmp_path, trainer_kwargs):
+def test_the_peft_loading_example_loads_the_base_its_export_names(tmp_path, trainer_kwargs, monkeypatch):
     """It rebuilt "tiny-llama" whatever the export named: an adapter trained on a checkpoint of the same shapes
-    loaded onto other weights without a word, and answered garbage. With no folder it said a bare IndexError."""
+    loaded onto other weights without a word, and answered garbage. With no folder it said a bare IndexError. A base
+    named by a relative path was named so in the export (from another folder: a Hub name, not found), and the
+    checkpoint's `config_overrides` and `dtype` were not applied (another model answered, PEFT warning of keys)."""
     import lightning as L
     import torch
     from peft import PeftModel
@@ -261,17 +263,26 @@ def test_the_peft_loading_example_loads_the_base_its_export_names(tmp_path, trai
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(7)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
-    module = MultiLoRAModule(str(tmp_path / "base"), export_dir=str(tmp_path / "exp"), validate_on_finish=False,
+    monkeypatch.chdir(tmp_path)
+    module = MultiLoRAModule("base", export_dir=str(tmp_path / "exp"), validate_on_finish=False, dtype="bfloat16",
+                             config_overrides={"num_hidden_layers": 1},
                              adapters=[AdapterSpec("a", rank=2, max_steps=3, lr=3e-2)])
-    L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(60)}))
+    with pytest.warns(UserWarning, match=r"PEFT loads that base without them"):
+        L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(60)}))
+    config = json.loads((tmp_path / "exp" / "a" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "base")
+    assert json.loads((tmp_path / "exp" / "a" / "multilora_export.json").read_text())["base"] == {
+        "config_overrides": {"num_hidden_layers": 1}, "dtype": "bfloat16"}
     script = str(ROOT / "examples" / "load_with_peft.py")
     load = subprocess.run([sys.executable, script, str(tmp_path / "exp" / "a")], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, cwd=ROOT)
     assert load.returncode == 0, load.stderr[-3000:]
     prompt = load.stdout.split("\nA:")[0] + "\nA:"
     tok = ByteTokenizer()
     ids = torch.tensor([tok.encode(prompt)])
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "exp" / "a")
+    assert "missing adapter keys" not in load.stderr
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", num_hidden_layers=1, dtype=torch.bfloat16)
+    model = PeftModel.from_pretrained(base, tmp_path / "exp" / "a")
     with torch.no_grad():  # (the answer's first token: the checkpoint's, through the adapter)
         first = model.eval()(input_ids=ids).logits[0, -1].argmax().item()
     answer = load.stdout[len(prompt):].rstrip("\n")
@@ -653,9 +664,10 @@ def test_what_makes_a_run_for_last_is_its_model_data_and_sweep_on_the_fields_bot
     assert not _agree({"adapters": [{"name": "a"}]}, {"adapters": [{"name": "a"}, {"name": "b"}]})
 
 
-def test_a_smoke_run_without_a_logger_takes_no_log_directory(tmp_path):
+def test_a_smoke_run_without_a_logger_takes_no_log_directory(tmp_path, tmp_path_factory, monkeypatch):
     """`fast_dev_run` writes its exports and summary to a temporary folder; without a logger its claim stayed in the
     root, and the next smoke run and the next real run there were refused ("holds another run's .multilora_log")."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path_factory.mktemp("smoke")))  # (not left in /tmp)
     args = _tiny_fit(tmp_path, "--trainer.logger", "false")
     for _ in range(2):
         with pytest.warns(UserWarning, match="the smoke run writes its adapters and summary to"):

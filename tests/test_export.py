@@ -154,6 +154,15 @@ def test_generate_runs_several_adapters_in_one_batch_as_peft_runs_each(tmp_path,
     for i, name in enumerate(rows):
         assert [out[i, width:].tolist()] == alone(name, prompts[i], max_new_tokens=6), (i, name)
     assert out[0].tolist() != out[2].tolist()  # one prompt: adapter b changes what the base says
+    # a generation_config that samples is taken (a default `do_sample=False` argument overrode it: greedy, unsaid)
+    from transformers import GenerationConfig
+
+    def sampled(seed):
+        torch.manual_seed(seed)
+        return module.generate(rows, ids, attention_mask=mask, pad_token_id=0, generation_config=GenerationConfig(
+            do_sample=True, top_k=0, temperature=3.0, max_new_tokens=6))
+    assert torch.equal(sampled(0), sampled(0)) and not torch.equal(sampled(0), sampled(1))
+    assert not torch.equal(sampled(0), out)
     # beam search: each prompt's beams are rows of its adapter; num_return_sequences rows a prompt, in the rows' order
     beams = module.generate(rows, ids, attention_mask=mask, max_new_tokens=4, pad_token_id=0, num_beams=3,
                             num_return_sequences=2)

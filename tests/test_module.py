@@ -1784,13 +1784,15 @@ def test_an_error_in_validate_leaves_the_fits_exports_and_report(tmp_path, train
     assert (tmp_path / "sweep_summary.json").read_text() == summary
 
 
-def test_fast_dev_run_runs_with_a_warning_and_writes_nothing_beside_the_real_runs(tmp_path, trainer_kwargs):
+def test_fast_dev_run_runs_with_a_warning_and_writes_nothing_beside_the_real_runs(tmp_path, trainer_kwargs,
+                                                                                 tmp_path_factory, monkeypatch):
     """``Trainer(fast_dev_run=True)`` was refused for a ``limit_val_batches`` the user never set (Lightning's). Its
     exports and summary went to the run's folders (`export_dir`, ``default_root_dir``), versioned on at each smoke
     run, and its summary refused the next real run a log directory without a logger: they go to a temporary
     folder, said."""
     from lightning_multilora import SweepReport
 
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path_factory.mktemp("smoke")))  # (not left in /tmp)
     for export_dir in (None, str(tmp_path / "exports")):
         module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=5)],
                                  export_dir=export_dir)
@@ -2646,6 +2648,68 @@ def test_a_retry_from_the_checkpoint_of_a_crashed_attempt_writes_over_all_its_ex
     assert not [w for w in caught if "did not write" in str(w.message)]
     assert {n: retry.registry[n].export_path for n in "ab"} == {n: str(tmp_path / "exp" / n) for n in "ab"}
     assert sorted(p.name for p in (tmp_path / "exp").iterdir()) == ["a", "b"]
+
+
+def test_a_resume_running_beside_another_of_its_checkpoint_keeps_the_exports_that_one_wrote(tmp_path,
+                                                                                              trainer_kwargs):
+    """Two resumes of one checkpoint into one `export_dir` at once: an export of the first was known as another
+    resume's only once its fit ended, so the second, running meanwhile, wrote over the first's finished adapter. A
+    fit holds its branch as running (a lock beside the exports, let go as it ends or stops, or its process dies):
+    the second goes beside, and the lock leaves no file behind."""
+    from lightning_multilora.data import GeneratedArithmetic
+
+    def module_of() -> MultiLoRAModule:
+        return MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / "exp"),
+                               adapters=[AdapterSpec("a", rank=2, max_steps=4, lr=1e-2, seed=1),
+                                         AdapterSpec("b", rank=2, max_steps=8, lr=1e-2, seed=2)])
+
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(module_of(), small_dm())
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    seen: dict = {}
+
+    class SecondResumeMeanwhile(Callback):
+        """The first resume, `a` finished and exported, `b` running: the second resume runs its whole fit."""
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 5 and not seen:
+                seen["first"] = load_file(tmp_path / "exp" / "a" / "adapter_model.safetensors")
+                second = module_of()
+                with pytest.warns(UserWarning, match=r"exp/a holds an adapter this run did not write for it "
+                                                     r"\(another resume of this run's checkpoint\)"):
+                    L.Trainer(**trainer_kwargs).fit(second, MultiLoRADataModule(
+                        sources={"arith": GeneratedArithmetic(400, seed=5)}, max_val_examples=24),
+                        ckpt_path=tmp_path / "mid.ckpt")
+                seen["second"] = {n: second.registry[n].export_path for n in "ab"}
+
+    first = module_of()
+    with pytest.warns(UserWarning, match=r"exp/b holds an adapter this run did not write for it \(another resume"):
+        L.Trainer(**trainer_kwargs, callbacks=[SecondResumeMeanwhile()]).fit(first, small_dm(),
+                                                                               ckpt_path=tmp_path / "mid.ckpt")
+    # (`b`, still running in the first, was free when the second exported it; the first's goes beside it)
+    assert seen["second"] == {"a": str(tmp_path / "exp" / "a-v1"), "b": str(tmp_path / "exp" / "b")}
+    assert {n: first.registry[n].export_path for n in "ab"} == {"a": str(tmp_path / "exp" / "a"),
+                                                                "b": str(tmp_path / "exp" / "b-v1")}
+    kept = load_file(tmp_path / "exp" / "a" / "adapter_model.safetensors")
+    assert all(torch.equal(kept[k], seen["first"][k]) for k in kept)
+    beside = load_file(tmp_path / "exp" / "a-v1" / "adapter_model.safetensors")
+    assert not all(torch.equal(beside[k], kept[k]) for k in kept)  # (other data)
+    assert sorted(p.name for p in (tmp_path / "exp").iterdir()) == ["a", "a-v1", "b", "b-v1"]
+
+
+def test_a_fit_after_a_trainer_validate_trains_on_the_batch_shapes_the_validate_saw(trainer_kwargs, monkeypatch):
+    """`trainer.validate` runs in inference mode: a batch's per-adapter row index it made first was cached as an
+    inference tensor, and a later fit's step of the same rows (another module's too) failed in backward, "Inference
+    tensors cannot be saved for backward"."""
+    import lightning_multilora.module as made
+
+    monkeypatch.setattr(made, "_DEVICE_INDICES", {})  # (none made yet: not by an earlier test's fit, in this process)
+    first = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=5)], validate_on_finish=False)
+    L.Trainer(**{**trainer_kwargs, "max_steps": 2}).fit(first, small_dm())
+    L.Trainer(**trainer_kwargs).validate(first, small_dm(val_batch_size=8))
+    second = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("b", rank=2, batch_size=8, max_steps=2)],
+                             validate_on_finish=False)
+    L.Trainer(**trainer_kwargs).fit(second, small_dm())
+    assert second.registry["b"].state == AdapterState.FINISHED and len(second.registry["b"].train_losses) == 2
 
 
 def test_slot_spans_count_on_across_fits_of_one_module_and_a_loaded_checkpoint(tmp_path, trainer_kwargs):

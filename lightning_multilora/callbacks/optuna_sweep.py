@@ -570,6 +570,20 @@ class OptunaSweep(Callback):
                  and sampler._same_search_space(t.system_attrs.get("search_space", {}))}
         return len(taken) >= len(sampler._all_grids)
 
+    def _grid_point_taken(self, study, trial: "optuna.Trial") -> Optional[int]:
+        """The number of another trial holding the grid point ``trial`` was just given (a grid study shared by
+        processes: two saw one point free, and Optuna's sampler handed the second a point already running), or None.
+        Points are asked each once (`_grid_exhausted`)."""
+        import optuna
+
+        sampler = study.sampler
+        if not isinstance(sampler, optuna.samplers.GridSampler):
+            return None
+        point = study._storage.get_trial(trial._trial_id).system_attrs.get("grid_id")
+        return next((t.number for t in study.get_trials(deepcopy=False)
+                     if t.number != trial.number and point is not None and t.system_attrs.get("grid_id") == point
+                     and sampler._same_search_space(t.system_attrs.get("search_space", {}))), None)
+
     def _ask_trial(self, study) -> "optuna.Trial":
         """``study.ask`` over the search space. One that fails (an enqueued value outside a parameter's choices or
         range, a parameter the study's earlier trials drew from another kind of distribution) fails its trial,
@@ -585,7 +599,6 @@ class OptunaSweep(Callback):
             try:
                 for name, dist in self.distributions.items():
                     trial._suggest(name, dist)
-                return trial
             except (ValueError, TypeError) as err:
                 study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
                 names = self._refused_parameters(study, study._storage.get_trial(trial._trial_id))
@@ -594,6 +607,13 @@ class OptunaSweep(Callback):
                                  "An enqueued trial must hold values of the search space, and a parameter the study's "
                                  "earlier trials drew must keep its kind of distribution (search space: "
                                  f"{sorted(self.distributions)})") from err
+        fixed = study._storage.get_trial(trial._trial_id).system_attrs.get("fixed_params") or {}
+        unused = sorted(set(fixed) - set(self.distributions))
+        if unused:  # (Optuna keeps an enqueued value only as a parameter is drawn: one out of the space, dropped)
+            warnings.warn(f"OptunaSweep: trial {trial.number} was enqueued with {unused}, which the search space "
+                          f"({sorted(self.distributions)}) does not hold: not used (its adapter takes `base`'s "
+                          "values and the defaults); give a field fixed for every trial in `base`", stacklevel=2)
+        return trial
 
     def _refused_parameters(self, study, trial: "optuna.trial.FrozenTrial") -> list[str]:
         """The parameters of the search space a failed ask stumbled on: a value enqueued in ``trial`` that its
@@ -676,6 +696,13 @@ class OptunaSweep(Callback):
             else:
                 trial = self._ask_trial(study)
                 trial.set_user_attr("sweep", self.sweep_id)
+                other = self._grid_point_taken(study, trial)
+                if other is not None:  # (the last free point asked by another process since `_grid_exhausted`)
+                    study._storage.set_trial_user_attr(trial._trial_id, "fail_reason", f"its grid point is trial "
+                                                       f"{other}'s, asked meanwhile by another process")
+                    self._fail_asked(trial)
+                    self.exhausted = True
+                    break
             name = f"trial-{trial.number}"
             try:
                 spec = AdapterSpec(name=name, **self._spec_kwargs(trial.params))
@@ -749,13 +776,8 @@ class OptunaSweep(Callback):
         import optuna
 
         try:
-            self.study._storage.set_trial_user_attr(trial_id, "fail_reason", reason)
-            if rec is not None and rec.export_path is not None:  # (what it trained, where the study can find it)
-                exit_info = {"state": rec.state.value, "reason": reason, "step": rec.step,
-                             "export_path": rec.export_path, "exported_step": rec.exported_step}
-                if not math.isnan(rec.exported_val_loss):  # (inf: its export measured, not finite)
-                    exit_info["export_loss"] = rec.exported_val_loss
-                self.study._storage.set_trial_user_attr(trial_id, "adapter_exit", exit_info)
+            for key, value in _fail_attrs(reason, rec).items():
+                self.study._storage.set_trial_user_attr(trial_id, key, value)
         except optuna.exceptions.UpdateFinishedTrialError:
             return  # finished by another process meanwhile (`_lost`)
         self._tell(number, state=optuna.trial.TrialState.FAIL)
@@ -1071,6 +1093,11 @@ class OptunaSweep(Callback):
                                      f"{self.storage!r}): fit it again with that sweep's `study_name` and `storage` "
                                      "to go on with them, or fit a new module for this sweep")
                 self.load_state_dict(carried)
+                left = pl_module.__dict__.pop("_sweep_trials_left", None)
+                if left is not None and left[0] == self.sweep_id:  # (taken up: this fit tells them)
+                    left[1].detach()
+                elif left is not None:
+                    pl_module.__dict__["_sweep_trials_left"] = left
             elif any(n not in pl_module.registry for n in self.trials):
                 self._new_sweep()  # (a fit of another module: its `n_trials` asked anew, as `study.optimize` again)
             self._check_datasets(trainer)
@@ -1131,15 +1158,15 @@ class OptunaSweep(Callback):
             stop, larger = (f"the fit stopped by {stopped_by}", "") if stopped_by else _stop_cause(trainer)
             why = f"{stop} before their adapters finished (those that had started are exported as they are)"
             if stopped_by and saved is None:
-                for name, info in self.trials.items():
-                    if info["number"] in unfinished:
-                        rec = pl_module.registry[name]
-                        self._fail(info["trial_id"], info["number"], f"{stop} at step {rec.step} of its adapter, and "
-                                   "no checkpoint of the run can resume it", rec)
-                        info["told"] = True
-                warnings.warn(f"trials {sorted(unfinished)} told FAIL in study {self.study.study_name!r}: {why}, and "
-                              "no checkpoint of this run was saved, so none can resume them (a ModelCheckpoint saves "
-                              "at each validation, `val_check_interval`)")
+                self._fail_when_dropped(pl_module, [
+                    (info["trial_id"], info["number"], _fail_attrs(
+                        f"{stop} at step {pl_module.registry[name].step} of its adapter, and no checkpoint of the "
+                        "run can resume it", pl_module.registry[name]))
+                    for name, info in self.trials.items() if info["number"] in unfinished])
+                warnings.warn(f"trials {sorted(unfinished)} stay RUNNING in study {self.study.study_name!r}: {why}, "
+                              "and no checkpoint of this run was saved: fitting this module again goes on with them "
+                              "(and tells them); else they are told FAIL as the module is dropped or this process "
+                              "ends (a ModelCheckpoint saves at each validation, `val_check_interval`)")
                 return {"specs": [], "state": self.state_dict()}
             how = (f"Resume from the last checkpoint ({saved}; the steps after it are trained again){larger} to "
                    "finish and tell them" if saved else
@@ -1149,6 +1176,21 @@ class OptunaSweep(Callback):
                     "resumed)" if stopped_by and not self._beats() else "")
             warnings.warn(f"trials {sorted(unfinished)} stay RUNNING in study {self.study.study_name!r}: {why}. {how}")
         return {"specs": [], "state": self.state_dict()}
+
+    def _fail_when_dropped(self, pl_module: L.LightningModule, left: list[tuple[int, int, dict[str, Any]]]) -> None:
+        """Trials a fit stopped by an exception left, no checkpoint to resume them: told FAIL (`_fail_at_exit`) once
+        the module holding them is dropped or the process ends, as Optuna's ``optimize`` tells a trial it stopped
+        (they stayed RUNNING for ever); not at once, since the module may be fitted again from Python, which goes on
+        with them and tells them (told FAIL at the exception, a notebook's second fit trained them to the end and
+        the study kept them failed, their slots not counted). A later fit's sweep takes them back (`setup`)."""
+        import weakref
+
+        earlier = pl_module.__dict__.pop("_sweep_trials_left", None)
+        if earlier is not None and earlier[1].alive:  # (a fit again, without the sweep, stopped again: all of them)
+            known = {trial_id for trial_id, _, _ in left}
+            left = [t for t in earlier[1].detach()[2][2] if t[0] not in known] + left
+        pl_module.__dict__["_sweep_trials_left"] = (
+            self.sweep_id, weakref.finalize(pl_module, _fail_at_exit, self.study, self.sweep_id, left))
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -1204,6 +1246,35 @@ class OptunaSweep(Callback):
             raise ValueError(f"OptunaSweep: this checkpoint's sweep ran study {saved!r}, and `study_name` is "
                              f"{self.study_name!r}: resume with study_name={saved!r} (its trials are told by number "
                              "in that study)")
+
+
+def _fail_attrs(reason: str, rec: Optional[AdapterRecord] = None) -> dict[str, Any]:
+    """The user attributes of a trial told FAIL: why (``fail_reason``) and, where its adapter ``rec`` was exported,
+    ``adapter_exit`` (what it trained, where the study can find it), as a trial told otherwise has it."""
+    attrs: dict[str, Any] = {"fail_reason": reason}
+    if rec is not None and rec.export_path is not None:
+        exit_info = {"state": rec.state.value, "reason": reason, "step": rec.step, "export_path": rec.export_path,
+                     "exported_step": rec.exported_step}
+        if not math.isnan(rec.exported_val_loss):  # (inf: its export measured, not finite)
+            exit_info["export_loss"] = rec.exported_val_loss
+        attrs["adapter_exit"] = exit_info
+    return attrs
+
+
+def _fail_at_exit(study: Any, sweep_id: str, left: list[tuple[int, int, dict[str, Any]]]) -> None:
+    """Tell FAIL the trials in ``left`` (trial id, number, user attributes) still RUNNING: `_fail_when_dropped`'s,
+    as their module is dropped or the process ends. Nothing is raised (the interpreter may be ending)."""
+    import optuna
+
+    for trial_id, number, attrs in left:
+        try:
+            if study._storage.get_trial(trial_id).state != optuna.trial.TrialState.RUNNING:
+                continue  # (told meanwhile: by a later fit, or another process)
+            for key, value in {**attrs, "failed_by": sweep_id}.items():
+                study._storage.set_trial_user_attr(trial_id, key, value)
+            study.tell(number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
+        except Exception:  # noqa: BLE001 - (a grid's study.stop outside optimize; a storage gone at exit)
+            continue
 
 
 PRUNERS = ("median", "percentile", "hyperband", "successive_halving")

@@ -19,7 +19,7 @@ from typing_extensions import override
 
 from lightning_multilora.arguments import UsageError, check_bool, check_int, check_real
 from lightning_multilora.data.sources import (ChatExample, ChatPreferenceExample, DataSource, Example,
-                                              GeneratedArithmetic, PreferenceExample)
+                                              GeneratedArithmetic, PreferenceExample, checked_examples)
 from lightning_multilora.data.tokenizer import Tokenizer, load_tokenizer, tokenizer_object
 from lightning_multilora.layout import BatchLayout
 from lightning_multilora.registry import merge_by_owner
@@ -126,14 +126,16 @@ class _ValBatches(IterableDataset):
         return iter(align(list(batches))) if align is not None else batches
 
 
-def prompt_and_answers(tok: Tokenizer, prompt: str, answers: Sequence[str]) -> tuple[list[int], list[list[int]]]:
+def prompt_and_answers(tok: Tokenizer, prompt: str,
+                       answers: Sequence[str]) -> tuple[list[int], list[list[int]], list[int]]:
     """The tokens of ``prompt`` followed by each of ``answers``, one text each (``tokenizer(prompt + answer)``, the
     tokens TRL trains on), split where each leaves the prompt's own tokens: the prompt is the longest beginning that
     the prompt encoded alone shares with every joint text (for a pair, the shorter of the two, so that both answers
     follow the same prompt ids), each answer the rest of its joint text, learned.
     (A SentencePiece tokenizer begins a text encoded alone with a word boundary, and encodes a prompt's last space as
     a token of its own, ``▁``, that the joint text merges into the next word, ``▁the``: a completion encoded alone
-    after the prompt's tokens got a space the text does not have, the row decoding as "Answer:  the".)"""
+    after the prompt's tokens got a space the text does not have, the row decoding as "Answer:  the".)
+    Third: the prompt's own last tokens that are not that beginning (merged into the answers' first tokens)."""
     prompt_ids = tok.encode(prompt)
     joints = [tok.encode(prompt + answer) for answer in answers]
     shared = len(prompt_ids)
@@ -143,7 +145,7 @@ def prompt_and_answers(tok: Tokenizer, prompt: str, answers: Sequence[str]) -> t
             continue
         shared = next((k for k, (a, b) in enumerate(zip(prompt_ids[:shared], joint)) if a != b),
                       min(shared, len(joint)))
-    return prompt_ids[:shared], [joint[shared:] for joint in joints]
+    return prompt_ids[:shared], [joint[shared:] for joint in joints], prompt_ids[shared:]
 
 
 def render_chat(tok: Tokenizer, example: ChatExample) -> Example:
@@ -352,7 +354,7 @@ class MultiLoRADataModule(L.LightningDataModule):
                        role: str = "data source") -> tuple[list[tuple[list[int], list[int]]], list]:
         """The rows (ids, labels) of ``source``'s examples kept, in the split seed's order, with their rejected
         answer's rows (None each where they are no preference pairs); ``need`` kept at least."""
-        examples = source.examples()
+        examples = checked_examples(source.examples(), f"{role} {name!r} ({source.describe()})")
         needed = "one for training, one for validation" if need == 2 else (
             "its validation split" if role != "data source" else "for training; `val_sources` holds its validation")
         if len(examples) < need:
@@ -401,13 +403,16 @@ class MultiLoRADataModule(L.LightningDataModule):
         text_prefix = list(getattr(tok, "prefix_ids", ()))  # (BOS, where the tokenizer begins a text with it)
         bos = getattr(tok, "bos_token_id", None)
         prompt_cut: set[int] = set()  # preference pairs whose prompt was cut to fit
+        merged: dict[int, str] = {}  # examples whose prompt's last text the tokenizer merges into the completion's
         for i in order:
             example = examples[i]
             chat = isinstance(example, (ChatExample, ChatPreferenceExample))
             if chat:
                 example = (render_chat if isinstance(example, ChatExample) else render_chat_pair)(tok, example)
-            prompt, answers = prompt_and_answers(
+            prompt, answers, dropped = prompt_and_answers(
                 tok, example.prompt, (example.chosen, example.rejected) if pairs else (example.completion,))
+            if dropped and tok.decode(dropped).strip():  # (a SentencePiece prompt's last space, `▁`: not said)
+                merged.setdefault(i, tok.decode(dropped))
             prefix = text_prefix
             if chat:  # (the template's tokens alone: the BOS it writes, kept first when a prompt is cut, and no other)
                 prefix = prompt[:1] if bos is not None and prompt[:1] == [bos] else []
@@ -449,6 +454,14 @@ class MultiLoRADataModule(L.LightningDataModule):
         if kept_cut:
             warnings.warn(f"{role} {name!r}: {kept_cut} of the {len(chosen)} examples kept were cut at {limit} "
                           f"tokens inside their completion (its end and EOS are not learned); {longer}", stacklevel=2)
+        merged = {i: merged[i] for i in set(merged).intersection(kept)}
+        if merged:
+            shown = ", ".join(f"{named(i)}: {merged[i]!r}" for i in sorted(merged)[:3])
+            warnings.warn(f"{role} {name!r}: in {len(merged)} of {len(chosen)} examples the tokenizer merges the "
+                          f"prompt's last text with the completion's first ({shown}{', ...' if len(merged) > 3 else ''}"
+                          "): that text is learned as part of the completion (the row holds the tokens of prompt + "
+                          "completion, as TRL trains on); a prompt ending where the tokenizer splits (a space or a "
+                          "newline, as the tokenizer has it) keeps it to the prompt", stacklevel=2)
         if same:
             warnings.warn(f"{role} {name!r}: {len(same)} of {len(chosen)} preference pairs have the same chosen "
                           f"and rejected completion (after truncation; {', '.join(named(i) for i in sorted(same)[:3])}"

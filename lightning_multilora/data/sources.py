@@ -91,6 +91,43 @@ class DataSource:
         return None
 
 
+_KINDS = {Example: ("prompt", "completion"), PreferenceExample: ("prompt", "chosen", "rejected"),
+          ChatExample: ("messages",), ChatPreferenceExample: ("prompt", "chosen", "rejected")}
+
+
+def checked_examples(examples: Any, shown: str) -> list:
+    """What a source's ``examples()`` returned (``shown``: the source), checked: a list of `Example`,
+    `ChatExample`, `PreferenceExample` or `ChatPreferenceExample`, of one kind (preference pairs or not), their fields
+    text (a chat's messages ``(role, content)`` pairs of text); a `ValueError` naming the first item that is not
+    (a source of one's own returning dicts or a generator failed with "'dict' object has no attribute 'prompt'")."""
+    wanted = "a list of Example, ChatExample, PreferenceExample or ChatPreferenceExample (lightning_multilora.data)"
+    if not isinstance(examples, list):
+        raise ValueError(f"{shown}: `examples()` must return {wanted}, got a {type(examples).__name__}")
+    pairs = None
+    for i, example in enumerate(examples):
+        fields = _KINDS.get(type(example))
+        if fields is None:
+            raise ValueError(f"{shown}: `examples()` must return {wanted}; item {i} is a {type(example).__name__}: "
+                             f"{example!r:.120}")
+        chat = type(example) in (ChatExample, ChatPreferenceExample)
+        for field in fields:
+            value = getattr(example, field)
+            ok = (isinstance(value, (tuple, list)) and all(
+                isinstance(m, (tuple, list)) and len(m) == 2 and all(isinstance(t, str) for t in m) for m in value)
+                  if chat else isinstance(value, str))
+            if not ok:
+                need = "a sequence of (role, content) pairs of text" if chat else "text"
+                raise ValueError(f"{shown}: item {i} of `examples()` ({type(example).__name__}): `{field}` must be "
+                                 f"{need}, got {value!r:.120}")
+        kind = isinstance(example, (PreferenceExample, ChatPreferenceExample))
+        if pairs is not None and kind != pairs:
+            raise ValueError(f"{shown}: `examples()` mixes preference pairs and prompt-completion examples (item "
+                             f"{i}: {type(example).__name__}, item 0: {type(examples[0]).__name__}): a source holds "
+                             "one kind")
+        pairs = kind
+    return examples
+
+
 def _checked_path(where: str, path: Any, optional: bool = False) -> Optional[str]:
     """``path`` as text (a PathLike's), a `ValueError` naming ``where`` for anything but a non-empty one."""
     path = os.fspath(path) if isinstance(path, os.PathLike) else path
@@ -204,11 +241,17 @@ def _json_line(line: str, where: str) -> dict:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
+        whole = _WHOLE_JSON if line.strip() in ("[", "{") else ""
         raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be one JSON "
-                         "object") from None
+                         f"object{whole}") from None
     if not isinstance(record, dict):
-        raise ValueError(f"{where}: each line must be one JSON object, got a {type(record).__name__}")
+        whole = _WHOLE_JSON if isinstance(record, list) else ""
+        raise ValueError(f"{where}: each line must be one JSON object, got a {type(record).__name__}{whole}")
     return record
+
+
+# (a file of one JSON array, or of pretty-printed JSON, given to JSONLSource)
+_WHOLE_JSON = " (a JSON array or a pretty-printed JSON file is read by `HFDatasetSource(path)`)"
 
 
 def _finite(value: numbers.Number) -> bool:
@@ -465,7 +508,10 @@ class HFDatasetSource(DataSource):
                 raise ValueError(f"HFDatasetSource: `split` {self.split!r} is not in the data file {self.path!r}: a "
                                  "data file is one split, read whole with `split` 'train' (for another split, give "
                                  "its own file)")
-            return load_dataset(_data_file_builder(self.path), split=self.split, data_files=self.path)
+            try:
+                return load_dataset(_data_file_builder(self.path), split=self.split, data_files=self.path)
+            except StopIteration:  # (datasets' JSON builder on a file of no records: "StopIteration: ", nothing more)
+                raise ValueError(f"HFDatasetSource: the data file {self.path!r} holds no records") from None
         if isinstance(self.path, str) and not _saved_to_disk(self.path):
             return load_dataset(self.path, self.name, split=self.split, data_files=self.data_files)
         if isinstance(self.path, str):

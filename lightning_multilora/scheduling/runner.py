@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_multilora.arguments import check_bool, check_int, check_real
-from lightning_multilora.scheduling.executors import Completion
+from lightning_multilora.scheduling.executors import Completion, _stop_signals_deferred
 from lightning_multilora.scheduling.records import (changed_warning, definition_changes, ids_text, read_records,
                                                     record_entry, write_records)
 from lightning_multilora.scheduling.task_scheduler import Placement, Schedule, Task, TaskScheduler
@@ -264,9 +264,11 @@ class ScheduleRunner:
             polled = self.poll() if self.poll is not None else []
             for task in polled:
                 self.submit(task, added=True)
+            if polled:  # (recorded at once, "stopped" until it starts: its inbox file is marked done, and a schedule
+                self.save_records()  # killed outright while it waited for a GPU lost it, a resume running it never)
             self._say_skipped()
-            if not (self.arrivals or self.pending or self.running):
-                return self.records
+            if not (self.arrivals or self.pending or self.running or getattr(self.poll, "waiting", bool)()):
+                return self.records  # (a poll that waits for a file being written: read before the schedule ends)
             while self.arrivals and self.arrivals[0][0] <= self.now + 1e-9:
                 _, _, task = heapq.heappop(self.arrivals)
                 self.pending[task.id] = task
@@ -276,6 +278,7 @@ class ScheduleRunner:
                     next_start = self._replan_and_start(solve=changed)
                 except ValueError as err:  # new tasks no plan can hold (too long): refused, the others go on
                     next_start = self._refuse_until_planned(polled, err)
+                    self.save_records()
                 changed = False
             if self._failed_starts:  # retried (replanned) or failed at once, as an executor's own failed starts
                 failed, self._failed_starts = self._failed_starts, []
@@ -338,13 +341,15 @@ class ScheduleRunner:
         self.running.clear()
         self._failed_starts.clear()
         self.save_records()
-        stopped = self.executor.stop() if hasattr(self.executor, "stop") else None
-        for done in stopped or ():
-            record = self.records.get(done.task_id)
-            if done.task_id in stopping and record is not None:
-                record.exit_code, record.log = getattr(done, "exit_code", None), getattr(done, "log", None)
-        if stopped:
-            self.save_records()
+        with _stop_signals_deferred():  # (a second Ctrl-C meanwhile waits for the stop, then is raised: it cut the
+            # stop short, and the exit statuses and logs that the caller's stop found again were not recorded)
+            stopped = self.executor.stop() if hasattr(self.executor, "stop") else None
+            for done in stopped or ():
+                record = self.records.get(done.task_id)
+                if done.task_id in stopping and record is not None:
+                    record.exit_code, record.log = getattr(done, "exit_code", None), getattr(done, "log", None)
+            if stopped:
+                self.save_records()
 
     def _complete_ended(self) -> None:
         """Completes, as they ended, the attempts that ended before a stop: those whose start failed, and those whose

@@ -25,7 +25,8 @@ hands each task to a Ray cluster (``auto``: the local one; placement groups with
 each task runs as a subprocess on its GPUs (GPU ``i`` is the ``i``-th of ``CUDA_VISIBLE_DEVICES`` where that is
 set; ``gpus`` above what it, or the machine, has is refused, before any chart is drawn). ``--inbox DIR``: task files
 (``*.yaml`` or ``*.yml``, a ``tasks:`` list) dropped into ``DIR`` while the schedule runs are submitted and replanned
-(then renamed ``<name>.done``; other files are said once and left alone).
+(then renamed ``<name>.done``; other files are said once and left alone); write a file elsewhere and move it in, or
+it is read once it has not changed for a second (`INBOX_SETTLE_S`).
 
 A run keeps its task records in ``<log_dir>/records.json`` (each task's state, attempts, starts and end, exit status and
 log; `lightning_multilora.scheduling.records`), rewritten after every completion and when it stops: on Ctrl-C, SIGTERM
@@ -56,6 +57,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -72,6 +74,7 @@ from lightning_multilora.scheduling.task_scheduler import (Schedule, Task, TaskS
 
 TASK_FIELDS = ("id", "duration", "gpus", "command", "torchrun")
 INBOX_SUFFIXES = (".yaml", ".yml")  # an inbox's task files (any case); ``.done`` and ``.rejected`` ones stay put
+INBOX_SETTLE_S = 1.0  # an inbox file written this recently is read at a later poll (one being written: half of it)
 FILE_FIELDS = ("gpus", "time_limit_s", "resolution_s", "deterministic", "max_retries", "log_dir", "tasks")
 # the most GPUs a Gantt chart has rows for (a row each: 100000 took minutes, a figure 45000 inches tall)
 MAX_CHART_GPUS = 256
@@ -106,7 +109,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     in with ``<<:`` may be given again, as YAML allows); an ``id`` written as a plain scalar keeps its text (``007``,
     ``1.10``, ``12:30``, ``off``, ``2024-01-01``: YAML's numbers 7, 1.1 and 750, False and a date), and so does every
     scalar of a ``command`` list: ``[train.py, --lr, 1.10, --steps, 1_000, --flag, false]`` reaches the process as
-    written (YAML's 1.1, 1000 and False turned back into text were other arguments, or refused)."""
+    written (YAML's 1.1, 1000 and False turned back into text were other arguments, or refused). A ``duration``
+    written ``1:30`` (YAML's base-60 number 90) is refused: durations are seconds."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
@@ -127,6 +131,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         if (given and isinstance(given[-1], yaml.ScalarNode) and given[-1].style is None
                 and not isinstance(value, str) and value is not None):
             mapping["id"] = given[-1].value  # (a number, boolean or date as written: its text names the task's logs)
+        durations = [v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == "duration"]
+        if (durations and isinstance(durations[-1], yaml.ScalarNode) and durations[-1].style is None
+                and ":" in durations[-1].value and isinstance(mapping.get("duration"), (int, float))):
+            written = durations[-1].value  # (YAML's base 60: 1:30 is 90, a plan of seconds for an hour and a half)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"`duration: {written}` is YAML's base-60 number {mapping['duration']:g}, not hours and "
+                "minutes: give the duration in seconds", durations[-1].start_mark)
         commands = [v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == "command"]
         if commands and isinstance(commands[-1], yaml.SequenceNode):  # (a nested list or mapping: Task names it)
             mapping["command"] = [item.value if isinstance(item, yaml.ScalarNode)
@@ -232,17 +243,21 @@ def gantt(placements: Mapping[str, Any], num_gpus: int, path: str | Path, title:
 
 
 def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_command: bool = False,
-                 node_gpus: Optional[int] = None):
+                 node_gpus: Optional[int] = None, settle_s: float = 0.0):
     """Tasks from task files dropped into ``inbox`` (each read once, then renamed ``.done``); a bad file is
     renamed ``.rejected`` and reported, and the schedule goes on. ``known()`` gives the task ids already in
     the schedule (a new task may not reuse one); ``node_gpus``, the most GPUs one task may take (a Ray cluster's
-    largest node). Write files elsewhere and move them in (a rename is atomic). A file of another name is said once
-    (a ``.yml`` was ignored, silently) and left alone; hidden ones (an editor's) are not said."""
+    largest node). Write files elsewhere and move them in (a rename is atomic); a file changed in the last
+    ``settle_s`` seconds is left for a later poll (one written in two pieces was read half-written and rejected for
+    good, or, cut between two tasks, ran the first alone). A file of another name is said once (a ``.yml`` was
+    ignored, silently) and left alone; hidden ones (an editor's) are not said."""
     inbox.mkdir(parents=True, exist_ok=True)
     said: set[str] = set()
+    unsettled: set[str] = set()  # (files left for a later poll: the schedule waits for them, `ScheduleRunner`)
 
     def poll() -> list[Task]:
         tasks: list[Task] = []
+        unsettled.clear()
         try:
             entries = sorted(inbox.iterdir())
         except OSError as err:  # (moved or removed mid-run: the runner and its running tasks go on)
@@ -258,6 +273,12 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
                     print(f"skipped {path}: an inbox's task files end in {' or '.join(INBOX_SUFFIXES)}", flush=True)
                 continue
             try:
+                if settle_s and time.time() - path.stat().st_mtime < settle_s:
+                    unsettled.add(path.name)
+                    continue  # (being written, perhaps: read at a later poll)
+            except OSError:  # (moved away meanwhile)
+                continue
+            try:
                 data = read_yaml(path.read_text(encoding="utf-8")) or {}
                 unknown = sorted(set(data) - {"tasks"}) if isinstance(data, Mapping) else []
                 if unknown:  # (the machine's settings are the running schedule's)
@@ -268,7 +289,8 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
                 if taken:
                     raise ValueError(f"task ids {taken} are already in the schedule")
                 if need_command and any(t.command is None for t in new):
-                    raise ValueError("every task needs a `command` to run")
+                    raise ValueError(f"every task needs a `command` to run; tasks "
+                                     f"{[t.id for t in new if t.command is None]} have none")
                 wide = [t.id for t in new if node_gpus is not None and t.gpus > node_gpus]
                 if wide:
                     raise ValueError(f"tasks {wide} take more GPUs than the largest node has ({node_gpus})")
@@ -280,6 +302,7 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
                 tasks += new
         return tasks
 
+    poll.waiting = lambda: bool(unsettled)  # type: ignore[attr-defined]
     return poll
 
 
@@ -325,7 +348,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--plan-only", action="store_true", help="print the plan and the Gantt chart, run nothing")
     parser.add_argument("--simulate", action="store_true", help="run on a virtual clock (durations as given)")
     parser.add_argument("--ray", default=None, metavar="ADDRESS", help="run the tasks on this Ray cluster ('auto')")
-    parser.add_argument("--inbox", type=Path, default=None, help="folder watched for new task files while running")
+    parser.add_argument("--inbox", type=Path, default=None,
+                        help="folder watched for new task files while running (write one elsewhere and move it in, "
+                             f"or it is read once unchanged for {INBOX_SETTLE_S:g} s)")
     parser.add_argument("--gantt", type=Path, default=None,
                         help="Gantt chart image of the plan (default <log_dir>/plan.png, numbered on where taken)")
     parser.add_argument("--resume", action="store_true",
@@ -347,7 +372,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (OSError, ValueError, yaml.YAMLError) as err:
         parser.error(str(err))
     if not (args.plan_only or args.simulate) and any(t.command is None for t in tasks):
-        parser.error("every task needs a `command` to run (or use --simulate / --plan-only)")
+        parser.error(f"{args.task_file}: every task needs a `command` to run (or use --simulate / --plan-only); tasks "
+                     f"{[t.id for t in tasks if t.command is None]} have none")
     # a schedule that runs tasks holds its log_dir, from before it reads or moves the records to its end (the kernel
     # lets it go when the process ends, however): two over one log_dir, or a --resume of one still running, ran the
     # tasks twice and wrote over each other's records (a plan or a simulation writes none, and takes none)
@@ -430,6 +456,11 @@ def _schedule(args: argparse.Namespace, parser: argparse.ArgumentParser, setting
         print(f"warning: `resolution_s` is {res:g} s: the plan rounds the durations of {len(stretched)} of the "
               f"{len(to_run)} tasks up by more than half ({stretched[0].id!r}: {stretched[0].duration:g} s), so its "
               "makespan may be far longer than the tasks need; lower `resolution_s`", file=sys.stderr, flush=True)
+    if not (args.plan_only or args.simulate or args.ray is not None):  # (before the plan: a search of minutes and
+        available = _gpus_here(visible_gpus(os.environ))  # its table came first)
+        if available is not None and settings["gpus"] > available[0]:
+            parser.error(f"{args.task_file}: `gpus` is {settings['gpus']}, but {available[1]} gives {available[0]}; "
+                         "lower `gpus`, or use --plan-only / --simulate")
     try:
         plan: Schedule = scheduler.plan(to_run)
     except ValueError as err:
@@ -438,11 +469,6 @@ def _schedule(args: argparse.Namespace, parser: argparse.ArgumentParser, setting
         print("interrupted while planning: no task ran", file=sys.stderr, flush=True)
         return 130
     print(plan.table())
-    if not (args.plan_only or args.simulate or args.ray is not None):
-        available = _gpus_here(visible_gpus(os.environ))
-        if available is not None and settings["gpus"] > available[0]:
-            parser.error(f"{args.task_file}: `gpus` is {settings['gpus']}, but {available[1]} gives {available[0]}; "
-                         "lower `gpus`, or use --plan-only / --simulate")
     plan_path, run_path = chart_paths(Path(settings["log_dir"]))
     if settings["gpus"] > MAX_CHART_GPUS:  # (a row a GPU: 100000 of them took minutes)
         print(f"no Gantt chart: {settings['gpus']} GPUs, more rows than a chart has ({MAX_CHART_GPUS} at most)")
@@ -470,7 +496,8 @@ def _schedule(args: argparse.Namespace, parser: argparse.ArgumentParser, setting
                             resume=args.resume and not args.simulate and records_file.exists())
     if args.inbox is not None:
         runner.poll = inbox_poller(args.inbox, settings["gpus"], known=lambda: runner.known_ids(),
-                                   need_command=not args.simulate, node_gpus=node_gpus)
+                                   need_command=not args.simulate, node_gpus=node_gpus,
+                                   settle_s=0.0 if args.simulate else INBOX_SETTLE_S)
     recorded = {t.id for t in added} if args.resume else set()
     for task in tasks if not args.simulate else to_run:  # (resumed, the runner skips the finished ones, said)
         runner.submit(task, added=task.id in recorded)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 
@@ -83,6 +84,22 @@ def test_trial_handles_are_opened_only_to_report_new_validations(tmp_path, train
     assert validations >= 6 and all(t.intermediate_values for t in sweep.study.get_trials())
     # one handle per ask (Optuna's own) and at most one per reported validation; none on the other steps (18)
     assert len(opened) <= 2 + validations
+
+
+def test_an_enqueued_value_the_search_space_does_not_hold_is_said_unused(tmp_path):
+    """A "known good baseline" enqueued with a field nobody searches (`dropout`) trained without it, unsaid."""
+    study = optuna.create_study(storage=f"sqlite:///{tmp_path / 's.db'}", study_name="q")
+    study.enqueue_trial({"lr": 5e-3, "rank": 4, "dropout": 0.1})
+    sweep = OptunaSweep(SPACE, n_trials=2, study=study)
+    sweep._ensure_study(None)
+    with pytest.warns(UserWarning, match=r"trial 0 was enqueued with \['dropout'\], which the search space \(\['lr', "
+                                         r"'rank'\]\) does not hold: not used .*give a field fixed for every trial in "
+                                         r"`base`"):
+        trial = sweep._ask_trial(study)
+    assert trial.params == {"lr": 5e-3, "rank": 4}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a trial not enqueued: nothing said)
+        sweep._ask_trial(study)
 
 
 def test_enqueued_trials_go_first_and_warmup_pruning_is_told_pruned(tmp_path, trainer_kwargs):
@@ -1098,6 +1115,27 @@ def test_grid_sweeps_of_other_seeds_sharing_a_study_ask_each_point_once(tmp_path
     assert len(set(points)) == 6 and sweep._grid_exhausted(sweep.study)
 
 
+def test_a_grid_point_another_process_asked_meanwhile_is_not_trained_twice(tmp_path, trainer_kwargs, monkeypatch):
+    """Two processes on one grid study: one saw a point free (`_grid_exhausted`), the other asked it meanwhile, and
+    Optuna's sampler gave the first a point already running: trained twice, the study holding more trials than the
+    grid has points. The trial so asked is told FAIL, why said, and the sweep ends as an exhausted grid's."""
+    grid = {"lr": {"type": "categorical", "choices": [1e-3, 3e-3, 1e-2]}}
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    other = OptunaSweep(grid, sampler="grid", storage=storage)
+    other._ensure_study(None)
+    for _ in range(2):  # (the other process's trials, running)
+        other._ask_trial(other.study)
+    sweep = OptunaSweep(grid, sampler="grid", storage=storage, n_trials=3, slots=3,
+                        base={"max_steps": 2, "batch_size": 2})
+    monkeypatch.setattr(sweep, "_grid_exhausted", lambda study: False)  # (each check before the other's ask)
+    _, module = fit(tmp_path, trainer_kwargs, sweep)
+    trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert [t.state.name for t in trials] == ["RUNNING", "RUNNING", "COMPLETE", "FAIL"]
+    assert re.fullmatch(r"its grid point is trial [01]'s, asked meanwhile by another process",
+                        trials[3].user_attrs["fail_reason"])
+    assert [r.name for r in module.registry] == ["trial-2"] and sweep.exhausted
+
+
 @pytest.mark.parametrize("given", ["storage", "study"])
 def test_a_sweep_over_a_storage_object_resumes_from_its_checkpoint(tmp_path, trainer_kwargs, given):
     """A storage object (Optuna's JournalStorage, its file storage for several processes) went into the checkpoint's
@@ -1153,9 +1191,12 @@ def test_a_fit_stopped_by_ctrl_c_tells_the_exits_and_fails_the_trials_no_checkpo
                                                                                             resumed):
     """After Ctrl+C the trials still training stayed RUNNING without the word a ``max_steps`` stop gives; and where no
     checkpoint could resume them they stayed RUNNING for ever (without a heartbeat nothing fails them): they are told
-    FAIL, why in ``fail_reason``, as Optuna's ``optimize`` tells a trial interrupted. A run resumed from a
+    FAIL, why in ``fail_reason``, as Optuna's ``optimize`` tells a trial interrupted, once the module is dropped (or
+    the process ends: a fit of it again goes on with them, `test_a_fit_again_after_ctrl_c_...`). A run resumed from a
     checkpoint and stopped before it saved one is resumed from that checkpoint again: its trials stay RUNNING, and
     the warning names it (it said that no checkpoint could resume them)."""
+    import gc
+
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
     class CtrlC(Callback):
@@ -1176,17 +1217,63 @@ def test_a_fit_stopped_by_ctrl_c_tells_the_exits_and_fails_the_trials_no_checkpo
     said = (r"trials \[1\] stay RUNNING in study 'multilora': the fit stopped by KeyboardInterrupt before their "
             r"adapters finished .*Resume from the last checkpoint \(.*step=2.ckpt; .*with `heartbeat_interval`, a later"
             if resumed else
-            r"trials \[1\] told FAIL in study 'multilora': the fit stopped by KeyboardInterrupt before their adapters "
-            r"finished .*and no checkpoint of this run was saved, so none can resume them")
+            r"trials \[1\] stay RUNNING in study 'multilora': the fit stopped by KeyboardInterrupt before their "
+            r"adapters finished .*and no checkpoint of this run was saved: fitting this module again goes on with them "
+            r"\(and tells them\); else they are told FAIL as the module is dropped or this process ends")
     with pytest.warns(UserWarning, match=said), pytest.raises(SystemExit):
         fit(tmp_path, trainer_kwargs, sweep(), callbacks=[CtrlC()], ckpt=ckpt)
-    trials = optuna.load_study(study_name="multilora", storage=f"sqlite:///{tmp_path / 'study.db'}").get_trials()
+    study = optuna.load_study(study_name="multilora", storage=f"sqlite:///{tmp_path / 'study.db'}")
+    assert [t.state.name for t in study.get_trials()] == ["COMPLETE", "RUNNING"]  # (the module may be fitted again)
+    gc.collect()  # (the module dropped)
+    trials = study.get_trials()
     assert [t.state.name for t in trials] == ["COMPLETE", "RUNNING" if resumed else "FAIL"]
     assert trials[1].user_attrs.get("fail_reason") == (None if resumed else (
         "the fit stopped by KeyboardInterrupt at step 1 of its adapter, and no checkpoint of the run can resume it"))
     if not resumed:  # (its adapter exported as the fit stopped: the study leads to it, as to any trial's)
         exit_info = trials[1].user_attrs["adapter_exit"]
         assert exit_info["step"] == 1 and (Path(exit_info["export_path"]) / "adapter_model.safetensors").is_file()
+
+
+def test_a_fit_again_after_ctrl_c_without_a_checkpoint_goes_on_with_its_trials_and_tells_them(tmp_path,
+                                                                                              trainer_kwargs):
+    """Its trials were told FAIL at the Ctrl+C, and a fit of the module again (a notebook's) trained them to the end:
+    the study kept them failed, and they no longer counted against `slots` (three adapters trained at once with two
+    slots). They stay RUNNING until the module is dropped; the fit again takes them up and tells them."""
+    import gc
+
+    from lightning.pytorch.callbacks import Callback
+
+    class CtrlC(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 2:
+                raise KeyboardInterrupt
+
+    class Running(Callback):
+        def __init__(self):
+            self.most = 0
+
+        def on_train_batch_start(self, trainer, pl_module, *args):
+            self.most = max(self.most, len(pl_module.registry.running))
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+
+    def sweep():
+        return OptunaSweep(SPACE, n_trials=3, base={"max_steps": 4, "batch_size": 2}, slots=2, storage=storage)
+
+    module = MultiLoRAModule("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"))
+    with pytest.warns(UserWarning, match=r"trials \[0, 1\] stay RUNNING"), pytest.raises(SystemExit):
+        L.Trainer(**trainer_kwargs, callbacks=[sweep(), CtrlC()]).fit(module, dm())
+    running = Running()
+    L.Trainer(**trainer_kwargs, callbacks=[sweep(), running]).fit(module, dm())
+    gc.collect()
+    trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 3 and running.most == 2
+    for t in trials:
+        assert t.value == pytest.approx(module.registry[f"trial-{t.number}"].last_val_loss)
+    del module
+    gc.collect()  # (taken up: nothing is told FAIL as the module goes)
+    assert [t.state.name for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()] == \
+        ["COMPLETE"] * 3
 
 
 def test_trials_a_checkpoint_saved_on_the_exception_resumes_stay_running(tmp_path, trainer_kwargs):

@@ -160,7 +160,11 @@ def test_bad_lines_settings_and_tokenizers_are_named(tmp_path):
     with pytest.raises(ValueError, match=rf"{path}:3: not valid JSON .* each line must be one JSON object"):
         JSONLSource(str(path)).examples()
     path.write_text('["a", "b"]\n')
-    with pytest.raises(ValueError, match=rf"{path}:1: each line must be one JSON object, got a list"):
+    with pytest.raises(ValueError, match=rf"{path}:1: each line must be one JSON object, got a list \(a JSON array "
+                                         r"or a pretty-printed JSON file is read by `HFDatasetSource\(path\)`\)"):
+        JSONLSource(str(path)).examples()
+    path.write_text('[\n  {"prompt": "a", "completion": "b"}\n]\n')  # (an Alpaca-style file)
+    with pytest.raises(ValueError, match=rf"{path}:1: not valid JSON .* is read by `HFDatasetSource\(path\)`"):
         JSONLSource(str(path)).examples()
     pairs = tmp_path / "p.jsonl"
     pairs.write_text('{"chosen": "H\\n\\nAssistant: a", "rejected": "H\\n\\nAssistant: b"}\nnot json\n')
@@ -1005,6 +1009,9 @@ def test_hf_source_reads_a_dataset_object_and_a_data_file_path(tmp_path):
     with pytest.raises(ValueError, match=r"`split` 'test' is not in the data file '.*d.jsonl': a data file is one "
                                          r"split, read whole with `split` 'train'"):  # (datasets' bare "Unknown split")
         HFDatasetSource(str(tmp_path / "d.jsonl"), split="test").examples()
+    (tmp_path / "empty.jsonl").write_text("")  # (datasets' JSON builder: a bare "StopIteration: ")
+    with pytest.raises(ValueError, match=r"HFDatasetSource: the data file '.*empty.jsonl' holds no records"):
+        HFDatasetSource(str(tmp_path / "empty.jsonl")).examples()
 
 
 def test_a_preference_pairs_prompt_cut_to_fit_is_warned():
@@ -1162,3 +1169,54 @@ def test_preference_records_read_twice_and_bad_records_or_paths_are_named(tmp_pa
     assert HFDatasetSource(str(tmp_path / "data" / "train.jsonl.gz")).missing() == (
         f"HFDatasetSource: no file at `path` {str(tmp_path / 'data' / 'train.jsonl.gz')!r}")
     assert HFDatasetSource("openai/gsm8k").missing() is None
+
+
+def test_a_sources_examples_of_another_kind_are_named():
+    """A source of one's own whose ``examples()`` returned dicts, a generator or a number as a completion failed
+    deep inside ("'dict' object has no attribute 'prompt'", "object of type 'generator' has no len()")."""
+    from lightning_multilora.data import DataSource, Example, PreferenceExample
+
+    class Own(DataSource):
+        def __init__(self, made):
+            self.made = made
+
+        def examples(self):
+            return self.made()
+
+    cases = [
+        (lambda: [{"prompt": "a", "completion": "b"}] * 4, r"`examples\(\)` must return a list of Example, "
+         r"ChatExample, PreferenceExample or ChatPreferenceExample .*; item 0 is a dict"),
+        (lambda: (Example("a", "b") for _ in range(4)), r"`examples\(\)` must return a list .*, got a generator"),
+        (lambda: [Example("a", "b")] * 3 + [Example("a", 5)], r"item 3 of `examples\(\)` \(Example\): `completion` "
+         r"must be text, got 5"),
+        (lambda: [Example("a", "b"), PreferenceExample("a", "b", "c")] * 2, r"`examples\(\)` mixes preference pairs "
+         r"and prompt-completion examples \(item 1: PreferenceExample, item 0: Example\): a source holds one kind"),
+    ]
+    for made, message in cases:
+        dm = MultiLoRADataModule(sources={"own": Own(made)})
+        with pytest.raises(ValueError, match=r"data source 'own' \(Own\): " + message):
+            dm.split("own")
+
+
+def test_a_prompt_whose_last_text_the_tokenizer_merges_into_the_completion_is_warned(tmp_path):
+    """A tokenizer with no word boundaries merges the prompt's last letters with the completion's first: the row's
+    tokens are the joint text's (as TRL trains on), so that text is learned as the completion's; it was not said."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import models
+
+    vocab = {"<unk>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate("abcdefghijklmnopqrstuvwxyz :?")}}
+    vocab["ab"] = len(vocab)
+    inner = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")], unk_token="<unk>"))
+    transformers.PreTrainedTokenizerFast(tokenizer_object=inner, eos_token="</s>",
+                                         unk_token="<unk>").save_pretrained(tmp_path)
+    dm = MultiLoRADataModule(sources={"s": ListSource([{"prompt": "q: ca", "completion": "bc"}] * 3
+                                                      + [{"prompt": "q: c", "completion": "bc"}])},
+                             tokenizer=str(tmp_path))
+    with pytest.warns(UserWarning, match=r"data source 's': in 3 of 4 examples the tokenizer merges the prompt's last "
+                                         r"text with the completion's first \(example \d \(records\[\d\]\): 'a', .*\): "
+                                         r"that text is learned as part of the completion"):
+        train, val = dm.split("s")
+    rows = [(ids, labels) for ids, labels in zip(train.input_ids + val.input_ids, train.labels + val.labels)]
+    ab = vocab["ab"]
+    assert sum(labels[ids.index(ab)] == ab for ids, labels in rows if ab in ids) == 3  # (learned, as warned)

@@ -312,6 +312,38 @@ def test_a_run_that_raises_stops_the_running_tasks_and_records_them_stopped(tmp_
     assert read_records_file(path)["long"]["state"] == "stopped"
 
 
+def test_a_second_ctrl_c_while_the_tasks_stop_keeps_their_exit_statuses_and_logs(tmp_path):
+    """A second Ctrl-C cut the executor's stop short: the exit statuses and logs of the tasks it stopped (found by
+    the caller's stop again) were never recorded. The stop finishes first; the interrupt is raised after it."""
+    import os
+    import signal
+    import time
+
+    from lightning_multilora.scheduling.executors import Completion
+
+    class CtrlCTwice(SimulatedExecutor):
+        def wait(self, deadline):
+            if self.started and not getattr(self, "interrupted", False):  # (the first Ctrl-C, the task running)
+                self.interrupted = True
+                raise KeyboardInterrupt
+            return super().wait(deadline)
+
+        def stop(self):
+            os.kill(os.getpid(), signal.SIGINT)  # (the second, as the tasks stop)
+            time.sleep(0.2)
+            return [Completion(self.now(), "long", False, "stopped", -15, "logs/long.1.log")]
+
+    path = tmp_path / "records.json"
+    runner = ScheduleRunner(TaskScheduler(1), CtrlCTwice(), poll=lambda: [], poll_s=1.0, records=path)
+    runner.submit(Task("long", 10, 1))
+    with pytest.raises(KeyboardInterrupt):
+        runner.run()
+    record = runner.records["long"]
+    assert (record.state, record.exit_code, record.log) == ("stopped", -15, "logs/long.1.log")
+    saved = read_records_file(path)["long"]
+    assert (saved["exit_code"], saved["log"]) == (-15, "logs/long.1.log")
+
+
 def test_a_schedule_that_dies_unrecorded_leaves_its_running_and_retried_tasks_for_a_resume(tmp_path):
     """The file held the ended tasks alone: after a ``kill -9`` (the OOM killer) in a task's second attempt, a resume
     told it attempt 1 again (a script taking attempt 1 for "start afresh" wiped its progress), its retries anew."""

@@ -108,6 +108,9 @@ def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
     ("gpus: 2\ntime_limit_s: 1e-9\ntasks: [{id: a, duration: 5}]", "got '1e-9' \\(text: YAML reads an exponent as a "
      "number only with a dot and a signed exponent; write 1.0e-09\\)"),
     ("gpus: 2\ntasks: [{id: a, duration: 3e2}]", "got '3e2' \\(text: YAML reads an exponent .*; write 300.0\\)"),
+    # (YAML's base 60: a plan of 90 s for an hour and a half)
+    ("gpus: 2\ntasks: [{id: a, duration: 1:30}]", "`duration: 1:30` is YAML's base-60 number 90, not hours and "
+     "minutes: give the duration in seconds"),
     ("gpus: 2\nmax_retries: -1\ntasks: [{id: a, duration: 5}]", "`max_retries` must be an integer >= 0"),
     ("gpus: 2\ndeterministic: yes please\ntasks: [{id: a, duration: 5}]", "`deterministic` must be true or false, "
      "got 'yes please'"),
@@ -127,11 +130,13 @@ def test_the_command_line_reports_bad_files_and_missing_commands(tmp_path, capsy
         main([str(write(tmp_path, "gpus: 1\ntasks: [{id: a, duration: -1}]"))])
     assert "`duration` must be a finite number > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main([str(write(tmp_path, f"gpus: 1\nlog_dir: {tmp_path}\ntasks: [{{id: a, duration: 1}}]"))])
-    assert "every task needs a `command`" in capsys.readouterr().err
+        main([str(write(tmp_path, f"gpus: 1\nlog_dir: {tmp_path}\ntasks: [{{id: a, duration: 1, command: [echo]}}, "
+                                  "{id: b, duration: 1}]"))])
+    assert "every task needs a `command` to run (or use --simulate / --plan-only); tasks ['b'] have none" in \
+        capsys.readouterr().err
 
 
-def test_bad_inbox_files_are_rejected_and_the_schedule_goes_on(tmp_path):
+def test_bad_inbox_files_are_rejected_and_the_schedule_goes_on(tmp_path, capsys):
     from lightning_multilora.scheduling.task_file import inbox_poller
 
     inbox = tmp_path / "inbox"
@@ -147,6 +152,26 @@ def test_bad_inbox_files_are_rejected_and_the_schedule_goes_on(tmp_path):
     assert sorted(p.name for p in inbox.iterdir()) == ["a.yaml.done", "b.yaml.rejected", "c.yaml.rejected",
                                                        "d.yaml.rejected", "e.yaml.rejected", "f.yaml.done",
                                                        "g.yaml.rejected"]
+    assert "every task needs a `command` to run; tasks ['x'] have none" in capsys.readouterr().out
+
+
+def test_an_inbox_file_being_written_is_read_once_it_has_settled(tmp_path):
+    """A file written in two pieces was read half-written and rejected for good (or, cut between two tasks, ran the
+    first alone): a file changed within `settle_s` is left for a later poll."""
+    import os
+    import time
+
+    from lightning_multilora.scheduling.task_file import inbox_poller
+
+    inbox = tmp_path / "inbox"
+    poll = inbox_poller(inbox, 2, need_command=True, settle_s=30.0)
+    (inbox / "a.yaml").write_text("tasks: [{id: one, duration: 1, command: [echo]},")  # (the rest yet to come)
+    assert poll() == [] and sorted(p.name for p in inbox.iterdir()) == ["a.yaml"]
+    with open(inbox / "a.yaml", "a") as fh:
+        fh.write(" {id: two, duration: 1, command: [echo]}]\n")
+    past = time.time() - 60
+    os.utime(inbox / "a.yaml", (past, past))  # (unchanged since)
+    assert [t.id for t in poll()] == ["one", "two"] and (inbox / "a.yaml.done").exists()
 
 
 def test_ray_without_a_cluster_is_a_clear_error(tmp_path, capsys, monkeypatch):
@@ -168,8 +193,10 @@ def test_a_real_run_needs_as_many_gpus_as_the_file_names(tmp_path, capsys, monke
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
     with pytest.raises(SystemExit):
         main([str(path)])
+    said = capsys.readouterr()
     assert "`gpus` is 3, but CUDA_VISIBLE_DEVICES=4,6 gives 2; lower `gpus`, or use --plan-only / --simulate" in \
-        capsys.readouterr().err
+        said.err
+    assert "makespan" not in said.out  # (refused before the plan: its search and table came first)
     assert main([str(path), "--simulate"]) == 0  # a what-if needs no GPUs
 
 
@@ -387,6 +414,37 @@ def test_an_inbox_task_not_started_when_the_schedule_stops_is_recorded_for_the_r
         ("late", "stopped", True, ["true"])]  # (a, the file's, runs again from the file)
     assert entries[0]["detail"] == "stopped before it started (interrupted)" and entries[0]["attempts"] == 0
     assert runner.stopped_running == []  # (the interrupt's message named "late" among the tasks it stopped)
+
+
+def test_an_inbox_task_waiting_for_a_gpu_is_recorded_before_any_stop(tmp_path):
+    """Its inbox file was renamed done at once, and it was recorded only as a task started or ended or the schedule
+    stopped: a schedule killed outright (`kill -9`, the OOM killer) while it waited lost it for good."""
+    from lightning_multilora.scheduling.executors import SimulatedExecutor
+    from lightning_multilora.scheduling.runner import ScheduleRunner
+    from lightning_multilora.scheduling.task import Task
+    from lightning_multilora.scheduling.task_scheduler import TaskScheduler
+
+    class Killed(BaseException):
+        """The schedule's process dying, as far as the runner's records go (it neither stops nor writes them)."""
+
+    polls = iter([[], [Task("late", 5.0, command=["true"])]])  # (it comes as `a` runs on the one GPU)
+
+    def poll():
+        try:
+            return next(polls)
+        except StopIteration:  # (the next poll: the process is killed here, the late task still waiting)
+            entries = json.loads((tmp_path / "records.json").read_text())["tasks"]
+            raise Killed(entries)
+
+    runner = ScheduleRunner(TaskScheduler(1), SimulatedExecutor(), records=tmp_path / "records.json", poll_s=0.5)
+    runner.poll = poll
+    runner.submit(Task("a", 50.0, command=["true"]))
+    runner.stop = lambda why: None  # (killed outright: no stop runs)
+    with pytest.raises(Killed) as killed:
+        runner.run()
+    entries = {e["id"]: e for e in killed.value.args[0]}
+    assert entries["late"]["state"] == "stopped" and entries["late"]["added"] is True
+    assert entries["late"]["detail"].startswith("stopped before it started") and "late" not in runner.running
 
 
 def test_a_command_string_keeps_what_a_shell_passes_on_as_it_is(tmp_path):

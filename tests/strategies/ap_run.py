@@ -259,7 +259,11 @@ def run_mode(out: Path, mode: str) -> None:
 
         kwargs.update(callbacks=[TermAtStep2()])
     if mode == "smoke":
+        import tempfile
+
         kwargs.update(fast_dev_run=2)
+        (out / "tmp").mkdir(exist_ok=True)
+        tempfile.tempdir = str(out / "tmp")  # (the smoke run's temporary folder in the tests' own, not left in /tmp)
     if mode == "disagree":
         class AddLate(L.Callback):
             def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
