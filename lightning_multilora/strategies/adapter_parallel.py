@@ -169,6 +169,7 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         self.reshard_after_forward = reshard_after_forward
         self.shard_size = shard_size
         self.owner: dict[str, int] = {}
+        self._admitted_to: dict[str, int] = {}  # the rank `select_admitted` found room on, for `place` to give
         self.resized_from: Optional[int] = None  # the ranks that wrote the checkpoint resumed, where not this run's
         self._sigterm_pending = False  # (`_sigterm_notifier`: a SIGTERM this rank has had, not yet shared)
         self._signal_connector: Any = None
@@ -191,6 +192,15 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         if not (self._sigterm_pending or connector.received_sigterm) and self.launcher is not None:
             self.launcher.kill(signum)
         self._sigterm_pending = True
+
+    def _configure_launcher(self) -> None:
+        """Lightning's launcher, whose observer lets rank 0 export after another rank's process failed (it killed
+        rank 0 within 5 s: `strategies.launcher`)."""
+        from lightning_multilora.strategies.launcher import AdapterParallelLauncher
+
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = AdapterParallelLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         world = self.num_processes * self.num_nodes
@@ -361,12 +371,17 @@ class AdapterParallelStrategy(ModelParallelStrategy):
     # -- adapters -------------------------------------------------------------------------------
 
     def place(self, specs: Sequence[AdapterSpec]) -> None:
-        self.owner = assign_adapters(specs, self.world_size, self.owner)
+        self.owner = assign_adapters(specs, self.world_size, {**self.owner, **self._admitted_ranks(specs)})
+
+    def _admitted_ranks(self, specs: Sequence[AdapterSpec]) -> dict[str, int]:
+        """The ranks `select_admitted` chose for those of ``specs`` not placed yet."""
+        return {s.name: rank for s in specs if s.name not in self.owner
+                and (rank := self._admitted_to.get(s.name)) is not None and rank < self.world_size}
 
     def owners_if_started(self, specs: Sequence[AdapterSpec]) -> dict[str, int]:
         """Where ``specs`` would train if started in this order, one after the other, as the module starts
         them (`place` after each): the adapters already placed stay."""
-        owner = dict(self.owner)
+        owner = {**self.owner, **self._admitted_ranks(specs)}
         placed: list[AdapterSpec] = []
         for spec in specs:
             placed.append(spec)
@@ -376,10 +391,14 @@ class AdapterParallelStrategy(ModelParallelStrategy):
 
     def select_admitted(self, admission: Any, running: Sequence[AdapterSpec], candidates: Sequence[AdapterSpec],
                         freed: Optional[AdapterSpec] = None) -> list[AdapterSpec]:
-        """Admission per rank: ``admission``'s predictor and budget (one device's) judge each rank's own adapters,
-        where they would be placed. The order is the greedy controller's (largest batch first, the freed slot's
-        batch size before the others); a candidate is started only if its rank, and every other, still fits.
-        The same registry on every rank gives the same decision everywhere.
+        """Admission per rank: ``admission``'s predictor and budget (one device's) judge each rank's own adapters
+        (``running``: the resident ones, paused included, on the ranks that hold them). The order is the greedy
+        controller's (largest batch first, the freed slot's batch size before the others). A candidate goes to the
+        rank the placement balances it to (`assign_adapters`) where it fits there, else to the first other rank,
+        fewest rows first, where it fits (that rank, `place` gives it), else it waits: a candidate balanced to a
+        rank full by memory waited while another had room, and a rank over the budget (adapters a resume moved
+        there) held every rank's candidates back. The same registry on every rank gives the same decision
+        everywhere.
 
         Any controller is applied this way, greedily: a `CPSATAdmission`'s knapsack and priorities are not used
         under this strategy (its predictor is). The predictor is asked about one rank's adapters as if the whole
@@ -387,13 +406,26 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         side (give ``admission`` a predictor for one rank to pack more)."""
         from lightning_multilora.scheduling.admission import AdmissionController
 
-        def per_rank_peak(specs: Sequence[AdapterSpec]) -> float:
-            owner = self.owners_if_started(specs)
-            return max(admission.predict([s for s in specs if owner[s.name] == rank])
-                       for rank in range(self.world_size))
-
-        greedy = AdmissionController(per_rank_peak, admission.capacity_bytes, admission.safety_margin)
-        return greedy.select(running, candidates, freed)
+        fits = AdmissionController(admission.predict, admission.capacity_bytes, admission.safety_margin).fits
+        order = sorted(candidates, key=lambda s: -s.batch_size)  # (stable: queue order within a size)
+        if freed is not None:
+            order = ([s for s in order if s.batch_size == freed.batch_size]
+                     + [s for s in order if s.batch_size != freed.batch_size])
+        owner = assign_adapters(running, self.world_size, {**self.owner, **self._admitted_ranks(running)})
+        on: list[list[AdapterSpec]] = [[s for s in running if owner[s.name] == r] for r in range(self.world_size)]
+        chosen: list[AdapterSpec] = []
+        self._admitted_to = {}
+        for spec in order:
+            balanced = assign_adapters([*running, *chosen, spec], self.world_size, owner)[spec.name]
+            rows = [sum(s.rows_per_step for s in specs) for specs in on]
+            others = sorted((r for r in range(self.world_size) if r != balanced), key=lambda r: (rows[r], r))
+            rank = next((r for r in (balanced, *others) if fits([*on[r], spec])), None)
+            if rank is None:
+                continue
+            owner[spec.name] = self._admitted_to[spec.name] = rank
+            on[rank].append(spec)
+            chosen.append(spec)
+        return chosen
 
     def owns(self, name: str) -> bool:
         return self.owner.get(name) == self.global_rank

@@ -5,7 +5,7 @@
 MODE: parallel|single|stop|resume|resume_one|stop_single|resume_two|load_two|early_exit|early_exit_single|
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
 dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|
-remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke|sigterm. Several modes run one after
+remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke|sigterm|rank1_error. Several modes run one after
 the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
 of processes), each from the same seeds and with its own records, as if alone.
 
@@ -39,6 +39,8 @@ again from the step-2 checkpoint to the end. ``refit_on``: 2 steps, then the sam
 Trainer and strategy, no checkpoint) to the end. ``disagree``: an adapter added after step 2 that rank 1's
 datamodule refuses (its data "gone" there) and rank 0's accepts. ``smoke``: ``fast_dev_run=2`` with no export
 folder given (the smoke run's temporary folder holds the exports). ``sigterm``: SIGTERM to rank 0 after step 2.
+``rank1_error``: rank 1 raises after step 1, and rank 0's exports take 4 s each (the launcher's observer looks at
+the other ranks every 5 s).
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -258,6 +260,23 @@ def run_mode(out: Path, mode: str) -> None:
                         time.sleep(1.0)
 
         kwargs.update(callbacks=[TermAtStep2()])
+    if mode == "rank1_error":
+        import time
+
+        import lightning_multilora.module as made
+
+        class Rank1Fails(L.Callback):
+            def on_train_batch_end(self, trainer, *args):
+                if trainer.global_step == 1 and trainer.global_rank == 1:
+                    raise RuntimeError("rank 1 lost its GPU")
+
+        def slow(*args, save=made.save_peft_adapter, **kw):  # (rank 0's exports, as of a large adapter)
+            if dist.get_rank() == 0:
+                time.sleep(4.0)
+            return save(*args, **kw)
+
+        made.save_peft_adapter = slow
+        kwargs.update(callbacks=[Rank1Fails()])
     if mode == "smoke":
         import tempfile
 

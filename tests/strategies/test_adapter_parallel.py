@@ -66,6 +66,17 @@ def test_a_sigterm_stops_every_rank_after_the_same_step_and_each_exports_its_ada
     assert all((Path(path) / "adapter_model.safetensors").is_file() for path, _ in ranks[0]["exported"].values())
 
 
+def test_a_rank_that_fails_leaves_rank_0_the_time_to_export_its_adapters(tmp_path):
+    """Lightning's launcher killed the main process (rank 0) within 5 s of another rank's failing: its adapters, being
+    exported after the lost collective, were cut short (a folder of its stamp alone), and no summary came. The
+    observer now waits for rank 0 to end on its own (`launcher.CHILD_FAILURE_GRACE_S`)."""
+    result = launch(tmp_path, "rank1_error")
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])  # (not -9: killed)
+    assert "rank 1 lost its GPU" in result.stderr
+    for name in ("a0", "a1", "a2", "a3"):
+        assert (tmp_path / "rank1_error" / name / "adapter_model.safetensors").is_file(), name
+
+
 def test_the_strategy_is_registered_by_name():
     from lightning.pytorch.strategies import StrategyRegistry
 
@@ -529,6 +540,35 @@ def test_per_rank_admission_places_as_the_module_starts_adapters():
     assert strategy.owners_if_started(chosen) == {"b0": 0, "b1": 1, "b3": 0, "b4": 1}
     # one device's view of the same controller admits 3 rows in all
     assert [s.name for s in rows.select([], specs)] == ["b0", "b3"]
+
+
+def test_a_candidate_goes_to_a_rank_with_room_where_its_balanced_rank_has_none():
+    """Placement balanced rows alone: a candidate balanced to a rank full by memory waited while another rank had
+    room (for a trial's adapter, steps of a slot unused), and a rank over the budget (adapters a resume moved there)
+    held back every rank's candidates. It goes to the first rank with room, and the module places it there."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_multilora.scheduling import AdmissionController
+
+    env = LightningEnvironment()
+    env.set_world_size(2)  # no process group: only the placement arithmetic
+    strategy = AdapterParallelStrategy()
+    strategy.cluster_environment = env
+    by_rank = AdmissionController(lambda specs: float(sum(s.rank for s in specs)), 8.0, safety_margin=1.0)
+    y, x = AdapterSpec("y", rank=1, batch_size=2), AdapterSpec("x", rank=7, batch_size=1)
+    strategy.place([y, x])
+    assert strategy.owner == {"y": 0, "x": 1}
+    z = AdapterSpec("z", rank=2, batch_size=1)
+    assert assign_adapters([y, x, z], 2, strategy.owner)["z"] == 1  # (rows: beside x, whose rank has 1 GiB left)
+    assert strategy.select_admitted(by_rank, [y, x], [z]) == [z]
+    assert strategy.owners_if_started([y, x, z])["z"] == 0
+    strategy.place([y, x, z])
+    assert strategy.owner == {"y": 0, "x": 1, "z": 0}
+    # a rank over the budget holds back no other rank's candidate
+    strategy.owner, big = {"y": 0}, AdapterSpec("big", rank=9, batch_size=1)
+    strategy.place([y, big])
+    assert strategy.owner["big"] == 1 and strategy.select_admitted(by_rank, [y, big], [z]) == [z]
+    assert strategy.owners_if_started([y, big, z])["z"] == 0
 
 
 def load_runs(tmp_path: Path, mode: str) -> tuple[list[dict], dict]:
