@@ -296,7 +296,8 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         """This rank's file of a checkpoint folder written by `save_checkpoint`. Written by another number of
         ranks (or a single-process checkpoint file): every rank's file, merged (`merge_rank_checkpoints`), and
         the adapters of ranks this run does not have placed anew on the ranks it has (`place`, when the module
-        restores its registry); each adapter keeps its weights, optimizer state and progress. Every rank reads
+        restores its registry), all of them on more ranks than wrote it; each adapter keeps its weights, optimizer
+        state and progress. Every rank reads
         ``rank0.ckpt``'s size and step (the folder is on storage every rank sees)."""
         from lightning_multilora.strategies.rank_checkpoints import merge_rank_checkpoints
 
@@ -330,8 +331,11 @@ class AdapterParallelStrategy(ModelParallelStrategy):
                     raise ValueError(error)
                 checkpoint = merge_rank_checkpoints(parts, self.global_rank, self._state_mergers(),
                                                     self._attached_states())
-        # adapters owned by ranks this run does not have are placed again by the module
-        self.owner = {n: r for n, r in (checkpoint.get("adapter_owner") or {}).items() if r < self.world_size}
+        # adapters owned by ranks this run does not have are placed again by the module; resumed over more ranks than
+        # wrote it, every adapter is (its state is in every rank's merged checkpoint): the new ranks were left idle
+        grown = self.resized_from is not None and self.resized_from < self.world_size
+        self.owner = {} if grown else {n: r for n, r in (checkpoint.get("adapter_owner") or {}).items()
+                                       if r < self.world_size}
         return checkpoint
 
     def _raise_on_every_rank(self, error: Optional[str]) -> None:

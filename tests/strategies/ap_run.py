@@ -2,7 +2,7 @@
 
     python tests/strategies/ap_run.py OUT_DIR MODE [MODE ...]
 
-MODE: parallel|single|stop|resume|resume_one|stop_single|resume_two|load_two|early_exit|early_exit_single|
+MODE: parallel|single|stop|resume|resume_one|resume_three|stop_single|resume_two|load_two|early_exit|early_exit_single|
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
 dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|
 remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke|sigterm|rank1_error. Several modes run one after
@@ -10,8 +10,9 @@ the other in the same processes (one import, one process group: the modes of one
 of processes), each from the same seeds and with its own records, as if alone.
 
 ``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt_stop); ``resume`` finishes from that checkpoint,
-``resume_one`` too, on one process (the strategy's, over one rank). ``stop_single`` / ``resume_two``: the same from
-one process without the strategy (a checkpoint file, OUT_DIR/ckpt_stop_single) to 2 ranks;
+``resume_one`` too, on one process (the strategy's, over one rank), ``resume_three`` on three.
+``stop_single`` / ``resume_two``: the same from one process without the strategy (a checkpoint file,
+OUT_DIR/ckpt_stop_single) to 2 ranks;
 ``early_exit_stop_single`` / ``early_exit_resume_two`` likewise with the ``early_exit`` rule (`RESUMES`).
 ``load_two``: ``stop_single``'s checkpoint loaded (`load_from_checkpoint`), fitted on 2 ranks without it as
 ``ckpt_path`` (refused: its message recorded), then with it.
@@ -76,7 +77,8 @@ PAIRS = [{"prompt": f"Q{i}: is {i} even?", "chosen": " yes" if i % 2 == 0 else "
           "rejected": " no" if i % 2 == 0 else " yes"} for i in range(40)]
 CALLS: list[tuple[str, int, int]] = []  # (collective, largest tensor's numel, ranks in its group)
 STUDY_CALLS: list[list] = []
-RESUMES = {"resume": "stop", "resume_one": "stop", "resume_two": "stop_single", "load_two": "stop_single",
+RESUMES = {"resume": "stop", "resume_one": "stop", "resume_three": "stop", "resume_two": "stop_single",
+           "load_two": "stop_single",
            "early_exit_resume_two": "early_exit_stop_single", "warmup_resume": "warmup_stop"}  # a resuming mode: the mode whose checkpoint it reads
 SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
          "rank": {"type": "categorical", "choices": [2, 4]}}
@@ -312,7 +314,8 @@ def run_mode(out: Path, mode: str) -> None:
         shard_size = {"replicated": 1, "hybrid": 2}.get(mode)
         strategy = AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90),
                                            shard_size=shard_size)
-        trainer = L.Trainer(strategy=strategy, devices={"hybrid": 4, "resume_one": 1}.get(mode, 2), **kwargs)
+        trainer = L.Trainer(strategy=strategy, devices={"hybrid": 4, "resume_one": 1, "resume_three": 3}.get(mode, 2),
+                            **kwargs)
     else:
         trainer = L.Trainer(devices=1, **kwargs)
     if mode == "load_two":  # the checkpoint loaded first: a fit without it as `ckpt_path` is refused, one with it
@@ -384,7 +387,8 @@ def run_mode(out: Path, mode: str) -> None:
 
 def main() -> None:
     out, modes = Path(sys.argv[1]), sys.argv[2:]
-    processes = {"single" if m.endswith("single") else m if m in ("hybrid", "resume_one") else "two ranks" for m in modes}
+    own = ("hybrid", "resume_one", "resume_three")  # (processes of their own: another number of them)
+    processes = {"single" if m.endswith("single") else m if m in own else "two ranks" for m in modes}
     if len(processes) != 1:
         sys.exit(f"modes of one invocation run on the same processes; these need {sorted(processes)}: {modes}")
     if not all(m.endswith("single") for m in modes):

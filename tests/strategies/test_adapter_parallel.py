@@ -226,6 +226,23 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_as_if_never_stopped(runs):
             assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
 
 
+def test_a_checkpoint_of_two_ranks_resumed_on_three_gives_every_rank_adapters(runs):
+    """Resumed over more ranks than wrote it, the adapters kept their saved owners: the new rank trained nothing for
+    the whole run (a third GPU idle). Every adapter is placed anew, and each ends as in the run never stopped."""
+    run(runs, "resume_three")
+    ranks = [json.loads((runs / f"resume_three.rank{r}.json").read_text()) for r in range(3)]
+    uninterrupted_run = json.loads((runs / "parallel.rank0.json").read_text())
+    assert all(rank["owned"] for rank in ranks)  # (a0, a1, a2 held weights at the checkpoint; a3 had finished)
+    assert all(rank["states"] == uninterrupted_run["states"] for rank in ranks)
+    for name in SPEC_NAMES:
+        assert [v for _, v in ranks[0]["val"][name]] == pytest.approx(
+            [v for _, v in uninterrupted_run["val"][name]], rel=1e-5)
+        resumed = load_file(runs / "resume_three" / name / "adapter_model.safetensors")
+        uninterrupted = load_file(runs / "parallel" / name / "adapter_model.safetensors")
+        for key in uninterrupted:
+            assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
+
+
 def test_a_folder_of_mixed_steps_fails_every_rank_with_its_reason(runs, tmp_path):
     """Rank 1's file of another step (say, a folder saved again that a crash left half-written): both ranks fail
     at the resume with the reason, rank 0 too, whose own files agree (none is left waiting in a collective)."""
