@@ -73,7 +73,7 @@ def branch_alive(directory: Path, branch: str) -> bool:
         return False
     for path in Path(directory).parent.glob(f"{_PREFIX}{branch}.*"):
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDWR)  # (written: NFS takes an exclusive lock on a file open for writing alone)
         except OSError:  # (gone: that fit ended)
             continue
         try:

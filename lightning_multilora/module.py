@@ -599,8 +599,10 @@ class MultiLoRAMixin:
         (`_release_branch`), for another resume of its checkpoint to see (`_sibling`)."""
         from lightning_multilora.branch_locks import BranchLocks
 
-        trainer = self._trainer_or_none()
-        if trainer is None or trainer.state.fn != "fit":
+        from lightning.pytorch.trainer.states import TrainerStatus
+
+        trainer = self._trainer_or_none()  # (a fit's Trainer after it returned still says "fit": not running, though)
+        if trainer is None or trainer.state.fn != "fit" or trainer.state.status != TrainerStatus.RUNNING:
             return
         locks = self.__dict__.setdefault("_branch_locks", BranchLocks())
         locks.hold(directory, self._lineage[-1], int(getattr(trainer, "global_rank", 0)))
@@ -2435,7 +2437,8 @@ class MultiLoRAMixin:
             return {"class": type(model).__name__}
         values = config.to_dict()
         identity = {k: values[k] for k in _BASE_KEYS if k in values}
-        identity["path"] = values.get("_name_or_path") or None  # (a built-in tiny model's: none)
+        # (as the module was given it: its config names a checkpoint folder by its absolute path, for the exports)
+        identity["path"] = getattr(self, "_base_named", None) or values.get("_name_or_path") or None
         for key, value in getattr(self, "_base_build", {}).items():  # (how the module built it; text: plain data)
             identity[key] = value if isinstance(value, int) else json.dumps(value, sort_keys=True, default=str)
         quant = values.get("quantization_config") or {}
@@ -2533,8 +2536,6 @@ class MultiLoRAMixin:
         differ = {k: (saved_base[k], base[k]) for k in saved_base.keys() & base.keys()
                   if saved_base[k] is not None and base[k] is not None and saved_base[k] != base[k]}
         loaded, held = differ.pop("path", None), differ.pop("weights", None)
-        if loaded is not None and os.path.abspath(loaded[0]) == os.path.abspath(loaded[1]):  # (a checkpoint written
-            loaded = None  # before its base's folder was named by its absolute path, resumed from the same place)
         if held is not None and (held[1].split(" ")[0] == held[0] or held[1] == f"int8 beside {held[0]}"):  # (as a
             held = None  # checkpoint written before they were named so named a 4-bit base, its type, and an 8-bit one)
         built = {k: differ.pop(k) for k in ("base_seed", "config_overrides") if k in differ}
@@ -3214,6 +3215,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
             # (a built-in base's weights are its seed's; a checkpoint's its own: `_base_identity`)
             self._base_build = {"config_overrides": changed_overrides(str(base_model), config_overrides),
                                 **({"base_seed": base_seed} if str(base_model) in TINY_CONFIGS else {})}
+            self._base_named = os.fspath(base_model)  # (as given: a project moved with its relative path is the same)
             # (how to build the base again where its name alone builds another: a built-in one of other weights or
             # shape than its name's, a checkpoint's overrides, a dtype; in its exports' `EXPORT_INFO`, which
             # `examples/load_with_peft.py` builds it from)

@@ -2076,6 +2076,29 @@ def test_a_resume_on_a_base_of_the_same_architecture_loaded_from_elsewhere_is_wa
         assert module.registry["a"].state == AdapterState.FINISHED
 
 
+def test_a_project_moved_with_its_relative_base_path_resumes_unwarned(tmp_path, trainer_kwargs, monkeypatch):
+    """A base named by a relative path is held by its absolute one (its exports name it so, for PEFT to load from
+    anywhere): a checkpoint compared that, and a project moved with its `base_model: models/base` was warned of as
+    another base. The path as given is what a checkpoint keeps."""
+    import shutil
+
+    MultiLoRAModule("tiny-llama").model.save_pretrained(tmp_path / "p1" / "models" / "base")
+    monkeypatch.chdir(tmp_path / "p1")
+    specs = [AdapterSpec("a", rank=2, max_steps=4)]
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(MultiLoRAModule("models/base", adapters=specs, validate_on_finish=False), small_dm())
+    trainer.save_checkpoint(tmp_path / "p1" / "stop.ckpt")
+    shutil.copytree(tmp_path / "p1", tmp_path / "p2")
+    monkeypatch.chdir(tmp_path / "p2")
+    module = MultiLoRAModule("models/base", adapters=specs, validate_on_finish=False)
+    assert module.model.config.name_or_path == str(tmp_path / "p2" / "models" / "base")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path="stop.ckpt")
+    assert not [w for w in seen if "were trained on the base loaded from" in str(w.message)]
+    assert module.registry["a"].state == AdapterState.FINISHED
+
+
 def test_a_resume_on_a_built_in_base_of_another_seed_or_overrides_is_warned_of(tmp_path, trainer_kwargs):
     """A built-in base's `base_seed` makes its weights, and `config_overrides` (`rope_theta`...) its numbers: a
     resume with others went on from another base's outputs, unsaid. An override restating the config's own value
@@ -2694,6 +2717,29 @@ def test_a_resume_running_beside_another_of_its_checkpoint_keeps_the_exports_tha
     beside = load_file(tmp_path / "exp" / "a-v1" / "adapter_model.safetensors")
     assert not all(torch.equal(beside[k], kept[k]) for k in kept)  # (other data)
     assert sorted(p.name for p in (tmp_path / "exp").iterdir()) == ["a", "a-v1", "b", "b-v1"]
+
+
+def test_a_fit_holds_its_branch_while_it_runs_and_leaves_no_lock_behind(tmp_path, trainer_kwargs):
+    """A fit's branch is held beside its exports while it runs (`_sibling`), let go as it ends; a `save_adapter`
+    after a fit returned (a ``max_steps`` stop, the module used from Python) took a lock never let go, its file left
+    behind: the Trainer still said "fit"."""
+    from lightning_multilora.branch_locks import branch_alive
+
+    module = MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / "exp"),
+                             adapters=[AdapterSpec("a", rank=2, max_steps=2), AdapterSpec("b", rank=2, max_steps=8)])
+    seen = {}
+
+    class Look(Callback):
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 3:  # (a exported at its end, step 2)
+                seen["alive"] = branch_alive(tmp_path / "exp" / "a", pl_module._lineage[-1])
+
+    L.Trainer(**{**trainer_kwargs, "max_steps": 4}, callbacks=[Look()]).fit(module, small_dm())
+    assert seen == {"alive": True}
+    module.save_adapter("b")
+    module.save_adapter("b", directory=tmp_path / "mine")
+    assert not list(tmp_path.rglob(".multilora_branch.*"))
+    assert not branch_alive(tmp_path / "exp" / "a", module._lineage[-1])
 
 
 def test_a_fit_after_a_trainer_validate_trains_on_the_batch_shapes_the_validate_saw(trainer_kwargs, monkeypatch):

@@ -697,12 +697,12 @@ class OptunaSweep(Callback):
                 trial = self._ask_trial(study)
                 trial.set_user_attr("sweep", self.sweep_id)
                 other = self._grid_point_taken(study, trial)
-                if other is not None:  # (the last free point asked by another process since `_grid_exhausted`)
+                if other is not None:  # (a point another process asked since `_grid_exhausted`, or one two asked
+                    # at once from a stale read: failed, and another asked while the grid has points)
                     study._storage.set_trial_user_attr(trial._trial_id, "fail_reason", f"its grid point is trial "
                                                        f"{other}'s, asked meanwhile by another process")
                     self._fail_asked(trial)
-                    self.exhausted = True
-                    break
+                    continue
             name = f"trial-{trial.number}"
             try:
                 spec = AdapterSpec(name=name, **self._spec_kwargs(trial.params))

@@ -101,15 +101,17 @@ def checked_examples(examples: Any, shown: str) -> list:
     text (a chat's messages ``(role, content)`` pairs of text); a `ValueError` naming the first item that is not
     (a source of one's own returning dicts or a generator failed with "'dict' object has no attribute 'prompt'")."""
     wanted = "a list of Example, ChatExample, PreferenceExample or ChatPreferenceExample (lightning_multilora.data)"
-    if not isinstance(examples, list):
+    if isinstance(examples, (str, bytes, Mapping)) or not isinstance(examples, Sequence):
         raise ValueError(f"{shown}: `examples()` must return {wanted}, got a {type(examples).__name__}")
+    examples = list(examples)  # (a tuple, say)
     pairs = None
     for i, example in enumerate(examples):
-        fields = _KINDS.get(type(example))
+        kind = next((k for k in _KINDS if isinstance(example, k)), None)  # (a subclass of one: its kind)
+        fields = _KINDS.get(kind) if kind is not None else None
         if fields is None:
             raise ValueError(f"{shown}: `examples()` must return {wanted}; item {i} is a {type(example).__name__}: "
                              f"{example!r:.120}")
-        chat = type(example) in (ChatExample, ChatPreferenceExample)
+        chat = kind in (ChatExample, ChatPreferenceExample)
         for field in fields:
             value = getattr(example, field)
             ok = (isinstance(value, (tuple, list)) and all(
@@ -119,12 +121,12 @@ def checked_examples(examples: Any, shown: str) -> list:
                 need = "a sequence of (role, content) pairs of text" if chat else "text"
                 raise ValueError(f"{shown}: item {i} of `examples()` ({type(example).__name__}): `{field}` must be "
                                  f"{need}, got {value!r:.120}")
-        kind = isinstance(example, (PreferenceExample, ChatPreferenceExample))
-        if pairs is not None and kind != pairs:
+        pair = kind in (PreferenceExample, ChatPreferenceExample)
+        if pairs is not None and pair != pairs:
             raise ValueError(f"{shown}: `examples()` mixes preference pairs and prompt-completion examples (item "
                              f"{i}: {type(example).__name__}, item 0: {type(examples[0]).__name__}): a source holds "
                              "one kind")
-        pairs = kind
+        pairs = pair
     return examples
 
 

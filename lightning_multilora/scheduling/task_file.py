@@ -74,7 +74,7 @@ from lightning_multilora.scheduling.task_scheduler import (Schedule, Task, TaskS
 
 TASK_FIELDS = ("id", "duration", "gpus", "command", "torchrun")
 INBOX_SUFFIXES = (".yaml", ".yml")  # an inbox's task files (any case); ``.done`` and ``.rejected`` ones stay put
-INBOX_SETTLE_S = 1.0  # an inbox file written this recently is read at a later poll (one being written: half of it)
+INBOX_SETTLE_S = 1.0  # an inbox file is read once unchanged for this long (one being written: half of it)
 FILE_FIELDS = ("gpus", "time_limit_s", "resolution_s", "deterministic", "max_retries", "log_dir", "tasks")
 # the most GPUs a Gantt chart has rows for (a row each: 100000 took minutes, a figure 45000 inches tall)
 MAX_CHART_GPUS = 256
@@ -104,13 +104,16 @@ def parse_tasks(entries: Any, where: str) -> list[Task]:
     return tasks
 
 
+_SECONDS = ("duration", "time_limit_s", "resolution_s")  # (fields of seconds: base-60 numbers refused)
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """PyYAML's safe loader, refusing a key given twice in one mapping (it kept the last one, silently; a key merged
     in with ``<<:`` may be given again, as YAML allows); an ``id`` written as a plain scalar keeps its text (``007``,
     ``1.10``, ``12:30``, ``off``, ``2024-01-01``: YAML's numbers 7, 1.1 and 750, False and a date), and so does every
     scalar of a ``command`` list: ``[train.py, --lr, 1.10, --steps, 1_000, --flag, false]`` reaches the process as
     written (YAML's 1.1, 1000 and False turned back into text were other arguments, or refused). A ``duration``
-    written ``1:30`` (YAML's base-60 number 90) is refused: durations are seconds."""
+    written ``1:30`` (YAML's base-60 number 90) is refused, as are ``time_limit_s`` and ``resolution_s``: seconds."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
@@ -131,13 +134,13 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         if (given and isinstance(given[-1], yaml.ScalarNode) and given[-1].style is None
                 and not isinstance(value, str) and value is not None):
             mapping["id"] = given[-1].value  # (a number, boolean or date as written: its text names the task's logs)
-        durations = [v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == "duration"]
-        if (durations and isinstance(durations[-1], yaml.ScalarNode) and durations[-1].style is None
-                and ":" in durations[-1].value and isinstance(mapping.get("duration"), (int, float))):
-            written = durations[-1].value  # (YAML's base 60: 1:30 is 90, a plan of seconds for an hour and a half)
-            raise yaml.constructor.ConstructorError(
-                None, None, f"`duration: {written}` is YAML's base-60 number {mapping['duration']:g}, not hours and "
-                "minutes: give the duration in seconds", durations[-1].start_mark)
+        for key, value in node.value:  # (YAML's base 60: 1:30 is 90, a plan of seconds for an hour and a half)
+            if (isinstance(key, yaml.ScalarNode) and key.value in _SECONDS and isinstance(value, yaml.ScalarNode)
+                    and value.style is None and ":" in value.value
+                    and isinstance(mapping.get(key.value), (int, float))):
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"`{key.value}: {value.value}` is YAML's base-60 number {mapping[key.value]:g}, not "
+                    "hours and minutes: give it in seconds", value.start_mark)
         commands = [v for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == "command"]
         if commands and isinstance(commands[-1], yaml.SequenceNode):  # (a nested list or mapping: Task names it)
             mapping["command"] = [item.value if isinstance(item, yaml.ScalarNode)
@@ -254,6 +257,9 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
     inbox.mkdir(parents=True, exist_ok=True)
     said: set[str] = set()
     unsettled: set[str] = set()  # (files left for a later poll: the schedule waits for them, `ScheduleRunner`)
+    # each file's size and change time as first seen, and when (this clock: a file's own time may be another
+    # machine's, ahead, copied with its times kept)
+    first_seen: dict[str, tuple[tuple[int, int], float]] = {}
 
     def poll() -> list[Task]:
         tasks: list[Task] = []
@@ -273,9 +279,15 @@ def inbox_poller(inbox: Path, num_gpus: int, known: Optional[Any] = None, need_c
                     print(f"skipped {path}: an inbox's task files end in {' or '.join(INBOX_SUFFIXES)}", flush=True)
                 continue
             try:
-                if settle_s and time.time() - path.stat().st_mtime < settle_s:
-                    unsettled.add(path.name)
-                    continue  # (being written, perhaps: read at a later poll)
+                if settle_s:
+                    stat = path.stat()
+                    now, signature = time.monotonic(), (stat.st_size, stat.st_mtime_ns)
+                    seen = first_seen.get(path.name)
+                    if seen is None or seen[0] != signature:
+                        first_seen[path.name] = seen = (signature, now)
+                    if now - seen[1] < settle_s:
+                        unsettled.add(path.name)
+                        continue  # (being written, perhaps: read at a later poll)
             except OSError:  # (moved away meanwhile)
                 continue
             try:

@@ -24,7 +24,8 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 
 log = logging.getLogger(__name__)
 
-CHILD_FAILURE_GRACE_S = 300.0  # how long rank 0 has to export after another rank's process failed
+CHILD_FAILURE_GRACE_S = 120.0  # how long rank 0 has to export after another rank's process failed (a rank 0 hung
+# in a collective with the dead one, as NCCL may leave it, is killed then: Lightning's observer killed it in 5 s)
 
 
 class _ObserverLettingRankZeroExport(_ChildProcessObserver):

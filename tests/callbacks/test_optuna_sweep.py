@@ -1118,7 +1118,7 @@ def test_grid_sweeps_of_other_seeds_sharing_a_study_ask_each_point_once(tmp_path
 def test_a_grid_point_another_process_asked_meanwhile_is_not_trained_twice(tmp_path, trainer_kwargs, monkeypatch):
     """Two processes on one grid study: one saw a point free (`_grid_exhausted`), the other asked it meanwhile, and
     Optuna's sampler gave the first a point already running: trained twice, the study holding more trials than the
-    grid has points. The trial so asked is told FAIL, why said, and the sweep ends as an exhausted grid's."""
+    grid has points. The trial so asked is told FAIL, why said, and the sweep asks on while the grid has points."""
     grid = {"lr": {"type": "categorical", "choices": [1e-3, 3e-3, 1e-2]}}
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     other = OptunaSweep(grid, sampler="grid", storage=storage)
@@ -1127,13 +1127,29 @@ def test_a_grid_point_another_process_asked_meanwhile_is_not_trained_twice(tmp_p
         other._ask_trial(other.study)
     sweep = OptunaSweep(grid, sampler="grid", storage=storage, n_trials=3, slots=3,
                         base={"max_steps": 2, "batch_size": 2})
-    monkeypatch.setattr(sweep, "_grid_exhausted", lambda study: False)  # (each check before the other's ask)
+    stale, check = iter([False, False]), sweep._grid_exhausted  # (two checks made before the other's asks)
+
+    def exhausted(study):
+        said = next(stale, None)
+        return check(study) if said is None else said
+
+    monkeypatch.setattr(sweep, "_grid_exhausted", exhausted)
     _, module = fit(tmp_path, trainer_kwargs, sweep)
     trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
     assert [t.state.name for t in trials] == ["RUNNING", "RUNNING", "COMPLETE", "FAIL"]
     assert re.fullmatch(r"its grid point is trial [01]'s, asked meanwhile by another process",
                         trials[3].user_attrs["fail_reason"])
     assert [r.name for r in module.registry] == ["trial-2"] and sweep.exhausted
+    # a point two processes asked at once from a stale read, others free: the sweep asks on (it stopped asking)
+    storage = f"sqlite:///{tmp_path / 'study2.db'}"
+    sweep = OptunaSweep(grid, sampler="grid", storage=storage, n_trials=3, slots=3,
+                        base={"max_steps": 2, "batch_size": 2})
+    raced = iter([0])  # (its first ask: a point another process holds, as the sampler read the study stale)
+    monkeypatch.setattr(sweep, "_grid_point_taken", lambda study, trial: next(raced, None))
+    _, module = fit(tmp_path / "2", trainer_kwargs, sweep)
+    trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "COMPLETE", "COMPLETE"]
+    assert [r.name for r in module.registry] == ["trial-1", "trial-2"] and sweep.exhausted
 
 
 @pytest.mark.parametrize("given", ["storage", "study"])

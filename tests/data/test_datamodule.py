@@ -1197,6 +1197,13 @@ def test_a_sources_examples_of_another_kind_are_named():
         with pytest.raises(ValueError, match=r"data source 'own' \(Own\): " + message):
             dm.split("own")
 
+    class Tagged(Example):  # (a subclass of Example, in a tuple: taken as it was)
+        pass
+
+    train, _ = MultiLoRADataModule(sources={"own": Own(lambda: tuple(Tagged(f"q{i}", " a") for i in range(4)))}
+                                   ).split("own")
+    assert len(train.input_ids) == 3
+
 
 def test_a_prompt_whose_last_text_the_tokenizer_merges_into_the_completion_is_warned(tmp_path):
     """A tokenizer with no word boundaries merges the prompt's last letters with the completion's first: the row's

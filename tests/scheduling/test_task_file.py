@@ -110,7 +110,9 @@ def test_a_real_run_accepts_tasks_dropped_into_the_inbox(tmp_path, capsys):
     ("gpus: 2\ntasks: [{id: a, duration: 3e2}]", "got '3e2' \\(text: YAML reads an exponent .*; write 300.0\\)"),
     # (YAML's base 60: a plan of 90 s for an hour and a half)
     ("gpus: 2\ntasks: [{id: a, duration: 1:30}]", "`duration: 1:30` is YAML's base-60 number 90, not hours and "
-     "minutes: give the duration in seconds"),
+     "minutes: give it in seconds"),
+    ("gpus: 2\ntime_limit_s: 1:00\ntasks: [{id: a, duration: 5}]", "`time_limit_s: 1:00` is YAML's base-60 number "
+     "60"),
     ("gpus: 2\nmax_retries: -1\ntasks: [{id: a, duration: 5}]", "`max_retries` must be an integer >= 0"),
     ("gpus: 2\ndeterministic: yes please\ntasks: [{id: a, duration: 5}]", "`deterministic` must be true or false, "
      "got 'yes please'"),
@@ -157,21 +159,30 @@ def test_bad_inbox_files_are_rejected_and_the_schedule_goes_on(tmp_path, capsys)
 
 def test_an_inbox_file_being_written_is_read_once_it_has_settled(tmp_path):
     """A file written in two pieces was read half-written and rejected for good (or, cut between two tasks, ran the
-    first alone): a file changed within `settle_s` is left for a later poll."""
+    first alone): a file is read once its size and time have not changed for `settle_s` (of this clock: a file
+    whose own time is ahead, copied from another machine, is read too; `poll.waiting` says one is awaited)."""
     import os
     import time
 
     from lightning_multilora.scheduling.task_file import inbox_poller
 
     inbox = tmp_path / "inbox"
-    poll = inbox_poller(inbox, 2, need_command=True, settle_s=30.0)
+    poll = inbox_poller(inbox, 2, need_command=True, settle_s=0.4)
     (inbox / "a.yaml").write_text("tasks: [{id: one, duration: 1, command: [echo]},")  # (the rest yet to come)
-    assert poll() == [] and sorted(p.name for p in inbox.iterdir()) == ["a.yaml"]
+    assert poll() == [] and poll.waiting() and sorted(p.name for p in inbox.iterdir()) == ["a.yaml"]
+    time.sleep(0.3)
     with open(inbox / "a.yaml", "a") as fh:
         fh.write(" {id: two, duration: 1, command: [echo]}]\n")
-    past = time.time() - 60
-    os.utime(inbox / "a.yaml", (past, past))  # (unchanged since)
-    assert [t.id for t in poll()] == ["one", "two"] and (inbox / "a.yaml.done").exists()
+    time.sleep(0.3)  # (0.6 s since it was first seen, 0.3 s unchanged)
+    assert poll() == [] and poll.waiting()
+    time.sleep(0.5)
+    assert [t.id for t in poll()] == ["one", "two"] and (inbox / "a.yaml.done").exists() and not poll.waiting()
+    (inbox / "b.yaml").write_text("tasks: [{id: three, duration: 1, command: [echo]}]\n")
+    ahead = time.time() + 3600  # (its time an hour ahead of this machine's)
+    os.utime(inbox / "b.yaml", (ahead, ahead))
+    assert poll() == []
+    time.sleep(0.5)
+    assert [t.id for t in poll()] == ["three"]
 
 
 def test_ray_without_a_cluster_is_a_clear_error(tmp_path, capsys, monkeypatch):

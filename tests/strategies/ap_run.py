@@ -55,6 +55,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -247,8 +248,6 @@ def run_mode(out: Path, mode: str) -> None:
     if mode == "sigterm":
         import os
         import signal
-        import time
-
         import threading
 
         class TermAtStep2(L.Callback):
@@ -263,8 +262,6 @@ def run_mode(out: Path, mode: str) -> None:
 
         kwargs.update(callbacks=[TermAtStep2()])
     if mode == "rank1_error":
-        import time
-
         import lightning_multilora.module as made
 
         class Rank1Fails(L.Callback):
