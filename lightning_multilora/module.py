@@ -1219,7 +1219,26 @@ class MultiLoRAMixin:
         `init_from` folder (`check_targets`) are checked; a ValueError says what is wrong. Returns its target
         modules (`_targets_of`)."""
         self._datamodule("`check_startable`").check(spec)
+        self._check_kernel_rank(spec)
         return self.check_targets(spec)
+
+    def _check_kernel_rank(self, spec: AdapterSpec) -> None:
+        """An adapter of a rank above the Triton kernels' (`kernels.TRITON_MAX_RANK`) where they run (CUDA, by
+        default) cannot start: refused naming it (at its first forward the whole fit stopped, "the Triton path
+        supports ranks up to 256", every adapter with it)."""
+        from lightning_multilora.kernels import TRITON_MAX_RANK, resolve_backend
+
+        if spec.rank <= TRITON_MAX_RANK:
+            return
+        dtype = next((p.dtype for p in self.lora_layers.model.parameters() if p.is_floating_point()), torch.float32)
+        try:
+            backend = resolve_backend(torch.empty(0, device=self.device, dtype=dtype))
+        except ValueError:  # (a backend that cannot run here at all: the layers' own call says so)
+            return
+        if backend == "triton":
+            raise ValueError(f"adapter {spec.name!r}: rank {spec.rank} is above the Triton kernels' "
+                             f"{TRITON_MAX_RANK}; give it a rank <= {TRITON_MAX_RANK}, or run every adapter on the "
+                             "reference path, `lightning_multilora.kernels.set_backend('reference')` (slower)")
 
     def check_targets(self, spec: AdapterSpec) -> Any:
         """``spec``'s target modules (`_targets_of`), checked against the injected layers, and its `init_from`

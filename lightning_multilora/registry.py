@@ -241,8 +241,9 @@ class AdapterRegistry:
         ones, where it does not), lowest first, within each group of losses that compare (`_loss_group`: SFT's, then
         DPO's, per data source and DPO beta; a DPO row has the ``val_preference_accuracy`` of the weights its loss is
         of, `exported_accuracy`). Adapters whose
-        exported weights were not measured (stopped between validations) follow, by their last validation loss; those
-        never validated last."""
+        exported weights were not measured (stopped between validations) follow, by their last validation loss, those
+        never validated after them; last, those whose export measured non-finite (a failed adapter's last weights: no
+        model to load; by its last finite validation before, it ranked first)."""
         if exported not in ("best", "last"):
             raise ValueError(f"`exported` can be 'best' or 'last', got {exported!r}")
         rows = []
@@ -263,6 +264,8 @@ class AdapterRegistry:
             measured, last = row["exported_val_loss"], row["last_val_loss"]
             if math.isfinite(measured):
                 return (*_loss_group(row, source_name), 0, measured)
+            if math.isinf(measured):  # (measured, not finite: NaN is "not measured")
+                return (*_loss_group(row, source_name), 2, last if math.isfinite(last) else math.inf)
             return (*_loss_group(row, source_name), 1, last if math.isfinite(last) else math.inf)
 
         rows.sort(key=rank)  # (stable: ties keep the order the adapters were added in)

@@ -2719,6 +2719,30 @@ def test_a_resume_running_beside_another_of_its_checkpoint_keeps_the_exports_tha
     assert sorted(p.name for p in (tmp_path / "exp").iterdir()) == ["a", "a-v1", "b", "b-v1"]
 
 
+def test_an_adapter_of_a_rank_above_the_triton_kernels_is_refused_by_name(trainer_kwargs, triton_backend):
+    """Accepted and queued, it stopped the whole fit at its first forward ("the Triton path supports ranks up to
+    256", naming neither it nor a way out), every adapter with it. It cannot start, said by name: before the first
+    step the fit is refused; admitted later it fails alone and the others train on."""
+    from lightning_multilora.arguments import UsageError
+
+    big = AdapterSpec("big", rank=300, max_steps=2)
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2), big],
+                             validate_on_finish=False)
+    with pytest.raises(UsageError, match=r"adapter 'big': rank 300 is above the Triton kernels' 256; give it a rank "
+                                         r"<= 256, or run every adapter on the reference path, "
+                                         r"`lightning_multilora.kernels.set_backend\('reference'\)`"):
+        L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    class AddBig(Callback):  # (as a sweep refills a slot)
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 1:
+                pl_module.add_adapter(big)
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=3)], validate_on_finish=False)
+    with pytest.warns(UserWarning, match=r"adapter 'big' could not start: .*rank 300 is above the Triton kernels' 256"):
+        L.Trainer(**trainer_kwargs, callbacks=[AddBig()]).fit(module, small_dm())
+    assert module.registry["a"].state == AdapterState.FINISHED and module.registry["big"].state == AdapterState.FAILED
+
+
 def test_a_fit_holds_its_branch_while_it_runs_and_leaves_no_lock_behind(tmp_path, trainer_kwargs):
     """A fit's branch is held beside its exports while it runs (`_sibling`), let go as it ends; a `save_adapter`
     after a fit returned (a ``max_steps`` stop, the module used from Python) took a lock never let go, its file left

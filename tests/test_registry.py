@@ -59,6 +59,22 @@ def test_the_summary_ranks_by_the_validation_loss_of_the_weights_exported():
         registry.summary_rows("final")
 
 
+def test_a_failed_adapters_export_measured_not_finite_ranks_last():
+    """A failed adapter's export (its last weights, measured not finite: no model to load) ranked by its last finite
+    validation among the unmeasured exports: first in the table and the summary, above healthy adapters."""
+    import math
+
+    registry = AdapterRegistry()
+    for name, exported, last in (("failed", math.inf, 1.0), ("unmeasured", math.nan, 2.0), ("fine", 3.0, 3.0)):
+        registry.add(AdapterSpec(name, rank=4))
+        rec = registry[name]
+        rec.step, rec.exported_step, rec.exported_val_loss = 5, 5, exported
+        rec.val_losses, rec.best_val_loss, rec.last_val_loss = [(2, last)], last, last
+    assert [r["adapter"] for r in registry.summary_rows()] == ["fine", "unmeasured", "failed"]
+    assert [line.split()[1] for line in registry.summary_table().splitlines()[2:5]] == ["fine", "unmeasured",
+                                                                                         "failed"]
+
+
 def test_sft_and_dpo_adapters_rank_apart_and_an_unmeasured_export_has_no_loss():
     """A DPO loss (log 2 at the start) ranked above every SFT one in one list, with no column telling them or their
     betas apart. An export whose weights were not measured at their step (Ctrl+C between validations) reported an
@@ -117,7 +133,7 @@ def test_a_record_of_an_older_checkpoint_keeps_its_dpo_accuracy_where_its_best_v
 def test_exports_never_validated_follow_by_their_last_loss_and_a_diverged_one_says_inf():
     """Stopped between validations (SIGTERM, Ctrl+C), no export's weights were measured: the rows are ranked by their
     last validation loss, not left in the order they were added, and the table says '-' for the export's loss; an
-    export measured as not finite says inf."""
+    export measured as not finite says inf, and comes last."""
     import math
 
     registry = AdapterRegistry()
@@ -133,13 +149,14 @@ def test_exports_never_validated_follow_by_their_last_loss_and_a_diverged_one_sa
     assert third.split()[1] == "never" and third.split()[-4:-1] == ["-", "-", "-"]
     registry["never"].best_val_loss = math.inf  # (a record's own, before any validation: no loss, not inf)
     assert registry.summary_table("last").splitlines()[4].split()[-4:-1] == ["-", "-", "-"]
-    registry["a"].exported_val_loss = math.inf  # (measured at its step: diverged)
+    registry["a"].exported_val_loss = math.inf  # (measured at its step: diverged, last: no model to load)
     rows = registry.summary_rows("last")
-    assert [r["adapter"] for r in rows] == ["b", "a", "never"] and rows[1]["exported_val_loss"] == math.inf
-    assert registry.summary_table("last").splitlines()[3].split()[-4] == "inf"
+    assert [r["adapter"] for r in rows] == ["b", "never", "a"] and rows[2]["exported_val_loss"] == math.inf
+    assert registry.summary_table("last").splitlines()[4].split()[-4] == "inf"
     registry.add(AdapterSpec("queued", rank=4))  # (not exported, never validated: in "best" mode too)
-    assert math.isnan(registry.summary_rows("best")[-1]["exported_val_loss"])
-    assert registry.summary_table("best").splitlines()[-1].split()[-3:-1] == ["-", "-"]
+    assert math.isnan(registry.summary_rows("best")[-2]["exported_val_loss"])  # (before the diverged one)
+    queued = next(line for line in registry.summary_table("best").splitlines()[2:] if line.split()[1] == "queued")
+    assert queued.split()[-3:-1] == ["-", "-"]
 
 
 def test_adapters_of_one_source_rank_together_whether_named_or_not():

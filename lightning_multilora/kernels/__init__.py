@@ -17,6 +17,7 @@ from lightning_multilora.kernels.reference import multi_lora_reference
 from lightning_multilora.kernels.weights import LoRAWeights
 
 BACKENDS = ("auto", "reference", "triton")
+TRITON_MAX_RANK = 256  # the Triton kernels' largest adapter rank (the reference path takes any)
 _backend = os.environ.get("MULTILORA_BACKEND", "auto")
 
 

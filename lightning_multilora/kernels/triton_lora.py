@@ -371,8 +371,10 @@ def _precision(x: Tensor) -> str:
 
 def _check(weights: LoRAWeights) -> None:
     """Checked once per adapter set (when its pointer table is built), not on every call."""
-    if max(a.shape[0] for a in weights.a) > 256:
-        raise ValueError("the Triton path supports ranks up to 256")
+    from lightning_multilora.kernels import TRITON_MAX_RANK
+
+    if max(a.shape[0] for a in weights.a) > TRITON_MAX_RANK:
+        raise ValueError(f"the Triton path supports ranks up to {TRITON_MAX_RANK}")
     d_in, d_out = weights.a[0].shape[1], weights.b[0].shape[0]
     for i, (a, b) in enumerate(zip(weights.a, weights.b)):
         if a.shape[1] != d_in or b.shape[0] != d_out or a.shape[0] != b.shape[1]:
