@@ -597,9 +597,9 @@ class MultiLoRAMixin:
     def _hold_branch(self, directory: Path) -> None:
         """An export stamped in a fit: this fit's branch is held as running beside it until the fit ends or stops
         (`_release_branch`), for another resume of its checkpoint to see (`_sibling`)."""
-        from lightning_multilora.branch_locks import BranchLocks
-
         from lightning.pytorch.trainer.states import TrainerStatus
+
+        from lightning_multilora.branch_locks import BranchLocks
 
         trainer = self._trainer_or_none()  # (a fit's Trainer after it returned still says "fit": not running, though)
         if trainer is None or trainer.state.fn != "fit" or trainer.state.status != TrainerStatus.RUNNING:
