@@ -158,7 +158,7 @@ class SweepReport(Callback):
             if any(r["exported_val_loss"] == math.inf for r in self.rows):  # (not a model to load)
                 lines.insert(3, "(export_loss inf: weights that gave a non-finite loss, in a validation or, for a "
                                 "failed adapter, its last training step; its export folder's multilora_export.json "
-                                "says so)")
+                                "says so; those rank last)")
             if stopped:
                 lines[1:1] = [f"{stopped}: the adapters as they were then (those that had taken a step exported)"]
             exports = sorted({str(Path(r["export_path"]).parent) for r in self.rows if r["export_path"]})
@@ -187,8 +187,11 @@ class SweepReport(Callback):
             hparams = {k: (v if isinstance(v, (int, float, str, bool)) else str(v))
                        for k, v in rec.spec.hparams().items() if v is not None}
             hparams["status"] = rec.state.value
+            best_loss = float(best.get(rec.name, rec.best_val_loss))
+            if not rec.val_losses and math.isinf(best_loss):  # (never validated: no loss, as in the table, not the
+                best_loss = math.nan  # record's starting best of inf)
             metrics = {"hparams/export_loss": float(exported.get(rec.name, math.nan)),  # (what the table ranks by)
-                       "hparams/best_val_loss": best.get(rec.name, rec.best_val_loss), "hparams/steps": float(rec.step)}
+                       "hparams/best_val_loss": best_loss, "hparams/steps": float(rec.step)}
             runs.append((rec.name, hparams, metrics))
         root = Path(logger.log_dir) / "hparams"
         if runs:  # one experiment for all: every adapter's columns (TensorBoard reads one run's experiment, any one:

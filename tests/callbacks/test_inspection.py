@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import lightning as L
@@ -220,6 +221,8 @@ def test_the_hparams_dashboard_has_every_adapters_columns_and_the_export_loss(tm
         run.Reload()
         assert "_hparams_/experiment" not in run.PluginTagToContent("hparams")
         assert "hparams/export_loss" in run.Tags()["scalars"]
+        # (never validated: no loss, as the table's '-'; it said the record's starting best, inf)
+        assert math.isnan(run.Scalars("hparams/best_val_loss")[0].value)
 
 
 def test_the_reports_note_on_unmeasured_exports_says_why(tmp_path, trainer_kwargs, capsys):
