@@ -150,6 +150,8 @@ class SweepReport(Callback):
                 if any(r["export_path"] for r in unmeasured):
                     why.append("weights not validated, " + (
                         "the run having stopped before a validation of them" if stopped else
+                        "validation being off (`Trainer(limit_val_batches=0)`)" if getattr(
+                            trainer, "limit_val_batches", None) == 0 else
                         "with `validate_on_finish=False` and no validation at their step" if not getattr(
                             pl_module, "validate_on_finish", True) else "their adapters having ended (removed, "
                         "failed) between validations"))
