@@ -532,7 +532,8 @@ class MultiLoRAMixin:
                                  peft_target_modules(layers, self._all_module_names), base or None,
                                  fan_in_fan_out=any(self.lora_layers[n].fan_in_fan_out for n in layers),
                                  task_type="CAUSAL_LM" if _generates(self.lora_layers.model) else None)
-        overrides = getattr(self, "_checkpoint_overrides", None)
+        build = getattr(self, "_base_build", {})  # (a checkpoint's overrides: PEFT's loader does not apply them)
+        overrides = build.get("config_overrides") if "base_seed" not in build else None
         if overrides and base and not getattr(self, "_told_overrides", False):
             self._told_overrides = True  # (once a module)
             warnings.warn(f"adapter {name!r}: its export names the base {base!r}, which this module loaded with "
@@ -569,10 +570,22 @@ class MultiLoRAMixin:
         loss = None if loss is None or math.isnan(loss) else loss
         info = {"adapter": rec.name, "run": getattr(self, "_run_id", None), "state": rec.state.value,
                 "reason": rec.reason, "weights_step": step, "steps_trained": rec.step,
-                "val_loss": loss, **({"base": base} if (base := getattr(self, "_export_base", None)) else {})}
+                "val_loss": loss, **({"base": base} if (base := self._export_base()) else {})}
         partial = directory / f".{EXPORT_INFO}.partial"  # (moved into place whole, as the weights are)
         partial.write_text(json.dumps(info, indent=1) + "\n")
         os.replace(partial, directory / EXPORT_INFO)
+
+    def _export_base(self) -> dict[str, Any]:
+        """How the base was built where its name alone builds another (`EXPORT_INFO`'s ``base``, which
+        `examples/load_with_peft.py` builds it from): a built-in one's seed (where its weights or shape are not its
+        name's), the overrides that change its config, a dtype other than float32. Empty for a module given."""
+        build = getattr(self, "_base_build", None)
+        if build is None:
+            return {}
+        overrides, seed, dtype = build["config_overrides"], build.get("base_seed"), getattr(self, "_base_dtype", "")
+        return {**({"base_seed": seed} if seed is not None and (seed != 0 or overrides) else {}),
+                **({"config_overrides": overrides} if overrides else {}),
+                **({"dtype": dtype} if dtype not in ("", "float32") else {})}
 
     def _wrote(self, directory: Path, name: str) -> bool:
         """Whether this run (or one it resumed from) wrote adapter ``name``'s export in ``directory`` (a stamp
@@ -3235,17 +3248,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
             self._base_build = {"config_overrides": changed_overrides(str(base_model), config_overrides),
                                 **({"base_seed": base_seed} if str(base_model) in TINY_CONFIGS else {})}
             self._base_named = os.fspath(base_model)  # (as given: a project moved with its relative path is the same)
-            # (how to build the base again where its name alone builds another: a built-in one of other weights or
-            # shape than its name's, a checkpoint's overrides, a dtype; in its exports' `EXPORT_INFO`, which
-            # `examples/load_with_peft.py` builds it from)
-            builtin = str(base_model) in TINY_CONFIGS
-            held = str(resolve_dtype(dtype)).removeprefix("torch.")
-            self._export_base = {**({"base_seed": base_seed} if builtin and (base_seed != 0 or config_overrides)
-                                    else {}),
-                                 **({"config_overrides": dict(config_overrides)} if config_overrides else {}),
-                                 **({"dtype": held} if held != "float32" else {})}
-            if not builtin:  # (a checkpoint's overrides: PEFT's loader does not apply them, said at the first export)
-                self._checkpoint_overrides = dict(config_overrides or {})
+            self._base_dtype = str(resolve_dtype(dtype)).removeprefix("torch.")  # (`_export_base`)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
         self.model = model

@@ -66,6 +66,16 @@ def _check_predict(where: str, field: str, predict: Any) -> None:
                         f"{type(predict).__name__}{hint}")
 
 
+def admission_order(candidates: Sequence[AdapterSpec], freed: Optional[AdapterSpec] = None) -> list[AdapterSpec]:
+    """The order the greedy controller tries ``candidates`` in: decreasing batch size (queue order within a size),
+    those of ``freed``'s batch size first (the spec of an adapter that just exited)."""
+    order = sorted(candidates, key=lambda s: -s.batch_size)  # stable: queue order within a size
+    if freed is not None:
+        order = ([s for s in order if s.batch_size == freed.batch_size]
+                 + [s for s in order if s.batch_size != freed.batch_size])
+    return order
+
+
 class AdmissionController:
     """Which queued adapters start now, under ``predict(specs) <= safety_margin * capacity_bytes``.
 
@@ -99,12 +109,8 @@ class AdmissionController:
         an adapter that just exited): candidates of its batch size first, then the rest as above.
         A candidate that does not fit is skipped; smaller ones after it may still fit.
         """
-        order = sorted(candidates, key=lambda s: -s.batch_size)  # stable: queue order within a size
-        if freed is not None:
-            order = ([s for s in order if s.batch_size == freed.batch_size]
-                     + [s for s in order if s.batch_size != freed.batch_size])
         chosen: list[AdapterSpec] = []
-        for spec in order:
+        for spec in admission_order(candidates, freed):
             if self.fits([*running, *chosen, spec]):
                 chosen.append(spec)
         return chosen

@@ -408,18 +408,14 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         under this strategy (its predictor is). The predictor is asked about one rank's adapters as if the whole
         base sat on that device: under FSDP2 a rank holds a shard and one gathered layer, so this errs on the safe
         side (give ``admission`` a predictor for one rank to pack more)."""
-        from lightning_multilora.scheduling.admission import AdmissionController
+        from lightning_multilora.scheduling.admission import AdmissionController, admission_order
 
         fits = AdmissionController(admission.predict, admission.capacity_bytes, admission.safety_margin).fits
-        order = sorted(candidates, key=lambda s: -s.batch_size)  # (stable: queue order within a size)
-        if freed is not None:
-            order = ([s for s in order if s.batch_size == freed.batch_size]
-                     + [s for s in order if s.batch_size != freed.batch_size])
         owner = assign_adapters(running, self.world_size, {**self.owner, **self._admitted_ranks(running)})
         on: list[list[AdapterSpec]] = [[s for s in running if owner[s.name] == r] for r in range(self.world_size)]
         chosen: list[AdapterSpec] = []
         self._admitted_to = {}
-        for spec in order:
+        for spec in admission_order(candidates, freed):
             balanced = assign_adapters([*running, *chosen, spec], self.world_size, owner)[spec.name]
             rows = [sum(s.rows_per_step for s in specs) for specs in on]
             others = sorted((r for r in range(self.world_size) if r != balanced), key=lambda r: (rows[r], r))
