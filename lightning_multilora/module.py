@@ -81,6 +81,9 @@ def resolve_optimizer(optimizer: Union[str, type]) -> type:
         raise ValueError(f"`optimizer` {cls.__name__} needs a closure at each step (it evaluates the loss again); "
                          "every adapter here is stepped once after one shared backward: give an optimizer whose "
                          "`step()` takes none (torch.optim.AdamW, SGD, Adam...)")
+    if issubclass(cls, torch.optim.SparseAdam):  # (it failed at the first step, after a forward and backward)
+        raise ValueError(f"`optimizer` {cls.__name__} steps sparse gradients alone; the adapters' are dense: give "
+                         "torch.optim.AdamW, Adam, SGD...")
     return cls
 
 
@@ -578,14 +581,19 @@ class MultiLoRAMixin:
     def _export_base(self) -> dict[str, Any]:
         """How the base was built where its name alone builds another (`EXPORT_INFO`'s ``base``, which
         `examples/load_with_peft.py` builds it from): a built-in one's seed (where its weights or shape are not its
-        name's), the overrides that change its config, a dtype other than float32. Empty for a module given."""
+        name's), the overrides that change its config, a dtype other than float32, a 4-bit type (`quantization`:
+        its weights are not the float ones its name loads). Empty for a module given."""
         build = getattr(self, "_base_build", None)
         if build is None:
             return {}
         overrides, seed, dtype = build["config_overrides"], build.get("base_seed"), getattr(self, "_base_dtype", "")
+        quant = getattr(getattr(self.lora_layers.model, "config", None), "quantization_config", None) or {}
+        quant = quant if isinstance(quant, dict) else quant.to_dict()  # (as the model was built with it)
+        four_bit = quant.get("bnb_4bit_quant_type") if quant.get("load_in_4bit") else None
         return {**({"base_seed": seed} if seed is not None and (seed != 0 or overrides) else {}),
                 **({"config_overrides": overrides} if overrides else {}),
-                **({"dtype": dtype} if dtype not in ("", "float32") else {})}
+                **({"dtype": dtype} if dtype not in ("", "float32") else {}),
+                **({"quantization": four_bit} if four_bit else {})}
 
     def _wrote(self, directory: Path, name: str) -> bool:
         """Whether this run (or one it resumed from) wrote adapter ``name``'s export in ``directory`` (a stamp
@@ -1518,8 +1526,8 @@ class MultiLoRAMixin:
             kwargs = {"lr": peak, **kwargs}
         try:
             optimizer = optimizer_class(groups, **kwargs)
-        except (TypeError, ValueError, AssertionError) as err:
-            if not self.optimizer_kwargs and isinstance(err, TypeError):  # (not the user's settings: as it is)
+        except (TypeError, ValueError, AssertionError, RuntimeError) as err:  # (torch's fused + foreach: Runtime)
+            if not self.optimizer_kwargs and isinstance(err, (TypeError, RuntimeError)):  # (not the user's: as it is)
                 raise
             given = (f"`optimizer_kwargs` {self.optimizer_kwargs!r} rejected by {optimizer_class.__name__}"
                      if self.optimizer_kwargs else f"`optimizer` {optimizer_class.__name__} refused its settings")
@@ -3241,6 +3249,10 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
                                  f"checkpoint path); `base_model` is a module given as it is: build it so instead")
             model = base_model
             if (torch_dtype := resolve_dtype(dtype)) != torch.float32:  # (the default leaves a module's dtype be)
+                if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
+                    raise ValueError(f"`dtype` {dtype!r} casts a base the module is given, and this one is quantized "
+                                     "(bitsandbytes: its weights cannot be cast): leave `dtype` unset for a quantized "
+                                     "module given as it is (its compute dtype is its quantization config's)")
                 model = model.to(torch_dtype)
         else:
             model = build_base_model(base_model, config_overrides, dtype, base_seed, quantization)

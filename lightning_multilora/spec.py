@@ -136,7 +136,8 @@ class AdapterSpec:
             _check(self, "max_steps", _int(self.max_steps) and self.max_steps >= 1, "an integer >= 1")
         if self.max_epochs is not None:
             _check(self, "max_epochs", _num(self.max_epochs) and 0 < self.max_epochs < math.inf, "a finite number > 0")
-        _check(self, "lr_schedule", self.lr_schedule in SCHEDULES, f"one of {', '.join(SCHEDULES)}")
+        _check(self, "lr_schedule", self.lr_schedule in SCHEDULES, f"one of {', '.join(SCHEDULES)}"
+               + _TRANSFORMERS_SCHEDULES.get(self.lr_schedule if isinstance(self.lr_schedule, str) else "", ""))
         _check(self, "warmup_steps", _int(self.warmup_steps) and self.warmup_steps >= 0, "an integer >= 0")
         if self.max_steps is not None and self.warmup_steps >= self.max_steps:
             warnings.warn(warmup_past_the_end(self, self.max_steps), stacklevel=3)
@@ -295,6 +296,16 @@ def _num(value: Any) -> bool:
 
 def _int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+# transformers' `lr_scheduler_type` names that are not ours: what to give instead (said after the allowed values)
+_TRANSFORMERS_SCHEDULES = {
+    "constant_with_warmup": " (transformers' constant_with_warmup is our `constant`, which warms up over "
+                            "`warmup_steps`)",
+    **{name: f" (transformers' {name} schedule has no counterpart here)" for name in (
+        "cosine_with_restarts", "polynomial", "inverse_sqrt", "reduce_lr_on_plateau", "cosine_with_min_lr",
+        "cosine_warmup_with_min_lr", "warmup_stable_decay")},
+}
 
 
 def _check(spec: AdapterSpec, name: str, ok: bool, allowed: str) -> None:

@@ -291,6 +291,39 @@ def test_the_peft_loading_example_loads_the_base_its_export_names(tmp_path, trai
     assert bare.returncode == 1 and "usage: python" in bare.stderr and "adapter_config.json" in bare.stderr
 
 
+def test_the_peft_loading_example_rebuilds_a_4bit_base_as_the_run_held_it(tmp_path, trainer_kwargs):
+    """A QLoRA run's export said nothing of its 4-bit base: the example built a float32 one, and the adapter answered
+    on other weights than it was trained and validated on."""
+    pytest.importorskip("bitsandbytes")
+    import lightning as L
+    import torch
+    from peft import PeftModel
+
+    from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
+    from lightning_multilora.base_model import build_base_model
+    from lightning_multilora.data import ByteTokenizer, GeneratedArithmetic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a 4-bit base on the CPU)
+        module = MultiLoRAModule("tiny-llama", quantization="nf4", export_dir=str(tmp_path / "exp"),
+                                 validate_on_finish=False, adapters=[AdapterSpec("a", rank=2, max_steps=3, lr=3e-2)])
+        L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(60)}))
+    info = json.loads((tmp_path / "exp" / "a" / "multilora_export.json").read_text())
+    assert info["base"] == {"quantization": "nf4"}, info
+    load = subprocess.run([sys.executable, str(ROOT / "examples" / "load_with_peft.py"), str(tmp_path / "exp" / "a")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert load.returncode == 0, load.stderr[-3000:]
+    prompt = load.stdout.split("\nA:")[0] + "\nA:"
+    tok = ByteTokenizer()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = PeftModel.from_pretrained(build_base_model("tiny-llama", quantization="nf4"), tmp_path / "exp" / "a")
+        with torch.no_grad():  # (the answer's first token: the 4-bit base's, through the adapter)
+            first = model.eval()(input_ids=torch.tensor([tok.encode(prompt)])).logits[0, -1].argmax().item()
+    answer = load.stdout[len(prompt):].rstrip("\n")
+    assert tok.encode(answer)[:1] == [first] or (first == tok.eos_token_id and answer == ""), (answer, first)
+
+
 class TermAtStep2(Callback):
     """Sends this process a SIGTERM at step 2, as a cluster's pre-emption does."""
 

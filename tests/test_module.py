@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
@@ -974,6 +975,13 @@ def test_a_module_given_as_the_base_refuses_build_options_and_takes_a_dtype():
     with pytest.raises(ValueError, match=r"`dtype` can be float32, bfloat16, float16 \(or the torch dtype\), got "
                                          r"torch.float64"):
         MultiLoRAModule("tiny-llama", dtype=torch.float64)
+    if importlib.util.find_spec("bitsandbytes") is not None:  # (transformers' "You cannot cast a bitsandbytes model
+        with warnings.catch_warnings():  # in a new `dtype`", naming no argument of the module)
+            warnings.simplefilter("ignore")  # (a 4-bit base on the CPU)
+            four_bit = build_base_model("tiny-llama", quantization="nf4")
+        with pytest.raises(ValueError, match=r"`dtype` 'bfloat16' casts a base the module is given, and this one is "
+                                             r"quantized .* leave `dtype` unset"):
+            MultiLoRAModule(four_bit, dtype="bfloat16")
 
 
 def test_a_resume_queues_new_adapters_applies_edits_to_queued_ones_and_warns_of_the_rest(tmp_path, trainer_kwargs):
@@ -1067,7 +1075,7 @@ def test_a_resume_on_another_base_model_is_refused_and_keeps_the_exports(tmp_pat
 
 
 @pytest.mark.parametrize("bad", ["export_dir", "export_dir_under_a_file", "export_dir_through_a_broken_link",
-                                 "betas", "unknown_kwarg"])
+                                 "betas", "unknown_kwarg", "fused_and_foreach"])
 def test_an_unusable_export_dir_or_optimizer_kwargs_fail_as_the_fit_starts(tmp_path, trainer_kwargs, bad):
     """Refused before the first step (an export root that is a file, or under one, would otherwise fail each
     adapter's export after it trained), naming the setting. The check makes no folder: a fit that exports nothing
@@ -1078,7 +1086,8 @@ def test_an_unusable_export_dir_or_optimizer_kwargs_fail_as_the_fit_starts(tmp_p
     kwargs = {"export_dir": dict(export_dir=str(taken)), "betas": dict(optimizer_kwargs={"betas": 0.9}),
               "export_dir_under_a_file": dict(export_dir=str(taken / "sub" / "e")),
               "export_dir_through_a_broken_link": dict(export_dir=str(tmp_path / "link" / "e")),
-              "unknown_kwarg": dict(optimizer_kwargs={"momentum": 0.9})}[bad]
+              "unknown_kwarg": dict(optimizer_kwargs={"momentum": 0.9}),
+              "fused_and_foreach": dict(optimizer_kwargs={"fused": True, "foreach": True})}[bad]
     module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=2, max_steps=4)],
                              validate_on_finish=False, **{"export_dir": str(tmp_path / "e"), **kwargs})
     trainer = L.Trainer(**trainer_kwargs)
@@ -1088,7 +1097,10 @@ def test_an_unusable_export_dir_or_optimizer_kwargs_fail_as_the_fit_starts(tmp_p
                "export_dir_through_a_broken_link": r"`export_dir` '.*link/e' cannot hold the adapters' exports: "
                                                    r"'.*link' is a link to nothing",
                "betas": r"`optimizer_kwargs` \{'betas': 0.9\} rejected by AdamW",
-               "unknown_kwarg": r"`optimizer_kwargs` \{'momentum': 0.9\} rejected by AdamW: .*momentum"}[bad]
+               "unknown_kwarg": r"`optimizer_kwargs` \{'momentum': 0.9\} rejected by AdamW: .*momentum",
+               # (torch's bare RuntimeError, naming neither the setting nor the optimizer)
+               "fused_and_foreach": r"`optimizer_kwargs` \{'fused': True, 'foreach': True\} rejected by AdamW: "
+                                    r"`fused` and `foreach` cannot be `True` together"}[bad]
     before = sorted(tmp_path.rglob("*"))
     with pytest.raises(ValueError, match=message):
         trainer.fit(module, small_dm())

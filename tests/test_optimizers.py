@@ -80,6 +80,10 @@ def test_bad_optimizer_is_a_clear_error():
                                          r"shared backward"):
         resolve_optimizer("torch.optim.LBFGS")
     assert resolve_optimizer("torch.optim.SGD") is torch.optim.SGD  # (its closure is optional)
+    # (it failed at the first step, after a forward and backward: "SparseAdam does not support dense gradients")
+    with pytest.raises(ValueError, match=r"`optimizer` SparseAdam steps sparse gradients alone; the adapters' are "
+                                         r"dense"):
+        resolve_optimizer("torch.optim.SparseAdam")
 
 
 @pytest.mark.parametrize("name", ["bitsandbytes.optim.AdamW8bit", "bitsandbytes.optim.PagedAdamW8bit"])

@@ -34,6 +34,11 @@ from lightning_multilora import AdapterSpec, SweepGrid
     ("max_steps", 0, "`max_steps` must be an integer >= 1"),
     ("max_epochs", -1.0, "`max_epochs` must be a finite number > 0"),
     ("lr_schedule", "step", "`lr_schedule` must be one of constant, linear, cosine, got 'step'"),
+    # (transformers' names for them: answered with the bare list)
+    ("lr_schedule", "constant_with_warmup", "one of constant, linear, cosine \\(transformers' constant_with_warmup is "
+                                            "our `constant`, which warms up over `warmup_steps`\\), got"),
+    ("lr_schedule", "cosine_with_restarts", "cosine \\(transformers' cosine_with_restarts schedule has no "
+                                            "counterpart here\\), got 'cosine_with_restarts'"),
     ("objective", "DPO", "`objective` must be one of sft, dpo, got 'DPO'"),
     ("grad_clip", 0.0, "`grad_clip` must be a finite number > 0 or None"),
     ("warmup_steps", -1, "`warmup_steps` must be an integer >= 0"),
