@@ -87,6 +87,19 @@ def resolve_optimizer(optimizer: Union[str, type]) -> type:
     return cls
 
 
+def _untake_interrupted_batch(checkpoint: dict[str, Any]) -> None:
+    """A checkpoint written as an exception stopped a step (`OnExceptionCheckpoint` after Ctrl+C, in the forward,
+    backward or optimizer's step) counts that batch begun and not processed: the step is not taken, and is taken again
+    on resume, but Lightning, resumed, counted one batch more than were taken and validated one step early from then
+    on (`val_check_interval` counts batches begun, `total.ready`): other validation steps than the run's, other
+    `EarlyExit` decisions. Its counts of a batch begun go back to those processed (a checkpoint of a batch processed,
+    at its end, is as Lightning resumes it)."""
+    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    total = progress.get("total") if isinstance(progress, dict) else None
+    if isinstance(total, dict) and total.get("processed", 0) == total.get("completed", 0) < total.get("ready", 0):
+        total["ready"] = total["started"] = total["processed"]
+
+
 def _optimizer_choice(optimizer_class: type, optimizer_kwargs: dict[str, Any],
                       on_cuda: bool) -> tuple[type, dict[str, Any]]:
     """The optimizer a run builds, and its arguments: on a GPU, AdamW as `GroupedAdamW` (one launch for every adapter,
@@ -2619,6 +2632,7 @@ class MultiLoRAMixin:
             found = [k for k, v in checkpoint.items() if isinstance(v, dict) and isinstance(v.get("streams"), dict)]
             if len(found) == 1 and isinstance(datamodule.state_dict(), dict) and "streams" in datamodule.state_dict():
                 checkpoint[type(datamodule).__qualname__] = checkpoint[found[0]]
+        _untake_interrupted_batch(checkpoint)
         # `load_from_checkpoint` (no trainer): a fit without `ckpt_path` goes on as a resume does, as another fit of
         # this module does: its optimizer states, data positions and callbacks' states from the checkpoint (they were
         # lost, the trained adapters' exports then written over by others trained again from fresh optimizers)

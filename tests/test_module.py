@@ -2329,6 +2329,42 @@ def test_a_ctrl_c_inside_a_step_then_another_fit_trains_that_step_again(tmp_path
             torch.testing.assert_close(ours[key], value, atol=1e-6, rtol=1e-5)
 
 
+class _ValidatedAt(Callback):
+    def __init__(self):
+        self.steps = []
+
+    def on_validation_start(self, trainer, pl_module):
+        self.steps.append(trainer.global_step)
+
+
+@pytest.mark.parametrize("where", ["forward", "optimizer_step"])
+def test_a_resume_of_a_checkpoint_written_by_a_ctrl_c_inside_a_step_validates_at_the_runs_steps(
+        tmp_path, trainer_kwargs, where):
+    """Lightning counted the batch in flight as begun: resumed from `OnExceptionCheckpoint`'s file, it validated one
+    step early from then on (steps 4, 7, 10 for 3, 6, 9), other losses and other `EarlyExit` decisions."""
+    import signal
+
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    def run(callbacks, ckpt=None):
+        module = MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / "e"),
+                                 adapters=[AdapterSpec("a", rank=2, max_steps=10, lr=1e-2, seed=1)])
+        at = _ValidatedAt()
+        kwargs = {**trainer_kwargs, "val_check_interval": 3, "enable_checkpointing": True}
+        L.Trainer(**kwargs, callbacks=[at, *callbacks]).fit(module, small_dm(), ckpt_path=ckpt)
+        return at.steps, module.registry["a"].val_losses
+
+    once = run([])
+    assert once[0][:3] == [3, 6, 9]
+    with pytest.warns(UserWarning, match="fit stopped by KeyboardInterrupt"), pytest.raises(SystemExit):
+        run([_InterruptIn(4, where), OnExceptionCheckpoint(str(tmp_path), filename="stopped")])
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # (as Lightning's shutdown left it)
+    resumed = run([], ckpt=str(tmp_path / "stopped.ckpt"))
+    assert resumed[0] == [step for step in once[0] if step > 4]
+    assert [s for s, _ in resumed[1]] == [s for s, _ in once[1]]
+    torch.testing.assert_close([v for _, v in resumed[1]], [v for _, v in once[1]], atol=1e-6, rtol=1e-5)
+
+
 def test_adapter_parallelism_with_fewer_adapters_than_ranks_is_warned_of(monkeypatch):
     """(A rank with no adapter ran idle forwards and backwards the whole run, unsaid.)"""
     from types import SimpleNamespace
