@@ -3,8 +3,10 @@
 - `ModelShape` holds what the formulas need of a decoder (layers, widths, heads, vocabulary) and the
   input/output widths of each LoRA target projection.
 - `AnalyticMemoryModel` (PLoRA, appendix 8): base weights + per-adapter parameters, gradients and
-  optimizer states + activations, with or without gradient checkpointing. Good for planning before any
-  profiling, and on the CPU.
+  optimizer states + activations, with or without gradient checkpointing, as the GPU kernels keep them. Good for
+  planning before any profiling, and on the CPU for a float32 base (the CPU's LoRA path keeps a float32 copy of a
+  bf16 / fp16 base's inputs to each targeted projection, which it does not count: peaks 1.15-1.37x its
+  figure at a tiny Llama's widths; profile there, `MemoryProfiler`).
 - `MemoryFit` (ALTO, appendix A.3): ``M = k0 + k1 * B * L + k2 * P`` fitted by least squares on measured
   peaks, ``B`` the total batch (rows), ``L`` the sequence length and ``P`` the adapters' trainable
   parameters. ALTO's ``k0 + k1 * B * L`` is the case of a fixed adapter set; the ``P`` term lets one fit
@@ -304,6 +306,9 @@ class AnalyticMemoryModel:
                                  f"{adapter!r}")
             check_int(f"AnalyticMemoryModel.predict: adapter #{i}", "rank", adapter[0], 1)
             check_int(f"AnalyticMemoryModel.predict: adapter #{i}", "batch_size", adapter[1], 0)
+        # (one string, "all-linear" say, read as the module reads it: it was taken letter by letter)
+        adapters = [(r, b, projections(t, f"AnalyticMemoryModel.predict: adapter #{i}'s targets")
+                     if isinstance(t, str) else t) for i, (r, b, t) in enumerate(adapters)]
         tokens = sum(b for _, b, _ in adapters) * seq_len
         widest: dict[str, int] = {}
         for rank, rows, targets in adapters:

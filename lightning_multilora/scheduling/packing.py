@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from itertools import combinations
 from typing import NamedTuple, Optional
 
-from lightning_multilora.arguments import check_real
+from lightning_multilora.arguments import check_bool, check_int, check_real
 from lightning_multilora.scheduling.profiler import check_margin
-from lightning_multilora.scheduling.task_scheduler import (Placement, Schedule, Task, assign_gpu_ids, check_planner,
-                                                           cp_solver, solve)
+from lightning_multilora.scheduling.task_scheduler import (MAX_TICKS, Placement, Schedule, Task, assign_gpu_ids,
+                                                           check_planner, cp_solver, solve)
 from lightning_multilora.spec import AdapterSpec
 
 CostFn = Callable[[Sequence[AdapterSpec], int], float]
@@ -101,11 +101,19 @@ class PackingPlanner:
         load_factor: the usable fraction of it (PLoRA's ``C``), in (0, 1].
         time_limit_s: CP-SAT's limit.
         resolution_s: the plan's time grid.
+        workers: CP-SAT search workers.
+        deterministic: the same plan for the same configurations every time (one worker, its limit in CP-SAT's
+            deterministic time: `TaskScheduler`'s); by default the best that ``workers`` racing each other find in
+            ``time_limit_s`` of wall-clock time, which differs from run to run.
     """
 
     def __init__(self, num_gpus: int, memory: CostFn, step_time: CostFn, gpu_bytes: float, load_factor: float = 0.9,
-                 time_limit_s: float = 5.0, resolution_s: float = 1.0) -> None:
+                 time_limit_s: float = 5.0, resolution_s: float = 1.0, workers: int = 8,
+                 deterministic: bool = False) -> None:
         check_planner("PackingPlanner", num_gpus, time_limit_s, resolution_s)
+        check_int("PackingPlanner", "workers", workers, 1)
+        self.workers = int(workers)
+        self.deterministic = check_bool("PackingPlanner", "deterministic", deterministic)
         check_real("PackingPlanner", "gpu_bytes", gpu_bytes, lambda v: v > 0, "a finite number of bytes > 0")
         self.num_gpus, self.memory, self.step_time = int(num_gpus), memory, step_time
         self.gpu_bytes, self.load_factor = float(gpu_bytes), check_margin(load_factor, "PackingPlanner", "load_factor")
@@ -177,8 +185,8 @@ class PackingPlanner:
             # candidates', its answer the larger model's hint and the plan where that finds none shorter)
             best = self._solve(specs, self.candidate_packs(specs, every=False), greedy, limit * FEW_FIRST)
             wall = best.wall if best else 0.0
-            limit = max(limit - wall, limit * (1 - FEW_FIRST))  # (what the first left: all but moments where it proved
-            # its answer at once)
+            # (what the first left: all but moments where it proved its answer at once)
+            limit = max(limit - (best.spent if best else 0.0), limit * (1 - FEW_FIRST))
             if best is not None:
                 best = best._replace(optimal=False)  # (optimal among the few alone)
         solved = self._solve(specs, packs, best.placed if best else greedy, limit)
@@ -227,6 +235,10 @@ class PackingPlanner:
         res = self.resolution_s
         sizes = [max(1, math.ceil(self.duration(p, d) / res - 1e-9)) for p, d in packs]
         horizon = sum(sizes)
+        if horizon > MAX_TICKS:  # (CP-SAT's integers, as `TaskScheduler.plan`'s: ortools' bare TypeError past them)
+            raise ValueError(f"the candidate jobs' durations add up to {horizon * res:.3g} s, {horizon:.3g} steps of "
+                             f"`resolution_s`={res}: at most {MAX_TICKS:.3g} steps can be planned (shorter steps, "
+                             "fewer of them or a coarser `resolution_s`)")
         model = cp_model.CpModel()
         chosen, starts, intervals, ends = [], [], [], []
         for k, ((pack, d), size) in enumerate(zip(packs, sizes)):
@@ -248,7 +260,7 @@ class PackingPlanner:
         for x, e in zip(chosen, ends):
             model.Add(makespan >= e).OnlyEnforceIf(x)
         model.Minimize(makespan)
-        solver = cp_solver(time_limit_s, 8)
+        solver = cp_solver(time_limit_s, self.workers, self.deterministic)
         status = solve(solver, model)
         if status == cp_model.UNKNOWN:
             return None
@@ -261,12 +273,14 @@ class PackingPlanner:
                 placed.append((pack, d, start))
                 grid_ends.append(start + sizes[k] * res)
         length = max(start + self.duration(pack, d) for pack, d, start in placed)
-        return _Solved(placed, grid_ends, length, status == cp_model.OPTIMAL, solver.WallTime(), len(packs))
+        spent = solver.deterministic_time if self.deterministic else solver.WallTime()  # (of its limit)
+        return _Solved(placed, grid_ends, length, status == cp_model.OPTIMAL, solver.WallTime(), len(packs), spent)
 
 
 class _Solved(NamedTuple):
     """A packing solve's answer: the (pack, GPUs, start) rows chosen, their ends on the grid, the makespan in the
-    jobs' own durations, whether proven optimal among the candidates, the solve's seconds and the candidates' count."""
+    jobs' own durations, whether proven optimal among the candidates, the solve's seconds, the candidates' count and
+    the time it spent of its limit (deterministic: CP-SAT's deterministic time; else its seconds)."""
 
     placed: list[tuple[tuple[AdapterSpec, ...], int, float]]
     grid_ends: list[float]
@@ -274,11 +288,13 @@ class _Solved(NamedTuple):
     optimal: bool
     wall: float
     candidates: int
+    spent: float
 
 
 def plora_greedy(specs: Sequence[AdapterSpec], num_gpus: int, memory: CostFn, step_time: CostFn, gpu_bytes: float,
                  load_factor: float = 0.9) -> tuple[list[Job], dict[str, Placement], float]:
     """PLoRA's greedy job planner (see the module doc). Returns the jobs, their placements and the makespan."""
+    check_int("plora_greedy", "num_gpus", num_gpus, 1)
     check_real("plora_greedy", "gpu_bytes", gpu_bytes, lambda v: v > 0, "a finite number of bytes > 0")
     load_factor = check_margin(load_factor, "plora_greedy", "load_factor")
     budget = gpu_bytes * load_factor

@@ -145,6 +145,7 @@ def validate_tasks(tasks: Sequence[Task], num_gpus: int, largest_node: Optional[
 
 def lower_bound(tasks: Iterable[Task], num_gpus: int, now: float = 0.0) -> float:
     """max(total work / G, longest task) from ``now``: no schedule ends earlier."""
+    check_int("lower_bound", "num_gpus", num_gpus, 1)
     tasks = list(tasks)
     if not tasks:
         return now
@@ -189,7 +190,8 @@ class TaskScheduler:
         deterministic: the same plan for the same tasks every time (one worker, `cp_solver`'s, not warm-started from
             the last plan); ``time_limit_s`` is then CP-SAT's deterministic time, which can take several times as
             long on the wall clock (ten times at most). By default the plan is the best that ``workers`` find in
-            ``time_limit_s`` of wall-clock time, which can differ between runs where none is proven optimal.
+            ``time_limit_s`` of wall-clock time, which can differ between runs: a longer one where none is proven
+            optimal, and, where one is, another of the same makespan (tasks of equal sizes swapped, say).
         nodes: GPUs of each node, adding up to ``num_gpus`` (default: one node of them all); a task's GPUs are on
             one node, node ``k``'s ids following those of the nodes before it.
     """
@@ -445,8 +447,13 @@ class _Steps:
 def list_schedule(tasks: Sequence[Task], num_gpus: int, order: Optional[Sequence[str]] = None) -> float:
     """Greedy list scheduling (default order: longest first): each task starts at the earliest time enough
     GPUs are free. Returns the makespan; the baseline the CP-SAT plan is compared with."""
+    check_int("list_schedule", "num_gpus", num_gpus, 1)
+    validate_tasks(tasks, num_gpus)
     by_id = {t.id: t for t in tasks}
     order = list(order) if order is not None else [t.id for t in sorted(tasks, key=lambda t: -t.duration)]
+    unknown = [task_id for task_id in order if task_id not in by_id]
+    if unknown or sorted(order) != sorted(by_id):
+        raise ValueError(f"list_schedule: `order` must name every task once, got {order} for tasks {sorted(by_id)}")
     running: list[tuple[float, int]] = []  # (end, gpus)
     free, now, makespan = num_gpus, 0.0, 0.0
     for task_id in order:

@@ -59,6 +59,9 @@ def test_the_analytic_model_grows_with_adapters_batch_and_rank_and_checkpointing
     assert model.predict([(16, 1, PROJECTIONS)] * 2, 1024) > one
     assert model.predict([(16, 2, PROJECTIONS)], 1024) > one
     assert model.predict([(64, 1, PROJECTIONS)], 1024) > one
+    # (one string of targets was read letter by letter: "got 'a'")
+    assert model.predict([(16, 1, "all-linear")], 1024) == one
+    assert model.predict([(16, 1, "q_proj")], 1024) == model.predict([(16, 1, ("q_proj",))], 1024) < one
     without = AnalyticMemoryModel(SHAPE, gradient_checkpointing=False)
     assert without.predict([(16, 8, PROJECTIONS)], 1024) > model.predict([(16, 8, PROJECTIONS)], 1024)
     # bf16 activations: the kernels' bf16 copy of fp32 adapters; fp32 activations read the adapters as they are

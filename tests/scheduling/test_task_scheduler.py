@@ -331,6 +331,20 @@ def test_a_deterministic_scheduler_plans_the_same_every_time():
     assert plans[0].placements == plans[1].placements
 
 
+def test_the_baselines_name_a_bad_machine_or_order():
+    """``list_schedule`` said "pop from empty list" for a task wider than the machine and for no GPUs, and
+    ``lower_bound`` divided by zero."""
+    tasks = [Task("wide", 5, 3), Task("b", 2, 1)]
+    with pytest.raises(ValueError, match=r"task 'wide' needs 3 GPUs but only 2 exist"):
+        list_schedule(tasks, 2)
+    for call in (lambda: list_schedule(tasks, 0), lambda: lower_bound(tasks, 0)):
+        with pytest.raises(ValueError, match=r"`num_gpus` must be an integer >= 1, got 0"):
+            call()
+    with pytest.raises(ValueError, match=r"list_schedule: `order` must name every task once, got \['b', 'x'\]"):
+        list_schedule(tasks, 4, order=["b", "x"])
+    assert list_schedule(tasks, 4, order=["b", "wide"]) == 5
+
+
 def check_on_nodes(schedule, nodes: list[int]) -> None:
     """Each placement's GPUs are those of one node."""
     firsts = [sum(nodes[:k]) for k in range(len(nodes))]
