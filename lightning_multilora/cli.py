@@ -172,6 +172,13 @@ class MultiLoRACLI(LightningCLI):
             "trainer.log_every_n_steps": 10,
         })
 
+    def _parse_ckpt_path(self) -> None:
+        """Nothing: Lightning's CLI put the hyperparameters a checkpoint file holds over the whole `model` section the
+        command gave (`--ckpt_path last`, no file when parsed, not): its settings were dropped unsaid (`export_dir`,
+        `max_running`, adapters added to a resumed sweep, a moved `base_model`), and `--print_config` showed another
+        config than the run's. The module is the command's, as a Python fit's with `ckpt_path=`; resumed, it keeps the
+        checkpoint's adapters and says what it keeps or refuses (`MultiLoRAModule.on_load_checkpoint`)."""
+
     def instantiate_classes(self) -> None:
         """A value the classes refuse as they are built (an AdapterSpec field out of range, say) ends the command with
         its own message, as a parse error does, not under jsonargparse's traceback (which wraps it among the
@@ -184,6 +191,12 @@ class MultiLoRACLI(LightningCLI):
             super().instantiate_classes()
         except (ValueError, OSError, MisconfigurationException) as err:  # (the last: the Trainer's own refusals)
             self.parser.error(config_error(err), ex=err)
+        except RuntimeError as err:  # (a second EarlyExit, say, appended to a config that has one: a traceback)
+            if "more than one stateful callback" not in str(err):
+                raise
+            self.parser.error(f"{str(err).split('. ')[0]}: the config has one already; set its options with "
+                              "--trainer.callbacks.init_args.<name> (the last callback's), or edit the config "
+                              "`--print_config` writes", ex=err)
 
     def before_fit(self) -> None:
         from lightning_multilora.strategies.adapter_parallel import check_resume_path
@@ -201,6 +214,11 @@ class MultiLoRACLI(LightningCLI):
         if path is not None and path not in ("last", "registry") and "://" not in path \
                 and not Path(path).exists():
             self.parser.error(f"`ckpt_path` {path!r}: no such checkpoint file or folder")
+        if path is not None and "://" not in path and Path(path).is_file():  # (a text file or an export's weights:
+            # Lightning's UnpicklingError; another module's checkpoint: a traceback, and the run's files left behind)
+            problem = _not_a_run_checkpoint(path)
+            if problem:
+                self.parser.error(f"`ckpt_path` {path!r}: {problem}")
         try:
             self.datamodule.tokenizer
             for rec in self.model.registry:  # (its data source, and its `init_from` folder where it is not a resume:
@@ -451,6 +469,22 @@ class MultiLoRACLI(LightningCLI):
         except BaseException:  # (a fit that ends before any step leaves nothing that would refuse the next command)
             self._release_log_dir()
             raise
+
+
+def _not_a_run_checkpoint(path: str) -> str:
+    """Why the file at ``path`` is not a checkpoint of a multilora fit ("" where it is one): it does not load, is no
+    Lightning checkpoint, or holds no module of this package (its tensors mapped, not read)."""
+    import torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:  # noqa: BLE001 - whatever a file that is no checkpoint raises as it is read
+        return f"not a checkpoint ({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
+    if not isinstance(checkpoint, dict) or "pytorch-lightning_version" not in checkpoint:
+        return "not a Lightning checkpoint (a `Trainer`'s or `ModelCheckpoint`'s file)"
+    if "multilora" not in checkpoint:
+        return "a checkpoint of another LightningModule than a MultiLoRAModule (no 'multilora' entry)"
+    return ""
 
 
 def config_error(err: Exception) -> str:

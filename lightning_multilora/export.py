@@ -33,6 +33,29 @@ def peft_target_modules(layer_names: Sequence[str], all_module_names: Sequence[s
     return out
 
 
+def peft_skipped_layers(model: Any, layer_names: Sequence[str]) -> list[str]:
+    """The layers among ``layer_names`` whose weights PEFT's loader leaves out on ``model``: on a mixture-of-experts
+    base whose experts transformers 5 fuses (DeepSeek-V2/V3, Qwen2-MoE, GLM-4-MoE...), `PeftModel.from_pretrained`
+    reads every target named as an expert's projection (``gate_proj``, ``up_proj``, ``down_proj``, the router's
+    ``gate``) as the fused experts' parameters, dense layers and shared experts of those names included, whose
+    weights it then does not load, unsaid. Empty where PEFT has no such rule (its private tables, read as they are)."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:
+        return []
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    try:
+        if model_type is None or conversion.get_checkpoint_conversion_mapping(model_type) is None:
+            return []
+        pattern = conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type)
+        renamed = conversion._MOE_TARGET_MODULE_MAPPING.get(pattern) or {}
+        if not conversion._MOE_FUSED_TARGETS.get(pattern):
+            return []
+    except (AttributeError, TypeError):  # (another PEFT: its loader's rules unknown here)
+        return []
+    return [n for n in layer_names if n.rsplit(".", 1)[-1] in renamed]
+
+
 def save_peft_adapter(
     directory: str | Path,
     spec: AdapterSpec,

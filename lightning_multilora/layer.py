@@ -499,16 +499,19 @@ class LoRALayers(Mapping):
                 )
         names = [n for n in self._layers if _matches(n, target_modules)]
         if not names:
-            raise ValueError(f"`target_modules` {target_modules!r} match none of the injected layers")
+            raise ValueError(f"`target_modules` {target_modules!r} match none of the injected layers; injected "
+                             f"module names end in: {sorted({n.rsplit('.', 1)[-1] for n in self._layers})}")
         return names
 
-    def unwrapped_matches(self, target_modules: Union[str, Sequence[str]]) -> list[str]:
+    def unwrapped_matches(self, target_modules: Union[str, Sequence[str]], heads: bool = False) -> list[str]:
         """The model's linear modules that ``target_modules`` select but that were not injected (an adapter's
-        targets choose among the injected layers: these it cannot have)."""
+        targets choose among the injected layers: these it cannot have); ``heads``: its output head (`lm_head`)
+        among them."""
         wrapped = set(self._layers)
         attention = {n for n, m in self.model.named_modules() if isinstance(m, nn.MultiheadAttention)}  # (skipped)
         return [n for n, m in self.model.named_modules() if n and n not in wrapped and n.rpartition(".")[0] not in
-                wrapped | attention and _is_linear(m) and _matches(n, target_modules) and not n.endswith("lm_head")]
+                wrapped | attention and _is_linear(m) and _matches(n, target_modules)
+                and (heads or not n.endswith("lm_head"))]
 
     def add_adapter(
         self,

@@ -32,8 +32,8 @@ from typing_extensions import override
 from lightning_multilora.arguments import UsageError, check_bool, check_int, peft_targets
 from lightning_multilora.base_model import check_causal_lm, one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
-from lightning_multilora.export import (init_from_layers, init_from_shapes, init_from_weights, peft_target_modules,
-                                        save_peft_adapter)
+from lightning_multilora.export import (init_from_layers, init_from_shapes, init_from_weights, peft_skipped_layers,
+                                        peft_target_modules, save_peft_adapter)
 from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS, unflatten
 from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels import keep_alive
@@ -556,6 +556,15 @@ class MultiLoRAMixin:
                           f"`config_overrides` {overrides}; PEFT loads that base without them: build it with "
                           f"`AutoModelForCausalLM.from_pretrained({base!r}, **{overrides!r})` before "
                           "`PeftModel.from_pretrained`", stacklevel=2)
+        skipped = peft_skipped_layers(self.lora_layers.model, layers)
+        if skipped and not getattr(self, "_told_peft_skips", False):
+            self._told_peft_skips = True  # (once a module)
+            kind = getattr(self.lora_layers.model.config, "model_type", "")
+            warnings.warn(f"adapter {name!r}: PEFT's `PeftModel.from_pretrained` takes its layers named as a {kind} "
+                          f"base's expert projections ({skipped[:3]}...: {len(skipped)}), plain linear layers here, "
+                          "for the fused experts' parameters, and does not load their weights: the export holds them "
+                          "(`AdapterSpec(init_from=...)` reads them), but PEFT runs the adapter without them. Leave "
+                          "them out of `target_modules` for an export PEFT loads whole", stacklevel=2)
         if own_folder:
             rec.export_path = str(path)
             if weights is not None:
@@ -1305,7 +1314,14 @@ class MultiLoRAMixin:
                                  f"{list(self.lora_layers)[:2]})")
             return "|".join(re.escape(n) for n in layers)  # (exactly those: a full name matches its suffixes too)
         targets = spec.target_modules or self.default_target_modules
-        chosen = self.lora_layers.layers_for(targets)
+        try:
+            chosen = self.lora_layers.layers_for(targets)
+        except ValueError as err:  # (which adapter of a grid's or a sweep's; and a PEFT user's `lm_head`: the fix)
+            unwrapped = self.lora_layers.unwrapped_matches(targets, heads=True)
+            hint = (f"; {unwrapped[:3]} are linear modules the module does not wrap: add them to its "
+                    f"`target_modules` ({self.default_target_modules!r} now) for an adapter to take them"
+                    if unwrapped else "")
+            raise ValueError(f"adapter {spec.name!r}: {err}{hint}") from None
         given = queued and spec.target_modules not in (None, "all-linear")  # ("all-linear": all the module wraps)
         outside = self.lora_layers.unwrapped_matches(targets) if given else []
         if outside:  # (a list naming none of the wrapped modules is an error; a regex, or a name some of whose
@@ -1670,14 +1686,14 @@ class MultiLoRAMixin:
                            f"{'s' if len(left) != 1 else ''} to train: {placement.world_size - len(left)} rank(s) "
                            "hold none and only join the base's forward and backward; use fewer devices, or more "
                            "adapters (a grid, an OptunaSweep)")
-        dropout = _base_dropout(self.lora_layers.model)
+        dropout, keys = _base_dropout(self.lora_layers.model)
         if dropout and (self.max_running is None or self.max_running > 1) and len(self.registry) > 1:
+            zeros = {key: 0.0 for key in keys or ["attention_dropout"]}
             rank_zero_warn(
                 f"the frozen base applies dropout in training ({dropout}): its masks come from one random stream that "
                 "the adapters sharing a step draw from, so each adapter's training depends on which adapters share "
                 "its steps (it no longer trains exactly as it would alone). Set the base's dropout to 0 for isolated "
-                "runs (`config_overrides`, e.g. {'attention_dropout': 0.0}, or the model's config), or keep it for "
-                "its regularisation")
+                f"runs (`config_overrides`, e.g. {zeros}, or the model's config), or keep it for its regularisation")
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
@@ -2121,6 +2137,10 @@ class MultiLoRAMixin:
         # by the clock, also within the endless epoch)
         interval, limit_train = getattr(trainer, "val_check_interval", None), trainer.limit_train_batches
         endless = isinstance(limit_train, float) and limit_train == 1.0  # (an int is a number of batches)
+        if isinstance(interval, int) and not isinstance(interval, bool) and interval < 1:  # (Lightning took 0: the
+            # first step, then "integer modulo by zero")
+            raise UsageError(f"`Trainer(val_check_interval={interval})`: give a number of steps >= 1 between "
+                             "validations (`Trainer(limit_val_batches=0)` turns validation off)")
         if isinstance(interval, float) and interval != 1.0 and endless and not trainer.fast_dev_run:
             raise UsageError(f"`Trainer(val_check_interval={interval!r})` is a share of an epoch, and the run is one "
                              "endless epoch (the adapters draw their batches as long as they train): give an integer "
@@ -2700,22 +2720,27 @@ class MultiLoRAMixin:
 # a validation's per-adapter values (`_record_val_losses`): in ``trainer.callback_metrics`` for any reader (`_monitor`)
 _VALIDATION_METRICS = ("/val_loss", "/val_preference_accuracy", "/val_rewards_chosen", "/val_rewards_rejected",
                        "/val_rewards_margin")
-_FUNCTIONAL_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")  # (applied by F.dropout)
+# config keys of dropout that a base applies with `F.dropout` (not a module), attention kernels' as an argument: OPT's
+# `dropout` and `activation_dropout` in each layer, Falcon's and Bloom's `hidden_dropout` (`dropout_add`)...
+_FUNCTIONAL_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "dropout", "hidden_dropout",
+                       "activation_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "ffn_dropout")
 
 
-def _base_dropout(model: nn.Module) -> str:
+def _base_dropout(model: nn.Module) -> tuple[str, list[str]]:
     """The dropout a training forward of ``model`` applies, in words ("" for none): its dropout modules with p > 0
-    and the attention dropout its config sets (attention kernels apply it as an argument, not a module)."""
+    and the dropout its config sets that its layers apply without a module (`_FUNCTIONAL_DROPOUT`); and those config
+    keys."""
     modules: dict[float, list[str]] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             modules.setdefault(float(module.p), []).append(name.rsplit(".", 1)[-1])
     config = getattr(model, "config", None)
-    found = [f"config.{key}={getattr(config, key)}" for key in _FUNCTIONAL_DROPOUT
-             if isinstance(getattr(config, key, None), (int, float)) and getattr(config, key) > 0]
+    keys = [key for key in _FUNCTIONAL_DROPOUT if isinstance(getattr(config, key, None), (int, float))
+            and not isinstance(getattr(config, key), bool) and getattr(config, key) > 0]
+    found = [f"config.{key}={getattr(config, key)}" for key in keys]
     found += [f"{len(names)} dropout modules of p={p} ({', '.join(sorted(set(names))[:3])})"
               for p, names in modules.items()]
-    return "; ".join(found)
+    return "; ".join(found), keys
 
 
 def _logits(out: Any) -> Tensor:

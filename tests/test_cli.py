@@ -138,6 +138,11 @@ def test_a_run_into_another_runs_log_directory_is_refused_unless_it_resumes_it(t
     (["--model.adapters", "[{name: a, dataset: nope}]"], "adapter `dataset` 'nope' is not a data source"),
     (["--trainer.gradient_clip_val", "1.0"], "`Trainer(gradient_clip_val=1.0)`: each adapter clips its own"),
     (["--trainer.val_check_interval", "0.5"], "`val_check_interval` should be an integer or a time-based duration"),
+    # (0 trained a step, then "integer modulo by zero"; a second EarlyExit: Lightning's traceback)
+    (["--trainer.val_check_interval", "0"], "`Trainer(val_check_interval=0)`: give a number of steps >= 1"),
+    (["--trainer.callbacks+=lightning_multilora.callbacks.EarlyExit"],
+     "Found more than one stateful callback of type `EarlyExit`: the config has one already; set its options with "
+     "--trainer.callbacks.init_args.<name>"),
     (["--data.sources", json.dumps({"d": {"class_path": "lightning_multilora.data.JSONLSource",
                                           "init_args": {"path": "/nowhere/train.jsonl"}}})],
      "data source 'd': JSONLSource: no file at `path` '/nowhere/train.jsonl'"),
@@ -426,6 +431,48 @@ def _tiny_fit(root, *extra, adapters="[{name: a, rank: 2, max_steps: 2, batch_si
     return ["fit", "--trainer.default_root_dir", str(root), "--trainer.accelerator", "cpu",
             "--trainer.enable_progress_bar", "false", "--trainer.max_steps", "-1", "--model.base_model", "tiny-llama",
             "--model.adapters", adapters, "--data.max_val_examples", "4", *extra]
+
+
+def test_a_resume_from_a_checkpoint_file_takes_the_commands_model_settings(tmp_path, capsys):
+    """Lightning's CLI put the checkpoint's saved hyperparameters over the command's whole `model` section: a new
+    `export_dir` and an adapter added to the resumed run were dropped, unsaid (`--ckpt_path last` took them)."""
+    checkpoints = json.dumps([{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                               "init_args": {"dirpath": str(tmp_path / "ck"), "every_n_train_steps": 1}}])
+    main(_tiny_fit(tmp_path / "run", "--trainer.max_steps", "1", "--trainer.callbacks", checkpoints,
+                   adapters="[{name: a, rank: 2, max_steps: 3, batch_size: 2}]"))
+    ckpt = str(next((tmp_path / "ck").glob("*.ckpt")))
+    added = "[{name: a, rank: 2, max_steps: 3, batch_size: 2}, {name: c, rank: 2, max_steps: 2, batch_size: 2}]"
+    with pytest.warns(UserWarning, match=r"adapters not in the checkpoint are queued: \['c'\]"):
+        main(_tiny_fit(tmp_path / "run", "--ckpt_path", ckpt, "--model.export_dir", str(tmp_path / "moved"),
+                       adapters=added))
+    assert sorted(p.name for p in (tmp_path / "moved").iterdir()) == ["a", "c"]
+
+
+@pytest.mark.parametrize("kind", ["text", "export", "no lightning", "another module"])
+def test_a_ckpt_path_that_is_no_checkpoint_of_a_run_is_a_usage_error_leaving_nothing(tmp_path, capsys, kind):
+    """A text file or an export's weights ended in Lightning's UnpicklingError; a plain `torch.save` or another
+    module's checkpoint in a traceback after the run's config, summary and claim were written, which then refused
+    the corrected command as "another run's"."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = tmp_path / "files" / "x.ckpt"
+    path.parent.mkdir()
+    if kind == "text":
+        path.write_text("not a checkpoint\n")
+    elif kind == "export":
+        save_file({"w": torch.zeros(2)}, str(path))
+    else:
+        torch.save({"state_dict": {}, **({"pytorch-lightning_version": "2.6.0"} if kind == "another module" else {})},
+                   path)
+    message = {"text": "not a checkpoint (", "export": "not a checkpoint (",
+               "no lightning": "not a Lightning checkpoint",
+               "another module": "a checkpoint of another LightningModule than a MultiLoRAModule"}[kind]
+    with pytest.raises(SystemExit) as done:
+        main(_tiny_fit(tmp_path / "run", "--trainer.logger", "false", "--ckpt_path", str(path)))
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"`ckpt_path` '{path}': {message}" in err and "Traceback" not in err, err
+    assert not (tmp_path / "run").exists() or not [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
 
 
 def test_runs_started_together_take_their_own_log_versions_and_a_claimed_root_is_refused(tmp_path, capsys):

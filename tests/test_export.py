@@ -466,3 +466,34 @@ def test_an_export_says_what_its_weights_are_and_a_built_in_base_how_it_was_buil
     theirs = dict(rebuilt.named_parameters())
     ours = {n.replace(".base.", "."): p for n, p in module.model.named_parameters() if "lora_" not in n}
     assert ours.keys() == theirs.keys() and all(torch.equal(p, theirs[n]) for n, p in ours.items())
+
+
+def test_an_export_whose_layers_peft_takes_for_fused_experts_is_warned_of(tmp_path, trainer_kwargs):
+    """On a DeepSeek-V3 base (V2, GLM-4-MoE, Qwen3-Next... alike) PEFT's loader reads targets named as the experts'
+    projections as the fused experts' parameters: the dense layer's and the shared experts' trained `gate_proj` /
+    `up_proj` / `down_proj`, plain linears, were not loaded, and the loaded adapter answered otherwise than the
+    module's, unsaid."""
+    from peft import get_peft_model_state_dict
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("deepseek_v3", vocab_size=300, hidden_size=32, intermediate_size=64,
+                                  moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                  topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+                                  qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=256)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("all-linear" leaves the fused experts and the router: said)
+        module = MultiLoRAModule(str(tmp_path / "base"), export_dir=str(tmp_path / "e"), validate_on_finish=False,
+                                 adapters=[AdapterSpec("a", rank=2, max_steps=1)])
+    with pytest.warns(UserWarning, match=r"adapter 'a': PEFT's `PeftModel.from_pretrained` takes its layers named as "
+                                         r"a deepseek_v3 base's expert projections \(\['model.layers.0.mlp."):
+        L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(40)}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        loaded = PeftModel.from_pretrained(base, tmp_path / "e" / "a")
+    held = get_peft_model_state_dict(loaded)
+    assert not any("layers.0.mlp.gate_proj" in k for k in held)  # (as the warning says: PEFT left them out)
+    assert any("kv_b_proj" in k for k in held)

@@ -1613,6 +1613,30 @@ def test_a_base_that_applies_dropout_is_warned_of(trainer_kwargs):
         assert len(found) == len(expected) and all(re.search(e, f) for e, f in zip(expected, found))
         if expected:
             assert "no longer trains exactly as it would alone" in found[0] and "config_overrides" in found[0]
+    # OPT applies its `dropout` (0.1 by default, as every facebook/opt-* checkpoint) with F.dropout: never said
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    opt = AutoModelForCausalLM.from_config(OPTConfig(vocab_size=300, hidden_size=32, ffn_dim=64, num_hidden_layers=1,
+                                                     num_attention_heads=4, word_embed_proj_dim=32))
+    module = MultiLoRAModule(opt, adapters=specs, validate_on_finish=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        L.Trainer(**trainer_kwargs).fit(module, small_dm())
+    found = [str(w.message) for w in seen if "applies dropout" in str(w.message)]
+    assert len(found) == 1 and "config.dropout=0.1" in found[0] and "{'dropout': 0.0}" in found[0], found
+
+
+def test_an_adapters_targets_outside_the_modules_layers_name_the_adapter_and_the_fix():
+    """A PEFT user's ``["q_proj", "v_proj", "lm_head"]`` was refused naming neither the adapter (of a grid's many)
+    nor the module's `target_modules`, which takes the head; a regex matching nothing listed no layers."""
+    with pytest.raises(ValueError, match=r"adapter 'b': `target_modules` \['lm_head'\] are not among the injected "
+                                         r"layers; .*\['lm_head'\] are linear modules the module does not wrap: add "
+                                         r"them to its `target_modules` \('all-linear' now\)"):
+        MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a"), AdapterSpec("b", target_modules=["q_proj",
+                                                                                                     "lm_head"])])
+    with pytest.raises(ValueError, match=r"adapter 'c': `target_modules` '.\*c_attn' match none of the injected "
+                                         r"layers; injected module names end in: \['down_proj', 'gate_proj', "):
+        MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("c", target_modules=".*c_attn")])
 
 
 def test_an_adapters_regex_that_matches_layers_the_module_does_not_wrap_is_warned_of():
