@@ -45,9 +45,15 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+# Run as `python benchmarks/<script>.py`, this folder led the import path, and its kernels.py hid Hugging Face's
+# `kernels` package, which transformers imports as it builds a model: the folder is taken off the path (the
+# `benchmarks.` imports come from the repository root, PYTHONPATH=.)
+sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != os.path.dirname(os.path.realpath(__file__))]
 
 import torch
 import torch.distributed as dist

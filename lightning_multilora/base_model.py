@@ -403,7 +403,8 @@ def _naming_overrides(config_overrides: Optional[dict[str, Any]]):
     (transformers' own message, about a rotary dimension or a head count, does not)."""
     try:
         yield
-    except (OSError, MemoryError, torch.OutOfMemoryError):  # (a file missing, or no room: not the overrides' doing)
+    except (OSError, MemoryError, torch.OutOfMemoryError, ImportError):  # (a file missing, no room, a package that
+        # does not import, a `kernels.py` of one's own hiding Hugging Face's: not the overrides' doing)
         raise
     except Exception as err:  # (transformers' validation errors are no ValueError)
         if not config_overrides:

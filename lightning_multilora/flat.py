@@ -56,8 +56,15 @@ class FlatAdapter:
 
     @staticmethod
     def can_hold(params: Sequence[Tensor]) -> bool:
-        """One device and one dtype (a model split over devices keeps per-layer parameters)."""
-        return bool(params) and len({(p.device, p.dtype) for p in params}) == 1
+        """One device and one dtype (a model split over devices keeps per-layer parameters), plain tensors (FSDP2's
+        sharded parameters, DTensors, are views of their shards: "_foreach_copy_ got mixed torch.Tensor and
+        DTensor")."""
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # (a torch built without distributed: no DTensor)
+            DTensor = ()
+        return bool(params) and len({(p.device, p.dtype) for p in params}) == 1 and \
+            not any(isinstance(p, DTensor) for p in params)
 
     def _views(self, flat: Tensor) -> tuple[Tensor, ...]:
         return tuple(flat[o:o + p.numel()].view(p.shape) for o, p in zip(self._offsets, self.params))

@@ -682,10 +682,11 @@ class LoRALayers(Mapping):
         if not holds or not flat.bound():
             self.rebind()  # (over the layers' parameters as they are now; the layers drop their cached weights)
             flat = self._flat[name]
-            if not holds:
+            if not holds:  # (FSDP2's `fully_shard` too: its sharded parameters are held per layer, `can_hold`)
+                how = "it is held flat anew" if flat is not None else "it is held per layer now (sharded parameters)"
                 warnings.warn(f"adapter {name!r}: its layers hold other parameter objects than its flat parameter "
-                              "(load_state_dict(..., assign=True)?); it is held flat anew, and an optimizer built "
-                              "before steps the old parameters: build it again")
+                              f"(load_state_dict(..., assign=True)?); {how}, and an optimizer built before steps the "
+                              "old parameters: build it again")
         return flat
 
     def _holds(self, name: str, flat: FlatAdapter) -> bool:

@@ -63,6 +63,19 @@ def test_config_overrides_that_break_the_model_are_named(overrides):
         build_base_model("tiny-llama", overrides)
 
 
+def test_an_import_error_while_building_is_not_blamed_on_the_overrides(monkeypatch):
+    """A `kernels.py` of one's own (a benchmark folder's) hid the package transformers imports as it builds a model:
+    the error said the `config_overrides` "make a model that cannot be built or run"."""
+    from transformers import AutoModelForCausalLM
+
+    def from_config(*args, **kwargs):
+        raise ImportError("cannot import name 'CUDAProperties' from 'kernels' (/somewhere/kernels.py)")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_config", from_config)
+    with pytest.raises(ImportError, match="cannot import name 'CUDAProperties'"):
+        build_base_model("tiny-llama", {"max_position_embeddings": 512})
+
+
 @pytest.mark.parametrize("overrides", [{"num_attention_heads": 5}, {"num_hidden_layers": 0},
                                        {"num_key_value_heads": 3}])
 def test_config_overrides_that_break_a_checkpoint_are_named(tmp_path, overrides):

@@ -104,6 +104,25 @@ def test_parameters_on_several_devices_or_dtypes_stay_per_layer():
         FlatAdapter(mixed)
 
 
+def test_sharded_parameters_stay_per_layer(tmp_path):
+    """FSDP2's sharded parameters (DTensors) were held flat: the copy into the flat storage failed in the first
+    forward, "_foreach_copy_ got mixed torch.Tensor and DTensor" (`benchmarks/adapter_parallel.py`'s FSDP baselines)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    if not dist.is_available():
+        pytest.skip("torch without distributed")
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        sharded = [nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])) for _ in range(2)]
+        assert not FlatAdapter.can_hold(sharded) and make_flat(sharded) is None
+        assert FlatAdapter.can_hold([nn.Parameter(torch.ones(4, 2))])
+    finally:
+        dist.destroy_process_group()
+
+
 def test_the_layers_hold_each_adapter_flat_and_free_it_with_the_adapter():
     model = build_base_model("tiny-llama")
     layers = inject_multilora(model, ["q_proj", "v_proj"])
