@@ -216,9 +216,18 @@ class MultiLoRACLI(LightningCLI):
             self.parser.error(f"`ckpt_path` {path!r}: no such checkpoint file or folder")
         if path is not None and "://" not in path and Path(path).is_file():  # (a text file or an export's weights:
             # Lightning's UnpicklingError; another module's checkpoint: a traceback, and the run's files left behind)
-            problem = _not_a_run_checkpoint(path)
+            checkpoint, problem = _run_checkpoint(path)
             if problem:
                 self.parser.error(f"`ckpt_path` {path!r}: {problem}")
+            saved = (checkpoint.get("hyper_parameters") or {}).get("base_model")
+            given = getattr(self.model, "_base_named", None)
+            if given == "tiny-llama" and saved not in (None, given):  # (the default base: no config given, as
+                # Lightning's CLI took the checkpoint's arguments for; the module is the command's config now)
+                config = Path(path).parent.parent / "config.yaml"
+                self.parser.error(f"`ckpt_path` {path!r}: its run was trained on `base_model` {saved!r}, and this "
+                                  "command builds 'tiny-llama' (the default): give the run's config to resume it, "
+                                  f"--config {config if config.is_file() else '<its config.yaml>'} (a resume's module "
+                                  "is the command's)")
         try:
             self.datamodule.tokenizer
             for rec in self.model.registry:  # (its data source, and its `init_from` folder where it is not a resume:
@@ -471,20 +480,23 @@ class MultiLoRACLI(LightningCLI):
             raise
 
 
-def _not_a_run_checkpoint(path: str) -> str:
-    """Why the file at ``path`` is not a checkpoint of a multilora fit ("" where it is one): it does not load, is no
-    Lightning checkpoint, or holds no module of this package (its tensors mapped, not read)."""
+def _run_checkpoint(path: str) -> tuple[dict, str]:
+    """The checkpoint at ``path`` (its tensors mapped, not read, where its format allows), and why it is not a
+    checkpoint of a multilora fit ("" where it is one): it does not load, is no Lightning checkpoint, or holds no
+    module of this package."""
+    import zipfile
+
     import torch
 
-    try:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    try:  # (its tensors mapped, where the file is torch's zip format; an older format is read whole)
+        checkpoint = torch.load(path, map_location="cpu", mmap=zipfile.is_zipfile(path), weights_only=False)
     except Exception as err:  # noqa: BLE001 - whatever a file that is no checkpoint raises as it is read
-        return f"not a checkpoint ({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
+        return {}, f"not a checkpoint ({type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''})"
     if not isinstance(checkpoint, dict) or "pytorch-lightning_version" not in checkpoint:
-        return "not a Lightning checkpoint (a `Trainer`'s or `ModelCheckpoint`'s file)"
+        return {}, "not a Lightning checkpoint (a `Trainer`'s or `ModelCheckpoint`'s file)"
     if "multilora" not in checkpoint:
-        return "a checkpoint of another LightningModule than a MultiLoRAModule (no 'multilora' entry)"
-    return ""
+        return checkpoint, "a checkpoint of another LightningModule than a MultiLoRAModule (no 'multilora' entry)"
+    return checkpoint, ""
 
 
 def config_error(err: Exception) -> str:

@@ -93,10 +93,14 @@ def _untake_interrupted_batch(checkpoint: dict[str, Any]) -> None:
     on resume, but Lightning, resumed, counted one batch more than were taken and validated one step early from then
     on (`val_check_interval` counts batches begun, `total.ready`): other validation steps than the run's, other
     `EarlyExit` decisions. Its counts of a batch begun go back to those processed (a checkpoint of a batch processed,
-    at its end, is as Lightning resumes it)."""
-    progress = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    at its end, is as Lightning resumes it; one written after the step's optimizer step, as a finishing adapter is
+    validated and exported inside the step, has the step taken: its counts stay)."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    progress = loop.get("epoch_loop.batch_progress")
     total = progress.get("total") if isinstance(progress, dict) else None
-    if isinstance(total, dict) and total.get("processed", 0) == total.get("completed", 0) < total.get("ready", 0):
+    stepped = (loop.get("epoch_loop.manual_optimization.optim_step_progress") or {}).get("total") or {}
+    if isinstance(total, dict) and total.get("processed", 0) == total.get("completed", 0) < total.get("ready", 0) \
+            and stepped.get("completed", checkpoint.get("global_step")) == total.get("processed"):
         total["ready"] = total["started"] = total["processed"]
 
 
@@ -562,9 +566,10 @@ class MultiLoRAMixin:
             kind = getattr(self.lora_layers.model.config, "model_type", "")
             warnings.warn(f"adapter {name!r}: PEFT's `PeftModel.from_pretrained` takes its layers named as a {kind} "
                           f"base's expert projections ({skipped[:3]}...: {len(skipped)}), plain linear layers here, "
-                          "for the fused experts' parameters, and does not load their weights: the export holds them "
-                          "(`AdapterSpec(init_from=...)` reads them), but PEFT runs the adapter without them. Leave "
-                          "them out of `target_modules` for an export PEFT loads whole", stacklevel=2)
+                          "for the fused experts' parameters, and does not load their weights (or refuses the export, "
+                          "where it targets one of a fused pair alone, gate_proj without up_proj): the export holds "
+                          "them (`AdapterSpec(init_from=...)` reads them), but PEFT runs the adapter without them. "
+                          "Leave them out of `target_modules` for an export PEFT loads whole", stacklevel=2)
         if own_folder:
             rec.export_path = str(path)
             if weights is not None:
@@ -2723,7 +2728,8 @@ _VALIDATION_METRICS = ("/val_loss", "/val_preference_accuracy", "/val_rewards_ch
 # config keys of dropout that a base applies with `F.dropout` (not a module), attention kernels' as an argument: OPT's
 # `dropout` and `activation_dropout` in each layer, Falcon's and Bloom's `hidden_dropout` (`dropout_add`)...
 _FUNCTIONAL_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "dropout", "hidden_dropout",
-                       "activation_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "ffn_dropout")
+                       "activation_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "ffn_dropout",
+                       "residual_dropout", "embedding_dropout")  # (the last two: StarCoder2's, Seed-OSS's)
 
 
 def _base_dropout(model: nn.Module) -> tuple[str, list[str]]:

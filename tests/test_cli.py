@@ -440,12 +440,35 @@ def test_a_resume_from_a_checkpoint_file_takes_the_commands_model_settings(tmp_p
                                "init_args": {"dirpath": str(tmp_path / "ck"), "every_n_train_steps": 1}}])
     main(_tiny_fit(tmp_path / "run", "--trainer.max_steps", "1", "--trainer.callbacks", checkpoints,
                    adapters="[{name: a, rank: 2, max_steps: 3, batch_size: 2}]"))
-    ckpt = str(next((tmp_path / "ck").glob("*.ckpt")))
+    import torch
+
+    ckpt = str(tmp_path / "legacy.ckpt")  # (torch's older, non-zip format: Lightning reads it; it is not refused)
+    torch.save(torch.load(next((tmp_path / "ck").glob("*.ckpt")), weights_only=False), ckpt,
+               _use_new_zipfile_serialization=False)
     added = "[{name: a, rank: 2, max_steps: 3, batch_size: 2}, {name: c, rank: 2, max_steps: 2, batch_size: 2}]"
     with pytest.warns(UserWarning, match=r"adapters not in the checkpoint are queued: \['c'\]"):
         main(_tiny_fit(tmp_path / "run", "--ckpt_path", ckpt, "--model.export_dir", str(tmp_path / "moved"),
                        adapters=added))
     assert sorted(p.name for p in (tmp_path / "moved").iterdir()) == ["a", "c"]
+
+
+def test_a_resume_from_a_checkpoint_file_without_the_runs_config_names_the_runs_base(tmp_path, capsys):
+    """With the module the command's config, `--ckpt_path <file>` alone built the default base: a traceback of
+    another base model, a version folder left behind."""
+    from lightning_multilora.base_model import build_base_model
+
+    build_base_model("tiny-llama", {"num_hidden_layers": 1}).save_pretrained(tmp_path / "base")
+    checkpoints = json.dumps([{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                               "init_args": {"dirpath": str(tmp_path / "ck"), "every_n_train_steps": 1}}])
+    main(_tiny_fit(tmp_path / "run", "--trainer.max_steps", "1", "--trainer.callbacks", checkpoints,
+                   "--model.base_model", str(tmp_path / "base")))
+    ckpt = str(next((tmp_path / "ck").glob("*.ckpt")))
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--trainer.default_root_dir", str(tmp_path / "again"), "--ckpt_path", ckpt])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"its run was trained on `base_model` '{tmp_path / 'base'}'" in err, err
+    assert "give the run's config to resume it, --config" in err and "Traceback" not in err
+    assert not (tmp_path / "again").exists()
 
 
 @pytest.mark.parametrize("kind", ["text", "export", "no lightning", "another module"])

@@ -1624,6 +1624,10 @@ def test_a_base_that_applies_dropout_is_warned_of(trainer_kwargs):
         L.Trainer(**trainer_kwargs).fit(module, small_dm())
     found = [str(w.message) for w in seen if "applies dropout" in str(w.message)]
     assert len(found) == 1 and "config.dropout=0.1" in found[0] and "{'dropout': 0.0}" in found[0], found
+    from lightning_multilora.module import _base_dropout
+
+    opt.config.dropout, opt.config.residual_dropout = 0.0, 0.2  # (StarCoder2's key, applied with F.dropout)
+    assert _base_dropout(opt)[1] == ["residual_dropout"]
 
 
 def test_an_adapters_targets_outside_the_modules_layers_name_the_adapter_and_the_fix():
@@ -2361,18 +2365,32 @@ class _ValidatedAt(Callback):
         self.steps.append(trainer.global_step)
 
 
-@pytest.mark.parametrize("where", ["forward", "optimizer_step"])
+class _SaveAsAdapterExits(Callback):
+    """Writes a checkpoint as an adapter exits: inside the step, after its optimizer step (a finishing adapter's
+    validation and export run there)."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_adapter_exit(self, trainer, pl_module, rec):
+        if not self.path.exists():  # (the first exit's)
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.parametrize("where", ["forward", "optimizer_step", "adapter_exit"])
 def test_a_resume_of_a_checkpoint_written_by_a_ctrl_c_inside_a_step_validates_at_the_runs_steps(
         tmp_path, trainer_kwargs, where):
     """Lightning counted the batch in flight as begun: resumed from `OnExceptionCheckpoint`'s file, it validated one
-    step early from then on (steps 4, 7, 10 for 3, 6, 9), other losses and other `EarlyExit` decisions."""
+    step early from then on (steps 4, 7, 10 for 3, 6, 9), other losses and other `EarlyExit` decisions. A checkpoint
+    written after the step's optimizer step (an adapter exiting) has the step taken: it resumes as it was."""
     import signal
 
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
     def run(callbacks, ckpt=None):
         module = MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / "e"),
-                                 adapters=[AdapterSpec("a", rank=2, max_steps=10, lr=1e-2, seed=1)])
+                                 adapters=[AdapterSpec("a", rank=2, max_steps=10, lr=1e-2, seed=1),
+                                           AdapterSpec("b", rank=2, max_steps=5, lr=1e-2, seed=2)])
         at = _ValidatedAt()
         kwargs = {**trainer_kwargs, "val_check_interval": 3, "enable_checkpointing": True}
         L.Trainer(**kwargs, callbacks=[at, *callbacks]).fit(module, small_dm(), ckpt_path=ckpt)
@@ -2380,11 +2398,16 @@ def test_a_resume_of_a_checkpoint_written_by_a_ctrl_c_inside_a_step_validates_at
 
     once = run([])
     assert once[0][:3] == [3, 6, 9]
-    with pytest.warns(UserWarning, match="fit stopped by KeyboardInterrupt"), pytest.raises(SystemExit):
-        run([_InterruptIn(4, where), OnExceptionCheckpoint(str(tmp_path), filename="stopped")])
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # (as Lightning's shutdown left it)
+    if where == "adapter_exit":  # ('b' ends in step 5: the checkpoint's step counts 5, its batches processed 4)
+        run([_SaveAsAdapterExits(tmp_path / "stopped.ckpt")])
+        after = 5
+    else:
+        with pytest.warns(UserWarning, match="fit stopped by KeyboardInterrupt"), pytest.raises(SystemExit):
+            run([_InterruptIn(4, where), OnExceptionCheckpoint(str(tmp_path), filename="stopped")])
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # (as Lightning's shutdown left it)
+        after = 4
     resumed = run([], ckpt=str(tmp_path / "stopped.ckpt"))
-    assert resumed[0] == [step for step in once[0] if step > 4]
+    assert resumed[0] == [step for step in once[0] if step > after]
     assert [s for s, _ in resumed[1]] == [s for s, _ in once[1]]
     torch.testing.assert_close([v for _, v in resumed[1]], [v for _, v in once[1]], atol=1e-6, rtol=1e-5)
 
