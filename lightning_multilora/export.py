@@ -35,10 +35,11 @@ def peft_target_modules(layer_names: Sequence[str], all_module_names: Sequence[s
 
 def peft_skipped_layers(model: Any, layer_names: Sequence[str]) -> list[str]:
     """The layers among ``layer_names`` whose weights PEFT's loader leaves out on ``model``: on a mixture-of-experts
-    base whose experts transformers 5 fuses (DeepSeek-V2/V3, Qwen2-MoE, GLM-4-MoE...), `PeftModel.from_pretrained`
-    reads every target named as an expert's projection (``gate_proj``, ``up_proj``, ``down_proj``, the router's
-    ``gate``) as the fused experts' parameters, dense layers and shared experts of those names included, whose
-    weights it then does not load, unsaid. Empty where PEFT has no such rule (its private tables, read as they are)."""
+    base whose experts transformers 5 fuses (DeepSeek-V2/V3, GLM-4-MoE, Qwen3-MoE with dense layers...),
+    `PeftModel.from_pretrained` reads every target named as an expert's projection (``gate_proj``, ``up_proj``,
+    ``down_proj``, the router's ``gate``) as the fused experts' parameters, dense layers and shared experts of those
+    names included, whose weights it then does not load, unsaid. Empty where PEFT has no such rule (its private tables,
+    read as they are)."""
     try:
         from peft.utils import transformers_weight_conversion as conversion
     except ImportError:

@@ -614,9 +614,8 @@ class MultiLoRAMixin:
         if build is None:
             return {}
         overrides, seed, dtype = build["config_overrides"], build.get("base_seed"), getattr(self, "_base_dtype", "")
-        quant = getattr(getattr(self.lora_layers.model, "config", None), "quantization_config", None) or {}
-        quant = quant if isinstance(quant, dict) else quant.to_dict()  # (as the model was built with it)
-        four_bit = quant.get("bnb_4bit_quant_type") if quant.get("load_in_4bit") else None
+        config = getattr(self.lora_layers.model, "config", None)  # (as the model was built with it)
+        four_bit = _four_bit(config.to_dict()) if config is not None and hasattr(config, "to_dict") else None
         return {**({"base_seed": seed} if seed is not None and (seed != 0 or overrides) else {}),
                 **({"config_overrides": overrides} if overrides else {}),
                 **({"dtype": dtype} if dtype not in ("", "float32") else {}),
@@ -2522,9 +2521,9 @@ class MultiLoRAMixin:
         quant = values.get("quantization_config") or {}
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
         held = str(dtype).removeprefix("torch.") if dtype is not None else "none"
-        if isinstance(quant, dict) and quant.get("load_in_4bit"):  # (its 4-bit type and the dtype it computes in)
+        if _four_bit(values):  # (its 4-bit type and the dtype it computes in)
             compute = str(quant.get("bnb_4bit_compute_dtype") or "float32").removeprefix("torch.")
-            identity["weights"] = f"{quant.get('bnb_4bit_quant_type', '4-bit')} computing in {compute}"
+            identity["weights"] = f"{_four_bit(values)} computing in {compute}"
         elif isinstance(quant, dict) and quant.get("load_in_8bit"):  # (LLM.int8: its linears int8, the rest held)
             identity["weights"] = f"int8 beside {held}"
         else:  # (the dtype the base is held in)
@@ -2730,6 +2729,13 @@ _VALIDATION_METRICS = ("/val_loss", "/val_preference_accuracy", "/val_rewards_ch
 _FUNCTIONAL_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "dropout", "hidden_dropout",
                        "activation_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "ffn_dropout",
                        "residual_dropout", "embedding_dropout")  # (the last two: StarCoder2's, Seed-OSS's)
+
+
+def _four_bit(config_values: dict[str, Any]) -> Optional[str]:
+    """The 4-bit type (``nf4`` / ``fp4``) of a base whose config (`to_dict`'s values) says it is bitsandbytes 4-bit;
+    None for any other."""
+    quant = config_values.get("quantization_config") or {}
+    return quant.get("bnb_4bit_quant_type", "4-bit") if isinstance(quant, dict) and quant.get("load_in_4bit") else None
 
 
 def _base_dropout(model: nn.Module) -> tuple[str, list[str]]:

@@ -451,8 +451,7 @@ def list_schedule(tasks: Sequence[Task], num_gpus: int, order: Optional[Sequence
     validate_tasks(tasks, num_gpus)
     by_id = {t.id: t for t in tasks}
     order = list(order) if order is not None else [t.id for t in sorted(tasks, key=lambda t: -t.duration)]
-    unknown = [task_id for task_id in order if task_id not in by_id]
-    if unknown or sorted(order) != sorted(by_id):
+    if sorted(order) != sorted(by_id):
         raise ValueError(f"list_schedule: `order` must name every task once, got {order} for tasks {sorted(by_id)}")
     running: list[tuple[float, int]] = []  # (end, gpus)
     free, now, makespan = num_gpus, 0.0, 0.0
