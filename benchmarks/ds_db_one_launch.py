@@ -59,6 +59,8 @@ def main() -> None:
                         help="also dB programs over rank chunks this wide in the one launch (the package's: "
                              "triton_lora.GRAD_MAX_TILE, 64; at r=128 two chunks a slot read each dY tile twice)")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/ds_db_one_launch.py measures on a CUDA GPU: torch finds none here")
     device = torch.device("cuda")
     rows = []
     common = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

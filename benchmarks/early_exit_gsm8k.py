@@ -39,6 +39,7 @@ sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != os.path.dirn
 
 import lightning as L
 import torch
+import transformers
 
 from lightning_multilora import EarlyExit, MultiLoRADataModule, MultiLoRAModule, SweepGrid, WarmupSelection
 from lightning_multilora.base_model import build_base_model
@@ -174,11 +175,14 @@ def main() -> None:
     survived = early["per_adapter"][best]["status"] == "finished"
     ratio = early["samples"] / exhaustive["samples"]
     within = early["best_val_loss"] <= exhaustive["best_val_loss"] * 1.01
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+    device = (torch.cuda.get_device_name() if torch.cuda.is_available()
+              else f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)")
+    meta = dict(date=datetime.now(timezone.utc).date().isoformat(), device=device, torch=torch.__version__,
+                lightning=L.__version__, transformers=transformers.__version__)
     lines = [
         "# Early exit on GSM8K: ALTO's 60-configuration grid",
         "",
-        f"Date {datetime.now(timezone.utc).date().isoformat()}, {device}, torch {torch.__version__}. Command: "
+        f"Date {meta['date']}, {device}, torch {torch.__version__}. Command: "
         "`PYTHONPATH=. python benchmarks/early_exit_gsm8k.py` with "
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k not in ("out",)) + ".",
         "",
@@ -206,8 +210,9 @@ def main() -> None:
     ]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
-    Path(args.out).with_suffix(".json").write_text(json.dumps({"exhaustive": exhaustive, "early_exit": early,
-                                                              "args": vars(args)}, indent=1, default=str))
+    Path(args.out).with_suffix(".json").write_text(json.dumps({"meta": meta, "exhaustive": exhaustive,
+                                                              "early_exit": early, "args": vars(args)},
+                                                             indent=1, default=str))
     print("\n".join(lines))
 
 

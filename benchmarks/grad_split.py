@@ -64,6 +64,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/kernels_h200_grad_split.json")
     parser.add_argument("--budget-s", type=float, default=None)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/grad_split.py measures on a CUDA GPU: torch finds none here")
     device = torch.device("cuda")
     common = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%d"))

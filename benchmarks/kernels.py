@@ -360,6 +360,8 @@ def main() -> None:
     if args.hold_w != "tuned":
         tuner = triton_kernels._rank_times_weight
         tuner.configs = [c for c in tuner.configs if c.kwargs["HOLD_W"] == (args.hold_w == "on")]
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/kernels.py measures on a CUDA GPU: torch finds none here")
     device = torch.device("cuda")
     lorafusion = None
     if args.lorafusion_src:

@@ -87,6 +87,8 @@ def main() -> None:
                                 else m)
         gpu, layers, model = "dry run (analytic peaks)", None, None
     else:
+        if not torch.cuda.is_available():
+            raise SystemExit("benchmarks/memory_model.py measures on a CUDA GPU: torch finds none here")
         device = torch.device("cuda")
         capacity = torch.cuda.get_device_properties(device).total_memory
         gpu = torch.cuda.get_device_name(device)

@@ -66,6 +66,8 @@ def main() -> None:
     p.add_argument("--numel", type=int, default=LLAMA8B_R16, help="elements of each adapter's flat parameter")
     p.add_argument("--out", default="benchmarks/results/optimizer_h200.json")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/optimizer.py measures on a CUDA GPU: torch finds none here")
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     meta = dict(gpu=torch.cuda.get_device_name(device), torch=torch.__version__,

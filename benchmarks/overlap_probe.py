@@ -69,6 +69,8 @@ def main() -> None:
     parser.add_argument("--tokens", nargs="+", default=["256", "1024"])
     parser.add_argument("--out", default="benchmarks/results/overlap_probe.json")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/overlap_probe.py measures on a CUDA GPU: torch finds none here")
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     rows = []

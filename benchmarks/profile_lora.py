@@ -28,6 +28,8 @@ parser.add_argument("--iters", type=int, default=20)
 parser.add_argument("--direct", action="store_true")
 parser.add_argument("--cprofile", action="store_true")
 args = parser.parse_args()
+if not torch.cuda.is_available():
+    raise SystemExit("benchmarks/profile_lora.py measures on a CUDA GPU: torch finds none here")
 
 d_in, d_out, n, t = args.shape[0], args.shape[1], args.n, args.tokens
 x = torch.randn(n * t, d_in, device="cuda", dtype=torch.bfloat16, requires_grad=True)

@@ -134,6 +134,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.top < 1 or args.passes < 1:
         parser.error(f"--top and --passes must be 1 or more, got {args.top} and {args.passes}")
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/tune_in_context.py measures on a CUDA GPU: torch finds none here")
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device)
     common = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

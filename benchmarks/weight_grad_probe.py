@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--d-in", type=int, nargs="+", default=[4096])
     parser.add_argument("--out", default="benchmarks/results/kernels_h200_wg_probe.json")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/weight_grad_probe.py measures on a CUDA GPU: torch finds none here")
     out: list = []
     for d_in in args.d_in:
         for kind in args.ranks:

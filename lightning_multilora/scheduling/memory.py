@@ -477,8 +477,10 @@ class MemoryFit:
 
         if len(points) < 3:
             raise ValueError(f"fitting M = k0 + k1*B*L + k2*P needs >= 3 measured points, got {len(points)}")
-        if any(p.peak_bytes <= 0 for p in points):
-            raise ValueError("measured peaks must be positive byte counts")
+        bad = [p for p in points if not 0 < p.peak_bytes < float("inf")]  # (NaN too: LinAlgError otherwise)
+        if bad:
+            raise ValueError(f"measured peaks must be finite positive byte counts, got peak_bytes="
+                             f"{bad[0].peak_bytes!r} at n_adapters={bad[0].n_adapters}, batch_size={bad[0].batch_size}")
         w = np.array([1.0 / p.peak_bytes for p in points])
         x = np.array([[1.0, p.tokens, p.adapter_params] for p in points]) * w[:, None]
         y = np.array([p.peak_bytes for p in points]) * w

@@ -213,7 +213,10 @@ class ThroughputProfiler:
         if sync is not None:
             sync()
         elapsed = time.perf_counter() - start
-        if samples <= 0 or elapsed <= 0:
+        if isinstance(samples, bool) or not isinstance(samples, (int, float)):
+            raise TypeError(f"ThroughputProfiler: `run(steps)` must return the number of samples it processed, got "
+                            f"{samples!r}")
+        if not 0 < samples < float("inf") or elapsed <= 0:
             raise RuntimeError(f"the throughput run processed {samples} samples in {elapsed:.3g} s")
         rate = samples / elapsed
         table = self._table()

@@ -187,6 +187,9 @@ def test_a_fit_refuses_non_positive_peaks():
     points = [MemoryPoint(1, b, 256, 1000, 1e9 * b) for b in (1, 2, 4)]
     with pytest.raises(ValueError, match="positive"):
         MemoryFit.fit(points + [MemoryPoint(2, 1, 256, 2000, 0.0)])
+    for peak in (float("nan"), float("inf")):  # (a NaN one gave numpy's LinAlgError)
+        with pytest.raises(ValueError, match=r"finite positive byte counts, got peak_bytes=(nan|inf) at n_adapters=2"):
+            MemoryFit.fit(points + [MemoryPoint(2, 1, 256, 2000, peak)])
 
 
 @pytest.mark.gpu

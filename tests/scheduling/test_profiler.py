@@ -111,6 +111,8 @@ def test_throughput_is_measured_once_per_signature_and_gives_durations(tmp_path)
         profiler.duration(signature, -1, run)
     with pytest.raises(RuntimeError, match="processed 0 samples"):
         profiler.measure({"other": 1}, lambda steps: 0)
+    with pytest.raises(TypeError, match=r"`run\(steps\)` must return the number of samples it processed, got None"):
+        profiler.measure({"other": 1}, lambda steps: None)  # (a TypeError comparing None with 0 before)
 
 
 @pytest.mark.gpu
