@@ -13,6 +13,11 @@ class UsageError(ValueError):
     message, as with a parse error, instead of a traceback. From Python it is a `ValueError` like the others."""
 
 
+class RunEnded(UsageError):
+    """A resume of a run whose adapters have all ended: nothing to train. A `multilora schedule` task's resume (its
+    retry, or the schedule's ``--resume``, after the run ended but before its process did) ends with status 0."""
+
+
 def check_int(where: str, name: str, value: Any, low: int, optional: bool = False,
               high: Optional[int] = None) -> None:
     """``value`` is an integer (Python's or numpy's, not a bool) >= ``low`` (and <= ``high``, where given), or None

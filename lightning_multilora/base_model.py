@@ -14,20 +14,24 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+# The byte tokenizer's ends (`data.ByteTokenizer`: <eos> 257, no <bos>): a tiny base's `generate` stops where the
+# adapters learned to (Llama's defaults, eos 2 and bos 1, are bytes; Qwen2's has none). Its pad is left unset: a
+# config's pad_token_id is the embedding's padding_idx, a zeroed row, which would change a seed's weights.
+_BYTE_ENDS = dict(eos_token_id=257, bos_token_id=None)
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # Built from a config, no download: the demo's and the tests' base. vocab 258 = the byte tokenizer.
     # initializer_range 0.1 (not 0.02): with a frozen random lm_head, 0.02 keeps every logit near 0, so
     # no adapter could move the output distribution far from uniform.
     "tiny-llama": dict(model_type="llama", vocab_size=258, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1),
+                       max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1, **_BYTE_ENDS),
     "tiny-qwen2": dict(model_type="qwen2", vocab_size=258, hidden_size=64, intermediate_size=128,
                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1),
+                       max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1, **_BYTE_ENDS),
     "tiny-mistral": dict(model_type="mistral", vocab_size=258, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1,
-                         sliding_window=None),
+                         sliding_window=None, **_BYTE_ENDS),
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -21,7 +21,7 @@ from typing import Any, Optional
 from jsonargparse import DefaultHelpFormatter, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lightning_multilora.arguments import UsageError
+from lightning_multilora.arguments import RunEnded, UsageError
 from lightning_multilora.callbacks.report import SweepReport
 from lightning_multilora.data.datamodule import MultiLoRADataModule
 from lightning_multilora.module import MultiLoRAModule
@@ -228,6 +228,10 @@ class MultiLoRACLI(LightningCLI):
                                   "command builds 'tiny-llama' (the default): give the run's config to resume it, "
                                   f"--config {config if config.is_file() else '<its config.yaml>'} (a resume's module "
                                   "is the command's)")
+            problem = self.model.other_base_problem((checkpoint.get("multilora") or {}).get("base") or {})
+            if problem:  # (said as the fit loaded it: a traceback, a log version made)
+                self.parser.error(f"`ckpt_path` {path!r}: {problem}")
+            self._resumed_at = checkpoint.get("global_step")
         try:
             self.datamodule.tokenizer
             for rec in self.model.registry:  # (its data source, and its `init_from` folder where it is not a resume:
@@ -433,6 +437,7 @@ class MultiLoRACLI(LightningCLI):
                                   "own log directory, or give this one another (--trainer.default_root_dir)")
             if not previous or ckpt_path is not None:
                 try:
+                    self._claimed_new = not previous
                     folder.mkdir(parents=True, exist_ok=True)
                     with open(folder / CLAIM, "x" if ckpt_path is None else "w", encoding="utf-8") as fh:
                         task = os.environ.get(TASK_ID_ENV)  # (a schedule's task: its retries resume its own runs)
@@ -453,13 +458,20 @@ class MultiLoRACLI(LightningCLI):
 
     def _release_log_dir(self) -> None:
         """A fit refused (or stopped) before any adapter took a step leaves no claim, config, study or summary in its
-        log directory (they would refuse the corrected command; a logger's version folder keeps its event file)."""
+        log directory (they would refuse the corrected command; a logger's version folder keeps its event file); a
+        resume, before it took a step, leaves none in the folder it took new (a checkpoint file's, whose step it
+        knows; resumed into the run's own folder, the run's files stay)."""
         claim = getattr(self, "_claimed", None)
-        if claim is None or any(r.step for r in self.model.registry):
+        if claim is None:
             return
         if self.config_init[self.subcommand].get("ckpt_path") is None:
-            for name in ("config.yaml", "optuna.db", "sweep_summary.json", CLAIM):
-                (claim.parent / name).unlink(missing_ok=True)
+            if any(r.step for r in self.model.registry):
+                return
+        elif not self._claimed_new or getattr(self, "_resumed_at", None) is None \
+                or self.trainer.global_step > self._resumed_at:
+            return
+        for name in ("config.yaml", "optuna.db", "sweep_summary.json", CLAIM):
+            (claim.parent / name).unlink(missing_ok=True)
 
     def fit(self, model: MultiLoRAModule, **kwargs) -> None:
         """``Trainer.fit``; a `UsageError` it raises (a data file that does not read, a storage URL that does not
@@ -470,6 +482,12 @@ class MultiLoRACLI(LightningCLI):
 
         try:
             self.trainer.fit(model, **kwargs)
+        except RunEnded as err:  # (a schedule's task resumed after its run ended, before its process did: done)
+            self._release_log_dir()
+            task = os.environ.get(TASK_ID_ENV)
+            if task is None:
+                self.parser.error(str(err))
+            print(f"task {task!r}: its run had ended, {str(err)[0].lower()}{str(err)[1:]}", file=sys.stderr)
         except UsageError as err:
             self._release_log_dir()
             self.parser.error(str(err))

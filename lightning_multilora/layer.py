@@ -336,7 +336,10 @@ class MultiLoRALinear(nn.Module):
                layout.padding_side, changes)
         weights = self._kept.get(key, _UNSEEN)
         if weights is _UNSEEN:
-            held = [(i, n) for i, n in enumerate(layout.names) if n in self.lora_A]
+            # (an adapter without rows here takes no part: the kernels gave it zero gradients, which an optimizer's
+            # momentum and weight decay step, where autograd, PEFT alone or the reference gives it none)
+            held = [(i, n) for i, n in enumerate(layout.names)
+                    if n in self.lora_A and layout.ends[i] > layout.starts[i]]
             weights = None
             copies: tuple[tuple[Tensor, Tensor], ...] = ()
             if shadows and held and all(n in self.shadows for _, n in held):
@@ -607,7 +610,11 @@ class LoRALayers(Mapping):
         if not self.shadows or flat is None:
             return None
         p = flat.flat
-        if p.dtype != torch.float32 or p.is_inference() or resolve_backend(p) != "triton":
+        try:
+            backend = resolve_backend(p)
+        except ValueError:  # (the 'triton' backend forced, the adapter on the CPU, as a fit's teardown moves it: none
+            return None  # until it is on CUDA; asked, it raised in `add_adapter` and at every move)
+        if p.dtype != torch.float32 or p.is_inference() or backend != "triton":
             return None  # (the Triton path copies fp32 weights; inference tensors count no versions)
         dtypes = {_compute_dtype(self._layers[n].base) for n in self._targets[name]}
         return dtypes.pop() if len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16} else None
@@ -1008,6 +1015,13 @@ def inject_multilora(
                              f"layer; linear modules are: {available}")
         parent_name, _, child = name.rpartition(".")
         parent = modules[parent_name] if parent_name else model
+        attention = getattr(parent, "self_attn", parent)  # (torch's layers: sequence first unless batch_first)
+        if isinstance(parent, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.MultiheadAttention)) \
+                and not getattr(attention, "batch_first", True):
+            raise ValueError(f"`target_modules` selects {name!r}, in a {type(parent).__name__} with batch_first=False: "
+                             "its inputs are sequence first, (tokens, rows, features), and a batch's rows go to their "
+                             "adapters by their first dimension (where the tokens equal the rows, they would go to "
+                             "others, unsaid); build it with batch_first=True, or leave it out of `target_modules`")
         wrapped = MultiLoRALinear(module, context)
         wrapped.layer_name = name
         setattr(parent, child, wrapped)

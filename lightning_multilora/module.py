@@ -16,7 +16,7 @@ import re
 import traceback
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -29,7 +29,7 @@ from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_multilora.arguments import UsageError, check_bool, check_int, peft_targets
+from lightning_multilora.arguments import RunEnded, UsageError, check_bool, check_int, peft_targets
 from lightning_multilora.base_model import check_causal_lm, one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import (init_from_layers, init_from_shapes, init_from_weights, peft_skipped_layers,
@@ -301,7 +301,8 @@ class MultiLoRAMixin:
 
         SFT adapters: causal-LM cross-entropy on the completion tokens (labels ``!= -100``) of
         the model's logits (the model `init_multilora` was given: ``model(input_ids, attention_mask)``, its
-        ``.logits`` or the tensor it returns). DPO adapters (their rows: chosen then rejected):
+        ``.logits`` or the tensor it returns; the mask None for right-padded rows, `MultiLoRADataModule`'s, which
+        the causal mask alone keeps from their padding). DPO adapters (their rows: chosen then rejected):
         ``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` per pair, with sequence log-probabilities
         of the completion; the reference ``ref`` is the base with adapters off, one forward under no_grad
         over every DPO adapter's rows of the batch.
@@ -311,7 +312,12 @@ class MultiLoRAMixin:
         """
         layout: BatchLayout = batch["layout"]
         model = self.lora_layers.model
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], **self._no_cache())
+        # Right-padded rows (`MultiLoRADataModule`'s) need no attention mask under the causal one: every real token
+        # comes before the padding. With a mask, a batch holding padding took another attention path than one
+        # without (a materialised mask, read on the host): an adapter's gradients moved (1e-8) with its neighbours'
+        # padding, and the eager steps' attention was not the `is_causal` one the captured steps take.
+        mask = None if layout.padding_side == "right" else batch["attention_mask"]
+        out = model(input_ids=batch["input_ids"], attention_mask=mask, **self._no_cache())
         row_sum, row_count = _row_token_loss(_logits(out), batch["labels"])
         sums, counts = segment_sum(row_sum, layout), segment_sum(row_count.to(row_sum.dtype), layout)
         dpo = [i for i, n in enumerate(layout.names) if n in self.registry and self.registry[n].spec.objective == "dpo"
@@ -325,7 +331,7 @@ class MultiLoRAMixin:
         rows = torch.cat([torch.arange(layout.starts[i], layout.ends[i]) for i in dpo]).to(row_sum.device)
         # the reference: the frozen base alone, once for all, deterministic (its dropout off, as in evaluation)
         with torch.no_grad(), self.lora_layers.use(None), _evaluating(model):
-            ref = model(input_ids=batch["input_ids"][rows], attention_mask=batch["attention_mask"][rows],
+            ref = model(input_ids=batch["input_ids"][rows], attention_mask=None if mask is None else mask[rows],
                         **self._no_cache())
             ref_sum, _ = _row_token_loss(_logits(ref), batch["labels"][rows])
         ref_logp = torch.zeros_like(row_sum)
@@ -379,7 +385,9 @@ class MultiLoRAMixin:
                         "for the model (q_proj and v_proj for Llama) is not this module's (its `target_modules`, "
                         "'all-linear' by default): name them")
             raise TypeError(f"add_adapter takes an AdapterSpec, got {type(spec).__name__}{hint}")
-        spec = copy.deepcopy(spec)  # (the adapter's own: a caller reusing one spec as a template changed them all)
+        # (the adapter's own: a caller reusing one spec as a template changed them all; its fields checked again, as
+        # its constructor checks them: one set since, `spec.rank = 0`, failed the whole fit as it started)
+        spec = dataclasses.replace(copy.deepcopy(spec))
         self._targets_of(spec, queued=True)  # validates its targets before it is queued
         rec = self.registry.add(spec)
         trainer = self._trainer_or_none()
@@ -415,6 +423,13 @@ class MultiLoRAMixin:
             raise ValueError(f"remove_adapter's `state` must be one of {', '.join(ended)} (an AdapterState or its "
                              f"name: how the adapter ended); got {given!r}")
         rec = self.registry[name]
+        if self._hold_stop(rec, self.remove_adapter, name, reason, state):
+            return
+        trainer = self._trainer_or_none()
+        if trainer is None or trainer.state.status != "running":  # (outside a fit: a resume's checkpoint, whose
+            # adapters it keeps, may hold it; then said, not undone unsaid)
+            self._given.pop(name, None)
+            self.__dict__.setdefault("_removed_before_fit", set()).add(name)
         if rec.state in (AdapterState.RUNNING, AdapterState.PAUSED):
             self._exit(rec, state, reason)
         elif rec.state == AdapterState.QUEUED:
@@ -429,6 +444,8 @@ class MultiLoRAMixin:
         rec = self.registry[name]
         if rec.state != AdapterState.RUNNING:
             raise ValueError(f"only a running adapter can be paused; {name!r} is {rec.state.value}")
+        if self._hold_stop(rec, self.pause_adapter, name, reason):
+            return
         rec.state, rec.reason = AdapterState.PAUSED, reason
         rec.close_span(self._run_step())
         self._freed_spec = rec.spec  # (as an exit: the next admission prefers its batch size)
@@ -1535,7 +1552,8 @@ class MultiLoRAMixin:
                        "placeholder": True}]
         if not groups and len(self.registry) and all(r.state.exited for r in self.registry):
             ended = ', '.join(f'{r.name}: {r.state.value}' for r in self.registry)
-            raise UsageError(f"nothing to train: every adapter has already ended ({ended}); " + (
+            raise (RunEnded if self._resume_checkpoint is not None else UsageError)(
+                f"nothing to train: every adapter has already ended ({ended}); " + (
                 "resuming a finished run trains nothing (new AdapterSpecs given to the module are queued on resume)"
                 if self._resume_checkpoint is not None else
                 "add new ones (`module.add_adapter(AdapterSpec(...))`) to train more with this module"))
@@ -1703,6 +1721,35 @@ class MultiLoRAMixin:
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         self._stepped = True
         self._drop_rows_of_stopped(batch)
+        self.__dict__["_stops_held"] = []  # (a removal or pause a hook asks inside the step: once it is taken)
+        try:
+            total = self._train_step(batch)
+        except BaseException:
+            self.__dict__["_stops_held"] = None  # (the adapters go as they are: a fit that ends exports them)
+            raise
+        self._release_stops()
+        return total
+
+    def _hold_stop(self, rec: AdapterRecord, stop: Callable[..., None], *args: Any) -> bool:
+        """Whether ``stop(*args)`` (`remove_adapter`, `pause_adapter`) of ``rec``, asked by a hook inside a training
+        step (before or after its backward, before its optimizer step) or a validation (its batches, or a callback's
+        ``on_validation_epoch_end``), waits for it to end: then ``rec``'s step is whole (its weights, counts and data
+        position of one step) and its validation measured and recorded. Made then."""
+        held = self.__dict__.get("_stops_held")
+        if held is None or rec.state not in (AdapterState.RUNNING, AdapterState.PAUSED):
+            return False
+        held.append((rec.name, stop, args))
+        return True
+
+    def _release_stops(self) -> None:
+        """The stops `_hold_stop` kept, made (one of an adapter that ended meanwhile, its last step taken: none)."""
+        held, self.__dict__["_stops_held"] = self.__dict__.get("_stops_held"), None
+        for name, stop, args in held or ():
+            if self.registry[name].state in (AdapterState.RUNNING, AdapterState.PAUSED):
+                stop(*args)
+
+    def _train_step(self, batch: dict[str, Any]) -> Tensor:
+        """`training_step`'s work: the packed forward and backward, the adapters' optimizer steps and counts."""
         layout: BatchLayout = batch["layout"]
         if not layout.names:
             # Nothing runs this step: every running adapter exited after the last step's settling (e.g. at a
@@ -2210,7 +2257,8 @@ class MultiLoRAMixin:
         """Validation loss of each adapter (specs or names; running or paused: their weights are the model's) over
         its whole validation split, packed, outside the loop. ``record`` adds them to the adapters' histories (and
         best weights) as a regular validation does. Under adapter parallelism, call it on every rank: each measures
-        the adapters it holds, and every rank returns them all."""
+        the adapters it holds, and every rank returns them all. The weights measured are those the module holds, the
+        adapters' last: under `EarlyExit` an export holds its best validation's, which may be an earlier step's."""
         sums = self._evaluate_sums(specs, record)
         return {n: (v[0] / v[1] if v[1] > 0 else math.nan) for n, v in sums.items()}
 
@@ -2218,8 +2266,13 @@ class MultiLoRAMixin:
                        record: bool = False) -> dict[str, list[float]]:
         """`evaluate`'s measure: each adapter's sums (`_add_val_terms`: loss sum and count, DPO pairs preferred,
         pairs, and rewards summed over them)."""
-        specs = [specs] if isinstance(specs, (AdapterSpec, str)) else list(specs)
+        if isinstance(specs, (AdapterSpec, str)):
+            specs = [specs]
+        elif not isinstance(specs, Iterable) or isinstance(specs, Mapping):
+            raise TypeError("evaluate's `specs`: an adapter's name or AdapterSpec, or a list of them, got "
+                            f"{type(specs).__name__} {specs!r}")
         specs = [self._held_spec(s, "evaluate", "specs") for s in specs]
+        specs = list({s.name: s for s in reversed(specs)}.values())[::-1]  # (a name given twice measured once)
         dm = self._datamodule("evaluate")
         sums = {s.name: [0.0] * 6 for s in specs}
         trainer = self._trainer_or_none()
@@ -2249,15 +2302,26 @@ class MultiLoRAMixin:
         on the same prompts in one pass, as if each were loaded alone. Prompts of different lengths are padded on
         the left, with their ``attention_mask``. The adapters are those the module holds (running or paused, as
         `evaluate` takes them). Returns the token ids ``generate`` returns, in the rows' order (``num_return_sequences``
-        consecutive rows a prompt, with beam search or sampling). One process: under adapter parallelism the base is
+        consecutive rows a prompt, with beam search or sampling). Per-row tensors in ``kwargs`` go with their rows;
+        ``generate`` itself runs the rows grouped by adapter (the base's last), and a ``prefix_allowed_tokens_fn``
+        (or ``return_dict_in_generate``) takes them so grouped, as a logits processor or stopping criterion sees them.
+        The weights are the adapters' last, as `evaluate`'s. One process: under adapter parallelism the base is
         sharded; generate with the exports there (`PeftModel.from_pretrained`)."""
         if isinstance(adapters, str):  # (its letters were taken for names)
             raise ValueError(f"`adapters` names the adapter of each row of `input_ids`: a list, e.g. "
                              f"[{adapters!r}] * {len(input_ids)} for every row, got the string {adapters!r}")
         names = list(adapters)
+        if not isinstance(input_ids, Tensor) or input_ids.is_floating_point() or input_ids.is_complex():
+            raise TypeError("`input_ids` are token ids, an integer tensor (rows, tokens), got "
+                            f"{getattr(input_ids, 'dtype', type(input_ids).__name__)}")
         if input_ids.dim() != 2 or len(names) != input_ids.shape[0]:
             raise ValueError(f"`adapters` names one adapter (or None) a row of `input_ids` (rows, tokens): got "
                              f"{len(names)} for input_ids of shape {tuple(input_ids.shape)}")
+        if not names:
+            raise ValueError("`input_ids` has no rows: give at least one prompt")
+        if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+            raise ValueError(f"`attention_mask` is of shape {tuple(attention_mask.shape)}: it masks `input_ids`, of "
+                             f"shape {tuple(input_ids.shape)}")
         if self._placement() is not None:
             raise ValueError("`generate` runs in one process; under adapter parallelism load an adapter's export with "
                              "PEFT (`PeftModel.from_pretrained(base, export_path)`) to generate with it")
@@ -2287,6 +2351,13 @@ class MultiLoRAMixin:
             raise ValueError("`generate` with `return_dict_in_generate=True` takes rows grouped by adapter (each "
                              "adapter's rows together, the base's last), as its scores and beam indices follow "
                              f"the rows' order; got adapters {names}")
+        if order != sorted(order) and kwargs.get("prefix_allowed_tokens_fn") is not None:
+            raise ValueError("`generate` with `prefix_allowed_tokens_fn` takes rows grouped by adapter (each "
+                             "adapter's rows together, the base's last), as the rows it is called with are "
+                             f"generate's; got adapters {names}")
+        if order != sorted(order):  # (another per-row tensor, GPT-2's token_type_ids say, goes with its row)
+            kwargs = {k: v[index.to(v.device)] if isinstance(v, Tensor) and v.dim() and v.shape[0] == len(names)
+                      else v for k, v in kwargs.items()}
 
         def rows_per_prompt(_module: nn.Module, args: tuple, model_kwargs: dict) -> None:
             # beam search and num_return_sequences run each prompt's copies as consecutive rows
@@ -2344,6 +2415,9 @@ class MultiLoRAMixin:
     def _held_spec(self, spec: Union[AdapterSpec, str], method: str, argument: str) -> AdapterSpec:
         """``spec`` (or the spec of the adapter so named), checked to have weights here: an adapter that has left
         (or never came) would be measured on the base model alone. ``method`` and its ``argument``: for errors."""
+        if not isinstance(spec, (str, AdapterSpec)):
+            raise TypeError(f"{method}'s `{argument}`: each is an adapter's name or its AdapterSpec, got "
+                            f"{type(spec).__name__} {spec!r}")
         name = spec if isinstance(spec, str) else spec.name
         if name not in self.registry:
             raise ValueError(f"{method}'s `{argument}`: {name!r} is not an adapter of this module; adapters: "
@@ -2353,8 +2427,18 @@ class MultiLoRAMixin:
         if rec.state not in (AdapterState.RUNNING, AdapterState.PAUSED) or (
                 self._owns(name) and name not in self.lora_layers.adapter_names):
             where = f"; its weights were exported to {rec.export_path}" if rec.export_path else ""
+            if rec.state == AdapterState.QUEUED:
+                where = ": it has not started, no weights yet (they are made as it starts, in `fit`)"
             raise ValueError(f"{method}'s `{argument}`: {method} takes adapters whose weights the model holds (running "
                              f"or paused); {name!r} is {rec.state.value}{where}")
+        if isinstance(spec, AdapterSpec):  # (its loss is the held adapter's: another objective's rows mismeasured)
+            other = [f"{f}={getattr(spec, f)!r}" for f in ("objective", "dpo_beta")
+                     if getattr(spec, f) != getattr(rec.spec, f)]
+            if other:
+                raise ValueError(f"{method}'s `{argument}`: the AdapterSpec given for {name!r} has "
+                                 f"{', '.join(other)}, and the adapter was trained with "
+                                 f"{', '.join(f'{f}={getattr(rec.spec, f)!r}' for f in ('objective', 'dpo_beta'))}: "
+                                 "give its name, or a spec of its own objective")
         return rec.spec if isinstance(spec, str) else spec
 
     def _refuse_loaded_under_placement(self, fn: str) -> None:
@@ -2377,6 +2461,7 @@ class MultiLoRAMixin:
             # stops it again if none)
             self.trainer.should_stop, self._stop_pending = False, True
         self._val_sums = {}
+        self.__dict__["_stops_held"] = []  # (a removal or pause asked while it measures: once it is recorded)
         if self.trainer.state.fn == "validate" and self._resume_checkpoint is not None:
             checkpoint, self._resume_checkpoint = self._resume_checkpoint, None  # (a validate builds no optimizer)
             if self.__dict__.pop("_loaded_outside_fit", False) and checkpoint.get("optimizer_states"):
@@ -2398,7 +2483,15 @@ class MultiLoRAMixin:
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        if not batch["layout"].names:
+        layout: BatchLayout = batch["layout"]
+        held = self.lora_layers.adapter_names  # (the validation's batches were drawn as it began: an adapter removed
+        if any(n not in held for n in layout.names):  # since, in a callback's `on_validation_start`, is left out)
+            keep = [i for i, n in enumerate(layout.names) if n in held]
+            batch["layout"] = layout = BatchLayout(tuple(layout.names[i] for i in keep),
+                                                   tuple(layout.starts[i] for i in keep),
+                                                   tuple(layout.ends[i] for i in keep), layout.num_rows,
+                                                   layout.padding_side)
+        if not layout.names:
             self._idle_forward()
             return
         self._add_val_terms(self._val_sums, batch)
@@ -2406,6 +2499,7 @@ class MultiLoRAMixin:
     @override
     def on_validation_epoch_end(self) -> None:
         if self.trainer.sanity_checking:
+            self._release_stops()
             return
         if self.trainer.state.fn == "validate" or self.trainer.fast_dev_run:  # (outside a fit: returned by
             # trainer.validate; a smoke run's, of a few batches: logged), not recorded beside whole splits' losses
@@ -2415,8 +2509,10 @@ class MultiLoRAMixin:
                 self.log(f"adapters/{name}/val_loss", loss_sum / count if count else math.nan, batch_size=1)
                 for key, value in _preference_metrics(*preference).items():
                     self.log(f"adapters/{name}/{key}", value, batch_size=1)
+            self._release_stops()
             return
         self._record_val_losses(self._val_sums)
+        self._release_stops()  # (exported with the loss just recorded)
         self._sync_ranks()  # every rank learns every adapter's validation
         self._settle_monitors()
 
@@ -2582,6 +2678,16 @@ class MultiLoRAMixin:
         trainer = self._trainer_or_none()
         providers = trainer is not None and any(hasattr(cb, "has_pending_candidates") for cb in trainer.callbacks)
         names = {spec.name for spec in given}
+        removed = self.__dict__.pop("_removed_before_fit", set())  # (`remove_adapter` before this resume's fit)
+        undone = [r.name for r in (*self.registry.queued, *self.registry.running, *self.registry.paused)
+                  if r.name in removed]
+        if undone and trainer is not None:
+            states = ", ".join(f"{n!r} {self.registry[n].state.value}" for n in undone)
+            rank_zero_warn(f"adapters removed before this resume are {states} in its checkpoint, and go on (a resume "
+                           "keeps the checkpoint's adapters; "
+                           "`module.remove_adapter(name)` after the resume starts, say in a callback's "
+                           "`on_train_start`, drops one and exports what it trained)")
+        names |= set(removed)
         dropped = [r.name for r in self.registry.queued if r.name not in names]
         going_on = [r.name for r in (*self.registry.running, *self.registry.paused) if r.name not in names]
         if given and (dropped or going_on) and not providers and trainer is not None:  # (a provider's candidates
@@ -2604,11 +2710,11 @@ class MultiLoRAMixin:
                            f"are not applied: {'; '.join(kept)} (give a changed adapter a new name to train it)")
 
     @override
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        state = checkpoint.get("multilora")
-        if state is None:
-            raise ValueError("this checkpoint was not written by a MultiLoRAMixin module (no 'multilora' entry)")
-        saved_base, base = state.get("base") or {}, self._base_identity()  # (older checkpoints carry none)
+    def _base_changes(self, saved_base: Mapping[str, Any]) -> tuple[dict, Optional[tuple], Optional[tuple], dict]:
+        """How this module's base differs from ``saved_base`` (a checkpoint's `_base_identity`), each as (saved, this
+        module's): in its architecture (returned first, a dict), where it was loaded from, how its weights are held and
+        how a built-in base was built."""
+        base = self._base_identity()
         # entries both sides give (a config that gains one in a newer transformers, head_dim say, is not another base)
         differ = {k: (saved_base[k], base[k]) for k in saved_base.keys() & base.keys()
                   if saved_base[k] is not None and base[k] is not None and saved_base[k] != base[k]}
@@ -2616,6 +2722,23 @@ class MultiLoRAMixin:
         if held is not None and (held[1].split(" ")[0] == held[0] or held[1] == f"int8 beside {held[0]}"):  # (as a
             held = None  # checkpoint written before they were named so named a 4-bit base, its type, and an 8-bit one)
         built = {k: differ.pop(k) for k in ("base_seed", "config_overrides") if k in differ}
+        return differ, loaded, held, built
+
+    def other_base_problem(self, saved_base: Mapping[str, Any]) -> str:
+        """Why adapters trained on ``saved_base`` (a checkpoint's ``checkpoint["multilora"]["base"]``) cannot resume
+        on this module's base, another architecture or size ("" where they can)."""
+        differ = self._base_changes(saved_base)[0]
+        if not differ:
+            return ""
+        return ("this checkpoint's adapters were trained on another base model (checkpoint -> this module: "
+                f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in sorted(differ.items()))}); resume with the "
+                "`base_model` (and `config_overrides`) it was trained with")
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint.get("multilora")
+        if state is None:
+            raise ValueError("this checkpoint was not written by a MultiLoRAMixin module (no 'multilora' entry)")
+        differ, loaded, held, built = self._base_changes(state.get("base") or {})  # (older checkpoints carry none)
         if built:  # (a built-in base of another seed, a base of other overrides: other weights or numbers)
             rank_zero_warn("this checkpoint's adapters were trained on a base built with "
                            f"{', '.join(f'{k}={a}' for k, (a, b) in built.items())}, and resume on one built with "
@@ -2631,9 +2754,7 @@ class MultiLoRAMixin:
                            f"held as {held[1]} (`quantization` / `dtype`): their losses will move with the base's "
                            "numbers; resume with the settings it was trained with to go on exactly")
         if differ:
-            raise ValueError("this checkpoint's adapters were trained on another base model (checkpoint -> this "
-                             f"module: {', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in sorted(differ.items()))}); "
-                             "resume with the `base_model` (and `config_overrides`) it was trained with")
+            raise ValueError(self.other_base_problem(state.get("base") or {}))
         trainer = self._trainer_or_none()
         if self._placement() is None and checkpoint.get("world_size", 1) > 1:  # (its other ranks' adapters: not in
             # this file; the strategy reads the folder whole)
@@ -3188,7 +3309,8 @@ class ExportOnException(L.Callback):
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
-        try:
+        pl_module.__dict__["_stops_held"] = None  # (a stop asked inside a validation cut short: the adapter goes as
+        try:  # it is, exported below as the others)
             export = getattr(pl_module, "export_after_exception", None)
             if export is not None:
                 export(exception)

@@ -441,3 +441,22 @@ def test_a_4bit_base_repacked_before_it_is_given_is_refused(prequantized):
     with pytest.raises(ValueError, match=r"the base's 4-bit layers \('model\.layers\.0\.self_attn\.q_proj' and 13 "
                                          r"more\) were repacked by bitsandbytes .*load the base again"):
         MultiLoRAModule(model, adapters=[AdapterSpec("a", rank=4)])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-mistral"])
+def test_a_tiny_base_generates_until_the_byte_tokenizers_eos(name):
+    """The tiny bases kept Llama's eos 2 (a byte: generation stopped on it) and Qwen2's none, so a `generate` went on
+    past the <eos> the adapters learned to end with; their weights are those they had (no pad: a padding row)."""
+    from lightning_multilora.data import ByteTokenizer
+
+    model = build_base_model(name).eval()
+    assert model.config.eos_token_id == ByteTokenizer.eos_token_id == 257 and model.config.bos_token_id is None
+    assert model.config.pad_token_id is None
+    def eos_first(_module, _args, logits):  # (<eos> made the likeliest: the first token generated ends the row)
+        return logits.index_add(-1, torch.tensor([257]), torch.full_like(logits[..., :1], 1e4))
+
+    model.lm_head.register_forward_hook(eos_first)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([[72, 105]]), attention_mask=torch.ones(1, 2, dtype=torch.long),
+                             max_new_tokens=8, do_sample=False, pad_token_id=256)
+    assert out.tolist()[0][2:] == [257]

@@ -469,6 +469,27 @@ def test_a_resume_from_a_checkpoint_file_without_the_runs_config_names_the_runs_
     assert done.value.code == 2 and f"its run was trained on `base_model` '{tmp_path / 'base'}'" in err, err
     assert "give the run's config to resume it, --config" in err and "Traceback" not in err
     assert not (tmp_path / "again").exists()
+    # another base given (not the default): a traceback as the fit loaded the checkpoint, a version folder left
+    with pytest.raises(SystemExit) as done:
+        build_base_model("tiny-llama").save_pretrained(tmp_path / "base2")
+        main(_tiny_fit(tmp_path / "other", "--ckpt_path", ckpt, "--model.base_model", str(tmp_path / "base2")))
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"`ckpt_path` '{ckpt}': this checkpoint's adapters were trained on another base " \
+        "model (checkpoint -> this module: num_hidden_layers 1 -> 2)" in err and "Traceback" not in err, err
+    assert not (tmp_path / "other").exists()
+    # a resume that fails before its first step leaves nothing in the version folder it took
+    start = json.dumps([{"class_path": f"{__name__}.FailAtStart"}])
+    with pytest.raises(RuntimeError, match="node lost"):
+        main(_tiny_fit(tmp_path / "run", "--ckpt_path", ckpt, "--model.base_model", str(tmp_path / "base"),
+                       "--trainer.callbacks", start))
+    left = {p.name for p in (tmp_path / "run" / "lightning_logs" / "version_1").iterdir()}
+    assert not left & {"config.yaml", "sweep_summary.json", ".multilora_log"}, left  # (the logger's files stay)
+    assert (tmp_path / "run" / "lightning_logs" / "version_0" / "config.yaml").is_file()
+
+
+class FailAtStart(Callback):
+    def on_train_start(self, trainer, *args):
+        raise RuntimeError("node lost")
 
 
 @pytest.mark.parametrize("kind", ["text", "export", "no lightning", "another module"])
@@ -523,7 +544,7 @@ def test_runs_started_together_take_their_own_log_versions_and_a_claimed_root_is
 
 
 def test_a_fit_refused_before_its_first_step_leaves_its_directory_free_and_a_finished_run_says_so(tmp_path,
-                                                                                                 capsys):
+                                                                                                 capsys, monkeypatch):
     """A data file that does not read (found as its adapter starts) left the run's config and summary in a log
     directory without versions, and the corrected command was refused as "another run's"; resuming a finished run
     ended in a traceback ("nothing to train"), and each attempt left a summary beside the run's."""
@@ -548,6 +569,12 @@ def test_a_fit_refused_before_its_first_step_leaves_its_directory_free_and_a_fin
     err = capsys.readouterr().err
     assert done.value.code == 2 and "nothing to train: every adapter has already ended (a: finished)" in err, err
     assert "Traceback" not in err and sorted(p.name for p in (tmp_path / "run").glob("sweep_summary*")) == summaries
+    # a schedule's task resumed so (its retry, after the run ended but before its process did): done, status 0
+    monkeypatch.setenv("MULTILORA_TASK_ID", "t1")
+    main([*args, "--ckpt_path", str(next((tmp_path / "ck").glob("*.ckpt")))])
+    err = capsys.readouterr().err
+    assert "task 't1': its run had ended, nothing to train: every adapter has already ended (a: finished)" in err, err
+    monkeypatch.delenv("MULTILORA_TASK_ID")
     # another run's checkpoint resumed into this run's directory (its config would be replaced)
     other = _tiny_fit(tmp_path / "other", "--trainer.logger", "false", "--trainer.callbacks", json.dumps([{
         "class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"dirpath": str(tmp_path / "ck2")}}]),

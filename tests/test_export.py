@@ -149,10 +149,13 @@ def test_generate_runs_several_adapters_in_one_batch_as_peft_runs_each(tmp_path,
         with torch.no_grad():
             out = model.generate(input_ids=prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                  do_sample=False, pad_token_id=0, **kwargs)
-        return out[:, len(prompt):].tolist()
+        return [upto_eos(row) for row in out[:, len(prompt):].tolist()]
+
+    def upto_eos(tokens):  # (a row that ended is padded to the batch's longest)
+        return tokens[:tokens.index(257) + 1] if 257 in tokens else tokens
 
     for i, name in enumerate(rows):
-        assert [out[i, width:].tolist()] == alone(name, prompts[i], max_new_tokens=6), (i, name)
+        assert [upto_eos(out[i, width:].tolist())] == alone(name, prompts[i], max_new_tokens=6), (i, name)
     assert out[0].tolist() != out[2].tolist()  # one prompt: adapter b changes what the base says
     # a generation_config that samples is taken (a default `do_sample=False` argument overrode it: greedy, unsaid)
     from transformers import GenerationConfig
@@ -168,8 +171,8 @@ def test_generate_runs_several_adapters_in_one_batch_as_peft_runs_each(tmp_path,
                             num_return_sequences=2)
     assert beams.shape == (8, width + 4)
     for i, name in enumerate(rows):
-        assert beams[2 * i:2 * i + 2, width:].tolist() == alone(name, prompts[i], max_new_tokens=4, num_beams=3,
-                                                                num_return_sequences=2), (i, name)
+        assert [upto_eos(row) for row in beams[2 * i:2 * i + 2, width:].tolist()] == alone(
+            name, prompts[i], max_new_tokens=4, num_beams=3, num_return_sequences=2), (i, name)
     with pytest.raises(ValueError, match=r"`return_dict_in_generate=True` takes rows grouped by adapter"):
         module.generate(rows, ids, attention_mask=mask, max_new_tokens=2, return_dict_in_generate=True)
     grouped = module.generate(["a", "a", "b", None], ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0,
@@ -179,6 +182,32 @@ def test_generate_runs_several_adapters_in_one_batch_as_peft_runs_each(tmp_path,
         module.generate(["a"], ids)
     with pytest.raises(ValueError, match=r"a list, e.g. \['a'\] \* 4 for every row, got the string 'a'"):
         module.generate("a", ids)  # (its letters were names: 'a' alone, on a batch of one row, passed)
+
+
+def test_generates_per_row_arguments_go_with_their_rows(tmp_path, trainer_kwargs):
+    """`generate` runs the rows grouped by adapter: a per-row tensor argument (GPT-2's ``token_type_ids``) stayed in
+    the caller's order, each row generated with another row's; a ``prefix_allowed_tokens_fn``, called with generate's
+    rows, is refused for rows not so grouped."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=258, n_embd=32, n_layer=2, n_head=2, n_positions=128, eos_token_id=257,
+                               bos_token_id=257)).save_pretrained(tmp_path / "gpt2")
+    module = MultiLoRAModule(str(tmp_path / "gpt2"), adapters=[AdapterSpec("a", rank=2, max_steps=8, lr=5e-2)],
+                             export_dir=str(tmp_path / "out"))
+    L.Trainer(**{**trainer_kwargs, "max_steps": 2}).fit(module,
+                                                        MultiLoRADataModule(sources={"a": GeneratedArithmetic(50)}))
+    ids = torch.randint(1, 250, (3, 5), generator=torch.Generator().manual_seed(0))
+    types = torch.tensor([[0] * 5, [7] * 5, [0] * 5])
+    rows = ["a", None, "a"]
+    out = module.generate(rows, ids, token_type_ids=types, max_new_tokens=4, pad_token_id=0)
+    for i, name in enumerate(rows):
+        alone = module.generate([name], ids[i:i + 1], token_type_ids=types[i:i + 1], max_new_tokens=4, pad_token_id=0)
+        assert out[i].tolist() == alone[0].tolist(), (i, name)
+    with pytest.raises(ValueError, match=r"`prefix_allowed_tokens_fn` takes rows grouped by adapter"):
+        module.generate(rows, ids, max_new_tokens=2, prefix_allowed_tokens_fn=lambda batch_id, ids: [65])
+    grouped = module.generate(["a", "a", None], ids, max_new_tokens=2, pad_token_id=0,
+                              prefix_allowed_tokens_fn=lambda batch_id, ids: [65 + batch_id])
+    assert grouped[:, 5:].tolist() == [[65, 65], [66, 66], [67, 67]]
 
 
 def _peft_saved_adapter(directory, base_dir, save_kwargs=None, **config) -> dict[str, torch.Tensor]:

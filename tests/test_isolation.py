@@ -157,3 +157,29 @@ def test_with_dropout_an_adapter_trains_as_alone_while_neighbours_exit_and_refil
     assert_trained_alike(packed, alone, "b", rel=1e-5)
     without = trained([AdapterSpec(**{**b.to_dict(), "dropout": 0.0})], "without")
     assert any((without[k] - alone[k]).norm() > 1e-3 * alone[k].norm() for k in alone)  # its dropout mattered
+
+
+def test_an_adapter_without_padding_trains_bitwise_as_alone_beside_one_with_padding(tmp_path, trainer_kwargs):
+    """Rows of one length (``padding="max_length"``): an adapter whose rows fill it trained alone ran the base without
+    a mask (all ones: dropped, SDPA's causal path), and beside an adapter with padding with the batch's mask (another
+    attention): its weights moved (5e-8 in two steps). Right-padded rows run unmasked, as the captured steps do."""
+    from lightning_multilora.data import ListSource
+
+    full = [{"prompt": f"{i:02d}" + "x" * 50, "completion": " " + "y" * 10} for i in range(8)]  # 52 + 11 + <eos>
+    short = [{"prompt": f"{i}+1=", "completion": f" {i + 1}"} for i in range(8)]
+    specs = {"a": AdapterSpec("a", rank=4, batch_size=2, max_steps=2, lr=3e-3, dataset="full", seed=1, grad_clip=None),
+             "p": AdapterSpec("p", rank=2, batch_size=1, max_steps=2, lr=3e-3, dataset="short", seed=2)}
+
+    def trained(names, out):
+        dm = MultiLoRADataModule(sources={"full": ListSource(full), "short": ListSource(short)}, padding="max_length",
+                                 max_length=64)
+        assert {len(r) for r in dm.split("full")[0].input_ids} == {64}  # (no padding in a's rows)
+        module = MultiLoRAModule("tiny-llama", adapters=[specs[n] for n in names], export_dir=str(tmp_path / out),
+                                 validate_on_finish=False)
+        L.Trainer(**trainer_kwargs).fit(module, dm)
+        return load_file(str(tmp_path / out / "a" / "adapter_model.safetensors")), module.registry["a"].train_losses
+
+    (alone, alone_losses), (packed, packed_losses) = trained(["a"], "alone"), trained(["a", "p"], "packed")
+    assert packed_losses == alone_losses
+    for key, value in alone.items():
+        torch.testing.assert_close(packed[key], value, atol=0, rtol=0)

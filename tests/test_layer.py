@@ -189,6 +189,31 @@ def test_an_inputs_gradient_leaves_the_adapters_gradients_alone_on_the_triton_pa
         kernels.set_backend(before)
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_an_adapter_without_rows_in_a_layout_gets_no_gradient_as_with_autograd(backend):
+    """An adapter the layout names with no rows: the kernels gave it zero gradients, which AdamW's momentum and
+    weight decay then stepped, where the reference (and PEFT, the adapter not run) gives it none."""
+    from lightning_multilora import kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (on the CPU: the interpreter, set by conftest)
+    before = kernels.get_backend()
+    kernels.set_backend(backend)
+    try:
+        torch.manual_seed(0)
+        layer = MultiLoRALinear(nn.Linear(16, 12))
+        for name in ("a", "b"):
+            layer.add_adapter(name, rank=4, alpha=4)
+            nn.init.normal_(layer.lora_B[name])
+        layer.to(device)
+        x = torch.randn(4, 3, 16, device=device)
+        with layer.context.use(BatchLayout(("a", "b"), (0, 4), (4, 4), 4)):
+            layer(x).square().sum().backward()
+        assert layer.lora_A["a"].grad is not None and layer.lora_A["a"].grad.abs().sum() > 0
+        assert layer.lora_A["b"].grad is None and layer.lora_B["b"].grad is None
+    finally:
+        kernels.set_backend(before)
+
+
 def test_a_forward_hook_on_the_base_keeps_the_bases_own_output_on_the_triton_path():
     """A hook registered on a linear before it was wrapped (activation capture) stays on the wrapped base; the
     kernels added the LoRA term into the output the hook held: base + LoRA on the GPU, the base's alone on the CPU."""
@@ -551,6 +576,31 @@ def test_a_second_injection_and_multihead_attentions_projection_are_refused():
         assert encoder(torch.randn(2, 3, 8)).shape == (2, 3, 8)
     with pytest.raises(ValueError, match=r"selects 'self_attn.out_proj', a projection of nn.MultiheadAttention"):
         inject_multilora(nn.TransformerEncoderLayer(d_model=8, nhead=2, batch_first=True), ["out_proj"])
+    # torch's default, sequence first: rows routed by their first dimension, the tokens' (wrong, unsaid, where the
+    # tokens equal the rows)
+    for layer in (nn.TransformerEncoderLayer(d_model=8, nhead=2, dim_feedforward=16),
+                  nn.TransformerDecoderLayer(d_model=8, nhead=2, dim_feedforward=16)):
+        with pytest.raises(ValueError, match=r"selects 'linear1', in a Transformer(Encoder|Decoder)Layer with "
+                                             r"batch_first=False: its inputs are sequence first"):
+            inject_multilora(layer, ["linear1"])
+
+
+def test_a_forced_triton_backend_leaves_an_adapter_on_the_cpu_without_a_shadow(monkeypatch):
+    """`_shadow_dtype` asked the backend of an adapter on the CPU: with 'triton' forced (outside the interpreter),
+    `add_adapter` raised, and so would every move of the module (a fit's teardown moves it to the CPU)."""
+    from lightning_multilora import kernels
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model = build_base_model("tiny-llama", dtype="bfloat16")
+    layers = inject_multilora(model, ["q_proj"])
+    before = kernels.get_backend()
+    kernels.set_backend("triton")
+    try:
+        layers.add_adapter("a", rank=2, alpha=4)
+        layers.rebind()
+        assert layers._shadow_dtype("a") is None
+    finally:
+        kernels.set_backend(before)
 
 
 def test_torch_encoder_layers_use_their_adapters_in_inference_and_read_their_linears_weights():

@@ -7,6 +7,7 @@ import json
 import math
 import re
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import lightning as L
@@ -836,11 +837,81 @@ def test_evaluate_takes_held_adapters_by_spec_or_name_and_refuses_the_others(tmp
         module.generate(["done", None], ids)
     with pytest.raises(ValueError, match="^generate's `adapters`: 'typo' is not an adapter of this module"):
         module.generate(["typo", None], ids)
+    # a name given twice is measured once; what is no name or spec is said (an AttributeError or a TypeError of
+    # iterating None before); a spec of another objective would measure the adapter on other rows: refused
+    assert module.evaluate(["on", "on"]) == by_name
+    with pytest.raises(TypeError, match=r"^evaluate's `specs`: an adapter's name or AdapterSpec, or a list of them, "
+                                        r"got NoneType None"):
+        module.evaluate(None)
+    with pytest.raises(TypeError, match=r"^generate's `adapters`: each is an adapter's name or its AdapterSpec, got "
+                                        r"int 3"):
+        module.generate(["on", 3], ids)
+    with pytest.raises(ValueError, match=r"the AdapterSpec given for 'on' has objective='dpo', and the adapter was "
+                                         r"trained with objective='sft', dpo_beta=0.1: give its name"):
+        module.evaluate([replace(module.registry["on"].spec, objective="dpo")])
+    with pytest.raises(ValueError, match=r"^`input_ids` has no rows: give at least one prompt"):
+        module.generate([], ids[:0])  # (a ZeroDivisionError before)
+    with pytest.raises(TypeError, match=r"^`input_ids` are token ids, an integer tensor \(rows, tokens\), got "
+                                        r"torch.float32"):
+        module.generate(["on", None], ids.float())
+    with pytest.raises(ValueError, match=r"^`attention_mask` is of shape \(2, 2\): it masks `input_ids`, of shape "
+                                         r"\(2, 3\)"):
+        module.generate(["on", None], ids, attention_mask=torch.ones(2, 2, dtype=torch.long))
+    queued = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("q", rank=2)])
+    with pytest.raises(ValueError, match=r"'q' is queued: it has not started, no weights yet \(they are made as it "
+                                         r"starts, in `fit`\)"):
+        queued.generate(["q"], ids[:1])
     # each submodule's mode is its own after an evaluation (one kept in evaluation mode stays so)
     module.train()
     module.model.model.norm.eval()
     module.evaluate("on")
     assert module.training and module.model.model.layers[0].training and not module.model.model.norm.training
+
+
+def test_a_removal_or_pause_asked_inside_a_step_or_a_validation_is_made_as_it_ends(tmp_path, trainer_kwargs):
+    """`remove_adapter` / `pause_adapter` from a hook inside a training step (before its backward, before its
+    optimizer step) or a validation (a batch's end): the removed adapter's group was gone as the step stepped
+    (KeyError), a removal in a validation's batch left its next batches naming it (the fit died), and an adapter
+    paused before its optimizer step counted a step (loss, data position) its gradients did not take: resumed, it
+    trained otherwise than alone. Each is made once the step (or validation) ends, whole."""
+    import json as _json
+
+    class Stops(Callback):
+        def on_before_backward(self, trainer, pl_module, loss):
+            if trainer.global_step == 2:
+                pl_module.remove_adapter("a", reason="asked before the backward")
+                assert pl_module.registry["a"].state == AdapterState.RUNNING  # (made as the step ends)
+
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            if trainer.global_step == 1:
+                pl_module.pause_adapter("p", reason="asked before the optimizer step")
+
+        def on_train_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 4:
+                pl_module.resume_adapter("p")
+
+        def on_validation_batch_end(self, trainer, pl_module, *args):
+            if trainer.global_step == 3 and pl_module.registry["v"].state == AdapterState.RUNNING:
+                pl_module.remove_adapter("v", reason="asked in a validation")
+
+    specs = [AdapterSpec("a", rank=2, batch_size=1, max_steps=8, seed=1),
+             AdapterSpec("p", rank=2, batch_size=1, max_steps=6, seed=2),
+             AdapterSpec("v", rank=2, batch_size=1, max_steps=8, seed=3)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path / "run"), validate_on_finish=False)
+    L.Trainer(**{**trainer_kwargs, "val_check_interval": 3}, callbacks=[Stops()]).fit(module, fixed_dm())
+    a, v = module.registry["a"], module.registry["v"]
+    info = {n: _json.loads((tmp_path / "run" / n / "multilora_export.json").read_text()) for n in ("a", "v")}
+    assert (a.state, a.step, len(a.train_losses), info["a"]["weights_step"]) == (AdapterState.PRUNED, 3, 3, 3)
+    assert (v.state, v.step, info["v"]["weights_step"]) == (AdapterState.PRUNED, 3, 3)
+    assert info["v"]["val_loss"] == pytest.approx(v.val_losses[-1][1]) and v.val_losses[-1][0] == 3
+    alone = MultiLoRAModule("tiny-llama", adapters=[specs[1]], export_dir=str(tmp_path / "alone"),
+                            validate_on_finish=False)
+    L.Trainer(**trainer_kwargs).fit(alone, fixed_dm())
+    p = module.registry["p"]
+    assert p.state == AdapterState.FINISHED and [l for _, l in p.train_losses] == [
+        l for _, l in alone.registry["p"].train_losses]
+    for key, value in exported(alone, "p").items():
+        torch.testing.assert_close(exported(module, "p")[key], value, atol=0, rtol=0)
 
 
 def test_a_fit_stopped_by_an_exception_exports_the_adapters_it_held(tmp_path, trainer_kwargs):
@@ -2178,6 +2249,13 @@ def test_a_resume_names_running_adapters_no_longer_given(tmp_path, trainer_kwarg
                                          r"`module.remove_adapter\(name\)`"):
         L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path=str(tmp_path / "stop.ckpt"))
     assert module.registry["b"].state == AdapterState.FINISHED
+    # removed before the resume (given, then removed): the checkpoint's adapter went on, unsaid
+    module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False)
+    module.remove_adapter("b", reason="not wanted")
+    with pytest.warns(UserWarning, match=r"adapters removed before this resume are 'b' running in its checkpoint, "
+                                         r"and go on \(a resume keeps the checkpoint's adapters; "
+                                         r"`module.remove_adapter\(name\)` after the resume starts"):
+        L.Trainer(**trainer_kwargs).fit(module, small_dm(), ckpt_path=str(tmp_path / "stop.ckpt"))
 
 
 def test_validate_says_why_it_measures_nothing_and_a_loaded_checkpoint_is_held(tmp_path, trainer_kwargs):
@@ -2630,6 +2708,15 @@ def test_a_param_group_of_its_own_is_refused_and_specs_added_are_the_adapters_ow
         template.name, template.lr = f"t{i}", lr
         module.add_adapter(template)
     assert [(r.name, r.spec.name, r.spec.lr) for r in module.registry] == [("t0", "t0", 1e-3), ("t1", "t1", 2e-3)]
+    # a field set since the spec was made is checked as its constructor checks it (a rank of 0 added mid-fit failed
+    # the whole run as the adapter started)
+    for field, value, message in [("rank", 0, r"`rank` must be an integer >= 1"),
+                                  ("lr_schedule", "cosin", r"`lr_schedule`"), ("lr", -0.1, r"`lr`")]:
+        template = AdapterSpec(f"bad-{field}", rank=2, max_steps=2)
+        setattr(template, field, value)
+        with pytest.raises(ValueError, match=message):
+            module.add_adapter(template)
+        assert f"bad-{field}" not in module.registry
 
 
 def test_a_resume_with_a_data_module_subclass_goes_on_with_its_data(tmp_path, trainer_kwargs):

@@ -238,22 +238,26 @@ def _jsonl_lines(path: Path, shown: str) -> Iterator[tuple[int, str]]:
         raise ValueError(f"{shown}: a damaged {kind} file after line {lineno} ({err})") from None
 
 
-def _json_line(line: str, where: str) -> dict:
-    """One line of a JSONL file as its record; a line that is not a JSON object is named (``where``: file:line)."""
+def _json_line(line: str, where: str, whole_json: Optional[str] = None) -> dict:
+    """One line of a JSONL file as its record; a line that is not a JSON object is named (``where``: file:line).
+    ``whole_json``: how the source's user reads a file of one JSON array instead (`_WHOLE_JSON`'s route)."""
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        whole = _WHOLE_JSON if line.strip() in ("[", "{") else ""
+        whole = (whole_json or _WHOLE_JSON) if line.strip() in ("[", "{") else ""
         raise ValueError(f"{where}: not valid JSON ({err.msg} at column {err.colno}); each line must be one JSON "
                          f"object{whole}") from None
     if not isinstance(record, dict):
-        whole = _WHOLE_JSON if isinstance(record, list) else ""
+        whole = (whole_json or _WHOLE_JSON) if isinstance(record, list) else ""
         raise ValueError(f"{where}: each line must be one JSON object, got a {type(record).__name__}{whole}")
     return record
 
 
 # (a file of one JSON array, or of pretty-printed JSON, given to JSONLSource)
 _WHOLE_JSON = " (a JSON array or a pretty-printed JSON file is read by `HFDatasetSource(path)`)"
+# (the same given to PreferenceSource, which reads JSON lines or records: `datasets` reads the file into records)
+_WHOLE_JSON_PAIRS = (" (a JSON array or a pretty-printed JSON file: give its records, PreferenceSource(records="
+                     "datasets.load_dataset('json', data_files=path)['train']))")
 
 
 def _finite(value: numbers.Number) -> bool:
@@ -362,7 +366,7 @@ def _messages(value: Any, field: str, where: str) -> list[tuple[str, str]]:
         if not isinstance(message["content"], str):
             raise ValueError(f"{at}: `content` must be text (a string), got {type(message['content']).__name__} "
                              f"{message['content']!r:.60}")
-        messages.append((message["role"], message["content"]))
+        messages.append((message["role"], _text(message, "content", at)))  # (half an emoji: the tokenizer's TypeError)
     return messages
 
 
@@ -502,6 +506,9 @@ class HFDatasetSource(DataSource):
         DatasetDict), the builder its suffix names for a data file, ``load_dataset`` otherwise."""
         from datasets import load_dataset, load_from_disk
 
+        problem = self.missing()  # (a local file's name mistyped: taken for a Hub name, retried offline for long)
+        if problem:
+            raise FileNotFoundError(problem)
         if isinstance(self.path, str) and Path(self.path).is_file():
             if self.name is not None or self.data_files is not None:
                 raise ValueError(f"HFDatasetSource: `path` {self.path!r} is a data file, read as it is: it takes no "
@@ -677,6 +684,9 @@ class PreferenceSource(DataSource):
             raise ValueError("PreferenceSource takes exactly one of `path` and `records`")
         check_int("PreferenceSource", "limit", limit, 1, optional=True)
         if records is not None:
+            if isinstance(records, _dataset_classes()[1]):  # (a Mapping of splits: no record)
+                raise ValueError(f"PreferenceSource: `records` is a {type(records).__name__}: give one of its splits, "
+                                 f"records=dataset[split] (its splits: {sorted(records)})")
             if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
                 raise ValueError(f"PreferenceSource: `records` must be a list of mappings (prompt, chosen, rejected) "
                                  f"or a `datasets` Dataset, got a {type(records).__name__}"
@@ -695,10 +705,17 @@ class PreferenceSource(DataSource):
                 yield f"records[{i}]", record
             return
         path = Path(self.path)
+        if path.is_dir():
+            raise ValueError(f"PreferenceSource: `path` {self.path!r} is a folder; it reads a JSON-lines file (a "
+                             "`save_to_disk` folder: give its records, records=datasets.load_from_disk(path)['train'])")
         if not path.is_file():
             raise FileNotFoundError(f"PreferenceSource: no file at `path` {self.path!r}")
+        builder = DATA_FILE_BUILDERS.get(_data_suffix(self.path))
+        if builder not in (None, "json"):  # (a parquet file read as text: "not UTF-8 text at byte 98")
+            raise ValueError(f"PreferenceSource: `path` {self.path!r} is a {builder} file; it reads JSON lines (give "
+                             f"its records, records=datasets.load_dataset({builder!r}, data_files=path)['train'])")
         for lineno, line in _jsonl_lines(path, str(self.path)):
-            yield f"{self.path}:{lineno}", _json_line(line, f"{self.path}:{lineno}")
+            yield f"{self.path}:{lineno}", _json_line(line, f"{self.path}:{lineno}", _WHOLE_JSON_PAIRS)
 
     def examples(self) -> list[Union[PreferenceExample, ChatPreferenceExample]]:
         out: list[Union[PreferenceExample, ChatPreferenceExample]] = []

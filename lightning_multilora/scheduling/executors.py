@@ -147,6 +147,7 @@ class LocalExecutor:
 
     needs_command = True  # (the runner refuses a task without one when it is submitted, before any task starts)
     stop_timeout_s = 30.0  # how long `stop` lets the tasks end on SIGTERM before it kills them (SIGKILL)
+    group_grace_s = 5.0  # how long a task's other processes get, on SIGTERM, once its own has exited (`_end_group`)
 
     def __init__(self, log_dir: str | Path, env: Optional[dict[str, str]] = None, poll_s: float = 0.05) -> None:
         check_real("LocalExecutor", "poll_s", poll_s, lambda v: v > 0, "a number of seconds > 0")
@@ -220,6 +221,7 @@ class LocalExecutor:
             for task_id, (proc, log, log_path) in list(self._procs.items()):
                 code = proc.poll()
                 if code is not None:
+                    _end_group(proc, self.group_grace_s)  # (its GPUs are freed for the next task: nothing of it left)
                     log.close()
                     del self._procs[task_id]
                     said = "" if code == 0 else f"{exit_text(code)}, log {log_path}"
@@ -366,6 +368,27 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)  # each task runs in its own process group (start_new_session)
     except ProcessLookupError:
         pass
+
+
+def _end_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """The processes left of a task whose own process has exited (a multi-process fit's other ranks, its rank 0
+    killed), ended before its GPUs go to the next task or its retry: SIGTERM, then SIGKILL to those still there
+    ``grace_s`` later. (Orphaned, an NCCL rank waited for its lost peer up to the process group's timeout, holding
+    its GPU's memory, while the retry started on the same GPUs.)"""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return  # (none left)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.02)
+    _signal_group(proc, signal.SIGKILL)
 
 
 def task_command(task: Task) -> list[str]:

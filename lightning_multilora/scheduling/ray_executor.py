@@ -17,30 +17,40 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from lightning_multilora.arguments import check_real
-from lightning_multilora.scheduling.executors import (Completion, exit_text, last_text_line, next_attempt,
-                                                      next_log_path, task_command, task_env)
+from lightning_multilora.scheduling.executors import (Completion, _program_found, exit_text, last_text_line,
+                                                      next_attempt, next_log_path, task_command, task_env)
 from lightning_multilora.scheduling.task_scheduler import Task, first_gpu_ids, node_holding
 
 
 OUTPUT_CHARS = 8 << 20  # the most of a task's output kept in its log (its end)
 
 
-def _run_command(command: list[str], env: dict[str, str], resource: str) -> tuple[int, str]:
-    """Runs inside the Ray worker; returns the exit status and the output (stdout and stderr as they came)."""
+def _run_command(command: list[str], env: dict[str, str], resource: str, cwd: Optional[str] = None) -> tuple[int, str]:
+    """Runs inside the Ray worker, in ``cwd`` where the node has it (the schedule's folder: a task's relative paths
+    are the schedule's, as under `LocalExecutor`); returns the exit status and the output (stdout and stderr as they
+    came)."""
     if resource != "GPU":  # a custom resource: say which "devices" Ray granted, as it does for GPUs
         import ray
 
         granted = ray.get_runtime_context().get_assigned_resources()
         env = {**env, "MULTILORA_ASSIGNED": str(granted.get(resource, 0))}
+    env = {**os.environ, **env}
     try:
-        result = subprocess.run(command, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, errors="replace")
+        result = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                errors="replace", cwd=cwd if cwd is not None and os.path.isdir(cwd) else None)
     except OSError as err:  # e.g. the program does not exist on that node
         return 127, f"could not start {command}: {err}\n"
     output = result.stdout
     if len(output) > OUTPUT_CHARS:  # (through Ray's object store to the driver, which writes the log)
         output = f"[the first {len(output) - OUTPUT_CHARS} characters left out]\n" + output[-OUTPUT_CHARS:]
     return result.returncode, output
+
+
+def _schedule_env() -> dict[str, str]:
+    """The schedule's environment, which its tasks run with on a Ray worker (its `PYTHONPATH`, `PATH`, a token...), as
+    `LocalExecutor`'s tasks do: a worker's is the Ray node's, started elsewhere. Not the devices (Ray's), nor Ray's own
+    settings."""
+    return {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES" and not k.startswith("RAY_")}
 
 
 class RayExecutor:
@@ -65,7 +75,8 @@ class RayExecutor:
         self._attempts: dict[str, int] = {}
         self._started: dict[str, int] = {}
         self._t0 = time.monotonic()
-        self._remote = ray.remote(_run_command)
+        self._remote = ray.remote(max_retries=0)(_run_command)  # (Ray's own retries ran an attempt twice, unsaid:
+        # the runner retries, as the task's `max_retries` says)
         self._refs: dict[Any, tuple[str, Any]] = {}  # object ref -> (task id, placement group or None)
         self._node_ids: list[str] = []  # (`place_on`: the Ray node of each of the plan's nodes, and its first GPU id)
         self._first_ids: list[int] = []
@@ -102,7 +113,9 @@ class RayExecutor:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-        command = task_command(task)
+        # (its program from beside the schedule's Python where PATH has none: the `multilora` of the environment the
+        # schedule runs in, as `LocalExecutor` finds it)
+        command = _program_found(task_command(task), os.environ.get("PATH"))
         attempt = next_attempt(task, attempt, self._started)
         demand = {"num_gpus": task.gpus} if self.resource == "GPU" else {"resources": {self.resource: task.gpus}}
         if self._node_ids and gpu_ids:  # (the plan's node: its GPUs are free there, by the plan)
@@ -112,7 +125,7 @@ class RayExecutor:
             pg = placement_group([{self.resource: task.gpus}], strategy="STRICT_PACK")
             strategy = PlacementGroupSchedulingStrategy(pg)
         ref = self._remote.options(num_cpus=0, **demand, scheduling_strategy=strategy).remote(
-            command, task_env(task, attempt), self.resource)
+            command, {**_schedule_env(), **task_env(task, attempt)}, self.resource, os.getcwd())
         self._refs[ref] = (task.id, pg)
 
     def _keep_log(self, task_id: str, output: str) -> tuple[str, Optional[str]]:
@@ -157,16 +170,19 @@ class RayExecutor:
             for ref in ready:
                 task_id, pg = self._refs.pop(ref)
                 code, log = None, None
+                final = False
                 try:
                     code, output = self.ray.get(ref)
                     ok, detail = code == 0, "" if code == 0 else exit_text(code)
                     kept, log = self._keep_log(task_id, output)
                     detail += "" if ok else kept
+                    final = code == 127 and output.startswith("could not start ")  # (a retry finds none either)
+                    detail += " (not retried)" if final else ""
                 except Exception as err:  # noqa: BLE001 - a crashed worker is a failed attempt
                     ok, detail = False, f"{type(err).__name__}: {err}"
                 if pg is not None:
                     remove_placement_group(pg)
-                done.append(Completion(self.now(), task_id, ok, detail, code, log))
+                done.append(Completion(self.now(), task_id, ok, detail, code, log, final=final))
             if done or (deadline is not None and self.now() >= deadline):
                 return done
             if not self._refs:

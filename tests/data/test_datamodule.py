@@ -355,6 +355,11 @@ def test_text_that_is_not_unicode_is_named_with_its_source_and_record(tmp_path):
     with pytest.raises(ValueError, match=r"half.jsonl:5: field 'prompt' holds '\\ud83d' at character 6, half of a "
                                          r"UTF-16 surrogate pair"):
         JSONLSource(str(tmp_path / "half.jsonl")).examples()
+    (tmp_path / "chat.jsonl").write_text(  # (in a message: the tokenizer's TypeError, naming neither line nor field)
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "smile \\ud83d"}]}\n')
+    with pytest.raises(ValueError, match=r"chat.jsonl:1: message 1 of 'messages': field 'content' holds '\\ud83d' at "
+                                         r"character 6, half of a UTF-16 surrogate pair"):
+        JSONLSource(str(tmp_path / "chat.jsonl"), format="messages").examples()
     (tmp_path / "latin.jsonl").write_bytes(good.encode() * 60 + b'{"prompt": "caf\xe9", "completion": "b"}\n')
     dm = MultiLoRADataModule(sources={"latin": HFDatasetSource("json", data_files=str(tmp_path / "latin.jsonl"))})
     with pytest.raises(ValueError, match=r"data source 'latin' \(HFDatasetSource.*\) holds text that is not valid "
@@ -1169,6 +1174,28 @@ def test_preference_records_read_twice_and_bad_records_or_paths_are_named(tmp_pa
     assert HFDatasetSource(str(tmp_path / "data" / "train.jsonl.gz")).missing() == (
         f"HFDatasetSource: no file at `path` {str(tmp_path / 'data' / 'train.jsonl.gz')!r}")
     assert HFDatasetSource("openai/gsm8k").missing() is None
+    # ... and read so (a fit's check looked a mistyped relative path up on the Hub: retried offline, then its error)
+    with pytest.raises(FileNotFoundError, match=r"^HFDatasetSource: no file at `path` 'gsm8k/trian.jsonl'$"):
+        HFDatasetSource("gsm8k/trian.jsonl").examples()
+    # what PreferenceSource cannot read names its route (a JSON array's hint named HFDatasetSource, whose rows a DPO
+    # adapter refuses; a DatasetDict was "one record: put it in a list"; a parquet file "not UTF-8 text")
+    (tmp_path / "array.json").write_text('[\n  {"prompt": "p", "chosen": "a", "rejected": "b"}\n]\n')
+    with pytest.raises(ValueError, match=r"array.json:1: not valid JSON .* give its records, PreferenceSource\(records="
+                                         r"datasets.load_dataset\('json', data_files=path\)\['train'\]\)"):
+        PreferenceSource(str(tmp_path / "array.json")).examples()
+    datasets = pytest.importorskip("datasets")
+    pairs = datasets.Dataset.from_list([{"prompt": "p", "chosen": "a", "rejected": "b"}] * 3)
+    with pytest.raises(ValueError, match=r"`records` is a DatasetDict: give one of its splits, "
+                                         r"records=dataset\[split\] \(its splits: \['train'\]\)"):
+        PreferenceSource(records=datasets.DatasetDict({"train": pairs}))
+    pairs.to_parquet(str(tmp_path / "pairs.parquet"))
+    with pytest.raises(ValueError, match=r"pairs.parquet' is a parquet file; it reads JSON lines \(give its records, "
+                                         r"records=datasets.load_dataset\('parquet', data_files=path\)\['train'\]\)"):
+        PreferenceSource(str(tmp_path / "pairs.parquet")).examples()
+    pairs.save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(ValueError, match=r"saved' is a folder; it reads a JSON-lines file \(a `save_to_disk` folder: "
+                                         r"give its records, records=datasets.load_from_disk\(path\)\['train'\]\)"):
+        PreferenceSource(str(tmp_path / "saved")).examples()
 
 
 def test_a_sources_examples_of_another_kind_are_named():

@@ -97,3 +97,22 @@ def test_a_tasks_command_is_told_its_id_and_attempt_on_the_cluster(cluster, tmp_
     record = runner.run()["flaky"]
     assert said.read_text() == "flaky 1\nflaky 2\n"
     assert (record.state, record.exit_code, record.log) == ("finished", 0, str(tmp_path / "logs" / "flaky.2.log"))
+
+
+def test_a_task_runs_in_the_schedules_folder_with_its_environment_once_an_attempt(cluster, tmp_path, monkeypatch):
+    """A Ray worker ran a task in the folder and environment its node was started with: a task file's relative
+    paths and the schedule's `PYTHONPATH` went elsewhere, a bare program beside the schedule's Python was not found
+    (and its 127 retried); and Ray's own retries ran an attempt again, unsaid."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SCHEDULE_SAYS", "hello")
+    tell = "import os; open('where', 'w').write(os.getcwd() + ' ' + os.environ['SCHEDULE_SAYS'])"
+    executor = RayExecutor(resource="fake_gpu", log_dir=tmp_path / "logs")
+    assert executor._remote._default_options["max_retries"] == 0
+    runner = ScheduleRunner(TaskScheduler(2, resolution_s=0.5), executor, max_retries=2)
+    runner.submit(Task("here", 1.0, 1, [sys.executable, "-c", tell]))
+    runner.submit(Task("gone", 1.0, 1, ["no-such-program-anywhere", "x"]))
+    records = runner.run()
+    assert records["here"].state == "finished"
+    assert (tmp_path / "where").read_text() == f"{tmp_path} hello"
+    assert (records["gone"].state, records["gone"].attempts) == ("failed", 1), records["gone"]
+    assert "(not retried)" in records["gone"].detail
