@@ -16,7 +16,7 @@ import re
 import traceback
 import uuid
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -301,8 +301,9 @@ class MultiLoRAMixin:
 
         SFT adapters: causal-LM cross-entropy on the completion tokens (labels ``!= -100``) of
         the model's logits (the model `init_multilora` was given: ``model(input_ids, attention_mask)``, its
-        ``.logits`` or the tensor it returns; the mask None for right-padded rows, `MultiLoRADataModule`'s, which
-        the causal mask alone keeps from their padding). DPO adapters (their rows: chosen then rejected):
+        ``.logits`` or the tensor it returns; for a Hugging Face model the mask is None for right-padded rows,
+        `MultiLoRADataModule`'s, which its causal mask alone keeps from their padding). DPO adapters (their rows:
+        chosen then rejected):
         ``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` per pair, with sequence log-probabilities
         of the completion; the reference ``ref`` is the base with adapters off, one forward under no_grad
         over every DPO adapter's rows of the batch.
@@ -316,7 +317,7 @@ class MultiLoRAMixin:
         # comes before the padding. With a mask, a batch holding padding took another attention path than one
         # without (a materialised mask, read on the host): an adapter's gradients moved (1e-8) with its neighbours'
         # padding, and the eager steps' attention was not the `is_causal` one the captured steps take.
-        mask = None if layout.padding_side == "right" else batch["attention_mask"]
+        mask = None if layout.padding_side == "right" and _hf_model(model) else batch["attention_mask"]
         out = model(input_ids=batch["input_ids"], attention_mask=mask, **self._no_cache())
         row_sum, row_count = _row_token_loss(_logits(out), batch["labels"])
         sums, counts = segment_sum(row_sum, layout), segment_sum(row_count.to(row_sum.dtype), layout)
@@ -423,7 +424,7 @@ class MultiLoRAMixin:
             raise ValueError(f"remove_adapter's `state` must be one of {', '.join(ended)} (an AdapterState or its "
                              f"name: how the adapter ended); got {given!r}")
         rec = self.registry[name]
-        if self._hold_stop(rec, self.remove_adapter, name, reason, state):
+        if self._hold_stop(rec, "remove", name, reason, state):
             return
         trainer = self._trainer_or_none()
         if trainer is None or trainer.state.status != "running":  # (outside a fit: a resume's checkpoint, whose
@@ -444,7 +445,7 @@ class MultiLoRAMixin:
         rec = self.registry[name]
         if rec.state != AdapterState.RUNNING:
             raise ValueError(f"only a running adapter can be paused; {name!r} is {rec.state.value}")
-        if self._hold_stop(rec, self.pause_adapter, name, reason):
+        if self._hold_stop(rec, "pause", name, reason):
             return
         rec.state, rec.reason = AdapterState.PAUSED, reason
         rec.close_span(self._run_step())
@@ -456,6 +457,10 @@ class MultiLoRAMixin:
         """Train a paused adapter again, from where it stopped (it takes a slot, beyond `max_running` and the
         admission budget if need be; `startable` says whether one is free)."""
         rec = self.registry[name]
+        held = self.__dict__.get("_stops_held") or {}
+        if held.get(name, ("",))[0] == "pause":  # (its pause waits for the step's end: taken back, it goes on)
+            del held[name]
+            return
         if rec.state != AdapterState.PAUSED:
             raise ValueError(f"only a paused adapter can be resumed; {name!r} is {rec.state.value}")
         rec.state, rec.reason = AdapterState.RUNNING, ""
@@ -1721,7 +1726,7 @@ class MultiLoRAMixin:
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         self._stepped = True
         self._drop_rows_of_stopped(batch)
-        self.__dict__["_stops_held"] = []  # (a removal or pause a hook asks inside the step: once it is taken)
+        self.__dict__["_stops_held"] = {}  # (a removal or pause a hook asks inside the step: once it is taken)
         try:
             total = self._train_step(batch)
         except BaseException:
@@ -1730,23 +1735,28 @@ class MultiLoRAMixin:
         self._release_stops()
         return total
 
-    def _hold_stop(self, rec: AdapterRecord, stop: Callable[..., None], *args: Any) -> bool:
-        """Whether ``stop(*args)`` (`remove_adapter`, `pause_adapter`) of ``rec``, asked by a hook inside a training
-        step (before or after its backward, before its optimizer step) or a validation (its batches, or a callback's
-        ``on_validation_epoch_end``), waits for it to end: then ``rec``'s step is whole (its weights, counts and data
-        position of one step) and its validation measured and recorded. Made then."""
+    def _hold_stop(self, rec: AdapterRecord, kind: str, *args: Any) -> bool:
+        """Whether a ``kind`` stop ("remove", "pause": `remove_adapter` / `pause_adapter` with ``args``) of ``rec``,
+        asked by a hook inside a training step (before or after its backward, before its optimizer step) or a
+        validation (its batches, or a callback's ``on_validation_epoch_end``), waits for it to end: then ``rec``'s
+        step is whole (its weights, counts and data position of one step) and its validation measured and recorded.
+        Made then, one an adapter: a pause asked again (its state still running meanwhile) is the one asked, a
+        removal replaces a pause."""
         held = self.__dict__.get("_stops_held")
         if held is None or rec.state not in (AdapterState.RUNNING, AdapterState.PAUSED):
             return False
-        held.append((rec.name, stop, args))
+        if not (kind == "pause" and rec.name in held):
+            held[rec.name] = (kind, args)
         return True
 
     def _release_stops(self) -> None:
-        """The stops `_hold_stop` kept, made (one of an adapter that ended meanwhile, its last step taken: none)."""
+        """The stops `_hold_stop` kept, made (one of an adapter that ended meanwhile, its last step taken: none; a
+        pause of one no longer running: none)."""
         held, self.__dict__["_stops_held"] = self.__dict__.get("_stops_held"), None
-        for name, stop, args in held or ():
-            if self.registry[name].state in (AdapterState.RUNNING, AdapterState.PAUSED):
-                stop(*args)
+        for name, (kind, args) in (held or {}).items():
+            state = self.registry[name].state
+            if state == AdapterState.RUNNING or (kind == "remove" and state == AdapterState.PAUSED):
+                getattr(self, f"{kind}_adapter")(*args)
 
     def _train_step(self, batch: dict[str, Any]) -> Tensor:
         """`training_step`'s work: the packed forward and backward, the adapters' optimizer steps and counts."""
@@ -2461,7 +2471,7 @@ class MultiLoRAMixin:
             # stops it again if none)
             self.trainer.should_stop, self._stop_pending = False, True
         self._val_sums = {}
-        self.__dict__["_stops_held"] = []  # (a removal or pause asked while it measures: once it is recorded)
+        self.__dict__["_stops_held"] = {}  # (a removal or pause asked while it measures: once it is recorded)
         if self.trainer.state.fn == "validate" and self._resume_checkpoint is not None:
             checkpoint, self._resume_checkpoint = self._resume_checkpoint, None  # (a validate builds no optimizer)
             if self.__dict__.pop("_loaded_outside_fit", False) and checkpoint.get("optimizer_states"):
@@ -2709,7 +2719,6 @@ class MultiLoRAMixin:
             rank_zero_warn("adapters resumed from the checkpoint keep the specs they started with; these changes "
                            f"are not applied: {'; '.join(kept)} (give a changed adapter a new name to train it)")
 
-    @override
     def _base_changes(self, saved_base: Mapping[str, Any]) -> tuple[dict, Optional[tuple], Optional[tuple], dict]:
         """How this module's base differs from ``saved_base`` (a checkpoint's `_base_identity`), each as (saved, this
         module's): in its architecture (returned first, a dict), where it was loaded from, how its weights are held and
@@ -2734,6 +2743,7 @@ class MultiLoRAMixin:
                 f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in sorted(differ.items()))}); resume with the "
                 "`base_model` (and `config_overrides`) it was trained with")
 
+    @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint.get("multilora")
         if state is None:
@@ -3186,6 +3196,14 @@ def _preference_metrics(preferred: float, pairs: float, chosen: float, rejected:
         return {}
     return {"val_preference_accuracy": preferred / pairs, "val_rewards_chosen": chosen / pairs,
             "val_rewards_rejected": rejected / pairs, "val_rewards_margin": (chosen - rejected) / pairs}
+
+
+def _hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a Hugging Face model (its causal mask its own: `adapter_loss_terms` runs right-padded rows
+    unmasked); a torch model of one's own may read the mask, and is given it."""
+    from transformers import PreTrainedModel
+
+    return isinstance(getattr(model, "_orig_mod", model), PreTrainedModel)
 
 
 def _row_token_loss(logits: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:

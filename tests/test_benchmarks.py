@@ -7,8 +7,8 @@ import pytest
 import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-GPU_ONLY = ["ds_db_one_launch", "grad_split", "kernels", "memory_model", "optimizer", "overlap_probe", "profile_lora",
-            "tune_in_context", "weight_grad_probe"]
+GPU_ONLY = ["ds_db_one_launch", "grad_split", "kernels", "memory_model", "optimizer", "overlap_probe", "padding_mask",
+            "profile_lora", "tune_in_context", "weight_grad_probe"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without a CUDA GPU is told")

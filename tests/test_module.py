@@ -445,8 +445,9 @@ def test_the_mixin_trains_adapters_of_a_model_that_is_not_a_hugging_face_one(tmp
             self.embed, self.q_proj = torch.nn.Embedding(258, 16), torch.nn.Linear(16, 16)
             self.head = torch.nn.Linear(16, 258)
 
-        def forward(self, input_ids, attention_mask=None):
-            return SimpleNamespace(logits=self.head(torch.tanh(self.q_proj(self.embed(input_ids)))))
+        def forward(self, input_ids, attention_mask=None):  # (its mask read: a model of one's own is given it)
+            hidden = self.embed(input_ids) * attention_mask.unsqueeze(-1)
+            return SimpleNamespace(logits=self.head(torch.tanh(self.q_proj(hidden))))
 
     class Sweep(MultiLoRAMixin, L.LightningModule):
         def __init__(self):
@@ -474,7 +475,7 @@ def test_the_mixin_trains_adapters_of_a_model_that_is_not_a_hugging_face_one(tmp
     ids = torch.randint(0, 258, (1, 5))
     for key, value in exported(module, "a").items():
         torch.testing.assert_close(loaded.state_dict()[key.replace(".weight", ".default.weight")], value)
-    assert loaded(ids).logits.shape == (1, 5, 258)
+    assert loaded(ids, torch.ones(1, 5)).logits.shape == (1, 5, 258)
 
     class Own(MultiLoRAMixin, L.LightningModule):  # the base under a name of its own; a loss of the wrong shape
         def __init__(self, wrong=False):
@@ -885,6 +886,10 @@ def test_a_removal_or_pause_asked_inside_a_step_or_a_validation_is_made_as_it_en
         def on_before_optimizer_step(self, trainer, pl_module, optimizer):
             if trainer.global_step == 1:
                 pl_module.pause_adapter("p", reason="asked before the optimizer step")
+                pl_module.pause_adapter("p", reason="asked again")  # (still running until the step ends: one pause)
+            if trainer.global_step == 2:  # (a pause asked, then taken back within the step: it goes on)
+                pl_module.pause_adapter("v", reason="changed my mind")
+                pl_module.resume_adapter("v")
 
         def on_train_batch_end(self, trainer, pl_module, *args):
             if trainer.global_step == 4:
@@ -902,7 +907,8 @@ def test_a_removal_or_pause_asked_inside_a_step_or_a_validation_is_made_as_it_en
     a, v = module.registry["a"], module.registry["v"]
     info = {n: _json.loads((tmp_path / "run" / n / "multilora_export.json").read_text()) for n in ("a", "v")}
     assert (a.state, a.step, len(a.train_losses), info["a"]["weights_step"]) == (AdapterState.PRUNED, 3, 3, 3)
-    assert (v.state, v.step, info["v"]["weights_step"]) == (AdapterState.PRUNED, 3, 3)
+    assert (v.state, v.step, info["v"]["weights_step"], v.spans) == (AdapterState.PRUNED, 3, 3, [[0, 3]])
+    assert module.registry["p"].spans == [[0, 2], [4, 8]]  # (paused once, after its step 2)
     assert info["v"]["val_loss"] == pytest.approx(v.val_losses[-1][1]) and v.val_losses[-1][0] == 3
     alone = MultiLoRAModule("tiny-llama", adapters=[specs[1]], export_dir=str(tmp_path / "alone"),
                             validate_on_finish=False)

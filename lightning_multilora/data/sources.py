@@ -706,8 +706,12 @@ class PreferenceSource(DataSource):
             return
         path = Path(self.path)
         if path.is_dir():
-            raise ValueError(f"PreferenceSource: `path` {self.path!r} is a folder; it reads a JSON-lines file (a "
-                             "`save_to_disk` folder: give its records, records=datasets.load_from_disk(path)['train'])")
+            route = "give the JSON-lines file in it"
+            if _saved_to_disk(self.path):  # (a DatasetDict's folder holds its splits' names; a Dataset's is one)
+                split = "['train']" if (path / "dataset_dict.json").is_file() else ""
+                route = f"a `save_to_disk` folder: give its records, records=datasets.load_from_disk(path){split}"
+            raise ValueError(f"PreferenceSource: `path` {self.path!r} is a folder; it reads a JSON-lines file "
+                             f"({route})")
         if not path.is_file():
             raise FileNotFoundError(f"PreferenceSource: no file at `path` {self.path!r}")
         builder = DATA_FILE_BUILDERS.get(_data_suffix(self.path))

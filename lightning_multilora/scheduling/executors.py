@@ -147,7 +147,7 @@ class LocalExecutor:
 
     needs_command = True  # (the runner refuses a task without one when it is submitted, before any task starts)
     stop_timeout_s = 30.0  # how long `stop` lets the tasks end on SIGTERM before it kills them (SIGKILL)
-    group_grace_s = 5.0  # how long a task's other processes get, on SIGTERM, once its own has exited (`_end_group`)
+    group_grace_s = 5.0  # how long a task's other processes get, on SIGTERM, once its own has exited (`_drain`)
 
     def __init__(self, log_dir: str | Path, env: Optional[dict[str, str]] = None, poll_s: float = 0.05) -> None:
         check_real("LocalExecutor", "poll_s", poll_s, lambda v: v > 0, "a number of seconds > 0")
@@ -164,6 +164,7 @@ class LocalExecutor:
         # and the processes it has sent SIGTERM
         self._kill_at: Optional[float] = None
         self._termed: set[int] = set()
+        self._draining: dict[int, float] = {}  # (`_drain`: the process groups ended tasks left, and when to kill them)
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -221,16 +222,54 @@ class LocalExecutor:
             for task_id, (proc, log, log_path) in list(self._procs.items()):
                 code = proc.poll()
                 if code is not None:
-                    _end_group(proc, self.group_grace_s)  # (its GPUs are freed for the next task: nothing of it left)
+                    self._drain(proc)  # (what is left of it, before its GPUs go to the next task)
                     log.close()
                     del self._procs[task_id]
                     said = "" if code == 0 else f"{exit_text(code)}, log {log_path}"
                     last = "" if code == 0 else last_line(log_path)  # (its error, where it said one)
                     said += f"; its log ends: {last}" if last else ""
                     done.append(Completion(self.now(), task_id, code == 0, said, code, str(log_path)))
+            self._drain_step()
             if done or (deadline is not None and self.now() >= deadline):
                 return done
             time.sleep(self.poll_s)
+
+    def _drain(self, proc: subprocess.Popen) -> None:
+        """The processes left of a task whose own process has exited (a multi-process fit's other ranks, its rank 0
+        killed) get SIGTERM at once, and SIGKILL ``group_grace_s`` later where they are still there (`_drain_step`, at
+        each poll; `stop` at once). Orphaned, an NCCL rank waited for its lost peer up to the process group's timeout,
+        holding its GPU's memory, while the retry started on the same GPUs."""
+        import signal
+
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            return  # (none left)
+        self._draining[proc.pid] = time.monotonic() + self.group_grace_s
+
+    def _drain_step(self, kill: bool = False) -> None:
+        """`_drain`'s groups: gone ones forgotten (their processes that are this one's children reaped: a schedule that
+        reaps orphans, a container's first process, held them as zombies), the others past their grace (all of them
+        with ``kill``) given SIGKILL."""
+        import signal
+
+        for pgid, kill_at in list(self._draining.items()):
+            try:
+                while os.waitpid(-pgid, os.WNOHANG)[0]:
+                    pass
+            except ChildProcessError:
+                pass
+            try:
+                os.killpg(pgid, 0)
+            except (ProcessLookupError, PermissionError):
+                del self._draining[pgid]
+                continue
+            if kill or time.monotonic() >= kill_at:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                self._draining[pgid] = float("inf")  # (killed: forgotten once gone, not killed again)
 
     def stop(self) -> list[Completion]:
         """Terminate every running task and its children (an interrupted schedule leaves no orphans): SIGTERM to
@@ -256,6 +295,7 @@ class LocalExecutor:
             running = [proc for proc in running if proc.poll() is None]
         for proc in running:
             _signal_group(proc, signal.SIGKILL)
+        self._drain_step(kill=True)  # (what ended tasks left)
         stopped = []
         for task_id, (proc, log, log_path) in list(self._procs.items()):
             proc.wait()
@@ -368,27 +408,6 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)  # each task runs in its own process group (start_new_session)
     except ProcessLookupError:
         pass
-
-
-def _end_group(proc: subprocess.Popen, grace_s: float) -> None:
-    """The processes left of a task whose own process has exited (a multi-process fit's other ranks, its rank 0
-    killed), ended before its GPUs go to the next task or its retry: SIGTERM, then SIGKILL to those still there
-    ``grace_s`` later. (Orphaned, an NCCL rank waited for its lost peer up to the process group's timeout, holding
-    its GPU's memory, while the retry started on the same GPUs.)"""
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return  # (none left)
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline:
-        try:
-            os.killpg(proc.pid, 0)
-        except (ProcessLookupError, PermissionError):
-            return
-        time.sleep(0.02)
-    _signal_group(proc, signal.SIGKILL)
 
 
 def task_command(task: Task) -> list[str]:

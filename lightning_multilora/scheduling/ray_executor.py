@@ -38,8 +38,9 @@ def _run_command(command: list[str], env: dict[str, str], resource: str, cwd: Op
     try:
         result = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 errors="replace", cwd=cwd if cwd is not None and os.path.isdir(cwd) else None)
-    except OSError as err:  # e.g. the program does not exist on that node
-        return 127, f"could not start {command}: {err}\n"
+    except OSError as err:  # the program not on that node (127, not retried), or a fork that failed (126: retried)
+        return 127 if isinstance(err, (FileNotFoundError, NotADirectoryError)) else 126, \
+            f"could not start {command}: {err}\n"
     output = result.stdout
     if len(output) > OUTPUT_CHARS:  # (through Ray's object store to the driver, which writes the log)
         output = f"[the first {len(output) - OUTPUT_CHARS} characters left out]\n" + output[-OUTPUT_CHARS:]
@@ -175,7 +176,7 @@ class RayExecutor:
                     code, output = self.ray.get(ref)
                     ok, detail = code == 0, "" if code == 0 else exit_text(code)
                     kept, log = self._keep_log(task_id, output)
-                    detail += "" if ok else kept
+                    detail += "" if ok else kept.rstrip()
                     final = code == 127 and output.startswith("could not start ")  # (a retry finds none either)
                     detail += " (not retried)" if final else ""
                 except Exception as err:  # noqa: BLE001 - a crashed worker is a failed attempt

@@ -1194,8 +1194,15 @@ def test_preference_records_read_twice_and_bad_records_or_paths_are_named(tmp_pa
         PreferenceSource(str(tmp_path / "pairs.parquet")).examples()
     pairs.save_to_disk(str(tmp_path / "saved"))
     with pytest.raises(ValueError, match=r"saved' is a folder; it reads a JSON-lines file \(a `save_to_disk` folder: "
-                                         r"give its records, records=datasets.load_from_disk\(path\)\['train'\]\)"):
+                                         r"give its records, records=datasets.load_from_disk\(path\)\)"):
         PreferenceSource(str(tmp_path / "saved")).examples()
+    datasets.DatasetDict({"train": pairs}).save_to_disk(str(tmp_path / "splits"))
+    with pytest.raises(ValueError, match=r"records=datasets.load_from_disk\(path\)\['train'\]\)"):
+        PreferenceSource(str(tmp_path / "splits")).examples()
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(ValueError, match=r"plain' is a folder; it reads a JSON-lines file \(give the JSON-lines file "
+                                         r"in it\)"):
+        PreferenceSource(str(tmp_path / "plain")).examples()
 
 
 def test_a_sources_examples_of_another_kind_are_named():
