@@ -2602,6 +2602,7 @@ class MultiLoRAMixin:
             "lineage": list(self._lineage),
             "step_offset": self.__dict__.get("_step_offset", 0),  # (the run's steps before its Trainer's: `_run_step`)
             "base": self._base_identity(),
+            "base_given": bool(self.__dict__.get("_base_given", False)),  # (a model given to MultiLoRAModule)
             "optimizer_classes": _optimizer_classes(self._raw_optimizer()),
             "max_running": self.max_running,
             "torch_rng": torch.get_rng_state(),
@@ -2748,6 +2749,15 @@ class MultiLoRAMixin:
         state = checkpoint.get("multilora")
         if state is None:
             raise ValueError("this checkpoint was not written by a MultiLoRAMixin module (no 'multilora' entry)")
+        if state.get("base_given") and getattr(self, "_base_named", None) is not None:  # (its base a model given,
+            # not held: a load without it built the default base, and the adapters ran on its weights, unsaid)
+            said = (f"this checkpoint's base was a model given to the module (`base_model=<model>`), which a "
+                    f"checkpoint does not hold, and this module built {self._base_named!r}")
+            if self._trainer_or_none() is None:
+                raise ValueError(f"{said}: give the model again, `MultiLoRAModule.load_from_checkpoint(path, "
+                                 "base_model=model)`")
+            rank_zero_warn(f"{said}: if it holds other weights than that model, the adapters go on from another "
+                           "model's outputs; give the model as `base_model` to go on exactly")
         differ, loaded, held, built = self._base_changes(state.get("base") or {})  # (older checkpoints carry none)
         if built:  # (a built-in base of another seed, a base of other overrides: other weights or numbers)
             rank_zero_warn("this checkpoint's adapters were trained on a base built with "
@@ -3438,7 +3448,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
                 verb = "apply" if len(given) > 1 else "applies"
                 raise ValueError(f"{' and '.join(given)} {verb} to a base the module builds (a built-in name or a "
                                  f"checkpoint path); `base_model` is a module given as it is: build it so instead")
-            model = base_model
+            model, self._base_given = base_model, True  # (not in the hyperparameters: given again to a load)
             if (torch_dtype := resolve_dtype(dtype)) != torch.float32:  # (the default leaves a module's dtype be)
                 if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
                     raise ValueError(f"`dtype` {dtype!r} casts a base the module is given, and this one is quantized "

@@ -1061,6 +1061,27 @@ def test_a_module_given_as_the_base_refuses_build_options_and_takes_a_dtype():
             MultiLoRAModule(four_bit, dtype="bfloat16")
 
 
+def test_a_checkpoint_of_a_model_given_as_the_base_is_loaded_with_it_given_again(tmp_path, trainer_kwargs):
+    """A base given as a model is not in the hyperparameters: `load_from_checkpoint` without it built the default
+    'tiny-llama', and where that had the model's architecture (another seed's weights) the adapters ran on it,
+    unsaid. Refused, naming the way; given again, the loaded module generates as the one saved."""
+    from lightning_multilora.base_model import build_base_model
+
+    module = MultiLoRAModule(build_base_model("tiny-llama", seed=5), validate_on_finish=False,
+                             adapters=[AdapterSpec("a", rank=2, max_steps=4, lr=5e-2)], export_dir=str(tmp_path))
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(module, small_dm())
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    with pytest.raises(ValueError, match=r"this checkpoint's base was a model given to the module "
+                                         r"\(`base_model=<model>`\), which a checkpoint does not hold, and this "
+                                         r"module built 'tiny-llama': give the model again"):
+        MultiLoRAModule.load_from_checkpoint(tmp_path / "c.ckpt")
+    loaded = MultiLoRAModule.load_from_checkpoint(tmp_path / "c.ckpt",
+                                                  base_model=build_base_model("tiny-llama", seed=5))
+    ids = torch.randint(1, 250, (1, 6), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded.generate(["a"], ids, max_new_tokens=4), module.generate(["a"], ids, max_new_tokens=4))
+
+
 def test_a_resume_queues_new_adapters_applies_edits_to_queued_ones_and_warns_of_the_rest(tmp_path, trainer_kwargs):
     """The checkpoint's registry is the run's; an adapter given now and not in it is queued, a queued one takes the
     spec given now, a started one keeps its own (the change is named in a warning). A finished run resumed with
