@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 PADDING_SIDES = (None, "right", "left")
 
@@ -84,3 +84,12 @@ class BatchLayout:
     @property
     def sizes(self) -> tuple[int, ...]:
         return tuple(e - s for s, e in zip(self.starts, self.ends))
+
+    def keeping(self, names: Collection[str]) -> "BatchLayout":
+        """This layout with only the adapters in ``names``; the others' rows left to the base alone (itself where it
+        keeps them all)."""
+        keep = [i for i, n in enumerate(self.names) if n in names]
+        if len(keep) == len(self.names):
+            return self
+        return BatchLayout(tuple(self.names[i] for i in keep), tuple(self.starts[i] for i in keep),
+                           tuple(self.ends[i] for i in keep), self.num_rows, self.padding_side)

@@ -1445,9 +1445,8 @@ class MultiLoRAMixin:
         its ``max_steps`` where that was its last). Their rows are left to the base alone (no loss, no step), and a
         paused adapter's data position goes back to before them: it takes them when it resumes."""
         layout: BatchLayout = batch["layout"]
-        keep = [i for i, n in enumerate(layout.names) if n in self.registry
-                and self.registry[n].state == AdapterState.RUNNING]
-        if len(keep) == len(layout.names):
+        running = {n for n in layout.names if n in self.registry and self.registry[n].state == AdapterState.RUNNING}
+        if len(running) == len(layout.names):
             return
         trainer = self._trainer_or_none()
         dm = getattr(trainer, "datamodule", None) if trainer is not None else None
@@ -1456,8 +1455,7 @@ class MultiLoRAMixin:
             rec = self.registry[name] if name in self.registry else None
             if rec is not None and rec.state == AdapterState.PAUSED and name in drawn and name in streams:
                 streams[name].load_state_dict(drawn[name])
-        batch["layout"] = BatchLayout(tuple(layout.names[i] for i in keep), tuple(layout.starts[i] for i in keep),
-                                      tuple(layout.ends[i] for i in keep), layout.num_rows, layout.padding_side)
+        batch["layout"] = layout.keeping(running)
 
     def _global_step(self) -> int:
         if self._resume_checkpoint is not None:  # resuming: the trainer's step is restored after the optimizer
@@ -2493,14 +2491,9 @@ class MultiLoRAMixin:
 
     @override
     def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        layout: BatchLayout = batch["layout"]
-        held = self.lora_layers.adapter_names  # (the validation's batches were drawn as it began: an adapter removed
-        if any(n not in held for n in layout.names):  # since, in a callback's `on_validation_start`, is left out)
-            keep = [i for i, n in enumerate(layout.names) if n in held]
-            batch["layout"] = layout = BatchLayout(tuple(layout.names[i] for i in keep),
-                                                   tuple(layout.starts[i] for i in keep),
-                                                   tuple(layout.ends[i] for i in keep), layout.num_rows,
-                                                   layout.padding_side)
+        # (the validation's batches were drawn as it began: an adapter removed since, in a callback's
+        # `on_validation_start`, is left out)
+        batch["layout"] = layout = batch["layout"].keeping(set(self.lora_layers.adapter_names))
         if not layout.names:
             self._idle_forward()
             return
