@@ -3,7 +3,8 @@
     python examples/load_with_peft.py runs/demo/lightning_logs/version_0/adapters/trial-7
 
 The base is the one the export names (`base_model_name_or_path` in its adapter_config.json), built as the run built it
-(`base` in the export's multilora_export.json: its `config_overrides`, `dtype` and 4-bit `quantization`). A built-in
+(`base` in the export's multilora_export.json: its `config_overrides`, `dtype`, 4-bit `quantization`, and a quantized
+base given to the module its bitsandbytes settings whole, `quantization_config`). A built-in
 tiny base ("tiny-llama"...) was never saved: it is random and frozen, so it is rebuilt from its config with the run's
 seed. Any other base is loaded from its checkpoint with `AutoModelForCausalLM.from_pretrained` (a 4-bit one with
 `build_base_model`, which keeps bitsandbytes from repacking it on the CPU), with its tokenizer where the checkpoint
@@ -27,15 +28,16 @@ named = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_
 info = adapter_dir / "multilora_export.json"  # what the folder holds: how the run built its base too
 built = json.loads(info.read_text()).get("base", {}) if info.is_file() else {}
 dtype = built.get("dtype", "float32")
+quantization = built.get("quantization_config") or built.get("quantization")  # (the settings whole, where given)
 if not named or named in TINY_CONFIGS:
     base = build_base_model(named or "tiny-llama", built.get("config_overrides"), dtype, seed=built.get("base_seed", 0),
-                            quantization=built.get("quantization"))
+                            quantization=quantization)
     tok = ByteTokenizer()
 else:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if built.get("quantization"):  # (a 4-bit base: its weights as the run's, kept from bitsandbytes' CPU repacking)
-        base = build_base_model(named, built.get("config_overrides"), dtype, quantization=built["quantization"])
+    if quantization:  # (a quantized base: its weights as the run's, kept from bitsandbytes' CPU repacking)
+        base = build_base_model(named, built.get("config_overrides"), dtype, quantization=quantization)
     else:
         base = AutoModelForCausalLM.from_pretrained(named, dtype=dtype, **built.get("config_overrides", {}))
     try:

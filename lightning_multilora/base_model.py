@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, Optional, Union
 
@@ -50,10 +50,18 @@ def resolve_dtype(name: Any) -> torch.dtype:
 QUANTIZATIONS = ("nf4", "fp4")
 
 
-def quantization_config(quantization: str, compute_dtype: torch.dtype) -> Any:
-    """QLoRA's 4-bit base: a `BitsAndBytesConfig` (``nf4`` or ``fp4`` weights, ``compute_dtype`` matmuls)."""
+def quantization_config(quantization: Any, compute_dtype: torch.dtype) -> Any:
+    """QLoRA's 4-bit base: a `BitsAndBytesConfig` (``nf4`` or ``fp4`` weights, ``compute_dtype`` matmuls); or one
+    given whole, as a `BitsAndBytesConfig` or its settings (`to_dict`'s, as an export records a quantized base given to
+    the module: double quantization, 8-bit, its own compute dtype), used as they say."""
     from transformers import BitsAndBytesConfig
 
+    if isinstance(quantization, (BitsAndBytesConfig, Mapping)):
+        settings = quantization.to_dict() if isinstance(quantization, BitsAndBytesConfig) else dict(quantization)
+        if not (settings.get("load_in_4bit") is True or settings.get("load_in_8bit") is True):
+            raise ValueError("`quantization` given as bitsandbytes settings must load the base in 4 or 8 bits "
+                             f"(`load_in_4bit` or `load_in_8bit` true), got {settings!r}")
+        return BitsAndBytesConfig.from_dict({k: v for k, v in settings.items() if k != "quant_method"})
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"`quantization` can be {', '.join(QUANTIZATIONS)} or None, got {quantization!r}")
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization,
@@ -121,16 +129,17 @@ def build_base_model(
     config_overrides: Optional[dict[str, Any]] = None,
     dtype: str = "float32",
     seed: int = 0,
-    quantization: Optional[str] = None,
+    quantization: Optional[Union[str, Mapping[str, Any], Any]] = None,
 ) -> nn.Module:
     """A causal LM: ``"tiny-llama"`` / ``"tiny-qwen2"`` / ``"tiny-mistral"`` (random weights from ``seed``,
     built from a config), or a local Hugging Face checkpoint directory / hub name via ``from_pretrained``.
-    ``config_overrides`` changes fields of the built-in configs (or of the checkpoint's config).
-    ``quantization`` (``nf4`` / ``fp4``): the decoder's linears become bitsandbytes 4-bit layers computing
-    in ``dtype`` (QLoRA); a built-in model is written to a temporary checkpoint and loaded back quantized,
-    the same path a real checkpoint takes; a pre-quantized checkpoint (``*-bnb-4bit``) loads 4-bit without it. A
-    4-bit base is kept from bitsandbytes' CPU repacking (`guard_4bit_base`). A checkpoint that is no causal LM (an
-    encoder-decoder, or an encoder loaded as one with bidirectional attention) is refused (`check_causal_lm`)."""
+    ``config_overrides`` changes fields of the built-in configs (or of the checkpoint's config). ``quantization``
+    (``nf4`` / ``fp4``): the decoder's linears become bitsandbytes 4-bit layers computing in ``dtype`` (QLoRA), or a
+    `BitsAndBytesConfig` (or its settings) used as it is; a built-in model is written to a temporary checkpoint and
+    loaded back quantized, the same path a real checkpoint takes; a pre-quantized checkpoint (``*-bnb-4bit``) loads
+    4-bit without it. A 4-bit base is kept from bitsandbytes' CPU repacking (`guard_4bit_base`). A checkpoint that is no
+    causal LM (an encoder-decoder, or an encoder loaded as one with bidirectional attention) is refused
+    (`check_causal_lm`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base_model = _checked_form(base_model)
@@ -161,7 +170,22 @@ def build_base_model(
         model.config.name_or_path = base_model
         return model.to(torch_dtype)
     # (a pre-quantized checkpoint, a `*-bnb-4bit` folder, loads 4-bit layers without `quantization`)
-    return guard_4bit_base(_from_pretrained(base_model, config_overrides, dtype=torch_dtype))
+    model = guard_4bit_base(_from_pretrained(base_model, config_overrides, dtype=torch_dtype))
+    held = held_dtype(model)
+    if four_bit_layers(model) and held is not None and held != torch_dtype:  # (transformers keeps a quantized
+        import warnings  # checkpoint's own dtype whatever `dtype` says)
+
+        name = str(held).removeprefix("torch.")
+        warnings.warn(f"`dtype` {dtype!r} is not applied to the pre-quantized checkpoint {base_model!r}: transformers "
+                      f"keeps its weights in the {name} they were saved in, and the base runs in {name} (give "
+                      f"dtype={name!r} to say so)", stacklevel=2)
+    return model
+
+
+def held_dtype(model: nn.Module) -> Optional[torch.dtype]:
+    """The dtype ``model`` holds its floating-point weights in (its first's: the embeddings of a base whose linears
+    are quantized, bitsandbytes' integer weights); None for a model without any."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 def changed_overrides(base_model: str, config_overrides: Optional[dict[str, Any]]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ import warnings
 from dataclasses import fields
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from jsonargparse import DefaultHelpFormatter, set_parsing_settings
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -40,7 +40,12 @@ class _Parser(LightningArgumentParser):
         if "subcommand" in message and "{fit}" in message or "(choose from 'fit')" in message:
             # (demo and schedule are commands of `main`, not of the parser)
             message = message.rstrip(".") + "; the commands: fit, demo, schedule (`multilora --help`)"
-        return super().error((_refused_fields(message, refused) or _section_typo(message) or _wrong_type(message)
+        sub = re.search(r"Subcommand '(\w+)'", message)  # (a config's key: the command's parser names its keys)
+        commands = getattr(getattr(self, "_subcommands_action", None), "_name_parser_map", {})
+        parser = commands.get(sub[1]) if sub else None
+        top = [a.dest for a in (parser or self)._actions if a.dest and "." not in a.dest
+               and a.dest not in ("help", "config")]
+        return super().error((_refused_fields(message, refused) or _section_typo(message, top) or _wrong_type(message)
                               or _class_path(message) or message) + peft_hints(refused), ex)
 
     def print_usage(self, file=None) -> None:
@@ -63,6 +68,9 @@ def _refused_fields(message: str, refused: list[str]) -> Optional[str]:
         cls = import_object(where[1])
         fields = [p for p in inspect.signature(cls).parameters if p not in ("self", "args", "kwargs")]
     except Exception:  # (a class it cannot import or read: its own message then)
+        return None
+    refused = [name for name in refused if name not in fields]  # (a field it takes, of the wrong type: the union's
+    if not refused:  # base class alternative, `Callback`, refused it; `_wrong_type` says what is wrong)
         return None
     if not fields:  # (the declared base class, which jsonargparse fell back to: the class meant was not read)
         return (f"`{key[1]}`: {cls.__name__} takes no {', '.join(map(repr, refused))}: the class meant was not read "
@@ -115,20 +123,26 @@ def _class_path(message: str) -> Optional[str]:
             f"class_path {found[2]!r}{peft_hints(['r', 'lora_alpha', 'lora_dropout'])}")
 
 
-def _section_typo(message: str) -> Optional[str]:
+def _section_typo(message: str, top: Sequence[str] = ()) -> Optional[str]:
     """jsonargparse's error for a field the module, the data module or the Trainer does not take (``does not accept
     option 'model.max_runing'`` from a config, ``unrecognized arguments: --model.max_runing`` from the command line),
-    with the closest field it takes. None where the message is not that, or no field is close."""
+    with the closest field it takes; a misspelt section or top-level key, with the closest of ``top`` (the parser's
+    keys). None where the message is not that, or no field is close."""
     import difflib
     import inspect
 
     found = re.search(r"does not accept option '([\w.]+)'|unrecognized arguments: --([\w.]+)", message)
-    section, _, name = (found[1] or found[2]).rpartition(".") if found else ("", "", "")
+    key = (found[1] or found[2]) if found else ""
+    section, _, name = key.rpartition(".")
     from lightning.pytorch import Trainer
 
-    classes = {"model": MultiLoRAModule, "data": MultiLoRADataModule, "trainer": Trainer}
-    if section not in classes:
-        return None
+    from lightning_multilora.callbacks.report import SweepReport
+
+    classes = {"model": MultiLoRAModule, "data": MultiLoRADataModule, "trainer": Trainer, "report": SweepReport}
+    if section not in classes:  # (a misspelt section or top-level key: `--modle.max_running`, `--seed_everthing`)
+        head, dot, rest = key.partition(".")
+        close = difflib.get_close_matches(head, top, n=1) if head and head not in top else []
+        return f"{message.rstrip('.')} (did you mean `{close[0]}{dot}{rest}`?)" if close else None
     fields = [p for p in inspect.signature(classes[section]).parameters if p not in ("self", "args", "kwargs")]
     close = difflib.get_close_matches(name, fields, n=1)
     return f"{message.rstrip('.')} (did you mean `{section}.{close[0]}`?)" if close else None

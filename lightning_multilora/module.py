@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_multilora.arguments import RunEnded, UsageError, check_bool, check_int, peft_targets
-from lightning_multilora.base_model import check_causal_lm, one_sequence_per_row
+from lightning_multilora.base_model import check_causal_lm, held_dtype, one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import (init_from_layers, init_from_shapes, init_from_weights, peft_skipped_layers,
                                         peft_target_modules, save_peft_adapter)
@@ -631,17 +631,24 @@ class MultiLoRAMixin:
         """How the base was built where its name alone builds another (`EXPORT_INFO`'s ``base``, which
         `examples/load_with_peft.py` builds it from): a built-in one's seed (where its weights or shape are not its
         name's), the overrides that change its config, a dtype other than float32, a 4-bit type (`quantization`:
-        its weights are not the float ones its name loads). Empty for a module given."""
+        its weights are not the float ones its name loads). For a module given: the dtype it is held in and, where
+        it is quantized, its bitsandbytes settings whole (``quantization_config``: double quantization, 8-bit, its
+        compute dtype), its weights otherwise its own."""
+        model = self.lora_layers.model
+        model = getattr(model, "_orig_mod", model)  # (torch.compile's wrapper: the model it compiled)
+        config = getattr(model, "config", None)  # (as the model was built with it)
+        values = config.to_dict() if config is not None and hasattr(config, "to_dict") else {}
+        four_bit, dtype = _four_bit(values), str(held_dtype(model)).removeprefix("torch.")
         build = getattr(self, "_base_build", None)
-        if build is None:
-            return {}
-        overrides, seed, dtype = build["config_overrides"], build.get("base_seed"), getattr(self, "_base_dtype", "")
-        config = getattr(self.lora_layers.model, "config", None)  # (as the model was built with it)
-        four_bit = _four_bit(config.to_dict()) if config is not None and hasattr(config, "to_dict") else None
+        quant = values.get("quantization_config")
+        settings = {k: v for k, v in quant.items() if not k.startswith("_") and k != "quant_method"} \
+            if build is None and isinstance(quant, dict) else {}
+        overrides, seed = (build or {}).get("config_overrides"), (build or {}).get("base_seed")
         return {**({"base_seed": seed} if seed is not None and (seed != 0 or overrides) else {}),
                 **({"config_overrides": overrides} if overrides else {}),
-                **({"dtype": dtype} if dtype not in ("", "float32") else {}),
-                **({"quantization": four_bit} if four_bit else {})}
+                **({"dtype": dtype} if dtype not in ("None", "float32") else {}),
+                **({"quantization": four_bit} if four_bit else {}),
+                **({"quantization_config": settings} if settings else {})}
 
     def _wrote(self, directory: Path, name: str) -> bool:
         """Whether this run (or one it resumed from) wrote adapter ``name``'s export in ``directory`` (a stamp
@@ -2594,6 +2601,7 @@ class MultiLoRAMixin:
             "run_id": self._run_id,
             "lineage": list(self._lineage),
             "step_offset": self.__dict__.get("_step_offset", 0),  # (the run's steps before its Trainer's: `_run_step`)
+            "log_dirs": sorted(self.__dict__.get("_log_dirs", ())),  # (its summaries there are its own: SweepReport)
             "base": self._base_identity(),
             "base_given": bool(self.__dict__.get("_base_given", False)),  # (a model given to MultiLoRAModule)
             "optimizer_classes": _optimizer_classes(self._raw_optimizer()),
@@ -2619,7 +2627,7 @@ class MultiLoRAMixin:
         for key, value in getattr(self, "_base_build", {}).items():  # (how the module built it; text: plain data)
             identity[key] = value if isinstance(value, int) else json.dumps(value, sort_keys=True, default=str)
         quant = values.get("quantization_config") or {}
-        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+        dtype = held_dtype(model)
         held = str(dtype).removeprefix("torch.") if dtype is not None else "none"
         if _four_bit(values):  # (its 4-bit type and the dtype it computes in)
             compute = str(quant.get("bnb_4bit_compute_dtype") or "float32").removeprefix("torch.")
@@ -2795,6 +2803,7 @@ class MultiLoRAMixin:
         # this module does: its optimizer states, data positions and callbacks' states from the checkpoint (they were
         # lost, the trained adapters' exports then written over by others trained again from fresh optimizers)
         self._loaded_outside_fit = trainer is None
+        self._log_dirs = self.__dict__.get("_log_dirs", set()) | set(state.get("log_dirs", ()))
         # (a later fit goes on from the checkpoint's run step; a `ckpt_path` resume's Trainer does, its offset the
         # checkpoint's)
         self._steps_done = int(checkpoint.get("global_step", 0)) + int(state.get("step_offset", 0))
@@ -3454,7 +3463,6 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
             self._base_build = {"config_overrides": changed_overrides(str(base_model), config_overrides),
                                 **({"base_seed": base_seed} if str(base_model) in TINY_CONFIGS else {})}
             self._base_named = os.fspath(base_model)  # (as given: a project moved with its relative path is the same)
-            self._base_dtype = str(resolve_dtype(dtype)).removeprefix("torch.")  # (`_export_base`)
         if gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
         self.model = model

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -329,6 +330,98 @@ def test_the_peft_loading_example_rebuilds_a_4bit_base_as_the_run_held_it(tmp_pa
     assert tok.encode(answer)[:1] == [first] or (first == tok.eos_token_id and answer == ""), (answer, first)
 
 
+@pytest.mark.parametrize("bits", ["nf4 double-quantized computing in bfloat16", "int8"])
+def test_the_peft_loading_example_rebuilds_a_quantized_base_given_to_the_module(tmp_path, trainer_kwargs, bits):
+    """A base the user quantized and gave to the module (the way to double quantization and 8-bit): its export said
+    nothing of its quantization, and the example loaded the adapter onto the float base its folder holds (logits 0.9
+    off), without a word."""
+    pytest.importorskip("bitsandbytes")
+    import lightning as L
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from lightning_multilora import AdapterSpec, BatchLayout, MultiLoRADataModule, MultiLoRAModule
+    from lightning_multilora.base_model import build_base_model
+    from lightning_multilora.data import ByteTokenizer, GeneratedArithmetic
+
+    build_base_model("tiny-llama").save_pretrained(tmp_path / "base")
+    settings = BitsAndBytesConfig(load_in_8bit=True) if bits == "int8" else BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (a quantized base on the CPU)
+        given = build_base_model(str(tmp_path / "base"), quantization=settings)
+        module = MultiLoRAModule(given, export_dir=str(tmp_path / "exp"), validate_on_finish=False,
+                                 adapters=[AdapterSpec("a", rank=2, max_steps=9, lr=3e-2)])  # (held at the end)
+        L.Trainer(**{**trainer_kwargs, "max_steps": 3}).fit(
+            module, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(60)}))
+    info = json.loads((tmp_path / "exp" / "a" / "multilora_export.json").read_text())["base"]
+    assert info["quantization_config"]["load_in_8bit" if bits == "int8" else "bnb_4bit_use_double_quant"] is True
+    assert info.get("quantization") == (None if bits == "int8" else "nf4") and "dtype" not in info, info
+    load = subprocess.run([sys.executable, str(ROOT / "examples" / "load_with_peft.py"), str(tmp_path / "exp" / "a")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert load.returncode == 0, load.stderr[-3000:]
+    prompt = load.stdout.split("\nA:")[0] + "\nA:"
+    ids = torch.tensor([ByteTokenizer().encode(prompt)])
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        live = module.eval()(ids, layout=BatchLayout.from_sizes(["a"], [1]))[0, -1].float()
+        quantized = build_base_model(str(tmp_path / "base"), quantization=info["quantization_config"])
+        rebuilt = PeftModel.from_pretrained(quantized, tmp_path / "exp" / "a").eval()(input_ids=ids).logits[0, -1]
+        float_base = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+        on_float = PeftModel.from_pretrained(float_base, tmp_path / "exp" / "a").eval()(input_ids=ids).logits[0, -1]
+    assert torch.equal(rebuilt.float(), live), (rebuilt.float() - live).abs().max()
+    assert (on_float.float() - live).abs().max() > 1e-3  # (the float base the folder holds answers otherwise)
+    answer = load.stdout[len(prompt):].rstrip("\n")
+    first = live.argmax().item()
+    assert ByteTokenizer().encode(answer)[:1] == [first] or (first == 257 and answer == ""), (answer, first)
+
+
+def test_build_base_model_takes_bitsandbytes_settings_whole_and_refuses_ones_that_quantize_nothing(tmp_path):
+    """`quantization` as bitsandbytes settings (as an export records a quantized base given to the module) builds the
+    base they say (double quantization kept); settings that load neither 4 nor 8 bits are refused, naming the
+    field."""
+    pytest.importorskip("bitsandbytes")
+    from lightning_multilora.base_model import build_base_model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = build_base_model("tiny-llama", quantization={"load_in_4bit": True, "bnb_4bit_quant_type": "fp4",
+                                                             "bnb_4bit_use_double_quant": True})
+    quant = model.config.quantization_config.to_dict()
+    assert quant["bnb_4bit_quant_type"] == "fp4" and quant["bnb_4bit_use_double_quant"] is True
+    assert model.model.layers[0].self_attn.q_proj.weight.quant_state.nested
+    with pytest.raises(ValueError, match=r"`quantization` given as bitsandbytes settings must load the base in 4 or 8"):
+        build_base_model("tiny-llama", quantization={"bnb_4bit_quant_type": "nf4"})
+
+
+def test_a_pre_quantized_checkpoint_says_it_keeps_its_own_dtype_and_exports_the_dtype_held(tmp_path, trainer_kwargs):
+    """transformers keeps a pre-quantized checkpoint's dtype whatever `dtype` asks: the module said nothing, and its
+    export recorded the dtype asked for, not the one the base ran in."""
+    pytest.importorskip("bitsandbytes")
+    import lightning as L
+    import torch
+
+    from lightning_multilora import AdapterSpec, MultiLoRADataModule, MultiLoRAModule
+    from lightning_multilora.base_model import build_base_model
+    from lightning_multilora.data import GeneratedArithmetic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        build_base_model("tiny-llama", dtype="bfloat16", quantization="nf4").save_pretrained(tmp_path / "bnb-4bit")
+    with pytest.warns(UserWarning, match=r"`dtype` 'float16' is not applied to the pre-quantized checkpoint .*"
+                                         r"runs in bfloat16 \(give dtype='bfloat16'"):
+        module = MultiLoRAModule(str(tmp_path / "bnb-4bit"), dtype="float16", export_dir=str(tmp_path / "exp"),
+                                 validate_on_finish=False, adapters=[AdapterSpec("a", rank=2, max_steps=2)])
+    assert module.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(60)}))
+    info = json.loads((tmp_path / "exp" / "a" / "multilora_export.json").read_text())["base"]
+    assert info == {"dtype": "bfloat16", "quantization": "nf4"}, info
+
+
 class TermAtStep2(Callback):
     """Sends this process a SIGTERM at step 2, as a cluster's pre-emption does."""
 
@@ -425,6 +518,54 @@ def test_an_option_of_a_callback_other_than_the_last_says_how_to_change_it(tmp_p
               "--trainer.callbacks.patiance=3"])
     err = capsys.readouterr().err
     assert "takes no 'patiance' (did you mean 'patience'?)" in err and "sets the last item's" not in err, err
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--trainer.callbacks.init_args.patience_div", "two"], "`patience_div` must be an integer, got 'two'"),
+    (["--trainer.callbacks.init_args.window", "1.5"], "`window` must be an integer, got '1.5'"),
+    (["--trainer.callbacks+=ModelCheckpoint", "--trainer.callbacks.save_top_k", "two"],
+     "`save_top_k` must be an integer, got 'two'")])
+def test_a_callback_option_of_the_wrong_type_is_said_so_not_called_unknown(tmp_path, capsys, args, said):
+    """A value of the wrong type for a callback's field given on the command line was answered "EarlyExit takes no
+    'patience_div' (did you mean 'patience_div'?)" (the union's base class, `Callback`, refusing it)."""
+    with pytest.raises(SystemExit) as done:
+        main(["demo", "--trainer.default_root_dir", str(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"error: `trainer.callbacks`: {said}" in err and "takes no" not in err, err
+
+
+@pytest.mark.parametrize("args, meant", [(["--report.print_tabel", "false"], "report.print_table"),
+                                         (["--seed_everthing", "1"], "seed_everything"),
+                                         (["--ckpt_pth", "last"], "ckpt_path"),
+                                         (["--modle.max_running", "2"], "model.max_running"),
+                                         (["--config", "reprot.yaml"], "report.print_table")])
+def test_a_misspelt_section_or_top_level_key_gets_the_closest_one(tmp_path, capsys, monkeypatch, args, meant):
+    """The module's, data module's and Trainer's fields got a "did you mean"; the report's, the top-level keys and a
+    misspelt section got jsonargparse's bare "unrecognized arguments"."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reprot.yaml").write_text("reprot: {print_table: false}\n")
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(tmp_path), *args])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and f"(did you mean `{meant}`?)" in err, err
+
+
+@pytest.mark.parametrize("kind", ["checkpoints folder", "exported adapter"])
+def test_a_folder_given_as_ckpt_path_is_named_before_the_log_directory_is_taken(tmp_path, kind):
+    """A run's `checkpoints/` folder or an exported adapter's given as `--ckpt_path`: a bare IsADirectoryError after
+    the run had taken its log directory (config.yaml, the summary and its claim left there, which then refused the
+    corrected command)."""
+    folder = tmp_path / "given"
+    folder.mkdir()
+    (folder / ("epoch=0-step=4.ckpt" if kind.startswith("checkpoints") else "adapter_config.json")).write_text("{}")
+    said = (r"is a folder, not a checkpoint file; the checkpoints in it: epoch=0-step=4.ckpt" if kind.startswith(
+        "checkpoints") else r"is an exported adapter, not a checkpoint: it starts an adapter from its weights, "
+        r"`AdapterSpec\(init_from=...\)`")
+    root = tmp_path / "run"
+    with pytest.raises(ValueError, match=rf"`ckpt_path` '{re.escape(str(folder))}' {said}"):
+        main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(root), "--trainer.logger", "false",
+              "--ckpt_path", str(folder)])
+    assert not root.exists() or not [p.name for p in root.iterdir()], list(root.iterdir())
 
 
 def _tiny_fit(root, *extra, adapters="[{name: a, rank: 2, max_steps: 2, batch_size: 2}]"):

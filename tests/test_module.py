@@ -2334,6 +2334,27 @@ def test_a_fit_into_another_runs_log_directory_is_warned_of(tmp_path, trainer_kw
     assert [row["adapter"] for row in json.loads((tmp_path / "sweep_summary-v1.json").read_text())] == ["c"]
 
 
+def test_a_module_loaded_from_its_checkpoint_writes_over_its_own_summary(tmp_path, trainer_kwargs):
+    """`load_from_checkpoint` and a fit go on as the resume from that checkpoint does: its summary was taken for
+    another run's, kept stale (adapters "running") with the run's own written beside it, under a warning."""
+    from lightning_multilora import SweepReport
+
+    def trainer(**kwargs):
+        return L.Trainer(**{**trainer_kwargs, **kwargs}, callbacks=[SweepReport(tensorboard=False, print_table=False)])
+
+    first = trainer(max_steps=2)
+    first.fit(MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=4)], validate_on_finish=False),
+              small_dm())
+    first.save_checkpoint(tmp_path / "stop.ckpt")
+    assert [row["status"] for row in json.loads((tmp_path / "sweep_summary.json").read_text())] == ["running"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer().fit(MultiLoRAModule.load_from_checkpoint(tmp_path / "stop.ckpt"), small_dm())
+    assert not [str(w.message) for w in seen if "another run's" in str(w.message)]
+    assert not (tmp_path / "sweep_summary-v1.json").exists()
+    assert [row["status"] for row in json.loads((tmp_path / "sweep_summary.json").read_text())] == ["finished"]
+
+
 def test_a_summary_another_run_writes_while_this_one_trains_is_kept(tmp_path, trainer_kwargs):
     """Two runs started together in one directory (no logger): the one reporting last replaced the other's summary,
     silently (the other's file was not there yet as it began)."""

@@ -210,9 +210,19 @@ def _check_minimizes(study: "optuna.Study", field: str) -> None:
                          f"validation loss: give a study made with direction='minimize' (or another `study_name`)")
 
 
+def _storage_name(study: "optuna.Study") -> str:
+    """Where ``study`` is kept, in words: an RDB storage's URL, else its storage's class."""
+    storage = getattr(study, "_storage", None)
+    storage = getattr(storage, "_backend", storage)  # (Optuna's cached RDB storage wraps the RDB one)
+    url = getattr(storage, "url", None)
+    return f"storage {url!r}" if isinstance(url, str) else f"a {type(storage).__name__}"
+
+
 def _check_choices(study: "optuna.Study", distributions: Mapping[str, Any]) -> None:
-    """A categorical parameter of the search space whose choices differ from those of the study's trials is a named
-    error (Optuna refuses it at the first ask: "CategoricalDistribution does not support dynamic value space")."""
+    """A parameter of the search space of another kind than the study's trials hold (a float searched as categorical),
+    or a categorical one whose choices differ from theirs, is a named error as the study opens (Optuna refuses them
+    at the first ask, "Cannot set different distribution kind" / "CategoricalDistribution does not support dynamic
+    value space", and left a trial failed in the study each time)."""
     import optuna
 
     categorical = optuna.distributions.CategoricalDistribution
@@ -222,8 +232,13 @@ def _check_choices(study: "optuna.Study", distributions: Mapping[str, Any]) -> N
             seen.setdefault(name, dist)
     for name, dist in seen.items():
         mine = distributions.get(name)
+        if mine is not None and type(mine) is not type(dist):
+            raise UsageError(f"OptunaSweep `search_space` {name!r}: of type {type(mine).__name__}, and study "
+                             f"{study.study_name!r} holds trials where it is of type {type(dist).__name__} ({dist}; "
+                             "Optuna keeps a parameter's kind): search it as the study did, or give another "
+                             "`study_name` (or `storage`)")
         if isinstance(mine, categorical) and isinstance(dist, categorical) and mine.choices != dist.choices:
-            raise ValueError(f"OptunaSweep `search_space` {name!r}: choices {list(mine.choices)}, and study "
+            raise UsageError(f"OptunaSweep `search_space` {name!r}: choices {list(mine.choices)}, and study "
                              f"{study.study_name!r} holds trials of choices {list(dist.choices)} (Optuna keeps a "
                              "categorical parameter's choices): give the study's choices, or another `study_name` "
                              "(or `storage`)")
@@ -435,6 +450,7 @@ class OptunaSweep(Callback):
         # Tags this sweep's trials in the study (kept in checkpoints): a sweep resumed from a checkpoint finds the
         # trials it asked after that checkpoint and takes them up, or counts them where they were told (`_orphans`)
         self.sweep_id = uuid.uuid4().hex
+        self._ran_in: Optional[str] = None  # (where a resumed sweep's study was kept: `_check_holds_trials`)
         self._orphans: Optional[list[Any]] = None
         self.asked = 0
         self.exhausted = False
@@ -507,9 +523,26 @@ class OptunaSweep(Callback):
         if not self._opened:
             self._opened = True
             _check_choices(self.study, self.distributions)
+            self._check_holds_trials(self.study)
             self._find_orphans(self.study)  # before the stale trials are failed: they are this sweep's, alive
             self._beat(force=True)  # a resumed sweep's trials are alive, however long it was stopped
         return self.study
+
+    def _check_holds_trials(self, study: "optuna.Study") -> None:
+        """A resumed sweep's study holds its trials (by number, asked by this sweep); a study opened elsewhere (a
+        relative SQLite path from another directory, a study given at first and not again, another storage) is a
+        named error before any step: its trials were retrained and then failed unknown ("Record does not exist"), or
+        were told into another study's trials of the same numbers, silently."""
+        if not self.trials:
+            return
+        mine = {t.number for t in study.get_trials(deepcopy=False) if t.user_attrs.get("sweep") == self.sweep_id}
+        missing = sorted(info["number"] for info in self.trials.values() if info["number"] not in mine)
+        if missing:
+            where = self._ran_in or "a storage not recorded"
+            raise UsageError(f"OptunaSweep: this checkpoint's sweep asked trials {missing} in study "
+                             f"{self.study_name!r} of {where}, and the study opened now ({_storage_name(study)}) "
+                             "does not hold them: give that storage again (`storage=`, an absolute path for SQLite; "
+                             "or the same `study=`)")
 
     def _beats(self) -> bool:
         """The study's storage takes heartbeats (Optuna's RDBStorage with ``heartbeat_interval``)."""
@@ -1157,6 +1190,17 @@ class OptunaSweep(Callback):
             saved = _resuming_checkpoint(trainer, stopped_by is not None)
             stop, larger = (f"the fit stopped by {stopped_by}", "") if stopped_by else _stop_cause(trainer)
             why = f"{stop} before their adapters finished (those that had started are exported as they are)"
+            if getattr(trainer, "fast_dev_run", False):  # (a smoke run: nothing resumes it; they stayed RUNNING)
+                _fail_at_exit(self.study, self.sweep_id, [
+                    (info["trial_id"], info["number"], _fail_attrs(
+                        f"a smoke run (`fast_dev_run`) ended at step {pl_module.registry[name].step} of its adapter",
+                        pl_module.registry[name]))
+                    for name, info in self.trials.items() if info["number"] in unfinished])
+                for info in self.trials.values():
+                    info["told"] = info["told"] or info["number"] in unfinished
+                warnings.warn(f"trials {sorted(unfinished)} of this smoke run (`fast_dev_run`) are told FAIL in study "
+                              f"{self.study.study_name!r}: nothing resumes them")
+                return {"specs": [], "state": self.state_dict()}
             if stopped_by and saved is None:
                 self._fail_when_dropped(pl_module, [
                     (info["trial_id"], info["number"], _fail_attrs(
@@ -1220,6 +1264,7 @@ class OptunaSweep(Callback):
                 "storage": self.storage if self.storage is None or isinstance(self.storage, str) else None,
                 "storage_object": None if self.storage is None or isinstance(self.storage, str) else
                 type(self.storage).__name__,
+                "ran_in": _storage_name(self.study) if self.study is not None else self._ran_in,
                 "sweep_id": self.sweep_id}
 
     @staticmethod
@@ -1234,6 +1279,7 @@ class OptunaSweep(Callback):
         self.asked = int(state_dict.get("asked", len(self.trials)))
         self.exhausted = bool(state_dict.get("exhausted", False))
         self.sweep_id = state_dict.get("sweep_id", self.sweep_id)
+        self._ran_in = state_dict.get("ran_in")
         if self.storage is None:
             if state_dict.get("storage_object") and self.study is None:  # (a study given holds its storage)
                 raise UsageError(f"OptunaSweep: this checkpoint's sweep ran its study in a storage object "

@@ -465,14 +465,25 @@ class AdapterParallelStrategy(ModelParallelStrategy):
 
 def check_resume_path(ckpt_path: Any, strategy: Any) -> None:
     """A checkpoint of `AdapterParallelStrategy` (a folder of one ``rank<r>.ckpt`` per process) given to another
-    strategy: a named error (the loading would fail on the folder)."""
+    strategy, or a folder of checkpoints or an exported adapter: a named error (the loading would fail on the
+    folder)."""
     if ckpt_path is None or isinstance(strategy, AdapterParallelStrategy) or not Path(str(ckpt_path)).is_dir():
         return
-    ranks = sorted(p.name for p in Path(str(ckpt_path)).glob("rank*.ckpt"))
+    folder = Path(str(ckpt_path))
+    ranks = sorted(p.name for p in folder.glob("rank*.ckpt"))
     if ranks:
         raise ValueError(f"`ckpt_path` {str(ckpt_path)!r} is an adapter-parallel checkpoint, one file per process "
                          f"({', '.join(ranks)}): it resumes with strategy='adapter_parallel' (over any number of "
                          "processes, one included)")
+    # (a folder of checkpoints or an export: the load's bare IsADirectoryError, after the run had taken its log
+    # directory; another folder may be a strategy's sharded checkpoint, which it loads itself)
+    inside = sorted(p.name for p in folder.glob("*.ckpt"))
+    if inside:
+        raise ValueError(f"`ckpt_path` {str(ckpt_path)!r} is a folder, not a checkpoint file; the checkpoints in it: "
+                         f"{', '.join(inside[:6])}{' ...' if len(inside) > 6 else ''}")
+    if (folder / "adapter_config.json").is_file():
+        raise ValueError(f"`ckpt_path` {str(ckpt_path)!r} is an exported adapter, not a checkpoint: it starts an "
+                         "adapter from its weights, `AdapterSpec(init_from=...)` (a config's adapter `init_from:`)")
 
 
 def guard_folder_checkpoints(strategy: Any) -> None:

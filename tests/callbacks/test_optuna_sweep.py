@@ -1045,13 +1045,14 @@ def test_an_ask_the_study_refuses_fails_its_trial_and_names_the_parameter(tmp_pa
         fit(tmp_path, trainer_kwargs, sweep)
     assert [t.state for t in study.get_trials()] == [optuna.trial.TrialState.FAIL]
     # a parameter the study's earlier trials drew from another kind of distribution: "Cannot set different
-    # distribution kind to the same parameter name." named none
+    # distribution kind to the same parameter name." named none; it is named as the study opens, no trial asked
     study = optuna.create_study(storage=f"sqlite:///{tmp_path / 'kinds.db'}")
     study.optimize(lambda t: t.suggest_int("rank", 2, 4) + t.suggest_float("lr", 1e-4, 1e-2, log=True), n_trials=1)
     sweep = OptunaSweep(SPACE, n_trials=2, study=study, slots=1, base={"max_steps": 2})
-    with pytest.raises(ValueError, match=r"could not ask trial 1 \(parameter 'rank'\): Cannot set different"):
+    with pytest.raises(ValueError, match=r"`search_space` 'rank': of type CategoricalDistribution, and study .* holds "
+                                         r"trials where it is of type IntDistribution"):
         fit(tmp_path / "kinds", trainer_kwargs, sweep)
-    assert study.get_trials()[1].state == optuna.trial.TrialState.FAIL
+    assert len(study.get_trials()) == 1
 
 
 def test_sweeps_sharing_a_study_ask_different_configurations_with_one_seed(tmp_path):
@@ -1476,3 +1477,73 @@ def test_a_sweep_under_an_admission_budget_asks_no_more_trials_than_max_running_
     L.Trainer(**trainer_kwargs, callbacks=[sweep, count]).fit(module, dm())
     assert count.rows and max(running + queued for running, queued in count.rows) == 2
     assert [t.state for t in sweep.study.get_trials()] == [optuna.trial.TrialState.COMPLETE] * 6
+
+
+@pytest.mark.parametrize("how", ["study given first, not again", "another storage holding other trials"])
+def test_a_resume_onto_a_study_that_holds_not_its_trials_is_refused_before_any_step(tmp_path, trainer_kwargs, how):
+    """A resume that opened another study (the study given first and not again, a relative SQLite path from another
+    directory, another storage) retrained its trials' steps and then failed at the first validation ("Record does not
+    exist"), or told its values into the other study's trials of the same numbers, silently."""
+    from lightning.pytorch.callbacks import Callback
+
+    class Steps(Callback):
+        def __init__(self):
+            self.steps = 0
+
+        def on_train_batch_end(self, *args):
+            self.steps += 1
+
+    first = f"sqlite:///{tmp_path / 'first.db'}"
+    trainer, _ = fit(tmp_path / "a", trainer_kwargs, OptunaSweep(
+        SPACE, n_trials=3, base={"max_steps": 4, "batch_size": 2}, slots=2,
+        **({"study": optuna.create_study(storage=first, study_name="multilora")} if how.startswith("study") else
+           {"storage": first})), max_steps=3)
+    trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    if how.startswith("another"):  # (a study of the same name and trial numbers, another sweep's)
+        fit(tmp_path / "b", trainer_kwargs, OptunaSweep(SPACE, n_trials=3, storage=other,
+                                                        base={"max_steps": 2, "batch_size": 2}, slots=3), max_steps=2)
+    before = [(t.number, t.state, t.value) for t in optuna.load_study(study_name="multilora", storage=other)
+              .get_trials()] if how.startswith("another") else []
+    steps = Steps()
+    where = f"storage '{first}'"  # (a study given: its storage's, too)
+    with pytest.raises(ValueError, match=rf"this checkpoint's sweep asked trials \[0, 1\] in study 'multilora' of "
+                                         rf"{re.escape(where)}.*does not hold them: give that storage again"):
+        fit(tmp_path / "c", {**trainer_kwargs, "default_root_dir": str(tmp_path / "c")},
+            OptunaSweep(SPACE, n_trials=3, base={"max_steps": 4, "batch_size": 2}, slots=2,
+                        **({"storage": other} if how.startswith("another") else {})),
+            callbacks=[steps], ckpt=str(tmp_path / "stop.ckpt"))
+    assert steps.steps == 0
+    if how.startswith("another"):  # (the other study's trials untouched)
+        after = optuna.load_study(study_name="multilora", storage=other).get_trials()
+        assert [(t.number, t.state, t.value) for t in after] == before
+    kept = optuna.load_study(study_name="multilora", storage=first).get_trials()
+    assert [t.state.name for t in kept] == ["RUNNING", "RUNNING"]  # (still the checkpoint's, to resume)
+
+
+def test_a_parameter_searched_as_another_kind_than_the_studys_is_named_as_the_study_opens(tmp_path, trainer_kwargs):
+    """Optuna refused it at the first ask ("Cannot set different distribution kind"), naming neither the parameter
+    nor the study, and left a failed trial without parameters in the study at every attempt."""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    fit(tmp_path / "one", trainer_kwargs, OptunaSweep(SPACE, n_trials=1, storage=storage,
+                                                      base={"max_steps": 2, "batch_size": 2}))
+    other = dict(SPACE, lr={"type": "categorical", "choices": [1e-3, 1e-2]})
+    with pytest.raises(ValueError, match=r"`search_space` 'lr': of type CategoricalDistribution, and study "
+                                         r"'multilora' holds trials where it is of type FloatDistribution .*search "
+                                         r"it as the study did"):
+        fit(tmp_path / "two", trainer_kwargs, OptunaSweep(other, n_trials=1, storage=storage,
+                                                          base={"max_steps": 2, "batch_size": 2}))
+    assert [t.state.name for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()] == [
+        "COMPLETE"]
+
+
+def test_a_smoke_runs_trials_are_told_failed_not_left_running(tmp_path, trainer_kwargs):
+    """``fast_dev_run`` asks trials in the study it is given and stops after one step, no checkpoint to resume: its
+    trials stayed RUNNING for ever, their numbers taken."""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    with pytest.warns(UserWarning, match=r"trials \[0, 1\] of this smoke run \(`fast_dev_run`\) are told FAIL"):
+        fit(tmp_path, trainer_kwargs, OptunaSweep(SPACE, n_trials=4, storage=storage, slots=2,
+                                                  base={"max_steps": 4, "batch_size": 2}), fast_dev_run=True)
+    trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
+    assert trials[0].user_attrs["fail_reason"] == "a smoke run (`fast_dev_run`) ended at step 1 of its adapter"
