@@ -59,6 +59,7 @@ _RUN_STAMP = ".multilora_run"  # in an export folder: the id of the run that wro
 EXPORT_INFO = "multilora_export.json"  # in an export folder: what its weights are (`save_adapter`, `_describe_export`)
 _EXITS_KEY = "\0exits-of-rank-"  # in the ranks' exchange: a rank's exits since the last one (not an adapter name)
 _LOGS_KEY = "\0logs-of-rank-"  # and its adapters' logged values since the last one
+_VIEWS_KEY = "\0views-of-rank-"  # and the states it gave other ranks' adapters since the last one (`_check_views`)
 
 
 def resolve_optimizer(optimizer: Union[str, type]) -> type:
@@ -413,7 +414,8 @@ class MultiLoRAMixin:
                        state: Union[AdapterState, str] = AdapterState.PRUNED) -> None:
         """Stop an adapter now: a running one is exported first, then its weights and optimizer state
         are freed; a queued one never starts. Under adapter parallelism, call it on every rank (as a callback's
-        hooks run): the rank that holds the adapter exports and frees it, the others mark it ended. ``state``: how it
+        hooks run): the rank that holds the adapter exports and frees it, the others mark it ended (or on that rank
+        alone: the others learn at the step's exchange; on another rank alone it is an error there). ``state``: how it
         ended, one of the ended states (finished, diverged, overfit, pruned, failed; or their names)."""
         given, ended = state, [s.value for s in AdapterState if s.exited]
         try:
@@ -441,7 +443,8 @@ class MultiLoRAMixin:
 
     def pause_adapter(self, name: str, reason: str = "") -> None:
         """Stop training a running adapter but keep its weights and optimizer state; it frees its slot. Under adapter
-        parallelism, call it (and `resume_adapter`) on every rank, as `add_adapter`."""
+        parallelism, call it (and `resume_adapter`) on every rank, as `add_adapter`, or on the adapter's own rank
+        alone (`remove_adapter`)."""
         rec = self.registry[name]
         if rec.state != AdapterState.RUNNING:
             raise ValueError(f"only a running adapter can be paused; {name!r} is {rec.state.value}")
@@ -815,8 +818,12 @@ class MultiLoRAMixin:
         fields = ("state", "reason", "step", "max_steps", "tokens_seen", "samples_seen", "started_at_step",
                   "ended_at_step", "export_path", "best_val_loss", "best_val_step", "last_val_loss",
                   "last_val_preference_accuracy", "val_losses", "exported_step", "exported_val_loss", "loss_scale",
-                  "scale_growth", "skipped_steps", "best_val_preference_accuracy", "exported_val_preference_accuracy")
-        mine: dict[str, Any] = {}
+                  "scale_growth", "skipped_steps", "best_val_preference_accuracy", "exported_val_preference_accuracy",
+                  "spans")
+        synced = self.__dict__.get("_synced_states", {})  # (each adapter's state as the last exchange left it)
+        mine: dict[str, Any] = {f"{_VIEWS_KEY}{placement.global_rank}": {
+            rec.name: rec.state for rec in self.registry if placement.owner.get(rec.name) not in (
+                None, placement.global_rank) and synced.get(rec.name, rec.state) != rec.state}}
         for rec in self.registry:
             if placement.owner.get(rec.name) == placement.global_rank:
                 mine[rec.name] = {f: getattr(rec, f) for f in fields}
@@ -825,7 +832,11 @@ class MultiLoRAMixin:
         mine[f"{_EXITS_KEY}{placement.global_rank}"] = list(self._exited_since_sync)
         mine[f"{_LOGS_KEY}{placement.global_rank}"] = (step_logs or {}, self._staged_metrics)
         self._staged_metrics = []
-        for name, update in placement.exchange(mine).items():
+        got = placement.exchange(mine)
+        self._check_views(got, placement, synced)
+        for name, update in got.items():
+            if name.startswith(_VIEWS_KEY):
+                continue
             if name.startswith(_EXITS_KEY):
                 self._exited_since_sync.extend(update)  # every rank's exits since the last exchange
                 continue
@@ -847,12 +858,39 @@ class MultiLoRAMixin:
             if rec.state.exited and (not was_exited or name in self._exit_texts_pending):
                 self._exit_texts_pending.discard(name)
                 self._log_exit(rec)
-        # The freed slot's batch size guides the next admission: the same exit on every rank (the union of every
-        # rank's exits since the last exchange), the last in registry order.
-        exited = set(self._exited_since_sync)
-        if exited:
-            self._freed_spec = [r.spec for r in self.registry if r.name in exited][-1]
+        # The freed slot's batch size guides the next admission: the same exit or pause on every rank (the union of
+        # every rank's exits since the last exchange, and the pauses it brought: a pause on its owner alone left the
+        # other ranks preferring another batch size, and the ranks started different adapters and hung), the last
+        # in registry order.
+        freed = set(self._exited_since_sync) | {r.name for r in self.registry if r.state == AdapterState.PAUSED
+                                                and synced.get(r.name) == AdapterState.RUNNING}
+        if freed:
+            self._freed_spec = [r.spec for r in self.registry if r.name in freed][-1]
         self._exited_since_sync = []
+        self._synced_states = {r.name: r.state for r in self.registry}
+
+    def _check_views(self, got: dict[str, Any], placement: Any, synced: dict[str, AdapterState]) -> None:
+        """Every rank's view of another rank's adapter agrees with its owner's: a `remove_adapter`, `pause_adapter`
+        or `resume_adapter` called on a rank that does not hold the adapter, and not on its owner (under
+        ``trainer.is_global_zero``, say), was undone by the owner's record at this exchange, silently (the adapter
+        trained on; a resume then failed on that rank alone, and the ranks parted). A named error on every rank
+        (each reads the same exchange), before the next step."""
+        for key, views in sorted(got.items()):
+            if not key.startswith(_VIEWS_KEY):
+                continue
+            for name, state in views.items():
+                owner = placement.owner.get(name)
+                held = got.get(name, {}).get("state") if owner is not None else None
+                view, held = AdapterState(state), AdapterState(held) if held is not None else None
+                if held is None or view == held or (held.exited and (view.exited or view == AdapterState.PAUSED)):
+                    continue  # (the owner went further: a pause made on every rank, then its owner's prune)
+                self._synced_states = {**synced, name: held}  # (said once: an export after this error's exchange
+                rank = key[len(_VIEWS_KEY):]  # reads the owner's record)
+                raise UsageError(
+                    f"adapter {name!r} is {view.value} on rank {rank}, and {held.value} on rank {owner}, which trains "
+                    f"it: under adapter parallelism `remove_adapter`, `pause_adapter` "
+                    "and `resume_adapter` are called on every rank (as a callback's hooks run: not under "
+                    "`trainer.is_global_zero`), or on the adapter's own rank alone (`trainer.strategy.owner[name]`)")
 
     def _take_logs(self, update: tuple[dict, list], step_logs: Optional[dict[str, dict[str, float]]]) -> None:
         """Another rank's logged values from the exchange: its step's per-adapter values into ``step_logs``, and

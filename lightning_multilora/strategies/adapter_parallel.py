@@ -105,8 +105,9 @@ def _local(path: Any, done: str) -> str:
 def assign_adapters(specs: Sequence[AdapterSpec], num_ranks: int,
                     current: Optional[Mapping[str, int]] = None) -> dict[str, int]:
     """A disjoint, balanced owner for every adapter: adapters already placed stay; new ones go, largest batch
-    first, to the rank that already holds that batch size and has the least rows where that leaves the most rows a
-    rank holds no higher than the least-loaded rank would, else the least-loaded rank. (The module places adapters
+    first, to an empty rank where there is one; else to the rank that already holds that batch size and has the
+    least rows where that leaves the most rows a rank holds no higher than the least-loaded rank would, else the
+    least-loaded rank. (The module places adapters
     as they start, one after the other: a rank of the same batch size taken whatever its load put two 8-row
     adapters on one rank and a 1-row one on the other.)"""
     if num_ranks < 1:
@@ -122,7 +123,9 @@ def assign_adapters(specs: Sequence[AdapterSpec], num_ranks: int,
     for spec in sorted((s for s in specs if s.name not in owner), key=lambda s: (-s.batch_size, s.name)):
         rows = spec.rows_per_step
         bound = max(max(load), min(load) + rows)  # the most rows a rank holds with this one on the least-loaded
-        same = [r for r in range(num_ranks) if spec.batch_size in sizes[r] and load[r] + rows <= bound]
+        same = [r for r in range(num_ranks) if spec.batch_size in sizes[r] and load[r] + rows <= bound
+                and min(load) > 0]  # (never beside another while a rank holds none: placed adapters stay, and the
+        # rank left empty idled once a large one that set the bound ended)
         rank = min(same, key=lambda r: (load[r], r)) if same else min(range(num_ranks), key=lambda r: (load[r], r))
         owner[spec.name] = rank
         load[rank] += spec.rows_per_step

@@ -5,7 +5,8 @@
 MODE: parallel|single|stop|resume|resume_one|resume_three|stop_single|resume_two|load_two|early_exit|early_exit_single|
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
 dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|
-remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke|sigterm|rank1_error. Several modes run one after
+remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke|sigterm|rank1_error|owner_pause|owner_pause_single|
+one_rank_stop. Several modes run one after
 the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
 of processes), each from the same seeds and with its own records, as if alone.
 
@@ -41,7 +42,9 @@ Trainer and strategy, no checkpoint) to the end. ``disagree``: an adapter added 
 datamodule refuses (its data "gone" there) and rank 0's accepts. ``smoke``: ``fast_dev_run=2`` with no export
 folder given (the smoke run's temporary folder holds the exports). ``sigterm``: SIGTERM to rank 0 after step 2.
 ``rank1_error``: rank 1 raises after step 1, and rank 0's exports take 4 s each (the launcher's observer looks at
-the other ranks every 5 s).
+the other ranks every 5 s). ``owner_pause`` / ``owner_pause_single``: two adapters queued after step 1 (an admission
+controller orders them, `max_running` 3), a1 paused after step 2 and resumed after step 5 by the rank that trains it
+alone. ``one_rank_stop``: rank 0 alone removes an adapter rank 1 trains, after step 2.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -174,16 +177,17 @@ def run_mode(out: Path, mode: str) -> None:
     torch.manual_seed(0)
     sweep = mode.startswith(("optuna", "warmup"))  # its adapters come from the study; adapters validate on finish
     admission = None
-    if mode in ("admission", "optuna_admission"):
+    if mode in ("admission", "optuna_admission", "owner_pause", "owner_pause_single"):
         from lightning_multilora.scheduling import AdmissionController
 
-        admission = AdmissionController(lambda specs: float(sum(s.rows_per_step for s in specs) * 2**30), 2 * 2**30,
-                                        safety_margin=1.0)
+        budget = 100 if mode.startswith("owner_pause") else 2  # (owner_pause: it orders the queue; room for all)
+        admission = AdmissionController(lambda specs: float(sum(s.rows_per_step for s in specs) * 2**30),
+                                        budget * 2**30, safety_margin=1.0)
     dpo = mode.startswith("dpo")
     specs = [] if sweep else DPO_SPECS if dpo else SPECS
     defaults = mode in ("optuna_defaults", "smoke")
     module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=None if defaults else str(out / mode),
-                             admission=admission)
+                             admission=admission, **({"max_running": 3} if mode.startswith("owner_pause") else {}))
     sources: dict[str, Any] = {"arith": GeneratedArithmetic(200)}
     if dpo:
         from lightning_multilora.data import PreferenceSource
@@ -243,6 +247,33 @@ def run_mode(out: Path, mode: str) -> None:
         # and a checkpoint on rank 1's adapter's training loss, every step (its owner alone had the value: it hung)
         kwargs.update(max_steps=2, callbacks=[*kwargs.get("callbacks", []), EvaluateAtTheEnd(), ModelCheckpoint(
             dirpath=out / f"ckpt_{mode}", monitor="adapters/a1/train_loss", every_n_train_steps=1, save_top_k=1)])
+    if mode.startswith("owner_pause"):
+        class PauseOnItsOwner(L.Callback):
+            """x (batch 2) and y (batch 1) queued after step 1 (on every rank), a1 paused after step 2 and resumed
+            after step 5 on the rank that trains it alone: the admission prefers the freed slot's batch size."""
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+                evaluated.setdefault("running", []).append(sorted(r.name for r in pl_module.registry.running))
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                step = trainer.global_step
+                if step == 1:
+                    pl_module.add_adapter(AdapterSpec("x", rank=2, batch_size=2, lr=1e-3, max_steps=3, seed=7))
+                    pl_module.add_adapter(AdapterSpec("y", rank=2, batch_size=1, lr=1e-3, max_steps=3, seed=8))
+                if step in (2, 5) and pl_module._owns("a1"):
+                    getattr(pl_module, "pause_adapter" if step == 2 else "resume_adapter")("a1")
+
+        kwargs.update(callbacks=[PauseOnItsOwner()])
+    if mode == "one_rank_stop":
+        class RemoveOnRankZero(L.Callback):
+            """Removes an adapter rank 1 trains, on rank 0 alone (under `trainer.is_global_zero`)."""
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if trainer.global_step == 2 and trainer.is_global_zero:
+                    pl_module.remove_adapter(next(n for n, r in sorted(trainer.strategy.owner.items()) if r == 1
+                                                  and pl_module.registry[n].state.value == "running"))
+
+        kwargs.update(callbacks=[RemoveOnRankZero()])
     if mode == "refit_on":
         kwargs.update(max_steps=2)
     if mode == "sigterm":
@@ -327,9 +358,12 @@ def run_mode(out: Path, mode: str) -> None:
     try:
         trainer.fit(module, dm, ckpt_path=ckpt_path)
     except BaseException as err:
-        if mode != "sigterm" or type(err).__name__ != "SIGTERMException":
+        if mode == "one_rank_stop" and isinstance(err, ValueError):
+            evaluated["refused"] = f"{str(err)} (after step {trainer.global_step})"
+        elif mode != "sigterm" or type(err).__name__ != "SIGTERMException":
             raise
-        evaluated["stopped"] = f"{type(err).__name__} after step {trainer.global_step}"
+        else:
+            evaluated["stopped"] = f"{type(err).__name__} after step {trainer.global_step}"
     if mode == "refit":  # the same module object resumed in place from its step-2 checkpoint, and run to the end
         (ckpt_path,) = (out / "ckpt_refit").glob("*step=2*.ckpt")
         again = AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90))

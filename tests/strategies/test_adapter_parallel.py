@@ -41,6 +41,13 @@ def test_adapters_are_placed_disjoint_balanced_and_sticky():
     for k in range(1, 4):
         owner = assign_adapters(specs[:k], 2, owner)
     assert owner["big1"] != owner["big2"]
+    # an empty rank first: a large adapter set the bound, and small ones of one batch size joined one rank while two
+    # held none (idle for the rest of the run once the large one ended)
+    specs = [AdapterSpec("a0", batch_size=8), *(AdapterSpec(f"a{i}", batch_size=2) for i in range(1, 5))]
+    owner = {}
+    for k in range(1, 6):
+        owner = assign_adapters(specs[:k], 4, owner)
+    assert sorted(set(owner.values())) == [0, 1, 2, 3], owner
 
 
 def test_a_checkpoint_url_is_refused_not_written_as_a_local_folder_of_its_name():
@@ -109,12 +116,12 @@ def run(out: Path, *modes: str) -> None:
 OPTUNA = importlib.util.find_spec("optuna") is not None  # absent on the GPU image; installed by `make test`
 # Resuming modes after the ones they resume from (`ap_run.RESUMES`)
 SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_single", "dpo_single",
-                "remove_single", "end_eval_single",
+                "remove_single", "end_eval_single", "owner_pause_single",
                 *(["optuna_single", "warmup_single"] if OPTUNA else [])]
 TWO_RANK_MODES = ["parallel", "stop", "resume_two", "load_two", "early_exit", "early_exit_resume_two", "replicated",
-                  "dpo", "remove", "end_eval", "refit", "refit_on", "admission", "disagree", "smoke",
+                  "dpo", "remove", "end_eval", "refit", "refit_on", "admission", "disagree", "smoke", "owner_pause",
                   *(["optuna_admission", "optuna", "optuna_defaults", "optuna_prune", "warmup", "warmup_stop"]
-                    if OPTUNA else [])]
+                    if OPTUNA else []), "one_rank_stop"]  # (last: its fit ends in an error)
 # resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
 RESUME_MODES = ["resume", *(["warmup_resume"] if OPTUNA else [])]
 
@@ -750,3 +757,26 @@ def test_a_4bit_base_is_refused_sharded_and_named_what_works():
             model = build_base_model("tiny-llama", quantization="nf4")
     with pytest.raises(ValueError, match=r"bitsandbytes-quantized base .* cannot be sharded here.*shard_size=1"):
         AdapterParallelStrategy(shard_size=2).parallelize(model, [])
+
+
+def test_a_stop_asked_on_a_rank_that_does_not_train_the_adapter_is_a_named_error_on_every_rank(runs):
+    """`remove_adapter` under ``trainer.is_global_zero`` for an adapter rank 1 trains was undone at the next exchange,
+    silently: the adapter trained to its end, exported as finished, while rank 0's callbacks had been told it ended
+    (and a `resume_adapter` after a pause so made failed on rank 0 alone, the ranks parted)."""
+    for rank in (0, 1):
+        said = json.loads((runs / f"one_rank_stop.rank{rank}.json").read_text())["evaluated"]["refused"]
+        assert re.fullmatch(r"adapter 'a\d' is pruned on rank 0, and running on rank 1, which trains it: under adapter "
+                            r"parallelism `remove_adapter`, `pause_adapter` and `resume_adapter` are called on every "
+                            r"rank .*not under `trainer.is_global_zero`.*\(after step 2\)", said), said
+
+
+def test_a_pause_on_its_owner_alone_frees_the_same_slot_on_every_rank(runs):
+    """Only the owner of a paused adapter knew its slot was freed: with an admission controller the ranks started
+    different adapters in it (the owner the freed slot's batch size, the other the largest) and hung in the next
+    collective; the other rank's registry kept the adapter's span open."""
+    single = json.loads((runs / "owner_pause_single.rank0.json").read_text())
+    for rank in (0, 1):
+        parallel = json.loads((runs / f"owner_pause.rank{rank}.json").read_text())
+        assert parallel["evaluated"]["running"] == single["evaluated"]["running"]
+        assert parallel["states"] == single["states"] and parallel["spans"] == single["spans"]
+        assert parallel["train"] == single["train"]
