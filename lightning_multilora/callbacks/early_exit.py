@@ -39,6 +39,9 @@ class AdapterWatch:
     evaluated_steps: list[int] = field(default_factory=list)
     divergence_count: int = 0
     overfit_count: int = 0
+    # the adapter step of the training loss last averaged (an fp16 step that overflowed and was skipped leaves its last
+    # loss in place: not averaged again, after a resume too)
+    averaged_step: int = -1
 
 
 class EarlyExit(Callback):
@@ -109,7 +112,8 @@ class EarlyExit(Callback):
             return None
         # (+inf, predictions that overflow on held-out data, is a rise past any slope and any gap: it was skipped, and
         # such an adapter never diverged)
-        improving = all(val_loss < v for v in watch.val_at_eval) if new_best is None else new_best
+        improving = (math.isfinite(val_loss) and all(val_loss < v for v in watch.val_at_eval)) if new_best is None \
+            else new_best  # (+inf is never a best: it was taken for one at a first validation)
         watch.ema_at_eval.append(watch.ema)
         watch.val_at_eval.append(val_loss)
         watch.evaluated_steps.append(step)
@@ -146,7 +150,6 @@ class EarlyExit(Callback):
             carried = getattr(pl_module, "carried_callback_state", lambda callback: None)(self)
             if carried is not None:
                 self.load_state_dict(carried)
-        self._observed: dict[str, int] = {}  # adapter -> the step of the training loss last observed
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -154,9 +157,10 @@ class EarlyExit(Callback):
         logs = {}
         for name in batch["layout"].names:
             rec = pl_module.registry[name]
+            watch = self.watches.setdefault(name, AdapterWatch())
             # (an adapter that stepped: not one whose fp16 step overflowed and was skipped, its last loss again)
-            if rec.train_losses and rec.train_losses[-1][0] == rec.step and self._observed.get(name) != rec.step:
-                self._observed[name] = rec.step
+            if rec.train_losses and rec.train_losses[-1][0] == rec.step and watch.averaged_step != rec.step:
+                watch.averaged_step = rec.step
                 logs[f"adapters/{name}/train_loss_ema"] = self.observe_train_loss(name, rec.train_losses[-1][1])
         if logs and trainer.global_step % max(1, trainer.log_every_n_steps) == 0:
             # (through the module: under adapter parallelism rank 0 writes every rank's adapters')
@@ -196,14 +200,27 @@ class EarlyExit(Callback):
         if sync is not None:
             sync()
 
+    def _settings(self) -> dict[str, Any]:
+        """The settings the rule decides with, beyond those in its `state_key` (whose change `adopt_checkpoint_state`
+        says)."""
+        return {"ema_alpha": self.ema_alpha, "patience_div": self.patience_div, "patience_ovf": self.patience_ovf,
+                "keep_best_weights": self.keep_best_weights, "overfit_while_improving": self.overfit_while_improving}
+
     @override
     def state_dict(self) -> dict[str, Any]:
-        return {"watches": {n: asdict(w) for n, w in self.watches.items()}, "exits": list(self.exits)}
+        return {"watches": {n: asdict(w) for n, w in self.watches.items()}, "exits": list(self.exits),
+                "settings": self._settings()}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.watches = {n: AdapterWatch(**w) for n, w in state_dict.get("watches", {}).items()}
         self.exits = list(state_dict.get("exits", []))
+        saved, now = state_dict.get("settings") or {}, self._settings()
+        changed = [k for k in now if k in saved and saved[k] != now[k]]
+        if changed:  # (they went on under the new ones unsaid, which could turn an exit into another)
+            rank_zero_warn("the checkpoint's EarlyExit ran with " + ", ".join(f"{k}={saved[k]!r}" for k in changed)
+                           + "; now " + ", ".join(f"{k}={now[k]!r}" for k in changed) + ": every adapter's loss "
+                           "average and patience counters go on under the new ones")
 
     @staticmethod
     def merge_rank_states(states: list[dict[str, Any]], owners: dict[str, int]) -> dict[str, Any]:

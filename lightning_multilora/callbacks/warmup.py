@@ -206,7 +206,9 @@ class WarmupSelection(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"warmup_losses": dict(self.warmup_losses), "candidates": list(self.candidates),
-                "kept": list(self.kept), "waiting": list(self.waiting), "decided": self.decided}
+                "kept": list(self.kept), "waiting": list(self.waiting), "decided": self.decided,
+                "settings": {"warmup_fraction": self.warmup_fraction, "keep_fraction": self.keep_fraction,
+                             "min_keep": self.min_keep}}
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -215,6 +217,16 @@ class WarmupSelection(Callback):
         self.kept = list(state_dict.get("kept", []))
         self.waiting = list(state_dict.get("waiting", []))
         self.decided = bool(state_dict.get("decided", False))
+        saved = state_dict.get("settings") or {}
+        changed = [k for k, v in saved.items() if getattr(self, k, v) != v]
+        if changed and not self.decided and (self.candidates or self.warmup_losses):  # (a warmup under way: the
+            # candidates resumed with another warmup length were ranked beside those warmed up before, unsaid)
+            now = ", ".join(f"{k}={getattr(self, k)!r}" for k in changed)
+            for k in changed:
+                setattr(self, k, type(getattr(self, k))(saved[k]))
+            rank_zero_warn("the checkpoint's WarmupSelection ran with " + ", ".join(f"{k}={saved[k]!r}" for k in
+                           changed) + f" (now {now}): its selection under way keeps them, every candidate warmed up "
+                           "and ranked alike")
 
 
 def _sync(pl_module: L.LightningModule) -> None:

@@ -170,9 +170,9 @@ class ThroughputProfiler:
 
     def __init__(self, path: str | Path, warmup_steps: int = 2, steps: int = 5) -> None:
         self.path = Path(path)
-        if warmup_steps < 0 or steps < 1:
-            raise ValueError(f"`warmup_steps` must be >= 0 and `steps` >= 1, got {warmup_steps}, {steps}")
-        self.warmup_steps, self.steps = warmup_steps, steps
+        check_int("ThroughputProfiler", "warmup_steps", warmup_steps, 0)  # ("2" failed with a bare TypeError, and
+        check_int("ThroughputProfiler", "steps", steps, 1)  # 2.5 steps were taken)
+        self.warmup_steps, self.steps = int(warmup_steps), int(steps)
 
     def _table(self) -> dict[str, Any]:
         """The cache's entries; none (logged, then measured again and the file rewritten) where the file does not

@@ -181,3 +181,55 @@ def test_a_callback_given_to_another_fit_starts_every_adapters_watch_afresh():
     rule.setup(None, module, "fit")
     assert rule.watches == {} and rule.exits == [] and module.keep_best_weights is True
 
+
+
+def test_a_first_validation_that_overflows_is_no_new_best_and_counts_toward_overfitting():
+    """Without the caller's view of a best, "below every validation seen" held vacuously for a first +inf: it was
+    taken for a new best, and its gap never counted."""
+    rule = EarlyExit(patience_ovf=1)
+    rule.observe_train_loss("a", 2.0)
+    assert rule.observe_validation("a", math.inf) == "overfit"
+
+
+def test_a_skipped_step_after_a_resume_is_not_averaged_in_again():
+    """The step whose training loss was last averaged was kept outside the callback's state: after a resume, a first
+    step whose fp16 update overflowed and was skipped (its record's last loss the step before's) averaged that loss
+    in a second time, where the run never stopped did not."""
+    from types import SimpleNamespace as NS
+
+    rec = NS(name="a", step=0, train_losses=[])
+    module = NS(registry={"a": rec}, log_adapter_metrics=lambda metrics: None,
+                carried_callback_state=lambda callback: None)
+    trainer = NS(global_step=0, log_every_n_steps=50, limit_val_batches=1.0)
+    batch = {"layout": NS(names=["a"])}
+
+    def step(rule, loss=None):  # (None: a step skipped, the record as the module leaves it)
+        if loss is not None:
+            rec.step += 1
+            rec.train_losses.append((rec.step, loss))
+        trainer.global_step += 1
+        rule.on_train_batch_end(trainer, module, None, batch, 0)
+
+    unstopped = EarlyExit()
+    unstopped.setup(trainer, module, "fit")
+    for loss in (2.0, 3.0, 4.0):
+        step(unstopped, loss)
+    state = unstopped.state_dict()
+    step(unstopped)
+    resumed = EarlyExit()
+    resumed.setup(trainer, module, "fit")
+    resumed.load_state_dict(state)
+    step(resumed)
+    assert resumed.watches["a"].ema == unstopped.watches["a"].ema
+
+
+def test_a_resume_with_other_settings_outside_the_state_key_is_said():
+    """Only `window`, `tau_gap` and `tau_slope` (the state key's) were said changed on a resume: another patience or
+    EMA factor went on unsaid, and could turn a divergence into an overfit exit."""
+    state = EarlyExit().state_dict()
+    with pytest.warns(UserWarning, match=r"the checkpoint's EarlyExit ran with ema_alpha=0.1, patience_div=2; now "
+                                         r"ema_alpha=0.2, patience_div=5: every adapter's loss average"):
+        EarlyExit(patience_div=5, ema_alpha=0.2).load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        EarlyExit().load_state_dict(state)

@@ -273,3 +273,23 @@ def test_a_selection_due_once_the_provider_fills_the_slots_is_made_then(trainer_
             assert (rec.state, rec.step) == (AdapterState.FINISHED, 12)
         else:
             assert rec.state == AdapterState.PRUNED
+
+
+def test_a_selection_under_way_resumed_with_other_settings_keeps_the_checkpoints_and_says_so():
+    """The settings were not saved: a resume with another `warmup_fraction` warmed the later candidates up longer
+    and ranked them beside those warmed up before (one trained 2.5 times longer won), unsaid."""
+    first = WarmupSelection(warmup_fraction=0.1)
+    first.candidates, first.warmup_losses = ["c0", "c1", "c2"], {"c0": 3.0}
+    resumed = WarmupSelection(warmup_fraction=0.25, min_keep=2)
+    with pytest.warns(UserWarning, match=r"the checkpoint's WarmupSelection ran with warmup_fraction=0.1, min_keep=1 "
+                                         r"\(now warmup_fraction=0.25, min_keep=2\): its selection under way keeps "
+                                         r"them"):
+        resumed.load_state_dict(first.state_dict())
+    assert (resumed.warmup_fraction, resumed.min_keep) == (0.1, 1)
+    assert resumed.warmup_steps(40) == first.warmup_steps(40)
+    first.decided = True  # (made: the settings decide nothing more)
+    later = WarmupSelection(warmup_fraction=0.25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        later.load_state_dict(first.state_dict())
+    assert later.warmup_fraction == 0.25

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from lightning_multilora.scheduling.memory import MemoryFit, MemoryFitCache
@@ -201,3 +203,12 @@ def test_a_throughput_cache_cut_short_is_measured_again_and_written_whole(tmp_pa
         profiler.measure({"model": "y"}, lambda steps: 5)
     monkeypatch.undo()
     assert path.read_text() == kept and ThroughputProfiler(path).cached({"model": "x"}) is not None
+
+
+@pytest.mark.parametrize("kwargs, said", [({"steps": 2.5}, "`steps` must be an integer >= 1, got 2.5"),
+                                          ({"warmup_steps": "2"}, "`warmup_steps` must be an integer >= 0, got '2'"),
+                                          ({"steps": 0}, "`steps` must be an integer >= 1, got 0")])
+def test_throughput_profiler_steps_are_whole_numbers_named(tmp_path, kwargs, said):
+    """``steps=2.5`` was taken, and ``warmup_steps="2"`` failed with a bare TypeError."""
+    with pytest.raises(ValueError, match=rf"ThroughputProfiler: {re.escape(said)}"):
+        ThroughputProfiler(tmp_path / "t.json", **kwargs)
