@@ -41,7 +41,7 @@ from typing import NamedTuple, Optional
 from lightning_multilora.arguments import check_bool, check_int, check_real
 from lightning_multilora.scheduling.profiler import check_margin
 from lightning_multilora.scheduling.task_scheduler import (MAX_TICKS, Placement, Schedule, Task, assign_gpu_ids,
-                                                           check_planner, cp_solver, solve)
+                                                           check_planner, cp_solver, list_starts, solve)
 from lightning_multilora.spec import AdapterSpec
 
 CostFn = Callable[[Sequence[AdapterSpec], int], float]
@@ -148,16 +148,8 @@ class PackingPlanner:
                                                      if self.fits([s], d)), s.name)):
             d = next(d for d in self.gpu_options if self.fits([spec], d))
             jobs.append(Job(f"single{len(jobs)}", (spec,), d, self.duration([spec], d)))
-        running: list[tuple[float, int]] = []
-        free, now, rows = self.num_gpus, 0.0, []
-        for job in jobs:
-            while free < job.gpus:
-                running.sort()
-                end, gpus = running.pop(0)
-                now, free = max(now, end), free + gpus
-            running.append((now + job.duration, job.gpus))
-            free -= job.gpus
-            rows.append((job.id, now, now + job.duration, job.gpus))
+        starts = list_starts([job.task() for job in jobs], self.num_gpus, [job.id for job in jobs])
+        rows = [(job.id, starts[job.id], starts[job.id] + job.duration, job.gpus) for job in jobs]
         ids = assign_gpu_ids(rows, self.num_gpus)
         placements = {jid: Placement(jid, start, end, ids[jid]) for jid, start, end, _ in rows}
         return jobs, placements, max((p.end for p in placements.values()), default=0.0)

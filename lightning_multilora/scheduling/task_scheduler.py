@@ -447,6 +447,12 @@ class _Steps:
 def list_schedule(tasks: Sequence[Task], num_gpus: int, order: Optional[Sequence[str]] = None) -> float:
     """Greedy list scheduling (default order: longest first): each task starts at the earliest time enough
     GPUs are free. Returns the makespan; the baseline the CP-SAT plan is compared with."""
+    starts = list_starts(tasks, num_gpus, order)
+    return max((starts[t.id] + t.duration for t in tasks), default=0.0)
+
+
+def list_starts(tasks: Sequence[Task], num_gpus: int, order: Optional[Sequence[str]] = None) -> dict[str, float]:
+    """`list_schedule`'s start of each task, by id."""
     check_int("list_schedule", "num_gpus", num_gpus, 1)
     validate_tasks(tasks, num_gpus)
     by_id = {t.id: t for t in tasks}
@@ -454,7 +460,7 @@ def list_schedule(tasks: Sequence[Task], num_gpus: int, order: Optional[Sequence
     if sorted(order) != sorted(by_id):
         raise ValueError(f"list_schedule: `order` must name every task once, got {order} for tasks {sorted(by_id)}")
     running: list[tuple[float, int]] = []  # (end, gpus)
-    free, now, makespan = num_gpus, 0.0, 0.0
+    free, now, starts = num_gpus, 0.0, {}
     for task_id in order:
         task = by_id[task_id]
         while free < task.gpus:
@@ -463,5 +469,5 @@ def list_schedule(tasks: Sequence[Task], num_gpus: int, order: Optional[Sequence
             now, free = max(now, end), free + gpus
         running.append((now + task.duration, task.gpus))
         free -= task.gpus
-        makespan = max(makespan, now + task.duration)
-    return makespan
+        starts[task_id] = now
+    return starts
