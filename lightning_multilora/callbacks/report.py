@@ -152,7 +152,8 @@ class SweepReport(Callback):
                         "the run having stopped before a validation of them" if stopped else
                         "validation being off (`Trainer(limit_val_batches=0)`)" if getattr(
                             trainer, "limit_val_batches", None) == 0 else
-                        "with `validate_on_finish=False` and no validation at their step" if not getattr(
+                        "with `validate_on_finish=False` (an adapter leaves before the Trainer's validation of the "
+                        "step it finishes at)" if not getattr(
                             pl_module, "validate_on_finish", True) else "their adapters having ended (removed, "
                         "failed) between validations"))
                 lines.insert(3, f"(export_loss '-': {'; '.join(why)}; those follow the others, by their last "

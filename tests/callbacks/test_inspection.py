@@ -238,7 +238,8 @@ def test_the_reports_note_on_unmeasured_exports_says_why(tmp_path, trainer_kwarg
         module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(300)}, max_val_examples=8))
     out = capsys.readouterr().out
     assert ("(export_loss '-': failed adapters without an export; weights not validated, with "
-            "`validate_on_finish=False` and no validation at their step;") in out, out
+            "`validate_on_finish=False` (an adapter leaves before the Trainer's validation of the step it finishes "
+            "at);") in out, out
     # an adapter held as the run stopped at `max_steps`, validation off: not "ended between validations"
     module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("held", rank=2, max_steps=9)])
     L.Trainer(**{**trainer_kwargs, "max_steps": 2, "limit_val_batches": 0},
