@@ -266,7 +266,9 @@ def _resuming_checkpoint(trainer: Optional[L.Trainer], stopped: bool) -> Optiona
 
 
 class OptunaSweep(Callback):
-    """Fills free adapter slots with trials asked from an Optuna study (ask/tell), many trials per run.
+    """Fills free adapter slots with trials asked from an Optuna study (ask/tell), many trials per run. One a Trainer
+    (Lightning refuses a second, "more than one stateful callback": its state is kept under the class's name; for one
+    study a data source, run one fit a study).
 
     Args:
         search_space: AdapterSpec field -> ``{"type": "float"|"int"|"categorical", ...}``.
