@@ -249,6 +249,11 @@ class PackingPlanner:
                              f"packing, on the {res:g} s grid" if every else
                              f"packs chosen among {best.candidates} candidates (not every packing): 'optimal' is "
                              f"among those, on the {res:g} s grid"])
+        shortest = min(job.duration for job in jobs)
+        if res > shortest / 10:  # (jobs of a tick or two each tie on the grid: a plan 3.5 times the best was optimal)
+            schedule.notes.append(f"the {res:g} s grid is coarse against the shortest job ({shortest:.3g} s): jobs "
+                                  "round up to it and tie, so the plan can be much longer than the best one; give "
+                                  "resolution_s under a tenth of the shortest job")
         return jobs, schedule
 
     def _solve(self, specs: Sequence[AdapterSpec], packs: list[tuple[tuple[AdapterSpec, ...], int]],

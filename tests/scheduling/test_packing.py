@@ -231,3 +231,13 @@ def test_bad_machines_and_durations_past_the_solvers_integers_are_named():
     slow = PackingPlanner(1, memory, lambda specs, d: 1e18, gpu_bytes=80 * GB)
     with pytest.raises(ValueError, match=r"durations add up to 1e\+19 s, .* at most 1.1e\+12 steps can be planned"):
         slow.plan([a])
+
+
+def test_a_grid_coarse_against_the_shortest_job_is_noted():
+    """Jobs a tick or two long tie on a coarse grid: a plan 3.5 times the best was marked optimal, unsaid."""
+    specs = configs(4, 1)
+    coarse = PackingPlanner(2, memory, step_time, gpu_bytes=80 * GB, resolution_s=400, deterministic=True)
+    _, schedule = coarse.plan(specs)
+    assert any("grid is coarse against the shortest job" in note for note in schedule.notes), schedule.notes
+    _, fine = PackingPlanner(2, memory, step_time, gpu_bytes=80 * GB, resolution_s=1, deterministic=True).plan(specs)
+    assert not any("coarse" in note for note in fine.notes), fine.notes
