@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_multilora.arguments import RunEnded, UsageError, check_bool, check_int, peft_targets
-from lightning_multilora.base_model import check_causal_lm, held_dtype, one_sequence_per_row
+from lightning_multilora.base_model import QUANTIZATIONS, check_causal_lm, held_dtype, one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
 from lightning_multilora.export import (init_from_layers, init_from_shapes, init_from_weights, peft_skipped_layers,
                                         peft_target_modules, save_peft_adapter)
@@ -59,7 +59,7 @@ _RUN_STAMP = ".multilora_run"  # in an export folder: the id of the run that wro
 EXPORT_INFO = "multilora_export.json"  # in an export folder: what its weights are (`save_adapter`, `_describe_export`)
 _EXITS_KEY = "\0exits-of-rank-"  # in the ranks' exchange: a rank's exits since the last one (not an adapter name)
 _LOGS_KEY = "\0logs-of-rank-"  # and its adapters' logged values since the last one
-_VIEWS_KEY = "\0views-of-rank-"  # and the states it gave other ranks' adapters since the last one (`_check_views`)
+_VIEWS_KEY = "\0views-of-rank-"  # and the stops it made of other ranks' adapters and its pauses since the last one
 
 
 def resolve_optimizer(optimizer: Union[str, type]) -> type:
@@ -428,6 +428,7 @@ class MultiLoRAMixin:
         rec = self.registry[name]
         if self._hold_stop(rec, "remove", name, reason, state):
             return
+        before = rec.state
         trainer = self._trainer_or_none()
         if trainer is None or trainer.state.status != "running":  # (outside a fit: a resume's checkpoint, whose
             # adapters it keeps, may hold it; then said, not undone unsaid)
@@ -440,6 +441,7 @@ class MultiLoRAMixin:
             self._notify_exit(rec)
         else:
             raise ValueError(f"adapter {name!r} has already exited ({rec.state.value}: {rec.reason})")
+        self._note_view(rec, before)
 
     def pause_adapter(self, name: str, reason: str = "") -> None:
         """Stop training a running adapter but keep its weights and optimizer state; it frees its slot. Under adapter
@@ -453,6 +455,7 @@ class MultiLoRAMixin:
         rec.state, rec.reason = AdapterState.PAUSED, reason
         rec.close_span(self._run_step())
         self._freed_spec = rec.spec  # (as an exit: the next admission prefers its batch size)
+        self._note_view(rec, AdapterState.RUNNING)
         if name in self.lora_layers.adapter_names:
             self.lora_layers.drop_grads(name)  # the optimizer would step it with its last gradients at every step it waits
 
@@ -468,6 +471,7 @@ class MultiLoRAMixin:
             raise ValueError(f"only a paused adapter can be resumed; {name!r} is {rec.state.value}")
         rec.state, rec.reason = AdapterState.RUNNING, ""
         rec.open_span(self._run_step())
+        self._note_view(rec, AdapterState.PAUSED)
 
     def restore_best_weights(self, name: str) -> bool:
         """Load adapter ``name``'s best-validation weights back (kept when `keep_best_weights` is on)."""
@@ -820,10 +824,8 @@ class MultiLoRAMixin:
                   "last_val_preference_accuracy", "val_losses", "exported_step", "exported_val_loss", "loss_scale",
                   "scale_growth", "skipped_steps", "best_val_preference_accuracy", "exported_val_preference_accuracy",
                   "spans")
-        synced = self.__dict__.get("_synced_states", {})  # (each adapter's state as the last exchange left it)
-        mine: dict[str, Any] = {f"{_VIEWS_KEY}{placement.global_rank}": {
-            rec.name: rec.state for rec in self.registry if placement.owner.get(rec.name) not in (
-                None, placement.global_rank) and synced.get(rec.name, rec.state) != rec.state}}
+        views = {n: v for n, v in self.__dict__.pop("_views", {}).items() if v[0] != v[1]}  # (`_note_view`)
+        mine: dict[str, Any] = {f"{_VIEWS_KEY}{placement.global_rank}": (views, self.__dict__.pop("_paused", []))}
         for rec in self.registry:
             if placement.owner.get(rec.name) == placement.global_rank:
                 mine[rec.name] = {f: getattr(rec, f) for f in fields}
@@ -833,7 +835,7 @@ class MultiLoRAMixin:
         mine[f"{_LOGS_KEY}{placement.global_rank}"] = (step_logs or {}, self._staged_metrics)
         self._staged_metrics = []
         got = placement.exchange(mine)
-        self._check_views(got, placement, synced)
+        self._check_views(got, placement)
         for name, update in got.items():
             if name.startswith(_VIEWS_KEY):
                 continue
@@ -862,35 +864,44 @@ class MultiLoRAMixin:
         # every rank's exits since the last exchange, and the pauses it brought: a pause on its owner alone left the
         # other ranks preferring another batch size, and the ranks started different adapters and hung), the last
         # in registry order.
-        freed = set(self._exited_since_sync) | {r.name for r in self.registry if r.state == AdapterState.PAUSED
-                                                and synced.get(r.name) == AdapterState.RUNNING}
+        paused = {n for key, update in got.items() if key.startswith(_VIEWS_KEY) for n in update[1]}
+        freed = set(self._exited_since_sync) | paused
         if freed:
             self._freed_spec = [r.spec for r in self.registry if r.name in freed][-1]
         self._exited_since_sync = []
-        self._synced_states = {r.name: r.state for r in self.registry}
 
-    def _check_views(self, got: dict[str, Any], placement: Any, synced: dict[str, AdapterState]) -> None:
-        """Every rank's view of another rank's adapter agrees with its owner's: a `remove_adapter`, `pause_adapter`
-        or `resume_adapter` called on a rank that does not hold the adapter, and not on its owner (under
-        ``trainer.is_global_zero``, say), was undone by the owner's record at this exchange, silently (the adapter
-        trained on; a resume then failed on that rank alone, and the ranks parted). A named error on every rank
-        (each reads the same exchange), before the next step."""
-        for key, views in sorted(got.items()):
-            if not key.startswith(_VIEWS_KEY):
-                continue
-            for name, state in views.items():
+    def _note_view(self, rec: AdapterRecord, before: AdapterState) -> None:
+        """Under adapter parallelism: a stop (or resume) of ``rec`` made on this rank, from ``before`` to its state
+        now, kept for the next exchange (`_check_views`) where another rank trains it; a pause, made on any rank,
+        frees its slot on every rank there (a pause on its owner alone left the others preferring another batch
+        size, and the ranks admitted different adapters and hung)."""
+        placement = self._placement()
+        if placement is None:
+            return
+        if rec.state == AdapterState.PAUSED:
+            self.__dict__.setdefault("_paused", []).append(rec.name)
+        if placement.owner.get(rec.name) not in (None, placement.global_rank):
+            views = self.__dict__.setdefault("_views", {})
+            views[rec.name] = (views.get(rec.name, (before,))[0], rec.state)
+
+    def _check_views(self, got: dict[str, Any], placement: Any) -> None:
+        """A `remove_adapter`, `pause_adapter` or `resume_adapter` made on a rank that does not train the adapter,
+        and not on its owner (under ``trainer.is_global_zero``, say: the owner's state is still the one it was
+        made from), was undone by the owner's record at this exchange, silently (the adapter trained on; a resume
+        then failed on that rank alone, and the ranks parted). A named error on every rank (each reads the same
+        exchange), before the next step."""
+        for key, (views, _) in sorted((k, v) for k, v in got.items() if k.startswith(_VIEWS_KEY)):
+            for name, (before, after) in views.items():
                 owner = placement.owner.get(name)
                 held = got.get(name, {}).get("state") if owner is not None else None
-                view, held = AdapterState(state), AdapterState(held) if held is not None else None
-                if held is None or view == held or (held.exited and (view.exited or view == AdapterState.PAUSED)):
-                    continue  # (the owner went further: a pause made on every rank, then its owner's prune)
-                self._synced_states = {**synced, name: held}  # (said once: an export after this error's exchange
-                rank = key[len(_VIEWS_KEY):]  # reads the owner's record)
+                if held is None or AdapterState(held) != AdapterState(before):
+                    continue  # (its owner made it too, or went further: a pause on every rank, then a prune)
                 raise UsageError(
-                    f"adapter {name!r} is {view.value} on rank {rank}, and {held.value} on rank {owner}, which trains "
-                    f"it: under adapter parallelism `remove_adapter`, `pause_adapter` "
-                    "and `resume_adapter` are called on every rank (as a callback's hooks run: not under "
-                    "`trainer.is_global_zero`), or on the adapter's own rank alone (`trainer.strategy.owner[name]`)")
+                    f"adapter {name!r} is {AdapterState(after).value} on rank {key[len(_VIEWS_KEY):]}, and "
+                    f"{AdapterState(held).value} on rank {owner}, which trains it: under adapter parallelism "
+                    "`remove_adapter`, `pause_adapter` and `resume_adapter` are called on every rank (as a callback's "
+                    "hooks run: not under `trainer.is_global_zero`), or on the adapter's own rank alone "
+                    "(`trainer.strategy.owner[name]`)")
 
     def _take_logs(self, update: tuple[dict, list], step_logs: Optional[dict[str, dict[str, float]]]) -> None:
         """Another rank's logged values from the exchange: its step's per-adapter values into ``step_logs``, and
@@ -3480,6 +3491,11 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
             # it saves them itself, as Lightning's `save_hyperparameters` expects; these would clash with its own)
             self.save_hyperparameters({k: v for k, v in arguments.items() if _plain(v)}, logger=False)
         check_bool("MultiLoRAModule", "gradient_checkpointing", gradient_checkpointing)
+        if quantization is not None and not isinstance(quantization, str):  # (`build_base_model` takes settings
+            # whole, for the exports' loader: a module built so would export them as nf4 or nothing)
+            raise ValueError(f"MultiLoRAModule: `quantization` can be {', '.join(QUANTIZATIONS)} or None, got "
+                             f"{quantization!r}; for other bitsandbytes settings (double quantization, 8-bit) load "
+                             "the model quantized and give it as `base_model` (its exports record its settings)")
         check_int("MultiLoRAModule", "base_seed", base_seed, -2**63, high=2**63 - 1)  # (torch's seeds: 64-bit)
         if isinstance(base_model, nn.Module):
             given = [f"`{n}`" for n, v in (("config_overrides", config_overrides), ("quantization", quantization))

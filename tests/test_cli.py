@@ -394,6 +394,11 @@ def test_build_base_model_takes_bitsandbytes_settings_whole_and_refuses_ones_tha
     assert model.model.layers[0].self_attn.q_proj.weight.quant_state.nested
     with pytest.raises(ValueError, match=r"`quantization` given as bitsandbytes settings must load the base in 4 or 8"):
         build_base_model("tiny-llama", quantization={"bnb_4bit_quant_type": "nf4"})
+    from lightning_multilora import MultiLoRAModule  # (the module's own takes a name: its exports record it)
+
+    with pytest.raises(ValueError, match=r"MultiLoRAModule: `quantization` can be nf4, fp4 or None, got \{'load_in_8bit"
+                                         r"': True\}; for other bitsandbytes settings .* give it as `base_model`"):
+        MultiLoRAModule("tiny-llama", quantization={"load_in_8bit": True})
 
 
 def test_a_pre_quantized_checkpoint_says_it_keeps_its_own_dtype_and_exports_the_dtype_held(tmp_path, trainer_kwargs):

@@ -228,7 +228,8 @@ class EarlyExit(Callback):
         rank watched the adapters it trained, and listed its own exits (those, by step)."""
         exits = list({repr(e): e for s in states for e in s.get("exits", [])}.values())
         return {"watches": merge_by_owner([s.get("watches", {}) for s in states], owners),
-                "exits": sorted(exits, key=lambda e: e.get("step", 0))}
+                "exits": sorted(exits, key=lambda e: e.get("step", 0)),
+                **({"settings": states[0]["settings"]} if states and states[0].get("settings") else {})}
 
     def adopt_checkpoint_state(self, checkpoint: dict[str, Any]) -> None:
         """Lightning restores a callback's state by its `state_key`, which holds the rule's settings: one written

@@ -215,7 +215,15 @@ def _storage_name(study: "optuna.Study") -> str:
     storage = getattr(study, "_storage", None)
     storage = getattr(storage, "_backend", storage)  # (Optuna's cached RDB storage wraps the RDB one)
     url = getattr(storage, "url", None)
-    return f"storage {url!r}" if isinstance(url, str) else f"a {type(storage).__name__}"
+    if not isinstance(url, str):
+        return f"a {type(storage).__name__}"
+    try:  # (a database's password is neither kept in a checkpoint nor printed)
+        from sqlalchemy.engine import make_url
+
+        url = make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - (a URL it cannot read: its scheme alone)
+        url = url.split("://", 1)[0] + "://..."
+    return f"storage {url!r}"
 
 
 def _check_choices(study: "optuna.Study", distributions: Mapping[str, Any]) -> None:
@@ -237,6 +245,13 @@ def _check_choices(study: "optuna.Study", distributions: Mapping[str, Any]) -> N
                              f"{study.study_name!r} holds trials where it is of type {type(dist).__name__} ({dist}; "
                              "Optuna keeps a parameter's kind): search it as the study did, or give another "
                              "`study_name` (or `storage`)")
+        if mine is not None and not isinstance(mine, categorical):  # (a float's `log` or a step of another kind)
+            try:
+                optuna.distributions.check_distribution_compatibility(dist, mine)
+            except ValueError as err:
+                raise UsageError(f"OptunaSweep `search_space` {name!r}: {mine}, and study {study.study_name!r} holds "
+                                 f"trials of {dist}: {err} (search it as the study did, or give another `study_name`"
+                                 " or `storage`)") from None
         if isinstance(mine, categorical) and isinstance(dist, categorical) and mine.choices != dist.choices:
             raise UsageError(f"OptunaSweep `search_space` {name!r}: choices {list(mine.choices)}, and study "
                              f"{study.study_name!r} holds trials of choices {list(dist.choices)} (Optuna keeps a "

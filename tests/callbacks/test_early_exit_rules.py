@@ -233,3 +233,11 @@ def test_a_resume_with_other_settings_outside_the_state_key_is_said():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         EarlyExit().load_state_dict(state)
+
+
+def test_the_settings_warning_survives_a_resume_onto_another_number_of_ranks():
+    """An adapter-parallel checkpoint's ranks are merged on a resume over another number of them: the settings were
+    dropped there, and their change went unsaid."""
+    merged = EarlyExit.merge_rank_states([EarlyExit().state_dict(), EarlyExit().state_dict()], {})
+    with pytest.warns(UserWarning, match=r"ran with patience_div=2; now patience_div=5"):
+        EarlyExit(patience_div=5).load_state_dict(merged)

@@ -1547,3 +1547,27 @@ def test_a_smoke_runs_trials_are_told_failed_not_left_running(tmp_path, trainer_
     trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
     assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
     assert trials[0].user_attrs["fail_reason"] == "a smoke run (`fast_dev_run`) ended at step 1 of its adapter"
+
+
+def test_a_float_searched_on_another_scale_than_the_studys_is_named_as_the_study_opens(tmp_path, trainer_kwargs):
+    """Optuna refuses a float parameter whose `log` differs from the study's ("Cannot set different log
+    configuration"): it came at the first ask, a failed trial left in the study."""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    fit(tmp_path / "one", trainer_kwargs, OptunaSweep(SPACE, n_trials=1, storage=storage,
+                                                      base={"max_steps": 2, "batch_size": 2}))
+    other = dict(SPACE, lr={"type": "float", "low": 1e-4, "high": 1e-2})
+    with pytest.raises(ValueError, match=r"`search_space` 'lr': FloatDistribution\(.*log=False.*\), and study "
+                                         r"'multilora' holds trials of FloatDistribution\(.*log=True.*\): .*log"):
+        fit(tmp_path / "two", trainer_kwargs, OptunaSweep(other, n_trials=1, storage=storage,
+                                                          base={"max_steps": 2, "batch_size": 2}))
+    assert len(optuna.load_study(study_name="multilora", storage=storage).get_trials()) == 1
+
+
+def test_where_a_study_is_kept_is_said_without_a_database_password():
+    """The storage's URL went into the checkpoint's sweep state and the resume's error, a password included."""
+    from types import SimpleNamespace as NS
+
+    from lightning_multilora.callbacks.optuna_sweep import _storage_name
+
+    study = NS(_storage=NS(url="postgresql://alice:s3cret@db.internal/optuna"))
+    assert "s3cret" not in _storage_name(study) and "alice:***@db.internal/optuna" in _storage_name(study)

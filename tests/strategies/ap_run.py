@@ -44,7 +44,8 @@ folder given (the smoke run's temporary folder holds the exports). ``sigterm``: 
 ``rank1_error``: rank 1 raises after step 1, and rank 0's exports take 4 s each (the launcher's observer looks at
 the other ranks every 5 s). ``owner_pause`` / ``owner_pause_single``: two adapters queued after step 1 (an admission
 controller orders them, `max_running` 3), a1 paused after step 2 and resumed after step 5 by the rank that trains it
-alone. ``one_rank_stop``: rank 0 alone removes an adapter rank 1 trains, after step 2.
+alone, and x removed by its rank alone after its first step. ``one_rank_stop``: rank 0 alone removes an adapter
+rank 1 trains, after step 2.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -262,6 +263,9 @@ def run_mode(out: Path, mode: str) -> None:
                     pl_module.add_adapter(AdapterSpec("y", rank=2, batch_size=1, lr=1e-3, max_steps=3, seed=8))
                 if step in (2, 5) and pl_module._owns("a1"):
                     getattr(pl_module, "pause_adapter" if step == 2 else "resume_adapter")("a1")
+                x = pl_module.registry["x"] if "x" in pl_module.registry else None  # (admitted after the exchange
+                if x is not None and x.state.value == "running" and x.step == 1 and pl_module._owns("x"):  # before)
+                    pl_module.remove_adapter("x", reason="judged after its first step by its rank")
 
         kwargs.update(callbacks=[PauseOnItsOwner()])
     if mode == "one_rank_stop":

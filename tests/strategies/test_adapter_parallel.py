@@ -773,8 +773,11 @@ def test_a_stop_asked_on_a_rank_that_does_not_train_the_adapter_is_a_named_error
 def test_a_pause_on_its_owner_alone_frees_the_same_slot_on_every_rank(runs):
     """Only the owner of a paused adapter knew its slot was freed: with an admission controller the ranks started
     different adapters in it (the owner the freed slot's batch size, the other the largest) and hung in the next
-    collective; the other rank's registry kept the adapter's span open."""
+    collective; the other rank's registry kept the adapter's span open. (And an adapter admitted since the last
+    exchange, removed by its own rank, was taken for a stop made on another rank.)"""
     single = json.loads((runs / "owner_pause_single.rank0.json").read_text())
+    assert single["states"]["x"] == ["pruned", 1]
+    assert single["reasons"]["x"] == "judged after its first step by its rank"
     for rank in (0, 1):
         parallel = json.loads((runs / f"owner_pause.rank{rank}.json").read_text())
         assert parallel["evaluated"]["running"] == single["evaluated"]["running"]
