@@ -894,11 +894,13 @@ class MultiLoRAMixin:
             for name, (before, after) in views.items():
                 owner = placement.owner.get(name)
                 held = got.get(name, {}).get("state") if owner is not None else None
-                if held is None or AdapterState(held) != AdapterState(before):
-                    continue  # (its owner made it too, or went further: a pause on every rank, then a prune)
+                held = AdapterState(held) if held is not None else None
+                if held is None or (held != AdapterState(before) and (held.exited or not AdapterState(after).exited)):
+                    continue  # (its owner made it too, or went further: a pause on every rank, then a prune; a
+                    # removal the owner did not make, whatever else it did, is refused: it trained on)
                 raise UsageError(
                     f"adapter {name!r} is {AdapterState(after).value} on rank {key[len(_VIEWS_KEY):]}, and "
-                    f"{AdapterState(held).value} on rank {owner}, which trains it: under adapter parallelism "
+                    f"{held.value} on rank {owner}, which trains it: under adapter parallelism "
                     "`remove_adapter`, `pause_adapter` and `resume_adapter` are called on every rank (as a callback's "
                     "hooks run: not under `trainer.is_global_zero`), or on the adapter's own rank alone "
                     "(`trainer.strategy.owner[name]`)")
@@ -2853,6 +2855,8 @@ class MultiLoRAMixin:
         # lost, the trained adapters' exports then written over by others trained again from fresh optimizers)
         self._loaded_outside_fit = trainer is None
         self._log_dirs = self.__dict__.get("_log_dirs", set()) | set(state.get("log_dirs", ()))
+        for pending in ("_views", "_paused"):  # (stops made since an exchange of the states this replaces)
+            self.__dict__.pop(pending, None)
         # (a later fit goes on from the checkpoint's run step; a `ckpt_path` resume's Trainer does, its offset the
         # checkpoint's)
         self._steps_done = int(checkpoint.get("global_step", 0)) + int(state.get("step_offset", 0))
@@ -3363,6 +3367,8 @@ class ExportOnException(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         from lightning_multilora.strategies.adapter_parallel import guard_folder_checkpoints
 
+        for pending in ("_views", "_paused"):  # (a stop made after a stopped fit's last exchange: not this fit's to
+            pl_module.__dict__.pop(pending, None)  # check, its states restored or carried on as they are)
         log_dir_of(trainer)
         pl_module._exported_after = None
         if stage == "fit" and callable(getattr(pl_module, "_begin_run_steps", None)):

@@ -783,3 +783,32 @@ def test_a_pause_on_its_owner_alone_frees_the_same_slot_on_every_rank(runs):
         assert parallel["evaluated"]["running"] == single["evaluated"]["running"]
         assert parallel["states"] == single["states"] and parallel["spans"] == single["spans"]
         assert parallel["train"] == single["train"]
+
+
+def test_the_exchange_refuses_a_removal_its_owner_did_not_make_and_forgets_a_stopped_fits_stops():
+    """A removal on rank 0 alone while the owner paused the adapter went through unsaid (the adapter trained on and
+    finished, rank 0's callbacks told it was pruned); and stops noted after a stopped fit's last exchange were
+    checked at the next fit's first, against the states of the checkpoint it resumed (a false error)."""
+    from types import SimpleNamespace as NS
+
+    from lightning_multilora.module import _VIEWS_KEY, ExportOnException, MultiLoRAMixin
+    from lightning_multilora.registry import AdapterState as S
+
+    placement = NS(owner={"a1": 1})
+
+    def exchange(view, owners_state):
+        return {f"{_VIEWS_KEY}0": ({"a1": view}, []), f"{_VIEWS_KEY}1": ({}, []), "a1": {"state": owners_state}}
+
+    for view, held in (((S.RUNNING, S.PRUNED), S.PAUSED), ((S.RUNNING, S.PRUNED), S.RUNNING),
+                       ((S.RUNNING, S.PAUSED), S.RUNNING)):
+        with pytest.raises(ValueError, match=rf"adapter 'a1' is {view[1].value} on rank 0, and {held.value} on rank "
+                                             r"1, which trains it: under adapter parallelism `remove_adapter`"):
+            MultiLoRAMixin._check_views(None, exchange(view, held), placement)
+    for view, held in (((S.RUNNING, S.PAUSED), S.PRUNED), ((S.RUNNING, S.PRUNED), S.OVERFIT),
+                       ((S.RUNNING, S.PAUSED), S.PAUSED)):  # (made on every rank; or the owner went further)
+        MultiLoRAMixin._check_views(None, exchange(view, held), placement)
+    module = type("Module", (), {})()  # (a stand-in: setup forgets the stops first, whatever it reads after)
+    module.__dict__.update(_views={"a1": (S.RUNNING, S.PAUSED)}, _paused=["a1"])
+    with pytest.raises(AttributeError):  # (the stand-in Trainer has nothing more)
+        ExportOnException().setup(NS(), module, "fit")
+    assert "_views" not in module.__dict__ and "_paused" not in module.__dict__
