@@ -645,7 +645,8 @@ class MultiLoRAMixin:
         model = getattr(model, "_orig_mod", model)  # (torch.compile's wrapper: the model it compiled)
         config = getattr(model, "config", None)  # (as the model was built with it)
         values = config.to_dict() if config is not None and hasattr(config, "to_dict") else {}
-        four_bit, dtype = _four_bit(values), str(held_dtype(model)).removeprefix("torch.")
+        four_bit, held = _four_bit(values), held_dtype(model)
+        dtype = str(held).removeprefix("torch.") if held is not None else None
         build = getattr(self, "_base_build", None)
         quant = values.get("quantization_config")
         settings = {k: v for k, v in quant.items() if not k.startswith("_") and k != "quant_method"} \
@@ -653,7 +654,7 @@ class MultiLoRAMixin:
         overrides, seed = (build or {}).get("config_overrides"), (build or {}).get("base_seed")
         return {**({"base_seed": seed} if seed is not None and (seed != 0 or overrides) else {}),
                 **({"config_overrides": overrides} if overrides else {}),
-                **({"dtype": dtype} if dtype not in ("None", "float32") else {}),
+                **({"dtype": dtype} if dtype not in (None, "float32") else {}),
                 **({"quantization": four_bit} if four_bit else {}),
                 **({"quantization_config": settings} if settings else {})}
 

@@ -107,9 +107,8 @@ def assign_adapters(specs: Sequence[AdapterSpec], num_ranks: int,
     """A disjoint, balanced owner for every adapter: adapters already placed stay; new ones go, largest batch
     first, to an empty rank where there is one; else to the rank that already holds that batch size and has the
     least rows where that leaves the most rows a rank holds no higher than the least-loaded rank would, else the
-    least-loaded rank. (The module places adapters
-    as they start, one after the other: a rank of the same batch size taken whatever its load put two 8-row
-    adapters on one rank and a 1-row one on the other.)"""
+    least-loaded rank. (The module places adapters as they start, one after the other: a rank of the same batch
+    size taken whatever its load put two 8-row adapters on one rank and a 1-row one on the other.)"""
     if num_ranks < 1:
         raise ValueError(f"`num_ranks` must be >= 1, got {num_ranks}")
     owner = dict(current or {})
