@@ -6,6 +6,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import hashlib
 import importlib
 import inspect
 import itertools
@@ -60,6 +61,7 @@ EXPORT_INFO = "multilora_export.json"  # in an export folder: what its weights a
 _EXITS_KEY = "\0exits-of-rank-"  # in the ranks' exchange: a rank's exits since the last one (not an adapter name)
 _LOGS_KEY = "\0logs-of-rank-"  # and its adapters' logged values since the last one
 _VIEWS_KEY = "\0views-of-rank-"  # and the stops it made of other ranks' adapters and its pauses since the last one
+_HELD_KEY = "\0registry-of-rank-"  # and a digest of its registry: the adapters it holds, the unplaced ones' states
 
 
 def resolve_optimizer(optimizer: Union[str, type]) -> type:
@@ -376,8 +378,8 @@ class MultiLoRAMixin:
     def add_adapter(self, spec: AdapterSpec) -> AdapterRecord:
         """Queue an adapter; it starts at the next step that has a free slot (at once before fit). Under adapter
         parallelism, call it on every rank, as a callback's hooks run (not under ``trainer.is_global_zero``): every
-        rank's registry holds every adapter, and a rank that alone added one waits in a collective the others never
-        join."""
+        rank's registry holds every adapter, and one added on some ranks alone is an error on every rank at the
+        step's exchange (`_check_registries`)."""
         if not isinstance(spec, AdapterSpec):
             hint = ""
             if type(spec).__name__ == "LoraConfig":  # (PEFT's: no name, no run; its LoRA fields map one to one)
@@ -415,7 +417,8 @@ class MultiLoRAMixin:
         """Stop an adapter now: a running one is exported first, then its weights and optimizer state
         are freed; a queued one never starts. Under adapter parallelism, call it on every rank (as a callback's
         hooks run): the rank that holds the adapter exports and frees it, the others mark it ended (or on that rank
-        alone: the others learn at the step's exchange; on another rank alone it is an error there). ``state``: how it
+        alone: the others learn at the step's exchange; on another rank alone, or a queued adapter's on some ranks
+        alone, it is an error there). ``state``: how it
         ended, one of the ended states (finished, diverged, overfit, pruned, failed; or their names)."""
         given, ended = state, [s.value for s in AdapterState if s.exited]
         try:
@@ -834,11 +837,13 @@ class MultiLoRAMixin:
                 self._train_losses_shared[rec.name] = len(rec.train_losses)
         mine[f"{_EXITS_KEY}{placement.global_rank}"] = list(self._exited_since_sync)
         mine[f"{_LOGS_KEY}{placement.global_rank}"] = (step_logs or {}, self._staged_metrics)
+        mine[f"{_HELD_KEY}{placement.global_rank}"] = self._registry_digest(placement)
         self._staged_metrics = []
         got = placement.exchange(mine)
+        self._check_registries(got, placement)
         self._check_views(got, placement)
         for name, update in got.items():
-            if name.startswith(_VIEWS_KEY):
+            if name.startswith((_VIEWS_KEY, _HELD_KEY)):
                 continue
             if name.startswith(_EXITS_KEY):
                 self._exited_since_sync.extend(update)  # every rank's exits since the last exchange
@@ -870,6 +875,37 @@ class MultiLoRAMixin:
         if freed:
             self._freed_spec = [r.spec for r in self.registry if r.name in freed][-1]
         self._exited_since_sync = []
+
+    def _registry_view(self, placement: Any) -> list[tuple[str, str]]:
+        """What every rank's registry must agree on at an exchange: the adapters in their order, and the state of
+        each no rank trains (queued, or ended before it started: nothing exchanges those, each rank keeps its own)."""
+        return [(r.name, r.state.value if placement.owner.get(r.name) is None else "") for r in self.registry]
+
+    def _registry_digest(self, placement: Any) -> str:
+        return hashlib.blake2b(repr(self._registry_view(placement)).encode(), digest_size=16).hexdigest()
+
+    def _check_registries(self, got: dict[str, Any], placement: Any) -> None:
+        """An `add_adapter`, or a `remove_adapter` of a queued adapter, made on some ranks and not the others (under
+        ``trainer.is_global_zero``, say) left the ranks' registries apart: they admitted different adapters and hung
+        in the next collective. A named error on every rank instead (each reads the same digests, then the same
+        lists: a second exchange, only then), before the next admission."""
+        if len({v for k, v in got.items() if k.startswith(_HELD_KEY)}) <= 1:
+            return
+        held = placement.exchange({placement.global_rank: self._registry_view(placement)})
+        ranks = sorted(held)
+        names = {n for r in ranks for n, _ in held[r]}
+        said = []
+        for name in sorted(names):
+            at = {r: dict(held[r]).get(name) for r in ranks}
+            if len(set(at.values())) > 1:
+                said.append(f"{name!r}: " + ", ".join(
+                    f"rank {r} " + ("lacks it" if v is None else f"holds it {v or 'placed'}") for r, v in at.items()))
+        if not said:
+            said = [f"rank {r}: {[n for n, _ in held[r]]}" for r in ranks]  # (the same adapters in another order)
+        raise UsageError(
+            "the ranks' adapters differ (" + "; ".join(said) + "): under adapter parallelism `add_adapter`, and "
+            "`remove_adapter` of a queued adapter, are called on every rank, as a callback's hooks run (not under "
+            "`trainer.is_global_zero`)")
 
     def _note_view(self, rec: AdapterRecord, before: AdapterState) -> None:
         """Under adapter parallelism: a stop (or resume) of ``rec`` made on this rank, from ``before`` to its state

@@ -6,7 +6,7 @@ MODE: parallel|single|stop|resume|resume_one|resume_three|stop_single|resume_two
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
 dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|
 remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke|sigterm|rank1_error|owner_pause|owner_pause_single|
-one_rank_stop. Several modes run one after
+one_rank_stop|one_rank_add|one_rank_unqueue. Several modes run one after
 the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
 of processes), each from the same seeds and with its own records, as if alone.
 
@@ -45,7 +45,8 @@ folder given (the smoke run's temporary folder holds the exports). ``sigterm``: 
 the other ranks every 5 s). ``owner_pause`` / ``owner_pause_single``: two adapters queued after step 1 (an admission
 controller orders them, `max_running` 3), a1 paused after step 2 and resumed after step 5 by the rank that trains it
 alone, and x removed by its rank alone after its first step. ``one_rank_stop``: rank 0 alone removes an adapter
-rank 1 trains, after step 2.
+rank 1 trains, after step 2. ``one_rank_add``: rank 0 alone queues an adapter after step 2; ``one_rank_unqueue``: two
+adapters queued on every rank after step 1 (`max_running` 4), one of them removed by rank 1 alone after step 2.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -278,6 +279,22 @@ def run_mode(out: Path, mode: str) -> None:
                                                   and pl_module.registry[n].state.value == "running"))
 
         kwargs.update(callbacks=[RemoveOnRankZero()])
+    if mode in ("one_rank_add", "one_rank_unqueue"):
+        class QueueOnOneRank(L.Callback):
+            """Queues adapters (or removes a queued one) on one rank alone."""
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                step, rank = trainer.global_step, trainer.global_rank
+                if mode == "one_rank_add" and step == 2 and trainer.is_global_zero:
+                    pl_module.add_adapter(AdapterSpec("z", rank=2, batch_size=1, lr=1e-3, max_steps=2, seed=9))
+                if mode == "one_rank_unqueue" and step == 1:
+                    pl_module.max_running = 4
+                    for name in ("z", "w"):
+                        pl_module.add_adapter(AdapterSpec(name, rank=2, batch_size=1, lr=1e-3, max_steps=2, seed=9))
+                if mode == "one_rank_unqueue" and step == 2 and rank == 1:
+                    pl_module.remove_adapter("w", reason="unqueued on rank 1 alone")
+
+        kwargs.update(callbacks=[QueueOnOneRank()])
     if mode == "refit_on":
         kwargs.update(max_steps=2)
     if mode == "sigterm":
@@ -362,7 +379,7 @@ def run_mode(out: Path, mode: str) -> None:
     try:
         trainer.fit(module, dm, ckpt_path=ckpt_path)
     except BaseException as err:
-        if mode == "one_rank_stop" and isinstance(err, ValueError):
+        if mode in ("one_rank_stop", "one_rank_add", "one_rank_unqueue") and isinstance(err, ValueError):
             evaluated["refused"] = f"{str(err)} (after step {trainer.global_step})"
         elif mode != "sigterm" or type(err).__name__ != "SIGTERMException":
             raise

@@ -121,7 +121,8 @@ SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_s
 TWO_RANK_MODES = ["parallel", "stop", "resume_two", "load_two", "early_exit", "early_exit_resume_two", "replicated",
                   "dpo", "remove", "end_eval", "refit", "refit_on", "admission", "disagree", "smoke", "owner_pause",
                   *(["optuna_admission", "optuna", "optuna_defaults", "optuna_prune", "warmup", "warmup_stop"]
-                    if OPTUNA else []), "one_rank_stop"]  # (last: its fit ends in an error)
+                    if OPTUNA else []), "one_rank_add", "one_rank_unqueue", "one_rank_stop"]  # (last: their fits end in
+# an error)
 # resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
 RESUME_MODES = ["resume", *(["warmup_resume"] if OPTUNA else [])]
 
@@ -768,6 +769,23 @@ def test_a_stop_asked_on_a_rank_that_does_not_train_the_adapter_is_a_named_error
         assert re.fullmatch(r"adapter 'a\d' is pruned on rank 0, and running on rank 1, which trains it: under adapter "
                             r"parallelism `remove_adapter`, `pause_adapter` and `resume_adapter` are called on every "
                             r"rank .*not under `trainer.is_global_zero`.*\(after step 2\)", said), said
+
+
+def test_an_adapter_queued_or_unqueued_on_one_rank_alone_is_an_error_on_every_rank_not_a_hang(runs):
+    """Rank 0 alone queued an adapter (under `trainer.is_global_zero`): the ranks' registries parted, rank 0 alone
+    checked the adapter's data in a collective at the next admission, and both waited there until the process
+    group's timeout (90 s here); likewise a queued adapter removed on rank 1 alone. Each is a named error on both
+    ranks at the step's exchange, and the adapters each rank trained are exported."""
+    for mode, said in (("one_rank_add", "'z': rank 0 holds it queued, rank 1 lacks it"),
+                       ("one_rank_unqueue", "'w': rank 0 holds it queued, rank 1 holds it pruned")):
+        for rank in (0, 1):
+            ran = json.loads((runs / f"{mode}.rank{rank}.json").read_text())
+            assert ran["evaluated"]["refused"] == (
+                f"the ranks' adapters differ ({said}): under adapter parallelism `add_adapter`, and `remove_adapter` "
+                "of a queued adapter, are called on every rank, as a callback's hooks run (not under "
+                "`trainer.is_global_zero`) (after step 2)")
+            assert all(ran["exported"][name][1] == 2 for name in ran["owned"])  # (trained two steps, exported)
+        assert (runs / mode / "a0").is_dir() and (runs / mode / "a3").is_dir()
 
 
 def test_a_pause_on_its_owner_alone_frees_the_same_slot_on_every_rank(runs):
