@@ -57,6 +57,7 @@ from lightning_multilora import (AdapterSpec, EarlyExit, MultiLoRADataModule, Mu
                                  SweepGrid, WarmupSelection, inject_multilora)
 from lightning_multilora.data import AdapterStream, ListSource
 from lightning_multilora.module import LLAMA_TARGETS
+from lightning_multilora.spec import steps_of_epochs
 from lightning_multilora.scheduling import AdmissionController, AnalyticMemoryModel, ModelShape
 
 H200_BASE = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
@@ -155,7 +156,7 @@ def train_with_peft(spec: AdapterSpec, base_dir: Path, dm: MultiLoRADataModule, 
     opt = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay)
     train, val = dm.split(spec.dataset)
     stream = AdapterStream(len(train), spec.batch_size, spec.seed)
-    steps = spec.max_steps or max(1, math.ceil(spec.max_epochs * stream.steps_per_epoch))  # as the module counts
+    steps = spec.max_steps or steps_of_epochs(spec.max_epochs, stream.steps_per_epoch)  # as the module counts
 
     def validate() -> float:
         model.eval()

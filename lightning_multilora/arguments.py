@@ -55,3 +55,16 @@ def peft_targets(value: Any) -> Any:
     if isinstance(value, (set, frozenset)):
         return sorted(value, key=str)
     return value
+
+
+def missing_local_folder(name: str) -> bool:
+    """Whether ``name``, not there, reads as a local folder rather than a Hugging Face Hub name (``org/name``): more
+    than one ``/``, or its first part a folder here (``runs/tok_typo``). ``from_pretrained`` retried the Hub with it
+    for ~45 s before its error."""
+    import os
+
+    path = os.path.expanduser(name)
+    if os.path.exists(path):
+        return False
+    parts = path.split("/")
+    return len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))

@@ -14,6 +14,8 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
+from lightning_multilora.arguments import missing_local_folder
+
 # The byte tokenizer's ends (`data.ByteTokenizer`: <eos> 257, no <bos>): a tiny base's `generate` stops where the
 # adapters learned to (Llama's defaults, eos 2 and bos 1, are bytes; Qwen2's has none). Its pad is left unset: a
 # config's pad_token_id is the embedding's padding_idx, a zeroed row, which would change a seed's weights.
@@ -213,8 +215,8 @@ def _checked_form(base_model: Any) -> str:
     (a config object failed deep inside, as an unhashable key, and named neither)."""
     if isinstance(base_model, os.PathLike):
         base_model = os.fspath(base_model)
-    if isinstance(base_model, str):
-        return base_model
+    if isinstance(base_model, str):  # (a YAML's "~/llama" was taken for a Hub name, and refused as one)
+        return os.path.expanduser(base_model) if base_model.startswith("~") else base_model
     from transformers import PretrainedConfig
 
     how = (": build its model (`AutoModelForCausalLM.from_config(config)`) and give that, or save it with the "
@@ -456,10 +458,14 @@ def _check_runs(model: nn.Module, config_overrides: Optional[dict[str, Any]]) ->
 
 
 def _refuse_near_miss(base_model: str) -> None:
-    """A name one typo away from a built-in model (``tiny-lama``) is refused at once: ``from_pretrained`` would
-    spend ~45 s retrying the Hugging Face Hub before its network error, and name no built-in."""
+    """A name one typo away from a built-in model (``tiny-lama``), or a local folder that is not there
+    (`missing_local_folder`), is refused at once: ``from_pretrained`` would spend ~45 s retrying the Hugging Face Hub
+    before its network error, and name no built-in."""
     import difflib
 
+    if missing_local_folder(base_model):
+        raise OSError(f"`base_model` {base_model!r} is no built-in model ({', '.join(TINY_CONFIGS)}), no such folder "
+                      "(a checkpoint directory), and no Hugging Face Hub name (`org/name`)")
     if base_model in TINY_CONFIGS or os.path.exists(base_model) or "/" in base_model:
         return
     close = difflib.get_close_matches(base_model, TINY_CONFIGS, n=1, cutoff=0.75)

@@ -46,7 +46,7 @@ from lightning_multilora.optim import IMPLEMENTATION_FLAGS, GroupedAdamW
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
 from lightning_multilora.schedules import lr_factor
 from lightning_multilora.shadow import shadow_of
-from lightning_multilora.spec import AdapterSpec, SweepGrid, warmup_past_the_end
+from lightning_multilora.spec import AdapterSpec, SweepGrid, steps_of_epochs, warmup_past_the_end
 import lightning_multilora.strategies  # noqa: E402,F401 - registers strategy="adapter_parallel"
 
 # What the modules' default target_modules, "all-linear", adapts in a Llama-family model (Qwen2, Mistral...)
@@ -62,6 +62,28 @@ _EXITS_KEY = "\0exits-of-rank-"  # in the ranks' exchange: a rank's exits since 
 _LOGS_KEY = "\0logs-of-rank-"  # and its adapters' logged values since the last one
 _VIEWS_KEY = "\0views-of-rank-"  # and the stops it made of other ranks' adapters and its pauses since the last one
 _HELD_KEY = "\0registry-of-rank-"  # and a digest of its registry: the adapters it holds, the unplaced ones' states
+
+
+@contextlib.contextmanager
+def _deferred_interrupt():
+    """Ctrl+C (SIGINT) held until the block ends, then raised (a KeyboardInterrupt, as it would have been): the
+    block's work is done whole or not at all. Only where Python's own handler is in place, in the main thread (a
+    handler of one's own is left to act)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
 
 
 def resolve_optimizer(optimizer: Union[str, type]) -> type:
@@ -520,12 +542,15 @@ class MultiLoRAMixin:
                                 self._logged_step())
 
     def save_adapter(self, name: str, directory: Optional[Union[str, Path]] = None,
-                     best: bool = False) -> Optional[Path]:
+                     best: Optional[bool] = None) -> Optional[Path]:
         """Write adapter ``name`` (running) in PEFT format; returns the directory: ``directory``, else its folder
         under the export root (``<root>/<name>``, or ``<name>-v1``, ``-v2``... where another run's adapter is there,
         which is kept, as Lightning's ModelCheckpoint versions a taken file name), which becomes the adapter's
-        ``export_path`` (a ``directory`` given is a copy of the caller's: the record keeps its folder). ``best``: its
-        best-validation weights where they are kept (`keep_best_weights`), the live ones left as they are. Under
+        ``export_path`` (a ``directory`` given is a copy of the caller's: the record keeps its folder; one that holds
+        another adapter's export of this run is refused). ``best``: its best-validation weights where they are kept
+        (`keep_best_weights`), the live ones left as they are; False: the live ones; None (default): the weights the
+        run exports for it, the best-validation ones where the module keeps them (under EarlyExit: a call written to
+        export the adapter wrote its last weights over the run's export of its best). Under
         adapter parallelism the rank that trains the adapter writes it, and the others return None (a callback's
         hooks run on every rank: as `remove_adapter`)."""
         rec = self.registry[name]
@@ -535,6 +560,8 @@ class MultiLoRAMixin:
             where = (f"its weights were exported to {rec.export_path}" if rec.export_path else
                      "it has not started: no weights yet" if rec.state == AdapterState.QUEUED else "it has no export")
             raise ValueError(f"adapter {name!r} holds no weights ({rec.state.value}); {where}")
+        if best is None:
+            best = name in self._best_weights
         own_folder = directory is None
         if own_folder:  # its own folder under the export root, as named by its first export there
             root = self._export_root()
@@ -566,7 +593,8 @@ class MultiLoRAMixin:
                               "`export_dir`)")
         else:  # (stamped as this run's, of this adapter: its own export there later writes over it, not beside as
             # though another run's)
-            directory = Path(directory)
+            directory = Path(directory).expanduser()
+            self._refuse_anothers_folder(directory, name)
             directory.mkdir(parents=True, exist_ok=True)
             (directory / _RUN_STAMP).write_text(self._stamp_text(name, rec.step))
             self._hold_branch(directory)
@@ -610,8 +638,11 @@ class MultiLoRAMixin:
             else:  # (measured at its step: by a validation, or as training stopped, `_validate_held`)
                 end = getattr(self, "_end_losses", {}).get(name)
                 validated = bool(rec.val_losses) and rec.val_losses[-1][0] == rec.step
+                again = rec.exported_step == rec.step and not math.isnan(rec.exported_val_loss)  # (written again)
                 loss, accuracy = ((rec.val_losses[-1][1], rec.last_val_preference_accuracy) if validated else
-                                  end[1:] if end is not None and end[0] == rec.step else (None, math.nan))
+                                  end[1:] if end is not None and end[0] == rec.step else
+                                  (rec.exported_val_loss, rec.exported_val_preference_accuracy) if again else
+                                  (None, math.nan))
                 # (NaN: not measured; a measure that is not finite: inf)
                 rec.exported_step = rec.step
                 rec.exported_val_loss = math.nan if loss is None else loss if math.isfinite(loss) else math.inf
@@ -620,6 +651,21 @@ class MultiLoRAMixin:
                               rec.best_val_loss if weights is not None else rec.exported_val_loss if own_folder
                               else None)
         return path
+
+    def _refuse_anothers_folder(self, directory: Path, name: str) -> None:
+        """A ``directory`` given to `save_adapter` that holds another adapter's export of this run (its record's
+        `export_path`, or stamped so): writing would replace it, that adapter's only copy once it has ended (its
+        weights freed), and the record and the report would name this adapter's weights as its."""
+        where = directory.resolve()
+        other = next((r.name for r in self.registry if r.name != name and r.export_path
+                      and Path(r.export_path).resolve() == where), None)
+        stamp = self._stamp(directory) if other is None and directory.is_dir() else None
+        if stamp is not None and stamp[0] == self._run_id and stamp[1] and stamp[1] != name:
+            other = stamp[1]
+        if other is not None:
+            raise ValueError(f"save_adapter({name!r}, directory={str(directory)!r}): that folder holds the export "
+                             f"of adapter {other!r} of this run, which this would replace; give each adapter its own "
+                             f"directory (or none: its folder under the export root)")
 
     def _describe_export(self, directory: Path, rec: AdapterRecord, step: int, loss: Optional[float]) -> None:
         """Write `EXPORT_INFO` beside an export's weights: the adapter, the run, its state and why, the step its
@@ -1112,7 +1158,7 @@ class MultiLoRAMixin:
         ``fast_dev_run``, a temporary one's, `log_dir_of`, `export_dir` or not)."""
         trainer = self._trainer_or_none()
         if self.export_dir is not None and not (trainer is not None and trainer.fast_dev_run):
-            return Path(self.export_dir)
+            return Path(self.export_dir).expanduser()  # (a YAML's "~/exports" made a folder named "~" here)
         if trainer is not None:
             return Path(log_dir_of(trainer)) / "adapters"
         return Path("adapters").absolute()  # (outside any fit: the record names where, whatever the directory later)
@@ -1303,7 +1349,7 @@ class MultiLoRAMixin:
                         rec.max_steps = spec.max_steps
                     else:
                         steps_per_epoch = math.ceil(self._datamodule().num_train_examples(spec.dataset) / spec.batch_size)
-                        rec.max_steps = max(1, math.ceil(spec.max_epochs * steps_per_epoch))
+                        rec.max_steps = steps_of_epochs(spec.max_epochs, steps_per_epoch)
                         if spec.warmup_steps >= rec.max_steps:  # (said of `max_steps` as the spec is made)
                             rank_zero_warn(warmup_past_the_end(spec, rec.max_steps))
             except ValueError as err:
@@ -1928,15 +1974,52 @@ class MultiLoRAMixin:
                     logs[rec.name].update({prefix + "preference_accuracy": accuracy, prefix + "rewards_chosen": chosen,
                                            prefix + "rewards_rejected": rejected,
                                            prefix + "rewards_margin": chosen - rejected})
-            optimizer.step()
         except BaseException:
-            self.lora_layers.rewind_dropout(layout)
-            for rec, scale, growth, skipped, state, reason in kept:
-                rec.loss_scale, rec.scale_growth, rec.skipped_steps, rec.state, rec.reason = (scale, growth, skipped,
-                                                                                              state, reason)
+            self._untake_step(layout, kept)
             raise
-        # The adapters' counts once their step is taken (a Ctrl+C inside the optimizer's step, before: its exports
-        # and checkpoint said a step their weights had not taken, and the resumed run left it out)
+        # Each adapter's parameters' version before the optimizer's step, which updates the adapters' groups one after
+        # another (torch's optimizers loop over them): an error inside it (out of memory as a new adapter's state is
+        # made) may come after some adapters took it. Those are counted as having taken it, the others not (a step
+        # taken again from the same batch updated the first ones twice). A Ctrl+C is held until the step is taken and
+        # counted (`_deferred_interrupt`): with any optimizer, it stops the run between steps.
+        versions = [sum(p._version for p in params[i]) for i in range(len(records))]
+        with _deferred_interrupt():
+            try:
+                optimizer.step()
+            except BaseException:
+                moved = {rec.name for i, rec in enumerate(records)
+                         if sum(p._version for p in params[i]) != versions[i]}
+                self._untake_step(layout, [k for k in kept if k[0].name not in moved], skip=moved)
+                taken = [s for s in stepped if s[0].name in moved]
+                if taken:
+                    self._count_step(taken, logs, groups, [n for n in layout.names if n in moved])
+                    warnings.warn(f"the optimizer's step stopped after it updated adapters {sorted(moved)}: they are "
+                                  f"counted as having taken step {taken[0][0].step} (the others take it again)")
+                raise
+            self._count_step(stepped, logs, groups, None)
+        self._after_step(records)
+        self._step_logs = logs  # logged in on_train_batch_end, where it is known whether a logger writes them
+        # (monitored now: callbacks' on_train_batch_end, a ModelCheckpoint's among them, run before the module's)
+        self._monitor_step(logs)
+        return total.clone()  # (a replayed graph's output is overwritten by its next replay)
+
+    def _untake_step(self, layout: BatchLayout, kept: Sequence[tuple], skip: Iterable[str] = ()) -> None:
+        """A training step not taken (a Ctrl+C or an error after the backward): the dropout masks, fp16 loss scales
+        and states the adapters had before it (``kept``), but for the adapters in ``skip`` (which took it)."""
+        skip = set(skip)
+        segments = [seg for seg in zip(layout.names, layout.starts, layout.ends) if seg[0] not in skip]
+        if segments:
+            names, starts, ends = zip(*segments)
+            self.lora_layers.rewind_dropout(BatchLayout(names, starts, ends, layout.num_rows, layout.padding_side))
+        for rec, scale, growth, skipped, state, reason in kept:
+            rec.loss_scale, rec.scale_growth, rec.skipped_steps, rec.state, rec.reason = (scale, growth, skipped,
+                                                                                          state, reason)
+
+    def _count_step(self, stepped: Sequence[tuple], logs: dict[str, dict[str, float]], groups: dict[str, Any],
+                    names: Optional[list[str]]) -> None:
+        """The counts of the adapters of ``stepped`` once their optimizer step is taken (before: a Ctrl+C inside the
+        step had its exports and checkpoint say a step their weights had not taken, and the resumed run left it
+        out), and their data positions past the batch (``names``: of these adapters alone; None: every adapter's)."""
         for rec, n_tok, samples, loss in stepped:
             rec.step += 1
             rec.tokens_seen += n_tok
@@ -1945,13 +2028,10 @@ class MultiLoRAMixin:
             logs[rec.name][f"adapters/{rec.name}/tokens_seen"] = float(rec.tokens_seen)
             groups[rec.name]["lr"] = self._next_lr(rec)  # (what the next step takes, as the monitor reads it)
         trained = getattr(getattr(self._trainer_or_none(), "datamodule", None), "batch_trained", None)
-        if trained is not None:  # (its data positions are past this batch now; before, still before it)
-            trained()
-        self._after_step(records)
-        self._step_logs = logs  # logged in on_train_batch_end, where it is known whether a logger writes them
-        # (monitored now: callbacks' on_train_batch_end, a ModelCheckpoint's among them, run before the module's)
-        self._monitor_step(logs)
-        return total.clone()  # (a replayed graph's output is overwritten by its next replay)
+        if trained is not None and names is None:  # (its data positions are past this batch now; before, still
+            trained()  # before it)
+        elif trained is not None:
+            trained(names)
 
     def _forward_backward(self, batch: dict[str, Any], records: Sequence[AdapterRecord],
                           params: Sequence[Sequence[Tensor]]) -> tuple[Tensor, Tensor, Tensor]:

@@ -151,7 +151,8 @@ class GroupedAdamW(torch.optim.AdamW):
         with torch.cuda.device(device) if device.type == "cuda" else nullcontext():
             triton_adamw.launch(ptr_table, tensors[0][0], numel_table, hyper_table, blk_tensor, blk_index, aligned,
                                 shadows[0].tensor if shadows else None)
-        for step in steps:
+        torch.autograd.graph.increment_version([p for p, *_ in tensors])  # (written through their addresses: the
+        for step in steps:  # module tells a step taken by the parameters' versions)
             step.add_(1)
         for shadow in shadows:
             shadow.mark_written(in_step=True)

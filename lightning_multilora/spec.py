@@ -258,6 +258,12 @@ _PEFT_NAMES = {
 }
 
 
+def steps_of_epochs(max_epochs: float, steps_per_epoch: int) -> int:
+    """The steps of ``max_epochs`` epochs (a fraction's last step whole), at least one; the product rounded to 1e-9
+    first (``1.1 * 50`` is 55.00000000000001 in floats: 56 steps, one past 1.1 epochs)."""
+    return max(1, math.ceil(round(max_epochs * steps_per_epoch, 9)))
+
+
 def warmup_past_the_end(spec: AdapterSpec, max_steps: int) -> str:
     """What a warmup as long as an adapter's ``max_steps`` (or longer) does to it: its learning rate's last value."""
     given = f"max_steps={max_steps}" if spec.max_steps is not None else f"its {max_steps} steps (max_epochs=" \

@@ -124,6 +124,43 @@ def test_save_adapter_on_demand_mid_fit(tmp_path, trainer_kwargs):
         module(ids, layout=BatchLayout.from_sizes(["later"], [1]))
 
 
+def test_save_adapter_keeps_another_adapters_export_a_measured_loss_and_expands_a_home_folder(tmp_path,
+                                                                                              trainer_kwargs,
+                                                                                              monkeypatch):
+    """A ``directory`` holding another adapter's export of the run was written over silently (its only copy once it
+    ended; the record still named it); the same weights written again lost their measured loss (NaN); and
+    ``export_dir="~/..."`` (a YAML's) made a folder named "~" in the working directory."""
+    from pathlib import Path
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    specs = [AdapterSpec("a", rank=2, batch_size=1, max_steps=2), AdapterSpec("b", rank=4, batch_size=1, max_steps=9)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir="~/exports")
+    L.Trainer(**{**trainer_kwargs, "max_steps": 3}).fit(module, MultiLoRADataModule(
+        sources={"s": GeneratedArithmetic(40)}, max_val_examples=4))
+    a, b = module.registry["a"], module.registry["b"]
+    assert a.export_path == str(tmp_path / "home" / "exports" / "a") and not (tmp_path / "~").exists()
+    assert (a.state, b.state, b.exported_step) == (AdapterState.FINISHED, AdapterState.RUNNING, 3)
+    measured = b.exported_val_loss
+    assert measured == measured  # (measured as the fit stopped)
+    assert module.save_adapter("b") == Path(b.export_path)  # the same weights again: their loss kept
+    assert b.exported_val_loss == measured
+    assert json.loads((Path(b.export_path) / "multilora_export.json").read_text())["val_loss"] == measured
+    kept = (Path(a.export_path) / "adapter_model.safetensors").read_bytes()
+    for folder in (a.export_path, "~/exports/a"):
+        with pytest.raises(ValueError, match=r"save_adapter\('b', directory=.*\): that folder holds the export of "
+                                             r"adapter 'a' of this run, which this would replace; give each adapter "):
+            module.save_adapter("b", folder)
+    assert (Path(a.export_path) / "adapter_model.safetensors").read_bytes() == kept
+    module.save_adapter("b", "chosen")  # (a subset exported into one folder: the second refused)
+    module.add_adapter(AdapterSpec("c", rank=2, batch_size=1, max_steps=5))
+    L.Trainer(**{**trainer_kwargs, "max_steps": 4}).fit(module, MultiLoRADataModule(
+        sources={"s": GeneratedArithmetic(40)}, max_val_examples=4))
+    with pytest.raises(ValueError, match=r"that folder holds the export of adapter 'b' of this run"):
+        module.save_adapter("c", "chosen")
+    assert module.save_adapter("b", "~/mine") == tmp_path / "home" / "mine"
+
+
 def test_generate_runs_several_adapters_in_one_batch_as_peft_runs_each(tmp_path, trainer_kwargs):
     """``module.generate``: rows of two adapters and of the base, packed in one ``generate`` (prompts of two lengths,
     padded on the left), give each row the tokens PEFT's model of that adapter (or the base alone) generates."""

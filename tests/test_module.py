@@ -231,6 +231,20 @@ def test_epochs_are_counted_on_each_adapters_own_dataset(tmp_path, trainer_kwarg
     assert module.registry["b"].reason == "reached max_epochs=0.5 (5 steps)"
 
 
+def test_a_fraction_of_epochs_counts_the_steps_it_names_not_one_float_rounding_past(tmp_path, trainer_kwargs):
+    """2.2 epochs of 25 steps: 2.2 * 25 is 55.00000000000001 in floats, and the adapter trained 56 steps."""
+    from lightning_multilora.data import GeneratedArithmetic
+    from lightning_multilora.spec import steps_of_epochs
+
+    assert [steps_of_epochs(e, n) for e, n in ((2.2, 25), (1.1, 50), (2.7, 90), (0.5, 5), (1e-3, 10))] == [55, 55, 243,
+                                                                                                           3, 1]
+    dm = MultiLoRADataModule(sources={"s": GeneratedArithmetic(125)}, val_fraction=0.2)  # 100 to train: 25 steps
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("f", batch_size=4, max_epochs=2.2, dataset="s")],
+                             validate_on_finish=False, export_dir=str(tmp_path))
+    L.Trainer(**dict(trainer_kwargs, max_steps=1, limit_val_batches=0)).fit(module, dm)
+    assert module.registry["f"].max_steps == 55
+
+
 def test_a_warmup_past_an_adapters_epochs_is_said_when_they_are_counted(tmp_path, trainer_kwargs):
     """Said of `max_steps` as the spec is made; of `max_epochs` it was never said (its steps are known at its
     start): its learning rate rose to a tenth of its `lr` and the run ended."""
@@ -1292,6 +1306,17 @@ def test_a_checkpoint_written_after_best_weights_are_exported_resumes_as_if_neve
     trainer, stopped = fit(tmp_path / "part", max_steps=9)  # exported at the stop: step 5's weights (its best)
     assert stopped.registry["r1"].export_path is not None
     trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    # `save_adapter` writes what the run exports for it, its best weights (it wrote its last ones over that export,
+    # the report still naming step 5); its live ones where asked (`best=False`)
+    export = Path(stopped.registry["r1"].export_path)
+    best = load_file(export / "adapter_model.safetensors")
+    assert json.loads((export / "multilora_export.json").read_text())["weights_step"] == 5
+    assert stopped.save_adapter("r1") == export
+    assert json.loads((export / "multilora_export.json").read_text())["weights_step"] == 5
+    assert all(torch.equal(v, best[k]) for k, v in load_file(export / "adapter_model.safetensors").items())
+    live = stopped.save_adapter("r1", tmp_path / "live", best=False)
+    assert json.loads((live / "multilora_export.json").read_text())["weights_step"] == 9
+    assert stopped.registry["r1"].exported_step == 5 and stopped.registry["r1"].export_path == str(export)
     _, resumed = fit(tmp_path / "part", ckpt=str(tmp_path / "mid.ckpt"))
     assert [s for s, _ in resumed.registry["r1"].val_losses] == [5, 10, 12]
     assert resumed.registry["r1"].val_losses == uninterrupted.registry["r1"].val_losses
@@ -2453,6 +2478,16 @@ class _InterruptIn(Callback):
             raise KeyboardInterrupt
 
 
+def _trained_alike(once: MultiLoRAModule, twice: MultiLoRAModule, names: str) -> None:
+    """The adapters ``names`` of a run stopped and fitted again (``twice``) trained as those of the run not stopped."""
+    for name in names:
+        assert twice.registry[name].train_losses == once.registry[name].train_losses
+        assert twice.registry[name].tokens_seen == once.registry[name].tokens_seen
+        ours = load_file(Path(twice.registry[name].export_path) / "adapter_model.safetensors")
+        for key, value in load_file(Path(once.registry[name].export_path) / "adapter_model.safetensors").items():
+            torch.testing.assert_close(ours[key], value, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("where", ["forward", "after_backward", "optimizer_step"])
 def test_a_ctrl_c_inside_a_step_then_another_fit_trains_that_step_again(tmp_path, trainer_kwargs, where):
     """The batch in flight had advanced its adapters' data positions: a checkpoint (OnExceptionCheckpoint) or another
@@ -2474,13 +2509,59 @@ def test_a_ctrl_c_inside_a_step_then_another_fit_trains_that_step_again(tmp_path
         L.Trainer(**trainer_kwargs).fit(module, dm)
         return module
 
-    once, twice = run(False), run(True)
-    for name in ("a", "b"):
-        assert twice.registry[name].train_losses == once.registry[name].train_losses
-        assert twice.registry[name].tokens_seen == once.registry[name].tokens_seen
-        ours = load_file(Path(twice.registry[name].export_path) / "adapter_model.safetensors")
-        for key, value in load_file(Path(once.registry[name].export_path) / "adapter_model.safetensors").items():
-            torch.testing.assert_close(ours[key], value, atol=1e-6, rtol=1e-5)
+    _trained_alike(run(False), run(True), "ab")
+
+
+@pytest.mark.parametrize("how", ["error", "sigint"])
+def test_an_optimizer_step_stopped_between_adapters_counts_those_it_updated(tmp_path, trainer_kwargs, monkeypatch,
+                                                                           how):
+    """torch's optimizers update the adapters' groups one after another: an error there (out of memory as a new
+    adapter's state is made) after adapter a's group, before b's, left a's weights and moments a step ahead of its
+    count, and the next fit took that batch again for both (a updated twice by it). A Ctrl+C arriving there is held
+    until the step is taken and counted (the step whole, with any optimizer); an error counts a, and b takes the step
+    again. Either way the next fit ends as the run that was not stopped."""
+    import os
+    import signal
+
+    import torch.optim.adam as adam_file
+
+    real = adam_file.adam
+
+    class StopBetweenGroups(Callback):
+        def on_train_start(self, trainer, pl_module):
+            b = pl_module.lora_layers.step_parameters("b")[0]
+
+            def adam(params, *args, **kwargs):
+                if trainer.global_step == 2 and params and params[0] is b:
+                    monkeypatch.setattr(adam_file, "adam", real)
+                    if how == "error":
+                        raise torch.OutOfMemoryError("out of memory (simulated)")
+                    os.kill(os.getpid(), signal.SIGINT)
+                return real(params, *args, **kwargs)
+
+            monkeypatch.setattr(adam_file, "adam", adam)
+
+    def run(stop: bool) -> MultiLoRAModule:
+        module = MultiLoRAModule("tiny-llama", validate_on_finish=False, export_dir=str(tmp_path / f"{how}{stop}"),
+                                 adapters=[AdapterSpec("a", rank=2, max_steps=5, lr=1e-2, dropout=0.1, seed=1),
+                                           AdapterSpec("b", rank=2, max_steps=5, lr=3e-3, batch_size=3, seed=2)])
+        dm = small_dm()
+        if stop:
+            stopped = pytest.raises(torch.OutOfMemoryError if how == "error" else SystemExit)
+            with pytest.warns(UserWarning) as said, stopped:
+                L.Trainer(**trainer_kwargs, callbacks=[StopBetweenGroups()]).fit(module, dm)
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # (as Lightning's shutdown left it)
+            said = [str(w.message) for w in said]
+            taken = [3, 2] if how == "error" else [3, 3]
+            assert [module.registry[n].step for n in "ab"] == taken
+            assert [module.registry[n].exported_step for n in "ab"] == taken
+            assert (how == "error") == any("the optimizer's step stopped after it updated adapters ['a']: they are "
+                                           "counted as having taken step 3 (the others take it again)" in m
+                                           for m in said), said
+        L.Trainer(**trainer_kwargs).fit(module, dm)
+        return module
+
+    _trained_alike(run(False), run(True), "ab")
 
 
 class _ValidatedAt(Callback):

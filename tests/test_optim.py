@@ -54,9 +54,13 @@ def test_one_launch_matches_torch_adamw_per_group(triton_backend, monkeypatch):
     monkeypatch.setattr(triton_adamw, "launch", lambda *a, **k: launches.append(1) or real_launch(*a, **k))
     for step in range(5):
         set_grads(ours, ref, step)
+        versions = [p._version for group in ours for p in group]
         opt.step()
         torch_opt.step()
         assert max_rel(ours, ref) < 2e-6, step
+        # (written through their addresses, the stepped parameters' versions move: the module tells a step taken so)
+        stepped = [p.grad is not None for group in ours for p in group]
+        assert [p._version > v for p, v in zip((p for group in ours for p in group), versions)] == stepped
     assert len(launches) == 5  # one launch per step, every group in it
     for a, b in zip(opt.state_dict()["state"].values(), torch_opt.state_dict()["state"].values()):
         assert a["step"].device.type == "cpu" and float(a["step"]) == float(b["step"])  # 4 for the skipped ones

@@ -126,6 +126,12 @@ class _ValBatches(IterableDataset):
         return iter(align(list(batches))) if align is not None else batches
 
 
+def _blank(answer: Any) -> bool:
+    """An answer with nothing to learn: empty, or white space alone (a Q/A format's empty answer is " ", as is an
+    HH-RLHF reply left empty)."""
+    return not answer or (isinstance(answer, str) and not answer.strip())
+
+
 def prompt_and_answers(tok: Tokenizer, prompt: str,
                        answers: Sequence[str]) -> tuple[list[int], list[list[int]], list[int]]:
     """The tokens of ``prompt`` followed by each of ``answers``, one text each (``tokenizer(prompt + answer)``, the
@@ -202,6 +208,10 @@ class MultiLoRADataModule(L.LightningDataModule):
         val_fraction: share of each source held out for validation, in (0, 1).
         val_batch_size: examples per adapter in each packed validation batch: rows, or pairs for a DPO adapter
             (two rows each, and their reference forward besides).
+        val_max_rows: most rows in one validation forward (a DPO pair two); a packed validation batch of more is
+            split. None: the validated adapters' rows of a training step together (what admission found room for),
+            or one adapter's ``val_batch_size`` examples where that is more (64 adapters of batch 1 validated 512
+            rows at once, 8 times a training step's, and ran out of memory where training did not).
         max_val_examples: cap on each source's validation split (None: no cap); the examples past it go back into
             training (GSM8K's 7473 hold out 256, not ``val_fraction``'s 747).
         val_sources: a held-out validation source for some of ``sources``, by the same name (a DatasetDict's
@@ -230,6 +240,7 @@ class MultiLoRADataModule(L.LightningDataModule):
         padding: str = "longest",
         pad_to_multiple_of: int = 1,
         val_sources: Optional[dict[str, DataSource]] = None,
+        val_max_rows: Optional[int] = None,
     ) -> None:
         super().__init__()
         if sources is not None and not sources:  # (None: the generated default; an empty mapping is a mistake)
@@ -248,6 +259,7 @@ class MultiLoRADataModule(L.LightningDataModule):
         where = "MultiLoRADataModule"
         check_real(where, "val_fraction", val_fraction, lambda v: 0.0 < v < 1.0, "a number in (0, 1)")
         check_int(where, "val_batch_size", val_batch_size, 1)
+        check_int(where, "val_max_rows", val_max_rows, 1, optional=True)
         check_int(where, "max_length", max_length, 2, optional=True)
         check_bool(where, "truncate", truncate)
         check_int(where, "split_seed", split_seed, -2**63)
@@ -279,7 +291,7 @@ class MultiLoRADataModule(L.LightningDataModule):
         self.max_length = max_length
         self.truncate = truncate
         self.val_fraction = val_fraction
-        self.val_batch_size = val_batch_size
+        self.val_batch_size, self.val_max_rows = val_batch_size, val_max_rows
         self.max_val_examples = max_val_examples
         self.split_seed = split_seed
         self._tokenizer: Optional[Tokenizer] = loaded
@@ -433,9 +445,9 @@ class MultiLoRADataModule(L.LightningDataModule):
             kept.append(i)
             if pairs and first[1] == second[1]:
                 same.append(i)
-            elif pairs and not (example.chosen and example.rejected):  # (the texts: a token list may hold the
-                empty.append(i)  # prompt's last token, which the shared beginning left to the answers)
-            elif not pairs and not chat and not example.completion:  # (an SFT row that learns EOS alone)
+            elif pairs and (_blank(example.chosen) or _blank(example.rejected)):  # (the texts: a token list may
+                empty.append(i)  # hold the prompt's last token, which the shared beginning left to the answers)
+            elif not pairs and not chat and _blank(example.completion):  # (an SFT row that learns EOS alone)
                 empty.append(i)
         if len(chosen) < need:
             raise ValueError(f"{role} {name!r}: {len(chosen)} of its {len(examples)} examples keep completion "
@@ -467,11 +479,11 @@ class MultiLoRADataModule(L.LightningDataModule):
                           f"and rejected completion (after truncation; {', '.join(named(i) for i in sorted(same)[:3])}"
                           f"{', ...' if len(same) > 3 else ''}); DPO learns nothing from them")
         if empty:
-            which = (("preference pairs have an empty chosen or rejected completion", "that answer is")
-                     if pairs else ("examples have an empty completion", "each learns"))
+            which = (("preference pairs have an empty (or blank) chosen or rejected completion", "that answer is")
+                     if pairs else ("examples have an empty (or blank) completion", "each learns"))
             warnings.warn(f"{role} {name!r}: {len(empty)} of {len(chosen)} {which[0]} "
                           f"({', '.join(named(i) for i in sorted(empty)[:3])}{', ...' if len(empty) > 3 else ''}); "
-                          f"{which[1]} the end of text alone")
+                          f"{which[1]} the end of text alone (after any white space)")
         return chosen, rejected
 
     def num_train_examples(self, dataset: Optional[str]) -> int:
@@ -568,9 +580,10 @@ class MultiLoRADataModule(L.LightningDataModule):
             rows.append(train.rows(idx, spec.objective, f"adapter {spec.name!r}"))
         return self.pack([s.name for s in specs], rows)
 
-    def batch_trained(self) -> None:
-        """The module took the step of the training batch last drawn: its streams' positions are past it."""
-        self._drawn_from = {}
+    def batch_trained(self, names: Optional[Sequence[str]] = None) -> None:
+        """The module took the step of the training batch last drawn: its streams' positions are past it (``names``:
+        those adapters' alone, where an optimizer's step stopped after it updated them; the others take it again)."""
+        self._drawn_from = {} if names is None else {n: s for n, s in self._drawn_from.items() if n not in names}
 
     def _stream_states(self) -> dict[str, dict[str, int]]:
         """Every adapter's stream position to save: before the batch in flight, where one is."""
@@ -580,17 +593,36 @@ class MultiLoRADataModule(L.LightningDataModule):
         return positions
 
     def val_batches(self, specs: Sequence["AdapterSpec"]) -> Iterator[dict[str, Any]]:
-        """Packed validation batches over every adapter's whole validation split."""
+        """Packed validation batches over every adapter's whole validation split: the ``k``-th ``val_batch_size``
+        examples of each adapter, split into batches of at most ``val_max_rows`` rows (`val_rows_cap`)."""
         splits = [self.split(s.dataset)[1] for s in specs]
         steps = max((-(-len(v) // self.val_batch_size) for v in splits), default=0)
+        cap = self.val_rows_cap(specs)
         for k in range(steps):
             lo, hi = k * self.val_batch_size, (k + 1) * self.val_batch_size
-            names, rows = [], []
+            names, rows, held = [], [], 0
             for spec, val in zip(specs, splits):
-                if lo < len(val):
+                start, end, per = lo, min(hi, len(val)), 2 if spec.objective == "dpo" else 1
+                while start < end:
+                    take = min(end - start, (cap - held) // per)
+                    if take <= 0 and names:  # (full: an adapter's examples go on in the next batch)
+                        yield self.pack(names, rows)
+                        names, rows, held = [], [], 0
+                        continue
+                    take = max(take, 1)  # (a DPO pair under a cap of one row)
                     names.append(spec.name)
-                    rows.append(val.rows(range(lo, min(hi, len(val))), spec.objective, f"adapter {spec.name!r}"))
-            yield self.pack(names, rows)
+                    rows.append(val.rows(range(start, start + take), spec.objective, f"adapter {spec.name!r}"))
+                    held, start = held + take * per, start + take
+            if names:
+                yield self.pack(names, rows)
+
+    def val_rows_cap(self, specs: Sequence["AdapterSpec"]) -> int:
+        """Most rows in one validation batch of ``specs``: ``val_max_rows``, or their rows of a training step
+        together, or one adapter's ``val_batch_size`` examples where that is more."""
+        if self.val_max_rows is not None:
+            return self.val_max_rows
+        one = max((self.val_batch_size * (2 if s.objective == "dpo" else 1) for s in specs), default=1)
+        return max(sum(s.rows_per_step for s in specs), one)
 
     # -- Lightning hooks ------------------------------------------------------------------------
 

@@ -312,10 +312,15 @@ def format_record(record: dict, fmt: str, prompt_field: Optional[str], completio
     completion_field = FORMAT_FIELDS[fmt][1] if completion_field is None else completion_field
     missing = [f for f in (prompt_field, completion_field) if f not in record]
     if missing:
-        pairs = ("; it is a preference pair: a DPO adapter reads such records from a PreferenceSource (`path` of a "
-                 "JSONL file, or `records=` any sequence of records, a datasets.Dataset too)"
-                 if {"chosen", "rejected"} <= set(record) else "")
-        raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}{pairs}")
+        if {"chosen", "rejected"} <= set(record):
+            hint = ("; it is a preference pair: a DPO adapter reads such records from a PreferenceSource (`path` of a "
+                    "JSONL file, or `records=` any sequence of records, a datasets.Dataset too)")
+        elif {"question", "answer"} <= set(record) and fmt == "prompt_completion":
+            hint = "; `format='gsm8k'` (or 'question_answer') reads question/answer records"
+        else:
+            hint = (f"; name the fields that hold them (`prompt_field=`, `completion_field=`), or give a `format` (one "
+                    f"of {', '.join(FORMATS)})")
+        raise ValueError(f"{where}: record has no field(s) {missing}; it has {sorted(record)}{hint}")
     if fmt == "prompt_completion" and isinstance(record[prompt_field], list):
         if not isinstance(record[completion_field], list):
             raise ValueError(f"{where}: field {prompt_field!r} is a list of messages and {completion_field!r} is "
@@ -583,24 +588,27 @@ class HFDatasetSource(DataSource):
 
 class ListSource(DataSource):
     """Examples given in memory (``[{"prompt": ..., "completion": ...}, ...]``, or with ``format="messages"``
-    conversations: ``[{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}, ...]``)."""
+    conversations: ``[{"messages": [{"role": "user", "content": ...}, {"role": "assistant", ...}]}, ...]``).
+    ``format``, ``prompt_field`` and ``completion_field`` as `JSONLSource`'s."""
 
     preference_pairs = False
 
-    def __init__(self, records: list[dict], format: str = "prompt_completion") -> None:
+    def __init__(self, records: list[dict], format: str = "prompt_completion", prompt_field: Optional[str] = None,
+                 completion_field: Optional[str] = None) -> None:
         if isinstance(records, (str, bytes, Mapping)) or not isinstance(records, Iterable):
             raise ValueError(f"ListSource: `records` must be a list of mappings with prompt and completion, got a "
                              f"{type(records).__name__}")
         if format not in FORMATS:
             raise ValueError(f"ListSource: `format` can be {', '.join(FORMATS)}, got {format!r}")
         self.records, self.format = list(records), format
+        self.prompt_field, self.completion_field = prompt_field, completion_field
 
     def examples(self) -> list[Example]:
         for i, r in enumerate(self.records):
             if not isinstance(r, Mapping):
                 raise ValueError(f"ListSource: records[{i}] must be a mapping with prompt and completion, got a "
                                  f"{type(r).__name__}")
-        return [format_record(r, self.format, None, None, f"records[{i}]")
+        return [format_record(r, self.format, self.prompt_field, self.completion_field, f"records[{i}]")
                 for i, r in enumerate(self.records)]
 
 

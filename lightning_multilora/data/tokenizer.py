@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Protocol
 
+from lightning_multilora.arguments import missing_local_folder
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -48,6 +50,10 @@ class HFTokenizer:
             from transformers import AutoTokenizer
 
             self.name = name_or_path
+            if missing_local_folder(name_or_path):
+                raise ValueError(f"`tokenizer` {name_or_path!r}: no such folder, and no Hugging Face Hub name "
+                                 "(`org/name`); give 'byte', a tokenizer folder (as save_pretrained writes one), or a "
+                                 "Hub name reachable from here")
             try:
                 self.inner = AutoTokenizer.from_pretrained(os.path.expanduser(name_or_path))
             except (OSError, ValueError) as err:  # (a missing folder reads as a malformed Hub repo id)

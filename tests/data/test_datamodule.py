@@ -68,7 +68,8 @@ def test_jsonl_gz_and_hf_datasets_sources(tmp_path):
     plain.write_text("\n".join(json.dumps({"question": f"q{i}", "answer": f"a{i}"}) for i in range(4)))
     hf = HFDatasetSource("json", data_files=str(plain), format="question_answer").examples()
     assert hf[2].prompt == "Question: q2\nAnswer:" and hf[2].completion == " a2"
-    with pytest.raises(ValueError, match=r"record has no field\(s\) \['prompt', 'completion'\]; it has \['a', 'q'\]$"):
+    with pytest.raises(ValueError, match=r"record has no field\(s\) \['prompt', 'completion'\]; it has \['a', 'q'\]; "
+                                         r"name "):
         JSONLSource(str(path)).examples()
     pairs = tmp_path / "pairs.jsonl"  # (preference pairs given to an SFT source: where they go, said)
     pairs.write_text(json.dumps({"prompt": "p", "chosen": " a", "rejected": " b"}) + "\n")
@@ -377,16 +378,22 @@ def test_examples_with_an_empty_completion_are_said(tmp_path):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         train, val = dm.split("s")
-    said = [str(w.message) for w in caught if "empty completion" in str(w.message)]
-    assert len(said) == 1 and "'s': 4 of 12 examples have an empty completion (" in said[0], said
-    assert said[0].endswith("each learns the end of text alone")
+    said = [str(w.message) for w in caught if "empty (or blank) completion" in str(w.message)]
+    assert len(said) == 1 and "'s': 4 of 12 examples have an empty (or blank) completion (" in said[0], said
+    assert said[0].endswith("each learns the end of text alone (after any white space)")
     assert len(train.input_ids) + len(val.input_ids) == 12  # (said, and trained: not left out)
     # an SFT source with every completion given says nothing of it
     full = MultiLoRADataModule(sources={"f": ListSource([{"prompt": "q", "completion": "a"}] * 4)}, val_fraction=0.5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         full.split("f")
-    assert not [w for w in caught if "empty completion" in str(w.message)]
+    assert not [w for w in caught if "blank) completion" in str(w.message)]
+    # a completion of white space alone, and a Q/A record's empty answer (its completion " "), are said too
+    blank = MultiLoRADataModule(sources={"w": ListSource([{"prompt": "q", "completion": "  \n"}] * 3 + [
+        {"prompt": "q", "completion": "a"}]), "qa": ListSource([{"question": "q", "answer": ""}] * 2, format="gsm8k")})
+    for name, count in (("w", "3 of 4"), ("qa", "2 of 2")):
+        with pytest.warns(UserWarning, match=rf"'{name}': {count} examples have an empty \(or blank\) completion"):
+            blank.split(name)
 
 
 def test_files_that_are_not_utf8_or_damaged_gzip_are_named_and_gzip_is_told_by_its_bytes(tmp_path):
@@ -628,7 +635,7 @@ def test_preference_pairs_that_teach_nothing_or_end_at_once_are_named_in_warning
     messages = [str(w.message) for w in caught]
     assert any(f"1 of 4 preference pairs have the same chosen and rejected completion (after truncation; example 1 ({path}:2))"
                in m for m in messages), messages
-    assert any(f"1 of 4 preference pairs have an empty chosen or rejected completion (example 2 ({path}:3))"
+    assert any(f"1 of 4 preference pairs have an empty (or blank) chosen or rejected completion (example 2 ({path}:3))"
                in m for m in messages), messages
     assert len(train.input_ids) + len(val.input_ids) == 4  # kept
     records[1]["rejected"], records[2]["chosen"] = "other", "yes"
@@ -856,7 +863,7 @@ def test_a_prompt_ending_in_a_space_keeps_the_joint_texts_tokens(tmp_path):
     # an empty answer is still said (its row learns the prompt's "▁" the shared beginning leaves it, and the EOS)
     empty = MultiLoRADataModule(sources={"pairs": PreferenceSource(
         records=[{"prompt": prompt, "chosen": "the sky", "rejected": ""}] * 2)}, tokenizer=str(tmp_path))
-    with pytest.warns(UserWarning, match=r"2 of 2 preference pairs have an empty chosen or rejected completion"):
+    with pytest.warns(UserWarning, match=r"2 of 2 preference pairs have an empty \(or blank\) chosen or rejected "):
         empty.split("pairs")
 
 
@@ -1261,3 +1268,77 @@ def test_a_prompt_whose_last_text_the_tokenizer_merges_into_the_completion_is_wa
     rows = [(ids, labels) for ids, labels in zip(train.input_ids + val.input_ids, train.labels + val.labels)]
     ab = vocab["ab"]
     assert sum(labels[ids.index(ab)] == ab for ids, labels in rows if ab in ids) == 3  # (learned, as warned)
+
+
+def test_a_validation_batch_holds_no_more_rows_than_a_training_step_of_its_adapters():
+    """A validation batch held ``val_batch_size`` examples of every adapter: 16 adapters of batch 1 validated 128 rows
+    at once (5x a training step's peak memory on the CPU; out of memory on a GPU that training fit). It is split at
+    the adapters' rows of a step (or one adapter's ``val_batch_size`` examples, where more; or ``val_max_rows``),
+    and every adapter still sees each of its validation examples once, in order."""
+    from lightning_multilora.data import ListSource, PreferenceSource
+
+    records = [{"prompt": f"q{i}", "completion": f" a{i}"} for i in range(40)]
+    pairs = [{"prompt": f"p{i}", "chosen": " yes", "rejected": " no"} for i in range(40)]
+    dm = MultiLoRADataModule(sources={"s": ListSource(records), "p": PreferenceSource(records=pairs)},
+                             val_fraction=0.25, val_batch_size=4)
+    specs = [AdapterSpec(f"a{i}", dataset="s", batch_size=1) for i in range(5)]
+    specs.append(AdapterSpec("d", dataset="p", objective="dpo", batch_size=1))
+    whole = {s.name: dm.split(s.dataset)[1].rows(range(10), s.objective, s.name) for s in specs}
+
+    def seen(batches):
+        rows = {}
+        for batch in batches:
+            layout = batch["layout"]
+            for name, lo, hi in zip(layout.names, layout.starts, layout.ends):
+                rows.setdefault(name, []).extend(batch["input_ids"][r][batch["attention_mask"][r].bool()].tolist()
+                                                 for r in range(lo, hi))
+        return rows
+
+    for cap, expected in ((None, 8), (3, 3), (100, 100)):  # 5 rows + a pair's 2 a step; one DPO adapter's 4 pairs
+        dm.val_max_rows = cap
+        assert dm.val_rows_cap(specs) == expected
+        batches = list(dm.val_batches(specs))
+        assert max(b["layout"].num_rows for b in batches) == min(expected, 5 * 4 + 4 * 2)  # (k-th examples: 28 rows)
+        got = seen(batches)
+        for spec in specs:  # (an SFT adapter's in order; a DPO batch holds its pairs' chosen rows, then rejected)
+            order = sorted if spec.objective == "dpo" else list
+            assert order(got[spec.name]) == order(whole[spec.name][0]), spec.name
+        if cap == 3:  # (a pair is never split: one that does not fit starts the next batch)
+            assert all(b["layout"].num_rows == 2 for b in batches if b["layout"].names == ("d",))
+    with pytest.raises(ValueError, match="val_max_rows"):
+        MultiLoRADataModule(val_max_rows=0)
+
+
+def test_a_record_of_other_fields_is_told_which_format_or_fields_read_it(tmp_path):
+    """GSM8K's records read with the default format named neither `format='gsm8k'` nor the field arguments; and a
+    ListSource had no field arguments (records of other fields were renamed by hand)."""
+    from lightning_multilora.data import JSONLSource, ListSource
+
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps({"question": "2+2?", "answer": "4"}) + "\n")
+    with pytest.raises(ValueError, match=r"record has no field\(s\) \['prompt', 'completion'\]; it has \['answer', "
+                                         r"'question'\]; `format='gsm8k'` \(or 'question_answer'\) reads"):
+        JSONLSource(str(path)).examples()
+    records = [{"instruction": "say hi", "response": " hi"}]
+    with pytest.raises(ValueError, match=r"name the fields that hold them \(`prompt_field=`, `completion_field=`\), or "
+                                         r"give a `format` \(one of prompt_completion, question_answer, gsm8k, "):
+        ListSource(records).examples()
+    (example,) = ListSource(records, prompt_field="instruction", completion_field="response").examples()
+    assert (example.prompt, example.completion) == ("say hi", " hi")
+
+
+def test_a_missing_local_folder_is_refused_at_once_not_looked_for_on_the_hub(tmp_path, monkeypatch):
+    """``runs/tok_typo`` (``runs`` a folder here) was taken for a Hub name: ~45 s of retries offline, then the Hub's
+    error. Refused at once, as a tokenizer and as a base model; a Hub-shaped name still goes to the Hub."""
+    import lightning_multilora.base_model as base_model
+    from lightning_multilora.arguments import missing_local_folder
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    assert missing_local_folder("runs/tok_typo") and missing_local_folder("a/b/c")
+    assert not missing_local_folder("org/model") and not missing_local_folder("gpt2")
+    assert not missing_local_folder("runs")
+    with pytest.raises(ValueError, match=r"`tokenizer` 'runs/tok_typo': no such folder, and no Hugging Face Hub "):
+        MultiLoRADataModule(tokenizer="runs/tok_typo").tokenizer
+    with pytest.raises(OSError, match=r"`base_model` 'runs/ckpt_typo' is no built-in model .*, no such folder \(a "):
+        base_model.build_base_model("runs/ckpt_typo")
