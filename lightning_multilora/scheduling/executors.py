@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
@@ -39,6 +39,8 @@ class Completion:
     exit_code: Optional[int] = field(default=None, compare=False)
     log: Optional[str] = field(default=None, compare=False)
     final: bool = field(default=False, compare=False)  # (a failure a retry would repeat: no retry)
+    # (returned by a stop, of a task whose own process had exited before it, what it left being stopped: its end)
+    exited: bool = field(default=False, compare=False)
 
 
 def _program_found(command: list[str], path: Optional[str]) -> list[str]:
@@ -164,7 +166,9 @@ class LocalExecutor:
         # and the processes it has sent SIGTERM
         self._kill_at: Optional[float] = None
         self._termed: set[int] = set()
-        self._draining: dict[int, float] = {}  # (`_drain`: the process groups ended tasks left, and when to kill them)
+        # (`_drain`: the process groups ended tasks left, when to kill them (then when to give up on them), whether
+        # they were killed, and their tasks' completions, told once the groups are gone)
+        self._draining: dict[int, list] = {}
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -215,61 +219,71 @@ class LocalExecutor:
         if self._failed_starts:
             done, self._failed_starts = self._failed_starts, []
             return done
-        if not self._procs and deadline is None:
+        if not self._procs and not self._draining and deadline is None:
             raise RuntimeError("waiting for a completion with no task running")
         while True:
             done = []
             for task_id, (proc, log, log_path) in list(self._procs.items()):
                 code = proc.poll()
                 if code is not None:
-                    self._drain(proc)  # (what is left of it, before its GPUs go to the next task)
                     log.close()
                     del self._procs[task_id]
                     said = "" if code == 0 else f"{exit_text(code)}, log {log_path}"
                     last = "" if code == 0 else last_line(log_path)  # (its error, where it said one)
                     said += f"; its log ends: {last}" if last else ""
-                    done.append(Completion(self.now(), task_id, code == 0, said, code, str(log_path)))
-            self._drain_step()
+                    ended = (task_id, code == 0, said, code, str(log_path))
+                    if not self._drain(proc, ended):  # (else told once what is left of it is gone: `_drain_step`)
+                        done.append(Completion(self.now(), *ended))
+            done += self._drain_step()
             if done or (deadline is not None and self.now() >= deadline):
                 return done
             time.sleep(self.poll_s)
 
-    def _drain(self, proc: subprocess.Popen) -> None:
+    def _drain(self, proc: subprocess.Popen, ended: tuple) -> bool:
         """The processes left of a task whose own process has exited (a multi-process fit's other ranks, its rank 0
         killed) get SIGTERM at once, and SIGKILL ``group_grace_s`` later where they are still there (`_drain_step`, at
-        each poll; `stop` at once). Orphaned, an NCCL rank waited for its lost peer up to the process group's timeout,
-        holding its GPU's memory, while the retry started on the same GPUs."""
+        each poll); the task completes once they are gone (``ended``: its completion's fields), its GPUs busy until
+        then. Orphaned, an NCCL rank waited for its lost peer up to the process group's timeout, holding its GPU's
+        memory, while the retry started on the same GPUs. Whether any were left."""
         import signal
 
         try:
             os.killpg(proc.pid, signal.SIGTERM)
         except (ProcessLookupError, PermissionError):
-            return  # (none left)
-        self._draining[proc.pid] = time.monotonic() + self.group_grace_s
+            return False  # (none left)
+        self._draining[proc.pid] = [time.monotonic() + self.group_grace_s, False, ended]
+        return True
 
-    def _drain_step(self, kill: bool = False) -> None:
-        """`_drain`'s groups: gone ones forgotten (their processes that are this one's children reaped: a schedule that
-        reaps orphans, a container's first process, held them as zombies), the others past their grace (all of them
-        with ``kill``) given SIGKILL."""
+    def _drain_step(self, kill: bool = False) -> list[Completion]:
+        """`_drain`'s groups: the tasks of gone ones completed (their processes that are this one's children reaped: a
+        schedule that reaps orphans, a container's first process, held them as zombies), the others past their grace
+        (all of them with ``kill``) given SIGKILL; a group still there ``group_grace_s`` after its SIGKILL (a process
+        the kernel holds) is given up on, its task completed."""
         import signal
 
-        for pgid, kill_at in list(self._draining.items()):
+        done = []
+        for pgid, (at, killed, ended) in list(self._draining.items()):
             try:
                 while os.waitpid(-pgid, os.WNOHANG)[0]:
                     pass
             except ChildProcessError:
                 pass
-            try:
-                os.killpg(pgid, 0)
-            except (ProcessLookupError, PermissionError):
+            if not _group_alive(pgid):
+                at = None
+            if at is not None and killed and time.monotonic() >= at:
+                ended = (*ended[:2], ended[2] + ("; " if ended[2] else "") + "its other processes outlived SIGKILL",
+                         *ended[3:])
+                at = None
+            if at is None:
                 del self._draining[pgid]
-                continue
-            if kill or time.monotonic() >= kill_at:
+                done.append(Completion(self.now(), *ended))
+            elif not killed and (kill or time.monotonic() >= at):
                 try:
                     os.killpg(pgid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-                self._draining[pgid] = float("inf")  # (killed: forgotten once gone, not killed again)
+                self._draining[pgid] = [time.monotonic() + self.group_grace_s, True, ended]
+        return done
 
     def stop(self) -> list[Completion]:
         """Terminate every running task and its children (an interrupted schedule leaves no orphans): SIGTERM to
@@ -290,13 +304,18 @@ class LocalExecutor:
         elif running:  # (a stop cut short by a second Ctrl-C, asked again: the same deadline, not another)
             _say(f"still stopping {tasks}: SIGKILL in {max(0.0, self._kill_at - time.monotonic()):.0f} s")
         deadline = self._kill_at
-        while running and time.monotonic() < deadline:
+        exited = []  # (tasks whose own process had exited: what they left gets its grace, as in `wait`)
+        while (running or self._draining) and time.monotonic() < deadline:
             time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
             running = [proc for proc in running if proc.poll() is None]
+            exited += self._drain_step()
         for proc in running:
             _signal_group(proc, signal.SIGKILL)
-        self._drain_step(kill=True)  # (what ended tasks left)
-        stopped = []
+        while self._draining:  # (past the stop's deadline: killed, and given up on `group_grace_s` later)
+            exited += self._drain_step(kill=True)
+            if self._draining:
+                time.sleep(self.poll_s)
+        stopped = [replace(done, exited=True) for done in exited]
         for task_id, (proc, log, log_path) in list(self._procs.items()):
             proc.wait()
             log.close()
@@ -305,6 +324,28 @@ class LocalExecutor:
         self._procs.clear()
         self._kill_at, self._termed = None, set()
         return stopped
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group ``pgid`` has a process that has not exited: a zombie (exited, its parent gone and no
+    one reaping it: a container whose first process does not) holds no memory, and counts as gone."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").is_file():
+        return True  # (no /proc to tell zombies by)
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:  # "pid (comm) state ppid pgrp ...": the fields after the command's closing parenthesis
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 @contextlib.contextmanager

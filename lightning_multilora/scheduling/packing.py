@@ -157,7 +157,8 @@ class PackingPlanner:
     def candidate_packs(self, specs: Sequence[AdapterSpec],
                         every: Optional[bool] = None) -> list[tuple[tuple[AdapterSpec, ...], int]]:
         """For each GPU count: with ``every`` (default: up to `EVERY_PACKING_UP_TO` configurations), every set of
-        them; else consecutive packs of at most 1, 2, 4... configurations, each as large as memory allows, of the
+        them; else consecutive packs of at most 1, 2, 4... configurations and of all of them (9 to 15 never shared one
+        pack, where that was the shortest plan), each as large as memory allows, of the
         configurations ordered by (batch size, length) and by (length, batch size). Only packs that fit; each
         configuration alone among them (so any cover exists), or an error naming those that fit nowhere."""
         packs: dict[tuple[frozenset, int], tuple[tuple[AdapterSpec, ...], int]] = {}
@@ -167,7 +168,8 @@ class PackingPlanner:
         orders = (ordered, sorted(specs, key=lambda s: (-_steps(s), -s.batch_size, s.name)))
         for d in self.gpu_options:
             groups = every if every is not None else [
-                pack for order in orders for cap in (2 ** k for k in range(len(specs).bit_length()))
+                pack for order in orders for cap in sorted({*(2 ** k for k in range(len(specs).bit_length())),
+                                                            len(specs)})
                 for pack in self._consecutive(order, cap, d)]
             for group in groups:
                 packs.setdefault((frozenset(s.name for s in group), d), (tuple(group), d))

@@ -336,7 +336,7 @@ class ScheduleRunner:
         meanwhile keeps them), then again with the exit statuses and logs its ``stop()`` returns (`Completion`s)."""
         self._complete_ended()
         self.records.update(self._unended(why))
-        stopping = set(self.running)
+        stopping, placements = set(self.running), dict(self.running)
         self.stopped_running = sorted(stopping)
         self.running.clear()
         self._failed_starts.clear()
@@ -346,7 +346,11 @@ class ScheduleRunner:
             stopped = self.executor.stop() if hasattr(self.executor, "stop") else None
             for done in stopped or ():
                 record = self.records.get(done.task_id)
-                if done.task_id in stopping and record is not None:
+                if done.task_id in stopping and getattr(done, "exited", False):  # (its own process had exited, what
+                    self.running[done.task_id] = placements[done.task_id]  # it left stopped: recorded as it ended)
+                    self._complete(done)
+                    self.stopped_running.remove(done.task_id)
+                elif done.task_id in stopping and record is not None:
                     record.exit_code, record.log = getattr(done, "exit_code", None), getattr(done, "log", None)
             if stopped:
                 self.save_records()

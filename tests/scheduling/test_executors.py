@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -254,11 +255,60 @@ def test_a_tasks_processes_left_when_its_own_exits_are_ended_as_it_completes(tmp
     while not done:
         done = executor.wait(executor.now() + 5)
     assert (done[0].task_id, done[0].ok, done[0].exit_code) == ("ranks", False, 3)
-    for _ in range(200):  # (its handler writes the file and exits)
-        if termed.exists():
-            break
-        executor._drain_step()
-        import time
+    assert termed.read_text() == "yes"  # (completed once what it left is gone: its GPUs busy until then)
 
-        time.sleep(0.05)
-    assert termed.read_text() == "yes"
+
+LEFT_BEHIND = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+               "open({pid!r}, 'w').write(str(os.getpid())); time.sleep(60)")
+
+
+def test_a_task_completes_once_what_it_left_is_gone_even_where_that_ignores_sigterm(tmp_path):
+    """A task's leftover processes were sent SIGTERM as it completed, and its GPUs went to the next task (or its
+    retry) at once, the leftovers (an NCCL rank that cannot run its handler) holding the GPUs' memory until their
+    SIGKILL `group_grace_s` later. The task completes once they are gone: killed, where they ignore SIGTERM."""
+    import os
+    import time
+
+    pid = tmp_path / "left.pid"
+    left = LEFT_BEHIND.format(pid=str(pid))
+    script = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {left!r}]); time.sleep(1); "
+              "sys.exit(0)")
+    executor = LocalExecutor(tmp_path / "logs")
+    executor.group_grace_s = 0.5
+    executor.start(Task("ranks", 1.0, 1, [sys.executable, "-c", script]), (0,))
+    done, began = [], time.monotonic()
+    while not done:
+        done = executor.wait(executor.now() + 5)
+    assert (done[0].task_id, done[0].ok, done[0].exit_code) == ("ranks", True, 0)
+    assert time.monotonic() - began >= 1.4  # (its own second, then the leftover's half second of grace)
+    try:  # (gone, or a zombie no one reaps: a container whose first process does not)
+        state = Path(f"/proc/{pid.read_text()}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z") and "outlived" not in done[0].detail
+
+
+def test_a_stop_while_a_tasks_leftovers_drain_records_the_task_as_it_ended(tmp_path):
+    """A task whose own process had exited 0 while what it left was being stopped: a stop then (Ctrl-C) gave those
+    leftovers no grace (SIGKILL at once) and would record the task "stopped" (run again by a resume). They get their
+    grace, and the task is recorded as it ended."""
+    pid = tmp_path / "left.pid"
+    exited = tmp_path / "exited"
+    left = LEFT_BEHIND.format(pid=str(pid))
+    script = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {left!r}]); time.sleep(0.5); "
+              f"open({str(exited)!r}, 'w').close()")
+
+    def poll():
+        if exited.exists():
+            raise KeyboardInterrupt
+        return []
+
+    executor = LocalExecutor(tmp_path / "logs")
+    executor.group_grace_s = 1.0
+    runner = ScheduleRunner(TaskScheduler(1), executor, poll=poll, poll_s=0.05)
+    runner.submit(Task("done", 1.0, 1, [sys.executable, "-c", script]))
+    with pytest.raises(KeyboardInterrupt):
+        runner.run()
+    record = runner.records["done"]
+    assert (record.state, record.exit_code) == ("finished", 0) and runner.stopped_running == []
+
