@@ -59,12 +59,20 @@ def peft_targets(value: Any) -> Any:
 
 def missing_local_folder(name: str) -> bool:
     """Whether ``name``, not there, reads as a local folder rather than a Hugging Face Hub name (``org/name``): more
-    than one ``/``, or its first part a folder here (``runs/tok_typo``). ``from_pretrained`` retried the Hub with it
-    for ~45 s before its error."""
+    than one ``/``, or its first part a folder here that holds saved models or tokenizers (``runs/tok_typo``, beside
+    ``runs/tok``; a folder of another kind named as a Hub org is left to the Hub). ``from_pretrained`` retried the
+    Hub with it for ~45 s before its error."""
     import os
+    from pathlib import Path
 
     path = os.path.expanduser(name)
     if os.path.exists(path):
         return False
     parts = path.split("/")
-    return len(parts) > 2 or (len(parts) == 2 and os.path.isdir(parts[0]))
+    if len(parts) != 2 or not os.path.isdir(parts[0]):
+        return len(parts) > 2
+    saved = ("config.json", "tokenizer_config.json", "adapter_config.json")
+    try:
+        return any(child.is_dir() and any((child / f).is_file() for f in saved) for child in Path(parts[0]).iterdir())
+    except OSError:
+        return False

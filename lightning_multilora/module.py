@@ -64,6 +64,23 @@ _VIEWS_KEY = "\0views-of-rank-"  # and the stops it made of other ranks' adapter
 _HELD_KEY = "\0registry-of-rank-"  # and a digest of its registry: the adapters it holds, the unplaced ones' states
 
 
+def _step_marks(optimizer: Any, params: Sequence[Tensor]) -> list[tuple[int, int]]:
+    """Per parameter: its version (an in-place update moves it; a kernel writing through its address, as
+    bitsandbytes' do, does not) and its optimizer state's step count: a tensor's version (moved as torch counts a
+    step, before the update itself) or a number (bitsandbytes'), -1 where it has no state yet."""
+    marks = []
+    for p in params:
+        step = optimizer.state[p].get("step") if p in optimizer.state else None
+        marks.append((p._version, -1 if step is None else step._version if isinstance(step, Tensor) else int(step)))
+    return marks
+
+
+def _moved(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> bool:
+    """Whether an adapter's optimizer step was taken, in part at least, between `_step_marks` ``before`` and
+    ``after``: a parameter updated, or a step counted (a state made and not yet counted, 0, is not)."""
+    return any(a[0] != b[0] or a[1] > max(b[1], 0) for b, a in zip(before, after))
+
+
 @contextlib.contextmanager
 def _deferred_interrupt():
     """Ctrl+C (SIGINT) held until the block ends, then raised (a KeyboardInterrupt, as it would have been): the
@@ -560,8 +577,8 @@ class MultiLoRAMixin:
             where = (f"its weights were exported to {rec.export_path}" if rec.export_path else
                      "it has not started: no weights yet" if rec.state == AdapterState.QUEUED else "it has no export")
             raise ValueError(f"adapter {name!r} holds no weights ({rec.state.value}); {where}")
-        if best is None:
-            best = name in self._best_weights
+        if best is None:  # (a snapshot kept by an earlier fit's EarlyExit is not this fit's best)
+            best = self.keep_best_weights and name in self._best_weights
         own_folder = directory is None
         if own_folder:  # its own folder under the export root, as named by its first export there
             root = self._export_root()
@@ -924,8 +941,16 @@ class MultiLoRAMixin:
 
     def _registry_view(self, placement: Any) -> list[tuple[str, str]]:
         """What every rank's registry must agree on at an exchange: the adapters in their order, and the state of
-        each no rank trains (queued, or ended before it started: nothing exchanges those, each rank keeps its own)."""
-        return [(r.name, r.state.value if placement.owner.get(r.name) is None else "") for r in self.registry]
+        each no rank trains (queued, or ended before it started: nothing exchanges those, each rank keeps its own);
+        those of them that ended, in any order (never admitted: a resumed sweep's rank 0 took up its trials told
+        after the checkpoint after its new ones, the other ranks before)."""
+        view, ended = [], []
+        for rec in self.registry:
+            if rec.name in placement.owner:
+                view.append((rec.name, ""))
+            else:
+                (ended if rec.state.exited else view).append((rec.name, rec.state.value))
+        return view + sorted(ended)
 
     def _registry_digest(self, placement: Any) -> str:
         return hashlib.blake2b(repr(self._registry_view(placement)).encode(), digest_size=16).hexdigest()
@@ -1977,24 +2002,32 @@ class MultiLoRAMixin:
         except BaseException:
             self._untake_step(layout, kept)
             raise
-        # Each adapter's parameters' version before the optimizer's step, which updates the adapters' groups one after
-        # another (torch's optimizers loop over them): an error inside it (out of memory as a new adapter's state is
-        # made) may come after some adapters took it. Those are counted as having taken it, the others not (a step
-        # taken again from the same batch updated the first ones twice). A Ctrl+C is held until the step is taken and
-        # counted (`_deferred_interrupt`): with any optimizer, it stops the run between steps.
-        versions = [sum(p._version for p in params[i]) for i in range(len(records))]
+        # Each adapter's parameters' versions and its optimizer state's step counts before the optimizer's step, which
+        # updates the adapters' groups one after another (torch's optimizers loop over them): an error inside it (out
+        # of memory as a new adapter's state is made) may come after some adapters took it (`_moved`). Those are
+        # counted as having taken it, the others not (a step taken again from the same batch updated the first ones
+        # twice). A Ctrl+C is held until the step is taken and counted (`_deferred_interrupt`): with any optimizer,
+        # it stops the run between steps.
+        optim_params = [groups[rec.name]["params"] if rec.name in groups else params[i]
+                        for i, rec in enumerate(records)]
+        marks = [_step_marks(optim, ps) for ps in optim_params]
         with _deferred_interrupt():
             try:
                 optimizer.step()
             except BaseException:
                 moved = {rec.name for i, rec in enumerate(records)
-                         if sum(p._version for p in params[i]) != versions[i]}
+                         if _moved(marks[i], _step_marks(optim, optim_params[i]))}
                 self._untake_step(layout, [k for k in kept if k[0].name not in moved], skip=moved)
                 taken = [s for s in stepped if s[0].name in moved]
                 if taken:
                     self._count_step(taken, logs, groups, [n for n in layout.names if n in moved])
+                    counted = sorted(rec.name for i, rec in enumerate(records) if rec.name in moved and all(
+                        a[0] == b[0] for a, b in zip(marks[i], _step_marks(optim, optim_params[i]))))
                     warnings.warn(f"the optimizer's step stopped after it updated adapters {sorted(moved)}: they are "
-                                  f"counted as having taken step {taken[0][0].step} (the others take it again)")
+                                  f"counted as having taken step {taken[0][0].step} (the others take it again)" + (
+                                      f"; {counted}: by their optimizer state's step counts, their weights showing no "
+                                      "change (written through their addresses, as bitsandbytes does, or an update "
+                                      "cut short inside it)" if counted else ""))
                 raise
             self._count_step(stepped, logs, groups, None)
         self._after_step(records)

@@ -120,8 +120,10 @@ class _ValBatches(IterableDataset):
         self.datamodule = datamodule
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        batches = self.datamodule.val_batches(self.datamodule.running_specs(validation=True))
-        module = self.datamodule.trainer.lightning_module if self.datamodule.trainer is not None else None
+        trainer = self.datamodule.trainer
+        peek = trainer is not None and bool(trainer.sanity_checking or trainer.fast_dev_run)
+        batches = self.datamodule.val_batches(self.datamodule.running_specs(validation=True), peek=peek)
+        module = trainer.lightning_module if trainer is not None else None
         align = getattr(module, "align_batches", None)  # adapter parallelism: the same count on every rank
         return iter(align(list(batches))) if align is not None else batches
 
@@ -592,14 +594,21 @@ class MultiLoRADataModule(L.LightningDataModule):
         positions.update({name: s for name, s in self._drawn_from.items() if name in positions})
         return positions
 
-    def val_batches(self, specs: Sequence["AdapterSpec"]) -> Iterator[dict[str, Any]]:
+    def val_batches(self, specs: Sequence["AdapterSpec"], peek: bool = False) -> Iterator[dict[str, Any]]:
         """Packed validation batches over every adapter's whole validation split: the ``k``-th ``val_batch_size``
-        examples of each adapter, split into batches of at most ``val_max_rows`` rows (`val_rows_cap`)."""
+        examples of each adapter, split into batches of at most ``val_max_rows`` rows (`val_rows_cap`). ``peek`` (a
+        sanity check's or a smoke run's few batches): each batch holds examples of every adapter, as many of each as
+        the cap leaves room for (one at least; the first batches held the first adapters alone)."""
         splits = [self.split(s.dataset)[1] for s in specs]
-        steps = max((-(-len(v) // self.val_batch_size) for v in splits), default=0)
         cap = self.val_rows_cap(specs)
+        size = self.val_batch_size
+        if peek:
+            rows = sum(2 if s.objective == "dpo" else 1 for s in specs)
+            size = min(size, max(1, cap // max(rows, 1)))
+            cap = max(cap, size * rows)
+        steps = max((-(-len(v) // size) for v in splits), default=0)
         for k in range(steps):
-            lo, hi = k * self.val_batch_size, (k + 1) * self.val_batch_size
+            lo, hi = k * size, (k + 1) * size
             names, rows, held = [], [], 0
             for spec, val in zip(specs, splits):
                 start, end, per = lo, min(hi, len(val)), 2 if spec.objective == "dpo" else 1

@@ -239,7 +239,7 @@ class LocalExecutor:
                 return done
             time.sleep(self.poll_s)
 
-    def _drain(self, proc: subprocess.Popen, ended: tuple) -> bool:
+    def _drain(self, proc: subprocess.Popen, ended: Optional[tuple]) -> bool:
         """The processes left of a task whose own process has exited (a multi-process fit's other ranks, its rank 0
         killed) get SIGTERM at once, and SIGKILL ``group_grace_s`` later where they are still there (`_drain_step`, at
         each poll); the task completes once they are gone (``ended``: its completion's fields), its GPUs busy until
@@ -262,21 +262,24 @@ class LocalExecutor:
         import signal
 
         done = []
+        live = _live_groups() if self._draining else set()
         for pgid, (at, killed, ended) in list(self._draining.items()):
             try:
                 while os.waitpid(-pgid, os.WNOHANG)[0]:
                     pass
             except ChildProcessError:
                 pass
-            if not _group_alive(pgid):
+            if not _group_alive(pgid, live):
                 at = None
             if at is not None and killed and time.monotonic() >= at:
-                ended = (*ended[:2], ended[2] + ("; " if ended[2] else "") + "its other processes outlived SIGKILL",
-                         *ended[3:])
+                if ended is not None:
+                    ended = (*ended[:2], ended[2] + ("; " if ended[2] else "") + "its other processes outlived "
+                             "SIGKILL", *ended[3:])
                 at = None
             if at is None:
                 del self._draining[pgid]
-                done.append(Completion(self.now(), *ended))
+                if ended is not None:  # (None: a task `stop` stopped, completed there)
+                    done.append(Completion(self.now(), *ended))
             elif not killed and (kill or time.monotonic() >= at):
                 try:
                     os.killpg(pgid, signal.SIGKILL)
@@ -305,9 +308,14 @@ class LocalExecutor:
             _say(f"still stopping {tasks}: SIGKILL in {max(0.0, self._kill_at - time.monotonic()):.0f} s")
         deadline = self._kill_at
         exited = []  # (tasks whose own process had exited: what they left gets its grace, as in `wait`)
+        for proc, _, _ in self._procs.values():  # (what a stopped task left, a rank that ignores SIGTERM: drained,
+            if proc not in running and proc.pid not in self._draining:  # its grace, then SIGKILL)
+                self._drain(proc, None)
         while (running or self._draining) and time.monotonic() < deadline:
             time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
-            running = [proc for proc in running if proc.poll() is None]
+            for proc in [proc for proc in running if proc.poll() is not None]:
+                running.remove(proc)
+                self._drain(proc, None)
             exited += self._drain_step()
         for proc in running:
             _signal_group(proc, signal.SIGKILL)
@@ -326,16 +334,13 @@ class LocalExecutor:
         return stopped
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether process group ``pgid`` has a process that has not exited: a zombie (exited, its parent gone and no
-    one reaping it: a container whose first process does not) holds no memory, and counts as gone."""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
+def _live_groups() -> Optional[set[int]]:
+    """The process groups that hold a process that has not exited (read from /proc once, for every group a poll
+    looks at); None without /proc."""
     proc = Path("/proc")
     if not (proc / "self" / "stat").is_file():
-        return True  # (no /proc to tell zombies by)
+        return None
+    live = set()
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
@@ -343,9 +348,20 @@ def _group_alive(pgid: int) -> bool:
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+        if fields[0] != "Z":
+            live.add(int(fields[2]))
+    return live
+
+
+def _group_alive(pgid: int, live: Optional[set[int]]) -> bool:
+    """Whether process group ``pgid`` has a process that has not exited (``live``: `_live_groups`): a zombie
+    (exited, its parent gone and no one reaping it: a container whose first process does not) holds no memory, and
+    counts as gone."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return live is None or pgid in live
 
 
 @contextlib.contextmanager

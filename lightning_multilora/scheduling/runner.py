@@ -350,6 +350,8 @@ class ScheduleRunner:
                     self.running[done.task_id] = placements[done.task_id]  # it left stopped: recorded as it ended)
                     self._complete(done)
                     self.stopped_running.remove(done.task_id)
+                    if done.task_id in self.pending:  # (failed, a retry due: said, with its failure)
+                        self.records[done.task_id] = self._unended(why)[done.task_id]
                 elif done.task_id in stopping and record is not None:
                     record.exit_code, record.log = getattr(done, "exit_code", None), getattr(done, "log", None)
             if stopped:

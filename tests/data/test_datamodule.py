@@ -1307,6 +1307,14 @@ def test_a_validation_batch_holds_no_more_rows_than_a_training_step_of_its_adapt
             assert all(b["layout"].num_rows == 2 for b in batches if b["layout"].names == ("d",))
     with pytest.raises(ValueError, match="val_max_rows"):
         MultiLoRADataModule(val_max_rows=0)
+    # a sanity check's or smoke run's few batches (`peek`) hold examples of every adapter, within the cap
+    dm.val_max_rows = None
+    first = next(iter(dm.val_batches(specs, peek=True)))["layout"]
+    assert first.names == tuple(s.name for s in specs) and first.num_rows == 7  # (one example each: 5 + a pair)
+    peeked = seen(dm.val_batches(specs, peek=True))
+    for spec in specs:
+        order = sorted if spec.objective == "dpo" else list
+        assert order(peeked[spec.name]) == order(whole[spec.name][0]), spec.name
 
 
 def test_a_record_of_other_fields_is_told_which_format_or_fields_read_it(tmp_path):
@@ -1334,10 +1342,12 @@ def test_a_missing_local_folder_is_refused_at_once_not_looked_for_on_the_hub(tmp
     from lightning_multilora.arguments import missing_local_folder
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "tok").mkdir(parents=True)
+    (tmp_path / "runs" / "tok" / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "openai-community").mkdir()  # (a folder named as a Hub org, of no saved model: the Hub's name goes on)
     assert missing_local_folder("runs/tok_typo") and missing_local_folder("a/b/c")
     assert not missing_local_folder("org/model") and not missing_local_folder("gpt2")
-    assert not missing_local_folder("runs")
+    assert not missing_local_folder("runs") and not missing_local_folder("openai-community/gpt2")
     with pytest.raises(ValueError, match=r"`tokenizer` 'runs/tok_typo': no such folder, and no Hugging Face Hub "):
         MultiLoRADataModule(tokenizer="runs/tok_typo").tokenizer
     with pytest.raises(OSError, match=r"`base_model` 'runs/ckpt_typo' is no built-in model .*, no such folder \(a "):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -288,27 +289,54 @@ def test_a_task_completes_once_what_it_left_is_gone_even_where_that_ignores_sigt
     assert state in ("gone", "Z") and "outlived" not in done[0].detail
 
 
-def test_a_stop_while_a_tasks_leftovers_drain_records_the_task_as_it_ended(tmp_path):
-    """A task whose own process had exited 0 while what it left was being stopped: a stop then (Ctrl-C) gave those
+@pytest.mark.parametrize("code", [0, 3])
+def test_a_stop_while_a_tasks_leftovers_drain_records_the_task_as_it_ended(tmp_path, code):
+    """A task whose own process had exited while what it left was being stopped: a stop then (Ctrl-C) gave those
     leftovers no grace (SIGKILL at once) and would record the task "stopped" (run again by a resume). They get their
-    grace, and the task is recorded as it ended."""
+    grace, and the task is recorded as it ended: finished, or its failure said where a retry was due."""
     pid = tmp_path / "left.pid"
-    exited = tmp_path / "exited"
     left = LEFT_BEHIND.format(pid=str(pid))
     script = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {left!r}]); time.sleep(0.5); "
-              f"open({str(exited)!r}, 'w').close()")
+              f"print('boom'); sys.exit({code})")
+    executor = LocalExecutor(tmp_path / "logs")
+    executor.group_grace_s = 1.0
 
     def poll():
-        if exited.exists():
+        if executor._draining:  # (its own process exited: what it left is being stopped)
             raise KeyboardInterrupt
         return []
 
-    executor = LocalExecutor(tmp_path / "logs")
-    executor.group_grace_s = 1.0
-    runner = ScheduleRunner(TaskScheduler(1), executor, poll=poll, poll_s=0.05)
+    runner = ScheduleRunner(TaskScheduler(1), executor, poll=poll, poll_s=0.05, max_retries=1)
     runner.submit(Task("done", 1.0, 1, [sys.executable, "-c", script]))
     with pytest.raises(KeyboardInterrupt):
         runner.run()
     record = runner.records["done"]
-    assert (record.state, record.exit_code) == ("finished", 0) and runner.stopped_running == []
+    if code == 0:
+        assert (record.state, record.exit_code) == ("finished", 0) and runner.stopped_running == []
+    else:
+        assert record.state == "stopped" and re.fullmatch(
+            r"stopped waiting for a retry \(interrupted\) after: exit status 3, log .*done\.1\.log; its log ends: "
+            r"boom", record.detail), record.detail
+
+
+def test_a_stop_kills_what_a_stopped_task_left(tmp_path):
+    """A running task's own process exited on the stop's SIGTERM, a process it started (a rank stuck in NCCL)
+    ignoring it: the stop returned and left that process running, orphaned. It gets its grace, then SIGKILL."""
+    import time
+
+    pid = tmp_path / "left.pid"
+    left = LEFT_BEHIND.format(pid=str(pid))
+    script = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {left!r}]); time.sleep(60)"
+    executor = LocalExecutor(tmp_path / "logs")
+    executor.group_grace_s = 0.5
+    executor.start(Task("ranks", 60.0, 1, [sys.executable, "-c", script]), (0,))
+    while not pid.exists() or not pid.read_text():
+        time.sleep(0.05)
+    (stopped,) = executor.stop()
+    assert stopped.task_id == "ranks" and not stopped.ok
+    try:
+        state = Path(f"/proc/{pid.read_text()}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        state = "gone"
+    assert state in ("gone", "Z")
 
