@@ -618,19 +618,31 @@ COMMANDS = """commands beside fit:
                                  (`multilora schedule --help`)"""
 
 
+# (the list arguments a later one replaces, and whether only a list does: a logger given alone is one, merged)
+_REPLACED = {"--model.adapters": False, "--trainer.callbacks": True, "--trainer.logger": True}
+
+
 def _adapters_replaced(args: list[str]) -> list[str]:
     """``args`` where a `model.adapters` list given (``--model.adapters``, or a later ``--config`` / ``-c`` holding one)
     replaces the one given before it: jsonargparse merges a list of the same length item by item into the earlier
     one, so that each adapter took the fields its predecessor at that place had and it did not say (another name's
-    `lr`, `dataset`, `max_epochs`...). A ``null`` is put before it; ``--model.adapters+=`` still appends."""
+    `lr`, `dataset`, `max_epochs`...). A ``null`` is put before it; ``--model.adapters+=`` still appends. Likewise a
+    `trainer.callbacks` or `trainer.logger` list (the demo's OptunaSweep lent its grid sampler and base to a
+    config's)."""
     import yaml
+
+    def listed(value: Any) -> bool:
+        try:
+            return isinstance(yaml.safe_load(value) if isinstance(value, str) else value, list)
+        except yaml.YAMLError:
+            return False
 
     out: list[str] = []
     for i, arg in enumerate(args):
         flag, _, inline = arg.partition("=")
         value = inline if inline else args[i + 1] if i + 1 < len(args) else None
-        if flag == "--model.adapters" and value not in (None, "null", "None"):
-            out += ["--model.adapters", "null"]
+        if flag in _REPLACED and value not in (None, "null", "None") and (not _REPLACED[flag] or listed(value)):
+            out += [flag, "null"]
         elif flag in ("--config", "-c") and value is not None:
             try:  # (a file, or the config itself inline: a long one is no file name the system takes)
                 is_file = Path(value).is_file()
@@ -640,9 +652,12 @@ def _adapters_replaced(args: list[str]) -> list[str]:
                 config = yaml.safe_load(Path(value).read_text(encoding="utf-8") if is_file else value)
             except (OSError, ValueError, yaml.YAMLError):  # (jsonargparse says what is wrong with it)
                 config = None
-            if isinstance(config, dict) and isinstance(config.get("model"), dict) \
-                    and config["model"].get("adapters") is not None:
-                out += ["--model.adapters", "null"]
+            for key, only_lists in _REPLACED.items():
+                section, _, field = key[2:].partition(".")
+                given = config.get(section) if isinstance(config, dict) else None
+                given = given.get(field) if isinstance(given, dict) else None
+                if given is not None and (not only_lists or isinstance(given, list)):
+                    out += [key, "null"]
         out.append(arg)
     return out
 
@@ -669,7 +684,7 @@ def main(args: Optional[list[str]] = None) -> None:
                   f"its settings. The defaults shown below are `fit`'s, which its config replaces ({own}, and its "
                   "callbacks and data): `multilora demo --print_config` shows every value it runs with.\n")
         args = ["fit", "--config", demo_config(), *args[1:]]
-    args = _adapters_replaced(args)
+    given, args = args, _adapters_replaced(args)  # (`_given`: as given, without the nulls put before lists)
     # (the help of AdapterSpec's and SweepGrid's fields, `--model.adapters.help`: their attribute docstrings)
     try:
         set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -677,7 +692,7 @@ def main(args: Optional[list[str]] = None) -> None:
         pass
     if from_command_line:  # (LightningCLI warns when given both ``args`` and a command line)
         sys.argv[1:] = args
-    _given[:] = args
+    _given[:] = given
     # (no --optimizer / --lr_scheduler: LightningCLI's would replace the module's per-adapter optimizer groups and
     # schedules, `--model.optimizer`, `--model.optimizer_kwargs` and each adapter's `lr` / `lr_schedule`, silently)
     MultiLoRACLI(MultiLoRAModule, MultiLoRADataModule, subclass_mode_model=False, subclass_mode_data=False,

@@ -555,17 +555,22 @@ def test_a_misspelt_section_or_top_level_key_gets_the_closest_one(tmp_path, caps
     assert done.value.code == 2 and f"(did you mean `{meant}`?)" in err, err
 
 
-@pytest.mark.parametrize("kind", ["checkpoints folder", "exported adapter"])
+@pytest.mark.parametrize("kind", ["checkpoints folder", "exported adapter", "version folder", "empty folder"])
 def test_a_folder_given_as_ckpt_path_is_named_before_the_log_directory_is_taken(tmp_path, kind):
     """A run's `checkpoints/` folder or an exported adapter's given as `--ckpt_path`: a bare IsADirectoryError after
     the run had taken its log directory (config.yaml, the summary and its claim left there, which then refused the
-    corrected command)."""
+    corrected command); so too a run's version folder, its checkpoints a level down, or a folder of none."""
     folder = tmp_path / "given"
-    folder.mkdir()
-    (folder / ("epoch=0-step=4.ckpt" if kind.startswith("checkpoints") else "adapter_config.json")).write_text("{}")
-    said = (r"is a folder, not a checkpoint file; the checkpoints in it: epoch=0-step=4.ckpt" if kind.startswith(
-        "checkpoints") else r"is an exported adapter, not a checkpoint: it starts an adapter from its weights, "
-        r"`AdapterSpec\(init_from=...\)`")
+    (folder / "checkpoints").mkdir(parents=True)
+    file = {"checkpoints folder": "epoch=0-step=4.ckpt", "exported adapter": "adapter_config.json",
+            "version folder": "checkpoints/epoch=0-step=4.ckpt", "empty folder": "config.yaml"}[kind]
+    (folder / file).write_text("{}")
+    said = {"checkpoints folder": r"is a folder, not a checkpoint file; the checkpoints in it: epoch=0-step=4.ckpt",
+            "exported adapter": r"is an exported adapter, not a checkpoint: it starts an adapter from its weights, "
+                                r"`AdapterSpec\(init_from=...\)`",
+            "version folder": r"is a folder, not a checkpoint file; the checkpoints under it: "
+                              r"checkpoints/epoch=0-step=4.ckpt \(`--ckpt_path last` resumes",
+            "empty folder": r"is a folder, not a checkpoint file; it holds no checkpoint \(\*.ckpt\)"}[kind]
     root = tmp_path / "run"
     with pytest.raises(ValueError, match=rf"`ckpt_path` '{re.escape(str(folder))}' {said}"):
         main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(root), "--trainer.logger", "false",
@@ -910,6 +915,35 @@ def test_a_list_of_adapters_given_later_replaces_the_earlier_one(tmp_path, capsy
     many = yaml.safe_dump({"model": {"adapters": [{"name": f"adapter_{i}", "rank": 4} for i in range(12)]}})
     assert len(many) > 255 and [a["lr"] for a in adapters("--config", many)] == [2e-4] * 12  # (no file name)
     assert [a["name"] for a in adapters("--model.adapters+={name: e}")] == ["a", "b", "e"]
+
+
+def test_a_list_of_callbacks_given_later_replaces_the_earlier_one(tmp_path, capsys):
+    """The demo's three callbacks and a config's three: merged item by item, the config's OptunaSweep kept the demo's
+    grid sampler and base (then refused its float space: "sampler 'grid' needs categorical parameters", a sampler
+    the user never set) and its WarmupSelection the demo's warmup fraction. A later list replaces the earlier one."""
+    import yaml
+
+    later = tmp_path / "sweep3.yaml"
+    later.write_text(yaml.safe_dump({"trainer": {"callbacks": [
+        {"class_path": "lightning_multilora.callbacks.OptunaSweep",
+         "init_args": {"search_space": {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
+                       "n_trials": 4}},
+        {"class_path": "lightning_multilora.callbacks.WarmupSelection"},
+        {"class_path": "lightning_multilora.callbacks.EarlyExit"}]}}))
+
+    def callbacks(*given):
+        with pytest.raises(SystemExit):
+            main(["demo", *given, "--print_config"])
+        return {c["class_path"].rsplit(".", 1)[1]: c.get("init_args", {})
+                for c in yaml.safe_load(capsys.readouterr().out)["trainer"]["callbacks"]}
+
+    demo = callbacks()
+    assert demo["OptunaSweep"]["sampler"] == "grid" and len(demo) == 3  # (the demo's own, to be replaced)
+    for given in (["--config", str(later)], ["--trainer.callbacks", json.dumps(yaml.safe_load(later.read_text())[
+            "trainer"]["callbacks"])]):
+        got = callbacks(*given)
+        assert got["OptunaSweep"]["sampler"] == "tpe" and got["OptunaSweep"].get("base") in (None, {}), given
+        assert got["WarmupSelection"]["warmup_fraction"] == 0.05
 
 
 def test_what_makes_a_run_for_last_is_its_model_data_and_sweep_on_the_fields_both_configs_have():

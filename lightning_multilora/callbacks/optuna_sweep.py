@@ -1196,9 +1196,10 @@ class OptunaSweep(Callback):
     def _tell_remaining(self, pl_module: L.LightningModule, stopped_by: Optional[str] = None) -> dict[str, Any]:
         """`_tell_exits`, as a decision that asks nothing (for `_adopt`); trials whose adapters still train (the
         Trainer stopped first: its ``max_steps`` or ``max_time``, or ``stopped_by`` an exception) stay RUNNING, with a
-        warning saying so and which checkpoint resumes them. After an exception with no such checkpoint they are told
-        FAIL instead, as Optuna's ``optimize`` tells a trial it stopped: nothing could take them up, and they stayed
-        RUNNING for ever. (After a ``max_steps`` stop the module may still be saved, or fitted again, from Python.)"""
+        warning saying so and which checkpoint resumes them. With no such checkpoint they are told FAIL as the module
+        is dropped or the process ends (`_fail_when_dropped`), as Optuna's ``optimize`` tells a trial it stopped:
+        nothing could take them up, and they stayed RUNNING for ever (a later sweep on the study skipped their grid
+        points). (The module may still be saved, or fitted again, from Python meanwhile: then they go on.)"""
         self._tell_exits(pl_module)
         unfinished = [info["number"] for name, info in self.trials.items() if not info["told"] and not info.get("lost")
                       and name in pl_module.registry and not pl_module.registry[name].state.exited]
@@ -1218,7 +1219,7 @@ class OptunaSweep(Callback):
                 warnings.warn(f"trials {sorted(unfinished)} of this smoke run (`fast_dev_run`) are told FAIL in study "
                               f"{self.study.study_name!r}: nothing resumes them")
                 return {"specs": [], "state": self.state_dict()}
-            if stopped_by and saved is None:
+            if saved is None:  # (a `max_steps` stop too: under the CLI, the process ended with them RUNNING)
                 self._fail_when_dropped(pl_module, [
                     (info["trial_id"], info["number"], _fail_attrs(
                         f"{stop} at step {pl_module.registry[name].step} of its adapter, and no checkpoint of the "

@@ -67,8 +67,15 @@ class WarmupSelection(Callback):
         """Names to keep: the lowest warmup losses, ``max(min_keep, ceil(keep_fraction * K))`` of them."""
         # (rounded first: 0.07 x 100 is 7.000000000000001 in floats, which ceil made 8)
         keep = max(self.min_keep, math.ceil(round(self.keep_fraction * num_candidates, 9)))
-        finite = sorted((loss, name) for name, loss in warmup_losses.items() if math.isfinite(loss))
-        return [name for _, name in finite[:keep]]
+        # (a tie in the order the candidates warmed up, not by name: "trial-10" came before "trial-2")
+        finite = sorted((loss, i, name) for i, (name, loss) in enumerate(warmup_losses.items()) if math.isfinite(loss))
+        if keep < len(finite) and finite[keep - 1][0] == finite[keep][0]:
+            tied = [name for loss, _, name in finite if loss == finite[keep][0]]
+            rank_zero_warn(f"WarmupSelection: candidates {tied} tied at warmup loss {finite[keep][0]:.6g} for the last "
+                          f"places kept: kept in the order they warmed up. A warmup too short to change an adapter "
+                          "(one step at a learning-rate warmup's first rate, 0, leaves it the base model) tells none "
+                          "apart: raise `warmup_fraction`, or the adapters' `max_steps`")
+        return [name for _, _, name in finite[:keep]]
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -10,7 +10,7 @@ A task file::
     log_dir: runs/schedule  # task logs, records and Gantt charts (default runs/schedule)
     tasks:
       - {id: llama70b-sweep, duration: 3600, gpus: 4, command: "multilora fit --config a.yaml"}
-      - {id: qwen7b-sweep, duration: 900, gpus: 1, command: [multilora, fit, --config, b.yaml, --seed_everything, 007]}
+      - {id: qwen7b-sweep, duration: 900, gpus: 1, command: [multilora, fit, --config, b.yaml, --data.split_seed, 007]}
       - {id: own-ddp, duration: 600, gpus: 2, command: [train.py, --lr, 1.0e-3], torchrun: true}
 
 A task ``id`` is at most 200 letters, digits, ``.``, ``_`` and ``-`` (it names the task's logs,

@@ -486,6 +486,13 @@ def check_resume_path(ckpt_path: Any, strategy: Any) -> None:
     if (folder / "adapter_config.json").is_file():
         raise ValueError(f"`ckpt_path` {str(ckpt_path)!r} is an exported adapter, not a checkpoint: it starts an "
                          "adapter from its weights, `AdapterSpec(init_from=...)` (a config's adapter `init_from:`)")
+    if (folder / ".metadata").is_file() or (folder / "meta.pt").is_file():
+        return  # (torch's distributed checkpoint, as a sharded strategy writes one: it loads it itself)
+    deeper = sorted(str(p.relative_to(folder)) for p in folder.rglob("*.ckpt"))
+    found = (f"the checkpoints under it: {', '.join(deeper[:6])}{' ...' if len(deeper) > 6 else ''}" if deeper else
+             "it holds no checkpoint (*.ckpt)")
+    raise ValueError(f"`ckpt_path` {str(ckpt_path)!r} is a folder, not a checkpoint file; {found} (`--ckpt_path last` "
+                     "resumes a run's last checkpoint, found in its folders)")
 
 
 def guard_folder_checkpoints(strategy: Any) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import re
 import warnings
 from pathlib import Path
@@ -143,7 +144,7 @@ def test_kill_and_resume_loses_and_duplicates_no_trial(tmp_path, trainer_kwargs)
     assert running_at_kill  # the kill interrupted live trials
     told = str([w.message for w in said if "RUNNING" in str(w.message)][0])
     assert f"trials {running_at_kill} stay RUNNING" in told
-    assert "No checkpoint of this run was saved, so none can resume them" in told  # (checkpointing off here)
+    assert "no checkpoint of this run was saved: fitting this module again goes on with them" in told  # (none here)
     _, resumed = fit(tmp_path, trainer_kwargs, sweep(), ckpt=str(ckpt))
     trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
     assert [t.number for t in trials] == [0, 1, 2, 3, 4]  # none lost, none duplicated
@@ -1251,6 +1252,27 @@ def test_a_fit_stopped_by_ctrl_c_tells_the_exits_and_fails_the_trials_no_checkpo
         assert exit_info["step"] == 1 and (Path(exit_info["export_path"]) / "adapter_model.safetensors").is_file()
 
 
+def test_trials_a_max_steps_stop_leaves_with_no_checkpoint_are_failed_as_the_module_is_dropped(tmp_path,
+                                                                                               trainer_kwargs):
+    """A `multilora fit --trainer.max_steps 3` smoke test of a sweep on a shared study left its trials RUNNING for
+    good (no checkpoint could resume them, and the process ended): the real run then skipped their grid points. They
+    are told FAIL as the module is dropped (or the process ends), as after Ctrl+C; until then it may be fitted
+    again."""
+    import gc
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    with pytest.warns(UserWarning, match=r"trials \[0, 1\] stay RUNNING in study 'multilora': the Trainer stopped at "
+                                         r"its max_steps=2 .*and no checkpoint of this run was saved"):
+        fit(tmp_path, trainer_kwargs, OptunaSweep(SPACE, n_trials=4, storage=storage, slots=2,
+                                                  base={"max_steps": 6, "batch_size": 2}), max_steps=2)
+    study = optuna.load_study(study_name="multilora", storage=storage)
+    gc.collect()  # (the module dropped)
+    trials = study.get_trials()
+    assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
+    assert trials[0].user_attrs["fail_reason"] == ("the Trainer stopped at its max_steps=2 at step 2 of its adapter, "
+                                                   "and no checkpoint of the run can resume it")
+
+
 def test_a_fit_again_after_ctrl_c_without_a_checkpoint_goes_on_with_its_trials_and_tells_them(tmp_path,
                                                                                               trainer_kwargs):
     """Its trials were told FAIL at the Ctrl+C, and a fit of the module again (a notebook's) trained them to the end:
@@ -1430,9 +1452,10 @@ def test_one_sweep_object_given_to_the_fit_of_another_module_asks_its_trials_ane
     _, module = fit(tmp_path / "two", trainer_kwargs, sweep)
     assert sorted(r.name for r in module.registry) == ["trial-2", "trial-3"]
     assert all(r.state == AdapterState.FINISHED for r in module.registry)
+    gc.collect()  # (the first module dropped: the trials its stop left, no checkpoint to resume them, told FAIL)
     states = [t.state for t in study.get_trials()]
-    first = optuna.trial.TrialState.RUNNING if first_max_steps == 2 else optuna.trial.TrialState.COMPLETE
-    assert states == [first] * 2 + [optuna.trial.TrialState.COMPLETE] * 2  # (the first fit's left as it left them)
+    first = optuna.trial.TrialState.FAIL if first_max_steps == 2 else optuna.trial.TrialState.COMPLETE
+    assert states == [first] * 2 + [optuna.trial.TrialState.COMPLETE] * 2
 
 
 def test_trials_left_running_by_an_early_stopping_name_it_and_not_max_steps(tmp_path, trainer_kwargs):

@@ -136,6 +136,15 @@ def test_selection_rule():
     losses = {f"t{i}": float(i) for i in range(100)}
     for fraction, kept in ((0.07, 7), (0.14, 14), (0.28, 28), (0.55, 55), (0.071, 8)):
         assert len(WarmupSelection(keep_fraction=fraction, min_keep=1).select(losses, num_candidates=100)) == kept
+    # a tie for the last places kept: in the order the candidates warmed up ("trial-10" sorted before "trial-2"), said
+    # (a one-step warmup at a learning-rate warmup's rate 0 leaves every candidate the base: all tied)
+    tied = {f"trial-{i}": 5.8436 for i in (2, 3, 10, 11)}
+    with pytest.warns(UserWarning, match=r"candidates \['trial-2', 'trial-3', 'trial-10', 'trial-11'\] tied at warmup "
+                                         r"loss 5.8436 for the last places kept: kept in the order they warmed up"):
+        assert rule.select(tied, num_candidates=4) == ["trial-2"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rule.select({"a": 1.0, "b": 1.0, "c": 2.0, "d": 3.0, "e": 4.0}, num_candidates=8) == ["a", "b"]
 
 
 def test_candidates_of_another_objective_or_source_are_ranked_apart():

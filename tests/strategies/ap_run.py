@@ -6,7 +6,7 @@ MODE: parallel|single|stop|resume|resume_one|resume_three|stop_single|resume_two
 early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
 dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|
 remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke|sigterm|rank1_error|owner_pause|owner_pause_single|
-one_rank_stop|one_rank_add|one_rank_unqueue. Several modes run one after
+one_rank_stop|one_rank_add|one_rank_unqueue|optuna_crash|optuna_crash_resume. Several modes run one after
 the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
 of processes), each from the same seeds and with its own records, as if alone.
 
@@ -47,6 +47,9 @@ controller orders them, `max_running` 3), a1 paused after step 2 and resumed aft
 alone, and x removed by its rank alone after its first step. ``one_rank_stop``: rank 0 alone removes an adapter
 rank 1 trains, after step 2. ``one_rank_add``: rank 0 alone queues an adapter after step 2; ``one_rank_unqueue``: two
 adapters queued on every rank after step 1 (`max_running` 4), one of them removed by rank 1 alone after step 2.
+``optuna_crash`` / ``optuna_crash_resume``: an OptunaSweep (SQLite OUT_DIR/optuna_crash.db, 5 trials of 6 steps, 2
+slots) checkpointed every 6 steps and crashed after step 13 (trials told after the step-6 checkpoint), then resumed
+from that checkpoint.
 
 Writes OUT_DIR/<mode>/... PEFT exports and, per rank, OUT_DIR/<mode>.rank<r>.json: the adapters it owned
 and every collective's tensor sizes (FSDP's all-gathers and reduce-scatters), with the base's shard sizes; in the
@@ -85,7 +88,8 @@ CALLS: list[tuple[str, int, int]] = []  # (collective, largest tensor's numel, r
 STUDY_CALLS: list[list] = []
 RESUMES = {"resume": "stop", "resume_one": "stop", "resume_three": "stop", "resume_two": "stop_single",
            "load_two": "stop_single",
-           "early_exit_resume_two": "early_exit_stop_single", "warmup_resume": "warmup_stop"}  # a resuming mode: the mode whose checkpoint it reads
+           "early_exit_resume_two": "early_exit_stop_single", "warmup_resume": "warmup_stop",
+           "optuna_crash_resume": "optuna_crash"}  # a resuming mode: the mode whose checkpoint it reads
 SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
          "rank": {"type": "categorical", "choices": [2, 4]}}
 
@@ -144,6 +148,10 @@ def sweep_callbacks(out: Path, mode: str) -> tuple[list, Callable[[], Any]]:
         study = optuna.create_study(pruner=PruneFrom3(), sampler=optuna.samplers.RandomSampler(seed=0))
         return [OptunaSweep(SPACE, n_trials=2, study=study, base={"max_steps": 20, "batch_size": 1}, slots=2)], \
             lambda: study
+    if mode.startswith("optuna_crash"):
+        sweep = OptunaSweep(SPACE, n_trials=5, storage=f"sqlite:///{out / 'optuna_crash'}.db", sampler="random",
+                            seed=5, base={"max_steps": 6, "batch_size": 2}, slots=2)
+        return [sweep], lambda: sweep.study
     if mode.startswith("warmup"):
         db = out / ("warmup_resumed" if mode in ("warmup_stop", "warmup_resume") else mode)
         sweep = OptunaSweep(SPACE, n_trials=4, storage=f"sqlite:///{db}.db", sampler="random", seed=3,
@@ -207,7 +215,8 @@ def run_mode(out: Path, mode: str) -> None:
         kwargs.update(max_steps=2, callbacks=[ModelCheckpoint(dirpath=out / f"ckpt_{mode}", every_n_train_steps=2,
                                                               save_top_k=-1)])
     if mode in RESUMES:
-        (ckpt_path,) = (out / f"ckpt_{RESUMES[mode]}").glob("*.ckpt")
+        (ckpt_path,) = (out / f"ckpt_{RESUMES[mode]}").glob("*step=6*.ckpt" if mode == "optuna_crash_resume" else
+                                                            "*.ckpt")
     if mode.startswith(("early_exit", "remove", "end_eval")) and mode not in ("early_exit_stop_single",
                                                                               "early_exit_resume_two"):
         # every adapter's values (and exit texts) to rank 0's loggers
@@ -352,6 +361,16 @@ def run_mode(out: Path, mode: str) -> None:
         kwargs.update(callbacks=callbacks)
     if mode == "optuna_prune":
         kwargs.update(max_steps=3)  # (the run's last step: its validation is the last, no later exchange)
+    if mode == "optuna_crash":
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        class CrashAt13(L.Callback):
+            def on_train_batch_end(self, trainer, *args):
+                if trainer.global_step == 13:
+                    raise RuntimeError("node lost")
+
+        kwargs.update(callbacks=[*kwargs["callbacks"], CrashAt13(), ModelCheckpoint(
+            dirpath=out / f"ckpt_{mode}", every_n_train_steps=6, save_top_k=-1)])
     if mode == "warmup_stop":
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -381,6 +400,8 @@ def run_mode(out: Path, mode: str) -> None:
     except BaseException as err:
         if mode in ("one_rank_stop", "one_rank_add", "one_rank_unqueue") and isinstance(err, ValueError):
             evaluated["refused"] = f"{str(err)} (after step {trainer.global_step})"
+        elif mode == "optuna_crash" and "node lost" in str(err):
+            evaluated["crashed"] = trainer.global_step
         elif mode != "sigterm" or type(err).__name__ != "SIGTERMException":
             raise
         else:

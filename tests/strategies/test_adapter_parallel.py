@@ -121,10 +121,10 @@ SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_s
 TWO_RANK_MODES = ["parallel", "stop", "resume_two", "load_two", "early_exit", "early_exit_resume_two", "replicated",
                   "dpo", "remove", "end_eval", "refit", "refit_on", "admission", "disagree", "smoke", "owner_pause",
                   *(["optuna_admission", "optuna", "optuna_defaults", "optuna_prune", "warmup", "warmup_stop"]
-                    if OPTUNA else []), "one_rank_add", "one_rank_unqueue", "one_rank_stop"]  # (last: their fits end in
-# an error)
+                    if OPTUNA else []), *(["optuna_crash"] if OPTUNA else []), "one_rank_add", "one_rank_unqueue",
+                  "one_rank_stop"]  # (last: their fits end in an error)
 # resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
-RESUME_MODES = ["resume", *(["warmup_resume"] if OPTUNA else [])]
+RESUME_MODES = ["resume", *(["warmup_resume", "optuna_crash_resume"] if OPTUNA else [])]
 
 
 @pytest.fixture(scope="module")
@@ -732,6 +732,21 @@ def test_a_sweep_stopped_in_its_warmup_and_resumed_ends_as_if_never_stopped(runs
         resumed_weights = load_file(runs / folder / name / "adapter_model.safetensors")
         uninterrupted = load_file(runs / "warmup" / name / "adapter_model.safetensors")
         assert_weights_close(resumed_weights, uninterrupted)
+
+
+def test_a_sweep_crashed_after_trials_were_told_resumes_on_two_ranks(runs):
+    """A crash after trials were told past the checkpoint: on resume, rank 0 queued its new trial before taking up
+    the told ones, the other rank after them; the ranks' registries differed in order alone, and the check of their
+    agreement took it for a user's one-rank `add_adapter` (an error on every rank, at every resume)."""
+    optuna = pytest.importorskip("optuna")
+    crashed = json.loads((runs / "optuna_crash.rank0.json").read_text())
+    assert crashed["evaluated"]["crashed"] == 13
+    resumed = [json.loads((runs / f"optuna_crash_resume.rank{r}.json").read_text()) for r in (0, 1)]
+    assert "refused" not in resumed[0]["evaluated"] and resumed[0]["states"] == resumed[1]["states"]
+    assert sorted(resumed[0]["states"]) == [f"trial-{i}" for i in range(5)]
+    assert all(state == "finished" for state, _ in resumed[0]["states"].values())
+    study = optuna.load_study(study_name="multilora", storage=f"sqlite:///{runs / 'optuna_crash'}.db")
+    assert sorted(t.state.name for t in study.get_trials()) == ["COMPLETE"] * 5
 
 
 def test_an_error_in_rank_zeros_decision_fails_every_rank_with_its_message(tmp_path):
