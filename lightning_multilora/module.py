@@ -1865,6 +1865,7 @@ class MultiLoRAMixin:
     def on_train_start(self) -> None:
         self._added_before_start = {}
         self._fit_started = True  # (its callbacks' states are carried to the next fit: `_carry_optimizer_state`)
+        self._validate_the_resumed_step()
         if self.trainer.lr_scheduler_configs:  # (a subclass's configure_optimizers returned one)
             raise ValueError("a learning-rate scheduler from `configure_optimizers` would never be stepped (the module "
                              "sets each adapter's rate every step): give each adapter its own schedule, "
@@ -1889,6 +1890,7 @@ class MultiLoRAMixin:
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         self._stepped = True
+        self.__dict__.pop("_resumed_validation", None)  # (`_validate_the_resumed_step`: none was due)
         self._drop_rows_of_stopped(batch)
         self.__dict__["_stops_held"] = {}  # (a removal or pause a hook asks inside the step: once it is taken)
         try:
@@ -2667,8 +2669,41 @@ class MultiLoRAMixin:
                              f"`trainer.{fn}(module, datamodule, ckpt_path=path)` (a file, or an adapter-parallel "
                              "checkpoint's folder; any number of processes)")
 
+    def _validate_the_resumed_step(self) -> None:
+        """A resume from a checkpoint written in a step's ``on_train_batch_end``
+        (`ModelCheckpoint(every_n_train_steps)`, before that step's validation) at a step the Trainer validates at:
+        Lightning takes the validation for done and goes on to train, so the resumed run never measured that step (a
+        best weights' step lost, EarlyExit and the pruner not asked, a trial's value of other weights). Its validation
+        loop is told it was stopped inside that validation, which it then runs before the next step, as the run that was
+        not stopped did (at the logger's step that run validated at: `on_validation_epoch_start`)."""
+        due = self.__dict__.pop("_validation_due", False)  # (the checkpoint's: `_validation_due`)
+        loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
+        if loop is None or not due or not getattr(loop, "restarted_on_train_batch_end", False):
+            return
+        from lightning.pytorch.loops.evaluation_loop import RestartStage
+
+        loop.val_loop._restart_stage = RestartStage.RESTARTED_MID_EVALUATION  # (`advance`: "finish running validation")
+        loop.val_loop.restarting = False  # (run whole, not from the counters of the checkpoint's last validation)
+        self._resumed_validation = loop  # (dropped at the next training step: no validation was due)
+
+    def _validation_due(self) -> bool:
+        """Whether the Trainer validates after the training step a checkpoint is written in now (in its
+        ``on_train_batch_end``, before that validation: `_validate_the_resumed_step` runs it on resume; at an epoch's
+        last batch with none due, none runs)."""
+        trainer = self._trainer_or_none()
+        fit_loop = getattr(trainer, "fit_loop", None)
+        if trainer is None or fit_loop is None or trainer.state.fn != "fit" or not trainer.training:
+            return False
+        try:
+            return bool(fit_loop.epoch_loop._should_check_val_fx(fit_loop._data_fetcher))
+        except Exception:  # noqa: BLE001 - (Lightning's loop of another version: the resume goes as Lightning's)
+            return False
+
     @override
     def on_validation_epoch_start(self) -> None:
+        resumed = self.__dict__.pop("_resumed_validation", None)
+        if resumed is not None and self.trainer.state.fn == "fit" and not self.trainer.sanity_checking:
+            resumed._batches_that_stepped -= 1  # (Lightning counted the step as done with its validation)
         if self.trainer.state.fn == "validate":
             self._refuse_loaded_under_placement("validate")
         stopped = self.__dict__.pop("_stopped_empty", None) == (id(self.trainer), self.trainer.global_step)
@@ -2807,6 +2842,7 @@ class MultiLoRAMixin:
             "base_given": bool(self.__dict__.get("_base_given", False)),  # (a model given to MultiLoRAModule)
             "optimizer_classes": _optimizer_classes(self._raw_optimizer()),
             "max_running": self.max_running,
+            "validation_due": self._validation_due(),  # (`_validate_the_resumed_step`)
             "torch_rng": torch.get_rng_state(),
             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
         }
@@ -2951,6 +2987,7 @@ class MultiLoRAMixin:
         state = checkpoint.get("multilora")
         if state is None:
             raise ValueError("this checkpoint was not written by a MultiLoRAMixin module (no 'multilora' entry)")
+        self.__dict__["_validation_due"] = bool(state.get("validation_due"))  # (`_validate_the_resumed_step`)
         if state.get("base_given") and getattr(self, "_base_named", None) is not None:  # (its base a model given,
             # not held: a load without it built the default base, and the adapters ran on its weights, unsaid)
             said = (f"this checkpoint's base was a model given to the module (`base_model=<model>`), which a "

@@ -2514,6 +2514,50 @@ class _InterruptIn(Callback):
             raise KeyboardInterrupt
 
 
+@pytest.mark.parametrize("epochs", [False, True])
+def test_a_resume_from_a_checkpoint_written_before_its_steps_validation_runs_that_validation(tmp_path,
+                                                                                             trainer_kwargs, epochs):
+    """`ModelCheckpoint(every_n_train_steps=4)` writes in step 4's ``on_train_batch_end``, before its validation
+    (`val_check_interval=4`): Lightning's resume took that validation for done, and the resumed run never measured
+    step 4 (a best there lost, EarlyExit and a pruner not asked). It runs, logged at the uninterrupted run's step; and
+    none runs where none was due (``epochs``: a checkpoint at an epoch's last batch, step 6 of 6-batch epochs)."""
+    import csv
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    every, crash = (6, 8) if epochs else (4, 6)
+    over = {"limit_train_batches": 6, "check_val_every_n_epoch": 1, "max_epochs": -1} if epochs else {}
+
+    class Crash(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == crash:
+                raise RuntimeError("node lost")
+
+    def run(name, callbacks=(), ckpt=None):
+        module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=2, max_steps=12,
+                                                                     lr=3e-3)], export_dir=str(tmp_path / name))
+        logger = CSVLogger(tmp_path / name, name="csv", version=1 if ckpt else 0)
+        trainer = L.Trainer(**{**trainer_kwargs, "val_check_interval": 4, "logger": logger, "log_every_n_steps": 1,
+                               "enable_checkpointing": bool(callbacks), **over}, callbacks=list(callbacks))
+        try:
+            trainer.fit(module, small_dm(), ckpt_path=ckpt)
+        except RuntimeError:
+            pass
+        with open(logger.log_dir + "/metrics.csv") as f:
+            steps = [int(row["step"]) for row in csv.DictReader(f) if row.get("adapters/a/val_loss")]
+        return module.registry["a"], steps
+
+    full, full_steps = run("full")
+    run("stopped", [Crash(), ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=every, save_top_k=-1,
+                                             filename="{step}")])
+    resumed, steps = run("stopped", ckpt=str(tmp_path / "ck" / f"step={every}.ckpt"))
+    assert [s for s, _ in full.val_losses] == ([4, 10, 12] if epochs else [4, 8, 12])
+    assert [s for s, _ in resumed.val_losses] == [s for s, _ in full.val_losses]
+    assert [v for _, v in resumed.val_losses] == pytest.approx([v for _, v in full.val_losses], rel=1e-6)
+    assert resumed.train_losses == full.train_losses and steps == [s for s in full_steps if s >= every - 1]
+
+
 def _trained_alike(once: MultiLoRAModule, twice: MultiLoRAModule, names: str) -> None:
     """The adapters ``names`` of a run stopped and fitted again (``twice``) trained as those of the run not stopped."""
     for name in names:

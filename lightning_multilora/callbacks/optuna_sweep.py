@@ -1275,6 +1275,16 @@ class OptunaSweep(Callback):
             self._beat()
 
     @override
+    @override
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint written after a stop that left trials with none to resume them (`trainer.save_checkpoint`
+        from Python): it resumes them now, so they are no longer told FAIL as the module is dropped
+        (`_fail_when_dropped`; a resume in another process trained them to the end, the study keeping them FAIL)."""
+        left = pl_module.__dict__.get("_sweep_trials_left")
+        if left is not None and left[0] == self.sweep_id and left[1].alive:
+            left[1].detach()
+            del pl_module.__dict__["_sweep_trials_left"]
+
     def state_dict(self) -> dict[str, Any]:
         return {"trials": {n: dict(t) for n, t in self.trials.items()}, "asked": self.asked,
                 "exhausted": self.exhausted, "study_name": self.study_name,

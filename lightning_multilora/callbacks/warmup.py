@@ -160,7 +160,8 @@ class WarmupSelection(Callback):
         for key, members in groups.items():
             losses = {n: waiting[n] for n in members if n in waiting}
             chosen = self.select(losses, len(members))
-            order = sorted(losses, key=lambda n: (not math.isfinite(losses[n]), losses[n], n))  # (as `select` ranks)
+            index = {n: i for i, n in enumerate(losses)}  # (as `select` ranks: ties in warmup order)
+            order = sorted(losses, key=lambda n: (not math.isfinite(losses[n]), losses[n], index[n]))
             where = ""
             if len(groups) > 1:
                 beta = f" (beta {key[2]:g})" if key[2] is not None else ""

@@ -1271,6 +1271,16 @@ def test_trials_a_max_steps_stop_leaves_with_no_checkpoint_are_failed_as_the_mod
     assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
     assert trials[0].user_attrs["fail_reason"] == ("the Trainer stopped at its max_steps=2 at step 2 of its adapter, "
                                                    "and no checkpoint of the run can resume it")
+    # a checkpoint the user writes after the stop resumes them: they stay RUNNING for it
+    storage = f"sqlite:///{tmp_path / 'saved.db'}"
+    with pytest.warns(UserWarning, match="stay RUNNING"):
+        trainer, _ = fit(tmp_path, trainer_kwargs, OptunaSweep(SPACE, n_trials=4, storage=storage, slots=2,
+                                                               base={"max_steps": 6, "batch_size": 2}), max_steps=2)
+    trainer.save_checkpoint(tmp_path / "after.ckpt")
+    del trainer, _
+    gc.collect()
+    assert [t.state.name for t in optuna.load_study(study_name="multilora", storage=storage).get_trials()] == [
+        "RUNNING", "RUNNING"]
 
 
 def test_a_fit_again_after_ctrl_c_without_a_checkpoint_goes_on_with_its_trials_and_tells_them(tmp_path,

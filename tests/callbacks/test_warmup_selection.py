@@ -166,7 +166,8 @@ def test_candidates_of_another_objective_or_source_are_ranked_apart():
     assert sorted(decision["kept"]) == ["dpo-good", "gsm-b", "sft-good"]
     assert decision["kept"][:1] == ["sft-good"]  # (each group's best first, in turn)
     said = decision["pruned"]["dpo-bad"]
-    # one group: select's order (a NaN last, ties by name); the first source by its name and by None alike; betas apart
+    # one group: select's order (a NaN last, ties in warmup order); the first source by its name and by None alike;
+    # betas apart
     registry = AdapterRegistry()
     losses = {"a": 3.0, "b": float("nan"), "c": 1.0, "d": 2.0, "z": 1.5, "y": 1.5, "beta": 0.2}
     for name in losses:
@@ -177,7 +178,7 @@ def test_candidates_of_another_objective_or_source_are_ranked_apart():
     one.candidates, one.warmup_losses = [n for n in losses if n != "beta"], dict(losses)
     trainer = SimpleNamespace(callbacks=[], datamodule=SimpleNamespace(source_name=lambda d: d or "arith"))
     decision = one._selection(trainer, registry)
-    assert decision["kept"] == one.select({n: losses[n] for n in one.candidates}, 6) == ["c", "y", "z", "d"]
+    assert decision["kept"] == one.select({n: losses[n] for n in one.candidates}, 6) == ["c", "z", "y", "d"]
     assert "ranked 2 of 2 among the dpo adapters (beta 0.1) on the first source; kept the top 1 of 2" in said
 
 
