@@ -2017,14 +2017,14 @@ class MultiLoRAMixin:
             try:
                 optimizer.step()
             except BaseException:
-                moved = {rec.name for i, rec in enumerate(records)
-                         if _moved(marks[i], _step_marks(optim, optim_params[i]))}
+                after = [_step_marks(optim, ps) for ps in optim_params]
+                moved = {rec.name for i, rec in enumerate(records) if _moved(marks[i], after[i])}
                 self._untake_step(layout, [k for k in kept if k[0].name not in moved], skip=moved)
                 taken = [s for s in stepped if s[0].name in moved]
                 if taken:
                     self._count_step(taken, logs, groups, [n for n in layout.names if n in moved])
-                    counted = sorted(rec.name for i, rec in enumerate(records) if rec.name in moved and all(
-                        a[0] == b[0] for a, b in zip(marks[i], _step_marks(optim, optim_params[i]))))
+                    counted = sorted(rec.name for i, rec in enumerate(records) if rec.name in moved
+                                     and all(a[0] == b[0] for a, b in zip(marks[i], after[i])))
                     warnings.warn(f"the optimizer's step stopped after it updated adapters {sorted(moved)}: they are "
                                   f"counted as having taken step {taken[0][0].step} (the others take it again)" + (
                                       f"; {counted}: by their optimizer state's step counts, their weights showing no "
