@@ -46,6 +46,7 @@ from lightning_multilora.optim import IMPLEMENTATION_FLAGS, GroupedAdamW
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
 from lightning_multilora.schedules import lr_factor
 from lightning_multilora.shadow import shadow_of
+from lightning_multilora.signals import stop_signals_deferred
 from lightning_multilora.spec import AdapterSpec, SweepGrid, steps_of_epochs, warmup_past_the_end
 import lightning_multilora.strategies  # noqa: E402,F401 - registers strategy="adapter_parallel"
 
@@ -79,28 +80,6 @@ def _moved(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> bool:
     """Whether an adapter's optimizer step was taken, in part at least, between `_step_marks` ``before`` and
     ``after``: a parameter updated, or a step counted (a state made and not yet counted, 0, is not)."""
     return any(a[0] != b[0] or a[1] > max(b[1], 0) for b, a in zip(before, after))
-
-
-@contextlib.contextmanager
-def _deferred_interrupt():
-    """Ctrl+C (SIGINT) held until the block ends, then raised (a KeyboardInterrupt, as it would have been): the
-    block's work is done whole or not at all. Only where Python's own handler is in place, in the main thread (a
-    handler of one's own is left to act)."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield
-        return
-    caught: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if caught:
-        raise KeyboardInterrupt
 
 
 def resolve_optimizer(optimizer: Union[str, type]) -> type:
@@ -2008,12 +1987,12 @@ class MultiLoRAMixin:
         # updates the adapters' groups one after another (torch's optimizers loop over them): an error inside it (out
         # of memory as a new adapter's state is made) may come after some adapters took it (`_moved`). Those are
         # counted as having taken it, the others not (a step taken again from the same batch updated the first ones
-        # twice). A Ctrl+C is held until the step is taken and counted (`_deferred_interrupt`): with any optimizer,
-        # it stops the run between steps.
+        # twice). A Ctrl+C (or SIGTERM, SIGHUP) is held until the step is taken and counted (`stop_signals_deferred`):
+        # with any optimizer, it stops the run between steps.
         optim_params = [groups[rec.name]["params"] if rec.name in groups else params[i]
                         for i, rec in enumerate(records)]
         marks = [_step_marks(optim, ps) for ps in optim_params]
-        with _deferred_interrupt():
+        with stop_signals_deferred():
             try:
                 optimizer.step()
             except BaseException:

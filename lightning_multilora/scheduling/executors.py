@@ -13,7 +13,6 @@ checkpoints alone.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import os
 import shutil
@@ -26,6 +25,7 @@ from typing import Callable, Mapping, Optional
 
 from lightning_multilora.arguments import check_int, check_real
 from lightning_multilora.scheduling.task_scheduler import Task
+from lightning_multilora.signals import stop_signals_deferred
 
 
 @dataclass(order=True)
@@ -194,7 +194,7 @@ class LocalExecutor:
             self._failed_starts.append(Completion(self.now(), task.id, False, f"could not open its log: {err}"))
             return
         try:
-            with _stop_signals_deferred():  # (a Ctrl-C inside Popen, its child forked: registered, then stopped)
+            with stop_signals_deferred():  # (a Ctrl-C inside Popen, its child forked: registered, then stopped)
                 proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                         start_new_session=True, preexec_fn=_dies_with_parent())
                 self._procs[task.id] = (proc, log, log_path)
@@ -362,36 +362,6 @@ def _group_alive(pgid: int, live: Optional[set[int]]) -> bool:
     except (ProcessLookupError, PermissionError):
         return False
     return live is None or pgid in live
-
-
-@contextlib.contextmanager
-def _stop_signals_deferred():
-    """Holds back, until the block ends, the Python handlers of SIGINT, SIGTERM and SIGHUP (Ctrl-C's
-    KeyboardInterrupt, the schedule's own): raised inside ``Popen`` after its fork, the child ran, unknown to the
-    executor, and outlived the stop. A signal that came meanwhile is raised again as the block ends, to its own
-    handler. (Python runs signal handlers in the main thread alone: elsewhere, nothing to hold back. A signal mask
-    would be inherited by the task's process, and would not hold back a handler another thread's signal trips.)"""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    came: list[int] = []
-    held = {}
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-        sig = getattr(signal, name, None)
-        handler = signal.getsignal(sig) if sig is not None else None
-        if handler is not None and handler is not signal.SIG_IGN:  # (None: a handler set outside Python, kept)
-            held[sig] = handler
-            signal.signal(sig, lambda signum, frame: came.append(signum))
-    try:
-        yield
-    finally:
-        for sig, handler in held.items():
-            signal.signal(sig, handler)
-        for sig in dict.fromkeys(came):
-            signal.raise_signal(sig)
 
 
 def _say(text: str) -> None:

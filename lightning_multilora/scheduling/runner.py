@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from lightning_multilora.arguments import check_bool, check_int, check_real
-from lightning_multilora.scheduling.executors import Completion, _stop_signals_deferred
+from lightning_multilora.scheduling.executors import Completion
+from lightning_multilora.signals import stop_signals_deferred
 from lightning_multilora.scheduling.records import (changed_warning, definition_changes, ids_text, read_records,
                                                     record_entry, write_records)
 from lightning_multilora.scheduling.task_scheduler import Placement, Schedule, Task, TaskScheduler
@@ -341,7 +342,7 @@ class ScheduleRunner:
         self.running.clear()
         self._failed_starts.clear()
         self.save_records()
-        with _stop_signals_deferred():  # (a second Ctrl-C meanwhile waits for the stop, then is raised: it cut the
+        with stop_signals_deferred():  # (a second Ctrl-C meanwhile waits for the stop, then is raised: it cut the
             # stop short, and the exit statuses and logs that the caller's stop found again were not recorded)
             stopped = self.executor.stop() if hasattr(self.executor, "stop") else None
             for done in stopped or ():
