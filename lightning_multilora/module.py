@@ -53,6 +53,9 @@ import lightning_multilora.strategies  # noqa: E402,F401 - registers strategy="a
 # What the modules' default target_modules, "all-linear", adapts in a Llama-family model (Qwen2, Mistral...)
 LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _LORA_KEYS = (".lora_A.", ".lora_B.")
+# what a resume whose adapters' layers differ from its checkpoint's is told (a `UsageError`: the command's message)
+_OTHER_TARGETS = ("resume with the `target_modules` (the module's, and each AdapterSpec's) the checkpoint was trained "
+                  "with")
 # a base model's config entries that a checkpoint's adapters depend on (`_base_identity`)
 _BASE_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "head_dim")
@@ -3056,9 +3059,14 @@ class MultiLoRAMixin:
             self._place_resumed(placement)
         elif self.admission is not None and trainer is not None and trainer.state.fn == "fit":
             self._warn_over_budget()
-        for rec in self.registry.holding_weights:
-            if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
-                self._create_weights(rec, checkpoint)
+        try:
+            for rec in self.registry.holding_weights:
+                if self._owns(rec.name):  # under adapter parallelism, this rank's adapters only
+                    self._create_weights(rec, checkpoint)
+        except UsageError:
+            raise
+        except ValueError as err:  # (an adapter's own targets not among the module's: a setting of the resume)
+            raise UsageError(f"{err}; {_OTHER_TARGETS}") from err
         steps = state.get("dropout_steps")
         if steps is None and any(rec.spec.dropout > 0 for rec in self.registry.holding_weights):
             rank_zero_warn("this checkpoint carries no dropout steps (it was written by an older version): adapters "
@@ -3073,9 +3081,8 @@ class MultiLoRAMixin:
         if missing or extra:
             which = (f"lacks adapter weights {sorted(missing)[:4]}" if missing else
                      f"holds adapter weights for layers this module no longer targets {sorted(extra)[:4]}")
-            raise ValueError(f"checkpoint {which}...: the adapters' layers differ from the checkpoint's; resume with "
-                             "the `target_modules` (the module's, and each AdapterSpec's) the checkpoint was trained "
-                             "with")
+            raise UsageError(f"checkpoint {which}...: the adapters' layers differ from the checkpoint's; "
+                             f"{_OTHER_TARGETS}")
         self._run_id = state.get("run_id", self._run_id)
         self._lineage = list(state.get("lineage", [])) + [uuid.uuid4().hex]  # (a branch of its own: `_sibling`)
         torch.set_rng_state(state["torch_rng"])

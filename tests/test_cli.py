@@ -603,6 +603,27 @@ def test_a_resume_from_a_checkpoint_file_takes_the_commands_model_settings(tmp_p
     assert sorted(p.name for p in (tmp_path / "moved").iterdir()) == ["a", "c"]
 
 
+@pytest.mark.parametrize("targets", ["[q_proj]", "[q_proj, v_proj, k_proj, o_proj, gate_proj, up_proj, down_proj, "
+                                     "lm_head]"])
+def test_a_resume_with_other_target_modules_is_a_usage_error(tmp_path, capsys, targets):
+    """The checkpoint's adapter weights in layers the module no longer wraps, or an adapter's layers the checkpoint
+    lacks: a traceback as the fit loaded the checkpoint, the run's config and claim left in the version folder it
+    took."""
+    checkpoints = json.dumps([{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+                               "init_args": {"dirpath": str(tmp_path / "ck"), "every_n_train_steps": 1}}])
+    main(_tiny_fit(tmp_path / "run", "--trainer.max_steps", "1", "--trainer.callbacks", checkpoints))
+    ckpt = str(next((tmp_path / "ck").glob("*.ckpt")))
+    with pytest.raises(SystemExit) as done:
+        main(_tiny_fit(tmp_path / "run", "--ckpt_path", ckpt, "--model.target_modules", targets))
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "Traceback" not in err, err
+    assert re.search(r"checkpoint (holds adapter weights for layers this module no longer targets|lacks adapter "
+                     r"weights) .* resume with the `target_modules` \(the module's, and each AdapterSpec's\) the "
+                     "checkpoint was trained with", err), err
+    left = {p.name for p in (tmp_path / "run" / "lightning_logs" / "version_1").iterdir()}
+    assert not left & {"config.yaml", "sweep_summary.json", ".multilora_log"}, left
+
+
 def test_a_resume_from_a_checkpoint_file_without_the_runs_config_names_the_runs_base(tmp_path, capsys):
     """With the module the command's config, `--ckpt_path <file>` alone built the default base: a traceback of
     another base model, a version folder left behind."""
