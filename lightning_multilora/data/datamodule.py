@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import random
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import lightning as L
@@ -40,6 +41,18 @@ class TokenizedSplit:
     labels: list[list[int]]
     rejected_ids: Optional[list[list[int]]] = None
     rejected_labels: Optional[list[list[int]]] = None
+    _digest: Optional[str] = field(default=None, init=False, repr=False, compare=False)
+
+    def digest(self) -> str:
+        """A hash of the split's rows in order (each row's length and values): which examples a data position points
+        at, saved beside it (`AdapterStream.state_dict`)."""
+        if self._digest is None:
+            h = hashlib.blake2b(digest_size=16)
+            for rows in (self.input_ids, self.labels, self.rejected_ids or [], self.rejected_labels or []):
+                h.update(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)).tobytes())
+                h.update(np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64).tobytes())
+            self._digest = h.hexdigest()
+        return self._digest
 
     def rows(self, idx: Sequence[int], objective: str, where: str) -> tuple[list[list[int]], list[list[int]]]:
         """Rows of examples ``idx``: DPO takes every chosen row, then every rejected row."""
@@ -73,8 +86,8 @@ class AdapterStream:
     so an epoch is ``ceil(n / batch_size)`` steps.
     """
 
-    def __init__(self, num_examples: int, batch_size: int, seed: int) -> None:
-        self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
+    def __init__(self, num_examples: int, batch_size: int, seed: int, digest: Optional[str] = None) -> None:
+        self.num_examples, self.batch_size, self.seed, self.digest = num_examples, batch_size, seed, digest
         self.epoch, self.position = 0, 0
         self._perm: Optional[list[int]] = None
 
@@ -96,8 +109,9 @@ class AdapterStream:
     def steps_per_epoch(self) -> int:
         return -(-self.num_examples // self.batch_size)
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "num_examples": self.num_examples}
+    def state_dict(self) -> dict[str, Any]:
+        state = {"epoch": self.epoch, "position": self.position, "num_examples": self.num_examples}
+        return state if self.digest is None else {**state, "digest": self.digest}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.epoch, self.position, self._perm = int(state["epoch"]), int(state["position"]), None
@@ -528,10 +542,11 @@ class MultiLoRADataModule(L.LightningDataModule):
 
     def stream(self, spec: "AdapterSpec") -> AdapterStream:
         if spec.name not in self._streams:
-            stream = AdapterStream(self.num_train_examples(spec.dataset), spec.batch_size, spec.seed)
+            train = self.split(spec.dataset)[0]
+            stream = AdapterStream(len(train), spec.batch_size, spec.seed, train.digest())
             if spec.name in self._pending_stream_state:
                 state = self._pending_stream_state.pop(spec.name)
-                saved = state.get("num_examples")  # (absent from older checkpoints)
+                saved = state.get("num_examples")  # (absent from older checkpoints, as is "digest")
                 if ((saved is not None and saved != stream.num_examples)
                         or int(state["position"]) >= stream.num_examples):
                     warnings.warn(
@@ -541,6 +556,13 @@ class MultiLoRADataModule(L.LightningDataModule):
                         f"written (the data, `limit`, `max_length`, `truncate` or `val_fraction` changed): its data "
                         f"position cannot be kept, so it starts epoch {state['epoch']} from its beginning")
                     state = dict(state, position=0)
+                elif state.get("digest") not in (None, stream.digest):
+                    warnings.warn(
+                        f"adapter {spec.name!r}: its training split of data source "
+                        f"{self.source_name(spec.dataset)!r} holds other examples now than when the checkpoint was "
+                        f"written, as many ({stream.num_examples}; the data, its order `split_seed`, the tokenizer, "
+                        "`max_length` or `truncate` changed): it goes on from its position in epoch "
+                        f"{state['epoch']}, over other examples than the run it resumes would have drawn")
                 stream.load_state_dict(state)
             self._streams[spec.name] = stream
         return self._streams[spec.name]

@@ -558,6 +558,31 @@ def test_a_data_position_from_a_split_of_another_size_restarts_its_epoch():
         assert dm.stream(specs[0]).position == 0
 
 
+def test_a_data_position_in_a_split_of_other_examples_of_the_same_size_is_said():
+    """Another `split_seed` (or other data of as many examples) resumed the saved position in other examples,
+    unsaid: the adapter drew other batches than the run it resumes. Said now; the same split resumes silently."""
+    spec = AdapterSpec("a", batch_size=4, seed=1)
+
+    def saved(**kwargs):
+        dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(40)}, val_fraction=0.25, **kwargs)
+        dm.stream(spec).next_indices()
+        return dm.state_dict()
+
+    state = saved()
+    assert state["streams"]["a"]["position"] == 4
+    for kwargs, data, other in (({}, 0, False), ({"split_seed": 7}, 0, True), ({}, 1, True)):
+        dm = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(40, seed=data)}, val_fraction=0.25, **kwargs)
+        dm.load_state_dict(state)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            stream = dm.stream(spec)
+        assert (stream.epoch, stream.position) == (0, 4)
+        assert any("holds other examples now than when the checkpoint was written, as many (30" in str(w.message)
+                   for w in said) == other, [str(w.message) for w in said]
+    assert saved()["streams"]["a"]["digest"] == state["streams"]["a"]["digest"] != saved(split_seed=7)[
+        "streams"]["a"]["digest"]
+
+
 def test_an_example_too_long_is_named_by_where_it_came_from(tmp_path):
     """The "too long" error named an example by its index in its source only; it names its file and line (JSONL,
     preference file), ``records[i]`` or ``path[i]`` too. Where it came from is no part of an example's equality."""
