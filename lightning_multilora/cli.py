@@ -46,7 +46,8 @@ class _Parser(LightningArgumentParser):
         top = [a.dest for a in (parser or self)._actions if a.dest and "." not in a.dest
                and a.dest not in ("help", "config")]
         return super().error((_refused_fields(message, refused) or _section_typo(message, top) or _wrong_type(message)
-                              or _class_path(message) or message) + peft_hints(refused), ex)
+                              or _class_path(message) or _field_before_class(message)
+                              or _unknown_class(message) or message) + peft_hints(refused), ex)
 
     def print_usage(self, file=None) -> None:
         (file or sys.stdout).write(f"usage: {self.prog} [-h] [-c CONFIG] [--KEY VALUE ...]\n")
@@ -73,9 +74,12 @@ def _refused_fields(message: str, refused: list[str]) -> Optional[str]:
     if not refused:  # base class alternative, `Callback`, refused it; `_wrong_type` says what is wrong)
         return None
     if not fields:  # (the declared base class, which jsonargparse fell back to: the class meant was not read)
-        return (f"`{key[1]}`: {cls.__name__} takes no {', '.join(map(repr, refused))}: the class meant was not read "
-                f"with its fields; give each as NAME: {{class_path: <class>, init_args: {{<field>: <value>}}}} in a "
-                f"config, or on the command line as --{key[1]}.NAME <class> --{key[1]}.NAME.<field> <value>")
+        said = f"`{key[1]}`: {cls.__name__} takes no {', '.join(map(repr, refused))}: the class meant was not read"
+        if key[1].rpartition(".")[2] in _MAPPING_KEYS:
+            return (f"{said} with its fields; give each as NAME: {{class_path: <class>, init_args: {{<field>: "
+                    f"<value>}}}} in a config, or on the command line as --{key[1]}.NAME <class> "
+                    f"--{key[1]}.NAME.<field> <value>")
+        return f"{said} (no class given takes it); {_class_first(key[1], refused)}"
     named = [f"{name!r}" + "".join(f" (did you mean {close!r}?)" for close in difflib.get_close_matches(
         name, fields, n=1) if not peft_hints([name])) for name in refused]  # (PEFT's spellings: their own hint)
     said = f"`{key[1]}`: {cls.__name__} takes no {', '.join(named)}; it takes {', '.join(fields)}"
@@ -88,6 +92,81 @@ def _refused_fields(message: str, refused: list[str]) -> Optional[str]:
         said += (f" ({option}* sets the last item's: to change another, write the whole config with --print_config "
                  "> run.yaml, edit it, then `multilora fit --config run.yaml`)")
     return said
+
+
+# the keys whose value is a mapping of names to classes (the others hold a class, or a list of them)
+_MAPPING_KEYS = ("sources", "val_sources")
+
+
+def _classes_taking(key: str, names: Sequence[str]) -> list[str]:
+    """The classes that the option ``key`` may hold (this package's callbacks and Lightning's, or Lightning's
+    loggers) that take every field of ``names``, by import path."""
+    import inspect
+
+    import lightning.pytorch.callbacks as callbacks
+    import lightning.pytorch.loggers as loggers
+
+    import lightning_multilora
+
+    if key.endswith("callbacks"):
+        found = [(f"lightning_multilora.{n}", getattr(lightning_multilora, n))
+                 for n in ("EarlyExit", "WarmupSelection", "OptunaSweep", "SweepReport")]
+        found += [(f"lightning.pytorch.callbacks.{n}", getattr(callbacks, n)) for n in callbacks.__all__]
+    elif key.endswith("logger"):
+        found = [(f"lightning.pytorch.loggers.{n}", getattr(loggers, n))  # (the default logger's class first)
+                 for n in sorted(loggers.__all__, key=lambda n: n != "TensorBoardLogger")]
+    else:
+        return []
+    takers = []
+    for path, cls in found:
+        try:
+            if isinstance(cls, type) and all(n in inspect.signature(cls).parameters for n in names):
+                takers.append(path)
+        except (TypeError, ValueError):  # (a class whose signature cannot be read)
+            continue
+    return takers
+
+
+def _class_first(key: str, refused: Sequence[str]) -> str:
+    """How to give option ``key`` (a class, or a list of them) the fields ``refused``: its class first, named where
+    one this package or Lightning has takes them."""
+    takers = _classes_taking(key, refused)
+    cls_name, field = takers[0] if takers else "<class>", refused[0]
+    return (f"give the class first, then its fields: --{key}{'+=' if key.endswith('callbacks') else ' '}{cls_name} "
+            f"--{key}.init_args.{field} <value> (a field sets the last class given), or in a config {{class_path: "
+            f"{cls_name}, init_args: {{{field}: <value>}}}}" + (f" ({', '.join(takers)} take {field!r})"
+                                                             if len(takers) > 1 else ""))
+
+
+def _unknown_class(message: str) -> Optional[str]:
+    """jsonargparse's error for a class path that does not import (``--trainer.callbacks+=lightning_multilora.
+    EarlyExitt``: the union's alternatives, the reason twice) as one sentence: the key, the class, why, and the closest
+    class this package or Lightning has for the option. None where the message is not that."""
+    import difflib
+
+    found = re.search(r'Parser key "([\w.]+)":.*?(?:Problem with given class_path \'([\w.]+)\':\s+(.*?)\n|Expected a '
+                      r"dot import path string: (\S+))", message, re.S)
+    if found is None:
+        return None
+    key, path, why = found[1], found[2] or found[4], found[3] or "a class is named by its import path"
+    known = _classes_taking(key, [])
+    short = {p.rpartition(".")[2]: p for p in known}
+    close = difflib.get_close_matches(path, known, n=1) or [
+        short[c] for c in difflib.get_close_matches(path.rpartition(".")[2], list(short), n=1)]
+    hint = f" (did you mean {close[0]!r}?)" if close else (
+        f" (this package's: {', '.join(p for p in known if p.startswith('lightning_multilora'))})"
+        if any(p.startswith("lightning_multilora") for p in known) else "")
+    return f"`{key}`: no class {path!r}: {why}{hint}"
+
+
+def _field_before_class(message: str) -> Optional[str]:
+    """jsonargparse's error for a class's field given to an option that holds no class (``--trainer.logger.init_args
+    .save_dir logs`` with no logger class given: the union's alternatives, a ``NestedArg`` dump) as one sentence:
+    give the class first. None where the message is not that."""
+    found = re.search(r'Parser key "([\w.]+)":.*?Given value: NestedArg\(key=\'(\w+)\'', message, re.S)
+    if found is None:
+        return None
+    return f"`{found[1]}`: {found[2]!r} is a field of a class, and none is given; {_class_first(found[1], [found[2]])}"
 
 
 def _wrong_type(message: str) -> Optional[str]:
@@ -106,6 +185,11 @@ def _wrong_type(message: str) -> Optional[str]:
     words = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "text"}.get(kind, f"a {kind}")
     item = re.search(rf"'name': '([^']+)'[^{{}}]*?'{field}': '?{re.escape(value)}'?[,}}]", message)
     which = f"adapter {item[1]!r}: " if item and key.endswith("adapters") else ""
+    axis = re.search(rf"'{field}': {{[^{{}}]*?'(\w+)': '?{re.escape(value)}'?[,}}]", message) \
+        if kind == "list" and field == "axes" else None
+    if axis:  # (a grid's axis given one value: jsonargparse names `axes` alone)
+        return (f"`{key}`: `axes[{axis[1]!r}]` must be a list of values, got {value!r} (one value for every "
+                f"adapter: give it in `base`, or as [{value}])")
     return f"`{key}`: {which}`{field}` must be {words}, got {value!r}"
 
 

@@ -506,6 +506,37 @@ def test_a_field_a_config_misspells_is_named_with_the_closest_one_under_a_short_
     assert len(err.splitlines()) <= 4 and err.startswith("usage: "), err
 
 
+@pytest.mark.parametrize("override, message", [
+    # (a callback's field with no callback given: the message told of a mapping's NAME syntax, which a list has not)
+    (["--trainer.callbacks.init_args.tau_gap", "3"],
+     "`trainer.callbacks`: Callback takes no 'tau_gap': the class meant was not read (no class given takes it); give "
+     "the class first, then its fields: --trainer.callbacks+=lightning_multilora.EarlyExit "
+     "--trainer.callbacks.init_args.tau_gap <value> (a field sets the last class given), or in a config {class_path: "
+     "lightning_multilora.EarlyExit, init_args: {tau_gap: <value>}}"),
+    (["--trainer.logger.init_args.save_dir", "logs"],  # (jsonargparse's dump of the union and a NestedArg)
+     "`trainer.logger`: 'save_dir' is a field of a class, and none is given; give the class first, then its fields: "
+     "--trainer.logger lightning.pytorch.loggers.TensorBoardLogger --trainer.logger.init_args.save_dir <value>"),
+    # (a misspelt class: the union's alternatives, the reason twice, no suggestion)
+    (["--trainer.callbacks+=lightning_multilora.EarlyExitt"],
+     "`trainer.callbacks`: no class 'lightning_multilora.EarlyExitt': module 'lightning_multilora' has no attribute "
+     "'EarlyExitt' (did you mean 'lightning_multilora.EarlyExit'?)"),
+    (["--trainer.callbacks+=WarmupSelecton"],
+     "`trainer.callbacks`: no class 'WarmupSelecton': a class is named by its import path (did you mean "
+     "'lightning_multilora.WarmupSelection'?)"),
+    (["--model.grid", "{axes: {rank: [2, 4], lr: 0.01}}"],  # (jsonargparse named `axes`, not the axis)
+     "`model.grid`: `axes['lr']` must be a list of values, got '0.01' (one value for every adapter: give it in `base`, "
+     "or as [0.01])"),
+    (["--trainer.callbacks+=nowhere.Thing"], "`trainer.callbacks`: no class 'nowhere.Thing': No module named 'nowhere' "
+                                             "(this package's: lightning_multilora.EarlyExit,"),
+])
+def test_a_class_or_an_axis_given_wrong_says_how_to_give_it(tmp_path, capsys, override, message):
+    with pytest.raises(SystemExit) as done:
+        main(_tiny_fit(tmp_path, *override))
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and message in err, err
+    assert len(err.splitlines()) <= 4 and err.startswith("usage: "), err
+
+
 def test_an_option_of_a_callback_other_than_the_last_says_how_to_change_it(tmp_path, capsys):
     """``multilora demo --trainer.callbacks.init_args.n_trials 4`` answered that EarlyExit (the last of the demo's
     callbacks, which jsonargparse gives the option to) takes no 'n_trials', and no word of how to change the sweep's."""

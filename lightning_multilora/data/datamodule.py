@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import itertools
 import os
@@ -331,7 +332,9 @@ class MultiLoRADataModule(L.LightningDataModule):
         if dataset is None:
             return next(iter(self.sources))
         if dataset not in self.sources:
-            raise ValueError(f"adapter `dataset` {dataset!r} is not a data source; sources are: {list(self.sources)}")
+            close = difflib.get_close_matches(str(dataset), list(self.sources), n=1)
+            raise ValueError(f"adapter `dataset` {dataset!r} is not a data source; sources are: {list(self.sources)}"
+                             + (f" (did you mean {close[0]!r}?)" if close else ""))
         return dataset
 
     @property

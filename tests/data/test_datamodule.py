@@ -496,6 +496,9 @@ def test_empty_dataset_is_a_clear_error():
         dm.split("empty")
     with pytest.raises(ValueError, match="adapter `dataset` 'nope' is not a data source; sources are: \\['empty'\\]"):
         dm.split("nope")
+    with pytest.raises(ValueError, match=r"'empyt' is not a data source; sources are: \['empty'\] \(did you mean "
+                                         r"'empty'\?\)"):
+        dm.split("empyt")
 
 
 def test_sequences_longer_than_the_model_maximum_are_errors(tmp_path, trainer_kwargs):
