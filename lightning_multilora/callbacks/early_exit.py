@@ -16,13 +16,16 @@ from lightning_multilora.registry import AdapterState, merge_by_owner
 
 
 def slope(values: list[float]) -> float:
-    """Least-squares slope of ``values`` against their index (per evaluation); +inf where one is +inf (a validation
-    loss that overflowed: the steepest rise)."""
+    """Least-squares slope of ``values`` against their index (per evaluation); +inf where the last is +inf (a
+    validation loss that overflowed: the steepest rise), -inf where an earlier one is and the last is not (the loss
+    came back from it: a fall, which counted as a rise, a recovered adapter diverging)."""
     n = len(values)
     if n < 2:
         return 0.0
-    if any(math.isinf(v) for v in values):
+    if math.isinf(values[-1]):
         return math.inf
+    if any(math.isinf(v) for v in values):
+        return -math.inf
     mean_x, mean_y = (n - 1) / 2, sum(values) / n
     num = sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
     den = sum((i - mean_x) ** 2 for i in range(n))

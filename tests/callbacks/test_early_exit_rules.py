@@ -57,6 +57,11 @@ def test_a_validation_loss_that_overflows_is_the_steepest_rise():
     assert slope([1.0, math.inf]) == math.inf
     rule = EarlyExit(ema_alpha=1.0)
     assert feed(rule, train=[1.0, 0.9, 0.8], val=[1.0, math.inf, math.inf]) == [None, None, "overfit"]
+    # (a validation loss back from an overflow fell: the next evaluation counted it as a rise, and an adapter whose
+    # training loss crept up diverged as it recovered)
+    assert slope([math.inf, 1.0]) == -math.inf and slope([1.0, math.inf, 1.2]) == -math.inf
+    rule = EarlyExit(ema_alpha=1.0, tau_gap=math.inf)
+    assert feed(rule, train=[1.0, 1.01, 1.02], val=[1.0, math.inf, 0.9]) == [None, None, None]
 
 
 def test_overfitting_fires_after_patience_evaluations_above_the_gap():
