@@ -99,8 +99,8 @@ _MAPPING_KEYS = ("sources", "val_sources")
 
 
 def _classes_taking(key: str, names: Sequence[str]) -> list[str]:
-    """The classes that the option ``key`` may hold (this package's callbacks and Lightning's, or Lightning's
-    loggers) that take every field of ``names``, by import path."""
+    """The classes that the option ``key`` may hold (this package's callbacks and Lightning's, Lightning's loggers, or
+    this package's data sources) that take every field of ``names``, by import path."""
     import inspect
 
     import lightning.pytorch.callbacks as callbacks
@@ -112,6 +112,11 @@ def _classes_taking(key: str, names: Sequence[str]) -> list[str]:
         found = [(f"lightning_multilora.{n}", getattr(lightning_multilora, n))
                  for n in ("EarlyExit", "WarmupSelection", "OptunaSweep", "SweepReport")]
         found += [(f"lightning.pytorch.callbacks.{n}", getattr(callbacks, n)) for n in callbacks.__all__]
+    elif key.rpartition(".")[2] in _MAPPING_KEYS:
+        import lightning_multilora.data as data
+
+        found = [(f"lightning_multilora.data.{n}", getattr(data, n))
+                 for n in ("JSONLSource", "PreferenceSource", "HFDatasetSource", "ListSource", "GeneratedArithmetic")]
     elif key.endswith("logger"):
         found = [(f"lightning.pytorch.loggers.{n}", getattr(loggers, n))  # (the default logger's class first)
                  for n in sorted(loggers.__all__, key=lambda n: n != "TensorBoardLogger")]

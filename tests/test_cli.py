@@ -526,6 +526,9 @@ def test_a_field_a_config_misspells_is_named_with_the_closest_one_under_a_short_
     (["--model.grid", "{axes: {rank: [2, 4], lr: 0.01}}"],  # (jsonargparse named `axes`, not the axis)
      "`model.grid`: `axes['lr']` must be a list of values, got '0.01' (one value for every adapter: give it in `base`, "
      "or as [0.01])"),
+    (["--data.sources", "{pc: {class_path: lightning_multilora.data.JSONLSourse, init_args: {path: pc.jsonl}}}"],
+     "`data.sources`: no class 'lightning_multilora.data.JSONLSourse': module 'lightning_multilora.data' has no "
+     "attribute 'JSONLSourse' (did you mean 'lightning_multilora.data.JSONLSource'?)"),
     (["--trainer.callbacks+=nowhere.Thing"], "`trainer.callbacks`: no class 'nowhere.Thing': No module named 'nowhere' "
                                              "(this package's: lightning_multilora.EarlyExit,"),
 ])
