@@ -2210,6 +2210,18 @@ class MultiLoRAMixin:
         return bool(getattr(connector, "should_update_logs", True))
 
     @override
+    def on_fit_end(self) -> None:
+        trainer = self._trainer_or_none()
+        if self.__dict__.pop("_validation_due", False) and trainer is not None and trainer.state.fn == "fit":
+            # (the checkpoint's validation, due, not run: the fit was done at its step, and skipped training, whose
+            # start runs it, `_validate_the_resumed_step`)
+            rank_zero_warn(f"this fit resumed a checkpoint written at step {trainer.global_step} before that step's "
+                           f"validation, and the run was done there (the Trainer's `max_steps` {trainer.max_steps}, "
+                           f"`max_epochs` {trainer.max_epochs}): it trained nothing, and that validation did not run "
+                           "(the adapters' validation histories, EarlyExit and the sweep's trials lack it); resume "
+                           "with a larger `max_steps` to run it and go on")
+
+    @override
     def on_train_end(self) -> None:
         # Values and exits of the run's last validation or of callbacks' `on_train_end` (after the last step's
         # exchange) reach every rank (rank 0's loggers, its registry) before `on_fit_end`. Nothing trained is lost:

@@ -2714,6 +2714,32 @@ def test_a_resume_of_a_checkpoint_written_by_a_ctrl_c_inside_a_step_validates_at
     torch.testing.assert_close([v for _, v in resumed[1]], [v for _, v in once[1]], atol=1e-6, rtol=1e-5)
 
 
+def test_a_resume_of_a_checkpoint_written_before_the_last_steps_validation_says_it_did_not_run(tmp_path,
+                                                                                                trainer_kwargs):
+    """Written in step 4's `on_train_batch_end` with `max_steps=4`: the resumed fit was done, trained nothing, and
+    that step's validation, due, never ran, unsaid; a larger `max_steps` runs it and goes on."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(max_steps, callbacks=(), ckpt=None):
+        module = MultiLoRAModule("tiny-llama", export_dir=str(tmp_path / "e"),
+                                 adapters=[AdapterSpec("a", rank=2, max_steps=10, lr=1e-2, seed=1)])
+        at = _ValidatedAt()
+        kwargs = {**trainer_kwargs, "val_check_interval": 2, "enable_checkpointing": True, "max_steps": max_steps}
+        L.Trainer(**kwargs, callbacks=[at, *callbacks]).fit(module, small_dm(), ckpt_path=ckpt)
+        return at.steps, [s for s, _ in module.registry["a"].val_losses]
+
+    saving = ModelCheckpoint(dirpath=str(tmp_path / "ck"), every_n_train_steps=4, filename="four")
+    assert run(4, [saving]) == ([2, 4], [2, 4])
+    ckpt = str(tmp_path / "ck" / "four.ckpt")
+    with pytest.warns(UserWarning, match=r"this fit resumed a checkpoint written at step 4 before that step's "
+                                         r"validation, and the run was done there .* that validation did not run"):
+        assert run(4, ckpt=ckpt) == ([], [2])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        assert run(6, ckpt=ckpt) == ([4, 6], [2, 4, 6])
+    assert not [w for w in said if "that validation did not run" in str(w.message)]
+
+
 def test_adapter_parallelism_with_fewer_adapters_than_ranks_is_warned_of(monkeypatch):
     """(A rank with no adapter ran idle forwards and backwards the whole run, unsaid.)"""
     from types import SimpleNamespace
