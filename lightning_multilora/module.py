@@ -1108,7 +1108,7 @@ class MultiLoRAMixin:
             name = _monitored_adapter(callback)
             if not isinstance(callback, ModelCheckpoint) or name is None:
                 continue
-            if _unlogged_monitor(callback) is not None and name in self.registry \
+            if name in self.registry and _unlogged_monitor(callback, spec=self.registry[name].spec) is not None \
                     and self.registry[name].state == AdapterState.RUNNING:  # (a typo of a value its adapter would
                 continue  # have logged by now: Lightning's error names the keys logged; a subclass's own waits too)
             key = callback.monitor
@@ -2387,11 +2387,12 @@ class MultiLoRAMixin:
                                  "exports each adapter's best-validation weights)")
         fills = any(callable(getattr(cb, "fill_slots", None)) for cb in trainer.callbacks)
         for callback in trainer.callbacks:
-            unlogged = _unlogged_monitor(callback, counts=trainer.progress_bar_callback is not None)
+            name = _monitored_adapter(callback)
+            unlogged = _unlogged_monitor(callback, counts=trainer.progress_bar_callback is not None,
+                                         spec=self.registry[name].spec if name in self.registry else None)
             if unlogged is not None:  # (Lightning fails the fit at the first validation, after its steps; a subclass
                 # may log such a key itself: said, not refused)
                 rank_zero_warn(f"`{type(callback).__name__}(monitor={callback.monitor!r})`: {unlogged}")
-            name = _monitored_adapter(callback)
             if name is not None and name not in self.registry and not fills:  # (a sweep adds its trials later)
                 rank_zero_warn(f"`{type(callback).__name__}(monitor={callback.monitor!r})` monitors adapter {name!r}, "
                                f"which the module does not have (yet); its adapters are "
@@ -3161,13 +3162,15 @@ def _monitored_adapter(callback: Any) -> Optional[str]:
 
 # The values the module logs for each adapter, ``adapters/<name>/<value>`` (DPO's rewards and accuracy for a DPO
 # adapter; ``loss_scale`` under fp16)
-ADAPTER_VALUES = ("train_loss", "grad_norm", "lr", "tokens_seen", "loss_scale", "preference_accuracy", "rewards_chosen",
-                  "rewards_rejected", "rewards_margin", *(k.lstrip("/") for k in _VALIDATION_METRICS))
+_DPO_VALUES = ("preference_accuracy", "rewards_chosen", "rewards_rejected", "rewards_margin")
+ADAPTER_VALUES = ("train_loss", "grad_norm", "lr", "tokens_seen", "loss_scale", *_DPO_VALUES,
+                  *(k.lstrip("/") for k in _VALIDATION_METRICS))
 
 
-def _unlogged_monitor(callback: Any, counts: bool = True) -> Optional[str]:
+def _unlogged_monitor(callback: Any, counts: bool = True, spec: Optional[AdapterSpec] = None) -> Optional[str]:
     """Why the key a callback monitors is none the module logs, or None: a run-wide name (``val_loss``, as a
-    Lightning module logs it) or an adapter's value that is not among `ADAPTER_VALUES` (a typo). Lightning's own
+    Lightning module logs it) or an adapter's value that is not among `ADAPTER_VALUES` (a typo), or, where ``spec``
+    is the monitored adapter's, one its objective does not log (DPO's values of an SFT adapter). Lightning's own
     ``step`` and ``epoch`` are there; the progress bar's adapter counts where ``counts`` (a progress bar shows)."""
     key = getattr(callback, "monitor", None)
     if not isinstance(key, str):
@@ -3181,6 +3184,9 @@ def _unlogged_monitor(callback: Any, counts: bool = True) -> Optional[str]:
                 f"(e.g. 'adapters/<name>/{example}')")
     value = key.rsplit("/", 1)[-1]
     if value in ADAPTER_VALUES:
+        if spec is not None and spec.objective != "dpo" and value.removeprefix("val_") in _DPO_VALUES:
+            return (f"adapter {name!r} is trained with objective {spec.objective!r}, which logs no {value!r} (an "
+                    "adapter with objective 'dpo' logs it)")
         return None
     if value == "train_loss_ema":  # (EarlyExit's)
         return "'train_loss_ema' is EarlyExit's, written to the loggers alone (no callback can monitor it)"

@@ -1633,6 +1633,15 @@ def test_a_monitored_value_the_module_never_logs_is_said_as_the_fit_starts(tmp_p
                                          r"value the module logs for an adapter \(did you mean 'val_loss'\?\)"):
         with pytest.raises(MisconfigurationException, match="adapters/a/valid_loss"):  # (Lightning's: the keys)
             L.Trainer(**kwargs, callbacks=[typo]).fit(module, small_dm())
+    # (DPO's value of an SFT adapter: the same, where its "best" checkpoint had been its first)
+    dpo_only = ModelCheckpoint(dirpath=tmp_path / "ckpt3", monitor="adapters/a/val_preference_accuracy", mode="max")
+    with pytest.warns(UserWarning, match=r"`ModelCheckpoint\(monitor='adapters/a/val_preference_accuracy'\)`: "
+                                         r"adapter 'a' is trained with objective 'sft', which logs no "
+                                         r"'val_preference_accuracy' \(an adapter with objective 'dpo' logs it\)"):
+        with pytest.raises(MisconfigurationException, match="adapters/a/val_preference_accuracy"):
+            L.Trainer(**kwargs, callbacks=[dpo_only]).fit(MultiLoRAModule(
+                "tiny-llama", adapters=[AdapterSpec("a", rank=2, batch_size=1, max_steps=4)],
+                export_dir=str(tmp_path / "out3")), small_dm())
     latest = ModelCheckpoint(dirpath=tmp_path / "latest", monitor="step", mode="max", save_top_k=2)  # (Lightning's)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
