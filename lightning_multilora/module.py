@@ -648,7 +648,9 @@ class MultiLoRAMixin:
                 rec.exported_val_preference_accuracy = accuracy
         self._describe_export(Path(path), rec, rec.best_val_step if weights is not None else rec.step,
                               rec.best_val_loss if weights is not None else rec.exported_val_loss if own_folder
-                              else None)
+                              else None,
+                              rec.best_val_preference_accuracy if weights is not None else
+                              rec.exported_val_preference_accuracy if own_folder else None)
         return path
 
     def _refuse_anothers_folder(self, directory: Path, name: str) -> None:
@@ -666,18 +668,22 @@ class MultiLoRAMixin:
                              f"of adapter {other!r} of this run, which this would replace; give each adapter its own "
                              f"directory (or none: its folder under the export root)")
 
-    def _describe_export(self, directory: Path, rec: AdapterRecord, step: int, loss: Optional[float]) -> None:
+    def _describe_export(self, directory: Path, rec: AdapterRecord, step: int, loss: Optional[float],
+                         accuracy: Optional[float] = None) -> None:
         """Write `EXPORT_INFO` beside an export's weights: the adapter, the run, its state and why, the step its
         weights are of (its best validation's, where those are written) and their validation loss (None: not
         measured; Infinity: not finite), its steps trained, and how its base was built where its name alone builds
         another (a built-in base's seed and overrides, a checkpoint's overrides, a dtype other than float32): what
-        the folder holds, without the run's summary."""
+        the folder holds, without the run's summary. A DPO adapter's also says so, with its beta (its loss is of that
+        beta: losses of other betas do not compare) and its weights' preference accuracy (``accuracy``)."""
         import json
 
         loss = None if loss is None or math.isnan(loss) else loss
+        dpo = {"objective": "dpo", "dpo_beta": rec.spec.dpo_beta, "val_preference_accuracy": None
+               if accuracy is None or math.isnan(accuracy) else accuracy} if rec.spec.objective == "dpo" else {}
         info = {"adapter": rec.name, "run": getattr(self, "_run_id", None), "state": rec.state.value,
                 "reason": rec.reason, "weights_step": step, "steps_trained": rec.step,
-                "val_loss": loss, **({"base": base} if (base := self._export_base()) else {})}
+                "val_loss": loss, **dpo, **({"base": base} if (base := self._export_base()) else {})}
         partial = directory / f".{EXPORT_INFO}.partial"  # (moved into place whole, as the weights are)
         partial.write_text(json.dumps(info, indent=1) + "\n")
         os.replace(partial, directory / EXPORT_INFO)
@@ -1579,7 +1585,8 @@ class MultiLoRAMixin:
                 and not measured:  # (its weights exported gave that loss: not a model to load; those a validation
             rec.exported_val_loss = math.inf  # measured finite at this step, before the failure, keep its loss)
         if rec.export_path is not None and self._owns(rec.name) and Path(rec.export_path).is_dir():
-            self._describe_export(Path(rec.export_path), rec, rec.exported_step, rec.exported_val_loss)
+            self._describe_export(Path(rec.export_path), rec, rec.exported_step, rec.exported_val_loss,
+                                  rec.exported_val_preference_accuracy)
         self._best_weights.pop(rec.name, None)
         trainer = self._trainer_or_none()
         dm = getattr(trainer, "datamodule", None) if trainer is not None else None

@@ -146,6 +146,11 @@ def test_the_preference_accuracy_reported_is_the_exported_weights(tmp_path, keep
         module._end_losses = {"d": (25, 0.4, 0.75)}
         module.save_adapter("d")
         assert (rec.exported_step, rec.exported_val_loss, rec.exported_val_preference_accuracy) == (25, 0.4, 0.75)
+    # (the export's own account said neither that its loss is DPO's, of which beta, nor its weights' accuracy)
+    info = json.loads((Path(rec.export_path) / "multilora_export.json").read_text())
+    assert {k: info[k] for k in ("objective", "dpo_beta", "val_loss", "val_preference_accuracy")} == {
+        "objective": "dpo", "dpo_beta": rec.spec.dpo_beta, "val_loss": 0.25 if keep_best else 0.4,
+        "val_preference_accuracy": 1.0 if keep_best else 0.75}
     row = module.registry.summary_rows()[0]
     assert row["val_preference_accuracy"] == (1.0 if keep_best else 0.75)
     assert re.search(r"\bpref_acc\b", module.registry.summary_table())
