@@ -1853,6 +1853,7 @@ class MultiLoRAMixin:
     @override
     def on_train_start(self) -> None:
         self._added_before_start = {}
+        self.__dict__.pop("_held_interrupt", None)  # (an earlier fit's, whose batch ended on another error)
         self._fit_started = True  # (its callbacks' states are carried to the next fit: `_carry_optimizer_state`)
         self._validate_the_resumed_step()
         if self.trainer.lr_scheduler_configs:  # (a subclass's configure_optimizers returned one)
@@ -1998,29 +1999,39 @@ class MultiLoRAMixin:
         # of memory as a new adapter's state is made) may come after some adapters took it (`_moved`). Those are
         # counted as having taken it, the others not (a step taken again from the same batch updated the first ones
         # twice). A Ctrl+C (or SIGTERM, SIGHUP) is held until the step is taken and counted (`stop_signals_deferred`):
-        # with any optimizer, it stops the run between steps.
+        # with any optimizer, it stops the run between steps; a KeyboardInterrupt then, at the end of the batch
+        # (`on_train_batch_end`: its exits settled and values logged, and a checkpoint written by it resumes to run
+        # that step's validation where one is due, as a checkpoint written at a batch's end does).
         optim_params = [groups[rec.name]["params"] if rec.name in groups else params[i]
                         for i, rec in enumerate(records)]
         marks = [_step_marks(optim, ps) for ps in optim_params]
-        with stop_signals_deferred():
-            try:
-                optimizer.step()
-            except BaseException:
-                after = [_step_marks(optim, ps) for ps in optim_params]
-                moved = {rec.name for i, rec in enumerate(records) if _moved(marks[i], after[i])}
-                self._untake_step(layout, [k for k in kept if k[0].name not in moved], skip=moved)
-                taken = [s for s in stepped if s[0].name in moved]
-                if taken:
-                    self._count_step(taken, logs, groups, [n for n in layout.names if n in moved])
-                    counted = sorted(rec.name for i, rec in enumerate(records) if rec.name in moved
-                                     and all(a[0] == b[0] for a, b in zip(marks[i], after[i])))
-                    warnings.warn(f"the optimizer's step stopped after it updated adapters {sorted(moved)}: they are "
-                                  f"counted as having taken step {taken[0][0].step} (the others take it again)" + (
-                                      f"; {counted}: by their optimizer state's step counts, their weights showing no "
-                                      "change (written through their addresses, as bitsandbytes does, or an update "
-                                      "cut short inside it)" if counted else ""))
+        taken_whole = False
+        try:
+            with stop_signals_deferred():
+                try:
+                    optimizer.step()
+                except BaseException:
+                    after = [_step_marks(optim, ps) for ps in optim_params]
+                    moved = {rec.name for i, rec in enumerate(records) if _moved(marks[i], after[i])}
+                    self._untake_step(layout, [k for k in kept if k[0].name not in moved], skip=moved)
+                    taken = [s for s in stepped if s[0].name in moved]
+                    if taken:
+                        self._count_step(taken, logs, groups, [n for n in layout.names if n in moved])
+                        counted = sorted(rec.name for i, rec in enumerate(records) if rec.name in moved
+                                         and all(a[0] == b[0] for a, b in zip(marks[i], after[i])))
+                        warnings.warn(f"the optimizer's step stopped after it updated adapters {sorted(moved)}: they "
+                                      f"are counted as having taken step {taken[0][0].step} (the others take it "
+                                      "again)" + (f"; {counted}: by their optimizer state's step counts, their weights "
+                                                  "showing no change (written through their addresses, as bitsandbytes "
+                                                  "does, or an update cut short inside it)" if counted else ""))
+                    raise
+                self._count_step(stepped, logs, groups, None)
+                taken_whole = True
+        except KeyboardInterrupt as err:  # (a Ctrl+C held through the step: raised as the batch ends, after its
+            # settling, where a checkpoint of it resumes with the step taken and its validation, if due, to run)
+            if not taken_whole:
                 raise
-            self._count_step(stepped, logs, groups, None)
+            self._held_interrupt = err
         self._after_step(records)
         self._step_logs = logs  # logged in on_train_batch_end, where it is known whether a logger writes them
         # (monitored now: callbacks' on_train_batch_end, a ModelCheckpoint's among them, run before the module's)
@@ -2208,6 +2219,9 @@ class MultiLoRAMixin:
             self.log_dict({"running": float(counts["running"]), "queued": float(counts["queued"]),
                            "paused": float(counts["paused"]), "exited": float(exited)}, prog_bar=True, logger=False,
                           on_step=True, on_epoch=False, batch_size=1)  # (paused: held, as a warmup's candidates are)
+        held = self.__dict__.pop("_held_interrupt", None)
+        if held is not None:  # (a Ctrl+C held through the step's optimizer step: the batch is settled now)
+            raise held
 
     def _logger_writes_this_step(self) -> bool:
         """Whether a logger writes this step's values (every ``log_every_n_steps`` and at the stop). Lightning's

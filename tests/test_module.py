@@ -2493,7 +2493,7 @@ def test_a_time_interval_validates_by_the_clock(tmp_path, trainer_kwargs):
 class _InterruptIn(Callback):
     """Ctrl+C inside a step, at global step ``step``: in its forward (before the backward), after its backward (at
     the step's one sync of the losses, where the host waits for the device: the token count's `segment_sum`, the
-    integer one), or in the optimizer's step (a step pre-hook of the optimizer)."""
+    integer one), or in the optimizer's step (a step pre-hook of the optimizer: raised there, or a SIGINT sent)."""
 
     def __init__(self, step: int, where: str):
         self.step, self.where = step, where
@@ -2505,6 +2505,15 @@ class _InterruptIn(Callback):
 
         if self.where == "optimizer_step":
             trainer.optimizers[0].register_step_pre_hook(pre_hook)
+        if self.where == "sigint_in_optimizer_step":  # (a signal: held until the step is taken and counted)
+            import os
+            import signal
+
+            def signalled(optimizer, args, kwargs):
+                if trainer.global_step == self.step:
+                    os.kill(os.getpid(), signal.SIGINT)
+
+            trainer.optimizers[0].register_step_pre_hook(signalled)
         if self.where == "after_backward":
             import lightning_multilora.module as module_file
 
@@ -2688,12 +2697,15 @@ class _SaveAsAdapterExits(Callback):
             trainer.save_checkpoint(self.path)
 
 
-@pytest.mark.parametrize("where", ["forward", "optimizer_step", "adapter_exit"])
+@pytest.mark.parametrize("where", ["forward", "optimizer_step", "adapter_exit", "sigint_in_optimizer_step",
+                                   "sigint_before_validation"])
 def test_a_resume_of_a_checkpoint_written_by_a_ctrl_c_inside_a_step_validates_at_the_runs_steps(
         tmp_path, trainer_kwargs, where):
     """Lightning counted the batch in flight as begun: resumed from `OnExceptionCheckpoint`'s file, it validated one
     step early from then on (steps 4, 7, 10 for 3, 6, 9), other losses and other `EarlyExit` decisions. A checkpoint
-    written after the step's optimizer step (an adapter exiting) has the step taken: it resumes as it was."""
+    written after the step's optimizer step (an adapter exiting) has the step taken: it resumes as it was. A Ctrl+C
+    (SIGINT) inside the optimizer's step is held until the step is taken: the checkpoint has it taken, and, where the
+    step is one the run validates at (3), its validation was lost (raised inside the step, the batch unfinished)."""
     import signal
 
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
@@ -2713,12 +2725,15 @@ def test_a_resume_of_a_checkpoint_written_by_a_ctrl_c_inside_a_step_validates_at
         run([_SaveAsAdapterExits(tmp_path / "stopped.ckpt")])
         after = 5
     else:
+        at = {"sigint_in_optimizer_step": 3, "sigint_before_validation": 2}.get(where, 4)  # (global steps done)
+        kind = "sigint_in_optimizer_step" if where.startswith("sigint") else where
         with pytest.warns(UserWarning, match="fit stopped by KeyboardInterrupt"), pytest.raises(SystemExit):
-            run([_InterruptIn(4, where), OnExceptionCheckpoint(str(tmp_path), filename="stopped")])
+            run([_InterruptIn(at, kind), OnExceptionCheckpoint(str(tmp_path), filename="stopped")])
         signal.signal(signal.SIGINT, signal.default_int_handler)  # (as Lightning's shutdown left it)
-        after = 4
+        after = at + where.startswith("sigint")  # (a signal's step is taken: its validation, if due, not yet run)
     resumed = run([], ckpt=str(tmp_path / "stopped.ckpt"))
-    assert resumed[0] == [step for step in once[0] if step > after]
+    assert resumed[0] == [step for step in once[0] if step > after or (step == after and where.startswith("sigint"))]
+    assert where != "sigint_before_validation" or resumed[0][0] == 3
     assert [s for s, _ in resumed[1]] == [s for s, _ in once[1]]
     torch.testing.assert_close([v for _, v in resumed[1]], [v for _, v in once[1]], atol=1e-6, rtol=1e-5)
 
