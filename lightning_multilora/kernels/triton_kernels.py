@@ -288,7 +288,7 @@ def _rows_program(pid, r0, split, IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_S
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_hi
-        x = tl.load(IN + offs_m[:, None] * stride_in_m + offs_k[None, :],
+        x = tl.load(IN + offs_m.to(tl.int64)[:, None] * stride_in_m + offs_k[None, :],
                     mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if HAS_DROPOUT:
             x = _dropout_scale(x, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_m - tl.load(SEG_START + a), offs_k,
@@ -297,7 +297,7 @@ def _rows_program(pid, r0, split, IN, W_PTRS, W_WITNESS, OUT, BLK_ADAPTER, BLK_S
                      mask=mask_k[:, None] & mask_r[None, :], other=0.0)
         acc += tl.dot(x, wt.to(x.dtype), input_precision=DOT_PRECISION)
     acc = acc * tl.load(COEF + a)
-    out_ptrs = OUT + offs_m[:, None] * stride_out_m + offs_r[None, :]
+    out_ptrs = OUT + offs_m.to(tl.int64)[:, None] * stride_out_m + offs_r[None, :]
     mask = mask_m[:, None] & mask_r[None, :]
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
@@ -319,7 +319,7 @@ def _rank_tile(low, wt, y_cur, R, w, y_ptrs, a, offs_m, mask_m, offs_n, mask_n, 
         for r0 in range(BLOCK_R, r, BLOCK_R):
             offs_c = r0 + tl.arange(0, BLOCK_R)
             mask_c = offs_c < r
-            more = tl.load(R + offs_m[:, None] * stride_r_m + offs_c[None, :],
+            more = tl.load(R + offs_m.to(tl.int64)[:, None] * stride_r_m + offs_c[None, :],
                            mask=mask_m[:, None] & mask_c[None, :], other=0.0)
             wc = tl.load(w + offs_c[:, None] * stride_wr + offs_n[None, :] * stride_wn,
                          mask=mask_c[:, None] & mask_n[None, :], other=0.0)
@@ -356,7 +356,8 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, coef, after, DROP_P, SEEDS, SEG
     # per 128 columns was as many L2 bytes as dX's writes), in a loop pipelined over the column blocks.
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < r
-    low = tl.load(R + offs_m[:, None] * stride_r_m + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
+    low = tl.load(R + offs_m.to(tl.int64)[:, None] * stride_r_m + offs_r[None, :],
+                  mask=mask_m[:, None] & mask_r[None, :],
                   other=0.0)
     low = (low * coef).to(dot_dtype)
     n_lo = pid_n * N_PER
@@ -370,12 +371,12 @@ def _rank_columns(R, w, Y, a, m0, end, r, pid_n, coef, after, DROP_P, SEEDS, SEG
     # written fresh): N=32 steps within noise.
     if ACCUMULATE and PREFETCH:  # the first column block's Y tile
         offs_n = n_lo + tl.arange(0, BLOCK_N)
-        y_next = tl.load(Y + offs_m[:, None] * stride_y_m + offs_n[None, :],
+        y_next = tl.load(Y + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :],
                          mask=mask_m[:, None] & (offs_n < n_hi)[None, :], other=0.0)
     for n0 in range(n_lo, n_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
-        y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
+        y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :]
         y_cur = 0.0
         if ACCUMULATE and PREFETCH:  # this block's Y was loaded a step ago; the next block's goes out now
             y_cur = y_next
@@ -408,18 +409,19 @@ def _rank_rows(R, w, Y, a, m_lo, m_hi, r, n0, coef, after, DROP_P, SEEDS, SEG_ST
     wt = wt.to(dot_dtype)
     if ACCUMULATE and PREFETCH:  # the first row block's Y tile
         offs_m = m_lo + tl.arange(0, BLOCK_M)
-        y_next = tl.load(Y + offs_m[:, None] * stride_y_m + offs_n[None, :],
+        y_next = tl.load(Y + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :],
                          mask=(offs_m < m_hi)[:, None] & mask_n[None, :], other=0.0)
     for m0 in range(m_lo, m_hi, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         mask_m = offs_m < m_hi
-        y_ptrs = Y + offs_m[:, None] * stride_y_m + offs_n[None, :]
+        y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_y_m + offs_n[None, :]
         y_cur = 0.0
         if ACCUMULATE and PREFETCH:  # this block's Y was loaded a step ago; the next block's goes out now
             y_cur = y_next
             y_next = tl.load(y_ptrs + BLOCK_M * stride_y_m,
                              mask=((offs_m + BLOCK_M) < m_hi)[:, None] & mask_n[None, :], other=0.0)
-        low = tl.load(R + offs_m[:, None] * stride_r_m + offs_r[None, :], mask=mask_m[:, None] & mask_r[None, :],
+        low = tl.load(R + offs_m.to(tl.int64)[:, None] * stride_r_m + offs_r[None, :],
+                      mask=mask_m[:, None] & mask_r[None, :],
                       other=0.0)
         if SCALE_PRODUCT:
             low = low * coef
@@ -583,9 +585,11 @@ def _grad_program(pid_k, split, slot, L, M, G_PTRS, G_WITNESS, SEG_START, SEG_EN
     for t0 in range(start + split * BLOCK_T, end, BLOCK_T * SPLIT_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < end
-        low = tl.load(L + offs_t[:, None] * stride_l_m + offs_r[None, :], mask=mask_t[:, None] & mask_r[None, :],
+        low = tl.load(L + offs_t.to(tl.int64)[:, None] * stride_l_m + offs_r[None, :],
+                      mask=mask_t[:, None] & mask_r[None, :],
                       other=0.0)
-        full = tl.load(M + offs_t[:, None] * stride_m_m + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
+        full = tl.load(M + offs_t.to(tl.int64)[:, None] * stride_m_m + offs_k[None, :],
+                       mask=mask_t[:, None] & mask_k[None, :],
                        other=0.0)
         if HAS_DROPOUT:
             full = _dropout_scale(full, tl.load(SEEDS + a), tl.load(DROP_P + a), offs_t - start, offs_k,
@@ -596,7 +600,7 @@ def _grad_program(pid_k, split, slot, L, M, G_PTRS, G_WITNESS, SEG_START, SEG_EN
             acc += tl.dot(tl.trans(low.to(full.dtype)), full, input_precision=DOT_PRECISION)
         if WITH_DS:  # dS_i[t, :] += dY[t, k-block] B_i[k-block, :], from the dY tile already loaded
             part = tl.dot(full, wt.to(full.dtype), input_precision=DOT_PRECISION)
-            tl.atomic_add(DS + offs_t[:, None] * stride_ds_m + offs_r[None, :], part,
+            tl.atomic_add(DS + offs_t.to(tl.int64)[:, None] * stride_ds_m + offs_r[None, :], part,
                           mask=mask_t[:, None] & mask_r[None, :])
     acc = acc * tl.load(COEF + a)
     # G = dA (r, K) or dB (K, r), row-major, stored from the accumulator's layout

@@ -1582,6 +1582,35 @@ def test_the_fused_frozen_linear_in_bf16_on_the_gpu_against_float64():
             assert rel(g, g_ref) <= 1e-2
 
 
+@pytest.mark.gpu
+def test_rows_past_two_to_the_31_elements_are_addressed_in_64_bits():
+    """(Row offsets were int32: a call of 2^31 elements or more, some 150k tokens of a 14336-wide projection, read and
+    wrote wrapped addresses: an illegal memory access, or another tensor's memory.) An adapter at the first rows and
+    one at the last, against float64."""
+    rows, d, r = 160_000, 14_336, 16
+    assert rows * d >= 2**31
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    segments = [(0, 64), (rows - 64, rows)]
+    x = torch.zeros(rows, d, device=DEVICE, dtype=torch.bfloat16)
+    grad_out = torch.zeros(rows, d, device=DEVICE, dtype=torch.bfloat16)
+    for start, end in segments:
+        x[start:end] = torch.randn(end - start, d, device=DEVICE, generator=g)
+        grad_out[start:end] = torch.randn(end - start, d, device=DEVICE, generator=g)
+    a = tuple((torch.randn(r, d, device=DEVICE, generator=g) / d ** 0.5).requires_grad_() for _ in segments)
+    b = tuple(torch.randn(d, r, device=DEVICE, generator=g).requires_grad_() for _ in segments)
+    w = LoRAWeights(a, b, (1.0, 0.5), (0.0, 0.0), tuple(s for s, _ in segments), tuple(e for _, e in segments))
+    xg = x.requires_grad_()
+    y = multi_lora_triton(xg, torch.zeros(rows, d, device=DEVICE, dtype=torch.bfloat16), w, False)
+    y.backward(grad_out)
+    for i, (start, end) in enumerate(segments):
+        xs, gs = x[start:end].double(), grad_out[start:end].double()
+        ai, bi, scale = a[i].detach().double(), b[i].detach().double(), w.scaling[i]
+        assert rel(y[start:end], scale * (xs @ ai.t()) @ bi.t()) <= 1e-2
+        assert rel(xg.grad[start:end], scale * (gs @ bi) @ ai) <= 1e-2
+        assert rel(a[i].grad, scale * (gs @ bi).t() @ xs) <= 1e-2
+        assert rel(b[i].grad, scale * gs.t() @ (xs @ ai.t())) <= 1e-2
+
+
 def _compiled_variants() -> int:
     """Kernels Triton has compiled so far, over the four kernels and every device."""
     from triton.runtime.autotuner import Autotuner
