@@ -50,7 +50,10 @@ def multi_lora(x: Tensor, base_out: Tensor, weights: LoRAWeights, training: bool
         ``(T, d_out)`` in ``base_out``'s dtype; differentiable in ``x``, every ``A`` and ``B``. The Triton
         backend adds into ``base_out`` itself and returns it (no second pass over it): give a fresh one (a leaf
         that requires grad, which autograd would refuse to change, is copied first; one its producer saved for its
-        backward, a sigmoid's output say, must be given as a copy).
+        backward, a sigmoid's output say, must be given as a copy). An adapter whose segment holds no rows gets a
+        zero gradient from the Triton backend (every adapter's gradients are made at once), none from the
+        reference (as autograd gives): weight decay or momentum then moves it on the GPU alone; leave such
+        adapters out of the call, as `MultiLoRALinear` does.
     """
     backend = resolve_backend(x, base_out)
     if backend == "triton":
@@ -110,10 +113,12 @@ def resolve_backend(x: Tensor, *others: Tensor) -> str:
     if _backend == "auto":
         # (float64, the oracle's dtype, is the reference's: the kernels take bf16, fp16 and fp32)
         return "triton" if x.is_cuda and x.dtype != torch.float64 and _triton_available() else "reference"
-    if _backend == "triton" and not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if _backend == "triton" and not x.is_cuda and not _interpreted():
+        late = os.environ.get("TRITON_INTERPRET") == "1"  # (the kernels were made for the GPU as they were imported)
         raise ValueError(f"the 'triton' backend runs on CUDA tensors (got a {x.device.type} one), or on the CPU under "
-                         "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported); use 'reference' "
-                         "or 'auto' here")
+                         "Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported" +
+                         (": it was set after the kernels were imported" if late else "") +
+                         "); use 'reference' or 'auto' here")
     if _backend == "triton" and not x.is_cuda and (any(t.dtype == torch.bfloat16 for t in (x, *others))
                                                    or _cpu_autocast_bf16()):  # (gradients off by 1e12, unsaid)
         raise ValueError("Triton's interpreter (the 'triton' backend on the CPU) computes bfloat16 wrongly: give it "
@@ -134,6 +139,15 @@ def _cpu_autocast_bf16() -> bool:
         return torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     except (TypeError, AttributeError):  # (an older torch's signatures)
         return False
+
+
+def _interpreted() -> bool:
+    """Whether the kernels run in Triton's interpreter: TRITON_INTERPRET=1 was set when they were imported."""
+    if not _triton_available():
+        return False
+    from lightning_multilora.kernels import triton_kernels
+
+    return triton_kernels.INTERPRETED
 
 
 def _triton_available() -> bool:

@@ -384,7 +384,8 @@ def _check(weights: LoRAWeights) -> None:
             raise ValueError(f"adapter {i}'s {which} must be contiguous (the kernels read its rows by pointer): "
                              "give `.contiguous()` weights")
         if a.dtype != weights.a[0].dtype or b.dtype != weights.a[0].dtype:
-            raise ValueError("all adapter weights of one call must share a dtype")
+            raise ValueError(f"all adapter weights of one call must share a dtype: adapter 0's A is "
+                             f"{weights.a[0].dtype}, adapter {i}'s A {a.dtype} and B {b.dtype}")
 
 
 @dataclass

@@ -70,11 +70,20 @@ def test_dispatch_and_backend_switch():
     kernels.set_backend("triton")  # on CPU tensors outside Triton's interpreter: named, not an assertion deep inside
     try:
         with pytest.MonkeyPatch.context() as patch:
+            from lightning_multilora.kernels import triton_kernels
+
+            interpreted = triton_kernels.INTERPRETED
             patch.delenv("TRITON_INTERPRET", raising=False)
+            patch.setattr(triton_kernels, "INTERPRETED", False)  # (the kernels made for the GPU as imported)
             with pytest.raises(ValueError, match=r"the 'triton' backend runs on CUDA tensors \(got a cpu one\), or "
-                                                 r"on the CPU under Triton's interpreter"):
+                                                 r"on the CPU under Triton's interpreter \(TRITON_INTERPRET=1 set "
+                                                 r"before triton is imported\); use"):
                 multi_lora(x, base, w, False)
-            patch.setenv("TRITON_INTERPRET", "1")
+            patch.setenv("TRITON_INTERPRET", "1")  # (set late: the kernels were made for the GPU, an assertion deep
+            with pytest.raises(ValueError, match=r"\(TRITON_INTERPRET=1 set before triton is imported: it was set "
+                                                 r"after the kernels were imported\)"):  # inside Triton's launch)
+                multi_lora(x, base, w, False)
+            patch.setattr(triton_kernels, "INTERPRETED", interpreted)
             x64, base64, w64 = random_problem(ranks=[3], tokens=[4], dtype=torch.float64, seed=0)
             with pytest.raises(ValueError, match=r"the 'triton' backend takes bfloat16, float16 and float32 inputs, "
                                                  r"got torch.float64"):  # (not products silently in float32)
