@@ -545,8 +545,9 @@ def test_adapter_sets_past_the_kernels_limits_get_a_clear_error(monkeypatch):
 
     with pytest.raises(ValueError, match="ranks up to 256"):
         pointer_table(weights(2, 257), torch.device("cpu"))
-    mixed = LoRAWeights((torch.zeros(2, 4), torch.zeros(2, 4, dtype=torch.float16)),
-                        (torch.zeros(4, 2), torch.zeros(4, 2, dtype=torch.float16)), (1.0,) * 2, (0.0,) * 2, (0, 1), (1, 2))
+    half = torch.float16
+    mixed = LoRAWeights((torch.zeros(2, 4), torch.zeros(2, 4, dtype=half)),
+                        (torch.zeros(4, 2), torch.zeros(4, 2, dtype=half)), (1.0,) * 2, (0.0,) * 2, (0, 1), (1, 2))
     with pytest.raises(ValueError, match="must share a dtype: adapter 0's A is torch.float32, adapter 1's A "
                                          "torch.float16 and B torch.float16"):
         pointer_table(mixed, torch.device("cpu"))
