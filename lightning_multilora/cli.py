@@ -154,6 +154,20 @@ def _unknown_class(message: str) -> Optional[str]:
     if found is None:
         return None
     key, path, why = found[1], found[2] or found[4], found[3] or "a class is named by its import path"
+    try:  # (a class that imports, refused for another reason: a required argument missing, said so; any other,
+        from jsonargparse.typing import import_object  # jsonargparse's message)
+
+        import_object(path)
+    except Exception:  # noqa: BLE001 - whatever a path that does not import raises
+        pass
+    else:
+        required = re.match(r"the following arguments are required: ([\w, ]+)", why)
+        if required is None:
+            return None
+        names = [n.strip() for n in required[1].split(",")]
+        return (f"`{key}`: {path} needs {', '.join(map(repr, names))}: give "
+                f"{' '.join(f'--{key}.init_args.{n} <value>' for n in names)} after it (or init_args: {{"
+                f"{', '.join(f'{n}: <value>' for n in names)}}} in a config)")
     known = _classes_taking(key, [])
     short = {p.rpartition(".")[2]: p for p in known}
     close = difflib.get_close_matches(path, known, n=1) or [
@@ -305,6 +319,7 @@ class MultiLoRACLI(LightningCLI):
         from lightning_multilora.strategies.adapter_parallel import check_resume_path
 
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        self._ckpt_named = ckpt_path  # (as given: "last" resolved below)
         # (a logger that chooses its version, read before anything asks it: a version given is not moved)
         self._own_version = getattr(self.trainer.logger, "_version", 0) is None
         if ckpt_path in ("last", "best", "hpc"):  # (the checkpoint it names, given to the fit in its place)
@@ -588,9 +603,11 @@ class MultiLoRACLI(LightningCLI):
         except RunEnded as err:  # (a schedule's task resumed after its run ended, before its process did: done)
             self._release_log_dir()
             task = os.environ.get(TASK_ID_ENV)
-            if task is None:
+            last = getattr(self, "_ckpt_named", None) == "last"  # (one command for a run and its resumes: a
+            if task is None and not last:  # requeue after the run ended is done, as a schedule's task's retry is)
                 self.parser.error(str(err))
-            print(f"task {task!r}: its run had ended, {str(err)[0].lower()}{str(err)[1:]}", file=sys.stderr)
+            who = f"task {task!r}" if task is not None else "`--ckpt_path last`"
+            print(f"{who}: its run had ended, {str(err)[0].lower()}{str(err)[1:]}", file=sys.stderr)
         except UsageError as err:
             self._release_log_dir()
             self.parser.error(str(err))

@@ -46,7 +46,7 @@ from lightning_multilora.optim import IMPLEMENTATION_FLAGS, GroupedAdamW
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
 from lightning_multilora.schedules import lr_factor
 from lightning_multilora.shadow import shadow_of
-from lightning_multilora.signals import stop_signals_deferred
+from lightning_multilora.signals import raise_signals, stop_signals_deferred
 from lightning_multilora.spec import AdapterSpec, SweepGrid, steps_of_epochs, warmup_past_the_end
 import lightning_multilora.strategies  # noqa: E402,F401 - registers strategy="adapter_parallel"
 
@@ -1853,7 +1853,7 @@ class MultiLoRAMixin:
     @override
     def on_train_start(self) -> None:
         self._added_before_start = {}
-        self.__dict__.pop("_held_interrupt", None)  # (an earlier fit's, whose batch ended on another error)
+        self.__dict__.pop("_held_signals", None)  # (an earlier fit's, whose batch ended on another error)
         self._fit_started = True  # (its callbacks' states are carried to the next fit: `_carry_optimizer_state`)
         self._validate_the_resumed_step()
         if self.trainer.lr_scheduler_configs:  # (a subclass's configure_optimizers returned one)
@@ -1999,39 +1999,36 @@ class MultiLoRAMixin:
         # of memory as a new adapter's state is made) may come after some adapters took it (`_moved`). Those are
         # counted as having taken it, the others not (a step taken again from the same batch updated the first ones
         # twice). A Ctrl+C (or SIGTERM, SIGHUP) is held until the step is taken and counted (`stop_signals_deferred`):
-        # with any optimizer, it stops the run between steps; a KeyboardInterrupt then, at the end of the batch
-        # (`on_train_batch_end`: its exits settled and values logged, and a checkpoint written by it resumes to run
-        # that step's validation where one is due, as a checkpoint written at a batch's end does).
+        # with any optimizer, it stops the run between steps; in one process, raised to its handler at the end of the
+        # batch (`on_train_batch_end`: its exits settled and values logged, and a checkpoint written by a handler
+        # resumes to run that step's validation where one is due, as a checkpoint written at a batch's end does);
+        # under adapter parallelism, as the step ends, before the step's exchange, which a rank that stopped would
+        # leave the others waiting in.
         optim_params = [groups[rec.name]["params"] if rec.name in groups else params[i]
                         for i, rec in enumerate(records)]
         marks = [_step_marks(optim, ps) for ps in optim_params]
-        taken_whole = False
-        try:
-            with stop_signals_deferred():
-                try:
-                    optimizer.step()
-                except BaseException:
-                    after = [_step_marks(optim, ps) for ps in optim_params]
-                    moved = {rec.name for i, rec in enumerate(records) if _moved(marks[i], after[i])}
-                    self._untake_step(layout, [k for k in kept if k[0].name not in moved], skip=moved)
-                    taken = [s for s in stepped if s[0].name in moved]
-                    if taken:
-                        self._count_step(taken, logs, groups, [n for n in layout.names if n in moved])
-                        counted = sorted(rec.name for i, rec in enumerate(records) if rec.name in moved
-                                         and all(a[0] == b[0] for a, b in zip(marks[i], after[i])))
-                        warnings.warn(f"the optimizer's step stopped after it updated adapters {sorted(moved)}: they "
-                                      f"are counted as having taken step {taken[0][0].step} (the others take it "
-                                      "again)" + (f"; {counted}: by their optimizer state's step counts, their weights "
-                                                  "showing no change (written through their addresses, as bitsandbytes "
-                                                  "does, or an update cut short inside it)" if counted else ""))
-                    raise
-                self._count_step(stepped, logs, groups, None)
-                taken_whole = True
-        except KeyboardInterrupt as err:  # (a Ctrl+C held through the step: raised as the batch ends, after its
-            # settling, where a checkpoint of it resumes with the step taken and its validation, if due, to run)
-            if not taken_whole:
+        signals_held: list[int] = []  # (signals held through the step: raised as the batch ends, in one process)
+        with stop_signals_deferred(signals_held if self._placement() is None else None):
+            try:
+                optimizer.step()
+            except BaseException:
+                after = [_step_marks(optim, ps) for ps in optim_params]
+                moved = {rec.name for i, rec in enumerate(records) if _moved(marks[i], after[i])}
+                self._untake_step(layout, [k for k in kept if k[0].name not in moved], skip=moved)
+                taken = [s for s in stepped if s[0].name in moved]
+                if taken:
+                    self._count_step(taken, logs, groups, [n for n in layout.names if n in moved])
+                    counted = sorted(rec.name for i, rec in enumerate(records) if rec.name in moved
+                                     and all(a[0] == b[0] for a, b in zip(marks[i], after[i])))
+                    warnings.warn(f"the optimizer's step stopped after it updated adapters {sorted(moved)}: they "
+                                  f"are counted as having taken step {taken[0][0].step} (the others take it "
+                                  "again)" + (f"; {counted}: by their optimizer state's step counts, their weights "
+                                              "showing no change (written through their addresses, as bitsandbytes "
+                                              "does, or an update cut short inside it)" if counted else ""))
                 raise
-            self._held_interrupt = err
+            self._count_step(stepped, logs, groups, None)
+        if signals_held:
+            self._held_signals = signals_held
         self._after_step(records)
         self._step_logs = logs  # logged in on_train_batch_end, where it is known whether a logger writes them
         # (monitored now: callbacks' on_train_batch_end, a ModelCheckpoint's among them, run before the module's)
@@ -2219,9 +2216,9 @@ class MultiLoRAMixin:
             self.log_dict({"running": float(counts["running"]), "queued": float(counts["queued"]),
                            "paused": float(counts["paused"]), "exited": float(exited)}, prog_bar=True, logger=False,
                           on_step=True, on_epoch=False, batch_size=1)  # (paused: held, as a warmup's candidates are)
-        held = self.__dict__.pop("_held_interrupt", None)
-        if held is not None:  # (a Ctrl+C held through the step's optimizer step: the batch is settled now)
-            raise held
+        held = self.__dict__.pop("_held_signals", None)
+        if held:  # (a Ctrl+C, SIGTERM or SIGHUP held through the step's optimizer step: the batch is settled now)
+            raise_signals(held)
 
     def _logger_writes_this_step(self) -> bool:
         """Whether a logger writes this step's values (every ``log_every_n_steps`` and at the stop). Lightning's
@@ -2233,7 +2230,7 @@ class MultiLoRAMixin:
     @override
     def on_fit_end(self) -> None:
         trainer = self._trainer_or_none()
-        if self.__dict__.pop("_validation_due", False) and trainer is not None and trainer.state.fn == "fit":
+        if self.__dict__.pop("_due_on_resume", False) and trainer is not None and trainer.state.fn == "fit":
             # (the checkpoint's validation, due, not run: the fit was done at its step, and skipped training, whose
             # start runs it, `_validate_the_resumed_step`)
             rank_zero_warn(f"this fit resumed a checkpoint written at step {trainer.global_step} before that step's "
@@ -2692,7 +2689,7 @@ class MultiLoRAMixin:
         best weights' step lost, EarlyExit and the pruner not asked, a trial's value of other weights). Its validation
         loop is told it was stopped inside that validation, which it then runs before the next step, as the run that was
         not stopped did (at the logger's step that run validated at: `on_validation_epoch_start`)."""
-        due = self.__dict__.pop("_validation_due", False)  # (the checkpoint's: `_validation_due`)
+        due = self.__dict__.pop("_due_on_resume", False)  # (the checkpoint's: `_validation_due`)
         loop = getattr(getattr(self.trainer, "fit_loop", None), "epoch_loop", None)
         if loop is None or not due or not getattr(loop, "restarted_on_train_batch_end", False):
             return
@@ -3003,7 +3000,7 @@ class MultiLoRAMixin:
         state = checkpoint.get("multilora")
         if state is None:
             raise ValueError("this checkpoint was not written by a MultiLoRAMixin module (no 'multilora' entry)")
-        self.__dict__["_validation_due"] = bool(state.get("validation_due"))  # (`_validate_the_resumed_step`)
+        self.__dict__["_due_on_resume"] = bool(state.get("validation_due"))  # (`_validate_the_resumed_step`)
         if state.get("base_given") and getattr(self, "_base_named", None) is not None:  # (its base a model given,
             # not held: a load without it built the default base, and the adapters ran on its weights, unsaid)
             said = (f"this checkpoint's base was a model given to the module (`base_model=<model>`), which a "

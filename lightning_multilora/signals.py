@@ -3,17 +3,20 @@ started and registered)."""
 import contextlib
 import signal
 import threading
+from collections.abc import Iterable
+from typing import Optional
 
 STOP_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP")
 
 
 @contextlib.contextmanager
-def stop_signals_deferred():
+def stop_signals_deferred(kept: Optional[list[int]] = None):
     """Holds back, until the block ends, the Python handlers of SIGINT, SIGTERM and SIGHUP (Ctrl-C's
     KeyboardInterrupt, Lightning's, the schedule's own, the default's exit): a signal that came meanwhile is raised
-    again as the block ends, to its own handler. (Python runs signal handlers in the main thread alone: elsewhere,
-    nothing to hold back. A signal mask would be inherited by a process started inside the block, and would not hold
-    back a handler another thread's signal trips.)"""
+    again as the block ends, to its own handler; or, given ``kept`` and where the block ends without an exception,
+    put in ``kept``, for the caller to raise where its work is whole (`raise_signals`). (Python runs signal handlers
+    in the main thread alone: elsewhere, nothing to hold back. A signal mask would be inherited by a process started
+    inside the block, and would not hold back a handler another thread's signal trips.)"""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -25,10 +28,20 @@ def stop_signals_deferred():
         if handler is not None and handler is not signal.SIG_IGN:  # (None: a handler set outside Python, kept)
             held[sig] = handler
             signal.signal(sig, lambda signum, frame: came.append(signum))
+    whole = False
     try:
         yield
+        whole = True
     finally:
         for sig, handler in held.items():
             signal.signal(sig, handler)
-        for sig in dict.fromkeys(came):
-            signal.raise_signal(sig)
+        if whole and kept is not None:
+            kept.extend(sig for sig in dict.fromkeys(came) if sig not in kept)
+        else:
+            raise_signals(dict.fromkeys(came))
+
+
+def raise_signals(signals: Iterable[int]) -> None:
+    """Raises each of ``signals`` to its handler now (those `stop_signals_deferred` kept)."""
+    for sig in signals:
+        signal.raise_signal(sig)

@@ -529,6 +529,10 @@ def test_a_field_a_config_misspells_is_named_with_the_closest_one_under_a_short_
     (["--data.sources", "{pc: {class_path: lightning_multilora.data.JSONLSourse, init_args: {path: pc.jsonl}}}"],
      "`data.sources`: no class 'lightning_multilora.data.JSONLSourse': module 'lightning_multilora.data' has no "
      "attribute 'JSONLSourse' (did you mean 'lightning_multilora.data.JSONLSource'?)"),
+    # (a class that imports, without an argument it requires: named as no class, with itself as the closest)
+    (["--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping"],
+     "`trainer.callbacks`: lightning.pytorch.callbacks.EarlyStopping needs 'monitor': give "
+     "--trainer.callbacks.init_args.monitor <value> after it (or init_args: {monitor: <value>} in a config)"),
     (["--trainer.callbacks+=nowhere.Thing"], "`trainer.callbacks`: no class 'nowhere.Thing': No module named 'nowhere' "
                                              "(this package's: lightning_multilora.EarlyExit,"),
 ])
@@ -537,6 +541,7 @@ def test_a_class_or_an_axis_given_wrong_says_how_to_give_it(tmp_path, capsys, ov
         main(_tiny_fit(tmp_path, *override))
     err = capsys.readouterr().err
     assert done.value.code == 2 and message in err, err
+    assert "no class 'lightning.pytorch" not in err, err
     assert len(err.splitlines()) <= 4 and err.startswith("usage: "), err
 
 
@@ -841,7 +846,8 @@ def test_a_checkpoint_folder_is_as_new_as_its_newest_rank_file(tmp_path):
 
 
 @pytest.mark.parametrize("save_last", [True, False])
-def test_ckpt_path_last_resumes_the_checkpoint_an_earlier_run_of_the_root_left(tmp_path, monkeypatch, save_last):
+def test_ckpt_path_last_resumes_the_checkpoint_an_earlier_run_of_the_root_left(tmp_path, monkeypatch, save_last,
+                                                                                capsys):
     """Lightning looks for "last" in the checkpoint folder of the run's own log version, and a resume takes the
     logger's next one: it found none there, warned, and a new run started from step 0 (the interrupted run's trials
     left RUNNING). "last" is the newest checkpoint of the root's versions."""
@@ -860,6 +866,11 @@ def test_ckpt_path_last_resumes_the_checkpoint_an_earlier_run_of_the_root_left(t
     assert CrashAt.starts == [(None, 0), (str(saved), 2)]
     summary = json.loads((tmp_path / "lightning_logs" / "version_1" / "sweep_summary.json").read_text())
     assert [(row["adapter"], row["status"], row["steps"]) for row in summary] == [("a", "finished", 5)]
+    if save_last:  # the same command once the run has ended (a requeue): done, status 0 (it was a usage error, 2)
+        capsys.readouterr()
+        main([*args, "--ckpt_path", "last", "--trainer.callbacks", json.dumps(callbacks)])
+        assert "`--ckpt_path last`: its run had ended, nothing to train: every adapter has already ended (a: " \
+               "finished)" in capsys.readouterr().err
 
 
 def test_ckpt_path_last_of_a_schedule_task_resumes_its_own_runs_and_starts_one_where_there_is_none(tmp_path,

@@ -591,6 +591,10 @@ def test_a_forced_triton_backend_leaves_an_adapter_on_the_cpu_without_a_shadow(m
     from lightning_multilora import kernels
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if kernels._triton_available():  # (the kernels made for the GPU as they were imported)
+        from lightning_multilora.kernels import triton_kernels
+
+        monkeypatch.setattr(triton_kernels, "INTERPRETED", False)
     model = build_base_model("tiny-llama", dtype="bfloat16")
     layers = inject_multilora(model, ["q_proj"])
     before = kernels.get_backend()

@@ -2505,13 +2505,13 @@ class _InterruptIn(Callback):
 
         if self.where == "optimizer_step":
             trainer.optimizers[0].register_step_pre_hook(pre_hook)
-        if self.where == "sigint_in_optimizer_step":  # (a signal: held until the step is taken and counted)
-            import os
+        if self.where in ("sigint_in_optimizer_step", "sigterm_in_optimizer_step"):  # (a signal: held until the
+            import os  # step is taken and counted)
             import signal
 
             def signalled(optimizer, args, kwargs):
                 if trainer.global_step == self.step:
-                    os.kill(os.getpid(), signal.SIGINT)
+                    os.kill(os.getpid(), signal.SIGINT if self.where.startswith("sigint") else signal.SIGTERM)
 
             trainer.optimizers[0].register_step_pre_hook(signalled)
         if self.where == "after_backward":
@@ -2698,15 +2698,17 @@ class _SaveAsAdapterExits(Callback):
 
 
 @pytest.mark.parametrize("where", ["forward", "optimizer_step", "adapter_exit", "sigint_in_optimizer_step",
-                                   "sigint_before_validation"])
+                                   "sigint_before_validation", "sigterm_before_validation"])
 def test_a_resume_of_a_checkpoint_written_by_a_ctrl_c_inside_a_step_validates_at_the_runs_steps(
         tmp_path, trainer_kwargs, where):
     """Lightning counted the batch in flight as begun: resumed from `OnExceptionCheckpoint`'s file, it validated one
     step early from then on (steps 4, 7, 10 for 3, 6, 9), other losses and other `EarlyExit` decisions. A checkpoint
     written after the step's optimizer step (an adapter exiting) has the step taken: it resumes as it was. A Ctrl+C
     (SIGINT) inside the optimizer's step is held until the step is taken: the checkpoint has it taken, and, where the
-    step is one the run validates at (3), its validation was lost (raised inside the step, the batch unfinished)."""
+    step is one the run validates at (3), its validation was lost (raised inside the step, the batch unfinished); so
+    was it by a SIGTERM handler of one's own that exits (a cluster script's `sys.exit(143)`)."""
     import signal
+    import sys
 
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
 
@@ -2725,17 +2727,39 @@ def test_a_resume_of_a_checkpoint_written_by_a_ctrl_c_inside_a_step_validates_at
         run([_SaveAsAdapterExits(tmp_path / "stopped.ckpt")])
         after = 5
     else:
-        at = {"sigint_in_optimizer_step": 3, "sigint_before_validation": 2}.get(where, 4)  # (global steps done)
-        kind = "sigint_in_optimizer_step" if where.startswith("sigint") else where
-        with pytest.warns(UserWarning, match="fit stopped by KeyboardInterrupt"), pytest.raises(SystemExit):
-            run([_InterruptIn(at, kind), OnExceptionCheckpoint(str(tmp_path), filename="stopped")])
+        at = {"sigint_in_optimizer_step": 3}.get(where, 2 if where.endswith("before_validation") else 4)  # (steps
+        kind = {"sigint": "sigint_in_optimizer_step", "sigterm": "sigterm_in_optimizer_step"}.get(  # done)
+            where.split("_")[0], where)
+        signalled = where.startswith(("sigint", "sigterm"))
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(143))  # (a cluster script's)
+        try:
+            with pytest.warns(UserWarning, match="fit stopped by (KeyboardInterrupt|SystemExit)"), \
+                    pytest.raises(SystemExit):
+                run([_InterruptIn(at, kind), OnExceptionCheckpoint(str(tmp_path), filename="stopped")])
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, signal.default_int_handler)  # (as Lightning's shutdown left it)
-        after = at + where.startswith("sigint")  # (a signal's step is taken: its validation, if due, not yet run)
+        after = at + signalled  # (a signal's step is taken: its validation, if due, not yet run)
     resumed = run([], ckpt=str(tmp_path / "stopped.ckpt"))
-    assert resumed[0] == [step for step in once[0] if step > after or (step == after and where.startswith("sigint"))]
-    assert where != "sigint_before_validation" or resumed[0][0] == 3
+    assert resumed[0] == [step for step in once[0] if step > after or (step == after and signalled)]
+    assert not where.endswith("before_validation") or resumed[0][0] == 3
     assert [s for s, _ in resumed[1]] == [s for s, _ in once[1]]
     torch.testing.assert_close([v for _, v in resumed[1]], [v for _, v in once[1]], atol=1e-6, rtol=1e-5)
+
+
+def test_a_loaded_checkpoint_validated_then_saved_again(tmp_path, trainer_kwargs):
+    """(A TypeError: 'bool' object is not callable, the checkpoint's flag of a due validation set on the module under
+    the name of the method that computes it.)"""
+    module = MultiLoRAModule("tiny-llama", export_dir=str(tmp_path / "e"),
+                             adapters=[AdapterSpec("a", rank=2, max_steps=10, lr=1e-2, seed=1)])
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2})
+    trainer.fit(module, small_dm())
+    trainer.save_checkpoint(tmp_path / "c.ckpt")
+    loaded = MultiLoRAModule.load_from_checkpoint(tmp_path / "c.ckpt")
+    again = L.Trainer(**trainer_kwargs)
+    again.validate(loaded, small_dm())
+    again.save_checkpoint(tmp_path / "again.ckpt")
+    assert (tmp_path / "again.ckpt").is_file()
 
 
 def test_a_resume_of_a_checkpoint_written_before_the_last_steps_validation_says_it_did_not_run(tmp_path,

@@ -17,18 +17,20 @@ from lightning_multilora.registry import AdapterState, merge_by_owner
 
 def slope(values: list[float]) -> float:
     """Least-squares slope of ``values`` against their index (per evaluation); +inf where the last is +inf (a
-    validation loss that overflowed: the steepest rise), -inf where an earlier one is and the last is not (the loss
-    came back from it: a fall, which counted as a rise, a recovered adapter diverging)."""
-    n = len(values)
-    if n < 2:
+    validation loss that overflowed: the steepest rise); where an earlier one is and the last is not, the slope of
+    the finite ones (at their indices), or -inf where the last is the only one (the loss came back from an overflow:
+    a fall, which counted as a rise, a recovered adapter diverging)."""
+    if len(values) < 2:
         return 0.0
     if math.isinf(values[-1]):
         return math.inf
-    if any(math.isinf(v) for v in values):
+    points = [(i, v) for i, v in enumerate(values) if not math.isinf(v)]
+    if len(points) < 2:
         return -math.inf
-    mean_x, mean_y = (n - 1) / 2, sum(values) / n
-    num = sum((i - mean_x) * (v - mean_y) for i, v in enumerate(values))
-    den = sum((i - mean_x) ** 2 for i in range(n))
+    n = len(points)
+    mean_x, mean_y = sum(i for i, _ in points) / n, sum(v for _, v in points) / n
+    num = sum((i - mean_x) * (v - mean_y) for i, v in points)
+    den = sum((i - mean_x) ** 2 for i, _ in points)
     return num / den
 
 

@@ -50,8 +50,10 @@ class TokenizedSplit:
         if self._digest is None:
             h = hashlib.blake2b(digest_size=16)
             for rows in (self.input_ids, self.labels, self.rejected_ids or [], self.rejected_labels or []):
-                h.update(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)).tobytes())
-                h.update(np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64).tobytes())
+                lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+                h.update(lengths.tobytes())
+                h.update(np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64,
+                                     count=int(lengths.sum())).tobytes())
             self._digest = h.hexdigest()
         return self._digest
 

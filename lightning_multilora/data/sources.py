@@ -574,12 +574,16 @@ class HFDatasetSource(DataSource):
         return out
 
     def missing(self) -> Optional[str]:
-        """A `path` named as a local data file (its suffix one of `DATA_FILE_BUILDERS`') that is not there: else it
-        is taken for a Hub name, and its error is the Hub's."""
-        if not isinstance(self.path, str) or Path(self.path).exists() or _data_suffix(self.path) \
-                not in DATA_FILE_BUILDERS:
+        """A `path` named as a local data file (its suffix one of `DATA_FILE_BUILDERS`') or as a local folder (``./``,
+        ``../``, ``/`` or ``~`` first, which no Hub name has) that is not there: else it is taken for a Hub name, and
+        its error is the Hub's (a misspelt ``./saved_dataset`` was refused as a repo id, or not reached offline)."""
+        if not isinstance(self.path, str) or Path(self.path).expanduser().exists():
             return None
-        return f"HFDatasetSource: no file at `path` {self.path!r}"
+        if _data_suffix(self.path) in DATA_FILE_BUILDERS:
+            return f"HFDatasetSource: no file at `path` {self.path!r}"
+        if self.path.startswith(("./", "../", "/", "~", ".\\", "..\\")):
+            return f"HFDatasetSource: no data file or `save_to_disk` folder at `path` {self.path!r}"
+        return None
 
     def describe(self) -> str:
         split = "" if f"[{self.split!r}]" in self.shown else f", {self.split}"  # (a DatasetDict's shown with it)

@@ -59,7 +59,12 @@ def test_a_validation_loss_that_overflows_is_the_steepest_rise():
     assert feed(rule, train=[1.0, 0.9, 0.8], val=[1.0, math.inf, math.inf]) == [None, None, "overfit"]
     # (a validation loss back from an overflow fell: the next evaluation counted it as a rise, and an adapter whose
     # training loss crept up diverged as it recovered)
-    assert slope([math.inf, 1.0]) == -math.inf and slope([1.0, math.inf, 1.2]) == -math.inf
+    assert slope([math.inf, 1.0]) == -math.inf and slope([1.0, math.inf, 1.2]) == pytest.approx(0.1)
+    # (with a longer window, any overflow in it had hidden a rise of the finite losses around it)
+    assert slope([0.5, math.inf, 3.0]) == pytest.approx(1.25)
+    assert slope([math.inf, 0.6, math.inf, 3.0]) == pytest.approx(1.2)
+    rule = EarlyExit(ema_alpha=1.0, tau_gap=math.inf, window=3)
+    assert feed(rule, train=[1.0, 1.1, 1.2, 1.3], val=[0.5, 0.6, math.inf, 3.0])[-1] == "diverged"
     rule = EarlyExit(ema_alpha=1.0, tau_gap=math.inf)
     assert feed(rule, train=[1.0, 1.01, 1.02], val=[1.0, math.inf, 0.9]) == [None, None, None]
 

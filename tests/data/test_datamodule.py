@@ -1209,6 +1209,12 @@ def test_preference_records_read_twice_and_bad_records_or_paths_are_named(tmp_pa
     assert HFDatasetSource(str(tmp_path / "data" / "train.jsonl.gz")).missing() == (
         f"HFDatasetSource: no file at `path` {str(tmp_path / 'data' / 'train.jsonl.gz')!r}")
     assert HFDatasetSource("openai/gsm8k").missing() is None
+    # a local folder (`save_to_disk`'s) misspelt: the Hub's "Repo id must use alphanumeric chars", or offline its
+    # "Couldn't reach './my_saved' on the Hub"
+    for folder in ("./my_saved", "../my_saved", str(tmp_path / "my_saved")):
+        assert HFDatasetSource(folder).missing() == (
+            f"HFDatasetSource: no data file or `save_to_disk` folder at `path` {folder!r}")
+    assert HFDatasetSource(str(tmp_path)).missing() is None  # (there: read, and refused as what it is)
     # ... and read so (a fit's check looked a mistyped relative path up on the Hub: retried offline, then its error)
     with pytest.raises(FileNotFoundError, match=r"^HFDatasetSource: no file at `path` 'gsm8k/trian.jsonl'$"):
         HFDatasetSource("gsm8k/trian.jsonl").examples()
