@@ -394,8 +394,11 @@ class OptunaSweep(Callback):
                              "its own (make it with optuna.create_study(sampler=optuna.samplers.TPESampler("
                              f"seed={seed!r})))")
         self.pruner = _pruner(pruner)
-        if sampler not in ("tpe", "random", "grid"):
-            raise ValueError(f"`sampler` can be tpe, random, grid, got {sampler!r}")
+        if not isinstance(sampler, str) or sampler not in ("tpe", "random", "grid"):
+            made = "" if isinstance(sampler, str) else (
+                f" (a {type(sampler).__name__} object: give a study made with it, `study=optuna.create_study("
+                "sampler=..., direction='minimize')`, which keeps its own sampler)")
+            raise ValueError(f"`sampler` can be tpe, random, grid, got {sampler!r}{made}")
         self.search_space = dict(search_space)
         self.base = dict(base or {})
         check_spec_fields(self.search_space, "OptunaSweep `search_space`")

@@ -196,6 +196,11 @@ def test_bad_search_space():
         OptunaSweep({"lr": {"type": "float", "low": 1e-5, "high": 1e-3}}, sampler="grid")
     with pytest.raises(ValueError, match="`sampler` can be tpe, random, grid"):
         OptunaSweep(SPACE, sampler="cmaes")
+    import optuna
+
+    with pytest.raises(ValueError, match=r"`sampler` can be tpe, random, grid, got <optuna.*CmaEsSampler.*> \(a "
+                                         r"CmaEsSampler object: give a study made with it, `study=optuna.create_study"):
+        OptunaSweep(SPACE, sampler=optuna.samplers.CmaEsSampler(seed=1))  # (an Optuna user's first try)
     # misspelled or unknown keys are named with the ones the type takes, not dropped
     with pytest.raises(ValueError, match="`lr`: a float parameter takes type, low, high, log, step; got 'Log'"):
         OptunaSweep({"lr": {"type": "float", "low": 1e-5, "high": 1e-3, "Log": True}})
