@@ -62,3 +62,27 @@ def test_outside_the_main_thread_nothing_is_held():
     thread.start()
     thread.join()
     assert seen == [signal.getsignal(signal.SIGINT)]
+
+
+def test_signals_kept_for_the_caller_where_the_block_ends_whole_and_raised_where_it_fails():
+    """(`kept`: the optimizer step's, raised to their handlers as the batch ends, `raise_signals`.)"""
+    from lightning_multilora.signals import raise_signals
+
+    came = []
+    handler = lambda signum, frame: came.append(signum)  # noqa: E731
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        kept: list[int] = []
+        with stop_signals_deferred(kept):
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert kept == [signal.SIGTERM] and came == []
+        raise_signals(kept)
+        assert came == [signal.SIGTERM]
+        kept = []
+        with pytest.raises(RuntimeError, match="step failed"):
+            with stop_signals_deferred(kept):
+                os.kill(os.getpid(), signal.SIGTERM)
+                raise RuntimeError("step failed")
+        assert kept == [] and came == [signal.SIGTERM] * 2  # (raised as the block failed: nothing left to keep)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
