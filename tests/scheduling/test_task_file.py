@@ -314,10 +314,7 @@ def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
     import time
 
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # (tasks without GPUs; no torch import to count them)
-    # Ctrl-C as at a terminal: a process started with SIGINT ignored (a test run in a shell's background job, where
-    # the shell ignores it) keeps ignoring it, as Python does, and so would the schedule
-    command = _waiting_tasks_schedule(tmp_path, "ab", "import signal; signal.signal(signal.SIGINT, "
-                                                      "signal.default_int_handler)")
+    command = _waiting_tasks_schedule(tmp_path, "ab")
     schedule = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 start_new_session=True)  # (a signal of its own: not pytest's process group)
     pids = [tmp_path / "a.pid", tmp_path / "b.pid"]
@@ -341,8 +338,12 @@ def test_an_interrupted_schedule_stops_its_running_tasks(tmp_path, sig, code):
 
 def _waiting_tasks_schedule(tmp_path, ids: str = "a", setup: str = "pass") -> list[str]:
     """The command of a schedule process running tasks ``ids`` that each write their pid and wait, on as many GPUs
-    (slots). ``setup``: Python run in the schedule's process before it starts."""
+    (slots). ``setup``: Python run in the schedule's process before it starts, after its stop signals are set as at
+    a terminal: a process started with one ignored keeps ignoring it, as Python does, and so would the schedule (a
+    test run in a shell's background job ignores SIGINT; one under `nohup`, SIGHUP)."""
     py = sys.executable
+    setup = ("import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+             f"signal.signal(signal.SIGTERM, signal.SIG_DFL); signal.signal(signal.SIGHUP, signal.SIG_DFL); {setup}")
     lines = "".join(f"  - {{id: {t}, duration: 100, command: [{py}, -c, \"{RUN_AND_WAIT}\", "
                     f"{tmp_path / f'{t}.pid'}]}}\n" for t in ids)
     path = write(tmp_path, f"gpus: {len(ids)}\nlog_dir: {tmp_path / 'logs'}\ntasks:\n{lines}")
