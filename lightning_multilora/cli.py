@@ -198,10 +198,21 @@ def _wrong_type(message: str) -> Optional[str]:
         found = re.search(r'Parser key "([\w.]+)":.*?Parser key "(\w+)":\s+Does not validate against any of the '
                           r"Union subtypes\s+Subtypes: \[<class '(\w+)'>, <class 'NoneType'>\].*?"
                           r"Given value: (.*?)\n", message, re.S)
-    if found is None:
-        return None
-    key, field, kind, value = found.groups()
-    words = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "text"}.get(kind, f"a {kind}")
+    kinds = {"int": "an integer", "float": "a number", "bool": "true or false", "str": "text", "NoneType": "null"}
+    if found is None:  # (a union of several types, ``target_modules: 5``: each alternative named)
+        union = re.search(r'Parser key "([\w.]+)":.*?Parser key "(\w+)":\s+Does not validate against any of the '
+                          r"Union subtypes\s+Subtypes: \[(.*?)\]\n.*?Given value: (.*?)\n", message, re.S)
+        if union is None:
+            return None
+        key, field, subtypes, value = union.groups()
+        alternatives = re.findall(r"<class '(\w+)'>|list\[<?(?:class ')?(\w+)'?>?\]|([^,\s][^,]*)", subtypes)
+        if any(other or kinds.get(one or many) is None for one, many, other in alternatives):
+            return None  # (a union of classes: jsonargparse's own account)
+        named = [kinds[one] if one else f"a list of {kinds[many]}" for one, many, _ in alternatives]
+        kind, words = "union", named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
+    else:
+        key, field, kind, value = found.groups()
+        words = kinds.get(kind, f"a {kind}")
     item = re.search(rf"'name': '([^']+)'[^{{}}]*?'{field}': '?{re.escape(value)}'?[,}}]", message)
     which = f"adapter {item[1]!r}: " if item and key.endswith("adapters") else ""
     axis = re.search(rf"'{field}': {{[^{{}}]*?'(\w+)': '?{re.escape(value)}'?[,}}]", message) \
@@ -242,8 +253,14 @@ def _section_typo(message: str, top: Sequence[str] = ()) -> Optional[str]:
     from lightning_multilora.callbacks.report import SweepReport
 
     classes = {"model": MultiLoRAModule, "data": MultiLoRADataModule, "trainer": Trainer, "report": SweepReport}
+    head, _, rest = key.partition(".")
+    if head in classes and section not in classes:  # (a misspelt field that holds a mapping, in a config file:
+        name = rest.partition(".")[0]  # named by its innermost key, `model.grids.axes.lr`)
+        fields = [p for p in inspect.signature(classes[head]).parameters if p not in ("self", "args", "kwargs")]
+        close = difflib.get_close_matches(name, fields, n=1) if name not in fields else []
+        return f"{message.rstrip('.')} (did you mean `{head}.{close[0]}`?)" if close else None
     if section not in classes:  # (a misspelt section or top-level key: `--modle.max_running`, `--seed_everthing`)
-        head, dot, rest = key.partition(".")
+        dot = "." if rest else ""
         close = difflib.get_close_matches(head, top, n=1) if head and head not in top else []
         return f"{message.rstrip('.')} (did you mean `{close[0]}{dot}{rest}`?)" if close else None
     fields = [p for p in inspect.signature(classes[section]).parameters if p not in ("self", "args", "kwargs")]

@@ -489,6 +489,9 @@ def test_an_adapter_field_spelt_as_peft_spells_it_is_answered_with_ours(tmp_path
      "error: `model.adapters`: adapter 'b': `max_steps` must be an integer, got '2.5'"),
     (["--model.adapters", "[{name: a, grad_clip: abc}]"],
      "error: `model.adapters`: adapter 'a': `grad_clip` must be a number, got 'abc'"),
+    # (a union of several types: jsonargparse's account of each alternative)
+    (["--model.adapters", "[{name: a, target_modules: 5}]"],
+     "error: `model.adapters`: adapter 'a': `target_modules` must be text, a list of text or null, got '5'"),
     # (a source written in a form jsonargparse reads as the base class: it named DataSource and "it takes" nothing)
     (["--data.sources", "{pc: {class_path: JSONLSource, path: pc.jsonl}}"],
      "error: `data.sources`: DataSource takes no 'class_path': the class meant was not read with its fields; give "
@@ -504,6 +507,23 @@ def test_a_field_a_config_misspells_is_named_with_the_closest_one_under_a_short_
     err = capsys.readouterr().err
     assert done.value.code == 2 and message in err, err
     assert len(err.splitlines()) <= 4 and err.startswith("usage: "), err
+
+
+@pytest.mark.parametrize("config, message", [
+    ("model:\n  grids:\n    axes: {lr: [1.0e-3, 2.0e-3]}\n",
+     "does not accept option 'model.grids.axes.lr' (did you mean `model.grid`?)"),
+    ("data:\n  source:\n    arithmetic:\n      class_path: lightning_multilora.data.GeneratedArithmetic\n",
+     "(did you mean `data.sources`?)"),
+])
+def test_a_misspelt_field_holding_a_mapping_in_a_config_file_is_named_with_the_closest_one(tmp_path, capsys, config,
+                                                                                           message):
+    """(jsonargparse names such a key by its innermost one, `model.grids.axes.lr`: no field was suggested.)"""
+    path = tmp_path / "typo.yaml"
+    path.write_text(config)
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", demo_config(), "--config", str(path), "--trainer.default_root_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and message in err, err
 
 
 @pytest.mark.parametrize("override, message", [
