@@ -941,6 +941,10 @@ def inject_multilora(
     (`guard_4bit_base`, which refuses one already repacked and says a 4-bit base on the CPU).
     """
     target_modules = peft_targets(target_modules)  # ("ALL-LINEAR", a set as `LoraConfig.target_modules` holds)
+    # a `torch.compile`d model: its layers wrapped and named in the model it compiled (the wrapper's names begin
+    # `_orig_mod.`, which PEFT's adapters of the plain model never hold: exports PEFT loaded as nothing, `init_from`
+    # refused), and held as that model; its compiled forward runs them as it runs its own layers
+    model = getattr(model, "_orig_mod", model)
     if not isinstance(target_modules, str):
         _check_target_names(target_modules, "'all-linear'")
         target_modules = list(target_modules)

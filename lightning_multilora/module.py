@@ -274,7 +274,7 @@ class MultiLoRAMixin:
         self.strict_loading = False  # checkpoints hold adapter weights only, never the frozen base
         model.train()  # (from_pretrained returns eval mode: the base's dropout off, and Lightning warns at the start)
         self.lora_layers = inject_multilora(model, target_modules)
-        self._all_module_names = [n for n, _ in model.named_modules()]
+        self._all_module_names = [n for n, _ in self.lora_layers.model.named_modules()]  # (a compiled one's own)
         self.default_target_modules = peft_targets(target_modules)
         self.registry = AdapterRegistry()
         # adapters given to the module outside a fit (constructor, grid, `add_adapter` before `fit`): what a resume
@@ -1855,6 +1855,12 @@ class MultiLoRAMixin:
         self._added_before_start = {}
         self.__dict__.pop("_held_signals", None)  # (an earlier fit's, whose batch ended on another error)
         self._fit_started = True  # (its callbacks' states are carried to the next fit: `_carry_optimizer_state`)
+        if self.keep_best_weights:  # (an earlier fit without EarlyExit kept no snapshot of its best: where the best
+            for rec in self.registry:  # is the adapter's step, its weights now are the best's)
+                if (rec.best_val_step == rec.step >= 0 and rec.name not in self._best_weights
+                        and rec.name in self.lora_layers.adapter_names and self._owns(rec.name)):
+                    self._best_weights[rec.name] = {k: v.to("cpu") for k, v in
+                                                    self.lora_layers.peft_state_dict(rec.name).items()}
         self._validate_the_resumed_step()
         if self.trainer.lr_scheduler_configs:  # (a subclass's configure_optimizers returned one)
             raise ValueError("a learning-rate scheduler from `configure_optimizers` would never be stepped (the module "
@@ -2809,6 +2815,8 @@ class MultiLoRAMixin:
                 rec.best_val_preference_accuracy = preferred / pairs if pairs > 0 else math.nan
                 if self.keep_best_weights and name in self.lora_layers.adapter_names:
                     self._best_weights[name] = {k: v.to("cpu") for k, v in self.lora_layers.peft_state_dict(name).items()}
+                else:  # (an earlier fit's snapshot is no longer the best's: an export of it named this step's loss)
+                    self._best_weights.pop(name, None)
             logs[f"adapters/{name}/val_loss"] = loss
         self.log_adapter_metrics(logs)
 

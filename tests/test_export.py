@@ -334,6 +334,34 @@ def _assert_peft_logits(module, name: str, base_dir, peft_dir) -> None:
                                    peft_model.eval()(input_ids=ids).logits, atol=1e-5, rtol=0)
 
 
+def test_a_compiled_bases_adapters_are_named_as_the_plain_models_both_ways(tmp_path, trainer_kwargs):
+    """(A `torch.compile`d base's layers were named `_orig_mod.model.layers...`: its exports PEFT loaded as no adapter,
+    warning only of missing keys, or refused a regex's; `init_from` refused a plain model's PEFT folder, and a plain
+    module the compiled one's exports.)"""
+    from safetensors.torch import load_file
+
+    build_base_model("tiny-llama").save_pretrained(tmp_path / "base")
+    _peft_saved_adapter(tmp_path / "peft", tmp_path / "base", r=4, lora_alpha=8, target_modules=["q_proj"])
+    compiled = torch.compile(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), backend="eager")
+    module = MultiLoRAModule(compiled, export_dir=str(tmp_path / "out"), validate_on_finish=False, adapters=[
+        AdapterSpec("regex", rank=4, alpha=8, lr=1e-2, max_steps=9, target_modules=r".*layers\.1\..*v_proj"),
+        AdapterSpec("peft", rank=4, alpha=8, lr=1e-2, max_steps=9, init_from=str(tmp_path / "peft"))])
+    trainer = L.Trainer(**dict(trainer_kwargs, max_steps=2))  # (its adapters held: exported as the fit ends)
+    trainer.fit(module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(40)}))
+    regex = tmp_path / "out" / "regex"
+    assert json.loads((regex / "adapter_config.json").read_text())["target_modules"] == [
+        "model.layers.1.self_attn.v_proj"]
+    assert list(load_file(str(regex / "adapter_model.safetensors"))) == [
+        "base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight",
+        "base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
+    for name in ("regex", "peft"):
+        _assert_peft_logits(module, name, tmp_path / "base", tmp_path / "out" / name)
+    plain = MultiLoRAModule(str(tmp_path / "base"), adapters=[AdapterSpec("back", rank=4, alpha=8,
+                                                                          init_from=str(regex))])
+    plain._create_weights(plain.registry["back"])
+    _assert_peft_logits(plain, "back", tmp_path / "base", regex)
+
+
 def test_a_peft_adapter_of_the_head_with_its_saved_base_weights_starts_an_adapter(tmp_path):
     """PEFT saves a targeted ``lm_head``'s base weights beside its LoRA weights (``save_embedding_layers="auto"``):
     where they are this base's, the folder is plain LoRA and loads (PEFT's outputs); other base weights (a resized

@@ -2035,6 +2035,41 @@ def test_the_ranks_registries_agree_whatever_order_their_ended_unplaced_adapters
     assert digest(("t2", "t3")) != digest(("t2", "t3"), ("q2", "q1"))
 
 
+def test_an_export_under_early_exit_after_a_fit_without_it_holds_the_weights_it_names(tmp_path, trainer_kwargs):
+    """A fit without EarlyExit validated a new best that no snapshot kept; a later fit's EarlyExit exported the earlier
+    fit's snapshot, named as that new best (its step and loss), over the export of it. Now: the weights of that best
+    where they are the adapter's as the fit starts, else its last ones, said."""
+    from lightning_multilora import EarlyExit
+
+    module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=4, alpha=8, lr=1e-2, max_steps=100)],
+                             export_dir=str(tmp_path / "out"))
+    kwargs = dict(trainer_kwargs, val_check_interval=2)
+    rec = module.registry["a"]
+
+    def fit(steps: int, early: bool) -> tuple[dict, dict, list[str]]:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            L.Trainer(**dict(kwargs, max_steps=steps), callbacks=[EarlyExit()] if early else []).fit(module, small_dm())
+        export = Path(rec.export_path)
+        return (load_file(str(export / "adapter_model.safetensors")),
+                json.loads((export / "multilora_export.json").read_text()), [str(w.message) for w in said])
+
+    fit(2, early=True)  # (best at step 2, kept)
+    fit(3, early=False)  # (a better one at step 4, not kept; the fit ends at step 5)
+    assert [s for s, _ in rec.val_losses] == [2, 4] and rec.best_val_step == 4 and rec.step == 5
+    weights, info, said = fit(1, early=True)
+    live = module.lora_layers.peft_state_dict("a")
+    assert info["weights_step"] == rec.exported_step == 6 and all(torch.equal(weights[k], live[k]) for k in live)
+    assert any("its best-validation weights (step 4," in m and "its weights of step 6 are written" in m for m in said)
+    fit(2, early=False)  # (a better one at step 8, where the fit ends)
+    assert rec.best_val_step == rec.step == 8
+    at_best = {k: v.clone() for k, v in module.lora_layers.peft_state_dict("a").items()}
+    weights, info, said = fit(1, early=True)
+    assert info["weights_step"] == rec.exported_step == 8 and info["val_loss"] == rec.best_val_loss
+    assert all(torch.equal(weights[k], at_best[k]) for k in at_best)
+    assert not any("were not kept" in m for m in said)
+
+
 def test_a_second_fit_of_the_module_goes_on_with_its_optimizer_state(tmp_path, trainer_kwargs):
     """A fit stopped by the Trainer's ``max_steps`` and fitted again (a new Trainer) went on with the adapters' steps,
     schedules and data, but a new optimizer: AdamW's moments and step counts restarted, silently. Two fits of 3 steps

@@ -230,7 +230,9 @@ class MultiLoRADataModule(L.LightningDataModule):
         val_max_rows: most rows in one validation forward (a DPO pair two); a packed validation batch of more is
             split. None: the validated adapters' rows of a training step together (what admission found room for),
             or one adapter's ``val_batch_size`` examples where that is more (64 adapters of batch 1 validated 512
-            rows at once, 8 times a training step's, and ran out of memory where training did not).
+            rows at once, 8 times a training step's, and ran out of memory where training did not). A sanity check's
+            or a smoke run's batches (`fast_dev_run`) hold one example of every adapter at least, past this cap where
+            it is smaller than the adapters' rows (no more than a training step's).
         max_val_examples: cap on each source's validation split (None: no cap); the examples past it go back into
             training (GSM8K's 7473 hold out 256, not ``val_fraction``'s 747).
         val_sources: a held-out validation source for some of ``sources``, by the same name (a DatasetDict's
