@@ -30,6 +30,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _environment_restored():
+    """Each test's changes to the environment undone after it: a Trainer of a distributed strategy run in the test
+    process leaves MASTER_PORT, LOCAL_RANK... (Lightning sets them), which every process started later inherits (an
+    adapter-parallel run's launcher, seeing LOCAL_RANK, took its ranks for started by another and never started rank
+    1: rank 0 waited for it, then failed; the order of a parallel test run put such a test first)."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture
 def triton_backend():
     """The Triton kernels on CPU tensors too (the interpreter), as on CUDA ones; the backend restored after."""
