@@ -177,7 +177,7 @@ def test_cpsat_admission_fills_the_budget_at_least_as_well_as_greedy():
     fit = MemoryFit(k0=16e9, k1=3e5, k2=16.0)
     params_of = lambda s: 2_600_000 * s.rank  # noqa: E731 - an 8B-like adapter per rank unit
     greedy = AdmissionController(fit_predictor(fit, 1024, params_of), 141e9, 0.9)
-    exact = CPSATAdmission(fit, 1024, params_of, 141e9, 0.9)
+    exact = CPSATAdmission(fit, 1024, params_of, 141e9, 0.9, time_limit_s=30.0)  # (an optimum, found in moments)
     specs = sweep_specs()
     g, c = greedy.select([], specs), exact.select([], specs)
     assert exact.fits(c) and greedy.fits(g)
@@ -196,11 +196,13 @@ def test_cpsat_admission_puts_rows_before_the_freed_batch_size_before_priority_a
     fit = MemoryFit(k0=0.0, k1=1.0, k2=0.0)  # a byte a token: room for 22 rows of one token
     small = [AdapterSpec(f"s{i}", batch_size=1) for i in range(21)]
     wide = AdapterSpec("wide", batch_size=22)
-    exact = CPSATAdmission(fit, 1, lambda s: 0, 22.0, 1.0, priority=lambda s: 1.0 if s.name != "wide" else -1.0)
+    # (the optimum, which CP-SAT proves in moments; within the default 0.5 s it did not on a loaded machine)
+    exact = CPSATAdmission(fit, 1, lambda s: 0, 22.0, 1.0, priority=lambda s: 1.0 if s.name != "wide" else -1.0,
+                           time_limit_s=30.0)
     assert exact.select([], [*small, wide], freed=small[0]) == [wide]  # 22 rows beat 21 with every bonus
     # the analytic guard past the profiled points (none here: every set is beyond), as AdmissionController's
-    guarded = CPSATAdmission(fit, 1, lambda s: 0, 22.0, 1.0, beyond=lambda specs: 2.0 * sum(s.batch_size
-                                                                                             for s in specs))
+    guarded = CPSATAdmission(fit, 1, lambda s: 0, 22.0, 1.0, time_limit_s=30.0,
+                             beyond=lambda specs: 2.0 * sum(s.batch_size for s in specs))
     assert sum(s.batch_size for s in guarded.select([], small)) == 11
     with pytest.raises(ValueError, match="CPSATAdmission: `time_limit_s` must be a finite number of seconds > 0"):
         CPSATAdmission(fit, 1, lambda s: 0, 22.0, time_limit_s=float("nan"))
@@ -217,7 +219,7 @@ def test_cpsat_admission_never_admits_fewer_rows_than_greedy_where_the_guard_ref
     def beyond(specs):  # the analytic model: a rank-64 adapter's weights are 50 bytes here
         return sum(s.batch_size for s in specs) + 50.0 * sum(s.rank == 64 for s in specs)
 
-    exact = CPSATAdmission(fit, 1, lambda s: 0, 10.0, 1.0, beyond=beyond)
+    exact = CPSATAdmission(fit, 1, lambda s: 0, 10.0, 1.0, beyond=beyond, time_limit_s=30.0)
     greedy = AdmissionController(exact.predict, 10.0, 1.0)
     assert [s.name for s in greedy.select([], [big, *small])] == ["s0", "s1", "s2"]
     assert [s.name for s in exact.select([], [big, *small])] == ["s0", "s1", "s2"]
