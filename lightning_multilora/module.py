@@ -1859,8 +1859,7 @@ class MultiLoRAMixin:
             for rec in self.registry:  # is the adapter's step, its weights now are the best's)
                 if (rec.best_val_step == rec.step >= 0 and rec.name not in self._best_weights
                         and rec.name in self.lora_layers.adapter_names and self._owns(rec.name)):
-                    self._best_weights[rec.name] = {k: v.to("cpu") for k, v in
-                                                    self.lora_layers.peft_state_dict(rec.name).items()}
+                    self._keep_best_weights(rec.name)
         self._validate_the_resumed_step()
         if self.trainer.lr_scheduler_configs:  # (a subclass's configure_optimizers returned one)
             raise ValueError("a learning-rate scheduler from `configure_optimizers` would never be stepped (the module "
@@ -2796,6 +2795,10 @@ class MultiLoRAMixin:
         if pending and not (self.registry.running or self.registry.queued):
             trainer.should_stop = True  # (nothing was left, and this validation's callbacks queued or resumed none)
 
+    def _keep_best_weights(self, name: str) -> None:
+        """Adapter ``name``'s weights now, on the CPU, as its best-validation ones (`keep_best_weights`)."""
+        self._best_weights[name] = {k: v.to("cpu") for k, v in self.lora_layers.peft_state_dict(name).items()}
+
     def _record_val_losses(self, sums: dict[str, list[float]]) -> None:
         """Records a validation's sums (`_add_val_terms`) in the adapters' histories, and logs them."""
         logs = {}
@@ -2814,7 +2817,7 @@ class MultiLoRAMixin:
                 rec.best_val_loss, rec.best_val_step = loss, rec.step
                 rec.best_val_preference_accuracy = preferred / pairs if pairs > 0 else math.nan
                 if self.keep_best_weights and name in self.lora_layers.adapter_names:
-                    self._best_weights[name] = {k: v.to("cpu") for k, v in self.lora_layers.peft_state_dict(name).items()}
+                    self._keep_best_weights(name)
                 else:  # (an earlier fit's snapshot is no longer the best's: an export of it named this step's loss)
                     self._best_weights.pop(name, None)
             logs[f"adapters/{name}/val_loss"] = loss
