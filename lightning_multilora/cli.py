@@ -788,6 +788,13 @@ def _adapters_replaced(args: list[str]) -> list[str]:
 _given: list[str] = []  # the arguments `main` parses (for its parser's errors)
 
 
+def _shows_docs(args: list[str]) -> bool:
+    """Whether the command shows the fields' descriptions: a help (``-h``, ``--help``, ``--<field>.help``) or a
+    printed config (``--print_config``, whose ``=comments`` holds them)."""
+    return any(arg in ("-h", "--help") or arg.split("=", 1)[0].endswith(".help") or arg.startswith("--print_config")
+               for arg in args)
+
+
 def main(args: Optional[list[str]] = None) -> None:
     from_command_line = args is None
     args = list(sys.argv[1:] if args is None else args)
@@ -808,9 +815,11 @@ def main(args: Optional[list[str]] = None) -> None:
                   "callbacks and data): `multilora demo --print_config` shows every value it runs with.\n")
         args = ["fit", "--config", demo_config(), *args[1:]]
     given, args = args, _adapters_replaced(args)  # (`_given`: as given, without the nulls put before lists)
-    # (the help of AdapterSpec's and SweepGrid's fields, `--model.adapters.help`: their attribute docstrings)
+    # (the help of AdapterSpec's and SweepGrid's fields, `--model.adapters.help`: their attribute docstrings; read
+    # for a help or a printed config alone: finding them parses the source of every class the parser takes, the
+    # Trainer's too, 2 of the 2.7 s a parser takes to build)
     try:
-        set_parsing_settings(docstring_parse_attribute_docstrings=True)
+        set_parsing_settings(docstring_parse_attribute_docstrings=_shows_docs(args))
     except (TypeError, ValueError, ImportError):  # (a jsonargparse without it, or no docstring_parser: types alone)
         pass
     if from_command_line:  # (LightningCLI warns when given both ``args`` and a command line)
