@@ -17,6 +17,32 @@ from lightning.pytorch.callbacks import Callback
 from lightning_multilora.cli import demo_config, main
 
 ROOT = Path(__file__).resolve().parents[1]
+LOAD_EXAMPLE = ROOT / "examples" / "load_with_peft.py"
+
+
+def run_example(script: Path, *args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """``python script args`` in ``cwd``, run in this process as its ``__main__`` (a process of its own spent 8 s
+    importing torch, transformers and PEFT again): its exit code, its output and its errors, warnings with them."""
+    import contextlib
+    import io
+    import runpy
+
+    out, err, argv, code = io.StringIO(), io.StringIO(), sys.argv, 0
+    sys.argv = [str(script), *args]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), contextlib.chdir(cwd), \
+                warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+            except SystemExit as exit:  # (a message: printed, exit code 1, as Python does)
+                code = 1 if isinstance(exit.code, str) else exit.code or 0
+                print(exit.code, file=sys.stderr) if isinstance(exit.code, str) else None
+    finally:
+        sys.argv = argv
+    errors = err.getvalue() + "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno)
+                                      for w in said)
+    return subprocess.CompletedProcess([sys.executable, str(script), *args], code, out.getvalue(), errors)
 
 
 SMALL_DEMO = """
@@ -246,8 +272,7 @@ def test_python_api_example_and_peft_loading_example(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     best_path = run.stdout.strip().splitlines()[-1].rsplit(" at ", 1)[1]
-    load = subprocess.run([sys.executable, str(ROOT / "examples" / "load_with_peft.py"), best_path],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    load = run_example(LOAD_EXAMPLE, best_path, cwd=tmp_path)
     assert load.returncode == 0, load.stderr[-3000:]
     assert load.stdout.startswith("Q: Ada has 7 apples")
 
@@ -279,9 +304,7 @@ def test_the_peft_loading_example_loads_the_base_its_export_names(tmp_path, trai
     assert config["base_model_name_or_path"] == str(tmp_path / "base")
     assert json.loads((tmp_path / "exp" / "a" / "multilora_export.json").read_text())["base"] == {
         "config_overrides": {"num_hidden_layers": 1}, "dtype": "bfloat16"}
-    script = str(ROOT / "examples" / "load_with_peft.py")
-    load = subprocess.run([sys.executable, script, str(tmp_path / "exp" / "a")], capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+    load = run_example(LOAD_EXAMPLE, str(tmp_path / "exp" / "a"))
     assert load.returncode == 0, load.stderr[-3000:]
     prompt = load.stdout.split("\nA:")[0] + "\nA:"
     tok = ByteTokenizer()
@@ -293,7 +316,7 @@ def test_the_peft_loading_example_loads_the_base_its_export_names(tmp_path, trai
         first = model.eval()(input_ids=ids).logits[0, -1].argmax().item()
     answer = load.stdout[len(prompt):].rstrip("\n")
     assert tok.encode(answer)[:1] == [first] or (first == tok.eos_token_id and answer == ""), (answer, first)
-    bare = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=300)
+    bare = run_example(LOAD_EXAMPLE)
     assert bare.returncode == 1 and "usage: python" in bare.stderr and "adapter_config.json" in bare.stderr
 
 
@@ -316,8 +339,7 @@ def test_the_peft_loading_example_rebuilds_a_4bit_base_as_the_run_held_it(tmp_pa
         L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"arith": GeneratedArithmetic(60)}))
     info = json.loads((tmp_path / "exp" / "a" / "multilora_export.json").read_text())
     assert info["base"] == {"quantization": "nf4"}, info
-    load = subprocess.run([sys.executable, str(ROOT / "examples" / "load_with_peft.py"), str(tmp_path / "exp" / "a")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    load = run_example(LOAD_EXAMPLE, str(tmp_path / "exp" / "a"))
     assert load.returncode == 0, load.stderr[-3000:]
     prompt = load.stdout.split("\nA:")[0] + "\nA:"
     tok = ByteTokenizer()
@@ -359,8 +381,7 @@ def test_the_peft_loading_example_rebuilds_a_quantized_base_given_to_the_module(
     info = json.loads((tmp_path / "exp" / "a" / "multilora_export.json").read_text())["base"]
     assert info["quantization_config"]["load_in_8bit" if bits == "int8" else "bnb_4bit_use_double_quant"] is True
     assert info.get("quantization") == (None if bits == "int8" else "nf4") and "dtype" not in info, info
-    load = subprocess.run([sys.executable, str(ROOT / "examples" / "load_with_peft.py"), str(tmp_path / "exp" / "a")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    load = run_example(LOAD_EXAMPLE, str(tmp_path / "exp" / "a"))
     assert load.returncode == 0, load.stderr[-3000:]
     prompt = load.stdout.split("\nA:")[0] + "\nA:"
     ids = torch.tensor([ByteTokenizer().encode(prompt)])

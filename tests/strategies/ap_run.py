@@ -2,8 +2,8 @@
 
     python tests/strategies/ap_run.py OUT_DIR MODE [MODE ...]
 
-MODE: parallel|single|stop|resume|resume_one|resume_three|stop_single|resume_two|load_two|early_exit|early_exit_single|
-early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
+MODE: parallel|single|stop|resume|resume_one|resume_four|resume_mixed|stop_single|resume_two|load_two|early_exit|
+early_exit_single|early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
 dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|
 remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke|sigterm|rank1_error|owner_pause|owner_pause_single|
 one_rank_stop|one_rank_add|one_rank_unqueue|optuna_crash|optuna_crash_resume. Several modes run one after
@@ -11,7 +11,9 @@ the other in the same processes (one import, one process group: the modes of one
 of processes), each from the same seeds and with its own records, as if alone.
 
 ``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt_stop); ``resume`` finishes from that checkpoint,
-``resume_one`` too, on one process (the strategy's, over one rank), ``resume_three`` on three.
+``resume_one`` too, on one process (the strategy's, over one rank), ``resume_four`` on four;
+``resume_mixed`` from OUT_DIR/ckpt_mixed, a copy of that checkpoint whose rank1.ckpt names another step (made by
+the test), which every rank refuses (its message recorded).
 ``stop_single`` / ``resume_two``: the same from one process without the strategy (a checkpoint file,
 OUT_DIR/ckpt_stop_single) to 2 ranks;
 ``early_exit_stop_single`` / ``early_exit_resume_two`` likewise with the ``early_exit`` rule (`RESUMES`).
@@ -21,7 +23,8 @@ OUT_DIR/ckpt_stop_single) to 2 ranks;
 ``optuna`` / ``optuna_single``: no fixed adapters; OptunaSweep asks 5 trials (2 slots) from an in-memory TPE study
 that every process creates (2 random startup trials, so later asks depend on what was told before them).
 ``warmup`` / ``warmup_single``: OptunaSweep (random sampler, SQLite OUT_DIR/<mode>.db) feeds 4 candidates through 2
-slots to WarmupSelection, which keeps the best 2. ``optuna_bad_target``: every trial names a missing target module.
+slots to WarmupSelection, which keeps the best 2. ``optuna_bad_target``: every trial names a missing target module
+(the fit fails on every rank: each records its error).
 ``admission``: an `AdmissionController` whose "memory" is 1 GiB a row per step and 2 GiB a device, so a rank holds
 2 rows at a time (one process: a0 alone, then the others as slots free).
 ``warmup_stop`` / ``warmup_resume``: the ``warmup`` sweep stopped after 3 steps (checkpoint in OUT_DIR/ckpt_warmup_stop; the
@@ -41,7 +44,7 @@ again from the step-2 checkpoint to the end. ``refit_on``: 2 steps, then the sam
 Trainer and strategy, no checkpoint) to the end. ``disagree``: an adapter added after step 2 that rank 1's
 datamodule refuses (its data "gone" there) and rank 0's accepts. ``smoke``: ``fast_dev_run=2`` with no export
 folder given (the smoke run's temporary folder holds the exports). ``sigterm``: SIGTERM to rank 0 after step 2.
-``rank1_error``: rank 1 raises after step 1, and rank 0's exports take 4 s each (the launcher's observer looks at
+``rank1_error``: rank 1 raises after step 1, and rank 0's exports take 2 s each (the launcher's observer looks at
 the other ranks every 5 s). ``owner_pause`` / ``owner_pause_single``: two adapters queued after step 1 (an admission
 controller orders them, `max_running` 3), a1 paused after step 2 and resumed after step 5 by the rank that trains it
 alone, and x removed by its rank alone after its first step. ``one_rank_stop``: rank 0 alone removes an adapter
@@ -86,10 +89,12 @@ PAIRS = [{"prompt": f"Q{i}: is {i} even?", "chosen": " yes" if i % 2 == 0 else "
           "rejected": " no" if i % 2 == 0 else " yes"} for i in range(40)]
 CALLS: list[tuple[str, int, int]] = []  # (collective, largest tensor's numel, ranks in its group)
 STUDY_CALLS: list[list] = []
-RESUMES = {"resume": "stop", "resume_one": "stop", "resume_three": "stop", "resume_two": "stop_single",
+RESUMES = {"resume": "stop", "resume_one": "stop", "resume_four": "stop", "resume_mixed": "mixed",
+           "resume_two": "stop_single",
            "load_two": "stop_single",
            "early_exit_resume_two": "early_exit_stop_single", "warmup_resume": "warmup_stop",
            "optuna_crash_resume": "optuna_crash"}  # a resuming mode: the mode whose checkpoint it reads
+PROCESSES = {"hybrid": 4, "resume_one": 1, "resume_four": 4}  # (modes of another number of processes than 2)
 SPACE = {"lr": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True},
          "rank": {"type": "categorical", "choices": [2, 4]}}
 
@@ -332,7 +337,7 @@ def run_mode(out: Path, mode: str) -> None:
 
         def slow(*args, save=made.save_peft_adapter, **kw):  # (rank 0's exports, as of a large adapter)
             if dist.get_rank() == 0:
-                time.sleep(4.0)
+                time.sleep(2.0)
             return save(*args, **kw)
 
         made.save_peft_adapter = slow
@@ -382,7 +387,7 @@ def run_mode(out: Path, mode: str) -> None:
         shard_size = {"replicated": 1, "hybrid": 2}.get(mode)
         strategy = AdapterParallelStrategy(process_group_backend="gloo", timeout=timedelta(seconds=90),
                                            shard_size=shard_size)
-        trainer = L.Trainer(strategy=strategy, devices={"hybrid": 4, "resume_one": 1, "resume_three": 3}.get(mode, 2),
+        trainer = L.Trainer(strategy=strategy, devices=PROCESSES.get(mode, 2),
                             **kwargs)
     else:
         trainer = L.Trainer(devices=1, **kwargs)
@@ -400,6 +405,8 @@ def run_mode(out: Path, mode: str) -> None:
     except BaseException as err:
         if mode in ("one_rank_stop", "one_rank_add", "one_rank_unqueue") and isinstance(err, ValueError):
             evaluated["refused"] = f"{str(err)} (after step {trainer.global_step})"
+        elif mode in ("optuna_bad_target", "resume_mixed"):  # (failing on every rank: each one's error)
+            evaluated["failed"] = f"{type(err).__name__}: {err}"
         elif mode == "optuna_crash" and "node lost" in str(err):
             evaluated["crashed"] = trainer.global_step
         elif mode != "sigterm" or type(err).__name__ != "SIGTERMException":
@@ -460,8 +467,7 @@ def run_mode(out: Path, mode: str) -> None:
 
 def main() -> None:
     out, modes = Path(sys.argv[1]), sys.argv[2:]
-    own = ("hybrid", "resume_one", "resume_three")  # (processes of their own: another number of them)
-    processes = {"single" if m.endswith("single") else m if m in own else "two ranks" for m in modes}
+    processes = {"single" if m.endswith("single") else f"{PROCESSES.get(m, 2)} ranks" for m in modes}
     if len(processes) != 1:
         sys.exit(f"modes of one invocation run on the same processes; these need {sorted(processes)}: {modes}")
     if not all(m.endswith("single") for m in modes):

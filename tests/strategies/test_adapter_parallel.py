@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -73,15 +74,15 @@ def test_a_sigterm_stops_every_rank_after_the_same_step_and_each_exports_its_ada
     assert all((Path(path) / "adapter_model.safetensors").is_file() for path, _ in ranks[0]["exported"].values())
 
 
-def test_a_rank_that_fails_leaves_rank_0_the_time_to_export_its_adapters(tmp_path):
+def test_a_rank_that_fails_leaves_rank_0_the_time_to_export_its_adapters(runs):
     """Lightning's launcher killed the main process (rank 0) within 5 s of another rank's failing: its adapters, being
     exported after the lost collective, were cut short (a folder of its stamp alone), and no summary came. The
     observer now waits for rank 0 to end on its own (`launcher.CHILD_FAILURE_GRACE_S`)."""
-    result = launch(tmp_path, "rank1_error")
-    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])  # (not -9: killed)
-    assert "rank 1 lost its GPU" in result.stderr
+    returncode, stderr = json.loads((runs / "rank1_error.end").read_text())
+    assert returncode == 1, (returncode, stderr[-3000:])  # (not -9: killed)
+    assert "rank 1 lost its GPU" in stderr
     for name in ("a0", "a1", "a2", "a3"):
-        assert (tmp_path / "rank1_error" / name / "adapter_model.safetensors").is_file(), name
+        assert (runs / "rank1_error" / name / "adapter_model.safetensors").is_file(), name
 
 
 def test_the_strategy_is_registered_by_name():
@@ -104,8 +105,22 @@ def test_a_replicated_base_is_cast_to_param_dtype_and_its_adapters_are_not():
     assert {p.dtype for p in model.parameters() if id(p) not in kept} == {torch.bfloat16}
 
 
+def start(out: Path, *modes: str) -> Callable[[], subprocess.CompletedProcess]:
+    """`launch` begun: the function returned waits for its end. (A launch beside another takes little of its time:
+    a launch's ranks spend seconds in turn importing, and in waits.)"""
+    errors = out / f"launch_{modes[0]}.stderr"
+    with errors.open("w") as stream:
+        process = subprocess.Popen([sys.executable, str(SCRIPT), str(out), *modes], stdout=subprocess.DEVNULL,
+                                   stderr=stream)
+
+    def wait() -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess(process.args, process.wait(timeout=900), "", errors.read_text())
+
+    return wait
+
+
 def launch(out: Path, *modes: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), str(out), *modes], capture_output=True, text=True, timeout=900)
+    return start(out, *modes)()
 
 
 def run(out: Path, *modes: str) -> None:
@@ -122,22 +137,49 @@ TWO_RANK_MODES = ["parallel", "stop", "resume_two", "load_two", "early_exit", "e
                   "dpo", "remove", "end_eval", "refit", "refit_on", "admission", "disagree", "smoke", "owner_pause",
                   *(["optuna_admission", "optuna", "optuna_defaults", "optuna_prune", "warmup", "warmup_stop"]
                     if OPTUNA else []), *(["optuna_crash"] if OPTUNA else []), "one_rank_add", "one_rank_unqueue",
-                  "one_rank_stop"]  # (last: their fits end in an error)
-# resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over)
-RESUME_MODES = ["resume", *(["warmup_resume", "optuna_crash_resume"] if OPTUNA else [])]
+                  "one_rank_stop", *(["optuna_bad_target"] if OPTUNA else [])]  # (last: their fits end in an error)
+# resumes of two-rank checkpoints, in processes of their own (nothing but the checkpoint carries the run over); then
+# a SIGTERM (last: the signal's handlers are the Trainer's while it runs)
+RESUME_MODES = ["resume", *(["warmup_resume", "optuna_crash_resume"] if OPTUNA else []), "resume_mixed", "sigterm"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The runs the tests read, in one folder: the one-process modes in one process, then the two-rank ones in one
     pair of processes (an import and a process group for all of them, not one a mode: the file's tests took 9.5
-    minutes of the suite's 15 with a pair of processes a mode)."""
+    minutes of the suite's 15 with a pair of processes a mode), then the resumes in another pair. Beside the first,
+    a pair whose rank 1 fails (``rank1_error``, its end in OUT/rank1_error.end); beside the last, a resume on one
+    process."""
     out = tmp_path_factory.mktemp("adapter_parallel")
+    failing = start(out, "rank1_error")
     run(out, *SINGLE_MODES)
+    failed = failing()
+    (out / "rank1_error.end").write_text(json.dumps([failed.returncode, failed.stderr]))
     run(out, *TWO_RANK_MODES)
+    mixed_steps(out / "ckpt_stop", out / "ckpt_mixed")
+    on_one = start(out, "resume_one")
     run(out, *RESUME_MODES)
-    run(out, "sigterm")  # (processes of its own: the signal's handlers are the Trainer's while it runs)
+    resumed = on_one()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
     return out
+
+
+def mixed_steps(source: Path, folder: Path) -> None:
+    """A copy of `source`'s checkpoint whose rank1.ckpt says it was written a step earlier (say, a folder saved again
+    that a crash left half-written)."""
+    import shutil
+
+    (saved,) = source.glob("*.ckpt")
+    shutil.copytree(saved, folder / saved.name)
+    state = torch.load(folder / saved.name / "rank1.ckpt", weights_only=False)
+    torch.save({**state, "global_step": state["global_step"] - 1}, folder / saved.name / "rank1.ckpt")
+
+
+@pytest.fixture(scope="module")
+def four_ranks(runs):
+    """Four processes: a base sharded within pairs (``hybrid``), and the two-rank checkpoint resumed over them."""
+    run(runs, "hybrid", "resume_four")
+    return runs
 
 
 def test_two_ranks_train_each_adapter_exactly_like_one_process(runs):
@@ -217,7 +259,6 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_as_if_never_stopped(runs):
     """Resumed on one process, a run written by two: rank 1's adapters come back from its file onto rank 0 (their
     weights, optimizer state, data streams and validation history) and every adapter ends as in the run never
     stopped."""
-    run(runs, "resume_one")
     resumed_run = json.loads((runs / "resume_one.rank0.json").read_text())
     uninterrupted_run = json.loads((runs / "parallel.rank0.json").read_text())
     saved = torch.load(next((runs / "ckpt_stop").glob("*.ckpt")) / "rank1.ckpt", weights_only=False)
@@ -234,37 +275,31 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_as_if_never_stopped(runs):
             assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
 
 
-def test_a_checkpoint_of_two_ranks_resumed_on_three_gives_every_rank_adapters(runs):
-    """Resumed over more ranks than wrote it, the adapters kept their saved owners: the new rank trained nothing for
-    the whole run (a third GPU idle). Every adapter is placed anew, and each ends as in the run never stopped."""
-    run(runs, "resume_three")
-    ranks = [json.loads((runs / f"resume_three.rank{r}.json").read_text()) for r in range(3)]
+def test_a_checkpoint_of_two_ranks_resumed_on_four_gives_the_new_ranks_adapters(four_ranks):
+    """Resumed over more ranks than wrote it, the adapters kept their saved owners: the new ranks trained nothing for
+    the whole run (GPUs idle). Every adapter is placed anew, and each ends as in the run never stopped."""
+    runs = four_ranks
+    ranks = [json.loads((runs / f"resume_four.rank{r}.json").read_text()) for r in range(4)]
     uninterrupted_run = json.loads((runs / "parallel.rank0.json").read_text())
-    assert all(rank["owned"] for rank in ranks)  # (a0, a1, a2 held weights at the checkpoint; a3 had finished)
+    assert all(rank["owned"] for rank in ranks), [rank["owned"] for rank in ranks]  # (one adapter each)
     assert all(rank["states"] == uninterrupted_run["states"] for rank in ranks)
     for name in SPEC_NAMES:
         assert [v for _, v in ranks[0]["val"][name]] == pytest.approx(
             [v for _, v in uninterrupted_run["val"][name]], rel=1e-5)
-        resumed = load_file(runs / "resume_three" / name / "adapter_model.safetensors")
+        resumed = load_file(runs / "resume_four" / name / "adapter_model.safetensors")
         uninterrupted = load_file(runs / "parallel" / name / "adapter_model.safetensors")
         for key in uninterrupted:
             assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
 
 
-def test_a_folder_of_mixed_steps_fails_every_rank_with_its_reason(runs, tmp_path):
-    """Rank 1's file of another step (say, a folder saved again that a crash left half-written): both ranks fail
-    at the resume with the reason, rank 0 too, whose own files agree (none is left waiting in a collective)."""
-    import shutil
-
-    (saved,) = (runs / "ckpt_stop").glob("*.ckpt")
-    folder = tmp_path / "ckpt_stop" / saved.name
-    shutil.copytree(saved, folder)
-    state = torch.load(folder / "rank1.ckpt", weights_only=False)
-    torch.save({**state, "global_step": state["global_step"] - 1}, folder / "rank1.ckpt")
-    result = launch(tmp_path, "resume")
-    assert result.returncode != 0
+def test_a_folder_of_mixed_steps_fails_every_rank_with_its_reason(runs):
+    """Rank 1's file of another step (`mixed_steps`): both ranks fail at the resume with the reason, rank 0 too,
+    whose own files agree (none is left waiting in a collective: the launch's next mode runs)."""
     reason = "is not one checkpoint of 2 ranks: rank1.ckpt was written by rank 1 of 2 at step 1 (rank0.ckpt: step 2)"
-    assert result.stderr.count(reason) >= 2, result.stderr[-3000:]  # (each rank's traceback names it)
+    for r in (0, 1):
+        failed = json.loads((runs / f"resume_mixed.rank{r}.json").read_text())["evaluated"]["failed"]
+        assert failed.startswith("ValueError: ") and reason in failed, (r, failed)
+    assert (runs / "sigterm.rank1.json").is_file()
 
 
 def test_a_single_process_checkpoint_resumes_on_two_ranks_as_if_never_stopped(runs):
@@ -325,13 +360,13 @@ def test_no_adapter_tensor_enters_a_collective(runs):
 
 
 @pytest.mark.parametrize("mode, ranks", [("replicated", 2), ("hybrid", 4)])
-def test_a_replicated_or_hybrid_sharded_base_trains_each_adapter_like_one_process(runs, mode, ranks):
+def test_a_replicated_or_hybrid_sharded_base_trains_each_adapter_like_one_process(request, runs, mode, ranks):
     # shard_size=1: a whole base on each rank, nothing of it communicated; shard_size=2 of 4 ranks: sharded
     # within pairs (FSDP2 hybrid sharding), a layer's gathers are half the size of plain FSDP's over 4 ranks
     from lightning_multilora.base_model import build_base_model
 
     if mode == "hybrid":  # (4 processes: apart from the two-rank modes)
-        run(runs, mode)
+        request.getfixturevalue("four_ranks")
     reports = [json.loads((runs / f"{mode}.rank{r}.json").read_text()) for r in range(ranks)]
     single = json.loads((runs / "single.rank0.json").read_text())
     assert sorted(n for r in reports for n in r["owned"]) == ["a0", "a1", "a2", "a3"]
@@ -749,14 +784,14 @@ def test_a_sweep_crashed_after_trials_were_told_resumes_on_two_ranks(runs):
     assert sorted(t.state.name for t in study.get_trials()) == ["COMPLETE"] * 5
 
 
-def test_an_error_in_rank_zeros_decision_fails_every_rank_with_its_message(tmp_path):
+def test_an_error_in_rank_zeros_decision_fails_every_rank_with_its_message(runs):
     pytest.importorskip("optuna")
-    result = launch(tmp_path, "optuna_bad_target")  # every trial names a module the model does not have
-    assert result.returncode != 0
+    # (every trial names a module the model does not have)
+    failed = [json.loads((runs / f"optuna_bad_target.rank{r}.json").read_text())["evaluated"]["failed"] for r in (0, 1)]
     missing = "`target_modules` ['nope_proj'] are not among the injected layers; injected module names end in:"
-    assert "UsageError: trial 0 with" in result.stderr and missing in result.stderr  # rank 0 (before its first step)
-    assert "UsageError: rank 0 failed to decide for every rank: UsageError: trial 0 with" in result.stderr  # rank 1
-    assert "timed out" not in result.stderr.lower()
+    assert failed[0].startswith("UsageError: trial 0 with") and missing in failed[0]  # (before its first step)
+    assert failed[1].startswith("UsageError: rank 0 failed to decide for every rank: UsageError: trial 0 with")
+    assert missing in failed[1] and not any("timed out" in text.lower() for text in failed)
 
 
 def test_a_4bit_base_is_refused_sharded_and_named_what_works():
