@@ -3,12 +3,12 @@
     python tests/strategies/ap_run.py OUT_DIR MODE [MODE ...]
 
 MODE: parallel|single|stop|resume|resume_one|resume_four|resume_mixed|stop_single|resume_two|load_two|early_exit|
-early_exit_single|early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|optuna_bad_target|admission|dpo|
-dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|replicated|hybrid|remove|
-remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke|sigterm|rank1_error|owner_pause|owner_pause_single|
-one_rank_stop|one_rank_add|one_rank_unqueue|optuna_crash|optuna_crash_resume. Several modes run one after
-the other in the same processes (one import, one process group: the modes of one invocation must agree on the number
-of processes), each from the same seeds and with its own records, as if alone.
+early_exit_single|early_exit_stop_single|early_exit_resume_two|optuna|optuna_single|warmup|warmup_single|
+optuna_bad_target|admission|dpo|dpo_single|warmup_stop|warmup_resume|optuna_admission|optuna_defaults|optuna_prune|
+replicated|hybrid|remove|remove_single|end_eval|end_eval_single|refit|refit_on|disagree|smoke|sigterm|rank1_error|
+owner_pause|owner_pause_single|one_rank_stop|one_rank_add|one_rank_unqueue|optuna_crash|optuna_crash_resume.
+Several modes run one after the other in the same processes (one import, one process group: the modes of one
+invocation must agree on the number of processes), each from the same seeds and with its own records, as if alone.
 
 ``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt_stop); ``resume`` finishes from that checkpoint,
 ``resume_one`` too, on one process (the strategy's, over one rank), ``resume_four`` on four;
