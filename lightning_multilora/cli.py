@@ -790,9 +790,14 @@ _given: list[str] = []  # the arguments `main` parses (for its parser's errors)
 
 def _shows_docs(args: list[str]) -> bool:
     """Whether the command shows the fields' descriptions: a help (``-h``, ``--help``, ``--<field>.help``) or a
-    printed config (``--print_config``, whose ``=comments`` holds them)."""
-    return any(arg in ("-h", "--help") or arg.split("=", 1)[0].endswith(".help") or arg.startswith("--print_config")
-               for arg in args)
+    config printed with them (``--print_config=comments``, or ``--print_config comments,skip_null``...)."""
+    for arg, after in zip(args, [*args[1:], ""]):
+        option, _, value = arg.partition("=")
+        if arg in ("-h", "--help") or option.endswith(".help"):
+            return True
+        if option == "--print_config" and "comments" in (value if "=" in arg else after):
+            return True
+    return False
 
 
 def main(args: Optional[list[str]] = None) -> None:
