@@ -42,7 +42,8 @@ def overlaps(placements):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_planner_covers_every_configuration_once_within_memory_and_beats_plora_greedy(seed):
     specs = configs(14, seed)
-    planner = PackingPlanner(4, memory, step_time, gpu_bytes=80 * GB, time_limit_s=5)
+    # (1 s: its plan is ~half greedy's makespan within it, and the same plan as in 5 s)
+    planner = PackingPlanner(4, memory, step_time, gpu_bytes=80 * GB, time_limit_s=1)
     jobs, schedule = planner.plan(specs)
     packed = sorted(s.name for job in jobs for s in job.specs)
     assert packed == sorted(s.name for s in specs)

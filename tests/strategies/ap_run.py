@@ -9,6 +9,7 @@ replicated|hybrid|remove|remove_single|end_eval|end_eval_single|refit|refit_on|d
 owner_pause|owner_pause_single|one_rank_stop|one_rank_add|one_rank_unqueue|optuna_crash|optuna_crash_resume.
 Several modes run one after the other in the same processes (one import, one process group: the modes of one
 invocation must agree on the number of processes), each from the same seeds and with its own records, as if alone.
+A mode that resumes another's checkpoint waits for that mode's record (an invocation beside it may be running it).
 
 ``stop`` runs 2 steps on 2 ranks and checkpoints there (OUT_DIR/ckpt_stop); ``resume`` finishes from that checkpoint,
 ``resume_one`` too, on one process (the strategy's, over one rank), ``resume_four`` on four;
@@ -483,7 +484,19 @@ def main() -> None:
         count_study_calls()
     for mode in modes:
         print(f"== ap_run.py mode {mode} ==", file=sys.stderr, flush=True)  # (whose traceback follows)
+        if mode in RESUMES and RESUMES[mode] != "mixed":  # ("mixed": a checkpoint the test makes)
+            wait_for(out / f"{RESUMES[mode]}.rank0.json")
         run_mode(out, mode)
+
+
+def wait_for(record: Path, timeout_s: float = 600.0) -> None:
+    """Until the mode whose checkpoint a mode resumes has ended (its record written), in an invocation started
+    beside this one."""
+    waited = time.monotonic()
+    while not record.is_file():
+        if time.monotonic() - waited > timeout_s:
+            sys.exit(f"{record} did not come in {timeout_s:g} s: run the mode it records first")
+        time.sleep(0.2)
 
 
 if __name__ == "__main__":

@@ -106,8 +106,8 @@ def test_a_replicated_base_is_cast_to_param_dtype_and_its_adapters_are_not():
 
 
 def start(out: Path, *modes: str) -> Callable[[], subprocess.CompletedProcess]:
-    """`launch` begun: the function returned waits for its end. (A launch beside another takes little of its time:
-    a launch's ranks spend seconds in turn importing, and in waits.)"""
+    """``python ap_run.py OUT MODES...`` started: the function returned waits for its end (its exit code and its
+    errors, kept in OUT/launch_<first mode>.stderr)."""
     errors = out / f"launch_{modes[0]}.stderr"
     with errors.open("w") as stream:
         process = subprocess.Popen([sys.executable, str(SCRIPT), str(out), *modes], stdout=subprocess.DEVNULL,
@@ -117,15 +117,6 @@ def start(out: Path, *modes: str) -> Callable[[], subprocess.CompletedProcess]:
         return subprocess.CompletedProcess(process.args, process.wait(timeout=900), "", errors.read_text())
 
     return wait
-
-
-def launch(out: Path, *modes: str) -> subprocess.CompletedProcess:
-    return start(out, *modes)()
-
-
-def run(out: Path, *modes: str) -> None:
-    result = launch(out, *modes)
-    assert result.returncode == 0, result.stderr[-3000:]
 
 
 OPTUNA = importlib.util.find_spec("optuna") is not None  # absent on the GPU image; installed by `make test`
@@ -145,22 +136,22 @@ RESUME_MODES = ["resume", *(["warmup_resume", "optuna_crash_resume"] if OPTUNA e
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The runs the tests read, in one folder: the one-process modes in one process, then the two-rank ones in one
-    pair of processes (an import and a process group for all of them, not one a mode: the file's tests took 9.5
-    minutes of the suite's 15 with a pair of processes a mode), then the resumes in another pair. Beside the first,
-    a pair whose rank 1 fails (``rank1_error``, its end in OUT/rank1_error.end); beside the last, a resume on one
-    process."""
+    """The runs the tests read, in one folder: the two-rank modes in one pair of processes (an import and a process
+    group for all of them, not one a mode: the file's tests took 9.5 minutes of the suite's 15 with a pair of
+    processes a mode), beside them the one-process modes in one process (the two-rank modes that resume their
+    checkpoints wait for them) and a pair whose rank 1 fails (``rank1_error``, its end in OUT/rank1_error.end). Then
+    the resumes of the two-rank checkpoint: on another pair, on one process, and on four (with the ``hybrid`` base).
+    (Side by side: a launch's ranks spend seconds in turn importing, and in waits.)"""
     out = tmp_path_factory.mktemp("adapter_parallel")
-    failing = start(out, "rank1_error")
-    run(out, *SINGLE_MODES)
+    two_ranks, one, failing = start(out, *TWO_RANK_MODES), start(out, *SINGLE_MODES), start(out, "rank1_error")
+    for ended in (one(), two_ranks()):
+        assert ended.returncode == 0, ended.stderr[-3000:]
     failed = failing()
     (out / "rank1_error.end").write_text(json.dumps([failed.returncode, failed.stderr]))
-    run(out, *TWO_RANK_MODES)
     mixed_steps(out / "ckpt_stop", out / "ckpt_mixed")
-    on_one = start(out, "resume_one")
-    run(out, *RESUME_MODES)
-    resumed = on_one()
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    launches = [start(out, *RESUME_MODES), start(out, "resume_one"), start(out, "hybrid", "resume_four")]
+    for ended in [wait() for wait in launches]:
+        assert ended.returncode == 0, ended.stderr[-3000:]
     return out
 
 
@@ -173,13 +164,6 @@ def mixed_steps(source: Path, folder: Path) -> None:
     shutil.copytree(saved, folder / saved.name)
     state = torch.load(folder / saved.name / "rank1.ckpt", weights_only=False)
     torch.save({**state, "global_step": state["global_step"] - 1}, folder / saved.name / "rank1.ckpt")
-
-
-@pytest.fixture(scope="module")
-def four_ranks(runs):
-    """Four processes: a base sharded within pairs (``hybrid``), and the two-rank checkpoint resumed over them."""
-    run(runs, "hybrid", "resume_four")
-    return runs
 
 
 def test_two_ranks_train_each_adapter_exactly_like_one_process(runs):
@@ -275,10 +259,9 @@ def test_a_checkpoint_of_two_ranks_resumes_on_one_as_if_never_stopped(runs):
             assert (resumed[key] - uninterrupted[key]).abs().max() <= 1e-6, (name, key)
 
 
-def test_a_checkpoint_of_two_ranks_resumed_on_four_gives_the_new_ranks_adapters(four_ranks):
+def test_a_checkpoint_of_two_ranks_resumed_on_four_gives_the_new_ranks_adapters(runs):
     """Resumed over more ranks than wrote it, the adapters kept their saved owners: the new ranks trained nothing for
     the whole run (GPUs idle). Every adapter is placed anew, and each ends as in the run never stopped."""
-    runs = four_ranks
     ranks = [json.loads((runs / f"resume_four.rank{r}.json").read_text()) for r in range(4)]
     uninterrupted_run = json.loads((runs / "parallel.rank0.json").read_text())
     assert all(rank["owned"] for rank in ranks), [rank["owned"] for rank in ranks]  # (one adapter each)
@@ -360,13 +343,11 @@ def test_no_adapter_tensor_enters_a_collective(runs):
 
 
 @pytest.mark.parametrize("mode, ranks", [("replicated", 2), ("hybrid", 4)])
-def test_a_replicated_or_hybrid_sharded_base_trains_each_adapter_like_one_process(request, runs, mode, ranks):
+def test_a_replicated_or_hybrid_sharded_base_trains_each_adapter_like_one_process(runs, mode, ranks):
     # shard_size=1: a whole base on each rank, nothing of it communicated; shard_size=2 of 4 ranks: sharded
     # within pairs (FSDP2 hybrid sharding), a layer's gathers are half the size of plain FSDP's over 4 ranks
     from lightning_multilora.base_model import build_base_model
 
-    if mode == "hybrid":  # (4 processes: apart from the two-rank modes)
-        request.getfixturevalue("four_ranks")
     reports = [json.loads((runs / f"{mode}.rank{r}.json").read_text()) for r in range(ranks)]
     single = json.loads((runs / "single.rank0.json").read_text())
     assert sorted(n for r in reports for n in r["owned"]) == ["a0", "a1", "a2", "a3"]
