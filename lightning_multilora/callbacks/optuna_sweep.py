@@ -55,16 +55,36 @@ def _bound(name: str, key: str, value: Any, kind: str) -> Any:
     return number
 
 
+def as_parameter(name: str, spec: Any) -> Any:
+    """A parameter given as an Optuna distribution (``FloatDistribution(1e-5, 1e-3, log=True)``, ``IntDistribution``,
+    ``CategoricalDistribution``) in the form a config gives it (``{"type": "float", "low": ...}``); anything else as
+    given."""
+    import optuna.distributions as d
+
+    if not isinstance(spec, d.BaseDistribution):
+        return spec
+    if isinstance(spec, (d.FloatDistribution, d.IntDistribution)):
+        kind = "float" if isinstance(spec, d.FloatDistribution) else "int"
+        return {"type": kind, "low": spec.low, "high": spec.high, "log": spec.log,
+                **({} if spec.step is None else {"step": spec.step})}
+    if isinstance(spec, d.CategoricalDistribution):
+        return {"type": "categorical", "choices": list(spec.choices)}
+    raise ValueError(f"search space `{name}`: an Optuna distribution can be FloatDistribution, IntDistribution or "
+                     f"CategoricalDistribution, got {type(spec).__name__}")
+
+
 def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.distributions.BaseDistribution"]:
     """Optuna distributions from ``{"lr": {"type": "float", "low": 1e-5, "high": 5e-4, "log": True}, ...}``
-    (``step`` too, for ``float`` and ``int``: Optuna's ``FloatDistribution`` / ``IntDistribution``)."""
+    (``step`` too, for ``float`` and ``int``: Optuna's ``FloatDistribution`` / ``IntDistribution``), or from those
+    distributions themselves (`as_parameter`)."""
     import optuna
 
     out = {}
     for name, spec in search_space.items():
+        spec = as_parameter(name, spec)
         if not isinstance(spec, dict):
             raise ValueError(f"search space `{name}`: a parameter is a dict such as {{'type': 'float', 'low': 1e-5, "
-                             f"'high': 1e-3, 'log': True}}, got {spec!r}")
+                             f"'high': 1e-3, 'log': True}} (or an Optuna distribution), got {spec!r}")
         kind = spec.get("type")
         if kind not in PARAM_TYPES:
             raise ValueError(f"search space `{name}`: `type` can be {', '.join(PARAM_TYPES)}, got {kind!r}")
@@ -286,7 +306,8 @@ class OptunaSweep(Callback):
     study a data source, run one fit a study).
 
     Args:
-        search_space: AdapterSpec field -> ``{"type": "float"|"int"|"categorical", ...}``.
+        search_space: AdapterSpec field -> ``{"type": "float"|"int"|"categorical", ...}``, or an Optuna distribution
+            (``FloatDistribution``, ``IntDistribution``, ``CategoricalDistribution``; kept in the dict form).
         n_trials: trials this sweep asks in all (across resumes; a resume given fewer tells FAIL the trials its run
             asked after the checkpoint past them, with a warning).
         study: an Optuna study; else one is created or loaded from ``storage`` / ``study_name``.
@@ -399,7 +420,7 @@ class OptunaSweep(Callback):
                 f" (a {type(sampler).__name__} object: give a study made with it, `study=optuna.create_study("
                 "sampler=..., direction='minimize')`, which keeps its own sampler)")
             raise ValueError(f"`sampler` can be tpe, random, grid, got {sampler!r}{made}")
-        self.search_space = dict(search_space)
+        self.search_space = {name: as_parameter(name, spec) for name, spec in search_space.items()}
         self.base = dict(base or {})
         check_spec_fields(self.search_space, "OptunaSweep `search_space`")
         check_spec_fields(self.base, "OptunaSweep `base`")

@@ -284,6 +284,26 @@ def test_a_search_space_step_reaches_the_distribution():
     assert space["lr"] == optuna.distributions.FloatDistribution(0.1, 0.5, step=0.1)
 
 
+def test_optuna_distributions_are_taken_as_the_parameters_they_are(tmp_path, trainer_kwargs):
+    """A search space of Optuna's own distributions, as an Optuna user writes one, was refused ("a parameter is a
+    dict"): each is taken as the dict that gives it, and its trials are asked from it."""
+    from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+
+    given = {"lr": FloatDistribution(1e-3, 1e-2, log=True), "rank": CategoricalDistribution([2, 4]),
+             "batch_size": IntDistribution(1, 3), "dropout": FloatDistribution(0.0, 0.2, step=0.1)}
+    sweep = OptunaSweep(given, n_trials=2, storage=f"sqlite:///{tmp_path / 's.db'}", base={"max_steps": 2}, slots=2)
+    assert sweep.distributions == given
+    assert sweep.search_space == {"lr": {"type": "float", "low": 1e-3, "high": 1e-2, "log": True},
+                                  "rank": {"type": "categorical", "choices": [2, 4]},
+                                  "batch_size": {"type": "int", "low": 1, "high": 3, "log": False, "step": 1},
+                                  "dropout": {"type": "float", "low": 0.0, "high": 0.2, "log": False, "step": 0.1}}
+    fit(tmp_path, trainer_kwargs, sweep)
+    trials = sweep.study.get_trials()
+    assert [t.state.name for t in trials] == ["COMPLETE"] * 2 and all(t.distributions == given for t in trials)
+    with pytest.raises(ValueError, match=r"search space `lr`: a parameter is a dict such as"):
+        OptunaSweep({"lr": 1e-3})
+
+
 def test_a_step_is_a_number_and_an_integer_for_an_int_parameter():
     """A step went to Optuna as given: an int step of 2.5 (or True) was truncated to 2 (1), 0.5 divided by zero, and
     YAML 1.1's '5e-2' failed in a comparison; a zero step is named too."""
