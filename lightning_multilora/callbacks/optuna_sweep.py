@@ -75,13 +75,11 @@ def as_parameter(name: str, spec: Any) -> Any:
 
 def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.distributions.BaseDistribution"]:
     """Optuna distributions from ``{"lr": {"type": "float", "low": 1e-5, "high": 5e-4, "log": True}, ...}``
-    (``step`` too, for ``float`` and ``int``: Optuna's ``FloatDistribution`` / ``IntDistribution``), or from those
-    distributions themselves (`as_parameter`)."""
+    (``step`` too, for ``float`` and ``int``: Optuna's ``FloatDistribution`` / ``IntDistribution``)."""
     import optuna
 
     out = {}
     for name, spec in search_space.items():
-        spec = as_parameter(name, spec)
         if not isinstance(spec, dict):
             raise ValueError(f"search space `{name}`: a parameter is a dict such as {{'type': 'float', 'low': 1e-5, "
                              f"'high': 1e-3, 'log': True}} (or an Optuna distribution), got {spec!r}")
