@@ -439,7 +439,7 @@ def _is_linear(module: nn.Module) -> bool:
 def _matches(name: str, targets: Union[str, Sequence[str]]) -> Optional[str]:
     """PEFT's rule: a string is a regex on the full name; a list matches the name or its last parts."""
     if isinstance(targets, str):
-        if targets.lower() == "all-linear":
+        if targets.lower() == "all-linear":  # (the output head, whatever its name, is left out by the callers)
             return targets if not name.endswith("lm_head") else None
         return targets if re.fullmatch(targets, name) else None
     for key in targets:
@@ -500,7 +500,9 @@ class LoRALayers(Mapping):
                     f"end in: {sorted({n.rsplit('.', 1)[-1] for n in self._layers})} (an adapter's targets are "
                     "names, matched as PEFT matches a list; leave them None for every injected layer)"
                 )
-        names = [n for n in self._layers if _matches(n, target_modules)]
+        head = self._head_name()
+        names = [n for n in self._layers if _matches(n, target_modules)
+                 and not (n == head and isinstance(target_modules, str) and target_modules.lower() == "all-linear")]
         if not names:
             raise ValueError(f"`target_modules` {target_modules!r} match none of the injected layers; injected "
                              f"module names end in: {sorted({n.rsplit('.', 1)[-1] for n in self._layers})}")
@@ -512,9 +514,15 @@ class LoRALayers(Mapping):
         among them."""
         wrapped = set(self._layers)
         attention = {n for n, m in self.model.named_modules() if isinstance(m, nn.MultiheadAttention)}  # (skipped)
+        head = self._head_name()
         return [n for n, m in self.model.named_modules() if n and n not in wrapped and n.rpartition(".")[0] not in
-                wrapped | attention and _is_linear(m) and _matches(n, target_modules)
-                and (heads or not n.endswith("lm_head"))]
+                wrapped | attention and _is_linear(m) and _matches(n, target_modules) and (heads or n != head)]
+
+    def _head_name(self) -> str:
+        """The model's output head's module name (PEFT's "all-linear" leaves it out, whatever its name: GPT-NeoX's
+        ``embed_out``...); ``lm_head`` where the model names none."""
+        head = _output_embeddings(self.model)
+        return next((n for n, m in self.model.named_modules() if head is not None and m is head), "lm_head")
 
     def add_adapter(
         self,

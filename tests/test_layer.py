@@ -753,3 +753,25 @@ def test_a_model_holding_peft_layers_is_refused(targets):
         inject_multilora(peft_model.base_model.model, targets)
     layers = inject_multilora(peft_model.unload(), targets)  # the plain base
     assert len(layers) >= 4
+
+
+def test_an_adapters_all_linear_leaves_out_the_output_head_whatever_its_name():
+    """PEFT's "all-linear" leaves out the output head; an adapter's own "all-linear", among layers that include the
+    head, left it out only where it was named `lm_head` (GPT-NeoX-Japanese's `embed_out` was adapted)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt_neox_japanese", vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config)
+    layers = inject_multilora(model, ["query_key_value", "embed_out"])
+    assert "embed_out" in layers
+    chosen = layers.layers_for("all-linear")
+    assert chosen == [f"gpt_neox_japanese.layers.{i}.attention.query_key_value" for i in (0, 1)]
+    peft = get_peft_model(AutoModelForCausalLM.from_config(config), LoraConfig(target_modules="all-linear"))
+    adapted = {n.removeprefix("base_model.model.").removesuffix(".lora_A") for n, _ in peft.named_modules()
+               if n.endswith(".lora_A")}
+    assert set(chosen) == adapted & set(layers)
+    assert layers.layers_for(["embed_out"]) == ["embed_out"]  # (named, it is taken)
+    layers.add_adapter("x", 4, 8, target_modules="all-linear")
+    assert "x" not in layers["embed_out"].lora_A and "x" in layers[chosen[0]].lora_A
