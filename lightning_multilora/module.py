@@ -44,6 +44,7 @@ from lightning_multilora.layout import BatchLayout
 from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.optim import IMPLEMENTATION_FLAGS, GroupedAdamW
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
+from lightning_multilora.router_loss import router_losses
 from lightning_multilora.schedules import lr_factor
 from lightning_multilora.shadow import shadow_of
 from lightning_multilora.signals import raise_signals, stop_signals_deferred
@@ -330,7 +331,10 @@ class MultiLoRAMixin:
         chosen then rejected):
         ``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r)))`` per pair, with sequence log-probabilities
         of the completion; the reference ``ref`` is the base with adapters off, one forward under no_grad
-        over every DPO adapter's rows of the batch.
+        over every DPO adapter's rows of the batch. A mixture-of-experts model returning router logits
+        (``output_router_logits=True``) adds, in training, its ``router_aux_loss_coef`` times the load-balancing loss
+        of each adapter's own rows to that adapter's loss, as it adds the batch's to its own loss
+        (`router_loss.router_losses`); the validation losses stay the cross-entropy (or DPO loss) alone.
 
         An override that runs extra forwards of the base must, under adapter parallelism, run as many on every
         rank (the base's forward is a collective there): see how ``_reference_forward_needed`` pairs them.
@@ -345,6 +349,9 @@ class MultiLoRAMixin:
         out = model(input_ids=batch["input_ids"], attention_mask=mask, **self._no_cache())
         row_sum, row_count = _row_token_loss(_logits(out), batch["labels"])
         sums, counts = segment_sum(row_sum, layout), segment_sum(row_count.to(row_sum.dtype), layout)
+        router = router_losses(model, out, layout, batch.get("attention_mask")) if model.training else None
+        if router is not None:  # (its mean over the adapter's terms: added to their sum as many times)
+            sums = sums + router.to(sums.dtype) * counts
         dpo = [i for i, n in enumerate(layout.names) if n in self.registry and self.registry[n].spec.objective == "dpo"
                and layout.ends[i] > layout.starts[i]]  # (an adapter without rows this step has no pairs)
         self._preference_accuracy, self._preference_rewards = {}, {}
@@ -372,6 +379,8 @@ class MultiLoRAMixin:
             margin = beta * (chosen - rejected)
             sums[i] = -F.logsigmoid(margin).sum()
             counts[i] = margin.new_tensor(float(half))
+            if router is not None:
+                sums[i] = sums[i] + router[i].to(sums[i].dtype) * half
             self._preference_accuracy[layout.names[i]] = (margin.detach() > 0).float().mean()
             # (TRL's rewards/chosen and rewards/rejected: both falling is DPO's failure the loss alone hides)
             self._preference_rewards[layout.names[i]] = beta * torch.stack([chosen.detach().mean(),

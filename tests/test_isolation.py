@@ -36,16 +36,16 @@ def make_datamodule() -> MultiLoRADataModule:
 
 
 def train_alone_with_peft(spec: AdapterSpec, dm: MultiLoRADataModule, device: str = "cpu",
-                          quantization=None) -> dict[str, torch.Tensor]:
+                          quantization=None, base=None, module_targets=LLAMA_TARGETS) -> dict[str, torch.Tensor]:
     """The baseline: PEFT LoRA (QLoRA with ``quantization``), torch AdamW, transformers' schedule, the
-    adapter's own batches."""
-    targets = spec.target_modules or LLAMA_TARGETS
-    init_base = build_base_model("tiny-llama")
-    layers = inject_multilora(init_base, LLAMA_TARGETS)
+    adapter's own batches; on the tiny Llama, or the model ``base()`` builds (its module's ``module_targets``)."""
+    targets = spec.target_modules or module_targets
+    base = base or (lambda: build_base_model("tiny-llama", quantization=quantization))
+    layers = inject_multilora(base(), module_targets)
     layers.add_adapter(spec.name, spec.rank, spec.alpha, spec.dropout, spec.use_rslora, targets, spec.seed)
     init = layers.peft_state_dict(spec.name)
 
-    model = get_peft_model(build_base_model("tiny-llama", quantization=quantization), LoraConfig(
+    model = get_peft_model(base(), LoraConfig(
         r=spec.rank, lora_alpha=spec.alpha, lora_dropout=0.0, use_rslora=spec.use_rslora,
         target_modules=targets, task_type="CAUSAL_LM")).to(device)
     result = set_peft_model_state_dict(model, {k.replace("base_model.model.", "base_model.model.", 1): v
@@ -99,6 +99,57 @@ def test_packed_adapters_equal_each_trained_alone_with_peft(tmp_path, trainer_kw
         # the adapter must have moved, so that the comparison is not of two initialisations
         moved = [k for k in alone if "lora_B" in k and alone[k].abs().max() > 0]
         assert moved, f"adapter {spec.name} did not train"
+
+
+def tiny_mixtral(output_router_logits: bool = True) -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           initializer_range=0.1, eos_token_id=257, bos_token_id=None, tie_word_embeddings=False,
+                           output_router_logits=output_router_logits, router_aux_loss_coef=0.5)
+    torch.manual_seed(0)
+    return MixtralForCausalLM(config).float()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_moe_adapters_add_their_own_rows_router_loss_as_each_alone_with_peft(tmp_path, trainer_kwargs, device):
+    """A mixture-of-experts base with ``output_router_logits=True``: PEFT's loss (the model's, given labels) adds
+    ``router_aux_loss_coef`` times the router's load-balancing loss over the batch. Each packed adapter adds that of
+    its own rows, as when it trains alone; it was left out (trained on the cross-entropy alone, silently)."""
+    specs = [dataclasses.replace(s, max_steps=6, grad_clip=None) for s in SPECS if s.name in ("a", "d")]
+    module = MultiLoRAModule(tiny_mixtral(), adapters=specs, target_modules=LLAMA_TARGETS[:4],
+                             export_dir=str(tmp_path / "out"), validate_on_finish=False)
+    L.Trainer(**dict(trainer_kwargs, accelerator=device)).fit(module, make_datamodule())
+    assert all(r.state.value == "finished" and r.step == 6 for r in module.registry)
+    for spec in specs:
+        packed = load_file(str(tmp_path / "out" / spec.name / "adapter_model.safetensors"))
+        alone = train_alone_with_peft(spec, make_datamodule(), device, base=tiny_mixtral,
+                                      module_targets=LLAMA_TARGETS[:4])
+        assert set(packed) == set(alone), spec.name
+        assert_trained_alike(packed, alone, spec.name)
+        if spec.name == "a":  # (the router's loss moves an adapter: it is in the comparison)
+            without = train_alone_with_peft(spec, make_datamodule(), base=lambda: tiny_mixtral(False),
+                                            module_targets=LLAMA_TARGETS[:4])
+            with pytest.raises(AssertionError):
+                assert_trained_alike(packed, without, spec.name)
+    # a validation (and `evaluate`) measures the cross-entropy alone, as with the router's logits off
+    dm = make_datamodule()
+    held = [dm.split(s.dataset)[1] for s in specs]
+    batch = dm.pack([s.name for s in specs], [(val.input_ids[:2], val.labels[:2]) for val in held])
+    terms = {}
+    for on in (True, False):
+        m = MultiLoRAModule(tiny_mixtral(on), adapters=specs, target_modules=LLAMA_TARGETS[:4])
+        for spec in specs:
+            m.lora_layers.add_adapter(spec.name, spec.rank, spec.alpha, target_modules=spec.target_modules,
+                                      seed=spec.seed)
+        for mode in ("train", "eval"):
+            getattr(m, mode)()
+            with torch.no_grad(), m.lora_layers.use(batch["layout"]):
+                terms[on, mode] = m.adapter_loss_terms(batch)
+    torch.testing.assert_close(terms[True, "eval"], terms[False, "eval"])
+    torch.testing.assert_close(terms[False, "train"], terms[False, "eval"])
+    assert (terms[True, "train"][0] > terms[False, "train"][0]).all()  # (the router's loss, > 0, added in training)
 
 
 def test_qlora_packed_adapters_equal_each_trained_alone_with_peft_qlora(tmp_path, trainer_kwargs):

@@ -1,0 +1,58 @@
+"""Each adapter's router load-balancing loss, from the rows it owns in a packed batch."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from lightning_multilora import BatchLayout
+from lightning_multilora.router_loss import router_losses
+
+
+def tiny_mixtral(output_router_logits: bool = True):
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           output_router_logits=output_router_logits, router_aux_loss_coef=0.25)
+    torch.manual_seed(0)
+    return MixtralForCausalLM(config).float()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("masked", [True, False])
+def test_each_adapter_gets_the_router_loss_of_its_own_rows_as_the_model_gives_them_alone(device, masked):
+    model = tiny_mixtral().to(device)
+    ids = torch.randint(0, 64, (5, 9), device=device)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0  # (a padded row: its padding routes nothing)
+    mask[4, 3:] = 0
+    mask = mask if masked else None
+    layout = BatchLayout(("a", "empty", "b"), (0, 2, 2), (2, 2, 5), 5)
+    out = model(input_ids=ids, attention_mask=mask)
+    got = router_losses(model, out, layout, mask)
+    assert got.shape == (3,) and got[1] == 0
+    for i, rows in ((0, slice(0, 2)), (2, slice(2, 5))):
+        alone = model(input_ids=ids[rows], attention_mask=None if mask is None else mask[rows]).aux_loss
+        torch.testing.assert_close(got[i], 0.25 * alone)
+    assert not torch.allclose(got[0] / 0.25, out.aux_loss)  # (the batch's is not an adapter's)
+    got[0].backward()  # (it trains the layers before the routers)
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0
+
+
+def test_no_router_logits_no_router_loss_and_a_loss_that_cannot_be_split_is_said_once():
+    layout = BatchLayout(("a",), (0,), (2,), 2)
+    ids = torch.randint(0, 64, (2, 5))
+    model = tiny_mixtral(output_router_logits=False)
+    assert router_losses(model, model(input_ids=ids), layout, None) is None
+    model = tiny_mixtral()
+    del model.router_aux_loss_coef  # (a model of another shape: its loss is not the one this splits)
+    out = model(input_ids=ids)
+    with pytest.warns(UserWarning, match=r"MixtralForCausalLM has no router_aux_loss_coef: the adapters train on their "
+                                         r"cross-entropy alone, without its router load-balancing loss"):
+        assert router_losses(model, out, layout, None) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert router_losses(model, out, layout, None) is None
