@@ -25,7 +25,7 @@ data = MultiLoRADataModule(
     max_val_examples=64,
 )
 report = SweepReport()
-trainer = L.Trainer(max_steps=-1, val_check_interval=20, check_val_every_n_epoch=None, log_every_n_steps=10,
+trainer = L.Trainer(devices=1, max_steps=-1, val_check_interval=20, check_val_every_n_epoch=None, log_every_n_steps=10,
                     logger=TensorBoardLogger("runs", name="python_api"), callbacks=[report],
                     enable_progress_bar=False)
 trainer.fit(model, data)

@@ -491,8 +491,11 @@ def _refuse_unknown_fields(config: Any, overrides: dict[str, Any]) -> None:
                          f"{', '.join(f'{k!r} (did you mean {v!r}?)' for k, v in typos.items())}. Its fields: "
                          f"{', '.join(sorted(k for k in fields if k[0] != '_'))}")
     if unknown:
-        warnings.warn(f"`config_overrides` {unknown} are no fields of a {config.model_type} config: they are set on "
-                      "it as given, and the model uses them only if its code reads them", stacklevel=3)
+        near = {key: close[0] for key in unknown for close in [difflib.get_close_matches(key, fields, n=1, cutoff=0.6)]
+                if close}
+        hint = f" (did you mean {', '.join(f'{v!r} for {k!r}' for k, v in near.items())}?)" if near else ""
+        warnings.warn(f"`config_overrides` {unknown} are no fields of a {config.model_type} config{hint}: they are set "
+                      "on it as given, and the model uses them only if its code reads them", stacklevel=3)
 
 
 _PATCH_LOCK = threading.Lock()

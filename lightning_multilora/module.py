@@ -3575,8 +3575,10 @@ def _refuse_strategy(trainer: L.Trainer) -> None:
         raise UsageError(
             f"`strategy`: MultiLoRAModule trains in one process, or over several with strategy='adapter_parallel' "
             f"(AdapterParallelStrategy); got {type(strategy).__name__} over {trainer.world_size} "
-            f"process{'es' if trainer.world_size > 1 else ''}. A data-parallel strategy would give every process "
-            "every adapter, and adapters start and stop during a run, so they cannot be registered with it up front.")
+            f"process{'es' if trainer.world_size > 1 else ''}: give `Trainer(devices=1)` (Lightning's default, "
+            "devices='auto', takes every GPU of the machine, a process on each), or strategy='adapter_parallel' to "
+            "split the adapters over them. A data-parallel strategy would give every process every adapter, and "
+            "adapters start and stop during a run, so they cannot be registered with it up front.")
 
 
 for _name in HOOKS_NEEDING_SUPER:

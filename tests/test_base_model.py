@@ -50,6 +50,10 @@ def test_config_overrides_take_effect_and_a_misspelled_field_is_refused():
     with pytest.warns(UserWarning, match=r"`config_overrides` \['head_dim'\] are no fields of a qwen2 config"):
         model = build_base_model("tiny-qwen2", {"head_dim": 32})
     assert model.model.layers[0].self_attn.q_proj.out_features == 4 * 32
+    # further from a field, still near one: said in the warning (the model was built with its 2 layers, silently)
+    with pytest.warns(UserWarning, match=r"`config_overrides` \['num_layers'\] are no fields of a llama config \(did "
+                                         r"you mean 'num_hidden_layers' for 'num_layers'\?\)"):
+        assert build_base_model("tiny-llama", {"num_layers": 1}).config.num_hidden_layers == 2
 
 
 @pytest.mark.parametrize("overrides", [{"num_attention_heads": 5}, {"hidden_size": 100}, {"num_key_value_heads": 3},

@@ -1122,3 +1122,15 @@ def test_a_csv_logger_does_not_warn_that_a_new_runs_folder_holds_earlier_logs(tm
         main(_tiny_fit(tmp_path, "--trainer.logger", logger))
     assert not [w for w in seen if "exists and is not empty" in str(w.message)]
     assert (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").is_file()
+
+
+def test_python_dash_m_runs_the_multilora_command(capsys, monkeypatch):
+    """``python -m lightning_multilora fit ...`` (a user without the `multilora` script on PATH) failed: "No module
+    named lightning_multilora.__main__"."""
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["lightning_multilora", "fit", "--help"])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_module("lightning_multilora", run_name="__main__", alter_sys=True)
+    assert exit.value.code == 0
+    assert "--model.adapters" in capsys.readouterr().out

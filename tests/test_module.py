@@ -2507,7 +2507,9 @@ def test_a_data_parallel_strategy_is_refused_in_our_words(trainer_kwargs):
     have any parameter that requires a gradient"), under a traceback; the adapter-parallel strategy is named."""
     module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
     with pytest.raises(UsageError, match=r"`strategy`: MultiLoRAModule trains in one process, or over several with "
-                                         r"strategy='adapter_parallel' .*got DDPStrategy over 1 process"):
+                                         r"strategy='adapter_parallel' .*got DDPStrategy over 1 process: give "
+                                         r"`Trainer\(devices=1\)` \(Lightning's default, devices='auto', takes every "
+                                         r"GPU"):
         L.Trainer(**{**trainer_kwargs, "strategy": "ddp"}).fit(module, small_dm())
     assert module.registry["a"].step == 0
 

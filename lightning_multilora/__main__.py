@@ -1,0 +1,5 @@
+"""``python -m lightning_multilora fit | demo | schedule ...``: the ``multilora`` command."""
+
+from lightning_multilora.cli import main
+
+main()
