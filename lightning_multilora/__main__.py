@@ -2,4 +2,5 @@
 
 from lightning_multilora.cli import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -44,7 +44,7 @@ from lightning_multilora.layout import BatchLayout
 from lightning_multilora.log_dir import log_dir_of
 from lightning_multilora.optim import IMPLEMENTATION_FLAGS, GroupedAdamW
 from lightning_multilora.registry import AdapterRecord, AdapterRegistry, AdapterState
-from lightning_multilora.router_loss import router_losses
+from lightning_multilora.router_loss import router_losses, routes
 from lightning_multilora.schedules import lr_factor
 from lightning_multilora.shadow import shadow_of
 from lightning_multilora.signals import raise_signals, stop_signals_deferred
@@ -2147,6 +2147,8 @@ class MultiLoRAMixin:
             return None
         if batch["layout"].padding_side != "right" or any(r.spec.objective != "sft" for r in records):
             return None  # a padding mask read on the host; DPO's reference forward indexes rows on the host
+        if routes(self.lora_layers.model):  # (an MoE's router loss reads the padding mask, which a replay has not;
+            return None  # and its experts' forward indexes the tokens routed to each on the host)
         placement = self._placement()
         if placement is not None and (getattr(placement, "base_shard_size", None) != 1
                                       or any(r.spec.objective == "dpo" for r in self.registry)):
@@ -3575,10 +3577,12 @@ def _refuse_strategy(trainer: L.Trainer) -> None:
         raise UsageError(
             f"`strategy`: MultiLoRAModule trains in one process, or over several with strategy='adapter_parallel' "
             f"(AdapterParallelStrategy); got {type(strategy).__name__} over {trainer.world_size} "
-            f"process{'es' if trainer.world_size > 1 else ''}: give `Trainer(devices=1)` (Lightning's default, "
-            "devices='auto', takes every GPU of the machine, a process on each), or strategy='adapter_parallel' to "
-            "split the adapters over them. A data-parallel strategy would give every process every adapter, and "
-            "adapters start and stop during a run, so they cannot be registered with it up front.")
+            f"process{'es' if trainer.world_size > 1 else ''}: "
+            + ("give `Trainer(devices=1)` (Lightning's default, devices='auto', takes every GPU of the machine, a "
+               "process on each), or strategy='adapter_parallel' to split the adapters over them. "
+               if trainer.world_size > 1 else "leave the strategy out, or give strategy='adapter_parallel'. ")
+            + "A data-parallel strategy would give every process every adapter, and adapters start and stop during a "
+            "run, so they cannot be registered with it up front.")
 
 
 for _name in HOOKS_NEEDING_SUPER:

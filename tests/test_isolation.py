@@ -112,16 +112,20 @@ def tiny_mixtral(output_router_logits: bool = True) -> torch.nn.Module:
     return MixtralForCausalLM(config).float()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_moe_adapters_add_their_own_rows_router_loss_as_each_alone_with_peft(tmp_path, trainer_kwargs, device):
+@pytest.mark.parametrize("device, graphs", [("cpu", False), pytest.param("cuda", False, marks=pytest.mark.gpu),
+                                             pytest.param("cuda", True, marks=pytest.mark.gpu)])
+def test_moe_adapters_add_their_own_rows_router_loss_as_each_alone_with_peft(tmp_path, trainer_kwargs, device, graphs,
+                                                                            exact_fp32):
     """A mixture-of-experts base with ``output_router_logits=True``: PEFT's loss (the model's, given labels) adds
     ``router_aux_loss_coef`` times the router's load-balancing loss over the batch. Each packed adapter adds that of
-    its own rows, as when it trains alone; it was left out (trained on the cross-entropy alone, silently)."""
+    its own rows, as when it trains alone; it was left out (trained on the cross-entropy alone, silently). With CUDA
+    graphs on, its steps run eagerly: a replay has no padding mask, which that loss reads."""
     specs = [dataclasses.replace(s, max_steps=6, grad_clip=None) for s in SPECS if s.name in ("a", "d")]
     module = MultiLoRAModule(tiny_mixtral(), adapters=specs, target_modules=LLAMA_TARGETS[:4],
-                             export_dir=str(tmp_path / "out"), validate_on_finish=False)
+                             export_dir=str(tmp_path / "out"), validate_on_finish=False, cuda_graphs=graphs)
     L.Trainer(**dict(trainer_kwargs, accelerator=device)).fit(module, make_datamodule())
     assert all(r.state.value == "finished" and r.step == 6 for r in module.registry)
+    assert module._step_graphs.captures == 0 and module._step_graphs.enabled == graphs  # (none tried, none failed)
     for spec in specs:
         packed = load_file(str(tmp_path / "out" / spec.name / "adapter_model.safetensors"))
         alone = train_alone_with_peft(spec, make_datamodule(), device, base=tiny_mixtral,

@@ -2507,11 +2507,25 @@ def test_a_data_parallel_strategy_is_refused_in_our_words(trainer_kwargs):
     have any parameter that requires a gradient"), under a traceback; the adapter-parallel strategy is named."""
     module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
     with pytest.raises(UsageError, match=r"`strategy`: MultiLoRAModule trains in one process, or over several with "
-                                         r"strategy='adapter_parallel' .*got DDPStrategy over 1 process: give "
-                                         r"`Trainer\(devices=1\)` \(Lightning's default, devices='auto', takes every "
-                                         r"GPU"):
+                                         r"strategy='adapter_parallel' .*got DDPStrategy over 1 process: leave the "
+                                         r"strategy out"):
         L.Trainer(**{**trainer_kwargs, "strategy": "ddp"}).fit(module, small_dm())
     assert module.registry["a"].step == 0
+
+
+def test_a_data_parallel_strategy_over_several_processes_is_told_of_devices_1():
+    """Lightning's default devices='auto' on a machine of several GPUs starts a DDP process on each: the refusal says
+    `Trainer(devices=1)`."""
+    import types
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_multilora.module import _refuse_strategy
+
+    with pytest.raises(UsageError, match=r"got DDPStrategy over 8 processes: give `Trainer\(devices=1\)` \(Lightning's "
+                                         r"default, devices='auto', takes every GPU of the machine, a process on each\)"
+                                         r", or strategy='adapter_parallel' to split the adapters over them"):
+        _refuse_strategy(types.SimpleNamespace(strategy=DDPStrategy(), world_size=8))
 
 
 def test_a_time_interval_validates_by_the_clock(tmp_path, trainer_kwargs):

@@ -21,10 +21,22 @@ def tiny_mixtral(output_router_logits: bool = True):
     return MixtralForCausalLM(config).float()
 
 
+def subclassed_mixtral():
+    from transformers import MixtralForCausalLM
+
+    class MyMixtral(MixtralForCausalLM):  # (a class of one's own, in a module without the loss function)
+        pass
+
+    model = tiny_mixtral()
+    model.__class__ = MyMixtral
+    return model
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("masked", [True, False])
-def test_each_adapter_gets_the_router_loss_of_its_own_rows_as_the_model_gives_them_alone(device, masked):
-    model = tiny_mixtral().to(device)
+@pytest.mark.parametrize("build", [tiny_mixtral, subclassed_mixtral])
+def test_each_adapter_gets_the_router_loss_of_its_own_rows_as_the_model_gives_them_alone(device, masked, build):
+    model = build().to(device)
     ids = torch.randint(0, 64, (5, 9), device=device)
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0  # (a padded row: its padding routes nothing)
@@ -47,6 +59,8 @@ def test_no_router_logits_no_router_loss_and_a_loss_that_cannot_be_split_is_said
     ids = torch.randint(0, 64, (2, 5))
     model = tiny_mixtral(output_router_logits=False)
     assert router_losses(model, model(input_ids=ids), layout, None) is None
+    model = tiny_mixtral()
+    assert router_losses(model, model(input_ids=ids), BatchLayout((), (), (), 2), None) is None  # (no adapter)
     model = tiny_mixtral()
     del model.router_aux_loss_coef  # (a model of another shape: its loss is not the one this splits)
     out = model(input_ids=ids)
