@@ -500,9 +500,9 @@ class LoRALayers(Mapping):
                     f"end in: {sorted({n.rsplit('.', 1)[-1] for n in self._layers})} (an adapter's targets are "
                     "names, matched as PEFT matches a list; leave them None for every injected layer)"
                 )
-        head = self._head_name()
-        names = [n for n in self._layers if _matches(n, target_modules)
-                 and not (n == head and isinstance(target_modules, str) and target_modules.lower() == "all-linear")]
+        all_linear = isinstance(target_modules, str) and target_modules.lower() == "all-linear"
+        head = self._head_name() if all_linear else None
+        names = [n for n in self._layers if _matches(n, target_modules) and n != head]
         if not names:
             raise ValueError(f"`target_modules` {target_modules!r} match none of the injected layers; injected "
                              f"module names end in: {sorted({n.rsplit('.', 1)[-1] for n in self._layers})}")

@@ -73,6 +73,24 @@ def shared_data() -> Path:
 
 
 @pytest.fixture
+def tiny_mixtral():
+    """A maker of a tiny Mixtral (the byte tokenizer's vocabulary, 4 experts, top 2), seeded: ``make()`` returns its
+    router logits and adds ``router_aux_loss_coef`` 0.5 times their load-balancing loss to its loss; ``make(False)``
+    returns none."""
+    def make(output_router_logits: bool = True) -> torch.nn.Module:
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                               initializer_range=0.1, eos_token_id=257, bos_token_id=None, tie_word_embeddings=False,
+                               output_router_logits=output_router_logits, router_aux_loss_coef=0.5)
+        torch.manual_seed(0)
+        return MixtralForCausalLM(config).float()
+
+    return make
+
+
+@pytest.fixture
 def trainer_kwargs(tmp_path):
     """A quiet CPU Trainer: no sanity check, no progress bar, no checkpoints, logs under tmp_path."""
     return dict(accelerator="cpu", devices=1, max_steps=-1, num_sanity_val_steps=0, enable_progress_bar=False,

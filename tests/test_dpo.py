@@ -89,17 +89,11 @@ def test_the_dpo_loss_is_the_formula_with_one_reference_forward_for_all_dpo_adap
     assert losses[i].item() == pytest.approx((-policy[s:e].sum() / n_tokens).item(), rel=1e-4)
 
 
-def test_with_router_logits_each_adapter_adds_its_own_rows_router_loss_in_training_dpo_and_sft_alike():
+def test_with_router_logits_each_adapter_adds_its_own_rows_router_loss_in_training_dpo_and_sft_alike(tiny_mixtral):
     """A mixture-of-experts base with ``output_router_logits=True``: TRL's DPO loss adds the model's router loss over
     the policy forward's rows (chosen and rejected) to the mean pair loss; SFT adds it to the mean token loss. Each
     packed adapter's is that of its own rows; a validation's loss has none."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                           eos_token_id=257, bos_token_id=None, output_router_logits=True, router_aux_loss_coef=0.5)
-    torch.manual_seed(0)
-    model = MixtralForCausalLM(config)
+    model = tiny_mixtral()
     specs = [AdapterSpec("p", rank=4, objective="dpo", dpo_beta=0.3, batch_size=3, max_steps=5, seed=1),
              AdapterSpec("s", rank=2, batch_size=2, max_steps=5, seed=2, dataset="arith")]
     module = MultiLoRAModule(model, adapters=specs, target_modules=["q_proj", "v_proj"], validate_on_finish=False)

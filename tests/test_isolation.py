@@ -101,21 +101,10 @@ def test_packed_adapters_equal_each_trained_alone_with_peft(tmp_path, trainer_kw
         assert moved, f"adapter {spec.name} did not train"
 
 
-def tiny_mixtral(output_router_logits: bool = True) -> torch.nn.Module:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                           initializer_range=0.1, eos_token_id=257, bos_token_id=None, tie_word_embeddings=False,
-                           output_router_logits=output_router_logits, router_aux_loss_coef=0.5)
-    torch.manual_seed(0)
-    return MixtralForCausalLM(config).float()
-
-
 @pytest.mark.parametrize("device, graphs", [("cpu", False), pytest.param("cuda", False, marks=pytest.mark.gpu),
                                              pytest.param("cuda", True, marks=pytest.mark.gpu)])
 def test_moe_adapters_add_their_own_rows_router_loss_as_each_alone_with_peft(tmp_path, trainer_kwargs, device, graphs,
-                                                                            exact_fp32):
+                                                                            exact_fp32, tiny_mixtral):
     """A mixture-of-experts base with ``output_router_logits=True``: PEFT's loss (the model's, given labels) adds
     ``router_aux_loss_coef`` times the router's load-balancing loss over the batch. Each packed adapter adds that of
     its own rows, as when it trains alone; it was left out (trained on the cross-entropy alone, silently). With CUDA
