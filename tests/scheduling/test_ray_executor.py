@@ -17,7 +17,9 @@ REPORT = ("import os, sys, time; open(sys.argv[1], 'w').write(os.environ['MULTIL
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, resources={"fake_gpu": 2}, include_dashboard=False, log_to_driver=False,
+    # (address="local": a cluster of its own, also where another runs on the machine, which ray.init would join and
+    # then refuse the resources given)
+    ray.init(address="local", num_cpus=2, resources={"fake_gpu": 2}, include_dashboard=False, log_to_driver=False,
              configure_logging=False)
     yield
     ray.shutdown()
