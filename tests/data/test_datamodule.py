@@ -1151,6 +1151,26 @@ def test_a_conversations_row_holds_no_eos_its_template_does_not_write(tmp_path):
     assert all(row[-1] == inner.eos_token_id for row in train.input_ids + train.rejected_ids)
 
 
+def test_a_text_completion_ending_with_eos_gets_no_second_one_as_with_trl(tmp_path):
+    """TRL's SFT adds EOS to a completion that does not end with it (its ``add_eos``); one ending with it trained on
+    two (``</s></s>``). TRL's DPO adds EOS to both answers whatever they end with, as here."""
+    _chat_tokenizer(tmp_path / "tok", bos=False, eos="</s>")
+    records = [{"prompt": f"{a} + 2?", "completion": f" {a + 2}" + ("</s>" if a % 2 else "")} for a in range(6)]
+    dm = MultiLoRADataModule(sources={"c": ListSource(records)}, tokenizer=str(tmp_path / "tok"))
+    train, val = dm.split("c")
+    inner = dm.tokenizer.inner
+    for ids, labels in zip(train.input_ids + val.input_ids, train.labels + val.labels):
+        a = int(inner.decode(ids).split(" + 2?")[0])
+        assert ids == inner(f"{a} + 2? {a + 2}</s>")["input_ids"]  # (TRL's row: its text with one EOS)
+        assert inner.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]) == f" {a + 2}</s>"
+    pairs = [{"prompt": f"{a} + 2?", "chosen": f" {a + 2}</s>", "rejected": " no"} for a in range(4)]
+    train, _ = MultiLoRADataModule(sources={"p": PreferenceSource(records=pairs)},
+                                   tokenizer=str(tmp_path / "tok")).split("p")
+    eos = inner.eos_token_id
+    assert all(row[-2:] == [eos, eos] for row in train.input_ids)  # (TRL's DPO: ``chosen + eos`` always)
+    assert all(row[-1] == eos and row[-2] != eos for row in train.rejected_ids)
+
+
 def test_a_held_out_validation_source_validates_and_its_source_trains_whole():
     """`val_sources` (HF Trainer's and TRL's ``eval_dataset``): the validation split was always carved out of the
     training source, a DatasetDict's ``test`` split or a second file unusable."""
