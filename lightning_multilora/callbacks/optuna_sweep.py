@@ -456,7 +456,7 @@ class OptunaSweep(Callback):
                             spec = AdapterSpec(name="check", **self._spec_kwargs({name: value}))
                     except ValueError as own:  # (it named a made-up adapter "check", not the search space)
                         raise ValueError(f"OptunaSweep `search_space` {name!r}: its value {value!r} makes no valid "
-                                         f"adapter ({_unnamed(own)})") from own
+                                         f"adapter{self._with_base(name, value)} ({_unnamed(own)})") from own
                     joint = joint or err
                     continue
                 self._check_init_from(spec, name, value)
@@ -614,6 +614,19 @@ class OptunaSweep(Callback):
         with warnings.catch_warnings():  # (Optuna marks it experimental)
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
             optuna.storages.fail_stale_trials(self.study)
+
+    def _with_base(self, name: str, value: Any) -> str:
+        """" with `base` {...}" where ``value`` makes a valid adapter without the sweep's ``base``: the error is then
+        their conflict (a searched `max_epochs` beside a `base` `max_steps`), which the searched name alone hid."""
+        if not self.base:
+            return ""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                AdapterSpec(name="check", **without_unused_beta({name: value}))
+        except (ValueError, TypeError):
+            return ""
+        return f" with `base` {self.base!r}"
 
     def _spec_kwargs(self, params: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(self.base)

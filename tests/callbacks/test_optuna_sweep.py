@@ -191,6 +191,11 @@ def test_bad_search_space():
                                          r"no valid adapter \(.*exclusive"):  # (each valid alone)
         OptunaSweep({"max_steps": {"type": "int", "low": 5, "high": 9},
                      "max_epochs": {"type": "float", "low": 0.5, "high": 1.0}})
+    with pytest.raises(ValueError, match=r"'max_epochs': its value 0.5 makes no valid adapter with `base` "
+                                         r"\{'max_steps': 4\} \(.*exclusive"):  # (the conflict's other half named)
+        OptunaSweep({"max_epochs": {"type": "float", "low": 0.5, "high": 1.0}}, base={"max_steps": 4})
+    with pytest.raises(ValueError, match=r"'rank': its value 0 makes no valid adapter \("):  # (its own: no base said)
+        OptunaSweep({"rank": {"type": "int", "low": 0, "high": 8}}, base={"max_steps": 4})
     with pytest.raises(ValueError, match="sampler 'grid' needs categorical parameters .*`search_space` 'lr' is "
                                          "FloatDistribution"):  # (at construction: it failed as the fit started)
         OptunaSweep({"lr": {"type": "float", "low": 1e-5, "high": 1e-3}}, sampler="grid")
