@@ -162,6 +162,9 @@ def load_task_file(path: str | Path) -> tuple[dict[str, Any], list[Task]]:
         raise ValueError(f"{path}: not valid YAML: {err}") from err
     except UnicodeDecodeError as err:
         raise ValueError(f"{path}: a task file is UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:  # (it said "[Errno 2] No such file or directory: 'x.yaml'", not what the file was)
+        raise ValueError(f"task file {str(path)!r}: {err.strerror or err}"
+                         + (" (give the YAML file of the tasks)" if Path(path).is_dir() else "")) from None
     if not isinstance(data, Mapping):
         raise ValueError(f"{path}: a task file is a mapping with {', '.join(FILE_FIELDS)}")
     unknown = set(data) - set(FILE_FIELDS)

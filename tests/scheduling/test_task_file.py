@@ -136,6 +136,11 @@ def test_the_command_line_reports_bad_files_and_missing_commands(tmp_path, capsy
                                   "{id: b, duration: 1}]"))])
     assert "every task needs a `command` to run (or use --simulate / --plan-only); tasks ['b'] have none" in \
         capsys.readouterr().err
+    for path, said in ((tmp_path / "nope.yaml", "No such file or directory"),  # (it said "[Errno 2] ...:
+                       (tmp_path, "Is a directory (give the YAML file of the tasks)")):  # 'nope.yaml'", no more)
+        with pytest.raises(SystemExit):
+            main([str(path)])
+        assert f"error: task file {str(path)!r}: {said}" in capsys.readouterr().err
 
 
 def test_bad_inbox_files_are_rejected_and_the_schedule_goes_on(tmp_path, capsys):
