@@ -208,7 +208,10 @@ def _wrong_type(message: str) -> Optional[str]:
         alternatives = re.findall(r"<class '(\w+)'>|list\[<?(?:class ')?(\w+)'?>?\]|([^,\s][^,]*)", subtypes)
         if any(other or kinds.get(one or many) is None for one, many, other in alternatives):
             return None  # (a union of classes: jsonargparse's own account)
-        named = [kinds[one] if one else f"a list of {kinds[many]}" for one, many, _ in alternatives]
+        # (in one order: typing gives an annotation's union in the order an equal one was first made in the process)
+        named = [kinds[one] if one else f"a list of {kinds[many]}" for one, many, _ in
+                 sorted(alternatives, key=lambda alt: (alt[0] == "NoneType", bool(alt[1]), list(kinds).index(
+                     alt[0] or alt[1])))]
         kind, words = "union", named[0] if len(named) == 1 else f"{', '.join(named[:-1])} or {named[-1]}"
     else:
         key, field, kind, value = found.groups()
@@ -340,7 +343,7 @@ class MultiLoRACLI(LightningCLI):
         # (a logger that chooses its version, read before anything asks it: a version given is not moved)
         self._own_version = getattr(self.trainer.logger, "_version", 0) is None
         if ckpt_path in ("last", "best", "hpc"):  # (the checkpoint it names, given to the fit in its place)
-            ckpt_path = self.config_init[self.subcommand]["ckpt_path"] = self._named_checkpoint(ckpt_path)
+            ckpt_path = self.config_init[self.subcommand]["ckpt_path"] = self._launch_named_checkpoint(ckpt_path)
         check_resume_path(ckpt_path, self.trainer.strategy)
         # What the fit would find wrong only once under way (the base loaded, a log version made), found now and
         # said as a parse error is: a checkpoint that is not there, a tokenizer that does not load, an adapter's
@@ -349,9 +352,10 @@ class MultiLoRACLI(LightningCLI):
         if path is not None and path not in ("last", "registry") and "://" not in path \
                 and not Path(path).exists():
             self.parser.error(f"`ckpt_path` {path!r}: no such checkpoint file or folder")
-        if path is not None and "://" not in path and Path(path).is_file():  # (a text file or an export's weights:
+        read = _checkpoint_file(path) if path is not None and "://" not in path else None  # (a folder's rank 0's)
+        if read is not None and Path(read).is_file():  # (a text file or an export's weights:
             # Lightning's UnpicklingError; another module's checkpoint: a traceback, and the run's files left behind)
-            checkpoint, problem = _run_checkpoint(path)
+            checkpoint, problem = _run_checkpoint(read)
             if problem:
                 self.parser.error(f"`ckpt_path` {path!r}: {problem}")
             saved = (checkpoint.get("hyper_parameters") or {}).get("base_model")
@@ -393,6 +397,23 @@ class MultiLoRACLI(LightningCLI):
         # (a smoke run writes to a temporary folder, `log_dir_of`: it takes no log directory)
         self._claimed = None if self.trainer.fast_dev_run else self._claim_log_dir(path)
 
+    def _launch_named_checkpoint(self, name: str) -> Optional[str]:
+        """`_named_checkpoint`, found by process 0 and taken by the processes it launches (Lightning's launcher starts
+        them with this command and its environment): each looked for itself, and process 0, which had taken the log
+        directory by then (`_claim_log_dir`) and goes on writing there, could make another process find another
+        checkpoint, or none, and the processes then waited on each other for good. A process started otherwise (a
+        cluster's launcher) looks for itself."""
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        shared = os.environ.get(_NAMED_CHECKPOINT_ENV, "")
+        launcher, _, found = shared.partition(":")
+        if rank_zero_only.rank != 0 and launcher == f"{os.getppid()}/{name}":
+            return found or None
+        found = self._named_checkpoint(name)
+        if rank_zero_only.rank == 0:
+            os.environ[_NAMED_CHECKPOINT_ENV] = f"{os.getpid()}/{name}:{found or ''}"
+        return found
+
     def _named_checkpoint(self, name: str) -> Optional[str]:
         """The checkpoint ``--ckpt_path last`` (or ``hpc``, ``best``) names for this command. Lightning looks for "last"
         in the run's own checkpoint folder, and the CLI gives a run a log version of its own (a resume logs to the
@@ -430,7 +451,7 @@ class MultiLoRACLI(LightningCLI):
         found = [p for folder in folders for p in folder.glob("*.ckpt") if p.exists()]  # (a folder too: one of
         found += [p for p in exceptions if p.exists() and p not in found]  # an adapter-parallel run)
         task = os.environ.get(TASK_ID_ENV)
-        runs = {p: _checkpoint_run_id(str(p / "rank0.ckpt" if p.is_dir() else p)) for p in found}
+        runs = {p: _checkpoint_run_id(str(p)) for p in found}
         if task:  # (a schedule's task: its own runs' checkpoints alone)
             own = self._task_runs(task)
             found = [p for p in found if runs[p] in own]
@@ -613,6 +634,7 @@ class MultiLoRACLI(LightningCLI):
         open...) ends the command with its message, as a parse error does. Adapters trained before it are exported
         (`ExportOnException`). A SIGTERM ends it with status 143 (Lightning's exception for it is a
         ``SystemExit`` of status 0: a run stopped for pre-emption looked done to a scheduler)."""
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
         from lightning.pytorch.utilities.exceptions import SIGTERMException
 
         try:
@@ -624,7 +646,8 @@ class MultiLoRACLI(LightningCLI):
             if task is None and not last:  # requeue after the run ended is done, as a schedule's task's retry is)
                 self.parser.error(str(err))
             who = f"task {task!r}" if task is not None else "`--ckpt_path last`"
-            print(f"{who}: its run had ended, {str(err)[0].lower()}{str(err)[1:]}", file=sys.stderr)
+            if rank_zero_only.rank == 0:  # (said once, not by each process)
+                print(f"{who}: its run had ended, {str(err)[0].lower()}{str(err)[1:]}", file=sys.stderr)
         except UsageError as err:
             self._release_log_dir()
             self.parser.error(str(err))
@@ -684,6 +707,8 @@ PREVIOUS_RUN_FILES = ("config.yaml", "sweep_summary.json", "optuna.db", CLAIM)
 
 
 TASK_ID_ENV = "MULTILORA_TASK_ID"  # set by `multilora schedule` for each task's command: the task's id
+# "<pid>/<name>:<path>": the checkpoint process <pid> found for `--ckpt_path <name>`, for the processes it launches
+_NAMED_CHECKPOINT_ENV = "MULTILORA_NAMED_CHECKPOINT"
 # callbacks that ask the run's adapters, and the arguments that make their run theirs (not its budget: `n_trials`,
 # `slots`, the heartbeat's, which a resume may change)
 # The module's settings of how a run goes, not of what it trains: a resume may change them (more adapters at once on a
@@ -722,9 +747,16 @@ def _read_claim_lines(path: Path) -> list[str]:
         return []
 
 
+def _checkpoint_file(path: str) -> str:
+    """The file that holds checkpoint ``path``'s run: an adapter-parallel checkpoint's (a folder) ``rank0.ckpt``."""
+    return str(Path(path) / "rank0.ckpt") if Path(path).is_dir() else path
+
+
 def _checkpoint_run_id(path: str) -> Optional[str]:
-    """The id of the run that wrote checkpoint ``path`` (None where it cannot be read here: a folder of an
-    adapter-parallel run, "last", a URL)."""
+    """The id of the run that wrote checkpoint ``path`` (a file, or an adapter-parallel run's folder; None where it
+    cannot be read here: "last", a URL). A folder's was None: a resume of it took a log directory as a run of its
+    own, writing over another run's files there, and emptied the claim of its own run's."""
+    path = _checkpoint_file(path)
     if not Path(path).is_file():
         return None
     import torch

@@ -549,6 +549,24 @@ def test_a_field_a_config_misspells_is_named_with_the_closest_one_under_a_short_
     assert len(err.splitlines()) <= 4 and err.startswith("usage: "), err
 
 
+def test_a_union_fields_wrong_value_names_its_types_in_one_order(tmp_path, capsys, monkeypatch):
+    """jsonargparse lists a union's types in an order that depends on what it parsed before in the process: the
+    message read "text, a list of text or null" or "a list of text, text or null" from one test run to another."""
+    import jsonargparse._typehints as typehints
+
+    said = []
+    for turn in ("as it is", "reversed"):
+        if turn == "reversed":
+            listed = typehints.sort_subtypes_for_union
+            monkeypatch.setattr(typehints, "sort_subtypes_for_union", lambda *a: list(reversed(listed(*a))))
+        with pytest.raises(SystemExit):
+            main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(tmp_path),
+                  "--model.adapters", "[{name: a, target_modules: 5}]"])
+        said.append(capsys.readouterr().err.splitlines()[-1])
+    assert said == ["error: `model.adapters`: adapter 'a': `target_modules` must be text, a list of text or null, "
+                    "got '5'"] * 2
+
+
 @pytest.mark.parametrize("config, message", [
     ("model:\n  grids:\n    axes: {lr: [1.0e-3, 2.0e-3]}\n",
      "does not accept option 'model.grids.axes.lr' (did you mean `model.grid`?)"),
@@ -855,6 +873,64 @@ def test_a_fit_refused_before_its_first_step_leaves_its_directory_free_and_a_fin
         main([*args, "--ckpt_path", str(next((tmp_path / "ck2").glob("*.ckpt")))])
     err = capsys.readouterr().err
     assert done.value.code == 2 and "is a checkpoint of another run" in err, err
+
+
+def test_an_adapter_parallel_checkpoint_is_known_as_its_runs_on_a_resume(tmp_path, capsys, monkeypatch):
+    """An adapter-parallel checkpoint (a folder) was read as of no run: its resume wrote over the run id in the log
+    directory's claim (a schedule task's next `--ckpt_path last` then found no checkpoint of the task: a new run on
+    one rank, a resume on the other, waiting on each other for good), and another run's checkpoint resumed into a
+    run's directory wrote over that run's config and summary."""
+    ap = ["--trainer.logger", "false", "--trainer.strategy", "adapter_parallel", "--trainer.devices", "1",
+          "--trainer.val_check_interval", "2", "--trainer.check_val_every_n_epoch", "null"]
+    monkeypatch.setenv("MULTILORA_TASK_ID", "t1")
+    main(_tiny_fit(tmp_path / "a", *ap, "--trainer.max_steps", "2", "--ckpt_path", "last",
+                   adapters="[{name: a, rank: 2, max_steps: 4, batch_size: 2}]"))
+    claim = (tmp_path / "a" / ".multilora_log").read_text()
+    assert claim.split("\n")[1] == "task=t1" and len(claim.split("\n")[0]) == 32
+    (folder,) = (tmp_path / "a" / "checkpoints").glob("*.ckpt")
+    assert folder.is_dir() and (folder / "rank0.ckpt").is_file()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        main(_tiny_fit(tmp_path / "a", *ap, "--ckpt_path", "last", adapters="[{name: a, rank: 2, max_steps: 4, "
+                                                                             "batch_size: 2}]"))
+    assert not [w for w in said if "a new run starts" in str(w.message)]  # (it resumed)
+    assert (tmp_path / "a" / ".multilora_log").read_text() == claim  # (the run's id kept)
+    done = json.loads((tmp_path / "a" / "sweep_summary.json").read_text())
+    assert [(row["adapter"], row["steps"]) for row in done] == [("a", 4)]
+    monkeypatch.delenv("MULTILORA_TASK_ID")
+    main(_tiny_fit(tmp_path / "b", *ap, "--trainer.max_steps", "2"))
+    config = (tmp_path / "a" / "config.yaml").read_text()
+    with pytest.raises(SystemExit) as refused:  # (b's checkpoint resumed into a's directory)
+        main(_tiny_fit(tmp_path / "a", *ap, "--ckpt_path", str(next((tmp_path / "b" / "checkpoints").glob("*")))))
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "is a checkpoint of another run" in err, err
+    assert (tmp_path / "a" / ".multilora_log").read_text() == claim and (tmp_path / "a" / "config.yaml").read_text() \
+        == config and json.loads((tmp_path / "a" / "sweep_summary.json").read_text()) == done
+
+
+def test_the_processes_a_run_launches_take_the_checkpoint_its_first_found_for_last(tmp_path, monkeypatch):
+    """`--ckpt_path last` is looked for by process 0, which gives what it found to the processes it launches (each
+    looked for itself, after process 0 had begun to write in the log directory); a process another launcher started
+    (its parent is not the one that looked) looks for itself."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    from lightning_multilora.cli import MultiLoRACLI
+
+    looked = []
+    cli = MultiLoRACLI.__new__(MultiLoRACLI)
+    monkeypatch.setattr(MultiLoRACLI, "_named_checkpoint", lambda self, name: looked.append(name) or "/ck/found")
+    monkeypatch.delenv("MULTILORA_NAMED_CHECKPOINT", raising=False)
+    assert cli._launch_named_checkpoint("last") == "/ck/found" and looked == ["last"]
+    assert os.environ["MULTILORA_NAMED_CHECKPOINT"] == f"{os.getpid()}/last:/ck/found"
+    monkeypatch.setattr(rank_zero_only, "rank", 1)  # (a launched process: its parent, here this one's, looked)
+    monkeypatch.setenv("MULTILORA_NAMED_CHECKPOINT", f"{os.getppid()}/last:/ck/process0s")
+    assert cli._launch_named_checkpoint("last") == "/ck/process0s" and looked == ["last"]
+    monkeypatch.setenv("MULTILORA_NAMED_CHECKPOINT", f"{os.getppid()}/last:")  # (process 0 found none: a new run)
+    assert cli._launch_named_checkpoint("last") is None and looked == ["last"]
+    for other in (f"{os.getppid()}/hpc:/ck/process0s", f"{os.getpid()}/last:/ck/process0s"):  # (another name;
+        monkeypatch.setenv("MULTILORA_NAMED_CHECKPOINT", other)  # another process's finding)
+        assert cli._launch_named_checkpoint("last") == "/ck/found"
+    assert looked == ["last"] * 3
 
 
 def test_a_missing_file_of_a_source_no_adapter_draws_is_not_refused(tmp_path, capsys):
