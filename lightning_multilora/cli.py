@@ -402,12 +402,14 @@ class MultiLoRACLI(LightningCLI):
         them with this command and its environment): each looked for itself, and process 0, which had taken the log
         directory by then (`_claim_log_dir`) and goes on writing there, could make another process find another
         checkpoint, or none, and the processes then waited on each other for good. A process started otherwise (a
-        cluster's launcher) looks for itself."""
+        cluster's launcher) looks for itself, as does a later fit of the same processes (what they were given is
+        taken once: a script's second fit reuses them, their environment as it was when they were started)."""
         from lightning.fabric.utilities.rank_zero import rank_zero_only
 
         shared = os.environ.get(_NAMED_CHECKPOINT_ENV, "")
         launcher, _, found = shared.partition(":")
         if rank_zero_only.rank != 0 and launcher == f"{os.getppid()}/{name}":
+            del os.environ[_NAMED_CHECKPOINT_ENV]
             return found or None
         found = self._named_checkpoint(name)
         if rank_zero_only.rank == 0:

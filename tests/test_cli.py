@@ -880,6 +880,7 @@ def test_an_adapter_parallel_checkpoint_is_known_as_its_runs_on_a_resume(tmp_pat
     directory's claim (a schedule task's next `--ckpt_path last` then found no checkpoint of the task: a new run on
     one rank, a resume on the other, waiting on each other for good), and another run's checkpoint resumed into a
     run's directory wrote over that run's config and summary."""
+    monkeypatch.setenv("MULTILORA_NAMED_CHECKPOINT", "")  # (what `--ckpt_path last` sets: restored at the end)
     ap = ["--trainer.logger", "false", "--trainer.strategy", "adapter_parallel", "--trainer.devices", "1",
           "--trainer.val_check_interval", "2", "--trainer.check_val_every_n_epoch", "null"]
     monkeypatch.setenv("MULTILORA_TASK_ID", "t1")
@@ -919,18 +920,22 @@ def test_the_processes_a_run_launches_take_the_checkpoint_its_first_found_for_la
     looked = []
     cli = MultiLoRACLI.__new__(MultiLoRACLI)
     monkeypatch.setattr(MultiLoRACLI, "_named_checkpoint", lambda self, name: looked.append(name) or "/ck/found")
-    monkeypatch.delenv("MULTILORA_NAMED_CHECKPOINT", raising=False)
+    monkeypatch.setenv("MULTILORA_NAMED_CHECKPOINT", "")  # (restored as it was, absent included, at the end)
+    monkeypatch.delenv("MULTILORA_NAMED_CHECKPOINT")
     assert cli._launch_named_checkpoint("last") == "/ck/found" and looked == ["last"]
     assert os.environ["MULTILORA_NAMED_CHECKPOINT"] == f"{os.getpid()}/last:/ck/found"
     monkeypatch.setattr(rank_zero_only, "rank", 1)  # (a launched process: its parent, here this one's, looked)
     monkeypatch.setenv("MULTILORA_NAMED_CHECKPOINT", f"{os.getppid()}/last:/ck/process0s")
     assert cli._launch_named_checkpoint("last") == "/ck/process0s" and looked == ["last"]
+    # taken once: a script's second fit reuses the processes, their environment as it was when they started
+    assert "MULTILORA_NAMED_CHECKPOINT" not in os.environ
+    assert cli._launch_named_checkpoint("last") == "/ck/found" and looked == ["last"] * 2
     monkeypatch.setenv("MULTILORA_NAMED_CHECKPOINT", f"{os.getppid()}/last:")  # (process 0 found none: a new run)
-    assert cli._launch_named_checkpoint("last") is None and looked == ["last"]
+    assert cli._launch_named_checkpoint("last") is None and looked == ["last"] * 2
     for other in (f"{os.getppid()}/hpc:/ck/process0s", f"{os.getpid()}/last:/ck/process0s"):  # (another name;
         monkeypatch.setenv("MULTILORA_NAMED_CHECKPOINT", other)  # another process's finding)
         assert cli._launch_named_checkpoint("last") == "/ck/found"
-    assert looked == ["last"] * 3
+    assert looked == ["last"] * 4
 
 
 def test_a_missing_file_of_a_source_no_adapter_draws_is_not_refused(tmp_path, capsys):

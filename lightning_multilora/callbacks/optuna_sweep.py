@@ -623,7 +623,8 @@ class OptunaSweep(Callback):
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                AdapterSpec(name="check", **without_unused_beta({name: value}))
+                AdapterSpec(name="check", **without_unused_beta({name: value, **(
+                    {"objective": "dpo"} if name == "dpo_beta" else {})}))
         except (ValueError, TypeError):
             return ""
         return f" with `base` {self.base!r}"

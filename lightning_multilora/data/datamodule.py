@@ -220,7 +220,8 @@ class MultiLoRADataModule(L.LightningDataModule):
         tokenizer: ``"byte"`` (offline byte-level), a Hugging Face tokenizer's folder or Hub name, or a tokenizer
             already loaded (``AutoTokenizer.from_pretrained(...)``, as TRL's ``processing_class``). A row is its BOS
             token where the tokenizer begins a text with one (as ``tokenizer(text)`` does), the prompt, the
-            completion and EOS (an SFT completion's own where it ends with it); a conversation's row is its chat template's tokens alone.
+            completion and EOS (an SFT completion's own where it ends with it); a conversation's row is its chat
+            template's tokens alone.
         max_length: longest tokenized example (default: the model's maximum positions).
         truncate: cut examples longer than ``max_length`` instead of raising: a row's end; a preference pair's
             prompt from its start (keeping its end, next to the answers), then the answers' ends.

@@ -196,6 +196,8 @@ def test_bad_search_space():
         OptunaSweep({"max_epochs": {"type": "float", "low": 0.5, "high": 1.0}}, base={"max_steps": 4})
     with pytest.raises(ValueError, match=r"'rank': its value 0 makes no valid adapter \("):  # (its own: no base said)
         OptunaSweep({"rank": {"type": "int", "low": 0, "high": 8}}, base={"max_steps": 4})
+    with pytest.raises(ValueError, match=r"'dpo_beta': its value -1.0 makes no valid adapter \("):  # (a DPO one's)
+        OptunaSweep({"dpo_beta": {"type": "float", "low": -1.0, "high": 1.0}}, base={"objective": "dpo"})
     with pytest.raises(ValueError, match="sampler 'grid' needs categorical parameters .*`search_space` 'lr' is "
                                          "FloatDistribution"):  # (at construction: it failed as the fit started)
         OptunaSweep({"lr": {"type": "float", "low": 1e-5, "high": 1e-3}}, sampler="grid")
