@@ -20,6 +20,7 @@ from peft import PeftModel
 
 from lightning_multilora.base_model import TINY_CONFIGS, build_base_model
 from lightning_multilora.data import ByteTokenizer
+from lightning_multilora.data.tokenizer import holds_tokenizer
 
 if len(sys.argv) != 2 or not (Path(sys.argv[1]) / "adapter_config.json").is_file():
     sys.exit(f"usage: python {sys.argv[0]} <an exported adapter's folder, holding adapter_config.json>")
@@ -40,10 +41,12 @@ else:
         base = build_base_model(named, built.get("config_overrides"), dtype, quantization=quantization)
     else:
         base = AutoModelForCausalLM.from_pretrained(named, dtype=dtype, **built.get("config_overrides", {}))
-    try:
-        tok = AutoTokenizer.from_pretrained(named)
-    except (OSError, ValueError):  # (a checkpoint saved without one: trained on bytes, the default)
-        tok = ByteTokenizer()
+    tok = ByteTokenizer()  # (a checkpoint saved without a tokenizer: trained on bytes, the data module's default; a
+    if not Path(named).is_dir() or holds_tokenizer(named):  # folder without one gave one with no vocabulary)
+        try:
+            tok = AutoTokenizer.from_pretrained(named)
+        except (OSError, ValueError):
+            pass
 model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
 
 prompt = "Q: Ada has 7 apples and gets 5 more. How many apples does Ada have?\nA:"

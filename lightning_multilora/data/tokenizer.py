@@ -38,6 +38,19 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+# What a tokenizer's folder holds (as `save_pretrained` writes one, or a model's repository): one of these at least
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "merges.txt", "spiece.model", "sentencepiece.bpe.model", "special_tokens_map.json", "tekken.json")
+
+
+def holds_tokenizer(folder: Any) -> bool:
+    """Whether local folder ``folder`` holds a tokenizer's files (`TOKENIZER_FILES`, or a ``*.tiktoken``). A model's
+    checkpoint saved without its tokenizer does not: transformers 5 then builds its class's tokenizer with no
+    vocabulary (Qwen2's, GPT-2's: every text encoded to nothing; Gemma's: to its unknown token), where 4 raised."""
+    folder = Path(folder).expanduser()
+    return any((folder / name).is_file() for name in TOKENIZER_FILES) or any(folder.glob("*.tiktoken"))
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer (``AutoTokenizer.from_pretrained(path)``, or one already loaded) behind the same
     small interface."""
@@ -55,6 +68,8 @@ class HFTokenizer:
                                  "(`org/name`); give 'byte', a tokenizer folder (as save_pretrained writes one), or a "
                                  "Hub name reachable from here")
             try:
+                if Path(name_or_path).expanduser().is_dir() and not holds_tokenizer(name_or_path):
+                    raise OSError(f"it holds none of a tokenizer's files ({', '.join(TOKENIZER_FILES[:4])}...)")
                 self.inner = AutoTokenizer.from_pretrained(os.path.expanduser(name_or_path))
             except (OSError, ValueError) as err:  # (a missing folder reads as a malformed Hub repo id)
                 what = ("not a tokenizer folder" if Path(name_or_path).expanduser().exists() else

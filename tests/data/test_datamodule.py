@@ -1129,6 +1129,21 @@ def test_a_loaded_tokenizer_and_a_folder_under_home_read_as_its_path_does(tmp_pa
         MultiLoRADataModule(tokenizer={"vocab": list(range(10_000))})
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gemma"])
+def test_a_models_checkpoint_saved_without_a_tokenizer_is_not_a_tokenizer_folder(tmp_path, family):
+    """transformers 5 builds a model's tokenizer class with no vocabulary from a folder holding its config alone: a
+    Qwen2's encoded every text to nothing ("no completion tokens to learn"), a Gemma's to its unknown token (every row
+    the same two tokens, trained on without a word)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    with pytest.raises(ValueError, match=r"`tokenizer` .*base': not a tokenizer folder; .*it holds none of a "
+                                         r"tokenizer's files \(tokenizer.json"):
+        MultiLoRADataModule(tokenizer=str(tmp_path / "base")).split(None)
+
+
 def test_a_conversations_row_holds_no_eos_its_template_does_not_write(tmp_path):
     """A template whose turn ends before the tokenizer's EOS (Gemma-it's <end_of_turn> and <eos>, Qwen2.5 base's
     <|im_end|> and <|endoftext|>): an SFT row is the template's tokens, as TRL's SFT trains on them (an EOS was
