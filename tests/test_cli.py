@@ -879,7 +879,19 @@ def test_a_fit_refused_before_its_first_step_leaves_its_directory_free_and_a_fin
     assert done.value.code == 2 and "is a checkpoint of another run" in err, err
 
 
-def test_an_adapter_parallel_checkpoint_is_known_as_its_runs_on_a_resume(tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def process_group_ended():
+    """The default process group a fit of `strategy="adapter_parallel"` in this process starts, ended after the test
+    (Lightning leaves it, as its DDP does: a later test's own ``init_process_group`` was refused, "twice")."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_an_adapter_parallel_checkpoint_is_known_as_its_runs_on_a_resume(tmp_path, capsys, monkeypatch,
+                                                                        process_group_ended):
     """An adapter-parallel checkpoint (a folder) was read as of no run: its resume wrote over the run id in the log
     directory's claim (a schedule task's next `--ckpt_path last` then found no checkpoint of the task: a new run on
     one rank, a resume on the other, waiting on each other for good), and another run's checkpoint resumed into a
