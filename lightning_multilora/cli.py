@@ -208,7 +208,7 @@ def _wrong_type(message: str) -> Optional[str]:
         alternatives = re.findall(r"<class '(\w+)'>|list\[<?(?:class ')?(\w+)'?>?\]|([^,\s][^,]*)", subtypes)
         if any(other or kinds.get(one or many) is None for one, many, other in alternatives):
             return None  # (a union of classes: jsonargparse's own account)
-        # (in one order: typing gives an annotation's union in the order an equal one was first made in the process)
+        # (in one order: jsonargparse lists a union's types in an order that depends on what it parsed before)
         named = [kinds[one] if one else f"a list of {kinds[many]}" for one, many, _ in
                  sorted(alternatives, key=lambda alt: (alt[0] == "NoneType", bool(alt[1]), list(kinds).index(
                      alt[0] or alt[1])))]
