@@ -88,14 +88,15 @@ def _moved(before: list[tuple[int, int]], after: list[tuple[int, int]]) -> bool:
 
 def resolve_optimizer(optimizer: Union[str, type]) -> type:
     """An optimizer class from a class or an import path (``"torch.optim.AdamW"``, ``"bitsandbytes.optim.AdamW8bit"``)."""
-    if isinstance(optimizer, type):
-        return optimizer
-    module_name, _, class_name = str(optimizer).rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError, ValueError) as err:
-        raise ValueError(f"`optimizer` must be an optimizer class or its import path such as "
-                         f"'torch.optim.AdamW', got {optimizer!r} ({err})") from err
+    if isinstance(optimizer, type):  # (checked as its import path is: LBFGS given as a class failed at its step)
+        cls = optimizer
+    else:
+        module_name, _, class_name = str(optimizer).rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise ValueError(f"`optimizer` must be an optimizer class or its import path such as "
+                             f"'torch.optim.AdamW', got {optimizer!r} ({err})") from err
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(f"`optimizer` {optimizer!r} is not a torch.optim.Optimizer subclass")
     try:
@@ -282,6 +283,9 @@ class MultiLoRAMixin:
         # merges into the checkpoint's registry (not those a sweep added during an earlier fit of this object)
         self._given: dict[str, AdapterSpec] = {}
         self.optimizer_class = resolve_optimizer(optimizer)
+        if optimizer_kwargs is not None and not isinstance(optimizer_kwargs, Mapping):
+            raise ValueError("`optimizer_kwargs` must be a mapping of the optimizer's argument names to values, such "
+                             f"as {{'betas': (0.9, 0.95)}}, got {type(optimizer_kwargs).__name__} {optimizer_kwargs!r}")
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
         per_adapter = sorted({"lr", "weight_decay"} & self.optimizer_kwargs.keys())
         if per_adapter:  # (each adapter's param group sets them: given here they would be ignored)
@@ -3468,12 +3472,13 @@ def _evaluating(model: nn.Module):
 
 def _plain(value: Any) -> bool:
     """Whether ``value`` is plain data (what ``torch.load(weights_only=True)`` reads back): None, a bool, number or
-    string, or a list, tuple or string-keyed dict of them."""
-    if value is None or isinstance(value, (bool, int, float, str)):
+    string, or a list, tuple or string-keyed dict of them; not a subclass's (a str enum, numpy's float64: the load
+    refuses their classes)."""
+    if value is None or type(value) in (bool, int, float, str):
         return True
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):
         return all(map(_plain, value))
-    return isinstance(value, dict) and all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return type(value) is dict and all(type(k) is str and _plain(v) for k, v in value.items())
 
 
 def _import_path(cls: Any) -> Optional[str]:

@@ -115,6 +115,9 @@ class AdapterSpec:
             if hasattr(value, "item") and (numpy_scalar or (isinstance(value, numbers.Number)
                                                             and not isinstance(value, (int, float)))):
                 setattr(self, f.name, value.item())
+            elif isinstance(value, str) and type(value) is not str:  # (transformers' `SchedulerType.COSINE`: a str
+                # enum; a weights-only checkpoint load refused its class)
+                setattr(self, f.name, str.__str__(value))
         _check(self, "rank", _int(self.rank) and self.rank >= 1, "an integer >= 1")
         _check(self, "alpha", _num(self.alpha) and 0 < self.alpha < math.inf, "a finite number > 0")
         _check(self, "dropout", _num(self.dropout) and 0.0 <= self.dropout < 1.0, "a number in [0, 1)")
@@ -128,7 +131,8 @@ class AdapterSpec:
         if self.max_steps is not None and self.max_epochs is not None:
             raise ValueError(
                 f"`max_steps` and `max_epochs` are exclusive; got max_steps={self.max_steps}, "
-                f"max_epochs={self.max_epochs} for adapter {self.name!r}"
+                f"max_epochs={self.max_epochs} for adapter {self.name!r} (a spec given neither holds the default "
+                "max_steps=100: `dataclasses.replace(spec, max_steps=None, max_epochs=...)` trains by epochs)"
             )
         if self.max_steps is None and self.max_epochs is None:
             self.max_steps = 100
@@ -140,14 +144,15 @@ class AdapterSpec:
                + _TRANSFORMERS_SCHEDULES.get(self.lr_schedule if isinstance(self.lr_schedule, str) else "", ""))
         _check(self, "warmup_steps", _int(self.warmup_steps) and self.warmup_steps >= 0, "an integer >= 0")
         if self.max_steps is not None and self.warmup_steps >= self.max_steps:
-            warnings.warn(warmup_past_the_end(self, self.max_steps), stacklevel=3)
+            # (stacklevel 4: the caller of `_init`, past it and the dataclass's `__init__`)
+            warnings.warn(warmup_past_the_end(self, self.max_steps), stacklevel=4)
         _check(self, "grad_clip", self.grad_clip is None or (_num(self.grad_clip) and 0 < self.grad_clip < math.inf),
                "a finite number > 0 or None")
         _check(self, "objective", self.objective in OBJECTIVES, f"one of {', '.join(OBJECTIVES)}")
         _check(self, "dpo_beta", _num(self.dpo_beta) and 0 < self.dpo_beta < math.inf, "a finite number > 0")
         if self.objective != "dpo" and self.dpo_beta != DEFAULT_DPO_BETA:  # (said once a call site: a grid's many)
             warnings.warn(f"`dpo_beta` applies to objective='dpo' alone; an {self.objective.upper()} adapter ignores "
-                          "it (set `objective='dpo'` for preference training)", stacklevel=3)
+                          "it (set `objective='dpo'` for preference training)", stacklevel=4)
         if isinstance(self.target_modules, str):  # "all-linear" and a regex as they are; a plain name, listed
             _check(self, "target_modules", bool(self.target_modules),
                    "a non-empty list of module names, one name, 'all-linear' or a regex")
@@ -174,7 +179,8 @@ class AdapterSpec:
                 f"adapter {self.name!r}: its spec is the record of how a module trains it, fixed once the module holds "
                 f"it: `{name}` = {value!r} would apply in part or not at all (its layers, data stream and export "
                 "follow the spec it started with; a resume applies the checkpoint's). Train other settings as another "
-                f"adapter: `module.add_adapter(dataclasses.replace(spec, name=..., {name}=...))`")
+                f"adapter: `module.add_adapter(dataclasses.replace(spec, name=..., {name}=..."
+                f"{_OTHER_LENGTH.get(name, '')}))`")
         object.__setattr__(self, name, value)
 
     def hold(self) -> None:
@@ -320,6 +326,7 @@ def _check(spec: AdapterSpec, name: str, ok: bool, allowed: str) -> None:
 
 
 _SPEC_FIELDS = frozenset(f.name for f in fields(AdapterSpec))
+_OTHER_LENGTH = {"max_epochs": ", max_steps=None", "max_steps": ", max_epochs=None"}  # (exclusive: the copy's other)
 
 
 @dataclass
@@ -361,6 +368,12 @@ class SweepGrid:
         if self.alpha_over_rank is not None and ("alpha" in self.axes or "alpha" in self.base):
             raise ValueError(f"SweepGrid: `alpha_over_rank` ({self.alpha_over_rank!r}) and `alpha` (in "
                              f"{'axes' if 'alpha' in self.axes else 'base'}) both set each adapter's alpha; give one")
+        objectives = self.axes.get("objective", [self.base.get("objective", "sft")])
+        if "dpo_beta" in self.axes and "dpo" not in objectives:  # (its values vanished: each cell is SFT, which takes
+            # none, and an axis of betas alone made adapters with no name)
+            raise ValueError(f"SweepGrid `axes['dpo_beta']` applies to objective='dpo' alone, and no adapter of the "
+                             f"grid has it (objective {', '.join(map(repr, objectives))}): set `objective: dpo` in "
+                             "`base`, or 'dpo' among the values of an `objective` axis")
         keys = list(self.axes)
         out, made, once = [], {}, set()
         for values in itertools.product(*(self.axes[k] for k in keys)):
@@ -380,8 +393,12 @@ class SweepGrid:
                                  f"adapter name, {name!r} (a name keeps 4 significant digits, and letters, digits, '_' and '-'); "
                                  "give values that differ there")
             made[name] = dict(cell)
-            if self.alpha_over_rank is not None:
-                kwargs["alpha"] = float(self.alpha_over_rank * kwargs.get("rank", AdapterSpec.rank))
+            rank = kwargs.get("rank", AdapterSpec.rank)
+            if self.alpha_over_rank is not None and _int(rank) and rank >= 1:  # (another rank: the spec's own error)
+                kwargs["alpha"] = float(self.alpha_over_rank * rank)
+                if not math.isfinite(kwargs["alpha"]):
+                    raise ValueError(f"SweepGrid `alpha_over_rank` {self.alpha_over_rank!r} x rank {rank} makes alpha "
+                                     f"{kwargs['alpha']!r}; alpha must be finite")
             out.append(AdapterSpec(name=name, **without_unused_beta(kwargs)))
         return out
 

@@ -84,6 +84,24 @@ def test_bad_optimizer_is_a_clear_error():
     with pytest.raises(ValueError, match=r"`optimizer` SparseAdam steps sparse gradients alone; the adapters' are "
                                          r"dense"):
         resolve_optimizer("torch.optim.SparseAdam")
+    # a class is checked as its import path is (LBFGS given as a class failed at its first step; a module class at
+    # the optimizer's construction, "missing 1 required positional argument")
+    with pytest.raises(ValueError, match=r"`optimizer` LBFGS needs a closure at each step"):
+        resolve_optimizer(torch.optim.LBFGS)
+    with pytest.raises(ValueError, match=r"`optimizer` SparseAdam steps sparse gradients alone"):
+        resolve_optimizer(torch.optim.SparseAdam)
+    with pytest.raises(ValueError, match=r"`optimizer` <class 'torch.nn.modules.linear.Linear'> is not a "
+                                         r"torch.optim.Optimizer subclass"):
+        resolve_optimizer(torch.nn.Linear)
+    assert resolve_optimizer(torch.optim.SGD) is torch.optim.SGD
+
+
+@pytest.mark.parametrize("kwargs", [["betas", (0.9, 0.95)], "betas=(0.9,0.95)", 0.9])
+def test_optimizer_kwargs_that_are_no_mapping_are_a_clear_error(kwargs):
+    """A list or text gave Python's "dictionary update sequence element #0 has length 5; 2 is required"."""
+    with pytest.raises(ValueError, match=r"`optimizer_kwargs` must be a mapping of the optimizer's argument names to "
+                                         r"values, such as \{'betas': \(0.9, 0.95\)\}, got "):
+        MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a")], optimizer_kwargs=kwargs)
 
 
 @pytest.mark.parametrize("name", ["bitsandbytes.optim.AdamW8bit", "bitsandbytes.optim.PagedAdamW8bit"])

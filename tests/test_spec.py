@@ -92,6 +92,55 @@ def test_steps_and_epochs_are_exclusive_and_default_to_100_steps():
     assert AdapterSpec("x", max_epochs=2).max_steps is None
 
 
+def test_a_copy_by_epochs_of_a_spec_given_neither_length_is_told_to_drop_the_default_steps():
+    """A spec given neither length holds max_steps=100; `dataclasses.replace(spec, max_epochs=2)` (what a held spec's
+    error advised) was refused for a max_steps=100 the user never gave, with no way out named."""
+    import dataclasses
+
+    spec = AdapterSpec("a", lr=1e-3)
+    with pytest.raises(ValueError, match=r"exclusive; got max_steps=100, max_epochs=2 for adapter 'b' \(a spec given "
+                                         r"neither holds the default max_steps=100: `dataclasses.replace\(spec, "
+                                         r"max_steps=None, max_epochs=...\)` trains by epochs\)"):
+        dataclasses.replace(spec, name="b", max_epochs=2)
+    spec.hold()
+    with pytest.raises(AttributeError, match=r"dataclasses.replace\(spec, name=..., max_epochs=..., max_steps=None\)"):
+        spec.max_epochs = 2
+    copy = dataclasses.replace(spec, name="b", max_epochs=2, max_steps=None)  # (as advised)
+    assert (copy.max_steps, copy.max_epochs, copy.lr) == (None, 2, 1e-3)
+    copy.hold()
+    with pytest.raises(AttributeError, match=r"replace\(spec, name=..., max_steps=..., max_epochs=None\)"):
+        copy.max_steps = 5
+    with pytest.raises(AttributeError, match=r"replace\(spec, name=..., lr=...\)\)`"):
+        spec.lr = 1.0
+
+
+def test_a_str_enum_value_is_kept_as_its_plain_text():
+    """transformers' `SchedulerType.COSINE` (what `TrainingArguments.lr_scheduler_type` holds) was kept as the enum:
+    it trained, and the checkpoint it wrote could be neither resumed nor loaded (a weights-only load refuses its
+    class)."""
+    import io
+
+    transformers = pytest.importorskip("transformers")
+    spec = AdapterSpec("x", lr_schedule=transformers.SchedulerType.COSINE)
+    assert type(spec.lr_schedule) is str and spec.lr_schedule == "cosine"
+    buffer = io.BytesIO()
+    torch.save(spec.to_dict(), buffer)
+    buffer.seek(0)
+    assert AdapterSpec.from_dict(torch.load(buffer, weights_only=True)) == spec
+    from lightning_multilora.module import _plain
+
+    assert _plain({"a": ["cosine", 1, 2.0, None, True]}) and not _plain({"a": [transformers.SchedulerType.COSINE]})
+
+
+def test_a_specs_warnings_point_at_the_line_that_made_it():
+    """Placed in spec.py, a warning was said once a process, whichever line of the user's made the next spec."""
+    with pytest.warns(UserWarning, match="applies to objective='dpo' alone") as caught:
+        AdapterSpec("a", dpo_beta=0.3)
+    with pytest.warns(UserWarning, match="never reaches") as late:
+        AdapterSpec("b", max_steps=2, warmup_steps=3)
+    assert {w.filename for w in [*caught, *late]} == {__file__}
+
+
 def test_a_warmup_as_long_as_the_run_is_warned_of():
     with pytest.warns(UserWarning, match=r"adapter 'a': warmup_steps=10 >= max_steps=10.*never reaches lr=0.001 "
                                          r"\(it ends at 0.9 x lr\)") as caught:
@@ -223,3 +272,24 @@ def test_a_dpo_beta_on_an_sft_adapter_is_warned_of():
         ("objectivesft-rank2", 0.1), ("objectivesft-rank4", 0.1), ("objectivedpo-dpo_beta0p1-rank2", 0.1),
         ("objectivedpo-dpo_beta0p1-rank4", 0.1), ("objectivedpo-dpo_beta0p5-rank2", 0.5),
         ("objectivedpo-dpo_beta0p5-rank4", 0.5)]
+    # a beta axis on a grid with no DPO adapter: its values vanished without a word (2 x 2 made 2 adapters), and
+    # alone it made an adapter with no name ("`name` must be 1 to 200 letters ..., got ''")
+    for axes, base in [({"lr": [1e-3, 2e-3], "dpo_beta": [0.1, 0.5]}, {}), ({"dpo_beta": [0.1, 0.5]}, {}),
+                       ({"dpo_beta": [0.1], "objective": ["sft"]}, {"rank": 2})]:
+        with pytest.raises(ValueError, match=r"SweepGrid `axes\['dpo_beta'\]` applies to objective='dpo' alone, and "
+                                             r"no adapter of the grid has it \(objective 'sft'\)"):
+            SweepGrid(axes=axes, base=base).specs()
+    specs = SweepGrid(axes={"dpo_beta": [0.2, 0.5]}, base={"objective": "dpo"}).specs()
+    assert [s.dpo_beta for s in specs] == [0.2, 0.5]
+
+
+def test_a_grids_bad_rank_beside_alpha_over_rank_is_the_ranks_own_error():
+    """With `alpha_over_rank`, a rank that is no integer raised Python's TypeError (or, "8" x 2, made alpha 88.0)
+    before the spec's check named `rank`."""
+    for rank in ("8", None, [8], 0):
+        with pytest.raises(ValueError, match=r"`rank` must be an integer >= 1, got "):
+            SweepGrid(axes={"rank": [rank]}, alpha_over_rank=2).specs()
+    with pytest.raises(ValueError, match=r"SweepGrid `alpha_over_rank` 1e\+308 x rank 8 makes alpha inf; alpha must "
+                                         r"be finite"):
+        SweepGrid(axes={"rank": [8]}, alpha_over_rank=1e308).specs()
+    assert [s.alpha for s in SweepGrid(axes={"rank": [3, 8]}, alpha_over_rank=0.5).specs()] == [1.5, 4.0]
