@@ -838,8 +838,11 @@ class MultiLoRAMixin:
     def validation_roster(self) -> list[AdapterSpec]:
         """Specs of the adapters a validation measures: `packing_roster`'s, less, in a fit's validations, those that
         have taken no step yet (one started at this step, refilling a slot: its weights are its initialisation, whose
-        loss would become its best, and what it exports if the run stops before it is measured again)."""
+        loss would become its best, and what it exports if the run stops before it is measured again); in
+        ``trainer.validate``, the paused adapters too (a warmup's candidates, held: they were left out unsaid)."""
         trainer = self._trainer_or_none()
+        if trainer is not None and trainer.state.fn == "validate":
+            return [r.spec for r in self.registry.holding_weights if self._owns(r.name)]
         if trainer is None or trainer.state.fn != "fit" or trainer.sanity_checking:
             return self.packing_roster()
         return [r.spec for r in self.registry.running if self._owns(r.name) and r.step > 0]
@@ -2231,6 +2234,10 @@ class MultiLoRAMixin:
                 for k, v in values.items()}
         if logs and self.trainer.loggers:  # (at the step Lightning writes a value logged here at)
             self._write_metrics(logs, self._logged_step())
+        # (the running adapters' values not written: those of one that stops at this step's validation are written
+        # there, `_write_last_values`; an EarlyExit or a pruner's exit never had its last ones)
+        self._unwritten = ({} if writes else {n: v for n, v in stash.items() if n in self.registry and
+                                                self.registry[n].state == AdapterState.RUNNING}, self._logged_step())
         if self.trainer.progress_bar_callback is not None:
             exited = sum(v for k, v in counts.items() if AdapterState(k).exited)
             self.log_dict({"running": float(counts["running"]), "queued": float(counts["queued"]),
@@ -2802,6 +2809,7 @@ class MultiLoRAMixin:
         # — not a step later, at the next step's end, which the resumed run could not repeat.
         trainer = self._trainer_or_none()
         pending = self.__dict__.pop("_stop_pending", False)  # (`on_validation_epoch_start`)
+        self._write_last_values(trainer)
         if trainer is None or trainer.sanity_checking or trainer.state.fn != "fit" or trainer.should_stop:
             return  # (stopped, by another than the module in this validation too: an EarlyStopping)
         if not (0 <= trainer.max_steps <= trainer.global_step):  # (the validation after the last step: nothing
@@ -2809,6 +2817,18 @@ class MultiLoRAMixin:
             self._fill_slots()
         if pending and not (self.registry.running or self.registry.queued):
             trainer.should_stop = True  # (nothing was left, and this validation's callbacks queued or resumed none)
+
+    def _write_last_values(self, trainer: Optional[L.Trainer]) -> None:
+        """The step's values of the adapters that stopped in its validation (an exit, a pause), which the logger had
+        not written (`on_train_batch_end`): an adapter's last values are written as it stops."""
+        unwritten, step = self.__dict__.pop("_unwritten", ({}, 0))
+        if trainer is None or trainer.sanity_checking or trainer.state.fn != "fit" or not trainer.loggers:
+            return
+        logs = {k: v for name, values in unwritten.items()
+                if name not in self.registry or self.registry[name].state != AdapterState.RUNNING
+                for k, v in values.items()}
+        if logs:
+            self._write_metrics(logs, step)
 
     def _keep_best_weights(self, name: str) -> None:
         """Adapter ``name``'s weights now, on the CPU, as its best-validation ones (`keep_best_weights`)."""

@@ -387,6 +387,34 @@ def test_per_adapter_metrics_are_logged_to_tensorboard(tmp_path, trainer_kwargs)
     assert module.registry["x"].export_path.startswith(trainer.log_dir)
 
 
+def test_an_adapter_stopped_at_a_validation_has_its_last_values_written(tmp_path, trainer_kwargs):
+    """Stopped in a validation's `on_validation_end` (EarlyExit, a pruner), an adapter's last training values were
+    never written: with the default `log_every_n_steps` and a stop before it, it had no train_loss series at all."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class StopAtFirstValidation(L.Callback):
+        def on_validation_end(self, trainer, pl_module):
+            if pl_module.registry["b"].state == AdapterState.RUNNING:
+                pl_module.remove_adapter("b", reason="stopped by the test")
+
+    specs = [AdapterSpec("a", rank=2, max_steps=6), AdapterSpec("b", rank=2, max_steps=6, seed=1)]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, validate_on_finish=False)
+    kwargs = dict(trainer_kwargs, logger=TensorBoardLogger(str(tmp_path), name="tb"), val_check_interval=3)
+    trainer = L.Trainer(**kwargs, callbacks=[StopAtFirstValidation()])
+    trainer.fit(module, small_dm())
+    events = EventAccumulator(trainer.log_dir)
+    events.Reload()
+    assert module.registry["b"].step == 3 and module.registry["b"].state.exited
+    for name, step in (("a", 5), ("b", 2)):  # (a: at the stop; b: at its last step, where its validation is)
+        for metric in ("train_loss", "lr", "grad_norm", "tokens_seen"):
+            written = events.Scalars(f"adapters/{name}/{metric}")
+            assert [e.step for e in written] == [step], (name, metric)
+        assert events.Scalars(f"adapters/{name}/train_loss")[0].value == pytest.approx(
+            module.registry[name].train_losses[-1][1])
+    assert [e.step for e in events.Scalars("adapters/b/val_loss")] == [2]
+
+
 def test_grad_norms_are_each_groups_l2_norm_in_one_pass():
     from lightning_multilora.module import _grad_norms
 
@@ -1729,6 +1757,13 @@ def test_trainer_validate_returns_the_held_adapters_losses_and_test_is_named(tmp
     for call in ("test", "predict"):
         with pytest.raises(ValueError, match=rf"`trainer.{call}` has no step here: .*module.evaluate"):
             getattr(L.Trainer(**trainer_kwargs), call)(module, dm)
+    # a paused adapter is held too (a warmup's candidate): it was left out, unsaid
+    module.pause_adapter("b")
+    (results,) = L.Trainer(**trainer_kwargs).validate(module, dm)
+    assert results == pytest.approx({f"adapters/{n}/val_loss": expected[n] for n in ("a", "b")}, rel=1e-5)
+    module.pause_adapter("a")
+    (results,) = L.Trainer(**trainer_kwargs).validate(module, dm)
+    assert results == pytest.approx({f"adapters/{n}/val_loss": expected[n] for n in ("a", "b")}, rel=1e-5)
 
 
 def test_a_base_that_applies_dropout_is_warned_of(trainer_kwargs):
@@ -3473,7 +3508,8 @@ def test_a_held_adapters_spec_is_fixed_and_a_copy_is_free(trainer_kwargs):
         with pytest.raises(AttributeError, match=rf"adapter 'a': its spec is the record of how a module trains it, "
                                                  rf"fixed once the module holds it: `{field}` = .* "
                                                  rf"`module.add_adapter\(dataclasses.replace\(spec, name=..., "
-                                                 rf"{field}=...\)\)`"):
+                                                 rf"{field}=...{', max_epochs=None' if field == 'max_steps' else ''}"
+                                                 rf"\)\)`"):
             setattr(spec, field, value)
     assert (spec.alpha, spec.rank, spec.name) == (8.0, 2, "a")
     for copied in (copy.deepcopy(module.registry["a"]), pickle.loads(pickle.dumps(module.registry["a"]))):

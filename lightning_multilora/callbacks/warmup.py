@@ -51,6 +51,8 @@ class WarmupSelection(Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if not hasattr(pl_module, "registry"):  # (as EarlyExit's and OptunaSweep's: an AttributeError at the start)
+            raise TypeError("WarmupSelection needs a MultiLoRAMixin module")
         if stage == "fit":  # another fit selects afresh (a resumed one's state is loaded after this), but one of a
             # module stopped with adapters left goes on with its last selection (`carried_callback_state`)
             self.warmup_losses, self.candidates, self.kept, self.waiting, self.decided = {}, [], [], [], False
@@ -60,8 +62,11 @@ class WarmupSelection(Callback):
 
     def warmup_steps(self, max_steps: int) -> int:
         """``warmup_fraction`` of ``max_steps``, rounded half up (Python's ``round`` took 2.5 to 2 and 3.5 to 4:
-        adapters of other lengths warmed up for unequal shares), at least 1."""
-        return max(1, math.floor(round(self.warmup_fraction * max_steps, 9) + 0.5))
+        adapters of other lengths warmed up for unequal shares), at least 1, and short of ``max_steps`` where that
+        is 2 or more (a warmup of the whole run, 0.95 of 10 steps rounded up, ended as the adapter finished: none was
+        ranked, kept or pruned)."""
+        steps = max(1, math.floor(round(self.warmup_fraction * max_steps, 9) + 0.5))
+        return min(steps, max_steps - 1) if max_steps > 1 else steps
 
     def select(self, warmup_losses: dict[str, float], num_candidates: int) -> list[str]:
         """Names to keep: the lowest warmup losses, ``max(min_keep, ceil(keep_fraction * K))`` of them."""
@@ -119,6 +124,10 @@ class WarmupSelection(Callback):
         warmup just ended."""
         candidates = [rec.name for rec in registry
                       if rec.name not in self.candidates and rec.state != AdapterState.QUEUED]
+        single = [n for n in candidates if registry[n].max_steps == 1]
+        if single:
+            rank_zero_warn(f"WarmupSelection: adapters {single} train for one step: their warmup cannot end before "
+                           "they finish, so they finish unranked (neither kept nor pruned; give them more steps)")
         warmed = [rec.name for rec in registry.running
                   if rec.name not in self.warmup_losses and rec.step >= self.warmup_steps(rec.max_steps)]
         return {"candidates": candidates, "warmed": warmed}

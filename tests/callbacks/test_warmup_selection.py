@@ -191,6 +191,9 @@ def test_the_warmup_rounds_half_up_and_a_candidate_without_a_source_is_ranked_ap
 
     rule = WarmupSelection()
     assert [rule.warmup_steps(m) for m in (10, 30, 50, 70, 90, 100)] == [1, 2, 3, 4, 5, 5]
+    # a warmup of the whole run (0.95 of 10 steps, rounded up) ended as the adapters finished: none was ranked, and
+    # the selection kept and pruned nothing, unsaid; it ends a step short of the run now
+    assert [WarmupSelection(warmup_fraction=0.95).warmup_steps(m) for m in (1, 2, 10, 100)] == [1, 1, 9, 95]
     registry = AdapterRegistry()
     for name, state in (("a", AdapterState.PAUSED), ("b", AdapterState.PAUSED), ("typo", AdapterState.FAILED)):
         registry.add(AdapterSpec(name, dataset="arithmetc" if name == "typo" else None)).state = state
@@ -205,6 +208,39 @@ def test_the_warmup_rounds_half_up_and_a_candidate_without_a_source_is_ranked_ap
     trainer = SimpleNamespace(callbacks=[], datamodule=SimpleNamespace(source_name=source_name))
     decision = selection._selection(trainer, registry)
     assert decision["kept"] == ["b"] and list(decision["pruned"]) == ["a"]
+
+
+def test_a_selection_of_a_warmup_rounded_up_to_the_whole_run_is_still_made(tmp_path, trainer_kwargs):
+    """0.95 of 10 steps rounded up to 10: every candidate finished as its warmup ended, and WarmupSelection kept and
+    pruned none, without a word."""
+    specs = [AdapterSpec(f"c{i}", rank=2, max_steps=4, lr=lr) for i, lr in enumerate([1e-4, 1e-3, 3e-2])]
+    module = MultiLoRAModule("tiny-llama", adapters=specs, export_dir=str(tmp_path / "out"))
+    selection = WarmupSelection(warmup_fraction=0.95, keep_fraction=0.3)
+    dm = MultiLoRADataModule(sources={"a": GeneratedArithmetic(100)}, max_val_examples=4)
+    L.Trainer(**trainer_kwargs, callbacks=[selection]).fit(module, dm)
+    states = {r.name: (r.state, r.step) for r in module.registry}
+    assert sorted(states.values()) == [(AdapterState.FINISHED, 4), (AdapterState.PRUNED, 3), (AdapterState.PRUNED, 3)]
+    assert selection.decided and len(selection.kept) == 1 and set(selection.warmup_losses) == set(states)
+
+
+def test_a_one_step_candidate_is_said_to_finish_unranked():
+    from lightning_multilora.registry import AdapterRegistry
+
+    registry = AdapterRegistry()
+    for name, steps in (("one", 1), ("two", 2)):
+        rec = registry.add(AdapterSpec(name, max_steps=steps))
+        rec.state, rec.max_steps = AdapterState.RUNNING, steps  # (the module sets its length as it starts)
+    with pytest.warns(UserWarning, match=r"WarmupSelection: adapters \['one'\] train for one step: their warmup cannot "
+                                         r"end before they finish, so they finish unranked"):
+        assert WarmupSelection()._warmed_up(registry)["candidates"] == ["one", "two"]
+
+
+def test_warmup_selection_on_another_module_is_named(tmp_path, trainer_kwargs):
+    """It failed at the train start with "'BoringModel' object has no attribute 'registry'"."""
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    with pytest.raises(TypeError, match="WarmupSelection needs a MultiLoRAMixin module"):
+        L.Trainer(**{**trainer_kwargs, "max_steps": 1}, callbacks=[WarmupSelection()]).fit(BoringModel())
 
 
 def test_an_adapter_started_after_the_selection_is_said_to_skip_it(tmp_path, trainer_kwargs):
