@@ -390,8 +390,8 @@ class SweepGrid:
             name = self.prefix + "-".join(f"{_short(k)}{_fmt(v)}" for k, v in cell)
             if name in made:
                 raise ValueError(f"SweepGrid: the axes' values {made[name]} and {dict(zip(keys, values))} make one "
-                                 f"adapter name, {name!r} (a name keeps 4 significant digits, and letters, digits, '_' and '-'); "
-                                 "give values that differ there")
+                                 f"adapter name, {name!r} (a name keeps a float's 4 significant digits below 0.01, 6 "
+                                 "from there, and letters, digits, '_' and '-'); give values that differ there")
             made[name] = dict(cell)
             rank = kwargs.get("rank", AdapterSpec.rank)
             if self.alpha_over_rank is not None and _int(rank) and rank >= 1:  # (another rank: the spec's own error)
@@ -428,6 +428,9 @@ def check_alpha_over_rank(where: str, ratio: Any) -> None:
 def check_spec_fields(keys, where: str) -> None:
     """``keys`` (of a grid or a search space) are `AdapterSpec` fields, its ``name`` apart: else a named error."""
     known = {f.name for f in fields(AdapterSpec)} - {"name"}
+    if "name" in set(keys):  # (it is a field: "not an AdapterSpec field" said otherwise)
+        raise ValueError(f"{where} sets `name`: each adapter's name is made for it (a grid's from its `prefix` and "
+                         "axes' values, a sweep's trial-<number>)")
     unknown = sorted(set(keys) - known)
     if unknown:
         raise ValueError(f"{where} names {unknown}: not an AdapterSpec field; allowed: {sorted(known)}"

@@ -230,8 +230,15 @@ def test_grid_is_the_cartesian_product_with_readable_unique_names():
         SweepGrid(axes={"lr": [1e-3, 4e-3]}, base={"lr": 5e-4, "max_steps": 7}).specs()
     # values that make one name: named, not left to the module's duplicate-name error
     with pytest.raises(ValueError, match=r"the axes' values \{'lr': 0.0001\} and \{'lr': 0.00010001\} make one "
-                                         r"adapter name, 'lr1e-4'"):
+                                         r"adapter name, 'lr1e-4' \(a name keeps a float's 4 significant digits below "
+                                         r"0.01, 6 from there"):
         SweepGrid(axes={"lr": [1e-4, 1.0001e-4]}).specs()
+    with pytest.raises(ValueError, match=r"make one adapter name, 'lr0p0200001'"):
+        SweepGrid(axes={"lr": [0.02000011, 0.0200001]}).specs()
+    # a name in `base` was "not an AdapterSpec field"
+    with pytest.raises(ValueError, match=r"SweepGrid sets `name`: each adapter's name is made for it \(a grid's from "
+                                         r"its `prefix` and axes' values"):
+        SweepGrid(axes={"rank": [8]}, base={"name": "mine"}).specs()
     # an empty grid, and a ratio that is not a number (a string of one multiplied the name: alpha 2222.0)
     with pytest.raises(ValueError, match=r"SweepGrid `axes` must be a non-empty mapping .* got \{\}"):
         SweepGrid(axes={}).specs()

@@ -167,7 +167,8 @@ class WarmupSelection(Callback):
             groups.setdefault(key, []).append(name)
         ranking, kept, pruned, places = [], [], {}, {}
         for key, members in groups.items():
-            losses = {n: waiting[n] for n in members if n in waiting}
+            # (in the order they warmed up, which breaks ties, as `select` says: the order they started broke them)
+            losses = {n: waiting[n] for n in self.warmup_losses if n in waiting and n in members}
             chosen = self.select(losses, len(members))
             index = {n: i for i, n in enumerate(losses)}  # (as `select` ranks: ties in warmup order)
             order = sorted(losses, key=lambda n: (not math.isfinite(losses[n]), losses[n], index[n]))

@@ -147,6 +147,24 @@ def test_selection_rule():
         assert rule.select({"a": 1.0, "b": 1.0, "c": 2.0, "d": 3.0, "e": 4.0}, num_candidates=8) == ["a", "b"]
 
 
+def test_a_tie_in_the_selection_keeps_the_candidate_that_warmed_up_first():
+    """Ranked in the order the candidates started (a longer one started first warms up later), where the warning
+    said "in the order they warmed up"."""
+    from types import SimpleNamespace
+
+    from lightning_multilora.registry import AdapterRegistry
+
+    registry = AdapterRegistry()
+    for name in ("long", "short"):  # (started in this order; "short" warmed up first)
+        registry.add(AdapterSpec(name)).state = AdapterState.PAUSED
+    selection = WarmupSelection(keep_fraction=0.5)
+    selection.candidates, selection.warmup_losses = ["long", "short"], {"short": 2.0, "long": 2.0}
+    trainer = SimpleNamespace(callbacks=[], datamodule=SimpleNamespace(source_name=lambda dataset: "arith"))
+    with pytest.warns(UserWarning, match=r"candidates \['short', 'long'\] tied .* kept in the order they warmed up"):
+        decision = selection._selection(trainer, registry)
+    assert decision["kept"] == ["short"] and list(decision["pruned"]) == ["long"]
+
+
 def test_candidates_of_another_objective_or_source_are_ranked_apart():
     """A DPO adapter that had learned nothing (its loss log 2) was kept over SFT adapters that had learned, their
     losses near 5: the ranking mixed losses that do not compare."""
