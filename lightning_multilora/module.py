@@ -2420,9 +2420,19 @@ class MultiLoRAMixin:
                              "and an adapter's last validation (as it ends) the whole of it, compared as one loss; "
                              "cap the split instead, `MultiLoRADataModule(max_val_examples=...)` (or "
                              "`limit_val_batches=0` for no validation during the run)")
-        from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
+        from lightning.pytorch.callbacks import (BatchSizeFinder, GradientAccumulationScheduler, LearningRateFinder,
+                                                 StochasticWeightAveraging)
 
         for callback in trainer.callbacks:
+            if isinstance(callback, LearningRateFinder):  # (`Tuner.lr_find` too; Lightning's own error asked for an
+                # `lr` attribute of the model)
+                raise UsageError("`LearningRateFinder` (or `Tuner.lr_find`) tunes one learning rate, and each adapter "
+                                 "has its own, `AdapterSpec.lr`: search it with a `SweepGrid` axis or an `OptunaSweep` "
+                                 "(with `EarlyExit` and `WarmupSelection` to stop the bad ones early)")
+            if isinstance(callback, BatchSizeFinder):
+                raise UsageError("`BatchSizeFinder` (or `Tuner.scale_batch_size`) tunes one batch size, and each "
+                                 "adapter has its own, `AdapterSpec.batch_size`: the module's admission "
+                                 "(`max_running`, `admission`) packs as many adapters as memory holds")
             if isinstance(callback, GradientAccumulationScheduler):
                 raise UsageError("`GradientAccumulationScheduler` would accumulate every adapter's gradients at once: "
                                  "each adapter takes `AdapterSpec.batch_size` sequences a step; leave it out")

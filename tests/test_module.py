@@ -1440,14 +1440,20 @@ def test_the_recorded_base_of_a_compiled_model_is_the_model_it_compiled():
     (dict(limit_val_batches=1), r"`Trainer\(limit_val_batches=1\)` would validate part of each adapter's split"),
     (dict(callbacks="swa"), r"`StochasticWeightAveraging` averages one model's weights"),
     (dict(callbacks="gas"), r"`GradientAccumulationScheduler` would accumulate every adapter's gradients"),
+    (dict(callbacks="lr"), r"`LearningRateFinder` \(or `Tuner.lr_find`\) tunes one learning rate, and each adapter "
+                           r"has its own, `AdapterSpec.lr`"),
+    (dict(callbacks="bs"), r"`BatchSizeFinder` \(or `Tuner.scale_batch_size`\) tunes one batch size"),
 ])
 def test_trainer_tools_that_cannot_act_per_adapter_are_refused(tmp_path, trainer_kwargs, option, message):
     """(overfit_batches had no effect; SWA never started in the one endless epoch, or crashed once it did; the
-    accumulation scheduler got Lightning's "switch to automatic optimization".)"""
-    from lightning.pytorch.callbacks import GradientAccumulationScheduler, StochasticWeightAveraging
+    accumulation scheduler got Lightning's "switch to automatic optimization"; the tuners, Lightning's "model or
+    model.hparams should have ... lr".)"""
+    from lightning.pytorch.callbacks import (BatchSizeFinder, GradientAccumulationScheduler, LearningRateFinder,
+                                             StochasticWeightAveraging)
 
     made = {"swa": lambda: [StochasticWeightAveraging(swa_lrs=1e-3)],
-            "gas": lambda: [GradientAccumulationScheduler({0: 2})]}
+            "gas": lambda: [GradientAccumulationScheduler({0: 2})], "lr": lambda: [LearningRateFinder()],
+            "bs": lambda: [BatchSizeFinder()]}
     option = {k: made[v]() if k == "callbacks" else v for k, v in option.items()}
     module = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)])
     with pytest.raises(ValueError, match=message):
