@@ -2960,8 +2960,7 @@ class MultiLoRAMixin:
             mine = [s for s in running if placement.owner.get(s.name) == rank]
             if mine and not self.admission.fits(mine):
                 rank_zero_warn(f"resumed on {placement.world_size} ranks, rank {rank} trains {[s.name for s in mine]}: "
-                               f"{size_text(self.admission.predict(mine))} predicted, over the admission budget "
-                               f"of {size_text(self.admission.budget)} (the checkpoint was written by "
+                               f"{_over_budget(self.admission, mine)} (the checkpoint was written by "
                                f"{placement.resized_from}); they train anyway")
 
     def _warn_over_budget(self) -> None:
@@ -2969,12 +2968,9 @@ class MultiLoRAMixin:
         unsaid); they train on, nothing trained is dropped."""
         resident = self._resident()
         if resident and not self.admission.fits(resident):
-            from lightning_multilora.scheduling.admission import size_text
-
             rank_zero_warn(f"resumed with adapters {[r.name for r in self.registry.running]} training (and "
-                           f"{len(self.registry.paused)} paused): {size_text(self.admission.predict(resident))} "
-                           f"predicted, over the admission budget of {size_text(self.admission.budget)}; they train "
-                           "anyway (nothing trained is dropped), and queued adapters wait until they end")
+                           f"{len(self.registry.paused)} paused): {_over_budget(self.admission, resident)}; they "
+                           "train anyway (nothing trained is dropped), and queued adapters wait until they end")
 
     def _merge_given_specs(self, given: list[AdapterSpec]) -> None:
         """After the checkpoint's registry replaced this module's: adapters given now but absent from the checkpoint
@@ -3498,6 +3494,18 @@ def _evaluating(model: nn.Module):
         model.__dict__["_in_evaluate"] = outer
         for m, training in modes:
             m.training = training
+
+
+def _over_budget(admission: Any, specs: Sequence[AdapterSpec]) -> str:
+    """Why ``specs`` do not fit ``admission``: its prediction and budget, where it has them (an
+    `AdmissionController`'s), else its ``fits``' answer (a controller of the user's needs only fits / select /
+    alone: a resume over its budget failed on a missing ``predict``)."""
+    from lightning_multilora.scheduling.admission import size_text
+
+    predict, budget = getattr(admission, "predict", None), getattr(admission, "budget", None)
+    if callable(predict) and isinstance(budget, (int, float)):
+        return f"{size_text(predict(specs))} predicted, over the admission budget of {size_text(budget)}"
+    return f"over the budget of the admission controller {type(admission).__name__} (its `fits` says no)"
 
 
 def _plain(value: Any) -> bool:

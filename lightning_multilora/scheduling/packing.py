@@ -131,7 +131,7 @@ class PackingPlanner:
         self.gpu_bytes, self.load_factor = float(gpu_bytes), check_margin(load_factor, "PackingPlanner", "load_factor")
         self.budget = gpu_bytes * self.load_factor
         self.time_limit_s, self.resolution_s = float(time_limit_s), float(resolution_s)
-        self.gpu_options = [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= num_gpus]
+        self.gpu_options = _powers_of_two(self.num_gpus)
 
     def duration(self, specs: Sequence[AdapterSpec], gpus: int) -> float:
         return max(_steps(s) for s in specs) * _step_seconds(self.step_time, specs, gpus)
@@ -141,8 +141,8 @@ class PackingPlanner:
 
     def singles(self, specs: Sequence[AdapterSpec]) -> tuple[list[Job], dict[str, Placement], float]:
         """No packing: each configuration a job of its own, on the fewest GPUs it fits, longest first on the GPUs
-        as they free (a list schedule). A plan never returns worse: PLoRA's greedy plan, the planner's other start,
-        came to twice its makespan on the README's benchmark."""
+        as they free, in order (`list_schedule`: a job waits behind a wider one). A plan never returns worse: PLoRA's
+        greedy plan, the planner's other start, came to twice its makespan on the README's benchmark."""
         jobs = []
         for spec in sorted(specs, key=lambda s: (-min(self.duration([s], d) for d in self.gpu_options
                                                      if self.fits([s], d)), s.name)):
@@ -338,7 +338,7 @@ def plora_greedy(specs: Sequence[AdapterSpec], num_gpus: int, memory: CostFn, st
     load_factor = check_margin(load_factor, "plora_greedy", "load_factor")
     budget = gpu_bytes * load_factor
     remaining = sorted(specs, key=lambda s: (-s.rank, s.name))
-    options = [d for d in (1, 2, 4, 8, 16, 32, 64) if d <= num_gpus]
+    options = _powers_of_two(num_gpus)
     now, free = 0.0, list(range(num_gpus))
     running: list[tuple[float, tuple[int, ...]]] = []
     jobs: list[Job] = []
@@ -379,3 +379,9 @@ def plora_greedy(specs: Sequence[AdapterSpec], num_gpus: int, memory: CostFn, st
         running.append((now + duration, gpu_ids))
         remaining = [s for s in remaining if s not in pack]
     return jobs, placements, max((p.end for p in placements.values()), default=0.0)
+
+
+def _powers_of_two(num_gpus: int) -> list[int]:
+    """A job's GPU counts: 1, 2, 4... up to ``num_gpus`` (they stopped at 64: a configuration that fits 128 GPUs
+    alone was refused on a machine of 128)."""
+    return [2**k for k in range(int(num_gpus).bit_length()) if 2**k <= num_gpus]

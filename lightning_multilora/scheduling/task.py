@@ -81,11 +81,10 @@ class Task:
         object.__setattr__(self, "gpus", int(self.gpus))  # (numpy's integers too)
         if not isinstance(self.torchrun, bool):
             raise ValueError(f"task {self.id!r}: `torchrun` must be true or false, got {self.torchrun!r}")
-        if self.torchrun and self.command is not None and not _torchrun_runs(self.command):
+        why = _torchrun_refusal(self.command) if self.torchrun and self.command is not None else None
+        if why is not None:
             raise ValueError(f"task {self.id!r}: a `torchrun` task's `command` must start with {TORCHRUN_STARTS}, got "
-                             f"{self.command[0]!r} (torchrun runs `python {self.command[0]}`); `multilora fit` runs "
-                             "without torchrun (Lightning starts a process per GPU), or as "
-                             "`-m lightning_multilora.cli fit ...`")
+                             f"{self.command[0]!r} (torchrun runs `python {self.command[0]}`); {why}")
 
 
 def command_args(task_id: str, command: Any) -> tuple[str, ...]:
@@ -161,8 +160,19 @@ def _shell_syntax(command: str) -> Optional[str]:
     return None
 
 
-def _torchrun_runs(command: tuple[str, ...]) -> bool:
-    """Whether torchrun can run this command: not this package's console command, which torchrun would run with
-    Python as a script (a script, ``-m module``, ``--no-python program`` and torchrun's own options before them,
-    ``--max-restarts 3 train.py``, are taken as they are)."""
-    return Path(command[0]).name != "multilora"
+def _torchrun_refusal(command: tuple[str, ...]) -> Optional[str]:
+    """Why torchrun cannot run this command, or None: it runs the first word with Python as a script, so this
+    package's console command, a Python interpreter, torchrun itself or a shell fail there, in the task's log alone
+    (a script, ``-m module``, ``--no-python program`` and torchrun's own options before them, ``--max-restarts 3
+    train.py``, are taken as they are)."""
+    name = Path(command[0]).name
+    if name == "multilora":
+        return ("`multilora fit` runs without torchrun (Lightning starts a process per GPU), or as "
+                "`-m lightning_multilora.cli fit ...`")
+    if re.fullmatch(r"python[0-9.]*w?", name):
+        return f"leave `{command[0]}` out: torchrun runs the script with Python itself"
+    if name == "torchrun":
+        return "leave `torchrun` out: `torchrun: true` adds it, with `--nproc-per-node` the task's `gpus`"
+    if name in ("sh", "bash", "zsh", "dash", "env"):
+        return f"run a program that is no Python script with `--no-python`: [--no-python, {command[0]}, ...]"
+    return None

@@ -445,8 +445,10 @@ class _Steps:
 
 
 def list_schedule(tasks: Sequence[Task], num_gpus: int, order: Optional[Sequence[str]] = None) -> float:
-    """Greedy list scheduling (default order: longest first): each task starts at the earliest time enough
-    GPUs are free. Returns the makespan; the baseline the CP-SAT plan is compared with."""
+    """Greedy list scheduling (default order: longest first), in order: each task starts once enough GPUs are
+    free, and not before the task before it (no backfill: a narrow task waits behind a wide one, GPUs idle; the
+    scheduler's own greedy start, `TaskScheduler._greedy_starts`, fills them). Returns the makespan; the baseline
+    the CP-SAT plan is compared with, never shorter than it."""
     starts = list_starts(tasks, num_gpus, order)
     return max((starts[t.id] + t.duration for t in tasks), default=0.0)
 

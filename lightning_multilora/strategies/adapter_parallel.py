@@ -412,7 +412,9 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         side (give ``admission`` a predictor for one rank to pack more)."""
         from lightning_multilora.scheduling.admission import AdmissionController, admission_order
 
-        fits = AdmissionController(admission.predict, admission.capacity_bytes, admission.safety_margin).fits
+        fits = (AdmissionController(admission.predict, admission.capacity_bytes, admission.safety_margin).fits
+                if all(hasattr(admission, k) for k in ("predict", "capacity_bytes", "safety_margin"))
+                else admission.fits)  # (a controller of the user's: fits / select / alone alone)
         owner = assign_adapters(running, self.world_size, {**self.owner, **self._admitted_ranks(running)})
         on: list[list[AdapterSpec]] = [[s for s in running if owner[s.name] == r] for r in range(self.world_size)]
         chosen: list[AdapterSpec] = []

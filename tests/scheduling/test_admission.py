@@ -504,6 +504,25 @@ def test_a_resume_under_a_lower_budget_than_its_adapters_take_is_said(tmp_path, 
         L.Trainer(**trainer_kwargs).validate(module_of(600), data(), ckpt_path=tmp_path / "two.ckpt")
     assert not [w for w in caught if "train anyway" in str(w.message)]
 
+    class AtMostOne:  # (a controller of the user's: fits / select / alone, as the module's docstring allows)
+        def fits(self, specs):
+            return len(specs) <= 1
+
+        def select(self, running, candidates, freed=None):
+            return [] if running else list(candidates[:1])
+
+        def alone(self, spec):
+            return None
+
+    resumed = MultiLoRAModule("tiny-llama", validate_on_finish=False, admission=AtMostOne(),
+                              adapters=[spec("a", 4, max_steps=4), spec("b", 4, max_steps=4)])
+    # (it failed: "'AtMostOne' object has no attribute 'predict'")
+    with pytest.warns(UserWarning, match=r"resumed with adapters \['a', 'b'\] training \(and 0 paused\): over the "
+                                         r"budget of the admission controller AtMostOne \(its `fits` says no\); they "
+                                         r"train anyway"):
+        L.Trainer(**trainer_kwargs).fit(resumed, data(), ckpt_path=tmp_path / "two.ckpt")
+    assert [resumed.registry[n].step for n in "ab"] == [4, 4]
+
 
 def test_an_adapter_waiting_for_a_slot_is_checked_at_its_own_start(tmp_path, trainer_kwargs):
     """The re-selection checked every adapter the budget chose, those `max_running` kept waiting too: one added to go

@@ -79,6 +79,22 @@ def test_configurations_that_cannot_be_planned_get_clear_errors():
         PackingPlanner(2, memory, step_time, gpu_bytes=10 * GB, load_factor=0)
 
 
+def test_a_job_may_take_every_power_of_two_of_the_machines_gpus():
+    """The GPU counts stopped at 64: a configuration that fits 128 GPUs alone was refused on a machine of 128."""
+    def spread(specs, d):
+        return 100.0 / d
+
+    planner = PackingPlanner(128, spread, lambda specs, d: 1.0, gpu_bytes=1.0, load_factor=1.0, time_limit_s=1,
+                             workers=1)
+    assert planner.gpu_options == [1, 2, 4, 8, 16, 32, 64, 128]
+    jobs, plan = planner.plan([AdapterSpec("big", rank=8, max_steps=10)])
+    assert [job.gpus for job in jobs] == [128] and plan.makespan > 0
+    greedy_jobs, _, _ = plora_greedy([AdapterSpec("big", rank=8, max_steps=10)], 128, spread, lambda specs, d: 1.0,
+                                     1.0, 1.0)
+    assert [job.gpus for job in greedy_jobs] == [128]
+    assert PackingPlanner(100, spread, step_time, gpu_bytes=1.0).gpu_options[-1] == 64
+
+
 def test_the_plan_says_its_packs_are_chosen_among_candidates_and_bad_settings_are_named():
     specs = [AdapterSpec("a", rank=8, batch_size=1, max_steps=100), AdapterSpec("b", rank=8, batch_size=1, max_steps=100)]
     _, schedule = PackingPlanner(1, memory, step_time, gpu_bytes=80 * GB).plan(specs)

@@ -619,6 +619,17 @@ def test_a_torchrun_task_must_run_a_python_script_or_module(tmp_path):
                                          r"\(`train.py ...`\), `-m module ...` or `--no-python program ...`, got "
                                          r"'multilora'"):
         load_task_file(path)
+    # an interpreter, torchrun itself or a shell: checked as `multilora` was (they failed in the task's log: "can't
+    # open file '.../python'", three times with the retries)
+    for first, why in (("python", r"leave `python` out: torchrun runs the script with Python itself"),
+                       ("/usr/bin/python3.11", r"leave `/usr/bin/python3.11` out"),
+                       ("torchrun", r"leave `torchrun` out: `torchrun: true` adds it"),
+                       ("bash", r"run a program that is no Python script with `--no-python`: \[--no-python, bash")):
+        path = write(tmp_path, f"gpus: 1\ntasks: [{{id: a, duration: 1, torchrun: true, "
+                               f"command: [{first}, train.py]}}]")
+        with pytest.raises(ValueError, match=rf"task 'a': a `torchrun` task's `command` must start with .*, got "
+                                             rf"'{re.escape(first)}' .*; {why}"):
+            load_task_file(path)
     path = write(tmp_path, "gpus: 2\ntasks: [{id: a, duration: 1, torchrun: true, command: [train.py, --lr, 1.10]}, "
                            "{id: b, duration: 1, torchrun: true, command: -m lightning_multilora.cli fit}, "
                            "{id: c, duration: 1, torchrun: true, command: --no-python multilora fit}, "

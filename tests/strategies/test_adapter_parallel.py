@@ -582,6 +582,20 @@ def test_per_rank_admission_places_as_the_module_starts_adapters():
     # one device's view of the same controller admits 3 rows in all
     assert [s.name for s in rows.select([], specs)] == ["b0", "b3"]
 
+    class ThreeRows:  # (a controller of the user's, fits / select / alone alone: "no attribute 'predict'")
+        def fits(self, specs):
+            return sum(s.rows_per_step for s in specs) <= 3
+
+        def select(self, running, candidates, freed=None):
+            return []
+
+        def alone(self, spec):
+            return None
+
+    strategy = AdapterParallelStrategy()
+    strategy.cluster_environment = env
+    assert [s.name for s in strategy.select_admitted(ThreeRows(), [], specs)] == ["b0", "b1", "b3", "b4"]
+
 
 def test_a_candidate_goes_to_a_rank_with_room_where_its_balanced_rank_has_none():
     """Placement balanced rows alone: a candidate balanced to a rank full by memory waited while another rank had
