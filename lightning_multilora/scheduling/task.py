@@ -120,6 +120,8 @@ def command_args(task_id: str, command: Any) -> tuple[str, ...]:
         raise ValueError(f"task {task_id!r}: `command` must be a string or a list of arguments, got {command!r}")
     if not args:
         raise ValueError(f"task {task_id!r}: `command` must not be empty")
+    if not args[0].strip():  # (it failed as the task started: no program of that name)
+        raise ValueError(f"task {task_id!r}: `command` must start with a program to run, got {args[0]!r} first")
     return args
 
 

@@ -100,6 +100,9 @@ def test_a_running_schedule_accepts_new_tasks_and_tasks_need_commands(tmp_path):
         LocalExecutor(tmp_path).start(Task("x", 1.0), (0,))
     with pytest.raises(ValueError, match="`command` must not be empty"):
         Task("y", 1.0, 1, [])
+    for blank in ([""], ["  ", "train.py"], "'' train.py"):  # (no program: it failed as the task started)
+        with pytest.raises(ValueError, match=r"task 'y': `command` must start with a program to run, got '\s*' first"):
+            Task("y", 1.0, 1, blank)
     assert Task("z", 1.0, 1, "python -c 'print(1)'").command == ("python", "-c", "print(1)")
 
 
