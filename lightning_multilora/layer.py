@@ -992,12 +992,19 @@ def inject_multilora(
                          "of mixture-of-experts experts: each is called on the tokens routed to it, not on the whole "
                          "batch whose rows the adapters own, so they cannot be adapted here; leave them out (name the "
                          "attention projections, or a regex such as r'^(?!.*\\.experts\\.).*_proj$')")
-    fused = _fused_moe_modules(modules) if target_modules == "all-linear" else []
+    routers = [n for n in candidates if _linear_router(modules[n])]
+    if routers and target_modules != "all-linear":
+        raise ValueError(f"`target_modules` selects {routers[0]!r} ({type(modules[routers[0]]).__name__}), a "
+                         "mixture-of-experts router: a linear layer that returns its routing (scores and experts), "
+                         "not an output an adapter adds to; leave it out (name the attention projections, or a regex "
+                         "such as r'^(?!.*router).*_proj$')")
+    candidates = [n for n in candidates if n not in routers]  # ("all-linear": said below, with the fused ones)
+    fused = _fused_moe_modules(modules) + routers if target_modules == "all-linear" else []
     if fused:  # (transformers 5's Mixtral, Qwen2-MoE, GPT-OSS...: no linear layer to wrap, nothing to warn of above)
         shown = ", ".join(f"{n!r} ({type(modules[n]).__name__})" for n in fused[:2]) + "..." * (len(fused) > 2)
-        warnings.warn(f"'all-linear' leaves out {len(fused)} mixture-of-experts modules that are not linear layers "
-                      f"({shown}): experts held as fused weights, and routers; these adapters wrap linear layers "
-                      "only (the attention and any dense or shared MLP layers here), where PEFT's 'all-linear' "
+        warnings.warn(f"'all-linear' leaves out {len(fused)} mixture-of-experts modules that are not plain linear "
+                      f"layers ({shown}): experts held as fused weights, and routers; these adapters wrap linear "
+                      "layers only (the attention and any dense or shared MLP layers here), where PEFT's 'all-linear' "
                       "adapts some such modules too (Mixtral's, through `target_parameters`)")
     held = [n for n in candidates if n in attention]
     if held:
@@ -1045,6 +1052,13 @@ def inject_multilora(
 
 
 _EXPERT = re.compile(r"(^|\.)experts\.\d+\.")  # a layer of one expert of a ModuleList of experts
+
+
+def _linear_router(module: nn.Module) -> bool:
+    """A mixture-of-experts router subclassing ``nn.Linear`` whose forward returns its routing, not the linear output
+    (transformers 5's PhiMoE and Llama 4 routers): wrapped, its first step failed adding the LoRA term to a tuple."""
+    return isinstance(module, nn.Linear) and type(module) is not nn.Linear and bool(
+        re.search(r"router", type(module).__name__, re.IGNORECASE))
 
 
 def _fused_moe_modules(modules: Mapping[str, nn.Module]) -> list[str]:

@@ -1893,10 +1893,22 @@ class MultiLoRAMixin:
         if dropout and (self.max_running is None or self.max_running > 1) and len(self.registry) > 1:
             zeros = {key: 0.0 for key in keys or ["attention_dropout"]}
             rank_zero_warn(
-                f"the frozen base applies dropout in training ({dropout}): its masks come from one random stream that "
-                "the adapters sharing a step draw from, so each adapter's training depends on which adapters share "
-                "its steps (it no longer trains exactly as it would alone). Set the base's dropout to 0 for isolated "
-                f"runs (`config_overrides`, e.g. {zeros}, or the model's config), or keep it for its regularisation")
+                f"the frozen base applies dropout (or router noise) in training ({dropout}): its masks come from one "
+                "random stream that the adapters sharing a step draw from, so each adapter's training depends on "
+                "which adapters share its steps (it no longer trains exactly as it would alone). Set the base's "
+                f"dropout to 0 for isolated runs (`config_overrides`, e.g. {zeros}, or the model's config), or keep it "
+                "for its regularisation" + ("; PhiMoE's router samples whatever its config says (`max_running=1` "
+                                            "trains one adapter at a time)" if "PhiMoE" in dropout else ""))
+
+        short = _longrope_limit(getattr(self.lora_layers.model, "config", None))
+        longest = getattr(getattr(self.trainer, "datamodule", None), "effective_max_length", None)
+        if short is not None and (longest is None or longest > short) and len(self.registry) > 1 \
+                and (self.max_running is None or self.max_running > 1):
+            rank_zero_warn(f"the base's RoPE is LongRoPE (rope_type 'longrope'): it switches every row of a batch to "
+                           f"its long factors once the batch's longest row passes original_max_position_embeddings="
+                           f"{short}, so an adapter packed beside longer rows trains (and is validated) on other "
+                           "positions' frequencies than alone; for isolated runs keep rows within it "
+                           f"(`MultiLoRADataModule(max_length={short})`), or train long-row adapters apart")
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
@@ -3181,6 +3193,18 @@ _VALIDATION_METRICS = ("/val_loss", "/val_preference_accuracy", "/val_rewards_ch
 _FUNCTIONAL_DROPOUT = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "dropout", "hidden_dropout",
                        "activation_dropout", "resid_pdrop", "embd_pdrop", "hidden_dropout_prob", "ffn_dropout",
                        "residual_dropout", "embedding_dropout")  # (the last two: StarCoder2's, Seed-OSS's)
+# config keys of noise an MoE's router adds in training (Mixtral's, PhiMoE's, MiniMax's...): random as dropout is
+_ROUTER_NOISE = ("router_jitter_noise", "input_jitter_noise")
+
+
+def _longrope_limit(config: Any) -> Optional[int]:
+    """``original_max_position_embeddings`` of a base whose RoPE is LongRoPE (Phi-3 128k, Phi-3.5, Phi-4-mini), whose
+    frequencies follow the batch's longest row past it; None for any other."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict) or rope.get("rope_type", rope.get("type")) != "longrope":
+        return None
+    limit = rope.get("original_max_position_embeddings", getattr(config, "original_max_position_embeddings", None))
+    return int(limit) if isinstance(limit, int) else None
 
 
 def _four_bit(config_values: dict[str, Any]) -> Optional[str]:
@@ -3199,11 +3223,16 @@ def _base_dropout(model: nn.Module) -> tuple[str, list[str]]:
         if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
             modules.setdefault(float(module.p), []).append(name.rsplit(".", 1)[-1])
     config = getattr(model, "config", None)
-    keys = [key for key in _FUNCTIONAL_DROPOUT if isinstance(getattr(config, key, None), (int, float))
+    keys = [key for key in _FUNCTIONAL_DROPOUT + _ROUTER_NOISE if isinstance(getattr(config, key, None), (int, float))
             and not isinstance(getattr(config, key), bool) and getattr(config, key) > 0]
     found = [f"config.{key}={getattr(config, key)}" for key in keys]
     found += [f"{len(names)} dropout modules of p={p} ({', '.join(sorted(set(names))[:3])})"
               for p, names in modules.items()]
+    jitter = getattr(getattr(config, "ffn_config", None), "moe_jitter_eps", None)  # (DBRX's)
+    if isinstance(jitter, (int, float)) and jitter > 0:
+        found.append(f"config.ffn_config.moe_jitter_eps={jitter}")
+    if getattr(config, "model_type", None) == "phimoe":  # (sparsemixer: whatever the config says)
+        found.append("PhiMoE's router, which samples its experts in training")
     return "; ".join(found), keys
 
 

@@ -701,8 +701,8 @@ def test_fused_experts_and_routers_of_transformers_5_are_warned_of_under_all_lin
 
     config = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64,
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
-    with pytest.warns(UserWarning, match=r"'all-linear' leaves out 2 mixture-of-experts modules that are not linear "
-                                         r"layers \('model.layers.0.mlp.gate' \(MixtralTopKRouter\), "
+    with pytest.warns(UserWarning, match=r"'all-linear' leaves out 2 mixture-of-experts modules that are not plain "
+                                         r"linear layers \('model.layers.0.mlp.gate' \(MixtralTopKRouter\), "
                                          r"'model.layers.0.mlp.experts' \(MixtralExperts\)\)"):
         layers = inject_multilora(transformers.MixtralForCausalLM(config), "all-linear")
     assert sorted(n.rsplit(".", 1)[1] for n in layers) == ["k_proj", "o_proj", "q_proj", "v_proj"]
@@ -714,6 +714,35 @@ def test_fused_experts_and_routers_of_transformers_5_are_warned_of_under_all_lin
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # named targets: nothing left out that they asked for
         assert len(inject_multilora(transformers.MixtralForCausalLM(config), ["q_proj"])) == 1
+
+
+@pytest.mark.parametrize("model_type", ["phimoe", "llama4_text"])
+def test_a_router_that_subclasses_linear_is_left_out_of_all_linear_and_refused_by_name(model_type):
+    """PhiMoE's and Llama 4's routers are nn.Linear subclasses returning their routing (a tuple): 'all-linear' wrapped
+    them, and the first step failed, "can only concatenate tuple (not "Tensor") to tuple"."""
+    import transformers
+
+    extra = {"phimoe": {}, "llama4_text": dict(intermediate_size_mlp=64, head_dim=8, num_experts_per_tok=1)}
+    config = transformers.AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                               vocab_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                               num_local_experts=4, **extra[model_type])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    router = next(n for n, m in model.named_modules() if n.endswith("router"))
+    with pytest.warns(UserWarning, match=rf"'all-linear' leaves out .* mixture-of-experts modules .*'{router}' "):
+        layers = inject_multilora(model, "all-linear")
+    assert not any(n.endswith("router") for n in layers)
+    layers.add_adapter("a", 2, 4.0, 0.0, False, "all-linear", 0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:  # (the adapter's, lora_B too: it changes the output)
+                p.normal_()
+    ids = torch.randint(0, 64, (2, 5))
+    with layers.use(BatchLayout.from_sizes(["a"], [2])):
+        assert torch.isfinite(model(input_ids=ids).logits).all()
+    with pytest.raises(ValueError, match=rf"`target_modules` selects '{router}' \(\w+Router\), a mixture-of-experts "
+                                         r"router: a linear layer that returns its routing"):
+        inject_multilora(transformers.AutoModelForCausalLM.from_config(config), ["q_proj", "router"])
 
 
 def test_a_layout_naming_no_adapter_and_peft_keys_with_adapter_names_are_named():

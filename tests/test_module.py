@@ -1801,6 +1801,43 @@ def test_a_base_that_applies_dropout_is_warned_of(trainer_kwargs):
 
     opt.config.dropout, opt.config.residual_dropout = 0.0, 0.2  # (StarCoder2's key, applied with F.dropout)
     assert _base_dropout(opt)[1] == ["residual_dropout"]
+    # an MoE router's noise draws from the same stream (Mixtral's jitter: 0.77 relative from the adapter alone)
+    from types import SimpleNamespace
+
+    from transformers import MixtralConfig
+
+    mixtral = SimpleNamespace(named_modules=lambda: [], config=MixtralConfig(router_jitter_noise=0.2))
+    assert _base_dropout(mixtral) == ("config.router_jitter_noise=0.2", ["router_jitter_noise"])
+    dbrx = SimpleNamespace(named_modules=lambda: [], config=SimpleNamespace(ffn_config=SimpleNamespace(
+        moe_jitter_eps=0.01)))
+    assert _base_dropout(dbrx)[0] == "config.ffn_config.moe_jitter_eps=0.01"
+    phimoe = SimpleNamespace(named_modules=lambda: [], config=SimpleNamespace(model_type="phimoe"))
+    assert "PhiMoE's router, which samples its experts in training" in _base_dropout(phimoe)[0]
+
+
+def test_a_longrope_base_is_warned_of_where_rows_pass_its_short_length(trainer_kwargs):
+    """Phi-3's LongRoPE takes its long factors for every row once the batch's longest row passes
+    original_max_position_embeddings: an adapter beside longer rows trained 1.1 relative from itself alone, unsaid."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from lightning_multilora.module import _longrope_limit
+
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4,
+            "original_max_position_embeddings": 64}
+    config = AutoConfig.for_model("phi3", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  original_max_position_embeddings=64, rope_scaling=rope, pad_token_id=0)
+    assert _longrope_limit(config) == 64 and _longrope_limit(AutoConfig.for_model("phi3")) is None
+    specs = [AdapterSpec("a", rank=2, max_steps=1), AdapterSpec("b", rank=2, max_steps=1, seed=1)]
+    for max_length, said in ((None, 1), (64, 0)):
+        torch.manual_seed(0)
+        module = MultiLoRAModule(AutoModelForCausalLM.from_config(config), adapters=specs, validate_on_finish=False)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            L.Trainer(**trainer_kwargs).fit(module, small_dm(max_length=max_length, truncate=True))
+        found = [str(w.message) for w in seen if "LongRoPE" in str(w.message)]
+        assert len(found) == said and all("original_max_position_embeddings=64" in f and "max_length=64" in f
+                                          for f in found), found
 
 
 def test_an_adapters_targets_outside_the_modules_layers_name_the_adapter_and_the_fix():
