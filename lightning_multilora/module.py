@@ -3831,6 +3831,10 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
                                 **({"base_seed": base_seed} if str(base_model) in TINY_CONFIGS else {})}
             self._base_named = os.fspath(base_model)  # (as given: a project moved with its relative path is the same)
         if gradient_checkpointing:
+            if not callable(getattr(model, "gradient_checkpointing_enable", None)):  # (an AttributeError before)
+                raise ValueError(f"MultiLoRAModule: `gradient_checkpointing=True` needs a Hugging Face model (its "
+                                 f"`gradient_checkpointing_enable`); {type(model).__name__} has none: checkpoint its "
+                                 "blocks yourself (`torch.utils.checkpoint`), or leave it False")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
         self.model = model
         if isinstance(grid, Mapping):  # (the Python API's spelling of a config's grid: SweepGrid's fields)

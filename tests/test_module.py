@@ -1289,6 +1289,21 @@ def test_module_arguments_of_a_wrong_type_are_named(field, value, message):
         MultiLoRAModule("tiny-llama", **{field: value})
 
 
+def test_gradient_checkpointing_of_a_plain_torch_base_is_named():
+    """("'Tiny' object has no attribute 'gradient_checkpointing_enable'")"""
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = torch.nn.Linear(4, 4)
+
+        def forward(self, input_ids):
+            return self.q_proj(torch.zeros(input_ids.shape + (4,)))
+
+    with pytest.raises(ValueError, match=r"`gradient_checkpointing=True` needs a Hugging Face model \(its "
+                                         r"`gradient_checkpointing_enable`\); Tiny has none"):
+        MultiLoRAModule(Tiny(), target_modules=["q_proj"], gradient_checkpointing=True)
+
+
 @pytest.mark.parametrize("fails_at", ["load", "narrower", "make"])
 def test_a_resume_that_fails_before_the_weights_load_keeps_the_trained_exports(tmp_path, trainer_kwargs, fails_at):
     """A resume made with other target layers fails, at the checkpoint's load (naming `target_modules`: layers it
