@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -2965,8 +2966,6 @@ class MultiLoRAMixin:
         self._best_weights = {n: w for n, w in self._best_weights.items() if placement.owns(n)}
         if self.admission is None or getattr(placement, "resized_from", None) is None:
             return
-        from lightning_multilora.scheduling.admission import size_text
-
         running = [rec.spec for rec in self.registry.running]  # (what admission counts)
         for rank in range(placement.world_size):
             mine = [s for s in running if placement.owner.get(s.name) == rank]
@@ -3545,7 +3544,8 @@ def _plain(value: Any) -> bool:
         return True
     if type(value) in (list, tuple):
         return all(map(_plain, value))
-    return type(value) is dict and all(type(k) is str and _plain(v) for k, v in value.items())
+    return type(value) in (dict, collections.OrderedDict) and all(type(k) is str and _plain(v)
+                                                                  for k, v in value.items())
 
 
 def _import_path(cls: Any) -> Optional[str]:

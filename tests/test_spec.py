@@ -130,6 +130,9 @@ def test_a_str_enum_value_is_kept_as_its_plain_text():
     from lightning_multilora.module import _plain
 
     assert _plain({"a": ["cosine", 1, 2.0, None, True]}) and not _plain({"a": [transformers.SchedulerType.COSINE]})
+    from collections import OrderedDict, defaultdict
+
+    assert _plain(OrderedDict(a=(1, "x"))) and not _plain(defaultdict(int, a=1))  # (as a weights-only load takes)
 
 
 def test_a_specs_warnings_point_at_the_line_that_made_it():
