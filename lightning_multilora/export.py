@@ -39,10 +39,15 @@ def peft_skipped_layers(model: Any, layer_names: Sequence[str]) -> list[str]:
     `PeftModel.from_pretrained` reads every target named as an expert's projection (``gate_proj``, ``up_proj``,
     ``down_proj``, the router's ``gate``) as the fused experts' parameters, dense layers and shared experts of those
     names included, whose weights it then does not load, unsaid. Empty where PEFT has no such rule (its private tables,
-    read as they are)."""
+    read as they are), and from PEFT 0.22 on, which keeps a target whose modules are all linear layers as a module
+    target (its #3711 / #3945): it loads those layers."""
     try:
+        import peft
+        from packaging.version import Version
         from peft.utils import transformers_weight_conversion as conversion
     except ImportError:
+        return []
+    if Version(peft.__version__) >= Version("0.22.0"):
         return []
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     try:
