@@ -2245,12 +2245,14 @@ class MultiLoRAMixin:
         logs = {k: v for name, values in stash.items()
                 if writes or name not in self.registry or self.registry[name].state != AdapterState.RUNNING
                 for k, v in values.items()}
+        step = self._logged_step()
         if logs and self.trainer.loggers:  # (at the step Lightning writes a value logged here at)
-            self._write_metrics(logs, self._logged_step())
+            self._write_metrics(logs, step)
         # (the running adapters' values not written: those of one that stops at this step's validation are written
         # there, `_write_last_values`; an EarlyExit or a pruner's exit never had its last ones)
-        self._unwritten = ({} if writes else {n: v for n, v in stash.items() if n in self.registry and
-                                                self.registry[n].state == AdapterState.RUNNING}, self._logged_step())
+        self._unwritten = ({} if writes or not self.trainer.loggers else
+                           {n: v for n, v in stash.items() if n in self.registry
+                            and self.registry[n].state == AdapterState.RUNNING}, step)
         if self.trainer.progress_bar_callback is not None:
             exited = sum(v for k, v in counts.items() if AdapterState(k).exited)
             self.log_dict({"running": float(counts["running"]), "queued": float(counts["queued"]),
