@@ -468,7 +468,7 @@ def run_mode(out: Path, mode: str) -> None:
 
 def main() -> None:
     out, modes = Path(sys.argv[1]), sys.argv[2:]
-    processes = {"single" if m.endswith("single") else f"{PROCESSES.get(m, 2)} ranks" for m in modes}
+    processes = {1 if m.endswith("single") else PROCESSES.get(m, 2) for m in modes}
     if len(processes) != 1:
         sys.exit(f"modes of one invocation run on the same processes; these need {sorted(processes)}: {modes}")
     if not all(m.endswith("single") for m in modes):
