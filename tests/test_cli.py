@@ -287,8 +287,7 @@ def test_the_fields_docstrings_are_read_for_a_help_alone(tmp_path, capsys, monke
 
 @pytest.mark.slow
 def test_python_api_example_and_peft_loading_example(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "examples" / "python_api_sweep.py")], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=600)
+    run = run_example(ROOT / "examples" / "python_api_sweep.py", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     best_path = run.stdout.strip().splitlines()[-1].rsplit(" at ", 1)[1]
     load = run_example(LOAD_EXAMPLE, best_path, cwd=tmp_path)
