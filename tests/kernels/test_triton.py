@@ -397,13 +397,19 @@ def test_the_rank_tile_never_narrows_on_a_cuda_device(monkeypatch):
 
 
 def _every_candidate(tuned):
-    """(plain kernel, its tuning candidates): the autotuner times the candidates but checks no result."""
+    """(plain kernel, its tuning candidates): the autotuner times the candidates but checks no result. In the
+    interpreter, one candidate of each tile (its warps and stages change nothing there)."""
     from lightning_multilora.kernels import triton_kernels as K
 
     configs = {K._rank_times_weight: K._RANK_CONFIGS, K._weight_grad: K._GRAD_CONFIGS}[tuned]
     from triton.runtime.autotuner import Autotuner
 
     kernel = tuned.fn if isinstance(tuned, Autotuner) else tuned  # (the interpreter's kernels are not autotuned)
+    if DEVICE != "cuda":
+        tiles: dict = {}
+        for c in configs:
+            tiles.setdefault(tuple(sorted(c.kwargs.items())), c)
+        configs = list(tiles.values())
     return kernel, [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in configs]
 
 
