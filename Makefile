@@ -35,8 +35,11 @@ $(STAMP): pyproject.toml | $(BIN)/python
 demo: install
 	$(BIN)/multilora demo
 
+# The tests in TEST_WORKERS processes, a file's tests in one (its module fixtures made once), one torch thread each
+# (tests/conftest.py): on 2 cores 10 minutes, not 14 in one process of 2 threads.
+TEST_WORKERS ?= 2
 test: install
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf runs lightning_logs .pytest_cache

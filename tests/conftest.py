@@ -14,6 +14,12 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # workers side by side: one thread of torch's each, and in the processes they start (threads beyond the cores
+    # wait on each other: OpenMP's spinning barriers)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
