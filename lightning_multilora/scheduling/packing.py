@@ -384,4 +384,4 @@ def plora_greedy(specs: Sequence[AdapterSpec], num_gpus: int, memory: CostFn, st
 def _powers_of_two(num_gpus: int) -> list[int]:
     """A job's GPU counts: 1, 2, 4... up to ``num_gpus`` (they stopped at 64: a configuration that fits 128 GPUs
     alone was refused on a machine of 128)."""
-    return [2**k for k in range(int(num_gpus).bit_length()) if 2**k <= num_gpus]
+    return [2**k for k in range(int(num_gpus).bit_length())]

@@ -108,7 +108,7 @@ def test_a_replicated_base_is_cast_to_param_dtype_and_its_adapters_are_not():
 def start(out: Path, *modes: str) -> Callable[[], subprocess.CompletedProcess]:
     """``python ap_run.py OUT MODES...`` started: the function returned waits for its end (its exit code and its
     errors, kept in OUT/launch_<first mode>.stderr). One thread of torch's a process: launches run side by side on
-    the test machine's 2 cores (with torch's 2 threads each, the fixture took 200 s, not 145)."""
+    the test machine's 2 cores (with torch's 2 threads each, the fixture took 198 s, not 138)."""
     import os
 
     errors = out / f"launch_{modes[0]}.stderr"
@@ -126,7 +126,7 @@ OPTUNA = importlib.util.find_spec("optuna") is not None  # absent on the GPU ima
 # Resuming modes after the ones they resume from (`ap_run.RESUMES`)
 SINGLE_MODES = ["single", "stop_single", "early_exit_single", "early_exit_stop_single", "dpo_single",
                 "remove_single", "end_eval_single", "owner_pause_single",
-                *(["optuna_single", "warmup_single"] if OPTUNA else []), "resume_one"]  # (last: a process group)
+                *(["optuna_single", "warmup_single"] if OPTUNA else []), "resume_one"]  # (last: it starts a process group)
 TWO_RANK_MODES = ["parallel", "stop", "resume_two", "load_two", "early_exit", "early_exit_resume_two", "replicated",
                   "dpo", "remove", "end_eval", "refit", "refit_on", "admission", "disagree", "smoke", "owner_pause",
                   *(["optuna_admission", "optuna", "optuna_defaults", "optuna_prune", "warmup", "warmup_stop"]
