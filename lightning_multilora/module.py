@@ -658,7 +658,7 @@ class MultiLoRAMixin:
                                   (None, math.nan))
                 # (NaN: not measured; a measure that is not finite: inf)
                 rec.exported_step = rec.step
-                rec.exported_val_loss = math.nan if loss is None else loss if math.isfinite(loss) else math.inf
+                rec.exported_val_loss = math.nan if loss is None or math.isnan(loss) else loss  # (`_mean_loss`)
                 rec.exported_val_preference_accuracy = accuracy
         self._describe_export(Path(path), rec, rec.best_val_step if weights is not None else rec.step,
                               rec.best_val_loss if weights is not None else rec.exported_val_loss if own_folder
@@ -2315,7 +2315,7 @@ class MultiLoRAMixin:
                  and not (self.keep_best_weights and r.best_val_step >= 0)  # (its best weights are exported)
                  and not (r.val_losses and r.val_losses[-1][0] == r.step)]
         if stale:  # (step, loss, DPO preference accuracy)
-            self._end_losses = {n: (self.registry[n].step, v[0] / v[1] if v[1] > 0 else math.nan,
+            self._end_losses = {n: (self.registry[n].step, _mean_loss(v[0], v[1]),
                                     v[2] / v[3] if v[3] > 0 else math.nan)
                                 for n, v in self._evaluate_sums(stale).items()}
 
@@ -2543,7 +2543,7 @@ class MultiLoRAMixin:
         the adapters it holds, and every rank returns them all. The weights measured are those the module holds, the
         adapters' last: under `EarlyExit` an export holds its best validation's, which may be an earlier step's."""
         sums = self._evaluate_sums(specs, record)
-        return {n: (v[0] / v[1] if v[1] > 0 else math.nan) for n, v in sums.items()}
+        return {n: _mean_loss(v[0], v[1]) for n, v in sums.items()}
 
     def _evaluate_sums(self, specs: Union[Sequence[Union[AdapterSpec, str]], AdapterSpec, str],
                        record: bool = False) -> dict[str, list[float]]:
@@ -2817,7 +2817,7 @@ class MultiLoRAMixin:
             placement = self._placement()  # (every rank returns every rank's adapters, rank 0 among them)
             sums = placement.exchange(dict(self._val_sums)) if placement is not None else self._val_sums
             for name, (loss_sum, count, *preference) in sorted(sums.items()):
-                self.log(f"adapters/{name}/val_loss", loss_sum / count if count else math.nan, batch_size=1)
+                self.log(f"adapters/{name}/val_loss", _mean_loss(loss_sum, count), batch_size=1)
                 for key, value in _preference_metrics(*preference).items():
                     self.log(f"adapters/{name}/{key}", value, batch_size=1)
             self._release_stops()
@@ -2866,7 +2866,7 @@ class MultiLoRAMixin:
             rec = self.registry[name]
             if rec.val_losses and rec.val_losses[-1][0] == rec.step:
                 continue  # already measured at this step
-            loss = loss_sum / count if count > 0 else math.nan
+            loss = _mean_loss(loss_sum, count)
             rec.val_losses.append((rec.step, loss))
             rec.last_val_loss = loss
             if pairs > 0:
@@ -3557,6 +3557,15 @@ def _import_path(cls: Any) -> Optional[str]:
         return path if "<locals>" not in path and resolve_optimizer(path) is cls else None
     except Exception:  # noqa: BLE001 - (a path that does not import)
         return None
+
+
+def _mean_loss(loss_sum: float, count: float) -> float:
+    """A validation's mean loss: NaN where no token measured it, +inf where one did and the sum is not finite (an
+    fp16 forward that overflowed: NaN or inf, which `EarlyExit` takes as the steepest rise, never as "unmeasured")."""
+    if count <= 0:
+        return math.nan
+    loss = loss_sum / count
+    return loss if math.isfinite(loss) else math.inf
 
 
 def _preference_metrics(preferred: float, pairs: float, chosen: float, rejected: float) -> dict[str, float]:

@@ -97,15 +97,17 @@ def test_an_overfit_exit_without_best_weights_kept_says_its_last_weights_were_ex
     assert rec.exported_step == rec.step and rec.exported_val_loss == rec.val_losses[-1][1]
 
 
-def test_an_adapter_that_never_had_a_finite_validation_loss_is_said_so(tmp_path, trainer_kwargs):
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_an_adapter_that_never_had_a_finite_validation_loss_is_said_so(tmp_path, trainer_kwargs, bad):
     """An adapter whose validations all overflowed (inf) exited "best validation at step -1, not kept", as though
-    `keep_best_weights` were off; and its trial was said "never validated"."""
+    `keep_best_weights` were off; and its trial was said "never validated". A NaN over measured tokens (an fp16
+    forward's inf - inf) is such an overflow too: it was taken for "no tokens", and the adapter trained on unjudged."""
     class Overflowing(MultiLoRAModule):
         def adapter_loss_terms(self, batch):
             sums, counts = super().adapter_loss_terms(batch)
             if not self.training and "b" in batch["layout"].names:
                 sums = sums.clone()
-                sums[batch["layout"].names.index("b")] = float("inf")
+                sums[batch["layout"].names.index("b")] = bad
             return sums, counts
 
     module = Overflowing("tiny-llama", validate_on_finish=False,
@@ -115,4 +117,5 @@ def test_an_adapter_that_never_had_a_finite_validation_loss_is_said_so(tmp_path,
     b = module.registry["b"]
     assert b.state == AdapterState.OVERFIT and b.best_val_step == -1
     assert b.reason.endswith("its last weights exported (no validation loss of it was finite)"), b.reason
+    assert b.val_losses and all(v == math.inf for _, v in b.val_losses) and b.exported_val_loss == math.inf
     assert module.registry["a"].state == AdapterState.FINISHED
