@@ -35,6 +35,10 @@ _TRIAL_NAME = re.compile(r"trial-\d+")
 # The keys a parameter of each type takes (Optuna's distributions' arguments)
 PARAM_KEYS = {"float": ("type", "low", "high", "log", "step"), "int": ("type", "low", "high", "log", "step"),
               "categorical": ("type", "choices")}
+# Optuna warns of a categorical choice that is a list (`target_modules`' ["q_proj", "v_proj"]) at every distribution it
+# makes, each ask, report and tell reading them back from its storage (16 times in a sweep of 4 trials): its JSON
+# keeps lists, and trials read them back as given. Silenced in the process once a search space has one
+_LIST_CHOICES = "Choices for a categorical distribution should be a tuple of None, bool, int, float and str"
 
 
 def _bound(name: str, key: str, value: Any, kind: str) -> Any:
@@ -95,6 +99,8 @@ def distributions(search_space: dict[str, dict[str, Any]]) -> dict[str, "optuna.
             if isinstance(choices, (str, bytes, Mapping)) or not isinstance(choices, Sequence) or not choices:
                 raise ValueError(f"search space `{name}`: a categorical parameter needs `choices`, a non-empty list, "
                                  f"got {choices!r}")
+            if any(isinstance(c, (list, tuple)) for c in choices):  # (`_LIST_CHOICES`)
+                warnings.filterwarnings("ignore", _LIST_CHOICES)
             out[name] = optuna.distributions.CategoricalDistribution(list(choices))
         else:
             if "low" not in spec or "high" not in spec:

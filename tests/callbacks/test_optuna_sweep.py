@@ -962,6 +962,24 @@ def test_other_choices_of_a_categorical_parameter_over_an_existing_study_are_nam
                                                           base={"max_steps": 3, "batch_size": 2}))
 
 
+def test_list_choices_are_kept_in_the_studys_storage_without_optunas_warning_at_every_read(tmp_path, trainer_kwargs):
+    """Optuna warns that a list choice (`target_modules`') should be a str or a number "for persistent storage" at each
+    distribution it makes: 8 times in a sweep of 2 trials. Its SQLite storage keeps lists, read back as given."""
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    choices = [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"]]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sweep = OptunaSweep({"target_modules": {"type": "categorical", "choices": choices}}, n_trials=2,
+                            storage=storage, sampler="grid", base={"max_steps": 2, "batch_size": 2}, slots=2)
+        _, module = fit(tmp_path, trainer_kwargs, sweep)
+    assert not [w for w in caught if "categorical distribution" in str(w.message)]
+    trials = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert sorted(t.params["target_modules"] for t in trials) == sorted(choices)
+    for t in trials:
+        assert t.state == optuna.trial.TrialState.COMPLETE
+        assert module.registry[f"trial-{t.number}"].spec.target_modules == t.params["target_modules"]
+
+
 def _pruned_study(tmp_path, trainer_kwargs, max_steps):
     """Four trials in two slots, validation every 4 steps, a median pruner: two of lr 1e-2 start first, then two of
     lr 1e-5 (which learn nothing in a few steps) take their slots."""
