@@ -643,28 +643,23 @@ class MultiLoRAMixin:
                           "where it targets one of a fused pair alone, gate_proj without up_proj): the export holds "
                           "them (`AdapterSpec(init_from=...)` reads them), but PEFT runs the adapter without them. "
                           "Leave them out of `target_modules` for an export PEFT loads whole", stacklevel=2)
+        if weights is not None:
+            step, loss, accuracy = rec.best_val_step, rec.best_val_loss, rec.best_val_preference_accuracy
+        else:  # (measured at its step: by a validation, or as training stopped, `_validate_held`; NaN: not measured,
+            # inf: a measure that was not finite, `_mean_loss`)
+            end = getattr(self, "_end_losses", {}).get(name)
+            validated = bool(rec.val_losses) and rec.val_losses[-1][0] == rec.step
+            again = rec.exported_step == rec.step and not math.isnan(rec.exported_val_loss)  # (written again)
+            step = rec.step
+            loss, accuracy = ((rec.val_losses[-1][1], rec.last_val_preference_accuracy) if validated else
+                              end[1:] if end is not None and end[0] == rec.step else
+                              (rec.exported_val_loss, rec.exported_val_preference_accuracy) if again else
+                              (math.nan, math.nan))
         if own_folder:
             rec.export_path = str(path)
-            if weights is not None:
-                rec.exported_step, rec.exported_val_loss = rec.best_val_step, rec.best_val_loss
-                rec.exported_val_preference_accuracy = rec.best_val_preference_accuracy
-            else:  # (measured at its step: by a validation, or as training stopped, `_validate_held`)
-                end = getattr(self, "_end_losses", {}).get(name)
-                validated = bool(rec.val_losses) and rec.val_losses[-1][0] == rec.step
-                again = rec.exported_step == rec.step and not math.isnan(rec.exported_val_loss)  # (written again)
-                loss, accuracy = ((rec.val_losses[-1][1], rec.last_val_preference_accuracy) if validated else
-                                  end[1:] if end is not None and end[0] == rec.step else
-                                  (rec.exported_val_loss, rec.exported_val_preference_accuracy) if again else
-                                  (None, math.nan))
-                # (NaN: not measured; a measure that is not finite: inf)
-                rec.exported_step = rec.step
-                rec.exported_val_loss = math.nan if loss is None or math.isnan(loss) else loss  # (`_mean_loss`)
-                rec.exported_val_preference_accuracy = accuracy
-        self._describe_export(Path(path), rec, rec.best_val_step if weights is not None else rec.step,
-                              rec.best_val_loss if weights is not None else rec.exported_val_loss if own_folder
-                              else None,
-                              rec.best_val_preference_accuracy if weights is not None else
-                              rec.exported_val_preference_accuracy if own_folder else None)
+            rec.exported_step, rec.exported_val_loss, rec.exported_val_preference_accuracy = step, loss, accuracy
+        # (a ``directory`` given says the loss too: its weights are the ones measured, the record's export is not it)
+        self._describe_export(Path(path), rec, step, loss, accuracy)
         return path
 
     def _refuse_anothers_folder(self, directory: Path, name: str) -> None:

@@ -531,7 +531,8 @@ def test_a_saved_base_weight_is_this_bases_to_the_rounding_of_the_coarser_dtype(
 def test_an_export_says_what_its_weights_are_and_a_built_in_base_how_it_was_built(tmp_path, trainer_kwargs):
     """The folder held nothing but the live step in `.multilora_run` (an EarlyExit export of step 3's weights said
     step 5), nor the seed and overrides of a built-in base (its name alone rebuilds another: PEFT's logits 1.5 off);
-    `save_adapter(best=True)` without kept best weights wrote the live ones silently."""
+    `save_adapter(best=True)` without kept best weights wrote the live ones silently; a copy to a ``directory`` of
+    weights just validated said no loss."""
     from lightning.pytorch.callbacks import Callback
 
     module = MultiLoRAModule("tiny-llama", base_seed=7, config_overrides={"num_hidden_layers": 1},
@@ -547,12 +548,20 @@ def test_an_export_says_what_its_weights_are_and_a_built_in_base_how_it_was_buil
                     pl_module.save_adapter("a", tmp_path / "copy", best=True)
                 said.extend(str(w.message) for w in seen)
 
+        def on_validation_end(self, trainer, pl_module):
+            if trainer.global_step == 4:  # (validated at 4, now: the live weights' loss, which its copy says)
+                pl_module.save_adapter("a", tmp_path / "now", best=False)
+                said.append(pl_module.registry["a"].val_losses[-1])
+
     L.Trainer(**{**trainer_kwargs, "val_check_interval": 2}, callbacks=[SaveBest()]).fit(
         module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(50)}))
     rec = module.registry["a"]
     assert any("its best-validation weights (step 2, validation loss" in m and "`keep_best_weights` is off, as "
                "without EarlyExit): its weights of step 3 are written" in m for m in said), said
-    assert json.loads((tmp_path / "copy" / "multilora_export.json").read_text())["weights_step"] == 3
+    copy = json.loads((tmp_path / "copy" / "multilora_export.json").read_text())
+    assert copy["weights_step"] == 3 and copy["val_loss"] is None  # (not measured at step 3)
+    now = json.loads((tmp_path / "now" / "multilora_export.json").read_text())  # (it said null: a directory given)
+    assert said[-1][0] == 4 and (now["weights_step"], now["val_loss"]) == (4, pytest.approx(said[-1][1]))
     info = json.loads((tmp_path / "out" / "a" / "multilora_export.json").read_text())
     assert info == {"adapter": "a", "run": module._run_id, "state": "finished", "reason": rec.reason,
                     "weights_step": 6, "steps_trained": 6, "val_loss": pytest.approx(rec.val_losses[-1][1]),
