@@ -1021,6 +1021,7 @@ def inject_multilora(
         raise ValueError(f"`target_modules` {target_modules!r} match no module; linear modules are: {available} (a "
                          "string is a regex on the full module name, PEFT's rule, or 'all-linear'; a list matches "
                          "names, e.g. ['q_proj'])")
+    _warn_tied_head(model, [modules[n] for n in candidates])
     # a bitsandbytes 4-bit base however it came (built, a pre-quantized folder, a model given): never repacked for
     # the CPU, whose backward then read it wrongly; one already repacked refused
     guard_4bit_base(model, stacklevel=3)
@@ -1084,6 +1085,26 @@ def _same_values(saved: Any, weight: Tensor) -> bool:
         return all(torch.allclose(s.to(device=w.device, dtype=torch.float32), w.float(),
                                   rtol=max(f.eps for f in coarse), atol=max(f.tiny for f in coarse))
                    for s, w in zip(saved.split(rows), weight.split(rows)))
+
+
+def _warn_tied_head(model: nn.Module, wrapped: Sequence[nn.Module]) -> None:
+    """Warn where an adapted layer is an output head whose weight is the input embeddings' (``tie_word_embeddings``,
+    Gemma's and small Llamas'), as PEFT does: the adapter trains as PEFT's would, but a merge of its export
+    (``merge_and_unload``) adds its product to that one tensor, and so changes the input embeddings too."""
+    head = _output_embeddings(model)
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        embeddings = get() if callable(get) and head is not None else None
+    except (AttributeError, NotImplementedError):
+        return
+    weight = getattr(embeddings, "weight", None)
+    if weight is None or getattr(head, "weight", None) is not weight or not any(m is head for m in wrapped):
+        return
+    name = next(n for n, m in model.named_modules() if m is head)
+    warnings.warn(f"`target_modules` selects {name!r}, the output head, whose weight is the input embeddings' (the "
+                  "model ties them, `tie_word_embeddings=True`): the adapter trains as PEFT's would, but "
+                  "`merge_and_unload()` of its export adds its product to that shared weight and so changes the "
+                  "input embeddings too (PEFT warns of the same); leave it out to merge safely", stacklevel=3)
 
 
 def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:

@@ -804,3 +804,16 @@ def test_an_adapters_all_linear_leaves_out_the_output_head_whatever_its_name():
     assert layers.layers_for(["embed_out"]) == ["embed_out"]  # (named, it is taken)
     layers.add_adapter("x", 4, 8, target_modules="all-linear")
     assert "x" not in layers["embed_out"].lora_A and "x" in layers[chosen[0]].lora_A
+
+
+@pytest.mark.parametrize("tied, targets, warned", [(True, ["q_proj", "lm_head"], True), (False, ["q_proj", "lm_head"],
+                                                   False), (True, ["q_proj"], False), (True, "all-linear", False)])
+def test_an_adapted_head_tied_to_the_input_embeddings_is_warned_of_as_peft_does(tied, targets, warned):
+    """(PEFT warns that a merge of such an adapter changes the embeddings too; the fit said nothing.)"""
+    model = build_base_model("tiny-llama", {"tie_word_embeddings": tied})
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) == tied
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        inject_multilora(model, targets)
+    said = [str(w.message) for w in seen if "output head" in str(w.message)]
+    assert len(said) == warned and all("'lm_head'" in m and "merge_and_unload()" in m for m in said), said
