@@ -512,7 +512,10 @@ class MultiLoRAMixin:
         self._note_view(rec, AdapterState.PAUSED)
 
     def restore_best_weights(self, name: str) -> bool:
-        """Load adapter ``name``'s best-validation weights back (kept when `keep_best_weights` is on)."""
+        """Load adapter ``name``'s best-validation weights back into the adapter (kept where `keep_best_weights` is
+        on, as under `EarlyExit`); returns False, changing nothing, where none are kept. Its optimizer state stays its
+        last step's. ``name`` must be an adapter the module holds (running or paused)."""
+        self._held_spec(name, "restore_best_weights", "name")
         snapshot = self._best_weights.get(name)
         if snapshot is None:
             return False

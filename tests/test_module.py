@@ -1360,6 +1360,11 @@ def test_a_checkpoint_written_after_best_weights_are_exported_resumes_as_if_neve
     live = stopped.save_adapter("r1", tmp_path / "live", best=False)
     assert json.loads((live / "multilora_export.json").read_text())["weights_step"] == 9
     assert stopped.registry["r1"].exported_step == 5 and stopped.registry["r1"].export_path == str(export)
+    assert stopped.restore_best_weights("r1")  # (the live weights become step 5's, the best's)
+    restored = stopped.lora_layers.peft_state_dict("r1")
+    assert restored.keys() == best.keys() and all(torch.equal(restored[k], v) for k, v in best.items())
+    with pytest.raises(ValueError, match=r"'r2' is not an adapter of this module; adapters: \['r1'\]"):
+        stopped.restore_best_weights("r2")  # (a name misspelt: it returned False, as for one without best weights)
     _, resumed = fit(tmp_path / "part", ckpt=str(tmp_path / "mid.ckpt"))
     assert [s for s, _ in resumed.registry["r1"].val_losses] == [5, 10, 12]
     assert resumed.registry["r1"].val_losses == uninterrupted.registry["r1"].val_losses
