@@ -1620,9 +1620,10 @@ def test_a_parameter_searched_as_another_kind_than_the_studys_is_named_as_the_st
         "COMPLETE"]
 
 
-def test_a_smoke_runs_trials_are_told_failed_not_left_running(tmp_path, trainer_kwargs):
+def test_a_smoke_runs_trials_are_told_failed_not_left_running(tmp_path, trainer_kwargs, monkeypatch):
     """``fast_dev_run`` asks trials in the study it is given and stops after one step, no checkpoint to resume: its
     trials stayed RUNNING for ever, their numbers taken."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # (the smoke run's exports: not left in /tmp)
     storage = f"sqlite:///{tmp_path / 's.db'}"
     with pytest.warns(UserWarning, match=r"trials \[0, 1\] of this smoke run \(`fast_dev_run`\) are told FAIL"):
         fit(tmp_path, trainer_kwargs, OptunaSweep(SPACE, n_trials=4, storage=storage, slots=2,
