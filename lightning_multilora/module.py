@@ -2636,6 +2636,7 @@ class MultiLoRAMixin:
             raise ValueError("`generate` with `prefix_allowed_tokens_fn` takes rows grouped by adapter (each "
                              "adapter's rows together, the base's last), as the rows it is called with are "
                              f"generate's; got adapters {names}")
+        self._warn_longrope_rows(input_ids, attention_mask, config, kwargs)
         if order != sorted(order):  # (another per-row tensor, GPT-2's token_type_ids say, goes with its row)
             kwargs = {k: v[index.to(v.device)] if isinstance(v, Tensor) and v.dim() and v.shape[0] == len(names)
                       else v for k, v in kwargs.items()}
@@ -2668,6 +2669,27 @@ class MultiLoRAMixin:
         if order == sorted(order):  # (rows already grouped by adapter, the base's last: as generate returned them)
             return out
         return out.view(len(names), -1, out.shape[-1])[inverse.to(out.device)].reshape(out.shape)
+
+    def _warn_longrope_rows(self, input_ids: Tensor, attention_mask: Optional[Tensor], config: Any,
+                            kwargs: dict[str, Any]) -> None:
+        """`generate` on a LongRoPE base (as the fit warns): the RoPE of every row switches to its long factors once
+        the batch's longest row passes ``original_max_position_embeddings``, so rows of other lengths generate on
+        other frequencies than each would alone."""
+        short = _longrope_limit(getattr(self.lora_layers.model, "config", None))
+        if short is None or input_ids.shape[0] < 2:
+            return
+        width = input_ids.shape[1]
+        lengths = attention_mask.sum(dim=1).tolist() if attention_mask is not None else [width]
+        new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        if new is None:
+            new = max(int(kwargs.get("max_length", getattr(config, "max_length", None) or width)) - width, 0)
+        if min(lengths) != max(lengths) and max(lengths) + new > short:
+            warnings.warn(f"generate: the base's RoPE is LongRoPE (rope_type 'longrope'), which switches every row of "
+                          f"a batch to its long factors once the batch's longest row passes "
+                          f"original_max_position_embeddings={short}: prompts of {min(lengths)} to {max(lengths)} "
+                          f"tokens with {new} new ones pass it, so the shorter rows generate on other frequencies "
+                          "than each would alone; generate prompts of one length together (or each alone) to match "
+                          "a run of one prompt", stacklevel=3)
 
     def _add_val_terms(self, sums: dict[str, list[float]], batch: dict[str, Any]) -> None:
         """Adds a validation batch's per-adapter loss sum and count to ``sums`` (name -> [loss sum, count, DPO pairs

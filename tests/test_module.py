@@ -1860,6 +1860,38 @@ def test_a_longrope_base_is_warned_of_where_rows_pass_its_short_length(trainer_k
                                           for f in found), found
 
 
+def test_generate_on_a_longrope_base_warns_where_its_rows_lengths_pass_the_short_length_apart(trainer_kwargs):
+    """`generate` packs prompts of several lengths: on a LongRoPE base every row took the long factors once the
+    longest passed original_max_position_embeddings, so a short prompt generated otherwise than alone, unsaid (the
+    fit warned of it; `generate` did not)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rope = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [4.0] * 4,
+            "original_max_position_embeddings": 64}
+    config = AutoConfig.for_model("phi3", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                  original_max_position_embeddings=64, rope_scaling=rope, pad_token_id=0)
+    torch.manual_seed(0)
+    module = MultiLoRAModule(AutoModelForCausalLM.from_config(config), validate_on_finish=False,
+                             adapters=[AdapterSpec("a", rank=2, max_steps=5), AdapterSpec("b", rank=2, max_steps=5)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the fit's own LongRoPE warning)
+        L.Trainer(**{**trainer_kwargs, "max_steps": 1}).fit(module, small_dm(max_length=64, truncate=True))
+
+    def said(lengths, new):
+        ids = torch.randint(1, 300, (len(lengths), max(lengths)), generator=torch.Generator().manual_seed(0))
+        mask = torch.tensor([[0] * (max(lengths) - n) + [1] * n for n in lengths])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            module.generate(["a", "b"][:len(lengths)], ids * mask, attention_mask=mask, max_new_tokens=new,
+                            pad_token_id=0)
+        return [str(w.message) for w in seen if "LongRoPE" in str(w.message)]
+
+    (message,) = said([10, 60], 8)
+    assert "original_max_position_embeddings=64: prompts of 10 to 60 tokens with 8 new ones" in message
+    assert said([10, 50], 8) == [] and said([60, 60], 8) == [] and said([60], 8) == []  # (within it; one length)
+
+
 def test_an_adapters_targets_outside_the_modules_layers_name_the_adapter_and_the_fix():
     """A PEFT user's ``["q_proj", "v_proj", "lm_head"]`` was refused naming neither the adapter (of a grid's many)
     nor the module's `target_modules`, which takes the head; a regex matching nothing listed no layers."""
