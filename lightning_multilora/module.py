@@ -513,8 +513,9 @@ class MultiLoRAMixin:
 
     def restore_best_weights(self, name: str) -> bool:
         """Load adapter ``name``'s best-validation weights back into the adapter (kept where `keep_best_weights` is
-        on, as under `EarlyExit`); returns False, changing nothing, where none are kept. Its optimizer state stays its
-        last step's. ``name`` must be an adapter the module holds (running or paused)."""
+        on, as under `EarlyExit`); returns False, changing nothing, where none are kept (and on the ranks that do not
+        train it, under adapter parallelism). Its optimizer state stays its last step's. ``name`` must be an adapter
+        the module holds (running or paused)."""
         self._held_spec(name, "restore_best_weights", "name")
         snapshot = self._best_weights.get(name)
         if snapshot is None:
@@ -2636,7 +2637,6 @@ class MultiLoRAMixin:
             raise ValueError("`generate` with `prefix_allowed_tokens_fn` takes rows grouped by adapter (each "
                              "adapter's rows together, the base's last), as the rows it is called with are "
                              f"generate's; got adapters {names}")
-        self._warn_longrope_rows(input_ids, attention_mask, config, kwargs)
         if order != sorted(order):  # (another per-row tensor, GPT-2's token_type_ids say, goes with its row)
             kwargs = {k: v[index.to(v.device)] if isinstance(v, Tensor) and v.dim() and v.shape[0] == len(names)
                       else v for k, v in kwargs.items()}
@@ -2666,28 +2666,27 @@ class MultiLoRAMixin:
                 out = model.generate(**inputs, **greedy, **kwargs)
         finally:
             hook.remove()
+        sequences = getattr(out, "sequences", out)  # (a `return_dict_in_generate` output holds them)
+        self._warn_longrope_rows(input_ids, attention_mask, sequences.shape[-1] - input_ids.shape[1])
         if order == sorted(order):  # (rows already grouped by adapter, the base's last: as generate returned them)
             return out
         return out.view(len(names), -1, out.shape[-1])[inverse.to(out.device)].reshape(out.shape)
 
-    def _warn_longrope_rows(self, input_ids: Tensor, attention_mask: Optional[Tensor], config: Any,
-                            kwargs: dict[str, Any]) -> None:
-        """`generate` on a LongRoPE base (as the fit warns): the RoPE of every row switches to its long factors once
-        the batch's longest row passes ``original_max_position_embeddings``, so rows of other lengths generate on
-        other frequencies than each would alone."""
+    def _warn_longrope_rows(self, input_ids: Tensor, attention_mask: Optional[Tensor], generated: int) -> None:
+        """`generate` on a LongRoPE base (as the fit warns): every row of a batch takes the long factors once the
+        batch's longest row passes ``original_max_position_embeddings`` (transformers reads the largest position of
+        each forward), so a shorter row that never passed it alone, or passed it later, generated on other frequencies
+        than alone. ``generated``: the new tokens each row got (the last one is never read back)."""
         short = _longrope_limit(getattr(self.lora_layers.model, "config", None))
-        if short is None or input_ids.shape[0] < 2:
-            return
-        width = input_ids.shape[1]
-        lengths = attention_mask.sum(dim=1).tolist() if attention_mask is not None else [width]
-        new = kwargs.get("max_new_tokens", getattr(config, "max_new_tokens", None))
-        if new is None:
-            new = max(int(kwargs.get("max_length", getattr(config, "max_length", None) or width)) - width, 0)
-        if min(lengths) != max(lengths) and max(lengths) + new > short:
+        if short is None or input_ids.shape[0] < 2 or attention_mask is None:
+            return  # (rows unmasked, all of one length: their positions are the same)
+        lengths = attention_mask.sum(dim=1).tolist()
+        reached = max(lengths) + generated - 1  # (the longest position a forward read, counted from 1)
+        if min(lengths) < max(lengths) and min(lengths) <= short < reached:
             warnings.warn(f"generate: the base's RoPE is LongRoPE (rope_type 'longrope'), which switches every row of "
                           f"a batch to its long factors once the batch's longest row passes "
                           f"original_max_position_embeddings={short}: prompts of {min(lengths)} to {max(lengths)} "
-                          f"tokens with {new} new ones pass it, so the shorter rows generate on other frequencies "
+                          f"tokens with {generated} new ones, so the shorter rows generated on other frequencies "
                           "than each would alone; generate prompts of one length together (or each alone) to match "
                           "a run of one prompt", stacklevel=3)
 

@@ -1878,18 +1878,22 @@ def test_generate_on_a_longrope_base_warns_where_its_rows_lengths_pass_the_short
         warnings.simplefilter("ignore")  # (the fit's own LongRoPE warning)
         L.Trainer(**{**trainer_kwargs, "max_steps": 1}).fit(module, small_dm(max_length=64, truncate=True))
 
-    def said(lengths, new):
+    def said(lengths, new=None, **kwargs):
         ids = torch.randint(1, 300, (len(lengths), max(lengths)), generator=torch.Generator().manual_seed(0))
         mask = torch.tensor([[0] * (max(lengths) - n) + [1] * n for n in lengths])
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            module.generate(["a", "b"][:len(lengths)], ids * mask, attention_mask=mask, max_new_tokens=new,
-                            pad_token_id=0)
+            module.generate(["a", "b"][:len(lengths)], ids * mask, attention_mask=mask, pad_token_id=0,
+                            eos_token_id=None, **({} if new is None else {"max_new_tokens": new}), **kwargs)
         return [str(w.message) for w in seen if "LongRoPE" in str(w.message)]
 
     (message,) = said([10, 60], 8)
     assert "original_max_position_embeddings=64: prompts of 10 to 60 tokens with 8 new ones" in message
-    assert said([10, 50], 8) == [] and said([60, 60], 8) == [] and said([60], 8) == []  # (within it; one length)
+    # (the last forward reads position 58 + 8 - 1 = 65 > 64: every row on the long factors; at 57, 64: none)
+    assert len(said([10, 58], 8)) == 1 and said([10, 57], 8) == []
+    assert len(said([10, 50])) == 1  # (generate's own default: 20 new tokens)
+    assert len(said([10, 60], 8, return_dict_in_generate=True)) == 1  # (the sequences in a dict)
+    assert said([60, 60], 8) == [] and said([60], 8) == [] and said([70, 80], 8) == []  # (one length; all long)
 
 
 def test_an_adapters_targets_outside_the_modules_layers_name_the_adapter_and_the_fix():

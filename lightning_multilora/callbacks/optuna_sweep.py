@@ -38,7 +38,8 @@ PARAM_KEYS = {"float": ("type", "low", "high", "log", "step"), "int": ("type", "
 # Optuna warns of a categorical choice that is a list (`target_modules`' ["q_proj", "v_proj"]) at every distribution it
 # makes, each ask, report and tell reading them back from its storage (16 times in a sweep of 4 trials): its JSON
 # keeps lists, and trials read them back as given. Silenced in the process once a search space has one
-_LIST_CHOICES = "Choices for a categorical distribution should be a tuple of None, bool, int, float and str"
+_LIST_CHOICES = (r"Choices for a categorical distribution should be a tuple of None, bool, int, float and str "
+                 r"for persistent storage but contains .* which is of type (list|tuple)\.")
 
 
 def _bound(name: str, key: str, value: Any, kind: str) -> Any:
