@@ -443,8 +443,11 @@ def _schedule(args: argparse.Namespace, parser: argparse.ArgumentParser, setting
         # (the finished tasks an inbox added, not rebuilt: counted, of the run's tasks)
         ids = {t.id for t in tasks}
         inbox_done = sorted(tid for tid in finished if earlier[tid].get("added") and tid not in ids)
-        if not records_file.exists():
-            print(f"resume: no records at {records_file}: every task runs", flush=True)
+        if not records_file.exists():  # (a relative log_dir is the working directory's, not the task file's)
+            where = "" if Path(settings["log_dir"]).is_absolute() else (
+                f" (`log_dir` {settings['log_dir']} is relative: read from the working directory, {Path.cwd()}; run "
+                "the resume from the first run's directory, or give the log_dir as an absolute path)")
+            print(f"resume: no records at {records_file}{where}: every task runs", flush=True)
         else:  # (the runner names the tasks it skips; a simulation's, here)
             done = skipped + inbox_done
             said = [f"resume: {records_file} records {len(done)} of the {len(tasks) + len(inbox_done)} tasks as "

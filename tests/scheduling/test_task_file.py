@@ -856,3 +856,19 @@ def test_with_ray_the_plan_takes_the_largest_nodes_first_and_the_executor_runs_e
     Cluster.sizes = {"only": 4}
     executor, _, nodes = _ray_executor(args, {"gpus": 4, "log_dir": "logs"}, tasks, parser)
     assert nodes is None and executor.placed is None
+
+
+def test_a_resume_that_finds_no_records_under_a_relative_log_dir_says_whose_directory_it_read(tmp_path, capsys,
+                                                                                              monkeypatch):
+    """A relative ``log_dir`` is the working directory's: a resume started elsewhere said only "no records at
+    logs/records.json: every task runs", and reran every finished task."""
+    path = write(tmp_path, "gpus: 1\nlog_dir: logs\ntasks: [{id: a, duration: 1}]")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert main([str(path), "--resume", "--simulate"]) == 0
+    out = capsys.readouterr().out
+    assert (f"resume: no records at logs/records.json (`log_dir` logs is relative: read from the working directory, "
+            f"{tmp_path / 'elsewhere'}; run the resume from the first run's directory") in out
+    path = write(tmp_path, f"gpus: 1\nlog_dir: {tmp_path / 'logs'}\ntasks: [{{id: a, duration: 1}}]")
+    assert main([str(path), "--resume", "--simulate"]) == 0
+    assert f"resume: no records at {tmp_path / 'logs' / 'records.json'}: every task runs" in capsys.readouterr().out
