@@ -499,6 +499,11 @@ class MemoryFit:
                 warnings.warn(f"every memory point has the same adapter parameters (P = {int(params[0])}): the fit is "
                               "ALTO's k0 + k1*B*L, for that adapter set; it costs other adapters' parameters nothing "
                               "(profile different numbers of adapters to measure k2)")
+            else:  # (adapters of batch 1 profiled 1, 2, 4 at a time: the parameters grow with the tokens)
+                warnings.warn("every memory point's adapter parameters follow its tokens (B*L) on one line, so the "
+                              "fit cannot tell their costs apart: it is ALTO's k0 + k1*B*L, its k1 counting the "
+                              "parameters' bytes per token too, which misjudges adapter sets of other batch sizes or "
+                              "ranks (profile batch sizes apart from adapter counts to measure k2)")
             # every point has the same tokens-to-parameters ratio: fall back to ALTO's k0 + k1*B*L
             k01, *_ = np.linalg.lstsq(x[:, :2], y, rcond=None)
             k = (k01[0], k01[1], 0.0)

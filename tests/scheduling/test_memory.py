@@ -112,6 +112,12 @@ def test_a_fit_with_a_fixed_adapter_set_falls_back_to_altos_line():
     with pytest.warns(UserWarning, match="same adapter parameters .P = 4000.: the fit is ALTO's k0 "):
         fit = MemoryFit.fit(points)  # P is the same at every point (rank-deficient): ALTO's k0 + k1*B*L
     assert max(fit.relative_errors(points)) < 1e-9
+    # (adapters of batch 1, 1, 2 and 4 at a time: P grows with B*L, k2 unmeasurable; it was dropped silently)
+    together = [MemoryPoint(n, 1, 256, 4000 * n, 1e9 + 100 * n * 256 + 50 * 4000 * n) for n in (1, 2, 4)]
+    with pytest.warns(UserWarning, match=r"adapter parameters follow its tokens \(B\*L\) on one line, so the fit "
+                                         r"cannot tell their costs apart: it is ALTO's k0 \+ k1\*B\*L"):
+        fit = MemoryFit.fit(together)
+    assert fit.k2 == 0.0 and max(fit.relative_errors(together)) < 1e-9
     same_tokens = [MemoryPoint(1, 2, 256, 4000 * r, 1e9 + 5000 * r) for r in (1, 2, 4)]  # (ranks differ)
     with pytest.raises(ValueError, match=r"points of different tokens \(B\*L\): all 3 have 512"):
         MemoryFit.fit(same_tokens)
