@@ -220,8 +220,8 @@ class MultiLoRADataModule(L.LightningDataModule):
         tokenizer: ``"byte"`` (offline byte-level), a Hugging Face tokenizer's folder or Hub name, or a tokenizer
             already loaded (``AutoTokenizer.from_pretrained(...)``, as TRL's ``processing_class``). A row is its BOS
             token where the tokenizer begins a text with one (as ``tokenizer(text)`` does), the prompt, the
-            completion and EOS (an SFT completion's own where it ends with it); a conversation's row is its chat
-            template's tokens alone.
+            completion and EOS (a completion's own where it ends with it, a DPO answer's too); a conversation's row
+            (a conversational pair's answer too) is its chat template's tokens alone.
         max_length: longest tokenized example (default: the model's maximum positions).
         truncate: cut examples longer than ``max_length`` instead of raising: a row's end; a preference pair's
             prompt from its start (keeping its end, next to the answers), then the answers' ends.
@@ -408,11 +408,11 @@ class MultiLoRADataModule(L.LightningDataModule):
 
         def encode(i: int, prompt: list[int], completion: list[int],
                    chat: bool = False) -> Optional[tuple[list[int], list[int]]]:
-            # EOS ends a text row (TRL's SFT adds it where the completion does not end with it; TRL's DPO adds it to
-            # both answers). A conversation's row is the template's tokens alone, its end of turn as rendered (TRL's
-            # SFT adds nothing to it); a conversational pair's answers end with EOS where their turn does not hold it
+            # EOS ends a text row where its completion (an answer of a pair) does not end with it, as TRL's SFT and
+            # DPO add it (1.16's `add_eos`); a conversation's row, a pair's answers too, is the template's tokens
+            # alone, its end of turn as rendered (TRL adds nothing to it)
             eos = tok.eos_token_id
-            if (not chat and (pairs or completion[-1:] != [eos])) or (chat and pairs and eos not in completion):
+            if not chat and completion[-1:] != [eos]:
                 completion = completion + [eos]
             ids = prompt + completion
             labels = [IGNORE_INDEX] * len(prompt) + completion

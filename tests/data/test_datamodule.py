@@ -1147,7 +1147,8 @@ def test_a_models_checkpoint_saved_without_a_tokenizer_is_not_a_tokenizer_folder
 def test_a_conversations_row_holds_no_eos_its_template_does_not_write(tmp_path):
     """A template whose turn ends before the tokenizer's EOS (Gemma-it's <end_of_turn> and <eos>, Qwen2.5 base's
     <|im_end|> and <|endoftext|>): an SFT row is the template's tokens, as TRL's SFT trains on them (an EOS was
-    appended and learned); a conversational pair's answers end with EOS, as TRL's DPO ends them."""
+    appended and learned); a conversational pair's answers too, as TRL 1.16's DPO renders them (an EOS was appended
+    where the rendered turn held none)."""
     _chat_tokenizer(tmp_path / "tok", bos=False, eos="</s>")
     chats = [{"messages": [{"role": "user", "content": f"{a} + 2?"}, {"role": "assistant", "content": f"{a + 2}"}]}
              for a in range(4)]
@@ -1163,12 +1164,15 @@ def test_a_conversations_row_holds_no_eos_its_template_does_not_write(tmp_path):
               "rejected": [{"role": "assistant", "content": "no"}]} for c in chats]
     dm = MultiLoRADataModule(sources={"p": PreferenceSource(records=pairs)}, tokenizer=str(tmp_path / "tok"))
     train, _ = dm.split("p")
-    assert all(row[-1] == inner.eos_token_id for row in train.input_ids + train.rejected_ids)
+    for ids, labels in zip(train.input_ids + train.rejected_ids, train.labels + train.rejected_labels):
+        assert inner.eos_token_id not in ids
+        assert inner.decode([t for t, lab in zip(ids, labels) if lab != IGNORE_INDEX]).endswith("<|im_end|>\n")
 
 
 def test_a_text_completion_ending_with_eos_gets_no_second_one_as_with_trl(tmp_path):
     """TRL's SFT adds EOS to a completion that does not end with it (its ``add_eos``); one ending with it trained on
-    two (``</s></s>``). TRL's DPO adds EOS to both answers whatever they end with, as here."""
+    two (``</s></s>``). TRL 1.16's DPO adds EOS to an answer likewise (earlier versions, to both whatever they ended
+    with, as was done here)."""
     _chat_tokenizer(tmp_path / "tok", bos=False, eos="</s>")
     records = [{"prompt": f"{a} + 2?", "completion": f" {a + 2}" + ("</s>" if a % 2 else "")} for a in range(6)]
     dm = MultiLoRADataModule(sources={"c": ListSource(records)}, tokenizer=str(tmp_path / "tok"))
@@ -1182,8 +1186,7 @@ def test_a_text_completion_ending_with_eos_gets_no_second_one_as_with_trl(tmp_pa
     train, _ = MultiLoRADataModule(sources={"p": PreferenceSource(records=pairs)},
                                    tokenizer=str(tmp_path / "tok")).split("p")
     eos = inner.eos_token_id
-    assert all(row[-2:] == [eos, eos] for row in train.input_ids)  # (TRL's DPO: ``chosen + eos`` always)
-    assert all(row[-1] == eos and row[-2] != eos for row in train.rejected_ids)
+    assert all(row[-1] == eos and row[-2] != eos for row in train.input_ids + train.rejected_ids)
 
 
 def test_a_held_out_validation_source_validates_and_its_source_trains_whole():
