@@ -521,6 +521,8 @@ class MultiLoRAMixin:
         if snapshot is None:
             return False
         self.lora_layers.load_peft_state_dict(name, snapshot)
+        rec = self.registry[name]  # (until its next step, its live weights are its best validation's: `save_adapter`)
+        self.__dict__.setdefault("_restored_best", {})[name] = (rec.step, rec.best_val_step)
         return True
 
     def _notify_exit(self, rec: AdapterRecord) -> None:
@@ -647,7 +649,8 @@ class MultiLoRAMixin:
                           "where it targets one of a fused pair alone, gate_proj without up_proj): the export holds "
                           "them (`AdapterSpec(init_from=...)` reads them), but PEFT runs the adapter without them. "
                           "Leave them out of `target_modules` for an export PEFT loads whole", stacklevel=2)
-        if weights is not None:
+        restored = self.__dict__.get("_restored_best", {}).get(name) == (rec.step, rec.best_val_step)
+        if weights is not None or restored:  # (the best validation's weights, kept or restored)
             step, loss, accuracy = rec.best_val_step, rec.best_val_loss, rec.best_val_preference_accuracy
         else:  # (measured at its step: by a validation, or as training stopped, `_validate_held`; NaN: not measured,
             # inf: a measure that was not finite, `_mean_loss`)

@@ -1363,6 +1363,9 @@ def test_a_checkpoint_written_after_best_weights_are_exported_resumes_as_if_neve
     assert stopped.restore_best_weights("r1")  # (the live weights become step 5's, the best's)
     restored = stopped.lora_layers.peft_state_dict("r1")
     assert restored.keys() == best.keys() and all(torch.equal(restored[k], v) for k, v in best.items())
+    copy = json.loads((stopped.save_adapter("r1", tmp_path / "restored", best=False) / "multilora_export.json")
+                      .read_text())  # (the live weights, step 5's now: they were said step 9's)
+    assert (copy["weights_step"], copy["val_loss"]) == (5, pytest.approx(stopped.registry["r1"].best_val_loss))
     with pytest.raises(ValueError, match=r"'r2' is not an adapter of this module; adapters: \['r1'\]"):
         stopped.restore_best_weights("r2")  # (a name misspelt: it returned False, as for one without best weights)
     _, resumed = fit(tmp_path / "part", ckpt=str(tmp_path / "mid.ckpt"))
