@@ -1083,8 +1083,10 @@ class OptunaSweep(Callback):
         if not math.isnan(value):  # (a PRUNED trial's too: its study value is its last report, its export its best;
             exit_info["export_loss"] = value  # inf: measured, not finite)
         accuracy = exported_accuracy(rec, exported)
-        if math.isnan(value) and rec.val_losses and rec.state in COMPLETE_STATES:  # (its export not validated:
-            # `validate_on_finish=False`; its last validation's value, said, rather than none for every trial)
+        if math.isnan(value) and rec.val_losses and rec.state in COMPLETE_STATES \
+                and rec.val_losses[-1][0] != rec.exported_step:  # (its export not validated, under
+            # `validate_on_finish=False`: its last validation's value, said, rather than none for every trial; not
+            # where the export's own validation measured no token)
             (value_step, value), accuracy = rec.val_losses[-1], rec.last_val_preference_accuracy
             exit_info["value_step"] = value_step
             if not getattr(self, "_said_value_step", False):

@@ -147,7 +147,13 @@ class SweepReport(Callback):
             if unmeasured:  # (why, for the rows it is of)
                 unexported = sorted({r["status"] for r in unmeasured if not r["export_path"]})
                 why = [f"{', '.join(unexported)} adapters without an export"] if unexported else []
-                if any(r["export_path"] for r in unmeasured):
+                # (a validation of the exported step that measured no token: NaN too, not "not validated")
+                tokenless = [r for r in unmeasured if r["export_path"] and r["adapter"] in registry
+                             and registry[r["adapter"]].val_losses
+                             and registry[r["adapter"]].val_losses[-1][0] == r["exported_step"]]
+                if tokenless:
+                    why.append("validations that measured no token (every completion of the split cut or empty)")
+                if any(r["export_path"] and r not in tokenless for r in unmeasured):
                     why.append("weights not validated, " + (
                         "the run having stopped before a validation of them" if stopped else
                         "validation being off (`Trainer(limit_val_batches=0)`)" if getattr(

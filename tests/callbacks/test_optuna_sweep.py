@@ -980,6 +980,32 @@ def test_list_choices_are_kept_in_the_studys_storage_without_optunas_warning_at_
         assert module.registry[f"trial-{t.number}"].spec.target_modules == t.params["target_modules"]
 
 
+def test_a_trial_whose_validations_measured_no_token_is_not_said_unvalidated(tmp_path, trainer_kwargs, capsys):
+    """A validation that measured no token (NaN) of the weights a trial exports: it was told "were not validated
+    (`validate_on_finish=False`)", its export's step validated all the same; the report said "their adapters having
+    ended (removed, failed) between validations"."""
+    from lightning_multilora import SweepReport
+
+    class NoTokens(MultiLoRAModule):
+        def adapter_loss_terms(self, batch):
+            sums, counts = super().adapter_loss_terms(batch)
+            return (sums, counts) if self.training else (sums * 0, counts * 0)
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    sweep = OptunaSweep(SPACE, n_trials=1, storage=storage, base={"max_steps": 3, "batch_size": 2})
+    module = NoTokens("tiny-llama", adapters=[], export_dir=str(tmp_path / "out"))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        L.Trainer(**trainer_kwargs, callbacks=[sweep, SweepReport(tensorboard=False)]).fit(module, dm())
+    assert ("(export_loss '-': validations that measured no token (every completion of the split cut or empty); "
+            "those follow the others") in capsys.readouterr().out
+    said = [str(w.message) for w in seen if "trial 0" in str(w.message)]
+    assert not [m for m in said if "validate_on_finish=False" in m], said
+    assert any("with no finite validation loss (nan; its validations gave nan): told PRUNED" in m for m in said), said
+    (trial,) = optuna.load_study(study_name="multilora", storage=storage).get_trials()
+    assert trial.state == optuna.trial.TrialState.PRUNED and "value_step" not in trial.user_attrs["adapter_exit"]
+
+
 def _pruned_study(tmp_path, trainer_kwargs, max_steps):
     """Four trials in two slots, validation every 4 steps, a median pruner: two of lr 1e-2 start first, then two of
     lr 1e-5 (which learn nothing in a few steps) take their slots."""
