@@ -455,8 +455,9 @@ class MultiLoRADataModule(L.LightningDataModule):
                 prefix = prompt[:1] if bos is not None and prompt[:1] == [bos] else []
                 prompt = prompt[len(prefix):]
             if pairs and self.truncate and limit is not None:
-                # Preference pairs keep their prompt's end (as TRL's DPO does), leaving the answers at least half
-                # the length: cutting the row's end would leave long-prompt pairs without answer tokens
+                # Preference pairs keep their prompt's end (as TRL's DPO did with `max_prompt_length`; 1.16 keeps a
+                # row's start and drops the pairs whose prompt fills it), leaving the answers at least half the
+                # length: cutting the row's end would leave long-prompt pairs without answer tokens
                 room = max(limit - len(prefix) - min(max(map(len, answers)) + 1, limit // 2), 0)
                 if len(prompt) > room:
                     prompt = prompt[len(prompt) - room:]
