@@ -769,6 +769,9 @@ def _checkpoint_run_id(path: str) -> Optional[str]:
         return None
     return (checkpoint.get("multilora") or {}).get("run_id") if isinstance(checkpoint, dict) else None
 
+DESCRIPTION = """lightning-multilora: train many LoRA adapters at once on one frozen base model.
+`multilora fit` takes every argument of MultiLoRAModule (--model.*), MultiLoRADataModule (--data.*)
+and the Trainer (--trainer.*), on the command line or in a --config file."""  # (kept as written, as the epilog)
 COMMANDS = """commands beside fit:
   demo [--trainer.max_steps 50]  the packaged default sweep (configs/demo.yaml): fit with its config
   schedule TASKS.yaml            plan tasks on the GPUs (CP-SAT), print a table and a Gantt chart, run them
@@ -869,7 +872,7 @@ def main(args: Optional[list[str]] = None) -> None:
     MultiLoRACLI(MultiLoRAModule, MultiLoRADataModule, subclass_mode_model=False, subclass_mode_data=False,
                  auto_configure_optimizers=False, parser_class=_Parser,
                  save_config_kwargs={"overwrite": True}, args=None if from_command_line else args,
-                 parser_kwargs={"epilog": COMMANDS, "formatter_class": RawEpilogFormatter})
+                 parser_kwargs={"description": DESCRIPTION, "epilog": COMMANDS, "formatter_class": RawEpilogFormatter})
 
 
 if __name__ == "__main__":

@@ -253,8 +253,10 @@ def test_help_lists_demo_and_schedule_and_the_command_line_gives_no_args_warning
 
 def test_the_help_shows_the_fields_docs_this_clis_ckpt_path_and_what_demo_runs(capsys):
     """``--model.adapters.help`` listed the fields' types alone (their attribute docstrings unread); ``--ckpt_path``
-    had Lightning's text ("best", refused here); ``demo --help`` was fit's, the demo's settings unmentioned."""
-    for args, said in ((["fit", "--model.adapters.help"], "LoRA rank r >= 1."),
+    had Lightning's text ("best", refused here); ``demo --help`` was fit's, the demo's settings unmentioned; the
+    command's own help said "Lightning Trainer command line tool"."""
+    for args, said in ((["--help"], "lightning-multilora: train many LoRA adapters at once on one frozen base model."),
+                       (["fit", "--model.adapters.help"], "LoRA rank r >= 1."),
                        (["fit", "--help"], "'last': the newest checkpoint of a run of this same config"),
                        (["demo", "--help"], f"multilora demo is `multilora fit --config {demo_config()}`"),
                        # (its help listed fit's defaults, max_running null and val_check_interval 50, as its own)
