@@ -808,11 +808,8 @@ class LoRALayers(Mapping):
                 if isinstance(value, Tensor):
                     copies[f"{prefix}{layer_name}.base_layer.{field}"] = value
         # the embeddings an untargeted `save_embedding_layers=True` saves whole (`<module>.weight`)
-        get_input = getattr(self.model, "get_input_embeddings", None)
-        try:
-            embeddings = {id(get_input()) if callable(get_input) else None, id(_output_embeddings(self.model))}
-        except (AttributeError, NotImplementedError):
-            embeddings = {id(_output_embeddings(self.model))}
+        embeddings = {id(m) for m in (_embeddings(self.model, "input"), _output_embeddings(self.model))
+                      if m is not None}
         for module_name, module in self.model.named_modules():
             weight = getattr(module, "weight", None)
             if module_name and id(module) in embeddings and isinstance(weight, Tensor):
@@ -1092,12 +1089,7 @@ def _warn_tied_head(model: nn.Module, wrapped: Sequence[nn.Module]) -> None:
     Gemma's and small Llamas'), as PEFT does: the adapter trains as PEFT's would, but a merge of its export
     (``merge_and_unload``) adds its product to that one tensor, and so changes the input embeddings too."""
     head = _output_embeddings(model)
-    get = getattr(model, "get_input_embeddings", None)
-    try:
-        embeddings = get() if callable(get) and head is not None else None
-    except (AttributeError, NotImplementedError):
-        return
-    weight = getattr(embeddings, "weight", None)
+    weight = getattr(_embeddings(model, "input"), "weight", None) if head is not None else None
     if weight is None or getattr(head, "weight", None) is not weight or not any(m is head for m in wrapped):
         return
     name = next(n for n, m in model.named_modules() if m is head)
@@ -1107,14 +1099,19 @@ def _warn_tied_head(model: nn.Module, wrapped: Sequence[nn.Module]) -> None:
                   "input embeddings too (PEFT warns of the same); leave it out to merge safely", stacklevel=3)
 
 
-def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:
-    """A Hugging Face model's output head (``lm_head``, GPT-NeoX's ``embed_out``...), or None."""
-    get = getattr(model, "get_output_embeddings", None)
+def _embeddings(model: nn.Module, side: str) -> Optional[nn.Module]:
+    """A Hugging Face model's input embeddings (``side`` "input") or output head ("output": ``lm_head``, GPT-NeoX's
+    ``embed_out``...), or None (a model without them, or whose getter is not implemented)."""
+    get = getattr(model, f"get_{side}_embeddings", None)
     try:
-        head = get() if callable(get) else None
+        module = get() if callable(get) else None
     except (AttributeError, NotImplementedError):
         return None
-    return head if isinstance(head, nn.Module) else None
+    return module if isinstance(module, nn.Module) else None
+
+
+def _output_embeddings(model: nn.Module) -> Optional[nn.Module]:
+    return _embeddings(model, "output")
 
 
 def _stream_seed(seed: int, layer_key: int) -> int:
