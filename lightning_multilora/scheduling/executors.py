@@ -169,6 +169,9 @@ class LocalExecutor:
         # (`_drain`: the process groups ended tasks left, when to kill them (then when to give up on them), whether
         # they were killed, and their tasks' completions, told once the groups are gone)
         self._draining: dict[int, list] = {}
+        # (tasks' ends collected and not yet returned: a Ctrl-C between the two lost a task that had ended, recorded
+        # "stopped" by the stop and run again by a resume; `wait` returns them, or `stop` as ended before it)
+        self._ended: list[Completion] = []
 
     def now(self) -> float:
         return time.monotonic() - self._t0
@@ -219,25 +222,32 @@ class LocalExecutor:
         if self._failed_starts:
             done, self._failed_starts = self._failed_starts, []
             return done
-        if not self._procs and not self._draining and deadline is None:
+        if not self._procs and not self._draining and not self._ended and deadline is None:
             raise RuntimeError("waiting for a completion with no task running")
         while True:
-            done = []
-            for task_id, (proc, log, log_path) in list(self._procs.items()):
-                code = proc.poll()
-                if code is not None:
-                    log.close()
-                    del self._procs[task_id]
-                    said = "" if code == 0 else f"{exit_text(code)}, log {log_path}"
-                    last = "" if code == 0 else last_line(log_path)  # (its error, where it said one)
-                    said += f"; its log ends: {last}" if last else ""
-                    ended = (task_id, code == 0, said, code, str(log_path))
-                    if not self._drain(proc, ended):  # (else told once what is left of it is gone: `_drain_step`)
-                        done.append(Completion(self.now(), *ended))
-            done += self._drain_step()
-            if done or (deadline is not None and self.now() >= deadline):
+            self._collect_exited()
+            self._drain_step()
+            if self._ended or (deadline is not None and self.now() >= deadline):
+                done, self._ended = self._ended, []
                 return done
             time.sleep(self.poll_s)
+
+    def _collect_exited(self) -> None:
+        """The tasks whose own process has exited: their ends (exit status, the log's last line where it failed) to
+        `_ended`, or to `_drain` where they left processes (told once those are gone: `_drain_step`)."""
+        for task_id, (proc, log, log_path) in list(self._procs.items()):
+            code = proc.poll()
+            if code is None:
+                continue
+            said = "" if code == 0 else f"{exit_text(code)}, log {log_path}"
+            last = "" if code == 0 else last_line(log_path)  # (its error, where it said one)
+            said += f"; its log ends: {last}" if last else ""
+            ended = (task_id, code == 0, said, code, str(log_path))
+            with stop_signals_deferred():  # (moved whole from running to ended)
+                log.close()
+                del self._procs[task_id]
+                if not self._drain(proc, ended):
+                    self._ended.append(Completion(self.now(), *ended))
 
     def _drain(self, proc: subprocess.Popen, ended: Optional[tuple]) -> bool:
         """The processes left of a task whose own process has exited (a multi-process fit's other ranks, its rank 0
@@ -254,14 +264,13 @@ class LocalExecutor:
         self._draining[proc.pid] = [time.monotonic() + self.group_grace_s, False, ended]
         return True
 
-    def _drain_step(self, kill: bool = False) -> list[Completion]:
-        """`_drain`'s groups: the tasks of gone ones completed (their processes that are this one's children reaped: a
-        schedule that reaps orphans, a container's first process, held them as zombies), the others past their grace
-        (all of them with ``kill``) given SIGKILL; a group still there ``group_grace_s`` after its SIGKILL (a process
-        the kernel holds) is given up on, its task completed."""
+    def _drain_step(self, kill: bool = False) -> None:
+        """`_drain`'s groups: the tasks of gone ones completed, to `_ended` (their processes that are this one's
+        children reaped: a schedule that reaps orphans, a container's first process, held them as zombies), the others
+        past their grace (all of them with ``kill``) given SIGKILL; a group still there ``group_grace_s`` after its
+        SIGKILL (a process the kernel holds) is given up on, its task completed."""
         import signal
 
-        done = []
         live = _live_groups() if self._draining else set()
         for pgid, (at, killed, ended) in list(self._draining.items()):
             try:
@@ -277,24 +286,27 @@ class LocalExecutor:
                              "SIGKILL", *ended[3:])
                 at = None
             if at is None:
-                del self._draining[pgid]
-                if ended is not None:  # (None: a task `stop` stopped, completed there)
-                    done.append(Completion(self.now(), *ended))
+                with stop_signals_deferred():
+                    del self._draining[pgid]
+                    if ended is not None:  # (None: a task `stop` stopped, completed there)
+                        self._ended.append(Completion(self.now(), *ended))
             elif not killed and (kill or time.monotonic() >= at):
                 try:
                     os.killpg(pgid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
                 self._draining[pgid] = [time.monotonic() + self.group_grace_s, True, ended]
-        return done
 
     def stop(self) -> list[Completion]:
         """Terminate every running task and its children (an interrupted schedule leaves no orphans): SIGTERM to
         each, then SIGKILL to those still running `stop_timeout_s` later (one wait for all of them: it was
-        30 s for each in turn, said nowhere); their completions (failed, "stopped", the exit status and log)."""
+        30 s for each in turn, said nowhere); their completions (failed, "stopped", the exit status and log). A task
+        whose own process had exited before the stop (since the last `wait`) completes as it ended (``exited``): one
+        that exited 0 as a Ctrl-C came was recorded "stopped", and run again by a resume."""
         import signal
 
-        running = [proc for proc, _, _ in self._procs.values() if proc.poll() is None]
+        self._collect_exited()
+        running = [proc for proc, _, _ in self._procs.values()]
         tasks = f"{len(running)} task{'s' * (len(running) != 1)}"
         for proc, _, _ in self._procs.values():
             if proc.pid not in self._termed:  # (once: a task may take a second SIGTERM for "now")
@@ -307,23 +319,19 @@ class LocalExecutor:
         elif running:  # (a stop cut short by a second Ctrl-C, asked again: the same deadline, not another)
             _say(f"still stopping {tasks}: SIGKILL in {max(0.0, self._kill_at - time.monotonic()):.0f} s")
         deadline = self._kill_at
-        exited = []  # (tasks whose own process had exited: what they left gets its grace, as in `wait`)
-        for proc, _, _ in self._procs.values():  # (what a stopped task left, a rank that ignores SIGTERM: drained,
-            if proc not in running and proc.pid not in self._draining:  # its grace, then SIGKILL)
+        while (running or self._draining) and time.monotonic() < deadline:  # (tasks whose own process had exited:
+            time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))  # what they left gets its grace)
+            for proc in [proc for proc in running if proc.poll() is not None]:  # (what a stopped task left, a rank
+                running.remove(proc)  # that ignores SIGTERM: drained, its grace, then SIGKILL)
                 self._drain(proc, None)
-        while (running or self._draining) and time.monotonic() < deadline:
-            time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
-            for proc in [proc for proc in running if proc.poll() is not None]:
-                running.remove(proc)
-                self._drain(proc, None)
-            exited += self._drain_step()
+            self._drain_step()
         for proc in running:
             _signal_group(proc, signal.SIGKILL)
         while self._draining:  # (past the stop's deadline: killed, and given up on `group_grace_s` later)
-            exited += self._drain_step(kill=True)
+            self._drain_step(kill=True)
             if self._draining:
                 time.sleep(self.poll_s)
-        stopped = [replace(done, exited=True) for done in exited]
+        stopped, self._ended = [replace(done, exited=True) for done in self._ended], []
         for task_id, (proc, log, log_path) in list(self._procs.items()):
             proc.wait()
             log.close()

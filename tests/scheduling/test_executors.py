@@ -343,3 +343,42 @@ def test_a_stop_kills_what_a_stopped_task_left(tmp_path):
         state = "gone"
     assert state in ("gone", "Z")
 
+
+
+def test_a_stop_records_a_task_that_exited_before_it_as_it_ended(tmp_path):
+    """A task whose process exited (0) after the runner's last `wait` and before the executor's stop (the records
+    written between them, a Ctrl-C) was returned "stopped" with exit status 0: recorded stopped, run again by a
+    resume. Its end is returned as it ended."""
+    import time
+
+    executor = LocalExecutor(tmp_path / "logs")
+    executor.start(Task("quick", 1.0, 1, [sys.executable, "-c", "print('done')"]), (0,))
+    executor.start(Task("slow", 60.0, 1, [sys.executable, "-c", "import time; time.sleep(60)"]), (1,))
+    while executor._procs["quick"][0].poll() is None:
+        time.sleep(0.02)
+    stopped = {done.task_id: done for done in executor.stop()}
+    assert (stopped["quick"].ok, stopped["quick"].exited, stopped["quick"].exit_code) == (True, True, 0)
+    assert (stopped["slow"].ok, stopped["slow"].exited) == (False, False)
+    assert stopped["slow"].detail.startswith("stopped, log ")
+
+
+def test_a_ctrl_c_as_wait_collects_an_end_keeps_it(tmp_path, monkeypatch):
+    """A Ctrl-C (KeyboardInterrupt, between two bytecodes) after `wait` collected a task's exit and before it returned
+    it (scanning /proc for what the task left) lost that end: the stop then recorded the task "stopped", and a resume
+    ran it again. The end is kept, and the stop records the task finished."""
+    executor = LocalExecutor(tmp_path / "logs")
+    drain_step, fired = executor._drain_step, []
+
+    def interrupted(kill=False):
+        drain_step(kill)
+        if executor._started and not executor._procs and not fired:  # (its exit collected, not yet returned)
+            fired.append(True)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(executor, "_drain_step", interrupted)
+    runner = ScheduleRunner(TaskScheduler(1), executor, records=tmp_path / "records.json")
+    runner.submit(Task("quick", 1.0, 1, [sys.executable, "-c", "print('done')"]))
+    with pytest.raises(KeyboardInterrupt):
+        runner.run()
+    assert fired and (runner.records["quick"].state, runner.records["quick"].exit_code) == ("finished", 0)
+    assert runner.stopped_running == []
