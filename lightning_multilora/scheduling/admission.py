@@ -14,7 +14,7 @@ from typing import Any, Optional
 from lightning_multilora.arguments import check_int, check_real
 from lightning_multilora.scheduling.memory import MemoryFit
 from lightning_multilora.scheduling.profiler import check_margin
-from lightning_multilora.scheduling.task_scheduler import cp_solver
+from lightning_multilora.scheduling.task_scheduler import cp_solver, load_cp_model
 from lightning_multilora.spec import AdapterSpec
 
 Predict = Callable[[Sequence[AdapterSpec]], float]
@@ -169,7 +169,7 @@ class CPSATAdmission(AdmissionController):
 
     def select(self, running: Sequence[AdapterSpec], candidates: Sequence[AdapterSpec],
                freed: Optional[AdapterSpec] = None) -> list[AdapterSpec]:
-        from ortools.sat.python import cp_model
+        cp_model = load_cp_model()
 
         if not candidates:
             return []

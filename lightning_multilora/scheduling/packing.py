@@ -41,7 +41,8 @@ from typing import NamedTuple, Optional
 from lightning_multilora.arguments import check_bool, check_int, check_real
 from lightning_multilora.scheduling.profiler import check_margin
 from lightning_multilora.scheduling.task_scheduler import (MAX_TICKS, Placement, Schedule, Task, assign_gpu_ids,
-                                                           check_planner, cp_solver, list_starts, solve)
+                                                           check_planner, cp_solver, list_starts, load_cp_model,
+                                                           solve)
 from lightning_multilora.spec import AdapterSpec
 
 CostFn = Callable[[Sequence[AdapterSpec], int], float]
@@ -262,7 +263,7 @@ class PackingPlanner:
                hint: Sequence[tuple[tuple[AdapterSpec, ...], int, float]], time_limit_s: float) -> Optional[_Solved]:
         """The packs among ``packs`` that cover ``specs`` in the least makespan, and their starts (CP-SAT, hinted
         with ``hint``'s (pack, GPUs, start) rows, which join the candidates); None where it finds none in time."""
-        from ortools.sat.python import cp_model
+        cp_model = load_cp_model()
 
         packs = list(packs)
         hinted_start = {}

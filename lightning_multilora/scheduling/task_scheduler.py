@@ -22,6 +22,16 @@ from typing import Any, Iterable, Optional, Sequence
 
 from lightning_multilora.arguments import check_bool, check_int, check_real
 from lightning_multilora.scheduling.task import Task, yaml_number_hint  # noqa: F401 - (yaml_number_hint: re-exported)
+from lightning_multilora.signals import stop_signals_deferred
+
+
+def load_cp_model() -> Any:
+    """OR-Tools' ``cp_model`` module, imported with Ctrl-C held back until the import ends: a KeyboardInterrupt in
+    its C++ module's initialization came out as "ImportError: initialization failed" (a schedule interrupted as it
+    began planning said so, a traceback, instead of stopping as interrupted)."""
+    with stop_signals_deferred():
+        from ortools.sat.python import cp_model
+    return cp_model
 
 
 def cp_solver(time_limit_s: float, workers: int, deterministic: bool = False) -> Any:
@@ -29,7 +39,7 @@ def cp_solver(time_limit_s: float, workers: int, deterministic: bool = False) ->
     SIGINT handler outlives the solve: Ctrl-C then kills the process outright, past the caller's clean-up).
     ``deterministic``: the same answer every run: one search worker (several race each other), its limit in CP-SAT's
     deterministic time (about seconds; the wall-clock limit, ten times it, only guards against a slow machine)."""
-    from ortools.sat.python import cp_model
+    cp_model = load_cp_model()
 
     solver = cp_model.CpSolver()
     solver.parameters.catch_sigint_signal = False
@@ -239,7 +249,7 @@ class TaskScheduler:
         ``hint`` (default: the previous plan) warm-starts the solver with the starts it still applies to;
         ``time_limit_s`` overrides the scheduler's limit for this solve (replanning wants a short one).
         """
-        from ortools.sat.python import cp_model
+        cp_model = load_cp_model()
 
         if time_limit_s is not None:
             check_real("TaskScheduler.plan", "time_limit_s", time_limit_s, lambda v: v > 0,
@@ -357,7 +367,7 @@ class TaskScheduler:
         now, and a task started later than it could leaves GPUs idle meanwhile). From the first solve's ``start_of``
         and ``node_at`` (its hint, and the answer where this finds nothing better in ``time_limit_s``); with the
         seconds it took."""
-        from ortools.sat.python import cp_model
+        cp_model = load_cp_model()
 
         if not starts:
             return start_of, node_at, 0.0

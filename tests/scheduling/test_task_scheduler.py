@@ -443,3 +443,26 @@ def test_a_process_interrupted_while_planning_exits_as_it_says():
               "    sys.exit(130)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 130, (done.returncode, done.stderr[-2000:])
+
+
+def test_a_ctrl_c_while_or_tools_imports_waits_for_the_import():
+    """A Ctrl-C inside OR-Tools' import (its C++ module's initialization, the half second a first plan starts with)
+    came out as "ImportError: initialization failed", a traceback, not as an interruption. It is held until the
+    import ends, then raised: the module is whole, and the process stops as interrupted."""
+    import subprocess
+    import sys
+
+    script = ("import signal, sys\n"
+              "class Interrupting:  # (a Ctrl-C as the import reaches OR-Tools' C++ module)\n"
+              "    def find_spec(self, name, path=None, target=None):\n"
+              "        if name == 'ortools.sat.python.cp_model_helper':\n"
+              "            signal.raise_signal(signal.SIGINT)\n"
+              "sys.meta_path.insert(0, Interrupting())\n"
+              "from lightning_multilora.scheduling import Task, TaskScheduler\n"
+              "try:\n"
+              "    TaskScheduler(2, time_limit_s=5.0).plan([Task('a', 60, 1)])\n"
+              "except KeyboardInterrupt:\n"
+              "    print('imported' if 'ortools.sat.python.cp_model' in sys.modules else 'cut short')\n"
+              "    sys.exit(130)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout.strip()) == (130, "imported"), (done.stdout, done.stderr[-2000:])
