@@ -321,7 +321,7 @@ class MultiLoRAMixin:
         self._train_losses_shared: dict[str, int] = {}
         self._exit_texts_pending: set[str] = set()
         self._step_graphs = StepGraphs(warmup=2, max_graphs=4, enabled=cuda_graphs)
-        for spec in adapters:
+        for spec in _adapter_list(adapters):
             self.add_adapter(spec)
 
     # -- what a subclass may override -----------------------------------------------------------
@@ -2274,14 +2274,26 @@ class MultiLoRAMixin:
     @override
     def on_fit_end(self) -> None:
         trainer = self._trainer_or_none()
-        if self.__dict__.pop("_due_on_resume", False) and trainer is not None and trainer.state.fn == "fit":
-            # (the checkpoint's validation, due, not run: the fit was done at its step, and skipped training, whose
-            # start runs it, `_validate_the_resumed_step`)
-            rank_zero_warn(f"this fit resumed a checkpoint written at step {trainer.global_step} before that step's "
-                           f"validation, and the run was done there (the Trainer's `max_steps` {trainer.max_steps}, "
-                           f"`max_epochs` {trainer.max_epochs}): it trained nothing, and that validation did not run "
-                           "(the adapters' validation histories, EarlyExit and the sweep's trials lack it); resume "
-                           "with a larger `max_steps` to run it and go on")
+        due = self.__dict__.pop("_due_on_resume", False)
+        if trainer is None or trainer.state.fn != "fit" or trainer.ckpt_path is None \
+                or self.__dict__.get("_fit_started", False):
+            return
+        # (a resume of a checkpoint at or past the Trainer's end: Lightning skips training, its start and end hooks,
+        # and says only "`max_steps=N` reached"; a CLI run's new log folder then held no adapters, unsaid)
+        at = f"this fit resumed a checkpoint written at step {trainer.global_step}"
+        ends = f"(the Trainer's `max_steps` {trainer.max_steps}, `max_epochs` {trainer.max_epochs})"
+        if due:  # (the checkpoint's validation, due, not run: training's start runs it, `_validate_the_resumed_step`)
+            rank_zero_warn(f"{at} before that step's validation, and the run was done there {ends}: it trained "
+                           "nothing, and that validation did not run (the adapters' validation histories, EarlyExit "
+                           "and the sweep's trials lack it); resume with a larger `max_steps` to run it and go on")
+        elif any(not rec.state.exited for rec in self.registry):
+            kept = [f"{rec.name!r} {rec.export_path}" for rec in self.registry if rec.export_path]
+            folder = Path(str(trainer.ckpt_path)).parent.parent / "adapters"  # (a checkpoint written before the
+            if not kept and folder.is_dir():  # run's end exports: that run's log folder's, where they went by default)
+                kept = [str(folder)]
+            rank_zero_warn(f"{at}, where the run was done {ends}: it trained nothing and exported nothing (the "
+                           f"adapters' exports are those the run wrote as it stopped{': ' if kept else ''}"
+                           f"{', '.join(kept)}); resume with a larger `max_steps` (or `max_epochs`) to train on")
 
     @override
     def on_train_end(self) -> None:
@@ -3560,6 +3572,18 @@ def _over_budget(admission: Any, specs: Sequence[AdapterSpec]) -> str:
     return f"over the budget of the admission controller {type(admission).__name__} (its `fits` says no)"
 
 
+def _adapter_list(adapters: Any) -> list:
+    """``adapters`` as a list; one spec (an `AdapterSpec`, a mapping of its fields) or anything not a sequence of them
+    is refused by name (one spec failed with "TypeError: 'AdapterSpec' object is not iterable")."""
+    if isinstance(adapters, (AdapterSpec, Mapping, str, bytes)) or not isinstance(adapters, Iterable):
+        one = isinstance(adapters, (AdapterSpec, Mapping))
+        raise ValueError(f"`adapters` is a list of AdapterSpec (or of mappings of their fields), got "
+                         f"{'one ' if one else ''}{type(adapters).__name__}" + (": give it in a list, "
+                         f"adapters=[{'AdapterSpec(...)' if isinstance(adapters, AdapterSpec) else '{...}'}]"
+                         if one else ""))
+    return list(adapters)
+
+
 def _plain(value: Any) -> bool:
     """Whether ``value`` is plain data (what ``torch.load(weights_only=True)`` reads back): None, a bool, number or
     string, or a list, tuple or string-keyed dict of them; not a subclass's (a str enum, numpy's float64: the load
@@ -3823,6 +3847,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         # with ``weights_only=True``: specs as their fields, the optimizer by its import path; anything else, and a
         # base given as a module, are given again to `load_from_checkpoint`. Not for the loggers: each adapter's
         # hyperparameters are `SweepReport`'s HParams runs)
+        adapters = _adapter_list(adapters) if adapters is not None else None
         arguments = {
             "base_model": base_model, "grid": dataclasses.asdict(grid) if isinstance(grid, SweepGrid) else grid,
             "adapters": [s.to_dict() if isinstance(s, AdapterSpec) else s for s in adapters] if adapters else adapters,

@@ -1440,6 +1440,22 @@ def test_a_grid_given_as_a_mapping_of_its_fields_is_a_sweep_grid():
         MultiLoRAModule("tiny-llama", grid=[{"rank": 2}])
 
 
+def test_one_adapter_given_without_a_list_is_refused_by_name():
+    """``adapters=AdapterSpec("a")`` failed with "TypeError: 'AdapterSpec' object is not iterable" (a mapping alone
+    would have been read as its keys); a tuple of specs and mappings is a list."""
+    with pytest.raises(ValueError, match=r"^`adapters` is a list of AdapterSpec \(or of mappings of their fields\), "
+                                         r"got one AdapterSpec: give it in a list, "
+                                         r"adapters=\[AdapterSpec\(\.\.\.\)\]$"):
+        MultiLoRAModule("tiny-llama", adapters=AdapterSpec("a"))
+    with pytest.raises(ValueError, match=r"got one dict: give it in a list, adapters=\[\{\.\.\.\}\]$"):
+        MultiLoRAModule("tiny-llama", adapters={"name": "a", "rank": 2})
+    with pytest.raises(ValueError, match=r"of mappings of their fields\), got str$"):
+        MultiLoRAModule("tiny-llama", adapters="a")
+    module = MultiLoRAModule("tiny-llama", adapters=(AdapterSpec("a", rank=2), {"name": "b", "rank": 4}))
+    assert [(rec.name, rec.spec.rank) for rec in module.registry] == [("a", 2), ("b", 4)]
+    assert [a["name"] for a in module.hparams["adapters"]] == ["a", "b"]
+
+
 def test_the_recorded_base_of_a_compiled_model_is_the_model_it_compiled():
     """torch.compile wraps a model in an OptimizedModule holding it as ``_orig_mod``: a resume with or without the
     compile is on the same base (a model without a Hugging Face config is known by its class)."""
@@ -2974,6 +2990,45 @@ def test_a_resume_of_a_checkpoint_written_before_the_last_steps_validation_says_
         warnings.simplefilter("always")
         assert run(6, ckpt=ckpt) == ([4, 6], [2, 4, 6])
     assert not [w for w in said if "that validation did not run" in str(w.message)]
+
+
+def test_a_resume_of_a_checkpoint_at_the_trainers_end_says_it_trained_and_exported_nothing(tmp_path, trainer_kwargs):
+    """A checkpoint of the run's last step resumed with the same `max_steps` (the CLI's `--ckpt_path last` run again):
+    Lightning skips training and said only "`max_steps=4` reached"; the new log folder held no adapters, unsaid. The
+    run's exports are named: the adapters' own paths where the checkpoint has them (written after the exports), else
+    the checkpoint's run folder's `adapters` (a `ModelCheckpoint`'s, written in the last step)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(max_steps, ckpt=None):
+        module = MultiLoRAModule("tiny-llama", export_dir=str(tmp_path / ("run" if ckpt is None else "again") /
+                                                              "adapters"),
+                                 adapters=[AdapterSpec("a", rank=2, max_steps=10, lr=1e-2, seed=1)])
+        saving = ModelCheckpoint(dirpath=str(tmp_path / "run" / "checkpoints"), every_n_train_steps=4,
+                                 filename="four")
+        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": max_steps, "enable_checkpointing": True},
+                            callbacks=[saving] if ckpt is None else [])
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            trainer.fit(module, small_dm(), ckpt_path=ckpt)
+        if ckpt is None:
+            trainer.save_checkpoint(tmp_path / "end.ckpt")
+        return module, [str(w.message) for w in said if "it trained nothing" in str(w.message)]
+
+    first, said = run(4)
+    exported = first.registry["a"].export_path
+    assert said == [] and exported == str(tmp_path / "run" / "adapters" / "a")
+    tail = "); resume with a larger `max_steps` (or `max_epochs`) to train on"
+    for ckpt, named in ((tmp_path / "end.ckpt", f"'a' {exported}"),
+                        (tmp_path / "run" / "checkpoints" / "four.ckpt", str(tmp_path / "run" / "adapters"))):
+        again, said = run(4, ckpt=str(ckpt))
+        assert len(said) == 1 and said[0].startswith(
+            "this fit resumed a checkpoint written at step 4, where the run was done (the Trainer's `max_steps` 4, "
+            "`max_epochs` "), said
+        assert said[0].endswith("it trained nothing and exported nothing (the adapters' exports are those the run "
+                                f"wrote as it stopped: {named}{tail}"), said
+        assert not (tmp_path / "again").exists()
+    on, said = run(6, ckpt=str(tmp_path / "end.ckpt"))
+    assert said == [] and on.registry["a"].step == 6 and (tmp_path / "again" / "adapters" / "a").is_dir()
 
 
 def test_adapter_parallelism_with_fewer_adapters_than_ranks_is_warned_of(monkeypatch):
