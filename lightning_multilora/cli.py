@@ -45,9 +45,9 @@ class _Parser(LightningArgumentParser):
         parser = commands.get(sub[1]) if sub else None
         top = [a.dest for a in (parser or self)._actions if a.dest and "." not in a.dest
                and a.dest not in ("help", "config")]
-        return super().error((_refused_fields(message, refused) or _section_typo(message, top) or _wrong_type(message)
-                              or _class_path(message) or _field_before_class(message)
-                              or _unknown_class(message) or message) + peft_hints(refused), ex)
+        return super().error((_refused_fields(message, refused) or _section_typo(message, top)
+                              or _one_of_a_list(message) or _wrong_type(message) or _class_path(message)
+                              or _field_before_class(message) or _unknown_class(message) or message) + peft_hints(refused), ex)
 
     def print_usage(self, file=None) -> None:
         (file or sys.stdout).write(f"usage: {self.prog} [-h] [-c CONFIG] [--KEY VALUE ...]\n")
@@ -186,6 +186,19 @@ def _field_before_class(message: str) -> Optional[str]:
     if found is None:
         return None
     return f"`{found[1]}`: {found[2]!r} is a field of a class, and none is given; {_class_first(found[1], [found[2]])}"
+
+
+def _one_of_a_list(message: str) -> Optional[str]:
+    """jsonargparse's error for one adapter given where a list of them goes (a config's ``adapters:`` whose item lacks
+    its ``- ``, or ``--model.adapters '{name: a}'``: "Expected a <class 'list'>", the union's alternatives): said so,
+    with both spellings of the list. None where the message is not that."""
+    found = re.match(r'Parser key "((?:model\.)?adapters)":', message)
+    if not (found and "Expected a <class 'list'>" in message and "Given value type: <class 'dict'>" in message):
+        return None
+    given = re.search(r"Given value: (.*?)\n", message + "\n")
+    return (f"`{found[1]}` is a list of adapters, got one mapping ({given[1] if given else '...'}): in a config, "
+            f"begin each adapter with '- ' (`adapters:` then `  - name: a`); on the command line, "
+            f"--{found[1]} '[{{name: a, rank: 4}}]' (or --{found[1]}+='{{name: a, rank: 4}}' to add one)")
 
 
 def _wrong_type(message: str) -> Optional[str]:

@@ -1232,3 +1232,19 @@ def test_python_dash_m_runs_the_multilora_command(capsys, monkeypatch):
         runpy.run_module("lightning_multilora", run_name="__main__", alter_sys=True)
     assert exit.value.code == 0
     assert "--model.adapters" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("given", ["command line", "config"])
+def test_one_adapter_given_where_the_list_goes_is_said_so(tmp_path, capsys, given):
+    """An adapter mapping given as `model.adapters` (a config's item without its '- ', or ``--model.adapters
+    '{name: a}'``) got jsonargparse's "Does not validate against any of the Union subtypes ... Expected a <class
+    'list'>"; it says what the list looks like in both places."""
+    config = tmp_path / "one.yaml"
+    config.write_text("model:\n  adapters:\n    name: a\n    rank: 4\n")
+    args = ["--config", str(config)] if given == "config" else ["--model.adapters", "{name: a, rank: 4}"]
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--trainer.default_root_dir", str(tmp_path), *args, "--print_config"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and ("error: `model.adapters` is a list of adapters, got one mapping ({'name': 'a', "
+                                     "'rank': 4}): in a config, begin each adapter with '- '") in err, err
+    assert "--model.adapters '[{name: a, rank: 4}]'" in err and "Union subtypes" not in err, err
