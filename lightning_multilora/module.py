@@ -1613,6 +1613,21 @@ class MultiLoRAMixin:
             dm.release(rec.name)
         self._notify_exit(rec)
 
+    def _replace_with_record(self, rec: AdapterRecord) -> None:
+        """An adapter this module holds that ended elsewhere since: a trial the checkpoint this run resumed from holds,
+        told after it by the run that wrote it, which concluded and exported it (`OptunaSweep`, before the optimizer
+        is built). Its weights are dropped unexported (that run's export stands: the checkpoint's weights, written
+        over it, were older than it) and ``rec`` is its record."""
+        if rec.name in self.lora_layers.adapter_names:
+            self.lora_layers.remove_adapter(rec.name)
+            self._step_graphs.clear()
+        self._best_weights.pop(rec.name, None)
+        trainer = self._trainer_or_none()
+        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if dm is not None and hasattr(dm, "release"):
+            dm.release(rec.name)
+        self.registry.replace_record(rec)
+
     def _drop_rows_of_stopped(self, batch: dict[str, Any]) -> None:
         """The batch is drawn before the callbacks' ``on_train_batch_start``: an adapter paused or removed there still
         had rows in it (a removed one's crashed the step, "no adapter 'a'"; a paused one trained a step more, past

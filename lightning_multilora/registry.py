@@ -184,6 +184,13 @@ class AdapterRegistry:
         self._records[rec.name] = rec
         return rec
 
+    def replace_record(self, rec: AdapterRecord) -> AdapterRecord:
+        """Put ``rec`` in place of the record of its name (an adapter that ended elsewhere since: a trial told after
+        the checkpoint a run resumed from), in its place in the order."""
+        self[rec.name]  # (its KeyError, naming the adapters, where there is none)
+        self._records[rec.name] = rec
+        return rec
+
     def __getitem__(self, name: str) -> AdapterRecord:
         if name not in self._records:
             raise KeyError(f"no adapter {name!r}; adapters are: {list(self._records)}")

@@ -751,6 +751,7 @@ class OptunaSweep(Callback):
 
         study = self._ensure_study(trainer)
         self._tell_exits(pl_module)
+        retold = self._take_told_since(pl_module)
         registry = pl_module.registry
         # paused adapters (waiting for warmup selection) have freed their slots (their memory still counts)
         active = [n for n, t in self.trials.items() if not t["told"] and registry[n].state in
@@ -831,7 +832,27 @@ class OptunaSweep(Callback):
             specs.append(spec)
         if self.asked >= self.n_trials:
             self._fail_orphans_beyond_n_trials()
-        return {"specs": specs, "state": self.state_dict(), "told": told}
+        return {"specs": specs, "state": self.state_dict(), "told": told, "retold": retold}
+
+    def _take_told_since(self, pl_module: L.LightningModule) -> list[dict[str, Any]]:
+        """The trials the checkpoint this run resumed from holds untold, which the run that wrote it went on to
+        tell (COMPLETE, PRUNED, or FAIL by this sweep) before it stopped: counted as told, their adapters not trained
+        again; the records (`_told_record`) that replace theirs (`_adopt`). Trained again, one pruned after the
+        checkpoint was judged anew (a pruner that saw the trials told since: another decision), its export written
+        over by weights the study does not describe, and its reports refused as if another process had failed it."""
+        records, numbers = [], []
+        for trial in self.__dict__.pop("_told_since", None) or ():
+            name = f"trial-{trial.number}"
+            self.trials[name]["told"] = True
+            if name in pl_module.registry and not pl_module.registry[name].state.exited:
+                records.append(self._told_record(pl_module, trial))
+                pl_module._replace_with_record(AdapterRecord.from_state_dict(records[-1]))  # (its slot free now)
+                numbers.append(f"{trial.number} ({trial.state.name})")
+        if numbers:
+            warnings.warn(f"OptunaSweep: trials {', '.join(numbers)} were told in study {self.study.study_name!r} "
+                          "after the checkpoint this run resumed from, by the run that wrote it: their adapters are "
+                          "not trained again, and their exports stand as the study describes them")
+        return records
 
     def _told_record(self, pl_module: L.LightningModule, trial: Any) -> dict[str, Any]:
         """The registry record (its state dict) of a trial told before the run resumed, from what the study holds:
@@ -937,16 +958,22 @@ class OptunaSweep(Callback):
         # one as stale while this run was down, before its adapter trained; its configuration is asked again)
         states = (optuna.trial.TrialState.RUNNING, optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED,
                   optuna.trial.TrialState.FAIL)
-        self._orphans = sorted((t for t in study.get_trials(deepcopy=False, states=states)
-                                if t.user_attrs.get("sweep") == self.sweep_id and t.number not in known and (
-                                    t.state != optuna.trial.TrialState.FAIL
-                                    or t.user_attrs.get("failed_by") == self.sweep_id)),
-                               key=lambda t: t.number)
+        mine = sorted((t for t in study.get_trials(deepcopy=False, states=states)
+                       if t.user_attrs.get("sweep") == self.sweep_id and (
+                           t.state != optuna.trial.TrialState.FAIL or t.user_attrs.get("failed_by") == self.sweep_id)),
+                      key=lambda t: t.number)
+        self._orphans = [t for t in mine if t.number not in known]
+        # (trials the checkpoint holds untold that the run which wrote it went on to tell: `_take_told_since`)
+        untold = {info["number"] for info in self.trials.values() if not info["told"]}
+        self._told_since = [t for t in mine if t.number in untold and t.state.is_finished()]
 
     def _adopt(self, pl_module: L.LightningModule, decision: dict[str, Any]) -> None:
         """Apply the deciding process's trials and bookkeeping here (a no-op where they were decided): every
         rank's registry and sweep state stay the same, checkpoints included."""
         self.load_state_dict(decision["state"])
+        for state in decision.get("retold", ()):  # (held by the checkpoint, told since: `_take_told_since`)
+            if not pl_module.registry[state["spec"]["name"]].state.exited:  # (the deciding process's is replaced)
+                pl_module._replace_with_record(AdapterRecord.from_state_dict(state))
         for state in decision.get("told", ()):
             if state["spec"]["name"] not in pl_module.registry:
                 pl_module.registry.add_record(AdapterRecord.from_state_dict(state))
@@ -975,7 +1002,15 @@ class OptunaSweep(Callback):
                    and math.isfinite(loss)]
             ask = (prune and rec.state in (AdapterState.RUNNING, AdapterState.PAUSED)
                    and not isinstance(self.study.pruner, optuna.pruners.NopPruner))  # (a storage read spared)
-            if not new and not (ask and max(info["reported"], default=-1) > info.get("pruner_step", -1)):
+            # (a trial taken up on resume holds the values its crashed run reported past the checkpoint: the pruner,
+            # which reads the study's last one, is asked once the adapter has validated that far again, not before)
+            own = max((step for step, loss in rec.val_losses if step > 0 and math.isfinite(loss)), default=-1)
+
+            def due() -> bool:
+                last = max(info["reported"], default=-1)
+                return ask and info.get("pruner_step", -1) < last <= own
+
+            if not new and not due():
                 continue  # a Trial handle reads the storage: ~1 ms each, for every trial at every step otherwise
             if prune and new:
                 self._warn_off_grid(pl_module, rec)
@@ -994,7 +1029,7 @@ class OptunaSweep(Callback):
                 self._lost(info, name)
                 continue
             last = max(info["reported"], default=-1)
-            if ask and last > info.get("pruner_step", -1):
+            if due():
                 info["pruner_step"] = last  # (asked once a value)
                 if trial.should_prune():
                     step, loss = max(((s, v) for s, v in rec.val_losses if s in seen), default=(last, math.nan))

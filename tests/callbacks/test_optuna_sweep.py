@@ -1681,3 +1681,70 @@ def test_where_a_study_is_kept_is_said_without_a_database_password():
 
     study = NS(_storage=NS(url="postgresql://alice:s3cret@db.internal/optuna"))
     assert "s3cret" not in _storage_name(study) and "alice:***@db.internal/optuna" in _storage_name(study)
+
+
+def _crash_at(step: int) -> L.Callback:
+    class Crash(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == step:
+                raise RuntimeError("node lost")
+
+    return Crash()
+
+
+def _sweep_on(storage: str, pruner: optuna.pruners.BasePruner, n_trials: int, slots: int) -> OptunaSweep:
+    study = optuna.create_study(storage=storage, study_name="s", load_if_exists=True, pruner=pruner)
+    return OptunaSweep(SPACE, n_trials=n_trials, study=study, slots=slots, base={"max_steps": 8, "batch_size": 2})
+
+
+def test_a_trial_taken_up_on_resume_is_judged_by_the_pruner_once_it_has_validated_as_far_again(tmp_path,
+                                                                                               trainer_kwargs):
+    """A trial asked after the checkpoint, RUNNING at the crash, holds the values its crashed run reported (steps 2
+    and 4); its retrained adapter was asked of the pruner at its first settling, which read the study's step-4
+    value: pruned before it had trained (step 0, "validation loss nan"), its export untrained."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    save = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=8, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="node lost"):  # (trial 1 asked at step 8, after its checkpoint)
+        fit(tmp_path, dict(trainer_kwargs, enable_checkpointing=True), _sweep_on(storage, _PruneAfter(100), 2, 1),
+            callbacks=[_crash_at(13), save], val_check_interval=2)
+    trial = optuna.load_study(study_name="s", storage=storage).trials[1]
+    assert trial.state == optuna.trial.TrialState.RUNNING and sorted(trial.intermediate_values) == [2, 4]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, module = fit(tmp_path, trainer_kwargs, _sweep_on(storage, _PruneAfter(4), 2, 1),
+                        ckpt=str(tmp_path / "ck" / "step=8.ckpt"), val_check_interval=2)
+    rec = module.registry["trial-1"]
+    assert (rec.state, rec.step, rec.exported_step) == (AdapterState.PRUNED, 4, 4), rec.reason
+    assert "_PruneAfter at step 4" in rec.reason
+    assert optuna.load_study(study_name="s", storage=storage).trials[1].state == optuna.trial.TrialState.PRUNED
+
+
+def test_a_trial_the_checkpoint_holds_told_after_it_is_not_trained_again_on_resume(tmp_path, trainer_kwargs):
+    """Trials the checkpoint holds RUNNING, pruned after it by the run that wrote it, were trained again on resume: a
+    pruner judging anew (here one that prunes nothing) let them finish, their exports written over with weights the
+    study does not describe, and their reports were refused "by another process sharing the study". They keep the
+    study's end, and their exports stand; the trial asked after the checkpoint is taken up."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    save = ModelCheckpoint(dirpath=tmp_path / "ck", every_n_train_steps=4, save_top_k=-1, filename="{step}")
+    with pytest.raises(RuntimeError, match="node lost"):  # (trials 0, 1 pruned at step 4, after its checkpoint)
+        fit(tmp_path, dict(trainer_kwargs, enable_checkpointing=True), _sweep_on(storage, _PruneAfter(4), 3, 2),
+            callbacks=[_crash_at(6), save], val_check_interval=2)
+    study = optuna.load_study(study_name="s", storage=storage)
+    assert [t.state.name for t in study.trials] == ["PRUNED", "PRUNED", "RUNNING"]
+    described = {n: (tmp_path / "out" / f"trial-{n}" / "multilora_export.json").read_text() for n in (0, 1)}
+    with pytest.warns(UserWarning, match=r"trials 0 \(PRUNED\), 1 \(PRUNED\) were told in study 's' after the "
+                                         r"checkpoint this run resumed from, by the run that wrote it"):
+        _, module = fit(tmp_path, trainer_kwargs, _sweep_on(storage, _PruneAfter(100), 3, 2),
+                        ckpt=str(tmp_path / "ck" / "step=4.ckpt"), val_check_interval=2)
+    for n in (0, 1):
+        rec, trial = module.registry[f"trial-{n}"], study.trials[n]
+        assert (rec.state, rec.step, rec.exported_step) == (AdapterState.PRUNED, 4, 4), rec.reason
+        assert rec.export_path == trial.user_attrs["adapter_exit"]["export_path"]
+        assert (tmp_path / "out" / f"trial-{n}" / "multilora_export.json").read_text() == described[n]
+    assert module.registry["trial-2"].state == AdapterState.FINISHED
+    assert [t.state.name for t in optuna.load_study(study_name="s", storage=storage).trials] == [
+        "PRUNED", "PRUNED", "COMPLETE"]
