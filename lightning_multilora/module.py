@@ -321,7 +321,7 @@ class MultiLoRAMixin:
         self._train_losses_shared: dict[str, int] = {}
         self._exit_texts_pending: set[str] = set()
         self._step_graphs = StepGraphs(warmup=2, max_graphs=4, enabled=cuda_graphs)
-        for spec in _adapter_list(adapters):
+        for spec in _adapter_list(adapters, mappings=False):
             self.add_adapter(spec)
 
     # -- what a subclass may override -----------------------------------------------------------
@@ -1606,12 +1606,16 @@ class MultiLoRAMixin:
         if rec.export_path is not None and self._owns(rec.name) and Path(rec.export_path).is_dir():
             self._describe_export(Path(rec.export_path), rec, rec.exported_step, rec.exported_val_loss,
                                   rec.exported_val_preference_accuracy)
-        self._best_weights.pop(rec.name, None)
+        self._release(rec.name)
+        self._notify_exit(rec)
+
+    def _release(self, name: str) -> None:
+        """What an adapter that has left held beside its weights: its kept best weights and its data position."""
+        self._best_weights.pop(name, None)
         trainer = self._trainer_or_none()
         dm = getattr(trainer, "datamodule", None) if trainer is not None else None
         if dm is not None and hasattr(dm, "release"):
-            dm.release(rec.name)
-        self._notify_exit(rec)
+            dm.release(name)
 
     def _replace_with_record(self, rec: AdapterRecord) -> None:
         """An adapter this module holds that ended elsewhere since: a trial the checkpoint this run resumed from holds,
@@ -1621,11 +1625,7 @@ class MultiLoRAMixin:
         if rec.name in self.lora_layers.adapter_names:
             self.lora_layers.remove_adapter(rec.name)
             self._step_graphs.clear()
-        self._best_weights.pop(rec.name, None)
-        trainer = self._trainer_or_none()
-        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
-        if dm is not None and hasattr(dm, "release"):
-            dm.release(rec.name)
+        self._release(rec.name)
         self.registry.replace_record(rec)
 
     def _drop_rows_of_stopped(self, batch: dict[str, Any]) -> None:
@@ -2302,10 +2302,11 @@ class MultiLoRAMixin:
                            "nothing, and that validation did not run (the adapters' validation histories, EarlyExit "
                            "and the sweep's trials lack it); resume with a larger `max_steps` to run it and go on")
         elif any(not rec.state.exited for rec in self.registry):
-            kept = [f"{rec.name!r} {rec.export_path}" for rec in self.registry if rec.export_path]
             folder = Path(str(trainer.ckpt_path)).parent.parent / "adapters"  # (a checkpoint written before the
-            if not kept and folder.is_dir():  # run's end exports: that run's log folder's, where they went by default)
-                kept = [str(folder)]
+            # run's end exports: that run's log folder's, where they went by default)
+            kept = [f"{rec.name!r} {path}" for rec in self.registry if not rec.state.exited
+                    for path in [rec.export_path or (folder / rec.name if (folder / rec.name).is_dir() else None)]
+                    if path is not None]
             rank_zero_warn(f"{at}, where the run was done {ends}: it trained nothing and exported nothing (the "
                            f"adapters' exports are those the run wrote as it stopped{': ' if kept else ''}"
                            f"{', '.join(kept)}); resume with a larger `max_steps` (or `max_epochs`) to train on")
@@ -3587,15 +3588,16 @@ def _over_budget(admission: Any, specs: Sequence[AdapterSpec]) -> str:
     return f"over the budget of the admission controller {type(admission).__name__} (its `fits` says no)"
 
 
-def _adapter_list(adapters: Any) -> list:
+def _adapter_list(adapters: Any, mappings: bool = True) -> list:
     """``adapters`` as a list; one spec (an `AdapterSpec`, a mapping of its fields) or anything not a sequence of them
-    is refused by name (one spec failed with "TypeError: 'AdapterSpec' object is not iterable")."""
+    is refused by name (one spec failed with "TypeError: 'AdapterSpec' object is not iterable"). ``mappings``: the
+    caller takes mappings of a spec's fields as specs (`MultiLoRAModule`'s, not `init_multilora`'s)."""
     if isinstance(adapters, (AdapterSpec, Mapping, str, bytes)) or not isinstance(adapters, Iterable):
         one = isinstance(adapters, (AdapterSpec, Mapping))
-        raise ValueError(f"`adapters` is a list of AdapterSpec (or of mappings of their fields), got "
-                         f"{'one ' if one else ''}{type(adapters).__name__}" + (": give it in a list, "
-                         f"adapters=[{'AdapterSpec(...)' if isinstance(adapters, AdapterSpec) else '{...}'}]"
-                         if one else ""))
+        given = "{...}" if isinstance(adapters, Mapping) and mappings else "AdapterSpec(...)"
+        raise ValueError(f"`adapters` is a list of AdapterSpec{' (or of mappings of their fields)' * mappings}, "
+                         f"got {'one ' if one else ''}{type(adapters).__name__}"
+                         + (f": give it in a list, adapters=[{given}]" if one else ""))
     return list(adapters)
 
 

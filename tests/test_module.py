@@ -1455,6 +1455,19 @@ def test_one_adapter_given_without_a_list_is_refused_by_name():
     assert [(rec.name, rec.spec.rank) for rec in module.registry] == [("a", 2), ("b", 4)]
     assert [a["name"] for a in module.hparams["adapters"]] == ["a", "b"]
 
+    from lightning_multilora import MultiLoRAMixin
+    from lightning_multilora.base_model import build_base_model
+
+    class Mixed(MultiLoRAMixin, L.LightningModule):  # (its adapters are AdapterSpecs alone: mappings not offered)
+        def __init__(self, adapters):
+            super().__init__()
+            self.model = build_base_model("tiny-llama")
+            self.init_multilora(self.model, adapters=adapters)
+
+    with pytest.raises(ValueError, match=r"^`adapters` is a list of AdapterSpec, got one dict: give it in a list, "
+                                         r"adapters=\[AdapterSpec\(\.\.\.\)\]$"):
+        Mixed({"name": "a"})
+
 
 def test_the_recorded_base_of_a_compiled_model_is_the_model_it_compiled():
     """torch.compile wraps a model in an OptimizedModule holding it as ``_orig_mod``: a resume with or without the
@@ -3002,7 +3015,8 @@ def test_a_resume_of_a_checkpoint_at_the_trainers_end_says_it_trained_and_export
     def run(max_steps, ckpt=None):
         module = MultiLoRAModule("tiny-llama", export_dir=str(tmp_path / ("run" if ckpt is None else "again") /
                                                               "adapters"),
-                                 adapters=[AdapterSpec("a", rank=2, max_steps=10, lr=1e-2, seed=1)])
+                                 adapters=[AdapterSpec("a", rank=2, max_steps=10, lr=1e-2, seed=1),
+                                           AdapterSpec("b", rank=2, max_steps=2, lr=1e-2, seed=2)])
         saving = ModelCheckpoint(dirpath=str(tmp_path / "run" / "checkpoints"), every_n_train_steps=4,
                                  filename="four")
         trainer = L.Trainer(**{**trainer_kwargs, "max_steps": max_steps, "enable_checkpointing": True},
@@ -3018,8 +3032,9 @@ def test_a_resume_of_a_checkpoint_at_the_trainers_end_says_it_trained_and_export
     exported = first.registry["a"].export_path
     assert said == [] and exported == str(tmp_path / "run" / "adapters" / "a")
     tail = "); resume with a larger `max_steps` (or `max_epochs`) to train on"
-    for ckpt, named in ((tmp_path / "end.ckpt", f"'a' {exported}"),
-                        (tmp_path / "run" / "checkpoints" / "four.ckpt", str(tmp_path / "run" / "adapters"))):
+    assert first.registry["b"].export_path is not None  # (ended before: not the resume's to name)
+    named = f"'a' {exported}"  # (from the record of a checkpoint written after the exports, or the folder's)
+    for ckpt in (tmp_path / "end.ckpt", tmp_path / "run" / "checkpoints" / "four.ckpt"):
         again, said = run(4, ckpt=str(ckpt))
         assert len(said) == 1 and said[0].startswith(
             "this fit resumed a checkpoint written at step 4, where the run was done (the Trainer's `max_steps` 4, "

@@ -845,23 +845,51 @@ class OptunaSweep(Callback):
             name = f"trial-{trial.number}"
             self.trials[name]["told"] = True
             if name in pl_module.registry and not pl_module.registry[name].state.exited:
-                records.append(self._told_record(pl_module, trial))
+                records.append(self._told_record(pl_module, trial, held=pl_module.registry[name]))
                 pl_module._replace_with_record(AdapterRecord.from_state_dict(records[-1]))  # (its slot free now)
                 numbers.append(f"{trial.number} ({trial.state.name})")
         if numbers:
             warnings.warn(f"OptunaSweep: trials {', '.join(numbers)} were told in study {self.study.study_name!r} "
                           "after the checkpoint this run resumed from, by the run that wrote it: their adapters are "
-                          "not trained again, and their exports stand as the study describes them")
+                          "not trained again, and what they exported stands as the study describes it")
         return records
 
-    def _told_record(self, pl_module: L.LightningModule, trial: Any) -> dict[str, Any]:
+    def _told_record(self, pl_module: L.LightningModule, trial: Any,
+                     held: Optional[AdapterRecord] = None) -> dict[str, Any]:
         """The registry record (its state dict) of a trial told before the run resumed, from what the study holds:
         its adapter trained, exported and exited after the checkpoint, so the registry restored lacks it, and the
-        run's report would (`SweepReport`)."""
-        import optuna
+        run's report would (`SweepReport`). ``held``: the checkpoint's record of it (`_take_told_since`), which
+        keeps what it says up to the checkpoint (its spec, spans, losses), the study's end put on it."""
+        import copy
 
         name = f"trial-{trial.number}"
+        if held is not None:
+            rec, at = copy.deepcopy(held), pl_module._run_step()  # (the checkpoint's run step)
+            studied = sorted((int(k), float(v)) for k, v in trial.intermediate_values.items())
+            validated = max((step for step, _ in held.val_losses), default=-1)  # (reported after the checkpoint:)
+            later = [(step, loss) for step, loss in studied if step > validated]
+            rec.val_losses = [*rec.val_losses, *later]
+            for step, loss in later:
+                if loss < rec.best_val_loss:
+                    rec.best_val_step, rec.best_val_loss = step, loss
+            if later:
+                rec.last_val_loss = later[-1][1]
+            ended = trial.user_attrs.get("adapter_exit") or {}
+            went = int(ended.get("step", held.step)) - held.step if held.state == AdapterState.RUNNING else 0
+            rec.ended_at_step = at + max(0, went)  # (a running adapter steps with the run: as it went on there)
+            rec.close_span(rec.ended_at_step)
+            return self._told_end(rec, trial)
         rec = AdapterRecord(AdapterSpec(name=name, **self._spec_kwargs(trial.params)))
+        rec.val_losses = sorted((int(k), float(v)) for k, v in trial.intermediate_values.items())
+        if rec.val_losses:
+            rec.step, rec.last_val_loss = rec.val_losses[-1]
+            rec.best_val_step, rec.best_val_loss = min(rec.val_losses, key=lambda sv: sv[1])
+        return self._told_end(rec, trial)
+
+    def _told_end(self, rec: AdapterRecord, trial: Any) -> dict[str, Any]:
+        """`_told_record`'s ``rec`` with how the study says it ended: its state and why, its step, its export."""
+        import optuna
+
         ended = trial.user_attrs.get("adapter_exit") or {}  # (`_conclude`; absent where it was told otherwise)
         rec.state = AdapterState(ended["state"]) if "state" in ended else {
             optuna.trial.TrialState.COMPLETE: AdapterState.FINISHED,
@@ -869,10 +897,6 @@ class OptunaSweep(Callback):
         why = ended.get("reason") or trial.user_attrs.get("fail_reason") or rec.state.value  # (`_fail`'s)
         rec.reason = (f"{why} (told {trial.state.name} in study {self.study.study_name!r} after the checkpoint this "
                       "run resumed from)")
-        rec.val_losses = sorted((int(k), float(v)) for k, v in trial.intermediate_values.items())
-        if rec.val_losses:
-            rec.step, rec.last_val_loss = rec.val_losses[-1]
-            rec.best_val_step, rec.best_val_loss = min(rec.val_losses, key=lambda sv: sv[1])
         if trial.value is not None:  # (the validation loss of the weights its export holds)
             rec.best_val_loss = min(rec.best_val_loss, trial.value)
         rec.step = int(ended.get("step", rec.step))

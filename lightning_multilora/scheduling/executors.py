@@ -305,8 +305,9 @@ class LocalExecutor:
         that exited 0 as a Ctrl-C came was recorded "stopped", and run again by a resume."""
         import signal
 
-        self._collect_exited()
-        running = [proc for proc, _, _ in self._procs.values()]
+        if self._kill_at is None:  # (a stop asked again: the tasks that exited since are the first one's, stopped)
+            self._collect_exited()
+        running = [proc for proc, _, _ in self._procs.values() if proc.poll() is None]
         tasks = f"{len(running)} task{'s' * (len(running) != 1)}"
         for proc, _, _ in self._procs.values():
             if proc.pid not in self._termed:  # (once: a task may take a second SIGTERM for "now")
@@ -319,6 +320,9 @@ class LocalExecutor:
         elif running:  # (a stop cut short by a second Ctrl-C, asked again: the same deadline, not another)
             _say(f"still stopping {tasks}: SIGKILL in {max(0.0, self._kill_at - time.monotonic()):.0f} s")
         deadline = self._kill_at
+        for proc, _, _ in self._procs.values():  # (what a stopped task left, a rank that ignores SIGTERM: drained,
+            if proc not in running and proc.pid not in self._draining:  # its grace, then SIGKILL)
+                self._drain(proc, None)
         while (running or self._draining) and time.monotonic() < deadline:  # (tasks whose own process had exited:
             time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))  # what they left gets its grace)
             for proc in [proc for proc in running if proc.poll() is not None]:  # (what a stopped task left, a rank

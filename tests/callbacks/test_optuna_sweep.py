@@ -1744,6 +1744,9 @@ def test_a_trial_the_checkpoint_holds_told_after_it_is_not_trained_again_on_resu
         rec, trial = module.registry[f"trial-{n}"], study.trials[n]
         assert (rec.state, rec.step, rec.exported_step) == (AdapterState.PRUNED, 4, 4), rec.reason
         assert rec.export_path == trial.user_attrs["adapter_exit"]["export_path"]
+        # (what the checkpoint's record says of it is kept: the report's chart and curves)
+        assert (rec.spans, rec.ended_at_step, [s for s, _ in rec.train_losses]) == ([[0, 4]], 4, [1, 2, 3, 4])
+        assert [s for s, _ in rec.val_losses] == [2, 4] and rec.tokens_seen > 0
         assert (tmp_path / "out" / f"trial-{n}" / "multilora_export.json").read_text() == described[n]
     assert module.registry["trial-2"].state == AdapterState.FINISHED
     assert [t.state.name for t in optuna.load_study(study_name="s", storage=storage).trials] == [

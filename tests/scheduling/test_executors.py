@@ -382,3 +382,30 @@ def test_a_ctrl_c_as_wait_collects_an_end_keeps_it(tmp_path, monkeypatch):
         runner.run()
     assert fired and (runner.records["quick"].state, runner.records["quick"].exit_code) == ("finished", 0)
     assert runner.stopped_running == []
+
+
+def test_a_stop_asked_again_records_the_tasks_the_first_one_stopped_as_stopped(tmp_path, monkeypatch):
+    """A stop cut short (a second Ctrl-C in its wait) and asked again: a task that exited 0 on the first stop's
+    SIGTERM (it traps it) was stopped, not ended on its own; taken for an end, a resume would skip it."""
+    import time
+
+    executor = LocalExecutor(tmp_path / "logs")
+    executor.start(Task("traps", 60.0, 1, ["sh", "-c", "trap 'exit 0' TERM; sleep 30 & wait"]), (0,))
+    time.sleep(0.3)  # (its trap set)
+    sleep, cut = time.sleep, []
+
+    def cut_short(seconds):
+        if not cut:
+            cut.append(seconds)
+            raise KeyboardInterrupt
+        sleep(seconds)
+
+    monkeypatch.setattr(time, "sleep", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        executor.stop()
+    monkeypatch.setattr(time, "sleep", sleep)
+    while executor._procs["traps"][0].poll() is None:
+        time.sleep(0.02)
+    (stopped,) = executor.stop()
+    assert (stopped.task_id, stopped.ok, stopped.exited, stopped.exit_code) == ("traps", False, False, 0)
+    assert stopped.detail.startswith("stopped, log ")
