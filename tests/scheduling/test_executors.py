@@ -270,7 +270,6 @@ def test_a_task_completes_once_what_it_left_is_gone_even_where_that_ignores_sigt
     """A task's leftover processes were sent SIGTERM as it completed, and its GPUs went to the next task (or its
     retry) at once, the leftovers (an NCCL rank that cannot run its handler) holding the GPUs' memory until their
     SIGKILL `group_grace_s` later. The task completes once they are gone: killed, where they ignore SIGTERM."""
-    import os
     import time
 
     pid = tmp_path / "left.pid"
