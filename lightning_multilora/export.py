@@ -9,28 +9,55 @@ import re
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Collection, Mapping, Optional, Sequence
 
 from torch import Tensor
 
 from lightning_multilora.spec import AdapterSpec
 
 
-def peft_target_modules(layer_names: Sequence[str], all_module_names: Sequence[str]) -> list[str]:
+def peft_target_modules(layer_names: Sequence[str], all_module_names: Sequence[str],
+                        spelled_out: Collection[str] = ()) -> list[str]:
     """The shortest PEFT ``target_modules`` that select exactly ``layer_names``.
 
     Last name parts (``q_proj``) when every module of the model with that last part is adapted,
-    full module names otherwise.
+    full module names otherwise, and always for the last parts in ``spelled_out`` (`peft_fused_names`).
     """
     chosen = set(layer_names)
     out: list[str] = []
     for suffix in sorted({n.rsplit(".", 1)[-1] for n in layer_names}):
         same_suffix = [n for n in all_module_names if n == suffix or n.endswith("." + suffix)]
-        if all(n in chosen for n in same_suffix):
+        if suffix not in spelled_out and all(n in chosen for n in same_suffix):
             out.append(suffix)
         else:
             out.extend(sorted(n for n in layer_names if n.rsplit(".", 1)[-1] == suffix))
     return out
+
+
+def peft_fused_names(model: Any) -> frozenset[str]:
+    """The last name parts (``gate_proj``, ``up_proj``, ``down_proj``, the router's ``gate``) that PEFT's loader, from
+    0.22 on, reads in an export's ``target_modules`` as a mixture-of-experts base's fused expert parameters as well,
+    on the bases whose experts transformers 5 fuses (Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4-MoE, OLMoE...): a bare
+    ``gate_proj`` of a dense or shared-expert MLP then also targets the experts' ``gate_up_proj`` (untrained LoRA
+    added there), and without ``up_proj`` is refused ("Cannot convert PEFT target(s) gate_proj without also targeting
+    up_proj"). Written as full module names, which it keeps as the linear layers they are. Empty where PEFT has no
+    such rule (its private tables, read as they are), and before 0.22 (`peft_skipped_layers`)."""
+    try:
+        import peft
+        from packaging.version import Version
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:
+        return frozenset()
+    if Version(peft.__version__) < Version("0.22.0"):
+        return frozenset()
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    try:
+        pattern = conversion._MODEL_TO_CONVERSION_PATTERN.get(model_type)
+        if pattern is None or not conversion._MOE_FUSED_TARGETS.get(pattern):
+            return frozenset()
+        return frozenset(conversion._MOE_TARGET_MODULE_MAPPING.get(pattern) or {})
+    except (AttributeError, TypeError):  # (another PEFT: its loader's rules unknown here)
+        return frozenset()
 
 
 def peft_skipped_layers(model: Any, layer_names: Sequence[str]) -> list[str]:
@@ -164,7 +191,7 @@ _FREE_FIELDS = frozenset({
     "layers_to_transform", "layers_pattern", "init_lora_weights", "eva_config", "loftq_config", "megatron_core",
     "runtime_config", "qalora_group_size", "ensure_weight_tying"})
 # initialisations that leave the base as it is (their weights train as any LoRA's afterwards)
-_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal")
+_PLAIN_INITS = (True, False, "gaussian", "eva", "orthogonal", "nora")
 
 
 def init_from_config(spec: AdapterSpec) -> dict[str, Any]:

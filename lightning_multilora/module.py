@@ -34,8 +34,8 @@ from typing_extensions import override
 from lightning_multilora.arguments import RunEnded, UsageError, check_bool, check_int, peft_targets
 from lightning_multilora.base_model import QUANTIZATIONS, check_causal_lm, held_dtype, one_sequence_per_row
 from lightning_multilora.data.datamodule import IGNORE_INDEX
-from lightning_multilora.export import (init_from_layers, init_from_shapes, init_from_weights, peft_skipped_layers,
-                                        peft_target_modules, save_peft_adapter)
+from lightning_multilora.export import (init_from_layers, init_from_shapes, init_from_weights, peft_fused_names,
+                                        peft_skipped_layers, peft_target_modules, save_peft_adapter)
 from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS, unflatten
 from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels import keep_alive
@@ -628,7 +628,8 @@ class MultiLoRAMixin:
                           "written", stacklevel=2)
         path = save_peft_adapter(directory, rec.spec, weights if weights is not None else
                                  self.lora_layers.peft_state_dict(name),
-                                 peft_target_modules(layers, self._all_module_names), base or None,
+                                 peft_target_modules(layers, self._all_module_names,
+                                                     peft_fused_names(self.lora_layers.model)), base or None,
                                  fan_in_fan_out=any(self.lora_layers[n].fan_in_fan_out for n in layers),
                                  task_type="CAUSAL_LM" if _generates(self.lora_layers.model) else None)
         build = getattr(self, "_base_build", {})  # (a checkpoint's overrides: PEFT's loader does not apply them)

@@ -308,12 +308,13 @@ def test_an_adapter_starts_from_a_peft_folder_and_continues_it(tmp_path, trainer
     with pytest.raises(ValueError, match=r"is not a plain LoRA adapter \(use_dora=True\)"):
         MultiLoRAModule(str(tmp_path / "base"))._targets_of(replace(spec, init_from=str(tmp_path / "dora")))
     # initialisations that rewrite the base (PiSSA...) and other LoRA variants (aLoRA) are refused, naming the field;
-    # one that leaves the base alone ("orthogonal") starts the adapter
+    # those that leave the base alone ("orthogonal", "nora") start the adapter
     for name, config, message in [
             ("pissa", dict(init_lora_weights="pissa"), r"\(init_lora_weights='pissa'\): its weights fit the base its "
                                                       r"initialisation rewrote.*path_initial_model_for_weight_conv"),
             ("alora", dict(alora_invocation_tokens=[5]), r"not a plain LoRA adapter \(alora_invocation_tokens=\[5\]\)"),
-            ("orthogonal", dict(init_lora_weights="orthogonal"), None)]:
+            ("orthogonal", dict(init_lora_weights="orthogonal"), None),
+            ("nora", dict(init_lora_weights="nora"), None)]:  # (A's columns normalised, B zero: the base left alone)
         _peft_saved_adapter(tmp_path / name, tmp_path / "base", r=4, lora_alpha=32, use_rslora=True,
                             target_modules=["q_proj", "v_proj"], **config)
         variant = replace(spec, init_from=str(tmp_path / name))
@@ -570,6 +571,38 @@ def test_an_export_says_what_its_weights_are_and_a_built_in_base_how_it_was_buil
     theirs = dict(rebuilt.named_parameters())
     ours = {n.replace(".base.", "."): p for n, p in module.model.named_parameters() if "lora_" not in n}
     assert ours.keys() == theirs.keys() and all(torch.equal(p, theirs[n]) for n, p in ours.items())
+
+
+def test_an_export_of_one_of_a_fused_pair_on_a_moe_base_loads_in_peft(tmp_path, trainer_kwargs):
+    """PEFT 0.22 reads a bare `gate_proj` in `target_modules` on a mixture-of-experts base as the fused experts'
+    `gate_up_proj` too: an export of the dense / shared-expert `gate_proj` without `up_proj` was refused ("Cannot
+    convert PEFT target(s) gate_proj without also targeting up_proj"), unsaid as it was written. Written by full name,
+    it loads, and answers as the module does."""
+    import peft
+    from packaging.version import Version
+    from peft import get_peft_model_state_dict
+    from transformers import AutoConfig
+
+    if Version(peft.__version__) < Version("0.22.0"):
+        pytest.skip("PEFT before 0.22 leaves such layers out, and the export says so (the test below)")
+    config = AutoConfig.for_model("qwen2_moe", vocab_size=258, hidden_size=32, intermediate_size=64,
+                                  moe_intermediate_size=16, shared_expert_intermediate_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "base")
+    spec = AdapterSpec("a", rank=2, alpha=4, lr=1e-2, max_steps=10, target_modules=["q_proj", "gate_proj"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # ("all-linear" leaves the fused experts and the router: said)
+        module = MultiLoRAModule(str(tmp_path / "base"), export_dir=str(tmp_path / "e"), validate_on_finish=False,
+                                 adapters=[spec])  # (held at the Trainer's stop: its weights are the export's)
+        data = MultiLoRADataModule(sources={"arith": GeneratedArithmetic(40)})
+        L.Trainer(**{**trainer_kwargs, "max_steps": 2}).fit(module, data)
+    written = json.loads((tmp_path / "e" / "a" / "adapter_config.json").read_text())["target_modules"]
+    assert sorted(written) == ["model.layers.0.mlp.shared_expert.gate_proj",
+                               "model.layers.1.mlp.shared_expert.gate_proj", "q_proj"], written
+    _assert_peft_logits(module, "a", tmp_path / "base", tmp_path / "e" / "a")
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "e" / "a")
+    assert not [k for k in get_peft_model_state_dict(loaded) if "experts." in k]  # (no untrained LoRA on them)
 
 
 def test_an_export_whose_layers_peft_takes_for_fused_experts_is_warned_of(tmp_path, trainer_kwargs):
