@@ -401,7 +401,8 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         (``running``: the resident ones, paused included, on the ranks that hold them). The order is the greedy
         controller's (largest batch first, the freed slot's batch size before the others). A candidate goes to the
         rank the placement balances it to (`assign_adapters`) where it fits there, else to the first other rank,
-        fewest rows first, where it fits (that rank, `place` gives it), else it waits: a candidate balanced to a
+        fewest rows first, where it fits (that rank, `place` gives it), else it waits (a paused one, owned, fits on
+        its owner or waits): a candidate balanced to a
         rank full by memory waited while another had room, and a rank over the budget (adapters a resume moved
         there) held every rank's candidates back. The same registry on every rank gives the same decision
         everywhere.
@@ -423,7 +424,10 @@ class AdapterParallelStrategy(ModelParallelStrategy):
             balanced = assign_adapters([*running, *chosen, spec], self.world_size, owner)[spec.name]
             rows = [sum(s.rows_per_step for s in specs) for specs in on]
             others = sorted((r for r in range(self.world_size) if r != balanced), key=lambda r: (rows[r], r))
-            rank = next((r for r in (balanced, *others) if fits([*on[r], spec])), None)
+            # (a paused adapter, owned, resumes where its weights and optimizer state are: judged on that rank alone;
+            # it was taken as fitting on another rank with room, and resumed over its own rank's budget)
+            ranks = (self.owner[spec.name],) if spec.name in self.owner else (balanced, *others)
+            rank = next((r for r in ranks if fits([*on[r], spec])), None)
             if rank is None:
                 continue
             owner[spec.name] = self._admitted_to[spec.name] = rank

@@ -568,6 +568,27 @@ def test_an_optuna_sweep_asks_as_many_trials_as_every_ranks_memory_admits(runs):
     assert all(state == "finished" for state, _ in ranks[0]["states"].values())
 
 
+def test_a_paused_adapter_is_admitted_only_where_its_weights_are():
+    """A paused adapter keeps its weights and optimizer state on the rank that owns it: judged startable because
+    another rank had room, it resumed on its own, over that device's budget (one process said it did not fit)."""
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    from lightning_multilora.scheduling import AdmissionController
+
+    env = LightningEnvironment()
+    env.set_world_size(2)  # no process group: only the placement arithmetic
+    strategy = AdapterParallelStrategy()
+    strategy.cluster_environment = env
+    ranks = AdmissionController(lambda specs: float(sum(s.rank for s in specs)), 8.0, safety_margin=1.0)
+    a, paused, b = AdapterSpec("a", rank=6), AdapterSpec("p", rank=4), AdapterSpec("b", rank=1)
+    strategy.owner = {"a": 0, "p": 0, "b": 1}
+    assert strategy.select_admitted(ranks, [a, b], [paused]) == [] and strategy._admitted_to == {}
+    strategy.owner = {"a": 0, "p": 1, "b": 1}  # (on the rank with room: admitted there)
+    assert strategy.select_admitted(ranks, [a, b], [paused]) == [paused]
+    strategy.owner = {"a": 0, "b": 0}  # (none: queued, or its rank gone in a smaller resume: placed where it fits)
+    assert strategy.select_admitted(ranks, [a, b], [paused]) == [paused] and strategy._admitted_to == {"p": 1}
+
+
 def test_per_rank_admission_places_as_the_module_starts_adapters():
     from lightning_multilora.scheduling import AdmissionController
 
