@@ -45,9 +45,10 @@ class _Parser(LightningArgumentParser):
         parser = commands.get(sub[1]) if sub else None
         top = [a.dest for a in (parser or self)._actions if a.dest and "." not in a.dest
                and a.dest not in ("help", "config")]
-        return super().error((_refused_fields(message, refused) or _section_typo(message, top)
-                              or _one_of_a_list(message) or _wrong_type(message) or _class_path(message)
-                              or _field_before_class(message) or _unknown_class(message) or message) + peft_hints(refused), ex)
+        said = (_refused_fields(message, refused) or _section_typo(message, top) or _one_of_a_list(message)
+                or _wrong_type(message) or _class_path(message) or _field_before_class(message)
+                or _unknown_class(message) or message)
+        return super().error(said + peft_hints(refused), ex)
 
     def print_usage(self, file=None) -> None:
         (file or sys.stdout).write(f"usage: {self.prog} [-h] [-c CONFIG] [--KEY VALUE ...]\n")
