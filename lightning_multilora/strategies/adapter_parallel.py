@@ -402,10 +402,9 @@ class AdapterParallelStrategy(ModelParallelStrategy):
         controller's (largest batch first, the freed slot's batch size before the others). A candidate goes to the
         rank the placement balances it to (`assign_adapters`) where it fits there, else to the first other rank,
         fewest rows first, where it fits (that rank, `place` gives it), else it waits (a paused one, owned, fits on
-        its owner or waits): a candidate balanced to a
-        rank full by memory waited while another had room, and a rank over the budget (adapters a resume moved
-        there) held every rank's candidates back. The same registry on every rank gives the same decision
-        everywhere.
+        its owner or waits): a candidate balanced to a rank full by memory waited while another had room, and a rank
+        over the budget (adapters a resume moved there) held every rank's candidates back. The same registry on every
+        rank gives the same decision everywhere.
 
         Any controller is applied this way, greedily: a `CPSATAdmission`'s knapsack and priorities are not used
         under this strategy (its predictor is). The predictor is asked about one rank's adapters as if the whole
