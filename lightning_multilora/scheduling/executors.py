@@ -323,12 +323,12 @@ class LocalExecutor:
         for proc, _, _ in self._procs.values():  # (what a stopped task left, a rank that ignores SIGTERM: drained,
             if proc not in running and proc.pid not in self._draining:  # its grace, then SIGKILL)
                 self._drain(proc, None)
-        while (running or self._draining) and time.monotonic() < deadline:  # (tasks whose own process had exited:
-            time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))  # what they left gets its grace)
-            for proc in [proc for proc in running if proc.poll() is not None]:  # (what a stopped task left, a rank
-                running.remove(proc)  # that ignores SIGTERM: drained, its grace, then SIGKILL)
+        while (running or self._draining) and time.monotonic() < deadline:
+            time.sleep(min(self.poll_s, max(0.0, deadline - time.monotonic())))
+            for proc in [proc for proc in running if proc.poll() is not None]:
+                running.remove(proc)
                 self._drain(proc, None)
-            self._drain_step()
+            self._drain_step()  # (a task that had exited before the stop: to `_ended` once what it left is gone)
         for proc in running:
             _signal_group(proc, signal.SIGKILL)
         while self._draining:  # (past the stop's deadline: killed, and given up on `group_grace_s` later)
