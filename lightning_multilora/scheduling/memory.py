@@ -70,6 +70,7 @@ class ModelShape:
         for name in ("num_layers", "hidden", "intermediate", "num_heads", "num_kv_heads", "vocab_size"):
             check_int("ModelShape", name, getattr(self, name), 1)
         check_int("ModelShape", "head_dim", self.head_dim, 1, optional=True)
+        check_bool("ModelShape", "tied_embeddings", self.tied_embeddings)  # (a "false" counted as tied)
         if self.head_dim is None and self.hidden % self.num_heads:
             raise ValueError(f"ModelShape: `hidden` ({self.hidden}) is not a multiple of `num_heads` "
                              f"({self.num_heads}): give `head_dim`, the width of a head")
@@ -129,8 +130,9 @@ class ModelShape:
         return dims[name]
 
     def adapter_params(self, rank: int, targets: Sequence[str] = PROJECTIONS) -> int:
-        """Trainable parameters of one rank-``rank`` adapter on ``targets`` in every layer."""
-        return rank * self._params_per_rank(tuple(targets))
+        """Trainable parameters of one rank-``rank`` adapter on ``targets`` in every layer (read as `projections`
+        reads them)."""
+        return rank * self._params_per_rank(_canonical(targets, "ModelShape.adapter_params: `targets`"))
 
     @functools.lru_cache(maxsize=64)
     def _params_per_rank(self, targets: tuple[str, ...]) -> int:
@@ -227,8 +229,9 @@ class AnalyticMemoryModel:
         optimizer's states (one for Lion, SGD, RMSprop..., two for Adam / AdamW / LAMB, three for AdEMAMix), a
         quarter each where it keeps them in 8 bits (``*8bit``, or ``optimizer_kwargs`` ``optim_bits=8``: one byte
         beside the adapters' four; bitsandbytes keeps a tensor under its ``min_8bit_size``, 4096 elements, in 32
-        bits, which this does not count). Of any other optimizer, or a Hugging Face model, AdamW's two: pass
-        ``optimizer_states`` for one that keeps another count (SGD without momentum 0, Adagrad 1)."""
+        bits, which this does not count). Of a torch optimizer, the states one step of it keeps with the module's
+        ``optimizer_kwargs`` (AdamW's two, three with ``amsgrad``; SGD's none, one with momentum). Of a Hugging Face
+        model, or an optimizer that cannot be stepped alone, AdamW's two: pass ``optimizer_states`` for another."""
         import torch
 
         model = getattr(getattr(module, "lora_layers", None), "model", None)  # (a module's base; a Hugging Face
@@ -273,6 +276,7 @@ class AnalyticMemoryModel:
         """Parameters, gradients and optimizer states of one adapter, and the GPU kernels' copy of its weights in
         the activation dtype (made when that is narrower than the adapters')."""
         check_int("AnalyticMemoryModel.adapter_bytes", "rank", rank, 1)
+        targets = _canonical(targets, "AnalyticMemoryModel.adapter_bytes: `targets`")
         copy = self.activation_bytes if self.activation_bytes < self.adapter_bytes_per_param else 0.0
         per_param = self.adapter_bytes_per_param * (2 + self.optimizer_states) + copy
         return self.shape.adapter_params(rank, targets) * per_param
@@ -306,9 +310,10 @@ class AnalyticMemoryModel:
                                  f"{adapter!r}")
             check_int(f"AnalyticMemoryModel.predict: adapter #{i}", "rank", adapter[0], 1)
             check_int(f"AnalyticMemoryModel.predict: adapter #{i}", "batch_size", adapter[1], 0)
-        # (one string, "all-linear" say, read as the module reads it: it was taken letter by letter)
-        adapters = [(r, b, projections(t, f"AnalyticMemoryModel.predict: adapter #{i}'s targets")
-                     if isinstance(t, str) else t) for i, (r, b, t) in enumerate(adapters)]
+        # (read as the module reads them: one string, "all-linear" say, was taken letter by letter, a list's
+        # "self_attn.q_proj" refused and a name given twice counted twice)
+        adapters = [(r, b, _canonical(t, f"AnalyticMemoryModel.predict: adapter #{i}'s targets"))
+                    for i, (r, b, t) in enumerate(adapters)]
         tokens = sum(b for _, b, _ in adapters) * seq_len
         widest: dict[str, int] = {}
         for rank, rows, targets in adapters:
@@ -377,7 +382,8 @@ def _optimizer_states(optimizer_class: Any, kwargs: Any, adapter_bytes: float) -
     """A bitsandbytes optimizer class's states, in adapter parameters' sizes (``adapter_bytes`` each): one state
     (`Optimizer1State`: Lion, SGD, RMSprop, Adagrad, LARS), two (`Optimizer2State`: Adam, AdamW, LAMB) or three
     (AdEMAMix: two first moments), each of one byte where it keeps them in 8 bits (a ``*8bit`` class, or
-    ``optim_bits=8`` among ``kwargs``), else of four. None for any other class (AdamW's default stands)."""
+    ``optim_bits=8`` among ``kwargs``), else of four. Of another `torch.optim.Optimizer`, what one step of it keeps
+    (`_probed_states`). None where that cannot be told (AdamW's default stands)."""
     if not isinstance(optimizer_class, type):
         return None
     names = [klass.__name__ for klass in optimizer_class.__mro__ if klass.__module__.split(".")[0] == "bitsandbytes"]
@@ -386,7 +392,7 @@ def _optimizer_states(optimizer_class: Any, kwargs: Any, adapter_bytes: float) -
     elif "Optimizer2State" in names:
         count = 3 if "AdEMAMix" in names else 2  # (its first state a double buffer; AdEMAMix32bit allocates two)
     else:
-        return None
+        return _probed_states(optimizer_class, kwargs, adapter_bytes)
     if isinstance(adapter_bytes, bool) or not isinstance(adapter_bytes, (int, float)) or not adapter_bytes > 0:
         return None  # (a wrong `adapter_bytes_per_param`: refused by the model's own checks)
     eight = optimizer_class.__name__.endswith("8bit") or (isinstance(kwargs, Mapping) and kwargs.get("optim_bits") == 8)
@@ -442,6 +448,41 @@ def projections(targets: Sequence[str] | str, what: str = "`targets`") -> tuple[
                          f"{', '.join(PROJECTIONS)}, 'all-linear', or a regex matching e.g. "
                          f"{_LAYER_NAMES['q_proj'][0]!r}")
     return found
+
+
+def _probed_states(optimizer_class: type, kwargs: Any, adapter_bytes: float) -> Optional[float]:
+    """The states a `torch.optim.Optimizer` class keeps per parameter, in adapter parameters' sizes: counted after one
+    step of it, with ``kwargs``, on a float32 probe parameter (AdamW's two, three with ``amsgrad``; SGD's none, one
+    with momentum; RMSprop's one to three). None where the class is no torch optimizer or the step fails."""
+    import torch
+
+    if not issubclass(optimizer_class, torch.optim.Optimizer) or not (
+            isinstance(adapter_bytes, (int, float)) and not isinstance(adapter_bytes, bool) and adapter_bytes > 0):
+        return None
+    probe = torch.nn.Parameter(torch.zeros(64))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            optimizer = optimizer_class([probe], **{"lr": 1e-3, **(kwargs if isinstance(kwargs, Mapping) else {})})
+            probe.grad = torch.zeros_like(probe)
+            optimizer.step()
+    except Exception:  # noqa: BLE001 - (one that needs more than a parameter list: the default stands)
+        return None
+    state = optimizer.state.get(probe, {})
+    held = sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v) and v.numel() == 64)
+    return held / 64 / adapter_bytes
+
+
+def _canonical(targets: Any, what: str) -> tuple[str, ...]:
+    """``targets`` as the projections they name (`projections`), at once where they are those names already (the
+    admission asks for every candidate set it weighs); None or another type refused, naming ``what``."""
+    if isinstance(targets, (list, tuple)) and all(t in PROJECTIONS for t in targets) and len(
+            set(targets)) == len(targets) and targets:
+        return tuple(targets)
+    if not isinstance(targets, (str, list, tuple)):
+        raise ValueError(f"{what} can be a list of {', '.join(PROJECTIONS)}, 'all-linear' or a regex, got "
+                         f"{targets!r}")
+    return projections(targets, what)
 
 
 @dataclass(frozen=True)

@@ -62,6 +62,15 @@ def test_the_analytic_model_grows_with_adapters_batch_and_rank_and_checkpointing
     # (one string of targets was read letter by letter: "got 'a'")
     assert model.predict([(16, 1, "all-linear")], 1024) == one
     assert model.predict([(16, 1, "q_proj")], 1024) == model.predict([(16, 1, ("q_proj",))], 1024) < one
+    # (a list was taken as given: "all-linear" and "self_attn.q_proj" in one refused, a name given twice counted
+    # twice; `adapter_bytes` and `adapter_params` read one string letter by letter)
+    assert model.predict([(16, 1, ["all-linear"])], 1024) == one
+    assert model.predict([(16, 1, ["self_attn.q_proj", "q_proj"])], 1024) == model.predict([(16, 1, ["q_proj"])], 1024)
+    assert model.adapter_bytes(16, "all-linear") == model.adapter_bytes(16)
+    assert SHAPE.adapter_params(16, "q_proj") == SHAPE.adapter_params(16, ["q_proj"])
+    for targets in (None, []):
+        with pytest.raises(ValueError, match=r"AnalyticMemoryModel.predict: adapter #0's targets"):
+            model.predict([(16, 1, targets)], 1024)
     without = AnalyticMemoryModel(SHAPE, gradient_checkpointing=False)
     assert without.predict([(16, 8, PROJECTIONS)], 1024) > model.predict([(16, 8, PROJECTIONS)], 1024)
     # bf16 activations: the kernels' bf16 copy of fp32 adapters; fp32 activations read the adapters as they are
@@ -305,6 +314,7 @@ def test_a_mixture_of_experts_base_counts_every_expert():
     (dict(num_kv_heads=8), r"`num_kv_heads` must divide `num_heads` \(4\): .*got 8"),
     (dict(num_experts=4, experts_per_token=5), r"`experts_per_token` must be an integer from 1 to 4, got 5"),
     (dict(dense_layers=3), r"`dense_layers` must be an integer from 0 to 2, got 3"),
+    (dict(tied_embeddings="false"), r"`tied_embeddings` must be True or False, got 'false'"),  # (counted as tied)
 ])
 def test_a_shape_whose_heads_or_experts_do_not_add_up_is_refused(kwargs, message):
     """(hidden 100 over 3 heads made a q_proj 99 wide; more key/value heads than query heads went through.)"""

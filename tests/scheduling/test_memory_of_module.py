@@ -84,6 +84,11 @@ def test_an_8bit_base_computes_in_its_weights_dtype_and_its_row_scales_are_count
     ("bitsandbytes.optim.Lion8bit", {}, 0.25),
     ("bitsandbytes.optim.Lion", {}, 1.0),
     ("bitsandbytes.optim.AdEMAMix8bit", {}, 0.75),
+    # (a torch optimizer's: AdamW's two stood for any, AdamW with amsgrad keeping three, SGD none)
+    ("torch.optim.AdamW", {"amsgrad": True}, 3.0),
+    ("torch.optim.SGD", {}, 0.0),
+    ("torch.optim.SGD", {"momentum": 0.9}, 1.0),
+    ("torch.optim.RMSprop", {"momentum": 0.9, "centered": True}, 3.0),
 ])
 def test_the_optimizer_states_are_those_of_the_optimizer_the_module_steps(optimizer, kwargs, states):
     """(`of_module` kept AdamW's two fp32 states whatever the module stepped: a module stepping AdamW8bit, one byte a
