@@ -154,7 +154,7 @@ class EarlyExit(Callback):
             self.watches, self.exits = {}, []
             carried = getattr(pl_module, "carried_callback_state", lambda callback: None)(self)
             if carried is not None:
-                self.load_state_dict(carried)
+                self._load(carried, "the last fit's")
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
@@ -206,9 +206,10 @@ class EarlyExit(Callback):
             sync()
 
     def _settings(self) -> dict[str, Any]:
-        """The settings the rule decides with, beyond those in its `state_key` (whose change `adopt_checkpoint_state`
-        says)."""
-        return {"ema_alpha": self.ema_alpha, "patience_div": self.patience_div, "patience_ovf": self.patience_ovf,
+        """The settings the rule decides with (those of its `state_key` too: another fit of the module takes its
+        last state whatever its key, `carried_callback_state`)."""
+        return {"window": self.window, "tau_gap": self.tau_gap, "tau_slope": self.tau_slope,
+                "ema_alpha": self.ema_alpha, "patience_div": self.patience_div, "patience_ovf": self.patience_ovf,
                 "keep_best_weights": self.keep_best_weights, "overfit_while_improving": self.overfit_while_improving}
 
     @override
@@ -218,12 +219,16 @@ class EarlyExit(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._load(state_dict, "the checkpoint's")
+
+    def _load(self, state_dict: dict[str, Any], source: str) -> None:
+        """Takes a state, of ``source`` ("the checkpoint's", "the last fit's"), saying which settings changed."""
         self.watches = {n: AdapterWatch(**w) for n, w in state_dict.get("watches", {}).items()}
         self.exits = list(state_dict.get("exits", []))
         saved, now = state_dict.get("settings") or {}, self._settings()
         changed = [k for k in now if k in saved and saved[k] != now[k]]
         if changed:  # (they went on under the new ones unsaid, which could turn an exit into another)
-            rank_zero_warn("the checkpoint's EarlyExit ran with " + ", ".join(f"{k}={saved[k]!r}" for k in changed)
+            rank_zero_warn(f"{source} EarlyExit ran with " + ", ".join(f"{k}={saved[k]!r}" for k in changed)
                            + "; now " + ", ".join(f"{k}={now[k]!r}" for k in changed) + ": every adapter's loss "
                            "average and patience counters go on under the new ones")
 
@@ -241,10 +246,13 @@ class EarlyExit(Callback):
         with other settings was not restored, and every adapter's loss average and patience counters started over
         (under Lightning's "Please add the following callbacks"). The module calls this as it loads a checkpoint,
         before Lightning matches the callbacks' states: such a state is taken under this callback's key, and the
-        change said."""
+        change said (by `load_state_dict`; here, for an older checkpoint whose settings do not name those of the
+        key)."""
         states = checkpoint.get("callbacks", {})
         others = [k for k in states if isinstance(k, str) and k.startswith("EarlyExit") and k != self.state_key]
         if len(others) == 1 and self.state_key not in states:
             states[self.state_key] = states.pop(others[0])
+            if "window" in ((states[self.state_key] or {}).get("settings") or {}):
+                return
             rank_zero_warn(f"the checkpoint's EarlyExit ran with other settings ({others[0]}; now {self.state_key}): "
                            "every adapter's loss average and patience counters go on under the new ones")

@@ -58,7 +58,7 @@ class WarmupSelection(Callback):
             self.warmup_losses, self.candidates, self.kept, self.waiting, self.decided = {}, [], [], [], False
             carried = getattr(pl_module, "carried_callback_state", lambda callback: None)(self)
             if carried is not None:
-                self.load_state_dict(carried)
+                self._load(carried, "the last fit's")
 
     def warmup_steps(self, max_steps: int) -> int:
         """``warmup_fraction`` of ``max_steps``, rounded half up (Python's ``round`` took 2.5 to 2 and 3.5 to 4:
@@ -230,6 +230,11 @@ class WarmupSelection(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._load(state_dict, "the checkpoint's")
+
+    def _load(self, state_dict: dict[str, Any], source: str) -> None:
+        """Takes a state, of ``source`` ("the checkpoint's", "the last fit's"): a selection under way keeps the
+        settings it began with, said where they changed."""
         self.warmup_losses = dict(state_dict.get("warmup_losses", {}))
         self.candidates = list(state_dict.get("candidates", []))
         self.kept = list(state_dict.get("kept", []))
@@ -242,7 +247,7 @@ class WarmupSelection(Callback):
             now = ", ".join(f"{k}={getattr(self, k)!r}" for k in changed)
             for k in changed:
                 setattr(self, k, type(getattr(self, k))(saved[k]))
-            rank_zero_warn("the checkpoint's WarmupSelection ran with " + ", ".join(f"{k}={saved[k]!r}" for k in
+            rank_zero_warn(f"{source} WarmupSelection ran with " + ", ".join(f"{k}={saved[k]!r}" for k in
                            changed) + f" (now {now}): its selection under way keeps them, every candidate warmed up "
                            "and ranked alike")
 

@@ -154,12 +154,20 @@ def test_a_checkpoint_of_other_settings_is_restored_under_the_new_ones_and_said(
     written.observe_train_loss("a", 2.0)
     checkpoint = {"callbacks": {written.state_key: written.state_dict(), "Other": {}}}
     resumed = EarlyExit(tau_gap=0.2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.adopt_checkpoint_state(checkpoint)  # (taken under its key; loading it says what changed)
+    assert set(checkpoint["callbacks"]) == {resumed.state_key, "Other"}
+    with pytest.warns(UserWarning, match=r"the checkpoint's EarlyExit ran with tau_gap=0.1; now tau_gap=0.2: every "
+                                         r"adapter's loss average and patience counters go on"):
+        resumed.load_state_dict(checkpoint["callbacks"][resumed.state_key])
+    assert resumed.watches["a"].ema == 2.0
+    older = written.state_dict()  # (an older checkpoint's settings name none of the key's: said as it is moved)
+    older["settings"] = {k: v for k, v in older["settings"].items() if k not in ("window", "tau_gap", "tau_slope")}
+    checkpoint = {"callbacks": {written.state_key: older}}
     with pytest.warns(UserWarning, match=r"EarlyExit ran with other settings .*tau_gap.: 0.1.*now .*tau_gap.: 0.2.*: "
                                          r"every adapter's loss average and patience counters go on"):
-        resumed.adopt_checkpoint_state(checkpoint)
-    assert set(checkpoint["callbacks"]) == {resumed.state_key, "Other"}
-    resumed.load_state_dict(checkpoint["callbacks"][resumed.state_key])
-    assert resumed.watches["a"].ema == 2.0
+        EarlyExit(tau_gap=0.2).adopt_checkpoint_state(checkpoint)
     checkpoint = {"callbacks": {written.state_key: written.state_dict()}}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -191,6 +199,27 @@ def test_a_callback_given_to_another_fit_starts_every_adapters_watch_afresh():
     rule.setup(None, module, "fit")
     assert rule.watches == {} and rule.exits == [] and module.keep_best_weights is True
 
+
+
+def test_another_fit_of_the_module_with_other_settings_goes_on_under_them_and_says_so():
+    """Another fit of a module stopped with adapters left takes the last fit's EarlyExit state, whatever its key: a
+    changed `window`, `tau_gap` or `tau_slope` went on unsaid (another patience was said, as the checkpoint's)."""
+    from types import SimpleNamespace
+
+    last = EarlyExit()
+    last.observe_train_loss("a", 2.0)
+    module = SimpleNamespace(registry=[], carried_callback_state=lambda callback: last.state_dict())
+    trainer = SimpleNamespace(limit_val_batches=1.0)
+    with pytest.warns(UserWarning, match=r"the last fit's EarlyExit ran with window=2, tau_gap=0.1; now window=3, "
+                                         r"tau_gap=0.5: every adapter's loss average and patience counters go on"):
+        EarlyExit(window=3, tau_gap=0.5).setup(trainer, module, "fit")
+    with pytest.warns(UserWarning, match=r"the last fit's EarlyExit ran with patience_ovf=2; now patience_ovf=5"):
+        EarlyExit(patience_ovf=5).setup(trainer, module, "fit")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = EarlyExit()
+        again.setup(trainer, module, "fit")
+    assert again.watches["a"].ema == 2.0
 
 
 def test_a_first_validation_that_overflows_is_no_new_best_and_counts_toward_overfitting():

@@ -351,6 +351,11 @@ def test_a_selection_under_way_resumed_with_other_settings_keeps_the_checkpoints
         resumed.load_state_dict(first.state_dict())
     assert (resumed.warmup_fraction, resumed.min_keep) == (0.1, 1)
     assert resumed.warmup_steps(40) == first.warmup_steps(40)
+    from types import SimpleNamespace  # (another fit of the module goes on with its last fit's selection: said so)
+
+    module = SimpleNamespace(registry=[], carried_callback_state=lambda callback: first.state_dict())
+    with pytest.warns(UserWarning, match=r"the last fit's WarmupSelection ran with warmup_fraction=0.1"):
+        WarmupSelection(warmup_fraction=0.25).setup(None, module, "fit")
     first.decided = True  # (made: the settings decide nothing more)
     later = WarmupSelection(warmup_fraction=0.25)
     with warnings.catch_warnings():
