@@ -129,7 +129,7 @@ def guard_4bit_base(model: nn.Module, stacklevel: int = 2) -> nn.Module:
 def build_base_model(
     base_model: Union[str, os.PathLike],
     config_overrides: Optional[dict[str, Any]] = None,
-    dtype: str = "float32",
+    dtype: Optional[str] = None,
     seed: int = 0,
     quantization: Optional[Union[str, Mapping[str, Any], Any]] = None,
 ) -> nn.Module:
@@ -141,11 +141,11 @@ def build_base_model(
     loaded back quantized, the same path a real checkpoint takes; a pre-quantized checkpoint (``*-bnb-4bit``) loads
     4-bit without it. A 4-bit base is kept from bitsandbytes' CPU repacking (`guard_4bit_base`). A checkpoint that is no
     causal LM (an encoder-decoder, or an encoder loaded as one with bidirectional attention) is refused
-    (`check_causal_lm`)."""
+    (`check_causal_lm`). ``dtype`` None: float32 (a pre-quantized checkpoint's, the dtype it was saved in)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     base_model = _checked_form(base_model)
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = resolve_dtype("float32" if dtype is None else dtype)
     _refuse_near_miss(base_model)
     if quantization is not None:
         config = quantization_config(quantization, torch_dtype)  # (a bad value refused before anything is loaded)
@@ -174,8 +174,9 @@ def build_base_model(
     # (a pre-quantized checkpoint, a `*-bnb-4bit` folder, loads 4-bit layers without `quantization`)
     model = guard_4bit_base(_from_pretrained(base_model, config_overrides, dtype=torch_dtype))
     held = held_dtype(model)
-    if four_bit_layers(model) and held is not None and held != torch_dtype:  # (transformers keeps a quantized
-        import warnings  # checkpoint's own dtype whatever `dtype` says)
+    # (transformers keeps a quantized checkpoint's own dtype whatever `dtype` says: said where one was asked)
+    if four_bit_layers(model) and dtype is not None and held is not None and held != torch_dtype:
+        import warnings
 
         name = str(held).removeprefix("torch.")
         warnings.warn(f"`dtype` {dtype!r} is not applied to the pre-quantized checkpoint {base_model!r}: transformers "
@@ -192,12 +193,12 @@ def held_dtype(model: nn.Module) -> Optional[torch.dtype]:
 
 def changed_overrides(base_model: str, config_overrides: Optional[dict[str, Any]]) -> dict[str, Any]:
     """The entries of ``config_overrides`` that change the config of ``base_model`` (a built-in name or a local
-    checkpoint's): one restating a value the config holds changes nothing. Integral floats as ints (10000.0 is
-    10000). A base whose config cannot be read here (a Hub name) keeps them all."""
+    checkpoint's): one restating a value the config holds changes nothing (10000.0 restates 10000). As given: the
+    export records them, to rebuild the base (an integral float made an int is refused by a float field). A base
+    whose config cannot be read here (a Hub name) keeps them all."""
     from transformers import AutoConfig
 
-    overrides = {k: int(v) if isinstance(v, float) and v.is_integer() else v
-                 for k, v in (config_overrides or {}).items()}
+    overrides = dict(config_overrides or {})
     try:
         if base_model in TINY_CONFIGS:
             config = AutoConfig.for_model(**TINY_CONFIGS[base_model]).to_dict()
@@ -242,20 +243,20 @@ def _from_pretrained(base_model: str, config_overrides: Optional[dict[str, Any]]
             kind = OSError if isinstance(err, OSError) else ValueError
             raise kind(f"`base_model` {base_model!r} is no built-in model ({', '.join(TINY_CONFIGS)}), no local "
                        f"checkpoint directory, and could not be loaded from the Hugging Face Hub: {err}") from err
-    elif kwargs:  # (a checkpoint there: the overrides fail)
+    else:  # (a checkpoint there: with overrides, what they cause names them)
+        from safetensors import SafetensorError
+
         _checkpoint_config(base_model)
-        config = _overridden_config(base_model, kwargs)
-        with _naming_overrides(config_overrides):
-            model = AutoModelForCausalLM.from_pretrained(base_model, config=config, **load)
-        _check_runs(model, config_overrides)
-    else:
-        _checkpoint_config(base_model)
+        config = {"config": _overridden_config(base_model, kwargs)} if kwargs else {}
         try:
-            model = AutoModelForCausalLM.from_pretrained(base_model, **load)
-        except (OSError, ValueError) as err:  # (its weights missing or unreadable: the directory is no wrong name)
-            kind = OSError if isinstance(err, OSError) else ValueError
+            with _naming_overrides(config_overrides):
+                model = AutoModelForCausalLM.from_pretrained(base_model, **config, **load)
+        # (its weights missing or unreadable, a file cut short: the directory is no wrong name, nor the overrides')
+        except (OSError, SafetensorError) + (() if kwargs else (ValueError,)) as err:
+            kind = ValueError if isinstance(err, ValueError) else OSError
             raise kind(f"`base_model` {base_model!r} is a checkpoint directory (its config.json read) whose model "
                        f"could not be loaded: {err}") from err
+        _check_runs(model, config_overrides)
     check_causal_lm(model, overridable=True)
     if os.path.isfile(os.path.join(base_model, "config.json")):  # (a checkpoint folder named from anywhere: its
         # exports' `base_model_name_or_path`; a relative path was loaded by PEFT from elsewhere as a Hub name)
@@ -431,10 +432,13 @@ def _per_layer_lists(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 def _naming_overrides(config_overrides: Optional[dict[str, Any]]):
     """An error while a config changed by ``config_overrides`` is built, or its model built or run once, names them
     (transformers' own message, about a rotary dimension or a head count, does not)."""
+    from safetensors import SafetensorError
+
     try:
         yield
-    except (OSError, MemoryError, torch.OutOfMemoryError, ImportError):  # (a file missing, no room, a package that
-        # does not import, a `kernels.py` of one's own hiding Hugging Face's: not the overrides' doing)
+    except (OSError, MemoryError, torch.OutOfMemoryError, ImportError, SafetensorError):  # (a file missing or cut
+        # short, no room, a package that does not import, a `kernels.py` of one's own hiding Hugging Face's: not the
+        # overrides' doing)
         raise
     except Exception as err:  # (transformers' validation errors are no ValueError)
         if not config_overrides:

@@ -39,7 +39,7 @@ from lightning_multilora.export import (init_from_layers, init_from_shapes, init
 from lightning_multilora.flat import ELEMENTWISE_OPTIMIZERS, unflatten
 from lightning_multilora.graphs import StepGraphs
 from lightning_multilora.kernels import keep_alive
-from lightning_multilora.kernels.recompute import checkpointing_kwargs
+from lightning_multilora.kernels.recompute import enable_checkpointing
 from lightning_multilora.layer import LoRALayers, inject_multilora
 from lightning_multilora.layout import BatchLayout
 from lightning_multilora.log_dir import log_dir_of
@@ -2972,7 +2972,7 @@ class MultiLoRAMixin:
             "run_id": self._run_id,
             "lineage": list(self._lineage),
             "step_offset": self.__dict__.get("_step_offset", 0),  # (the run's steps before its Trainer's: `_run_step`)
-            "log_dirs": sorted(self.__dict__.get("_log_dirs", ())),  # (its summaries there are its own: SweepReport)
+            "summary_files": sorted(self.__dict__.get("_summary_files", ())),  # (its own: `SweepReport` writes on)
             "base": self._base_identity(),
             "base_given": bool(self.__dict__.get("_base_given", False)),  # (a model given to MultiLoRAModule)
             "optimizer_classes": _optimizer_classes(self._raw_optimizer()),
@@ -2997,7 +2997,8 @@ class MultiLoRAMixin:
         # (as the module was given it: its config names a checkpoint folder by its absolute path, for the exports)
         identity["path"] = getattr(self, "_base_named", None) or values.get("_name_or_path") or None
         for key, value in getattr(self, "_base_build", {}).items():  # (how the module built it; text: plain data)
-            identity[key] = value if isinstance(value, int) else json.dumps(value, sort_keys=True, default=str)
+            identity[key] = value if isinstance(value, int) else json.dumps(
+                _integral_as_int(value), sort_keys=True, default=str)  # (10000.0 is 10000, as an older checkpoint's)
         quant = values.get("quantization_config") or {}
         dtype = held_dtype(model)
         held = str(dtype).removeprefix("torch.") if dtype is not None else "none"
@@ -3170,7 +3171,8 @@ class MultiLoRAMixin:
         # this module does: its optimizer states, data positions and callbacks' states from the checkpoint (they were
         # lost, the trained adapters' exports then written over by others trained again from fresh optimizers)
         self._loaded_outside_fit = trainer is None
-        self._log_dirs = self.__dict__.get("_log_dirs", set()) | set(state.get("log_dirs", ()))
+        self._summary_files = (self.__dict__.get("_summary_files", set()) | set(state.get("summary_files", ()))
+                               | {str(Path(d) / "sweep_summary.json") for d in state.get("log_dirs", ())})  # (older)
         for pending in ("_views", "_paused"):  # (stops made since an exchange of the states this replaces)
             self.__dict__.pop(pending, None)
         # (a later fit goes on from the checkpoint's run step; a `ckpt_path` resume's Trainer does, its offset the
@@ -3614,6 +3616,13 @@ def _plain(value: Any) -> bool:
                                                                   for k, v in value.items())
 
 
+def _integral_as_int(value: Any) -> Any:
+    """``value`` with every integral float as an int, in its dicts too: config overrides compared as text."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return {k: _integral_as_int(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
 def _import_path(cls: Any) -> Optional[str]:
     """``cls``'s import path where importing it gives it back (not a local class's: None)."""
     path = f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}"
@@ -3769,12 +3778,6 @@ class ExportOnException(L.Callback):
             callbacks.insert(first, self)
 
     @override
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        log_dir = log_dir_of(trainer)
-        if log_dir and hasattr(pl_module, "registry"):  # (a later fit's SweepReport finds its own summary there)
-            pl_module._log_dirs = getattr(pl_module, "_log_dirs", set()) | {str(Path(log_dir).resolve())}
-
-    @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         pl_module.__dict__["_stops_held"] = None  # (a stop asked inside a validation cut short: the adapter goes as
         try:  # it is, exported below as the others)
@@ -3814,7 +3817,8 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         optimizer_kwargs: extra arguments of the optimizer (``betas``, ``eps``...).
         max_running: adapters trained at once (None: all); the rest wait in the queue.
         gradient_checkpointing: recompute activations in backward (non-reentrant).
-        dtype: dtype of the base weights (adapters are float32, float64 on a float64 base, as PEFT's).
+        dtype: dtype of the base weights (adapters are float32, float64 on a float64 base, as PEFT's); None:
+            float32 for a base the module builds, a module given held as it is.
         config_overrides: fields changed in the base model's config.
         export_dir: where adapters are written (default ``<log_dir>/adapters``).
         validate_on_finish: measure an adapter's validation loss when it finishes.
@@ -3848,7 +3852,7 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         optimizer_kwargs: Optional[dict[str, Any]] = None,
         max_running: Optional[int] = None,
         gradient_checkpointing: bool = False,
-        dtype: str = "float32",
+        dtype: Optional[str] = None,
         config_overrides: Optional[dict[str, Any]] = None,
         export_dir: Optional[str] = None,
         validate_on_finish: bool = True,
@@ -3866,12 +3870,15 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
         # base given as a module, are given again to `load_from_checkpoint`. Not for the loggers: each adapter's
         # hyperparameters are `SweepReport`'s HParams runs)
         adapters = _adapter_list(adapters) if adapters is not None else None
+        # (a path object as its str: the hyperparameters keep plain data alone, and lost it)
+        base_model, export_dir = (os.fspath(v) if isinstance(v, os.PathLike) else v for v in (base_model, export_dir))
         arguments = {
             "base_model": base_model, "grid": dataclasses.asdict(grid) if isinstance(grid, SweepGrid) else grid,
             "adapters": [s.to_dict() if isinstance(s, AdapterSpec) else s for s in adapters] if adapters else adapters,
             "target_modules": target_modules, "optimizer_kwargs": optimizer_kwargs, "max_running": max_running,
             "optimizer": optimizer if isinstance(optimizer, str) else _import_path(optimizer),
-            "gradient_checkpointing": gradient_checkpointing, "dtype": str(dtype).removeprefix("torch."),
+            "gradient_checkpointing": gradient_checkpointing,
+            "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
             "config_overrides": config_overrides, "export_dir": export_dir, "validate_on_finish": validate_on_finish,
             "base_seed": base_seed, "quantization": quantization, "cuda_graphs": cuda_graphs}
         if arguments["optimizer"] is None:  # (a local class: given again to `load_from_checkpoint`)
@@ -3894,12 +3901,15 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
                 raise ValueError(f"{' and '.join(given)} {verb} to a base the module builds (a built-in name or a "
                                  f"checkpoint path); `base_model` is a module given as it is: build it so instead")
             model, self._base_given = base_model, True  # (not in the hyperparameters: given again to a load)
-            if (torch_dtype := resolve_dtype(dtype)) != torch.float32:  # (the default leaves a module's dtype be)
-                if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
+            if dtype is not None:  # (None leaves a module's dtype be)
+                torch_dtype = resolve_dtype(dtype)
+                quantized = getattr(getattr(model, "config", None), "quantization_config", None) is not None
+                if quantized and held_dtype(model) != torch_dtype:
                     raise ValueError(f"`dtype` {dtype!r} casts a base the module is given, and this one is quantized "
                                      "(bitsandbytes: its weights cannot be cast): leave `dtype` unset for a quantized "
                                      "module given as it is (its compute dtype is its quantization config's)")
-                model = model.to(torch_dtype)
+                if not quantized:
+                    model = model.to(torch_dtype)
         else:
             model = build_base_model(base_model, config_overrides, dtype, base_seed, quantization)
             # (a built-in base's weights are its seed's; a checkpoint's its own: `_base_identity`)
@@ -3907,11 +3917,12 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
                                 **({"base_seed": base_seed} if str(base_model) in TINY_CONFIGS else {})}
             self._base_named = os.fspath(base_model)  # (as given: a project moved with its relative path is the same)
         if gradient_checkpointing:
-            if not callable(getattr(model, "gradient_checkpointing_enable", None)):  # (an AttributeError before)
+            if not any(callable(getattr(model, f"{kind}_checkpointing_enable", None))  # (an AttributeError before)
+                       for kind in ("activation", "gradient")):
                 raise ValueError(f"MultiLoRAModule: `gradient_checkpointing=True` needs a Hugging Face model (its "
                                  f"`gradient_checkpointing_enable`); {type(model).__name__} has none: checkpoint its "
                                  "blocks yourself (`torch.utils.checkpoint`), or leave it False")
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
+            enable_checkpointing(model)
         self.model = model
         if isinstance(grid, Mapping):  # (the Python API's spelling of a config's grid: SweepGrid's fields)
             unknown = sorted(set(grid) - {f.name for f in dataclasses.fields(SweepGrid)})

@@ -127,6 +127,30 @@ def test_errors_the_overrides_did_not_cause_are_not_blamed_on_them(tmp_path, mon
         build_base_model("tiny-llama", {"rms_norm_eps": 1e-5})
 
 
+def test_a_checkpoint_whose_weights_cannot_be_read_is_said_so_with_or_without_overrides(tmp_path):
+    """A weights file cut short (a download stopped): safetensors' own error came unwrapped without overrides, and
+    with them was blamed on the overrides."""
+    build_base_model("tiny-llama", {"num_hidden_layers": 1}).save_pretrained(tmp_path)
+    (weights,) = tmp_path.glob("*.safetensors")
+    weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    for overrides in (None, {"rms_norm_eps": 1e-5}):
+        with pytest.raises(OSError, match=r"is a checkpoint directory \(its config.json read\) whose model could "
+                                          r"not be loaded") as err:
+            build_base_model(str(tmp_path), overrides)
+        assert "config_overrides" not in str(err.value)
+
+
+def test_the_overrides_an_export_records_rebuild_the_base():
+    """An integral float (``initializer_range: 1.0``) was recorded as an int, which transformers' strict config
+    fields refuse: the export's base could not be rebuilt from what it says."""
+    from lightning_multilora.base_model import changed_overrides
+
+    recorded = changed_overrides("tiny-llama", {"initializer_range": 1.0, "rms_norm_eps": 1.0})
+    assert recorded == {"initializer_range": 1.0, "rms_norm_eps": 1.0}
+    assert all(type(v) is float for v in recorded.values())
+    assert build_base_model("tiny-llama", recorded).config.initializer_range == 1.0
+
+
 BERT = dict(model_type="bert", vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
             intermediate_size=64)
 T5 = dict(model_type="t5", vocab_size=300, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,

@@ -1091,6 +1091,12 @@ def test_a_module_given_as_the_base_refuses_build_options_and_takes_a_dtype():
     assert next(MultiLoRAModule(build_base_model("tiny-llama"), dtype="bfloat16").model.parameters()).dtype \
         == torch.bfloat16
     assert next(MultiLoRAModule("tiny-llama", dtype=torch.float16).model.parameters()).dtype == torch.float16
+    # (a float32 asked of a bfloat16 module: it was the default too, and left the module as it was)
+    assert next(MultiLoRAModule(build_base_model("tiny-llama", dtype="bfloat16"), dtype="float32").model.parameters()
+                ).dtype == torch.float32
+    assert next(MultiLoRAModule(build_base_model("tiny-llama", dtype="bfloat16")).model.parameters()).dtype \
+        == torch.bfloat16
+    assert next(MultiLoRAModule("tiny-llama").model.parameters()).dtype == torch.float32
     with pytest.raises(ValueError, match=r"`dtype` can be float32, bfloat16, float16 \(or the torch dtype\), got "
                                          r"torch.float64"):
         MultiLoRAModule("tiny-llama", dtype=torch.float64)
@@ -1101,6 +1107,27 @@ def test_a_module_given_as_the_base_refuses_build_options_and_takes_a_dtype():
         with pytest.raises(ValueError, match=r"`dtype` 'bfloat16' casts a base the module is given, and this one is "
                                              r"quantized .* leave `dtype` unset"):
             MultiLoRAModule(four_bit, dtype="bfloat16")
+
+
+def test_a_base_and_export_dir_given_as_paths_come_back_with_load_from_checkpoint(tmp_path, trainer_kwargs):
+    """`pathlib.Path`s were left out of the hyperparameters (plain data alone): `load_from_checkpoint` built the
+    default 'tiny-llama' in place of the checkpoint's base, and exported to the default folder."""
+    from lightning_multilora.base_model import build_base_model
+
+    build_base_model("tiny-llama", seed=7).save_pretrained(tmp_path / "base")
+    module = MultiLoRAModule(tmp_path / "base", export_dir=tmp_path / "exports",
+                             adapters=[AdapterSpec("a", rank=2, max_steps=2)], validate_on_finish=False)
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 1})
+    trainer.fit(module, small_dm())
+    trainer.save_checkpoint(tmp_path / "stop.ckpt")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        loaded = MultiLoRAModule.load_from_checkpoint(tmp_path / "stop.ckpt")
+    assert not [str(w.message) for w in seen if "resume on one" in str(w.message)]
+    assert (loaded.hparams["base_model"], loaded.hparams["export_dir"]) == (str(tmp_path / "base"),
+                                                                            str(tmp_path / "exports"))
+    for ours, theirs in zip(loaded.model.state_dict().values(), module.model.state_dict().values()):
+        assert torch.equal(ours, theirs)
 
 
 def test_a_checkpoint_of_a_model_given_as_the_base_is_loaded_with_it_given_again(tmp_path, trainer_kwargs):
@@ -1302,6 +1329,17 @@ def test_gradient_checkpointing_of_a_plain_torch_base_is_named():
     with pytest.raises(ValueError, match=r"`gradient_checkpointing=True` needs a Hugging Face model \(its "
                                          r"`gradient_checkpointing_enable`\); Tiny has none"):
         MultiLoRAModule(Tiny(), target_modules=["q_proj"], gradient_checkpointing=True)
+
+
+def test_gradient_checkpointing_is_turned_on_without_a_deprecation_warning():
+    """transformers 5.2x deprecates `gradient_checkpointing_enable` (a FutureWarning at every module built with
+    checkpointing): its `activation_checkpointing_enable` is called where it has one, with the same recomputation."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        module = MultiLoRAModule("tiny-llama", gradient_checkpointing=True)
+    assert not [str(w.message) for w in seen if "checkpointing" in str(w.message)]
+    model = module.model
+    assert getattr(model, "is_activation_checkpointing", getattr(model, "is_gradient_checkpointing", False))
 
 
 @pytest.mark.parametrize("fails_at", ["load", "narrower", "make"])
@@ -2624,6 +2662,46 @@ def test_a_module_loaded_from_its_checkpoint_writes_over_its_own_summary(tmp_pat
     assert not [str(w.message) for w in seen if "another run's" in str(w.message)]
     assert not (tmp_path / "sweep_summary-v1.json").exists()
     assert [row["status"] for row in json.loads((tmp_path / "sweep_summary.json").read_text())] == ["finished"]
+
+
+def test_a_resume_and_a_refit_write_their_own_summary_beside_another_runs(tmp_path, trainer_kwargs):
+    """A run that wrote `sweep_summary-v1.json` beside another run's: its resume (its checkpoint taken before it
+    reported) and a second fit of its module wrote over the other run's `sweep_summary.json`, leaving their own
+    stale. They go on writing their own file."""
+    from lightning_multilora import SweepReport
+
+    def fit(module, **kwargs):
+        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": kwargs.pop("max_steps", -1)},
+                            callbacks=[SweepReport(tensorboard=False, print_table=False)])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.fit(module, small_dm(), **kwargs)
+        return trainer, [str(w.message) for w in seen if "another run's" in str(w.message)]
+
+    def steps(name):
+        return [row["steps"] for row in json.loads((tmp_path / name).read_text())]
+
+    fit(MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=2)], validate_on_finish=False))
+    before = (tmp_path / "sweep_summary.json").read_text()
+
+    class SaveAtStart(Callback):  # (a checkpoint of this run taken before it reports: ModelCheckpoint's)
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 1:
+                trainer.save_checkpoint(tmp_path / "b.ckpt")
+
+    second = MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("b", rank=2, max_steps=3)], validate_on_finish=False)
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": 2},
+                        callbacks=[SaveAtStart(), SweepReport(tensorboard=False, print_table=False)])
+    with pytest.warns(UserWarning, match="another run's summary"):
+        trainer.fit(second, small_dm())
+    assert steps("sweep_summary-v1.json") == [2]
+    assert fit(MultiLoRAModule("tiny-llama"), ckpt_path=str(tmp_path / "b.ckpt"))[1] == []  # (the resume)
+    assert steps("sweep_summary-v1.json") == [3]
+    second.add_adapter(AdapterSpec("c", rank=2, max_steps=1))
+    assert fit(second)[1] == []  # (a second fit of the module)
+    assert sorted(row["adapter"] for row in json.loads((tmp_path / "sweep_summary-v1.json").read_text())) == ["b", "c"]
+    assert (tmp_path / "sweep_summary.json").read_text() == before
+    assert not (tmp_path / "sweep_summary-v2.json").exists()
 
 
 def test_a_summary_another_run_writes_while_this_one_trains_is_kept(tmp_path, trainer_kwargs):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -63,24 +64,18 @@ class SweepReport(Callback):
         self._silent = reports[0] is not self  # (the CLI adds one: a config that lists another would print twice)
         if self._silent and trainer.is_global_zero:
             warnings.warn("a second SweepReport among the Trainer's callbacks is left silent; the first reports")
-        # another run's summary in this run's log directory (not one this module wrote in an earlier fit): kept,
-        # unless this fit resumes (known in on_fit_start)
-        log_dir = log_dir_of(trainer)
-        path = Path(log_dir) / self.filename if self.filename and log_dir else None
-        self._foreign = (stage == "fit" and path is not None and path.exists()
-                         and str(Path(log_dir).resolve()) not in getattr(pl_module, "_log_dirs", set()))
-        self._seen = _file_key(path)  # (the summary there as this fit began: another run's written since is foreign)
-        self._path: Optional[Path] = None  # (this fit's summary file, once chosen)
+        self._path: Optional[Path] = None  # (this fit's summary file, once chosen: `_summary_path`)
+        self._written: Optional[tuple[int, int]] = None  # (which file it is and when this fit last wrote it)
         self._started = False  # (its training loop began: on_train_start)
 
     @override
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.ckpt_path is not None:
-            self._foreign = False
-
-    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Chooses this run's summary file and writes the summary as training starts, before any checkpoint: a
+        resume from one, or another fit of the module, writes on in the same file (`_summary_path`)."""
         self._started = True
+        if self.filename and trainer.is_global_zero and not getattr(self, "_silent", False) and hasattr(
+                pl_module, "registry"):
+            self._write_summary(trainer, pl_module, self._rows(trainer, pl_module.registry, pl_module))
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -117,25 +112,9 @@ class SweepReport(Callback):
             return
         exported = "best" if getattr(pl_module, "keep_best_weights", False) else "last"
         source_name = getattr(getattr(trainer, "datamodule", None), "source_name", None)  # (ranks by data source)
-        self.rows = registry.summary_rows(exported, source_name)
+        self.rows = self._rows(trainer, registry, pl_module)
+        self._write_summary(trainer, pl_module, self.rows)
         log_dir = log_dir_of(trainer)
-        if self.filename and log_dir:
-            path = getattr(self, "_path", None) or Path(log_dir) / self.filename
-            if getattr(self, "_path", None) is None and _file_key(path) != getattr(self, "_seen", None):
-                self._foreign = True  # written since this fit began: by another run started in the same directory
-            if getattr(self, "_foreign", False):  # another run's: kept, and this one written beside it
-                taken, version = path, 1
-                while not _claimed(path):
-                    path = taken.with_name(f"{taken.stem}-v{version}{taken.suffix}")
-                    version += 1
-                self._foreign = False
-                warnings.warn(f"SweepReport: {taken} is another run's summary; it is kept, and this run's is {path}")
-            self._path = path
-            try:  # (the table, the pictures and the printout still come if the file cannot be written)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(json.dumps(_finite(self.rows), indent=1, default=str, allow_nan=False))
-            except OSError as err:
-                warnings.warn(f"SweepReport could not write `filename` {str(path)!r}: {err}")
         if self.tensorboard:
             self._write_tensorboard(trainer, registry, pl_module)
         if self.print_table:
@@ -179,6 +158,54 @@ class SweepReport(Callback):
             if self.filename and log_dir and not (boards and Path(boards[0].log_dir) == Path(log_dir)):
                 lines.append(f"Summary:          {getattr(self, '_path', None) or Path(log_dir) / self.filename}")
             print("\n".join(lines), flush=True)
+
+    @staticmethod
+    def _rows(trainer: L.Trainer, registry: AdapterRegistry, pl_module: L.LightningModule) -> list[dict]:
+        """The summary's rows: every adapter, ranked by the validation loss of the weights its export holds."""
+        exported = "best" if getattr(pl_module, "keep_best_weights", False) else "last"
+        source_name = getattr(getattr(trainer, "datamodule", None), "source_name", None)  # (ranks by data source)
+        return registry.summary_rows(exported, source_name)
+
+    def _write_summary(self, trainer: L.Trainer, pl_module: L.LightningModule, rows: list[dict]) -> None:
+        """Writes ``rows`` to this run's summary file, if any."""
+        path = self._summary_path(trainer, pl_module)
+        if path is None:
+            return
+        try:  # (the table, the pictures and the printout still come if the file cannot be written)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(_finite(rows), indent=1, default=str, allow_nan=False))
+            self._written = _file_key(path)
+        except OSError as err:
+            warnings.warn(f"SweepReport could not write `filename` {str(path)!r}: {err}")
+
+    def _summary_path(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Optional[Path]:
+        """This run's summary file: the one this module wrote in the log directory in an earlier fit (the module's
+        checkpoint says which: a resume writes on in it), else ``filename`` under the log directory where no file is
+        there, else, beside another run's (kept, under a warning), the first free ``<stem>-v<N><suffix>``. Chosen
+        once a fit; a file this run wrote that another has written over since is another run's too."""
+        log_dir = log_dir_of(trainer)
+        if not self.filename or not log_dir:
+            return None
+        path = getattr(self, "_path", None)
+        if path is not None and _file_key(path) in (getattr(self, "_written", None), None):
+            return path
+        taken = Path(log_dir) / self.filename
+        own = [] if path is not None else [p for p in map(Path, sorted(getattr(pl_module, "_summary_files", ())))
+                                            if p.parent == taken.parent.resolve() and _is_version_of(p.name, taken)]
+        if own:
+            path = own[-1]
+        elif path is None and _claimed(taken):
+            path = taken
+        else:  # another run's: kept, and this one written beside it
+            version, path = 1, taken
+            while not _claimed(path):
+                path = taken.with_name(f"{taken.stem}-v{version}{taken.suffix}")
+                version += 1
+            warnings.warn(f"SweepReport: {taken} is another run's summary; it is kept, and this run's is {path}")
+        self._path = path
+        if hasattr(pl_module, "registry"):  # (saved in its checkpoints: `MultiLoRAMixin.on_save_checkpoint`)
+            pl_module._summary_files = getattr(pl_module, "_summary_files", set()) | {str(path.resolve())}
+        return path
 
     def _write_tensorboard(self, trainer: L.Trainer, registry: AdapterRegistry, pl_module: L.LightningModule) -> None:
         loggers = _tensorboard_loggers(trainer)
@@ -305,16 +332,25 @@ def _file_key(path: Optional[Path]) -> Optional[tuple[int, int]]:
     return None if stat is None else (stat.st_ino, stat.st_mtime_ns)
 
 
+def _is_version_of(name: str, path: Path) -> bool:
+    """``name`` is ``path``'s or a versioned one of it (``<stem>-v<N><suffix>``)."""
+    return name == path.name or re.fullmatch(re.escape(path.stem) + r"-v[0-9]+" + re.escape(path.suffix),
+                                            name) is not None
+
+
 def _claimed(path: Path) -> bool:
     """``path`` made by this call (an empty file, created exclusively): another run choosing a summary name at the
     same moment takes another."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # (a folder that cannot be made, a file in its place: the write says so)
+        return True
+    try:
         with path.open("x"):
             return True
     except FileExistsError:
         return False
-    except OSError:  # (a folder that cannot be written: the write below says so)
+    except OSError:  # (a folder that cannot be written: the write says so)
         return True
 
 

@@ -18,7 +18,7 @@ The entries are checked as they are taken back: a recomputation that asks for an
 
 Usage with Hugging Face models (`MultiLoRAModule(gradient_checkpointing=True)` does this)::
 
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs())
+    enable_checkpointing(model)  # (Hugging Face's checkpointing with `checkpointing_kwargs`)
 """
 
 from __future__ import annotations
@@ -95,3 +95,19 @@ def checkpointing_kwargs() -> dict:
 def active_region() -> Optional[_Region]:
     """The checkpointed region running on this thread, if it was entered through `checkpoint_contexts`."""
     return _active.region
+
+
+def enable_checkpointing(model: Any) -> None:
+    """Hugging Face's non-reentrant checkpointing of ``model``'s blocks, with `checkpointing_kwargs`:
+    ``activation_checkpointing_enable`` where transformers has it (from 5.2x, which deprecates
+    ``gradient_checkpointing_enable`` with a FutureWarning), else ``gradient_checkpointing_enable``; a model class's
+    own ``gradient_checkpointing_enable`` (one that overrides transformers') is called as it is."""
+    from transformers import PreTrainedModel
+
+    kwargs = checkpointing_kwargs()
+    own = getattr(type(model), "gradient_checkpointing_enable", None) is not getattr(
+        PreTrainedModel, "gradient_checkpointing_enable", None)
+    if callable(getattr(model, "activation_checkpointing_enable", None)) and not own:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
