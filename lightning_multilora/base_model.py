@@ -156,6 +156,7 @@ def build_base_model(
                 build_base_model(base_model, config_overrides, dtype, seed).save_pretrained(tmp)
                 model = AutoModelForCausalLM.from_pretrained(tmp, quantization_config=config, dtype=torch_dtype)
             model.config.name_or_path = base_model
+            _remember_build(model, base_model, config_overrides, seed)
         else:
             model = _from_pretrained(base_model, config_overrides, quantization_config=config, dtype=torch_dtype)
         return guard_4bit_base(model)
@@ -170,6 +171,7 @@ def build_base_model(
             model = AutoModelForCausalLM.from_config(config)
         _check_runs(model, config_overrides)
         model.config.name_or_path = base_model
+        _remember_build(model, base_model, config_overrides, seed)
         return model.to(torch_dtype)
     # (a pre-quantized checkpoint, a `*-bnb-4bit` folder, loads 4-bit layers without `quantization`)
     model = guard_4bit_base(_from_pretrained(base_model, config_overrides, dtype=torch_dtype))
@@ -183,6 +185,12 @@ def build_base_model(
                       f"keeps its weights in the {name} they were saved in, and the base runs in {name} (give "
                       f"dtype={name!r} to say so)", stacklevel=2)
     return model
+
+
+def _remember_build(model: nn.Module, name: str, config_overrides: Optional[dict[str, Any]], seed: int) -> None:
+    """A built-in base remembers its seed and the overrides that changed its config (``model._multilora_build``): a
+    module given it exports them, as one that builds it does (its name alone rebuilds seed 0's weights)."""
+    model._multilora_build = {"config_overrides": changed_overrides(name, config_overrides), "base_seed": seed}
 
 
 def held_dtype(model: nn.Module) -> Optional[torch.dtype]:

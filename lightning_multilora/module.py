@@ -711,7 +711,8 @@ class MultiLoRAMixin:
         name's), the overrides that change its config, a dtype other than float32, a 4-bit type (`quantization`:
         its weights are not the float ones its name loads). For a module given: the dtype it is held in and, where
         it is quantized, its bitsandbytes settings whole (``quantization_config``: double quantization, 8-bit, its
-        compute dtype), its weights otherwise its own."""
+        compute dtype), its weights otherwise its own (a built-in base `build_base_model` made: its seed and
+        overrides too)."""
         model = self.lora_layers.model
         model = getattr(model, "_orig_mod", model)  # (torch.compile's wrapper: the model it compiled)
         config = getattr(model, "config", None)  # (as the model was built with it)
@@ -721,7 +722,7 @@ class MultiLoRAMixin:
         build = getattr(self, "_base_build", None)
         quant = values.get("quantization_config")
         settings = {k: v for k, v in quant.items() if not k.startswith("_") and k != "quant_method"} \
-            if build is None and isinstance(quant, dict) else {}
+            if (build is None or self.__dict__.get("_base_given")) and isinstance(quant, dict) else {}
         overrides, seed = (build or {}).get("config_overrides"), (build or {}).get("base_seed")
         return {**({"base_seed": seed} if seed is not None and (seed != 0 or overrides) else {}),
                 **({"config_overrides": overrides} if overrides else {}),
@@ -3901,6 +3902,10 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
                 raise ValueError(f"{' and '.join(given)} {verb} to a base the module builds (a built-in name or a "
                                  f"checkpoint path); `base_model` is a module given as it is: build it so instead")
             model, self._base_given = base_model, True  # (not in the hyperparameters: given again to a load)
+            build = getattr(model, "_multilora_build", None)  # (a built-in base `build_base_model` made: its seed and
+            if isinstance(build, dict) and getattr(getattr(model, "config", None), "name_or_path", None) \
+                    in TINY_CONFIGS:  # overrides, which its exports say, as a module that builds it does)
+                self._base_build = dict(build)
             if dtype is not None:  # (None leaves a module's dtype be)
                 torch_dtype = resolve_dtype(dtype)
                 quantized = getattr(getattr(model, "config", None), "quantization_config", None) is not None

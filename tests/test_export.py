@@ -573,6 +573,23 @@ def test_an_export_says_what_its_weights_are_and_a_built_in_base_how_it_was_buil
     assert ours.keys() == theirs.keys() and all(torch.equal(p, theirs[n]) for n, p in ours.items())
 
 
+def test_a_built_in_base_built_and_given_as_a_module_says_how_it_was_built(tmp_path, trainer_kwargs):
+    """`build_base_model("tiny-llama", seed=7)` given to the module exported as "tiny-llama" alone: its loader built
+    seed 0's weights, another base, unsaid."""
+    model = build_base_model("tiny-llama", {"num_hidden_layers": 1}, seed=7)
+    module = MultiLoRAModule(model, adapters=[AdapterSpec("a", rank=2, max_steps=1, batch_size=1)],
+                             export_dir=str(tmp_path / "out"), validate_on_finish=False)
+    L.Trainer(**trainer_kwargs).fit(module, MultiLoRADataModule(sources={"a": GeneratedArithmetic(20)}))
+    info = json.loads((tmp_path / "out" / "a" / "multilora_export.json").read_text())
+    assert info["base"] == {"base_seed": 7, "config_overrides": {"num_hidden_layers": 1}}
+    rebuilt = build_base_model("tiny-llama", info["base"]["config_overrides"], seed=info["base"]["base_seed"])
+    assert all(torch.equal(p, dict(rebuilt.named_parameters())[n]) for n, p in model.named_parameters()
+               if "lora_" not in n and ".base." not in n)
+    plain = MultiLoRAModule(build_base_model("tiny-llama"), adapters=[AdapterSpec("b", rank=2, max_steps=1)],
+                            export_dir=str(tmp_path / "out"), validate_on_finish=False)
+    assert plain._export_base() == {}  # (seed 0, the name's own: nothing to say)
+
+
 def test_an_export_of_one_of_a_fused_pair_on_a_moe_base_loads_in_peft(tmp_path, trainer_kwargs):
     """PEFT 0.22 reads a bare `gate_proj` in `target_modules` on a mixture-of-experts base as the fused experts'
     `gate_up_proj` too: an export of the dense / shared-expert `gate_proj` without `up_proj` was refused ("Cannot
