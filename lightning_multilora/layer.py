@@ -22,6 +22,7 @@ from lightning_multilora.base_model import guard_4bit_base
 from lightning_multilora.flat import FlatAdapter, make_flat
 from lightning_multilora.kernels import LoRAWeights, multi_lora, multi_lora_linear, resolve_backend
 from lightning_multilora.kernels.weights import STREAM_SEED_MOD, DropoutStreams
+from lightning_multilora import shadow as _shadows_module
 from lightning_multilora.shadow import Shadow, record_copy
 from lightning_multilora.shadow import refresh as _refresh
 from lightning_multilora.layout import BatchLayout
@@ -37,6 +38,14 @@ KEPT_LAYOUTS = 32
 _UNSEEN = object()
 
 
+def _global_module_hooks() -> bool:
+    """Whether torch's global module hooks are set (``register_module_forward_hook`` and its kind): every module call
+    runs them."""
+    hooks = nn.modules.module
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
+                or hooks._global_backward_pre_hooks)
+
+
 class LayoutContext:
     """The batch layout of the current step, shared by every `MultiLoRALinear` of one model.
 
@@ -46,8 +55,10 @@ class LayoutContext:
 
     def __init__(self) -> None:
         self.layout: Optional[BatchLayout] = None
-        # the layout's adapters' shadows (`MultiLoRALinear.shadows`) are fresh: the layers may read them
+        # the layout's adapters' shadows (`MultiLoRALinear.shadows`) are fresh: the layers may read them, while no
+        # optimizer step has been taken since (`shadow_epoch`, the epoch the `use` opened in)
         self.shadows: bool = False
+        self.shadow_epoch = -1
         # per device, the adapters' dropout step counters (`DropoutStreams.steps`), a slot an adapter
         self.dropout_steps: dict[torch.device, Tensor] = {}
         self._dropout_forwards: set[int] = set()  # layers that ran a training forward with dropout in this `use`
@@ -92,15 +103,16 @@ class LayoutContext:
 
     @contextmanager
     def use(self, layout: Optional[BatchLayout], shadows: bool = False) -> Iterator[None]:
-        previous = self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row
+        previous = self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row, self.shadow_epoch
         self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row = layout, shadows, set(), None
+        self.shadow_epoch = _shadows_module._epoch
         off = self.mha_fastpath_off and layout is not None
         if off:
             _mha_fastpath_off()
         try:
             yield
         finally:
-            self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row = previous
+            self.layout, self.shadows, self._dropout_forwards, self.tokens_per_row, self.shadow_epoch = previous
             if off:
                 _mha_fastpath_restore()
 
@@ -306,8 +318,9 @@ class MultiLoRALinear(nn.Module):
         if self._plain_frozen_base(base, x2d):
             out = multi_lora_linear(x2d, base.weight, base.bias, weights, self.training)
         else:
-            base_out = base(x2d)  # a fresh base output, updated in place; one a forward hook may hold is copied
-            if base._forward_hooks or nn.modules.module._global_forward_hooks:
+            base_out = base(x2d)  # a fresh base output, updated in place; one a hook may hold is copied (a full
+            # backward hook's, updated in place, never saw its gradient)
+            if base._forward_hooks or base._backward_hooks or _global_module_hooks():
                 base_out = base_out.clone()
             out = multi_lora(x2d, base_out, weights, self.training)
         return out.reshape(*shape[:-1], self.out_features)
@@ -316,8 +329,10 @@ class MultiLoRALinear(nn.Module):
     def _plain_frozen_base(base: nn.Module, x: Tensor) -> bool:
         """The base is a plain frozen ``nn.Linear`` in ``x``'s dtype, without hooks and outside autocast:
         its product can then run inside the LoRA Function (see `multi_lora_linear`). Anything else
-        (quantized, trainable, hooked or autocast bases) is called as a module."""
-        if type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks or x.is_meta:
+        (quantized, trainable, hooked or autocast bases; a forward replaced on it, as accelerate's offload hooks
+        do; torch's global module hooks) is called as a module, as PEFT calls it."""
+        if (type(base) is not nn.Linear or base._forward_hooks or base._forward_pre_hooks or base._backward_hooks
+                or base._backward_pre_hooks or "forward" in base.__dict__ or _global_module_hooks() or x.is_meta):
             return False  # (autocast has no meta device to ask about)
         weight, bias = base.weight, base.bias  # (wrappers such as FSDP1 may set plain tensors in forward)
         return (not weight.requires_grad and weight.dtype == x.dtype and (bias is None or not bias.requires_grad)
@@ -327,7 +342,9 @@ class MultiLoRALinear(nn.Module):
         """This layer's adapters of ``layout`` in token units; reused while layout and adapters are the same
         (forward, recomputation and backward of a step, and steps with the same shapes)."""
         seen = self._weights_seen
-        shadows = self.context.shadows
+        # (an optimizer step taken inside the `use`, a loop of one's own: the shadows it did not write are stale, and
+        # the calls copy the weights as they are)
+        shadows = self.context.shadows and self.context.shadow_epoch == _shadows_module._epoch
         changes = (self.scaling.changes, self.dropout.changes)
         if (seen is not None and seen[0] is layout and seen[1] == tokens_per_row and seen[2] == self.direct_grads
                 and seen[3] == shadows and seen[4] == changes):

@@ -238,6 +238,41 @@ def test_a_forward_hook_on_the_base_keeps_the_bases_own_output_on_the_triton_pat
     assert not torch.allclose(y, base(x))
 
 
+@pytest.mark.parametrize("how", ["backward_hook", "global_hook", "forward_replaced"])
+def test_a_base_hooked_otherwise_or_with_its_forward_replaced_is_called_as_a_module(how):
+    """The fused path runs the base's product inside the LoRA function, its ``__call__`` skipped: a full backward hook
+    on it, a global module hook, or a forward replaced on the instance (accelerate's offload hooks) were skipped with
+    it, where PEFT calls the base."""
+    from lightning_multilora import kernels
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # (on the CPU: the interpreter, set by conftest)
+    calls = []
+    base = nn.Linear(16, 12, bias=False).to(device).requires_grad_(False)
+    handle = None
+    if how == "backward_hook":
+        base.register_full_backward_hook(lambda module, grad_in, grad_out: calls.append("backward"))
+    elif how == "global_hook":
+        handle = nn.modules.module.register_module_forward_hook(
+            lambda module, args, out: calls.append("forward") if module is base else None)
+    else:
+        plain = base.forward
+        base.forward = lambda x: calls.append("forward") or plain(x)
+    layer = MultiLoRALinear(base)
+    layer.add_adapter("a", rank=4, alpha=4)
+    nn.init.normal_(layer.lora_B["a"])
+    x = torch.randn(2, 3, 16, device=device, requires_grad=True)
+    before = kernels.get_backend()
+    kernels.set_backend("triton")
+    try:
+        with layer.context.use(BatchLayout(("a",), (0,), (2,), 2)):
+            layer(x).square().sum().backward()
+    finally:
+        kernels.set_backend(before)
+        if handle is not None:
+            handle.remove()
+    assert calls and layer.lora_A["a"].grad is not None
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_a_scaling_or_dropout_set_after_a_forward_reaches_the_next(backend):
     """The kernels' weights of a layout are cached with each adapter's scaling and dropout by value: a value set in
