@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import sys
 import traceback
 import uuid
 import warnings
@@ -1593,7 +1594,7 @@ class MultiLoRAMixin:
                 for i, group in enumerate(optimizer.param_groups):
                     if group.get("adapter") == rec.name:
                         for p in group["params"]:
-                            optimizer.state.pop(p, None)
+                            _unlist_paged(optimizer.state.pop(p, None))
                         del optimizer.param_groups[i]
                         break
             self.lora_layers.remove_adapter(rec.name)
@@ -3615,6 +3616,19 @@ def _plain(value: Any) -> bool:
         return all(map(_plain, value))
     return type(value) in (dict, collections.OrderedDict) and all(type(k) is str and _plain(v)
                                                                   for k, v in value.items())
+
+
+def _unlist_paged(state: Optional[Mapping[str, Any]]) -> None:
+    """An optimizer state dropped (an adapter's that exited): its tensors out of bitsandbytes' global page manager,
+    where its paged optimizers list every paged buffer (on a GPU, of 1e5 values or more) for good, which held them
+    for the rest of the run."""
+    functional = sys.modules.get("bitsandbytes.functional")
+    manager = getattr(getattr(functional, "GlobalPageManager", None), "_instance", None)
+    paged = getattr(manager, "paged_tensors", None)
+    if not state or not paged:
+        return
+    dropped = {id(t) for t in state.values() if torch.is_tensor(t)}
+    paged[:] = [t for t in paged if id(t) not in dropped]
 
 
 def _integral_as_int(value: Any) -> Any:

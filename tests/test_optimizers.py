@@ -127,6 +127,41 @@ def test_bitsandbytes_8bit_adamw_keeps_8bit_states_per_adapter(tmp_path, trainer
     assert all(r.step == r.spec.max_steps for r in module.registry)
 
 
+def test_an_exited_adapters_paged_optimizer_states_leave_bitsandbytes_page_manager(tmp_path, trainer_kwargs):
+    """bitsandbytes lists every paged state buffer (on a GPU, of 1e5 values or more) in its global page manager, for
+    good: an adapter's that exited stayed listed, its buffers held for the rest of the sweep. (On the CPU bitsandbytes
+    pages nothing: its states are listed here as the GPU lists them.)"""
+    pytest.importorskip("bitsandbytes")
+    from bitsandbytes.functional import GlobalPageManager
+
+    manager = GlobalPageManager.get_instance()
+    specs = [AdapterSpec("a", rank=4, batch_size=1, max_steps=2), AdapterSpec("b", rank=4, batch_size=1, max_steps=4)]
+    listed: dict[str, list] = {}
+
+    class ListAsTheGpuDoes(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            opt = trainer.optimizers[0]
+            for g in opt.param_groups:
+                if g["adapter"] not in listed:
+                    listed[g["adapter"]] = [t for p in g["params"] for t in opt.state[p].values()
+                                            if torch.is_tensor(t) and t.numel() > 1]
+                    manager.paged_tensors.extend(listed[g["adapter"]])
+
+    module = MultiLoRAModule("tiny-llama", adapters=specs, optimizer="bitsandbytes.optim.PagedAdamW8bit",
+                             export_dir=str(tmp_path), validate_on_finish=False)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (paged optimizers on the CPU)
+            L.Trainer(**trainer_kwargs, callbacks=[ListAsTheGpuDoes()]).fit(
+                module, MultiLoRADataModule(sources={"x": GeneratedArithmetic(40)}))
+        assert listed["a"] and listed["b"]
+        for name in "ab":  # (both exited: finished)
+            assert not any(t is u for t in manager.paged_tensors for u in listed[name])
+    finally:
+        manager.paged_tensors[:] = [t for t in manager.paged_tensors
+                                    if not any(t is u for us in listed.values() for u in us)]
+
+
 def test_the_constructor_gets_an_lr_so_its_own_checks_run_and_a_required_lr_is_given(tmp_path, trainer_kwargs):
     """Each adapter's lr lived in its param group alone: transformers' Adafactor (``relative_step=True``, its
     default) then ignored every adapter's lr and schedule silently (1e-5 and 1e-1 trained alike), and an optimizer
