@@ -184,8 +184,8 @@ def _field_before_class(message: str) -> Optional[str]:
     .save_dir logs`` with no logger class given: the union's alternatives, a ``NestedArg`` dump) as one sentence:
     give the class first. None where the message is not that."""
     found = re.search(r'Parser key "([\w.]+)":.*?Given value: NestedArg\(key=\'(\w+)\'', message, re.S)
-    if found is None:
-        return None
+    if found is None or "Problem with given class_path" in message:  # (a class named that does not import:
+        return None  # `_unknown_class`'s, a source's `--data.sources.x <class>` among them)
     return f"`{found[1]}`: {found[2]!r} is a field of a class, and none is given; {_class_first(found[1], [found[2]])}"
 
 
@@ -271,9 +271,15 @@ def _section_typo(message: str, top: Sequence[str] = ()) -> Optional[str]:
 
     classes = {"model": MultiLoRAModule, "data": MultiLoRADataModule, "trainer": Trainer, "report": SweepReport}
     head, _, rest = key.partition(".")
+    fields = [p for p in inspect.signature(classes[head]).parameters if p not in ("self", "args", "kwargs")] \
+        if head in classes else []
+    wrapped = rest.partition(".")[0] == head or (section == head and name in fields and "Group" in message)
+    if head in classes and wrapped:  # (a `--model FILE` whose keys sit under its own `model:`: the hint repeated
+        # the option refused, or named another field)
+        return (f"{message.rstrip('.')} (a `--{head} FILE` holds the section's own keys: remove its top-level "
+                f"`{head}:`)")
     if head in classes and section not in classes:  # (a misspelt field that holds a mapping, in a config file:
         name = rest.partition(".")[0]  # named by its innermost key, `model.grids.axes.lr`)
-        fields = [p for p in inspect.signature(classes[head]).parameters if p not in ("self", "args", "kwargs")]
         close = difflib.get_close_matches(name, fields, n=1) if name not in fields else []
         return f"{message.rstrip('.')} (did you mean `{head}.{close[0]}`?)" if close else None
     if section not in classes:  # (a misspelt section or top-level key: `--modle.max_running`, `--seed_everthing`)
@@ -358,7 +364,10 @@ class MultiLoRACLI(LightningCLI):
         self._own_version = getattr(self.trainer.logger, "_version", 0) is None
         if ckpt_path in ("last", "best", "hpc"):  # (the checkpoint it names, given to the fit in its place)
             ckpt_path = self.config_init[self.subcommand]["ckpt_path"] = self._launch_named_checkpoint(ckpt_path)
-        check_resume_path(ckpt_path, self.trainer.strategy)
+        try:
+            check_resume_path(ckpt_path, self.trainer.strategy)
+        except ValueError as err:  # (a folder: it ended in a traceback)
+            self.parser.error(str(err))
         # What the fit would find wrong only once under way (the base loaded, a log version made), found now and
         # said as a parse error is: a checkpoint that is not there, a tokenizer that does not load, an adapter's
         # unknown `dataset`, nothing to train
@@ -662,8 +671,12 @@ class MultiLoRACLI(LightningCLI):
             if task is None and not last:  # requeue after the run ended is done, as a schedule's task's retry is)
                 self.parser.error(str(err))
             who = f"task {task!r}" if task is not None else "`--ckpt_path last`"
+            said = f"{str(err)[0].lower()}{str(err)[1:]}"
+            if last:  # (adapters added to the command make another config, whose `last` finds no checkpoint)
+                said += ("; `last` finds the runs of this command's config: to train new adapters on from this run, "
+                         "give its checkpoint's path as `--ckpt_path`")
             if rank_zero_only.rank == 0:  # (said once, not by each process)
-                print(f"{who}: its run had ended, {str(err)[0].lower()}{str(err)[1:]}", file=sys.stderr)
+                print(f"{who}: its run had ended, {said}", file=sys.stderr)
         except UsageError as err:
             self._release_log_dir()
             self.parser.error(str(err))
@@ -812,7 +825,11 @@ def _adapters_replaced(args: list[str]) -> list[str]:
             return False
 
     out: list[str] = []
-    for i, arg in enumerate(args):
+    start = args.index("fit") if "fit" in args else 0  # (the top-level parser's, before it: as given, a null there
+    for i, arg in enumerate(args):  # was taken for the subcommand, "invalid choice: 'null'")
+        if i < start:
+            out.append(arg)
+            continue
         flag, _, inline = arg.partition("=")
         value = inline if inline else args[i + 1] if i + 1 < len(args) else None
         if flag in _REPLACED and value not in (None, "null", "None") and (not _REPLACED[flag] or listed(value)):

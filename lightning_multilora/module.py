@@ -1747,8 +1747,10 @@ class MultiLoRAMixin:
                        "placeholder": True}]
         if not groups and len(self.registry) and all(r.state.exited for r in self.registry):
             ended = ', '.join(f'{r.name}: {r.state.value}' for r in self.registry)
+            exports = sorted(r.export_path for r in self.registry if r.export_path)
             raise (RunEnded if self._resume_checkpoint is not None else UsageError)(
-                f"nothing to train: every adapter has already ended ({ended}); " + (
+                f"nothing to train: every adapter has already ended ({ended}); "
+                + (f"their exports: {', '.join(exports)}; " if exports else "") + (
                 "resuming a finished run trains nothing (new AdapterSpecs given to the module are queued on resume)"
                 if self._resume_checkpoint is not None else
                 "add new ones (`module.add_adapter(AdapterSpec(...))`) to train more with this module"))

@@ -117,18 +117,20 @@ def test_bad_config_values_are_clear_errors(tmp_path, capsys, override, message)
     assert "Traceback" not in err and "Union subtypes" not in err and "Namespace(" not in err
 
 
-def test_an_adapter_parallel_checkpoint_resumed_in_one_process_is_a_named_error(tmp_path):
+def test_an_adapter_parallel_checkpoint_resumed_in_one_process_is_a_named_error(tmp_path, capsys):
     """Its checkpoint is a folder of one file per process: `multilora fit --ckpt_path` in one process says what it
-    needs (the load failed with a bare IsADirectoryError)."""
+    needs (the load failed with a bare IsADirectoryError), as a usage error."""
     folder = tmp_path / "epoch=0-step=4.ckpt"
     folder.mkdir()
     for rank in (0, 1):
         (folder / f"rank{rank}.ckpt").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"`ckpt_path` .* is an adapter-parallel checkpoint, one file per process "
-                                         r"\(rank0.ckpt, rank1.ckpt\): it resumes with strategy='adapter_parallel' "
-                                         r"\(over any number of processes"):
+    with pytest.raises(SystemExit) as done:
         main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(tmp_path),
               "--ckpt_path", str(folder)])
+    err = capsys.readouterr().err.replace("\n", " ")
+    assert done.value.code == 2 and re.search(
+        r"`ckpt_path` .* is an adapter-parallel checkpoint, one file per process \(rank0.ckpt, rank1.ckpt\): it "
+        r"resumes with strategy='adapter_parallel' \(over any number of processes", err), err
     # from Python too (the load's bare IsADirectoryError), the strategy's checkpoint IO otherwise unchanged
     import lightning as L
 
@@ -677,11 +679,46 @@ def test_a_misspelt_section_or_top_level_key_gets_the_closest_one(tmp_path, caps
     assert done.value.code == 2 and f"(did you mean `{meant}`?)" in err, err
 
 
+def test_a_misspelt_source_class_is_said_so_with_the_closest_one(tmp_path, capsys):
+    """``--data.sources.x lightning_multilora.data.JSONLSourc``: said to be a field given before any class."""
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--data.sources.x", "lightning_multilora.data.JSONLSourc", "--print_config"])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "no class 'lightning_multilora.data.JSONLSourc'" in err, err
+    assert "(did you mean 'lightning_multilora.data.JSONLSource'?)" in err and "field of a class" not in err, err
+
+
+def test_a_config_before_the_subcommand_is_left_to_the_top_level_parser(tmp_path, capsys):
+    """``multilora -c run.yaml fit`` of a config holding `trainer.callbacks` (a printed config): the null put before
+    a list that replaces another went before ``fit`` too, and was taken for the subcommand ("invalid choice:
+    'null'")."""
+    (tmp_path / "run.yaml").write_text("trainer:\n  callbacks: []\nmodel:\n  adapters: [{name: a}]\n")
+    with pytest.raises(SystemExit):
+        main(["-c", str(tmp_path / "run.yaml"), "fit", "--config", demo_config(), "--print_config"])
+    err = capsys.readouterr().err
+    assert "invalid choice" not in err, err
+
+
+@pytest.mark.parametrize("section", ["model", "data", "trainer"])
+def test_a_section_file_under_its_own_section_key_is_said_so(tmp_path, capsys, section):
+    """``--model m.yaml`` of ``model: {max_running: 3}``: the hint repeated the option it refused ("does not accept
+    option 'model.max_running' (did you mean `model.max_running`?)")."""
+    field = {"model": "max_running: 3", "data": "max_length: 64", "trainer": "max_steps: 3"}[section]
+    (tmp_path / "part.yaml").write_text(f"{section}: {{{field}}}\n")
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(tmp_path), f"--{section}",
+              str(tmp_path / "part.yaml")])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "did you mean" not in err, err
+    assert f"a `--{section} FILE` holds the section's own keys: remove its top-level `{section}:`" in err, err
+
+
 @pytest.mark.parametrize("kind", ["checkpoints folder", "exported adapter", "version folder", "empty folder"])
-def test_a_folder_given_as_ckpt_path_is_named_before_the_log_directory_is_taken(tmp_path, kind):
+def test_a_folder_given_as_ckpt_path_is_named_before_the_log_directory_is_taken(tmp_path, capsys, kind):
     """A run's `checkpoints/` folder or an exported adapter's given as `--ckpt_path`: a bare IsADirectoryError after
     the run had taken its log directory (config.yaml, the summary and its claim left there, which then refused the
-    corrected command); so too a run's version folder, its checkpoints a level down, or a folder of none."""
+    corrected command); so too a run's version folder, its checkpoints a level down, or a folder of none. Said as a
+    usage error (it was a ValueError's traceback)."""
     folder = tmp_path / "given"
     (folder / "checkpoints").mkdir(parents=True)
     file = {"checkpoints folder": "epoch=0-step=4.ckpt", "exported adapter": "adapter_config.json",
@@ -694,9 +731,12 @@ def test_a_folder_given_as_ckpt_path_is_named_before_the_log_directory_is_taken(
                               r"checkpoints/epoch=0-step=4.ckpt \(`--ckpt_path last` resumes",
             "empty folder": r"is a folder, not a checkpoint file; it holds no checkpoint \(\*.ckpt\)"}[kind]
     root = tmp_path / "run"
-    with pytest.raises(ValueError, match=rf"`ckpt_path` '{re.escape(str(folder))}' {said}"):
+    with pytest.raises(SystemExit) as done:
         main(["fit", "--config", demo_config(), "--trainer.default_root_dir", str(root), "--trainer.logger", "false",
               "--ckpt_path", str(folder)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and re.search(rf"`ckpt_path` '{re.escape(str(folder))}' {said}", err.replace(
+        "\n", " ")) and "Traceback" not in err, err
     assert not root.exists() or not [p.name for p in root.iterdir()], list(root.iterdir())
 
 
@@ -1027,8 +1067,12 @@ def test_ckpt_path_last_resumes_the_checkpoint_an_earlier_run_of_the_root_left(t
     if save_last:  # the same command once the run has ended (a requeue): done, status 0 (it was a usage error, 2)
         capsys.readouterr()
         main([*args, "--ckpt_path", "last", "--trainer.callbacks", json.dumps(callbacks)])
+        err = capsys.readouterr().err
         assert "`--ckpt_path last`: its run had ended, nothing to train: every adapter has already ended (a: " \
-               "finished)" in capsys.readouterr().err
+               "finished)" in err
+        # (its exports named, as the docs say; adding adapters under `last` made another config, a fresh run)
+        assert f"their exports: {tmp_path / 'lightning_logs' / 'version_1' / 'adapters' / 'a'}" in err, err
+        assert "to train new adapters on from this run, give its checkpoint's path as `--ckpt_path`" in err, err
 
 
 def test_ckpt_path_last_of_a_schedule_task_resumes_its_own_runs_and_starts_one_where_there_is_none(tmp_path,
