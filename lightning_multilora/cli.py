@@ -651,7 +651,7 @@ class MultiLoRACLI(LightningCLI):
         elif not self._claimed_new or getattr(self, "_resumed_at", None) is None \
                 or self.trainer.global_step > self._resumed_at:
             return
-        for name in ("config.yaml", "optuna.db", "sweep_summary.json", CLAIM):
+        for name in ("config.yaml", "optuna.db", "sweep_summary.json", ".sweep_summary.json.multilora_branch", CLAIM):
             (claim.parent / name).unlink(missing_ok=True)
 
     def fit(self, model: MultiLoRAModule, **kwargs) -> None:

@@ -1181,10 +1181,10 @@ def test_a_resume_queues_new_adapters_applies_edits_to_queued_ones_and_warns_of_
     assert reg["a"].spec.lr == 1e-3 and reg["b"].spec.max_steps == 2
     trainer.save_checkpoint(tmp_path / "end.ckpt")
     with pytest.raises(ValueError, match=r"nothing to train: every adapter has already ended \(a: finished, .*\); "
-                                         r"resuming a finished run trains nothing"):
+                                         r"their exports: .*; resuming a finished run trains nothing"):
         fit(edited, ckpt=str(tmp_path / "end.ckpt"))
-    with pytest.raises(ValueError, match=r"every adapter has already ended \(a: finished, .*\); add new ones "
-                                         r"\(`module.add_adapter"):  # (a second fit of a module that is done)
+    with pytest.raises(ValueError, match=r"every adapter has already ended \(a: finished, .*\); their exports: "
+                                         r".*; add new ones \(`module.add_adapter"):  # (a second fit of one done)
         L.Trainer(**trainer_kwargs).fit(module, small_dm())
 
 
@@ -2667,7 +2667,7 @@ def test_a_module_loaded_from_its_checkpoint_writes_over_its_own_summary(tmp_pat
 def test_a_resume_and_a_refit_write_their_own_summary_beside_another_runs(tmp_path, trainer_kwargs):
     """A run that wrote `sweep_summary-v1.json` beside another run's: its resume (its checkpoint taken before it
     reported) and a second fit of its module wrote over the other run's `sweep_summary.json`, leaving their own
-    stale. They go on writing their own file."""
+    stale. They write their own files."""
     from lightning_multilora import SweepReport
 
     def fit(module, **kwargs):
@@ -2676,7 +2676,7 @@ def test_a_resume_and_a_refit_write_their_own_summary_beside_another_runs(tmp_pa
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             trainer.fit(module, small_dm(), **kwargs)
-        return trainer, [str(w.message) for w in seen if "another run's" in str(w.message)]
+        return trainer, [str(w.message) for w in seen if "another r" in str(w.message)]
 
     def steps(name):
         return [row["steps"] for row in json.loads((tmp_path / name).read_text())]
@@ -2697,11 +2697,42 @@ def test_a_resume_and_a_refit_write_their_own_summary_beside_another_runs(tmp_pa
     assert steps("sweep_summary-v1.json") == [2]
     assert fit(MultiLoRAModule("tiny-llama"), ckpt_path=str(tmp_path / "b.ckpt"))[1] == []  # (the resume)
     assert steps("sweep_summary-v1.json") == [3]
+    # a second fit of the module goes on from where it stopped, beside the resume of its checkpoint (which ran to
+    # its end): another branch of the run, whose summary is kept, as its exports are
     second.add_adapter(AdapterSpec("c", rank=2, max_steps=1))
-    assert fit(second)[1] == []  # (a second fit of the module)
-    assert sorted(row["adapter"] for row in json.loads((tmp_path / "sweep_summary-v1.json").read_text())) == ["b", "c"]
+    said = fit(second)[1]
+    assert any("sweep_summary-v1.json is another resume's summary of this run" in m for m in said), said
+    assert steps("sweep_summary-v1.json") == [3]
+    assert sorted(row["adapter"] for row in json.loads((tmp_path / "sweep_summary-v2.json").read_text())) == ["b", "c"]
     assert (tmp_path / "sweep_summary.json").read_text() == before
-    assert not (tmp_path / "sweep_summary-v2.json").exists()
+
+
+def test_a_second_resume_of_one_checkpoint_keeps_the_summary_the_first_ended_with(tmp_path, trainer_kwargs):
+    """Two resumes of one checkpoint into one log directory (no logger): the second wrote over the summary of the
+    first, which had run to its end (its exports are kept, `-v1`). A resume of an attempt that stopped (an error, a
+    Ctrl+C) still writes on in the file."""
+    from lightning_multilora import SweepReport
+
+    def fit(module, max_steps=-1, **kwargs):
+        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": max_steps},
+                            callbacks=[SweepReport(tensorboard=False, print_table=False)])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            trainer.fit(module, small_dm(), **kwargs)
+        return trainer, [str(w.message) for w in seen if "summary" in str(w.message)]
+
+    def rows(name):
+        return [(row["status"], row["steps"]) for row in json.loads((tmp_path / name).read_text())]
+
+    trainer, _ = fit(MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a", rank=2, max_steps=6)],
+                                     validate_on_finish=False), max_steps=3)
+    trainer.save_checkpoint(tmp_path / "three.ckpt")
+    fit(MultiLoRAModule("tiny-llama"), ckpt_path=str(tmp_path / "three.ckpt"))  # (to its end)
+    assert rows("sweep_summary.json") == [("finished", 6)]
+    _, said = fit(MultiLoRAModule("tiny-llama"), max_steps=4, ckpt_path=str(tmp_path / "three.ckpt"))
+    assert rows("sweep_summary.json") == [("finished", 6)]
+    assert rows("sweep_summary-v1.json") == [("running", 4)]
+    assert any("another resume's summary" in m for m in said), said
 
 
 def test_a_summary_another_run_writes_while_this_one_trains_is_kept(tmp_path, trainer_kwargs):

@@ -113,7 +113,7 @@ class SweepReport(Callback):
         exported = "best" if getattr(pl_module, "keep_best_weights", False) else "last"
         source_name = getattr(getattr(trainer, "datamodule", None), "source_name", None)  # (ranks by data source)
         self.rows = self._rows(trainer, registry, pl_module)
-        self._write_summary(trainer, pl_module, self.rows)
+        self._write_summary(trainer, pl_module, self.rows, ended=stopped is None)
         log_dir = log_dir_of(trainer)
         if self.tensorboard:
             self._write_tensorboard(trainer, registry, pl_module)
@@ -166,8 +166,10 @@ class SweepReport(Callback):
         source_name = getattr(getattr(trainer, "datamodule", None), "source_name", None)  # (ranks by data source)
         return registry.summary_rows(exported, source_name)
 
-    def _write_summary(self, trainer: L.Trainer, pl_module: L.LightningModule, rows: list[dict]) -> None:
-        """Writes ``rows`` to this run's summary file, if any."""
+    def _write_summary(self, trainer: L.Trainer, pl_module: L.LightningModule, rows: list[dict],
+                       ended: bool = False) -> None:
+        """Writes ``rows`` to this run's summary file, if any, and beside it which run and branch wrote it and whether
+        that fit ended as fits end (``ended``: another resume of its checkpoint keeps it, `_summary_path`)."""
         path = self._summary_path(trainer, pl_module)
         if path is None:
             return
@@ -175,6 +177,9 @@ class SweepReport(Callback):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(_finite(rows), indent=1, default=str, allow_nan=False))
             self._written = _file_key(path)
+            lineage = getattr(pl_module, "_lineage", None) or [""]
+            _branch_stamp(path).write_text(
+                f"{getattr(pl_module, '_run_id', '')}\n{lineage[-1]}\n{'ended' if ended else 'open'}\n")
         except OSError as err:
             warnings.warn(f"SweepReport could not write `filename` {str(path)!r}: {err}")
 
@@ -192,16 +197,18 @@ class SweepReport(Callback):
         taken = Path(log_dir) / self.filename
         own = [] if path is not None else [p for p in map(Path, sorted(getattr(pl_module, "_summary_files", ())))
                                             if p.parent == taken.parent.resolve() and _is_version_of(p.name, taken)]
-        if own:
+        sibling = bool(own) and _by_a_sibling(own[-1], pl_module)
+        if own and not sibling:
             path = own[-1]
-        elif path is None and _claimed(taken):
+        elif path is None and not sibling and _claimed(taken):
             path = taken
-        else:  # another run's: kept, and this one written beside it
-            version, path = 1, taken
+        else:  # another run's (or another resume's of this run's checkpoint): kept, and this one written beside it
+            version, path, kept = 1, taken, own[-1] if sibling else taken
             while not _claimed(path):
                 path = taken.with_name(f"{taken.stem}-v{version}{taken.suffix}")
                 version += 1
-            warnings.warn(f"SweepReport: {taken} is another run's summary; it is kept, and this run's is {path}")
+            whose = "another resume's summary of this run" if sibling else "another run's summary"
+            warnings.warn(f"SweepReport: {kept} is {whose}; it is kept, and this run's is {path}")
         self._path = path
         if hasattr(pl_module, "registry"):  # (saved in its checkpoints: `MultiLoRAMixin.on_save_checkpoint`)
             pl_module._summary_files = getattr(pl_module, "_summary_files", set()) | {str(path.resolve())}
@@ -330,6 +337,23 @@ def _file_key(path: Optional[Path]) -> Optional[tuple[int, int]]:
     except OSError:
         return None
     return None if stat is None else (stat.st_ino, stat.st_mtime_ns)
+
+
+def _branch_stamp(path: Path) -> Path:
+    """The file beside a summary that says which run and branch wrote it (`SweepReport._write_summary`)."""
+    return path.with_name(f".{path.name}.multilora_branch")
+
+
+def _by_a_sibling(path: Path, pl_module: L.LightningModule) -> bool:
+    """Whether the summary at ``path`` was last written by another resume of a checkpoint of this module's run (a
+    branch not on this fit's line) whose fit ended as fits end: kept, as its exports are. One stopped by an error or
+    Ctrl+C (an attempt retried) is written over."""
+    try:
+        run, branch, state = (_branch_stamp(path).read_text().split("\n") + ["", "", ""])[:3]
+    except OSError:
+        return False
+    lineage = getattr(pl_module, "_lineage", None) or []
+    return run == getattr(pl_module, "_run_id", None) and branch not in ("", *lineage) and state == "ended"
 
 
 def _is_version_of(name: str, path: Path) -> bool:
