@@ -2664,6 +2664,18 @@ def test_a_module_loaded_from_its_checkpoint_writes_over_its_own_summary(tmp_pat
     assert [row["status"] for row in json.loads((tmp_path / "sweep_summary.json").read_text())] == ["finished"]
 
 
+def _fit_reported(trainer_kwargs, module, max_steps=-1, **kwargs):
+    """A fit with a `SweepReport` (no table, no TensorBoard): its Trainer and the warnings about summaries."""
+    from lightning_multilora import SweepReport
+
+    trainer = L.Trainer(**{**trainer_kwargs, "max_steps": max_steps},
+                        callbacks=[SweepReport(tensorboard=False, print_table=False)])
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer.fit(module, small_dm(), **kwargs)
+    return trainer, [str(w.message) for w in seen if "summary" in str(w.message)]
+
+
 def test_a_resume_and_a_refit_write_their_own_summary_beside_another_runs(tmp_path, trainer_kwargs):
     """A run that wrote `sweep_summary-v1.json` beside another run's: its resume (its checkpoint taken before it
     reported) and a second fit of its module wrote over the other run's `sweep_summary.json`, leaving their own
@@ -2671,12 +2683,7 @@ def test_a_resume_and_a_refit_write_their_own_summary_beside_another_runs(tmp_pa
     from lightning_multilora import SweepReport
 
     def fit(module, **kwargs):
-        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": kwargs.pop("max_steps", -1)},
-                            callbacks=[SweepReport(tensorboard=False, print_table=False)])
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            trainer.fit(module, small_dm(), **kwargs)
-        return trainer, [str(w.message) for w in seen if "another r" in str(w.message)]
+        return _fit_reported(trainer_kwargs, module, **kwargs)
 
     def steps(name):
         return [row["steps"] for row in json.loads((tmp_path / name).read_text())]
@@ -2711,15 +2718,8 @@ def test_a_second_resume_of_one_checkpoint_keeps_the_summary_the_first_ended_wit
     """Two resumes of one checkpoint into one log directory (no logger): the second wrote over the summary of the
     first, which had run to its end (its exports are kept, `-v1`). A resume of an attempt that stopped (an error, a
     Ctrl+C) still writes on in the file."""
-    from lightning_multilora import SweepReport
-
-    def fit(module, max_steps=-1, **kwargs):
-        trainer = L.Trainer(**{**trainer_kwargs, "max_steps": max_steps},
-                            callbacks=[SweepReport(tensorboard=False, print_table=False)])
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            trainer.fit(module, small_dm(), **kwargs)
-        return trainer, [str(w.message) for w in seen if "summary" in str(w.message)]
+    def fit(module, **kwargs):
+        return _fit_reported(trainer_kwargs, module, **kwargs)
 
     def rows(name):
         return [(row["status"], row["steps"]) for row in json.loads((tmp_path / name).read_text())]
