@@ -572,17 +572,31 @@ class LoRALayers(Mapping):
         slot = next((i for i in range(DROPOUT_SLOTS) if i not in used), None)
         if slot is None:
             raise RuntimeError(f"at most {DROPOUT_SLOTS} adapters at once on one model; remove one first")
+        try:
+            for layer_name in layer_names:
+                key = zlib.crc32(layer_name.encode())
+                generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + key)
+                self._layers[layer_name].add_adapter(name, rank, alpha, dropout, use_rslora, generator, dtype)
+                self._layers[layer_name].streams[name] = (_stream_seed(seed, key), slot)
+            self._slots[name] = slot
+            for steps in self.context.dropout_steps.values():
+                steps[slot] = 0
+            self._targets[name] = layer_names
+            self._flat[name] = make_flat(self.parameters_of(name))
+            self._sync_shadow(name)
+        except BaseException:  # (out of memory partway: the layers it reached kept it, and its name could not be
+            self._undo_add(name, layer_names)  # added again, "already exists in this layer")
+            raise
+
+    def _undo_add(self, name: str, layer_names: Sequence[str]) -> None:
+        """Adapter ``name`` out of every layer of ``layer_names`` it reached, and out of this object's tables."""
         for layer_name in layer_names:
-            key = zlib.crc32(layer_name.encode())
-            generator = torch.Generator().manual_seed(int(seed) * 1_000_003 + key)
-            self._layers[layer_name].add_adapter(name, rank, alpha, dropout, use_rslora, generator, dtype)
-            self._layers[layer_name].streams[name] = (_stream_seed(seed, key), slot)
-        self._slots[name] = slot
-        for steps in self.context.dropout_steps.values():
-            steps[slot] = 0
-        self._targets[name] = layer_names
-        self._flat[name] = make_flat(self.parameters_of(name))
-        self._sync_shadow(name)
+            layer = self._layers[layer_name]
+            if name in layer.lora_A:
+                layer.remove_adapter(name)
+            layer.streams.pop(name, None)
+        for table in (self._targets, self._slots, self._flat, self._attached, self._param_dicts):
+            table.pop(name, None)
 
     def remove_adapter(self, name: str) -> None:
         if name not in self._targets:

@@ -852,3 +852,26 @@ def test_an_adapted_head_tied_to_the_input_embeddings_is_warned_of_as_peft_does(
         inject_multilora(model, targets)
     said = [str(w.message) for w in seen if "output head" in str(w.message)]
     assert len(said) == warned and all("'lm_head'" in m and "merge_and_unload()" in m for m in said), said
+
+
+@pytest.mark.parametrize("fails_at", ["second layer", "flat"])
+def test_an_adapter_whose_adding_fails_partway_leaves_no_trace(monkeypatch, fails_at):
+    """Out of memory partway through adding an adapter (in its second layer, or as its flat parameter is made) left it
+    in the layers it had reached: its name could not be added again ("already exists in this layer")."""
+    from lightning_multilora import layer as layer_module
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    layers = inject_multilora(model, ["0", "2"])
+    def no_room(*args, **kwargs):
+        raise torch.OutOfMemoryError("no room")
+
+    if fails_at == "flat":
+        monkeypatch.setattr(layer_module, "make_flat", no_room)
+    else:
+        monkeypatch.setattr(layers["2"], "add_adapter", no_room)
+    with pytest.raises(torch.OutOfMemoryError):
+        layers.add_adapter("a", rank=2, alpha=4)
+    assert "a" not in layers.adapter_names and all("a" not in layer.lora_A for layer in layers.values())
+    monkeypatch.undo()
+    layers.add_adapter("a", rank=2, alpha=4)  # (room again: added as if never tried)
+    assert layers.adapter_names == ["a"] and all("a" in layer.lora_A for layer in layers.values())
