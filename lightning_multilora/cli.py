@@ -166,6 +166,11 @@ def _unknown_class(message: str) -> Optional[str]:
         if required is None:
             return None
         names = [n.strip() for n in required[1].split(",")]
+        if key.rpartition(".")[2] in _MAPPING_KEYS:  # (a source's fields follow its name: `init_args` is refused)
+            return (f"`{key}`: {path} needs {', '.join(map(repr, names))}: give "
+                    f"{' '.join(f'--{key}.NAME.{n} <value>' for n in names)} after it (NAME: the source's), or "
+                    f"NAME: {{class_path: {path}, init_args: {{{', '.join(f'{n}: <value>' for n in names)}}}}} in a "
+                    "config")
         return (f"`{key}`: {path} needs {', '.join(map(repr, names))}: give "
                 f"{' '.join(f'--{key}.init_args.{n} <value>' for n in names)} after it (or init_args: {{"
                 f"{', '.join(f'{n}: <value>' for n in names)}}} in a config)")

@@ -688,6 +688,16 @@ def test_a_misspelt_source_class_is_said_so_with_the_closest_one(tmp_path, capsy
     assert "(did you mean 'lightning_multilora.data.JSONLSource'?)" in err and "field of a class" not in err, err
 
 
+def test_a_source_class_without_its_required_field_gets_the_spelling_that_works(tmp_path, capsys):
+    """``--data.sources.x JSONLSource`` without `path`: the hint, ``--data.sources.init_args.path``, was refused in
+    turn (a source's fields follow its name)."""
+    with pytest.raises(SystemExit) as done:
+        main(["fit", "--data.sources.x", "JSONLSource", "--trainer.default_root_dir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "give --data.sources.NAME.path <value> after it" in err, err
+    assert "init_args.path" not in err, err
+
+
 def test_a_config_before_the_subcommand_is_left_to_the_top_level_parser(tmp_path, capsys):
     """``multilora -c run.yaml fit`` of a config holding `trainer.callbacks` (a printed config): the null put before
     a list that replaces another went before ``fit`` too, and was taken for the subcommand ("invalid choice:
