@@ -132,6 +132,11 @@ def _untake_interrupted_batch(checkpoint: dict[str, Any]) -> None:
         total["ready"] = total["started"] = total["processed"]
 
 
+# torch optimizers' on / off arguments (Adam's, AdamW's, SGD's, RMSprop's...): a value of another type is refused
+_OPTIMIZER_FLAGS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable", "nesterov", "centered",
+                    "decoupled_weight_decay")
+
+
 def _optimizer_choice(optimizer_class: type, optimizer_kwargs: dict[str, Any],
                       on_cuda: bool) -> tuple[type, dict[str, Any]]:
     """The optimizer a run builds, and its arguments: on a GPU, AdamW as `GroupedAdamW` (one launch for every adapter,
@@ -289,6 +294,10 @@ class MultiLoRAMixin:
             raise ValueError("`optimizer_kwargs` must be a mapping of the optimizer's argument names to values, such "
                              f"as {{'betas': (0.9, 0.95)}}, got {type(optimizer_kwargs).__name__} {optimizer_kwargs!r}")
         self.optimizer_kwargs = dict(optimizer_kwargs or {})
+        for flag in _OPTIMIZER_FLAGS:  # ("no" was taken for True, by torch's constructors and by `_optimizer_choice`)
+            value = self.optimizer_kwargs.get(flag)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"`optimizer_kwargs` {flag} must be True or False (or None), got {value!r}")
         per_adapter = sorted({"lr", "weight_decay"} & self.optimizer_kwargs.keys())
         if per_adapter:  # (each adapter's param group sets them: given here they would be ignored)
             raise ValueError(f"`optimizer_kwargs` {per_adapter} are set per adapter: give them as AdapterSpec "

@@ -104,6 +104,15 @@ def test_optimizer_kwargs_that_are_no_mapping_are_a_clear_error(kwargs):
         MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a")], optimizer_kwargs=kwargs)
 
 
+@pytest.mark.parametrize("flag", ["maximize", "amsgrad", "foreach", "fused", "nesterov"])
+def test_an_optimizer_flag_that_is_no_bool_is_a_clear_error(flag):
+    """``maximize: 'yes'`` was taken (torch's own constructor reads the flag's truth), and ``amsgrad: 'no'`` chose the
+    fused AdamW for it on a GPU."""
+    with pytest.raises(ValueError, match=rf"`optimizer_kwargs` {flag} must be True or False \(or None\), got 'no'"):
+        MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a")], optimizer_kwargs={flag: "no"})
+    MultiLoRAModule("tiny-llama", adapters=[AdapterSpec("a")], optimizer_kwargs={flag: None})
+
+
 @pytest.mark.parametrize("name", ["bitsandbytes.optim.AdamW8bit", "bitsandbytes.optim.PagedAdamW8bit"])
 def test_bitsandbytes_8bit_adamw_keeps_8bit_states_per_adapter(tmp_path, trainer_kwargs, name):
     pytest.importorskip("bitsandbytes")
