@@ -585,30 +585,25 @@ class LoRALayers(Mapping):
             self._flat[name] = make_flat(self.parameters_of(name))
             self._sync_shadow(name)
         except BaseException:  # (out of memory partway: the layers it reached kept it, and its name could not be
-            self._undo_add(name, layer_names)  # added again, "already exists in this layer")
+            self._forget(name, layer_names)  # added again, "already exists in this layer")
             raise
 
-    def _undo_add(self, name: str, layer_names: Sequence[str]) -> None:
-        """Adapter ``name`` out of every layer of ``layer_names`` it reached, and out of this object's tables."""
+    def _forget(self, name: str, layer_names: Sequence[str]) -> None:
+        """Adapter ``name`` out of every layer of ``layer_names`` that holds it, its shadow dropped, and out of this
+        object's tables (`remove_adapter`; an `add_adapter` that failed partway)."""
         for layer_name in layer_names:
-            layer = self._layers[layer_name]
-            if name in layer.lora_A:
-                layer.remove_adapter(name)
-            layer.streams.pop(name, None)
+            if name in self._layers[layer_name].lora_A:
+                self._layers[layer_name].remove_adapter(name)
+        flat = self._flat.get(name)
+        if flat is not None:
+            flat.drop_shadow()
         for table in (self._targets, self._slots, self._flat, self._attached, self._param_dicts):
             table.pop(name, None)
 
     def remove_adapter(self, name: str) -> None:
         if name not in self._targets:
             raise KeyError(f"no adapter {name!r}; present: {self.adapter_names}")
-        for layer_name in self._targets.pop(name):
-            self._layers[layer_name].remove_adapter(name)
-        flat = self._flat.pop(name, None)
-        if flat is not None:
-            flat.drop_shadow()
-        self._attached.pop(name, None)
-        self._slots.pop(name, None)
-        self._param_dicts.pop(name, None)
+        self._forget(name, self._targets[name])
 
     def parameters_of(self, name: str) -> list[nn.Parameter]:
         if name not in self._targets:

@@ -3942,9 +3942,9 @@ class MultiLoRAModule(MultiLoRAMixin, L.LightningModule):
                     model = model.to(torch_dtype)
         else:
             model = build_base_model(base_model, config_overrides, dtype, base_seed, quantization)
-            # (a built-in base's weights are its seed's; a checkpoint's its own: `_base_identity`)
-            self._base_build = {"config_overrides": changed_overrides(str(base_model), config_overrides),
-                                **({"base_seed": base_seed} if str(base_model) in TINY_CONFIGS else {})}
+            # (a built-in base's weights are its seed's, as it remembers; a checkpoint's its own: `_base_identity`)
+            self._base_build = dict(getattr(model, "_multilora_build", None) or {
+                "config_overrides": changed_overrides(str(base_model), config_overrides)})
             self._base_named = os.fspath(base_model)  # (as given: a project moved with its relative path is the same)
         if gradient_checkpointing:
             if not any(callable(getattr(model, f"{kind}_checkpointing_enable", None))  # (an AttributeError before)
